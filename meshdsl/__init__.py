@@ -1,0 +1,29 @@
+"""meshdsl: write a model once with named dims; a mesh string and a layout string
+turn it into data-, tensor-, FSDP-, expert- and sequence-parallel programs.
+
+Public API (everything else lives in subpackages and may change):
+
+* dims and graphs: :class:`Dim`, :class:`Shape`, :class:`Graph`, :class:`Tensor`
+* ops: see :mod:`meshdsl.ops` (re-exported here)
+* autodiff: :func:`grad`, :func:`vjp`; scan: :func:`repeat`
+* layout: :class:`Mesh`, :class:`Layout`; compile: :func:`compile` -> :class:`Plan`
+* execution: :func:`run_dense`, :func:`run_simulated`, :class:`Executor`, :class:`PerRank`
+"""
+from .core.graph import Graph, Tensor
+from .core.shape import Dim, Shape
+from .errors import (DistributedError, GraphError, LayoutError, MeshDSLError, MeshError, ParseError,
+                     ShapeError)
+from .exec.dense import DenseProgram, run_dense
+from .exec.executor import Executor, PerRank
+from .exec.simulate import run_simulated
+from .exec.simulated import SimulatedComm
+from .ir.autodiff import grad, vjp
+from .ir.repeat import repeat
+from .layout.layout import Layout
+from .layout.mesh import Mesh
+from .lowering.compiler import compile
+from .lowering.plan import Plan
+from .ops import *  # noqa: F401,F403
+from .train.optim import sgd
+
+__version__ = "0.1.0"

@@ -1,0 +1,183 @@
+"""The graph IR: symbolic tensors produced by op nodes.
+
+User code builds a :class:`Graph` by calling ops on :class:`Tensor` objects.
+Nothing runs while building; executors and the compiler walk the nodes later.
+A node remembers the phase it was built in (forward, backward, update) so plans
+can report where communication happens.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import GraphError, message
+from .shape import Shape
+
+PHASES = ("forward", "backward", "update")
+
+
+class Tensor:
+    """A symbolic tensor: one output of a graph node, with a named shape and a dtype."""
+
+    __slots__ = ("node", "index", "shape", "dtype", "scopes", "__weakref__")
+
+    def __init__(self, node: "Node", index: int, shape: Shape, dtype: torch.dtype):
+        self.node = node
+        self.index = index
+        self.shape = shape
+        self.dtype = dtype
+        # Layout scopes, most specific first: a param's own name, then "params".
+        self.scopes: tuple[str, ...] = ()
+
+    @property
+    def graph(self) -> "Graph":
+        return self.node.graph
+
+    @property
+    def name(self) -> str:
+        return self.node.name if len(self.node.outputs) == 1 else f"{self.node.name}:{self.index}"
+
+    def __repr__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"Tensor({self.name}, {self.shape}, {dt})"
+
+    # Operator sugar; the functions live in meshdsl.ops.
+    def _ops(self):
+        from .. import ops
+        return ops
+
+    def __add__(self, o): return self._ops().add(self, o)
+    def __radd__(self, o): return self._ops().add(o, self)
+    def __sub__(self, o): return self._ops().sub(self, o)
+    def __rsub__(self, o): return self._ops().sub(o, self)
+    def __mul__(self, o): return self._ops().mul(self, o)
+    def __rmul__(self, o): return self._ops().mul(o, self)
+    def __truediv__(self, o): return self._ops().div(self, o)
+    def __rtruediv__(self, o): return self._ops().div(o, self)
+    def __neg__(self): return self._ops().neg(self)
+    def __pow__(self, o): return self._ops().pow(self, o)
+    def __lt__(self, o): return self._ops().less(self, o)
+    def __le__(self, o): return self._ops().less_equal(self, o)
+    def __gt__(self, o): return self._ops().greater(self, o)
+    def __ge__(self, o): return self._ops().greater_equal(self, o)
+    __hash__ = object.__hash__
+
+
+@dataclass(eq=False)
+class Node:
+    """One op application: ``op`` applied to ``inputs`` with ``attrs``."""
+
+    id: int
+    op: Any  # meshdsl.ops.registry.Op
+    inputs: tuple[Tensor, ...]
+    attrs: dict
+    graph: "Graph"
+    phase: str
+    name: str
+    outputs: tuple[Tensor, ...] = field(default_factory=tuple)
+
+    def __repr__(self) -> str:
+        return f"Node#{self.id}({self.op.name}, {self.name}, {self.phase})"
+
+
+_current: list["Graph"] = []
+
+
+class Graph:
+    """A container of nodes.  Use ``with Graph() as g:`` to build into it.
+
+    Ops on tensors build into their tensors' graph; ops without tensor inputs
+    (params, inputs, iota) build into the innermost active graph.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, name: str = "graph"):
+        self.name = name
+        self.nodes: list[Node] = []
+        self.params: dict[str, Tensor] = {}
+        self.inputs: dict[str, Tensor] = {}
+        self.phase = "forward"
+        self._scope: list[str] = []
+        self._names: dict[str, int] = {}
+        self.uid = next(Graph._ids)
+
+    def __enter__(self) -> "Graph":
+        _current.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current.pop()
+
+    @staticmethod
+    def current() -> "Graph":
+        if not _current:
+            raise GraphError(message(
+                "No active graph: ops without tensor inputs (param, input, iota) need one.",
+                rule="build a model inside 'with meshdsl.Graph() as g:'",
+                fix="wrap the model-building code in 'with meshdsl.Graph():'"))
+        return _current[-1]
+
+    @contextlib.contextmanager
+    def scope(self, name: str):
+        """Prefix the names of nodes built inside, e.g. ``attn/einsum``."""
+        self._scope.append(name)
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str):
+        assert phase in PHASES
+        old, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = old
+
+    def _unique(self, base: str) -> str:
+        full = "/".join(self._scope + [base])
+        n = self._names.get(full, 0)
+        self._names[full] = n + 1
+        return full if n == 0 else f"{full}_{n}"
+
+    def add_node(self, op, inputs, attrs, outs, name: str | None = None) -> Node:
+        """Append a node; ``outs`` is a list of (Shape, dtype)."""
+        for t in inputs:
+            if t.graph is not self:
+                raise GraphError(message(
+                    f"{op.name}: input {t!r} belongs to graph '{t.graph.name}', not '{self.name}'.",
+                    rule="all inputs of an op come from one graph",
+                    fix="build the whole model inside one 'with Graph():' block"))
+        node = Node(len(self.nodes), op, tuple(inputs), attrs, self, self.phase,
+                    self._unique(name or op.name))
+        node.outputs = tuple(Tensor(node, i, s, d) for i, (s, d) in enumerate(outs))
+        self.nodes.append(node)
+        return node
+
+
+def graph_of(*xs) -> Graph:
+    """The graph of the first Tensor among ``xs``, else the active graph."""
+    for x in xs:
+        if isinstance(x, Tensor):
+            return x.graph
+    return Graph.current()
+
+
+def topo_nodes(outputs) -> list[Node]:
+    """Nodes needed for ``outputs``, in build order (which is a topological order)."""
+    need: set[int] = set()
+    stack = [t.node for t in outputs]
+    graph = outputs[0].graph if outputs else None
+    while stack:
+        n = stack.pop()
+        if n.id in need:
+            continue
+        need.add(n.id)
+        stack.extend(t.node for t in n.inputs)
+    return [n for n in graph.nodes if n.id in need] if graph else []

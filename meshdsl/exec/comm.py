@@ -1,0 +1,61 @@
+"""The communicator interface: the one seam between a plan and how ranks talk.
+
+A communicator holds the values of some ranks of a mesh: all of them for the
+simulated mesh, one for a torch.distributed process.  Values travel as lists
+aligned with :attr:`Communicator.ranks`.  Collectives name mesh axes, never
+process groups; the communicator maps axes to groups.  Tensor dims are given
+by position (the executor has already resolved names).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..layout.mesh import Mesh
+
+
+class Communicator(ABC):
+    """Collectives over named mesh axes for the ranks this process holds.
+
+    Every method takes ``xs``, one local tensor per held rank, and returns the
+    results in the same order.  ``axes`` is a tuple of mesh axis names; a group
+    over several axes is ordered with the first axis major.
+    """
+
+    mesh: Mesh
+    ranks: tuple[int, ...]
+
+    @abstractmethod
+    def all_reduce(self, xs: list[torch.Tensor], axes: tuple[str, ...], op: str) -> list[torch.Tensor]:
+        """Reduce with ``op`` in {"sum", "max", "min"} over each group; everyone gets the result."""
+
+    @abstractmethod
+    def all_gather(self, xs: list[torch.Tensor], axes: tuple[str, ...], dim: int) -> list[torch.Tensor]:
+        """Concatenate the group's tensors along ``dim`` in group order."""
+
+    @abstractmethod
+    def all_to_all(self, xs: list[torch.Tensor], axes: tuple[str, ...], split_dim: int,
+                   concat_dim: int) -> list[torch.Tensor]:
+        """Split along ``split_dim`` into group-size chunks, send chunk j to member j, and
+        concatenate what arrives along ``concat_dim`` in group order."""
+
+    @abstractmethod
+    def reduce_scatter(self, xs: list[torch.Tensor], axes: tuple[str, ...], dim: int,
+                       op: str) -> list[torch.Tensor]:
+        """Reduce over the group, then keep chunk ``i`` (along ``dim``) on member ``i``."""
+
+    @abstractmethod
+    def permute(self, xs: list[torch.Tensor], axes: tuple[str, ...], offset: int,
+                wrap: bool) -> list[torch.Tensor | None]:
+        """Send to the member ``offset`` further along the group; receive from ``-offset``.
+
+        Without ``wrap`` a member with no sender gets ``None``.
+        """
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op where all ranks live in one process)."""
+
+    def agree(self, token: str) -> list[str]:
+        """Exchange a string with every rank; returns all ranks' strings (rank order)."""
+        return [token] * self.mesh.size

@@ -1,0 +1,334 @@
+"""A communicator on torch.distributed: one process holds one rank of the mesh.
+
+:class:`TorchComm` maps a tuple of mesh axes to the process group of the ranks
+that differ only along those axes.  Groups are created once, at construction,
+for every subset of axes in a fixed order, because every rank must call
+``dist.new_group`` for every group in the same order.  A tuple like
+``("model", "data")`` reuses the group of ``("data", "model")``; the collectives
+put members in the order the tuple asks for (first axis major).
+
+Results match :class:`~meshdsl.exec.simulated.SimulatedComm`: bitwise for
+gather, all-to-all, permute, max/min and reduce-scatter (which reduces locally
+in group order); ``all_reduce(op="sum")`` uses the backend's own summation
+order, so it agrees to within fp rounding.
+
+Set ``MESHDSL_VERBOSE=1`` (or pass ``verbose=True``) to log every collective to
+stderr; per-kind totals are always kept in :attr:`TorchComm.stats`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError, MeshError, message
+from ..layout.mesh import Mesh
+from .comm import Communicator
+
+DEFAULT_TIMEOUT_S = 60.0
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# The same fold SimulatedComm uses, so locally reduced results are bitwise equal.
+_FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available, else ``"gloo"``.
+
+    Args:
+      backend: ``"auto"``, ``"gloo"`` or ``"nccl"``.
+
+    Returns:
+      The backend name to pass to ``init_process_group``.
+    """
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def check_world_size(mesh: Mesh, world_size: int) -> None:
+    """Raise :class:`MeshError` unless the mesh has one device per process.
+
+    Args:
+      mesh: the logical mesh, e.g. ``Mesh.parse("data:2; model:2")``.
+      world_size: the number of processes in the job.
+
+    Raises:
+      MeshError: ``mesh.size != world_size``.
+    """
+    if mesh.size == world_size:
+        return
+    raise MeshError(message(
+        f"mesh '{mesh}' has {mesh.size} devices but the job has {world_size} processes",
+        inputs=[f"mesh: {mesh} ({mesh.size} devices)", f"processes: {world_size}"],
+        rule="a distributed run needs exactly one process per mesh device",
+        fix=f"launch {mesh.size} processes (--nproc {mesh.size}), or change the mesh "
+            f"axis sizes so that their product is {world_size}"))
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """This rank's group over a tuple of axes, with members in the tuple's order."""
+
+    pg: object                    # a ProcessGroup, or None when the group is this rank alone
+    members: tuple[int, ...]      # global ranks, first axis of the tuple major
+    group_rank: tuple[int, ...]   # group_rank[j]: rank of members[j] inside pg
+    me: int                       # this rank's position in members
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+class TorchComm(Communicator):
+    """Collectives over mesh axes for the one rank this process holds.
+
+    ``torch.distributed`` must already be initialised (see
+    :mod:`meshdsl.exec.launch`), with one process per mesh device.
+
+    Args:
+      mesh: a :class:`Mesh` or mesh string, e.g. ``"data:2; model:2"``.
+      timeout: seconds before a collective on a new group gives up.
+      verbose: log every collective to stderr; defaults to ``MESHDSL_VERBOSE=1``.
+
+    Raises:
+      DistributedError: torch.distributed is not initialised.
+      MeshError: the mesh size differs from the world size.
+    """
+
+    def __init__(self, mesh: "Mesh | str", *, timeout: float = DEFAULT_TIMEOUT_S,
+                 verbose: bool | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise DistributedError(message(
+                "TorchComm: torch.distributed is not initialised",
+                rule="a TorchComm lives inside a process group",
+                fix="start the job with meshdsl.exec.launch.spawn(...) or under torchrun "
+                    "with launch.init_from_env()"))
+        self.mesh = Mesh.parse(mesh)
+        check_world_size(self.mesh, dist.get_world_size())
+        self.rank = dist.get_rank()
+        self.ranks = (self.rank,)
+        self.backend = dist.get_backend()
+        self.device = torch.device("cpu")
+        if self.backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count()))
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        if verbose is None:
+            verbose = os.environ.get("MESHDSL_VERBOSE", "") == "1"
+        self.verbose = verbose
+        self.stats: dict[str, dict[str, float]] = {}
+        self._pgs: dict[tuple[str, ...], object] = {}
+        self._slices: dict[tuple[str, ...], _Slice] = {}
+        self._create_groups(timedelta(seconds=timeout))
+
+    # ---------------------------------------------------------------- groups
+
+    def _canonical(self, axes) -> tuple[str, ...]:
+        """Axes of size > 1, in mesh order: one process group per such tuple."""
+        for a in axes:
+            self.mesh.check_axis(a, "TorchComm")
+        return tuple(a for a in self.mesh.names if a in axes and self.mesh.sizes[a] > 1)
+
+    def _create_groups(self, timeout: timedelta) -> None:
+        # Every rank walks the same subsets in the same order and calls new_group for
+        # every group (members or not): c10d numbers groups by call order.
+        names = [a for a in self.mesh.names if self.mesh.sizes[a] > 1]
+        for k in range(1, len(names) + 1):
+            for subset in itertools.combinations(names, k):
+                if self.mesh.axis_size(subset) == self.mesh.size:
+                    self._pgs[subset] = dist.group.WORLD
+                    continue
+                for members in self.mesh.groups(subset):
+                    pg = dist.new_group(list(members), timeout=timeout)
+                    if self.rank in members:
+                        self._pgs[subset] = pg
+
+    def _slice(self, axes) -> _Slice:
+        axes = tuple(axes)
+        s = self._slices.get(axes)
+        if s is None:
+            canon = self._canonical(axes)
+            members = self.mesh.group(self.rank, axes)
+            pg = self._pgs.get(canon) if canon else None
+            in_pg = sorted(members)  # new_group sorts its ranks: group rank = sorted position
+            s = _Slice(pg, members, tuple(in_pg.index(m) for m in members), members.index(self.rank))
+            self._slices[axes] = s
+        return s
+
+    # ---------------------------------------------------------- bookkeeping
+
+    def _prep(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda" and x.device != self.device:
+            x = x.to(self.device)
+        return x.contiguous()
+
+    def _done(self, kind: str, axes, s: _Slice, x: torch.Tensor, t0: float) -> None:
+        nbytes = x.numel() * x.element_size()
+        if self.verbose and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        st = self.stats.setdefault(kind, {"count": 0, "bytes": 0, "seconds": 0.0})
+        st["count"] += 1
+        st["bytes"] += nbytes
+        st["seconds"] += dt
+        if self.verbose:
+            print(f"[meshdsl rank {self.rank}] {kind} axes={tuple(axes)} group={s.members} "
+                  f"bytes={nbytes} {dt * 1e3:.3f} ms", file=sys.stderr, flush=True)
+
+    def reset_stats(self) -> None:
+        """Forget the per-kind totals in :attr:`stats`."""
+        self.stats = {}
+
+    # ----------------------------------------------------------- collectives
+
+    def all_reduce(self, xs, axes, op):
+        """See :meth:`Communicator.all_reduce`."""
+        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
+        _check_op(op)
+        if s.size == 1:
+            out = x
+        else:
+            out = self._prep(x).clone()
+            dist.all_reduce(out, op=_REDUCE_OPS[op], group=s.pg)
+        self._done("allreduce", axes, s, x, t0)
+        return [out]
+
+    def all_gather(self, xs, axes, dim):
+        """See :meth:`Communicator.all_gather`."""
+        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
+        if s.size == 1:
+            out = torch.cat([x], dim=dim)
+        else:
+            x_c = self._prep(x)
+            parts = [torch.empty_like(x_c) for _ in range(s.size)]
+            dist.all_gather(parts, x_c, group=s.pg)
+            out = torch.cat([parts[g] for g in s.group_rank], dim=dim)
+        self._done("allgather", axes, s, x, t0)
+        return [out]
+
+    def _exchange(self, x: torch.Tensor, s: _Slice, split_dim: int) -> list[torch.Tensor]:
+        """Send chunk j of ``x`` (along ``split_dim``) to member j; return what each member sent."""
+        chunks = x.chunk(s.size, dim=split_dim)
+        if len(chunks) != s.size:
+            raise DistributedError(message(
+                f"cannot split dim {split_dim} of size {x.shape[split_dim]} into "
+                f"{s.size} chunks for group {s.members}",
+                rule="a split dim needs at least one element per group member",
+                fix="make the dim divisible by the product of the mesh axes it is split over"))
+        by_group_rank = [None] * s.size
+        for j, g in enumerate(s.group_rank):
+            by_group_rank[g] = chunks[j]
+        send = torch.cat([self._prep(c).reshape(-1) for c in by_group_rank])
+        mine = chunks[s.me]
+        recv = torch.empty(mine.numel() * s.size, dtype=x.dtype, device=send.device)
+        splits = [c.numel() for c in by_group_rank]
+        dist.all_to_all_single(recv, send, output_split_sizes=[mine.numel()] * s.size,
+                               input_split_sizes=splits, group=s.pg)
+        pieces = recv.view(s.size, -1)
+        return [pieces[g].view(mine.shape) for g in s.group_rank]
+
+    def all_to_all(self, xs, axes, split_dim, concat_dim):
+        """See :meth:`Communicator.all_to_all`."""
+        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
+        if s.size == 1:
+            out = torch.cat([x.chunk(1, dim=split_dim)[0]], dim=concat_dim)
+        else:
+            out = torch.cat(self._exchange(x, s, split_dim), dim=concat_dim)
+        self._done("alltoall", axes, s, x, t0)
+        return [out]
+
+    def reduce_scatter(self, xs, axes, dim, op):
+        """See :meth:`Communicator.reduce_scatter`.
+
+        Implemented as an all-to-all plus a local fold in group order: on gloo this
+        is faster than ``dist.reduce_scatter`` (which gloo emulates) and bitwise
+        equal to the simulated mesh.
+        """
+        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
+        _check_op(op)
+        if s.size == 1:
+            out = x.chunk(1, dim=dim)[0].contiguous()
+        else:
+            parts = self._exchange(x, s, dim)
+            out = parts[0]
+            for p in parts[1:]:
+                out = _FOLD[op](out, p)
+            out = out.contiguous()
+        self._done("reduce_scatter", axes, s, x, t0)
+        return [out]
+
+    def permute(self, xs, axes, offset, wrap):
+        """See :meth:`Communicator.permute`.
+
+        Uses one ``irecv`` and one ``isend`` per rank, both posted before either
+        is waited on (no batched p2p, which can hang on gloo).
+        """
+        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
+        n, j = s.size, s.me
+        dst, src = j + offset, j - offset
+        if wrap:
+            dst, src = dst % n, src % n
+        dst = dst if 0 <= dst < n else None
+        src = src if 0 <= src < n else None
+        if src == j:  # offset is a multiple of the group size: nothing moves
+            out = x
+        else:
+            x_c = self._prep(x)
+            out = None if src is None else torch.empty_like(x_c)
+            reqs = []
+            if out is not None:
+                reqs.append(dist.irecv(out, src=s.members[src], group=s.pg))
+            if dst is not None:
+                reqs.append(dist.isend(x_c, dst=s.members[dst], group=s.pg))
+            for r in reqs:
+                r.wait()
+        self._done("permute", axes, s, x, t0)
+        return [out]
+
+    def barrier(self) -> None:
+        """Wait for every rank of the job."""
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def agree(self, token: str) -> list[str]:
+        """Exchange ``token`` with every rank, without pickling.
+
+        The string travels as utf-8 bytes in a uint8 tensor padded to the longest
+        token (lengths are gathered first).
+
+        Args:
+          token: e.g. a hash of the compiled plan.
+
+        Returns:
+          Every rank's token, in rank order.
+        """
+        world = dist.get_world_size()
+        data = token.encode("utf-8")
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        lengths = [torch.empty_like(n) for _ in range(world)]
+        dist.all_gather(lengths, n)
+        width = max(int(v.item()) for v in lengths)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self.device)
+        bufs = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(bufs, buf)
+        return [bytes(b[: int(m.item())].cpu().tolist()).decode("utf-8")
+                for b, m in zip(bufs, lengths)]
+
+
+def _check_op(op: str) -> None:
+    if op not in _REDUCE_OPS:
+        raise DistributedError(message(
+            f"unknown reduction '{op}'", rule=f"a reduction is one of {sorted(_REDUCE_OPS)}",
+            fix="use 'sum', 'max' or 'min'"))

@@ -1,0 +1,183 @@
+"""Runs a :class:`~meshdsl.lowering.plan.Plan` against a communicator.
+
+The same code serves the simulated mesh (every rank in one process) and
+torch.distributed (one rank per process): values are lists with one local
+tensor per rank the communicator holds.  Per-rank context (slice offsets) is
+computed once per plan.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import GraphError, message
+from ..lowering.plan import Plan, Value
+from ..lowering.relayout import plan_moves
+from ..layout.sharding import Sharding
+from ..ops.registry import LocalCtx
+from .comm import Communicator
+
+
+class PerRank(list):
+    """Feeds or params given as local slices, one per rank the communicator holds."""
+
+
+def _ctx(mesh, rank: int, compute: dict, sizes: dict) -> LocalCtx:
+    offs, loc = {}, {}
+    for d, axes in compute.items():
+        if axes:
+            n = sizes[d] // mesh.axis_size(axes)
+            loc[d] = n
+            offs[d] = mesh.index_along(rank, axes) * n
+    return LocalCtx(offs, loc)
+
+
+def run_collective(comm: Communicator, kind: str, xs, axes, args):
+    """Execute one collective or split step on the held ranks' tensors."""
+    if kind == "allreduce":
+        return comm.all_reduce(xs, axes, args.get("op", "sum"))
+    if kind == "allgather":
+        return comm.all_gather(xs, axes, args["dim"])
+    if kind == "alltoall":
+        return comm.all_to_all(xs, axes, args["split_dim"], args["concat_dim"])
+    if kind == "reduce_scatter":
+        return comm.reduce_scatter(xs, axes, args["dim"], args.get("op", "sum"))
+    if kind == "permute":
+        return comm.permute(xs, axes, args["offset"], args["wrap"])
+    if kind == "split":
+        mesh, dim, n = comm.mesh, args["dim"], comm.mesh.axis_size(axes)
+        out = []
+        for r, x in zip(comm.ranks, xs):
+            size = x.shape[dim] // n
+            out.append(x.narrow(dim, mesh.index_along(r, axes) * size, size).contiguous())
+        return out
+    raise AssertionError(kind)
+
+
+class Executor:
+    """Executes ``plan`` for the ranks ``comm`` holds.
+
+    Args:
+      plan: a compiled plan.
+      comm: SimulatedComm (all ranks) or TorchComm (this process's rank).
+    """
+
+    def __init__(self, plan: Plan, comm: Communicator):
+        if comm.mesh.size != plan.mesh.size or comm.mesh.axes != plan.mesh.axes:
+            raise GraphError(message(f"executor: plan mesh '{plan.mesh}' differs from communicator mesh '{comm.mesh}'.",
+                                     rule="a plan runs on the mesh it was compiled for",
+                                     fix="compile with the same mesh string"))
+        self.plan, self.comm = plan, comm
+        mesh = plan.mesh
+        self.ctxs = {}
+        last_use: dict[int, int] = {}
+        for i, s in enumerate(plan.steps):
+            for v in s.ins:
+                last_use[v] = i
+            if s.kind == "local":
+                self.ctxs[i] = [_ctx(mesh, r, s.args["compute"], s.args["sizes"]) for r in comm.ranks]
+            if s.kind == "repeat":
+                s.args["runner"] = s.args.get("runner") or {}
+        keep = set(plan.outputs.values())
+        self.free_after = {}
+        for v, i in last_use.items():
+            if v not in keep:
+                self.free_after.setdefault(i, []).append(v)
+        self._subs: dict[int, "Executor"] = {}
+
+    # -- params and feeds
+    def local_slices(self, value: Value, full: torch.Tensor) -> list[torch.Tensor]:
+        return [value.sharding.slice_of(full, value.shape, self.plan.mesh, r).contiguous() for r in self.comm.ranks]
+
+    def init_params(self, seed: int = 0) -> dict[str, list[torch.Tensor]]:
+        """Every param's local slices, from the layout-independent init."""
+        from ..ops.leaf import init_value
+        out = {}
+        for s in self.plan.steps:
+            if s.kind == "param":
+                node = s.args["tensor"]
+                out[s.args["name"]] = self.local_slices(self.plan.values[s.outs[0]], init_value(node, seed))
+        return out
+
+    def _feed(self, name, vid, value):
+        v = self.plan.values[vid]
+        if isinstance(value, PerRank):
+            if len(value) != len(self.comm.ranks):
+                raise GraphError(message(f"feed '{name}': {len(value)} slices for {len(self.comm.ranks)} rank(s).",
+                                         rule="per-rank feeds give one local slice per rank held",
+                                         fix="pass one tensor per rank, or the full tensor"))
+            want = v.local_shape(self.plan.mesh)
+            for x in value:
+                if tuple(x.shape) != want:
+                    raise GraphError(message(f"feed '{name}': local slice shape {tuple(x.shape)} != {want}.",
+                                             inputs=[f"layout of '{name}': {v.sharding}"],
+                                             rule="a per-rank slice has the local shape the layout gives",
+                                             fix=f"slice it to {want} or feed the full tensor"))
+            return list(value)
+        from .dense import check_feed
+        check_feed(self.plan_tensor(name, vid), value)
+        return self.local_slices(v, value)
+
+    def plan_tensor(self, name, vid):
+        for s in self.plan.steps:
+            if s.kind in ("input", "param") and s.outs[0] == vid:
+                return s.args["tensor"]
+        raise KeyError(name)
+
+    # -- running
+    def run(self, feeds: dict | None = None, params: dict | None = None, salt: int = 0,
+            stats: dict | None = None) -> dict[str, list[torch.Tensor]]:
+        """Run the plan; returns output name -> local tensors (one per held rank)."""
+        feeds = feeds or {}
+        if params is None:
+            params = self.init_params()
+        env: dict[int, list] = {}
+        comm = self.comm
+        for i, s in enumerate(self.plan.steps):
+            k = s.kind
+            if k == "local":
+                ins = [env[v] for v in s.ins]
+                ctxs = self.ctxs[i]
+                fn, attrs = s.args["fn"], s.args["attrs"]
+                res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in ins])
+                       for j, c in enumerate(ctxs)]
+                if len(s.outs) == 1:
+                    env[s.outs[0]] = res
+                else:
+                    for o, vid in enumerate(s.outs):
+                        env[vid] = [r[o] for r in res]
+            elif k == "param":
+                name = s.args["name"]
+                if name not in params:
+                    raise GraphError(message(f"run: no value for param '{name}'.", rule="every param the plan reads is given",
+                                             fix="use Executor.init_params() or pass it"))
+                env[s.outs[0]] = params[name]
+            elif k == "input":
+                name = s.args["name"]
+                if name not in feeds:
+                    raise GraphError(message(f"run: no value fed for input '{name}'.",
+                                             inputs=[f"fed: {sorted(feeds)}"],
+                                             rule="every input the outputs need is fed", fix=f"add '{name}' to the feeds"))
+                env[s.outs[0]] = self._feed(name, s.outs[0], feeds[name])
+            elif k == "repeat":
+                outs = s.args["execute"](self, s, [env[v] for v in s.ins], salt)
+                for vid, x in zip(s.outs, outs):
+                    env[vid] = x
+            else:
+                env[s.outs[0]] = run_collective(comm, k, env[s.ins[0]], s.axes, s.args)
+            for v in self.free_after.get(i, ()):
+                env.pop(v, None)
+        return {name: env[vid] for name, vid in self.plan.outputs.items()}
+
+    # -- assembling full tensors
+    def to_full(self, vid: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gather (and reduce) value ``vid``'s local tensors into full tensors on every held rank."""
+        v = self.plan.values[vid]
+        rep = Sharding.replicated(v.shape)
+        for m in plan_moves(v.shape, v.sharding, rep, self.plan.mesh):
+            pos = v.shape.index(m.dim) if m.dim else None
+            xs = run_collective(self.comm, m.kind, xs, m.axes, {"dim": pos, "op": "sum"})
+        return xs
+
+    def full_outputs(self, outs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Full output tensors (as seen by the first held rank)."""
+        return {k: self.to_full(self.plan.outputs[k], xs)[0] for k, xs in outs.items()}

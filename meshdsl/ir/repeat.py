@@ -1,0 +1,192 @@
+"""repeat: one block applied ``layer`` times with stacked params (a scan).
+
+The block is traced once into a sub-graph of its own, so it can be lowered and
+differentiated on its own: here the layers run in sequence; a pipeline
+schedule can later run the same sub-plan per stage when ``layer`` is split.
+The backward recomputes each layer's forward from the saved layer inputs
+(activation checkpointing at layer boundaries).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..core.graph import Graph, Tensor
+from ..core.shape import Dim, Shape
+from ..errors import LayoutError, ShapeError, message
+from ..ops.leaf import placeholder
+from ..ops.registry import Op, apply, register
+
+
+@dataclass(eq=False)
+class Block:
+    """A traced block: ``out = fn(carry, params)`` in its own graph."""
+
+    fn: Callable
+    graph: Graph
+    carry: Tensor
+    params: dict[str, Tensor]
+    out: Tensor
+    extra: dict = field(default_factory=dict)  # cotangent placeholder, grads (for grad blocks)
+    _dense: object = None
+
+    def dense(self, outputs: dict):
+        if self._dense is None:
+            from ..exec.dense import DenseProgram
+            self._dense = DenseProgram(outputs)
+        return self._dense
+
+
+def _trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str) -> Block:
+    g = Graph(f"{x.graph.name}/{name}")
+    with g:
+        c = placeholder("carry", x.shape, x.dtype)
+        ps = {k: placeholder(k, p.shape.without([layer]), p.dtype, p.scopes) for k, p in stacked.items()}
+        y = fn(c, ps)
+    if not isinstance(y, Tensor) or y.graph is not g:
+        raise ShapeError(message(f"repeat: the block returned {y!r}, not a Tensor built from its inputs.",
+                                 rule="block(carry, params) returns the new carry",
+                                 fix="return a Tensor computed from the carry"))
+    if sorted(y.shape.names) != sorted(x.shape.names) or set(y.shape) != set(x.shape):
+        raise ShapeError(message(f"repeat: the block maps carry {x.shape} to {y.shape}.",
+                                 rule="the carry keeps its dims and sizes from layer to layer",
+                                 fix="make the block return a tensor shaped like its input"))
+    if y.shape.names != x.shape.names:
+        from ..ops.shape_ops import transpose
+        with g:
+            y = transpose(y, x.shape.names)
+    return Block(fn, g, c, ps, y)
+
+
+def _stack_pos(p: Tensor, layer: str) -> int:
+    return p.shape.index(layer)
+
+
+@register
+class Repeat(Op):
+    name = "repeat"
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        return [(x.shape, x.dtype), (Shape([attrs["layer"]] + list(x.shape)), x.dtype)]
+
+    def compute(self, ctx, attrs, x, *stacked):
+        blk: Block = attrs["block"]
+        prog = blk.dense({"out": blk.out})
+        names = list(blk.params)
+        carries = []
+        for l in range(attrs["layer"].size):
+            carries.append(x)
+            feeds = {"carry": x}
+            for k, p in zip(names, stacked):
+                feeds[k] = p.select(attrs["pos"][k], l)
+            x = prog(feeds, salt=l + 1)["out"]
+        return x, torch.stack(carries, 0)
+
+    def grad(self, node, douts):
+        dy, dcarries = douts
+        if dcarries is not None:
+            raise ShapeError("repeat: gradients through the saved layer inputs are not supported")
+        x = node.inputs[0]
+        if dy is None:
+            return [None] * len(node.inputs)
+        blk: Block = node.attrs["block"]
+        gblk = _grad_block(blk, node.attrs["stacked"], node.attrs["layer"].name)
+        outs = apply("repeat_grad", [node.outputs[1], *node.inputs[1:], dy],
+                     {"block": gblk, "layer": node.attrs["layer"], "pos": node.attrs["pos"],
+                      "stacked": node.attrs["stacked"]})
+        return list(outs)
+
+    def lower(self, lw, node):
+        from ..lowering.repeat import lower_repeat
+        lower_repeat(lw, node, backward=False)
+
+
+def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str) -> Block:
+    from .autodiff import vjp
+    from ..ops.shape_ops import broadcast_to
+    from ..ops.elementwise import constant
+
+    b = _trace(blk.fn, blk.carry, stacked, layer, "block_grad")
+    with b.graph:
+        dy = placeholder("cotangent", b.out.shape, b.out.dtype)
+        wrt = [b.carry] + list(b.params.values())
+        grads = vjp([b.out], [dy], wrt)
+        fixed = []
+        for t, g in zip(wrt, grads):
+            if g is None:
+                g = broadcast_to(constant(0.0, t.dtype, t), t.shape)
+            g = apply("stop_gradient", [g], name=f"grad/{t.name}")
+            g.scopes = t.scopes
+            fixed.append(g)
+    b.extra = {"cotangent": dy, "dcarry": fixed[0], "dparams": dict(zip(b.params, fixed[1:]))}
+    return b
+
+
+@register
+class RepeatGrad(Op):
+    name = "repeat_grad"
+
+    def infer(self, inputs, attrs):
+        carries, *stacked, dy = inputs
+        return [(dy.shape, dy.dtype)] + [(p.shape, p.dtype) for p in stacked]
+
+    def compute(self, ctx, attrs, carries, *rest):
+        *stacked, dy = rest
+        blk: Block = attrs["block"]
+        outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
+        prog = blk.dense(outs)
+        names = list(blk.params)
+        per = {k: [None] * attrs["layer"].size for k in names}
+        for l in reversed(range(attrs["layer"].size)):
+            feeds = {"carry": carries[l], "cotangent": dy}
+            for k, p in zip(names, stacked):
+                feeds[k] = p.select(attrs["pos"][k], l)
+            r = prog(feeds, salt=l + 1)
+            dy = r["dcarry"]
+            for k in names:
+                per[k][l] = r[f"d/{k}"]
+        return (dy, *[torch.stack(per[k], attrs["pos"][k]) for k in names])
+
+    def lower(self, lw, node):
+        from ..lowering.repeat import lower_repeat
+        lower_repeat(lw, node, backward=True)
+
+
+def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim) -> Tensor:
+    """Apply ``block`` once per entry of ``dim`` with that entry's slice of each stacked param.
+
+    Args:
+      block: ``block(carry, params) -> new carry``; ``params`` maps the names given
+        here to per-layer tensors (the stacked params without ``dim``).
+      x: the initial carry.
+      params: name -> stacked param, each with dim ``dim``.
+      dim: the layer Dim (or its name).
+
+    Returns:
+      The carry after the last layer.
+
+    Example::
+
+        y = repeat(lambda h, p: h + relu(einsum("b d, d f -> b f", h, p["w"])) ..., x, {"w": w}, layer)
+    """
+    name = dim.name if isinstance(dim, Dim) else dim
+    for k, p in params.items():
+        if name not in p.shape:
+            raise ShapeError(message(f"repeat: stacked param '{k}' {p.shape} has no '{name}' dim.",
+                                     rule="every stacked param has the layer dim",
+                                     fix=f"add Dim('{name}', N) to its shape"))
+    sizes = {p.shape.get(name).size for p in params.values()}
+    layer = next(iter(params.values())).shape.get(name) if params else (dim if isinstance(dim, Dim) else None)
+    if layer is None or len(sizes) > 1:
+        raise ShapeError(message(f"repeat: the stacked params disagree on (or lack) the size of '{name}': {sizes}.",
+                                 rule="one layer count for all stacked params", fix="give them the same layer Dim"))
+    blk = _trace(block, x, params, name, "block")
+    pos = {k: _stack_pos(p, name) for k, p in params.items()}
+    outs = apply("repeat", [x, *params.values()], {"block": blk, "layer": layer, "pos": pos, "stacked": dict(params)})
+    return outs[0]
+
+
+__all__ = ["repeat", "LayoutError"]

@@ -1,0 +1,178 @@
+"""Layout rules: which mesh axes split each named dim, and for which tensors.
+
+A layout string such as ``"batch:data; d_ff:model; params.d_model:data"`` is
+an ordered list of rules.  A rule without a scope applies to every tensor; a
+``params.`` rule applies to trainable parameters and their gradients (so
+weights can be sharded differently from activations, as FSDP/ZeRO-3 wants);
+a ``NAME.`` rule applies to the one tensor called NAME.  The most specific
+rule wins.  When two dims of one tensor want the same axis, rules written
+earlier have priority, and the compiler may pick the cheaper of the variants.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ..errors import LayoutError, Span, did_you_mean, message
+from ..core.shape import Shape
+from .mesh import Mesh
+from .sharding import Sharding
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One resolved rule; ``span`` points into the layout source (may be None)."""
+
+    scope: str | None
+    dim: str
+    axes: tuple[str, ...]
+    order: int
+    span: Span | None = None
+    axis_spans: tuple[Span, ...] = ()
+    dim_span: Span | None = None
+    scope_span: Span | None = None
+
+
+class Layout:
+    """An ordered set of layout rules.
+
+    Example: ``Layout.parse("batch:data; d_ff:model")``.
+    """
+
+    def __init__(self, rules: tuple[Rule, ...] = (), source: str | None = None):
+        self.rules = tuple(rules)
+        self.source = source
+        self._by_key: dict[tuple[str | None, str], Rule] = {}
+        for r in self.rules:
+            key = (r.scope, r.dim)
+            if key in self._by_key and self._by_key[key].axes != r.axes:
+                first = self._by_key[key]
+                where = f"'{r.scope}.{r.dim}'" if r.scope else f"'{r.dim}'"
+                raise LayoutError(message(
+                    f"Contradicting layout rules for {where}: {first.axes} and {r.axes}.",
+                    source=self.source, span=r.span,
+                    rule="each (scope, dim) is mapped to one set of mesh axes",
+                    fix=f"keep one of the rules for {where}, or scope one of them "
+                        f"(e.g. 'params.{r.dim}:...' for weights)"))
+            self._by_key.setdefault(key, r)
+
+    @staticmethod
+    def parse(text: "str | Layout | dict | None") -> "Layout":
+        """Build a layout from a layout string, a dict ``{dim: axis or (axes)}`` or a Layout."""
+        if isinstance(text, Layout):
+            return text
+        if text is None:
+            return Layout()
+        if isinstance(text, dict):
+            rules = []
+            for i, (k, v) in enumerate(text.items()):
+                scope, _, dim = k.rpartition(".")
+                axes = (v,) if isinstance(v, str) else tuple(v)
+                rules.append(Rule(scope or None, dim, axes, i))
+            return Layout(tuple(rules))
+        from .parse import parse_layout
+
+        spec = parse_layout(text)
+        rules = tuple(
+            Rule(r.scope.name if r.scope else None, r.dim.name, tuple(a.name for a in r.axes), i, r.span,
+                 tuple(a.span for a in r.axes), r.dim.span, r.scope.span if r.scope else None)
+            for i, r in enumerate(spec.rules))
+        return Layout(rules, source=spec.source)
+
+    def __str__(self) -> str:
+        def one(r):
+            axes = r.axes[0] if len(r.axes) == 1 else "(" + ",".join(r.axes) + ")"
+            return f"{r.scope + '.' if r.scope else ''}{r.dim}:{axes}"
+        return "; ".join(one(r) for r in self.rules)
+
+    def _err(self, what, span, **kw):
+        return LayoutError(message(what, source=self.source, span=span, **kw))
+
+    def validate(self, mesh: Mesh, dims: dict[str, int], tensor_names: set[str]) -> None:
+        """Check every rule against the mesh and the graph's dims and tensor names."""
+        for r in self.rules:
+            for axis, sp in itertools.zip_longest(r.axes, r.axis_spans):
+                if axis not in mesh.sizes:
+                    raise self._err(
+                        f"Layout rule '{r.dim}' names unknown mesh axis '{axis}'.{did_you_mean(axis, mesh.names)}",
+                        sp or r.span, inputs=[f"mesh: {mesh}"],
+                        rule="a layout maps dims to axes of the mesh",
+                        fix=f"use one of {list(mesh.names)} or add '{axis}:N' to the mesh")
+            if r.dim not in dims:
+                raise self._err(
+                    f"Layout rule names dim '{r.dim}', which no tensor of the model has."
+                    f"{did_you_mean(r.dim, dims)}", r.dim_span or r.span,
+                    inputs=[f"model dims: {', '.join(sorted(dims))}"],
+                    rule="every rule's dim must be a dim of some tensor in the model",
+                    fix="correct the dim name or drop the rule")
+            if r.scope and r.scope != "params" and r.scope not in tensor_names:
+                raise self._err(
+                    f"Layout rule scope '{r.scope}' is neither 'params' nor the name of a tensor."
+                    f"{did_you_mean(r.scope, tensor_names | {'params'})}", r.scope_span or r.span,
+                    inputs=[f"named tensors: {', '.join(sorted(tensor_names)) or '(none)'}"],
+                    rule="'SCOPE.dim:axis' applies to all params (SCOPE=params) or to the tensor named SCOPE",
+                    fix="use 'params.' or the name of a param or input")
+
+    def rule_for(self, dim: str, scopes: tuple[str, ...]) -> Rule | None:
+        for s in scopes:
+            r = self._by_key.get((s, dim))
+            if r is not None:
+                return r
+        return self._by_key.get((None, dim))
+
+    def wanted(self, shape: Shape, scopes: tuple[str, ...]) -> dict[str, Rule]:
+        out = {}
+        for d in shape:
+            r = self.rule_for(d.name, scopes)
+            if r is not None:
+                out[d.name] = r
+        return out
+
+    def targets(self, shape: Shape, scopes: tuple[str, ...], mesh: Mesh, what: str,
+                strict: bool) -> list[tuple[Sharding, str]]:
+        """Conflict-free shardings the rules allow for a tensor, best-priority first.
+
+        Each is paired with a note ('' when the rules did not conflict).  With
+        ``strict`` (params and inputs) a conflict is an error instead.
+        """
+        wanted = self.wanted(shape, scopes)
+        for name, r in wanted.items():
+            size = shape.get(name).size
+            n = mesh.axis_size(r.axes)
+            if size % n:
+                axes = " x ".join(f"{a}:{mesh.sizes[a]}" for a in r.axes)
+                raise self._err(
+                    f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes {axes} (= {n}).",
+                    r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
+                    rule="a split dim's size must be a multiple of the product of its axes' sizes",
+                    fix=f"make '{name}' a multiple of {n} (pad it), or map it to smaller axes")
+        users: dict[str, list[str]] = {}
+        for name, r in wanted.items():
+            for a in r.axes:
+                users.setdefault(a, []).append(name)
+        contested = {a: ns for a, ns in users.items() if len(ns) > 1}
+        if not contested:
+            return [(Sharding.of(shape, {n: r.axes for n, r in wanted.items()}), "")]
+        if strict:
+            a, ns = next(iter(contested.items()))
+            raise self._err(
+                f"Tensor '{what}' {shape}: mesh axis '{a}' is used by dims {ns}.",
+                wanted[ns[1]].span, inputs=[f"mesh: {mesh}", f"layout: {self}"],
+                rule="a mesh axis may split at most one dim of a tensor",
+                fix=f"map one of {ns} to another axis, or scope a rule to this tensor "
+                    f"(e.g. '{what}.{ns[1]}:OTHER_AXIS')")
+        # Each contested axis goes to one of its contenders; a dim keeps only the
+        # axes it won (dropping a dim's axis keeps its remaining ones in order).
+        prio = {n: r.order for n, r in wanted.items()}
+        out = []
+        names = list(contested)
+        for choice in itertools.product(*(contested[a] for a in names)):
+            won = dict(zip(names, choice))
+            split = {n: tuple(a for a in r.axes if won.get(a, n) == n) for n, r in wanted.items()}
+            why = "; ".join(f"'{a}' -> {won[a]} (not {', '.join(x for x in contested[a] if x != won[a])})"
+                            for a in names)
+            key = tuple(prio[won[a]] for a in names)
+            out.append((key, Sharding.of(shape, split), "axis conflict resolved: " + why))
+        out.sort(key=lambda t: t[0])
+        return [(s, note) for _, s, note in out]
+        return out

@@ -1,0 +1,208 @@
+"""compile(): lower a graph on a mesh with a layout into an SPMD :class:`Plan`.
+
+Nodes are lowered in build order, each by its op's rule (most use the generic
+rule in :mod:`.generic`).  Values are re-laid out only where a consumer needs
+it; outputs are brought to their layout at the end.  Plans are cached on the
+graph, the outputs, the mesh and the layout.
+"""
+from __future__ import annotations
+
+from ..core.graph import Node, Tensor, topo_nodes
+from ..errors import GraphError, LayoutError, MeshError, message
+from ..layout.layout import Layout
+from ..layout.mesh import Mesh
+from ..layout.sharding import Sharding
+from .cost import DEFAULT, CostModel
+from .plan import Plan, Step, Value
+from .relayout import move_bytes, plan_moves
+
+
+class Lowerer:
+    """State of one compilation: values, steps, and the tensor -> value binding."""
+
+    def __init__(self, mesh: Mesh, layout: Layout, cost: CostModel = DEFAULT):
+        self.mesh, self.layout, self.cost = mesh, layout, cost
+        self.values: dict[int, Value] = {}
+        self.steps: list[Step] = []
+        self.env: dict[int, int] = {}  # id(Tensor) -> value id
+        self.keep: list[Tensor] = []   # keeps bound tensors alive so ids stay unique
+        self.notes: list[str] = []
+        self.params: dict[str, int] = {}
+        self.inputs: dict[str, int] = {}
+        self._targets: dict[int, list] = {}
+        self._relaid: dict[tuple[int, Sharding], int] = {}  # a value is re-laid out once per target
+
+    # -- values
+    def new_value(self, shape, dtype, sharding: Sharding) -> int:
+        vid = len(self.values)
+        self.values[vid] = Value(vid, shape, dtype, sharding)
+        return vid
+
+    def value(self, t: Tensor) -> int:
+        try:
+            return self.env[id(t)]
+        except KeyError:
+            raise GraphError(message(f"compile: {t!r} is used before it is defined in this plan.",
+                                     rule="a plan is built from one graph's nodes",
+                                     fix="do not mix tensors from different graphs or blocks")) from None
+
+    def sharding(self, vid: int) -> Sharding:
+        return self.values[vid].sharding
+
+    def bind(self, t: Tensor, vid: int) -> None:
+        self.env[id(t)] = vid
+        self.keep.append(t)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # -- layout targets
+    def targets(self, t: Tensor, strict: bool = False) -> list[tuple[Sharding, str]]:
+        key = id(t)
+        if key not in self._targets:
+            self._targets[key] = self.layout.targets(t.shape, t.scopes, self.mesh, t.name, strict)
+        return self._targets[key]
+
+    def target(self, t: Tensor) -> Sharding:
+        return self.targets(t)[0][0]
+
+    # -- steps
+    def emit(self, kind: str, node: Node | None, ins, outs, axes=(), args=None, nbytes: int = 0,
+             flops: int = 0, note: str = "") -> Step:
+        step = Step(kind, node.id if node else -1, node.op.name if node else "output",
+                    node.name if node else "output", node.phase if node else "forward",
+                    tuple(ins), tuple(outs), tuple(axes), args or {}, nbytes, flops, note)
+        self.steps.append(step)
+        return step
+
+    def relayout(self, vid: int, to: Sharding, node: Node | None, why: str = "") -> int:
+        """Emit the collectives that bring value ``vid`` to sharding ``to``."""
+        v = self.values[vid]
+        if v.sharding == to:
+            return vid
+        key = (vid, to)
+        if key in self._relaid:
+            return self._relaid[key]
+        for m in plan_moves(v.shape, v.sharding, to, self.mesh):
+            pos = v.shape.index(m.dim) if m.dim else None
+            args = {"dim": pos}
+            if m.kind in ("allreduce", "reduce_scatter"):
+                args["op"] = "sum"
+            if m.kind == "alltoall":
+                args = {"concat_dim": pos, "split_dim": v.shape.index(m.dim2), "dim": pos}
+            out = self.new_value(v.shape, v.dtype, m.after)
+            self.emit(m.kind, node, [vid], [out], m.axes, args,
+                      move_bytes(m, v.shape, self.mesh, v.dtype.itemsize),
+                      note=f"re-layout {why}: {m.before} -> {m.after}" if why else "")
+            vid = out
+        self._relaid[key] = vid
+        return vid
+
+    def reduced(self, vid: int) -> int:
+        """An already-reduced copy of partial value ``vid`` if one was made, else ``vid``.
+
+        Reusing it is free, while passing the partial sum on would cost another reduction.
+        """
+        if not self.values[vid].sharding.partial:
+            return vid
+        for (src, to), out in self._relaid.items():
+            if src == vid and not to.partial:
+                return out
+        return vid
+
+    def bind_leaf(self, node: Node, kind: str) -> None:
+        t = node.outputs[0]
+        sh = self.targets(t, strict=True)[0][0]
+        vid = self.new_value(t.shape, t.dtype, sh)
+        self.emit(kind, node, [], [vid], args={"name": node.name, "tensor": t})
+        (self.params if kind == "param" else self.inputs)[node.name] = vid
+        self.bind(t, vid)
+
+
+def _graph_dims(nodes) -> tuple[dict[str, int], set[str]]:
+    dims: dict[str, int] = {}
+    names: set[str] = set()
+    for n in nodes:
+        for t in n.outputs:
+            for d in t.shape:
+                dims.setdefault(d.name, d.size)
+        if n.op.name in ("param", "input", "placeholder"):
+            names.add(n.name)
+        sub = n.attrs.get("block")
+        if sub is not None:
+            d2, n2 = _graph_dims(sub.graph.nodes)
+            for k, v in d2.items():
+                dims.setdefault(k, v)
+            names |= n2
+    return dims, names
+
+
+def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> dict[str, int]:
+    """Lower the nodes ``outputs`` need into ``lw``; returns output name -> value id."""
+    nodes = topo_nodes(list(outputs.values()))
+    for node in nodes:
+        node.op.lower(lw, node)
+    out = {}
+    for name, t in outputs.items():
+        tgt = lw.target(t)
+        vid = lw.value(t)
+        if lazy:
+            cur = lw.sharding(vid)
+            tgt = tgt.with_partial(tuple(a for a in cur.partial if a not in tgt.used_axes))
+        out[name] = lw.relayout(vid, tgt, t.node, f"output '{name}'")
+    return out
+
+
+_CACHE: dict = {}
+
+
+def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT) -> Plan:  # noqa: A001
+    """Lower the graph behind ``outputs`` into an SPMD plan.
+
+    Args:
+      outputs: a Tensor, a list of Tensors, or a dict name -> Tensor.
+      mesh: a mesh string such as ``"data:2; model:2"``, a dict, or a Mesh.
+      layout: a layout string such as ``"batch:data; d_ff:model"``, a dict, or a Layout.
+      cost: the cost model used to choose among valid lowerings.
+
+    Returns:
+      The :class:`Plan`: steps, values, outputs, params, inputs, notes.
+
+    Raises:
+      ParseError, LayoutError, MeshError: on bad mesh or layout strings.
+    """
+    if isinstance(outputs, Tensor):
+        outputs = {"out": outputs}
+    elif not isinstance(outputs, dict):
+        outputs = {f"out{i}": t for i, t in enumerate(outputs)}
+    if not outputs:
+        raise GraphError(message("compile: no outputs given.", rule="a plan computes at least one tensor",
+                                 fix="pass the loss (and gradients) to compile"))
+    mesh = Mesh.parse(mesh)
+    layout = Layout.parse(layout)
+    g = next(iter(outputs.values())).graph
+    key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[1] is g:
+        return hit[0]
+    nodes = topo_nodes(list(outputs.values()))
+    dims, names = _graph_dims(nodes)
+    layout.validate(mesh, dims, names)
+    lw = Lowerer(mesh, layout, cost)
+    outs = lower_into(lw, outputs)
+    plan = Plan(mesh, layout, lw.steps, lw.values, outs, lw.params, lw.inputs, lw.notes)
+    _CACHE[key] = (plan, g)
+    return plan
+
+
+def check_world(mesh: Mesh, world: int) -> None:
+    """Raise a MeshError unless the mesh has exactly ``world`` devices."""
+    if mesh.size != world:
+        raise MeshError(message(
+            f"mesh '{mesh}' has {mesh.size} devices but the job has {world} processes.",
+            rule="the product of the mesh axis sizes equals the number of processes",
+            fix=f"run with {mesh.size} processes, or change the mesh to multiply to {world}"))
+
+
+__all__ = ["compile", "Lowerer", "lower_into", "check_world", "LayoutError"]

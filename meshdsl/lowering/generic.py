@@ -1,0 +1,135 @@
+"""The generic lowering rule: choose how to shard an op's local compute.
+
+Given the op's :class:`~meshdsl.ops.registry.ComputeSpec`, the current
+shardings of its inputs and the layout's targets for its outputs, try every
+assignment of mesh axes to compute dims that some input or target suggests,
+price each with the cost model (input re-layouts + local FLOPs + output
+re-layout), and emit the cheapest.  A split 'sum'-reduced dim leaves a lazy
+partial sum; 'max'/'min' get an allreduce at once.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+from ..layout.sharding import Sharding
+from .relayout import relayout_cost
+
+
+def _partial_mode(node, shs):
+    """Axes of a partial sum the op may pass through lazily, and which inputs keep it."""
+    op = node.op
+    partial_in = [i for i, s in enumerate(shs) if s.partial]
+    if not partial_in:
+        return (), set()
+    sets = {frozenset(shs[i].partial) for i in partial_in}
+    if op.is_linear(node) and len(partial_in) == len(shs) and len(sets) == 1:
+        return shs[partial_in[0]].partial, set(partial_in)
+    if len(partial_in) == 1 and partial_in[0] in op.linear_args:
+        return shs[partial_in[0]].partial, set(partial_in)
+    return (), set()
+
+
+def lower_generic(lw, node) -> None:
+    """Lower ``node`` by the cheapest compute sharding (see module docstring)."""
+    mesh, op = lw.mesh, node.op
+    spec = op.spec(node)
+    ins = [lw.reduced(lw.value(t)) for t in node.inputs]
+    shs = [lw.sharding(v) for v in ins]
+    P, keep = _partial_mode(node, shs)
+    comp = {o.name: spec.out_rename.get(o.name, o.name) for t in node.outputs for o in t.shape}
+    targets = [lw.targets(t) for t in node.outputs]
+
+    # Suggestions: compute-dim -> axes, from inputs and output targets.
+    sources: list[dict[str, tuple[str, ...]]] = [dict(s.split) for s in shs]
+    for tl in targets:
+        for sh, _ in tl:
+            sources.append({comp[n]: axes for n, axes in sh.split.items()})
+    splittable = [d for d in spec.dims if d not in spec.fixed]
+    options = []
+    free_axes = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
+    for a in free_axes:
+        opts = [None] + [d for d in splittable if any(a in src.get(d, ()) for src in sources)]
+        options.append(opts)
+
+    def order_key(d, a):
+        for i, src in enumerate(sources):
+            if a in src.get(d, ()):
+                return (i, src[d].index(a))
+        return (len(sources), mesh.names.index(a))
+
+    best = None
+    for choice in itertools.product(*options):
+        split: dict[str, list[str]] = {}
+        for a, d in zip(free_axes, choice):
+            if d is not None:
+                split.setdefault(d, []).append(a)
+        C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
+        if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
+            continue
+        cost, plan = _price(lw, node, spec, C, shs, P, keep, targets, comp)
+        if best is None or cost < best[0] - 1e-12:
+            best = (cost, C, plan)
+    assert best is not None, node
+    _emit(lw, node, spec, ins, best[1], best[2], P)
+
+
+def _price(lw, node, spec, C, shs, P, keep, targets, comp):
+    mesh = lw.mesh
+    model = lw.cost
+    cost = 0.0
+    req = []
+    for i, (t, s) in enumerate(zip(node.inputs, shs)):
+        r = Sharding.of(t.shape, C, P if i in keep else ())
+        req.append(r)
+        cost += relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model)
+    local = {d: size // mesh.axis_size(C.get(d, ())) for d, size in spec.dims.items()}
+    cost += model.compute(op_flops(node, local))
+    sum_axes = tuple(a for d, kind in spec.reduce.items() if kind == "sum" for a in C.get(d, ()))
+    ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
+    outs = []
+    for t, tl in zip(node.outputs, targets):
+        split = {o.name: C.get(comp[o.name], ()) for o in t.shape}
+        out_sh = Sharding.of(t.shape, split, tuple(a for a in mesh.names if a in set(P) | set(sum_axes)))
+        nbytes = out_sh.local_numel(t.shape, mesh) * t.dtype.itemsize
+        if ext_axes:
+            cost += model.collective("allreduce", nbytes, mesh.axis_size(ext_axes))
+        best = None
+        for tgt, note in tl:
+            lazy = tgt.with_partial(tuple(a for a in out_sh.partial if a not in tgt.used_axes))
+            c = relayout_cost(t.shape, out_sh, lazy, mesh, t.dtype.itemsize, model)
+            if lazy.partial:  # it will be reduced eventually
+                c += model.collective("allreduce", lazy.local_numel(t.shape, mesh) * t.dtype.itemsize,
+                                      mesh.axis_size(lazy.partial))
+            if best is None or c < best[0] - 1e-12:
+                best = (c, lazy, note)
+        cost += best[0]
+        outs.append((out_sh, best[1], best[2]))
+    return cost, {"req": req, "outs": outs, "ext_axes": ext_axes, "local": local}
+
+
+def op_flops(node, local) -> int:
+    return node.op.flops(node, local)
+
+
+def _emit(lw, node, spec, ins, C, plan, P):
+    mesh = lw.mesh
+    vids = [lw.relayout(v, r, node, f"input {i} of {node.op.name}") for i, (v, r) in enumerate(zip(ins, plan["req"]))]
+    ext = plan["ext_axes"]
+    out_vids = []
+    for t, (out_sh, lazy, note) in zip(node.outputs, plan["outs"]):
+        out_vids.append(lw.new_value(t.shape, t.dtype, out_sh))
+    lw.emit("local", node, vids, out_vids, args={"fn": node.op.compute, "attrs": node.attrs, "compute": C,
+                                                 "sizes": dict(spec.dims)},
+            flops=op_flops(node, plan["local"]))
+    for t, vid, (out_sh, lazy, note) in zip(node.outputs, out_vids, plan["outs"]):
+        if ext:
+            red = lw.new_value(t.shape, t.dtype, out_sh)
+            kind = next(k for k in spec.reduce.values() if k != "sum")
+            lw.emit("allreduce", node, [vid], [red], axes=ext, args={"op": kind},
+                    nbytes=lw.values[vid].local_bytes(mesh))
+            vid = red
+        if note:
+            lw.note(f"{node.name}: {note}")
+        vid = lw.relayout(vid, lazy, node, f"output of {node.op.name} to its layout")
+        lw.bind(t, vid)

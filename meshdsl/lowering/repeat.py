@@ -1,0 +1,136 @@
+"""Lowering of repeat / repeat_grad: the block becomes a sub-plan run once per layer.
+
+The carry keeps the layout its dims have everywhere; each stacked param is
+sliced along ``layer`` locally (``layer`` must be whole: splitting it over a
+mesh axis means pipelining).  In the backward block, parameter gradients may
+stay lazy partial sums, so they are reduced once, stacked, after the loop.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.shape import Shape
+from ..errors import LayoutError, message
+from ..layout.sharding import Sharding
+from .compiler import Lowerer, lower_into
+from .plan import Plan
+
+
+def _slice_sharding(stacked: Sharding, layer: str) -> Sharding:
+    return Sharding(tuple((n, a) for n, a in stacked.dims if n != layer), stacked.partial)
+
+
+def _stack_sharding(sub: Sharding, shape, layer: str) -> Sharding:
+    split = dict(sub.dims)
+    return Sharding(tuple((d.name, () if d.name == layer else split[d.name]) for d in shape), sub.partial)
+
+
+def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
+    mesh = lw.mesh
+    blk = node.attrs["block"]
+    layer = node.attrs["layer"].name
+    stacked = node.attrs["stacked"]
+    names = list(blk.params)
+    if backward:
+        carries_t, *stacked_t, dy_t = node.inputs
+        carry_shape = dy_t.shape
+    else:
+        x_t, *stacked_t = node.inputs
+        carry_shape = x_t.shape
+    carry_sh = lw.layout.targets(carry_shape, (), mesh, "carry", False)[0][0]
+    ins = []
+    if backward:
+        ins.append(lw.relayout(lw.value(carries_t), _stack_sharding(
+            carry_sh, Shape([node.attrs["layer"]] + list(carry_shape)), layer), node, "saved layer inputs"))
+    else:
+        ins.append(lw.relayout(lw.value(x_t), carry_sh, node, "carry"))
+    slice_sh = {}
+    for k, t in zip(names, stacked_t):
+        tgt = lw.targets(stacked[k], strict=True)[0][0]
+        if tgt.axes_of(layer):
+            raise LayoutError(message(
+                f"repeat '{node.name}': stacked param '{k}' splits dim '{layer}' over mesh axes "
+                f"{tgt.axes_of(layer)}.", inputs=[f"layout: {lw.layout}", f"mesh: {mesh}"],
+                rule="a repeat runs its layers in sequence on every rank, so 'layer' must be whole",
+                fix=f"remove the '{layer}:...' rule (pipeline schedules over a stage axis are a separate feature)"))
+        ins.append(lw.relayout(lw.value(t), tgt, node, f"stacked param '{k}'"))
+        slice_sh[k] = _slice_sharding(tgt, layer)
+    if backward:
+        ins.append(lw.relayout(lw.value(dy_t), carry_sh, node, "carry gradient"))
+
+    sub = Lowerer(mesh, lw.layout, lw.cost)
+    feeds = {"carry": carry_sh, **slice_sh}
+    if backward:
+        feeds["cotangent"] = carry_sh
+    for name, sh in feeds.items():
+        t = blk.graph.inputs[name]
+        vid = sub.new_value(t.shape, t.dtype, sh)
+        sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t})
+        sub.inputs[name] = vid
+        sub.bind(t, vid)
+    if backward:
+        outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
+        ids = lower_into(sub, {"dcarry": outs["dcarry"]})
+        ids.update(lower_into(sub, {k: v for k, v in outs.items() if k != "dcarry"}, lazy=True))
+    else:
+        ids = lower_into(sub, {"out": blk.out})
+    for s in sub.steps:
+        s.phase = node.phase
+    plan = Plan(mesh, lw.layout, sub.steps, sub.values, ids, {}, sub.inputs, sub.notes)
+    for n in sub.notes:
+        lw.note(f"{node.name} block: {n}")
+
+    L = node.attrs["layer"].size
+    out_vids = []
+    if backward:
+        out_vids.append(lw.new_value(carry_shape, dy_t.dtype, carry_sh))
+        for k, t in zip(names, stacked_t):
+            out_vids.append(lw.new_value(t.shape, t.dtype, _stack_sharding(plan.values[ids[f"d/{k}"]].sharding,
+                                                                            t.shape, layer)))
+    else:
+        out_vids.append(lw.new_value(carry_shape, x_t.dtype, carry_sh))
+        cs = node.outputs[1].shape
+        out_vids.append(lw.new_value(cs, x_t.dtype, _stack_sharding(carry_sh, cs, layer)))
+    pos = node.attrs["pos"]
+    lw.emit("repeat", node, ins, out_vids,
+            args={"plan": plan, "times": L, "names": names, "pos": pos, "backward": backward,
+                  "execute": _execute},
+            flops=0)
+    for t, vid in zip(node.outputs, out_vids):
+        lw.bind(t, lw.relayout(vid, lw.target(t).with_partial(
+            tuple(a for a in lw.sharding(vid).partial if a not in lw.target(t).used_axes)), node,
+            f"output of {node.op.name}"))
+
+
+def _execute(ex, step, ins, salt):
+    """Run a repeat step's sub-plan once per layer (forward, or backward in reverse)."""
+    from ..exec.executor import Executor, PerRank
+
+    a = step.args
+    sub = a.get("_exec")
+    if sub is None or sub.comm is not ex.comm:
+        sub = a["_exec"] = Executor(a["plan"], ex.comm)
+    names, pos, L = a["names"], a["pos"], a["times"]
+    held = range(len(ex.comm.ranks))
+    if not a["backward"]:
+        x, *stacked = ins
+        carries = []
+        for l in range(L):
+            carries.append(x)
+            feeds = {"carry": PerRank(x)}
+            for k, p in zip(names, stacked):
+                feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
+            x = sub.run(feeds, {}, salt=l + 1)["out"]
+        return [x, [torch.stack([c[j] for c in carries], 0) for j in held]]
+    carries, *rest = ins
+    *stacked, dy = rest
+    per = {k: [None] * L for k in names}
+    for l in reversed(range(L)):
+        feeds = {"carry": PerRank([carries[j].select(0, l) for j in held]), "cotangent": PerRank(dy)}
+        for k, p in zip(names, stacked):
+            feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
+        r = sub.run(feeds, {}, salt=l + 1)
+        dy = r["dcarry"]
+        for k in names:
+            per[k][l] = r[f"d/{k}"]
+    return [dy] + [[torch.stack([per[k][l][j] for l in range(L)], pos[k]) for j in held] for k in names]

@@ -1,0 +1,15 @@
+"""Every op of the DSL, re-exported.  Importing this package fills the op table."""
+from .einsum import einsum
+from .elementwise import (add, cast, constant, div, equal, exp, gelu, greater, greater_equal, less,
+                          less_equal, log, logical_not, maximum, minimum, mul, neg, not_equal, pow,
+                          relu, rsqrt, sigmoid, silu, sqrt, stop_gradient, sub, tanh, where)
+from .embed import causal_mask, gather, iota, one_hot
+from .leaf import input, param, placeholder
+from .nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
+from .reduce import logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
+from .registry import OPS
+from .shape_ops import broadcast_to, rearrange, rename, reshape, transpose
+from .slicing import concat, pad, roll, shift, slice_
+from .topk import top_k
+
+__all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,0 +1,127 @@
+"""einsum over dim names: matmul, outer products, transposes and batched matmuls.
+
+Lowering: every dim may be split; a split contracted dim leaves a lazy partial
+sum over its axes (reduced later by allreduce or reduce_scatter, or never if a
+linear consumer keeps it partial).
+"""
+from __future__ import annotations
+
+import math
+import string
+
+import torch
+
+from ..core.graph import Tensor
+from ..core.shape import Shape
+from ..errors import ShapeError, message
+from .registry import ComputeSpec, Op, apply, register
+
+
+@register
+class Einsum(Op):
+    name = "einsum"
+    linear = False
+
+    def infer(self, inputs, attrs):
+        names_in, names_out = attrs["in"], attrs["out"]
+        sizes = {}
+        for x in inputs:
+            for d in x.shape:
+                sizes[d.name] = d.size
+        letters = {}
+        for n in list(sizes):
+            letters[n] = string.ascii_letters[len(letters)]
+        eq_in = ",".join("".join(letters[d] for d in x.shape.names) for x in inputs)
+        attrs["eq"] = f"{eq_in}->{''.join(letters[n] for n in names_out)}"
+        return [(Shape([x.shape.get(n) for x in inputs if n in x.shape][0] for n in names_out), inputs[0].dtype)]
+
+    def compute(self, ctx, attrs, *xs):
+        return torch.einsum(attrs["eq"], *xs)
+
+    def spec(self, node):
+        dims = {d.name: d.size for x in node.inputs for d in x.shape}
+        out = set(node.attrs["out"])
+        return ComputeSpec(dims, reduce={n: "sum" for n in dims if n not in out})
+
+    def flops(self, node, local):
+        dims = {d.name: d.size for x in node.inputs for d in x.shape}
+        return 2 * math.prod(local.get(n, s) for n, s in dims.items())
+
+    def grad(self, node, douts):
+        from .shape_ops import broadcast_to
+
+        g = douts[0]
+        grads = []
+        for i, x in enumerate(node.inputs):
+            if not x.dtype.is_floating_point:
+                grads.append(None)
+                continue
+            others = [g] + [y for j, y in enumerate(node.inputs) if j != i]
+            have = {n for t in others for n in t.shape.names}
+            present = [n for n in x.shape.names if n in have]
+            gi = _einsum_named(others, present)
+            if len(present) != len(x.shape):
+                gi = broadcast_to(gi, x.shape)
+            grads.append(gi)
+        return grads
+
+
+def _einsum_named(xs: list[Tensor], out: list[str]) -> Tensor:
+    return apply("einsum", xs, {"in": tuple(x.shape.names for x in xs), "out": tuple(out)})
+
+
+def einsum(equation: str, *xs: Tensor) -> Tensor:
+    """Einstein summation over dim names.
+
+    Args:
+      equation: operands' dim names separated by ',', then '->' and the output's,
+        e.g. ``"batch d_model, d_model d_ff -> batch d_ff"``.  Without '->' the output
+        holds the dims that appear in exactly one operand, in order of appearance.
+      *xs: one Tensor per operand.  Names are matched by name, so an operand's
+        names may be listed in any order, but must be exactly its dims.
+
+    Returns:
+      The result, dims in the output order.
+
+    Raises:
+      ParseError, ShapeError: on a malformed equation or names that do not match.
+    """
+    from ..layout.parse import parse_einsum
+
+    spec = parse_einsum(equation)
+    if len(spec.inputs) != len(xs):
+        raise ShapeError(message(
+            f"einsum('{equation}'): the equation has {len(spec.inputs)} operand(s) but {len(xs)} tensor(s) were given.",
+            inputs=[f"tensors: {', '.join(map(repr, xs))}"], rule="one equation operand per tensor",
+            fix="add or remove operands in the equation"))
+    sizes = {}
+    for k, (names, x) in enumerate(zip(spec.inputs, xs)):
+        got = [n.name for n in names]
+        if sorted(got) != sorted(x.shape.names):
+            missing = [n for n in x.shape.names if n not in got]
+            bad = next((n for n in names if n.name not in x.shape), None)
+            what = (f"names '{bad.name}', which tensor {k} {x.shape} lacks" if bad is not None else
+                    f"omits dim(s) {missing} of tensor {k} {x.shape}")
+            raise ShapeError(message(
+                f"einsum: operand {k} {what}.", source=equation, span=bad.span if bad is not None else None,
+                rule="each operand lists exactly its tensor's dim names (in any order)",
+                fix=f"write operand {k} as '{' '.join(x.shape.names)}'"))
+        for d in x.shape:
+            if sizes.setdefault(d.name, d.size) != d.size:
+                raise ShapeError(message(
+                    f"einsum: dim '{d.name}' has size {sizes[d.name]} in one operand and {d.size} in operand {k}.",
+                    source=equation, span=next(n.span for n in names if n.name == d.name),
+                    rule="a dim name means one size in all operands",
+                    fix=f"rename one of the '{d.name}' dims"))
+    if spec.output is None:
+        counts: dict[str, int] = {}
+        for names in spec.inputs:
+            for n in names:
+                counts[n.name] = counts.get(n.name, 0) + 1
+        out = [n for n, c in counts.items() if c == 1]
+    else:
+        out = [n.name for n in spec.output]
+    return _einsum_named(list(xs), out)
+
+
+__all__ = ["einsum"]

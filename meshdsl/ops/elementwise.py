@@ -1,0 +1,302 @@
+"""Elementwise ops with broadcasting by dim name.
+
+Operands are aligned by name: the output has the union of the operands' dims
+in order of first appearance, and each operand is permuted and unsqueezed to
+it locally.  No communication is ever needed beyond matching layouts, which
+the generic lowering rule takes care of.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..core.graph import Tensor, graph_of
+from ..core.shape import Shape, broadcast_shapes
+from ..errors import ShapeError, message
+from .registry import DENSE_CTX, Op, apply, register
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _align_plan(src: Shape, dst: Shape):
+    """Index recipe turning a tensor with dims ``src`` into one broadcastable to ``dst``."""
+    names = [n for n in dst.names if n in src]
+    perm = tuple(src.index(n) for n in names)
+    perm = None if perm == tuple(range(len(perm))) else perm
+    idx = tuple(slice(None) if n in src else None for n in dst.names)
+    idx = None if all(i is not None for i in idx) else idx
+    return perm, idx
+
+
+def align(x, plan):
+    perm, idx = plan
+    if perm is not None:
+        x = x.permute(perm)
+    if idx is not None:
+        x = x[idx]
+    return x
+
+
+def constant(value, dtype=torch.float32, like: Tensor | None = None) -> Tensor:
+    """A scalar constant node (shape ``[]``)."""
+    g = graph_of(like) if like is not None else None
+    if g is not None:
+        from ..core.graph import _current
+        _current.append(g)
+        try:
+            return apply("constant", [], {"value": value, "dtype": dtype})
+        finally:
+            _current.pop()
+    return apply("constant", [], {"value": value, "dtype": dtype})
+
+
+def _lift(xs):
+    """Turn Python scalars into constants with the dtype of the first tensor operand."""
+    like = next((x for x in xs if isinstance(x, Tensor)), None)
+    if like is None:
+        raise ShapeError(message("elementwise op: at least one operand must be a meshdsl Tensor.",
+                                 inputs=[f"operands: {xs!r}"], rule="scalars broadcast against tensors",
+                                 fix="make one operand a Tensor"))
+    dtype = like.dtype if like.dtype.is_floating_point else torch.float32
+    return [x if isinstance(x, Tensor) else constant(float(x), dtype, like) for x in xs]
+
+
+@register
+class Constant(Op):
+    name = "constant"
+    differentiable = False
+
+    def infer(self, inputs, attrs):
+        attrs["tensor"] = torch.tensor(attrs["value"], dtype=attrs["dtype"])
+        return [(Shape(), attrs["dtype"])]
+
+    def compute(self, ctx, attrs):
+        return attrs["tensor"]
+
+    def spec(self, node):
+        from .registry import ComputeSpec
+        return ComputeSpec({})
+
+    def grad(self, node, douts):
+        return []
+
+
+# ----------------------------------------------------------------------------- unary
+
+
+class Unary(Op):
+    fn = None
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        if not x.dtype.is_floating_point and self.name not in ("cast", "stop_gradient", "logical_not"):
+            raise ShapeError(message(f"{self.name}: input {x!r} is {x.dtype}, not floating point.",
+                                     rule=f"{self.name} is defined on floating-point tensors",
+                                     fix="cast it first: meshdsl.cast(x, torch.float32)"))
+        return [(x.shape, attrs.get("dtype", x.dtype))]
+
+    def compute(self, ctx, attrs, x):
+        return type(self).fn(x)
+
+
+def _unary(name, fn, grad=None, linear=False):
+    cls = type(name.title(), (Unary,), {"name": name, "fn": staticmethod(fn), "linear": linear})
+    if grad is not None:
+        cls.grad = lambda self, node, douts: [grad(node.inputs[0], node.outputs[0], douts[0])]
+    return register(cls)
+
+
+def _gelu_grad(x):
+    cdf = 0.5 * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + x * pdf
+
+
+_unary("neg", torch.neg, lambda x, y, g: -g, linear=True)
+_unary("exp", torch.exp, lambda x, y, g: g * y)
+_unary("log", torch.log, lambda x, y, g: g / x)
+_unary("sqrt", torch.sqrt, lambda x, y, g: g * 0.5 / y)
+_unary("rsqrt", torch.rsqrt, lambda x, y, g: g * (-0.5) * y / x)
+_unary("tanh", torch.tanh, lambda x, y, g: g * (1.0 - y * y))
+_unary("relu", torch.relu, lambda x, y, g: g * cast(x > 0.0, g.dtype))
+_unary("sigmoid", torch.sigmoid, lambda x, y, g: g * y * (1.0 - y))
+_unary("gelu_grad", _gelu_grad)
+_unary("gelu", F.gelu, lambda x, y, g: g * apply("gelu_grad", [x]))
+_unary("silu", F.silu, lambda x, y, g: g * (lambda s: s * (1.0 + x * (1.0 - s)))(sigmoid(x)))
+_unary("logical_not", torch.logical_not)
+
+
+@register
+class StopGradient(Unary):
+    name = "stop_gradient"
+    linear = True
+
+    def compute(self, ctx, attrs, x):
+        return x
+
+    def grad(self, node, douts):
+        return [None]
+
+
+@register
+class Cast(Unary):
+    name = "cast"
+    linear = True
+
+    def compute(self, ctx, attrs, x):
+        return x.to(attrs["dtype"])
+
+    def grad(self, node, douts):
+        x = node.inputs[0]
+        return [cast(douts[0], x.dtype) if x.dtype.is_floating_point else None]
+
+
+@register
+class Pow(Unary):
+    name = "pow"
+
+    def compute(self, ctx, attrs, x):
+        return torch.pow(x, attrs["exponent"])
+
+    def grad(self, node, douts):
+        x, p = node.inputs[0], node.attrs["exponent"]
+        return [douts[0] * p * pow(x, p - 1.0)]
+
+
+# ----------------------------------------------------------------------------- n-ary
+
+
+class Nary(Op):
+    out_dtype = None  # None: same as inputs
+
+    def infer(self, inputs, attrs):
+        shape = broadcast_shapes([x.shape for x in inputs], self.name)
+        dtypes = {x.dtype for x in inputs if x.node.op.name != "constant"} or {inputs[0].dtype}
+        data = [x for x in inputs if self.name != "where" or x is not inputs[0]]
+        ddt = {x.dtype for x in data if x.node.op.name != "constant"} or {data[0].dtype}
+        if len(ddt) > 1:
+            raise ShapeError(message(f"{self.name}: operands have different dtypes {sorted(map(str, dtypes))}.",
+                                     inputs=[f"operands: {', '.join(map(repr, inputs))}"],
+                                     rule="elementwise operands share one dtype (no silent promotion)",
+                                     fix="cast one operand with meshdsl.cast(x, dtype)"))
+        attrs["align"] = tuple(_align_plan(x.shape, shape) for x in inputs)
+        return [(shape, self.out_dtype or next(iter(ddt)))]
+
+    def compute(self, ctx, attrs, *xs):
+        return type(self).fn(*(align(x, p) for x, p in zip(xs, attrs["align"])))
+
+
+def _sum_to(g: Tensor, like: Tensor) -> Tensor:
+    """Sum ``g`` over dims ``like`` lacks, and order its dims like ``like``."""
+    from .reduce import reduce_sum
+    from .shape_ops import transpose
+
+    extra = [n for n in g.shape.names if n not in like.shape]
+    if extra:
+        g = reduce_sum(g, extra)
+    if g.shape.names != like.shape.names:
+        g = transpose(g, like.shape.names)
+    return g
+
+
+def _binary(name, fn, grad=None, linear=False, out_dtype=None, linear_args=()):
+    cls = type(name.title(), (Nary,), {"name": name, "fn": staticmethod(fn), "linear": linear,
+                                       "out_dtype": out_dtype, "linear_args": linear_args})
+    if grad is not None:
+        def g(self, node, douts):
+            a, b = node.inputs
+            ga, gb = grad(a, b, node.outputs[0], douts[0])
+            return [None if x is None else _sum_to(x, like) for x, like in ((ga, a), (gb, b))]
+        cls.grad = g
+    else:
+        cls.differentiable = False
+    return register(cls)
+
+
+def _mask(c, like):
+    return cast(c, like.dtype)
+
+
+_binary("add", torch.add, lambda a, b, y, g: (g, g), linear=True)
+_binary("sub", torch.sub, lambda a, b, y, g: (g, -g), linear=True)
+_binary("mul", torch.mul, lambda a, b, y, g: (g * b, g * a), linear_args=(0, 1))
+_binary("div", torch.div, lambda a, b, y, g: (g / b, -(g * y) / b), linear_args=(0,))
+_binary("maximum", torch.maximum, lambda a, b, y, g: (g * _mask(a >= b, g), g * _mask(a < b, g)))
+_binary("minimum", torch.minimum, lambda a, b, y, g: (g * _mask(a <= b, g), g * _mask(a > b, g)))
+for _n, _f in (("less", torch.lt), ("less_equal", torch.le), ("greater", torch.gt),
+               ("greater_equal", torch.ge), ("equal", torch.eq), ("not_equal", torch.ne)):
+    _binary(_n, _f, out_dtype=torch.bool)
+
+
+@register
+class Where(Nary):
+    name = "where"
+    fn = staticmethod(torch.where)
+
+    def infer(self, inputs, attrs):
+        if inputs[0].dtype != torch.bool:
+            raise ShapeError(message(f"where: condition {inputs[0]!r} is {inputs[0].dtype}, not bool.",
+                                     rule="where(cond, a, b) takes a boolean condition",
+                                     fix="build it with a comparison, e.g. x > 0"))
+        return super().infer(inputs, attrs)
+
+    def grad(self, node, douts):
+        c, a, b = node.inputs
+        g = douts[0]
+        zero = g * 0.0
+        return [None, _sum_to(where(c, g, zero), a), _sum_to(where(c, zero, g), b)]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _bin(name):
+    def f(a, b):
+        return apply(name, _lift([a, b]))
+    f.__name__ = name
+    f.__doc__ = f"Elementwise ``{name}`` with broadcasting by dim name."
+    return f
+
+
+add, sub, mul, div = _bin("add"), _bin("sub"), _bin("mul"), _bin("div")
+maximum, minimum = _bin("maximum"), _bin("minimum")
+less, less_equal, greater = _bin("less"), _bin("less_equal"), _bin("greater")
+greater_equal, equal, not_equal = _bin("greater_equal"), _bin("equal"), _bin("not_equal")
+
+
+def _un(name):
+    def f(x):
+        return apply(name, [x])
+    f.__name__ = name
+    f.__doc__ = f"Elementwise ``{name}``."
+    return f
+
+
+neg, exp, log, sqrt, rsqrt = _un("neg"), _un("exp"), _un("log"), _un("sqrt"), _un("rsqrt")
+tanh, relu, gelu, silu, sigmoid = _un("tanh"), _un("relu"), _un("gelu"), _un("silu"), _un("sigmoid")
+stop_gradient, logical_not = _un("stop_gradient"), _un("logical_not")
+
+
+def pow(x: Tensor, exponent: float) -> Tensor:  # noqa: A001 - mirrors torch.pow
+    """``x ** exponent`` for a Python-number exponent."""
+    if isinstance(exponent, Tensor):
+        return exp(log(x) * exponent)
+    return apply("pow", [x], {"exponent": float(exponent)})
+
+
+def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Convert ``x`` to ``dtype``."""
+    return apply("cast", [x], {"dtype": dtype})
+
+
+def where(cond: Tensor, a, b) -> Tensor:
+    """``a`` where ``cond`` else ``b``, broadcasting by name."""
+    return apply("where", [cond] + _lift([a, b]))
+
+
+__all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal", "greater",
+           "greater_equal", "equal", "not_equal", "neg", "exp", "log", "sqrt", "rsqrt", "tanh",
+           "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "pow", "cast",
+           "where", "constant", "align", "DENSE_CTX"]

@@ -1,0 +1,163 @@
+"""Index ops: iota (ranges), one_hot, gather (embedding lookup) and its gradient
+scatter_add.
+
+Each works on a split dim by knowing the global offset of its slice: iota adds
+it, one_hot and gather shift the indices by it and mask what lies elsewhere.
+A gather from a vocab-split table thus yields a lazy partial sum over the
+vocab's axes (Megatron's vocab-parallel embedding).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.graph import Graph, Tensor
+from ..core.shape import Dim, Shape
+from ..errors import ShapeError, message
+from .registry import ComputeSpec, Op, apply, register
+
+
+@register
+class Iota(Op):
+    name = "iota"
+    differentiable = False
+
+    def infer(self, inputs, attrs):
+        return [(Shape([attrs["dim"]]), attrs["dtype"])]
+
+    def compute(self, ctx, attrs, *xs):
+        d = attrs["dim"]
+        off = ctx.offset(d.name)
+        return torch.arange(off, off + ctx.size(d.name, d.size), dtype=attrs["dtype"])
+
+
+@register
+class OneHot(Op):
+    name = "one_hot"
+    differentiable = False
+
+    def infer(self, inputs, attrs):
+        (ids,) = inputs
+        if ids.dtype.is_floating_point:
+            raise ShapeError(message(f"one_hot: indices {ids!r} are {ids.dtype}.",
+                                     rule="indices are integers", fix="cast them to torch.int64"))
+        return [(Shape(list(ids.shape) + [attrs["dim"]]), attrs["dtype"])]
+
+    def compute(self, ctx, attrs, ids):
+        d = attrs["dim"]
+        n = ctx.size(d.name, d.size)
+        local = ids - ctx.offset(d.name)
+        return (local.unsqueeze(-1) == torch.arange(n, dtype=ids.dtype)).to(attrs["dtype"])
+
+    def grad(self, node, douts):
+        return [None]
+
+
+@register
+class Gather(Op):
+    """``table[ids]`` along ``dim``: out has ids' dims then the table's other dims."""
+
+    name = "gather"
+
+    def infer(self, inputs, attrs):
+        ids, table = inputs
+        name = attrs["dim"]
+        attrs["pos"] = table.shape.index(name)
+        rest = table.shape.without([name])
+        clash = [d.name for d in rest if d.name in ids.shape]
+        if clash:
+            raise ShapeError(message(f"gather: ids {ids.shape} and table {table.shape} share dim(s) {clash}.",
+                                     rule="the output holds ids' dims then the table's other dims, once each",
+                                     fix="rename the clashing dims"))
+        return [(Shape(list(ids.shape) + list(rest)), table.dtype)]
+
+    def spec(self, node):
+        ids, table = node.inputs
+        dims = {d.name: d.size for d in list(ids.shape) + list(table.shape)}
+        return ComputeSpec(dims, reduce={node.attrs["dim"]: "sum"})
+
+    def compute(self, ctx, attrs, ids, table):
+        name, pos = attrs["dim"], attrs["pos"]
+        n = table.shape[pos]
+        local = ids - ctx.offset(name)
+        if n == attrs["size"] and ctx.offset(name) == 0:
+            out = table.index_select(pos, ids.reshape(-1))
+            mask = None
+        else:
+            mask = (local >= 0) & (local < n)
+            out = table.index_select(pos, torch.where(mask, local, 0).reshape(-1))
+        out = out.movedim(pos, 0).reshape(*ids.shape, *[s for i, s in enumerate(table.shape) if i != pos])
+        if mask is not None:
+            out = out * mask.reshape(*ids.shape, *([1] * (table.dim() - 1))).to(out.dtype)
+        return out
+
+    def flops(self, node, local):
+        return math.prod(local.get(d.name, d.size) for d in node.outputs[0].shape)
+
+    def grad(self, node, douts):
+        ids, table = node.inputs
+        return [None, apply("scatter_add", [ids, douts[0]], {"dim": table.shape.get(node.attrs["dim"]),
+                                                             "table": table.shape})]
+
+
+@register
+class ScatterAdd(Op):
+    """Sum rows of ``src`` into a zero table at ``ids`` along ``dim`` (gather's gradient)."""
+
+    name = "scatter_add"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        ids, src = inputs
+        return [(attrs["table"], src.dtype)]
+
+    def spec(self, node):
+        ids, src = node.inputs
+        dims = {d.name: d.size for d in list(src.shape) + list(node.attrs["table"])}
+        return ComputeSpec(dims, reduce={n: "sum" for n in ids.shape.names})
+
+    def compute(self, ctx, attrs, ids, src):
+        d, table = attrs["dim"], attrs["table"]
+        n = ctx.size(d.name, d.size)
+        local = ids.reshape(-1) - ctx.offset(d.name)
+        rest = [ctx.size(t.name, t.size) for t in table if t.name != d.name]
+        rows = src.reshape(local.numel(), *rest)
+        mask = (local >= 0) & (local < n)
+        out = torch.zeros(n, *rest, dtype=src.dtype)
+        out.index_add_(0, torch.where(mask, local, 0), rows * mask.reshape(-1, *([1] * len(rest))).to(src.dtype))
+        pos = table.index(d.name)
+        return out.movedim(0, pos)
+
+    def flops(self, node, local):
+        return math.prod(local.get(d.name, d.size) for d in node.inputs[1].shape)
+
+
+def iota(dim: Dim, dtype=torch.int64) -> Tensor:
+    """``[0, 1, ..., dim.size-1]`` along ``dim``."""
+    Graph.current()
+    return apply("iota", [], {"dim": dim, "dtype": dtype})
+
+
+def one_hot(ids: Tensor, dim: Dim, dtype=torch.float32) -> Tensor:
+    """One-hot encode integer ``ids`` along new dim ``dim``."""
+    return apply("one_hot", [ids], {"dim": dim, "dtype": dtype})
+
+
+def gather(table: Tensor, ids: Tensor, dim) -> Tensor:
+    """Embedding lookup: rows of ``table`` along ``dim`` picked by integer ``ids``."""
+    name = dim.name if isinstance(dim, Dim) else dim
+    size = table.shape.get(name).size
+    if ids.dtype.is_floating_point:
+        raise ShapeError(message(f"gather: ids {ids!r} are {ids.dtype}.", rule="indices are integers",
+                                 fix="cast them to torch.int64"))
+    return apply("gather", [ids, table], {"dim": name, "size": size})
+
+
+def causal_mask(q: Dim, k: Dim) -> Tensor:
+    """Boolean [q, k] mask, True where key position <= query position."""
+    from .elementwise import greater_equal
+    return greater_equal(iota(q), iota(k))
+
+
+__all__ = ["iota", "one_hot", "gather", "causal_mask"]

@@ -1,0 +1,131 @@
+"""Leaves of the graph: trainable params and fed inputs.
+
+Params are initialised from a generator seeded by their name and a global
+seed, as whole tensors that each rank then slices, so every layout and
+process count starts from the same numbers.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+from ..core.graph import Graph, Tensor
+from ..core.shape import as_shape
+from ..errors import GraphError, message
+from .registry import ComputeSpec, Op, apply, register
+
+INITS = ("normal", "zeros", "ones", "uniform")
+
+
+@register
+class Param(Op):
+    name = "param"
+
+    def infer(self, inputs, attrs):
+        return [(attrs["shape"], attrs["dtype"])]
+
+    def compute(self, ctx, attrs):
+        raise GraphError("params are read from the executor's state, not computed")
+
+    def spec(self, node):
+        return ComputeSpec({d.name: d.size for d in node.outputs[0].shape})
+
+    def lower(self, lw, node):
+        lw.bind_leaf(node, "param")
+
+    def grad(self, node, douts):
+        return []
+
+
+@register
+class Input(Param):
+    name = "input"
+
+    def lower(self, lw, node):
+        lw.bind_leaf(node, "input")
+
+
+def init_value(t: Tensor, seed: int = 0) -> torch.Tensor:
+    """The full initial value of param ``t``: deterministic in (name, seed)."""
+    a = t.node.attrs
+    shape = t.shape.sizes
+    kind = a["init"]
+    if isinstance(kind, (int, float)) and not isinstance(kind, bool):
+        return torch.full(shape, float(kind), dtype=a["dtype"])
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=a["dtype"])
+    if kind == "ones":
+        return torch.ones(shape, dtype=a["dtype"])
+    gen = torch.Generator().manual_seed((zlib.crc32(t.name.encode()) ^ (seed * 0x9E3779B1)) & 0x7FFFFFFF)
+    scale = a["scale"]
+    if scale is None:
+        fan_in = math.prod(d.size for d in t.shape if d.name not in a["fan_out"]) if len(t.shape) > 1 else 1
+        scale = 1.0 / math.sqrt(max(1, fan_in))
+    if kind == "uniform":
+        return ((torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * scale).to(a["dtype"])
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(a["dtype"])
+
+
+def param(name: str, shape, init="normal", scale: float | None = None, dtype=torch.float32,
+          fan_out=()) -> Tensor:
+    """A trainable parameter.
+
+    Args:
+      name: unique name; also a layout scope (``"w1.d_ff:model"``).
+      shape: list of Dims.
+      init: 'normal', 'uniform', 'zeros', 'ones' or a number.
+      scale: std (normal) or bound (uniform); default 1/sqrt(fan_in), where fan_in
+        is the product of the dims not listed in ``fan_out``.
+      fan_out: dim names that are outputs (excluded from fan_in).
+    """
+    g = Graph.current()
+    if name in g.params or name in g.inputs:
+        raise GraphError(message(f"param('{name}'): the name is already used in graph '{g.name}'.",
+                                 rule="param and input names are unique", fix="pick another name"))
+    if init not in INITS and not isinstance(init, (int, float)):
+        raise GraphError(message(f"param('{name}'): unknown init {init!r}.", rule=f"init is one of {INITS} or a number",
+                                 fix="use init='normal'"))
+    t = apply("param", [], {"shape": as_shape(shape), "dtype": dtype, "init": init, "scale": scale,
+                            "fan_out": tuple(d.name if hasattr(d, "name") else d for d in fan_out)}, name=name)
+    t.node.name = name  # params keep their exact name, whatever the name scope
+    t.scopes = (name, "params")
+    g.params[name] = t
+    return t
+
+
+def input(name: str, shape, dtype=torch.float32) -> Tensor:  # noqa: A001 - the DSL's word
+    """A value fed at run time (a full tensor, or per-rank slices)."""
+    g = Graph.current()
+    if name in g.params or name in g.inputs:
+        raise GraphError(message(f"input('{name}'): the name is already used in graph '{g.name}'.",
+                                 rule="param and input names are unique", fix="pick another name"))
+    t = apply("input", [], {"shape": as_shape(shape), "dtype": dtype}, name=name)
+    t.node.name = name
+    t.scopes = (name,)
+    g.inputs[name] = t
+    return t
+
+
+__all__ = ["param", "input", "init_value"]
+
+
+@register
+class Placeholder(Param):
+    """An input of a sub-graph (a repeat block); its layout is set by the enclosing op."""
+
+    name = "placeholder"
+
+    def lower(self, lw, node):
+        if id(node.outputs[0]) not in lw.env:
+            lw.bind_leaf(node, "input")
+
+
+def placeholder(name: str, shape, dtype=torch.float32, scopes: tuple[str, ...] = ()) -> Tensor:
+    """A named sub-graph input (used by ``repeat``)."""
+    t = apply("placeholder", [], {"shape": as_shape(shape), "dtype": dtype}, name=name)
+    t.node.name = name
+    t.scopes = scopes
+    Graph.current().inputs[name] = t
+    return t

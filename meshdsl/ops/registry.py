@@ -1,0 +1,130 @@
+"""The op table.  Each op declares, in one class, everything the system needs:
+
+* ``infer``   : the shape rule (output shapes and dtypes from inputs and attrs);
+* ``compute`` : the local torch kernel, used by the dense executor (whole
+  tensors) and by every rank of a mesh (slices; ``ctx`` gives slice offsets);
+* ``grad``    : reverse-mode rule, built from other named-tensor ops;
+* ``spec``    : how the generic lowering rule may shard its compute, or a
+  custom ``lower`` for ops that need communication of their own.
+
+A new op touches one file: subclass :class:`Op` and call :func:`register`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.graph import Tensor, graph_of
+from ..errors import GraphError, message
+from ..core.shape import Shape
+
+OPS: dict[str, "Op"] = {}
+
+
+def register(cls):
+    """Class decorator: instantiate the op and put it in :data:`OPS`."""
+    OPS[cls.name] = cls()
+    return cls
+
+
+@dataclass
+class ComputeSpec:
+    """How an op's local compute may be sharded (for the generic lowering rule).
+
+    Attributes:
+      dims: every dim the compute touches, name -> size.
+      fixed: dims that must be whole (unsplit) on every rank.
+      reduce: input dims absent from the output, name -> 'sum' | 'max' | 'min'.
+        A split 'sum' dim leaves a lazy partial sum; 'max'/'min' are reduced at once.
+      out_rename: output dim name -> compute dim name, for ops that rename dims.
+    """
+
+    dims: dict[str, int]
+    fixed: frozenset[str] = frozenset()
+    reduce: dict[str, str] = field(default_factory=dict)
+    out_rename: dict[str, str] = field(default_factory=dict)
+
+
+class LocalCtx:
+    """What a local kernel may know about its rank: the global offset of each dim's slice."""
+
+    __slots__ = ("offsets", "sizes", "salt")
+
+    def __init__(self, offsets: dict[str, int] | None = None, sizes: dict[str, int] | None = None,
+                 salt: int = 0):
+        self.offsets = offsets or {}
+        self.sizes = sizes or {}
+        self.salt = salt
+
+    def offset(self, name: str) -> int:
+        """Global index of this rank's first element along dim ``name``."""
+        return self.offsets.get(name, 0)
+
+    def size(self, name: str, full: int) -> int:
+        """Local size of dim ``name`` (``full`` when the dim is whole here)."""
+        return self.sizes.get(name, full)
+
+    def with_salt(self, salt: int) -> "LocalCtx":
+        return LocalCtx(self.offsets, self.sizes, salt)
+
+
+DENSE_CTX = LocalCtx()
+
+
+class Op(ABC):
+    """Base class of every op; see the module docstring."""
+
+    name = "op"
+    #: True: the op is linear when *all* inputs are partial sums over the same axes
+    #: (add, sub, concat, unary linear maps), so the partial sum passes through lazily.
+    linear = False
+    #: input positions in which the op is linear on its own (mul: either operand,
+    #: div: the numerator): one of them may be partial while the others are not.
+    linear_args: tuple[int, ...] = ()
+    #: ops whose outputs carry no gradient (integer or boolean results).
+    differentiable = True
+
+    @abstractmethod
+    def infer(self, inputs: list[Tensor], attrs: dict) -> list[tuple[Shape, torch.dtype]]:
+        """Output (shape, dtype) pairs."""
+
+    @abstractmethod
+    def compute(self, ctx: LocalCtx, attrs: dict, *xs):
+        """Local torch kernel on (slices of) the inputs."""
+
+    def grad(self, node, douts):
+        raise GraphError(message(
+            f"grad: op '{self.name}' ({node.name}) has no gradient rule.",
+            rule="every op on the path from a param to the loss needs a gradient",
+            fix="wrap the op's input in meshdsl.stop_gradient(...) if no gradient should flow"))
+
+    def is_linear(self, node) -> bool:
+        return self.linear
+
+    def spec(self, node) -> ComputeSpec:
+        """Default: elementwise over the output dims."""
+        return ComputeSpec({d.name: d.size for d in node.outputs[0].shape})
+
+    def lower(self, lw, node) -> None:
+        from ..lowering.generic import lower_generic
+
+        lower_generic(lw, node)
+
+    def flops(self, node, local: dict[str, int]) -> int:
+        """FLOPs of one local kernel call, given the local size of every compute dim."""
+        n = 1
+        for d in node.outputs[0].shape:
+            n *= local.get(d.name, d.size)
+        return n
+
+
+def apply(op_name: str, inputs, attrs: dict | None = None, name: str | None = None):
+    """Build a node of op ``op_name``; returns its output (or a tuple of outputs)."""
+    op = OPS[op_name]
+    attrs = attrs or {}
+    g = graph_of(*inputs)
+    outs = op.infer(list(inputs), attrs)
+    node = g.add_node(op, inputs, attrs, outs, name)
+    return node.outputs[0] if len(node.outputs) == 1 else node.outputs

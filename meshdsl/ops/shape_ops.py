@@ -1,0 +1,268 @@
+"""Ops that change a tensor's dims without arithmetic: transpose, broadcast_to,
+rename, reshape and einops-style rearrange.
+
+Renaming is how a layout changes (Mesh-TF): the same data under new dim names
+picks up the new names' layout rules, so the compiler inserts the allgather,
+local split or alltoall that turns one into the other.
+"""
+from __future__ import annotations
+
+import math
+
+import einops
+import torch
+
+from ..core.graph import Tensor
+from ..core.shape import Dim, Shape, as_shape
+from ..errors import ShapeError, did_you_mean, message
+from .elementwise import _align_plan, align
+from .registry import ComputeSpec, Op, apply, register
+
+
+@register
+class Transpose(Op):
+    name = "transpose"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        shape = Shape(x.shape.get(n) for n in attrs["names"])
+        attrs["perm"] = tuple(x.shape.index(n) for n in attrs["names"])
+        return [(shape, x.dtype)]
+
+    def compute(self, ctx, attrs, x):
+        return x.permute(attrs["perm"])
+
+    def grad(self, node, douts):
+        return [transpose(douts[0], node.inputs[0].shape.names)]
+
+
+@register
+class BroadcastTo(Op):
+    name = "broadcast_to"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        shape = attrs["shape"]
+        attrs["align"] = _align_plan(x.shape, shape)
+        attrs["full"] = tuple((d.name, d.size) for d in shape)
+        return [(shape, x.dtype)]
+
+    def compute(self, ctx, attrs, x):
+        return align(x, attrs["align"]).expand(*(ctx.size(n, s) for n, s in attrs["full"])).contiguous()
+
+    def grad(self, node, douts):
+        from .elementwise import _sum_to
+        return [_sum_to(douts[0], node.inputs[0])]
+
+
+@register
+class Rename(Op):
+    name = "rename"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        m = attrs["mapping"]
+        return [(Shape(Dim(m.get(d.name, d.name), d.size) for d in x.shape), x.dtype)]
+
+    def compute(self, ctx, attrs, x):
+        return x
+
+    def spec(self, node):
+        x = node.inputs[0]
+        inv = {v: k for k, v in node.attrs["mapping"].items()}
+        return ComputeSpec({d.name: d.size for d in x.shape},
+                           out_rename={d.name: inv.get(d.name, d.name) for d in node.outputs[0].shape})
+
+    def grad(self, node, douts):
+        inv = {v: k for k, v in node.attrs["mapping"].items()}
+        return [rename(douts[0], inv)]
+
+
+@register
+class Reshape(Op):
+    """Row-major reshape; dims after the common leading prefix must be whole."""
+
+    name = "reshape"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        shape = attrs["shape"]
+        k = 0
+        while k < min(len(x.shape), len(shape)) and x.shape[k] == shape[k]:
+            k += 1
+        attrs["prefix"] = tuple(d.name for d in shape[:k])
+        attrs["rest"] = tuple(d.size for d in shape[k:])
+        return [(shape, x.dtype)]
+
+    def compute(self, ctx, attrs, x):
+        lead = x.shape[:len(attrs["prefix"])]
+        return x.reshape(*lead, *attrs["rest"])
+
+    def spec(self, node):
+        x, y = node.inputs[0], node.outputs[0]
+        keep = set(node.attrs["prefix"])
+        dims = {d.name: d.size for d in x.shape}
+        dims.update({d.name: d.size for d in y.shape})
+        fixed = frozenset(n for n in dims if n not in keep)
+        clash = [d.name for d in y.shape if d.name in x.shape and d.name not in keep
+                 and x.shape.get(d.name).size != d.size]
+        if clash:
+            raise ShapeError(message(
+                f"reshape {x.shape} -> {y.shape}: dim '{clash[0]}' changes size but keeps its name.",
+                rule="a dim name means one size within an op", fix=f"give the new dim another name"))
+        return ComputeSpec(dims, fixed=fixed, out_rename={})
+
+    def grad(self, node, douts):
+        return [reshape(douts[0], node.inputs[0].shape)]
+
+
+@register
+class Rearrange(Op):
+    name = "rearrange"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        return [(attrs["shape"], inputs[0].dtype)]
+
+    def compute(self, ctx, attrs, x):
+        return einops.rearrange(x, attrs["pattern"], **attrs["sizes"])
+
+    def spec(self, node):
+        x, y = node.inputs[0], node.outputs[0]
+        dims = {d.name: d.size for d in x.shape}
+        dims.update({d.name: d.size for d in y.shape})
+        dims.update(node.attrs["parts"])
+        return ComputeSpec(dims, fixed=frozenset(node.attrs["fixed"]))
+
+    def grad(self, node, douts):
+        return [apply("rearrange", [douts[0]], node.attrs["back"])]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def transpose(x: Tensor, names) -> Tensor:
+    """Reorder ``x``'s dims to ``names`` (a permutation of its dim names)."""
+    names = tuple(n.name if isinstance(n, Dim) else n for n in names)
+    if sorted(names) != sorted(x.shape.names):
+        raise ShapeError(message(f"transpose: {list(names)} is not a permutation of {list(x.shape.names)}.",
+                                 rule="transpose lists every dim once", fix=f"use an order of {list(x.shape.names)}"))
+    if names == x.shape.names:
+        return x
+    return apply("transpose", [x], {"names": names})
+
+
+def broadcast_to(x: Tensor, shape) -> Tensor:
+    """Repeat ``x`` along the dims of ``shape`` it lacks (and order it like ``shape``)."""
+    shape = as_shape(shape)
+    for d in x.shape:
+        if d not in shape:
+            raise ShapeError(message(f"broadcast_to: dim {d!r} of {x!r} is not in target {shape}.",
+                                     rule="broadcasting only adds dims", fix="reduce or rename it first"))
+    if shape == x.shape:
+        return x
+    return apply("broadcast_to", [x], {"shape": shape})
+
+
+def rename(x: Tensor, mapping: dict | None = None, **kw) -> Tensor:
+    """Rename dims: ``rename(x, batch="experts_batch")`` or ``rename(x, {"batch": ...})``.
+
+    The data do not change; the layout does, when the names have different rules.
+    """
+    m = {(k.name if isinstance(k, Dim) else k): (v.name if isinstance(v, Dim) else v)
+         for k, v in {**(mapping or {}), **kw}.items()}
+    for k in m:
+        if k not in x.shape:
+            raise ShapeError(message(f"rename: {x!r} has no dim '{k}'.{did_you_mean(k, x.shape.names)}",
+                                     rule="rename maps existing dim names to new ones",
+                                     fix=f"use dims from {list(x.shape.names)}"))
+    m = {k: v for k, v in m.items() if k != v}
+    return apply("rename", [x], {"mapping": m}) if m else x
+
+
+def reshape(x: Tensor, shape) -> Tensor:
+    """Mesh-TF reshape: a rename when sizes line up dim for dim, else a row-major reshape."""
+    shape = as_shape(shape)
+    if shape.numel != x.shape.numel:
+        raise ShapeError(message(f"reshape {x.shape} -> {shape}: {x.shape.numel} elements cannot become {shape.numel}.",
+                                 rule="reshape keeps the number of elements", fix="check the new dims' sizes"))
+    if len(shape) == len(x.shape) and shape.sizes == x.shape.sizes:
+        return rename(x, {a.name: b.name for a, b in zip(x.shape, shape)})
+    return apply("reshape", [x], {"shape": shape})
+
+
+def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
+    """einops-style rearrange over names.
+
+    The left side lists ``x``'s dims in order; a group ``(heads d_k)`` on the left
+    splits that dim (give all but one part's size as keywords).  A group on the
+    right merges dims into one named by joining the parts with ``_``.
+
+    Example: ``rearrange(x, "batch seq (heads d_k) -> batch seq heads d_k", heads=8)``.
+    """
+    from ..layout.parse import parse_rearrange
+    from ..layout.specs import Group
+
+    spec = parse_rearrange(pattern)
+    if len(spec.left) != len(x.shape):
+        raise ShapeError(message(
+            f"rearrange: the left side has {len(spec.left)} entries but {x!r} has {len(x.shape)} dims.",
+            source=pattern, span=None, rule="the left side lists the input's dims in order",
+            fix=f"start the pattern with '{' '.join(x.shape.names)} ->'"))
+    part_sizes: dict[str, int] = {}
+    fixed: set[str] = set()
+    left_tokens = []
+    for item, d in zip(spec.left, x.shape):
+        if isinstance(item, Group):
+            names = [n.name for n in item.names]
+            known = [sizes[n] for n in names if n in sizes]
+            unknown = [n for n in names if n not in sizes]
+            if len(unknown) > 1 or (not unknown and math.prod(known) != d.size) or d.size % max(1, math.prod(known)):
+                raise ShapeError(message(
+                    f"rearrange: cannot split dim {d!r} into ({' '.join(names)}) with sizes {sizes}.",
+                    source=pattern, span=item.span,
+                    rule="the parts of a split dim multiply to its size; give all but one as keywords",
+                    fix=f"e.g. rearrange(x, pattern, {names[0]}=N)"))
+            for n in names:
+                part_sizes[n] = sizes.get(n) or d.size // math.prod(known)
+            fixed.update(names)
+            fixed.add(d.name)
+            left_tokens.append("(" + " ".join(names) + ")")
+        else:
+            if item.name != d.name:
+                raise ShapeError(message(
+                    f"rearrange: left side names '{item.name}' where {x!r} has dim '{d.name}'.",
+                    source=pattern, span=item.span, rule="the left side lists the input's dims in order",
+                    fix=f"write '{d.name}' there"))
+            part_sizes[d.name] = d.size
+            left_tokens.append(d.name)
+    out_dims, right_tokens = [], []
+    for item in spec.right:
+        if isinstance(item, Group):
+            names = [n.name for n in item.names]
+            merged = "_".join(names)
+            out_dims.append(Dim(merged, math.prod(part_sizes[n] for n in names)))
+            fixed.update(names)
+            fixed.add(merged)
+            right_tokens.append("(" + " ".join(names) + ")")
+        else:
+            out_dims.append(Dim(item.name, part_sizes[item.name]))
+            right_tokens.append(item.name)
+    shape = Shape(out_dims)
+    kw = {n: part_sizes[n] for item in spec.left if isinstance(item, Group) for n in [i.name for i in item.names][1:]}
+    fwd = f"{' '.join(left_tokens)} -> {' '.join(right_tokens)}"
+    back_kw = {n: part_sizes[n] for item in spec.right if isinstance(item, Group) for n in [i.name for i in item.names][1:]}
+    back_shape = x.shape
+    attrs = {"pattern": fwd, "sizes": kw, "shape": shape, "fixed": tuple(sorted(fixed)),
+             "parts": {n: s for n, s in part_sizes.items()}}
+    attrs["back"] = {"pattern": f"{' '.join(right_tokens)} -> {' '.join(left_tokens)}", "sizes": back_kw,
+                     "shape": back_shape, "fixed": attrs["fixed"], "parts": attrs["parts"]}
+    attrs["back"]["back"] = {k: v for k, v in attrs.items() if k != "back"}
+    return apply("rearrange", [x], attrs)
+
+
+__all__ = ["transpose", "broadcast_to", "rename", "reshape", "rearrange"]

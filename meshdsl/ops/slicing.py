@@ -1,0 +1,189 @@
+"""Ops along one dim: slice, pad, concat, and shift/roll.
+
+slice, pad and concat need their dim whole on each rank (the compiler gathers
+it when it is split, and says so in the plan).  shift and roll work on a split
+dim too: each rank trades a boundary strip with its neighbour along the axes
+that split the dim (a collective permute).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core.graph import Tensor
+from ..core.shape import Dim, Shape
+from ..errors import ShapeError, message
+from .registry import ComputeSpec, Op, apply, register
+
+
+def _dim(x: Tensor, dim, what: str) -> str:
+    name = dim.name if isinstance(dim, Dim) else dim
+    x.shape.index(name)  # raises a ShapeError naming the shape
+    return name
+
+
+def _resized(x: Tensor, name: str, size: int) -> Shape:
+    return Shape(Dim(d.name, size) if d.name == name else d for d in x.shape)
+
+
+class _AlongDim(Op):
+    linear = True
+
+    def spec(self, node):
+        dims = {}
+        for t in list(node.inputs) + list(node.outputs):
+            dims.update({d.name: d.size for d in t.shape})
+        return ComputeSpec(dims, fixed=frozenset([node.attrs["dim"]]))
+
+
+@register
+class Slice(_AlongDim):
+    name = "slice"
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        attrs["pos"] = x.shape.index(attrs["dim"])
+        return [(_resized(x, attrs["dim"], attrs["stop"] - attrs["start"]), x.dtype)]
+
+    def compute(self, ctx, attrs, x):
+        return x.narrow(attrs["pos"], attrs["start"], attrs["stop"] - attrs["start"])
+
+    def grad(self, node, douts):
+        x, a = node.inputs[0], node.attrs
+        return [pad(douts[0], a["dim"], a["start"], x.shape.get(a["dim"]).size - a["stop"])]
+
+
+@register
+class Pad(_AlongDim):
+    name = "pad"
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        pos = x.shape.index(attrs["dim"])
+        attrs["torch_pad"] = (0, 0) * (len(x.shape) - 1 - pos) + (attrs["before"], attrs["after"])
+        size = x.shape.get(attrs["dim"]).size + attrs["before"] + attrs["after"]
+        return [(_resized(x, attrs["dim"], size), x.dtype)]
+
+    def compute(self, ctx, attrs, x):
+        return F.pad(x, attrs["torch_pad"], value=attrs["value"])
+
+    def is_linear(self, node):
+        return node.attrs["value"] == 0.0
+
+    def grad(self, node, douts):
+        a = node.attrs
+        n = node.inputs[0].shape.get(a["dim"]).size
+        return [slice_(douts[0], a["dim"], a["before"], a["before"] + n)]
+
+
+@register
+class Concat(_AlongDim):
+    name = "concat"
+
+    def infer(self, inputs, attrs):
+        first = inputs[0]
+        name = attrs["dim"]
+        for k, x in enumerate(inputs[1:], 1):
+            if x.shape.without([name]) != first.shape.without([name]):
+                raise ShapeError(message(
+                    f"concat along '{name}': operand {k} {x.shape} does not match operand 0 {first.shape} "
+                    f"outside '{name}'.", rule="concat operands agree on every other dim, in order",
+                    fix="transpose or rename so the other dims match"))
+        attrs["pos"] = first.shape.index(name)
+        attrs["sizes"] = tuple(x.shape.get(name).size for x in inputs)
+        return [(_resized(first, name, sum(attrs["sizes"])), first.dtype)]
+
+    def compute(self, ctx, attrs, *xs):
+        return torch.cat(xs, dim=attrs["pos"])
+
+    def grad(self, node, douts):
+        out, start = [], 0
+        for s in node.attrs["sizes"]:
+            out.append(slice_(douts[0], node.attrs["dim"], start, start + s))
+            start += s
+        return out
+
+
+@register
+class Shift(Op):
+    """Shift along ``dim`` by ``offset`` (zero fill), or roll when ``wrap``."""
+
+    name = "shift"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        attrs["pos"] = x.shape.index(attrs["dim"])
+        return [(x.shape, x.dtype)]
+
+    def compute(self, ctx, attrs, x):
+        k, pos = attrs["offset"], attrs["pos"]
+        if attrs["wrap"]:
+            return torch.roll(x, k, dims=pos)
+        return shift_local(x, None, k, pos)
+
+    def lower(self, lw, node):
+        from ..lowering.shift import lower_shift
+        lower_shift(lw, node)
+
+    def grad(self, node, douts):
+        a = node.attrs
+        return [apply("shift", [douts[0]], {"dim": a["dim"], "offset": -a["offset"], "wrap": a["wrap"]})]
+
+
+def shift_local(x, incoming, k: int, pos: int):
+    """Shift ``x`` by ``k`` along ``pos``, filling the gap from ``incoming`` (zeros if None)."""
+    n = x.shape[pos]
+    if k == 0:
+        return x
+    if abs(k) >= n and incoming is None:
+        return torch.zeros_like(x)
+    if incoming is None:
+        incoming = torch.zeros_like(x.narrow(pos, 0, abs(k)))
+    if k > 0:
+        return torch.cat([incoming, x.narrow(pos, 0, n - k)], dim=pos)
+    return torch.cat([x.narrow(pos, -k, n + k), incoming], dim=pos)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def slice_(x: Tensor, dim, start: int, stop: int) -> Tensor:
+    """Elements ``start:stop`` of ``x`` along ``dim`` (a dim of the same name, smaller)."""
+    name = _dim(x, dim, "slice")
+    n = x.shape.get(name).size
+    if not 0 <= start < stop <= n:
+        raise ShapeError(message(f"slice: [{start}:{stop}] is out of range for dim '{name}' of size {n}.",
+                                 rule="0 <= start < stop <= size", fix=f"pick bounds within 0..{n}"))
+    return apply("slice", [x], {"dim": name, "start": int(start), "stop": int(stop)})
+
+
+def pad(x: Tensor, dim, before: int, after: int, value: float = 0.0) -> Tensor:
+    """Pad ``x`` along ``dim`` with ``before``/``after`` elements of ``value``."""
+    name = _dim(x, dim, "pad")
+    if before < 0 or after < 0:
+        raise ShapeError(message(f"pad: negative padding ({before}, {after}) on '{name}'.",
+                                 rule="padding amounts are >= 0", fix="use slice to shrink a dim"))
+    if before == after == 0:
+        return x
+    return apply("pad", [x], {"dim": name, "before": int(before), "after": int(after), "value": float(value)})
+
+
+def concat(xs, dim) -> Tensor:
+    """Concatenate tensors along ``dim`` (the others must match)."""
+    name = _dim(xs[0], dim, "concat")
+    return apply("concat", list(xs), {"dim": name})
+
+
+def shift(x: Tensor, dim, offset: int, wrap: bool = False) -> Tensor:
+    """Move elements ``offset`` places along ``dim``; zero-filled, or rolled when ``wrap``."""
+    name = _dim(x, dim, "shift")
+    return apply("shift", [x], {"dim": name, "offset": int(offset), "wrap": bool(wrap)})
+
+
+def roll(x: Tensor, dim, offset: int) -> Tensor:
+    """``shift`` with wrap-around, like ``torch.roll``."""
+    return shift(x, dim, offset, wrap=True)
+
+
+__all__ = ["slice_", "pad", "concat", "shift", "roll"]

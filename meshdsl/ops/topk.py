@@ -1,0 +1,74 @@
+"""top_k along a dim, for MoE routing: values and indices along a new dim of size k.
+
+The searched dim must be whole on each rank (the compiler gathers it when split).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.graph import Tensor
+from ..core.shape import Dim, Shape
+from ..errors import ShapeError, message
+from .registry import ComputeSpec, Op, apply, register
+
+
+@register
+class TopK(Op):
+    name = "top_k"
+
+    def infer(self, inputs, attrs):
+        (x,) = inputs
+        name, new = attrs["dim"], attrs["new_dim"]
+        attrs["pos"] = x.shape.index(name)
+        shape = Shape(new if d.name == name else d for d in x.shape)
+        return [(shape, x.dtype), (shape, torch.int64)]
+
+    def spec(self, node):
+        x = node.inputs[0]
+        dims = {d.name: d.size for d in x.shape}
+        dims[node.attrs["new_dim"].name] = node.attrs["new_dim"].size
+        return ComputeSpec(dims, fixed=frozenset([node.attrs["dim"], node.attrs["new_dim"].name]))
+
+    def compute(self, ctx, attrs, x):
+        v, i = torch.topk(x, attrs["new_dim"].size, dim=attrs["pos"])
+        return v, i
+
+    def grad(self, node, douts):
+        from .einsum import _einsum_named
+        from .embed import one_hot
+        x = node.inputs[0]
+        g = douts[0]
+        if g is None:
+            return [None]
+        oh = one_hot(node.outputs[1], x.shape.get(node.attrs["dim"]), x.dtype)
+        return [_einsum_named([g, oh], list(x.shape.names))]
+
+
+def top_k(x: Tensor, dim, k: int, new_dim: Dim | str | None = None):
+    """The ``k`` largest values along ``dim`` and their indices.
+
+    Args:
+      x: input.
+      dim: dim to search.
+      k: how many.
+      new_dim: the dim of size k that replaces ``dim`` (default ``f"{dim}_top"``).
+
+    Returns:
+      ``(values, indices)``, both with ``dim`` replaced by ``new_dim``.
+    """
+    name = dim.name if isinstance(dim, Dim) else dim
+    n = x.shape.get(name).size
+    if not 1 <= k <= n:
+        raise ShapeError(message(f"top_k: k={k} is out of range for dim '{name}' of size {n}.",
+                                 rule="1 <= k <= size", fix=f"pick k in 1..{n}"))
+    if new_dim is None:
+        new_dim = Dim(f"{name}_top", k)
+    elif isinstance(new_dim, str):
+        new_dim = Dim(new_dim, k)
+    if new_dim.size != k:
+        raise ShapeError(message(f"top_k: new_dim {new_dim!r} must have size k={k}.",
+                                 rule="the new dim holds the k results", fix=f"use Dim('{new_dim.name}', {k})"))
+    return apply("top_k", [x], {"dim": name, "new_dim": new_dim})
+
+
+__all__ = ["top_k"]

@@ -1,0 +1,203 @@
+"""The launcher: failures surface fast with the culprit's traceback, nothing is left running."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshdsl.errors import DistributedError, MeshError
+from meshdsl.exec import launch
+
+COLLECTIVE_TIMEOUT_S = 60.0  # the failure tests must finish far below this
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _assert_all_gone(pid_dir: Path, expected: int, within_s: float = 5.0) -> None:
+    pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+    assert len(pids) == expected, f"expected {expected} pid files, found {pids}"
+    end = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "a child outlived the job"
+    assert multiprocessing.active_children() == []
+
+
+def _write_pid(pid_dir: str, rank: int) -> None:
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+
+
+def _raise_in_step(comm, pid_dir, bad_rank, bad_step):
+    _write_pid(pid_dir, comm.rank)
+    x = torch.ones(4)
+    for step in range(6):
+        if comm.rank == bad_rank and step == bad_step:
+            raise ValueError(f"boom in step {step}")
+        x = comm.all_reduce([x], ("x",), "sum")[0]
+    return x
+
+
+def _sigkill_in_step(comm, pid_dir, bad_rank, bad_step):
+    _write_pid(pid_dir, comm.rank)
+    x = torch.ones(4)
+    for step in range(6):
+        if comm.rank == bad_rank and step == bad_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = comm.all_reduce([x], ("x",), "sum")[0]
+    return x
+
+
+def _hang_on_rank_0(rank, pid_dir):
+    _write_pid(pid_dir, rank)
+    if rank == 0:
+        time.sleep(1000)
+    torch.distributed.barrier()
+
+
+def _sleep_forever(rank, pid_dir):
+    _write_pid(pid_dir, rank)
+    time.sleep(1000)
+
+
+def _port_and_rank(rank):
+    return int(os.environ["MASTER_PORT"]), rank, torch.get_num_threads()
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_raises_is_named_with_its_traceback(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_raise_in_step, 3, args=(str(tmp_path), 2, 3), mesh="x:3",
+                     collective_timeout=COLLECTIVE_TIMEOUT_S, timeout=50)
+    elapsed = time.monotonic() - start
+    text = str(e.value)
+    assert "spawn: rank 2 of 3 raised an exception" in text
+    assert "Traceback of rank 2:" in text
+    assert "in _raise_in_step" in text and "ValueError: boom in step 3" in text
+    assert "mesh: x:3" in text
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    _assert_all_gone(tmp_path, 3)
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_a_signal_is_noticed_fast(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_sigkill_in_step, 3, args=(str(tmp_path), 1, 2), mesh="x:3",
+                     collective_timeout=COLLECTIVE_TIMEOUT_S, timeout=50)
+    elapsed = time.monotonic() - start
+    text = str(e.value)
+    assert "spawn: rank 1 of 3 was killed by signal SIGKILL (exit code -9)" in text
+    # The others were blocked in an all_reduce with a 60 s timeout.
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    _assert_all_gone(tmp_path, 3)
+
+
+@pytest.mark.timeout(60)
+def test_hung_job_hits_the_hard_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_hang_on_rank_0, 2, args=(str(tmp_path),), timeout=8,
+                     collective_timeout=COLLECTIVE_TIMEOUT_S)
+    assert "spawn: ranks 0, 1 of 2 did not finish within 8 s" in str(e.value)
+    assert time.monotonic() - start < 15
+    _assert_all_gone(tmp_path, 2)
+
+
+def test_mesh_size_must_match_process_count():
+    with pytest.raises(MeshError) as e:
+        launch.spawn(_port_and_rank, 2, mesh="data:2; model:2")
+    text = str(e.value)
+    assert "mesh 'data:2; model:2' has 4 devices but the job has 2 processes" in text
+    assert "Rule: a distributed run needs exactly one process per mesh device" in text
+    assert "Fix: launch 4 processes" in text
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(60)
+def test_port_clash_still_launches(monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    real, tried = launch._pick_port, []
+
+    def pick():  # hand out the busy port first, as a race with another job would
+        port = busy if not tried else real()
+        tried.append(port)
+        return port
+
+    monkeypatch.setattr(launch, "_pick_port", pick)
+    try:
+        got = launch.spawn(_port_and_rank, 2, timeout=50)
+    finally:
+        taken.close()
+    assert tried[0] == busy and len(tried) == 2
+    assert got == [(tried[1], 0, 1), (tried[1], 1, 1)]
+    assert multiprocessing.active_children() == []
+
+
+def test_torchrun_env_detection(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert not launch.in_torchrun()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(DistributedError) as e:
+        launch.init_from_env("gloo")
+    assert "WORLD_SIZE is not set" in str(e.value) and "torchrun" in str(e.value)
+    for k, v in dict(WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(launch._pick_port())).items():
+        monkeypatch.setenv(k, v)
+    assert launch.in_torchrun()
+    try:
+        assert launch.init_from_env("gloo", timeout=10) == 0
+        assert launch.launch(_comm_summary, "data:1") == [("data:1", (0,))]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _comm_summary(comm):
+    return str(comm.mesh), comm.ranks
+
+
+@pytest.mark.timeout(60)
+def test_children_die_with_the_launcher(tmp_path):
+    # A launcher process that gets SIGKILLed cannot clean up; its children must still go.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from meshdsl.exec.launch import spawn
+        import test_launch
+        if __name__ == "__main__":
+            spawn(test_launch._sleep_forever, 2, args=({str(tmp_path)!r},))
+    """)
+    proxy = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        end = time.monotonic() + 40
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+            assert proxy.poll() is None, "the launcher exited early"
+        time.sleep(0.2)  # let the second pid file be fully written
+    finally:
+        proxy.kill()
+        proxy.wait()
+    _assert_all_gone(tmp_path, 2, within_s=5.0)
