@@ -53,9 +53,37 @@ class Communicator(ABC):
         Without ``wrap`` a member with no sender gets ``None``.
         """
 
+    def start(self, kind: str, xs: list[torch.Tensor], axes: tuple[str, ...], args: dict) -> "Pending":
+        """Begin collective ``kind`` and return a handle whose ``wait()`` gives the result.
+
+        The default runs it at once; communicators that can overlap communication
+        with compute (torch.distributed's ``async_op``) override this.
+        """
+        from .executor import run_collective
+        return Done(run_collective(self, kind, xs, axes, args))
+
     def barrier(self) -> None:
         """Wait for every rank (a no-op where all ranks live in one process)."""
 
     def agree(self, token: str) -> list[str]:
         """Exchange a string with every rank; returns all ranks' strings (rank order)."""
         return [token] * self.mesh.size
+
+
+class Pending:
+    """A collective in flight; ``wait()`` returns one tensor per held rank."""
+
+    def wait(self) -> list[torch.Tensor]:
+        raise AssertionError("subclasses implement wait()")
+
+
+class Done(Pending):
+    """A result that is already there."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value

@@ -7,6 +7,8 @@ computed once per plan.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..errors import GraphError, message
@@ -14,7 +16,7 @@ from ..lowering.plan import Plan, Value
 from ..lowering.relayout import plan_moves
 from ..layout.sharding import Sharding
 from ..ops.registry import LocalCtx
-from .comm import Communicator
+from .comm import Communicator, Pending
 
 
 class PerRank(list):
@@ -126,16 +128,36 @@ class Executor:
     # -- running
     def run(self, feeds: dict | None = None, params: dict | None = None, salt: int = 0,
             stats: dict | None = None) -> dict[str, list[torch.Tensor]]:
-        """Run the plan; returns output name -> local tensors (one per held rank)."""
+        """Run the plan; returns output name -> local tensors (one per held rank).
+
+        With ``stats`` (a dict), seconds spent per step kind are added to it, and
+        time blocked on collectives in flight under 'wait'.
+        """
         feeds = feeds or {}
         if params is None:
             params = self.init_params()
         env: dict[int, list] = {}
         comm = self.comm
+
+        clock = time.perf_counter if stats is not None else None
+
+        def get(v):
+            x = env[v]
+            if isinstance(x, Pending):
+                if clock:
+                    t0 = clock()
+                    x = env[v] = x.wait()
+                    stats["wait"] = stats.get("wait", 0.0) + clock() - t0
+                else:
+                    x = env[v] = x.wait()
+            return x
+
         for i, s in enumerate(self.plan.steps):
             k = s.kind
+            if clock:
+                t0 = clock()
             if k == "local":
-                ins = [env[v] for v in s.ins]
+                ins = [get(v) for v in s.ins]
                 ctxs = self.ctxs[i]
                 fn, attrs = s.args["fn"], s.args["attrs"]
                 res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in ins])
@@ -159,14 +181,20 @@ class Executor:
                                              rule="every input the outputs need is fed", fix=f"add '{name}' to the feeds"))
                 env[s.outs[0]] = self._feed(name, s.outs[0], feeds[name])
             elif k == "repeat":
-                outs = s.args["execute"](self, s, [env[v] for v in s.ins], salt)
+                outs = s.args["execute"](self, s, [get(v) for v in s.ins], salt, stats)
                 for vid, x in zip(s.outs, outs):
                     env[vid] = x
+            elif k == "split":
+                env[s.outs[0]] = run_collective(comm, k, get(s.ins[0]), s.axes, s.args)
             else:
-                env[s.outs[0]] = run_collective(comm, k, env[s.ins[0]], s.axes, s.args)
+                env[s.outs[0]] = comm.start(k, get(s.ins[0]), s.axes, s.args)
             for v in self.free_after.get(i, ()):
-                env.pop(v, None)
-        return {name: env[vid] for name, vid in self.plan.outputs.items()}
+                x = env.pop(v, None)
+                if isinstance(x, Pending):
+                    x.wait()
+            if clock and k != "repeat":  # a repeat's sub-plan counts its own steps
+                stats[k] = stats.get(k, 0.0) + clock() - t0
+        return {name: get(vid) for name, vid in self.plan.outputs.items()}
 
     # -- assembling full tensors
     def to_full(self, vid: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -139,18 +139,26 @@ def _graph_dims(nodes) -> tuple[dict[str, int], set[str]]:
 
 
 def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> dict[str, int]:
-    """Lower the nodes ``outputs`` need into ``lw``; returns output name -> value id."""
-    nodes = topo_nodes(list(outputs.values()))
-    for node in nodes:
-        node.op.lower(lw, node)
-    out = {}
+    """Lower the nodes ``outputs`` need into ``lw``; returns output name -> value id.
+
+    Each output is brought to its layout right after its node is lowered, so its
+    collectives (gradient reductions, typically) are issued as early as possible
+    and an executor can overlap them with the compute that follows.
+    """
+    wanted: dict[int, list[str]] = {}
     for name, t in outputs.items():
-        tgt = lw.target(t)
-        vid = lw.value(t)
-        if lazy:
-            cur = lw.sharding(vid)
-            tgt = tgt.with_partial(tuple(a for a in cur.partial if a not in tgt.used_axes))
-        out[name] = lw.relayout(vid, tgt, t.node, f"output '{name}'")
+        wanted.setdefault(id(t.node), []).append(name)
+    out = {}
+    for node in topo_nodes(list(outputs.values())):
+        node.op.lower(lw, node)
+        for name in wanted.get(id(node), ()):
+            t = outputs[name]
+            tgt = lw.target(t)
+            vid = lw.value(t)
+            if lazy:
+                cur = lw.sharding(vid)
+                tgt = tgt.with_partial(tuple(a for a in cur.partial if a not in tgt.used_axes))
+            out[name] = lw.relayout(vid, tgt, t.node, f"output '{name}'")
     return out
 
 

@@ -102,7 +102,7 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
             f"output of {node.op.name}"))
 
 
-def _execute(ex, step, ins, salt):
+def _execute(ex, step, ins, salt, stats=None):
     """Run a repeat step's sub-plan once per layer (forward, or backward in reverse)."""
     from ..exec.executor import Executor, PerRank
 
@@ -120,7 +120,7 @@ def _execute(ex, step, ins, salt):
             feeds = {"carry": PerRank(x)}
             for k, p in zip(names, stacked):
                 feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
-            x = sub.run(feeds, {}, salt=l + 1)["out"]
+            x = sub.run(feeds, {}, salt=l + 1, stats=stats)["out"]
         return [x, [torch.stack([c[j] for c in carries], 0) for j in held]]
     carries, *rest = ins
     *stacked, dy = rest
@@ -129,7 +129,7 @@ def _execute(ex, step, ins, salt):
         feeds = {"carry": PerRank([carries[j].select(0, l) for j in held]), "cotangent": PerRank(dy)}
         for k, p in zip(names, stacked):
             feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
-        r = sub.run(feeds, {}, salt=l + 1)
+        r = sub.run(feeds, {}, salt=l + 1, stats=stats)
         dy = r["dcarry"]
         for k in names:
             per[k][l] = r[f"d/{k}"]
