@@ -45,7 +45,7 @@ class Config:
 
     @classmethod
     def tiny(cls) -> "Config":
-        return cls(vocab=16, d_model=8, heads=2, d_head=4, d_ff=16, layers=2, seq=8, batch=4)
+        return cls(vocab=16, d_model=8, heads=4, d_head=2, d_ff=16, layers=2, seq=8, batch=4)
 
 
 def _norm(x, cfg: Config, scale, bias):
@@ -87,15 +87,13 @@ def build(cfg: Config = Config()) -> Model:
         lnf_b = md.param("lnf_b", [d], init="zeros") if cfg.norm == "layer" else None
         lm_head_vd = wte_vd if cfg.tied else md.param("lm_head", [v, d], fan_out=[v])
 
-        causal_sk = md.causal_mask(s, k)
-
         def drop(x, seed):
             # Masks hash the global element index, the seed and the layer, so
             # every layout drops the same elements.
             return md.dropout(x, cfg.dropout, seed) if cfg.dropout else x
 
         def block(x_bsd, p):
-            with g_block(x_bsd).scope("attn"):
+            with x_bsd.graph.scope("attn"):
                 z_bsd = _norm(x_bsd, cfg, p["ln1"], p.get("ln1_b"))
                 q_bshe = md.einsum("batch seq d_model, d_model heads d_head -> batch seq heads d_head", z_bsd, p["wq"])
                 k_bkhe = md.rename(md.einsum("batch seq d_model, d_model heads d_head -> batch seq heads d_head",
@@ -104,13 +102,13 @@ def build(cfg: Config = Config()) -> Model:
                                              z_bsd, p["wv"]), seq="key_seq")
                 att_bhsk = md.einsum("batch seq heads d_head, batch key_seq heads d_head -> batch heads seq key_seq",
                                      q_bshe, k_bkhe) * (cfg.d_head ** -0.5)
-                att_bhsk = md.where(causal_sk, att_bhsk, -1e9)
+                att_bhsk = md.where(md.causal_mask(s, k), att_bhsk, -1e9)
                 att_bhsk = drop(md.softmax(att_bhsk, "key_seq"), seed=1)
                 y_bshe = md.einsum("batch heads seq key_seq, batch key_seq heads d_head -> batch seq heads d_head",
                                    att_bhsk, v_bkhe)
                 y_bsd = md.einsum("batch seq heads d_head, heads d_head d_model -> batch seq d_model", y_bshe, p["wo"])
                 x_bsd = x_bsd + drop(y_bsd, seed=2)
-            with g_block(x_bsd).scope("mlp"):
+            with x_bsd.graph.scope("mlp"):
                 z_bsd = _norm(x_bsd, cfg, p["ln2"], p.get("ln2_b"))
                 u_bsf = md.gelu(md.einsum("batch seq d_model, d_model d_ff -> batch seq d_ff", z_bsd, p["w_fc"]))
                 y_bsd = md.einsum("batch seq d_ff, d_ff d_model -> batch seq d_model", u_bsf, p["w_proj"])
@@ -136,8 +134,3 @@ def build(cfg: Config = Config()) -> Model:
         return {"ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
     return Model(g, loss, params, feeds, cfg)
-
-
-def g_block(x) -> md.Graph:
-    """The graph a block is being traced into (for name scopes)."""
-    return x.graph

@@ -17,7 +17,15 @@ import torch
 from meshdsl.errors import DistributedError, MeshError
 from meshdsl.exec import launch
 
-COLLECTIVE_TIMEOUT_S = 60.0  # the failure tests must finish far below this
+COLLECTIVE_TIMEOUT_S = 60.0  # failures must be reported far sooner than this
+NOTICE_S = 10.0  # from a rank failing to spawn raising; about 1 s on an idle machine
+
+
+def _noticed_fast(pid_dir: Path) -> None:
+    # Timed from the failure, not from spawn: starting torch in each child takes 1-2 s of CPU
+    # and varies with machine load, the failure-to-report path should not.
+    delay = time.time() - float(Path(pid_dir, "failed_at").read_text())
+    assert delay < NOTICE_S, f"the failure took {delay:.1f} s to surface"
 
 
 def _alive(pid: int) -> bool:
@@ -32,9 +40,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _assert_all_gone(pid_dir: Path, expected: int, within_s: float = 5.0) -> None:
+def _assert_all_gone(pid_dir: Path, expected: int | None, within_s: float = 5.0) -> None:
+    """Every child that wrote a pid file is gone (``expected``: how many must have)."""
     pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
-    assert len(pids) == expected, f"expected {expected} pid files, found {pids}"
+    assert expected is None or len(pids) == expected, f"expected {expected} pid files: {pids}"
     end = time.monotonic() + within_s
     while any(_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.1)
@@ -51,6 +60,7 @@ def _raise_in_step(comm, pid_dir, bad_rank, bad_step):
     x = torch.ones(4)
     for step in range(6):
         if comm.rank == bad_rank and step == bad_step:
+            Path(pid_dir, "failed_at").write_text(repr(time.time()))
             raise ValueError(f"boom in step {step}")
         x = comm.all_reduce([x], ("x",), "sum")[0]
     return x
@@ -61,6 +71,7 @@ def _sigkill_in_step(comm, pid_dir, bad_rank, bad_step):
     x = torch.ones(4)
     for step in range(6):
         if comm.rank == bad_rank and step == bad_step:
+            Path(pid_dir, "failed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         x = comm.all_reduce([x], ("x",), "sum")[0]
     return x
@@ -84,31 +95,27 @@ def _port_and_rank(rank):
 
 @pytest.mark.timeout(60)
 def test_rank_that_raises_is_named_with_its_traceback(tmp_path):
-    start = time.monotonic()
     with pytest.raises(DistributedError) as e:
         launch.spawn(_raise_in_step, 3, args=(str(tmp_path), 2, 3), mesh="x:3",
                      collective_timeout=COLLECTIVE_TIMEOUT_S, timeout=50)
-    elapsed = time.monotonic() - start
     text = str(e.value)
     assert "spawn: rank 2 of 3 raised an exception" in text
     assert "Traceback of rank 2:" in text
     assert "in _raise_in_step" in text and "ValueError: boom in step 3" in text
     assert "mesh: x:3" in text
-    assert elapsed < 20, f"took {elapsed:.1f} s"
+    _noticed_fast(tmp_path)
     _assert_all_gone(tmp_path, 3)
 
 
 @pytest.mark.timeout(60)
 def test_rank_killed_by_a_signal_is_noticed_fast(tmp_path):
-    start = time.monotonic()
     with pytest.raises(DistributedError) as e:
         launch.spawn(_sigkill_in_step, 3, args=(str(tmp_path), 1, 2), mesh="x:3",
                      collective_timeout=COLLECTIVE_TIMEOUT_S, timeout=50)
-    elapsed = time.monotonic() - start
     text = str(e.value)
     assert "spawn: rank 1 of 3 was killed by signal SIGKILL (exit code -9)" in text
     # The others were blocked in an all_reduce with a 60 s timeout.
-    assert elapsed < 20, f"took {elapsed:.1f} s"
+    _noticed_fast(tmp_path)
     _assert_all_gone(tmp_path, 3)
 
 
@@ -120,7 +127,7 @@ def test_hung_job_hits_the_hard_timeout(tmp_path):
                      collective_timeout=COLLECTIVE_TIMEOUT_S)
     assert "spawn: ranks 0, 1 of 2 did not finish within 8 s" in str(e.value)
     assert time.monotonic() - start < 15
-    _assert_all_gone(tmp_path, 2)
+    _assert_all_gone(tmp_path, None)  # on a loaded machine a rank may not have started yet
 
 
 def test_mesh_size_must_match_process_count():

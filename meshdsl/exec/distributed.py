@@ -29,13 +29,29 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, MeshError, message
 from ..layout.mesh import Mesh
-from .comm import Communicator
+from .comm import Communicator, Pending
 
 DEFAULT_TIMEOUT_S = 60.0
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # The same fold SimulatedComm uses, so locally reduced results are bitwise equal.
 _FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+class _InFlight(Pending):
+    """An async allreduce; ``wait()`` blocks on it and books its stats."""
+
+    __slots__ = ("comm", "work", "out", "axes", "slice", "x", "t0")
+
+    def __init__(self, comm, work, out, axes, s, x, t0):
+        self.comm, self.work, self.out, self.axes, self.slice, self.x, self.t0 = comm, work, out, axes, s, x, t0
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.comm._done("allreduce", self.axes, self.slice, self.x, self.t0)
+        return [self.out]
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -199,6 +215,18 @@ class TorchComm(Communicator):
             dist.all_reduce(out, op=_REDUCE_OPS[op], group=s.pg)
         self._done("allreduce", axes, s, x, t0)
         return [out]
+
+    def start(self, kind, xs, axes, args):
+        """Begin a collective; a sum/max/min allreduce runs asynchronously (``async_op``)
+        so the executor can overlap it with the compute that follows."""
+        if kind != "allreduce" or self._slice(axes).size == 1:
+            return super().start(kind, xs, axes, args)
+        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
+        op = args.get("op", "sum")
+        _check_op(op)
+        out = self._prep(x).clone()
+        work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=s.pg, async_op=True)
+        return _InFlight(self, work, out, axes, s, x, t0)
 
     def all_gather(self, xs, axes, dim):
         """See :meth:`Communicator.all_gather`."""

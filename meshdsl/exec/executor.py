@@ -155,7 +155,7 @@ class Executor:
         for i, s in enumerate(self.plan.steps):
             k = s.kind
             if clock:
-                t0 = clock()
+                t0, waited = clock(), stats.get("wait", 0.0)
             if k == "local":
                 ins = [get(v) for v in s.ins]
                 ctxs = self.ctxs[i]
@@ -193,7 +193,7 @@ class Executor:
                 if isinstance(x, Pending):
                     x.wait()
             if clock and k != "repeat":  # a repeat's sub-plan counts its own steps
-                stats[k] = stats.get(k, 0.0) + clock() - t0
+                stats[k] = stats.get(k, 0.0) + clock() - t0 - (stats.get("wait", 0.0) - waited)
         return {name: get(vid) for name, vid in self.plan.outputs.items()}
 
     # -- assembling full tensors

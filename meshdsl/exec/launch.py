@@ -199,7 +199,8 @@ def _supervise(procs, readers, timeout, inputs) -> list:
 
     def poll(wait_s):
         """Take in whatever is ready within ``wait_s`` seconds."""
-        objs = list(open_readers.values()) + [p.sentinel for i, p in enumerate(procs) if i not in exited]
+        objs = list(open_readers.values())
+        objs += [p.sentinel for i, p in enumerate(procs) if i not in exited]
         for obj in connection.wait(objs, timeout=wait_s):
             for i, r in list(open_readers.items()):
                 if obj is r:
@@ -221,7 +222,7 @@ def _supervise(procs, readers, timeout, inputs) -> list:
         # Short waits so a dead child is noticed within a second even if nothing else moves.
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise _timeout_error(procs, exited, results, timeout, inputs)
+            raise _timeout_error(procs, results, timeout, inputs)
         poll(1.0 if left is None else min(1.0, left))
         if failed():
             end = time.monotonic() + _SETTLE_S
@@ -296,7 +297,7 @@ def _clip(line: str, width: int = 160) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def _timeout_error(procs, exited, results, timeout, inputs) -> DistributedError:
+def _timeout_error(procs, results, timeout, inputs) -> DistributedError:
     late = [i for i in range(len(procs)) if i not in results]
     return DistributedError(message(
         f"spawn: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of "
@@ -316,6 +317,10 @@ def _child(rank, nproc, port, backend, collective_timeout, mesh, verbose, fn, ar
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=_HOST, MASTER_PORT=str(port))
+    if os.path.exists("/sys/class/net/lo"):
+        # All ranks are on this machine; gloo otherwise resolves the hostname, which
+        # fails in sandboxes without a hosts entry.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         backend = resolve_backend(backend)
         if backend == "nccl":

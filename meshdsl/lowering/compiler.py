@@ -150,7 +150,8 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
         wanted.setdefault(id(t.node), []).append(name)
     out = {}
     for node in topo_nodes(list(outputs.values())):
-        node.op.lower(lw, node)
+        if not all(id(t) in lw.env for t in node.outputs):  # a second call reuses what the first lowered
+            node.op.lower(lw, node)
         for name in wanted.get(id(node), ()):
             t = outputs[name]
             tgt = lw.target(t)

@@ -13,6 +13,7 @@ keeps the global element order exact.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..core.shape import Shape
@@ -126,9 +127,14 @@ def move_bytes(m: Move, shape: Shape, mesh: Mesh, itemsize: int) -> int:
     return m.before.local_numel(shape, mesh) * itemsize
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def relayout_cost(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh, itemsize: int = 4,
                   model: CostModel = DEFAULT) -> float:
-    """Seconds the moves from ``a`` to ``b`` are expected to take."""
+    """Seconds the moves from ``a`` to ``b`` are expected to take.
+
+    Cached: the generic lowering rule prices the same few re-layouts for every
+    candidate compute sharding of every node, and all arguments are immutable.
+    """
     if a == b:
         return 0.0
     total = 0.0

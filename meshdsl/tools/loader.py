@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,8 +21,9 @@ import torch
 
 from ..core.graph import Graph, Tensor
 from ..errors import MeshDSLError, did_you_mean, message
-from ..train.optim import sgd
-from ..ir.autodiff import grad
+from ..train.step import training_outputs
+
+DEFAULT_LR = 0.1
 
 
 class ModelError(MeshDSLError):
@@ -47,30 +48,22 @@ class Model:
     params: dict[str, Tensor]
     make_feeds: Callable[[int], dict[str, torch.Tensor]]
     config: Any = None
-    _step: dict = field(default_factory=dict, repr=False)
 
     def feeds(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Synthetic inputs, deterministic in ``seed``."""
         return self.make_feeds(seed)
 
-    def grads(self) -> dict[str, Tensor]:
-        """Gradient of the loss w.r.t. every param (built once, then reused)."""
-        if "grads" not in self._step:
-            self._step["grads"] = grad(self.loss, self.params)
-        return self._step["grads"]
+    def train_step(self, lr: float = DEFAULT_LR) -> dict[str, Tensor]:
+        """Outputs of one SGD step: ``loss``, ``grad/NAME`` and ``new/NAME`` for every param.
 
-    def train_step(self, lr: float = 0.1) -> dict[str, Tensor]:
-        """Outputs of one SGD training step: ``loss``, ``grad/NAME`` and ``new/NAME``.
-
-        The graph grows only the first time for a given ``lr``.
+        Built once per ``lr`` (see :func:`meshdsl.train.step.training_outputs`).
         """
-        key = ("sgd", lr)
-        if key not in self._step:
-            grads = self.grads()
-            new = sgd(self.params, grads, lr)
-            self._step[key] = {"loss": self.loss, **{f"grad/{k}": g for k, g in grads.items()},
-                               **{f"new/{k}": p for k, p in new.items()}}
-        return self._step[key]
+        return training_outputs(self.loss, self.params, lr, with_grads=True)
+
+    def grads(self) -> dict[str, Tensor]:
+        """Gradient of the loss w.r.t. every param, by param name."""
+        outs = self.train_step()
+        return {k: outs[f"grad/{k}"] for k in self.params}
 
 
 def models_dirs() -> list[Path]:

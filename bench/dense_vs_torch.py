@@ -1,0 +1,234 @@
+"""One training step of models/transformer.py: meshdsl's dense executor vs plain torch.
+
+The torch side is the same model written by hand, nanoGPT-style (nn.Module,
+torch autograd, the same math), holding copies of meshdsl's initial weights,
+so both compute the same loss.  Steps alternate between the two, and the
+table reports median times and the ratio meshdsl / torch (target <= 1.10).
+
+    python bench/dense_vs_torch.py                 # forward + backward
+    python bench/dense_vs_torch.py --update        # ... + the SGD update
+    python bench/dense_vs_torch.py --profile       # where meshdsl's time goes
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import meshdsl as md
+from meshdsl.tools.loader import load_model
+from meshdsl.train.step import training_outputs
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = 1.10
+
+
+# ----------------------------------------------------------------------------- plain torch
+
+class Block(nn.Module):
+    """Pre-norm block; weights are one layer's slices of meshdsl's stacked params."""
+
+    def __init__(self, cfg, w: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg = cfg
+        d, he = cfg.d_model, cfg.heads * cfg.d_head
+        self.ln1 = nn.Parameter(w["ln1"].clone())
+        self.ln1_b = nn.Parameter(w["ln1_b"].clone())
+        self.wq = nn.Parameter(w["wq"].reshape(d, he).clone())       # [d_model, heads*d_head]
+        self.wk = nn.Parameter(w["wk"].reshape(d, he).clone())
+        self.wv = nn.Parameter(w["wv"].reshape(d, he).clone())
+        self.wo = nn.Parameter(w["wo"].reshape(he, d).clone())       # [heads*d_head, d_model]
+        self.ln2 = nn.Parameter(w["ln2"].clone())
+        self.ln2_b = nn.Parameter(w["ln2_b"].clone())
+        self.w_fc = nn.Parameter(w["w_fc"].clone())                  # [d_model, d_ff]
+        self.w_proj = nn.Parameter(w["w_proj"].clone())              # [d_ff, d_model]
+        self.register_buffer("causal", torch.tril(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool)))
+
+    def forward(self, x):
+        cfg = self.cfg
+        B, S, D = x.shape
+        H, E = cfg.heads, cfg.d_head
+        h = F.layer_norm(x, (D,), self.ln1, self.ln1_b, eps=1e-5)
+        q = (h @ self.wq).view(B, S, H, E).transpose(1, 2)           # [B, H, S, E]
+        k = (h @ self.wk).view(B, S, H, E).transpose(1, 2)
+        v = (h @ self.wv).view(B, S, H, E).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * E ** -0.5
+        att = att.masked_fill(~self.causal, -1e9).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, S, H * E)
+        x = x + y @ self.wo
+        h = F.layer_norm(x, (D,), self.ln2, self.ln2_b, eps=1e-5)
+        return x + F.gelu(h @ self.w_fc) @ self.w_proj
+
+
+class TorchGPT(nn.Module):
+    def __init__(self, cfg, w: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Parameter(w["wte"].clone())                    # [vocab, d_model]
+        self.wpe = nn.Parameter(w["wpe"].clone())                    # [seq, d_model]
+        names = ("ln1", "ln1_b", "wq", "wk", "wv", "wo", "ln2", "ln2_b", "w_fc", "w_proj")
+        self.blocks = nn.ModuleList(Block(cfg, {k: w[k][l] for k in names}) for l in range(cfg.layers))
+        self.lnf = nn.Parameter(w["lnf"].clone())
+        self.lnf_b = nn.Parameter(w["lnf_b"].clone())
+        self.lm_head = nn.Parameter(w["lm_head"].clone())            # [vocab, d_model]
+
+    def forward(self, ids, labels):
+        x = F.embedding(ids, self.wte) + self.wpe
+        for block in self.blocks:
+            x = block(x)
+        x = F.layer_norm(x, (self.cfg.d_model,), self.lnf, self.lnf_b, eps=1e-5)
+        logits = x @ self.lm_head.t()
+        return F.cross_entropy(logits.view(-1, self.cfg.vocab), labels.view(-1))
+
+    def stacked_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients in meshdsl's param shapes, for comparison."""
+        cfg = self.cfg
+        out = {k: getattr(self, k).grad for k in ("wte", "wpe", "lnf", "lnf_b", "lm_head")}
+        shapes = {"wq": (cfg.d_model, cfg.heads, cfg.d_head), "wk": (cfg.d_model, cfg.heads, cfg.d_head),
+                  "wv": (cfg.d_model, cfg.heads, cfg.d_head), "wo": (cfg.heads, cfg.d_head, cfg.d_model)}
+        for k in ("ln1", "ln1_b", "wq", "wk", "wv", "wo", "ln2", "ln2_b", "w_fc", "w_proj"):
+            out[k] = torch.stack([getattr(b, k).grad.reshape(shapes.get(k, getattr(b, k).shape))
+                                  for b in self.blocks])
+        return out
+
+
+# ----------------------------------------------------------------------------- steps
+
+def make_steps(update: bool, lr: float):
+    model = load_model(str(ROOT / "models" / "transformer.py"))
+    cfg = model.config
+    if cfg.dropout or cfg.norm != "layer" or cfg.tied:
+        raise SystemExit("the torch twin implements dropout=0, norm='layer', tied=False only")
+    outs = training_outputs(model.loss, model.params, lr, with_grads=True)
+    wanted = {k: v for k, v in outs.items() if k == "loss" or k.startswith("new/" if update else "grad/")}
+    prog = md.DenseProgram(wanted)
+    params = prog.init_params(seed=0)
+    feeds = model.feeds(0)
+    net = TorchGPT(cfg, params)
+    state = {"params": params}
+
+    def meshdsl_step():
+        r = prog(feeds, state["params"])
+        if update:
+            state["params"] = {k: r[f"new/{k}"] for k in params}
+        return r
+
+    def torch_step():
+        for p in net.parameters():
+            p.grad = None
+        loss = net(feeds["ids"], feeds["labels"])
+        loss.backward()
+        if update:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.sub_(lr * p.grad)
+        return loss
+
+    return cfg, prog, params, feeds, net, meshdsl_step, torch_step
+
+
+def verify(prog, params, feeds, net, update: bool) -> tuple[float, float, float]:
+    """Loss of each side and the largest gradient difference, from the same initial weights."""
+    if update:  # compare on a fresh fwd+bwd program from the same weights
+        return float("nan"), float("nan"), float("nan")
+    r = prog(feeds, params)
+    for p in net.parameters():
+        p.grad = None
+    loss = net(feeds["ids"], feeds["labels"])
+    loss.backward()
+    tg = net.stacked_grads()
+    gdiff = max((r[f"grad/{k}"] - tg[k]).abs().max().item() for k in tg)
+    return r["loss"].item(), loss.item(), gdiff
+
+
+def bench(args) -> int:
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    console = Console()
+    cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr)
+    md_loss, th_loss, gdiff = verify(prog, params, feeds, net, args.update)
+    if args.update:  # the update variant checks the loss of the first step instead
+        md_loss, th_loss = md_step()["loss"].item(), th_step().item()
+
+    if args.profile:
+        return profile(md_step, th_step, console)
+
+    for _ in range(args.warmup):
+        md_step()
+        th_step()
+    times = {"meshdsl": [], "torch": []}
+    for i in range(args.reps):
+        order = (("meshdsl", md_step), ("torch", th_step))
+        for name, fn in (order if i % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["meshdsl"] / med["torch"]
+
+    what = "forward + backward + SGD update" if args.update else "forward + backward"
+    t = Table(title=f"transformer training step ({what}), {torch.get_num_threads()} thread(s), "
+                    f"{args.reps} interleaved reps", title_justify="left")
+    for col in ("", "median ms", "min ms", "max ms", "loss"):
+        t.add_column(col, justify="right" if col else "left")
+    for name, loss in (("meshdsl dense", md_loss), ("plain torch", th_loss)):
+        v = times["meshdsl" if name.startswith("meshdsl") else "torch"]
+        t.add_row(name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}", f"{max(v) * 1e3:.1f}",
+                  f"{loss:.6f}")
+    console.print(f"config: {cfg}")
+    console.print(t)
+    ok = ratio <= TARGET
+    console.print(f"ratio meshdsl / torch = [bold {'green' if ok else 'red'}]{ratio:.3f}[/] (target <= {TARGET})")
+    if not args.update:
+        console.print(f"|loss difference| = {abs(md_loss - th_loss):.2e}, max |grad difference| = {gdiff:.2e}")
+    else:
+        console.print(f"|first-step loss difference| = {abs(md_loss - th_loss):.2e}")
+    return 0
+
+
+def profile(md_step, th_step, console, steps: int = 3) -> int:
+    """Self CPU time per torch op for each side, then meshdsl's Python hot spots."""
+    import cProfile
+    import pstats
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    for _ in range(2):
+        md_step()
+        th_step()
+    for name, fn in (("meshdsl dense", md_step), ("plain torch", th_step)):
+        with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                fn()
+        console.rule(f"{name}: torch ops over {steps} steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    console.rule("meshdsl dense: Python (cProfile, tottime)")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        md_step()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=15, help="timed steps per side (interleaved)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--update", action="store_true", help="include the SGD update in the step")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--profile", action="store_true", help="profile instead of timing")
+    return bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

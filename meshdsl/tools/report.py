@@ -1,0 +1,151 @@
+"""Plan reports: one row per graph node with its local shapes, FLOPs and collectives.
+
+:func:`plan_report` turns a :class:`~meshdsl.lowering.plan.Plan` into plain
+JSON-able data; :func:`print_report` renders that data as rich tables.  The
+steps of a ``repeat`` are listed after it, labelled ``REPEAT/…`` and counted
+``times`` over (the layer count) in every total.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..lowering.plan import Plan, Step
+
+LEAVES = ("param", "input")
+
+
+def _local_shape(plan: Plan, vid: int) -> dict[str, int]:
+    v = plan.values[vid]
+    return dict(zip(v.shape.names, v.local_shape(plan.mesh)))
+
+
+def _group(steps: list[Step]) -> list[list[Step]]:
+    """Steps grouped by graph node, in order of first appearance."""
+    groups: dict[tuple[int, str], list[Step]] = {}
+    for s in steps:
+        groups.setdefault((s.node, s.label), []).append(s)
+    return list(groups.values())
+
+
+def _entries(plan: Plan, prefix: str, times: int) -> list[dict[str, Any]]:
+    out = []
+    for steps in _group(plan.steps):
+        first = next((s for s in steps if not s.is_collective), steps[0])
+        shaped = [(vid, s) for s in steps if not s.is_collective for vid in s.outs]
+        entry = {
+            "op": first.op,
+            "label": prefix + first.label,
+            "phase": first.phase,
+            "times": times,
+            "local_shapes": [_local_shape(plan, vid) for vid, _ in shaped],
+            "shardings": [str(plan.values[vid].sharding) for vid, _ in shaped],
+            "flops": sum(s.flops for s in steps),
+            "collectives": [{"kind": s.kind, "axes": list(s.axes), "bytes": s.bytes}
+                            for s in steps if s.is_collective],
+            "notes": [s.note for s in steps if s.note],
+        }
+        out.append(entry)
+        for s in steps:
+            if s.kind == "repeat":
+                sub = s.args["plan"]
+                n = s.args["times"]
+                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{n}, once per layer")
+                out.extend(_entries(sub, f"{prefix}{first.label}/", times * n))
+    return out
+
+
+def plan_report(plan: Plan) -> dict[str, Any]:
+    """Everything ``meshdsl plan`` prints, as plain data.
+
+    Returns:
+      ``{"mesh", "layout", "ops", "totals", "totals_by_axis", "flops", "notes"}``.
+      ``ops`` has one entry per graph node: ``op``, ``label``, ``phase``, ``times``
+      (how often it runs per step), ``local_shapes`` (dim -> local size of each
+      output), ``shardings``, ``flops`` (per run, one rank), ``collectives``
+      (``{kind, axes, bytes}`` per run, bytes sent by one rank) and ``notes``.
+      ``totals`` maps each collective kind to ``{count, bytes}`` per training
+      step, repeats included.
+    """
+    return {
+        "mesh": str(plan.mesh),
+        "layout": str(plan.layout),
+        "ops": _entries(plan, "", 1),
+        "totals": {k: dict(v) for k, v in sorted(plan.totals().items())},
+        "totals_by_axis": [{"kind": k, "axes": list(axes), **v}
+                           for (k, axes), v in sorted(plan.totals_by_axis().items())],
+        "flops": plan.flops(),
+        "notes": list(plan.notes),
+    }
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def human_count(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if n < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _shape_text(shape: dict[str, int], sharding: str) -> str:
+    dims = " ".join(f"{k}:{v}" for k, v in shape.items()) or "scalar"
+    return f"{dims} {sharding}" if sharding != "{}" else dims
+
+
+def print_report(report: dict[str, Any], console=None, only_comm: bool = False) -> None:
+    """Render a :func:`plan_report` as a per-op table and the totals tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    ops = Table(title=f"plan  mesh '{report['mesh']}'  layout '{report['layout']}'", title_justify="left")
+    for col, kw in (("op", {}), ("phase", {}), ("local shapes", {}), ("FLOPs", {"justify": "right"}),
+                    ("collectives", {}), ("notes", {"style": "dim"})):
+        ops.add_column(col, **kw)
+    for e in report["ops"]:
+        if only_comm and not e["collectives"]:
+            continue
+        label = e["label"] if e["label"] == e["op"] or e["op"] in LEAVES else f"{e['label']} ({e['op']})"
+        if e["times"] > 1:
+            label += f" x{e['times']}"
+        coll = "\n".join(f"[bold]{c['kind']}[/]({','.join(c['axes'])}) {human_bytes(c['bytes'])}"
+                         for c in e["collectives"])
+        shapes = "\n".join(_shape_text(s, sh) for s, sh in zip(e["local_shapes"], e["shardings"]))
+        ops.add_row(label, e["phase"], shapes, human_count(e["flops"]) if e["flops"] else "", coll,
+                    "\n".join(e["notes"]))
+    console.print(ops)
+    console.print(totals_table(report))
+    console.print(f"FLOPs per rank per step: {human_count(report['flops'])}")
+    for n in report["notes"]:
+        console.print(f"note: {n}", style="dim")
+
+
+def totals_table(report: dict[str, Any]):
+    """The per-kind and per-(kind, axes) collective totals of one training step."""
+    from rich.table import Table
+
+    t = Table(title="collectives per step (bytes sent per rank)", title_justify="left")
+    t.add_column("kind")
+    t.add_column("axes")
+    t.add_column("count", justify="right")
+    t.add_column("bytes", justify="right")
+    for kind, v in report["totals"].items():
+        t.add_row(f"[bold]{kind}[/]", "all", str(v["count"]), human_bytes(v["bytes"]))
+        for r in report["totals_by_axis"]:
+            if r["kind"] == kind:
+                t.add_row("", ",".join(r["axes"]), str(r["count"]), human_bytes(r["bytes"]))
+    if not report["totals"]:
+        t.add_row("(none)", "", "0", "0 B")
+    return t
+
+
+__all__ = ["plan_report", "print_report", "totals_table", "human_bytes"]

@@ -1,0 +1,70 @@
+"""What each rank of a multi-process job runs: check a model against dense, or train it.
+
+These functions are module-level so the spawn launcher can pickle them; each
+rank rebuilds the model from its file, compiles the same plan, cross-checks
+the plan's signature with every other rank (a mismatch is an error, not a
+deadlock), and runs it on its :class:`~meshdsl.exec.distributed.TorchComm`.
+"""
+from __future__ import annotations
+
+import time
+
+
+from ..errors import DistributedError, message
+from ..exec.comm import Communicator
+from ..exec.executor import Executor
+from ..lowering.compiler import compile
+from ..lowering.plan import Plan
+from .step import TrainStep
+
+
+def agree_plan(comm: Communicator, plan: Plan) -> None:
+    """Raise on every rank unless all ranks compiled the same plan (hash of steps and collectives)."""
+    sigs = comm.agree(plan.signature())
+    if len(set(sigs)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, s in enumerate(sigs):
+            groups.setdefault(s, []).append(r)
+        raise DistributedError(message(
+            "The ranks compiled different plans; running them would deadlock or give wrong numbers.",
+            inputs=[f"mesh: {plan.mesh}", f"this rank's layout: {plan.layout}"],
+            bullets=[f"ranks {rs}: plan {s}" for s, rs in groups.items()],
+            rule="every rank compiles the same model with the same mesh and layout",
+            fix="pass identical --mesh/--layout and model files to every rank"))
+
+
+def _load(model_ref: str, tiny: bool):
+    from ..tools.loader import load_model
+    return load_model(model_ref, tiny=tiny)
+
+
+def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0):
+    """Loss and gradients of the model on this job's ranks; rank 0 returns them in full."""
+    model = _load(model_ref, tiny)
+    outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
+    plan = compile(outs, mesh, layout)
+    agree_plan(comm, plan)
+    ex = Executor(plan, comm)
+    full = ex.full_outputs(ex.run(model.feeds(seed), ex.init_params(seed)))
+    return {k: v.detach().cpu() for k, v in full.items()} if comm.ranks[0] == 0 else None
+
+
+def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
+              lr: float, seed: int = 0, warmup: int = 1):
+    """Run ``warmup + steps`` SGD steps; returns per-step (loss, StepStats) of the timed steps."""
+    model = _load(model_ref, tiny)
+    step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed)
+    agree_plan(comm, step.plan)
+    feeds = model.feeds(seed)
+    for _ in range(warmup):
+        step(feeds)
+    comm.barrier()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss, stats = step(feeds, timed=True)
+        out.append((loss, stats, time.perf_counter() - t0))
+    return out
+
+
+__all__ = ["agree_plan", "check_job", "train_job"]

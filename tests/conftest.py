@@ -1,0 +1,196 @@
+"""Shared helpers for the equivalence tests: meshes, layout enumeration, and the
+dense-oracle check.
+
+A *case* is a small graph built by a function that creates params/inputs and
+returns the op's outputs.  :func:`build_case` adds a loss that weighs every
+float output by fixed random weights (so every gradient is non-trivial), the
+gradients of that loss w.r.t. every float param, and the dense reference.
+:func:`check_layouts` then compiles the case for many layouts of a mesh and
+compares the simulated mesh with the dense reference.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import meshdsl as md
+
+# Mesh axes are x, y, z so that no test reads as if it meant data or model parallelism.
+MESHES = {"2": "x:2", "4": "x:4", "2x2": "x:2; y:2", "2x2x2": "x:2; y:2; z:2"}
+
+# fp32 with O(1) values; a split reduction sums its shards in another order than
+# the dense program (and a few ops, e.g. layer_norm, chain reductions), so the
+# results differ by a few ulps -- 1e-5 is ~100 ulps at 1.0 and still catches
+# any wrong element, dropped shard or double-counted partial sum.
+RTOL = ATOL = 1e-5
+
+
+def mesh_axes(mesh: str) -> dict[str, int]:
+    return dict(md.Mesh.parse(mesh).axes)
+
+
+def axis_tuples(axes: dict[str, int]) -> list[tuple[str, ...]]:
+    """Every ordered tuple of distinct mesh axes, the empty one first."""
+    out = []
+    for k in range(len(axes) + 1):
+        out.extend(itertools.permutations(axes, k))
+    return out
+
+
+def layout_string(assign: dict[str, tuple[str, ...]], prefix: str = "") -> str:
+    parts = []
+    for dim, axes in assign.items():
+        if axes:
+            parts.append(f"{prefix}{dim}:{axes[0] if len(axes) == 1 else '(' + ','.join(axes) + ')'}")
+    return "; ".join(parts)
+
+
+def _graph_dims(nodes, sizes: dict[str, set[int]], leaves: list[tuple[str, ...]]) -> None:
+    for n in nodes:
+        for t in n.outputs:
+            for d in t.shape:
+                sizes.setdefault(d.name, set()).add(d.size)
+        if n.op.name in ("param", "input"):
+            leaves.append(n.outputs[0].shape.names)
+        blk = n.attrs.get("block")
+        if blk is not None:
+            _graph_dims(blk.graph.nodes, sizes, leaves)
+
+
+def dim_options(sizes: dict[str, set[int]], axes: dict[str, int], whole=()) -> dict[str, list]:
+    """For each dim, the axis tuples that divide every size the dim has in the graph."""
+    tuples = axis_tuples(axes)
+    out = {}
+    for d, ss in sizes.items():
+        if d in whole:
+            out[d] = [()]
+        else:
+            out[d] = [t for t in tuples if all(s % math.prod(axes[a] for a in t) == 0 for s in ss)]
+    return out
+
+
+def leaf_ok(assign: dict[str, tuple[str, ...]], leaves) -> bool:
+    """Params and inputs reject two dims on one mesh axis; skip such layouts."""
+    for names in leaves:
+        used = [a for n in names for a in assign.get(n, ())]
+        if len(used) != len(set(used)):
+            return False
+    return True
+
+
+def enumerate_layouts(options: dict[str, list], leaves, cap: int | None, seed: int = 0):
+    """All valid assignments (exhaustive up to ``cap``), else a deterministic sample of ``cap``.
+
+    Sampling draws each dim's axes independently with a fixed seed, so a run is
+    reproducible and a failure message's layout string is a complete repro.
+    """
+    names = list(options)
+    total = math.prod(len(options[n]) for n in names)
+    if cap is None or total <= 4 * cap:
+        allv = [dict(zip(names, c)) for c in itertools.product(*(options[n] for n in names))]
+        allv = [a for a in allv if leaf_ok(a, leaves)]
+        if cap is None or len(allv) <= cap:
+            return allv
+        return random.Random(seed).sample(allv, cap)
+    rng = random.Random(seed)
+    seen, out = set(), []
+    for _ in range(50 * cap):
+        a = {n: rng.choice(options[n]) for n in names}
+        key = tuple(a.values())
+        if key in seen or not leaf_ok(a, leaves):
+            continue
+        seen.add(key)
+        out.append(a)
+        if len(out) == cap:
+            break
+    return out
+
+
+@dataclass
+class Case:
+    """A built graph: outputs to compare, feeds, dims and the dense reference."""
+
+    outputs: dict
+    feeds: dict
+    sizes: dict[str, set[int]]
+    leaves: list
+    ref: dict = field(default_factory=dict)
+    whole: tuple[str, ...] = ()
+
+
+def _weights(y, tag: str):
+    """Fixed random weights shaped like ``y``: an outer product of 1-D params (one per dim).
+
+    1-D leaves never put two dims on one axis, so they do not restrict the layouts.
+    """
+    w = None
+    for d in y.shape:
+        v = md.param(f"wt{tag}_{d.name}", [d], scale=1.0)
+        w = v if w is None else w * v
+    return w
+
+
+def build_case(fn, *, loss: bool = True, whole=(), seed: int = 0) -> Case:
+    """Build ``fn()`` -> (outputs dict, feeds dict) in a fresh graph.
+
+    With ``loss``: add ``loss = sum_i reduce_sum(y_i * W_i)`` over float outputs and
+    the gradients of ``loss`` w.r.t. every float param ``fn`` made.
+    """
+    torch.manual_seed(seed)
+    with md.Graph() as g:
+        ys, feeds = fn()
+        if not isinstance(ys, dict):
+            ys = {"y": ys}
+        outs = dict(ys)
+        if loss:
+            wrt = {k: p for k, p in g.params.items() if p.dtype.is_floating_point}
+            total = None
+            for i, (k, y) in enumerate(ys.items()):
+                if not y.dtype.is_floating_point:
+                    continue
+                term = md.reduce_sum(y * _weights(y, str(i))) if len(y.shape) else y
+                total = term if total is None else total + term
+            if total is not None:
+                outs["loss"] = total
+                if wrt:
+                    for k, gr in md.grad(total, wrt).items():
+                        outs[f"grad/{k}"] = gr
+    sizes, leaves = {}, []
+    _graph_dims(md.core.graph.topo_nodes(list(outs.values())), sizes, leaves)
+    case = Case(outs, feeds, sizes, leaves, whole=tuple(whole))
+    case.ref = md.run_dense(outs, feeds)
+    return case
+
+
+def check_plan(case: Case, mesh: str, layout) -> None:
+    plan = md.compile(case.outputs, mesh, layout)
+    got = md.run_simulated(plan, case.feeds)
+    for k, want in case.ref.items():
+        torch.testing.assert_close(got[k], want, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"output '{k}': {m}")
+
+
+def check_layouts(case: Case, mesh: str, cap: int | None = None, seed: int = 0, extra=()) -> int:
+    """Compare every layout (or a sample of ``cap``) with the dense reference.
+
+    All failures are collected so one run shows how widespread a bug is; the
+    message lists layout strings that reproduce it.  Returns the layout count.
+    """
+    options = dim_options(case.sizes, mesh_axes(mesh), case.whole)
+    layouts = [layout_string(a) for a in enumerate_layouts(options, case.leaves, cap, seed)]
+    layouts += list(extra)
+    failures = []
+    for lay in layouts:
+        try:
+            check_plan(case, mesh, lay)
+        except Exception as e:  # noqa: BLE001 - every failure is reported below
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            failures.append(f"  mesh='{mesh}' layout='{lay}': {type(e).__name__}: {first[:300]}")
+    if failures:
+        pytest.fail(f"{len(failures)} of {len(layouts)} layouts differ from the dense program:\n"
+                    + "\n".join(failures[:12]), pytrace=False)
+    return len(layouts)

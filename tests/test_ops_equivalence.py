@@ -1,0 +1,399 @@
+"""Every op, on every layout of its dims, on meshes (2), (4), (2,2) and (2,2,2),
+gives the dense program's forward values and gradients.
+
+Each case builds a tiny graph (dims of size 2-12); :func:`conftest.build_case`
+adds ``loss = sum(y * W)`` with fixed random weights W and the gradients of the
+loss w.r.t. every float param, so the backward of each op is checked too.
+Layouts assign each dim an ordered tuple of distinct mesh axes (none, one, or
+several: ``(x,y)`` is x-major), skipping sizes the axes do not divide and
+layouts that would put two dims of a param or input on one axis (those are
+errors, see test_errors.py).  Intermediates may still have such conflicts; the
+compiler resolves them.
+
+Coverage: exhaustive on (2), (4) and (2,2) (capped at EXHAUSTIVE_CAP layouts per
+case, by a deterministic sample, for the few cases with 5+ dims); on (2,2,2),
+where three dims alone have 16**3 layouts, a deterministic sample of
+SAMPLE_2X2X2 layouts per case (seeded, so failures are reproducible).
+
+Legend: batch (b) 4, seq (s) 8, feat (f) 4, vocab (v) 8; tensors are named by
+their dims where it helps (x_bs = [batch, seq]).
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import meshdsl as md
+from conftest import MESHES, build_case, check_layouts, check_plan
+
+EXHAUSTIVE_CAP = 160
+SAMPLE_2X2X2 = 24
+
+B, S, F, V = md.Dim("batch", 4), md.Dim("seq", 8), md.Dim("feat", 4), md.Dim("vocab", 8)
+
+
+def _p(name, dims, **kw):
+    return md.param(name, dims, scale=1.0, **kw)
+
+
+def _x(name, dims):
+    """An activation of rank one: the outer product of a 1-D param per dim.
+
+    Unlike a param with all of ``dims``, it lets a layout put several of its dims on
+    one mesh axis (only leaves reject that), so the compiler's resolution of such
+    conflicts is exercised; its gradients reach every 1-D factor.
+    """
+    out = None
+    for d in dims:
+        v = _p(f"{name}_{d.name}", [d])
+        out = v if out is None else out * v
+    return out
+
+
+def _pos(t):
+    """A positive tensor (for log, sqrt, rsqrt, pow and division)."""
+    return t * t + 0.5
+
+
+CASES: dict = {}
+
+
+def case(name, **kw):
+    def deco(fn):
+        CASES[name] = (fn, kw)
+        return fn
+    return deco
+
+
+# ----------------------------------------------------------------------------- elementwise, unary
+
+_UNARY = {
+    "neg": md.neg, "exp": md.exp, "tanh": md.tanh, "relu": md.relu, "gelu": md.gelu,
+    "silu": md.silu, "sigmoid": md.sigmoid,
+    "log": lambda x: md.log(_pos(x)), "sqrt": lambda x: md.sqrt(_pos(x)),
+    "rsqrt": lambda x: md.rsqrt(_pos(x)),
+    "pow": lambda x: md.pow(x, 3.0) + md.pow(_pos(x), 0.5) + x ** 2,
+    "stop_gradient": lambda x: md.stop_gradient(x) * x,
+    "cast": lambda x: md.cast(md.cast(x, torch.float64) * 3.0, torch.float32),
+}
+for _name, _fn in _UNARY.items():
+    case(_name)(lambda fn=_fn: (fn(_x("x_bs", [B, S])), {}))
+
+
+# ----------------------------------------------------------------------------- elementwise, n-ary
+# a[batch, seq] op c[seq, feat] broadcasts by name to [batch, seq, feat].
+
+_BINARY = {
+    "add": md.add, "sub": md.sub, "mul": md.mul, "div": lambda a, c: a / _pos(c),
+    "maximum": md.maximum, "minimum": md.minimum,
+}
+for _name, _fn in _BINARY.items():
+    case(_name)(lambda fn=_fn: (fn(_p("a_bs", [B, S]), _p("c_sf", [S, F])), {}))
+
+_COMPARE = {"less": md.less, "less_equal": md.less_equal, "greater": md.greater,
+            "greater_equal": md.greater_equal, "equal": md.equal, "not_equal": md.not_equal}
+
+
+def _compare(fn):
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    # equal/not_equal need ties: compare with a rounded copy, which ties on some elements.
+    r = md.stop_gradient(md.cast(md.cast(c * 2.0, torch.int64), torch.float32) * 0.5)
+    m = fn(a, r)
+    return {"mask": m, "y": md.where(m, a * c, c - a)}, {}
+
+
+for _name, _fn in _COMPARE.items():
+    case(_name)(lambda fn=_fn: _compare(fn))
+
+
+@case("where")
+def _where():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    return md.where(md.greater(a, 0.0), a * 2.0, c), {}
+
+
+# ----------------------------------------------------------------------------- einsum
+
+@case("einsum_matmul")
+def _einsum_matmul():
+    return md.einsum("batch seq, seq feat -> batch feat", _x("x_bs", [B, S]), _p("w_sf", [S, F])), {}
+
+
+@case("einsum_batched")
+def _einsum_batched():
+    return md.einsum("batch seq feat, batch feat -> batch seq", _x("x_bsf", [B, S, F]), _p("w_bf", [B, F])), {}
+
+
+@case("einsum_outer_transpose")
+def _einsum_outer():
+    x, w = _p("x_b", [B]), _p("w_sf", [S, F])
+    return {"outer": md.einsum("batch, seq feat -> feat batch seq", x, w),
+            "t": md.einsum("seq feat -> feat seq", w)}, {}
+
+
+@case("einsum_three_operands")
+def _einsum_three():
+    return md.einsum("batch seq, seq feat, feat -> batch", _x("x_bs", [B, S]), _p("w_sf", [S, F]),
+                     _p("v_f", [F])), {}
+
+
+# ----------------------------------------------------------------------------- reductions
+
+@case("reduce_sum")
+def _reduce_sum():
+    x = _x("x_bsf", [B, S, F])
+    return {"s": md.reduce_sum(x, "seq"), "sf": md.reduce_sum(x, ["seq", "feat"]), "all": md.reduce_sum(x)}, {}
+
+
+@case("reduce_mean")
+def _reduce_mean():
+    x = _x("x_bsf", [B, S, F])
+    return {"s": md.reduce_mean(x, "seq"), "bf": md.reduce_mean(x, ["batch", "feat"])}, {}
+
+
+@case("reduce_max")
+def _reduce_max():
+    x = _x("x_bsf", [B, S, F])
+    return {"s": md.reduce_max(x, "seq"), "bf": md.reduce_max(x, ["batch", "feat"])}, {}
+
+
+@case("reduce_min")
+def _reduce_min():
+    x = _x("x_bsf", [B, S, F])
+    return {"s": md.reduce_min(x, "seq"), "all": md.reduce_min(x)}, {}
+
+
+@case("logsumexp")
+def _logsumexp():
+    x = _x("x_bsf", [B, S, F])
+    return {"s": md.logsumexp(x, "seq"), "sf": md.logsumexp(x, ["seq", "feat"])}, {}
+
+
+# ----------------------------------------------------------------------------- shape ops
+
+@case("transpose")
+def _transpose():
+    return md.transpose(_x("x_bsf", [B, S, F]), ["feat", "batch", "seq"]), {}
+
+
+@case("broadcast_to")
+def _broadcast_to():
+    return md.broadcast_to(_x("x_sb", [S, B]), [B, F, S]), {}
+
+
+@case("rename_moves_split")
+def _rename():
+    # 'seq' -> 'tok': a layout that splits them differently moves the split (alltoall,
+    # gather or local split); 'batch' -> 'seq' reuses a name the input already had.
+    x = _x("x_bs", [B, S])
+    y = md.rename(x, seq="tok")
+    return {"y": y, "z": md.rename(y, batch="seq") * 2.0}, {}
+
+
+@case("reshape")
+def _reshape():
+    x = _x("x_bs", [B, S])
+    return {"split": md.reshape(x, [B, md.Dim("hi", 2), md.Dim("lo", 4)]),
+            "as_rename": md.reshape(x, [md.Dim("rows", 4), md.Dim("cols", 8)])}, {}
+
+
+@case("rearrange_split")
+def _rearrange_split():
+    x = _x("x_bs", [B, S])
+    return md.rearrange(x, "batch (heads d_k) -> d_k batch heads", heads=2), {}
+
+
+@case("rearrange_merge")
+def _rearrange_merge():
+    x = _x("x_bhd", [B, md.Dim("heads", 2), md.Dim("d_k", 4)])
+    return md.rearrange(x, "batch heads d_k -> (heads d_k) batch"), {}
+
+
+# ----------------------------------------------------------------------------- along one dim
+
+@case("slice")
+def _slice():
+    x = _x("x_bs", [B, S])
+    return {"mid": md.slice_(x, "seq", 2, 6), "odd": md.slice_(x, "seq", 1, 5)}, {}
+
+
+@case("pad")
+def _pad():
+    x = _x("x_bs", [B, S])
+    return {"zero": md.pad(x, "seq", 1, 3), "one": md.pad(x, "seq", 8, 0, value=1.0)}, {}
+
+
+@case("concat")
+def _concat():
+    a, c = _x("a_bs", [B, md.Dim("seq", 4)]), _x("c_bs", [B, md.Dim("seq", 4)])
+    return {"two": md.concat([a, c], "seq"), "three": md.concat([a, c, a * c], "seq")}, {}
+
+
+_OFFSETS = (1, -1, 2, -2, 3, -5, 7, 8)
+
+
+@case("shift")
+def _shift():
+    x = _x("x_bs", [B, S])
+    return {f"k{k}": md.shift(x, "seq", k) for k in _OFFSETS}, {}
+
+
+@case("roll")
+def _roll():
+    x = _x("x_bs", [B, S])
+    return {f"k{k}": md.roll(x, "seq", k) for k in _OFFSETS}, {}
+
+
+# ----------------------------------------------------------------------------- nn
+
+@case("softmax")
+def _softmax():
+    return md.softmax(_x("x_bv", [B, V]), "vocab"), {}
+
+
+@case("log_softmax")
+def _log_softmax():
+    return md.log_softmax(_x("x_bv", [B, V]), "vocab"), {}
+
+
+@case("layer_norm")
+def _layer_norm():
+    x = _x("x_bsf", [B, S, F])
+    return md.layer_norm(x, "feat", _p("g_f", [F]), _p("b_f", [F])), {}
+
+
+@case("rms_norm")
+def _rms_norm():
+    x = _x("x_bsf", [B, S, F])
+    return md.rms_norm(x, "seq", _p("g_s", [S])), {}
+
+
+def _labels(*shape, high=8):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(7))
+
+
+@case("cross_entropy")
+def _cross_entropy():
+    logits = _x("logits_bsv", [B, md.Dim("seq", 2), V])
+    labels = md.input("labels", [B, md.Dim("seq", 2)], torch.int64)
+    return md.cross_entropy(logits, labels, "vocab"), {"labels": _labels(4, 2)}
+
+
+# ----------------------------------------------------------------------------- index ops
+
+@case("gather")
+def _gather():
+    table = _p("table_vf", [V, F])
+    ids = md.input("ids", [B, md.Dim("seq", 2)], torch.int64)
+    return md.gather(table, ids, "vocab"), {"ids": _labels(4, 2)}
+
+
+@case("one_hot")
+def _one_hot():
+    ids = md.input("ids", [B], torch.int64)
+    oh = md.one_hot(ids, V)
+    return {"oh": oh, "emb": md.einsum("batch vocab, vocab feat -> batch feat", oh, _p("emb_vf", [V, F]))}, \
+        {"ids": _labels(4)}
+
+
+@case("iota")
+def _iota():
+    x = _x("x_sf", [S, F])
+    i = md.iota(S)
+    return {"i": i, "y": md.cast(i, torch.float32) * x}, {}
+
+
+@case("causal_mask")
+def _causal_mask():
+    q, k = md.Dim("seq", 8), md.Dim("key", 8)
+    mask = md.causal_mask(q, k)
+    scores = _x("scores_bsk", [B, q, k])
+    return {"mask": mask, "attn": md.softmax(md.where(mask, scores, -1e9), "key")}, {}
+
+
+@case("top_k")
+def _top_k():
+    x = _x("x_bv", [B, V])
+    vals, idx = md.top_k(x, "vocab", 2, "top")
+    return {"vals": vals, "idx": idx}, {}
+
+
+@case("dropout")
+def _dropout():
+    x = _x("x_bs", [B, S])
+    return {"r3": md.dropout(x, 0.3, seed=3), "r5": md.dropout(md.transpose(x, ["seq", "batch"]), 0.5, seed=1)}, {}
+
+
+# ----------------------------------------------------------------------------- scan, autodiff, optimizer
+
+L, D, FF = md.Dim("layer", 2), md.Dim("d_model", 4), md.Dim("d_ff", 8)
+
+
+def _block(h, p):
+    u = md.relu(md.einsum("batch d_model, d_model d_ff -> batch d_ff", h, p["w1"]))
+    return h + md.einsum("batch d_ff, d_ff d_model -> batch d_model", u, p["w2"])
+
+
+@case("repeat", whole=("layer",))
+def _repeat():
+    x = _x("x_bd", [B, D])
+    w1, w2 = _p("w1", [L, D, FF]), _p("w2", [L, FF, D])
+    return md.repeat(_block, x, {"w1": w1, "w2": w2}, "layer"), {}
+
+
+@case("vjp", loss=False)
+def _vjp():
+    x, w = _p("x_bs", [B, S]), _p("w_sf", [S, F])
+    y = md.tanh(md.einsum("batch seq, seq feat -> batch feat", x, w))
+    ct = md.input("ct", [B, F])
+    gx, gw = md.vjp([y], [ct], [x, w])
+    return {"y": y, "gx": gx, "gw": gw}, {"ct": torch.randn(4, 4, generator=torch.Generator().manual_seed(3))}
+
+
+@case("sgd", loss=False)
+def _sgd():
+    x = md.input("x", [B, S])
+    w = {"w_sf": _p("w_sf", [S, F]), "v_f": _p("v_f", [F])}
+    loss = md.reduce_mean(md.tanh(md.einsum("batch seq, seq feat -> batch feat", x, w["w_sf"])) * w["v_f"])
+    new = md.sgd(w, md.grad(loss, w), lr=0.5)
+    return {"loss": loss, **{f"new/{k}": t for k, t in new.items()}}, \
+        {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(4))}
+
+
+OPS_COVERED = {
+    "add", "sub", "mul", "div", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "relu", "gelu", "silu",
+    "sigmoid", "pow", "maximum", "minimum", "where", "less", "less_equal", "greater", "greater_equal",
+    "equal", "not_equal", "cast", "stop_gradient", "einsum", "reduce_sum", "reduce_mean", "reduce_max",
+    "reduce_min", "logsumexp", "transpose", "broadcast_to", "rename", "reshape", "rearrange", "slice",
+    "pad", "concat", "shift", "roll", "softmax", "log_softmax", "layer_norm", "rms_norm",
+    "cross_entropy", "gather", "one_hot", "iota", "causal_mask", "top_k", "dropout", "repeat", "vjp",
+    "sgd",
+}
+
+
+def test_every_op_has_a_case():
+    missing = [op for op in OPS_COVERED if not any(c == op or c.startswith(op + "_") for c in CASES)]
+    assert not missing
+
+
+_BUILT: dict = {}
+
+
+def _built(name):
+    if name not in _BUILT:
+        fn, kw = CASES[name]
+        _BUILT[name] = build_case(fn, **kw)
+    return _BUILT[name]
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_all_layouts(name, mesh):
+    c = _built(name)
+    if mesh == "2x2x2":
+        n = check_layouts(c, MESHES[mesh], cap=SAMPLE_2X2X2, seed=zlib.crc32(name.encode()))
+    else:
+        n = check_layouts(c, MESHES[mesh], cap=EXHAUSTIVE_CAP)
+    assert n >= 2
