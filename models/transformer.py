@@ -48,17 +48,57 @@ class Config:
         return cls(vocab=16, d_model=8, heads=4, d_head=2, d_ff=16, layers=2, seq=8, batch=4)
 
 
-def _norm(x, cfg: Config, scale, bias):
+# The einsums of attention; k/v use 'key_seq' so scores can hold both positions.
+PROJ = "batch seq d_model, d_model heads d_head -> batch seq heads d_head"
+SCORES = "batch seq heads d_head, batch key_seq heads d_head -> batch heads seq key_seq"
+MIX = "batch heads seq key_seq, batch key_seq heads d_head -> batch seq heads d_head"
+OUT = "batch seq heads d_head, heads d_head d_model -> batch seq d_model"
+
+
+def norm(x, cfg: Config, scale, bias=None):
     if cfg.norm == "rms":
         return md.rms_norm(x, "d_model", scale)
     return md.layer_norm(x, "d_model", scale, bias)
 
 
+def drop(x, cfg: Config, seed: int):
+    # The mask hashes the global element index, the seed and the layer, so
+    # every layout drops the same elements.
+    return md.dropout(x, cfg.dropout, seed) if cfg.dropout else x
+
+
+def attention(z_bsd, p, cfg: Config):
+    """Causal multi-head self-attention of the normed residual ``z_bsd``."""
+    s = z_bsd.shape.get("seq")
+    q_bshe = md.einsum(PROJ, z_bsd, p["wq"])
+    k_bkhe = md.rename(md.einsum(PROJ, z_bsd, p["wk"]), seq="key_seq")
+    v_bkhe = md.rename(md.einsum(PROJ, z_bsd, p["wv"]), seq="key_seq")
+    att_bhsk = md.einsum(SCORES, q_bshe, k_bkhe) * (cfg.d_head ** -0.5)
+    att_bhsk = md.where(md.causal_mask(s, md.Dim("key_seq", s.size)), att_bhsk, -1e9)
+    att_bhsk = drop(md.softmax(att_bhsk, "key_seq"), cfg, seed=1)
+    y_bshe = md.einsum(MIX, att_bhsk, v_bkhe)
+    return md.einsum(OUT, y_bshe, p["wo"])
+
+
+def mlp(z_bsd, p, cfg: Config):
+    u_bsf = md.gelu(md.einsum("batch seq d_model, d_model d_ff -> batch seq d_ff", z_bsd, p["w_fc"]))
+    return md.einsum("batch seq d_ff, d_ff d_model -> batch seq d_model", u_bsf, p["w_proj"])
+
+
+def block(x_bsd, p, cfg: Config):
+    """One pre-norm transformer block; ``p`` holds this layer's slice of each stacked param."""
+    g = x_bsd.graph
+    with g.scope("attn"):
+        x_bsd = x_bsd + drop(attention(norm(x_bsd, cfg, p["ln1"], p.get("ln1_b")), p, cfg), cfg, seed=2)
+    with g.scope("mlp"):
+        return x_bsd + drop(mlp(norm(x_bsd, cfg, p["ln2"], p.get("ln2_b")), p, cfg), cfg, seed=3)
+
+
 def build(cfg: Config = Config()) -> Model:
     """Build the model and its next-token cross-entropy loss."""
     if cfg.norm not in ("layer", "rms"):
-        raise md.GraphError(f"transformer: norm must be 'layer' or 'rms', not {cfg.norm!r}")
-    b, s, k = md.Dim("batch", cfg.batch), md.Dim("seq", cfg.seq), md.Dim("key_seq", cfg.seq)
+        raise md.GraphError(f"transformer: Config.norm is {cfg.norm!r}; use 'layer' or 'rms'.")
+    b, s = md.Dim("batch", cfg.batch), md.Dim("seq", cfg.seq)
     d, h, e = md.Dim("d_model", cfg.d_model), md.Dim("heads", cfg.heads), md.Dim("d_head", cfg.d_head)
     f, v, l = md.Dim("d_ff", cfg.d_ff), md.Dim("vocab", cfg.vocab), md.Dim("layer", cfg.layers)
 
@@ -66,10 +106,10 @@ def build(cfg: Config = Config()) -> Model:
         ids_bs = md.input("ids", [b, s], torch.int64)
         labels_bs = md.input("labels", [b, s], torch.int64)
 
-        # Stacked block params: fan_out names every dim that is not an input
-        # feature, so each init has std 1/sqrt(fan_in) of one layer.
         wte_vd = md.param("wte", [v, d], scale=0.02)
         wpe_sd = md.param("wpe", [s, d], scale=0.02)
+        # Block params are stacked along 'layer'.  fan_out lists every dim that
+        # is not an input feature, so each layer's init has std 1/sqrt(fan_in).
         blocks = {
             "ln1": md.param("ln1", [l, d], init="ones"),
             "wq": md.param("wq", [l, d, h, e], fan_out=[l, h, e]),
@@ -87,37 +127,9 @@ def build(cfg: Config = Config()) -> Model:
         lnf_b = md.param("lnf_b", [d], init="zeros") if cfg.norm == "layer" else None
         lm_head_vd = wte_vd if cfg.tied else md.param("lm_head", [v, d], fan_out=[v])
 
-        def drop(x, seed):
-            # Masks hash the global element index, the seed and the layer, so
-            # every layout drops the same elements.
-            return md.dropout(x, cfg.dropout, seed) if cfg.dropout else x
-
-        def block(x_bsd, p):
-            with x_bsd.graph.scope("attn"):
-                z_bsd = _norm(x_bsd, cfg, p["ln1"], p.get("ln1_b"))
-                q_bshe = md.einsum("batch seq d_model, d_model heads d_head -> batch seq heads d_head", z_bsd, p["wq"])
-                k_bkhe = md.rename(md.einsum("batch seq d_model, d_model heads d_head -> batch seq heads d_head",
-                                             z_bsd, p["wk"]), seq="key_seq")
-                v_bkhe = md.rename(md.einsum("batch seq d_model, d_model heads d_head -> batch seq heads d_head",
-                                             z_bsd, p["wv"]), seq="key_seq")
-                att_bhsk = md.einsum("batch seq heads d_head, batch key_seq heads d_head -> batch heads seq key_seq",
-                                     q_bshe, k_bkhe) * (cfg.d_head ** -0.5)
-                att_bhsk = md.where(md.causal_mask(s, k), att_bhsk, -1e9)
-                att_bhsk = drop(md.softmax(att_bhsk, "key_seq"), seed=1)
-                y_bshe = md.einsum("batch heads seq key_seq, batch key_seq heads d_head -> batch seq heads d_head",
-                                   att_bhsk, v_bkhe)
-                y_bsd = md.einsum("batch seq heads d_head, heads d_head d_model -> batch seq d_model", y_bshe, p["wo"])
-                x_bsd = x_bsd + drop(y_bsd, seed=2)
-            with x_bsd.graph.scope("mlp"):
-                z_bsd = _norm(x_bsd, cfg, p["ln2"], p.get("ln2_b"))
-                u_bsf = md.gelu(md.einsum("batch seq d_model, d_model d_ff -> batch seq d_ff", z_bsd, p["w_fc"]))
-                y_bsd = md.einsum("batch seq d_ff, d_ff d_model -> batch seq d_model", u_bsf, p["w_proj"])
-                return x_bsd + drop(y_bsd, seed=3)
-
-        x_bsd = md.gather(wte_vd, ids_bs, "vocab") + wpe_sd
-        x_bsd = drop(x_bsd, seed=0)
-        x_bsd = md.repeat(block, x_bsd, blocks, l)
-        x_bsd = _norm(x_bsd, cfg, lnf, lnf_b)
+        x_bsd = drop(md.gather(wte_vd, ids_bs, "vocab") + wpe_sd, cfg, seed=0)
+        x_bsd = md.repeat(lambda x, p: block(x, p, cfg), x_bsd, blocks, l)
+        x_bsd = norm(x_bsd, cfg, lnf, lnf_b)
         logits_bsv = md.einsum("batch seq d_model, vocab d_model -> batch seq vocab", x_bsd, lm_head_vd)
         loss = md.reduce_mean(md.cross_entropy(logits_bsv, labels_bs, "vocab"))
 

@@ -132,7 +132,7 @@ def _weights(y, tag: str):
     for d in y.shape:
         v = md.param(f"wt{tag}_{d.name}", [d], scale=1.0)
         w = v if w is None else w * v
-    return w
+    return w if w.dtype == y.dtype else md.cast(w, y.dtype)
 
 
 def build_case(fn, *, loss: bool = True, whole=(), seed: int = 0) -> Case:

@@ -39,19 +39,22 @@ _FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
 class _InFlight(Pending):
-    """An async allreduce; ``wait()`` blocks on it and books its stats."""
+    """An async collective; ``wait()`` blocks on it, books its stats and returns the result."""
 
-    __slots__ = ("comm", "work", "out", "axes", "slice", "x", "t0")
+    __slots__ = ("comm", "work", "kind", "finish", "axes", "slice", "x", "t0", "out")
 
-    def __init__(self, comm, work, out, axes, s, x, t0):
-        self.comm, self.work, self.out, self.axes, self.slice, self.x, self.t0 = comm, work, out, axes, s, x, t0
+    def __init__(self, comm, work, kind, finish, axes, s, x, t0):
+        self.comm, self.work, self.kind, self.finish = comm, work, kind, finish
+        self.axes, self.slice, self.x, self.t0 = axes, s, x, t0
 
     def wait(self):
         if self.work is not None:
             self.work.wait()
             self.work = None
-            self.comm._done("allreduce", self.axes, self.slice, self.x, self.t0)
-        return [self.out]
+            self.out = [self.finish()]
+            self.finish = None
+            self.comm._done(self.kind, self.axes, self.slice, self.x, self.t0)
+        return self.out
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -216,17 +219,28 @@ class TorchComm(Communicator):
         self._done("allreduce", axes, s, x, t0)
         return [out]
 
+    #: Collectives :meth:`start` runs asynchronously; the executor issues them early.
+    async_kinds = frozenset({"allreduce", "allgather"})
+
     def start(self, kind, xs, axes, args):
-        """Begin a collective; a sum/max/min allreduce runs asynchronously (``async_op``)
-        so the executor can overlap it with the compute that follows."""
-        if kind != "allreduce" or self._slice(axes).size == 1:
+        """Begin a collective; allreduce (sum/max/min) and allgather run asynchronously
+        (``async_op``) so the executor can overlap them with the compute that follows."""
+        s = self._slice(axes)
+        if kind not in self.async_kinds or s.size == 1:
             return super().start(kind, xs, axes, args)
-        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
-        op = args.get("op", "sum")
-        _check_op(op)
-        out = self._prep(x).clone()
-        work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=s.pg, async_op=True)
-        return _InFlight(self, work, out, axes, s, x, t0)
+        (x,), t0 = xs, time.perf_counter()
+        x_c = self._prep(x)
+        if kind == "allreduce":
+            op = args.get("op", "sum")
+            _check_op(op)
+            out = x_c.clone()  # all_reduce works in place; x may have other readers
+            work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=s.pg, async_op=True)
+            return _InFlight(self, work, kind, lambda: out, axes, s, x, t0)
+        dim = args["dim"]
+        parts = [torch.empty_like(x_c) for _ in range(s.size)]
+        work = dist.all_gather(parts, x_c, group=s.pg, async_op=True)
+        return _InFlight(self, work, kind, lambda: torch.cat([parts[g] for g in s.group_rank], dim=dim),
+                         axes, s, x_c, t0)
 
     def all_gather(self, xs, axes, dim):
         """See :meth:`Communicator.all_gather`."""

@@ -4,6 +4,11 @@ The same code serves the simulated mesh (every rank in one process) and
 torch.distributed (one rank per process): values are lists with one local
 tensor per rank the communicator holds.  Per-rank context (slice offsets) is
 computed once per plan.
+
+Steps run in an issue order computed once per plan (:func:`issue_order`):
+collectives the communicator runs asynchronously start as soon as their input
+exists, and steps that need their results run after the other ready work, so
+communication overlaps compute without changing any step's result.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from ..lowering.relayout import plan_moves
 from ..layout.sharding import Sharding
 from ..ops.registry import LocalCtx
 from .comm import Communicator, Pending
+from .dense import check_feed
 
 
 class PerRank(list):
@@ -55,6 +61,60 @@ def run_collective(comm: Communicator, kind: str, xs, axes, args):
     raise AssertionError(kind)
 
 
+def issue_order(plan: Plan, async_kinds=frozenset()) -> list[int]:
+    """The order in which to run ``plan.steps``: a topological order that starts
+    asynchronous collectives early and consumes their results late.
+
+    List scheduling over the value dependencies: a ready step whose kind is in
+    ``async_kinds`` is issued at once (starting it costs little and hides its
+    latency behind what follows); otherwise the ready step that waits on the
+    most recently issued collective still in flight goes last, ties broken by
+    plan order.  The order depends on the plan alone, so every rank issues the
+    same collectives in the same order.
+
+    Args:
+      plan: a compiled plan.
+      async_kinds: collective kinds the communicator overlaps (``Communicator.async_kinds``).
+
+    Returns:
+      Step indices, each once.
+    """
+    steps = plan.steps
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+    users: list[list[int]] = [[] for _ in steps]
+    waiting = [0] * len(steps)
+    for i, s in enumerate(steps):
+        deps = {producer[v] for v in s.ins if v in producer}
+        waiting[i] = len(deps)
+        for j in deps:
+            users[j].append(i)
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    in_flight: dict[int, int] = {}   # value id -> position its collective was issued at
+    order: list[int] = []
+    while ready:
+        starts = [i for i in ready if steps[i].kind in async_kinds]
+        if starts:
+            i = min(starts)
+        else:
+            i = min(ready, key=lambda j: (max((in_flight[v] for v in steps[j].ins if v in in_flight),
+                                              default=-1), j))
+        ready.remove(i)
+        s = steps[i]
+        if s.kind in async_kinds:
+            for v in s.outs:
+                in_flight[v] = len(order)
+        else:
+            for v in s.ins:
+                in_flight.pop(v, None)
+        order.append(i)
+        for j in users[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+    assert len(order) == len(steps), "plan steps form a cycle"
+    return order
+
+
 class Executor:
     """Executes ``plan`` for the ranks ``comm`` holds.
 
@@ -70,9 +130,11 @@ class Executor:
                                      fix="compile with the same mesh string"))
         self.plan, self.comm = plan, comm
         mesh = plan.mesh
+        self.order = issue_order(plan, getattr(comm, "async_kinds", frozenset()))
         self.ctxs = {}
         last_use: dict[int, int] = {}
-        for i, s in enumerate(plan.steps):
+        for i in self.order:
+            s = plan.steps[i]
             for v in s.ins:
                 last_use[v] = i
             if s.kind == "local":
@@ -85,6 +147,7 @@ class Executor:
             if v not in keep:
                 self.free_after.setdefault(i, []).append(v)
         self._subs: dict[int, "Executor"] = {}
+        self._leaves = {s.outs[0]: s.args["tensor"] for s in plan.steps if s.kind in ("input", "param")}
 
     # -- params and feeds
     def local_slices(self, value: Value, full: torch.Tensor) -> list[torch.Tensor]:
@@ -115,15 +178,14 @@ class Executor:
                                              rule="a per-rank slice has the local shape the layout gives",
                                              fix=f"slice it to {want} or feed the full tensor"))
             return list(value)
-        from .dense import check_feed
         check_feed(self.plan_tensor(name, vid), value)
         return self.local_slices(v, value)
 
     def plan_tensor(self, name, vid):
-        for s in self.plan.steps:
-            if s.kind in ("input", "param") and s.outs[0] == vid:
-                return s.args["tensor"]
-        raise KeyError(name)
+        try:
+            return self._leaves[vid]
+        except KeyError:
+            raise KeyError(name) from None
 
     # -- running
     def run(self, feeds: dict | None = None, params: dict | None = None, salt: int = 0,
@@ -152,7 +214,9 @@ class Executor:
                     x = env[v] = x.wait()
             return x
 
-        for i, s in enumerate(self.plan.steps):
+        steps = self.plan.steps
+        for i in self.order:
+            s = steps[i]
             k = s.kind
             if clock:
                 t0, waited = clock(), stats.get("wait", 0.0)

@@ -15,19 +15,55 @@ from ..ops.shape_ops import broadcast_to, transpose
 
 def _accumulate(grads: dict, t: Tensor, g: Tensor) -> None:
     if g.shape.names != t.shape.names:
-        if sorted(g.shape.names) != sorted(t.shape.names):
-            raise AssertionError(f"gradient {g!r} does not match {t!r}")
+        assert sorted(g.shape.names) == sorted(t.shape.names), f"gradient {g!r} does not match {t!r}"
         g = transpose(g, t.shape.names)
     old = grads.get(id(t))
     grads[id(t)] = g if old is None else old + g
+
+
+def _check_tensors(what: str, role: str, items, graph, floating: bool = False) -> None:
+    """Raise a GraphError unless every item is a Tensor of ``graph`` (floating point if asked)."""
+    for i, t in enumerate(items):
+        if not isinstance(t, Tensor):
+            raise GraphError(message(f"{what}: {role} {i} is {t!r} ({type(t).__name__}), not a Tensor.",
+                                     rule=f"{role}s are meshdsl Tensors of the differentiated graph",
+                                     fix="pass the Tensor objects returned by param(), input() or ops"))
+        if t.graph is not graph:
+            raise GraphError(message(f"{what}: {role} {t!r} belongs to another graph than the loss.",
+                                     inputs=[f"graph of the loss: '{graph.name}' (#{graph.uid})",
+                                             f"graph of {t.name}: '{t.graph.name}' (#{t.graph.uid})"],
+                                     rule="gradients are taken within one graph",
+                                     fix="build the model and take its gradients in one 'with Graph():' block"))
+        if floating and not t.dtype.is_floating_point:
+            raise GraphError(message(f"{what}: {role} {t!r} is {t.dtype}; only floating-point tensors have gradients.",
+                                     rule="grad differentiates with respect to floating-point tensors",
+                                     fix="leave integer tensors (ids, labels, masks) out of wrt"))
 
 
 def vjp(outputs: list[Tensor], cotangents: list[Tensor], wrt: list[Tensor]) -> list[Tensor | None]:
     """Vector-Jacobian product: gradients of ``sum(outputs * cotangents)`` w.r.t. ``wrt``.
 
     Returns None for a ``wrt`` the outputs do not depend on.
+
+    Raises:
+      GraphError: if the lists mix graphs or hold non-Tensors, or a cotangent does not
+        have its output's dims, sizes and dtype.
     """
+    outputs, cotangents, wrt = list(outputs), list(cotangents), list(wrt)
+    if not outputs or len(outputs) != len(cotangents):
+        raise GraphError(message(f"vjp: {len(outputs)} output(s) but {len(cotangents)} cotangent(s).",
+                                 rule="one cotangent per output, shaped like it",
+                                 fix="pass as many cotangents as outputs"))
+    _check_tensors("vjp", "output", outputs, getattr(outputs[0], "graph", None))
     graph = outputs[0].graph
+    _check_tensors("vjp", "cotangent", cotangents, graph)
+    _check_tensors("vjp", "wrt tensor", wrt, graph)
+    for t, c in zip(outputs, cotangents):
+        if set(c.shape) != set(t.shape) or c.dtype != t.dtype:
+            raise GraphError(message(f"vjp: cotangent {c!r} does not match output {t!r}.",
+                                     inputs=[f"output: {t.shape} {t.dtype}", f"cotangent: {c.shape} {c.dtype}"],
+                                     rule="a cotangent has its output's dims (any order), sizes and dtype",
+                                     fix=f"pass a cotangent shaped {t.shape} of dtype {t.dtype}"))
     nodes = topo_nodes(outputs)
     wanted = {id(t.node) for t in wrt}
     live: set[int] = set()  # nodes that depend on some wrt
@@ -66,13 +102,27 @@ def grad(loss: Tensor, wrt=None) -> list[Tensor]:
     Raises:
       GraphError: if ``loss`` is not a scalar.
     """
+    if not isinstance(loss, Tensor):
+        raise GraphError(message(f"grad: loss is {loss!r} ({type(loss).__name__}), not a Tensor.",
+                                 rule="grad differentiates a scalar Tensor of a graph",
+                                 fix="pass the loss Tensor, e.g. reduce_mean(...)"))
     if len(loss.shape) != 0:
         raise GraphError(message(f"grad: loss {loss!r} is not a scalar.",
                                  rule="grad differentiates one number", fix="reduce it first, e.g. reduce_mean(loss)"))
+    if not loss.dtype.is_floating_point:
+        raise GraphError(message(f"grad: loss {loss!r} is {loss.dtype}, not floating point.",
+                                 rule="only a floating-point loss has gradients",
+                                 fix="cast it first: meshdsl.cast(loss, torch.float32)"))
     as_dict = isinstance(wrt, dict)
     if wrt is None:
-        wrt = [n.outputs[0] for n in topo_nodes([loss]) if n.op.name == "param"]
+        wrt = [n.outputs[0] for n in topo_nodes([loss])
+               if n.op.name == "param" and n.outputs[0].dtype.is_floating_point]
+    elif isinstance(wrt, Tensor):
+        raise GraphError(message(f"grad: wrt is a single Tensor {wrt!r}.",
+                                 rule="wrt is a list or a dict of Tensors",
+                                 fix=f"write grad(loss, [{wrt.name}])"))
     items = list(wrt.values()) if as_dict else list(wrt)
+    _check_tensors("grad", "wrt tensor", items, loss.graph, floating=True)
     g = loss.graph
     with g.in_phase("backward"):
         seed = ew.constant(1.0, loss.dtype, loss)

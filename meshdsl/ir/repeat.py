@@ -15,7 +15,7 @@ import torch
 
 from ..core.graph import Graph, Tensor
 from ..core.shape import Dim, Shape
-from ..errors import LayoutError, ShapeError, message
+from ..errors import LayoutError, ShapeError, did_you_mean, message
 from ..ops.leaf import placeholder
 from ..ops.registry import Op, apply, register
 
@@ -39,11 +39,23 @@ class Block:
         return self._dense
 
 
+class _LayerParams(dict):
+    """The per-layer params a block sees; asking for one that was not passed is a user error."""
+
+    def __missing__(self, key):
+        raise ShapeError(message(
+            f"repeat: the block reads param {key!r}, which was not passed to repeat."
+            f"{did_you_mean(str(key), list(self))}", inputs=[f"params passed: {sorted(self)}"],
+            rule="the block sees exactly the stacked params given to repeat(block, x, params, dim), by name",
+            fix=f"add {key!r} to the params dict, or use one of {sorted(self)}"))
+
+
 def _trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str) -> Block:
     g = Graph(f"{x.graph.name}/{name}")
     with g:
         c = placeholder("carry", x.shape, x.dtype)
-        ps = {k: placeholder(k, p.shape.without([layer]), p.dtype, p.scopes) for k, p in stacked.items()}
+        ps = _LayerParams({k: placeholder(k, p.shape.without([layer]), p.dtype, p.scopes)
+                           for k, p in stacked.items()})
         y = fn(c, ps)
     if not isinstance(y, Tensor) or y.graph is not g:
         raise ShapeError(message(f"repeat: the block returned {y!r}, not a Tensor built from its inputs.",

@@ -66,8 +66,15 @@ class Layout:
         if isinstance(text, dict):
             rules = []
             for i, (k, v) in enumerate(text.items()):
+                axes = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (tuple, list)) else None
+                if (not isinstance(k, str) or axes is None
+                        or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes)):
+                    raise LayoutError(message(
+                        f"Layout dict entry {k!r}: {v!r} is not a mesh axis or a tuple of distinct axes.",
+                        inputs=[f"layout: {text!r}"],
+                        rule="a layout dict maps '[scope.]dim' to an axis name or a tuple of distinct axis names",
+                        fix="write e.g. {'batch': 'data', 'd_ff': ('data', 'model')}"))
                 scope, _, dim = k.rpartition(".")
-                axes = (v,) if isinstance(v, str) else tuple(v)
                 rules.append(Rule(scope or None, dim, axes, i))
             return Layout(tuple(rules))
         from .parse import parse_layout

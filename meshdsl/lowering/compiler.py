@@ -166,6 +166,25 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
 _CACHE: dict = {}
 
 
+def _check_outputs(outputs: dict) -> None:
+    """Every output is a Tensor of one graph (node ids are per graph, so mixing would mislower)."""
+    first = None
+    for name, t in outputs.items():
+        if not isinstance(t, Tensor):
+            raise GraphError(message(f"compile: output '{name}' is {t!r} ({type(t).__name__}), not a Tensor.",
+                                     rule="outputs are meshdsl Tensors of one graph",
+                                     fix="pass the Tensors returned by ops, e.g. {'loss': loss}"))
+        if first is None:
+            first = (name, t)
+        elif t.graph is not first[1].graph:
+            raise GraphError(message(
+                f"compile: outputs '{first[0]}' and '{name}' belong to different graphs.",
+                inputs=[f"'{first[0]}': {first[1]!r} in graph '{first[1].graph.name}' (#{first[1].graph.uid})",
+                        f"'{name}': {t!r} in graph '{t.graph.name}' (#{t.graph.uid})"],
+                rule="a plan is compiled from one graph", fix="build everything in one 'with Graph():' block, "
+                                                                "or compile each graph on its own"))
+
+
 def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT) -> Plan:  # noqa: A001
     """Lower the graph behind ``outputs`` into an SPMD plan.
 
@@ -183,11 +202,14 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT) -> Plan:  # n
     """
     if isinstance(outputs, Tensor):
         outputs = {"out": outputs}
-    elif not isinstance(outputs, dict):
+    elif isinstance(outputs, (list, tuple)):
         outputs = {f"out{i}": t for i, t in enumerate(outputs)}
+    elif not isinstance(outputs, dict):
+        outputs = {"out": outputs}  # not a Tensor: _check_outputs says so
     if not outputs:
         raise GraphError(message("compile: no outputs given.", rule="a plan computes at least one tensor",
                                  fix="pass the loss (and gradients) to compile"))
+    _check_outputs(outputs)
     mesh = Mesh.parse(mesh)
     layout = Layout.parse(layout)
     g = next(iter(outputs.values())).graph

@@ -9,7 +9,8 @@ Per mesh axis, following Mesh-TF's reshape rules and DTensor's redistribute:
 * not split -> split on d    : local split (no communication)
 
 Dims split over several axes are changed at their minor end, so each step
-keeps the global element order exact.
+keeps the global element order exact; a run of axes that moves together (from
+partial sums or from one dim onto another) is one collective over the run.
 """
 from __future__ import annotations
 
@@ -54,27 +55,33 @@ def plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> list[Move]
     def snap():
         return _mk(cur, order, partial)
 
-    # 1. Partial sums that b does not keep.
+    # 1. Partial sums that b does not keep: reduce_scatter the axes that extend a
+    #    dim's split in b's order (one collective per dim, over all such axes at
+    #    once), allreduce the rest.
     pending = [x for x in partial if x not in b.partial]
-    used = {x for axes in cur.values() for x in axes}
-    scatter = []
-    for x in pending:
-        d = next((n for n in order if x in b.axes_of(n)), None)
-        if d is not None and x not in used:
-            want = b.axes_of(d)
-            if tuple(cur[d]) + (x,) == want[:len(cur[d]) + 1]:
-                scatter.append((x, d))
-                used.add(x)
-    reduce_all = [x for x in pending if x not in {s for s, _ in scatter}]
+    scatter: list[tuple[str, tuple[str, ...]]] = []
+    for d in order:
+        want, have = b.axes_of(d), len(cur[d])
+        if tuple(cur[d]) != want[:have]:
+            continue
+        run: list[str] = []
+        for x in want[have:]:
+            if x not in pending:
+                break
+            run.append(x)
+        if run:
+            scatter.append((d, tuple(run)))
+    scattered = {x for _, axes in scatter for x in axes}
+    reduce_all = [x for x in pending if x not in scattered]
     if reduce_all:
         before = snap()
         partial = [x for x in partial if x not in reduce_all]
         moves.append(Move("allreduce", tuple(reduce_all), None, None, before, snap()))
-    for x, d in scatter:
+    for d, axes in scatter:
         before = snap()
-        partial.remove(x)
-        cur[d].append(x)
-        moves.append(Move("reduce_scatter", (x,), d, None, before, snap()))
+        partial = [x for x in partial if x not in axes]
+        cur[d].extend(axes)
+        moves.append(Move("reduce_scatter", axes, d, None, before, snap()))
 
     # 2. Axes to take off each dim, minor end first: alltoall when the axis goes
     #    straight onto the minor end of another dim, else allgather.
@@ -92,16 +99,24 @@ def plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> list[Move]
                 gather.clear()
 
         while len(cur[n]) > k:
-            x = cur[n][-1]
-            d2 = next((m for m in order if m != n and x in b.axes_of(m)), None)
-            if d2 is not None and tuple(cur[d2]) + (x,) == b.axes_of(d2)[:len(cur[d2]) + 1]:
-                flush()
-                before = snap()
-                cur[n].pop()
-                cur[d2].append(x)
-                moves.append(Move("alltoall", (x,), n, d2, before, snap()))
-            else:
+            # The longest minor-end run of n's axes that goes, in order, onto the
+            # minor end of one other dim moves in one alltoall over the run.
+            hit = None
+            for j in range(k, len(cur[n])):
+                run = tuple(cur[n][j:])
+                d2 = next((m for m in order if m != n and run[0] in b.axes_of(m)), None)
+                if d2 is not None and tuple(cur[d2]) + run == b.axes_of(d2)[:len(cur[d2]) + len(run)]:
+                    hit = (j, d2, run)
+                    break
+            if hit is None:
                 gather.append(cur[n].pop())
+                continue
+            flush()
+            j, d2, run = hit
+            before = snap()
+            del cur[n][j:]
+            cur[d2].extend(run)
+            moves.append(Move("alltoall", run, n, d2, before, snap()))
         flush()
 
     # 3. Local splits for what b adds.

@@ -89,6 +89,10 @@ def einsum(equation: str, *xs: Tensor) -> Tensor:
     from ..layout.parse import parse_einsum
 
     spec = parse_einsum(equation)
+    bad = next((x for x in xs if not isinstance(x, Tensor)), None)
+    if bad is not None:
+        raise ShapeError(message(f"einsum('{equation}'): operand {bad!r} ({type(bad).__name__}) is not a Tensor.",
+                                 rule="einsum contracts meshdsl Tensors", fix="pass Tensors built by ops or leaves"))
     if len(spec.inputs) != len(xs):
         raise ShapeError(message(
             f"einsum('{equation}'): the equation has {len(spec.inputs)} operand(s) but {len(xs)} tensor(s) were given.",

@@ -283,11 +283,18 @@ def pow(x: Tensor, exponent: float) -> Tensor:  # noqa: A001 - mirrors torch.pow
     """``x ** exponent`` for a Python-number exponent."""
     if isinstance(exponent, Tensor):
         return exp(log(x) * exponent)
+    if not isinstance(exponent, (int, float)) or isinstance(exponent, bool):
+        raise ShapeError(message(f"pow: exponent {exponent!r} ({type(exponent).__name__}) is not a number.",
+                                 inputs=[f"base: {x!r}"], rule="x ** p takes a Python number or a Tensor p",
+                                 fix="pass a float such as 2.0"))
     return apply("pow", [x], {"exponent": float(exponent)})
 
 
 def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
     """Convert ``x`` to ``dtype``."""
+    if not isinstance(dtype, torch.dtype):
+        raise ShapeError(message(f"cast: {dtype!r} is not a torch.dtype.", inputs=[f"x: {x!r}"],
+                                 rule="cast takes a torch dtype", fix="write e.g. cast(x, torch.float32)"))
     return apply("cast", [x], {"dtype": dtype})
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ..core.graph import Graph, Tensor
 from ..core.shape import Dim, Shape
-from ..errors import ShapeError, message
+from ..errors import GraphError, ShapeError, message
 from .registry import ComputeSpec, Op, apply, register
 
 
@@ -79,6 +79,12 @@ class Gather(Op):
 
     def compute(self, ctx, attrs, ids, table):
         name, pos = attrs["dim"], attrs["pos"]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= attrs["size"]):
+            # Each rank sees global ids, so every layout raises alike (dense indexing would too).
+            raise GraphError(message(
+                f"gather: ids range over [{int(ids.min())}, {int(ids.max())}], outside dim '{name}' of size "
+                f"{attrs['size']}.", rule=f"ids index the table along '{name}': 0 <= id < {attrs['size']}",
+                fix="check the fed ids (e.g. the vocabulary size) or clamp them"))
         n = table.shape[pos]
         local = ids - ctx.offset(name)
         if n == attrs["size"] and ctx.offset(name) == 0:
@@ -136,6 +142,9 @@ class ScatterAdd(Op):
 def iota(dim: Dim, dtype=torch.int64) -> Tensor:
     """``[0, 1, ..., dim.size-1]`` along ``dim``."""
     Graph.current()
+    if not isinstance(dim, Dim):
+        raise ShapeError(message(f"iota: {dim!r} is not a Dim.", rule="iota counts along a Dim",
+                                 fix="pass meshdsl.Dim(name, size)"))
     return apply("iota", [], {"dim": dim, "dtype": dtype})
 
 
@@ -157,6 +166,10 @@ def gather(table: Tensor, ids: Tensor, dim) -> Tensor:
 def causal_mask(q: Dim, k: Dim) -> Tensor:
     """Boolean [q, k] mask, True where key position <= query position."""
     from .elementwise import greater_equal
+    if not isinstance(q, Dim) or not isinstance(k, Dim) or q.name == k.name:
+        raise ShapeError(message(f"causal_mask({q!r}, {k!r}): needs two Dims with different names.",
+                                 rule="the mask is [query, key]; the two positions are different dims",
+                                 fix="name the key dim apart, e.g. causal_mask(Dim('seq', n), Dim('key_seq', n))"))
     return greater_equal(iota(q), iota(k))
 
 

@@ -35,9 +35,20 @@ def log_softmax(x: Tensor, dim) -> Tensor:
         return x - logsumexp(x, _name(dim))
 
 
+def _check_affine(what: str, x: Tensor, **params) -> None:
+    """A norm's scale/bias may only use dims of ``x`` (else it would silently broadcast ``x``)."""
+    for role, p in params.items():
+        if p is not None and any(n not in x.shape for n in p.shape.names):
+            extra = [n for n in p.shape.names if n not in x.shape]
+            raise ShapeError(message(f"{what}: {role} {p!r} has dim(s) {extra} that {x!r} lacks.",
+                                     rule=f"the {role} is shaped by dims of the normalised tensor",
+                                     fix=f"give the {role} dims from {list(x.shape.names)}"))
+
+
 def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
     """Layer norm over ``dim`` with optional ``scale`` and ``bias`` (shaped by ``dim``)."""
+    _check_affine("layer_norm", x, scale=scale, bias=bias)
     with x.graph.scope("layer_norm"):
         d = _name(dim)
         xc = x - reduce_mean(x, d)
@@ -51,6 +62,7 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
 
 def rms_norm(x: Tensor, dim, scale: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """RMS norm over ``dim`` with an optional ``scale``."""
+    _check_affine("rms_norm", x, scale=scale)
     with x.graph.scope("rms_norm"):
         y = x * rsqrt(reduce_mean(x * x, _name(dim)) + eps)
         return y * scale if scale is not None else y
@@ -122,6 +134,9 @@ def dropout(x: Tensor, rate: float, seed: int = 0) -> Tensor:
     The mask is a function of the element's global index and ``seed`` only, so
     every layout and process count drops the same elements.
     """
+    if not x.dtype.is_floating_point:
+        raise ShapeError(message(f"dropout: {x!r} is {x.dtype}, not floating point.",
+                                 rule="dropout scales the kept elements by 1/(1-rate)", fix="cast it to a float dtype"))
     if not 0.0 <= rate < 1.0:
         raise ShapeError(message(f"dropout: rate {rate} is not in [0, 1).", rule="0 <= rate < 1",
                                  fix="pass a rate such as 0.1"))

@@ -19,6 +19,10 @@ def _dims_arg(x: Tensor, dims, what: str) -> tuple[str, ...]:
     if isinstance(dims, (str, Dim)):
         dims = [dims]
     names = tuple(d.name if isinstance(d, Dim) else d for d in dims)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ShapeError(message(f"{what}: dim(s) {dup} listed twice in {list(names)}.",
+                                 rule="each reduced dim is named once", fix="list each dim once"))
     for n in names:
         if n not in x.shape:
             from ..errors import did_you_mean

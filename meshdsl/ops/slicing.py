@@ -84,11 +84,12 @@ class Concat(_AlongDim):
         first = inputs[0]
         name = attrs["dim"]
         for k, x in enumerate(inputs[1:], 1):
-            if x.shape.without([name]) != first.shape.without([name]):
+            # Same dims in the same order: torch.cat concatenates by position.
+            if x.shape.names != first.shape.names or x.shape.without([name]) != first.shape.without([name]):
                 raise ShapeError(message(
-                    f"concat along '{name}': operand {k} {x.shape} does not match operand 0 {first.shape} "
-                    f"outside '{name}'.", rule="concat operands agree on every other dim, in order",
-                    fix="transpose or rename so the other dims match"))
+                    f"concat along '{name}': operand {k} {x.shape} does not line up with operand 0 {first.shape}.",
+                    rule=f"concat operands have the same dims in the same order, and equal sizes outside '{name}'",
+                    fix=f"transpose or rename operand {k} to the dims of operand 0, in order"))
         attrs["pos"] = first.shape.index(name)
         attrs["sizes"] = tuple(x.shape.get(name).size for x in inputs)
         return [(_resized(first, name, sum(attrs["sizes"])), first.dtype)]
@@ -170,7 +171,12 @@ def pad(x: Tensor, dim, before: int, after: int, value: float = 0.0) -> Tensor:
 
 
 def concat(xs, dim) -> Tensor:
-    """Concatenate tensors along ``dim`` (the others must match)."""
+    """Concatenate tensors along ``dim`` (the others must match, in the same order)."""
+    xs = list(xs)
+    if not xs or not all(isinstance(x, Tensor) for x in xs):
+        raise ShapeError(message(f"concat: expected a non-empty list of Tensors, got {xs!r}.",
+                                 rule="concat joins one or more tensors along a dim",
+                                 fix="pass a list such as [a, b]"))
     name = _dim(xs[0], dim, "concat")
     return apply("concat", list(xs), {"dim": name})
 

@@ -23,7 +23,9 @@ from ..errors import MeshDSLError
 from ..exec.dense import run_dense
 from ..exec.simulate import run_simulated
 from ..lowering.compiler import compile as compile_plan
-from .loader import load_model
+from ..exec.launch import in_torchrun
+from .dist_cli import add_run
+from .loader import DEFAULT_LR, load_model
 from .report import plan_report, print_report
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
@@ -44,14 +46,13 @@ def _console():
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    """Arguments every model subcommand shares: MODEL, --mesh, --layout, --tiny, --seed."""
+    """Arguments every model subcommand shares: MODEL, --mesh, --layout, --tiny."""
     p.add_argument("model", metavar="MODEL",
                    help="a model name in models/ (e.g. 'transformer') or a path to a model .py file")
     p.add_argument("--mesh", required=True, help='mesh axes and sizes, e.g. "data:2; model:2"')
     p.add_argument("--layout", default="",
                    help='layout rules, e.g. "batch:data; heads:model; params.d_model:data"')
     p.add_argument("--tiny", action="store_true", help="build the model's Config.tiny() (for quick checks)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and the param init")
 
 
 # ----------------------------------------------------------------------------- plan
@@ -63,7 +64,8 @@ def add_plan(sub) -> None:
     _model_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with 'ops' and 'totals'")
     p.add_argument("--only-comm", action="store_true", help="list only the ops that communicate")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate of the update phase")
+    p.add_argument("--totals", action="store_true", help="print only the collective totals")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="SGD learning rate of the update phase")
     p.set_defaults(run=cmd_plan)
 
 
@@ -74,7 +76,7 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print_report(report, _console(), only_comm=args.only_comm)
+        print_report(report, _console(), only_comm=args.only_comm, totals_only=args.totals)
     return EXIT_OK
 
 
@@ -86,9 +88,12 @@ def add_check(sub) -> None:
                                    "print the max abs difference per output and fail if any exceeds "
                                    "TOL * max|dense output|.")
     _model_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and the param init")
     p.add_argument("--tol", type=float, default=DEFAULT_TOL,
                    help=f"tolerance relative to each output's magnitude (default {DEFAULT_TOL}: fp32 "
                         "rounding of re-ordered sums, far below what a wrong layout produces)")
+    from .dist_cli import dist_args
+    dist_args(p)
     p.set_defaults(run=cmd_check)
 
 
@@ -103,6 +108,9 @@ def cmd_check(args) -> int:
     plan = compile_plan(outputs, args.mesh, args.layout)
     feeds = model.feeds(args.seed)
     want = run_dense(outputs, feeds, seed=args.seed)
+    if args.nproc is not None or in_torchrun():
+        from .dist_cli import check_distributed
+        return check_distributed(args, want, report_check)
     got = run_on_simulated_mesh(plan, feeds, args.seed)
     return report_check(want, got, args.tol, f"mesh '{plan.mesh}', layout '{plan.layout}'")
 
@@ -141,7 +149,7 @@ def report_check(want: dict, got: dict, tol: float, where: str) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-SUBCOMMANDS = [add_plan, add_check]
+SUBCOMMANDS = [add_plan, add_check, add_run]
 
 
 def build_parser() -> argparse.ArgumentParser:

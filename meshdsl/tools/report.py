@@ -2,7 +2,7 @@
 
 :func:`plan_report` turns a :class:`~meshdsl.lowering.plan.Plan` into plain
 JSON-able data; :func:`print_report` renders that data as rich tables.  The
-steps of a ``repeat`` are listed after it, labelled ``REPEAT/…`` and counted
+steps of a ``repeat`` are listed after it, labelled ``<repeat label>/<op label>`` and counted
 ``times`` over (the layer count) in every total.
 """
 from __future__ import annotations
@@ -12,6 +12,9 @@ from typing import Any
 from ..lowering.plan import Plan, Step
 
 LEAVES = ("param", "input")
+# Rows the table leaves out (JSON keeps them): scalar constants, and a repeat's
+# per-layer inputs, which repeat the stacked params' rows minus the layer dim.
+QUIET = ("constant", "placeholder")
 
 
 def _local_shape(plan: Plan, vid: int) -> dict[str, int]:
@@ -101,18 +104,32 @@ def _shape_text(shape: dict[str, int], sharding: str) -> str:
     return f"{dims} {sharding}" if sharding != "{}" else dims
 
 
-def print_report(report: dict[str, Any], console=None, only_comm: bool = False) -> None:
-    """Render a :func:`plan_report` as a per-op table and the totals tables."""
+def print_report(report: dict[str, Any], console=None, only_comm: bool = False,
+                 totals_only: bool = False) -> None:
+    """Render a :func:`plan_report` as a per-op table, then the totals table."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
-    ops = Table(title=f"plan  mesh '{report['mesh']}'  layout '{report['layout']}'", title_justify="left")
-    for col, kw in (("op", {}), ("phase", {}), ("local shapes", {}), ("FLOPs", {"justify": "right"}),
-                    ("collectives", {}), ("notes", {"style": "dim"})):
+    if not totals_only:
+        console.print(ops_table(report, only_comm))
+    console.print(totals_table(report))
+    console.print(f"FLOPs per rank per step: {human_count(report['flops'])}")
+    for n in report["notes"]:
+        console.print(f"note: {n}", style="dim")
+
+
+def ops_table(report: dict[str, Any], only_comm: bool = False):
+    """One row per op: label (x times per step), phase, local shapes, FLOPs, collectives, notes."""
+    from rich.table import Table
+
+    ops = Table(title=f"plan  mesh '{report['mesh']}'  layout '{report['layout']}'", title_justify="left",
+                expand=True)
+    for col, kw in (("op", {"no_wrap": True}), ("phase", {"no_wrap": True}), ("local shapes", {"ratio": 1}),
+                    ("FLOPs", {"justify": "right", "no_wrap": True}), ("collectives", {"no_wrap": True}),
+                    ("notes", {"style": "dim", "ratio": 1})):
         ops.add_column(col, **kw)
     for e in report["ops"]:
-        if only_comm and not e["collectives"]:
+        if (only_comm or e["op"] in QUIET) and not e["collectives"]:
             continue
         label = e["label"] if e["label"] == e["op"] or e["op"] in LEAVES else f"{e['label']} ({e['op']})"
         if e["times"] > 1:
@@ -122,22 +139,18 @@ def print_report(report: dict[str, Any], console=None, only_comm: bool = False) 
         shapes = "\n".join(_shape_text(s, sh) for s, sh in zip(e["local_shapes"], e["shardings"]))
         ops.add_row(label, e["phase"], shapes, human_count(e["flops"]) if e["flops"] else "", coll,
                     "\n".join(e["notes"]))
-    console.print(ops)
-    console.print(totals_table(report))
-    console.print(f"FLOPs per rank per step: {human_count(report['flops'])}")
-    for n in report["notes"]:
-        console.print(f"note: {n}", style="dim")
+    return ops
 
 
 def totals_table(report: dict[str, Any]):
     """The per-kind and per-(kind, axes) collective totals of one training step."""
     from rich.table import Table
 
-    t = Table(title="collectives per step (bytes sent per rank)", title_justify="left")
+    t = Table(title="collectives per training step", title_justify="left")
     t.add_column("kind")
     t.add_column("axes")
     t.add_column("count", justify="right")
-    t.add_column("bytes", justify="right")
+    t.add_column("bytes per rank", justify="right")
     for kind, v in report["totals"].items():
         t.add_row(f"[bold]{kind}[/]", "all", str(v["count"]), human_bytes(v["bytes"]))
         for r in report["totals_by_axis"]:
@@ -148,4 +161,4 @@ def totals_table(report: dict[str, Any]):
     return t
 
 
-__all__ = ["plan_report", "print_report", "totals_table", "human_bytes"]
+__all__ = ["plan_report", "print_report", "ops_table", "totals_table", "human_bytes"]

@@ -1,0 +1,152 @@
+"""The ``meshdsl`` command line: plan tables and JSON, check exit codes, clean
+user errors, and model loading by name and by path.
+
+Most tests call :func:`meshdsl.tools.cli.main` in-process (fast); two run
+``python -m meshdsl`` as a subprocess to cover the real entry point.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import meshdsl as md
+from meshdsl.tools import cli
+from meshdsl.tools.loader import ModelError, find_model_file, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TP = ["--mesh", "data:2; model:2", "--layout", "batch:data; heads:model; d_ff:model"]
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_table(capsys):
+    rc, out, err = run(capsys, "plan", "mlp", "--tiny", "--mesh", "data:2; model:2",
+                       "--layout", "batch:data; d_ff:model")
+    assert rc == 0, err
+    for word in ("w1", "einsum", "forward", "backward", "update", "allreduce(data)", "allreduce(model)",
+                 "d_ff:8", "{d_ff:model}", "collectives per training step"):
+        assert word in out, word
+
+
+def test_plan_only_comm_and_totals(capsys):
+    args = ["plan", "transformer", "--tiny", *TP]
+    _, full, _ = run(capsys, *args)
+    _, comm, _ = run(capsys, *args, "--only-comm")
+    rc, totals, _ = run(capsys, *args, "--totals")
+    assert rc == 0
+    assert "repeat/attn/add (add) x2" in comm and "gather" not in comm  # gather does not communicate
+    assert "gather" in full and len(comm) < len(full)
+    assert "plan  mesh" not in totals and "collectives per training step" in totals
+
+
+def test_plan_json_keys_phases_and_totals(capsys):
+    rc, out, _ = run(capsys, "plan", "transformer", "--tiny", "--json", *TP)
+    assert rc == 0
+    report = json.loads(out)
+    assert {"ops", "totals"} <= set(report)
+    for e in report["ops"]:
+        assert {"op", "phase", "local_shapes", "collectives", "flops"} <= set(e)
+        assert e["phase"] in ("forward", "backward", "update")
+        for c in e["collectives"]:
+            assert set(c) == {"kind", "axes", "bytes"}
+    assert {e["phase"] for e in report["ops"]} == {"forward", "backward", "update"}
+    # The per-op collectives, each counted `times` over, add up to the totals.
+    sums: dict = {}
+    for e in report["ops"]:
+        for c in e["collectives"]:
+            t = sums.setdefault(c["kind"], {"count": 0, "bytes": 0})
+            t["count"] += e["times"]
+            t["bytes"] += e["times"] * c["bytes"]
+    assert sums == report["totals"] and report["totals"]["allreduce"]["count"] > 0
+    # The layers' ops are listed under the repeat, run once per layer (tiny: 2 layers).
+    layer_ops = [e for e in report["ops"] if e["label"].startswith("repeat/")]
+    assert layer_ops and all(e["times"] == 2 for e in layer_ops)
+    wq = next(e for e in report["ops"] if e["label"] == "wq")
+    assert wq["local_shapes"] == [{"layer": 2, "d_model": 8, "heads": 2, "d_head": 2}]
+
+
+def test_plan_json_matches_the_plan(capsys):
+    rc, out, _ = run(capsys, "plan", "mlp", "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data")
+    model = load_model("mlp", tiny=True)
+    plan = md.compile(model.train_step(), "data:2", "batch:data")
+    assert json.loads(out)["totals"] == plan.totals()
+
+
+def test_check_passes(capsys):
+    rc, out, _ = run(capsys, "check", "transformer", "--tiny", *TP)
+    assert rc == 0
+    assert "OK" in out and "grad/wq" in out
+
+
+def test_check_fails_over_tolerance(capsys):
+    # Tensor parallelism re-orders fp32 sums, so some outputs differ by rounding:
+    # a zero tolerance must fail (exit 1), which shows the comparison is live.
+    rc, out, _ = run(capsys, "check", "transformer", "--tiny", "--tol", "0", *TP)
+    assert rc == 1
+    assert "FAIL" in out
+
+
+def test_bad_layout_is_a_clean_error(capsys):
+    rc, out, err = run(capsys, "check", "transformer", "--tiny", "--mesh", "data:2",
+                       "--layout", "batch:data; heads:modle")
+    assert rc == 2
+    assert "unknown mesh axis 'modle'" in err and "^^^^^" in err
+    assert "Traceback" not in err and out == ""
+
+
+def test_indivisible_layout_is_a_clean_error(capsys):
+    rc, _, err = run(capsys, "plan", "mlp", "--tiny", "--mesh", "data:3", "--layout", "batch:data")
+    assert rc == 2
+    assert "not divisible" in err and "Traceback" not in err
+
+
+def test_missing_model(capsys):
+    rc, _, err = run(capsys, "plan", "transformr", "--tiny", "--mesh", "data:2")
+    assert rc == 2
+    assert "no model named 'transformr'" in err and "Did you mean 'transformer'" in err
+    rc, _, err = run(capsys, "plan", "nowhere/model.py", "--mesh", "data:2")
+    assert rc == 2 and "does not exist" in err
+
+
+def test_model_by_path(capsys, tmp_path, monkeypatch):
+    src = (ROOT / "models" / "mlp.py").read_text()
+    path = tmp_path / "my_mlp.py"
+    path.write_text(src)
+    monkeypatch.chdir(tmp_path)  # names still resolve via models/ beside the package
+    rc, out, _ = run(capsys, "plan", str(path), "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data")
+    assert rc == 0 and json.loads(out)["totals"]["allreduce"]["count"] == 3
+    assert find_model_file("transformer") == (ROOT / "models" / "transformer.py").resolve()
+
+
+def test_model_file_without_protocol(capsys, tmp_path):
+    path = tmp_path / "empty.py"
+    path.write_text("x = 1\n")
+    rc, _, err = run(capsys, "plan", str(path), "--mesh", "data:2")
+    assert rc == 2 and "has no 'Config'" in err
+    with pytest.raises(ModelError):
+        load_model(str(path))
+
+
+def _python_m(*argv):
+    return subprocess.run([sys.executable, "-m", "meshdsl", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_python_m_meshdsl():
+    r = _python_m("plan", "mlp", "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data")
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)["totals"]) == {"allreduce"}
+
+
+def test_python_m_meshdsl_user_error():
+    r = _python_m("plan", "mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:(data")
+    assert r.returncode == 2
+    assert "Invalid layout string" in r.stderr and "^" in r.stderr and "Traceback" not in r.stderr
