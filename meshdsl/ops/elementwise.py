@@ -120,10 +120,10 @@ _unary("log", torch.log, lambda x, y, g: g / x)
 _unary("sqrt", torch.sqrt, lambda x, y, g: g * 0.5 / y)
 _unary("rsqrt", torch.rsqrt, lambda x, y, g: g * (-0.5) * y / x)
 _unary("tanh", torch.tanh, lambda x, y, g: g * (1.0 - y * y))
-_unary("relu", torch.relu, lambda x, y, g: g * cast(x > 0.0, g.dtype))
+_unary("relu", torch.relu, lambda x, y, g: apply("relu_backward", [g, x]))
 _unary("sigmoid", torch.sigmoid, lambda x, y, g: g * y * (1.0 - y))
 _unary("gelu_grad", _gelu_grad)
-_unary("gelu", F.gelu, lambda x, y, g: g * apply("gelu_grad", [x]))
+_unary("gelu", F.gelu, lambda x, y, g: apply("gelu_backward", [g, x]))
 _unary("silu", F.silu, lambda x, y, g: g * (lambda s: s * (1.0 + x * (1.0 - s)))(sigmoid(x)))
 _unary("logical_not", torch.logical_not)
 
@@ -225,6 +225,9 @@ _binary("mul", torch.mul, lambda a, b, y, g: (g * b, g * a), linear_args=(0, 1))
 _binary("div", torch.div, lambda a, b, y, g: (g / b, -(g * y) / b), linear_args=(0,))
 _binary("maximum", torch.maximum, lambda a, b, y, g: (g * _mask(a >= b, g), g * _mask(a < b, g)))
 _binary("minimum", torch.minimum, lambda a, b, y, g: (g * _mask(a <= b, g), g * _mask(a > b, g)))
+# Fused gradients of activations (one kernel each, as torch's autograd uses); linear in g.
+_binary("relu_backward", lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.0), linear_args=(0,))
+_binary("gelu_backward", lambda g, x: torch.ops.aten.gelu_backward(g, x), linear_args=(0,))
 for _n, _f in (("less", torch.lt), ("less_equal", torch.le), ("greater", torch.gt),
                ("greater_equal", torch.ge), ("equal", torch.eq), ("not_equal", torch.ne)):
     _binary(_n, _f, out_dtype=torch.bool)
