@@ -318,8 +318,6 @@ def test_plan_moves_after_chain():
         assert m1.after == m2.before
 
 
-@pytest.mark.xfail(strict=True, reason="meshdsl/train/optim.py: sgd's intermediates (g*lr, p-g*lr) carry no "
-                   "'params' scope, so under FSDP they follow the global rules and are allgathered")
 def test_fsdp_sgd_update_is_local():
     # optim.py promises "the update runs in the layout of the params": with weights and
     # their grads sharded by 'params.d_model:data', p - lr*g needs no communication.

@@ -169,8 +169,14 @@ def graph_of(*xs) -> Graph:
     return Graph.current()
 
 
-def topo_nodes(outputs) -> list[Node]:
-    """Nodes needed for ``outputs``, in build order (which is a topological order)."""
+def topo_nodes(outputs, stop=None) -> list[Node]:
+    """Nodes needed for ``outputs``, in build order (which is a topological order).
+
+    ``stop`` holds ``id()``s of tensors whose values are given: the walk does not
+    go through them as inputs, so their producers are left out unless something
+    else needs them (the producers of ``outputs`` themselves are always included).
+    """
+    stop = stop or ()
     need: set[int] = set()
     stack = [t.node for t in outputs]
     graph = outputs[0].graph if outputs else None
@@ -179,5 +185,5 @@ def topo_nodes(outputs) -> list[Node]:
         if n.id in need:
             continue
         need.add(n.id)
-        stack.extend(t.node for t in n.inputs)
+        stack.extend(t.node for t in n.inputs if id(t) not in stop)
     return [n for n in graph.nodes if n.id in need] if graph else []

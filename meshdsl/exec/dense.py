@@ -39,9 +39,12 @@ def check_feed(t: Tensor, value, full: bool = True) -> None:
 class DenseProgram:
     """A graph's outputs, flattened for repeated dense evaluation."""
 
-    def __init__(self, outputs, ctx: LocalCtx = DENSE_CTX):
+    def __init__(self, outputs, ctx: LocalCtx = DENSE_CTX, given: dict | None = None):
+        """``given`` maps feed names to inner tensors whose values are fed, not computed:
+        the nodes only they need are left out."""
         self.outputs = _as_dict(outputs)
-        self.nodes = topo_nodes(list(self.outputs.values()))
+        given = dict(given or {})
+        self.nodes = topo_nodes(list(self.outputs.values()), {id(t) for t in given.values()})
         self.ctx = ctx
         self.params = {n.name: n.outputs[0] for n in self.nodes if n.op.name == "param"}
         self.inputs = {n.name: n.outputs[0] for n in self.nodes if n.op.name in ("input", "placeholder")}
@@ -49,14 +52,23 @@ class DenseProgram:
         for n in self.nodes:
             for t in n.outputs:
                 slot[id(t)] = len(slot)
+        for k, t in given.items():
+            slot.setdefault(id(t), len(slot))
+            self.inputs[k] = t
         self._slot = slot
-        self._keep = [t for n in self.nodes for t in n.outputs]
+        self._keep = [t for n in self.nodes for t in n.outputs] + list(given.values())
         self.code = []
+        used = {id(t) for n in self.nodes for t in n.inputs} | {id(t) for t in self.outputs.values()}
         for n in self.nodes:
             outs = tuple(slot[id(t)] for t in n.outputs)
             if n.op.name in ("param", "input", "placeholder"):
                 continue
-            self.code.append((n.op.compute, n.attrs, tuple(slot[id(t)] for t in n.inputs), outs))
+            attrs = n.attrs
+            saved = attrs.get("saved")
+            if saved and n.op.name == "repeat" and not any(id(t) in used for t in n.outputs[2:]):
+                attrs = {**attrs, "saved": []}  # no backward here: do not keep the activations
+                outs = outs[:2]
+            self.code.append((n.op.compute, attrs, tuple(slot[id(t)] for t in n.inputs), outs))
         self.out_slots = {k: slot[id(t)] for k, t in self.outputs.items()}
 
     def init_params(self, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -13,6 +13,14 @@ from .comm import Communicator
 _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
+def _fold(xs, group, op):
+    """Reduce the group's tensors with ``op`` in group order (deterministic)."""
+    acc = xs[group[0]]
+    for r in group[1:]:
+        acc = _REDUCE[op](acc, xs[r])
+    return acc
+
+
 class SimulatedComm(Communicator):
     """All ranks of ``mesh`` in this process; ``xs[i]`` belongs to rank ``i``."""
 
@@ -31,9 +39,7 @@ class SimulatedComm(Communicator):
         self._record("allreduce", axes, xs)
         out = list(xs)
         for g in self._groups(axes):
-            acc = xs[g[0]]
-            for r in g[1:]:
-                acc = _REDUCE[op](acc, xs[r])
+            acc = _fold(xs, g, op)
             for r in g:
                 out[r] = acc
         return out
@@ -60,9 +66,7 @@ class SimulatedComm(Communicator):
         self._record("reduce_scatter", axes, xs)
         out = list(xs)
         for g in self._groups(axes):
-            acc = xs[g[0]]
-            for r in g[1:]:
-                acc = _REDUCE[op](acc, xs[r])
+            acc = _fold(xs, g, op)
             for j, r in enumerate(g):
                 out[r] = acc.chunk(len(g), dim=dim)[j].contiguous()
         return out

@@ -3,8 +3,10 @@
 The block is traced once into a sub-graph of its own, so it can be lowered and
 differentiated on its own: here the layers run in sequence; a pipeline
 schedule can later run the same sub-plan per stage when ``layer`` is split.
-The backward recomputes each layer's forward from the saved layer inputs
-(activation checkpointing at layer boundaries).
+The forward also saves, stacked over ``layer``, the block activations its
+backward reads (``node.attrs["saved"]``, extra outputs of the repeat node added
+when its gradient is first built), so the backward block does not recompute the
+forward: those tensors are given values in it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..core.graph import Graph, Tensor
+from ..core.graph import Graph, Tensor, topo_nodes
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, ShapeError, did_you_mean, message
 from ..ops.leaf import placeholder
@@ -29,14 +31,16 @@ class Block:
     carry: Tensor
     params: dict[str, Tensor]
     out: Tensor
-    extra: dict = field(default_factory=dict)  # cotangent placeholder, grads (for grad blocks)
-    _dense: object = None
+    extra: dict = field(default_factory=dict)  # cotangent placeholder, grads, given (for grad blocks)
+    _dense: dict = field(default_factory=dict)
 
-    def dense(self, outputs: dict):
-        if self._dense is None:
+    def dense(self, outputs: dict, given: dict | None = None):
+        key = (tuple((k, id(t)) for k, t in outputs.items()), tuple((k, id(t)) for k, t in (given or {}).items()))
+        prog = self._dense.get(key)
+        if prog is None:
             from ..exec.dense import DenseProgram
-            self._dense = DenseProgram(outputs)
-        return self._dense
+            prog = self._dense[key] = DenseProgram(outputs, given=given)
+        return prog
 
 
 class _LayerParams(dict):
@@ -86,27 +90,39 @@ class Repeat(Op):
 
     def compute(self, ctx, attrs, x, *stacked):
         blk: Block = attrs["block"]
-        prog = blk.dense({"out": blk.out})
+        saved = attrs.get("saved", [])
+        prog = blk.dense({"out": blk.out, **{f"saved/{i}": t for i, t in enumerate(saved)}})
         names = list(blk.params)
         carries = []
+        keep = [[] for _ in saved]
         for l in range(attrs["layer"].size):
             carries.append(x)
             feeds = {"carry": x}
             for k, p in zip(names, stacked):
                 feeds[k] = p.select(attrs["pos"][k], l)
-            x = prog(feeds, salt=l + 1)["out"]
-        return x, torch.stack(carries, 0)
+            r = prog(feeds, salt=l + 1)
+            x = r["out"]
+            for i, acc in enumerate(keep):
+                acc.append(r[f"saved/{i}"])
+        return (x, torch.stack(carries, 0), *[torch.stack(acc, 0) for acc in keep])
 
     def grad(self, node, douts):
-        dy, dcarries = douts
-        if dcarries is not None:
+        dy, dcarries, *dsaved = douts
+        if dcarries is not None or any(d is not None for d in dsaved):
             raise ShapeError("repeat: gradients through the saved layer inputs are not supported")
-        x = node.inputs[0]
         if dy is None:
             return [None] * len(node.inputs)
-        blk: Block = node.attrs["block"]
-        gblk = _grad_block(blk, node.attrs["stacked"], node.attrs["layer"].name)
-        outs = apply("repeat_grad", [node.outputs[1], *node.inputs[1:], dy],
+        gblk = node.attrs.get("grad_block")
+        if gblk is None:  # built once; later grads of the same node reuse it and its saved outputs
+            blk: Block = node.attrs["block"]
+            layer = node.attrs["layer"]
+            gblk, pairs = _grad_block(blk, node.attrs["stacked"], layer.name)
+            base = len(node.outputs)
+            node.outputs = node.outputs + tuple(
+                Tensor(node, base + i, Shape([layer] + list(f.shape)), f.dtype) for i, (_, f) in enumerate(pairs))
+            node.attrs["saved"] = [f for _, f in pairs]
+            node.attrs["grad_block"] = gblk
+        outs = apply("repeat_grad", [node.outputs[1], *node.inputs[1:], dy, *node.outputs[2:]],
                      {"block": gblk, "layer": node.attrs["layer"], "pos": node.attrs["pos"],
                       "stacked": node.attrs["stacked"]})
         return list(outs)
@@ -116,12 +132,48 @@ class Repeat(Op):
         lower_repeat(lw, node, backward=False)
 
 
-def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str) -> Block:
+def _saved(b: Block, n_fwd: int, blk: Block) -> list[tuple[Tensor, Tensor]]:
+    """The forward activations the backward part of grad block ``b`` reads.
+
+    Returns (tensor of ``b``, the same tensor of the forward block ``blk``) pairs: the
+    first ``n_fwd`` nodes of ``b`` re-trace ``blk`` node for node.  Placeholders are fed
+    anyway; values that do not depend on the carry (constants, functions of the
+    layer's params) are cheap to recompute and are not saved.
+    """
+    outs = [b.extra["dcarry"], *b.extra["dparams"].values()]
+    fwd = b.graph.nodes[:n_fwd]
+    act: set[int] = {id(b.carry.node)}  # nodes whose outputs depend on the carry
+    for n in fwd:
+        if any(id(t.node) in act for t in n.inputs):
+            act.add(id(n))
+    pairs, seen = [], set()
+    for n in topo_nodes(outs):
+        if n.id < n_fwd:
+            continue
+        for t in n.inputs:
+            src = t.node
+            if src.id >= n_fwd or id(t) in seen or src.op.name == "placeholder" or id(src) not in act:
+                continue
+            seen.add(id(t))
+            f = blk.graph.nodes[src.id]
+            if f.op is not src.op or len(f.outputs) != len(src.outputs):
+                raise ShapeError(f"repeat: the block traced differently twice ({f!r} vs {src!r}); "
+                                 "blocks must be deterministic functions of (carry, params)")
+            pairs.append((t, f.outputs[t.index]))
+    return pairs
+
+
+def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str):
+    """The backward block, and the (grad-block tensor, forward-block tensor) pairs it is given."""
     from .autodiff import vjp
     from ..ops.shape_ops import broadcast_to
     from ..ops.elementwise import constant
 
     b = _trace(blk.fn, blk.carry, stacked, layer, "block_grad")
+    n_fwd = len(b.graph.nodes)
+    if n_fwd != len(blk.graph.nodes):
+        raise ShapeError(f"repeat: the block traced differently twice ({len(blk.graph.nodes)} vs {n_fwd} nodes); "
+                         "blocks must be deterministic functions of (carry, params)")
     with b.graph:
         dy = placeholder("cotangent", b.out.shape, b.out.dtype)
         wrt = [b.carry] + list(b.params.values())
@@ -134,28 +186,37 @@ def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str) -> Block:
             g.scopes = t.scopes
             fixed.append(g)
     b.extra = {"cotangent": dy, "dcarry": fixed[0], "dparams": dict(zip(b.params, fixed[1:]))}
-    return b
+    pairs = _saved(b, n_fwd, blk)
+    b.extra["given"] = {f"saved/{i}": t for i, (t, _) in enumerate(pairs)}
+    return b, pairs
 
 
 @register
 class RepeatGrad(Op):
     name = "repeat_grad"
 
+    # inputs: saved layer inputs, stacked params, carry gradient, saved activations (block.extra["given"])
+
     def infer(self, inputs, attrs):
-        carries, *stacked, dy = inputs
+        carries, *rest = inputs
+        stacked, dy = rest[:len(attrs["stacked"])], rest[len(attrs["stacked"])]
         return [(dy.shape, dy.dtype)] + [(p.shape, p.dtype) for p in stacked]
 
     def compute(self, ctx, attrs, carries, *rest):
-        *stacked, dy = rest
+        n = len(attrs["stacked"])
+        stacked, dy, saved = rest[:n], rest[n], rest[n + 1:]
         blk: Block = attrs["block"]
         outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
-        prog = blk.dense(outs)
+        given = blk.extra.get("given", {})
+        prog = blk.dense(outs, given)
         names = list(blk.params)
         per = {k: [None] * attrs["layer"].size for k in names}
         for l in reversed(range(attrs["layer"].size)):
             feeds = {"carry": carries[l], "cotangent": dy}
             for k, p in zip(names, stacked):
                 feeds[k] = p.select(attrs["pos"][k], l)
+            for k, s in zip(given, saved):
+                feeds[k] = s[l]
             r = prog(feeds, salt=l + 1)
             dy = r["dcarry"]
             for k in names:

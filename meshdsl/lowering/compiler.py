@@ -149,7 +149,13 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
     for name, t in outputs.items():
         wanted.setdefault(id(t.node), []).append(name)
     out = {}
-    for node in topo_nodes(list(outputs.values())):
+    # Tensors already bound (an earlier call's, or values given to a block) are not recomputed.
+    nodes = topo_nodes(list(outputs.values()), lw.env)
+    # What this plan reads: a node with optional outputs (a repeat's saved activations) lowers only those.
+    used = lw.__dict__.setdefault("used", set())
+    used.update(id(t) for n in nodes for t in n.inputs)
+    used.update(id(t) for t in outputs.values())
+    for node in nodes:
         if not all(id(t) in lw.env for t in node.outputs):  # a second call reuses what the first lowered
             node.op.lower(lw, node)
         for name in wanted.get(id(node), ()):

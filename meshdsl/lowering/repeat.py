@@ -4,11 +4,17 @@ The carry keeps the layout its dims have everywhere; each stacked param is
 sliced along ``layer`` locally (``layer`` must be whole: splitting it over a
 mesh axis means pipelining).  In the backward block, parameter gradients may
 stay lazy partial sums, so they are reduced once, stacked, after the loop.
+
+The forward sub-plan also outputs the activations the backward block reads
+(``attrs["saved"]``, only those this plan uses), each in the sharding the forward
+produced it in (reduced if partial); they are stacked over ``layer`` and the
+backward sub-plan takes them as inputs instead of recomputing the forward.
 """
 from __future__ import annotations
 
 import torch
 
+from ..core.graph import topo_nodes
 from ..core.shape import Shape
 from ..errors import LayoutError, message
 from ..layout.sharding import Sharding
@@ -31,12 +37,20 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
     layer = node.attrs["layer"].name
     stacked = node.attrs["stacked"]
     names = list(blk.params)
+    saved_names: list[str] = []
     if backward:
-        carries_t, *stacked_t, dy_t = node.inputs
+        carries_t, *rest = node.inputs
+        stacked_t, dy_t, saved_t = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
         carry_shape = dy_t.shape
+        given = blk.extra.get("given", {})
+        assert len(given) == len(saved_t), "repeat_grad: saved activations do not match its block"
+        saved_names = list(given)  # sub-plan inputs, in the order of the saved_t inputs
     else:
         x_t, *stacked_t = node.inputs
         carry_shape = x_t.shape
+        used = getattr(lw, "used", ())
+        saved = node.attrs.get("saved", [])
+        want = [i for i in range(len(saved)) if id(node.outputs[2 + i]) in used]
     carry_sh = lw.layout.targets(carry_shape, (), mesh, "carry", False)[0][0]
     ins = []
     if backward:
@@ -57,6 +71,9 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
         slice_sh[k] = _slice_sharding(tgt, layer)
     if backward:
         ins.append(lw.relayout(lw.value(dy_t), carry_sh, node, "carry gradient"))
+        for t in saved_t:  # as the forward saved them: no re-layout
+            ins.append(lw.value(t))
+            assert not lw.sharding(ins[-1]).partial and not lw.sharding(ins[-1]).axes_of(layer)
 
     sub = Lowerer(mesh, lw.layout, lw.cost)
     feeds = {"carry": carry_sh, **slice_sh}
@@ -68,12 +85,29 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
         sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t})
         sub.inputs[name] = vid
         sub.bind(t, vid)
-    if backward:
+    if backward:  # the saved activations are given: lower_into does not lower what they need
+        for (name, t), vid_out in zip(given.items(), ins[len(ins) - len(saved_t):]):
+            vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), layer))
+            step = sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t})
+            step.op, step.label = "saved", f"saved {t.name}"
+            sub.inputs[name] = vid
+            sub.bind(t, vid)
         outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
         ids = lower_into(sub, {"dcarry": outs["dcarry"]})
         ids.update(lower_into(sub, {k: v for k, v in outs.items() if k != "dcarry"}, lazy=True))
     else:
         ids = lower_into(sub, {"out": blk.out})
+        if want:
+            for n in topo_nodes([saved[i] for i in want], sub.env):  # normally all lowered already
+                if not all(id(t) in sub.env for t in n.outputs):
+                    n.op.lower(sub, n)
+        for i in want:
+            f = saved[i]
+            vid = sub.reduced(sub.value(f))
+            if sub.sharding(vid).partial:
+                vid = sub.relayout(vid, sub.sharding(vid).with_partial(()), f.node, "saved activation")
+            saved_names.append(f"saved/{i}")
+            ids[saved_names[-1]] = vid
     for s in sub.steps:
         s.phase = node.phase
     plan = Plan(mesh, lw.layout, sub.steps, sub.values, ids, {}, sub.inputs, sub.notes)
@@ -91,15 +125,23 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
         out_vids.append(lw.new_value(carry_shape, x_t.dtype, carry_sh))
         cs = node.outputs[1].shape
         out_vids.append(lw.new_value(cs, x_t.dtype, _stack_sharding(carry_sh, cs, layer)))
+        for i in want:
+            t = node.outputs[2 + i]
+            out_vids.append(lw.new_value(t.shape, t.dtype, _stack_sharding(
+                plan.values[ids[f"saved/{i}"]].sharding, t.shape, layer)))
     pos = node.attrs["pos"]
     lw.emit("repeat", node, ins, out_vids,
             args={"plan": plan, "times": L, "names": names, "pos": pos, "backward": backward,
-                  "execute": _execute},
+                  "saved": saved_names, "execute": _execute},
             flops=0)
-    for t, vid in zip(node.outputs, out_vids):
+    n_main = len(node.outputs) if backward else 2
+    for t, vid in zip(node.outputs[:n_main], out_vids):
         lw.bind(t, lw.relayout(vid, lw.target(t).with_partial(
             tuple(a for a in lw.sharding(vid).partial if a not in lw.target(t).used_axes)), node,
             f"output of {node.op.name}"))
+    if not backward:  # saved activations stay as the forward sub-plan made them
+        for i, vid in zip(want, out_vids[2:]):
+            lw.bind(node.outputs[2 + i], vid)
 
 
 def _execute(ex, step, ins, salt, stats=None):
@@ -115,20 +157,27 @@ def _execute(ex, step, ins, salt, stats=None):
     if not a["backward"]:
         x, *stacked = ins
         carries = []
+        kept = {k: [] for k in a["saved"]}
         for l in range(L):
             carries.append(x)
             feeds = {"carry": PerRank(x)}
             for k, p in zip(names, stacked):
                 feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
-            x = sub.run(feeds, {}, salt=l + 1, stats=stats)["out"]
-        return [x, [torch.stack([c[j] for c in carries], 0) for j in held]]
+            r = sub.run(feeds, {}, salt=l + 1, stats=stats)
+            x = r["out"]
+            for k, acc in kept.items():
+                acc.append(r[k])
+        return [x, [torch.stack([c[j] for c in carries], 0) for j in held],
+                *[[torch.stack([s[j] for s in acc], 0) for j in held] for acc in kept.values()]]
     carries, *rest = ins
-    *stacked, dy = rest
+    stacked, dy, saved = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
     per = {k: [None] * L for k in names}
     for l in reversed(range(L)):
         feeds = {"carry": PerRank([carries[j].select(0, l) for j in held]), "cotangent": PerRank(dy)}
         for k, p in zip(names, stacked):
             feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
+        for k, s in zip(a["saved"], saved):
+            feeds[k] = PerRank([s[j].select(0, l) for j in held])
         r = sub.run(feeds, {}, salt=l + 1, stats=stats)
         dy = r["dcarry"]
         for k in names:

@@ -1,7 +1,15 @@
-"""Neural-network ops: softmax, log_softmax, layer_norm, rms_norm, cross_entropy
-(composites of primitives, so they lower and differentiate on any layout, e.g.
-a vocab-split cross-entropy), and dropout (a primitive whose mask depends only
-on the global element index and the seed, never on the layout).
+"""Neural-network ops: softmax, log_softmax, layer_norm, rms_norm, cross_entropy, dropout.
+
+* ``softmax`` and the normalisation inside ``layer_norm`` / ``rms_norm`` are
+  fused primitives (one torch kernel forward, one backward, as torch's autograd
+  uses).  Their reduced dim is ``fixed`` in the spec: it must be whole on a
+  rank, so the compiler gathers it when it is split (correct, more traffic).
+  The norms' scale and bias are applied with elementwise mul/add, so their
+  gradients (which reduce over the batch dims) lower generically.
+* ``log_softmax`` and ``cross_entropy`` stay composites of primitives, so they
+  lower on any layout without gathering, e.g. a vocab-split cross-entropy.
+* ``dropout`` is a primitive whose mask depends only on the global element
+  index and the seed, never on the layout.
 """
 from __future__ import annotations
 
@@ -10,23 +18,164 @@ import torch
 from ..core.graph import Tensor
 from ..core.shape import Dim
 from ..errors import ShapeError, message
-from .elementwise import exp, rsqrt, stop_gradient
+import torch.nn.functional as F
+
 from .embed import one_hot
-from .reduce import logsumexp, reduce_max, reduce_mean, reduce_sum
-from .registry import Op, apply, register
+from .reduce import _dims_arg, logsumexp, reduce_sum
+from .registry import ComputeSpec, Op, apply, register
 
 
 def _name(dim) -> str:
     return dim.name if isinstance(dim, Dim) else dim
 
 
+def _one_dim(x: Tensor, dim, what: str) -> str:
+    (d,) = _dims_arg(x, [dim], what)
+    return d
+
+
+def _check_float(what: str, x: Tensor) -> None:
+    if not x.dtype.is_floating_point:
+        raise ShapeError(message(f"{what}: input {x!r} is {x.dtype}, not floating point.",
+                                 rule=f"{what} is defined on floating-point tensors",
+                                 fix="cast it first: meshdsl.cast(x, torch.float32)"))
+
+
+def _like(g: Tensor, x: Tensor) -> Tensor:
+    """``g`` with its dims in ``x``'s order (a cotangent may come in any order)."""
+    if g.shape.names != x.shape.names:
+        from .shape_ops import transpose
+        g = transpose(g, x.shape.names)
+    return g
+
+
+class _AlongDim(Op):
+    """Base of the fused ops: elementwise over the inputs' dims, ``attrs['dim']`` whole on a rank.
+
+    The first input fixes the dims; later inputs are brought to its dim order
+    by the op's builder, so the kernel sees one layout.
+    """
+
+    #: rough FLOPs per element, for the cost model
+    per_elem = 5
+
+    def infer(self, inputs, attrs):
+        x = inputs[-1]
+        attrs["pos"] = x.shape.index(attrs["dim"])
+        return [(x.shape, x.dtype)]
+
+    def spec(self, node):
+        x = node.inputs[-1]
+        return ComputeSpec({d.name: d.size for d in x.shape}, fixed=frozenset([node.attrs["dim"]]))
+
+    def flops(self, node, local):
+        return self.per_elem * super().flops(node, local)
+
+
+class _Backward(_AlongDim):
+    """(g, saved) -> dx: linear in the cotangent ``g``; no second-order gradient."""
+
+    linear_args = (0,)
+    differentiable = False
+
+
+def _last(fn, pos: int, *xs):
+    """Apply ``fn`` (which works on the last dim) along dim ``pos`` of every ``xs``."""
+    if pos == xs[0].dim() - 1:
+        return fn(*xs)
+    return fn(*(x.movedim(pos, -1) for x in xs)).movedim(-1, pos)
+
+
+@register
+class Softmax(_AlongDim):
+    name = "softmax"
+
+    def compute(self, ctx, attrs, x):
+        return torch.softmax(x, dim=attrs["pos"])
+
+    def grad(self, node, douts):
+        y = node.outputs[0]
+        return [apply("softmax_backward", [_like(douts[0], y), y], {"dim": node.attrs["dim"]})]
+
+
+@register
+class SoftmaxBackward(_Backward):
+    name = "softmax_backward"
+
+    def compute(self, ctx, attrs, g, y):
+        return torch._softmax_backward_data(g, y, attrs["pos"], y.dtype)
+
+
+def _layer_norm_stats(x, eps):
+    n = x.shape[-1]
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], None, None, eps)
+    return n, mean, rstd
+
+
+@register
+class Normalize(_AlongDim):
+    """``(x - mean(x)) * rsqrt(var(x) + eps)`` over ``dim`` (layer norm without affine)."""
+
+    name = "normalize"
+    per_elem = 8
+
+    def compute(self, ctx, attrs, x):
+        eps = attrs["eps"]
+        return _last(lambda v: F.layer_norm(v, (v.shape[-1],), eps=eps), attrs["pos"], x)
+
+    def grad(self, node, douts):
+        x = node.inputs[0]
+        return [apply("normalize_backward", [_like(douts[0], x), x], dict(node.attrs))]
+
+
+@register
+class NormalizeBackward(_Backward):
+    name = "normalize_backward"
+    per_elem = 10
+
+    def compute(self, ctx, attrs, g, x):
+        eps = attrs["eps"]
+
+        def bwd(g, x):
+            n, mean, rstd = _layer_norm_stats(x, eps)
+            return torch.ops.aten.native_layer_norm_backward(g, x, [n], mean, rstd, None, None,
+                                                             [True, False, False])[0]
+        return _last(bwd, attrs["pos"], g, x)
+
+
+@register
+class RmsNormalize(_AlongDim):
+    """``x * rsqrt(mean(x^2) + eps)`` over ``dim`` (RMS norm without scale)."""
+
+    name = "rms_normalize"
+    per_elem = 4
+
+    def compute(self, ctx, attrs, x):
+        eps = attrs["eps"]
+        return _last(lambda v: F.rms_norm(v, (v.shape[-1],), eps=eps), attrs["pos"], x)
+
+    def grad(self, node, douts):
+        x = node.inputs[0]
+        return [apply("rms_normalize_backward", [_like(douts[0], x), x], dict(node.attrs))]
+
+
+@register
+class RmsNormalizeBackward(_Backward):
+    name = "rms_normalize_backward"
+    per_elem = 6
+
+    def compute(self, ctx, attrs, g, x):
+        # y = x * r, r = rsqrt(mean(x^2) + eps)  =>  dx = r * (g - y * mean(g * y))
+        pos = attrs["pos"]
+        r = torch.rsqrt(x.square().mean(pos, keepdim=True).add_(attrs["eps"]))
+        y = x * r
+        return (g - y * (g * y).mean(pos, keepdim=True)).mul_(r)
+
+
 def softmax(x: Tensor, dim) -> Tensor:
-    """Softmax along ``dim``."""
-    g = x.graph
-    with g.scope("softmax"):
-        d = _name(dim)
-        e = exp(x - stop_gradient(reduce_max(x, d)))
-        return e / reduce_sum(e, d)
+    """Softmax along ``dim`` (one fused kernel; ``dim`` is gathered if it is split)."""
+    _check_float("softmax", x)
+    return apply("softmax", [x], {"dim": _one_dim(x, dim, "softmax")})
 
 
 def log_softmax(x: Tensor, dim) -> Tensor:
@@ -49,10 +198,10 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
                eps: float = 1e-5) -> Tensor:
     """Layer norm over ``dim`` with optional ``scale`` and ``bias`` (shaped by ``dim``)."""
     _check_affine("layer_norm", x, scale=scale, bias=bias)
+    _check_float("layer_norm", x)
+    d = _one_dim(x, dim, "layer_norm")
     with x.graph.scope("layer_norm"):
-        d = _name(dim)
-        xc = x - reduce_mean(x, d)
-        y = xc * rsqrt(reduce_mean(xc * xc, d) + eps)
+        y = apply("normalize", [x], {"dim": d, "eps": float(eps)})
         if scale is not None:
             y = y * scale
         if bias is not None:
@@ -63,8 +212,10 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
 def rms_norm(x: Tensor, dim, scale: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """RMS norm over ``dim`` with an optional ``scale``."""
     _check_affine("rms_norm", x, scale=scale)
+    _check_float("rms_norm", x)
+    d = _one_dim(x, dim, "rms_norm")
     with x.graph.scope("rms_norm"):
-        y = x * rsqrt(reduce_mean(x * x, _name(dim)) + eps)
+        y = apply("rms_normalize", [x], {"dim": d, "eps": float(eps)})
         return y * scale if scale is not None else y
 
 
