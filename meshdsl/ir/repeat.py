@@ -54,6 +54,18 @@ class _LayerParams(dict):
             fix=f"add {key!r} to the params dict, or use one of {sorted(self)}"))
 
 
+class LayerStack(list):
+    """Per-layer tensors standing for a value stacked over ``layer`` (layer-major).
+
+    The layer inputs and activations a repeat saves are read back one layer at a
+    time by its gradient and by nothing else, so they are kept as a list: stacking
+    them would copy every activation once more per step.
+    """
+
+    def tensor(self) -> torch.Tensor:
+        return torch.stack(list(self), 0)
+
+
 def _trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str) -> Block:
     g = Graph(f"{x.graph.name}/{name}")
     with g:
@@ -104,7 +116,7 @@ class Repeat(Op):
             x = r["out"]
             for i, acc in enumerate(keep):
                 acc.append(r[f"saved/{i}"])
-        return (x, torch.stack(carries, 0), *[torch.stack(acc, 0) for acc in keep])
+        return (x, LayerStack(carries), *[LayerStack(acc) for acc in keep])
 
     def grad(self, node, douts):
         dy, dcarries, *dsaved = douts

@@ -147,6 +147,7 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
 def _execute(ex, step, ins, salt, stats=None):
     """Run a repeat step's sub-plan once per layer (forward, or backward in reverse)."""
     from ..exec.executor import Executor, PerRank
+    from ..ir.repeat import LayerStack
 
     a = step.args
     sub = a.get("_exec")
@@ -167,17 +168,17 @@ def _execute(ex, step, ins, salt, stats=None):
             x = r["out"]
             for k, acc in kept.items():
                 acc.append(r[k])
-        return [x, [torch.stack([c[j] for c in carries], 0) for j in held],
-                *[[torch.stack([s[j] for s in acc], 0) for j in held] for acc in kept.values()]]
+        return [x, [LayerStack(c[j] for c in carries) for j in held],
+                *[[LayerStack(s[j] for s in acc) for j in held] for acc in kept.values()]]
     carries, *rest = ins
     stacked, dy, saved = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
     per = {k: [None] * L for k in names}
     for l in reversed(range(L)):
-        feeds = {"carry": PerRank([carries[j].select(0, l) for j in held]), "cotangent": PerRank(dy)}
+        feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy)}
         for k, p in zip(names, stacked):
             feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
         for k, s in zip(a["saved"], saved):
-            feeds[k] = PerRank([s[j].select(0, l) for j in held])
+            feeds[k] = PerRank([s[j][l] for j in held])
         r = sub.run(feeds, {}, salt=l + 1, stats=stats)
         dy = r["dcarry"]
         for k in names:
