@@ -150,10 +150,14 @@ class Graph:
         """Append a node; ``outs`` is a list of (Shape, dtype)."""
         for t in inputs:
             if t.graph is not self:
+                inner = "/block" in self.name
                 raise GraphError(message(
-                    f"{op.name}: input {t!r} belongs to graph '{t.graph.name}', not '{self.name}'.",
-                    rule="all inputs of an op come from one graph",
-                    fix="build the whole model inside one 'with Graph():' block"))
+                    f"{op.name}: input {t!r} belongs to graph '{t.graph.name}' (#{t.graph.uid}), "
+                    f"not '{self.name}' (#{self.uid}).",
+                    rule="all inputs of an op come from one graph; a repeat block sees only its carry "
+                         "and the params passed to repeat",
+                    fix="pass the tensor to repeat as a stacked param (or compute it inside the block)"
+                        if inner else "build the whole model inside one 'with Graph():' block"))
         node = Node(len(self.nodes), op, tuple(inputs), attrs, self, self.phase,
                     self._unique(name or op.name))
         node.outputs = tuple(Tensor(node, i, s, d) for i, (s, d) in enumerate(outs))
