@@ -123,7 +123,7 @@ class Executor:
       comm: SimulatedComm (all ranks) or TorchComm (this process's rank).
     """
 
-    def __init__(self, plan: Plan, comm: Communicator):
+    def __init__(self, plan: Plan, comm: Communicator, donate_params: bool = False):
         if comm.mesh.size != plan.mesh.size or comm.mesh.axes != plan.mesh.axes:
             raise GraphError(message(f"executor: plan mesh '{plan.mesh}' differs from communicator mesh '{comm.mesh}'.",
                                      rule="a plan runs on the mesh it was compiled for",
@@ -147,6 +147,20 @@ class Executor:
             if v not in keep:
                 self.free_after.setdefault(i, []).append(v)
         self._subs: dict[int, "Executor"] = {}
+        # With donate_params (a training loop that replaces its params by the updated
+        # ones), an update that is the last reader of its param overwrites it in place.
+        # Only with one held rank: simulated ranks may share a replicated tensor.
+        self.fns = {i: s.args["fn"] for i, s in enumerate(plan.steps) if s.kind == "local"}
+        if donate_params and len(comm.ranks) == 1:
+            param_vids = {s.outs[0] for s in plan.steps if s.kind == "param"}
+            # never under a collective that may still be reading it, nor when it is an output
+            param_vids -= {v for s in plan.steps if s.kind != "local" for v in s.ins}
+            param_vids -= set(plan.outputs.values())
+            for i, s in enumerate(plan.steps):
+                inplace = getattr(s.args.get("fn"), "__self__", None)
+                inplace = getattr(inplace, "compute_inplace", None)
+                if s.kind == "local" and inplace and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i:
+                    self.fns[i] = inplace
         self._leaves = {s.outs[0]: s.args["tensor"] for s in plan.steps if s.kind in ("input", "param")}
 
     # -- params and feeds
@@ -223,7 +237,7 @@ class Executor:
             if k == "local":
                 ins = [get(v) for v in s.ins]
                 ctxs = self.ctxs[i]
-                fn, attrs = s.args["fn"], s.args["attrs"]
+                fn, attrs = self.fns[i], s.args["attrs"]
                 res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in ins])
                        for j, c in enumerate(ctxs)]
                 if len(s.outs) == 1:

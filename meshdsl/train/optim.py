@@ -30,6 +30,10 @@ class SgdUpdate(Op):
     def compute(self, ctx, attrs, p, g):
         return torch.add(p, g, alpha=-attrs["lr"])
 
+    def compute_inplace(self, ctx, attrs, p, g):
+        """The same update written into ``p`` (used when the executor may donate it)."""
+        return p.add_(g, alpha=-attrs["lr"])
+
     def grad(self, node, douts):
         return [None, None]
 

@@ -66,7 +66,7 @@ class TrainStep:
                  lr: float = 0.01, seed: int = 0):
         self.outputs = training_outputs(loss, params, lr)
         self.plan = compile(self.outputs, mesh, layout)
-        self.executor = Executor(self.plan, comm)
+        self.executor = Executor(self.plan, comm, donate_params=True)
         self.params = self.executor.init_params(seed)
         self.names = list(params)
 
