@@ -149,12 +149,16 @@ def meshdsl_step(model, feeds, comm, name, lr, seed, stats):
 
 # ----------------------------------------------------------------------------- jobs
 
-def _interleave(steps: dict, warmup: int, reps: int, sync=None, timed_arg=()):
-    """Step-0 losses, then warmup, then ``reps`` rotating rounds.
+def _interleave(steps: dict, warmup: int, reps: int, block: int, sync=None, timed_arg=()):
+    """Step-0 losses, then warmup, then ``reps`` rotating turns of ``block`` steps each.
 
-    Returns step-0 losses, last losses, and per step wall and CPU seconds (CPU:
-    this process, every thread, so gloo's work counts; it leaves out time spent
-    descheduled, which on a loaded machine is most of the noise).
+    A turn runs one variant for ``block`` consecutive steps, as a training loop
+    does; its first step finds the caches holding the previous variant's
+    tensors, so it is left out of the timings (with ``block`` 1 every step is
+    such a cold step, and all are timed).  Returns step-0 losses, last losses,
+    and per step wall and CPU seconds (CPU: this process, every thread, so
+    gloo's work counts; it leaves out time spent descheduled, which on a loaded
+    machine is most of the noise).
     """
     names = list(steps)
     loss0 = {k: steps[k]() for k in names}  # step 0 from the shared init, untimed
@@ -167,26 +171,28 @@ def _interleave(steps: dict, warmup: int, reps: int, sync=None, timed_arg=()):
     for i in range(reps):
         order = names[i % len(names):] + names[: i % len(names)]
         for k in order:
-            if sync:
-                sync()
-            t0, c0 = time.perf_counter(), time.process_time()
-            last[k] = steps[k](True) if k in timed_arg else steps[k]()
-            times[k].append(time.perf_counter() - t0)
-            cpu[k].append(time.process_time() - c0)
+            for j in range(block):
+                if sync:
+                    sync()
+                t0, c0 = time.perf_counter(), time.process_time()
+                last[k] = steps[k](True) if k in timed_arg and (j or block == 1) else steps[k]()
+                if j or block == 1:
+                    times[k].append(time.perf_counter() - t0)
+                    cpu[k].append(time.process_time() - c0)
     return loss0, last, times, cpu
 
 
-def single_job(comm, warmup, reps, lr, seed):
+def single_job(comm, warmup, reps, block, lr, seed):
     """1 process: plain torch and meshdsl on mesh data:1, interleaved."""
     model, feeds, w = _setup(seed)
     stats = {"meshdsl 1p": []}
     steps = {"torch": torch_step(w, feeds, lr),
              "meshdsl 1p": meshdsl_step(model, feeds, comm, "meshdsl 1p", lr, seed, stats["meshdsl 1p"])}
-    loss0, last, times, cpu = _interleave(steps, warmup, reps, timed_arg=("meshdsl 1p",))
+    loss0, last, times, cpu = _interleave(steps, warmup, reps, block, timed_arg=("meshdsl 1p",))
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu, "stats": stats}
 
 
-def pair_job(comm, warmup, reps, lr, seed, profile=False):
+def pair_job(comm, warmup, reps, block, lr, seed, profile=False):
     """2 processes: DDP, meshdsl DP, DTensor TP and meshdsl TP, interleaved."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -209,7 +215,7 @@ def pair_job(comm, warmup, reps, lr, seed, profile=False):
              "meshdsl TP": meshdsl_step(model, feeds, model_comm, "meshdsl TP", lr, seed, stats["meshdsl TP"])}
     if profile:
         return _profile(steps, warmup)
-    loss0, last, times, cpu = _interleave(steps, warmup, reps, sync=dist.barrier,
+    loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
                                           timed_arg=("meshdsl DP", "meshdsl TP"))
     # DDP's loss is this rank's half batch; the batch loss is the mean over ranks.
     ddp_loss = torch.tensor([loss0["DDP"], last["DDP"]], dtype=torch.float64)
@@ -263,7 +269,7 @@ def bench(args) -> int:
     console = Console(width=max(Console().width, 150))
     t_start = time.perf_counter()
     if args.profile:
-        text = spawn(pair_job, 2, args=(args.warmup, 0, args.lr, args.seed, True), mesh="data:2")[0]
+        text = spawn(pair_job, 2, args=(args.warmup, 0, 1, args.lr, args.seed, True), mesh="data:2")[0]
         console.print(text, markup=False, highlight=False)
         return 0
 
@@ -273,8 +279,8 @@ def bench(args) -> int:
     stats = {k: [] for k in MESHDSL}
     loss0, last = {}, {}
     for rnd in range(args.rounds):
-        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.lr, args.seed), mesh="data:1")[0]
-        two = spawn(pair_job, 2, args=(args.warmup, args.reps, args.lr, args.seed), mesh="data:2")
+        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed), mesh="data:1")[0]
+        two = spawn(pair_job, 2, args=(args.warmup, args.reps, args.block, args.lr, args.seed), mesh="data:2")
         for k in SINGLE:
             times[k] += one["times"][k]
             cpu[k] += one["cpu"][k]
@@ -318,9 +324,9 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s) -> 
                     "by_kind_ms": {kk: sum(s["by_kind"].get(kk, 0.0) for s in sts) / n * 1e3 for kk in kinds}}
 
     t = Table(title=f"MLP training step (fwd+bwd+SGD), B=64 d_model=512 d_ff=2048 fp32, 1 thread/process, "
-                    f"{args.rounds} round(s) x {args.reps} interleaved steps", title_justify="left")
+                    f"{args.rounds} round(s) x {args.reps} turns x {args.block} steps", title_justify="left")
     for col in ("variant", "procs", "median ms", "round medians", "speedup", "p10 ms", "p10 speedup",
-                "CPU ms", "CPU speedup", "loss step 0", f"loss step {args.warmup + args.reps}"):
+                "CPU ms", "CPU speedup", "loss step 0", f"loss step {args.warmup + args.reps * args.block}"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for k in SINGLE + PAIR:
         ok = "" if loss_ok[k] else " [red]MISMATCH[/]"
@@ -367,7 +373,7 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s) -> 
     RESULTS.write_text(json.dumps({
         "workload": {"batch": 64, "d_model": 512, "d_ff": 2048, "dtype": "float32", "lr": args.lr,
                      "threads_per_process": 1},
-        "run": {"rounds": args.rounds, "reps": args.reps, "warmup": args.warmup, "wall_s": wall_s,
+        "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block, "warmup": args.warmup, "wall_s": wall_s,
                 "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                 "loadavg_end": load},
         "median_ms": med, "round_median_ms": per_round, "min_ms": {k: min(v) * 1e3 for k, v in times.items()},
@@ -384,7 +390,10 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s) -> 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="1-process + 2-process job pairs (default 3)")
-    p.add_argument("--reps", type=int, default=30, help="timed steps per variant per round")
+    p.add_argument("--reps", type=int, default=6, help="turns per variant per round")
+    p.add_argument("--block", type=int, default=6,
+                   help="consecutive steps per turn; the first of each is untimed (1: every step "
+                        "alternates variants and is timed, cold caches included)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)

@@ -60,7 +60,27 @@ def _plan(mesh: Mesh) -> list[tuple[str, str, tuple[str, ...], dict]]:
             for offset, wrap in itertools.product((1, -1), (True, False)):
                 plan.append(("permute", "f", axes, {"offset": offset, "wrap": wrap}))
             plan.append(("permute", "fT", axes, {"offset": n, "wrap": True}))
+            # Asynchronous starts, all in flight together, waited on in reverse order.
+            plan.append(("start", "f", axes, {"kind": "allreduce", "op": "sum"}))
+            plan.append(("start", "fT", axes, {"kind": "allreduce", "op": "max"}))
+            plan.append(("start", "f", axes, {"kind": "allgather", "dim": 0}))
+            plan.append(("start", "fT", axes, {"kind": "allgather", "dim": 1}))
     return plan
+
+
+_SIM = {"allreduce": ("all_reduce", ("op",)), "allgather": ("all_gather", ("dim",))}
+
+
+def _run_one(comm, method, x, axes, kw, sim=False):
+    """One plan entry; a 'start' runs the kind it names (asynchronously, on TorchComm)."""
+    if method != "start":
+        out = getattr(comm, method)(x if sim else [x], axes, **kw)
+        return out if sim else out[0]
+    args = {k: v for k, v in kw.items() if k != "kind"}
+    if sim:
+        name, keys = _SIM[kw["kind"]]
+        return getattr(comm, name)(x, axes, *[args[k] for k in keys])
+    return comm.start(kw["kind"], [x], axes, args)
 
 
 def _run_plan(comm, mesh_text):
@@ -68,8 +88,17 @@ def _run_plan(comm, mesh_text):
     mesh = Mesh.parse(mesh_text)
     inputs = _inputs(comm.rank)
     before = {k: v.clone() for k, v in inputs.items()}
-    out = [getattr(comm, method)([_view(inputs, name)], axes, **kw)[0]
-           for method, name, axes, kw in _plan(mesh)]
+    out, pending = [], []
+    for method, name, axes, kw in _plan(mesh) + [("end", None, None, None)]:
+        if method != "start":
+            for i in reversed(pending):
+                out[i] = out[i].wait()[0]
+            pending = []
+        if method == "end":
+            break
+        out.append(_run_one(comm, method, _view(inputs, name), axes, kw))
+        if method == "start":
+            pending.append(len(out) - 1)
     assert all(torch.equal(before[k], inputs[k]) for k in inputs), "a collective mutated its input"
     comm.barrier()
     token = "odd one out" if comm.rank == 1 else "plan-1234"
@@ -93,7 +122,7 @@ def test_matches_simulated(mesh_text):
     plan = _plan(mesh)
     for step, (method, name, axes, kw) in enumerate(plan):
         xs = [_view(x, name) for x in inputs]
-        want = getattr(sim, method)(xs, axes, **kw)
+        want = _run_one(sim, method, xs, axes, kw, sim=True)
         abs_sum = sim.all_reduce([x.abs() for x in xs], axes, "sum")
         for rank in range(mesh.size):
             g, w = got[rank][0][step], want[rank]
@@ -102,11 +131,12 @@ def test_matches_simulated(mesh_text):
                 assert g is None, where
                 continue
             assert g.dtype == w.dtype and g.shape == w.shape, where
-            if method == "all_reduce" and kw["op"] == "sum" and w.is_floating_point():
+            n = mesh.axis_size(axes)
+            if (method == "all_reduce" or kw.get("kind") == "allreduce") and kw["op"] == "sum" \
+                    and w.is_floating_point():
                 # gloo sums in its own order (ring/halving), not SimulatedComm's left fold, and
                 # fp32 addition is not associative.  Any order of n terms is within
                 # (n-1)*u*sum|x_i| of the exact sum, so two orders differ by at most twice that.
-                n = mesh.axis_size(axes)
                 bound = 2 * (n - 1) * U * abs_sum[rank].double() * (1 + 1e-6)
                 assert ((g.double() - w.double()).abs() <= bound).all(), where
             else:
@@ -124,8 +154,9 @@ def test_matches_simulated(mesh_text):
         kinds = {"all_reduce": "allreduce", "all_gather": "allgather", "all_to_all": "alltoall",
                  "reduce_scatter": "reduce_scatter", "permute": "permute"}
         want_counts = {}
-        for method, *_ in plan:
-            want_counts[kinds[method]] = want_counts.get(kinds[method], 0) + 1
+        for method, _, _, kw in plan:
+            kind = kw["kind"] if method == "start" else kinds[method]
+            want_counts[kind] = want_counts.get(kind, 0) + 1
         assert counts == want_counts
 
 

@@ -32,18 +32,19 @@ def _repeat_model():
     return g, {"loss": loss, "y": y, **{f"d/{k}": v for k, v in grads.items()}}
 
 
-def _unrolled(params: dict, feeds: dict) -> dict:
+def _unrolled(params: dict, feeds: dict, dtype=torch.float32) -> dict:
     with md.Graph("unrolled"):
-        x = md.input("x", [B, D])
-        per = [{k: md.param(f"{k}_{l}", dims, scale=1.0) for k, dims in PARAMS.items()} for l in range(L.size)]
+        x = md.input("x", [B, D], dtype=dtype)
+        per = [{k: md.param(f"{k}_{l}", dims, scale=1.0, dtype=dtype) for k, dims in PARAMS.items()}
+               for l in range(L.size)]
         h = x
         for p in per:
             h = _block(h, p)
         loss = _loss(h, x)
         grads = [md.grad(loss, p) for p in per]
     outs = {"loss": loss, "y": h, **{f"d/{k}_{l}": grads[l][k] for l in range(L.size) for k in PARAMS}}
-    vals = {f"{k}_{l}": params[k][l] for l in range(L.size) for k in PARAMS}
-    r = md.run_dense(outs, feeds, vals)
+    vals = {f"{k}_{l}": params[k][l].to(dtype) for l in range(L.size) for k in PARAMS}
+    r = md.run_dense(outs, {k: v.to(dtype) for k, v in feeds.items()}, vals)
     return {"loss": r["loss"], "y": r["y"],
             **{f"d/{k}": torch.stack([r[f"d/{k}_{l}"] for l in range(L.size)], 0) for k in PARAMS}}
 
@@ -63,6 +64,24 @@ def _close(got, want):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
+# The mesh programs sum in another order than the dense one, and this block (params of
+# scale 1, layer_norm over 4 elements, gradients up to ~20) amplifies fp32 rounding: the
+# dense fp32 program itself is off by up to ~6e-4 from float64.  So the mesh result is held
+# to the dense program's own accuracy: against the float64 unrolled oracle, its error is
+# at most ACCURACY_FACTOR times the dense fp32 error (or within the suite's usual 1e-5
+# relative to the tensor's magnitude).  A wrong reduction or slice is off by O(1).
+ACCURACY_FACTOR = 4
+
+
+def _as_accurate(got, dense, oracle):
+    assert set(oracle) <= set(got)
+    for k, ref in oracle.items():
+        err = (got[k].double() - ref).abs().max().item()
+        dense_err = (dense[k].double() - ref).abs().max().item()
+        bound = max(ACCURACY_FACTOR * dense_err, 1e-5 * (1 + ref.abs().max().item()))
+        assert err <= bound, f"{k}: error {err:.3g} vs float64, dense fp32 error {dense_err:.3g}, bound {bound:.3g}"
+
+
 def test_repeat_dense_matches_unrolled():
     _, outs = _repeat_model()
     params, feeds = _params(), _feeds()
@@ -79,8 +98,8 @@ def test_repeat_dense_matches_unrolled():
 def test_repeat_mesh_matches_unrolled(mesh, layout):
     _, outs = _repeat_model()
     params, feeds = _params(), _feeds()
-    want = _unrolled(params, feeds)
-    _close(md.run_simulated(md.compile(outs, mesh, layout), feeds, params), want)
+    got = md.run_simulated(md.compile(outs, mesh, layout), feeds, params)
+    _as_accurate(got, _unrolled(params, feeds), _unrolled(params, feeds, torch.float64))
 
 
 def test_repeat_grad_twice_reuses_saved_outputs():

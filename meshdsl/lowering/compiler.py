@@ -13,6 +13,7 @@ from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
 from .cost import DEFAULT, CostModel
+from .fuse import fuse as fuse_steps
 from .plan import Plan, Step, Value
 from .relayout import move_bytes, plan_moves
 
@@ -191,7 +192,7 @@ def _check_outputs(outputs: dict) -> None:
                                                                 "or compile each graph on its own"))
 
 
-def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT) -> Plan:  # noqa: A001
+def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = True) -> Plan:  # noqa: A001
     """Lower the graph behind ``outputs`` into an SPMD plan.
 
     Args:
@@ -199,6 +200,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT) -> Plan:  # n
       mesh: a mesh string such as ``"data:2; model:2"``, a dict, or a Mesh.
       layout: a layout string such as ``"batch:data; d_ff:model"``, a dict, or a Layout.
       cost: the cost model used to choose among valid lowerings.
+      fuse: merge local kernels whose intermediate nothing else reads (see
+        :mod:`.fuse`); False keeps one step per lowered kernel.
 
     Returns:
       The :class:`Plan`: steps, values, outputs, params, inputs, notes.
@@ -219,7 +222,7 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT) -> Plan:  # n
     mesh = Mesh.parse(mesh)
     layout = Layout.parse(layout)
     g = next(iter(outputs.values())).graph
-    key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost)
+    key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost, fuse)
     hit = _CACHE.get(key)
     if hit is not None and hit[1] is g:
         return hit[0]
@@ -228,7 +231,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT) -> Plan:  # n
     layout.validate(mesh, dims, names)
     lw = Lowerer(mesh, layout, cost)
     outs = lower_into(lw, outputs)
-    plan = Plan(mesh, layout, lw.steps, lw.values, outs, lw.params, lw.inputs, lw.notes)
+    steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
+    plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes)
     _CACHE[key] = (plan, g)
     return plan
 

@@ -14,6 +14,7 @@ import torch
 from ..core.graph import Tensor
 from ..core.shape import Shape
 from ..errors import ShapeError, message
+from .matmul_form import MatmulForm
 from .registry import ComputeSpec, Op, apply, register
 
 
@@ -33,10 +34,13 @@ class Einsum(Op):
             letters[n] = string.ascii_letters[len(letters)]
         eq_in = ",".join("".join(letters[d] for d in x.shape.names) for x in inputs)
         attrs["eq"] = f"{eq_in}->{''.join(letters[n] for n in names_out)}"
+        attrs["form"] = (MatmulForm.of(tuple(inputs[0].shape.names), tuple(inputs[1].shape.names), tuple(names_out))
+                         if len(inputs) == 2 else None)
         return [(Shape([x.shape.get(n) for x in inputs if n in x.shape][0] for n in names_out), inputs[0].dtype)]
 
     def compute(self, ctx, attrs, *xs):
-        return torch.einsum(attrs["eq"], *xs)
+        form = attrs.get("form")
+        return form.matmul(*xs) if form is not None else torch.einsum(attrs["eq"], *xs)
 
     def spec(self, node):
         dims = {d.name: d.size for x in node.inputs for d in x.shape}

@@ -1,0 +1,104 @@
+"""MatmulForm: a two-operand einsum as one mm/bmm, and its fused ``p + alpha * einsum``.
+
+A hypothesis property draws random dims (batch, m, n, k, and dims summed inside one
+operand), random operand and output orders, and checks: the form exists exactly when
+the output lists its batch dims first and then one operand's dims before the other's,
+and where it exists it equals ``torch.einsum`` (fp32, rtol/atol 1e-5: the same products
+summed by a BLAS kernel in another blocking), out of place and in place.
+"""
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshdsl.ops.matmul_form import ADD_MATMUL, MatmulForm
+
+SIZES = dict(zip(string.ascii_lowercase, (2, 3, 4, 5, 2, 3, 4, 5, 2, 3)))
+
+
+def _tensor(names, seed):
+    return torch.randn([SIZES[n] for n in names], generator=torch.Generator().manual_seed(seed))
+
+
+def _eq(a, b, out):
+    return f"{''.join(a)},{''.join(b)}->{''.join(out)}"
+
+
+@st.composite
+def _einsums(draw):
+    letters = iter(string.ascii_lowercase)
+    groups = {g: [next(letters) for _ in range(draw(st.integers(0, 2), label=g))]
+              for g in ("batch", "m", "n", "k")}
+    lone = [next(letters)] if draw(st.booleans(), label="summed in one operand") else []
+    a = draw(st.permutations(groups["batch"] + groups["m"] + groups["k"] + lone), label="a")
+    b = draw(st.permutations(groups["batch"] + groups["k"] + groups["n"]), label="b")
+    out = draw(st.permutations(groups["batch"] + groups["m"] + groups["n"]), label="out")
+    return tuple(a), tuple(b), tuple(out), groups, bool(lone)
+
+
+def _expected_form(a, b, out, groups, lone) -> bool:
+    nb = len(groups["batch"])
+    rest = list(out[nb:])
+    if lone or set(out[:nb]) != set(groups["batch"]):
+        return False
+    first = [d for d in rest if d in a]
+    second = [d for d in rest if d in b]
+    return rest in (first + second, second + first)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(_einsums())
+def test_form_matches_einsum(case):
+    a_names, b_names, out, groups, lone = case
+    form = MatmulForm.of(a_names, b_names, out)
+    assert (form is not None) == _expected_form(a_names, b_names, out, groups, lone), form
+    if form is None:
+        return
+    x, y = _tensor(a_names, 1), _tensor(b_names, 2)
+    want = torch.einsum(_eq(a_names, b_names, out), x, y)
+    got = form.matmul(x, y)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    p = _tensor(out, 3)
+    torch.testing.assert_close(form.add_matmul(p, x, y, -0.5), p - 0.5 * want, rtol=1e-5, atol=1e-5)
+    q = p.clone()
+    ptr = q.data_ptr()
+    res = ADD_MATMUL.compute_inplace(None, {"form": form, "alpha": -0.5}, q, x, y)
+    assert res.data_ptr() == ptr and torch.equal(res, q), "in place means into p's own buffer"
+    torch.testing.assert_close(q, p - 0.5 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("a, b, out, swap", [
+    ("bd", "df", "bf", False),        # forward matmul
+    ("bf", "bd", "df", True),         # weight gradient: the output starts with the 2nd operand's dims
+    ("hbd", "hdf", "hbf", False),     # batched over h
+    ("bd", "fd", "bf", False),        # contraction over the last dims of both (B transposed)
+    ("b", "b", "", False),            # a dot product
+    ("mk", "kn", "nm", True),         # n before m: the transposed product
+])
+def test_known_forms(a, b, out, swap):
+    form = MatmulForm.of(tuple(a), tuple(b), tuple(out))
+    assert form is not None and form.swap == swap
+
+
+@pytest.mark.parametrize("a, b, out", [
+    ("xmk", "kn", "mnx"),     # m dims split around n
+    ("bmk", "bkn", "mbn"),    # batch dim not leading
+    ("mkz", "kn", "mn"),      # z summed inside the first operand
+])
+def test_no_form(a, b, out):
+    assert MatmulForm.of(tuple(a), tuple(b), tuple(out)) is None
+
+
+def test_non_contiguous_param_is_not_written_in_place():
+    form = MatmulForm.of(("b", "d"), ("b", "f"), ("d", "f"))
+    x, y = _tensor("bd", 1), _tensor("bf", 2)
+    p = _tensor("fd", 3).t()  # a transposed view: no (d, f) row-major buffer to write into
+    before = p.clone()
+    res = form.add_matmul(p, x, y, -1.0, inplace=True)
+    assert torch.equal(p, before)
+    torch.testing.assert_close(res, before - torch.einsum("bd,bf->df", x, y), rtol=1e-5, atol=1e-5)
