@@ -162,10 +162,16 @@ class Executor:
                 if s.kind == "local" and inplace and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i:
                     self.fns[i] = inplace
         self._leaves = {s.outs[0]: s.args["tensor"] for s in plan.steps if s.kind in ("input", "param")}
+        self._slice_idx: dict[int, list[tuple]] = {}
 
     # -- params and feeds
     def local_slices(self, value: Value, full: torch.Tensor) -> list[torch.Tensor]:
-        return [value.sharding.slice_of(full, value.shape, self.plan.mesh, r).contiguous() for r in self.comm.ranks]
+        """Each held rank's slice of ``full`` (indices worked out once per value)."""
+        idx = self._slice_idx.get(value.id)
+        if idx is None:
+            idx = self._slice_idx[value.id] = [value.sharding.slice_index(value.shape, self.plan.mesh, r)
+                                               for r in self.comm.ranks]
+        return [full[i].contiguous() for i in idx]
 
     def init_params(self, seed: int = 0) -> dict[str, list[torch.Tensor]]:
         """Every param's local slices, from the layout-independent init."""

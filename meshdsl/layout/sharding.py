@@ -56,13 +56,17 @@ class Sharding:
                 out.append(0)
         return tuple(out)
 
-    def slice_of(self, full, shape: Shape, mesh: Mesh, rank: int):
-        """This rank's slice of the full tensor ``full`` (dims in ``shape`` order)."""
+    def slice_index(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[slice, ...]:
+        """The index of this rank's slice in the full tensor (dims in ``shape`` order)."""
         idx = []
         for d, off in zip(shape, self.offsets(shape, mesh, rank)):
             n = d.size // mesh.axis_size(self.axes_of(d.name))
             idx.append(slice(off, off + n))
-        return full[tuple(idx)]
+        return tuple(idx)
+
+    def slice_of(self, full, shape: Shape, mesh: Mesh, rank: int):
+        """This rank's slice of the full tensor ``full`` (dims in ``shape`` order)."""
+        return full[self.slice_index(shape, mesh, rank)]
 
     def local_numel(self, shape: Shape, mesh: Mesh) -> int:
         return math.prod(self.local_shape(shape, mesh))

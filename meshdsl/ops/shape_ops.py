@@ -50,7 +50,9 @@ class BroadcastTo(Op):
         return [(shape, x.dtype)]
 
     def compute(self, ctx, attrs, x):
-        return align(x, attrs["align"]).expand(*(ctx.size(n, s) for n, s in attrs["full"])).contiguous()
+        # a view: consumers read it, and nothing writes into a broadcast (donated in-place
+        # updates write only into params); collectives make their own contiguous copy
+        return align(x, attrs["align"]).expand(*(ctx.size(n, s) for n, s in attrs["full"]))
 
     def grad(self, node, douts):
         from .elementwise import _sum_to
