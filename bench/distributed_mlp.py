@@ -15,15 +15,20 @@ forward + backward + SGD update, every process on 1 torch thread.  Seven variant
 Every variant runs under meshdsl.exec.launch.spawn (the same harness: spawned
 processes, 1 thread, gloo on 127.0.0.1).  A round is one 1-process job that
 interleaves the two 1-process variants, then one 2-process job that
-interleaves the four 2-process variants (rotating their order each rep, with a
-barrier before every step; a step's time is the slowest rank's).  Rounds
-repeat, so the two kinds of job alternate in time; the tables show the median
-over all timed steps and the range of the per-round medians.  Every variant
-starts from meshdsl's deterministic init and the step-0 losses are checked
-against the baseline's.
+interleaves the five 2-process variants.  Variants take turns (rotating their
+order): a turn is one untimed step (cold caches), a barrier, then ``block - 1``
+steps back to back, whose mean step time is the turn's sample: sustained
+training throughput, as a training loop sees it.  On 2 processes a sample is
+the slower rank's.  ``--step-barrier`` times every step on its own after a
+barrier instead (per-step latency, which adds the ranks' skew at each
+barrier).  Rounds repeat, so the two kinds of job alternate in time; the
+tables show the median over all samples and the range of the per-round
+medians.  Every variant starts from meshdsl's deterministic init and the
+step-0 losses are checked against the baseline's.
 
-    python bench/distributed_mlp.py                   # 3 rounds x 30 timed steps
-    python bench/distributed_mlp.py --rounds 1 --reps 10
+    python bench/distributed_mlp.py                   # 3 rounds x 10 turns x 6 steps
+    python bench/distributed_mlp.py --step-barrier    # per-step latency instead
+    python bench/distributed_mlp.py --rounds 1 --reps 4
     python bench/distributed_mlp.py --profile         # where meshdsl's 2-process time goes
 
 Results go to bench/results/distributed_mlp.json.
@@ -173,16 +178,19 @@ def meshdsl_step(model, feeds, comm, name, lr, seed, stats):
 
 # ----------------------------------------------------------------------------- jobs
 
-def _interleave(steps: dict, warmup: int, reps: int, block: int, sync=None, timed_arg=()):
+def _interleave(steps: dict, warmup: int, reps: int, block: int, sync=None, timed_arg=(),
+                step_barrier=False):
     """Step-0 losses, then warmup, then ``reps`` rotating turns of ``block`` steps each.
 
     A turn runs one variant for ``block`` consecutive steps, as a training loop
-    does; its first step finds the caches holding the previous variant's
-    tensors, so it is left out of the timings (with ``block`` 1 every step is
-    such a cold step, and all are timed).  Returns step-0 losses, last losses,
-    and per step wall and CPU seconds (CPU: this process, every thread, so
-    gloo's work counts; it leaves out time spent descheduled, which on a loaded
-    machine is most of the noise).
+    does.  Its first step finds the caches holding the previous variant's
+    tensors and is not timed; then (after ``sync``, a barrier, on 2 processes)
+    the other ``block - 1`` steps run back to back and the turn yields their
+    mean, i.e. sustained training throughput.  With ``step_barrier`` every
+    step is timed on its own, after a barrier of its own.  Returns step-0
+    losses, last losses, and wall and CPU seconds per sample (CPU: this
+    process, every thread, so gloo's work counts; it leaves out time spent
+    descheduled, which on a loaded machine is most of the noise).
     """
     names = list(steps)
     loss0 = {k: steps[k]() for k in names}  # step 0 from the shared init, untimed
@@ -195,28 +203,39 @@ def _interleave(steps: dict, warmup: int, reps: int, block: int, sync=None, time
     for i in range(reps):
         order = names[i % len(names):] + names[: i % len(names)]
         for k in order:
-            for j in range(block):
+            last[k] = steps[k]()  # the cold step
+            timed = k in timed_arg
+            if not step_barrier:
                 if sync:
                     sync()
                 t0, c0 = time.perf_counter(), time.process_time()
-                last[k] = steps[k](True) if k in timed_arg and (j or block == 1) else steps[k]()
-                if j or block == 1:
+            for _ in range(block - 1):
+                if step_barrier:
+                    if sync:
+                        sync()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                last[k] = steps[k](True) if timed else steps[k]()
+                if step_barrier:
                     times[k].append(time.perf_counter() - t0)
                     cpu[k].append(time.process_time() - c0)
+            if not step_barrier:
+                times[k].append((time.perf_counter() - t0) / (block - 1))
+                cpu[k].append((time.process_time() - c0) / (block - 1))
     return loss0, last, times, cpu
 
 
-def single_job(comm, warmup, reps, block, lr, seed):
+def single_job(comm, warmup, reps, block, lr, seed, step_barrier=False):
     """1 process: plain torch and meshdsl on mesh data:1, interleaved."""
     model, feeds, w = _setup(seed)
     stats = {"meshdsl 1p": []}
     steps = {"torch": torch_step(w, feeds, lr),
              "meshdsl 1p": meshdsl_step(model, feeds, comm, "meshdsl 1p", lr, seed, stats["meshdsl 1p"])}
-    loss0, last, times, cpu = _interleave(steps, warmup, reps, block, timed_arg=("meshdsl 1p",))
+    loss0, last, times, cpu = _interleave(steps, warmup, reps, block, timed_arg=("meshdsl 1p",),
+                                          step_barrier=step_barrier)
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu, "stats": stats}
 
 
-def pair_job(comm, warmup, reps, block, lr, seed, profile=False):
+def pair_job(comm, warmup, reps, block, lr, seed, step_barrier=False, profile=False):
     """2 processes: DDP, meshdsl DP, DTensor TP, hand-written TP and meshdsl TP, interleaved."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -241,7 +260,7 @@ def pair_job(comm, warmup, reps, block, lr, seed, profile=False):
     if profile:
         return _profile(steps, warmup)
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
-                                          timed_arg=("meshdsl DP", "meshdsl TP"))
+                                          timed_arg=("meshdsl DP", "meshdsl TP"), step_barrier=step_barrier)
     # DDP's loss is this rank's half batch; the batch loss is the mean over ranks.
     ddp_loss = torch.tensor([loss0["DDP"], last["DDP"]], dtype=torch.float64)
     dist.all_reduce(ddp_loss)
@@ -303,7 +322,7 @@ def bench(args) -> int:
     console = Console(width=max(Console().width, 150))
     t_start, ticks0 = time.perf_counter(), _cpu_ticks()
     if args.profile:
-        text = spawn(pair_job, 2, args=(args.warmup, 0, 1, args.lr, args.seed, True), mesh="data:2")[0]
+        text = spawn(pair_job, 2, args=(args.warmup, 0, 2, args.lr, args.seed, False, True), mesh="data:2")[0]
         console.print(text, markup=False, highlight=False)
         return 0
 
@@ -313,8 +332,10 @@ def bench(args) -> int:
     stats = {k: [] for k in MESHDSL}
     loss0, last = {}, {}
     for rnd in range(args.rounds):
-        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed), mesh="data:1")[0]
-        two = spawn(pair_job, 2, args=(args.warmup, args.reps, args.block, args.lr, args.seed), mesh="data:2")
+        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed, args.step_barrier),
+                    mesh="data:1")[0]
+        two = spawn(pair_job, 2, args=(args.warmup, args.reps, args.block, args.lr, args.seed, args.step_barrier),
+                    mesh="data:2")
         for k in SINGLE:
             times[k] += one["times"][k]
             cpu[k] += one["cpu"][k]
@@ -371,9 +392,11 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
                   f"{p10[k]:.2f}", f"{p10_speedup[k]:.2f}x", f"{med_cpu[k]:.2f}", f"{cpu_speedup[k]:.2f}x",
                   f"{loss0[k]:.6f}{ok}", f"{last[k]:.6f}")
     console.print(t)
-    console.print("speedup: vs plain torch, median / median.  p10: the fastest 10% of steps (least "
-                  "disturbed by other load).  CPU ms: busy CPU time per step (all threads of the process; "
-                  "the slower rank), which leaves out time spent descheduled or blocked.")
+    sample = "step (each after a barrier)" if args.step_barrier else "turn (mean step of a turn's back-to-back steps)"
+    console.print(f"ms per step; one sample per {sample}, the slower rank's on 2 processes.  speedup: vs plain "
+                  "torch, median / median.  p10: the fastest 10% of samples (least disturbed by other load).  "
+                  "CPU ms: busy CPU time per step (all threads of the process; the slower rank), which leaves "
+                  "out time spent descheduled or blocked.")
 
     s = Table(title="meshdsl per step (rank 0, means)", title_justify="left")
     for col in ("variant", "total ms", "compute ms", "comm ms", "overhead ms", "compute", "comm", "overhead",
@@ -410,7 +433,8 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
     RESULTS.write_text(json.dumps({
         "workload": {"batch": 64, "d_model": 512, "d_ff": 2048, "dtype": "float32", "lr": args.lr,
                      "threads_per_process": 1},
-        "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block, "warmup": args.warmup, "wall_s": wall_s,
+        "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block,
+                "step_barrier": args.step_barrier, "warmup": args.warmup, "wall_s": wall_s,
                 "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                 "loadavg_end": load, "steal_fraction": steal},
         "median_ms": med, "round_median_ms": per_round, "min_ms": {k: min(v) * 1e3 for k, v in times.items()},
@@ -427,15 +451,20 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="1-process + 2-process job pairs (default 3)")
-    p.add_argument("--reps", type=int, default=6, help="turns per variant per round")
+    p.add_argument("--reps", type=int, default=10, help="turns per variant per round")
     p.add_argument("--block", type=int, default=6,
-                   help="consecutive steps per turn; the first of each is untimed (1: every step "
-                        "alternates variants and is timed, cold caches included)")
+                   help="consecutive steps per turn (at least 2); the first of each is untimed")
+    p.add_argument("--step-barrier", action="store_true",
+                   help="time every step on its own after a barrier (latency per step, with the "
+                        "ranks' skew at each barrier), instead of a turn's steps back to back")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="profile the 2-process variants on rank 0")
-    return bench(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.block < 2:
+        p.error("--block must be at least 2 (a turn's first step is untimed)")
+    return bench(args)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from .plan import Step
 
 def _einsum_sgd(prod: Step, use: Step) -> Step | None:
     form = prod.args["attrs"].get("form")
-    if form is None or use.ins[1] != prod.outs[0] or use.ins[0] in prod.ins:
+    if form is None or not form.in_order or use.ins[1] != prod.outs[0] or use.ins[0] in prod.ins:
         return None
     attrs = {"form": form, "alpha": -use.args["attrs"]["lr"]}
     return Step("local", use.node, "einsum+sgd_update", use.label, use.phase, (use.ins[0], *prod.ins), use.outs,

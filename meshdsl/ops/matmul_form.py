@@ -3,12 +3,13 @@
 Every dim of a two-operand einsum whose summed dims occur in both operands is
 a batch dim (both operands and the output), an m dim (first operand and
 output), an n dim (second operand and output) or a k dim (both operands,
-summed).  When the output lists its batch dims first and then all of one
-operand's dims, the einsum is ``A[b, M, K] @ B[b, K, N]`` viewed as the output:
-``torch.mm``/``bmm`` with transposed views instead of ``torch.einsum``'s
-general path, and ``p + alpha * einsum(a, b)`` is one ``addmm_``/``baddbmm_``
-that writes into ``p`` without materialising the einsum (the fused gradient
-and SGD update of :mod:`meshdsl.lowering.fuse`).
+summed), so the einsum is ``A[b, M, K] @ B[b, K, N]``, viewed and permuted
+to the output's dim order: ``torch.mm``/``bmm`` on permuted views (an operand
+is copied once when no layout of it suits BLAS), instead of torch.einsum's
+general path.  When the output lists its batch dims first and then all of one
+operand's dims, no permute is needed, and ``p + alpha * einsum(a, b)`` is one
+``addmm_``/``baddbmm_`` that writes into ``p`` without materialising the
+einsum (the fused gradient and SGD update of :mod:`meshdsl.lowering.fuse`).
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ class MatmulForm:
     """How to run ``einsum(in0, in1 -> out)`` as ``A @ B`` (see the module docstring).
 
     Attributes:
-      swap: A is the second operand (the output's non-batch dims start with its dims).
+      swap: A is the second operand (the output's first non-batch dim is its).
       perm_a: permutes A to (batch, m, k); perm_b: B to (batch, k, n).
       nb, nm: how many batch and m dims (A's leading groups); nk: k dims.
+      out_perm: permutes the (batch, m, n) product to the output's order; None
+        when it is already in that order (then ``add_matmul`` can write into p).
     """
 
     swap: bool
@@ -34,27 +37,32 @@ class MatmulForm:
     nb: int
     nm: int
     nk: int
+    out_perm: tuple[int, ...] | None = None
 
     @staticmethod
     def of(in0: tuple[str, ...], in1: tuple[str, ...], out: tuple[str, ...]) -> "MatmulForm | None":
-        """The form of an einsum given its operands' and output's dim names, or None."""
+        """The form of an einsum given its operands' and output's dim names, or None
+        (a dim summed within one operand: torch.einsum's general path handles that)."""
         s0, s1, so = set(in0), set(in1), set(out)
-        if not so <= s0 | s1 or (s0 ^ s1) - so:  # a dim summed within one operand
+        if not so <= s0 | s1 or (s0 ^ s1) - so:
             return None
         batch = [d for d in out if d in s0 and d in s1]
         rest = [d for d in out if d not in s0 or d not in s1]
-        if list(out[:len(batch)]) != batch:
-            return None
         swap = bool(rest) and rest[0] in s1
         a_names, b_names = (in1, in0) if swap else (in0, in1)
         sa, sb = set(a_names), set(b_names)
         m = [d for d in rest if d in sa]
         n = [d for d in rest if d in sb]
-        if rest != m + n:
-            return None
         k = [d for d in a_names if d in sb and d not in so]
+        order = batch + m + n
+        out_perm = None if list(out) == order else tuple(order.index(d) for d in out)
         return MatmulForm(swap, tuple(a_names.index(d) for d in batch + m + k),
-                          tuple(b_names.index(d) for d in batch + k + n), len(batch), len(m), len(k))
+                          tuple(b_names.index(d) for d in batch + k + n), len(batch), len(m), len(k), out_perm)
+
+    @property
+    def in_order(self) -> bool:
+        """The product comes out in the output's dim order (what ``add_matmul`` needs)."""
+        return self.out_perm is None
 
     def _operands(self, x: torch.Tensor, y: torch.Tensor):
         a, b = (y, x) if self.swap else (x, y)
@@ -63,17 +71,20 @@ class MatmulForm:
         bs, ms, ks, ns = a.shape[:nb], a.shape[nb:nb + nm], a.shape[nb + nm:], b.shape[nb + nk:]
         sizes = (math.prod(bs), math.prod(ms), math.prod(ks), math.prod(ns))
         if nb:
-            return a.reshape(sizes[:3]), b.reshape(sizes[0], sizes[2], sizes[3]), (*bs, *ms, *ns)
-        return a.reshape(sizes[1:3]), b.reshape(sizes[2:]), (*ms, *ns)
+            return _blas(a.reshape(sizes[:3])), _blas(b.reshape(sizes[0], sizes[2], sizes[3])), (*bs, *ms, *ns)
+        return _blas(a.reshape(sizes[1:3])), _blas(b.reshape(sizes[2:])), (*ms, *ns)
 
     def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``einsum(x, y)`` with the output's dims in order."""
         a, b, shape = self._operands(x, y)
-        return (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
+        out = (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
+        return out if self.out_perm is None else out.permute(self.out_perm)
 
     def add_matmul(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor, alpha: float,
                    inplace: bool = False) -> torch.Tensor:
-        """``p + alpha * einsum(x, y)`` in one BLAS call; into ``p`` itself when ``inplace``."""
+        """``p + alpha * einsum(x, y)`` in one BLAS call; into ``p`` itself when ``inplace``.
+        Only for forms :attr:`in_order`."""
+        assert self.out_perm is None, "add_matmul needs the product in the output's order"
         a, b, shape = self._operands(x, y)
         if inplace and p.is_contiguous():
             q = p.view(a.shape[0], a.shape[-2], b.shape[-1]) if self.nb else p.view(a.shape[-2], b.shape[-1])
@@ -81,6 +92,17 @@ class MatmulForm:
             return p
         q = p.reshape(a.shape[0], a.shape[-2], b.shape[-1]) if self.nb else p.reshape(a.shape[-2], b.shape[-1])
         return (torch.baddbmm if self.nb else torch.addmm)(q, a, b, alpha=alpha).view(shape)
+
+
+def _blas(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit stride in one of its two matrix dims, copied once if need be.
+
+    A permuted operand can reach bmm with neither; torch then copies it one
+    matrix at a time, which costs far more than this single copy.
+    """
+    if x.stride(-1) == 1 or x.stride(-2) == 1 or x.shape[-1] == 1 or x.shape[-2] == 1:
+        return x
+    return x.contiguous()
 
 
 class AddMatmul:
