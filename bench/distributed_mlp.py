@@ -200,27 +200,24 @@ def _interleave(steps: dict, warmup: int, reps: int, block: int, sync=None, time
     times = {k: [] for k in names}
     cpu = {k: [] for k in names}
     last = {}
+    def sample(k, n):
+        """``n`` steps of variant ``k`` after ``sync``: mean wall and CPU seconds, last loss."""
+        if sync:
+            sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            loss = steps[k](True) if k in timed_arg else steps[k]()
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n, loss
+
     for i in range(reps):
         order = names[i % len(names):] + names[: i % len(names)]
         for k in order:
             last[k] = steps[k]()  # the cold step
-            timed = k in timed_arg
-            if not step_barrier:
-                if sync:
-                    sync()
-                t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(block - 1):
-                if step_barrier:
-                    if sync:
-                        sync()
-                    t0, c0 = time.perf_counter(), time.process_time()
-                last[k] = steps[k](True) if timed else steps[k]()
-                if step_barrier:
-                    times[k].append(time.perf_counter() - t0)
-                    cpu[k].append(time.process_time() - c0)
-            if not step_barrier:
-                times[k].append((time.perf_counter() - t0) / (block - 1))
-                cpu[k].append((time.process_time() - c0) / (block - 1))
+            runs = [1] * (block - 1) if step_barrier else [block - 1]
+            for n in runs:
+                wall, busy, last[k] = sample(k, n)
+                times[k].append(wall)
+                cpu[k].append(busy)
     return loss0, last, times, cpu
 
 

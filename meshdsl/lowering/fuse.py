@@ -13,6 +13,8 @@ a gradient) are dropped first, so they do not stand between a pair.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ops.matmul_form import ADD_MATMUL
 from .plan import Step
 
@@ -38,8 +40,8 @@ def forward_identities(steps: list[Step], values: dict, outputs: dict[str, int])
     alias: dict[int, int] = {}
     out = []
     for s in steps:
-        if alias:
-            s.ins = tuple(alias.get(v, v) for v in s.ins)
+        if any(v in alias for v in s.ins):  # a new step: the lowerer's own steps stay as they are
+            s = replace(s, ins=tuple(alias.get(v, v) for v in s.ins))
         if (s.kind == "local" and s.op in IDENTITY and len(s.ins) == 1 and s.outs[0] not in kept
                 and values[s.ins[0]].sharding == values[s.outs[0]].sharding):
             alias[s.outs[0]] = s.ins[0]

@@ -86,12 +86,12 @@ class MatmulForm:
         Only for forms :attr:`in_order`."""
         assert self.out_perm is None, "add_matmul needs the product in the output's order"
         a, b, shape = self._operands(x, y)
+        mat = (*a.shape[:-1], b.shape[-1])  # the product's (batch, M, N) or (M, N)
         if inplace and p.is_contiguous():
-            q = p.view(a.shape[0], a.shape[-2], b.shape[-1]) if self.nb else p.view(a.shape[-2], b.shape[-1])
+            q = p.view(mat)
             (q.baddbmm_ if self.nb else q.addmm_)(a, b, alpha=alpha)
             return p
-        q = p.reshape(a.shape[0], a.shape[-2], b.shape[-1]) if self.nb else p.reshape(a.shape[-2], b.shape[-1])
-        return (torch.baddbmm if self.nb else torch.addmm)(q, a, b, alpha=alpha).view(shape)
+        return (torch.baddbmm if self.nb else torch.addmm)(p.reshape(mat), a, b, alpha=alpha).view(shape)
 
 
 def _blas(x: torch.Tensor) -> torch.Tensor:
