@@ -13,11 +13,11 @@ from .core.graph import Graph, Tensor
 from .core.shape import Dim, Shape
 from .errors import (DistributedError, GraphError, LayoutError, MeshDSLError, MeshError, ParseError,
                      ShapeError)
-from .exec.dense import DenseProgram, run_dense
+from .exec.dense import run_dense
 from .exec.executor import Executor, PerRank
-from .exec.simulate import run_simulated
-from .exec.simulated import SimulatedComm
+from .exec.simulated import SimulatedComm, run_simulated
 from .ir.autodiff import grad, vjp
+from .ir.interpret import DenseProgram
 from .ir.repeat import repeat
 from .layout.layout import Layout
 from .layout.mesh import Mesh

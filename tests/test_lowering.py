@@ -190,7 +190,7 @@ def test_repeat_block_steps_carry_the_repeat_phase():
     reps = [s for s in plan.steps if s.kind == "repeat"]
     assert [s.phase for s in reps] == ["forward", "backward"]
     for s in reps:
-        assert {t.phase for t in s.args["plan"].steps} == {s.phase}
+        assert {t.phase for t in s.subplans[0].steps} == {s.phase}
     # Per layer: one forward allreduce over model (the block's second matmul).
     fwd = [(c.kind, c.axes, m) for c, m in plan.collectives() if c.phase == "forward"]
     assert ("allreduce", ("model",), 2) in fwd

@@ -100,7 +100,7 @@ def test_megatron_tp_communicates_activations_only():
     model, outs, _, _ = _reference("transformer")
     plan = md.compile({"loss": model.loss}, "model:2", "heads:model; d_ff:model")
     (rep,) = [s for s in plan.steps if s.kind == "repeat"]
-    sub = [s for s in rep.args["plan"].steps if s.is_collective]
+    sub = [s for s in rep.subplans[0].steps if s.is_collective]
     assert [s.kind for s in sub] == ["allreduce", "allreduce"]
     sub_bytes = sub[0].bytes  # one [batch, seq, d_model] fp32 activation
     assert sub_bytes == model.config.batch * model.config.seq * model.config.d_model * 4

@@ -134,13 +134,13 @@ def test_repeat_grad_does_not_recompute_forward(mesh, layout):
     plan = md.compile(outs, mesh, layout)
     (f_step,) = [s for s in plan.steps if s.kind == "repeat" and not s.args["backward"]]
     (b_step,) = [s for s in plan.steps if s.kind == "repeat" and s.args["backward"]]
-    sub = b_step.args["plan"]
+    sub = b_step.subplans[0]
     fwd_ops = {gblk.graph.nodes[s.node].op.name for s in sub.steps if s.kind == "local" and s.node < n_fwd}
     # Only cheap leaves of the forward part (scalar constants) may run again in the backward block.
     assert fwd_ops <= {"constant"}, fwd_ops
     assert not any(s.op == "einsum" and s.node < n_fwd for s in sub.steps)
     # Backward FLOPs: the vjp of the block (~2x its forward), not forward + vjp (~3x).
-    assert sub.flops() < 2.5 * f_step.args["plan"].flops()
+    assert sub.flops() < 2.5 * f_step.subplans[0].flops()
     # Dense: the backward program leaves the forward part out too.
     prog = gblk.dense({"dcarry": gblk.extra["dcarry"], **{f"d/{k}": v for k, v in gblk.extra["dparams"].items()}},
                       gblk.extra["given"])
@@ -152,7 +152,7 @@ def test_forward_only_plan_saves_nothing():
     _, outs = _repeat_model()
     plan = md.compile({"y": outs["y"]}, "model:2", "d_ff:model")
     (step,) = [s for s in plan.steps if s.kind == "repeat"]
-    assert list(step.args["plan"].outputs) == ["out"]
+    assert list(step.subplans[0].outputs) == ["out"]
     assert len(step.outs) == 2
 
 

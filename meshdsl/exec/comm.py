@@ -5,6 +5,9 @@ simulated mesh, one for a torch.distributed process.  Values travel as lists
 aligned with :attr:`Communicator.ranks`.  Collectives name mesh axes, never
 process groups; the communicator maps axes to groups.  Tensor dims are given
 by position (the executor has already resolved names).
+
+What each collective kind computes is in :mod:`meshdsl.collectives`; a
+communicator implements :meth:`Communicator.collective` once, for every kind.
 """
 from __future__ import annotations
 
@@ -25,42 +28,46 @@ class Communicator(ABC):
 
     mesh: Mesh
     ranks: tuple[int, ...]
+    #: Collective kinds :meth:`start` runs asynchronously; the executor issues them early.
+    async_kinds: frozenset = frozenset()
 
     @abstractmethod
-    def all_reduce(self, xs: list[torch.Tensor], axes: tuple[str, ...], op: str) -> list[torch.Tensor]:
-        """Reduce with ``op`` in {"sum", "max", "min"} over each group; everyone gets the result."""
+    def collective(self, kind: str, xs: list[torch.Tensor], axes: tuple[str, ...],
+                   args) -> list[torch.Tensor | None]:
+        """Run collective ``kind`` (a key of :data:`meshdsl.collectives.COLLECTIVES`) with step ``args``."""
 
-    @abstractmethod
-    def all_gather(self, xs: list[torch.Tensor], axes: tuple[str, ...], dim: int) -> list[torch.Tensor]:
-        """Concatenate the group's tensors along ``dim`` in group order."""
-
-    @abstractmethod
-    def all_to_all(self, xs: list[torch.Tensor], axes: tuple[str, ...], split_dim: int,
-                   concat_dim: int) -> list[torch.Tensor]:
-        """Split along ``split_dim`` into group-size chunks, send chunk j to member j, and
-        concatenate what arrives along ``concat_dim`` in group order."""
-
-    @abstractmethod
-    def reduce_scatter(self, xs: list[torch.Tensor], axes: tuple[str, ...], dim: int,
-                       op: str) -> list[torch.Tensor]:
-        """Reduce over the group, then keep chunk ``i`` (along ``dim``) on member ``i``."""
-
-    @abstractmethod
-    def permute(self, xs: list[torch.Tensor], axes: tuple[str, ...], offset: int,
-                wrap: bool) -> list[torch.Tensor | None]:
-        """Send to the member ``offset`` further along the group; receive from ``-offset``.
-
-        Without ``wrap`` a member with no sender gets ``None``.
-        """
-
-    def start(self, kind: str, xs: list[torch.Tensor], axes: tuple[str, ...], args: dict) -> "Pending":
+    def start(self, kind: str, xs: list[torch.Tensor], axes: tuple[str, ...], args) -> "Pending":
         """Begin collective ``kind`` and return a handle whose ``wait()`` gives the result.
 
         The default runs it at once; communicators that can overlap communication
         with compute (torch.distributed's ``async_op``) override this.
         """
-        from .executor import run_collective
-        return Done(run_collective(self, kind, xs, axes, args))
+        return Done(self.collective(kind, xs, axes, args))
+
+    # Named forms of the collectives the compiler emits today (tests and tools call them).
+    def all_reduce(self, xs, axes, op: str):
+        """Reduce with ``op`` in {"sum", "max", "min"} over each group; everyone gets the result."""
+        return self.collective("allreduce", xs, axes, {"op": op})
+
+    def all_gather(self, xs, axes, dim: int):
+        """Concatenate the group's tensors along ``dim`` in group order."""
+        return self.collective("allgather", xs, axes, {"dim": dim})
+
+    def all_to_all(self, xs, axes, split_dim: int, concat_dim: int):
+        """Split along ``split_dim`` into group-size chunks, send chunk j to member j, and
+        concatenate what arrives along ``concat_dim`` in group order."""
+        return self.collective("alltoall", xs, axes, {"split_dim": split_dim, "concat_dim": concat_dim})
+
+    def reduce_scatter(self, xs, axes, dim: int, op: str):
+        """Reduce over the group, then keep chunk ``i`` (along ``dim``) on member ``i``."""
+        return self.collective("reduce_scatter", xs, axes, {"dim": dim, "op": op})
+
+    def permute(self, xs, axes, offset: int, wrap: bool):
+        """Send to the member ``offset`` further along the group; receive from ``-offset``.
+
+        Without ``wrap`` a member with no sender gets ``None``.
+        """
+        return self.collective("permute", xs, axes, {"offset": offset, "wrap": wrap})
 
     def barrier(self) -> None:
         """Wait for every rank (a no-op where all ranks live in one process)."""

@@ -1,104 +1,39 @@
 """The dense reference executor: the whole program on one device, no mesh.
 
-It is the oracle every layout is compared to, and a fast path in its own
-right: nodes are flattened once into a list of kernel calls.
+It is the oracle every layout is compared to.  The graph is flattened once
+into kernel calls by :class:`~meshdsl.ir.interpret.DenseProgram`.
 """
 from __future__ import annotations
 
 import torch
 
-from ..core.graph import Tensor, topo_nodes
-from ..errors import GraphError, message
-from ..ops.leaf import init_value
-from ..ops.registry import DENSE_CTX, LocalCtx
+from ..errors import GraphError, did_you_mean, message
+from ..ir.interpret import DenseProgram
 
 
-def _as_dict(outputs):
-    if isinstance(outputs, Tensor):
-        return {"out": outputs}
-    if isinstance(outputs, dict):
-        return dict(outputs)
-    return {f"out{i}": t for i, t in enumerate(outputs)}
+def check_no_extra_feeds(caller: str, feeds: dict, inputs) -> None:
+    """Raise a GraphError naming every feed that is not one of ``inputs``.
 
-
-def check_feed(t: Tensor, value, full: bool = True) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise GraphError(message(f"feed '{t.name}': expected a torch.Tensor, got {type(value).__name__}.",
-                                 rule="inputs are fed as tensors", fix="pass torch.tensor(...)"))
-    if full and tuple(value.shape) != t.shape.sizes:
+    A feed no input reads is almost always a typo or a stale name; ignoring it
+    would run the program on something other than what the caller meant.
+    """
+    extra = sorted(k for k in feeds if k not in inputs)
+    if extra:
         raise GraphError(message(
-            f"feed '{t.name}': shape {tuple(value.shape)} does not match {t.shape} = {t.shape.sizes}.",
-            rule="a full feed has the input's global shape, dims in its order",
-            fix=f"pass a tensor of shape {t.shape.sizes}"))
-    if value.dtype != t.dtype:
-        raise GraphError(message(f"feed '{t.name}': dtype {value.dtype} does not match {t.dtype}.",
-                                 rule="feeds have the dtype the input was declared with",
-                                 fix=f"convert with .to({t.dtype})"))
+            f"{caller}: {len(extra)} feed(s) match no input of the program.",
+            inputs=[f"inputs read: {sorted(inputs) or '(none)'}", f"fed: {sorted(feeds)}"],
+            bullets=[f"'{k}' is not an input.{did_you_mean(k, list(inputs))}" for k in extra],
+            rule="every feed names an input that the outputs read",
+            fix="drop the extra feeds or correct their names"))
 
 
-class DenseProgram:
-    """A graph's outputs, flattened for repeated dense evaluation."""
+def run_dense(outputs, feeds: dict | None = None, params: dict | None = None,
+              seed: int = 0) -> dict[str, torch.Tensor]:
+    """Evaluate ``outputs`` densely.  Params default to their deterministic init (``seed``).
 
-    def __init__(self, outputs, ctx: LocalCtx = DENSE_CTX, given: dict | None = None):
-        """``given`` maps feed names to inner tensors whose values are fed, not computed:
-        the nodes only they need are left out."""
-        self.outputs = _as_dict(outputs)
-        given = dict(given or {})
-        self.nodes = topo_nodes(list(self.outputs.values()), {id(t) for t in given.values()})
-        self.ctx = ctx
-        self.params = {n.name: n.outputs[0] for n in self.nodes if n.op.name == "param"}
-        self.inputs = {n.name: n.outputs[0] for n in self.nodes if n.op.name in ("input", "placeholder")}
-        slot: dict[int, int] = {}
-        for n in self.nodes:
-            for t in n.outputs:
-                slot[id(t)] = len(slot)
-        for k, t in given.items():
-            slot.setdefault(id(t), len(slot))
-            self.inputs[k] = t
-        self._slot = slot
-        self._keep = [t for n in self.nodes for t in n.outputs] + list(given.values())
-        self.code = []
-        used = {id(t) for n in self.nodes for t in n.inputs} | {id(t) for t in self.outputs.values()}
-        for n in self.nodes:
-            outs = tuple(slot[id(t)] for t in n.outputs)
-            if n.op.name in ("param", "input", "placeholder"):
-                continue
-            attrs = n.attrs
-            saved = attrs.get("saved")
-            if saved and n.op.name == "repeat" and not any(id(t) in used for t in n.outputs[2:]):
-                attrs = {**attrs, "saved": []}  # no backward here: do not keep the activations
-                outs = outs[:2]
-            self.code.append((n.op.compute, attrs, tuple(slot[id(t)] for t in n.inputs), outs))
-        self.out_slots = {k: slot[id(t)] for k, t in self.outputs.items()}
-
-    def init_params(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        return {k: init_value(t, seed) for k, t in self.params.items()}
-
-    def __call__(self, feeds: dict | None = None, params: dict | None = None, seed: int = 0,
-                 salt: int = 0) -> dict[str, torch.Tensor]:
-        feeds = feeds or {}
-        env: list = [None] * len(self._slot)
-        for k, t in self.inputs.items():
-            if k not in feeds:
-                raise GraphError(message(f"run: no value fed for input '{k}' {t.shape}.",
-                                         inputs=[f"fed: {sorted(feeds)}"], rule="every input the outputs need is fed",
-                                         fix=f"add '{k}' to the feeds"))
-            if t.node.op.name == "input":
-                check_feed(t, feeds[k])
-            env[self._slot[id(t)]] = feeds[k]
-        for k, t in self.params.items():
-            env[self._slot[id(t)]] = params[k] if params is not None and k in params else init_value(t, seed)
-        ctx = self.ctx if not salt else self.ctx.with_salt(salt)
-        for fn, attrs, ins, outs in self.code:
-            r = fn(ctx, attrs, *[env[i] for i in ins])
-            if len(outs) == 1:
-                env[outs[0]] = r
-            else:
-                for o, x in zip(outs, r):
-                    env[o] = x
-        return {k: env[s] for k, s in self.out_slots.items()}
-
-
-def run_dense(outputs, feeds: dict | None = None, params: dict | None = None, seed: int = 0):
-    """Evaluate ``outputs`` densely.  Params default to their deterministic init (``seed``)."""
-    return DenseProgram(outputs)(feeds, params, seed)
+    Raises:
+      GraphError: a missing feed, a feed of the wrong shape or dtype, or a feed no input reads.
+    """
+    prog = DenseProgram(outputs)
+    check_no_extra_feeds("run_dense", feeds or {}, prog.inputs)
+    return prog(feeds, params, seed)

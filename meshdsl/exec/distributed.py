@@ -27,15 +27,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..collectives import COLLECTIVES, REDUCE
 from ..errors import DistributedError, MeshError, message
 from ..layout.mesh import Mesh
 from .comm import Communicator, Pending
 
 DEFAULT_TIMEOUT_S = 60.0
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# The same fold SimulatedComm uses, so locally reduced results are bitwise equal.
-_FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
 class _InFlight(Pending):
@@ -183,7 +181,8 @@ class TorchComm(Communicator):
 
     # ---------------------------------------------------------- bookkeeping
 
-    def _prep(self, x: torch.Tensor) -> torch.Tensor:
+    def prep(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` contiguous and on this rank's device, as torch.distributed wants it."""
         if self.device.type == "cuda" and x.device != self.device:
             x = x.to(self.device)
         return x.contiguous()
@@ -205,57 +204,39 @@ class TorchComm(Communicator):
         """Forget the per-kind totals in :attr:`stats`."""
         self.stats = {}
 
+    @staticmethod
+    def check_op(op: str) -> str:
+        """``op`` if it is a reduction torch.distributed knows, else a :class:`DistributedError`."""
+        if op not in REDUCE:
+            raise DistributedError(message(
+                f"unknown reduction '{op}'", rule=f"a reduction is one of {sorted(REDUCE)}",
+                fix="use 'sum', 'max' or 'min'"))
+        return op
+
     # ----------------------------------------------------------- collectives
 
-    def all_reduce(self, xs, axes, op):
-        """See :meth:`Communicator.all_reduce`."""
+    def collective(self, kind, xs, axes, args):
+        """See :meth:`Communicator.collective`: the kind's torch.distributed implementation."""
         (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
-        _check_op(op)
-        if s.size == 1:
-            out = x
-        else:
-            out = self._prep(x).clone()
-            dist.all_reduce(out, op=_REDUCE_OPS[op], group=s.pg)
-        self._done("allreduce", axes, s, x, t0)
+        out = COLLECTIVES[kind].distributed(self, x, s, args)
+        self._done(kind, axes, s, x, t0)
         return [out]
 
     #: Collectives :meth:`start` runs asynchronously; the executor issues them early.
-    async_kinds = frozenset({"allreduce", "allgather"})
+    async_kinds = frozenset(k for k, c in COLLECTIVES.items() if c.start is not None)
 
     def start(self, kind, xs, axes, args):
-        """Begin a collective; allreduce (sum/max/min) and allgather run asynchronously
-        (``async_op``) so the executor can overlap them with the compute that follows."""
+        """Begin a collective; kinds with an asynchronous form (allreduce, allgather) run with
+        ``async_op`` so the executor can overlap them with the compute that follows."""
         s = self._slice(axes)
-        if kind not in self.async_kinds or s.size == 1:
+        c = COLLECTIVES[kind]
+        if c.start is None or s.size == 1:
             return super().start(kind, xs, axes, args)
         (x,), t0 = xs, time.perf_counter()
-        x_c = self._prep(x)
-        if kind == "allreduce":
-            op = args.get("op", "sum")
-            _check_op(op)
-            out = x_c.clone()  # all_reduce works in place; x may have other readers
-            work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=s.pg, async_op=True)
-            return _InFlight(self, work, kind, lambda: out, axes, s, x, t0)
-        dim = args["dim"]
-        parts = [torch.empty_like(x_c) for _ in range(s.size)]
-        work = dist.all_gather(parts, x_c, group=s.pg, async_op=True)
-        return _InFlight(self, work, kind, lambda: torch.cat([parts[g] for g in s.group_rank], dim=dim),
-                         axes, s, x_c, t0)
+        work, finish = c.start(self, x, s, args)
+        return _InFlight(self, work, kind, finish, axes, s, x, t0)
 
-    def all_gather(self, xs, axes, dim):
-        """See :meth:`Communicator.all_gather`."""
-        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
-        if s.size == 1:
-            out = torch.cat([x], dim=dim)
-        else:
-            x_c = self._prep(x)
-            parts = [torch.empty_like(x_c) for _ in range(s.size)]
-            dist.all_gather(parts, x_c, group=s.pg)
-            out = torch.cat([parts[g] for g in s.group_rank], dim=dim)
-        self._done("allgather", axes, s, x, t0)
-        return [out]
-
-    def _exchange(self, x: torch.Tensor, s: _Slice, split_dim: int) -> list[torch.Tensor]:
+    def exchange(self, x: torch.Tensor, s: _Slice, split_dim: int) -> list[torch.Tensor]:
         """Send chunk j of ``x`` (along ``split_dim``) to member j; return what each member sent."""
         chunks = x.chunk(s.size, dim=split_dim)
         if len(chunks) != s.size:
@@ -267,7 +248,7 @@ class TorchComm(Communicator):
         by_group_rank = [None] * s.size
         for j, g in enumerate(s.group_rank):
             by_group_rank[g] = chunks[j]
-        send = torch.cat([self._prep(c).reshape(-1) for c in by_group_rank])
+        send = torch.cat([self.prep(c).reshape(-1) for c in by_group_rank])
         mine = chunks[s.me]
         recv = torch.empty(mine.numel() * s.size, dtype=x.dtype, device=send.device)
         splits = [c.numel() for c in by_group_rank]
@@ -275,64 +256,6 @@ class TorchComm(Communicator):
                                input_split_sizes=splits, group=s.pg)
         pieces = recv.view(s.size, -1)
         return [pieces[g].view(mine.shape) for g in s.group_rank]
-
-    def all_to_all(self, xs, axes, split_dim, concat_dim):
-        """See :meth:`Communicator.all_to_all`."""
-        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
-        if s.size == 1:
-            out = torch.cat([x.chunk(1, dim=split_dim)[0]], dim=concat_dim)
-        else:
-            out = torch.cat(self._exchange(x, s, split_dim), dim=concat_dim)
-        self._done("alltoall", axes, s, x, t0)
-        return [out]
-
-    def reduce_scatter(self, xs, axes, dim, op):
-        """See :meth:`Communicator.reduce_scatter`.
-
-        Implemented as an all-to-all plus a local fold in group order: on gloo this
-        is faster than ``dist.reduce_scatter`` (which gloo emulates) and bitwise
-        equal to the simulated mesh.
-        """
-        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
-        _check_op(op)
-        if s.size == 1:
-            out = x.chunk(1, dim=dim)[0].contiguous()
-        else:
-            parts = self._exchange(x, s, dim)
-            out = parts[0]
-            for p in parts[1:]:
-                out = _FOLD[op](out, p)
-            out = out.contiguous()
-        self._done("reduce_scatter", axes, s, x, t0)
-        return [out]
-
-    def permute(self, xs, axes, offset, wrap):
-        """See :meth:`Communicator.permute`.
-
-        Uses one ``irecv`` and one ``isend`` per rank, both posted before either
-        is waited on (no batched p2p, which can hang on gloo).
-        """
-        (x,), s, t0 = xs, self._slice(axes), time.perf_counter()
-        n, j = s.size, s.me
-        dst, src = j + offset, j - offset
-        if wrap:
-            dst, src = dst % n, src % n
-        dst = dst if 0 <= dst < n else None
-        src = src if 0 <= src < n else None
-        if src == j:  # offset is a multiple of the group size: nothing moves
-            out = x
-        else:
-            x_c = self._prep(x)
-            out = None if src is None else torch.empty_like(x_c)
-            reqs = []
-            if out is not None:
-                reqs.append(dist.irecv(out, src=s.members[src], group=s.pg))
-            if dst is not None:
-                reqs.append(dist.isend(x_c, dst=s.members[dst], group=s.pg))
-            for r in reqs:
-                r.wait()
-        self._done("permute", axes, s, x, t0)
-        return [out]
 
     def barrier(self) -> None:
         """Wait for every rank of the job."""
@@ -368,9 +291,3 @@ class TorchComm(Communicator):
         return [bytes(b[: int(m.item())].cpu().tolist()).decode("utf-8")
                 for b, m in zip(bufs, lengths)]
 
-
-def _check_op(op: str) -> None:
-    if op not in _REDUCE_OPS:
-        raise DistributedError(message(
-            f"unknown reduction '{op}'", rule=f"a reduction is one of {sorted(_REDUCE_OPS)}",
-            fix="use 'sum', 'max' or 'min'"))

@@ -17,48 +17,34 @@ import time
 import torch
 
 from ..errors import GraphError, message
+from ..ir.interpret import check_feed
+from ..layout.sharding import Sharding
+from ..lowering.compiler import move_args
 from ..lowering.plan import Plan, Value
 from ..lowering.relayout import plan_moves
-from ..layout.sharding import Sharding
-from ..ops.registry import LocalCtx
 from .comm import Communicator, Pending
-from .dense import check_feed
+from .dense import check_no_extra_feeds
+from .steps import rule_for, split_local
 
 
 class PerRank(list):
     """Feeds or params given as local slices, one per rank the communicator holds."""
 
 
-def _ctx(mesh, rank: int, compute: dict, sizes: dict) -> LocalCtx:
-    offs, loc = {}, {}
-    for d, axes in compute.items():
-        if axes:
-            n = sizes[d] // mesh.axis_size(axes)
-            loc[d] = n
-            offs[d] = mesh.index_along(rank, axes) * n
-    return LocalCtx(offs, loc)
-
-
 def run_collective(comm: Communicator, kind: str, xs, axes, args):
-    """Execute one collective or split step on the held ranks' tensors."""
-    if kind == "allreduce":
-        return comm.all_reduce(xs, axes, args.get("op", "sum"))
-    if kind == "allgather":
-        return comm.all_gather(xs, axes, args["dim"])
-    if kind == "alltoall":
-        return comm.all_to_all(xs, axes, args["split_dim"], args["concat_dim"])
-    if kind == "reduce_scatter":
-        return comm.reduce_scatter(xs, axes, args["dim"], args.get("op", "sum"))
-    if kind == "permute":
-        return comm.permute(xs, axes, args["offset"], args["wrap"])
+    """Run one collective (or a local ``split``) on the held ranks' tensors."""
     if kind == "split":
-        mesh, dim, n = comm.mesh, args["dim"], comm.mesh.axis_size(axes)
-        out = []
-        for r, x in zip(comm.ranks, xs):
-            size = x.shape[dim] // n
-            out.append(x.narrow(dim, mesh.index_along(r, axes) * size, size).contiguous())
-        return out
-    raise AssertionError(kind)
+        return split_local(comm, xs, axes, args["dim"])
+    return comm.collective(kind, xs, axes, args)
+
+
+class _Run:
+    """What one run of a plan was given: feeds, params, the kernel salt, and the stats dict."""
+
+    __slots__ = ("feeds", "params", "salt", "stats")
+
+    def __init__(self, feeds, params, salt, stats):
+        self.feeds, self.params, self.salt, self.stats = feeds, params, salt, stats
 
 
 def issue_order(plan: Plan, async_kinds=frozenset()) -> list[int]:
@@ -129,40 +115,35 @@ class Executor:
                                      rule="a plan runs on the mesh it was compiled for",
                                      fix="compile with the same mesh string"))
         self.plan, self.comm = plan, comm
-        mesh = plan.mesh
-        self.order = issue_order(plan, getattr(comm, "async_kinds", frozenset()))
-        self.ctxs = {}
+        steps = plan.steps
+        self.order = issue_order(plan, comm.async_kinds)
         last_use: dict[int, int] = {}
         for i in self.order:
-            s = plan.steps[i]
-            for v in s.ins:
+            for v in steps[i].ins:
                 last_use[v] = i
-            if s.kind == "local":
-                self.ctxs[i] = [_ctx(mesh, r, s.args["compute"], s.args["sizes"]) for r in comm.ranks]
-            if s.kind == "repeat":
-                s.args["runner"] = s.args.get("runner") or {}
         keep = set(plan.outputs.values())
-        self.free_after = {}
+        self.free_after: list[tuple[int, ...]] = [()] * len(steps)
         for v, i in last_use.items():
             if v not in keep:
-                self.free_after.setdefault(i, []).append(v)
-        self._subs: dict[int, "Executor"] = {}
+                self.free_after[i] += (v,)
         # With donate_params (a training loop that replaces its params by the updated
-        # ones), an update that is the last reader of its param overwrites it in place.
-        # Only with one held rank: simulated ranks may share a replicated tensor.
-        self.fns = {i: s.args["fn"] for i, s in enumerate(plan.steps) if s.kind == "local"}
+        # ones), a kernel with an in-place variant that is the last reader of its param
+        # overwrites it.  Only with one held rank: simulated ranks may share a replicated tensor.
+        self.donated: set[int] = set()
         if donate_params and len(comm.ranks) == 1:
-            param_vids = {s.outs[0] for s in plan.steps if s.kind == "param"}
+            param_vids = {s.outs[0] for s in steps if s.kind == "param"}
             # never under a collective that may still be reading it, nor when it is an output
-            param_vids -= {v for s in plan.steps if s.kind != "local" for v in s.ins}
-            param_vids -= set(plan.outputs.values())
-            for i, s in enumerate(plan.steps):
-                inplace = getattr(s.args.get("fn"), "__self__", None)
-                inplace = getattr(inplace, "compute_inplace", None)
-                if s.kind == "local" and inplace and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i:
-                    self.fns[i] = inplace
-        self._leaves = {s.outs[0]: s.args["tensor"] for s in plan.steps if s.kind in ("input", "param")}
+            param_vids -= {v for s in steps if s.kind != "local" for v in s.ins}
+            param_vids -= keep
+            self.donated = {i for i, s in enumerate(steps)
+                            if s.kind == "local" and s.args.get("inplace") is not None
+                            and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i}
+        self._leaves = {s.outs[0]: s.args["tensor"] for s in steps if s.kind in ("input", "param")}
         self._slice_idx: dict[int, list[tuple]] = {}
+        # One prepared callable per step: the run loop dispatches by index, not by kind.
+        self.calls = [rule_for(s.kind)(self, i, s) for i, s in enumerate(steps)]
+        # Steps with sub-plans are timed by their sub-plans' own steps.
+        self._timed = [None if s.subplans else s.kind for s in steps]
 
     # -- params and feeds
     def local_slices(self, value: Value, full: torch.Tensor) -> list[torch.Tensor]:
@@ -183,7 +164,8 @@ class Executor:
                 out[s.args["name"]] = self.local_slices(self.plan.values[s.outs[0]], init_value(node, seed))
         return out
 
-    def _feed(self, name, vid, value):
+    def feed(self, name, vid, value) -> list[torch.Tensor]:
+        """The held ranks' slices of feed ``value`` for input ``name`` (value ``vid``), checked."""
         v = self.plan.values[vid]
         if isinstance(value, PerRank):
             if len(value) != len(self.comm.ranks):
@@ -214,13 +196,17 @@ class Executor:
 
         With ``stats`` (a dict), seconds spent per step kind are added to it, and
         time blocked on collectives in flight under 'wait'.
+
+        Raises:
+          GraphError: a missing feed or param, a bad feed, or a feed no input of the plan reads.
         """
         feeds = feeds or {}
+        if not feeds.keys() <= self.plan.inputs.keys():
+            check_no_extra_feeds("Executor.run", feeds, self.plan.inputs)
         if params is None:
             params = self.init_params()
         env: dict[int, list] = {}
-        comm = self.comm
-
+        run = _Run(feeds, params, salt, stats)
         clock = time.perf_counter if stats is not None else None
 
         def get(v):
@@ -234,49 +220,17 @@ class Executor:
                     x = env[v] = x.wait()
             return x
 
-        steps = self.plan.steps
+        calls, free_after, timed = self.calls, self.free_after, self._timed
         for i in self.order:
-            s = steps[i]
-            k = s.kind
             if clock:
                 t0, waited = clock(), stats.get("wait", 0.0)
-            if k == "local":
-                ins = [get(v) for v in s.ins]
-                ctxs = self.ctxs[i]
-                fn, attrs = self.fns[i], s.args["attrs"]
-                res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in ins])
-                       for j, c in enumerate(ctxs)]
-                if len(s.outs) == 1:
-                    env[s.outs[0]] = res
-                else:
-                    for o, vid in enumerate(s.outs):
-                        env[vid] = [r[o] for r in res]
-            elif k == "param":
-                name = s.args["name"]
-                if name not in params:
-                    raise GraphError(message(f"run: no value for param '{name}'.", rule="every param the plan reads is given",
-                                             fix="use Executor.init_params() or pass it"))
-                env[s.outs[0]] = params[name]
-            elif k == "input":
-                name = s.args["name"]
-                if name not in feeds:
-                    raise GraphError(message(f"run: no value fed for input '{name}'.",
-                                             inputs=[f"fed: {sorted(feeds)}"],
-                                             rule="every input the outputs need is fed", fix=f"add '{name}' to the feeds"))
-                env[s.outs[0]] = self._feed(name, s.outs[0], feeds[name])
-            elif k == "repeat":
-                outs = s.args["execute"](self, s, [get(v) for v in s.ins], salt, stats)
-                for vid, x in zip(s.outs, outs):
-                    env[vid] = x
-            elif k == "split":
-                env[s.outs[0]] = run_collective(comm, k, get(s.ins[0]), s.axes, s.args)
-            else:
-                env[s.outs[0]] = comm.start(k, get(s.ins[0]), s.axes, s.args)
-            for v in self.free_after.get(i, ()):
+            calls[i](env, get, run)
+            for v in free_after[i]:
                 x = env.pop(v, None)
                 if isinstance(x, Pending):
                     x.wait()
-            if clock and k != "repeat":  # a repeat's sub-plan counts its own steps
+            if clock and timed[i]:
+                k = timed[i]
                 stats[k] = stats.get(k, 0.0) + clock() - t0 - (stats.get("wait", 0.0) - waited)
         return {name: get(vid) for name, vid in self.plan.outputs.items()}
 
@@ -286,8 +240,7 @@ class Executor:
         v = self.plan.values[vid]
         rep = Sharding.replicated(v.shape)
         for m in plan_moves(v.shape, v.sharding, rep, self.plan.mesh):
-            pos = v.shape.index(m.dim) if m.dim else None
-            xs = run_collective(self.comm, m.kind, xs, m.axes, {"dim": pos, "op": "sum"})
+            xs = run_collective(self.comm, m.kind, xs, m.axes, move_args(m, v.shape))
         return xs
 
     def full_outputs(self, outs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -1,24 +1,21 @@
-"""A communicator that holds every rank of the mesh in one process.
+"""The simulated mesh: every rank in one process.
 
-Collectives are computed exactly from the group members' tensors, reducing in
-group order, so results are deterministic and match what real processes get.
+:class:`SimulatedComm` computes each collective exactly from the group
+members' tensors (the simulated implementations of
+:mod:`meshdsl.collectives`, reducing in group order), so results are
+deterministic and match what real processes get.  :func:`run_simulated` runs a
+whole plan on it and returns full outputs.
 """
 from __future__ import annotations
 
 import torch
 
+from ..collectives import COLLECTIVES
+from ..errors import GraphError, did_you_mean, message
 from ..layout.mesh import Mesh
+from ..lowering.plan import Plan
 from .comm import Communicator
-
-_REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
-
-
-def _fold(xs, group, op):
-    """Reduce the group's tensors with ``op`` in group order (deterministic)."""
-    acc = xs[group[0]]
-    for r in group[1:]:
-        acc = _REDUCE[op](acc, xs[r])
-    return acc
+from .executor import Executor
 
 
 class SimulatedComm(Communicator):
@@ -29,58 +26,39 @@ class SimulatedComm(Communicator):
         self.ranks = tuple(range(mesh.size))
         self.log: list[tuple[str, tuple[str, ...], int]] = []
 
-    def _groups(self, axes):
-        return self.mesh.groups(tuple(axes))
-
-    def _record(self, kind, axes, xs):
+    def collective(self, kind, xs, axes, args):
+        """See :meth:`Communicator.collective`; every call is appended to :attr:`log`."""
         self.log.append((kind, tuple(axes), xs[0].numel() * xs[0].element_size()))
+        return COLLECTIVES[kind].simulated(xs, self.mesh.groups(tuple(axes)), args)
 
-    def all_reduce(self, xs, axes, op):
-        self._record("allreduce", axes, xs)
-        out = list(xs)
-        for g in self._groups(axes):
-            acc = _fold(xs, g, op)
-            for r in g:
-                out[r] = acc
-        return out
 
-    def all_gather(self, xs, axes, dim):
-        self._record("allgather", axes, xs)
-        out = list(xs)
-        for g in self._groups(axes):
-            full = torch.cat([xs[r] for r in g], dim=dim)
-            for r in g:
-                out[r] = full
-        return out
+def run_simulated(plan: Plan, feeds: dict | None = None, params: dict | None = None,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    """Run ``plan`` with every rank simulated in this process; returns full outputs.
 
-    def all_to_all(self, xs, axes, split_dim, concat_dim):
-        self._record("alltoall", axes, xs)
-        out = list(xs)
-        for g in self._groups(axes):
-            chunks = {r: xs[r].chunk(len(g), dim=split_dim) for r in g}
-            for j, r in enumerate(g):
-                out[r] = torch.cat([chunks[s][j] for s in g], dim=concat_dim)
-        return out
+    Args:
+      plan: a compiled plan.
+      feeds: input name -> full tensor (or :class:`~meshdsl.exec.executor.PerRank` slices).
+      params: param name -> full tensor; defaults to the deterministic init.
+      seed: init seed when params are not given.
 
-    def reduce_scatter(self, xs, axes, dim, op):
-        self._record("reduce_scatter", axes, xs)
-        out = list(xs)
-        for g in self._groups(axes):
-            acc = _fold(xs, g, op)
-            for j, r in enumerate(g):
-                out[r] = acc.chunk(len(g), dim=dim)[j].contiguous()
-        return out
-
-    def permute(self, xs, axes, offset, wrap):
-        self._record("permute", axes, xs)
-        out: list = [None] * len(xs)
-        for g in self._groups(axes):
-            n = len(g)
-            for j, r in enumerate(g):
-                src = j - offset
-                if wrap:
-                    src %= n
-                elif not 0 <= src < n:
-                    continue
-                out[r] = xs[g[src]]
-        return out
+    Raises:
+      GraphError: a param or feed the plan does not have, or one of the wrong shape or dtype.
+    """
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    local = ex.init_params(seed)
+    for k, v in (params or {}).items():
+        vid = plan.params.get(k)
+        if vid is None:
+            raise GraphError(message(f"run_simulated: the plan has no param '{k}'.{did_you_mean(k, plan.params)}",
+                                     inputs=[f"params of the plan: {sorted(plan.params)}"],
+                                     rule="params given by name must be params the outputs depend on",
+                                     fix="drop it or correct the name"))
+        value = plan.values[vid]
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != value.shape.sizes or v.dtype != value.dtype:
+            got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise GraphError(message(f"run_simulated: param '{k}' is {got}, not {value.shape.sizes} {value.dtype}.",
+                                     rule="a full param has its declared shape (dims in order) and dtype",
+                                     fix=f"pass a tensor of shape {value.shape.sizes}"))
+        local[k] = ex.local_slices(value, v)
+    return ex.full_outputs(ex.run(feeds, local))

@@ -17,9 +17,10 @@ import torch
 
 from ..core.graph import Graph, Tensor, topo_nodes
 from ..core.shape import Dim, Shape
-from ..errors import LayoutError, ShapeError, did_you_mean, message
+from ..errors import ShapeError, did_you_mean, message
 from ..ops.leaf import placeholder
 from ..ops.registry import Op, apply, register
+from .interpret import DenseProgram
 
 
 @dataclass(eq=False)
@@ -34,11 +35,11 @@ class Block:
     extra: dict = field(default_factory=dict)  # cotangent placeholder, grads, given (for grad blocks)
     _dense: dict = field(default_factory=dict)
 
-    def dense(self, outputs: dict, given: dict | None = None):
+    def dense(self, outputs: dict, given: dict | None = None) -> DenseProgram:
+        """The block's dense program for ``outputs`` (built once per set of outputs)."""
         key = (tuple((k, id(t)) for k, t in outputs.items()), tuple((k, id(t)) for k, t in (given or {}).items()))
         prog = self._dense.get(key)
         if prog is None:
-            from ..exec.dense import DenseProgram
             prog = self._dense[key] = DenseProgram(outputs, given=given)
         return prog
 
@@ -63,7 +64,30 @@ class LayerStack(list):
     """
 
     def tensor(self) -> torch.Tensor:
+        """The layers stacked into one tensor, layer dim first."""
         return torch.stack(list(self), 0)
+
+
+def run_layers(num_layers: int, layer: Callable, carry, backward: bool = False):
+    """The layer loop of every repeat: ``layer(l, carry) -> (carry, kept)`` for each layer.
+
+    Layers run in order, or in reverse for a backward pass.  The dense op and the
+    plan executor both run their layers through here; they differ only in what a
+    carry is (a tensor, or one local tensor per rank) and in how one layer runs.
+
+    Args:
+      num_layers: the layer count.
+      layer: runs layer ``l`` on ``carry``; returns the next carry and what to keep of it.
+      carry: the carry into the first layer run.
+      backward: run layers ``num_layers - 1`` down to 0.
+
+    Returns:
+      The last carry, and the kept values in layer order (``kept[l]`` from layer ``l``).
+    """
+    kept: list = [None] * num_layers
+    for l in (reversed(range(num_layers)) if backward else range(num_layers)):
+        carry, kept[l] = layer(l, carry)
+    return carry, kept
 
 
 def _trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str) -> Block:
@@ -102,21 +126,26 @@ class Repeat(Op):
 
     def compute(self, ctx, attrs, x, *stacked):
         blk: Block = attrs["block"]
-        saved = attrs.get("saved", [])
-        prog = blk.dense({"out": blk.out, **{f"saved/{i}": t for i, t in enumerate(saved)}})
-        names = list(blk.params)
-        carries = []
-        keep = [[] for _ in saved]
-        for l in range(attrs["layer"].size):
-            carries.append(x)
-            feeds = {"carry": x}
-            for k, p in zip(names, stacked):
-                feeds[k] = p.select(attrs["pos"][k], l)
+        saved = [f"saved/{i}" for i in range(len(attrs.get("saved", [])))]
+        prog = blk.dense({"out": blk.out, **dict(zip(saved, attrs.get("saved", [])))})
+        names, pos = list(blk.params), attrs["pos"]
+
+        def layer(l, x):
+            feeds = {"carry": x, **{k: p.select(pos[k], l) for k, p in zip(names, stacked)}}
             r = prog(feeds, salt=l + 1)
-            x = r["out"]
-            for i, acc in enumerate(keep):
-                acc.append(r[f"saved/{i}"])
-        return (x, LayerStack(carries), *[LayerStack(acc) for acc in keep])
+            return r["out"], (x, *[r[k] for k in saved])
+
+        x, kept = run_layers(attrs["layer"].size, layer, x)
+        return (x, *[LayerStack(k[i] for k in kept) for i in range(1 + len(saved))])
+
+    def subgraphs(self, node):
+        blk: Block = node.attrs["block"]
+        return ((blk.graph, tuple(blk.params)),)
+
+    def drop_unused_outputs(self, node, used):
+        if node.attrs.get("saved") and not any(used[2:]):
+            return {**node.attrs, "saved": []}, 2  # no backward reads them: keep no activations
+        return None
 
     def grad(self, node, douts):
         dy, dcarries, *dsaved = douts
@@ -138,10 +167,6 @@ class Repeat(Op):
                      {"block": gblk, "layer": node.attrs["layer"], "pos": node.attrs["pos"],
                       "stacked": node.attrs["stacked"]})
         return list(outs)
-
-    def lower(self, lw, node):
-        from ..lowering.repeat import lower_repeat
-        lower_repeat(lw, node, backward=False)
 
 
 def _saved(b: Block, n_fwd: int, blk: Block) -> list[tuple[Tensor, Tensor]]:
@@ -221,23 +246,21 @@ class RepeatGrad(Op):
         outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
         given = blk.extra.get("given", {})
         prog = blk.dense(outs, given)
-        names = list(blk.params)
-        per = {k: [None] * attrs["layer"].size for k in names}
-        for l in reversed(range(attrs["layer"].size)):
-            feeds = {"carry": carries[l], "cotangent": dy}
-            for k, p in zip(names, stacked):
-                feeds[k] = p.select(attrs["pos"][k], l)
-            for k, s in zip(given, saved):
-                feeds[k] = s[l]
-            r = prog(feeds, salt=l + 1)
-            dy = r["dcarry"]
-            for k in names:
-                per[k][l] = r[f"d/{k}"]
-        return (dy, *[torch.stack(per[k], attrs["pos"][k]) for k in names])
+        names, pos = list(blk.params), attrs["pos"]
 
-    def lower(self, lw, node):
-        from ..lowering.repeat import lower_repeat
-        lower_repeat(lw, node, backward=True)
+        def layer(l, dy):
+            feeds = {"carry": carries[l], "cotangent": dy,
+                     **{k: p.select(pos[k], l) for k, p in zip(names, stacked)},
+                     **{k: s[l] for k, s in zip(given, saved)}}
+            r = prog(feeds, salt=l + 1)
+            return r["dcarry"], tuple(r[f"d/{k}"] for k in names)
+
+        dy, kept = run_layers(attrs["layer"].size, layer, dy, backward=True)
+        return (dy, *[torch.stack([k[i] for k in kept], pos[name]) for i, name in enumerate(names)])
+
+    def subgraphs(self, node):
+        blk: Block = node.attrs["block"]
+        return ((blk.graph, tuple(blk.params)),)
 
 
 def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim) -> Tensor:
@@ -272,6 +295,3 @@ def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim) -> Tensor
     pos = {k: _stack_pos(p, name) for k, p in params.items()}
     outs = apply("repeat", [x, *params.values()], {"block": blk, "layer": layer, "pos": pos, "stacked": dict(params)})
     return outs[0]
-
-
-__all__ = ["repeat", "LayoutError"]

@@ -1,0 +1,6 @@
+"""Lowering: a graph, a mesh and a layout become an SPMD :class:`~.plan.Plan`.
+
+Importing the package loads every module that registers a lowering rule
+(:mod:`.rules`), so :func:`~.compiler.compile` always sees the full table.
+"""
+from . import repeat, shift  # noqa: F401  (they register their rules on import)

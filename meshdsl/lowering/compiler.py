@@ -3,19 +3,23 @@
 Nodes are lowered in build order, each by its op's rule (most use the generic
 rule in :mod:`.generic`).  Values are re-laid out only where a consumer needs
 it; outputs are brought to their layout at the end.  Plans are cached on the
-graph, the outputs, the mesh and the layout.
+graph, the outputs, the mesh and the layout (the last 64 compilations); a
+cached plan is immutable, so handing it out again is safe.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from ..core.graph import Node, Tensor, topo_nodes
-from ..errors import GraphError, LayoutError, MeshError, message
+from ..errors import GraphError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
-from .plan import Plan, Step, Value
+from .plan import Plan, Step, Value, step_args
 from .relayout import move_bytes, plan_moves
+from .rules import rule_for
 
 
 class Lowerer:
@@ -32,6 +36,9 @@ class Lowerer:
         self.inputs: dict[str, int] = {}
         self._targets: dict[int, list] = {}
         self._relaid: dict[tuple[int, Sharding], int] = {}  # a value is re-laid out once per target
+        # Tensors this plan reads: a node with optional outputs (a repeat's saved
+        # activations) lowers only the ones in here.
+        self.used: set[int] = set()
 
     # -- values
     def new_value(self, shape, dtype, sharding: Sharding) -> int:
@@ -70,10 +77,13 @@ class Lowerer:
 
     # -- steps
     def emit(self, kind: str, node: Node | None, ins, outs, axes=(), args=None, nbytes: int = 0,
-             flops: int = 0, note: str = "") -> Step:
-        step = Step(kind, node.id if node else -1, node.op.name if node else "output",
-                    node.name if node else "output", node.phase if node else "forward",
-                    tuple(ins), tuple(outs), tuple(axes), args or {}, nbytes, flops, note)
+             flops: int = 0, note: str = "", *, op: str | None = None, label: str | None = None,
+             phase: str | None = None, subplans: tuple = (), times: int = 1) -> Step:
+        """Append a step of ``kind`` for ``node`` (op, label and phase default to the node's)."""
+        step = Step(kind, node.id if node else -1, op or (node.op.name if node else "output"),
+                    label or (node.name if node else "output"), phase or (node.phase if node else "forward"),
+                    tuple(ins), tuple(outs), tuple(axes), step_args(kind, args), nbytes, flops, note,
+                    tuple(subplans), times)
         self.steps.append(step)
         return step
 
@@ -86,12 +96,7 @@ class Lowerer:
         if key in self._relaid:
             return self._relaid[key]
         for m in plan_moves(v.shape, v.sharding, to, self.mesh):
-            pos = v.shape.index(m.dim) if m.dim else None
-            args = {"dim": pos}
-            if m.kind in ("allreduce", "reduce_scatter"):
-                args["op"] = "sum"
-            if m.kind == "alltoall":
-                args = {"concat_dim": pos, "split_dim": v.shape.index(m.dim2), "dim": pos}
+            args = move_args(m, v.shape)
             out = self.new_value(v.shape, v.dtype, m.after)
             self.emit(m.kind, node, [vid], [out], m.axes, args,
                       move_bytes(m, v.shape, self.mesh, v.dtype.itemsize),
@@ -121,18 +126,37 @@ class Lowerer:
         self.bind(t, vid)
 
 
-def _graph_dims(nodes) -> tuple[dict[str, int], set[str]]:
+def move_args(m, shape) -> dict:
+    """The step args of re-layout move ``m`` on a tensor of ``shape`` (dims by position)."""
+    pos = shape.index(m.dim) if m.dim else None
+    if m.kind == "alltoall":
+        return {"concat_dim": pos, "split_dim": shape.index(m.dim2)}
+    if m.kind == "allreduce":
+        return {"op": "sum"}
+    if m.kind == "reduce_scatter":
+        return {"dim": pos, "op": "sum"}
+    return {"dim": pos}  # allgather, split
+
+
+def _graph_dims(nodes, user_names=None) -> tuple[dict[str, int], set[str]]:
+    """Every dim of the graph (sub-graphs included) and the tensor names a layout may scope.
+
+    Those names are the ones the user gave: params and inputs, and in a sub-graph
+    (a repeat block) the names the op lets the layout see (its stacked params),
+    never internal placeholders such as the carry.
+    """
     dims: dict[str, int] = {}
     names: set[str] = set()
     for n in nodes:
         for t in n.outputs:
             for d in t.shape:
                 dims.setdefault(d.name, d.size)
-        if n.op.name in ("param", "input", "placeholder"):
+        if n.op.name in ("param", "input") and (user_names is None or n.name in user_names):
             names.add(n.name)
-        sub = n.attrs.get("block")
-        if sub is not None:
-            d2, n2 = _graph_dims(sub.graph.nodes)
+        if n.op.name == "placeholder" and user_names is not None and n.name in user_names:
+            names.add(n.name)
+        for graph, visible in n.op.subgraphs(n):
+            d2, n2 = _graph_dims(graph.nodes, set(visible))
             for k, v in d2.items():
                 dims.setdefault(k, v)
             names |= n2
@@ -153,12 +177,11 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
     # Tensors already bound (an earlier call's, or values given to a block) are not recomputed.
     nodes = topo_nodes(list(outputs.values()), lw.env)
     # What this plan reads: a node with optional outputs (a repeat's saved activations) lowers only those.
-    used = lw.__dict__.setdefault("used", set())
-    used.update(id(t) for n in nodes for t in n.inputs)
-    used.update(id(t) for t in outputs.values())
+    lw.used.update(id(t) for n in nodes for t in n.inputs)
+    lw.used.update(id(t) for t in outputs.values())
     for node in nodes:
         if not all(id(t) in lw.env for t in node.outputs):  # a second call reuses what the first lowered
-            node.op.lower(lw, node)
+            rule_for(node.op.name)(lw, node)
         for name in wanted.get(id(node), ()):
             t = outputs[name]
             tgt = lw.target(t)
@@ -170,7 +193,9 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
     return out
 
 
-_CACHE: dict = {}
+#: Recently compiled plans, least recently used first: key -> (plan, graph).
+_CACHE: OrderedDict = OrderedDict()
+CACHE_SIZE = 64
 
 
 def _check_outputs(outputs: dict) -> None:
@@ -225,6 +250,7 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost, fuse)
     hit = _CACHE.get(key)
     if hit is not None and hit[1] is g:
+        _CACHE.move_to_end(key)
         return hit[0]
     nodes = topo_nodes(list(outputs.values()))
     dims, names = _graph_dims(nodes)
@@ -234,16 +260,6 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
     plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes)
     _CACHE[key] = (plan, g)
+    if len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
     return plan
-
-
-def check_world(mesh: Mesh, world: int) -> None:
-    """Raise a MeshError unless the mesh has exactly ``world`` devices."""
-    if mesh.size != world:
-        raise MeshError(message(
-            f"mesh '{mesh}' has {mesh.size} devices but the job has {world} processes.",
-            rule="the product of the mesh axis sizes equals the number of processes",
-            fix=f"run with {mesh.size} processes, or change the mesh to multiply to {world}"))
-
-
-__all__ = ["compile", "Lowerer", "lower_into", "check_world", "LayoutError"]

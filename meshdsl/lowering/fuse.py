@@ -25,7 +25,8 @@ def _einsum_sgd(prod: Step, use: Step) -> Step | None:
         return None
     attrs = {"form": form, "alpha": -use.args["attrs"]["lr"]}
     return Step("local", use.node, "einsum+sgd_update", use.label, use.phase, (use.ins[0], *prod.ins), use.outs,
-                args={**use.args, "fn": ADD_MATMUL.compute, "attrs": attrs},
+                args={**use.args, "fn": ADD_MATMUL.compute, "inplace": ADD_MATMUL.compute_inplace,
+                      "attrs": attrs},
                 flops=prod.flops + use.flops, note=f"fused with the gradient einsum '{prod.label}'")
 
 

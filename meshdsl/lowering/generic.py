@@ -119,7 +119,8 @@ def _emit(lw, node, spec, ins, C, plan, P):
     out_vids = []
     for t, (out_sh, lazy, note) in zip(node.outputs, plan["outs"]):
         out_vids.append(lw.new_value(t.shape, t.dtype, out_sh))
-    lw.emit("local", node, vids, out_vids, args={"fn": node.op.compute, "attrs": node.attrs, "compute": C,
+    lw.emit("local", node, vids, out_vids, args={"fn": node.op.compute, "inplace": node.op.compute_inplace,
+                                                 "attrs": node.attrs, "compute": C,
                                                  "sizes": dict(spec.dims)},
             flops=op_flops(node, plan["local"]))
     for t, vid, (out_sh, lazy, note) in zip(node.outputs, out_vids, plan["outs"]):

@@ -1,27 +1,61 @@
-"""The SPMD plan: a flat, inspectable list of steps that every rank runs.
+"""The SPMD plan: an immutable, inspectable list of steps that every rank runs.
 
-A step is local compute on slices, a collective over named mesh axes, a local
-split, or a leaf (param / input).  Values are numbered; each has a global
-shape, a dtype and a :class:`~meshdsl.layout.sharding.Sharding`.  Figures
-(bytes per collective, FLOPs per kernel) are plain fields, so reports, cost
-models and layout search read the same data the executors run.
+A step is local compute on slices, a collective over named mesh axes (a kind
+in :data:`meshdsl.collectives.COLLECTIVES`), a local split, a leaf (param /
+input), or a step that runs sub-plans (a loop body; later, pipeline stages).
+Values are numbered; each has a global shape, a dtype and a
+:class:`~meshdsl.layout.sharding.Sharding`.  Figures (bytes per collective,
+FLOPs per kernel) are plain fields, so reports, cost models and layout search
+read the same data the executors run.
+
+Plans, steps and values are frozen once built: a compiled plan may be shared
+(the compile cache hands the same one out again) and nobody may change it.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
+from ..collectives import COLLECTIVES
 from ..core.shape import Shape
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
 
-COLLECTIVES = ("allreduce", "allgather", "alltoall", "reduce_scatter", "permute")
+#: Step kind -> the args its steps carry (the schema :func:`step_args` checks).
+#: Collective kinds take theirs from :data:`meshdsl.collectives.COLLECTIVES`.
+STEP_KINDS: dict[str, frozenset[str]] = {
+    "local": frozenset({"fn", "inplace", "attrs", "compute", "sizes"}),
+    "split": frozenset({"dim"}),
+    "param": frozenset({"name", "tensor"}),
+    "input": frozenset({"name", "tensor"}),
+}
 
 
-@dataclass
+def register_step_kind(kind: str, args) -> None:
+    """Declare a step kind and the args its steps carry (e.g. a loop over a sub-plan)."""
+    STEP_KINDS[kind] = frozenset(args)
+
+
+def step_args(kind: str, args: Mapping | None) -> Mapping:
+    """``args`` as a read-only mapping, checked against the schema of ``kind``."""
+    args = dict(args or {})
+    allowed = STEP_KINDS.get(kind)
+    if allowed is None:
+        allowed = frozenset(COLLECTIVES[kind].args)
+    assert set(args) <= allowed, f"step '{kind}' carries args {sorted(set(args) - allowed)} outside its schema"
+    return MappingProxyType(args)
+
+
+def _frozen(d) -> Mapping:
+    return d if isinstance(d, MappingProxyType) else MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
 class Value:
     """A value flowing through the plan: a tensor in some sharding."""
 
@@ -40,21 +74,25 @@ class Value:
         return n * self.dtype.itemsize
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Step:
     """One instruction of the plan.
 
     Attributes:
-      kind: 'local', 'split', 'param', 'input', 'repeat', or a collective in
-        :data:`COLLECTIVES`.
+      kind: a key of :data:`STEP_KINDS` ('local', 'split', 'param', 'input', 'repeat'),
+        or a collective kind of :data:`meshdsl.collectives.COLLECTIVES`.
       node: id of the graph node the step belongs to; op / label / phase copy it.
       ins, outs: value ids.
       axes: mesh axes of a collective or split (first major).
-      args: what the executor needs: 'dim' (position), 'op' (reduce op),
-        'offset'/'wrap' (permute), 'fn'/'attrs'/'compute' (local kernels).
+      args: what the executor needs, read-only, keys as the kind's schema declares:
+        'dim' (position), 'op' (reduce op), 'offset'/'wrap' (permute),
+        'fn'/'inplace'/'attrs'/'compute'/'sizes' (local kernels; 'inplace' is the
+        kernel's variant that overwrites its first input, or None).
       bytes: per-rank bytes of the buffer a collective sends (its local input).
       flops: FLOPs of a local kernel on one rank.
       note: why the step is there, when it is not obvious (e.g. a re-layout).
+      subplans: plans this step runs (a loop body); their figures count ``times`` over.
+      times: how often each sub-plan runs per run of the step.
     """
 
     kind: str
@@ -65,38 +103,52 @@ class Step:
     ins: tuple[int, ...]
     outs: tuple[int, ...]
     axes: tuple[str, ...] = ()
-    args: dict = field(default_factory=dict)
+    args: Mapping = field(default_factory=lambda: MappingProxyType({}))
     bytes: int = 0
     flops: int = 0
     note: str = ""
+    subplans: tuple["Plan", ...] = ()
+    times: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.args, MappingProxyType):
+            object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
 
     @property
     def is_collective(self) -> bool:
         return self.kind in COLLECTIVES
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """A compiled SPMD program: steps, values, and which values are the outputs."""
+    """A compiled SPMD program: steps, values, and which values are the outputs.
+
+    The containers are read-only (tuples and mapping proxies), so a plan can be
+    shared between executors and the compile cache.
+    """
 
     mesh: Mesh
     layout: Layout
-    steps: list[Step]
-    values: dict[int, Value]
-    outputs: dict[str, int]
-    params: dict[str, int] = field(default_factory=dict)   # param name -> value id
-    inputs: dict[str, int] = field(default_factory=dict)   # input name -> value id
-    notes: list[str] = field(default_factory=list)
-    repeat: int = 1  # how many times the plan runs when it is a repeat block
+    steps: tuple[Step, ...]
+    values: Mapping[int, Value]
+    outputs: Mapping[str, int]
+    params: Mapping[str, int] = field(default_factory=dict)   # param name -> value id
+    inputs: Mapping[str, int] = field(default_factory=dict)   # input name -> value id
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("values", "outputs", "params", "inputs"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        object.__setattr__(self, "steps", tuple(self.steps))
+        object.__setattr__(self, "notes", tuple(self.notes))
 
     def collectives(self):
-        """Every collective step, including those inside repeat blocks (with their multiplicity)."""
+        """Every collective step, sub-plans included, with how often it runs per run of the plan."""
         for s in self.steps:
-            if s.kind == "repeat":
-                for sub in (s.args["plan"],):
-                    for c, mult in sub.collectives():
-                        yield c, mult * s.args["times"]
-            elif s.is_collective:
+            for sub in s.subplans:
+                for c, mult in sub.collectives():
+                    yield c, mult * s.times
+            if s.is_collective:
                 yield s, 1
 
     def totals(self) -> dict[str, dict[str, int]]:
@@ -109,6 +161,7 @@ class Plan:
         return out
 
     def totals_by_axis(self) -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
+        """As :meth:`totals`, keyed by (kind, axes)."""
         out: dict = {}
         for s, mult in self.collectives():
             t = out.setdefault((s.kind, s.axes), {"count": 0, "bytes": 0})
@@ -117,24 +170,21 @@ class Plan:
         return out
 
     def flops(self) -> int:
-        total = 0
-        for s in self.steps:
-            if s.kind == "repeat":
-                total += s.args["plan"].flops() * s.args["times"]
-            else:
-                total += s.flops
-        return total
+        """FLOPs of one run on one rank, sub-plans counted as often as they run."""
+        return sum(s.flops + s.times * sum(sub.flops() for sub in s.subplans) for s in self.steps)
 
     def signature(self) -> str:
         """A hash of everything that must agree across ranks (steps, shapes, collectives)."""
         h = hashlib.sha256()
         h.update(f"{self.mesh}|{self.layout}".encode())
         for s in self.steps:
-            h.update(f"{s.kind}|{s.op}|{s.label}|{s.ins}|{s.outs}|{s.axes}|{s.bytes}|".encode())
-            for k in sorted(k for k in s.args if k in ("dim", "op", "offset", "wrap", "times")):
-                h.update(f"{k}={s.args[k]}".encode())
-            if s.kind == "repeat":
-                h.update(s.args["plan"].signature().encode())
+            h.update(f"{s.kind}|{s.op}|{s.label}|{s.ins}|{s.outs}|{s.axes}|{s.bytes}|{s.times}|".encode())
+            for k in sorted(s.args):
+                v = s.args[k]
+                if v is None or isinstance(v, (bool, int, float, str)):
+                    h.update(f"{k}={v}".encode())
+            for sub in s.subplans:
+                h.update(sub.signature().encode())
         for v in self.values.values():
             h.update(f"{v.id}:{v.shape}:{v.dtype}:{v.sharding}".encode())
         return h.hexdigest()[:16]

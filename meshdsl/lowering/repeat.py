@@ -9,17 +9,26 @@ The forward sub-plan also outputs the activations the backward block reads
 (``attrs["saved"]``, only those this plan uses), each in the sharding the forward
 produced it in (reduced if partial); they are stacked over ``layer`` and the
 backward sub-plan takes them as inputs instead of recomputing the forward.
+
+The plan step is data: kind ``repeat``, the block's sub-plan in ``subplans``,
+the layer count in ``times``; :mod:`meshdsl.exec.loop` runs it.
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
 from ..core.graph import topo_nodes
 from ..core.shape import Shape
 from ..errors import LayoutError, message
 from ..layout.sharding import Sharding
 from .compiler import Lowerer, lower_into
-from .plan import Plan
+from .plan import Plan, register_step_kind
+from .rules import lowering, rule_for
+
+# names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
+# backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
+# (forward) or takes (backward).
+register_step_kind("repeat", ("names", "pos", "backward", "saved"))
 
 
 def _slice_sharding(stacked: Sharding, layer: str) -> Sharding:
@@ -31,7 +40,10 @@ def _stack_sharding(sub: Sharding, shape, layer: str) -> Sharding:
     return Sharding(tuple((d.name, () if d.name == layer else split[d.name]) for d in shape), sub.partial)
 
 
-def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
+@lowering("repeat", "repeat_grad")
+def lower_repeat(lw: Lowerer, node) -> None:
+    """Lower a repeat (or its gradient) to one step that runs the block's sub-plan per layer."""
+    backward = node.op.name == "repeat_grad"
     mesh = lw.mesh
     blk = node.attrs["block"]
     layer = node.attrs["layer"].name
@@ -48,7 +60,7 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
     else:
         x_t, *stacked_t = node.inputs
         carry_shape = x_t.shape
-        used = getattr(lw, "used", ())
+        used = lw.used
         saved = node.attrs.get("saved", [])
         want = [i for i in range(len(saved)) if id(node.outputs[2 + i]) in used]
     carry_sh = lw.layout.targets(carry_shape, (), mesh, "carry", False)[0][0]
@@ -88,8 +100,8 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
     if backward:  # the saved activations are given: lower_into does not lower what they need
         for (name, t), vid_out in zip(given.items(), ins[len(ins) - len(saved_t):]):
             vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), layer))
-            step = sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t})
-            step.op, step.label = "saved", f"saved {t.name}"
+            sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t}, op="saved",
+                     label=f"saved {t.name}")
             sub.inputs[name] = vid
             sub.bind(t, vid)
         outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
@@ -100,7 +112,7 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
         if want:
             for n in topo_nodes([saved[i] for i in want], sub.env):  # normally all lowered already
                 if not all(id(t) in sub.env for t in n.outputs):
-                    n.op.lower(sub, n)
+                    rule_for(n.op.name)(sub, n)
         for i in want:
             f = saved[i]
             vid = sub.reduced(sub.value(f))
@@ -108,9 +120,8 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
                 vid = sub.relayout(vid, sub.sharding(vid).with_partial(()), f.node, "saved activation")
             saved_names.append(f"saved/{i}")
             ids[saved_names[-1]] = vid
-    for s in sub.steps:
-        s.phase = node.phase
-    plan = Plan(mesh, lw.layout, sub.steps, sub.values, ids, {}, sub.inputs, sub.notes)
+    steps = [replace(s, phase=node.phase) for s in sub.steps]  # the block runs in its node's phase
+    plan = Plan(mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
     for n in sub.notes:
         lw.note(f"{node.name} block: {n}")
 
@@ -131,9 +142,8 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
                 plan.values[ids[f"saved/{i}"]].sharding, t.shape, layer)))
     pos = node.attrs["pos"]
     lw.emit("repeat", node, ins, out_vids,
-            args={"plan": plan, "times": L, "names": names, "pos": pos, "backward": backward,
-                  "saved": saved_names, "execute": _execute},
-            flops=0)
+            args={"names": tuple(names), "pos": dict(pos), "backward": backward, "saved": tuple(saved_names)},
+            subplans=(plan,), times=L)
     n_main = len(node.outputs) if backward else 2
     for t, vid in zip(node.outputs[:n_main], out_vids):
         lw.bind(t, lw.relayout(vid, lw.target(t).with_partial(
@@ -143,44 +153,3 @@ def lower_repeat(lw: Lowerer, node, backward: bool) -> None:
         for i, vid in zip(want, out_vids[2:]):
             lw.bind(node.outputs[2 + i], vid)
 
-
-def _execute(ex, step, ins, salt, stats=None):
-    """Run a repeat step's sub-plan once per layer (forward, or backward in reverse)."""
-    from ..exec.executor import Executor, PerRank
-    from ..ir.repeat import LayerStack
-
-    a = step.args
-    sub = a.get("_exec")
-    if sub is None or sub.comm is not ex.comm:
-        sub = a["_exec"] = Executor(a["plan"], ex.comm)
-    names, pos, L = a["names"], a["pos"], a["times"]
-    held = range(len(ex.comm.ranks))
-    if not a["backward"]:
-        x, *stacked = ins
-        carries = []
-        kept = {k: [] for k in a["saved"]}
-        for l in range(L):
-            carries.append(x)
-            feeds = {"carry": PerRank(x)}
-            for k, p in zip(names, stacked):
-                feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
-            r = sub.run(feeds, {}, salt=l + 1, stats=stats)
-            x = r["out"]
-            for k, acc in kept.items():
-                acc.append(r[k])
-        return [x, [LayerStack(c[j] for c in carries) for j in held],
-                *[[LayerStack(s[j] for s in acc) for j in held] for acc in kept.values()]]
-    carries, *rest = ins
-    stacked, dy, saved = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
-    per = {k: [None] * L for k in names}
-    for l in reversed(range(L)):
-        feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy)}
-        for k, p in zip(names, stacked):
-            feeds[k] = PerRank([p[j].select(pos[k], l) for j in held])
-        for k, s in zip(a["saved"], saved):
-            feeds[k] = PerRank([s[j][l] for j in held])
-        r = sub.run(feeds, {}, salt=l + 1, stats=stats)
-        dy = r["dcarry"]
-        for k in names:
-            per[k][l] = r[f"d/{k}"]
-    return [dy] + [[torch.stack([per[k][l][j] for l in range(L)], pos[k]) for j in held] for k in names]

@@ -7,10 +7,9 @@ A shift longer than a local slice falls back to gathering the dim.
 """
 from __future__ import annotations
 
-import torch
-
 from ..layout.sharding import Sharding
 from ..ops.slicing import shift_local
+from .rules import lowering
 
 
 def _strip(ctx, attrs, x):
@@ -23,7 +22,9 @@ def _glue(ctx, attrs, x, incoming):
     return shift_local(x, incoming, attrs["offset"], attrs["pos"])
 
 
+@lowering("shift")
 def lower_shift(lw, node) -> None:
+    """Lower a shift or roll; see the module docstring."""
     mesh = lw.mesh
     (t,) = node.inputs
     out = node.outputs[0]
@@ -60,5 +61,3 @@ def lower_shift(lw, node) -> None:
                 flops=comp.local_numel(t.shape, mesh))
     lw.bind(out, lw.relayout(res, tgt, node, "output of shift"))
 
-
-__all__ = ["lower_shift", "torch"]

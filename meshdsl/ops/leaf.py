@@ -32,9 +32,6 @@ class Param(Op):
     def spec(self, node):
         return ComputeSpec({d.name: d.size for d in node.outputs[0].shape})
 
-    def lower(self, lw, node):
-        lw.bind_leaf(node, "param")
-
     def grad(self, node, douts):
         return []
 
@@ -42,9 +39,6 @@ class Param(Op):
 @register
 class Input(Param):
     name = "input"
-
-    def lower(self, lw, node):
-        lw.bind_leaf(node, "input")
 
 
 def init_value(t: Tensor, seed: int = 0) -> torch.Tensor:
@@ -116,10 +110,6 @@ class Placeholder(Param):
     """An input of a sub-graph (a repeat block); its layout is set by the enclosing op."""
 
     name = "placeholder"
-
-    def lower(self, lw, node):
-        if id(node.outputs[0]) not in lw.env:
-            lw.bind_leaf(node, "input")
 
 
 def placeholder(name: str, shape, dtype=torch.float32, scopes: tuple[str, ...] = ()) -> Tensor:

@@ -4,10 +4,12 @@
 * ``compute`` : the local torch kernel, used by the dense executor (whole
   tensors) and by every rank of a mesh (slices; ``ctx`` gives slice offsets);
 * ``grad``    : reverse-mode rule, built from other named-tensor ops;
-* ``spec``    : how the generic lowering rule may shard its compute, or a
-  custom ``lower`` for ops that need communication of their own.
+* ``spec``    : how the generic lowering rule may shard its compute;
+* ``compute_inplace`` (optional): the kernel writing into its first input.
 
 A new op touches one file: subclass :class:`Op` and call :func:`register`.
+How a node becomes plan steps is the lowering's business: ops that need
+communication of their own get a rule in :mod:`meshdsl.lowering.rules`.
 """
 from __future__ import annotations
 
@@ -85,6 +87,9 @@ class Op(ABC):
     linear_args: tuple[int, ...] = ()
     #: ops whose outputs carry no gradient (integer or boolean results).
     differentiable = True
+    #: ``compute_inplace(ctx, attrs, *xs)``: the kernel, writing its result into
+    #: ``xs[0]``; an executor that may donate that input uses it.  None: no such variant.
+    compute_inplace = None
 
     @abstractmethod
     def infer(self, inputs: list[Tensor], attrs: dict) -> list[tuple[Shape, torch.dtype]]:
@@ -107,10 +112,16 @@ class Op(ABC):
         """Default: elementwise over the output dims."""
         return ComputeSpec({d.name: d.size for d in node.outputs[0].shape})
 
-    def lower(self, lw, node) -> None:
-        from ..lowering.generic import lower_generic
+    def subgraphs(self, node) -> tuple:
+        """Graphs the node runs inside (a repeat's block), each with the tensor names
+        in it that layouts may scope: ``((graph, names), ...)``."""
+        return ()
 
-        lower_generic(lw, node)
+    def drop_unused_outputs(self, node, used: list[bool]):
+        """Attrs that compute only the outputs marked ``used`` and how many outputs
+        that leaves, or None when the op always computes them all.  Only trailing
+        outputs may be dropped (a repeat's saved activations)."""
+        return None
 
     def flops(self, node, local: dict[str, int]) -> int:
         """FLOPs of one local kernel call, given the local size of every compute dim."""

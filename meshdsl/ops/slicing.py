@@ -123,10 +123,6 @@ class Shift(Op):
             return torch.roll(x, k, dims=pos)
         return shift_local(x, None, k, pos)
 
-    def lower(self, lw, node):
-        from ..lowering.shift import lower_shift
-        lower_shift(lw, node)
-
     def grad(self, node, douts):
         a = node.attrs
         return [apply("shift", [douts[0]], {"dim": a["dim"], "offset": -a["offset"], "wrap": a["wrap"]})]

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import MeshDSLError
 from ..exec.dense import run_dense
-from ..exec.simulate import run_simulated
+from ..exec.simulated import run_simulated
 from ..lowering.compiler import compile as compile_plan
 from ..exec.launch import in_torchrun
 from .dist_cli import add_run

@@ -2,8 +2,8 @@
 
 :func:`plan_report` turns a :class:`~meshdsl.lowering.plan.Plan` into plain
 JSON-able data; :func:`print_report` renders that data as rich tables.  The
-steps of a ``repeat`` are listed after it, labelled ``<repeat label>/<op label>`` and counted
-``times`` over (the layer count) in every total.
+steps of a step's sub-plans (a ``repeat``'s block) are listed after it, labelled
+``<step label>/<op label>`` and counted ``times`` over (the layer count) in every total.
 """
 from __future__ import annotations
 
@@ -49,11 +49,9 @@ def _entries(plan: Plan, prefix: str, times: int) -> list[dict[str, Any]]:
         }
         out.append(entry)
         for s in steps:
-            if s.kind == "repeat":
-                sub = s.args["plan"]
-                n = s.args["times"]
-                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{n}, once per layer")
-                out.extend(_entries(sub, f"{prefix}{first.label}/", times * n))
+            for sub in s.subplans:
+                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.times}, once per layer")
+                out.extend(_entries(sub, f"{prefix}{first.label}/", times * s.times))
     return out
 
 

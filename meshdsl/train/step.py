@@ -7,10 +7,12 @@ each rank's param slices between steps, and reports where the time went
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
+from ..collectives import COLLECTIVES
 from ..core.graph import Tensor
 from ..exec.comm import Communicator
 from ..exec.executor import Executor
@@ -18,21 +20,34 @@ from ..ir.autodiff import grad
 from ..lowering.compiler import compile
 from .optim import sgd
 
-COMM_KINDS = ("allreduce", "allgather", "alltoall", "reduce_scatter", "permute", "wait")
+#: Stats keys that count as communication: every collective kind, and time blocked on one in flight.
+COMM_KINDS = (*COLLECTIVES, "wait")
+
+# (graph uid, id(loss), lr, with_grads) -> (loss, outputs), the most recent 64.
+_TRAIN_OUTPUTS: OrderedDict = OrderedDict()
+_TRAIN_OUTPUTS_SIZE = 64
 
 
 def training_outputs(loss: Tensor, params: dict[str, Tensor], lr: float, with_grads: bool = False):
-    """Graph outputs of one SGD step: ``loss`` and ``new/<param>`` (cached per loss and lr)."""
-    cache = loss.graph.__dict__.setdefault("_train_outputs", {})
-    key = (id(loss), lr, with_grads)
-    if key not in cache:
-        grads = grad(loss, params)
-        new = sgd(params, grads, lr)
-        outs = {"loss": loss, **{f"new/{k}": v for k, v in new.items()}}
-        if with_grads:
-            outs.update({f"grad/{k}": g for k, g in grads.items()})
-        cache[key] = outs
-    return cache[key]
+    """Graph outputs of one SGD step: ``loss`` and ``new/<param>`` (cached per loss and lr).
+
+    Built once per (loss, lr): a second call returns the same tensors, so the compile
+    cache sees the same outputs and the graph does not grow a second update.
+    """
+    key = (loss.graph.uid, id(loss), lr, with_grads)
+    hit = _TRAIN_OUTPUTS.get(key)
+    if hit is not None and hit[0] is loss:
+        _TRAIN_OUTPUTS.move_to_end(key)
+        return hit[1]
+    grads = grad(loss, params)
+    new = sgd(params, grads, lr)
+    outs = {"loss": loss, **{f"new/{k}": v for k, v in new.items()}}
+    if with_grads:
+        outs.update({f"grad/{k}": g for k, g in grads.items()})
+    _TRAIN_OUTPUTS[key] = (loss, outs)
+    if len(_TRAIN_OUTPUTS) > _TRAIN_OUTPUTS_SIZE:
+        _TRAIN_OUTPUTS.popitem(last=False)
+    return outs
 
 
 @dataclass

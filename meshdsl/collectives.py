@@ -1,0 +1,238 @@
+"""The collective kinds: one table that plans, cost models and communicators read.
+
+Each :class:`Collective` says, for one kind of communication over mesh axes:
+
+* the step args it reads (its schema, checked when a plan step is emitted);
+* its cost: bytes on the wire per byte a rank sends, in a group of ``n``;
+* whether it is point-to-point (a rank talks to one peer, not the whole group);
+* how it runs on the simulated mesh (every rank's tensor in one process);
+* how it runs on torch.distributed (this process's one rank), and optionally
+  how to start it asynchronously so the executor overlaps it with compute.
+
+Adding a kind (``send``/``recv`` for pipelines, say) means writing one entry
+here; plans, the cost model, both communicators, the executor, training-step
+stats and reports look kinds up in :data:`COLLECTIVES` and need no change.
+
+The simulated implementation takes ``(xs, groups, args)``: ``xs[r]`` is rank
+``r``'s tensor and ``groups`` the mesh groups over the step's axes (each
+ordered first axis major); it returns one tensor (or ``None``) per rank.
+The distributed one takes ``(comm, x, group, args)``: a ``TorchComm``, this
+rank's tensor and its group (``members``, ``group_rank``, ``me``, ``pg``).
+Both reduce in group order, so results agree bit for bit except the
+backend's own allreduce sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+#: Reductions a collective may apply, as the fold the simulated mesh uses.
+REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective kind; see the module docstring for the two implementations.
+
+    Attributes:
+      name: the step kind, e.g. ``"allreduce"``.
+      args: the step args it reads, e.g. ``("op",)``.
+      fraction: ``fraction(n)``: bytes on the wire per byte sent, group of ``n`` (ring algorithms).
+      simulated: ``simulated(xs, groups, args) -> list``.
+      distributed: ``distributed(comm, x, group, args) -> tensor``.
+      start: optional ``start(comm, x, group, args) -> (work, finish)``: an async
+        torch.distributed call and a function giving its result once ``work`` is done.
+      point_to_point: each rank exchanges with one peer rather than the whole group.
+    """
+
+    name: str
+    args: tuple[str, ...]
+    fraction: Callable[[int], float]
+    simulated: Callable
+    distributed: Callable
+    start: Callable | None = None
+    point_to_point: bool = False
+
+
+COLLECTIVES: dict[str, Collective] = {}
+
+
+def register(c: Collective) -> Collective:
+    """Put ``c`` in :data:`COLLECTIVES` (replacing a kind of the same name)."""
+    COLLECTIVES[c.name] = c
+    return c
+
+
+def _fold(xs, group, op):
+    """Reduce the group's tensors with ``op`` in group order (deterministic)."""
+    acc = xs[group[0]]
+    for r in group[1:]:
+        acc = REDUCE[op](acc, xs[r])
+    return acc
+
+
+def _dist():
+    # Imported on first use: plans and the simulated mesh never need torch.distributed.
+    import torch.distributed as dist
+    return dist
+
+
+def _reduce_op(op: str):
+    dist = _dist()
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+def _sim_allreduce(xs, groups, args):
+    out = list(xs)
+    for g in groups:
+        acc = _fold(xs, g, args.get("op", "sum"))
+        for r in g:
+            out[r] = acc
+    return out
+
+
+def _dist_allreduce(comm, x, s, args):
+    op = comm.check_op(args.get("op", "sum"))
+    if s.size == 1:
+        return x
+    out = comm.prep(x).clone()
+    _dist().all_reduce(out, op=_reduce_op(op), group=s.pg)
+    return out
+
+
+def _start_allreduce(comm, x, s, args):
+    op = comm.check_op(args.get("op", "sum"))
+    out = comm.prep(x).clone()  # all_reduce works in place; x may have other readers
+    work = _dist().all_reduce(out, op=_reduce_op(op), group=s.pg, async_op=True)
+    return work, lambda: out
+
+
+register(Collective("allreduce", ("op",), lambda n: 2 * (n - 1) / n, _sim_allreduce, _dist_allreduce,
+                    _start_allreduce))
+
+
+# ----------------------------------------------------------------------------- allgather
+
+def _sim_allgather(xs, groups, args):
+    out = list(xs)
+    for g in groups:
+        full = torch.cat([xs[r] for r in g], dim=args["dim"])
+        for r in g:
+            out[r] = full
+    return out
+
+
+def _dist_allgather(comm, x, s, args):
+    if s.size == 1:
+        return torch.cat([x], dim=args["dim"])
+    work, finish = _start_allgather(comm, x, s, args, async_op=False)
+    return finish()
+
+
+def _start_allgather(comm, x, s, args, async_op=True):
+    x_c = comm.prep(x)
+    parts = [torch.empty_like(x_c) for _ in range(s.size)]
+    work = _dist().all_gather(parts, x_c, group=s.pg, async_op=async_op)
+    return work, lambda: torch.cat([parts[g] for g in s.group_rank], dim=args["dim"])
+
+
+register(Collective("allgather", ("dim",), lambda n: float(n - 1), _sim_allgather, _dist_allgather,
+                    _start_allgather))
+
+
+# ----------------------------------------------------------------------------- alltoall
+
+def _sim_alltoall(xs, groups, args):
+    out = list(xs)
+    for g in groups:
+        chunks = {r: xs[r].chunk(len(g), dim=args["split_dim"]) for r in g}
+        for j, r in enumerate(g):
+            out[r] = torch.cat([chunks[s][j] for s in g], dim=args["concat_dim"])
+    return out
+
+
+def _dist_alltoall(comm, x, s, args):
+    if s.size == 1:
+        return torch.cat([x.chunk(1, dim=args["split_dim"])[0]], dim=args["concat_dim"])
+    return torch.cat(comm.exchange(x, s, args["split_dim"]), dim=args["concat_dim"])
+
+
+register(Collective("alltoall", ("split_dim", "concat_dim"), lambda n: (n - 1) / n, _sim_alltoall,
+                    _dist_alltoall))
+
+
+# ----------------------------------------------------------------------------- reduce_scatter
+
+def _sim_reduce_scatter(xs, groups, args):
+    out = list(xs)
+    for g in groups:
+        acc = _fold(xs, g, args.get("op", "sum"))
+        for j, r in enumerate(g):
+            out[r] = acc.chunk(len(g), dim=args["dim"])[j].contiguous()
+    return out
+
+
+def _dist_reduce_scatter(comm, x, s, args):
+    # An all-to-all plus a local fold in group order: on gloo faster than
+    # dist.reduce_scatter (which gloo emulates) and bitwise equal to the simulated mesh.
+    op = comm.check_op(args.get("op", "sum"))
+    if s.size == 1:
+        return x.chunk(1, dim=args["dim"])[0].contiguous()
+    parts = comm.exchange(x, s, args["dim"])
+    out = parts[0]
+    for p in parts[1:]:
+        out = REDUCE[op](out, p)
+    return out.contiguous()
+
+
+register(Collective("reduce_scatter", ("dim", "op"), lambda n: (n - 1) / n, _sim_reduce_scatter,
+                    _dist_reduce_scatter))
+
+
+# ----------------------------------------------------------------------------- permute
+
+def _sim_permute(xs, groups, args):
+    offset, wrap = args["offset"], args["wrap"]
+    out: list = [None] * len(xs)
+    for g in groups:
+        n = len(g)
+        for j, r in enumerate(g):
+            src = j - offset
+            if wrap:
+                src %= n
+            elif not 0 <= src < n:
+                continue
+            out[r] = xs[g[src]]
+    return out
+
+
+def _dist_permute(comm, x, s, args):
+    # One irecv and one isend per rank, both posted before either is waited on
+    # (no batched p2p, which can hang on gloo).
+    n, j = s.size, s.me
+    dst, src = j + args["offset"], j - args["offset"]
+    if args["wrap"]:
+        dst, src = dst % n, src % n
+    dst = dst if 0 <= dst < n else None
+    src = src if 0 <= src < n else None
+    if src == j:  # offset is a multiple of the group size: nothing moves
+        return x
+    dist = _dist()
+    x_c = comm.prep(x)
+    out = None if src is None else torch.empty_like(x_c)
+    reqs = []
+    if out is not None:
+        reqs.append(dist.irecv(out, src=s.members[src], group=s.pg))
+    if dst is not None:
+        reqs.append(dist.isend(x_c, dst=s.members[dst], group=s.pg))
+    for r in reqs:
+        r.wait()
+    return out
+
+
+register(Collective("permute", ("offset", "wrap"), lambda n: 1.0, _sim_permute, _dist_permute,
+                    point_to_point=True))

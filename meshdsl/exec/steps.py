@@ -1,0 +1,121 @@
+"""How the executor runs each step kind: a table of small rules.
+
+A rule is ``prepare(ex, i, step) -> call``: it runs once per (executor, step)
+and returns ``call(env, get, run)``, which the executor's loop invokes each
+time the plan runs.  Work that depends only on the plan (slice offsets,
+which kernel to call) happens in ``prepare``, so the loop does no lookups.
+
+* ``env`` maps value ids to per-rank lists (or :class:`~.comm.Pending` results);
+* ``get(v)`` reads value ``v``, waiting for it if it is still in flight;
+* ``run`` carries this run's feeds, params, salt and stats.
+
+Collective kinds share one rule (:data:`meshdsl.collectives.COLLECTIVES`
+says what each does); step kinds with sub-plans register theirs where they
+are defined (the repeat loop in :mod:`.loop`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..collectives import COLLECTIVES
+from ..errors import GraphError, message
+from ..ops.registry import LocalCtx
+
+#: step kind -> ``prepare(ex, i, step)``; collective kinds use :func:`_prepare_collective`.
+STEP_RULES: dict[str, Callable] = {}
+
+
+def step_rule(kind: str):
+    """Decorator: register ``prepare(ex, i, step)`` as the rule of step kind ``kind``."""
+    def deco(fn):
+        STEP_RULES[kind] = fn
+        return fn
+    return deco
+
+
+def rule_for(kind: str) -> Callable:
+    """The prepare function of step kind ``kind``."""
+    rule = STEP_RULES.get(kind)
+    if rule is None:
+        assert kind in COLLECTIVES, f"no executor rule for step kind '{kind}'"
+        return _prepare_collective
+    return rule
+
+
+def split_local(comm, xs, axes, dim: int):
+    """Each held rank's slice along ``dim`` of a tensor replicated over ``axes`` (no communication)."""
+    mesh, n = comm.mesh, comm.mesh.axis_size(axes)
+    out = []
+    for r, x in zip(comm.ranks, xs):
+        size = x.shape[dim] // n
+        out.append(x.narrow(dim, mesh.index_along(r, axes) * size, size).contiguous())
+    return out
+
+
+def _ctx(mesh, rank: int, compute: dict, sizes: dict) -> LocalCtx:
+    offs, loc = {}, {}
+    for d, axes in compute.items():
+        if axes:
+            n = sizes[d] // mesh.axis_size(axes)
+            loc[d] = n
+            offs[d] = mesh.index_along(rank, axes) * n
+    return LocalCtx(offs, loc)
+
+
+@step_rule("local")
+def _prepare_local(ex, i, s):
+    ctxs = [_ctx(ex.plan.mesh, r, s.args["compute"], s.args["sizes"]) for r in ex.comm.ranks]
+    fn = s.args["inplace"] if i in ex.donated else s.args["fn"]
+    attrs, ins, outs = s.args["attrs"], s.ins, s.outs
+
+    def call(env, get, run):
+        xs = [get(v) for v in ins]
+        salt = run.salt
+        res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in xs]) for j, c in enumerate(ctxs)]
+        if len(outs) == 1:
+            env[outs[0]] = res
+        else:
+            for o, vid in enumerate(outs):
+                env[vid] = [r[o] for r in res]
+    return call
+
+
+@step_rule("param")
+def _prepare_param(ex, i, s):
+    name, out = s.args["name"], s.outs[0]
+
+    def call(env, get, run):
+        if name not in run.params:
+            raise GraphError(message(f"run: no value for param '{name}'.", rule="every param the plan reads is given",
+                                     fix="use Executor.init_params() or pass it"))
+        env[out] = run.params[name]
+    return call
+
+
+@step_rule("input")
+def _prepare_input(ex, i, s):
+    name, out = s.args["name"], s.outs[0]
+
+    def call(env, get, run):
+        if name not in run.feeds:
+            raise GraphError(message(f"run: no value fed for input '{name}'.", inputs=[f"fed: {sorted(run.feeds)}"],
+                                     rule="every input the outputs need is fed", fix=f"add '{name}' to the feeds"))
+        env[out] = ex.feed(name, out, run.feeds[name])
+    return call
+
+
+@step_rule("split")
+def _prepare_split(ex, i, s):
+    comm, (src,), out, axes, dim = ex.comm, s.ins, s.outs[0], s.axes, s.args["dim"]
+
+    def call(env, get, run):
+        env[out] = split_local(comm, get(src), axes, dim)
+    return call
+
+
+def _prepare_collective(ex, i, s):
+    start, kind, (src,), out, axes, args = ex.comm.start, s.kind, s.ins, s.outs[0], s.axes, s.args
+
+    def call(env, get, run):
+        env[out] = start(kind, get(src), axes, args)
+    return call
