@@ -223,7 +223,7 @@ CASES = [
                                                      {"x": md.PerRank([torch.zeros(8, 4)] * 4)}), GraphError,
      ["local slice shape (8, 4) != (4, 4)"]),
     ("gather_ids_out_of_range", lambda: (lambda m: md.run_dense(md.gather(m.w1, m.ids, "d_model"), {
-        "ids": torch.full((8,), 9), "x": torch.zeros(8, 4)}))(mlp()), GraphError,
+        "ids": torch.full((8,), 9)}))(mlp()), GraphError,
      ["outside dim 'd_model' of size 4"]),
 ]
 

@@ -1,0 +1,63 @@
+"""compile() itself (:mod:`meshdsl.lowering.compiler`): the bounded plan cache, and
+the tensor names a layout error lists."""
+from __future__ import annotations
+
+import pytest
+
+import meshdsl as md
+from meshdsl.lowering import compiler
+
+B, D, F, L = md.Dim("batch", 8), md.Dim("d_model", 4), md.Dim("d_ff", 8), md.Dim("layer", 2)
+
+
+def _model():
+    with md.Graph():
+        x = md.input("x", [B, D])
+        w = md.param("w", [D, F])
+        return md.reduce_sum(md.einsum("batch d_model, d_model d_ff -> batch d_ff", x, w) ** 2)
+
+
+def test_cache_returns_the_same_plan_and_is_bounded():
+    loss = _model()
+    first = md.compile({"loss": loss}, "data:2", "batch:data")
+    assert md.compile({"loss": loss}, "data:2", "batch:data") is first
+    # Many other compilations: the cache keeps only the most recent CACHE_SIZE.
+    for _ in range(compiler.CACHE_SIZE + 8):
+        md.compile({"loss": _model()}, "data:2", "batch:data")
+        assert len(compiler._CACHE) <= compiler.CACHE_SIZE
+    assert len(compiler._CACHE) == compiler.CACHE_SIZE
+    again = md.compile({"loss": loss}, "data:2", "batch:data")
+    assert again is not first and again.signature() == first.signature()
+
+
+def test_cache_keeps_recently_used_plans():
+    loss = _model()
+    plan = md.compile({"loss": loss}, "data:2", "batch:data")
+    for _ in range(compiler.CACHE_SIZE * 2):
+        md.compile({"loss": _model()}, "data:2", "batch:data")
+        assert md.compile({"loss": loss}, "data:2", "batch:data") is plan  # a hit moves it to the back
+
+
+def _block(h, p):
+    return h + md.einsum("batch d_ff, d_ff d_model -> batch d_model",
+                         md.relu(md.einsum("batch d_model, d_model d_ff -> batch d_ff", h, p["w_in"])), p["w_out"])
+
+
+def _repeat_outputs():
+    with md.Graph():
+        x = md.input("x", [B, D])
+        ws = {"w_in": md.param("blocks_in", [L, D, F]), "w_out": md.param("blocks_out", [L, F, D])}
+        loss = md.reduce_sum(md.repeat(_block, x, ws, "layer") ** 2)
+        g_in, g_out = md.grad(loss, [ws["w_in"], ws["w_out"]])
+    return {"loss": loss, "g_in": g_in, "g_out": g_out}
+
+
+def test_layout_errors_list_only_user_names():
+    """Internal names of a repeat's blocks (carry, cotangent) are not tensors a user can scope."""
+    outs = _repeat_outputs()
+    with pytest.raises(md.LayoutError) as e:
+        md.compile(outs, "data:2", "carry.batch:data")
+    (line,) = [ln for ln in str(e.value).splitlines() if "named tensors:" in ln]
+    assert line.split("named tensors:")[1].strip() == "blocks_in, blocks_out, w_in, w_out, x"
+    # Every name it lists is one a layout may scope.
+    md.compile(outs, "data:2", "x.batch:data; blocks_in.d_ff:data; w_out.d_ff:data")

@@ -1,0 +1,66 @@
+"""The plan executor (:mod:`meshdsl.exec.executor`) and its entry points: a feed that no
+input reads is an error in every executor, and every step kind has a rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.collectives import COLLECTIVES
+from meshdsl.exec.executor import Executor
+from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.exec.steps import STEP_RULES
+from meshdsl.lowering.plan import STEP_KINDS
+
+B, D = md.Dim("batch", 8), md.Dim("d_model", 4)
+
+
+def _model():
+    """y = x * w (w broadcast over batch); loss = sum((y - target)^2)."""
+    with md.Graph():
+        x, target = md.input("x", [B, D]), md.input("target", [B, D])
+        y = x * md.param("w", [D])
+        return y, md.reduce_sum((y - target) ** 2)
+
+
+FEEDS = {"x": torch.ones(8, 4), "target": torch.zeros(8, 4)}
+
+
+def _assert_extra_feed_error(e, caller):
+    text = str(e.value)
+    assert f"{caller}: 1 feed(s) match no input" in text
+    assert "'targte' is not an input. Did you mean 'target'?" in text
+    assert "Rule:" in text and "Fix:" in text
+
+
+def test_run_dense_rejects_extra_feeds():
+    y, loss = _model()
+    with pytest.raises(md.GraphError) as e:
+        md.run_dense({"loss": loss}, {"x": FEEDS["x"], "target": FEEDS["target"], "targte": FEEDS["target"]})
+    _assert_extra_feed_error(e, "run_dense")
+    # y reads only x: target is extra there.
+    with pytest.raises(md.GraphError, match="'target' is not an input"):
+        md.run_dense({"y": y}, FEEDS)
+    assert set(md.run_dense({"y": y}, {"x": FEEDS["x"]})) == {"y"}
+
+
+def test_run_simulated_and_executor_reject_extra_feeds():
+    _, loss = _model()
+    plan = md.compile({"loss": loss}, "data:2", "batch:data")
+    bad = {**FEEDS, "targte": FEEDS["target"]}
+    with pytest.raises(md.GraphError) as e:
+        md.run_simulated(plan, bad)
+    _assert_extra_feed_error(e, "Executor.run")
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    with pytest.raises(md.GraphError) as e:
+        ex.run(bad)
+    _assert_extra_feed_error(e, "Executor.run")
+    want = md.run_dense({"loss": loss}, FEEDS)["loss"]
+    # fp32 sums of 32 terms in another order.
+    torch.testing.assert_close(md.run_simulated(plan, FEEDS)["loss"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_every_step_kind_has_a_rule():
+    assert set(STEP_KINDS) <= set(STEP_RULES)
+    assert "repeat" in STEP_RULES  # registered by meshdsl.exec.loop when meshdsl.exec is imported
+    assert not set(COLLECTIVES) & set(STEP_RULES)  # collectives share one rule, driven by the table
