@@ -45,10 +45,10 @@ class Tensor:
         dt = str(self.dtype).replace("torch.", "")
         return f"Tensor({self.name}, {self.shape}, {dt})"
 
-    # Operator sugar; the functions live in meshdsl.ops.
+    # Operator sugar.  The functions live in meshdsl.ops, a room above this one,
+    # which hands them over with set_operators() when it is imported.
     def _ops(self):
-        from .. import ops
-        return ops
+        return _OPERATORS
 
     def __add__(self, o): return self._ops().add(self, o)
     def __radd__(self, o): return self._ops().add(o, self)
@@ -65,6 +65,19 @@ class Tensor:
     def __gt__(self, o): return self._ops().greater(self, o)
     def __ge__(self, o): return self._ops().greater_equal(self, o)
     __hash__ = object.__hash__
+
+
+#: The namespace the operator sugar calls into (``meshdsl.ops``); see :func:`set_operators`.
+_OPERATORS: Any = None
+
+
+def set_operators(namespace) -> None:
+    """Give :class:`Tensor`'s operators (``+``, ``*``, ``<``, ...) the functions of ``namespace``.
+
+    ``meshdsl.ops`` calls this on import; core itself never imports the ops.
+    """
+    global _OPERATORS
+    _OPERATORS = namespace
 
 
 @dataclass(eq=False)

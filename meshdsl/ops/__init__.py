@@ -1,4 +1,8 @@
-"""Every op of the DSL, re-exported.  Importing this package fills the op table."""
+"""Every op of the DSL, re-exported.  Importing this package fills the op table
+and gives tensors their operators (``x + y`` is :func:`add`)."""
+import sys as _sys
+
+from ..core.graph import set_operators as _set_operators
 from .einsum import einsum
 from .elementwise import (add, cast, constant, div, equal, exp, gelu, greater, greater_equal, less,
                           less_equal, log, logical_not, maximum, minimum, mul, neg, not_equal, pow,
@@ -13,3 +17,4 @@ from .slicing import concat, pad, roll, shift, slice_
 from .topk import top_k
 
 __all__ = [n for n in dir() if not n.startswith("_")]
+_set_operators(_sys.modules[__name__])
