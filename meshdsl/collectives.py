@@ -95,19 +95,19 @@ def _sim_allreduce(xs, groups, args):
     return out
 
 
-def _dist_allreduce(comm, x, s, args):
+def _dist_allreduce(comm, x, group, args):
     op = comm.check_op(args.get("op", "sum"))
-    if s.size == 1:
+    if group.size == 1:
         return x
     out = comm.prep(x).clone()
-    _dist().all_reduce(out, op=_reduce_op(op), group=s.pg)
+    _dist().all_reduce(out, op=_reduce_op(op), group=group.pg)
     return out
 
 
-def _start_allreduce(comm, x, s, args):
+def _start_allreduce(comm, x, group, args):
     op = comm.check_op(args.get("op", "sum"))
     out = comm.prep(x).clone()  # all_reduce works in place; x may have other readers
-    work = _dist().all_reduce(out, op=_reduce_op(op), group=s.pg, async_op=True)
+    work = _dist().all_reduce(out, op=_reduce_op(op), group=group.pg, async_op=True)
     return work, lambda: out
 
 
@@ -126,18 +126,18 @@ def _sim_allgather(xs, groups, args):
     return out
 
 
-def _dist_allgather(comm, x, s, args):
-    if s.size == 1:
+def _dist_allgather(comm, x, group, args):
+    if group.size == 1:
         return torch.cat([x], dim=args["dim"])
-    work, finish = _start_allgather(comm, x, s, args, async_op=False)
+    work, finish = _start_allgather(comm, x, group, args, async_op=False)
     return finish()
 
 
-def _start_allgather(comm, x, s, args, async_op=True):
+def _start_allgather(comm, x, group, args, async_op=True):
     x_c = comm.prep(x)
-    parts = [torch.empty_like(x_c) for _ in range(s.size)]
-    work = _dist().all_gather(parts, x_c, group=s.pg, async_op=async_op)
-    return work, lambda: torch.cat([parts[g] for g in s.group_rank], dim=args["dim"])
+    parts = [torch.empty_like(x_c) for _ in range(group.size)]
+    work = _dist().all_gather(parts, x_c, group=group.pg, async_op=async_op)
+    return work, lambda: torch.cat([parts[g] for g in group.group_rank], dim=args["dim"])
 
 
 register(Collective("allgather", ("dim",), lambda n: float(n - 1), _sim_allgather, _dist_allgather,
@@ -155,10 +155,10 @@ def _sim_alltoall(xs, groups, args):
     return out
 
 
-def _dist_alltoall(comm, x, s, args):
-    if s.size == 1:
+def _dist_alltoall(comm, x, group, args):
+    if group.size == 1:
         return torch.cat([x.chunk(1, dim=args["split_dim"])[0]], dim=args["concat_dim"])
-    return torch.cat(comm.exchange(x, s, args["split_dim"]), dim=args["concat_dim"])
+    return torch.cat(comm.exchange(x, group, args["split_dim"]), dim=args["concat_dim"])
 
 
 register(Collective("alltoall", ("split_dim", "concat_dim"), lambda n: (n - 1) / n, _sim_alltoall,
@@ -176,13 +176,13 @@ def _sim_reduce_scatter(xs, groups, args):
     return out
 
 
-def _dist_reduce_scatter(comm, x, s, args):
+def _dist_reduce_scatter(comm, x, group, args):
     # An all-to-all plus a local fold in group order: on gloo faster than
     # dist.reduce_scatter (which gloo emulates) and bitwise equal to the simulated mesh.
     op = comm.check_op(args.get("op", "sum"))
-    if s.size == 1:
+    if group.size == 1:
         return x.chunk(1, dim=args["dim"])[0].contiguous()
-    parts = comm.exchange(x, s, args["dim"])
+    parts = comm.exchange(x, group, args["dim"])
     out = parts[0]
     for p in parts[1:]:
         out = REDUCE[op](out, p)
@@ -210,10 +210,10 @@ def _sim_permute(xs, groups, args):
     return out
 
 
-def _dist_permute(comm, x, s, args):
+def _dist_permute(comm, x, group, args):
     # One irecv and one isend per rank, both posted before either is waited on
     # (no batched p2p, which can hang on gloo).
-    n, j = s.size, s.me
+    n, j = group.size, group.me
     dst, src = j + args["offset"], j - args["offset"]
     if args["wrap"]:
         dst, src = dst % n, src % n
@@ -226,9 +226,9 @@ def _dist_permute(comm, x, s, args):
     out = None if src is None else torch.empty_like(x_c)
     reqs = []
     if out is not None:
-        reqs.append(dist.irecv(out, src=s.members[src], group=s.pg))
+        reqs.append(dist.irecv(out, src=group.members[src], group=group.pg))
     if dst is not None:
-        reqs.append(dist.isend(x_c, dst=s.members[dst], group=s.pg))
+        reqs.append(dist.isend(x_c, dst=group.members[dst], group=group.pg))
     for r in reqs:
         r.wait()
     return out

@@ -50,7 +50,7 @@ def _entries(plan: Plan, prefix: str, times: int) -> list[dict[str, Any]]:
         out.append(entry)
         for s in steps:
             for sub in s.subplans:
-                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.times}, once per layer")
+                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.times}")
                 out.extend(_entries(sub, f"{prefix}{first.label}/", times * s.times))
     return out
 
