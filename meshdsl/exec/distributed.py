@@ -290,4 +290,3 @@ class TorchComm(Communicator):
         dist.all_gather(bufs, buf)
         return [bytes(b[: int(m.item())].cpu().tolist()).decode("utf-8")
                 for b, m in zip(bufs, lengths)]
-

@@ -19,9 +19,8 @@ import torch
 from ..errors import GraphError, message
 from ..ir.interpret import check_feed
 from ..layout.sharding import Sharding
-from ..lowering.compiler import move_args
 from ..lowering.plan import Plan, Value
-from ..lowering.relayout import plan_moves
+from ..lowering.relayout import move_args, plan_moves
 from .comm import Communicator, Pending
 from .dense import check_no_extra_feeds
 from .steps import rule_for, split_local

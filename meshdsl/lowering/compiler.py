@@ -18,7 +18,7 @@ from ..layout.sharding import Sharding
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
 from .plan import Plan, Step, Value, step_args
-from .relayout import move_bytes, plan_moves
+from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 
 
@@ -124,18 +124,6 @@ class Lowerer:
         self.emit(kind, node, [], [vid], args={"name": node.name, "tensor": t})
         (self.params if kind == "param" else self.inputs)[node.name] = vid
         self.bind(t, vid)
-
-
-def move_args(m, shape) -> dict:
-    """The step args of re-layout move ``m`` on a tensor of ``shape`` (dims by position)."""
-    pos = shape.index(m.dim) if m.dim else None
-    if m.kind == "alltoall":
-        return {"concat_dim": pos, "split_dim": shape.index(m.dim2)}
-    if m.kind == "allreduce":
-        return {"op": "sum"}
-    if m.kind == "reduce_scatter":
-        return {"dim": pos, "op": "sum"}
-    return {"dim": pos}  # allgather, split
 
 
 def _graph_dims(nodes, user_names=None) -> tuple[dict[str, int], set[str]]:

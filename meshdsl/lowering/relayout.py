@@ -39,6 +39,18 @@ class Move:
     after: Sharding
 
 
+def move_args(m, shape) -> dict:
+    """The step args of re-layout move ``m`` on a tensor of ``shape`` (dims by position)."""
+    pos = shape.index(m.dim) if m.dim else None
+    if m.kind == "alltoall":
+        return {"concat_dim": pos, "split_dim": shape.index(m.dim2)}
+    if m.kind == "allreduce":
+        return {"op": "sum"}
+    if m.kind == "reduce_scatter":
+        return {"dim": pos, "op": "sum"}
+    return {"dim": pos}  # allgather, split
+
+
 def _mk(dims: dict[str, list[str]], order, partial) -> Sharding:
     return Sharding(tuple((n, tuple(dims[n])) for n in order), tuple(partial))
 
