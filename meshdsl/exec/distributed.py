@@ -10,7 +10,9 @@ put members in the order the tuple asks for (first axis major).
 Results match :class:`~meshdsl.exec.simulated.SimulatedComm`: bitwise for
 gather, all-to-all, permute, max/min and reduce-scatter (which reduces locally
 in group order); ``all_reduce(op="sum")`` uses the backend's own summation
-order, so it agrees to within fp rounding.
+order, so it agrees to within fp rounding.  What each collective kind sends is
+its ``distributed`` (and optional ``start``) entry in :mod:`meshdsl.collectives`;
+this module owns the groups, the device, the stats and the string exchange.
 
 Set ``MESHDSL_VERBOSE=1`` (or pass ``verbose=True``) to log every collective to
 stderr; per-kind totals are always kept in :attr:`TorchComm.stats`.
