@@ -1,0 +1,514 @@
+"""Pipeline schedules as data: generators, a validator, and a bubble simulator.
+
+When the layout puts the stacked ``layer`` dim on a ``stage`` mesh axis, each
+rank of that axis runs one *stage* (a slice of the layers) and the batch is cut
+into micro-batches.  A :class:`Schedule` says, per rank, the order in which that
+rank runs forward (``F``) and backward (``B``) actions and the point-to-point
+transfers between them.  It is plain data: the executor walks it, the CLI prints
+it, and the layout search prices it with :func:`simulate`.  Nothing here imports
+torch.
+
+A new schedule is one function that lists the compute order per rank; the
+transfers are derived from it by :func:`with_transfers`::
+
+    @register("gpipe", peak=lambda p, m, v, rank: m)
+    def gpipe(p, m):
+        return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)]
+                for r in range(p)]
+
+Stages are *logical* (the model's pieces, in pipeline order); with virtual
+stages a rank runs several, stage ``s`` on rank ``s % num_ranks``, so one
+rank's list may hold actions of several stages.
+
+Example:
+    >>> s = make_schedule("1f1b", 2, 3)
+    >>> validate(s)
+    >>> [str(a) for a in s.actions[1][:3]]
+    ['rF0@1<0', 'F0@1', 'B0@1']
+    >>> simulate(s).ranks[0].idle_fraction
+    Fraction(1, 4)
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Sequence, Union
+
+from ..errors import MeshDSLError, caret, did_you_mean, message
+
+Number = Union[int, float, Fraction]
+
+
+class ScheduleError(MeshDSLError):
+    """A pipeline schedule is unknown, malformed, mismatched, or deadlocks."""
+
+
+COMPUTE = ("F", "B")
+# The transfer each compute kind sends and receives, and which way its data flows:
+# an F sends activations downstream, a B sends gradients upstream.  A split backward
+# (zero bubble: "I" sends the input gradient, "W" only updates weights) adds rows here.
+SEND_OF = {"F": "send_act", "B": "send_grad"}
+RECV_OF = {"F": "recv_act", "B": "recv_grad"}
+DIRECTION = {"F": +1, "B": -1}
+CARRIES = {t: k for table in (SEND_OF, RECV_OF) for k, t in table.items()}
+KINDS = COMPUTE + tuple(SEND_OF.values()) + tuple(RECV_OF.values())
+
+_LABEL = re.compile(r"(?P<dir>[sr]?)(?P<kind>[A-Z])(?P<mb>\d+)(?:@(?P<stage>\d+))?(?:(?P<arrow>[<>])(?P<peer>\d+))?")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One entry of a rank's list.
+
+    Attributes:
+      kind: ``F``, ``B``, ``send_act``, ``recv_act``, ``send_grad`` or ``recv_grad``.
+      microbatch: the micro-batch index.
+      stage: the logical stage whose data it computes, sends or receives.
+      peer: for a transfer, the logical stage at the other end; None otherwise.
+    """
+
+    kind: str
+    microbatch: int
+    stage: int
+    peer: int | None = None
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind.startswith("send_")
+
+    @property
+    def is_recv(self) -> bool:
+        return self.kind.startswith("recv_")
+
+    def message_key(self) -> tuple[str, int, int, int]:
+        """What a transfer carries: (compute kind, micro-batch, source stage, destination stage)."""
+        src, dst = (self.stage, self.peer) if self.is_send else (self.peer, self.stage)
+        return (CARRIES[self.kind], self.microbatch, src, dst)
+
+    def label(self, with_stage: bool = True) -> str:
+        """Compact form: ``F3@1`` (F of micro-batch 3 on stage 1), ``sF3@1>2``, ``rB3@1<2``."""
+        at = f"@{self.stage}" if with_stage else ""
+        if self.kind in COMPUTE:
+            return f"{self.kind}{self.microbatch}{at}"
+        arrow = ">" if self.is_send else "<"
+        return f"{self.kind[0]}{CARRIES[self.kind]}{self.microbatch}{at}{arrow}{self.peer}"
+
+    def __str__(self) -> str:
+        return self.label()
+
+
+def parse_action(text: str, stage: int | None = None) -> Action:
+    """Parse :meth:`Action.label`'s form; ``stage`` fills in a label written without ``@stage``.
+
+    Example: ``parse_action("sF3>2", stage=1) == Action("send_act", 3, 1, 2)``.
+    """
+    m = _LABEL.fullmatch(text)
+    ok = m is not None and (m["stage"] is not None or stage is not None)
+    if ok:
+        d, kind, arrow = m["dir"], m["kind"], m["arrow"]
+        table = {"": None, "s": SEND_OF, "r": RECV_OF}[d]
+        ok = (kind in (COMPUTE if not d else table)) and (arrow == {"": None, "s": ">", "r": "<"}[d])
+    if not ok:
+        raise ScheduleError(message(
+            f"parse_action({text!r}): not a schedule action.", source=text, span=0,
+            rule="F<mb> or B<mb> for compute; s/r + F/B + <mb> + >/< + <peer stage> for transfers, "
+                 "each optionally with @<stage> after the micro-batch",
+            fix="write e.g. 'F3', 'B3@1', 'sF3>2' (send activations of micro-batch 3 to stage 2), 'rB3<2'"))
+    kind = m["kind"] if not d else table[m["kind"]]
+    return Action(kind, int(m["mb"]), int(m["stage"]) if m["stage"] is not None else stage,
+                  int(m["peer"]) if m["peer"] is not None else None)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: one tuple of actions per rank of the ``stage`` axis.
+
+    Attributes:
+      name: the generator's name, e.g. ``"1f1b"``.
+      num_ranks: ranks on the ``stage`` axis (p).
+      num_microbatches: micro-batches per step (m).
+      actions: ``actions[rank]`` is the order that rank runs.
+      num_chunks: stages per rank (v); stage ``s`` runs on rank ``s % num_ranks``.
+    """
+
+    name: str
+    num_ranks: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    num_chunks: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        """Logical stages, ``num_ranks * num_chunks``."""
+        return self.num_ranks * self.num_chunks
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def to_dict(self) -> dict:
+        """JSON-ready form; :meth:`from_dict` reads it back."""
+        return {"name": self.name, "num_ranks": self.num_ranks, "num_microbatches": self.num_microbatches,
+                "num_chunks": self.num_chunks, "actions": [[str(a) for a in row] for row in self.actions]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schedule":
+        return cls.from_rows(d["name"], [" ".join(row) for row in d["actions"]], d["num_microbatches"],
+                             d.get("num_chunks", 1))
+
+    @classmethod
+    def from_rows(cls, name: str, rows: Sequence[str], num_microbatches: int, num_chunks: int = 1) -> "Schedule":
+        """Build a schedule from one string of labels per rank, e.g. ``["F0 sF0>1 rB0<1 B0", ...]``.
+
+        A label without ``@stage`` means the rank's own stage (only when ``num_chunks == 1``).
+        """
+        default = lambda rank: rank if num_chunks == 1 else None  # noqa: E731
+        actions = tuple(tuple(parse_action(t, default(r)) for t in row.split()) for r, row in enumerate(rows))
+        return cls(name, len(rows), num_microbatches, actions, num_chunks)
+
+
+def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages: int) -> tuple[tuple[Action, ...], ...]:
+    """Turn per-rank compute orders ``(kind, microbatch, stage)`` into full action lists.
+
+    Each compute action is preceded by the receive of its input from the
+    neighbouring stage (for F the stage before, for B the stage after) and
+    followed by the send of its output the other way, where such a stage exists.
+    """
+    rows = []
+    for order in orders:
+        row: list[Action] = []
+        for kind, mb, stage in order:
+            src, dst = stage - DIRECTION[kind], stage + DIRECTION[kind]
+            if 0 <= src < num_stages:
+                row.append(Action(RECV_OF[kind], mb, stage, src))
+            row.append(Action(kind, mb, stage))
+            if 0 <= dst < num_stages:
+                row.append(Action(SEND_OF[kind], mb, stage, dst))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+# ----------------------------------------------------------------------------- generators
+
+@dataclass(frozen=True)
+class Generator:
+    """A registered schedule: its builder and its theoretical peak of held activations.
+
+    Attributes:
+      build: ``(num_ranks, num_microbatches[, num_chunks]) -> Schedule``.
+      peak: ``(p, m, v, rank) -> int``, micro-batch activations (per stage chunk) held at once.
+      chunked: whether it takes virtual stages (``num_chunks > 1``).
+    """
+
+    build: Callable[..., Schedule]
+    peak: Callable[[int, int, int, int], int]
+    chunked: bool = False
+
+
+SCHEDULES: dict[str, Generator] = {}
+
+
+def register(name: str, *, peak: Callable[[int, int, int, int], int], chunked: bool = False):
+    """Register a compute-order function under ``name``; it becomes a builder of Schedules."""
+    def wrap(order_fn):
+        @functools.wraps(order_fn)
+        def build(p: int, m: int, v: int = 1) -> Schedule:
+            _check_sizes(name, p, m, v)
+            orders = order_fn(p, m, v) if chunked else order_fn(p, m)
+            return Schedule(name, p, m, with_transfers(orders, p * v), v)
+        SCHEDULES[name] = Generator(build, peak, chunked)
+        return build
+    return wrap
+
+
+def _check_sizes(name: str, p: int, m: int, v: int) -> None:
+    bad = [f"{what} = {n!r}" for what, n in (("num_ranks", p), ("num_microbatches", m), ("num_chunks", v))
+           if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+    if bad:
+        raise ScheduleError(message(f"schedule {name!r}: sizes must be positive integers.", bullets=bad,
+                                    rule="a pipeline has at least one rank, one micro-batch and one chunk per rank"))
+
+
+@register("gpipe", peak=lambda p, m, v, rank: m)
+def gpipe(p: int, m: int):
+    """GPipe: every forward, then every backward; each rank holds all m activations."""
+    return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
+
+
+@register("1f1b", peak=lambda p, m, v, rank: min(p - rank, m))
+def one_f_one_b(p: int, m: int):
+    """1F1B (PipeDream-flush): p-1-rank warm-up forwards, then alternate F and B, then drain.
+
+    Rank r holds at most p - r activations, the bubble is GPipe's.
+    """
+    orders = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        order = [("F", mb, r) for mb in range(warm)]
+        for i in range(m - warm):
+            order += [("F", warm + i, r), ("B", i, r)]
+        orders.append(order + [("B", mb, r) for mb in range(m - warm, m)])
+    return orders
+
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Build and validate the registered schedule ``name``.
+
+    Raises:
+      ScheduleError: unknown name (with a did-you-mean), sizes below 1, or chunks
+        for a schedule without virtual stages.
+    """
+    if name not in SCHEDULES:
+        raise ScheduleError(message(f"make_schedule({name!r}, ...): unknown schedule.",
+                                    inputs=[f"known: {', '.join(sorted(SCHEDULES))}"],
+                                    fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
+    gen = SCHEDULES[name]
+    if num_chunks != 1 and not gen.chunked:
+        chunked = sorted(n for n, g in SCHEDULES.items() if g.chunked) or ["none registered"]
+        raise ScheduleError(message(f"make_schedule({name!r}, ..., num_chunks={num_chunks}): "
+                                    f"{name!r} has no virtual stages.",
+                                    fix=f"use num_chunks=1, or a schedule with virtual stages: {', '.join(chunked)}"))
+    schedule = gen.build(num_ranks, num_microbatches, num_chunks) if gen.chunked else gen.build(num_ranks,
+                                                                                                 num_microbatches)
+    validate(schedule)
+    return schedule
+
+
+def peak_theory(name: str, num_ranks: int, num_microbatches: int, rank: int = 0, num_chunks: int = 1) -> int:
+    """Activations ``rank`` holds at once in theory: m for GPipe, min(p - rank, m) for 1F1B."""
+    return SCHEDULES[name].peak(num_ranks, num_microbatches, num_chunks, rank)
+
+
+def bubble_theory(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Fraction:
+    """Idle fraction of each rank with equal action costs: (p-1)/(v*m + p-1)."""
+    return Fraction(num_ranks - 1, num_chunks * num_microbatches + num_ranks - 1)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _needs(a: Action, num_stages: int) -> list[Action]:
+    """Actions that must come earlier on the same rank: a compute's received input, B's own F, a send's compute."""
+    if a.kind in COMPUTE:
+        src = a.stage - DIRECTION[a.kind]
+        needs = [Action(RECV_OF[a.kind], a.microbatch, a.stage, src)] if 0 <= src < num_stages else []
+        return needs + ([Action("F", a.microbatch, a.stage)] if a.kind == "B" else [])
+    if a.is_send:
+        return [Action(CARRIES[a.kind], a.microbatch, a.stage)]
+    return []
+
+
+def _fail(s: Schedule, what: str, bullets: list[str], rule: str, fix: str | None = None):
+    raise ScheduleError(message(
+        f"validate(schedule {s.name!r}): {what}", bullets=bullets, rule=rule, fix=fix,
+        inputs=[f"ranks = {s.num_ranks}, micro-batches = {s.num_microbatches}, chunks per rank = {s.num_chunks}"]))
+
+
+def _match(s: Schedule, where: dict[Action, tuple[int, int]]) -> dict[Action, Action]:
+    """Pair every receive with its send; transfers between two ranks must pair up in order (one channel each)."""
+    pairs: dict[Action, Action] = {}
+    for src in range(s.num_ranks):
+        for dst in range(s.num_ranks):
+            sends = [a for a in s.actions[src] if a.is_send and s.rank_of(a.peer) == dst]
+            recvs = [a for a in s.actions[dst] if a.is_recv and s.rank_of(a.peer) == src]
+            for i in range(max(len(sends), len(recvs))):
+                snd, rcv = sends[i] if i < len(sends) else None, recvs[i] if i < len(recvs) else None
+                if snd is None or rcv is None or snd.message_key() != rcv.message_key():
+                    at = lambda a: f"rank {where[a][0]} position {where[a][1]}: {a}" if a else "nothing"  # noqa: E731
+                    _fail(s, f"transfer {i} from rank {src} to rank {dst} does not match.",
+                          [f"send:    {at(snd)}", f"receive: {at(rcv)}"],
+                          "the k-th send from one rank to another is the k-th receive there from that rank, "
+                          "for the same micro-batch and stages",
+                          "receive in the order the peer sends, and send each transfer that is received")
+                pairs[rcv] = snd
+    return pairs
+
+
+def validate(s: Schedule) -> None:
+    """Check a schedule before it runs.
+
+    Checks: every action is on the rank of its stage, with the right peer, once;
+    every (stage, micro-batch) has one F and one B; each action comes after what
+    it needs on its rank (B after its F, a compute after its receive, a send after
+    its compute); sends and receives pair up in order; and walking the lists the
+    way the executor does (sends never block, a receive waits for its send) ends
+    with every rank done.
+
+    Raises:
+      ScheduleError: naming the rank, the position and the action at fault.
+    """
+    where: dict[Action, tuple[int, int]] = {}
+    for rank, row in enumerate(s.actions):
+        for pos, a in enumerate(row):
+            spot = f"rank {rank} position {pos}: {a}"
+            if a.kind not in KINDS or not 0 <= a.stage < s.num_stages or not 0 <= a.microbatch < s.num_microbatches:
+                _fail(s, "action out of range.", [spot], f"kinds {', '.join(KINDS)}; stages 0..{s.num_stages - 1}; "
+                      f"micro-batches 0..{s.num_microbatches - 1}")
+            if s.rank_of(a.stage) != rank:
+                _fail(s, "action on the wrong rank.", [f"{spot} belongs to rank {s.rank_of(a.stage)}"],
+                      "stage s runs on rank s % num_ranks")
+            want = None if a.kind in COMPUTE else a.stage + DIRECTION[CARRIES[a.kind]] * (1 if a.is_send else -1)
+            if a.peer != want:
+                _fail(s, "transfer with the wrong peer.", [f"{spot}: peer should be stage {want}"],
+                      "activations flow from stage s to s+1, gradients from s+1 to s; compute has no peer")
+            if a in where:
+                _fail(s, "duplicated action.", [spot, f"first at rank {rank} position {where[a][1]}"],
+                      "each action appears once")
+            where[a] = (rank, pos)
+    for stage in range(s.num_stages):
+        for mb in range(s.num_microbatches):
+            for kind in COMPUTE:
+                if Action(kind, mb, stage) not in where:
+                    _fail(s, "missing action.", [f"rank {s.rank_of(stage)} has no {Action(kind, mb, stage)}"],
+                          "every stage runs F and B of every micro-batch once")
+    for a, (rank, pos) in where.items():
+        for need in _needs(a, s.num_stages):
+            if need not in where or where[need][1] > pos:
+                state = "missing" if need not in where else f"at position {where[need][1]}"
+                _fail(s, f"{a} comes before what it needs.",
+                      [f"rank {rank} position {pos}: {a} needs {need} earlier on rank {rank} ({state})"],
+                      "a B comes after its F; a compute after the receive of its input; a send after its compute")
+    waiting = _walk(s, _match(s, where), unit_cost, 0)[1]
+    if waiting:
+        _fail(s, "deadlock: no rank can go on.",
+              [f"rank {r} position {pos}: {a} waits for {snd} on rank {where[snd][0]} (position {where[snd][1]})"
+               for r, pos, a, snd in waiting],
+              "sends never block, a receive waits for its send; each rank runs its list in order",
+              "reorder so that every receive's send is reachable without waiting on that receive")
+
+
+def _walk(s: Schedule, pairs: dict[Action, Action], cost: Callable[[Action], Number], latency: Number):
+    """Run every rank's list in order with times; return (timeline, blocked receives)."""
+    done: dict[Action, Number] = {}
+    clock: list[Number] = [0] * s.num_ranks
+    timeline: list[list[tuple[Action, Number, Number]]] = [[] for _ in s.actions]
+    moved = True
+    while moved:
+        moved = False
+        for rank, row in enumerate(s.actions):
+            while len(timeline[rank]) < len(row):
+                a = row[len(timeline[rank])]
+                start = clock[rank]
+                end = start + cost(a)
+                if a.is_recv:
+                    if pairs[a] not in done:
+                        break
+                    end = max(end, done[pairs[a]] + latency)
+                done[a], clock[rank] = end, end
+                timeline[rank].append((a, start, end))
+                moved = True
+    blocked = [(r, len(t), row[len(t)], pairs[row[len(t)]]) for r, (row, t) in enumerate(zip(s.actions, timeline))
+               if len(t) < len(row)]
+    return timeline, blocked
+
+
+# ----------------------------------------------------------------------------- simulation and measurement
+
+def unit_cost(a: Action) -> int:
+    """F = B = 1, transfers free: the cost under which the bubble theory is exact."""
+    return 1 if a.kind in COMPUTE else 0
+
+
+def costs(forward: Number = 1, backward: Number = 1, transfer: Number = 0) -> Callable[[Action], Number]:
+    """A cost function with the given F, B and per-transfer times, e.g. ``costs(1, 2)``."""
+    return lambda a: forward if a.kind == "F" else backward if a.kind == "B" else transfer
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's figures: compute time, idle fraction of the makespan, peak activations held."""
+
+    busy: Number
+    idle_fraction: Number
+    peak_activations: int
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """Figures of one run, simulated or measured.
+
+    Attributes:
+      makespan: from the first start to the last end, over all ranks.
+      ranks: per rank figures.
+      timeline: per rank, ``(action, start, end)`` in run order.
+    """
+
+    makespan: Number
+    ranks: tuple[RankStats, ...]
+    timeline: tuple[tuple[tuple[Action, Number, Number], ...], ...]
+
+
+def _ratio(a: Number, b: Number) -> Number:
+    """a / b, exact when both are rational."""
+    if b == 0:
+        return 0
+    return Fraction(a) / Fraction(b) if isinstance(a, (int, Fraction)) and isinstance(b, (int, Fraction)) else a / b
+
+
+def bubble_from_timeline(timeline: Sequence[Sequence[tuple[Action, Number, Number]]]) -> PipelineStats:
+    """Busy time, idle fraction and peak activations per rank from recorded ``(action, start, end)``.
+
+    The runtime records wall-clock intervals and :func:`simulate` simulated ones;
+    both go through here, so measured and simulated figures mean the same.  An
+    activation is held from the start of its F to the end of its B.
+    """
+    spans = [(t0, t1) for row in timeline for _, t0, t1 in row]
+    t_first = min((t0 for t0, _ in spans), default=0)
+    makespan = max((t1 for _, t1 in spans), default=0) - t_first
+    ranks = []
+    for row in timeline:
+        busy: Number = 0
+        held: set[tuple[int, int]] = set()
+        peak = 0
+        for a, t0, t1 in sorted(row, key=lambda e: (e[1], e[2])):
+            if a.kind in COMPUTE:
+                busy += t1 - t0
+            if a.kind == "F":
+                held.add((a.stage, a.microbatch))
+                peak = max(peak, len(held))
+            elif a.kind == "B":
+                held.discard((a.stage, a.microbatch))
+        ranks.append(RankStats(busy, _ratio(makespan - busy, makespan), peak))
+    return PipelineStats(makespan, tuple(ranks), tuple(tuple(row) for row in timeline))
+
+
+def simulate(s: Schedule, cost: Callable[[Action], Number] = unit_cost, latency: Number = 0) -> PipelineStats:
+    """Validate ``s``, then run it on simulated time.
+
+    Each rank runs its list in order; a receive ends no earlier than its send's
+    end plus ``latency``.  With integer or Fraction costs every figure is exact.
+
+    Example:
+        >>> simulate(make_schedule("gpipe", 4, 4)).ranks[3].idle_fraction
+        Fraction(3, 7)
+    """
+    validate(s)
+    where = {a: (r, i) for r, row in enumerate(s.actions) for i, a in enumerate(row)}
+    return bubble_from_timeline(_walk(s, _match(s, where), cost, latency)[0])
+
+
+# ----------------------------------------------------------------------------- printing
+
+def format_table(s: Schedule, transfers: bool = False) -> str:
+    """A per-rank table.
+
+    By default one column per time step of the unit-cost simulation, so the
+    bubble shows as ``.``; with ``transfers=True`` the full action lists, in order.
+    """
+    short = lambda a: a.label(with_stage=s.num_chunks > 1)  # noqa: E731
+    if transfers:
+        rows = [[short(a) for a in row] for row in s.actions]
+        head = "actions in run order (sF3>1: send micro-batch 3's activations to stage 1; rB3<2: receive its gradient)"
+    else:
+        stats = simulate(s)
+        rows = [["."] * int(stats.makespan) for _ in s.actions]
+        for r, row in enumerate(stats.timeline):
+            for a, t0, _ in row:
+                if a.kind in COMPUTE:
+                    rows[r][int(t0)] = short(a)
+        head = f"one column per time step with F = B = 1; '.' is idle; bubble {bubble_theory(s.num_ranks, s.num_microbatches, s.num_chunks)}"
+    width = max((len(c) for row in rows for c in row), default=1)
+    lines = [f"{s.name}: {s.num_ranks} ranks, {s.num_microbatches} micro-batches"
+             + (f", {s.num_chunks} stages per rank" if s.num_chunks > 1 else "") + f"; {head}"]
+    lines += [f"rank {r} | " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(rows)]
+    return "\n".join(lines)
