@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Sequence, Union
 
-from ..errors import MeshDSLError, caret, did_you_mean, message
+from ..errors import MeshDSLError, Span, did_you_mean, message
 
 Number = Union[int, float, Fraction]
 
@@ -112,7 +112,7 @@ def parse_action(text: str, stage: int | None = None) -> Action:
         ok = (kind in (COMPUTE if not d else table)) and (arrow == {"": None, "s": ">", "r": "<"}[d])
     if not ok:
         raise ScheduleError(message(
-            f"parse_action({text!r}): not a schedule action.", source=text, span=0,
+            f"parse_action({text!r}): not a schedule action.", source=text, span=Span(0, max(1, len(text))),
             rule="F<mb> or B<mb> for compute; s/r + F/B + <mb> + >/< + <peer stage> for transfers, "
                  "each optionally with @<stage> after the micro-batch",
             fix="write e.g. 'F3', 'B3@1', 'sF3>2' (send activations of micro-batch 3 to stage 2), 'rB3<2'"))
@@ -348,6 +348,9 @@ def validate(s: Schedule) -> None:
                 _fail(s, "action on the wrong rank.", [f"{spot} belongs to rank {s.rank_of(a.stage)}"],
                       "stage s runs on rank s % num_ranks")
             want = None if a.kind in COMPUTE else a.stage + DIRECTION[CARRIES[a.kind]] * (1 if a.is_send else -1)
+            if want is not None and not 0 <= want < s.num_stages:
+                _fail(s, "transfer past an end of the pipeline.", [f"{spot}: there is no stage {want}"],
+                      "activations go from stage s to s+1 and gradients back: none leave the last stage or reach the first")
             if a.peer != want:
                 _fail(s, "transfer with the wrong peer.", [f"{spot}: peer should be stage {want}"],
                       "activations flow from stage s to s+1, gradients from s+1 to s; compute has no peer")
@@ -374,7 +377,7 @@ def validate(s: Schedule) -> None:
               [f"rank {r} position {pos}: {a} waits for {snd} on rank {where[snd][0]} (position {where[snd][1]})"
                for r, pos, a, snd in waiting],
               "sends never block, a receive waits for its send; each rank runs its list in order",
-              "reorder so that every receive's send is reachable without waiting on that receive")
+              "reorder so that each rank sends what its peers wait for before it waits itself")
 
 
 def _walk(s: Schedule, pairs: dict[Action, Action], cost: Callable[[Action], Number], latency: Number):
