@@ -102,6 +102,52 @@ def test_a_new_schedule_is_one_registered_function(monkeypatch):
     assert all(r.idle_fraction == bubble_theory(3, 4) and r.peak_activations == 4 for r in simulate(s).ranks)
 
 
+INTERLEAVED = [(p, m, v) for p in (2, 3, 4) for v in (1, 2, 3) for m in range(p, 13, p)]
+
+
+@pytest.mark.parametrize("p,m,v", INTERLEAVED)
+def test_interleaved_properties(p, m, v):
+    s = make_schedule("interleaved", p, m, num_chunks=v)
+    assert s.num_stages == p * v
+    for rank, row in enumerate(s.actions):
+        pos = {a: i for i, a in enumerate(row)}
+        assert len(pos) == len(row)
+        assert {a.stage for a in row} == set(range(rank, p * v, p))
+        for stage in range(rank, p * v, p):
+            for mb in range(m):
+                assert pos[Action("F", mb, stage)] < pos[Action("B", mb, stage)]
+                if stage + 1 < p * v:  # the activation leaves after the F, the gradient arrives before the B
+                    assert pos[Action("F", mb, stage)] < pos[Action("send_act", mb, stage, stage + 1)]
+                    assert pos[Action("recv_grad", mb, stage, stage + 1)] < pos[Action("B", mb, stage)]
+    stats = simulate(s)
+    assert stats.makespan == 2 * (v * m + p - 1)
+    for rank, r in enumerate(stats.ranks):
+        assert r.busy == 2 * v * m
+        assert r.idle_fraction == Fraction(p - 1, v * m + p - 1) == bubble_theory(p, m, v)
+        assert r.peak_activations == peak_theory("interleaved", p, m, rank, v)
+    # Held activations, one per (stage, micro-batch): rank 0 warms up 2(p-1) + (v-1)p forwards, plus one in steady state.
+    assert stats.ranks[0].peak_activations == min(v * m, 2 * (p - 1) + (v - 1) * p + 1)
+
+
+def test_interleaved_beats_1f1b_bubble_for_more_activations():
+    one, inter = simulate(make_schedule("1f1b", 4, 8)), simulate(make_schedule("interleaved", 4, 8, num_chunks=2))
+    assert inter.ranks[0].idle_fraction == Fraction(3, 19) < one.ranks[0].idle_fraction == Fraction(3, 11)
+    # Per chunk of half a stage: 11 half-stage activations are 5.5 stages' worth, more than 1F1B's 4.
+    assert (inter.ranks[0].peak_activations, one.ranks[0].peak_activations) == (11, 4)
+
+
+def test_interleaved_sizes_and_labels():
+    for p, m in ((1, 4), (2, 3), (4, 6)):
+        with pytest.raises(ScheduleError, match="unsupported sizes"):
+            make_schedule("interleaved", p, m, num_chunks=2)
+    s = make_schedule("interleaved", 2, 2, num_chunks=2)
+    assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    assert format_table(s).splitlines()[1:] == [
+        "rank 0 | F0@0 F1@0 F0@2 F1@2 .    B0@2 .    B1@2 B0@0 B1@0",
+        "rank 1 | .    F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 B0@1 B1@1 .",
+    ]
+
+
 # ----------------------------------------------------------------------------- string, dict and table forms
 
 @pytest.mark.parametrize("name,p,m", [("gpipe", 3, 2), ("1f1b", 4, 5)])

@@ -1,28 +1,25 @@
 """Pipeline schedules as data: generators, a validator, and a bubble simulator.
 
 When the layout puts the stacked ``layer`` dim on a ``stage`` mesh axis, each
-rank of that axis runs one *stage* (a slice of the layers) and the batch is cut
-into micro-batches.  A :class:`Schedule` says, per rank, the order in which that
-rank runs forward (``F``) and backward (``B``) actions and the point-to-point
-transfers between them.  It is plain data: the executor walks it, the CLI prints
-it, and the layout search prices it with :func:`simulate`.  Nothing here imports
-torch.
+rank of that axis runs a slice of the layers and the batch is cut into
+micro-batches.  A :class:`Schedule` lists, per rank, the forward (``F``) and
+backward (``B``) actions it runs and the transfers between ranks, in order.  It
+is plain data and this module knows nothing about torch: the executor walks a
+schedule, the CLI prints it, and the layout search prices it with :func:`simulate`.
 
-A new schedule is one function that lists the compute order per rank; the
-transfers are derived from it by :func:`with_transfers`::
+A new schedule is one function that lists ``(kind, microbatch, stage)`` compute
+actions per rank, registered with its theoretical peak of held activations;
+:func:`with_transfers` derives the sends and receives::
 
     @register("gpipe", peak=lambda p, m, v, rank: m)
     def gpipe(p, m):
-        return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)]
-                for r in range(p)]
+        return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
 
-Stages are *logical* (the model's pieces, in pipeline order); with virtual
-stages a rank runs several, stage ``s`` on rank ``s % num_ranks``, so one
-rank's list may hold actions of several stages.
+Stages are logical (the model's pieces, in pipeline order).  With virtual
+stages (``num_chunks`` v > 1) rank r runs stages r, r + p, r + 2p, ...
 
 Example:
     >>> s = make_schedule("1f1b", 2, 3)
-    >>> validate(s)
     >>> [str(a) for a in s.actions[1][:3]]
     ['rF0@1<0', 'F0@1', 'B0@1']
     >>> simulate(s).ranks[0].idle_fraction
@@ -55,7 +52,8 @@ DIRECTION = {"F": +1, "B": -1}
 CARRIES = {t: k for table in (SEND_OF, RECV_OF) for k, t in table.items()}
 KINDS = COMPUTE + tuple(SEND_OF.values()) + tuple(RECV_OF.values())
 
-_LABEL = re.compile(r"(?P<dir>[sr]?)(?P<kind>[A-Z])(?P<mb>\d+)(?:@(?P<stage>\d+))?(?:(?P<arrow>[<>])(?P<peer>\d+))?")
+_LABEL = re.compile(r"(?P<dir>[sr]?)(?P<kind>[FB])(?P<mb>\d+)(?:@(?P<stage>\d+))?(?:(?P<arrow>[<>])(?P<peer>\d+))?")
+_ARROW = {"": None, "s": ">", "r": "<"}
 
 
 @dataclass(frozen=True)
@@ -76,11 +74,11 @@ class Action:
 
     @property
     def is_send(self) -> bool:
-        return self.kind.startswith("send_")
+        return self.kind in SEND_OF.values()
 
     @property
     def is_recv(self) -> bool:
-        return self.kind.startswith("recv_")
+        return self.kind in RECV_OF.values()
 
     def message_key(self) -> tuple[str, int, int, int]:
         """What a transfer carries: (compute kind, micro-batch, source stage, destination stage)."""
@@ -92,11 +90,9 @@ class Action:
         at = f"@{self.stage}" if with_stage else ""
         if self.kind in COMPUTE:
             return f"{self.kind}{self.microbatch}{at}"
-        arrow = ">" if self.is_send else "<"
-        return f"{self.kind[0]}{CARRIES[self.kind]}{self.microbatch}{at}{arrow}{self.peer}"
+        return f"{self.kind[0]}{CARRIES[self.kind]}{self.microbatch}{at}{'>' if self.is_send else '<'}{self.peer}"
 
-    def __str__(self) -> str:
-        return self.label()
+    __str__ = label
 
 
 def parse_action(text: str, stage: int | None = None) -> Action:
@@ -105,20 +101,15 @@ def parse_action(text: str, stage: int | None = None) -> Action:
     Example: ``parse_action("sF3>2", stage=1) == Action("send_act", 3, 1, 2)``.
     """
     m = _LABEL.fullmatch(text)
-    ok = m is not None and (m["stage"] is not None or stage is not None)
-    if ok:
-        d, kind, arrow = m["dir"], m["kind"], m["arrow"]
-        table = {"": None, "s": SEND_OF, "r": RECV_OF}[d]
-        ok = (kind in (COMPUTE if not d else table)) and (arrow == {"": None, "s": ">", "r": "<"}[d])
-    if not ok:
+    if m is None or _ARROW[m["dir"]] != m["arrow"] or (m["stage"] is None and stage is None):
         raise ScheduleError(message(
             f"parse_action({text!r}): not a schedule action.", source=text, span=Span(0, max(1, len(text))),
             rule="F<mb> or B<mb> for compute; s/r + F/B + <mb> + >/< + <peer stage> for transfers, "
                  "each optionally with @<stage> after the micro-batch",
             fix="write e.g. 'F3', 'B3@1', 'sF3>2' (send activations of micro-batch 3 to stage 2), 'rB3<2'"))
-    kind = m["kind"] if not d else table[m["kind"]]
-    return Action(kind, int(m["mb"]), int(m["stage"]) if m["stage"] is not None else stage,
-                  int(m["peer"]) if m["peer"] is not None else None)
+    kind = {"": m["kind"], "s": SEND_OF[m["kind"]], "r": RECV_OF[m["kind"]]}[m["dir"]]
+    return Action(kind, int(m["mb"]), stage if m["stage"] is None else int(m["stage"]),
+                  None if m["peer"] is None else int(m["peer"]))
 
 
 @dataclass(frozen=True)
@@ -193,12 +184,12 @@ def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages:
 
 @dataclass(frozen=True)
 class Generator:
-    """A registered schedule: its builder and its theoretical peak of held activations.
+    """A registered schedule.
 
     Attributes:
-      build: ``(num_ranks, num_microbatches[, num_chunks]) -> Schedule``.
-      peak: ``(p, m, v, rank) -> int``, micro-batch activations (per stage chunk) held at once.
-      chunked: whether it takes virtual stages (``num_chunks > 1``).
+      build: ``(num_ranks, num_microbatches, num_chunks=1) -> Schedule``.
+      peak: ``(p, m, v, rank) -> int``, activations (one per stage and micro-batch) a rank holds at once.
+      chunked: whether it takes virtual stages.
     """
 
     build: Callable[..., Schedule]
@@ -210,11 +201,22 @@ SCHEDULES: dict[str, Generator] = {}
 
 
 def register(name: str, *, peak: Callable[[int, int, int, int], int], chunked: bool = False):
-    """Register a compute-order function under ``name``; it becomes a builder of Schedules."""
+    """Register a function of ``(p, m)`` (``(p, m, v)`` if ``chunked``) that returns compute orders per rank.
+
+    The decorated name becomes a builder ``(p, m, v=1) -> Schedule``.
+    """
     def wrap(order_fn):
         @functools.wraps(order_fn)
         def build(p: int, m: int, v: int = 1) -> Schedule:
-            _check_sizes(name, p, m, v)
+            bad = [f"{what} = {n!r}" for what, n in (("num_ranks", p), ("num_microbatches", m), ("num_chunks", v))
+                   if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+            if bad:
+                raise ScheduleError(message(f"schedule {name!r}: sizes must be positive integers.", bullets=bad,
+                                            rule="a pipeline has at least one rank, one micro-batch and one chunk"))
+            if v != 1 and not chunked:
+                others = sorted(n for n, g in SCHEDULES.items() if g.chunked)
+                raise ScheduleError(message(f"schedule {name!r} with num_chunks={v}: it has no virtual stages.",
+                                            fix=f"use num_chunks=1, or one of: {', '.join(others)}"))
             orders = order_fn(p, m, v) if chunked else order_fn(p, m)
             return Schedule(name, p, m, with_transfers(orders, p * v), v)
         SCHEDULES[name] = Generator(build, peak, chunked)
@@ -236,20 +238,41 @@ def gpipe(p: int, m: int):
     return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
 
 
+def _warm_then_alternate(forwards: list, backwards: list, warm: int) -> list:
+    """``warm`` forwards, then one forward and one backward in turn, then the remaining backwards."""
+    steady = [x for pair in zip(forwards[warm:], backwards) for x in pair]
+    return forwards[:warm] + steady + backwards[len(forwards) - warm:]
+
+
 @register("1f1b", peak=lambda p, m, v, rank: min(p - rank, m))
 def one_f_one_b(p: int, m: int):
-    """1F1B (PipeDream-flush): p-1-rank warm-up forwards, then alternate F and B, then drain.
+    """1F1B (PipeDream-flush): rank r runs p-1-r warm-up forwards, then alternates.
 
-    Rank r holds at most p - r activations, the bubble is GPipe's.
+    It holds at most p - r activations instead of GPipe's m, for the same bubble.
     """
-    orders = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        order = [("F", mb, r) for mb in range(warm)]
-        for i in range(m - warm):
-            order += [("F", warm + i, r), ("B", i, r)]
-        orders.append(order + [("B", mb, r) for mb in range(m - warm, m)])
-    return orders
+    return [_warm_then_alternate([("F", mb, r) for mb in range(m)], [("B", mb, r) for mb in range(m)],
+                                 min(p - 1 - r, m)) for r in range(p)]
+
+
+@register("interleaved", chunked=True,
+          peak=lambda p, m, v, rank: min(v * m, 2 * (p - 1 - rank) + (v - 1) * p + 1))
+def interleaved_1f1b(p: int, m: int, v: int):
+    """Interleaved 1F1B (Megatron-LM's virtual stages): rank r runs stages r, r+p, ..., r+(v-1)p.
+
+    Micro-batches go in groups of p: a group's forwards run through chunk 0, then
+    chunk 1, ...; backwards mirror that from the last chunk.  Rank r warms up with
+    2(p-1-r) + (v-1)p forwards.  With unit cost per chunk action the bubble
+    shrinks to (p-1)/(v*m + p-1), for more activations held (counted per chunk).
+    """
+    if p < 2 or m % p:
+        raise ScheduleError(message(
+            f"schedule 'interleaved' with {p} rank(s) and {m} micro-batch(es): unsupported sizes.",
+            rule="virtual stages need at least 2 ranks, and micro-batches in whole groups of num_ranks",
+            fix=f"use at least 2 ranks and a multiple of {max(p, 2)} micro-batches, or '1f1b'"))
+    order = [(c, mb) for g in range(0, m, p) for c in range(v) for mb in range(g, g + p)]
+    return [_warm_then_alternate([("F", mb, c * p + r) for c, mb in order],
+                                 [("B", mb, (v - 1 - c) * p + r) for c, mb in order],
+                                 min(2 * (p - 1 - r) + (v - 1) * p, v * m)) for r in range(p)]
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
@@ -263,14 +286,7 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: 
         raise ScheduleError(message(f"make_schedule({name!r}, ...): unknown schedule.",
                                     inputs=[f"known: {', '.join(sorted(SCHEDULES))}"],
                                     fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
-    gen = SCHEDULES[name]
-    if num_chunks != 1 and not gen.chunked:
-        chunked = sorted(n for n, g in SCHEDULES.items() if g.chunked) or ["none registered"]
-        raise ScheduleError(message(f"make_schedule({name!r}, ..., num_chunks={num_chunks}): "
-                                    f"{name!r} has no virtual stages.",
-                                    fix=f"use num_chunks=1, or a schedule with virtual stages: {', '.join(chunked)}"))
-    schedule = gen.build(num_ranks, num_microbatches, num_chunks) if gen.chunked else gen.build(num_ranks,
-                                                                                                 num_microbatches)
+    schedule = SCHEDULES[name].build(num_ranks, num_microbatches, num_chunks)
     validate(schedule)
     return schedule
 
@@ -325,14 +341,13 @@ def _match(s: Schedule, where: dict[Action, tuple[int, int]]) -> dict[Action, Ac
 
 
 def validate(s: Schedule) -> None:
-    """Check a schedule before it runs.
+    """Check a schedule before it runs, as the executor will run it.
 
-    Checks: every action is on the rank of its stage, with the right peer, once;
-    every (stage, micro-batch) has one F and one B; each action comes after what
-    it needs on its rank (B after its F, a compute after its receive, a send after
-    its compute); sends and receives pair up in order; and walking the lists the
-    way the executor does (sends never block, a receive waits for its send) ends
-    with every rank done.
+    Every action is on its stage's rank, with the right peer, once; every stage
+    runs F and B of every micro-batch; on each rank an action comes after what it
+    needs (B after its F, a compute after the receive of its input, a send after
+    its compute); sends pair with receives in order; and walking the lists (sends
+    never block, a receive waits for its send) ends with every rank done.
 
     Raises:
       ScheduleError: naming the rank, the position and the action at fault.
@@ -344,19 +359,18 @@ def validate(s: Schedule) -> None:
             if a.kind not in KINDS or not 0 <= a.stage < s.num_stages or not 0 <= a.microbatch < s.num_microbatches:
                 _fail(s, "action out of range.", [spot], f"kinds {', '.join(KINDS)}; stages 0..{s.num_stages - 1}; "
                       f"micro-batches 0..{s.num_microbatches - 1}")
-            if s.rank_of(a.stage) != rank:
-                _fail(s, "action on the wrong rank.", [f"{spot} belongs to rank {s.rank_of(a.stage)}"],
-                      "stage s runs on rank s % num_ranks")
-            want = None if a.kind in COMPUTE else a.stage + DIRECTION[CARRIES[a.kind]] * (1 if a.is_send else -1)
-            if want is not None and not 0 <= want < s.num_stages:
-                _fail(s, "transfer past an end of the pipeline.", [f"{spot}: there is no stage {want}"],
-                      "activations go from stage s to s+1 and gradients back: none leave the last stage or reach the first")
-            if a.peer != want:
-                _fail(s, "transfer with the wrong peer.", [f"{spot}: peer should be stage {want}"],
-                      "activations flow from stage s to s+1, gradients from s+1 to s; compute has no peer")
-            if a in where:
-                _fail(s, "duplicated action.", [spot, f"first at rank {rank} position {where[a][1]}"],
-                      "each action appears once")
+            peer = None if a.kind in COMPUTE else a.stage + DIRECTION[CARRIES[a.kind]] * (1 if a.is_send else -1)
+            for ok, what, bullet, rule in [
+                    (s.rank_of(a.stage) == rank, "action on the wrong rank.",
+                     f"{spot} belongs to rank {s.rank_of(a.stage)}", "stage s runs on rank s % num_ranks"),
+                    (peer is None or 0 <= peer < s.num_stages, "transfer past an end of the pipeline.",
+                     f"{spot}: there is no stage {peer}", "none leave the last stage or reach the first"),
+                    (a.peer == peer, "transfer with the wrong peer.", f"{spot}: peer should be stage {peer}",
+                     "activations go from stage s to s+1, gradients from s+1 to s; compute has no peer"),
+                    (a not in where, "duplicated action.", f"{spot}, first at position {where.get(a, (0, 0))[1]}",
+                     "each action appears once")]:
+                if not ok:
+                    _fail(s, what, [bullet], rule)
             where[a] = (rank, pos)
     for stage in range(s.num_stages):
         for mb in range(s.num_microbatches):
@@ -509,7 +523,8 @@ def format_table(s: Schedule, transfers: bool = False) -> str:
             for a, t0, _ in row:
                 if a.kind in COMPUTE:
                     rows[r][int(t0)] = short(a)
-        head = f"one column per time step with F = B = 1; '.' is idle; bubble {bubble_theory(s.num_ranks, s.num_microbatches, s.num_chunks)}"
+        bubble = max(r.idle_fraction for r in stats.ranks)
+        head = f"one column per time step with F = B = 1; '.' is idle; bubble {bubble}"
     width = max((len(c) for row in rows for c in row), default=1)
     lines = [f"{s.name}: {s.num_ranks} ranks, {s.num_microbatches} micro-batches"
              + (f", {s.num_chunks} stages per rank" if s.num_chunks > 1 else "") + f"; {head}"]
