@@ -8,6 +8,7 @@ bug in the validator cannot hide a bug in a generator.
 from __future__ import annotations
 
 import ast
+import doctest
 import json
 import re
 from fractions import Fraction
@@ -31,6 +32,11 @@ def test_module_knows_nothing_about_torch():
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0}
     assert not any(name.split(".")[0] == "torch" for name in imported)
     assert relative == {"errors"}
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(sch)
+    assert result.failed == 0 and result.attempted >= 9
 
 
 # ----------------------------------------------------------------------------- properties
@@ -244,6 +250,12 @@ def test_missing_duplicated_misplaced_and_wrong_peer():
     _error(["F0 sF0>1 B0"], 1, ["past an end", "rank 0 position 1: sF0@0>1: there is no stage 1"])
     _error(["F0 sF0>0 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1, ["wrong peer", "peer should be stage 1"])
     _error(["F0 B0 F1 B1"], 1, ["out of range", "rank 0 position 2: F1@0"])
+
+
+def test_one_action_list_per_rank():
+    s = make_schedule("gpipe", 2, 2)
+    with pytest.raises(ScheduleError, match="1 action lists for 2 ranks"):
+        validate(Schedule("gpipe", 2, 2, s.actions[:1]))
 
 
 def test_unknown_name_and_bad_sizes():

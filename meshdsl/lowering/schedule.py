@@ -45,7 +45,8 @@ class ScheduleError(MeshDSLError):
 COMPUTE = ("F", "B")
 # The transfer each compute kind sends and receives, and which way its data flows:
 # an F sends activations downstream, a B sends gradients upstream.  A split backward
-# (zero bubble: "I" sends the input gradient, "W" only updates weights) adds rows here.
+# (zero bubble: "I" sends the input gradient, "W" only computes weight gradients) adds
+# its kinds to these tables and its dependencies to _needs.
 SEND_OF = {"F": "send_act", "B": "send_grad"}
 RECV_OF = {"F": "recv_act", "B": "recv_grad"}
 DIRECTION = {"F": +1, "B": -1}
@@ -98,7 +99,9 @@ class Action:
 def parse_action(text: str, stage: int | None = None) -> Action:
     """Parse :meth:`Action.label`'s form; ``stage`` fills in a label written without ``@stage``.
 
-    Example: ``parse_action("sF3>2", stage=1) == Action("send_act", 3, 1, 2)``.
+    Example:
+        >>> parse_action("sF3>2", stage=1)
+        Action(kind='send_act', microbatch=3, stage=1, peer=2)
     """
     m = _LABEL.fullmatch(text)
     if m is None or _ARROW[m["dir"]] != m["arrow"] or (m["stage"] is None and stage is None):
@@ -224,14 +227,6 @@ def register(name: str, *, peak: Callable[[int, int, int, int], int], chunked: b
     return wrap
 
 
-def _check_sizes(name: str, p: int, m: int, v: int) -> None:
-    bad = [f"{what} = {n!r}" for what, n in (("num_ranks", p), ("num_microbatches", m), ("num_chunks", v))
-           if not isinstance(n, int) or isinstance(n, bool) or n < 1]
-    if bad:
-        raise ScheduleError(message(f"schedule {name!r}: sizes must be positive integers.", bullets=bad,
-                                    rule="a pipeline has at least one rank, one micro-batch and one chunk per rank"))
-
-
 @register("gpipe", peak=lambda p, m, v, rank: m)
 def gpipe(p: int, m: int):
     """GPipe: every forward, then every backward; each rank holds all m activations."""
@@ -351,7 +346,16 @@ def validate(s: Schedule) -> None:
 
     Raises:
       ScheduleError: naming the rank, the position and the action at fault.
+
+    Example:
+        >>> try:
+        ...     validate(Schedule.from_rows("hand", ["B0 F0"], num_microbatches=1))
+        ... except ScheduleError as e:
+        ...     print(str(e).splitlines()[2])
+          * rank 0 position 0: B0@0 needs F0@0 earlier on rank 0 (at position 1)
     """
+    if len(s.actions) != s.num_ranks:
+        _fail(s, f"{len(s.actions)} action lists for {s.num_ranks} ranks.", [], "one list per rank")
     where: dict[Action, tuple[int, int]] = {}
     for rank, row in enumerate(s.actions):
         for pos, a in enumerate(row):
@@ -468,6 +472,11 @@ def bubble_from_timeline(timeline: Sequence[Sequence[tuple[Action, Number, Numbe
     The runtime records wall-clock intervals and :func:`simulate` simulated ones;
     both go through here, so measured and simulated figures mean the same.  An
     activation is held from the start of its F to the end of its B.
+
+    Example:
+        >>> f, b = Action("F", 0, 0), Action("B", 0, 0)
+        >>> bubble_from_timeline([[(f, 10, 11), (b, 12, 14)]]).ranks[0]
+        RankStats(busy=3, idle_fraction=Fraction(1, 4), peak_activations=1)
     """
     spans = [(t0, t1) for row in timeline for _, t0, t1 in row]
     t_first = min((t0 for t0, _ in spans), default=0)
@@ -511,6 +520,12 @@ def format_table(s: Schedule, transfers: bool = False) -> str:
 
     By default one column per time step of the unit-cost simulation, so the
     bubble shows as ``.``; with ``transfers=True`` the full action lists, in order.
+
+    Example:
+        >>> print(format_table(make_schedule("1f1b", 2, 3)))
+        1f1b: 2 ranks, 3 micro-batches; one column per time step with F = B = 1; '.' is idle; bubble 1/4
+        rank 0 | F0 F1 .  B0 F2 B1 .  B2
+        rank 1 | .  F0 B0 F1 B1 F2 B2 .
     """
     short = lambda a: a.label(with_stage=s.num_chunks > 1)  # noqa: E731
     if transfers:
