@@ -18,12 +18,8 @@ actions per rank, registered with its theoretical peak of held activations;
 Stages are logical (the model's pieces, in pipeline order).  With virtual
 stages (``num_chunks`` v > 1) rank r runs stages r, r + p, r + 2p, ...
 
-Example:
-    >>> s = make_schedule("1f1b", 2, 3)
-    >>> [str(a) for a in s.actions[1][:3]]
-    ['rF0@1<0', 'F0@1', 'B0@1']
-    >>> simulate(s).ranks[0].idle_fraction
-    Fraction(1, 4)
+    >>> [str(a) for a in make_schedule("1f1b", 2, 3).actions[1][:4]]
+    ['rF0@1<0', 'F0@1', 'B0@1', 'sB0@1>0']
 """
 from __future__ import annotations
 
@@ -153,10 +149,8 @@ class Schedule:
 
     @classmethod
     def from_rows(cls, name: str, rows: Sequence[str], num_microbatches: int, num_chunks: int = 1) -> "Schedule":
-        """Build a schedule from one string of labels per rank, e.g. ``["F0 sF0>1 rB0<1 B0", ...]``.
-
-        A label without ``@stage`` means the rank's own stage (only when ``num_chunks == 1``).
-        """
+        """A schedule from one string of labels per rank, e.g. ``["F0 sF0>1 rB0<1 B0", ...]``; a label
+        without ``@stage`` is on the rank's own stage (only when ``num_chunks == 1``)."""
         default = lambda rank: rank if num_chunks == 1 else None  # noqa: E731
         actions = tuple(tuple(parse_action(t, default(r)) for t in row.split()) for r, row in enumerate(rows))
         return cls(name, len(rows), num_microbatches, actions, num_chunks)
@@ -165,9 +159,8 @@ class Schedule:
 def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages: int) -> tuple[tuple[Action, ...], ...]:
     """Turn per-rank compute orders ``(kind, microbatch, stage)`` into full action lists.
 
-    Each compute action is preceded by the receive of its input from the
-    neighbouring stage (for F the stage before, for B the stage after) and
-    followed by the send of its output the other way, where such a stage exists.
+    A compute action comes after the receive of its input from the neighbouring stage (for F
+    the stage before, for B the one after) and before the send of its output the other way.
     """
     rows = []
     for order in orders:
@@ -187,13 +180,8 @@ def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages:
 
 @dataclass(frozen=True)
 class Generator:
-    """A registered schedule.
-
-    Attributes:
-      build: ``(num_ranks, num_microbatches, num_chunks=1) -> Schedule``.
-      peak: ``(p, m, v, rank) -> int``, activations (one per stage and micro-batch) a rank holds at once.
-      chunked: whether it takes virtual stages.
-    """
+    """A registered schedule: ``build(p, m, v=1) -> Schedule``; ``peak(p, m, v, rank)``, the activations
+    (one per stage and micro-batch) a rank holds at once in theory; whether it takes virtual stages."""
 
     build: Callable[..., Schedule]
     peak: Callable[[int, int, int, int], int]
@@ -446,13 +434,8 @@ class RankStats:
 
 @dataclass(frozen=True)
 class PipelineStats:
-    """Figures of one run, simulated or measured.
-
-    Attributes:
-      makespan: from the first start to the last end, over all ranks.
-      ranks: per rank figures.
-      timeline: per rank, ``(action, start, end)`` in run order.
-    """
+    """Figures of one run, simulated or measured: the makespan (first start to last end, over all
+    ranks), per-rank figures, and per rank the ``(action, start, end)`` intervals."""
 
     makespan: Number
     ranks: tuple[RankStats, ...]
