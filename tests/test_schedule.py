@@ -15,6 +15,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshdsl.errors import MeshDSLError
 from meshdsl.lowering import schedule as sch
@@ -154,6 +156,43 @@ def test_interleaved_sizes_and_labels():
     ]
 
 
+@st.composite
+def _any_order(draw):
+    """A schedule with one F order and one B order of the micro-batches shared by every rank (so
+    transfers pair up), each rank interleaving them at random with every F before its B."""
+    p, m = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    forwards, backwards = draw(st.permutations(range(m))), draw(st.permutations(range(m)))
+    orders = []
+    for r in range(p):
+        order, i, j = [], 0, 0
+        while j < m:
+            if i < m and (backwards[j] not in forwards[:i] or draw(st.booleans())):
+                order.append(("F", forwards[i], r))
+                i += 1
+            else:
+                order.append(("B", backwards[j], r))
+                j += 1
+        orders.append(order)
+    return Schedule("random", p, m, sch.with_transfers(orders, p))
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(_any_order())
+def test_any_valid_order_has_at_least_the_theoretical_bubble(s):
+    p, m = s.num_ranks, s.num_microbatches
+    try:
+        validate(s)
+    except ScheduleError as e:
+        # The rows are built to pass every static check; only the walk can fail.
+        assert "deadlock" in str(e).splitlines()[0]
+        return
+    stats = simulate(s)
+    # Rank p-1 cannot start before p-1 and has 2m units to do; the last gradient then needs
+    # p-1 more steps to reach rank 0: no order beats 2(m+p-1).
+    assert stats.makespan >= 2 * (m + p - 1)
+    assert all(r.idle_fraction >= bubble_theory(p, m) and 1 <= r.peak_activations <= m for r in stats.ranks)
+
+
 # ----------------------------------------------------------------------------- string, dict and table forms
 
 @pytest.mark.parametrize("name,p,m", [("gpipe", 3, 2), ("1f1b", 4, 5)])
@@ -220,6 +259,19 @@ def test_b_before_its_f():
 def test_missing_receive():
     _error(["F0 sF0>1 rB0<1 B0", "F0 B0 sB0>0"], 1,
            ["rank 1 position 0: F0@1 needs rF0@1<0 earlier on rank 1 (missing)"])
+
+
+def test_backward_and_send_need_their_inputs():
+    _error(["F0 sF0>1 B0", "rF0<0 F0 B0 sB0>0"], 1,
+           ["rank 0 position 2: B0@0 needs rB0@0<1 earlier on rank 0 (missing)"])
+    _error(["sF0>1 F0 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1,
+           ["rank 0 position 0: sF0@0>1 needs F0@0 earlier on rank 0 (at position 1)"])
+
+
+def test_receive_of_something_never_sent():
+    _error(["F0 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1,
+           ["transfer 0 from rank 0 to rank 1 does not match", "send:    nothing",
+            "receive: rank 1 position 0: rF0@1<0"])
 
 
 def test_send_never_received():
