@@ -133,7 +133,7 @@ def test_interleaved_properties(p, m, v):
         assert r.busy == 2 * v * m
         assert r.idle_fraction == Fraction(p - 1, v * m + p - 1) == bubble_theory(p, m, v)
         assert r.peak_activations == peak_theory("interleaved", p, m, rank, v)
-    # Held activations, one per (stage, micro-batch): rank 0 warms up 2(p-1) + (v-1)p forwards, plus one in steady state.
+    # One activation per (stage, micro-batch): rank 0 warms up 2(p-1) + (v-1)p forwards, then holds one more.
     assert stats.ranks[0].peak_activations == min(v * m, 2 * (p - 1) + (v - 1) * p + 1)
 
 
