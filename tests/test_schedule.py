@@ -20,25 +20,28 @@ from hypothesis import strategies as st
 
 from meshdsl.errors import MeshDSLError
 from meshdsl.lowering import schedule as sch
-from meshdsl.lowering.schedule import (Action, Schedule, ScheduleError, bubble_from_timeline, bubble_theory, costs,
-                                       format_table, make_schedule, parse_action, peak_theory, simulate, validate)
+from meshdsl.lowering import timeline as tl
+from meshdsl.lowering.schedule import (Action, Schedule, ScheduleError, bubble_theory, make_schedule, parse_action,
+                                       peak_theory, validate)
+from meshdsl.lowering.timeline import bubble_from_timeline, costs, format_table, simulate
 
 GRID = [(name, p, m) for name in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in range(1, 9)]
 
 
-def test_module_knows_nothing_about_torch():
-    tree = ast.parse(Path(sch.__file__).read_text())
+@pytest.mark.parametrize("module, allowed", [(sch, {"errors"}), (tl, {"schedule"})])
+def test_module_knows_nothing_about_torch(module, allowed):
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {n.name for node in ast.walk(tree) if isinstance(node, ast.Import) for n in node.names}
     imported |= {(node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                  and node.level == 0}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0}
     assert not any(name.split(".")[0] == "torch" for name in imported)
-    assert relative == {"errors"}
+    assert relative == allowed
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(sch)
-    assert result.failed == 0 and result.attempted >= 7
+    results = [doctest.testmod(sch), doctest.testmod(tl)]
+    assert sum(r.failed for r in results) == 0 and sum(r.attempted for r in results) >= 7
 
 
 # ----------------------------------------------------------------------------- properties
