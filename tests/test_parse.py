@@ -1,4 +1,5 @@
-"""Tests for meshdsl.layout.parse: the mesh, layout, einsum and rearrange strings.
+"""Tests for the string languages: mesh and layout (meshdsl.layout.parse), einsum and
+rearrange (meshdsl.core.equations), and the name rule they share with Dim.
 
 Positive cases check the dataclasses and that every span slices back to its name;
 bad cases check the key words of each message and where its caret points.
@@ -10,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshdsl.errors import ParseError
-from meshdsl.layout.parse import parse_einsum, parse_layout, parse_mesh, parse_rearrange
-from meshdsl.layout.specs import Group, Name
+from meshdsl.layout.parse import parse_layout, parse_mesh
+from meshdsl.core.equations import Group, parse_einsum, parse_rearrange
+from meshdsl.core.names import Name
+from meshdsl.layout.mesh import Mesh
 
 
 def _text(source, span):
@@ -43,9 +46,11 @@ def test_mesh_separators(s):
     assert [(a.name.name, a.size) for a in parse_mesh(s).axes] == [("data", 2), ("model", 4)]
 
 
-@pytest.mark.parametrize("s", ["", "   ", "# nothing\n", ";"])
-def test_mesh_empty(s):
-    assert parse_mesh(s).axes == ()
+def test_mesh_without_axes_is_asked_for_from_python():
+    # A mesh string must name an axis (the empty strings are in BAD below); the
+    # mesh with no axes, one device, is spelled Mesh(()) or Mesh.parse({}).
+    assert Mesh(()).axes == () and Mesh.parse({}) == Mesh(())
+    assert Mesh(()).size == 1 and str(Mesh(())) == "(no axes)"
 
 
 def test_parse_is_cached():
@@ -148,6 +153,13 @@ BAD = [
     (M, "data:2; data:4", ["axis 'data' is named twice.", "Rule: each mesh axis has a unique name",
                            "'data:8'"], 8, 4),
     (M, "data:2; model:0", ["axis 'model' has size 0.", "positive integers"], 14, 1),
+    (M, "", ["Invalid mesh string: the string names no mesh axis.", "Mesh(())",
+             "Fix: name at least one axis, e.g. 'data:1'"], 0, 1),
+    (M, "   ", ["the string names no mesh axis."], 0, 3),
+    (M, ";;;", ["the string names no mesh axis."], 0, 3),
+    (M, ";", ["the string names no mesh axis."], 0, 1),
+    (M, "# nothing", ["the string names no mesh axis."], 0, 9),
+    (M, "# nothing\n", ["the string names no mesh axis."], 0, 9),
     (L, "batch", ["expected ':' or '.' after name 'batch', but the string ended."], 5, 1),
     (L, "batch data", ["expected ':' or '.' after name 'batch'.",
                        "Fix: write 'batch:data'."], 6, 4),
@@ -222,7 +234,8 @@ _space = st.sampled_from(["", " ", "  "])
 @settings(derandomize=True, max_examples=60, deadline=None)
 @given(st.data())
 def test_generated_meshes_round_trip(data):
-    names = data.draw(st.lists(_names, max_size=5, unique=True))
+    # At least one axis: a mesh string without axes is an error (see BAD).
+    names = data.draw(st.lists(_names, min_size=1, max_size=5, unique=True))
     sizes = data.draw(st.lists(st.integers(1, 512), min_size=len(names), max_size=len(names)))
     parts = [f"{n}{data.draw(_space)}:{data.draw(_space)}{k}" for n, k in zip(names, sizes)]
     s = "".join(p + data.draw(_mesh_sep) for p in parts)
