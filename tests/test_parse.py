@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshdsl.errors import ParseError
+from meshdsl.core.shape import Dim
+from meshdsl.errors import ParseError, ShapeError
 from meshdsl.layout.parse import parse_layout, parse_mesh
 from meshdsl.core.equations import Group, parse_einsum, parse_rearrange
-from meshdsl.core.names import Name
+from meshdsl.core.names import NAME_PATTERN, Name, is_name
 from meshdsl.layout.mesh import Mesh
 
 
@@ -261,3 +262,108 @@ def test_generated_layouts_round_trip(rules, data):
     got = [(r.scope and r.scope.name, r.dim.name, [a.name for a in r.axes]) for r in spec.rules]
     assert got == [(scope, dim, axes) for scope, dim, axes, _ in rules]
     assert [_text(s, r.span) for r in spec.rules] == texts
+
+
+# ---------------------------------------------------------------- line breaks
+
+@pytest.mark.parametrize("brk", ["\n", "\r\n", "\r"])
+def test_every_line_break_separates(brk):
+    mesh = parse_mesh(f"data:2 # two-way{brk}model:4{brk}")
+    assert [(a.name.name, a.size) for a in mesh.axes] == [("data", 2), ("model", 4)]
+    s = f"batch:data  # rows{brk}d_ff:model{brk}params.d_model:(data, model)"
+    spec = parse_layout(s)
+    assert [(r.key, r.axis_names) for r in spec.rules] == [
+        ((None, "batch"), ("data",)), ((None, "d_ff"), ("model",)),
+        (("params", "d_model"), ("data", "model"))]
+    _assert_spans(s, [n for r in spec.rules for n in (r.dim, *r.axes)])
+
+
+@pytest.mark.parametrize("s,line,shown,col", [
+    ("batch:data\rd_ff model", 2, "d_ff model", 5),
+    ("batch:data\r\nd_ff model", 2, "d_ff model", 5),
+    ("a:x\r\nb:y\rc:z\nd z", 4, "d z", 2),
+    ("batch:(data\rd_ff:model", 1, "batch:(data", 6),
+])
+def test_caret_on_the_right_line(s, line, shown, col):
+    with pytest.raises(ParseError) as info:
+        parse_layout(s)
+    lines = str(info.value).splitlines()
+    at = next(i for i, t in enumerate(lines) if t.startswith(f"    line {line}: "))
+    assert lines[at] == f"    line {line}: {shown}"
+    assert "\r" not in str(info.value)
+    assert lines[at + 1].index("^") == len(f"    line {line}: ") + col
+
+
+# ---------------------------------------------------------------- long strings
+
+_RULES = [f"dim{i}:data" for i in range(10_000)]
+_LONG = "; ".join(_RULES)  # about 140 KB
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_long_layout_shows_a_window(where):
+    bad = "oops model"
+    parts = {"start": f"{bad}; {_LONG}", "middle": "; ".join(_RULES[:5_000] + [bad] + _RULES[5_000:]),
+             "end": f"{_LONG}; {bad}"}
+    s = parts[where]
+    with pytest.raises(ParseError) as info:
+        parse_layout(s)
+    msg = str(info.value)
+    assert len(msg) < 1_000, len(msg)
+    shown, under = next((a, b) for a, b in zip(msg.splitlines(), msg.splitlines()[1:])
+                        if b.strip() and set(b.strip()) == {"^"})
+    assert shown.startswith("    ...") == (where != "start")
+    assert shown.endswith("...") == (where != "end")
+    assert len(shown) <= len("    ") + 100 + 2 * len("...")
+    start = under.index("^")
+    assert shown[start:start + under.count("^")] == "model"
+
+
+def test_caret_without_span_clips_the_source():
+    from meshdsl.errors import caret
+    assert len(caret(_LONG, None)) < 120 and caret(_LONG, None).endswith("...")
+
+
+# ---------------------------------------------------------------- one name rule
+
+def test_grammars_mirror_the_name_pattern():
+    from meshdsl.core.grammar import parser
+    for key in ("mesh", "layout", "einsum", "rearrange"):
+        assert parser(key).get_terminal("NAME").pattern.value == NAME_PATTERN, key
+
+
+def _names_in_every_language(t: str) -> list[bool]:
+    """Whether each language reads ``t`` as exactly one name, spelled ``t``."""
+    def reads(parse, names_of):
+        try:
+            return names_of(parse()) == [t]
+        except ParseError:
+            return False
+    return [
+        reads(lambda: parse_mesh(f"{t}:2"), lambda m: [a.name.name for a in m.axes]),
+        reads(lambda: parse_layout(f"{t}:x"), lambda l: [r.dim.name for r in l.rules]),
+        reads(lambda: parse_layout(f"x:{t}"), lambda l: [a.name for r in l.rules for a in r.axes]),
+        reads(lambda: parse_einsum(f"{t} -> {t}"), lambda e: [n.name for n in e.inputs[0]]),
+        reads(lambda: parse_rearrange(f"{t} -> {t}"), lambda p: [n.name for n in p.left]),
+    ]
+
+
+def _dim_accepts(t: str) -> bool:
+    try:
+        Dim(t, 2)
+    except ShapeError:
+        return False
+    return True
+
+
+_candidates = st.one_of(
+    st.from_regex(NAME_PATTERN, fullmatch=True),
+    st.text(alphabet=st.sampled_from(list("aZ_09 äéßΩ١ℌ.-:;,#()\t")), max_size=6))
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(_candidates)
+def test_dim_and_grammars_accept_the_same_names(t):
+    want = is_name(t)
+    assert _dim_accepts(t) == want
+    assert _names_in_every_language(t) == [want] * 5

@@ -37,8 +37,11 @@ class Dim:
                                      rule=NAME_RULE,
                                      fix="use ASCII letters, digits and '_', not starting with a digit"))
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
-            raise ShapeError(message(f"Dim({self.name!r}, {self.size!r}): size must be a positive int.",
-                                     rule="every dim has a size >= 1", fix=f"write Dim({self.name!r}, N) with N >= 1"))
+            raise ShapeError(message(
+                f"Dim({self.name!r}, {self.size!r}): size must be a positive int, got "
+                f"{self.size!r} ({type(self.size).__name__}).",
+                rule="every dim has a size >= 1, an int (not a bool or float)",
+                fix=f"write Dim({self.name!r}, N) with an int N >= 1"))
 
     def __repr__(self) -> str:
         return f"{self.name}:{self.size}"

@@ -66,7 +66,7 @@ class Layout:
             return Layout(tuple(_dict_rule(text, k, v) for k, v in text.items()))
         if not isinstance(text, str):
             raise LayoutError(message(
-                f"layout {clip(repr(text))}: expected a layout, got {type(text).__name__}.",
+                f"Invalid layout {clip(repr(text))}: expected a layout, got {type(text).__name__}.",
                 rule="a layout is a layout string such as \"batch:data; d_ff:model\", a dict "
                      "{dim: axis or (axes)}, a Layout or None",
                 fix='write e.g. "batch:data; d_ff:model"'))
@@ -177,14 +177,20 @@ def _dict_rule(layout: dict, key, value) -> Rule:
     """One entry of a layout dict as a Rule, or a LayoutError naming the entry."""
     axes = ((value,) if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list))
             else None)
-    scope, _, dim = key.rpartition(".") if isinstance(key, str) else (None, None, key)
-    names = [n for n in (scope, dim) if n] + list(axes or ())
-    bad_name = next((n for n in names if not is_name(n)), None)
-    if axes is None or not isinstance(key, str) or len(set(axes)) != len(axes) or bad_name is not None:
-        bullets = [f"'{bad_name}' is not a valid name: {NAME_RULE}"] if bad_name is not None else None
+    scope, dim = key.rsplit(".", 1) if isinstance(key, str) and "." in key else (None, key)
+    names = ([] if scope is None else [scope]) + [dim] + list(axes or ())
+    bad = [n for n in names if not is_name(n)]
+    if bad:
+        bad_name = bad[0]
+        shown = f"'{bad_name}'" if isinstance(bad_name, str) else f"{bad_name!r} ({type(bad_name).__name__})"
+        raise LayoutError(message(
+            f"Layout dict entry {key!r}: {value!r}: {shown} is not a valid name.",
+            inputs=[f"layout: {clip(repr(layout))}"], rule=NAME_RULE,
+            fix="write e.g. {'batch': 'data', 'params.d_model': 'fsdp'}"))
+    if axes is None or len(set(axes)) != len(axes):
         raise LayoutError(message(
             f"Layout dict entry {key!r}: {value!r} is not a mesh axis or a tuple of distinct axes.",
-            inputs=[f"layout: {clip(repr(layout))}"], bullets=bullets,
+            inputs=[f"layout: {clip(repr(layout))}"],
             rule="a layout dict maps '[scope.]dim' to an axis name or a tuple of distinct axis names",
             fix="write e.g. {'batch': 'data', 'd_ff': ('data', 'model')}"))
     return Rule(Name(scope, None) if scope else None, Name(dim, None), tuple(Name(a, None) for a in axes))

@@ -101,10 +101,10 @@ class Mesh:
         if isinstance(text, Mesh):
             return text
         if isinstance(text, dict):
-            return Mesh(_check_axes(tuple(text.items()), f"mesh {clip(repr(text))}"))
+            return Mesh(_check_axes(tuple(text.items()), f"Invalid mesh {clip(repr(text))}"))
         if not isinstance(text, str):
             raise MeshError(message(
-                f"mesh {clip(repr(text))}: expected a mesh, got {type(text).__name__}.",
+                f"Invalid mesh {clip(repr(text))}: expected a mesh, got {type(text).__name__}.",
                 rule=f"a mesh is {_FORMS}", fix='write e.g. "data:2; model:2"'))
         from .parse import parse_mesh
 
