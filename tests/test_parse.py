@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshdsl.core.shape import Dim
-from meshdsl.errors import ParseError, ShapeError
-from meshdsl.layout.parse import parse_layout, parse_mesh
 from meshdsl.core.equations import Group, parse_einsum, parse_rearrange
 from meshdsl.core.names import NAME_PATTERN, Name, is_name
+from meshdsl.core.shape import Dim
+from meshdsl.errors import ParseError, ShapeError
 from meshdsl.layout.mesh import Mesh
+from meshdsl.layout.parse import parse_layout, parse_mesh
 
 
 def _text(source, span):
@@ -161,6 +161,7 @@ BAD = [
     (M, ";", ["the string names no mesh axis."], 0, 1),
     (M, "# nothing", ["the string names no mesh axis."], 0, 9),
     (M, "# nothing\n", ["the string names no mesh axis."], 0, 9),
+    (M, "\n  # nothing\n", ["the string names no mesh axis.", "line 2:   # nothing"], 3, 9),
     (L, "batch", ["expected ':' or '.' after name 'batch', but the string ended."], 5, 1),
     (L, "batch data", ["expected ':' or '.' after name 'batch'.",
                        "Fix: write 'batch:data'."], 6, 4),

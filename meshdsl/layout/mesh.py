@@ -28,7 +28,7 @@ def _check_axes(axes, called: str) -> tuple[tuple[str, int], ...]:
     """The axes as a tuple of ``(name, size)`` pairs, or a MeshError naming the bad entry.
 
     The same rules as a mesh string: names are identifiers, sizes ints >= 1, no
-    name twice.  Raises from None: what the user passed is the whole story.
+    name twice.  ``called`` names what the user called, for the message.
     """
     if not isinstance(axes, (tuple, list)):
         raise _mesh_error(called, f"axes must be a tuple of (name, size) pairs, got "
@@ -48,10 +48,10 @@ def _check_axes(axes, called: str) -> tuple[tuple[str, int], ...]:
                               fix="rename the axis, e.g. 'data' or 'model_2'")
         if isinstance(size, bool) or not isinstance(size, int):
             raise _mesh_error(called, f"axis '{name}' has size {size!r} ({type(size).__name__}).",
-                              rule=SIZE_RULE, fix=f"give '{name}' an int size, e.g. {{'{name}': 2}}")
+                              rule=SIZE_RULE, fix=f"give axis '{name}' an int size >= 1, e.g. 2")
         if size < 1:
             raise _mesh_error(called, f"axis '{name}' has size {size}.", rule=SIZE_RULE,
-                              fix=f"use a size of at least 1, e.g. {{'{name}': 1}}, or drop the axis")
+                              fix=f"give axis '{name}' a size of at least 1 (1 splits nothing), or drop it")
         if name in seen:
             raise _mesh_error(called, f"axis '{name}' is named twice.", rule=UNIQUE_RULE,
                               bullets=[f"first with size {seen[name]}, again with size {size}"],

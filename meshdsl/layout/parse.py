@@ -72,8 +72,9 @@ def _check_mesh(spec: MeshSpec) -> None:
     if not spec.axes:
         # Blanks, separators and comments alone: almost always a variable left
         # empty by mistake, so only Python's explicit Mesh(()) means "no axes".
-        first_line = min([src.find(b) for b in LINE_BREAKS if b in src] or [len(src)])
-        raise error(MESH, src, Span(0, first_line), "the string names no mesh axis.",
+        start = len(src) - len(src.lstrip()) if src.strip() else 0  # the first comment or ';'
+        end = min([i for i in (src.find(b, start) for b in LINE_BREAKS) if i >= 0] or [len(src)])
+        raise error(MESH, src, Span(start, end), "the string names no mesh axis.",
                     rule=EMPTY_RULE,
                     fix="name at least one axis, e.g. 'data:1' for a single device.") from None
     for i, axis in enumerate(spec.axes):
