@@ -81,8 +81,8 @@ def check_str(lang: Language, source: object) -> None:
 
 
 def parse(lang: Language, source: str, builder: Transformer):
-    """Parse ``source`` and transform the tree with ``builder``; syntax errors become ParseErrors."""
-    check_str(lang, source)
+    """Parse ``source`` (a str: callers run :func:`check_str` before their cache) with
+    ``builder``; syntax errors become ParseErrors."""
     try:
         tree = parser(lang.key).parse(source)
     except UnexpectedInput as err:
