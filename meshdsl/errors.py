@@ -45,27 +45,56 @@ class DistributedError(MeshDSLError):
     """A multi-process run failed: a rank died, timed out or compiled another plan."""
 
 
-def caret(source: str, span: Span | int | None, width: int | None = None) -> str:
-    """Return ``source`` on one line and a caret line under ``span``.
+# Characters that end a line in mesh and layout strings: "\n", "\r\n" and a lone "\r".
+LINE_BREAKS = "\r\n"
+# The most characters of one source line an error shows; a longer line is cut
+# to a window around the caret, so a 100 KB layout is not echoed whole.
+WINDOW = 100
+_CONTEXT = 40  # characters kept before the caret when a line is cut
 
-    Multi-line sources show only the line that holds the span, prefixed with its
-    line number, so layouts kept in files still point at the right spot.
+
+def clip(text: str, limit: int = WINDOW) -> str:
+    """``text`` on one line, cut to ``limit`` characters with "..." when longer."""
+    text = " ".join(text.splitlines())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _line_bounds(source: str, pos: int) -> tuple[int, int, int]:
+    """Start, end and 1-based number of the line that holds ``pos``."""
+    start = max(source.rfind(b, 0, pos) for b in LINE_BREAKS) + 1
+    ends = [i for i in (source.find(b, pos) for b in LINE_BREAKS) if i >= 0]
+    end = min(ends) if ends else len(source)
+    head = source[:start]
+    number = head.count("\n") + head.count("\r") - head.count("\r\n") + 1
+    return start, end, number
+
+
+def caret(source: str, span: Span | int | None, width: int | None = None) -> str:
+    """Return the line of ``source`` that holds ``span`` and a caret line under it.
+
+    Multi-line sources (any of ``\n``, ``\r\n``, ``\r``) show only the line that
+    holds the span, prefixed with its line number, so layouts kept in files still
+    point at the right spot.  A line longer than :data:`WINDOW` characters is cut
+    to a window around the span, with "..." on each cut side.
     """
     if span is None:
-        return f"    {source}"
+        return f"    {clip(source)}"
     if isinstance(span, int):
         span = Span(span, span + (width or 1))
-    start = max(0, min(span.start, len(source)))
-    line_start = source.rfind("\n", 0, start) + 1
-    line_end = source.find("\n", start)
-    if line_end < 0:
-        line_end = len(source)
+    pos = max(0, min(span.start, len(source)))
+    line_start, line_end, lineno = _line_bounds(source, pos)
     line = source[line_start:line_end]
-    col = start - line_start
-    length = max(1, min(span.end, line_end) - start)
+    col = pos - line_start
+    length = max(1, min(span.end, line_end) - pos)
+    if len(line) > WINDOW:
+        lo = max(0, min(col - _CONTEXT, len(line) - WINDOW))
+        hi = lo + WINDOW
+        length = max(1, min(length, hi - col))
+        left = "..." if lo else ""
+        line = left + line[lo:hi] + ("..." if hi < len(line) else "")
+        col += len(left) - lo
     prefix = "    "
-    if "\n" in source:
-        lineno = source.count("\n", 0, line_start) + 1
+    if any(b in source for b in LINE_BREAKS):
         prefix = f"    line {lineno}: "
     return f"{prefix}{line}\n{' ' * (len(prefix) + col)}{'^' * length}"
 

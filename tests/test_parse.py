@@ -1,4 +1,5 @@
-"""Tests for meshdsl.layout.parse: the mesh, layout, einsum and rearrange strings.
+"""Tests for the string languages: mesh and layout (meshdsl.layout.parse), einsum and
+rearrange (meshdsl.core.equations), and the name rule they share with Dim.
 
 Positive cases check the dataclasses and that every span slices back to its name;
 bad cases check the key words of each message and where its caret points.
@@ -9,9 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshdsl.errors import ParseError
-from meshdsl.layout.parse import parse_einsum, parse_layout, parse_mesh, parse_rearrange
-from meshdsl.layout.specs import Group, Name
+from meshdsl.core.equations import Group, parse_einsum, parse_rearrange
+from meshdsl.core.names import NAME_PATTERN, Name, is_name
+from meshdsl.core.shape import Dim
+from meshdsl.errors import ParseError, ShapeError
+from meshdsl.layout.mesh import Mesh
+from meshdsl.layout.parse import parse_layout, parse_mesh
 
 
 def _text(source, span):
@@ -43,9 +47,11 @@ def test_mesh_separators(s):
     assert [(a.name.name, a.size) for a in parse_mesh(s).axes] == [("data", 2), ("model", 4)]
 
 
-@pytest.mark.parametrize("s", ["", "   ", "# nothing\n", ";"])
-def test_mesh_empty(s):
-    assert parse_mesh(s).axes == ()
+def test_mesh_without_axes_is_asked_for_from_python():
+    # A mesh string must name an axis (the empty strings are in BAD below); the
+    # mesh with no axes, one device, is spelled Mesh(()) or Mesh.parse({}).
+    assert Mesh(()).axes == () and Mesh.parse({}) == Mesh(())
+    assert Mesh(()).size == 1 and str(Mesh(())) == "(no axes)"
 
 
 def test_parse_is_cached():
@@ -148,6 +154,14 @@ BAD = [
     (M, "data:2; data:4", ["axis 'data' is named twice.", "Rule: each mesh axis has a unique name",
                            "'data:8'"], 8, 4),
     (M, "data:2; model:0", ["axis 'model' has size 0.", "positive integers"], 14, 1),
+    (M, "", ["Invalid mesh string: the string names no mesh axis.", "Mesh(())",
+             "Fix: name at least one axis, e.g. 'data:1'"], 0, 1),
+    (M, "   ", ["the string names no mesh axis."], 0, 3),
+    (M, ";;;", ["the string names no mesh axis."], 0, 3),
+    (M, ";", ["the string names no mesh axis."], 0, 1),
+    (M, "# nothing", ["the string names no mesh axis."], 0, 9),
+    (M, "# nothing\n", ["the string names no mesh axis."], 0, 9),
+    (M, "\n  # nothing\n", ["the string names no mesh axis.", "line 2:   # nothing"], 3, 9),
     (L, "batch", ["expected ':' or '.' after name 'batch', but the string ended."], 5, 1),
     (L, "batch data", ["expected ':' or '.' after name 'batch'.",
                        "Fix: write 'batch:data'."], 6, 4),
@@ -222,7 +236,8 @@ _space = st.sampled_from(["", " ", "  "])
 @settings(derandomize=True, max_examples=60, deadline=None)
 @given(st.data())
 def test_generated_meshes_round_trip(data):
-    names = data.draw(st.lists(_names, max_size=5, unique=True))
+    # At least one axis: a mesh string without axes is an error (see BAD).
+    names = data.draw(st.lists(_names, min_size=1, max_size=5, unique=True))
     sizes = data.draw(st.lists(st.integers(1, 512), min_size=len(names), max_size=len(names)))
     parts = [f"{n}{data.draw(_space)}:{data.draw(_space)}{k}" for n, k in zip(names, sizes)]
     s = "".join(p + data.draw(_mesh_sep) for p in parts)
@@ -248,3 +263,108 @@ def test_generated_layouts_round_trip(rules, data):
     got = [(r.scope and r.scope.name, r.dim.name, [a.name for a in r.axes]) for r in spec.rules]
     assert got == [(scope, dim, axes) for scope, dim, axes, _ in rules]
     assert [_text(s, r.span) for r in spec.rules] == texts
+
+
+# ---------------------------------------------------------------- line breaks
+
+@pytest.mark.parametrize("brk", ["\n", "\r\n", "\r"])
+def test_every_line_break_separates(brk):
+    mesh = parse_mesh(f"data:2 # two-way{brk}model:4{brk}")
+    assert [(a.name.name, a.size) for a in mesh.axes] == [("data", 2), ("model", 4)]
+    s = f"batch:data  # rows{brk}d_ff:model{brk}params.d_model:(data, model)"
+    spec = parse_layout(s)
+    assert [(r.key, r.axis_names) for r in spec.rules] == [
+        ((None, "batch"), ("data",)), ((None, "d_ff"), ("model",)),
+        (("params", "d_model"), ("data", "model"))]
+    _assert_spans(s, [n for r in spec.rules for n in (r.dim, *r.axes)])
+
+
+@pytest.mark.parametrize("s,line,shown,col", [
+    ("batch:data\rd_ff model", 2, "d_ff model", 5),
+    ("batch:data\r\nd_ff model", 2, "d_ff model", 5),
+    ("a:x\r\nb:y\rc:z\nd z", 4, "d z", 2),
+    ("batch:(data\rd_ff:model", 1, "batch:(data", 6),
+])
+def test_caret_on_the_right_line(s, line, shown, col):
+    with pytest.raises(ParseError) as info:
+        parse_layout(s)
+    lines = str(info.value).splitlines()
+    at = next(i for i, t in enumerate(lines) if t.startswith(f"    line {line}: "))
+    assert lines[at] == f"    line {line}: {shown}"
+    assert "\r" not in str(info.value)
+    assert lines[at + 1].index("^") == len(f"    line {line}: ") + col
+
+
+# ---------------------------------------------------------------- long strings
+
+_RULES = [f"dim{i}:data" for i in range(10_000)]
+_LONG = "; ".join(_RULES)  # about 140 KB
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_long_layout_shows_a_window(where):
+    bad = "oops model"
+    parts = {"start": f"{bad}; {_LONG}", "middle": "; ".join(_RULES[:5_000] + [bad] + _RULES[5_000:]),
+             "end": f"{_LONG}; {bad}"}
+    s = parts[where]
+    with pytest.raises(ParseError) as info:
+        parse_layout(s)
+    msg = str(info.value)
+    assert len(msg) < 1_000, len(msg)
+    shown, under = next((a, b) for a, b in zip(msg.splitlines(), msg.splitlines()[1:])
+                        if b.strip() and set(b.strip()) == {"^"})
+    assert shown.startswith("    ...") == (where != "start")
+    assert shown.endswith("...") == (where != "end")
+    assert len(shown) <= len("    ") + 100 + 2 * len("...")
+    start = under.index("^")
+    assert shown[start:start + under.count("^")] == "model"
+
+
+def test_caret_without_span_clips_the_source():
+    from meshdsl.errors import caret
+    assert len(caret(_LONG, None)) < 120 and caret(_LONG, None).endswith("...")
+
+
+# ---------------------------------------------------------------- one name rule
+
+def test_grammars_mirror_the_name_pattern():
+    from meshdsl.core.grammar import parser
+    for key in ("mesh", "layout", "einsum", "rearrange"):
+        assert parser(key).get_terminal("NAME").pattern.value == NAME_PATTERN, key
+
+
+def _names_in_every_language(t: str) -> list[bool]:
+    """Whether each language reads ``t`` as exactly one name, spelled ``t``."""
+    def reads(parse, names_of):
+        try:
+            return names_of(parse()) == [t]
+        except ParseError:
+            return False
+    return [
+        reads(lambda: parse_mesh(f"{t}:2"), lambda m: [a.name.name for a in m.axes]),
+        reads(lambda: parse_layout(f"{t}:x"), lambda l: [r.dim.name for r in l.rules]),
+        reads(lambda: parse_layout(f"x:{t}"), lambda l: [a.name for r in l.rules for a in r.axes]),
+        reads(lambda: parse_einsum(f"{t} -> {t}"), lambda e: [n.name for n in e.inputs[0]]),
+        reads(lambda: parse_rearrange(f"{t} -> {t}"), lambda p: [n.name for n in p.left]),
+    ]
+
+
+def _dim_accepts(t: str) -> bool:
+    try:
+        Dim(t, 2)
+    except ShapeError:
+        return False
+    return True
+
+
+_candidates = st.one_of(
+    st.from_regex(NAME_PATTERN, fullmatch=True),
+    st.text(alphabet=st.sampled_from(list("aZ_09 äéßΩ١ℌ.-:;,#()\t")), max_size=6))
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(_candidates)
+def test_dim_and_grammars_accept_the_same_names(t):
+    want = is_name(t)
+    assert _dim_accepts(t) == want
+    assert _names_in_every_language(t) == [want] * 5

@@ -11,23 +11,37 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import ShapeError, did_you_mean, message
+from .names import NAME_RULE, is_name
 
 
 @dataclass(frozen=True)
 class Dim:
-    """A named tensor dimension, e.g. ``Dim("batch", 32)``."""
+    """A named tensor dimension, e.g. ``Dim("batch", 32)``.
+
+    Args:
+      name: an ASCII identifier (:data:`meshdsl.core.names.NAME_PATTERN`), the
+        same names a layout string can spell.
+      size: an int >= 1 (not a bool).
+
+    Raises:
+      ShapeError: on a bad name or size.
+    """
 
     name: str
     size: int
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name.isidentifier():
+        if not is_name(self.name):
+            # The same rule as the grammars' NAME, so every dim can be named in a layout.
             raise ShapeError(message(f"Dim(name={self.name!r}, size={self.size!r}): bad name.",
-                                     rule="a dim name is an identifier such as 'batch' or 'd_model'",
-                                     fix="use letters, digits and '_', not starting with a digit"))
+                                     rule=NAME_RULE,
+                                     fix="use ASCII letters, digits and '_', not starting with a digit"))
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
-            raise ShapeError(message(f"Dim({self.name!r}, {self.size!r}): size must be a positive int.",
-                                     rule="every dim has a size >= 1", fix=f"write Dim({self.name!r}, N) with N >= 1"))
+            raise ShapeError(message(
+                f"Dim({self.name!r}, {self.size!r}): size must be a positive int, got "
+                f"{self.size!r} ({type(self.size).__name__}).",
+                rule="every dim has a size >= 1, an int (not a bool or float)",
+                fix=f"write Dim({self.name!r}, N) with an int N >= 1"))
 
     def __repr__(self) -> str:
         return f"{self.name}:{self.size}"

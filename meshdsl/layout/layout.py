@@ -11,26 +11,13 @@ earlier have priority, and the compiler may pick the cheaper of the variants.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
-from ..errors import LayoutError, Span, did_you_mean, message
+from ..core.names import NAME_RULE, Name, is_name
 from ..core.shape import Shape
+from ..errors import LayoutError, clip, did_you_mean, message
 from .mesh import Mesh
 from .sharding import Sharding
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One resolved rule; ``span`` points into the layout source (may be None)."""
-
-    scope: str | None
-    dim: str
-    axes: tuple[str, ...]
-    order: int
-    span: Span | None = None
-    axis_spans: tuple[Span, ...] = ()
-    dim_span: Span | None = None
-    scope_span: Span | None = None
+from .specs import Rule
 
 
 class Layout:
@@ -43,54 +30,53 @@ class Layout:
         self.rules = tuple(rules)
         self.source = source
         self._by_key: dict[tuple[str | None, str], Rule] = {}
-        for r in self.rules:
-            key = (r.scope, r.dim)
-            if key in self._by_key and self._by_key[key].axes != r.axes:
+        self._order: dict[tuple[str | None, str], int] = {}  # earlier rules win conflicts
+        for i, r in enumerate(self.rules):
+            key = r.key
+            if key in self._by_key and self._by_key[key].axis_names != r.axis_names:
                 first = self._by_key[key]
-                where = f"'{r.scope}.{r.dim}'" if r.scope else f"'{r.dim}'"
+                where = f"'{key[0]}.{key[1]}'" if key[0] else f"'{key[1]}'"
                 raise LayoutError(message(
-                    f"Contradicting layout rules for {where}: {first.axes} and {r.axes}.",
+                    f"Contradicting layout rules for {where}: {first.axis_names} and {r.axis_names}.",
                     source=self.source, span=r.span,
                     rule="each (scope, dim) is mapped to one set of mesh axes",
                     fix=f"keep one of the rules for {where}, or scope one of them "
-                        f"(e.g. 'params.{r.dim}:...' for weights)"))
+                        f"(e.g. 'params.{key[1]}:...' for weights)"))
             self._by_key.setdefault(key, r)
+            self._order.setdefault(key, i)
 
     @staticmethod
     def parse(text: "str | Layout | dict | None") -> "Layout":
-        """Build a layout from a layout string, a dict ``{dim: axis or (axes)}`` or a Layout."""
+        """Build a layout from a layout string, a dict ``{dim: axis or (axes)}`` or a Layout.
+
+        Args:
+          text: e.g. ``"batch:data; d_ff:(data, model)"`` or
+            ``{"batch": "data", "params.d_model": "fsdp"}``; None or ``""`` is the
+            empty layout (everything replicated).
+
+        Raises:
+          ParseError: on a malformed layout string (with a caret under the spot).
+          LayoutError: on a bad dict entry or an argument of another type.
+        """
         if isinstance(text, Layout):
             return text
         if text is None:
             return Layout()
         if isinstance(text, dict):
-            rules = []
-            for i, (k, v) in enumerate(text.items()):
-                axes = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (tuple, list)) else None
-                if (not isinstance(k, str) or axes is None
-                        or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes)):
-                    raise LayoutError(message(
-                        f"Layout dict entry {k!r}: {v!r} is not a mesh axis or a tuple of distinct axes.",
-                        inputs=[f"layout: {text!r}"],
-                        rule="a layout dict maps '[scope.]dim' to an axis name or a tuple of distinct axis names",
-                        fix="write e.g. {'batch': 'data', 'd_ff': ('data', 'model')}"))
-                scope, _, dim = k.rpartition(".")
-                rules.append(Rule(scope or None, dim, axes, i))
-            return Layout(tuple(rules))
+            return Layout(tuple(_dict_rule(text, k, v) for k, v in text.items()))
+        if not isinstance(text, str):
+            raise LayoutError(message(
+                f"Invalid layout {clip(repr(text))}: expected a layout, got {type(text).__name__}.",
+                rule="a layout is a layout string such as \"batch:data; d_ff:model\", a dict "
+                     "{dim: axis or (axes)}, a Layout or None",
+                fix='write e.g. "batch:data; d_ff:model"'))
         from .parse import parse_layout
 
         spec = parse_layout(text)
-        rules = tuple(
-            Rule(r.scope.name if r.scope else None, r.dim.name, tuple(a.name for a in r.axes), i, r.span,
-                 tuple(a.span for a in r.axes), r.dim.span, r.scope.span if r.scope else None)
-            for i, r in enumerate(spec.rules))
-        return Layout(rules, source=spec.source)
+        return Layout(spec.rules, source=spec.source)
 
     def __str__(self) -> str:
-        def one(r):
-            axes = r.axes[0] if len(r.axes) == 1 else "(" + ",".join(r.axes) + ")"
-            return f"{r.scope + '.' if r.scope else ''}{r.dim}:{axes}"
-        return "; ".join(one(r) for r in self.rules)
+        return "; ".join(map(str, self.rules))
 
     def _err(self, what, span, **kw):
         return LayoutError(message(what, source=self.source, span=span, **kw))
@@ -98,24 +84,26 @@ class Layout:
     def validate(self, mesh: Mesh, dims: dict[str, int], tensor_names: set[str]) -> None:
         """Check every rule against the mesh and the graph's dims and tensor names."""
         for r in self.rules:
-            for axis, sp in itertools.zip_longest(r.axes, r.axis_spans):
+            scope, dim = r.key
+            for axis_name in r.axes:
+                axis = axis_name.name
                 if axis not in mesh.sizes:
                     raise self._err(
-                        f"Layout rule '{r.dim}' names unknown mesh axis '{axis}'.{did_you_mean(axis, mesh.names)}",
-                        sp or r.span, inputs=[f"mesh: {mesh}"],
+                        f"Layout rule '{dim}' names unknown mesh axis '{axis}'.{did_you_mean(axis, mesh.names)}",
+                        axis_name.span or r.span, inputs=[f"mesh: {mesh}"],
                         rule="a layout maps dims to axes of the mesh",
                         fix=f"use one of {list(mesh.names)} or add '{axis}:N' to the mesh")
-            if r.dim not in dims:
+            if dim not in dims:
                 raise self._err(
-                    f"Layout rule names dim '{r.dim}', which no tensor of the model has."
-                    f"{did_you_mean(r.dim, dims)}", r.dim_span or r.span,
+                    f"Layout rule names dim '{dim}', which no tensor of the model has."
+                    f"{did_you_mean(dim, dims)}", r.dim.span or r.span,
                     inputs=[f"model dims: {', '.join(sorted(dims))}"],
                     rule="every rule's dim must be a dim of some tensor in the model",
                     fix="correct the dim name or drop the rule")
-            if r.scope and r.scope != "params" and r.scope not in tensor_names:
+            if scope and scope != "params" and scope not in tensor_names:
                 raise self._err(
-                    f"Layout rule scope '{r.scope}' is neither 'params' nor the name of a tensor."
-                    f"{did_you_mean(r.scope, tensor_names | {'params'})}", r.scope_span or r.span,
+                    f"Layout rule scope '{scope}' is neither 'params' nor the name of a tensor."
+                    f"{did_you_mean(scope, tensor_names | {'params'})}", r.scope.span or r.span,
                     inputs=[f"named tensors: {', '.join(sorted(tensor_names)) or '(none)'}"],
                     rule="'SCOPE.dim:axis' applies to all params (SCOPE=params) or to the tensor named SCOPE",
                     fix="use 'params.' or the name of a param or input")
@@ -145,9 +133,9 @@ class Layout:
         wanted = self.wanted(shape, scopes)
         for name, r in wanted.items():
             size = shape.get(name).size
-            n = mesh.axis_size(r.axes)
+            n = mesh.axis_size(r.axis_names)
             if size % n:
-                axes = " x ".join(f"{a}:{mesh.sizes[a]}" for a in r.axes)
+                axes = " x ".join(f"{a}:{mesh.sizes[a]}" for a in r.axis_names)
                 raise self._err(
                     f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes {axes} (= {n}).",
                     r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
@@ -155,27 +143,27 @@ class Layout:
                     fix=f"make '{name}' a multiple of {n} (pad it), or map it to smaller axes")
         users: dict[str, list[str]] = {}
         for name, r in wanted.items():
-            for a in r.axes:
+            for a in r.axis_names:
                 users.setdefault(a, []).append(name)
         contested = {a: ns for a, ns in users.items() if len(ns) > 1}
         if not contested:
-            return [(Sharding.of(shape, {n: r.axes for n, r in wanted.items()}), "")]
+            return [(Sharding.of(shape, {n: r.axis_names for n, r in wanted.items()}), "")]
         if strict:
             a, ns = next(iter(contested.items()))
             raise self._err(
                 f"Tensor '{what}' {shape}: mesh axis '{a}' is used by dims {ns}.",
-                wanted[ns[1]].span, inputs=[f"mesh: {mesh}", f"layout: {self}"],
+                wanted[ns[1]].span, inputs=[f"mesh: {mesh}", f"layout: {clip(str(self))}"],
                 rule="a mesh axis may split at most one dim of a tensor",
                 fix=f"map one of {ns} to another axis, or scope a rule to this tensor "
                     f"(e.g. '{what}.{ns[1]}:OTHER_AXIS')")
         # Each contested axis goes to one of its contenders; a dim keeps only the
         # axes it won (dropping a dim's axis keeps its remaining ones in order).
-        prio = {n: r.order for n, r in wanted.items()}
+        prio = {n: self._order[r.key] for n, r in wanted.items()}
         out = []
         names = list(contested)
         for choice in itertools.product(*(contested[a] for a in names)):
             won = dict(zip(names, choice))
-            split = {n: tuple(a for a in r.axes if won.get(a, n) == n) for n, r in wanted.items()}
+            split = {n: tuple(a for a in r.axis_names if won.get(a, n) == n) for n, r in wanted.items()}
             why = "; ".join(f"'{a}' -> {won[a]} (not {', '.join(x for x in contested[a] if x != won[a])})"
                             for a in names)
             key = tuple(prio[won[a]] for a in names)
@@ -183,3 +171,26 @@ class Layout:
         out.sort(key=lambda t: t[0])
         return [(s, note) for _, s, note in out]
         return out
+
+
+def _dict_rule(layout: dict, key, value) -> Rule:
+    """One entry of a layout dict as a Rule, or a LayoutError naming the entry."""
+    axes = ((value,) if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list))
+            else None)
+    scope, dim = key.rsplit(".", 1) if isinstance(key, str) and "." in key else (None, key)
+    names = ([] if scope is None else [scope]) + [dim] + list(axes or ())
+    bad = [n for n in names if not is_name(n)]
+    if bad:
+        bad_name = bad[0]
+        shown = f"'{bad_name}'" if isinstance(bad_name, str) else f"{bad_name!r} ({type(bad_name).__name__})"
+        raise LayoutError(message(
+            f"Layout dict entry {key!r}: {value!r}: {shown} is not a valid name.",
+            inputs=[f"layout: {clip(repr(layout))}"], rule=NAME_RULE,
+            fix="write e.g. {'batch': 'data', 'params.d_model': 'fsdp'}"))
+    if axes is None or len(set(axes)) != len(axes):
+        raise LayoutError(message(
+            f"Layout dict entry {key!r}: {value!r} is not a mesh axis or a tuple of distinct axes.",
+            inputs=[f"layout: {clip(repr(layout))}"],
+            rule="a layout dict maps '[scope.]dim' to an axis name or a tuple of distinct axis names",
+            fix="write e.g. {'batch': 'data', 'd_ff': ('data', 'model')}"))
+    return Rule(Name(scope, None) if scope else None, Name(dim, None), tuple(Name(a, None) for a in axes))

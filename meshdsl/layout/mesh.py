@@ -9,7 +9,57 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..errors import MeshError, did_you_mean, message
+from ..core.names import NAME_RULE, is_name
+from ..errors import MeshError, clip, did_you_mean, message
+
+SIZE_RULE = "mesh sizes are positive integers (an int >= 1; not a bool, float or str)."
+UNIQUE_RULE = "each mesh axis has a unique name."
+EMPTY_RULE = ("a mesh string names at least one axis; a mesh with no axes (one device) is "
+              "asked for explicitly from Python, Mesh(()).")
+_FORMS = ("a mesh string such as \"data:2; model:2\", a dict {axis: size} such as "
+          "{\"data\": 2, \"model\": 2}, or a Mesh")
+
+
+def _mesh_error(called: str, what: str, *, rule: str, fix: str, bullets=None) -> MeshError:
+    return MeshError(message(f"{called}: {what}", bullets=bullets, rule=rule, fix=fix))
+
+
+def _check_axes(axes, called: str) -> tuple[tuple[str, int], ...]:
+    """The axes as a tuple of ``(name, size)`` pairs, or a MeshError naming the bad entry.
+
+    The same rules as a mesh string: names are identifiers, sizes ints >= 1, no
+    name twice.  ``called`` names what the user called, for the message.
+    """
+    if not isinstance(axes, (tuple, list)):
+        raise _mesh_error(called, f"axes must be a tuple of (name, size) pairs, got "
+                                  f"{type(axes).__name__}.", rule="a Mesh is built from "
+                                  "((axis, size), ...) in major-to-minor order",
+                          fix='write Mesh((("data", 2), ("model", 2))) or Mesh.parse("data:2; model:2")')
+    out, seen = [], {}
+    for entry in axes:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise _mesh_error(called, f"entry {entry!r} is not a (name, size) pair.",
+                              rule="a Mesh is built from ((axis, size), ...) in major-to-minor order",
+                              fix='write each axis as ("data", 2)')
+        name, size = entry
+        if not is_name(name):
+            shown = f"'{name}'" if isinstance(name, str) else f"{name!r} ({type(name).__name__})"
+            raise _mesh_error(called, f"axis name {shown} is not a valid name.", rule=NAME_RULE,
+                              fix="rename the axis, e.g. 'data' or 'model_2'")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise _mesh_error(called, f"axis '{name}' has size {size!r} ({type(size).__name__}).",
+                              rule=SIZE_RULE, fix=f"give axis '{name}' an int size >= 1, e.g. 2")
+        if size < 1:
+            raise _mesh_error(called, f"axis '{name}' has size {size}.", rule=SIZE_RULE,
+                              fix=f"give axis '{name}' a size of at least 1 (1 splits nothing), or drop it")
+        if name in seen:
+            raise _mesh_error(called, f"axis '{name}' is named twice.", rule=UNIQUE_RULE,
+                              bullets=[f"first with size {seen[name]}, again with size {size}"],
+                              fix=f"rename one of them, or merge them into one axis of size "
+                                  f"{seen[name] * size}")
+        seen[name] = size
+        out.append((name, size))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -17,8 +67,13 @@ class Mesh:
     """An ordered set of named mesh axes.
 
     Args:
-      axes: ``((name, size), ...)`` in major-to-minor order.
+      axes: ``((name, size), ...)`` in major-to-minor order.  Names are
+        identifiers, sizes ints >= 1, no name twice.  ``Mesh(())`` is the mesh
+        with no axes (a single device); a mesh string cannot be empty.
       source: the string it was parsed from, when there was one.
+
+    Raises:
+      MeshError: on a bad name, a bad size, a repeated name or a malformed ``axes``.
 
     Example: ``Mesh.parse("data:2; model:2")``.
     """
@@ -26,13 +81,31 @@ class Mesh:
     axes: tuple[tuple[str, int], ...]
     source: str | None = None
 
+    def __post_init__(self):
+        # Frozen: normalise lists to tuples so every Mesh is hashable (plans are
+        # cached on it).
+        object.__setattr__(self, "axes", _check_axes(self.axes, f"Mesh(axes={clip(repr(self.axes))})"))
+
     @staticmethod
     def parse(text: "str | Mesh | dict") -> "Mesh":
-        """Build a mesh from a mesh string, a dict ``{axis: size}``, or a Mesh."""
+        """Build a mesh from a mesh string, a dict ``{axis: size}``, or a Mesh.
+
+        Args:
+          text: e.g. ``"data:2; model:2"`` or ``{"data": 2, "model": 2}``.  The
+            empty dict is the mesh with no axes; the empty string is an error.
+
+        Raises:
+          ParseError: on a malformed mesh string (with a caret under the spot).
+          MeshError: on a bad dict entry or an argument of another type.
+        """
         if isinstance(text, Mesh):
             return text
         if isinstance(text, dict):
-            return Mesh(tuple((str(k), int(v)) for k, v in text.items()))
+            return Mesh(_check_axes(tuple(text.items()), f"Invalid mesh {clip(repr(text))}"))
+        if not isinstance(text, str):
+            raise MeshError(message(
+                f"Invalid mesh {clip(repr(text))}: expected a mesh, got {type(text).__name__}.",
+                rule=f"a mesh is {_FORMS}", fix='write e.g. "data:2; model:2"'))
         from .parse import parse_mesh
 
         spec = parse_mesh(text)

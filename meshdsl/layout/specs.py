@@ -1,6 +1,6 @@
-"""Frozen dataclasses that the string sub-languages parse into.
+"""Frozen dataclasses that mesh and layout strings parse into.
 
-Each remembers the source string and the span of every name, so semantic errors
+Each remembers its source string and the span of every name, so semantic errors
 found later (an unknown axis, a size that does not divide) can underline the
 exact spot.  No lark object ever leaves :mod:`meshdsl.layout.parse`.
 """
@@ -8,15 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.names import Name
 from ..errors import Span
-
-
-@dataclass(frozen=True)
-class Name:
-    """An identifier and where it stands in its source string."""
-
-    name: str
-    span: Span
 
 
 @dataclass(frozen=True)
@@ -37,48 +30,40 @@ class MeshSpec:
 
 
 @dataclass(frozen=True)
-class RuleSpec:
-    """One layout rule: ``[scope.]dim : axis`` or ``dim : (axis, axis)``.
+class Rule:
+    """One layout rule: ``[scope.]dim:axis`` or ``dim:(axis, axis)`` (first axis major).
 
-    ``scope`` is None for a global rule, ``"params"`` for every trainable
-    parameter (and its gradient), or the name of one tensor.
+    ``scope`` is None for a global rule, ``params`` for every trainable
+    parameter (and its gradient), or the name of one tensor.  Names carry their
+    spans in the layout string; a rule built from a dict has no spans.
+
+    Example: ``params.d_model:fsdp`` is ``Rule(scope=params, dim=d_model, axes=(fsdp,))``.
     """
 
     scope: Name | None
     dim: Name
     axes: tuple[Name, ...]
-    span: Span
+    span: Span | None = None
+
+    @property
+    def key(self) -> tuple[str | None, str]:
+        """``(scope, dim)`` as plain strings: what the rule applies to."""
+        return (self.scope.name if self.scope else None, self.dim.name)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The mesh axes as plain strings, first major."""
+        return tuple(a.name for a in self.axes)
+
+    def __str__(self) -> str:
+        names = self.axis_names
+        axes = names[0] if len(names) == 1 else "(" + ",".join(names) + ")"
+        return f"{self.scope.name + '.' if self.scope else ''}{self.dim.name}:{axes}"
 
 
 @dataclass(frozen=True)
 class LayoutSpec:
     """A parsed layout string: rules in the order written (earlier = higher priority)."""
 
-    rules: tuple[RuleSpec, ...]
-    source: str
-
-
-@dataclass(frozen=True)
-class EinsumSpec:
-    """``"batch d_model, d_model d_ff -> batch d_ff"``; output None when ``->`` is omitted."""
-
-    inputs: tuple[tuple[Name, ...], ...]
-    output: tuple[Name, ...] | None
-    source: str
-
-
-@dataclass(frozen=True)
-class Group:
-    """A parenthesised composition ``(heads d_k)`` in a rearrange pattern."""
-
-    names: tuple[Name, ...]
-    span: Span
-
-
-@dataclass(frozen=True)
-class PatternSpec:
-    """``"batch seq (heads d_k) -> batch seq heads d_k"``: each side a list of names or groups."""
-
-    left: tuple[Name | Group, ...]
-    right: tuple[Name | Group, ...]
+    rules: tuple[Rule, ...]
     source: str

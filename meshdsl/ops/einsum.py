@@ -90,7 +90,7 @@ def einsum(equation: str, *xs: Tensor) -> Tensor:
     Raises:
       ParseError, ShapeError: on a malformed equation or names that do not match.
     """
-    from ..layout.parse import parse_einsum
+    from ..core.equations import parse_einsum
 
     spec = parse_einsum(equation)
     bad = next((x for x in xs if not isinstance(x, Tensor)), None)

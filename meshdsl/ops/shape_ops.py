@@ -206,8 +206,7 @@ def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
 
     Example: ``rearrange(x, "batch seq (heads d_k) -> batch seq heads d_k", heads=8)``.
     """
-    from ..layout.parse import parse_rearrange
-    from ..layout.specs import Group
+    from ..core.equations import Group, parse_rearrange
 
     spec = parse_rearrange(pattern)
     if len(spec.left) != len(x.shape):

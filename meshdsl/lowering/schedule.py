@@ -1,0 +1,416 @@
+"""Pipeline schedules as data: generators, a validator, and a bubble simulator.
+
+When the layout puts the stacked ``layer`` dim on a ``stage`` mesh axis, each
+rank of that axis runs a slice of the layers and the batch is cut into
+micro-batches.  A :class:`Schedule` lists, per rank, the forward (``F``) and
+backward (``B``) actions it runs and the transfers between ranks, in order.  It
+is plain data and this module knows nothing about torch: the executor walks a
+schedule, the CLI prints it, and the layout search prices it with :func:`meshdsl.lowering.timeline.simulate`.
+
+A new schedule is one function that lists ``(kind, microbatch, stage)`` compute
+actions per rank, registered with its theoretical peak of held activations;
+:func:`with_transfers` derives the sends and receives::
+
+    @register("gpipe", peak=lambda p, m, v, rank: m)
+    def gpipe(p, m):
+        return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
+
+Stages are logical (the model's pieces, in pipeline order).  With virtual
+stages (``num_chunks`` v > 1) rank r runs stages r, r + p, r + 2p, ...
+
+    >>> [str(a) for a in make_schedule("1f1b", 2, 3).actions[1][:4]]
+    ['rF0@1<0', 'F0@1', 'B0@1', 'sB0@1>0']
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Sequence, Union
+
+from ..errors import MeshDSLError, Span, did_you_mean, message
+
+Number = Union[int, float, Fraction]
+
+
+class ScheduleError(MeshDSLError):
+    """A pipeline schedule is unknown, malformed, mismatched, or deadlocks."""
+
+
+COMPUTE = ("F", "B")
+# The transfer each compute kind sends and receives, and which way its data flows:
+# an F sends activations downstream, a B sends gradients upstream.  A split backward
+# (zero bubble: "I" sends the input gradient, "W" only computes weight gradients) adds
+# its kinds to these tables and its dependencies to _needs.
+SEND_OF = {"F": "send_act", "B": "send_grad"}
+RECV_OF = {"F": "recv_act", "B": "recv_grad"}
+DIRECTION = {"F": +1, "B": -1}
+CARRIES = {t: k for table in (SEND_OF, RECV_OF) for k, t in table.items()}
+KINDS = COMPUTE + tuple(SEND_OF.values()) + tuple(RECV_OF.values())
+
+_LABEL = re.compile(r"(?P<dir>[sr]?)(?P<kind>[FB])(?P<mb>\d+)(?:@(?P<stage>\d+))?(?:(?P<arrow>[<>])(?P<peer>\d+))?")
+_ARROW = {"": None, "s": ">", "r": "<"}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One entry of a rank's list.
+
+    Attributes:
+      kind: ``F``, ``B``, ``send_act``, ``recv_act``, ``send_grad`` or ``recv_grad``.
+      microbatch: the micro-batch index.
+      stage: the logical stage whose data it computes, sends or receives.
+      peer: for a transfer, the logical stage at the other end; None otherwise.
+    """
+
+    kind: str
+    microbatch: int
+    stage: int
+    peer: int | None = None
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind in SEND_OF.values()
+
+    @property
+    def is_recv(self) -> bool:
+        return self.kind in RECV_OF.values()
+
+    def message_key(self) -> tuple[str, int, int, int]:
+        """What a transfer carries: (compute kind, micro-batch, source stage, destination stage)."""
+        src, dst = (self.stage, self.peer) if self.is_send else (self.peer, self.stage)
+        return (CARRIES[self.kind], self.microbatch, src, dst)
+
+    def label(self, with_stage: bool = True) -> str:
+        """Compact form: ``F3@1`` (F of micro-batch 3 on stage 1), ``sF3@1>2``, ``rB3@1<2``."""
+        at = f"@{self.stage}" if with_stage else ""
+        if self.kind in COMPUTE:
+            return f"{self.kind}{self.microbatch}{at}"
+        return f"{self.kind[0]}{CARRIES[self.kind]}{self.microbatch}{at}{'>' if self.is_send else '<'}{self.peer}"
+
+    __str__ = label
+
+
+def parse_action(text: str, stage: int | None = None) -> Action:
+    """Parse :meth:`Action.label`'s form; ``stage`` fills in a label written without ``@stage``.
+
+    Example:
+        >>> parse_action("sF3>2", stage=1)
+        Action(kind='send_act', microbatch=3, stage=1, peer=2)
+    """
+    m = _LABEL.fullmatch(text)
+    if m is None or _ARROW[m["dir"]] != m["arrow"] or (m["stage"] is None and stage is None):
+        raise ScheduleError(message(
+            f"parse_action({text!r}): not a schedule action.", source=text, span=Span(0, max(1, len(text))),
+            rule="F<mb> or B<mb> for compute; s/r + F/B + <mb> + >/< + <peer stage> for transfers, "
+                 "each optionally with @<stage> after the micro-batch",
+            fix="write e.g. 'F3', 'B3@1', 'sF3>2' (send activations of micro-batch 3 to stage 2), 'rB3<2'"))
+    kind = {"": m["kind"], "s": SEND_OF[m["kind"]], "r": RECV_OF[m["kind"]]}[m["dir"]]
+    return Action(kind, int(m["mb"]), stage if m["stage"] is None else int(m["stage"]),
+                  None if m["peer"] is None else int(m["peer"]))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: one tuple of actions per rank of the ``stage`` axis.
+
+    Attributes:
+      name: the generator's name, e.g. ``"1f1b"``.
+      num_ranks: ranks on the ``stage`` axis (p).
+      num_microbatches: micro-batches per step (m).
+      actions: ``actions[rank]`` is the order that rank runs.
+      num_chunks: stages per rank (v); stage ``s`` runs on rank ``s % num_ranks``.
+    """
+
+    name: str
+    num_ranks: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    num_chunks: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        """Logical stages, ``num_ranks * num_chunks``."""
+        return self.num_ranks * self.num_chunks
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def to_dict(self) -> dict:
+        """JSON-ready form; :meth:`from_dict` reads it back."""
+        return {"name": self.name, "num_ranks": self.num_ranks, "num_microbatches": self.num_microbatches,
+                "num_chunks": self.num_chunks, "actions": [[str(a) for a in row] for row in self.actions]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schedule":
+        return cls.from_rows(d["name"], [" ".join(row) for row in d["actions"]], d["num_microbatches"],
+                             d.get("num_chunks", 1))
+
+    @classmethod
+    def from_rows(cls, name: str, rows: Sequence[str], num_microbatches: int, num_chunks: int = 1) -> "Schedule":
+        """A schedule from one string of labels per rank, e.g. ``["F0 sF0>1 rB0<1 B0", ...]``; a label
+        without ``@stage`` is on the rank's own stage (only when ``num_chunks == 1``)."""
+        default = lambda rank: rank if num_chunks == 1 else None  # noqa: E731
+        actions = tuple(tuple(parse_action(t, default(r)) for t in row.split()) for r, row in enumerate(rows))
+        return cls(name, len(rows), num_microbatches, actions, num_chunks)
+
+
+def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages: int) -> tuple[tuple[Action, ...], ...]:
+    """Turn per-rank compute orders ``(kind, microbatch, stage)`` into full action lists.
+
+    A compute action comes after the receive of its input from the neighbouring stage (for F
+    the stage before, for B the one after) and before the send of its output the other way.
+    """
+    rows = []
+    for order in orders:
+        row: list[Action] = []
+        for kind, mb, stage in order:
+            src, dst = stage - DIRECTION[kind], stage + DIRECTION[kind]
+            if 0 <= src < num_stages:
+                row.append(Action(RECV_OF[kind], mb, stage, src))
+            row.append(Action(kind, mb, stage))
+            if 0 <= dst < num_stages:
+                row.append(Action(SEND_OF[kind], mb, stage, dst))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+# ----------------------------------------------------------------------------- generators
+
+@dataclass(frozen=True)
+class Generator:
+    """A registered schedule: ``build(p, m, v=1) -> Schedule``; ``peak(p, m, v, rank)``, the activations
+    (one per stage and micro-batch) a rank holds at once in theory; whether it takes virtual stages."""
+
+    build: Callable[..., Schedule]
+    peak: Callable[[int, int, int, int], int]
+    chunked: bool = False
+
+
+SCHEDULES: dict[str, Generator] = {}
+
+
+def register(name: str, *, peak: Callable[[int, int, int, int], int], chunked: bool = False):
+    """Register a function of ``(p, m)`` (``(p, m, v)`` if ``chunked``) that returns compute orders per rank.
+
+    The decorated name becomes a builder ``(p, m, v=1) -> Schedule``.
+    """
+    def wrap(order_fn):
+        @functools.wraps(order_fn)
+        def build(p: int, m: int, v: int = 1) -> Schedule:
+            bad = [f"{what} = {n!r}" for what, n in (("num_ranks", p), ("num_microbatches", m), ("num_chunks", v))
+                   if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+            if bad:
+                raise ScheduleError(message(f"schedule {name!r}: sizes must be positive integers.", bullets=bad,
+                                            rule="a pipeline has at least one rank, one micro-batch and one chunk"))
+            if v != 1 and not chunked:
+                others = sorted(n for n, g in SCHEDULES.items() if g.chunked)
+                raise ScheduleError(message(f"schedule {name!r} with num_chunks={v}: it has no virtual stages.",
+                                            fix=f"use num_chunks=1, or one of: {', '.join(others)}"))
+            orders = order_fn(p, m, v) if chunked else order_fn(p, m)
+            return Schedule(name, p, m, with_transfers(orders, p * v), v)
+        SCHEDULES[name] = Generator(build, peak, chunked)
+        return build
+    return wrap
+
+
+@register("gpipe", peak=lambda p, m, v, rank: m)
+def gpipe(p: int, m: int):
+    """GPipe: every forward, then every backward; each rank holds all m activations."""
+    return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
+
+
+def _warm_then_alternate(forwards: list, backwards: list, warm: int) -> list:
+    """``warm`` forwards, then one forward and one backward in turn, then the remaining backwards."""
+    steady = [x for pair in zip(forwards[warm:], backwards) for x in pair]
+    return forwards[:warm] + steady + backwards[len(forwards) - warm:]
+
+
+@register("1f1b", peak=lambda p, m, v, rank: min(p - rank, m))
+def one_f_one_b(p: int, m: int):
+    """1F1B (PipeDream-flush): rank r runs p-1-r warm-up forwards, then alternates.
+
+    It holds at most p - r activations instead of GPipe's m, for the same bubble.
+    """
+    return [_warm_then_alternate([("F", mb, r) for mb in range(m)], [("B", mb, r) for mb in range(m)],
+                                 min(p - 1 - r, m)) for r in range(p)]
+
+
+@register("interleaved", chunked=True,
+          peak=lambda p, m, v, rank: min(v * m, 2 * (p - 1 - rank) + (v - 1) * p + 1))
+def interleaved_1f1b(p: int, m: int, v: int):
+    """Interleaved 1F1B (Megatron-LM's virtual stages): rank r runs stages r, r+p, ..., r+(v-1)p.
+
+    Micro-batches go in groups of p: a group's forwards run through chunk 0, then
+    chunk 1, ...; backwards mirror that from the last chunk.  Rank r warms up with
+    2(p-1-r) + (v-1)p forwards.  With unit cost per chunk action the bubble
+    shrinks to (p-1)/(v*m + p-1), for more activations held (counted per chunk).
+    """
+    if p < 2 or m % p:
+        raise ScheduleError(message(
+            f"schedule 'interleaved' with {p} rank(s) and {m} micro-batch(es): unsupported sizes.",
+            rule="virtual stages need at least 2 ranks, and micro-batches in whole groups of num_ranks",
+            fix=f"use at least 2 ranks and a multiple of {max(p, 2)} micro-batches, or '1f1b'"))
+    order = [(c, mb) for g in range(0, m, p) for c in range(v) for mb in range(g, g + p)]
+    return [_warm_then_alternate([("F", mb, c * p + r) for c, mb in order],
+                                 [("B", mb, (v - 1 - c) * p + r) for c, mb in order],
+                                 min(2 * (p - 1 - r) + (v - 1) * p, v * m)) for r in range(p)]
+
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Build and validate the registered schedule ``name``.
+
+    Raises:
+      ScheduleError: unknown name (with a did-you-mean), sizes below 1, or chunks
+        for a schedule without virtual stages.
+    """
+    if name not in SCHEDULES:
+        raise ScheduleError(message(f"make_schedule({name!r}, ...): unknown schedule.",
+                                    inputs=[f"known: {', '.join(sorted(SCHEDULES))}"],
+                                    fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
+    schedule = SCHEDULES[name].build(num_ranks, num_microbatches, num_chunks)
+    validate(schedule)
+    return schedule
+
+
+def peak_theory(name: str, num_ranks: int, num_microbatches: int, rank: int = 0, num_chunks: int = 1) -> int:
+    """Activations ``rank`` holds at once in theory: m for GPipe, min(p - rank, m) for 1F1B."""
+    return SCHEDULES[name].peak(num_ranks, num_microbatches, num_chunks, rank)
+
+
+def bubble_theory(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Fraction:
+    """Idle fraction of each rank with equal action costs: (p-1)/(v*m + p-1)."""
+    return Fraction(num_ranks - 1, num_chunks * num_microbatches + num_ranks - 1)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def unit_cost(a: Action) -> int:
+    """F = B = 1, transfers free: the cost under which the bubble theory is exact."""
+    return 1 if a.kind in COMPUTE else 0
+
+
+def _needs(a: Action, num_stages: int) -> list[Action]:
+    """Actions that must come earlier on the same rank: a compute's received input, B's own F, a send's compute."""
+    if a.kind in COMPUTE:
+        src = a.stage - DIRECTION[a.kind]
+        needs = [Action(RECV_OF[a.kind], a.microbatch, a.stage, src)] if 0 <= src < num_stages else []
+        return needs + ([Action("F", a.microbatch, a.stage)] if a.kind == "B" else [])
+    if a.is_send:
+        return [Action(CARRIES[a.kind], a.microbatch, a.stage)]
+    return []
+
+
+def _fail(s: Schedule, what: str, bullets: list[str], rule: str, fix: str | None = None):
+    raise ScheduleError(message(
+        f"validate(schedule {s.name!r}): {what}", bullets=bullets, rule=rule, fix=fix,
+        inputs=[f"ranks = {s.num_ranks}, micro-batches = {s.num_microbatches}, chunks per rank = {s.num_chunks}"]))
+
+
+def _match(s: Schedule, where: dict[Action, tuple[int, int]]) -> dict[Action, Action]:
+    """Pair every receive with its send; transfers between two ranks must pair up in order (one channel each)."""
+    pairs: dict[Action, Action] = {}
+    for src in range(s.num_ranks):
+        for dst in range(s.num_ranks):
+            sends = [a for a in s.actions[src] if a.is_send and s.rank_of(a.peer) == dst]
+            recvs = [a for a in s.actions[dst] if a.is_recv and s.rank_of(a.peer) == src]
+            for i in range(max(len(sends), len(recvs))):
+                snd, rcv = sends[i] if i < len(sends) else None, recvs[i] if i < len(recvs) else None
+                if snd is None or rcv is None or snd.message_key() != rcv.message_key():
+                    at = lambda a: f"rank {where[a][0]} position {where[a][1]}: {a}" if a else "nothing"  # noqa: E731
+                    _fail(s, f"transfer {i} from rank {src} to rank {dst} does not match.",
+                          [f"send:    {at(snd)}", f"receive: {at(rcv)}"],
+                          "the k-th send from one rank to another is the k-th receive there from that rank, "
+                          "for the same micro-batch and stages",
+                          "receive in the order the peer sends, and send each transfer that is received")
+                pairs[rcv] = snd
+    return pairs
+
+
+def validate(s: Schedule) -> None:
+    """Check a schedule before it runs, as the executor will run it.
+
+    Every action is on its stage's rank, with the right peer, once; every stage
+    runs F and B of every micro-batch; on each rank an action comes after what it
+    needs (B after its F, a compute after the receive of its input, a send after
+    its compute); sends pair with receives in order; and walking the lists (sends
+    never block, a receive waits for its send) ends with every rank done.
+
+    Raises:
+      ScheduleError: naming the rank, the position and the action at fault.
+
+    Example:
+        >>> try:
+        ...     validate(Schedule.from_rows("hand", ["B0 F0"], num_microbatches=1))
+        ... except ScheduleError as e:
+        ...     print(str(e).splitlines()[2])
+          * rank 0 position 0: B0@0 needs F0@0 earlier on rank 0 (at position 1)
+    """
+    if len(s.actions) != s.num_ranks:
+        _fail(s, f"{len(s.actions)} action lists for {s.num_ranks} ranks.", [], "one list per rank")
+    where: dict[Action, tuple[int, int]] = {}
+    for rank, row in enumerate(s.actions):
+        for pos, a in enumerate(row):
+            spot = f"rank {rank} position {pos}: {a}"
+            if a.kind not in KINDS or not 0 <= a.stage < s.num_stages or not 0 <= a.microbatch < s.num_microbatches:
+                _fail(s, "action out of range.", [spot], f"kinds {', '.join(KINDS)}; stages 0..{s.num_stages - 1}; "
+                      f"micro-batches 0..{s.num_microbatches - 1}")
+            peer = None if a.kind in COMPUTE else a.stage + DIRECTION[CARRIES[a.kind]] * (1 if a.is_send else -1)
+            for ok, what, bullet, rule in [
+                    (s.rank_of(a.stage) == rank, "action on the wrong rank.",
+                     f"{spot} belongs to rank {s.rank_of(a.stage)}", "stage s runs on rank s % num_ranks"),
+                    (peer is None or 0 <= peer < s.num_stages, "transfer past an end of the pipeline.",
+                     f"{spot}: there is no stage {peer}", "none leave the last stage or reach the first"),
+                    (a.peer == peer, "transfer with the wrong peer.", f"{spot}: peer should be stage {peer}",
+                     "activations go from stage s to s+1, gradients from s+1 to s; compute has no peer"),
+                    (a not in where, "duplicated action.", f"{spot}, first at position {where.get(a, (0, 0))[1]}",
+                     "each action appears once")]:
+                if not ok:
+                    _fail(s, what, [bullet], rule)
+            where[a] = (rank, pos)
+    for stage in range(s.num_stages):
+        for mb in range(s.num_microbatches):
+            for kind in COMPUTE:
+                if Action(kind, mb, stage) not in where:
+                    _fail(s, "missing action.", [f"rank {s.rank_of(stage)} has no {Action(kind, mb, stage)}"],
+                          "every stage runs F and B of every micro-batch once")
+    for a, (rank, pos) in where.items():
+        for need in _needs(a, s.num_stages):
+            if need not in where or where[need][1] > pos:
+                state = "missing" if need not in where else f"at position {where[need][1]}"
+                _fail(s, f"{a} comes before what it needs.",
+                      [f"rank {rank} position {pos}: {a} needs {need} earlier on rank {rank} ({state})"],
+                      "a B comes after its F; a compute after the receive of its input; a send after its compute")
+    waiting = _walk(s, _match(s, where), unit_cost, 0)[1]
+    if waiting:
+        _fail(s, "deadlock: no rank can go on.",
+              [f"rank {r} position {pos}: {a} waits for {snd} on rank {where[snd][0]} (position {where[snd][1]})"
+               for r, pos, a, snd in waiting],
+              "sends never block, a receive waits for its send; each rank runs its list in order",
+              "reorder so that each rank sends what its peers wait for before it waits itself")
+
+
+def _walk(s: Schedule, pairs: dict[Action, Action], cost: Callable[[Action], Number], latency: Number):
+    """Run every rank's list in order with times; return (timeline, blocked receives)."""
+    done: dict[Action, Number] = {}
+    clock: list[Number] = [0] * s.num_ranks
+    timeline: list[list[tuple[Action, Number, Number]]] = [[] for _ in s.actions]
+    moved = True
+    while moved:
+        moved = False
+        for rank, row in enumerate(s.actions):
+            while len(timeline[rank]) < len(row):
+                a = row[len(timeline[rank])]
+                start = clock[rank]
+                end = start + cost(a)
+                if a.is_recv:
+                    if pairs[a] not in done:
+                        break
+                    end = max(end, done[pairs[a]] + latency)
+                done[a], clock[rank] = end, end
+                timeline[rank].append((a, start, end))
+                moved = True
+    blocked = [(r, len(t), row[len(t)], pairs[row[len(t)]]) for r, (row, t) in enumerate(zip(s.actions, timeline))
+               if len(t) < len(row)]
+    return timeline, blocked

@@ -1,0 +1,129 @@
+"""Pipeline timelines: simulate a schedule on model time, or measure a recorded one.
+
+:func:`simulate` runs a :class:`~.schedule.Schedule` with per-action costs;
+the runtime records wall-clock ``(action, start, end)`` intervals.  Both go
+through :func:`bubble_from_timeline`, so simulated and measured bubbles,
+busy times and peak activations are computed by the same code.  Like the
+schedule module, this knows nothing about torch: the layout search prices a
+pipeline from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Sequence
+
+from .schedule import COMPUTE, Action, Number, Schedule, _match, _walk, unit_cost, validate
+
+def costs(forward: Number = 1, backward: Number = 1, transfer: Number = 0) -> Callable[[Action], Number]:
+    """A cost function with the given F, B and per-transfer times, e.g. ``costs(1, 2)``."""
+    return lambda a: forward if a.kind == "F" else backward if a.kind == "B" else transfer
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's figures: compute time, idle fraction of the makespan, peak activations held."""
+
+    busy: Number
+    idle_fraction: Number
+    peak_activations: int
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """Figures of one run, simulated or measured: the makespan (first start to last end, over all
+    ranks), per-rank figures, and per rank the ``(action, start, end)`` intervals."""
+
+    makespan: Number
+    ranks: tuple[RankStats, ...]
+    timeline: tuple[tuple[tuple[Action, Number, Number], ...], ...]
+
+
+def _ratio(a: Number, b: Number) -> Number:
+    """a / b, exact when both are rational."""
+    if b == 0:
+        return 0
+    return Fraction(a) / Fraction(b) if isinstance(a, (int, Fraction)) and isinstance(b, (int, Fraction)) else a / b
+
+
+def bubble_from_timeline(timeline: Sequence[Sequence[tuple[Action, Number, Number]]]) -> PipelineStats:
+    """Busy time, idle fraction and peak activations per rank from recorded ``(action, start, end)``.
+
+    The runtime records wall-clock intervals and :func:`simulate` simulated ones;
+    both go through here, so measured and simulated figures mean the same.  An
+    activation is held from the start of its F to the end of its B.
+
+    Example:
+        >>> f, b = Action("F", 0, 0), Action("B", 0, 0)
+        >>> bubble_from_timeline([[(f, 10, 11), (b, 12, 14)]]).ranks[0]
+        RankStats(busy=3, idle_fraction=Fraction(1, 4), peak_activations=1)
+    """
+    spans = [(t0, t1) for row in timeline for _, t0, t1 in row]
+    t_first = min((t0 for t0, _ in spans), default=0)
+    makespan = max((t1 for _, t1 in spans), default=0) - t_first
+    ranks = []
+    for row in timeline:
+        busy: Number = 0
+        held: set[tuple[int, int]] = set()
+        peak = 0
+        for a, t0, t1 in sorted(row, key=lambda e: (e[1], e[2])):
+            if a.kind in COMPUTE:
+                busy += t1 - t0
+            if a.kind == "F":
+                held.add((a.stage, a.microbatch))
+                peak = max(peak, len(held))
+            elif a.kind == "B":
+                held.discard((a.stage, a.microbatch))
+        ranks.append(RankStats(busy, _ratio(makespan - busy, makespan), peak))
+    return PipelineStats(makespan, tuple(ranks), tuple(tuple(row) for row in timeline))
+
+
+def simulate(s: Schedule, cost: Callable[[Action], Number] = unit_cost, latency: Number = 0) -> PipelineStats:
+    """Validate ``s``, then run it on simulated time.
+
+    Each rank runs its list in order; a receive ends no earlier than its send's
+    end plus ``latency``.  With integer or Fraction costs every figure is exact.
+
+    Example:
+        >>> from meshdsl.lowering.schedule import make_schedule
+        >>> simulate(make_schedule("gpipe", 4, 4)).ranks[3].idle_fraction
+        Fraction(3, 7)
+    """
+    validate(s)
+    where = {a: (r, i) for r, row in enumerate(s.actions) for i, a in enumerate(row)}
+    return bubble_from_timeline(_walk(s, _match(s, where), cost, latency)[0])
+
+
+# ----------------------------------------------------------------------------- printing
+
+def format_table(s: Schedule, transfers: bool = False) -> str:
+    """A per-rank table.
+
+    By default one column per time step of the unit-cost simulation, so the
+    bubble shows as ``.``; with ``transfers=True`` the full action lists, in order.
+
+    Example:
+        >>> from meshdsl.lowering.schedule import make_schedule
+        >>> print(format_table(make_schedule("1f1b", 2, 3)))
+        1f1b: 2 ranks, 3 micro-batches; one column per time step with F = B = 1; '.' is idle; bubble 1/4
+        rank 0 | F0 F1 .  B0 F2 B1 .  B2
+        rank 1 | .  F0 B0 F1 B1 F2 B2 .
+    """
+    short = lambda a: a.label(with_stage=s.num_chunks > 1)  # noqa: E731
+    if transfers:
+        rows = [[short(a) for a in row] for row in s.actions]
+        head = "actions in run order (sF3>1: send micro-batch 3's activations to stage 1; rB3<2: receive its gradient)"
+    else:
+        stats = simulate(s)
+        rows = [["."] * int(stats.makespan) for _ in s.actions]
+        for r, row in enumerate(stats.timeline):
+            for a, t0, _ in row:
+                if a.kind in COMPUTE:
+                    rows[r][int(t0)] = short(a)
+        bubble = max(r.idle_fraction for r in stats.ranks)
+        head = f"one column per time step with F = B = 1; '.' is idle; bubble {bubble}"
+    width = max((len(c) for row in rows for c in row), default=1)
+    lines = [f"{s.name}: {s.num_ranks} ranks, {s.num_microbatches} micro-batches"
+             + (f", {s.num_chunks} stages per rank" if s.num_chunks > 1 else "") + f"; {head}"]
+    lines += [f"rank {r} | " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(rows)]
+    return "\n".join(lines)

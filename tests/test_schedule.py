@@ -1,0 +1,356 @@
+"""Pipeline schedules: properties of every generated schedule, the validator's errors on
+broken hand-written ones, the string and dict forms, and simulated vs recorded figures.
+
+The properties are checked by code written here, not by the module's own helpers
+(transfers are paired by scanning the rows; positions are compared directly), so a
+bug in the validator cannot hide a bug in a generator.
+"""
+from __future__ import annotations
+
+import ast
+import doctest
+import json
+import re
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshdsl.errors import MeshDSLError
+from meshdsl.lowering import schedule as sch
+from meshdsl.lowering import timeline as tl
+from meshdsl.lowering.schedule import (Action, Schedule, ScheduleError, bubble_theory, make_schedule, parse_action,
+                                       peak_theory, validate)
+from meshdsl.lowering.timeline import bubble_from_timeline, costs, format_table, simulate
+
+GRID = [(name, p, m) for name in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in range(1, 9)]
+
+
+@pytest.mark.parametrize("module, allowed", [(sch, {"errors"}), (tl, {"schedule"})])
+def test_module_knows_nothing_about_torch(module, allowed):
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {n.name for node in ast.walk(tree) if isinstance(node, ast.Import) for n in node.names}
+    imported |= {(node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.level == 0}
+    relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0}
+    assert not any(name.split(".")[0] == "torch" for name in imported)
+    assert relative == allowed
+
+
+def test_docstring_examples_run():
+    results = [doctest.testmod(sch), doctest.testmod(tl)]
+    assert sum(r.failed for r in results) == 0 and sum(r.attempted for r in results) >= 7
+
+
+# ----------------------------------------------------------------------------- properties
+
+@pytest.mark.parametrize("name,p,m", GRID)
+def test_generated_schedule_properties(name, p, m):
+    s = make_schedule(name, p, m)
+    validate(s)
+    assert (s.num_ranks, s.num_microbatches, len(s.actions)) == (p, m, p)
+    for rank, row in enumerate(s.actions):
+        pos = {a: i for i, a in enumerate(row)}
+        assert len(pos) == len(row), "an action appears twice"
+        for mb in range(m):
+            f, b = Action("F", mb, rank), Action("B", mb, rank)
+            assert f in pos and b in pos and pos[f] < pos[b]
+        assert sum(a.kind in ("F", "B") for a in row) == 2 * m
+    # Transfers between two ranks pair up in order: the k-th send is the k-th receive.
+    for src in range(p):
+        for dst in range(p):
+            sent = [(a.kind[5:], a.microbatch, a.stage, a.peer) for a in s.actions[src]
+                    if a.kind.startswith("send") and a.peer == dst]
+            got = [(a.kind[5:], a.microbatch, a.peer, a.stage) for a in s.actions[dst]
+                   if a.kind.startswith("recv") and a.peer == src]
+            assert sent == got
+            assert len(sent) == (m if abs(src - dst) == 1 else 0)
+    if p == 1:
+        assert all(a.kind in ("F", "B") for a in s.actions[0])
+
+
+@pytest.mark.parametrize("name,p,m", GRID)
+def test_unit_cost_bubble_and_peak_match_theory(name, p, m):
+    stats = simulate(make_schedule(name, p, m))
+    assert stats.makespan == 2 * (m + p - 1)
+    for rank, r in enumerate(stats.ranks):
+        assert r.busy == 2 * m
+        assert r.idle_fraction == Fraction(p - 1, m + p - 1) == bubble_theory(p, m)
+        assert r.peak_activations == peak_theory(name, p, m, rank)
+    peaks = [r.peak_activations for r in stats.ranks]
+    if name == "gpipe":
+        assert peaks == [m] * p
+    else:
+        assert max(peaks) <= p and peaks[0] == min(p, m)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("forward,backward", [(1, 2), (2, 3), (Fraction(1, 3), 1)])
+def test_bubble_does_not_depend_on_the_backward_to_forward_ratio(name, forward, backward):
+    for p in (2, 3, 4):
+        for m in (1, 3, 8):
+            stats = simulate(make_schedule(name, p, m), costs(forward, backward))
+            assert stats.makespan == (m + p - 1) * (forward + backward)
+            assert all(r.idle_fraction == bubble_theory(p, m) for r in stats.ranks)
+
+
+def test_latency_delays_each_receive():
+    # F0@0, (1) F0@1, B0@1, (1) B0@0: four unit computes and two hops of latency 1.
+    assert simulate(make_schedule("gpipe", 2, 1), latency=1).makespan == 6
+
+
+def test_a_new_schedule_is_one_registered_function(monkeypatch):
+    monkeypatch.setattr(sch, "SCHEDULES", dict(sch.SCHEDULES))
+
+    @sch.register("gpipe-lifo", peak=lambda p, m, v, rank: m)
+    def gpipe_lifo(p, m):
+        return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in reversed(range(m))] for r in range(p)]
+
+    s = make_schedule("gpipe-lifo", 3, 4)
+    assert [str(a) for a in s.actions[2][-3:]] == ["sB1@2>1", "B0@2", "sB0@2>1"]
+    assert all(r.idle_fraction == bubble_theory(3, 4) and r.peak_activations == 4 for r in simulate(s).ranks)
+
+
+INTERLEAVED = [(p, m, v) for p in (2, 3, 4) for v in (1, 2, 3) for m in range(p, 13, p)]
+
+
+@pytest.mark.parametrize("p,m,v", INTERLEAVED)
+def test_interleaved_properties(p, m, v):
+    s = make_schedule("interleaved", p, m, num_chunks=v)
+    assert s.num_stages == p * v
+    for rank, row in enumerate(s.actions):
+        pos = {a: i for i, a in enumerate(row)}
+        assert len(pos) == len(row)
+        assert {a.stage for a in row} == set(range(rank, p * v, p))
+        for stage in range(rank, p * v, p):
+            for mb in range(m):
+                assert pos[Action("F", mb, stage)] < pos[Action("B", mb, stage)]
+                if stage + 1 < p * v:  # the activation leaves after the F, the gradient arrives before the B
+                    assert pos[Action("F", mb, stage)] < pos[Action("send_act", mb, stage, stage + 1)]
+                    assert pos[Action("recv_grad", mb, stage, stage + 1)] < pos[Action("B", mb, stage)]
+    stats = simulate(s)
+    assert stats.makespan == 2 * (v * m + p - 1)
+    for rank, r in enumerate(stats.ranks):
+        assert r.busy == 2 * v * m
+        assert r.idle_fraction == Fraction(p - 1, v * m + p - 1) == bubble_theory(p, m, v)
+        assert r.peak_activations == peak_theory("interleaved", p, m, rank, v)
+    # One activation per (stage, micro-batch): rank 0 warms up 2(p-1) + (v-1)p forwards, then holds one more.
+    assert stats.ranks[0].peak_activations == min(v * m, 2 * (p - 1) + (v - 1) * p + 1)
+
+
+def test_interleaved_beats_1f1b_bubble_for_more_activations():
+    one, inter = simulate(make_schedule("1f1b", 4, 8)), simulate(make_schedule("interleaved", 4, 8, num_chunks=2))
+    assert inter.ranks[0].idle_fraction == Fraction(3, 19) < one.ranks[0].idle_fraction == Fraction(3, 11)
+    # Per chunk of half a stage: 11 half-stage activations are 5.5 stages' worth, more than 1F1B's 4.
+    assert (inter.ranks[0].peak_activations, one.ranks[0].peak_activations) == (11, 4)
+
+
+def test_interleaved_sizes_and_labels():
+    for p, m in ((1, 4), (2, 3), (4, 6)):
+        with pytest.raises(ScheduleError, match="unsupported sizes"):
+            make_schedule("interleaved", p, m, num_chunks=2)
+    s = make_schedule("interleaved", 2, 2, num_chunks=2)
+    assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    assert format_table(s).splitlines()[1:] == [
+        "rank 0 | F0@0 F1@0 F0@2 F1@2 .    B0@2 .    B1@2 B0@0 B1@0",
+        "rank 1 | .    F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 B0@1 B1@1 .",
+    ]
+
+
+@st.composite
+def _any_order(draw):
+    """A schedule with one F order and one B order of the micro-batches shared by every rank (so
+    transfers pair up), each rank interleaving them at random with every F before its B."""
+    p, m = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    forwards, backwards = draw(st.permutations(range(m))), draw(st.permutations(range(m)))
+    orders = []
+    for r in range(p):
+        order, i, j = [], 0, 0
+        while j < m:
+            if i < m and (backwards[j] not in forwards[:i] or draw(st.booleans())):
+                order.append(("F", forwards[i], r))
+                i += 1
+            else:
+                order.append(("B", backwards[j], r))
+                j += 1
+        orders.append(order)
+    return Schedule("random", p, m, sch.with_transfers(orders, p))
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(_any_order())
+def test_any_valid_order_has_at_least_the_theoretical_bubble(s):
+    p, m = s.num_ranks, s.num_microbatches
+    try:
+        validate(s)
+    except ScheduleError as e:
+        # The rows are built to pass every static check; only the walk can fail.
+        assert "deadlock" in str(e).splitlines()[0]
+        return
+    stats = simulate(s)
+    # Rank p-1 cannot start before p-1 and has 2m units to do; the last gradient then needs
+    # p-1 more steps to reach rank 0: no order beats 2(m+p-1).
+    assert stats.makespan >= 2 * (m + p - 1)
+    assert all(r.idle_fraction >= bubble_theory(p, m) and 1 <= r.peak_activations <= m for r in stats.ranks)
+
+
+# ----------------------------------------------------------------------------- string, dict and table forms
+
+@pytest.mark.parametrize("name,p,m", [("gpipe", 3, 2), ("1f1b", 4, 5)])
+def test_string_and_dict_round_trip(name, p, m):
+    s = make_schedule(name, p, m)
+    for row in s.actions:
+        for a in row:
+            assert parse_action(str(a)) == a
+            assert parse_action(a.label(with_stage=False), stage=a.stage) == a
+    assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    assert Schedule.from_rows(name, [" ".join(a.label(False) for a in row) for row in s.actions], m) == s
+
+
+def test_labels():
+    assert [str(a) for a in (Action("F", 3, 1), Action("B", 0, 2), Action("send_act", 3, 1, 2),
+                             Action("recv_act", 3, 2, 1), Action("send_grad", 4, 2, 1),
+                             Action("recv_grad", 4, 1, 2))] == ["F3@1", "B0@2", "sF3@1>2", "rF3@2<1", "sB4@2>1",
+                                                                 "rB4@1<2"]
+
+
+@pytest.mark.parametrize("text", ["X3", "F", "sF3", "sF3<1", "rB3>1", "F3>1", "f3", "F-1", "sF3@1>2 "])
+def test_bad_labels_are_rejected_with_a_caret(text):
+    with pytest.raises(ScheduleError, match=re.escape(text)) as e:
+        parse_action(text, stage=0)
+    assert "^" in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_a_label_without_stage_needs_one():
+    with pytest.raises(ScheduleError):
+        parse_action("F3")
+
+
+def test_table_shows_time_steps_and_the_bubble():
+    assert format_table(make_schedule("1f1b", 2, 3)).splitlines()[1:] == [
+        "rank 0 | F0 F1 .  B0 F2 B1 .  B2",
+        "rank 1 | .  F0 B0 F1 B1 F2 B2 .",
+    ]
+    assert "bubble 1/4" in format_table(make_schedule("1f1b", 2, 3))
+    lines = format_table(make_schedule("gpipe", 2, 2), transfers=True).splitlines()[1:]
+    assert [line.split() for line in lines] == [
+        ["rank", "0", "|", "F0", "sF0>1", "F1", "sF1>1", "rB0<1", "B0", "rB1<1", "B1"],
+        ["rank", "1", "|", "rF0<0", "F0", "rF1<0", "F1", "B0", "sB0>0", "B1", "sB1>0"],
+    ]
+
+
+# ----------------------------------------------------------------------------- broken schedules
+
+def _error(rows, m, match_all):
+    s = Schedule.from_rows("hand", rows, m)
+    with pytest.raises(ScheduleError) as e:
+        validate(s)
+    text = str(e.value)
+    for piece in match_all:
+        assert piece in text, f"{piece!r} not in:\n{text}"
+    assert isinstance(e.value, MeshDSLError) and isinstance(e.value, ValueError)
+    assert "Rule:" in text
+    return text
+
+
+def test_b_before_its_f():
+    _error(["B0 F0"], 1, ["rank 0 position 0: B0@0 needs F0@0 earlier on rank 0 (at position 1)"])
+
+
+def test_missing_receive():
+    _error(["F0 sF0>1 rB0<1 B0", "F0 B0 sB0>0"], 1,
+           ["rank 1 position 0: F0@1 needs rF0@1<0 earlier on rank 1 (missing)"])
+
+
+def test_backward_and_send_need_their_inputs():
+    _error(["F0 sF0>1 B0", "rF0<0 F0 B0 sB0>0"], 1,
+           ["rank 0 position 2: B0@0 needs rB0@0<1 earlier on rank 0 (missing)"])
+    _error(["sF0>1 F0 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1,
+           ["rank 0 position 0: sF0@0>1 needs F0@0 earlier on rank 0 (at position 1)"])
+
+
+def test_receive_of_something_never_sent():
+    _error(["F0 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1,
+           ["transfer 0 from rank 0 to rank 1 does not match", "send:    nothing",
+            "receive: rank 1 position 0: rF0@1<0"])
+
+
+def test_send_never_received():
+    _error(["F0 sF0>1 sF0>1 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1, ["duplicated action", "rank 0 position 2: sF0@0>1"])
+    _error(["F0 sF0>1 F1 sF1>1 rB0<1 B0 rB1<1 B1", "rF0<0 F0 F1 B0 sB0>0 B1 sB1>0"], 2,
+           ["F1@1 needs rF1@1<0", "(missing)"])
+
+
+def test_swapped_receive_order_does_not_match_the_sends():
+    text = _error(["F0 sF0>1 F1 sF1>1 rB0<1 B0 rB1<1 B1",
+                   "rF1<0 rF0<0 F0 F1 B0 sB0>0 B1 sB1>0"], 2,
+                  ["transfer 0 from rank 0 to rank 1 does not match",
+                   "send:    rank 0 position 1: sF0@0>1", "receive: rank 1 position 0: rF1@1<0"])
+    assert "Fix:" in text
+
+
+def test_deadlock_names_each_blocked_rank():
+    # Rank 0 waits for the gradient before sending the activation rank 1 needs to produce it.
+    _error(["F0 rB0<1 sF0>1 B0", "rF0<0 F0 B0 sB0>0"], 1,
+           ["deadlock", "rank 0 position 1: rB0@0<1 waits for sB0@1>0 on rank 1 (position 3)",
+            "rank 1 position 0: rF0@1<0 waits for sF0@0>1 on rank 0 (position 2)"])
+
+
+def test_missing_duplicated_misplaced_and_wrong_peer():
+    _error(["F0 F1 B0", "F0"], 2, ["missing action", "rank 0 has no B1@0"])
+    _error(["F0 B0 B0"], 1, ["duplicated action", "rank 0 position 2: B0@0"])
+    _error(["F0 B0 F0@1 B0@1", ""], 1, ["wrong rank", "rank 0 position 2: F0@1 belongs to rank 1"])
+    _error(["F0 sF0>1 B0"], 1, ["past an end", "rank 0 position 1: sF0@0>1: there is no stage 1"])
+    _error(["F0 sF0>0 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1, ["wrong peer", "peer should be stage 1"])
+    _error(["F0 B0 F1 B1"], 1, ["out of range", "rank 0 position 2: F1@0"])
+
+
+def test_one_action_list_per_rank():
+    s = make_schedule("gpipe", 2, 2)
+    with pytest.raises(ScheduleError, match="1 action lists for 2 ranks"):
+        validate(Schedule("gpipe", 2, 2, s.actions[:1]))
+
+
+def test_unknown_name_and_bad_sizes():
+    with pytest.raises(ScheduleError, match="Did you mean '1f1b'"):
+        make_schedule("1fb1", 2, 4)
+    with pytest.raises(ScheduleError, match="Did you mean 'gpipe'"):
+        make_schedule("gipe", 2, 4)
+    for p, m in ((0, 4), (2, 0), (-1, 1), (2, True), (2.0, 4)):
+        with pytest.raises(ScheduleError, match="positive integers"):
+            make_schedule("1f1b", p, m)
+    with pytest.raises(ScheduleError, match="no virtual stages"):
+        make_schedule("gpipe", 2, 4, num_chunks=2)
+
+
+# ----------------------------------------------------------------------------- recorded timelines
+
+def test_bubble_from_a_recorded_timeline_agrees_with_simulate():
+    f = lambda kind, mb, stage: Action(kind, mb, stage)  # noqa: E731
+    # GPipe, 2 ranks, 2 micro-batches, as a runtime would record it (transfers omitted:
+    # they do not count as busy), in wall-clock seconds from an arbitrary origin.
+    t0 = 1000.0
+    recorded = [[(f("F", 0, 0), t0 + 0, t0 + 1), (f("F", 1, 0), t0 + 1, t0 + 2),
+                 (f("B", 0, 0), t0 + 4, t0 + 5), (f("B", 1, 0), t0 + 5, t0 + 6)],
+                [(f("F", 0, 1), t0 + 1, t0 + 2), (f("F", 1, 1), t0 + 2, t0 + 3),
+                 (f("B", 0, 1), t0 + 3, t0 + 4), (f("B", 1, 1), t0 + 4, t0 + 5)]]
+    measured = bubble_from_timeline(recorded)
+    simulated = simulate(make_schedule("gpipe", 2, 2))
+    assert measured.makespan == simulated.makespan == 6
+    for got, want in zip(measured.ranks, simulated.ranks):
+        assert got.busy == want.busy == 4
+        assert got.idle_fraction == pytest.approx(float(want.idle_fraction)) and want.idle_fraction == Fraction(1, 3)
+        assert got.peak_activations == want.peak_activations == 2
+    compute = [[e for e in row if e[0].kind in ("F", "B")] for row in simulated.timeline]
+    assert compute == [[(a, t - t0, u - t0) for a, t, u in row] for row in recorded]
+
+
+def test_peak_counts_an_activation_until_its_backward_ends():
+    f = lambda kind, mb: Action(kind, mb, 0)  # noqa: E731
+    # Recorded out of order: the runtime may append per thread; B0 ends before F2 starts.
+    row = [(f("F", 2), 3, 4), (f("F", 0), 0, 1), (f("F", 1), 1, 2), (f("B", 0), 2, 3), (f("B", 1), 4, 5),
+           (f("B", 2), 5, 6)]
+    stats = bubble_from_timeline([row])
+    assert stats.ranks[0].peak_activations == 2 and stats.ranks[0].busy == 6 and stats.ranks[0].idle_fraction == 0
