@@ -170,7 +170,6 @@ class Layout:
             out.append((key, Sharding.of(shape, split), "axis conflict resolved: " + why))
         out.sort(key=lambda t: t[0])
         return [(s, note) for _, s, note in out]
-        return out
 
 
 def _dict_rule(layout: dict, key, value) -> Rule:
