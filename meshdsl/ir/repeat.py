@@ -126,8 +126,9 @@ class Repeat(Op):
 
     def compute(self, ctx, attrs, x, *stacked):
         blk: Block = attrs["block"]
-        saved = [f"saved/{i}" for i in range(len(attrs.get("saved", [])))]
-        prog = blk.dense({"out": blk.out, **dict(zip(saved, attrs.get("saved", [])))})
+        saved_t = attrs.get("saved", [])
+        saved = [f"saved/{i}" for i in range(len(saved_t))]
+        prog = blk.dense({"out": blk.out, **dict(zip(saved, saved_t))})
         names, pos = list(blk.params), attrs["pos"]
 
         def layer(l, x):
