@@ -1,35 +1,28 @@
-"""Pipeline schedules as data: generators, a validator, and a bubble simulator.
+"""Pipeline schedules as data: actions, per-rank lists, and their validator.
 
 When the layout puts the stacked ``layer`` dim on a ``stage`` mesh axis, each
 rank of that axis runs a slice of the layers and the batch is cut into
 micro-batches.  A :class:`Schedule` lists, per rank, the forward (``F``) and
 backward (``B``) actions it runs and the transfers between ranks, in order.  It
 is plain data and this module knows nothing about torch: the executor walks a
-schedule, the CLI prints it, and the layout search prices it with :func:`meshdsl.lowering.timeline.simulate`.
-
-A new schedule is one function that lists ``(kind, microbatch, stage)`` compute
-actions per rank, registered with its theoretical peak of held activations;
-:func:`with_transfers` derives the sends and receives::
-
-    @register("gpipe", peak=lambda p, m, v, rank: m)
-    def gpipe(p, m):
-        return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
+schedule, the CLI prints it, and the layout search prices it with
+:func:`meshdsl.lowering.timeline.simulate`.  Generators live in
+:mod:`.schedule_gen`; :func:`with_transfers` derives their sends and receives.
 
 Stages are logical (the model's pieces, in pipeline order).  With virtual
 stages (``num_chunks`` v > 1) rank r runs stages r, r + p, r + 2p, ...
 
-    >>> [str(a) for a in make_schedule("1f1b", 2, 3).actions[1][:4]]
+    >>> [str(a) for a in Schedule.from_rows("demo", ["F0 sF0>1 rB0<1 B0", "rF0<0 F0 B0 sB0>0"], 1).actions[1]]
     ['rF0@1<0', 'F0@1', 'B0@1', 'sB0@1>0']
 """
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Sequence, Union
 
-from ..errors import MeshDSLError, Span, did_you_mean, message
+from ..errors import MeshDSLError, Span, message
 
 Number = Union[int, float, Fraction]
 
@@ -174,114 +167,6 @@ def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages:
                 row.append(Action(SEND_OF[kind], mb, stage, dst))
         rows.append(tuple(row))
     return tuple(rows)
-
-
-# ----------------------------------------------------------------------------- generators
-
-@dataclass(frozen=True)
-class Generator:
-    """A registered schedule: ``build(p, m, v=1) -> Schedule``; ``peak(p, m, v, rank)``, the activations
-    (one per stage and micro-batch) a rank holds at once in theory; whether it takes virtual stages."""
-
-    build: Callable[..., Schedule]
-    peak: Callable[[int, int, int, int], int]
-    chunked: bool = False
-
-
-SCHEDULES: dict[str, Generator] = {}
-
-
-def register(name: str, *, peak: Callable[[int, int, int, int], int], chunked: bool = False):
-    """Register a function of ``(p, m)`` (``(p, m, v)`` if ``chunked``) that returns compute orders per rank.
-
-    The decorated name becomes a builder ``(p, m, v=1) -> Schedule``.
-    """
-    def wrap(order_fn):
-        @functools.wraps(order_fn)
-        def build(p: int, m: int, v: int = 1) -> Schedule:
-            bad = [f"{what} = {n!r}" for what, n in (("num_ranks", p), ("num_microbatches", m), ("num_chunks", v))
-                   if not isinstance(n, int) or isinstance(n, bool) or n < 1]
-            if bad:
-                raise ScheduleError(message(f"schedule {name!r}: sizes must be positive integers.", bullets=bad,
-                                            rule="a pipeline has at least one rank, one micro-batch and one chunk"))
-            if v != 1 and not chunked:
-                others = sorted(n for n, g in SCHEDULES.items() if g.chunked)
-                raise ScheduleError(message(f"schedule {name!r} with num_chunks={v}: it has no virtual stages.",
-                                            fix=f"use num_chunks=1, or one of: {', '.join(others)}"))
-            orders = order_fn(p, m, v) if chunked else order_fn(p, m)
-            return Schedule(name, p, m, with_transfers(orders, p * v), v)
-        SCHEDULES[name] = Generator(build, peak, chunked)
-        return build
-    return wrap
-
-
-@register("gpipe", peak=lambda p, m, v, rank: m)
-def gpipe(p: int, m: int):
-    """GPipe: every forward, then every backward; each rank holds all m activations."""
-    return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
-
-
-def _warm_then_alternate(forwards: list, backwards: list, warm: int) -> list:
-    """``warm`` forwards, then one forward and one backward in turn, then the remaining backwards."""
-    steady = [x for pair in zip(forwards[warm:], backwards) for x in pair]
-    return forwards[:warm] + steady + backwards[len(forwards) - warm:]
-
-
-@register("1f1b", peak=lambda p, m, v, rank: min(p - rank, m))
-def one_f_one_b(p: int, m: int):
-    """1F1B (PipeDream-flush): rank r runs p-1-r warm-up forwards, then alternates.
-
-    It holds at most p - r activations instead of GPipe's m, for the same bubble.
-    """
-    return [_warm_then_alternate([("F", mb, r) for mb in range(m)], [("B", mb, r) for mb in range(m)],
-                                 min(p - 1 - r, m)) for r in range(p)]
-
-
-@register("interleaved", chunked=True,
-          peak=lambda p, m, v, rank: min(v * m, 2 * (p - 1 - rank) + (v - 1) * p + 1))
-def interleaved_1f1b(p: int, m: int, v: int):
-    """Interleaved 1F1B (Megatron-LM's virtual stages): rank r runs stages r, r+p, ..., r+(v-1)p.
-
-    Micro-batches go in groups of p: a group's forwards run through chunk 0, then
-    chunk 1, ...; backwards mirror that from the last chunk.  Rank r warms up with
-    2(p-1-r) + (v-1)p forwards.  With unit cost per chunk action the bubble
-    shrinks to (p-1)/(v*m + p-1), for more activations held (counted per chunk).
-    """
-    if p < 2 or m % p:
-        raise ScheduleError(message(
-            f"schedule 'interleaved' with {p} rank(s) and {m} micro-batch(es): unsupported sizes.",
-            rule="virtual stages need at least 2 ranks, and micro-batches in whole groups of num_ranks",
-            fix=f"use at least 2 ranks and a multiple of {max(p, 2)} micro-batches, or '1f1b'"))
-    order = [(c, mb) for g in range(0, m, p) for c in range(v) for mb in range(g, g + p)]
-    return [_warm_then_alternate([("F", mb, c * p + r) for c, mb in order],
-                                 [("B", mb, (v - 1 - c) * p + r) for c, mb in order],
-                                 min(2 * (p - 1 - r) + (v - 1) * p, v * m)) for r in range(p)]
-
-
-def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
-    """Build and validate the registered schedule ``name``.
-
-    Raises:
-      ScheduleError: unknown name (with a did-you-mean), sizes below 1, or chunks
-        for a schedule without virtual stages.
-    """
-    if name not in SCHEDULES:
-        raise ScheduleError(message(f"make_schedule({name!r}, ...): unknown schedule.",
-                                    inputs=[f"known: {', '.join(sorted(SCHEDULES))}"],
-                                    fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
-    schedule = SCHEDULES[name].build(num_ranks, num_microbatches, num_chunks)
-    validate(schedule)
-    return schedule
-
-
-def peak_theory(name: str, num_ranks: int, num_microbatches: int, rank: int = 0, num_chunks: int = 1) -> int:
-    """Activations ``rank`` holds at once in theory: m for GPipe, min(p - rank, m) for 1F1B."""
-    return SCHEDULES[name].peak(num_ranks, num_microbatches, num_chunks, rank)
-
-
-def bubble_theory(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Fraction:
-    """Idle fraction of each rank with equal action costs: (p-1)/(v*m + p-1)."""
-    return Fraction(num_ranks - 1, num_chunks * num_microbatches + num_ranks - 1)
 
 
 # ----------------------------------------------------------------------------- validation

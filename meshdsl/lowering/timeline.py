@@ -85,7 +85,7 @@ def simulate(s: Schedule, cost: Callable[[Action], Number] = unit_cost, latency:
     end plus ``latency``.  With integer or Fraction costs every figure is exact.
 
     Example:
-        >>> from meshdsl.lowering.schedule import make_schedule
+        >>> from meshdsl.lowering.schedule_gen import make_schedule
         >>> simulate(make_schedule("gpipe", 4, 4)).ranks[3].idle_fraction
         Fraction(3, 7)
     """
@@ -103,7 +103,7 @@ def format_table(s: Schedule, transfers: bool = False) -> str:
     bubble shows as ``.``; with ``transfers=True`` the full action lists, in order.
 
     Example:
-        >>> from meshdsl.lowering.schedule import make_schedule
+        >>> from meshdsl.lowering.schedule_gen import make_schedule
         >>> print(format_table(make_schedule("1f1b", 2, 3)))
         1f1b: 2 ranks, 3 micro-batches; one column per time step with F = B = 1; '.' is idle; bubble 1/4
         rank 0 | F0 F1 .  B0 F2 B1 .  B2

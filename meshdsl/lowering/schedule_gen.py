@@ -1,0 +1,128 @@
+"""Pipeline schedule generators: one small function per schedule.
+
+A generator lists, per rank, the ``(kind, microbatch, stage)`` compute actions
+in run order; :func:`register` records it with its theoretical peak of held
+activations, and :func:`~.schedule.with_transfers` derives the sends and
+receives.  :func:`make_schedule` builds one by name and validates it::
+
+    @register("gpipe", peak=lambda p, m, v, rank: m)
+    def gpipe(p, m):
+        return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
+
+    >>> [str(a) for a in make_schedule("1f1b", 2, 3).actions[1][:4]]
+    ['rF0@1<0', 'F0@1', 'B0@1', 'sB0@1>0']
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable
+
+from ..errors import did_you_mean, message
+from .schedule import Schedule, ScheduleError, validate, with_transfers
+
+@dataclass(frozen=True)
+class Generator:
+    """A registered schedule: ``build(p, m, v=1) -> Schedule``; ``peak(p, m, v, rank)``, the activations
+    (one per stage and micro-batch) a rank holds at once in theory; whether it takes virtual stages."""
+
+    build: Callable[..., Schedule]
+    peak: Callable[[int, int, int, int], int]
+    chunked: bool = False
+
+
+SCHEDULES: dict[str, Generator] = {}
+
+
+def register(name: str, *, peak: Callable[[int, int, int, int], int], chunked: bool = False):
+    """Register a function of ``(p, m)`` (``(p, m, v)`` if ``chunked``) that returns compute orders per rank.
+
+    The decorated name becomes a builder ``(p, m, v=1) -> Schedule``.
+    """
+    def wrap(order_fn):
+        @functools.wraps(order_fn)
+        def build(p: int, m: int, v: int = 1) -> Schedule:
+            bad = [f"{what} = {n!r}" for what, n in (("num_ranks", p), ("num_microbatches", m), ("num_chunks", v))
+                   if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+            if bad:
+                raise ScheduleError(message(f"schedule {name!r}: sizes must be positive integers.", bullets=bad,
+                                            rule="a pipeline has at least one rank, one micro-batch and one chunk"))
+            if v != 1 and not chunked:
+                others = sorted(n for n, g in SCHEDULES.items() if g.chunked)
+                raise ScheduleError(message(f"schedule {name!r} with num_chunks={v}: it has no virtual stages.",
+                                            fix=f"use num_chunks=1, or one of: {', '.join(others)}"))
+            orders = order_fn(p, m, v) if chunked else order_fn(p, m)
+            return Schedule(name, p, m, with_transfers(orders, p * v), v)
+        SCHEDULES[name] = Generator(build, peak, chunked)
+        return build
+    return wrap
+
+
+@register("gpipe", peak=lambda p, m, v, rank: m)
+def gpipe(p: int, m: int):
+    """GPipe: every forward, then every backward; each rank holds all m activations."""
+    return [[("F", mb, r) for mb in range(m)] + [("B", mb, r) for mb in range(m)] for r in range(p)]
+
+
+def _warm_then_alternate(forwards: list, backwards: list, warm: int) -> list:
+    """``warm`` forwards, then one forward and one backward in turn, then the remaining backwards."""
+    steady = [x for pair in zip(forwards[warm:], backwards) for x in pair]
+    return forwards[:warm] + steady + backwards[len(forwards) - warm:]
+
+
+@register("1f1b", peak=lambda p, m, v, rank: min(p - rank, m))
+def one_f_one_b(p: int, m: int):
+    """1F1B (PipeDream-flush): rank r runs p-1-r warm-up forwards, then alternates.
+
+    It holds at most p - r activations instead of GPipe's m, for the same bubble.
+    """
+    return [_warm_then_alternate([("F", mb, r) for mb in range(m)], [("B", mb, r) for mb in range(m)],
+                                 min(p - 1 - r, m)) for r in range(p)]
+
+
+@register("interleaved", chunked=True,
+          peak=lambda p, m, v, rank: min(v * m, 2 * (p - 1 - rank) + (v - 1) * p + 1))
+def interleaved_1f1b(p: int, m: int, v: int):
+    """Interleaved 1F1B (Megatron-LM's virtual stages): rank r runs stages r, r+p, ..., r+(v-1)p.
+
+    Micro-batches go in groups of p: a group's forwards run through chunk 0, then
+    chunk 1, ...; backwards mirror that from the last chunk.  Rank r warms up with
+    2(p-1-r) + (v-1)p forwards.  With unit cost per chunk action the bubble
+    shrinks to (p-1)/(v*m + p-1), for more activations held (counted per chunk).
+    """
+    if p < 2 or m % p:
+        raise ScheduleError(message(
+            f"schedule 'interleaved' with {p} rank(s) and {m} micro-batch(es): unsupported sizes.",
+            rule="virtual stages need at least 2 ranks, and micro-batches in whole groups of num_ranks",
+            fix=f"use at least 2 ranks and a multiple of {max(p, 2)} micro-batches, or '1f1b'"))
+    order = [(c, mb) for g in range(0, m, p) for c in range(v) for mb in range(g, g + p)]
+    return [_warm_then_alternate([("F", mb, c * p + r) for c, mb in order],
+                                 [("B", mb, (v - 1 - c) * p + r) for c, mb in order],
+                                 min(2 * (p - 1 - r) + (v - 1) * p, v * m)) for r in range(p)]
+
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Build and validate the registered schedule ``name``.
+
+    Raises:
+      ScheduleError: unknown name (with a did-you-mean), sizes below 1, or chunks
+        for a schedule without virtual stages.
+    """
+    if name not in SCHEDULES:
+        raise ScheduleError(message(f"make_schedule({name!r}, ...): unknown schedule.",
+                                    inputs=[f"known: {', '.join(sorted(SCHEDULES))}"],
+                                    fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
+    schedule = SCHEDULES[name].build(num_ranks, num_microbatches, num_chunks)
+    validate(schedule)
+    return schedule
+
+
+def peak_theory(name: str, num_ranks: int, num_microbatches: int, rank: int = 0, num_chunks: int = 1) -> int:
+    """Activations ``rank`` holds at once in theory: m for GPipe, min(p - rank, m) for 1F1B."""
+    return SCHEDULES[name].peak(num_ranks, num_microbatches, num_chunks, rank)
+
+
+def bubble_theory(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Fraction:
+    """Idle fraction of each rank with equal action costs: (p-1)/(v*m + p-1)."""
+    return Fraction(num_ranks - 1, num_chunks * num_microbatches + num_ranks - 1)
