@@ -15,7 +15,7 @@ import pytest
 
 import meshdsl as md
 from meshdsl.tools import cli
-from meshdsl.tools.loader import ModelError, find_model_file, load_model
+from meshdsl.train.model import ModelError, find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TP = ["--mesh", "data:2; model:2", "--layout", "batch:data; heads:model; d_ff:model"]
