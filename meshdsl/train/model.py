@@ -109,18 +109,18 @@ def find_model_file(name_or_path: str) -> Path:
       ModelError: no such file or shipped model, or the path is a directory.
     """
     p = Path(name_or_path)
+    known = shipped_models()
+    if p.is_dir() and name_or_path not in known:
+        py = sorted(x.name for x in p.glob("*.py") if not x.name.startswith("_"))[:6]
+        raise ModelError(message(
+            f"model path '{name_or_path}' is a directory, not a model file.",
+            inputs=[f"python files in it: {', '.join(py) or '(none)'}"], rule=_RULE,
+            fix=f"pass one file, e.g. {p / py[0] if py else 'path/to/model.py'}"))
     if p.suffix == ".py" or "/" in name_or_path or name_or_path.startswith("."):
-        if p.is_dir():
-            py = sorted(x.name for x in p.glob("*.py"))[:6]
-            raise ModelError(message(
-                f"model path '{name_or_path}' is a directory, not a model file.",
-                inputs=[f"python files in it: {', '.join(py) or '(none)'}"], rule=_RULE,
-                fix=f"pass one file, e.g. {p / py[0] if py else 'path/to/model.py'}"))
         if p.is_file():
             return p.resolve()
         raise ModelError(message(f"model file '{name_or_path}' does not exist.", rule=_RULE,
                                  fix="check the path"))
-    known = shipped_models()
     f = shipped_models_dir() / f"{name_or_path}.py"
     if name_or_path in known and f.is_file():
         return f.resolve()
