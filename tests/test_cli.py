@@ -7,6 +7,7 @@ Most tests call :func:`meshdsl.tools.cli.main` in-process (fast); two run
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -230,6 +231,6 @@ def test_installed_package_ships_the_models(tmp_path):
     assert (site / "meshdsl" / "models" / "mlp.py").is_file()
     r = subprocess.run([sys.executable, "-m", "meshdsl", "plan", "mlp", "--tiny", "--json", "--mesh", "data:2",
                         "--layout", "batch:data"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "PYTHONPATH": str(site)})
+                       env={**os.environ, "PYTHONPATH": str(site)})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["totals"]["allreduce"]["count"] == 3
