@@ -23,7 +23,6 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing import connection, get_context
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,15 +30,13 @@ import torch.distributed as dist
 from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
+from .failures import STALE_S, describe, failure_error, timeout_error
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _HOST = "127.0.0.1"
 _SETTLE_S = 0.2  # after a first failure, how long to wait for the others to report theirs
 _BEAT_S = 0.5    # how often a rank publishes its progress
-# A rank whose heartbeat is this old is not running (stopped, or stuck holding the GIL):
-# five beats, so a loaded machine does not make a healthy rank look dead.
-_STALE_S = 2.5
 _PROGRESS_KEY = "meshdsl/progress/"
 
 
@@ -181,8 +178,8 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         # A heartbeat older than the collective timeout cannot be a rank that waits in a
         # collective (it would have timed out); a floor of several beats absorbs load.
-        stale_s = max(4 * _BEAT_S, min(_STALE_S, 0.8 * collective_timeout))
-        return _supervise(procs, readers, timeout, _describe(fn, nproc, mesh),
+        stale_s = max(4 * _BEAT_S, min(STALE_S, 0.8 * collective_timeout))
+        return _supervise(procs, readers, timeout, describe(fn, nproc, mesh),
                           lambda: (_progress(store, nproc), stale_s))
     finally:
         for p in procs:
@@ -242,14 +239,6 @@ def _progress(store, nproc: int) -> dict[int, tuple[float, int, str]]:
     return out
 
 
-def _describe(fn, nproc, mesh) -> list[str]:
-    name = getattr(fn, "__qualname__", repr(fn))
-    out = [f"fn: {getattr(fn, '__module__', '?')}.{name}", f"processes: {nproc}"]
-    if mesh is not None:
-        out.append(f"mesh: {mesh}")
-    return out
-
-
 def _supervise(procs, readers, timeout, inputs, progress=lambda: ({}, 0.0)) -> list:
     """Wait for every child; on the first failure stop and raise."""
     n = len(procs)
@@ -284,13 +273,13 @@ def _supervise(procs, readers, timeout, inputs, progress=lambda: ({}, 0.0)) -> l
         # Short waits so a dead child is noticed within a second even if nothing else moves.
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise _timeout_error(procs, results, timeout, inputs)
+            raise timeout_error(procs, results, timeout, inputs)
         poll(1.0 if left is None else min(1.0, left))
         if failed():
             end = time.monotonic() + _SETTLE_S
             while time.monotonic() < end and (open_readers or len(exited) < n):
                 poll(max(0.0, end - time.monotonic()))
-            raise _failure_error(procs, exited, results, errors, failed(), inputs, *progress())
+            raise failure_error(procs, exited, results, errors, failed(), inputs, *progress())
     return [results[i] for i in range(n)]
 
 
@@ -303,111 +292,6 @@ def _receive(rank, reader, results, errors) -> None:
         results[rank] = msg[1]
     else:
         errors[rank] = (msg[1], msg[2])
-
-
-def _how(p) -> str:
-    code = p.exitcode
-    if code is None:
-        return "was still running"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
-        except ValueError:
-            return f"was killed by signal {-code} (exit code {code})"
-    return f"exited with code {code}"
-
-
-def _stopped(p) -> bool:
-    """True when the process is stopped by a signal (SIGSTOP, SIGTSTP, a debugger)."""
-    try:
-        return Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
-    except (OSError, IndexError):
-        return False
-
-
-def _hung_error(procs, errors, hung, progress, inputs) -> DistributedError:
-    """A rank stopped making progress; the ranks that raised timed out waiting for it."""
-    first = hung[0]
-    age, done, last = progress[first]
-    how = "is stopped by a signal" if _stopped(procs[first]) else "is alive but stuck"
-    bullets = [f"rank {first} (pid {procs[first].pid}) {how}: its last heartbeat, {age:.1f} s ago, "
-               f"showed {done} collectives completed" + (f", the last {last}" if last else "")]
-    for i in hung[1:]:
-        bullets.append(f"rank {i} also stopped: no heartbeat for {progress[i][0]:.1f} s")
-    waiting = sorted(errors)
-    counts = sorted({progress[i][1] for i in waiting if i in progress})
-    during = f"collective #{counts[-1] + 1}" if counts else "a collective"
-    for i in waiting:
-        last_line = _clip(errors[i][1].strip().splitlines()[-1])
-        bullets.append(f"rank {i} failed while waiting for it in {during}: {last_line}")
-    return DistributedError(message(
-        f"spawn: rank {first} of {len(procs)} stopped making progress; the other ranks waited "
-        f"for it in {during}", inputs=inputs, bullets=bullets,
-        rule="every collective waits for every rank of its group",
-        fix=f"find what rank {first} was doing instead of joining {during} (a debugger "
-            f"breakpoint, SIGSTOP, an endless loop); `py-spy dump --pid {procs[first].pid}` "
-            f"shows a stuck rank's stack"))
-
-
-def _failure_error(procs, exited, results, errors, bad, inputs, progress=None,
-                   stale_s: float = _STALE_S) -> DistributedError:
-    # The first cause is a rank that died without a traceback (a signal, os._exit),
-    # else a rank whose heartbeat stopped while others failed (they timed out waiting
-    # for it), else the earliest exception: later ones are usually peers losing their
-    # connection.
-    silent = [i for i in bad if i not in errors]
-    running = [i for i in range(len(procs)) if i not in exited and i not in errors
-               and i not in results]
-    hung = [i for i in running if i in (progress or {}) and progress[i][0] > stale_s]
-    if not silent and hung:
-        return _hung_error(procs, errors, hung, progress, inputs)
-    first = silent[0] if silent else min(bad, key=lambda i: errors[i][0])
-    p = procs[first]
-    what = "raised an exception" if first in errors else _how(p)
-    if first in errors and first in exited:
-        what += f" and {_how(p)}"
-    elif first not in errors and p.exitcode == 0:
-        what = "exited without sending a result"
-    bullets = []
-    for i, q in enumerate(procs):
-        if i == first:
-            continue
-        if i in errors:
-            last = errors[i][1].strip().splitlines()[-1]
-            bullets.append(f"rank {i} also failed: {_clip(last)}")
-        elif i in bad:
-            bullets.append(f"rank {i} also failed: it {_how(q)}")
-        elif i not in results:
-            bullets.append(f"rank {i} was stopped by the launcher")
-    if first in errors:
-        fix = f"see rank {first}'s traceback below"
-    elif p.exitcode is not None and p.exitcode < 0:
-        fix = ("a SIGKILL often means the out-of-memory killer, SIGSEGV or SIGABRT a crash in "
-               "native code: rerun with fewer processes or smaller inputs")
-    else:
-        fix = ("the child stopped before or outside fn (see its stderr above): with the spawn "
-               "start method fn must be importable and the main script a file guarded by "
-               "`if __name__ == '__main__':`; fn must return, not exit")
-    text = message(f"spawn: rank {first} of {len(procs)} {what}", inputs=inputs,
-                   bullets=bullets, fix=fix)
-    if first in errors:
-        text += f"\nTraceback of rank {first}:\n{errors[first][1]}"
-    return DistributedError(text)
-
-
-def _clip(line: str, width: int = 160) -> str:
-    return line if len(line) <= width else line[: width - 3] + "..."
-
-
-def _timeout_error(procs, results, timeout, inputs) -> DistributedError:
-    late = [i for i in range(len(procs)) if i not in results]
-    return DistributedError(message(
-        f"spawn: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of "
-        f"{len(procs)} did not finish within {timeout:g} s",
-        inputs=inputs,
-        bullets=[f"rank {i} finished" for i in sorted(results)],
-        rule="every rank must call the same collectives in the same order",
-        fix="look for a rank that skipped or reordered a collective, or raise timeout="))
 
 
 # --------------------------------------------------------------------- child
