@@ -67,6 +67,14 @@ def _raises_in_build(tmp: Path) -> str:
     return str(f)
 
 
+def _meshdsl_error_in_build(tmp: Path) -> str:
+    f = tmp / "dup_dim.py"
+    f.write_text("from dataclasses import dataclass\n\nimport meshdsl as md\n\n\n@dataclass\nclass Config:\n"
+                 "    d: int = 4\n\n\ndef build(cfg):\n    d = md.Dim('d', cfg.d)\n    with md.Graph():\n"
+                 "        md.param('w', [d, d])\n")
+    return str(f)
+
+
 def _directory(tmp: Path) -> str:
     (tmp / "mymodels").mkdir()
     (tmp / "mymodels" / "a.py").write_text("x = 1\n")
@@ -118,6 +126,8 @@ CASES = [
      ["raising.py' raised KeyError while being imported", "in helper", "{}['missing']"]),
     ("model raises in build", ["check", "{tmp:build}", "--tiny", "--mesh", "data:2"], 2,
      ["bad_build.py' raised ZeroDivisionError while building the model", "return 1 / 0"]),
+    ("model build raises a meshdsl error", ["plan", "{tmp:mderr}", "--mesh", "data:2"], 2,
+     ["while building model file", "dup_dim.py\", line 14, in build", "appear twice"]),
     ("model is a directory", ["plan", "{tmp:dir}", "--mesh", "data:2"], 2,
      ["is a directory, not a model file", "a.py"]),
     ("model file missing", ["plan", "nowhere/model.py", "--mesh", "data:2"], 2, ["does not exist"]),
@@ -132,7 +142,7 @@ if not torch.cuda.is_available():
     CASES.append(("nccl without CUDA", ["run", *MLP, "--backend", "nccl"], 2,
                   ["CUDA is not available", "--backend gloo"]))
 
-_MAKERS = {"syntax": _syntax_error, "import": _raises_on_import, "build": _raises_in_build,
+_MAKERS = {"syntax": _syntax_error, "import": _raises_on_import, "build": _raises_in_build, "mderr": _meshdsl_error_in_build,
            "dir": _directory}
 
 

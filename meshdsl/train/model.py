@@ -212,8 +212,11 @@ def load_model(name_or_path: str, tiny: bool = False, **overrides) -> Model:
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
         model = module.build(cfg)
-    except MeshDSLError:
-        raise
+    except MeshDSLError as e:
+        # Already a user error with its own message: say which line of the file caused it.
+        frames = _user_frames(e, path)
+        where = f"while building model file '{path}':\n" + (f"{frames}\n" if frames else "")
+        raise type(e)(where + str(e)) from None
     except Exception as e:  # noqa: BLE001 - see load_module
         raise _raised_in(path, e, "building the model") from None
     if not isinstance(model, Model):
