@@ -234,3 +234,18 @@ def test_installed_package_ships_the_models(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(site)})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["totals"]["allreduce"]["count"] == 3
+
+
+def test_shipped_models_use_only_the_public_api():
+    # A model file is an example users copy: it imports `meshdsl` itself, never internals.
+    import ast
+
+    for path in sorted((ROOT / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshdsl."):
+                pytest.fail(f"{path.name} imports from {node.module}")
+            if isinstance(node, ast.Import):
+                assert all(not a.name.startswith("meshdsl.") for a in node.names), path.name
+    assert md.Model is load_model("mlp", tiny=True).__class__
+    for name in ("Model", "TrainStep", "SimulatedComm", "TorchComm", "launch", "spawn", "load_model"):
+        assert hasattr(md, name), name
