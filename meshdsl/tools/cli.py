@@ -273,13 +273,25 @@ def main(argv: list[str] | None = None) -> int:
                    f"line and this traceback:\n{traceback.format_exc()}")
         code = EXIT_INTERNAL
     if in_torchrun():
-        _end_torchrun_rank(code)
+        _end_torchrun_rank(args, code)
     return code
 
 
-def _end_torchrun_rank(code: int) -> None:
+# Under torchrun the agent stops every rank as soon as one exits.  A rank other than 0
+# that found a user error before the ranks met waits this long (rank 0 finds the same
+# error and prints it), so the agent's stop cannot cut rank 0 off before it printed.
+RANK0_GRACE_S = 5.0
+
+
+def _end_torchrun_rank(args, code: int) -> None:
+    import signal
+    import time
+
     import torch.distributed as dist
 
+    if code == EXIT_USAGE and not is_rank0() and not getattr(args, "preflight_done", False):
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(code))  # the agent's stop: still exit 2
+        time.sleep(RANK0_GRACE_S)
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():
