@@ -185,6 +185,17 @@ def test_every_listening_socket_is_on_loopback():
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.timeout(60)
+def test_rdzv_host_opens_only_the_store():
+    # The explicit opt-in: the store listens on every interface, gloo stays on loopback.
+    got = launch.spawn(_sockets_while_running, 2, mesh="x:2", timeout=50, collective_timeout=20,
+                       rdzv_host="0.0.0.0")
+    parent = got[0][1]
+    children = [s for mine, _ in got for s in mine]
+    assert any(s.startswith("0.0.0.0:") for s in parent), parent
+    assert children and all(s.startswith("127.0.0.1:") for s in children), children
+
+
 def test_rendezvous_host_that_is_not_ours_is_a_clean_error():
     with pytest.raises(DistributedError) as e:
         launch.spawn(_port_and_rank, 2, rdzv_host="192.0.2.1")  # TEST-NET-1: never local

@@ -304,9 +304,10 @@ def _child(rank, nproc, host, port, backend, collective_timeout, mesh, verbose, 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
-    if host == _HOST and os.path.exists("/sys/class/net/lo"):
-        # All ranks are on this machine: gloo listens on loopback only (and does not
-        # resolve the hostname, which fails in sandboxes without a hosts entry).
+    if os.path.exists("/sys/class/net/lo"):
+        # All spawned ranks are on this machine, whatever the store's address: gloo
+        # listens on loopback only (and does not resolve the hostname, which fails in
+        # sandboxes without a hosts entry).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         backend = resolve_backend(backend)
