@@ -86,13 +86,17 @@ def test_torchrun_user_error_is_printed_once(tmp_path):
     assert out.count("meshdsl run: error: Layout rule names dim 'bach'") == 1, out
 
 
-def test_every_torchrun_rank_exits_2_on_a_user_error():
+@pytest.mark.parametrize("args,phrase", [
+    (["--layout", "bach:data"], "dim 'bach'"),
+    (["--steps", "0"], "argument --steps: 0 is out of range"),
+], ids=["bad layout", "bad flag"])
+def test_every_torchrun_rank_exits_2_on_a_user_error(args, phrase):
     # torchrun's agent stops the other ranks as soon as one exits, so each rank's own
     # exit code is read here from two processes given torchrun's environment directly
     # (the input is checked before the ranks meet, so no rendezvous is needed).
     port = _free_port()
-    job = [sys.executable, "-m", "meshdsl", "run", "mlp", "--tiny", "--mesh", "data:2", "--layout",
-           "bach:data", "--backend", "gloo"]
+    job = [sys.executable, "-m", "meshdsl", "run", "mlp", "--tiny", "--mesh", "data:2", "--backend", "gloo",
+           *args]
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
@@ -101,7 +105,7 @@ def test_every_torchrun_rank_exits_2_on_a_user_error():
                                       text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outs
-    assert "dim 'bach'" in outs[0][1] and outs[1][1] == "", outs
+    assert phrase in outs[0][1] and outs[1][1] == "", outs  # rank 0 says it, once
     assert all("Traceback" not in err for _, err in outs)
 
 

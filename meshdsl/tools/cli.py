@@ -65,6 +65,8 @@ class Parser(argparse.ArgumentParser):
     """argparse with the house's error line: ``prog: error: what; fix`` and exit 2, no usage dump."""
 
     def error(self, message: str):
+        if in_torchrun() and not is_rank0():  # every rank parses the same argv: rank 0 says it
+            _wait_for_rank0(EXIT_USAGE)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -283,15 +285,21 @@ def main(argv: list[str] | None = None) -> int:
 RANK0_GRACE_S = 5.0
 
 
-def _end_torchrun_rank(args, code: int) -> None:
+def _wait_for_rank0(code: int) -> None:
+    """Give rank 0 :data:`RANK0_GRACE_S` to print, then exit with ``code`` (also on SIGTERM)."""
     import signal
     import time
 
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))  # the agent's stop: still ``code``
+    time.sleep(RANK0_GRACE_S)
+    os._exit(code)
+
+
+def _end_torchrun_rank(args, code: int) -> None:
     import torch.distributed as dist
 
     if code == EXIT_USAGE and not is_rank0() and not getattr(args, "preflight_done", False):
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(code))  # the agent's stop: still exit 2
-        time.sleep(RANK0_GRACE_S)
+        _wait_for_rank0(code)
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():
