@@ -150,8 +150,10 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
 
     Raises:
       MeshError: the mesh size is not ``nproc``.
-      DistributedError: a rank raised, died or did not finish in time; the
-        message names the rank, its exit code or signal, and its traceback.
+      DistributedError: a rank raised, died, stopped making progress (found by
+        its heartbeat, with ``mesh``) or did not finish in time; the message
+        names the rank, its exit code or signal, and its traceback; also when
+        ``rdzv_host`` is not an address of this machine.
     """
     if mesh is not None:
         mesh = Mesh.parse(mesh)
