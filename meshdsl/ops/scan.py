@@ -35,8 +35,9 @@ def scan_local(x: torch.Tensor, pos: int, exclusive: bool, reverse: bool) -> tor
 def exclusive_of(inclusive: torch.Tensor, pos: int, reverse: bool) -> torch.Tensor:
     """The exclusive scan from the inclusive one: shifted a place along ``pos``, zero at the start.
 
-    Shifting rather than subtracting ``x`` keeps integer counts exact (no
-    overflow on the way) and a float sum the one the inclusive scan had there.
+    Shifting rather than subtracting ``x`` keeps each float sum the one the
+    inclusive scan had a place earlier: no cancellation against a large ``x[i]``
+    (in fp32, ``(1 + 1e8) - 1e8`` is 0, not 1).  Integers are exact either way.
     """
     n = inclusive.shape[pos]
     zero = torch.zeros_like(inclusive.narrow(pos, 0, 1))
