@@ -330,3 +330,120 @@ def test_partial_sum_stays_partial_through_the_scan():
     feeds = {"a": _random((4, 8), torch.float32, 1), "w": _random((8, 2), torch.float32, 2)}
     torch.testing.assert_close(md.run_simulated(plan, feeds)["y"], md.run_dense({"y": y}, feeds)["y"],
                                rtol=RTOL, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------- MoE dispatch
+
+T, E, C = md.Dim("batch", 8), md.Dim("experts", 4), md.Dim("capacity", 2)
+D, H = md.Dim("d_model", 4), md.Dim("d_hidden", 4)
+
+
+def _moe_values():
+    """Feeds and params; the router is scaled so tokens crowd some experts past capacity."""
+    g = torch.Generator().manual_seed(21)
+    feeds = {"x": torch.randn(8, 4, generator=g)}
+    params = {"w_router": 2.0 * torch.randn(4, 4, generator=g), "w_expert": torch.randn(4, 4, 4, generator=g)}
+    return feeds, params
+
+
+def _moe_graph():
+    """Capacity-limited top-1 (Switch / Mesh-TF) routing and a one-matmul expert layer, in the DSL."""
+    x = md.input("x", [T, D])
+    w_router, w_expert = md.param("w_router", [D, E]), md.param("w_expert", [E, D, H])
+    probs = md.softmax(md.einsum("batch d_model, d_model experts -> batch experts", x, w_router), "experts")
+    top_p, top_i = md.top_k(probs, "experts", 1, "top")
+    gate, expert = md.squeeze(top_p, "top"), md.squeeze(top_i, "top")         # [batch]
+    chosen = md.one_hot(expert, E, torch.int64)                                 # [batch, experts]
+    # How many earlier tokens chose the same expert: this token's place in its expert's queue.
+    position = md.reduce_sum(md.cumsum(chosen, "batch", exclusive=True) * chosen, "experts")
+    kept = md.cast(md.less(position, C.size), torch.int64)                      # 0 past capacity
+    dispatch = chosen * kept * md.one_hot(position, C, torch.int64)             # [batch, experts, capacity]
+    mask = md.cast(dispatch, torch.float32)
+    combine = mask * gate                                                       # carries the gradient
+    expert_in = md.einsum("batch experts capacity, batch d_model -> experts capacity d_model", mask, x)
+    expert_out = md.tanh(md.einsum("experts capacity d_model, experts d_model d_hidden -> "
+                                   "experts capacity d_hidden", expert_in, w_expert))
+    y = md.einsum("batch experts capacity, experts capacity d_hidden -> batch d_hidden", combine, expert_out)
+    loss = md.reduce_sum(y * y)
+    grads = md.grad(loss, {"x": x, "w_router": w_router, "w_expert": w_expert})
+    return {"dispatch": dispatch, "combine": combine, "loss": loss, **{f"grad/{k}": v for k, v in grads.items()}}
+
+
+def _moe_torch(x, w_router, w_expert, capacity):
+    """The same layer in plain torch, the dispatch filled token by token."""
+    probs = torch.softmax(x @ w_router, -1)
+    gate, expert = probs.max(-1)
+    dispatch = torch.zeros(x.shape[0], w_router.shape[1], capacity, dtype=torch.int64)
+    filled = [0] * w_router.shape[1]
+    for t, e in enumerate(expert.tolist()):
+        if filled[e] < capacity:
+            dispatch[t, e, filled[e]] = 1
+        filled[e] += 1
+    combine = dispatch.float() * gate[:, None, None]
+    expert_in = torch.einsum("tec,td->ecd", dispatch.float(), x)
+    y = torch.einsum("tec,ech->th", combine, torch.tanh(torch.einsum("ecd,edh->ech", expert_in, w_expert)))
+    return dispatch, combine, (y * y).sum()
+
+
+def _moe_reference():
+    feeds, params = _moe_values()
+    x = feeds["x"].clone().requires_grad_(True)
+    wr, we = (params[k].clone().requires_grad_(True) for k in ("w_router", "w_expert"))
+    dispatch, combine, loss = _moe_torch(x, wr, we, C.size)
+    gx, gwr, gwe = torch.autograd.grad(loss, [x, wr, we])
+    return {"dispatch": dispatch, "combine": combine.detach(), "loss": loss.detach(), "grad/x": gx,
+            "grad/w_router": gwr, "grad/w_expert": gwe}
+
+
+def test_moe_dispatch_in_the_dsl_matches_plain_torch():
+    want = _moe_reference()
+    kept = int(want["dispatch"].sum())
+    assert 0 < kept < T.size, "the routing should drop some tokens and keep others"
+    with md.Graph():
+        outs = _moe_graph()
+    feeds, params = _moe_values()
+    got = md.run_dense(outs, feeds, params)
+    assert got["dispatch"].dtype == torch.int64 and torch.equal(got["dispatch"], want["dispatch"])
+    for k in ("combine", "loss", "grad/x", "grad/w_router", "grad/w_expert"):
+        # fp32, O(1) values; the two programs sum in different orders.
+        torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
+    assert float(got["grad/w_router"].abs().sum()) > 0  # the gate carries a gradient to the router
+
+
+def _axes_of(layout: str, dim: str) -> tuple[str, ...]:
+    """The axes a simple layout string (no scopes) gives ``dim``."""
+    for rule in filter(None, (r.strip() for r in layout.split(";"))):
+        name, axes = rule.split(":")
+        if name.strip() == dim:
+            return tuple(axes.strip("() ").split(","))
+    return ()
+
+
+MOE_LAYOUTS = {
+    "x:4": ["batch:x", "experts:x", "batch:x; experts:x", "d_hidden:x; batch:x"],
+    "x:2; y:2": ["batch:x", "batch:(x,y)", "batch:(y,x)", "batch:x; experts:y", "batch:y; experts:x",
+                 "experts:(x,y)", "batch:x; experts:x", "batch:(x,y); experts:(y,x)",
+                 "batch:x; capacity:y; d_hidden:y", "batch:y; experts:x; d_hidden:y", "batch:x; d_model:y"],
+}
+
+
+@pytest.mark.parametrize("mesh", sorted(MOE_LAYOUTS))
+def test_moe_dispatch_on_layouts_that_split_batch_and_experts(mesh):
+    with md.Graph():
+        outs = _moe_graph()
+    feeds, params = _moe_values()
+    want = md.run_dense(outs, feeds, params)
+    for layout in MOE_LAYOUTS[mesh]:
+        plan = md.compile(outs, mesh, layout)
+        batch_axes = _axes_of(layout, "batch")
+        totals = [s for s, _ in plan.collectives() if s.note == "per-rank totals of 'batch'"]
+        # The position count scans over the batch: where the batch is split it costs one allgather
+        # of the totals, forward only (the counts are integers: no backward scan).  When batch and
+        # experts want one axis, the [batch, experts] counts may take it for experts and scan whole.
+        assert [s.axes for s in totals] in ([batch_axes], []), layout
+        if batch_axes and not set(batch_axes) & set(_axes_of(layout, "experts")):
+            assert len(totals) == 1, layout
+        got = md.run_simulated(plan, feeds, params)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, k=k: f"mesh='{mesh}' layout='{layout}' {k}: {m}")
