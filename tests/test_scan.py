@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import meshdsl as md
 from conftest import ATOL, MESHES, RTOL, axis_tuples, build_case, check_layouts, check_plan, layout_string
 from meshdsl.errors import ShapeError
+from meshdsl.exec.launch import spawn
 
 B, S, F2 = md.Dim("batch", 4), md.Dim("seq", 8), md.Dim("feat", 2)
 MODES = {"inc": {}, "exc": {"exclusive": True}, "rev": {"reverse": True},
@@ -447,3 +448,33 @@ def test_moe_dispatch_on_layouts_that_split_batch_and_experts(mesh):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL,
                                        msg=lambda m, k=k: f"mesh='{mesh}' layout='{layout}' {k}: {m}")
+
+
+def _moe_on_ranks(comm, layouts):
+    """Child of the gloo test: the MoE layer's outputs on this rank, in full (rank 0 returns them)."""
+    with md.Graph():
+        outs = _moe_graph()
+    feeds, params = _moe_values()
+    results = []
+    for layout in layouts:
+        plan = md.compile(outs, comm.mesh, layout)
+        ex = md.Executor(plan, comm)
+        local = {k: ex.local_slices(plan.values[plan.params[k]], v) for k, v in params.items()}
+        results.append({k: v.detach() for k, v in ex.full_outputs(ex.run(feeds, local)).items()})
+    return results if comm.ranks[0] == 0 else None
+
+
+def test_moe_dispatch_on_gloo_processes():
+    # TorchComm runs the totals' allgather for real; the counts must be exact on every rank.
+    layouts = ["batch:(x,y)", "batch:x; experts:y", "batch:y; experts:x; d_hidden:y"]
+    results = spawn(_moe_on_ranks, 4, args=(layouts,), mesh="x:2; y:2", timeout=180)[0]
+    with md.Graph():
+        outs = _moe_graph()
+    feeds, params = _moe_values()
+    want = md.run_dense(outs, feeds, params)
+    for layout, got in zip(layouts, results):
+        assert torch.equal(got["dispatch"], want["dispatch"]), layout
+        for k in want:
+            # gloo's allreduce sums in its own order: fp32 rounding only.
+            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, k=k: f"layout='{layout}' {k}: {m}")
