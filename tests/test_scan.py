@@ -8,16 +8,13 @@
 * a Mesh-TF-style capacity-limited top-1 dispatch written in the DSL, against plain torch,
   on layouts that split the batch and the experts, and on real gloo processes.
 
-Legend: batch (b) 4, seq (s) 8, feat (f) 2 (3 in the odd-size cases); for the MoE test
-batch 8 tokens, experts (e) 4, capacity (c) 2, d_model (d) 4, d_hidden (h) 3.
+Legend: batch (b) 4, seq (s) 8, feat (f) 2 (3 in the dense-kernel test, 4 in the plan test);
+in the MoE test batch 8 tokens, experts (e) 4, capacity (c) 2, d_model (d) 4, d_hidden (h) 4.
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
