@@ -118,6 +118,9 @@ def test_errors_name_the_call_the_dims_and_the_fix():
             md.cumsum(x, "sq")
         assert "cumsum" in str(e.value) and "Did you mean 'seq'?" in str(e.value)
         with pytest.raises(ShapeError) as e:
+            md.cumsum(x, md.Dim("seq", 4))
+        assert "does not match dim seq:8" in str(e.value)
+        with pytest.raises(ShapeError) as e:
             md.squeeze(x, "seq")
         assert "size 8, not 1" in str(e.value) and "Fix:" in str(e.value)
         with pytest.raises(ShapeError) as e:
@@ -277,6 +280,7 @@ def _collectives(plan):
     ("x:2; y:2", "seq:y; batch:x", ("y",), 2, 2 * 4 * 8),
     ("x:2; y:2", "batch:y; feat:x", None, 1, 0),           # seq whole: no communication at all
     ("x:4", "", None, 1, 0),
+    ("x:2; z:1", "seq:z; batch:x", None, 1, 0),            # an axis of size 1 splits nothing
 ])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_plan_has_one_allgather_of_the_totals(mesh, layout, axes, num_slices, nbytes, mode):

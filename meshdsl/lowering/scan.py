@@ -77,7 +77,7 @@ def lower_cumsum(lw, node) -> None:
     for comp in _candidates(t.shape, name, cur, targets):
         cost = relayout_cost(t.shape, cur, comp, mesh, item, model)
         axes = comp.axes_of(name)
-        if axes:
+        if mesh.axis_size(axes) > 1:
             tot = _totals_shape(t.shape, name, mesh.axis_size(axes))
             cost += model.collective("allgather", comp.local_numel(tot, mesh) * item, mesh.axis_size(axes))
         for tgt, note in targets:
@@ -94,7 +94,7 @@ def lower_cumsum(lw, node) -> None:
     sizes = {d.name: d.size for d in t.shape}
     flops = comp.local_numel(t.shape, mesh)
     res = lw.new_value(out.shape, out.dtype, comp)
-    if not axes:
+    if mesh.axis_size(axes) == 1:  # whole on every rank (axes of size 1 split nothing)
         lw.emit("local", node, [vid], [res], args={"fn": node.op.compute, "attrs": node.attrs,
                                                    "compute": comp.split, "sizes": sizes}, flops=flops)
     else:

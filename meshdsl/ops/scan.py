@@ -114,6 +114,10 @@ def _dim_name(x: Tensor, dim, what: str) -> str:
                                  f"{did_you_mean(name, x.shape.names) if isinstance(name, str) else ''}",
                                  inputs=[f"x: {x.shape}"], rule=f"{what} names one of x's dims",
                                  fix=f"use one of {list(x.shape.names)}"))
+    if isinstance(dim, Dim) and dim != x.shape.get(name):
+        raise ShapeError(message(f"{what}: {dim!r} does not match dim {x.shape.get(name)!r} of {x!r}.",
+                                 inputs=[f"x: {x.shape}"], rule="a dim name means one size",
+                                 fix=f"pass the name '{name}' or x's own Dim"))
     return name
 
 
