@@ -335,6 +335,27 @@ def _dropout():
     return {"r3": md.dropout(x, 0.3, seed=3), "r5": md.dropout(md.transpose(x, ["seq", "batch"]), 0.5, seed=1)}, {}
 
 
+# ----------------------------------------------------------------------------- running sums, size-1 dims
+
+@case("cumsum")
+def _cumsum():
+    # More flags, dtypes and the lowering's plan: test_scan.py.
+    x = _x("x_bs", [B, S])
+    return {f"{d}/{m}": md.cumsum(x, d, exclusive=e, reverse=r) for d in ("batch", "seq")
+            for m, (e, r) in {"inc": (False, False), "exc_rev": (True, True)}.items()}, {}
+
+
+@case("squeeze")
+def _squeeze():
+    vals, idx = md.top_k(_x("x_bv", [B, V]), "vocab", 1, "top")
+    return {"v": md.squeeze(vals, "top"), "i": md.squeeze(idx, "top")}, {}
+
+
+@case("unsqueeze")
+def _unsqueeze():
+    return md.unsqueeze(_x("x_bs", [B, S]), md.Dim("one", 1), 1), {}
+
+
 # ----------------------------------------------------------------------------- scan, autodiff, optimizer
 
 L, D, FF = md.Dim("layer", 2), md.Dim("d_model", 4), md.Dim("d_ff", 8)
@@ -411,6 +432,7 @@ OPS_COVERED = {
     "pad", "concat", "shift", "roll", "softmax", "log_softmax", "layer_norm", "rms_norm",
     "cross_entropy", "gather", "one_hot", "iota", "causal_mask", "top_k", "dropout", "repeat", "vjp",
     "sgd",
+    "cumsum", "squeeze", "unsqueeze",
 }
 
 

@@ -4,3 +4,4 @@ Importing the package loads every module that registers a lowering rule
 (:mod:`.rules`), so :func:`~.compiler.compile` always sees the full table.
 """
 from . import repeat, shift  # noqa: F401  (they register their rules on import)
+from . import scan  # noqa: F401  (cumsum's rule)

@@ -12,6 +12,7 @@ from .leaf import input, param, placeholder
 from .nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
 from .reduce import logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
 from .registry import OPS
+from .scan import cumsum, squeeze, unsqueeze
 from .shape_ops import broadcast_to, rearrange, rename, reshape, transpose
 from .slicing import concat, pad, roll, shift, slice_
 from .topk import top_k
