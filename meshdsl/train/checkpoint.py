@@ -150,8 +150,8 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
                 raise CheckpointError(message(f"save_checkpoint: {str(final)!r} already exists.",
                                               rule="a committed checkpoint is never overwritten",
                                               fix="delete it first, or save into another folder"))
-            for old in root.glob(f"{TMP_PREFIX}*"):
-                shutil.rmtree(old, ignore_errors=True)
+            for old in root.glob(f"{TMP_PREFIX}*"):     # unfinished saves and deletes, a stale pointer
+                shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
             tmp.mkdir()
     except Exception as e:     # every process must reach the agreement below, whatever went wrong
         err = e if not isinstance(e, OSError) else CheckpointError(message(
@@ -203,11 +203,14 @@ def _commit(root, tmp, final, step, plan, mesh, model, meta, reports, keep) -> N
     os.rename(tmp, final)      # the commit: atomic on one filesystem
     _fsync_dir(root)
     pointer = root / f"{TMP_PREFIX}{LATEST_FILE}"
-    _write_file(pointer, (final.name + "\n").encode())
+    # The newest committed step, which is what latest_checkpoint returns too.
+    _write_file(pointer, (committed_steps(root)[-1][1].name + "\n").encode())
     os.replace(pointer, root / LATEST_FILE)
     _fsync_dir(root)
     if keep is not None:
-        for _, old in committed_steps(root)[:-keep]:
+        # The new checkpoint always stays, with the newest keep - 1 others.
+        others = [p for _, p in committed_steps(root) if p != final]
+        for old in others[:max(0, len(others) - (keep - 1))]:
             # Renamed first, so a crash mid-delete leaves a .tmp- folder, not a broken checkpoint.
             doomed = root / f"{TMP_PREFIX}del-{old.name}"
             os.rename(old, doomed)

@@ -31,11 +31,11 @@ def _overlap(region, sl):
     return tuple(src), tuple(dst)
 
 
-def _check_wanted(info, want: dict, mesh: Mesh, model) -> list[str]:
+def _check_wanted(info, want: dict, mesh: Mesh, model, strict: bool) -> list[str]:
     bad = []
     if model is not None and info.model != model:
         bad.append(f"model: saved {info.model!r}, loading {model!r}")
-    missing, extra = sorted(set(want) - set(info.tensors)), sorted(set(info.tensors) - set(want))
+    missing, extra = sorted(set(want) - set(info.tensors)), sorted(set(info.tensors) - set(want)) if strict else []
     bad += [f"{n}: wanted but not in the checkpoint" for n in missing]
     bad += [f"{n}: in the checkpoint but not wanted (another model?)" for n in extra]
     for name in sorted(set(want) & set(info.tensors)):
@@ -76,7 +76,7 @@ def _check_files(info, names, verify: str, opened) -> list[str]:
 
 
 def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: str | None = None,
-                    verify: str = "size") -> dict[str, list[torch.Tensor]]:
+                    verify: str = "size", strict: bool = True) -> dict[str, list[torch.Tensor]]:
     """Load ``want``'s tensors from the committed checkpoint ``path``, resharded to ``mesh``.
 
     Everything is checked before any tensor data is read (names, shapes, dtypes,
@@ -91,6 +91,8 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
       model: when given, the model id the checkpoint must have been saved with.
       verify: ``"size"`` (every shard file's size) or ``"sha256"`` (also hash the
         files this load opens, reading them whole).
+      strict: a saved tensor that is not wanted is an error (another model?);
+        ``False`` loads a subset, e.g. the params without the optimizer state.
 
     Returns:
       name -> one local tensor per held rank.
@@ -105,7 +107,7 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
     if verify not in ("size", "sha256"):
         raise CheckpointError(message(f"load_checkpoint: verify={verify!r}.", rule='verify is "size" or "sha256"',
                                       fix='pass verify="sha256" to hash every shard file read'))
-    bad = _check_wanted(info, want, mesh, model)
+    bad = _check_wanted(info, want, mesh, model, strict)
     if bad:
         raise _load_error(path, info, mesh, bad)
     reads, opened = {}, {}
