@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 import meshdsl as md
-from meshdsl.tools.loader import load_model
+from meshdsl.train.model import load_model
 from meshdsl.train.step import training_outputs
 
 ROOT = Path(__file__).resolve().parents[1]

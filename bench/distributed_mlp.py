@@ -71,7 +71,7 @@ MESHDSL = {"meshdsl 1p": ("data:1", ""), "meshdsl DP": ("data:2", "batch:data"),
 def _setup(seed: int):
     """The meshdsl model, its feeds, and its initial weights as full tensors."""
     from meshdsl.ops.leaf import init_value
-    from meshdsl.tools.loader import load_model
+    from meshdsl.train.model import load_model
     model = load_model(MODEL)
     w = {k: init_value(t, seed) for k, t in model.params.items()}
     return model, model.feeds(seed), w

@@ -7,14 +7,20 @@ Public API (everything else lives in subpackages and may change):
 * ops: see :mod:`meshdsl.ops` (re-exported here)
 * autodiff: :func:`grad`, :func:`vjp`; scan: :func:`repeat`
 * layout: :class:`Mesh`, :class:`Layout`; compile: :func:`compile` -> :class:`Plan`
-* execution: :func:`run_dense`, :func:`run_simulated`, :class:`Executor`, :class:`PerRank`
+* execution: :func:`run_dense`, :func:`run_simulated`, :class:`Executor`, :class:`PerRank`;
+  communicators :class:`SimulatedComm` (every rank in one process) and
+  :class:`TorchComm` (one rank per process); processes: :func:`launch`, :func:`spawn`
+* training and model files: :class:`Model` (what a model file's ``build`` returns),
+  :func:`load_model`, :class:`TrainStep`, :func:`sgd`
 """
 from .core.graph import Graph, Tensor
 from .core.shape import Dim, Shape
 from .errors import (DistributedError, GraphError, LayoutError, MeshDSLError, MeshError, ParseError,
                      ShapeError)
 from .exec.dense import run_dense
+from .exec.distributed import TorchComm
 from .exec.executor import Executor, PerRank
+from .exec.launch import launch, spawn
 from .exec.simulated import SimulatedComm, run_simulated
 from .ir.autodiff import grad, vjp
 from .ir.interpret import DenseProgram
@@ -24,6 +30,8 @@ from .layout.mesh import Mesh
 from .lowering.compiler import compile
 from .lowering.plan import Plan
 from .ops import *  # noqa: F401,F403
+from .train.model import Model, ModelError, load_model
 from .train.optim import sgd
+from .train.step import TrainStep
 
 __version__ = "0.1.0"

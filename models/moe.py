@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import meshdsl as md
-from meshdsl.tools.loader import Model
+from meshdsl import Model
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import meshdsl as md
 from meshdsl.exec.executor import Executor
 from meshdsl.exec.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
-from meshdsl.tools.loader import load_model
+from meshdsl.train.model import load_model
 from meshdsl.train.step import TrainStep, training_outputs
 
 LAYOUTS = [

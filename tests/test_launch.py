@@ -140,27 +140,96 @@ def test_mesh_size_must_match_process_count():
     assert multiprocessing.active_children() == []
 
 
+def _listening(pid: int) -> list[str]:
+    """``addr:port`` of every TCP socket process ``pid`` listens on (from /proc, no psutil)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        for line in lines:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = f[1].split(":")
+            raw = bytes.fromhex(hex_ip)
+            # /proc prints the address as host-order 32-bit words
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, raw)
+            out.append(f"{ip}:{int(hex_port, 16)}")
+    return out
+
+
+def _sockets_while_running(comm):
+    comm.barrier()  # every rank has joined: the store and gloo are listening now
+    mine = _listening(os.getpid())
+    parent = _listening(os.getppid()) if comm.rank == 0 else []
+    comm.barrier()  # nobody closes anything while another rank looks
+    return mine, parent
+
+
 @pytest.mark.timeout(60)
-def test_port_clash_still_launches(monkeypatch):
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    busy = taken.getsockname()[1]
-    real, tried = launch._pick_port, []
-
-    def pick():  # hand out the busy port first, as a race with another job would
-        port = busy if not tried else real()
-        tried.append(port)
-        return port
-
-    monkeypatch.setattr(launch, "_pick_port", pick)
-    try:
-        got = launch.spawn(_port_and_rank, 2, timeout=50)
-    finally:
-        taken.close()
-    assert tried[0] == busy and len(tried) == 2
-    assert got == [(tried[1], 0, 1), (tried[1], 1, 1)]
+def test_every_listening_socket_is_on_loopback():
+    got = launch.spawn(_sockets_while_running, 2, mesh="x:2", timeout=50, collective_timeout=20)
+    parent = got[0][1]
+    children = [s for mine, _ in got for s in mine]
+    assert parent, "the launcher hosts the rendezvous store: it must be listening"
+    assert all(s.startswith(("127.0.0.1:", "::ffff:127.0.0.1:")) for s in parent + children), \
+        f"launcher: {parent}; ranks: {children}"
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(60)
+def test_rdzv_host_opens_only_the_store():
+    # The explicit opt-in: the store listens on every interface, gloo stays on loopback.
+    got = launch.spawn(_sockets_while_running, 2, mesh="x:2", timeout=50, collective_timeout=20,
+                       rdzv_host="0.0.0.0")
+    parent = got[0][1]
+    children = [s for mine, _ in got for s in mine]
+    assert any(s.startswith("0.0.0.0:") for s in parent), parent
+    assert children and all(s.startswith("127.0.0.1:") for s in children), children
+
+
+def test_rendezvous_host_that_is_not_ours_is_a_clean_error():
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_port_and_rank, 2, rdzv_host="192.0.2.1")  # TEST-NET-1: never local
+    assert "cannot listen for the rendezvous on '192.0.2.1'" in str(e.value)
+    assert multiprocessing.active_children() == []
+
+
+def _stop_in_step(comm, pid_dir, bad_rank, bad_step):
+    _write_pid(pid_dir, comm.rank)
+    x = torch.ones(4)
+    for step in range(6):
+        if comm.rank == bad_rank and step == bad_step:
+            Path(pid_dir, "failed_at").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        x = comm.all_reduce([x], ("x",), "sum")[0]
+    return x
+
+
+HANG_TIMEOUT_S = 3.0
+
+
+@pytest.mark.timeout(60)
+def test_stopped_rank_is_blamed_not_the_rank_that_timed_out(tmp_path):
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_stop_in_step, 2, args=(str(tmp_path), 1, 3), mesh="x:2",
+                     collective_timeout=HANG_TIMEOUT_S, timeout=50)
+    text = str(e.value)
+    assert "spawn: rank 1 of 2 stopped making progress" in text, text
+    assert "waited for it in collective #4" in text and "is stopped by a signal" in text
+    assert "rank 0 failed while waiting for it" in text
+    # Reported at the collective timeout, plus under 2 s.
+    delay = time.time() - float(Path(tmp_path, "failed_at").read_text())
+    assert delay < HANG_TIMEOUT_S + 2.0, f"the hang took {delay:.1f} s to surface"
+    _assert_all_gone(tmp_path, 2)
 
 
 def test_torchrun_env_detection(monkeypatch):
@@ -172,7 +241,7 @@ def test_torchrun_env_detection(monkeypatch):
         launch.init_from_env("gloo")
     assert "WORLD_SIZE is not set" in str(e.value) and "torchrun" in str(e.value)
     for k, v in dict(WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(launch._pick_port())).items():
+                     MASTER_PORT=str(_free_port())).items():
         monkeypatch.setenv(k, v)
     assert launch.in_torchrun()
     try:
@@ -180,6 +249,12 @@ def test_torchrun_env_detection(monkeypatch):
         assert launch.launch(_comm_summary, "data:1") == [("data:1", (0,))]
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _comm_summary(comm):

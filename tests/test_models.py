@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.tools.loader import Model, load_model, load_module, find_model_file
+from meshdsl.train.model import Model, load_model, load_module, find_model_file
 from meshdsl.train.step import training_outputs
 
 # fp32: a split contraction or reduction adds its partial results in another

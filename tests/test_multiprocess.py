@@ -12,7 +12,7 @@ import torch
 import meshdsl as md
 from meshdsl.exec.distributed import TorchComm
 from meshdsl.exec.launch import spawn
-from meshdsl.tools.loader import load_model
+from meshdsl.train.model import load_model
 from meshdsl.train.jobs import check_job
 
 # (mesh, layout) per family; the tiny configs divide by every axis size used here.

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -45,3 +47,71 @@ def test_two_node_torchrun_check(tmp_path):
     logs = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
     assert [p.returncode for p, _ in procs] == [0, 0], "\n\n".join(logs)
     assert any("OK" in text and "match the dense program" in text for text in logs), "\n\n".join(logs)
+
+
+def _torchrun_local(tmp_path, job, nproc=2, timeout=180):
+    """One ``torchrun --nproc-per-node N -m meshdsl ...`` on loopback -> (exit code, output)."""
+    port = _free_port()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+           "-m", "meshdsl", *job]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, out
+
+
+RUN_JOB = ["run", "mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:data", "--steps", "3",
+           "--backend", "gloo", "--timeout", "30"]
+
+
+def test_torchrun_run_exits_cleanly(tmp_path):
+    # Ranks end with destroy_process_group + os._exit: no "terminate called without an
+    # active exception" (SIGABRT) at interpreter exit.
+    rc, out = _torchrun_local(tmp_path, RUN_JOB)
+    assert rc == 0, out
+    assert "median step" in out and "terminate called" not in out
+
+
+def test_torchrun_user_error_is_printed_once(tmp_path):
+    job = ["run", "mlp", "--tiny", "--mesh", "data:2", "--layout", "bach:data", "--backend", "gloo"]
+    rc, out = _torchrun_local(tmp_path, job)
+    assert rc != 0
+    assert out.count("meshdsl run: error: Layout rule names dim 'bach'") == 1, out
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--layout", "bach:data"], "dim 'bach'"),
+    (["--steps", "0"], "argument --steps: 0 is out of range"),
+], ids=["bad layout", "bad flag"])
+def test_every_torchrun_rank_exits_2_on_a_user_error(args, phrase):
+    # torchrun's agent stops the other ranks as soon as one exits, so each rank's own
+    # exit code is read here from two processes given torchrun's environment directly
+    # (the input is checked before the ranks meet, so no rendezvous is needed).
+    port = _free_port()
+    job = [sys.executable, "-m", "meshdsl", "run", "mlp", "--tiny", "--mesh", "data:2", "--backend", "gloo",
+           *args]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(job, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert phrase in outs[0][1] and outs[1][1] == "", outs  # rank 0 says it, once
+    assert all("Traceback" not in err for _, err in outs)
+
+
+@pytest.mark.slow
+def test_torchrun_run_exits_cleanly_ten_times(tmp_path):
+    for i in range(10):
+        rc, out = _torchrun_local(tmp_path, RUN_JOB)
+        assert rc == 0, f"run {i}:\n{out}"
+        assert "terminate called" not in out, f"run {i}:\n{out}"

@@ -65,9 +65,22 @@ def resolve_backend(backend: str = "auto") -> str:
 
     Returns:
       The backend name to pass to ``init_process_group``.
+
+    Raises:
+      DistributedError: ``"nccl"`` without CUDA, or an unknown backend name.
     """
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise DistributedError(message(
+            "backend 'nccl' needs CUDA, and CUDA is not available on this machine",
+            inputs=[f"torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}"],
+            rule="nccl runs collectives on GPUs; gloo runs them on CPUs",
+            fix="use --backend gloo (or --backend auto, which picks gloo without CUDA)"))
+    if backend not in ("gloo", "nccl"):
+        raise DistributedError(message(
+            f"unknown backend '{backend}'", rule="the backend is 'auto', 'gloo' or 'nccl'",
+            fix="use --backend gloo"))
     return backend
 
 
@@ -143,6 +156,9 @@ class TorchComm(Communicator):
             verbose = os.environ.get("MESHDSL_VERBOSE", "") == "1"
         self.verbose = verbose
         self.stats: dict[str, dict[str, float]] = {}
+        # Progress, read by the launcher's heartbeat to name a rank that stops making progress.
+        self.num_done = 0
+        self.last_done = ""
         self._pgs: dict[tuple[str, ...], object] = {}
         self._slices: dict[tuple[str, ...], _Slice] = {}
         self._create_groups(timedelta(seconds=timeout))
@@ -198,6 +214,8 @@ class TorchComm(Communicator):
         st["count"] += 1
         st["bytes"] += nbytes
         st["seconds"] += dt
+        self.num_done += 1
+        self.last_done = f"{kind} over {tuple(axes)}"
         if self.verbose:
             print(f"[meshdsl rank {self.rank}] {kind} axes={tuple(axes)} group={s.members} "
                   f"bytes={nbytes} {dt * 1e3:.3f} ms", file=sys.stderr, flush=True)

@@ -30,12 +30,14 @@ import torch.distributed as dist
 from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
+from .failures import STALE_S, describe, failure_error, timeout_error
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _HOST = "127.0.0.1"
-_PORT_TRIES = 8
 _SETTLE_S = 0.2  # after a first failure, how long to wait for the others to report theirs
+_BEAT_S = 0.5    # how often a rank publishes its progress
+_PROGRESS_KEY = "meshdsl/progress/"
 
 
 # ------------------------------------------------------------------ torchrun
@@ -69,22 +71,43 @@ def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> 
         backend = resolve_backend(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timedelta(seconds=timeout))
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timedelta(seconds=timeout))
+        except RuntimeError as e:  # DistNetworkError and friends
+            raise _rendezvous_error(e, timeout) from None
     return dist.get_rank()
+
+
+def _rendezvous_error(e: RuntimeError, timeout: float) -> DistributedError:
+    addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    text = str(e)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        what = f"the rendezvous port {addr} is already in use by another process"
+        fix = ("pick a free port (torchrun --master-port PORT, or MASTER_PORT=PORT), or stop the "
+               "process that holds it (`ss -ltnp | grep PORT`)")
+    else:
+        what = f"could not join the process group at {addr}"
+        fix = (f"check that MASTER_ADDR/MASTER_PORT reach rank 0 and that every rank starts within "
+               f"--timeout ({timeout:g} s)")
+    return DistributedError(message(
+        f"init_from_env: {what}", inputs=[f"rank {os.environ.get('RANK')} of "
+                                          f"{os.environ.get('WORLD_SIZE')}",
+                                          f"torch.distributed said: {text.strip().splitlines()[0]}"],
+        fix=fix))
 
 
 def launch(fn, mesh, *, nproc: int | None = None, args: tuple = (), backend: str = "auto",
            timeout: float | None = DEFAULT_JOB_TIMEOUT_S,
-           collective_timeout: float = DEFAULT_TIMEOUT_S) -> list:
+           collective_timeout: float = DEFAULT_TIMEOUT_S, rdzv_host: str = _HOST) -> list:
     """Run ``fn(comm, *args)`` on every rank of ``mesh``, under torchrun or by spawning.
 
     Args:
       fn: a module-level function ``fn(comm, *args)``; its result must pickle.
       mesh: a :class:`Mesh` or mesh string, e.g. ``"data:2; model:2"``.
       nproc: processes to spawn; defaults to the mesh size.  Ignored under torchrun.
-      args, backend, timeout, collective_timeout: as for :func:`spawn`.
+      args, backend, timeout, collective_timeout, rdzv_host: as for :func:`spawn`.
 
     Returns:
       Under torchrun, ``[this rank's result]``; otherwise every rank's result.
@@ -95,14 +118,15 @@ def launch(fn, mesh, *, nproc: int | None = None, args: tuple = (), backend: str
         return [fn(TorchComm(mesh, timeout=collective_timeout), *args)]
     return spawn(fn, mesh.size if nproc is None else nproc, args=args, timeout=timeout,
                  backend=resolve_backend(backend), mesh=mesh,
-                 collective_timeout=collective_timeout)
+                 collective_timeout=collective_timeout, rdzv_host=rdzv_host)
 
 
 # --------------------------------------------------------------------- spawn
 
 def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_JOB_TIMEOUT_S,
           backend: str = "gloo", mesh: "Mesh | str | None" = None,
-          collective_timeout: float = DEFAULT_TIMEOUT_S, verbose: bool | None = None) -> list:
+          collective_timeout: float = DEFAULT_TIMEOUT_S, verbose: bool | None = None,
+          rdzv_host: str = _HOST) -> list:
     """Run ``fn`` in ``nproc`` fresh processes and return their results in rank order.
 
     Each child sets one torch thread, joins the process group, and calls
@@ -117,32 +141,48 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
       mesh: e.g. ``"data:2; model:2"``; its size must be ``nproc``.
       collective_timeout: seconds before a collective gives up inside the children.
       verbose: log every collective (see :class:`TorchComm`).
+      rdzv_host: the address the rendezvous store listens on.  The default,
+        127.0.0.1, is reachable from this machine only; any other address
+        (``"0.0.0.0"``) lets every host that reaches it join or disturb the job.
 
     Returns:
       ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
       MeshError: the mesh size is not ``nproc``.
-      DistributedError: a rank raised, died or did not finish in time; the
-        message names the rank, its exit code or signal, and its traceback.
+      DistributedError: a rank raised, died, stopped making progress (found by
+        its heartbeat, with ``mesh``) or did not finish in time; the message
+        names the rank, its exit code or signal, and its traceback; also when
+        ``rdzv_host`` is not an address of this machine.
     """
     if mesh is not None:
         mesh = Mesh.parse(mesh)
         check_world_size(mesh, nproc)
     ctx = get_context("spawn")
-    store, port = _host_store(collective_timeout)
+    store, port = _host_store(collective_timeout, rdzv_host)
+    connect = _HOST if rdzv_host in ("0.0.0.0", "::", "") else rdzv_host
     procs, readers = [], []
     try:
-        for rank in range(nproc):
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, name=f"meshdsl-rank{rank}", args=(
-                rank, nproc, port, backend, collective_timeout, mesh, verbose, fn, args,
-                writer, os.getpid()))
-            p.start()
-            writer.close()  # so that the reader sees EOF when the child dies
-            procs.append(p)
-            readers.append(reader)
-        return _supervise(procs, readers, timeout, _describe(fn, nproc, mesh))
+        # Children start with SIGINT blocked (the mask survives exec): a Ctrl-C reaches the
+        # whole foreground group, and only the parent should act on it, by stopping them.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for rank in range(nproc):
+                reader, writer = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child, name=f"meshdsl-rank{rank}", args=(
+                    rank, nproc, connect, port, backend, collective_timeout, mesh, verbose, fn,
+                    args, writer, os.getpid()))
+                p.start()
+                writer.close()  # so that the reader sees EOF when the child dies
+                procs.append(p)
+                readers.append(reader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        # A heartbeat older than the collective timeout cannot be a rank that waits in a
+        # collective (it would have timed out); a floor of several beats absorbs load.
+        stale_s = max(4 * _BEAT_S, min(STALE_S, 0.8 * collective_timeout))
+        return _supervise(procs, readers, timeout, describe(fn, nproc, mesh),
+                          lambda: (_progress(store, nproc), stale_s))
     finally:
         for p in procs:
             if p.is_alive():
@@ -154,41 +194,54 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
         del store
 
 
-def _pick_port() -> int:
-    """A port that was free a moment ago (bind to 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_HOST, 0))
-        return s.getsockname()[1]
+def _host_store(timeout: float, host: str = _HOST):
+    """Host the rendezvous store in the parent on a socket bound and listening on ``host``.
+
+    Binding port 0 and handing the listening socket to the store leaves no
+    window in which another process could take the port.
+
+    Returns:
+      ``(store, port)``.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise DistributedError(message(
+            f"spawn: cannot listen for the rendezvous on '{host}': {e.strerror or e}",
+            rule="the rendezvous host is an address of this machine",
+            fix="use the default 127.0.0.1, or an address shown by `ip addr`")) from None
+    port = sock.getsockname()[1]
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now and closes it with itself
+    return store, port
 
 
-def _host_store(timeout: float):
-    """Host the rendezvous store in the parent; retry on a port that got taken."""
-    errors = []
-    for _ in range(_PORT_TRIES):
-        port = _pick_port()
+def _progress(store, nproc: int) -> dict[int, tuple[float, int, str]]:
+    """Each rank's last heartbeat: rank -> (seconds since, collectives done, the last one)."""
+    out = {}
+    now = time.time()
+    for rank in range(nproc):
+        key = f"{_PROGRESS_KEY}{rank}"
         try:
-            store = dist.TCPStore(_HOST, port, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=timeout))
-            return store, port
-        except RuntimeError as e:  # DistNetworkError: someone else bound the port first
-            if "EADDRINUSE" not in str(e) and "in use" not in str(e):
-                raise
-            errors.append(port)
-    raise DistributedError(message(
-        f"spawn: no free port for the rendezvous on {_HOST}",
-        bullets=[f"port {p} was in use" for p in errors],
-        fix="free some local ports, or start the job with torchrun"))
-
-
-def _describe(fn, nproc, mesh) -> list[str]:
-    name = getattr(fn, "__qualname__", repr(fn))
-    out = [f"fn: {getattr(fn, '__module__', '?')}.{name}", f"processes: {nproc}"]
-    if mesh is not None:
-        out.append(f"mesh: {mesh}")
+            if not store.check([key]):
+                continue
+            t, n, last = store.get(key).decode().split(" ", 2)
+        except (RuntimeError, ValueError):
+            continue
+        out[rank] = (now - float(t), int(n), last)
     return out
 
 
-def _supervise(procs, readers, timeout, inputs) -> list:
+def _supervise(procs, readers, timeout, inputs, progress=lambda: ({}, 0.0)) -> list:
     """Wait for every child; on the first failure stop and raise."""
     n = len(procs)
     results: dict[int, object] = {}
@@ -222,13 +275,13 @@ def _supervise(procs, readers, timeout, inputs) -> list:
         # Short waits so a dead child is noticed within a second even if nothing else moves.
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise _timeout_error(procs, results, timeout, inputs)
+            raise timeout_error(procs, results, timeout, inputs)
         poll(1.0 if left is None else min(1.0, left))
         if failed():
             end = time.monotonic() + _SETTLE_S
             while time.monotonic() < end and (open_readers or len(exited) < n):
                 poll(max(0.0, end - time.monotonic()))
-            raise _failure_error(procs, exited, results, errors, failed(), inputs)
+            raise failure_error(procs, exited, results, errors, failed(), inputs, *progress())
     return [results[i] for i in range(n)]
 
 
@@ -243,104 +296,75 @@ def _receive(rank, reader, results, errors) -> None:
         errors[rank] = (msg[1], msg[2])
 
 
-def _how(p) -> str:
-    code = p.exitcode
-    if code is None:
-        return "was still running"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
-        except ValueError:
-            return f"was killed by signal {-code} (exit code {code})"
-    return f"exited with code {code}"
-
-
-def _failure_error(procs, exited, results, errors, bad, inputs) -> DistributedError:
-    # The first cause is a rank that died without a traceback (a signal, os._exit),
-    # else the earliest exception: later ones are usually peers losing their connection.
-    silent = [i for i in bad if i not in errors]
-    first = silent[0] if silent else min(bad, key=lambda i: errors[i][0])
-    p = procs[first]
-    what = "raised an exception" if first in errors else _how(p)
-    if first in errors and first in exited:
-        what += f" and {_how(p)}"
-    elif first not in errors and p.exitcode == 0:
-        what = "exited without sending a result"
-    bullets = []
-    for i, q in enumerate(procs):
-        if i == first:
-            continue
-        if i in errors:
-            last = errors[i][1].strip().splitlines()[-1]
-            bullets.append(f"rank {i} also failed: {_clip(last)}")
-        elif i in bad:
-            bullets.append(f"rank {i} also failed: it {_how(q)}")
-        elif i not in results:
-            bullets.append(f"rank {i} was stopped by the launcher")
-    if first in errors:
-        fix = f"see rank {first}'s traceback below"
-    elif p.exitcode is not None and p.exitcode < 0:
-        fix = ("a SIGKILL often means the out-of-memory killer, SIGSEGV or SIGABRT a crash in "
-               "native code: rerun with fewer processes or smaller inputs")
-    else:
-        fix = ("the child stopped before or outside fn (see its stderr above): with the spawn "
-               "start method fn must be importable and the main script a file guarded by "
-               "`if __name__ == '__main__':`; fn must return, not exit")
-    text = message(f"spawn: rank {first} of {len(procs)} {what}", inputs=inputs,
-                   bullets=bullets, fix=fix)
-    if first in errors:
-        text += f"\nTraceback of rank {first}:\n{errors[first][1]}"
-    return DistributedError(text)
-
-
-def _clip(line: str, width: int = 160) -> str:
-    return line if len(line) <= width else line[: width - 3] + "..."
-
-
-def _timeout_error(procs, results, timeout, inputs) -> DistributedError:
-    late = [i for i in range(len(procs)) if i not in results]
-    return DistributedError(message(
-        f"spawn: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of "
-        f"{len(procs)} did not finish within {timeout:g} s",
-        inputs=inputs,
-        bullets=[f"rank {i} finished" for i in sorted(results)],
-        rule="every rank must call the same collectives in the same order",
-        fix="look for a rank that skipped or reordered a collective, or raise timeout="))
-
-
 # --------------------------------------------------------------------- child
 
-def _child(rank, nproc, port, backend, collective_timeout, mesh, verbose, fn, args, conn,
+def _child(rank, nproc, host, port, backend, collective_timeout, mesh, verbose, fn, args, conn,
            parent_pid):
-    """Body of one spawned rank: join the group, run ``fn``, send back the result."""
+    """Body of one spawned rank: join the group, run ``fn``, send back the result, exit."""
     _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C by stopping us
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=_HOST, MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
     if os.path.exists("/sys/class/net/lo"):
-        # All ranks are on this machine; gloo otherwise resolves the hostname, which
-        # fails in sandboxes without a hosts entry.
+        # All spawned ranks are on this machine, whatever the store's address: gloo
+        # listens on loopback only (and does not resolve the hostname, which fails in
+        # sandboxes without a hosts entry).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         backend = resolve_backend(backend)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         limit = timedelta(seconds=collective_timeout)
-        store = dist.TCPStore(_HOST, port, is_master=False, timeout=limit)
+        store = dist.TCPStore(host, port, is_master=False, timeout=limit)
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=limit)
-        target = rank if mesh is None else TorchComm(mesh, timeout=collective_timeout,
-                                                     verbose=verbose)
+        target = rank
+        if mesh is not None:
+            target = TorchComm(mesh, timeout=collective_timeout, verbose=verbose)
+            _start_heartbeat(host, port, rank, target)
         payload = pickle.dumps(("ok", fn(target, *args)))
     except BaseException:
         # Exit at once: a clean shutdown could block on peers that are stuck.
         conn.send_bytes(pickle.dumps(("error", time.time(), traceback.format_exc())))
-        conn.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _exit(conn, 1, clean=False)
     conn.send_bytes(payload)
+    _exit(conn, 0, clean=True)
+
+
+def _exit(conn, code: int, clean: bool) -> None:
+    """End the rank: close the pipe, flush, leave the process group, ``os._exit``.
+
+    ``os._exit`` skips interpreter teardown: C++ static destructors would
+    otherwise run while gloo or store threads are alive, which aborts with
+    "terminate called without an active exception" (SIGABRT) at random.
+    """
     conn.close()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if clean and dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(code)
+
+
+def _start_heartbeat(host, port, rank, comm) -> None:
+    """Publish ``time collectives-done last-collective`` in the store every :data:`_BEAT_S`.
+
+    A thread of its own, on a store client of its own, so the beat goes on while
+    the main thread is blocked in a collective, and stops when the process does.
+    """
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+    key = f"{_PROGRESS_KEY}{rank}"
+
+    def beat():
+        while True:
+            try:
+                store.set(key, f"{time.time()} {comm.num_done} {comm.last_done}")
+            except RuntimeError:  # the parent is gone; _die_with_parent ends us
+                return
+            time.sleep(_BEAT_S)
+
+    beat_thread = threading.Thread(target=beat, name="meshdsl-heartbeat", daemon=True)
+    beat_thread.start()
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -34,7 +34,7 @@ def agree_plan(comm: Communicator, plan: Plan) -> None:
 
 
 def _load(model_ref: str, tiny: bool):
-    from ..tools.loader import load_model
+    from .model import load_model
     return load_model(model_ref, tiny=tiny)
 
 
