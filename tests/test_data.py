@@ -13,7 +13,7 @@ import torch
 
 from meshdsl.errors import MeshDSLError
 from meshdsl.train.data import (ByteTokenizer, DataError, TokenData, default_corpus_text, load_text,
-                                row_offset, stdlib_sources)
+                                row_offset, stdlib_sources, token_digest)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,12 +24,7 @@ def corpus() -> TokenData:
 
 
 def _batch_digest(data: TokenData) -> str:
-    h = hashlib.sha256()
-    for step in range(3):
-        ids, labels = data.batch(step, 8, 32)
-        h.update(ids.numpy().astype("<i8").tobytes())
-        h.update(labels.numpy().astype("<i8").tobytes())
-    return h.hexdigest()
+    return token_digest(*(x for step in range(3) for x in data.batch(step, 8, 32)))
 
 
 # ------------------------------------------------------------------ corpus
@@ -59,12 +54,9 @@ def test_default_corpus_separators_follow_path_order():
 
 def test_batches_match_in_another_interpreter(corpus):
     """The global batch is a pure function of (seed, step): a fresh Python gives the same bytes."""
-    code = ("from meshdsl.train.data import TokenData; import hashlib\n"
-            "d = TokenData.load(None, seed=7); h = hashlib.sha256()\n"
-            "for step in range(3):\n"
-            "    i, l = d.batch(step, 8, 32)\n"
-            "    h.update(i.numpy().astype('<i8').tobytes()); h.update(l.numpy().astype('<i8').tobytes())\n"
-            "print(d.fingerprint()['sha256'], h.hexdigest())\n")
+    code = ("from meshdsl.train.data import TokenData, token_digest\n"
+            "d = TokenData.load(None, seed=7)\n"
+            "print(d.fingerprint()['sha256'], token_digest(*(x for t in range(3) for x in d.batch(t, 8, 32))))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                          check=True).stdout.split()
@@ -111,6 +103,14 @@ def test_rank_builds_only_its_rows(monkeypatch, corpus):
     monkeypatch.setattr(data, "row_offset", lambda s, t, r, n: seen.append(r) or real(s, t, r, n))
     corpus.batch(3, 8, 16, rows=slice(6, 8))
     assert seen == [6, 7]
+
+
+def test_token_digest_is_of_values_not_storage():
+    base = torch.arange(10)
+    assert token_digest(base[2:5]) == token_digest(torch.tensor([2, 3, 4]))
+    assert token_digest(torch.tensor([1], dtype=torch.uint8)) == token_digest(torch.tensor([1]))
+    # Little-endian int64: 1 is 01 00 00 00 00 00 00 00.
+    assert token_digest(torch.tensor([1])) == hashlib.sha256(b"\x01" + b"\x00" * 7).hexdigest()
 
 
 def test_row_offset_is_spread_over_the_range():

@@ -14,6 +14,7 @@ therefore the whole data position a checkpoint needs.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import os
@@ -145,6 +146,19 @@ class ByteTokenizer:
 
 
 # ------------------------------------------------------------- batching
+
+def token_digest(*tensors: torch.Tensor) -> str:
+    """sha256 of the tensors' values as little-endian int64, the same on every platform."""
+    h = hashlib.sha256()
+    for t in tensors:
+        b = t.to(torch.int64).reshape(-1).clone().view(torch.uint8)
+        if sys.byteorder == "big":
+            b = b.view(-1, 8).flip(1).reshape(-1)
+        b = b.contiguous()
+        # Read the contiguous buffer directly: no numpy needed, and no per-element Python loop.
+        h.update(ctypes.string_at(b.data_ptr(), b.numel()))
+    return h.hexdigest()
+
 
 def _mix64(x: int) -> int:
     """splitmix64's finaliser: a bijection on 64-bit ints whose outputs look uniform."""
@@ -294,10 +308,8 @@ class TokenData:
 
     def fingerprint(self) -> dict:
         """What identifies this data: source, Python version, sizes, sha256 of the tokens, seed."""
-        # int64 tokens hashed as little-endian bytes, so the digest is the same on every platform.
-        digest = hashlib.sha256(self.tokens.numpy().astype("<i8").tobytes()).hexdigest()
         return {"source": self.source, "python": sys.version.split()[0], "num_tokens": len(self.tokens),
-                "sha256": digest, "eval_fraction": self.eval_fraction, "seed": self.seed}
+                "sha256": token_digest(self.tokens), "eval_fraction": self.eval_fraction, "seed": self.seed}
 
     def state(self, step: int) -> dict:
         """The data position to save: the next step and :meth:`fingerprint` (JSON-able).
@@ -328,4 +340,4 @@ class TokenData:
 
 
 __all__ = ["DEFAULT_CORPUS_BYTES", "DEFAULT_EVAL_FRACTION", "ByteTokenizer", "DataError", "TokenData",
-           "default_corpus_text", "load_text", "row_offset", "stdlib_sources"]
+           "default_corpus_text", "load_text", "row_offset", "stdlib_sources", "token_digest"]
