@@ -161,6 +161,9 @@ def test_too_short_text_is_a_clear_error():
     with pytest.raises(DataError, match=r"train split has \d+ tokens; 17 are needed") as e:
         data.batch(0, 2, 16)
     assert "Fix: use a shorter seq" in str(e.value)
+    for bad in ({"batch_size": 0, "seq": 4}, {"batch_size": 2, "seq": 0}, {"batch_size": 2.0, "seq": 4}):
+        with pytest.raises(DataError, match="must be an int >= 1"):
+            data.batch(0, **bad)
 
 
 # ----------------------------------------------------------- tokenizer

@@ -92,7 +92,8 @@ def _check_inputs(step, tensors, comm, meta, keep) -> dict:
     except (TypeError, ValueError) as e:
         raise CheckpointError(message(f"save_checkpoint: meta is not JSON ({e}).",
                                       rule="checkpoint metadata is plain JSON: no pickle is ever written or read",
-                                      fix="store tensors (RNG, optimizer state) as tensors; the rest as str/int/float/list/dict")) from None
+                                      fix="store tensors (RNG, optimizer state) as tensors; the rest as "
+                                          "str/int/float/list/dict")) from None
     out, bad = {}, []
     for name, (spec, xs) in tensors.items():
         shape, dtype, sharding = tensor_spec(name, spec)

@@ -163,7 +163,8 @@ def read_metadata(path: "str | Path") -> CheckpointMeta:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _bad(path, f"{META_FILE} is not valid JSON ({e}).") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise _bad(path, f"{META_FILE} is not a meshdsl checkpoint (format {doc.get('format') if isinstance(doc, dict) else None!r}).")
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise _bad(path, f"{META_FILE} is not a meshdsl checkpoint (format {found!r}).")
     if doc.get("version") != VERSION:
         raise _bad(path, f"format version {doc.get('version')!r}; this meshdsl reads version {VERSION}.",
                    fix="load it with the meshdsl version that saved it")

@@ -192,7 +192,7 @@ def _rows(rows: "slice | None", batch_size: int, called: str) -> range:
     return range(start, stop)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TokenData:
     """Tokens with a held-out tail, and batches that are pure functions of ``(seed, step)``.
 
@@ -233,13 +233,20 @@ class TokenData:
 
     @property
     def train_tokens(self) -> torch.Tensor:
+        """The tokens batches are drawn from (before :attr:`split`)."""
         return self.tokens[:self.split]
 
     @property
     def eval_tokens(self) -> torch.Tensor:
+        """The held-out tokens eval batches tile (from :attr:`split` on)."""
         return self.tokens[self.split:]
 
-    def _check_fits(self, part: str, num_tokens: int, seq: int, needed: int, called: str) -> None:
+    def _check_fits(self, part: str, num_tokens: int, seq: int, needed: int, called: str,
+                    batch_size: int) -> None:
+        for what, n in (("batch_size", batch_size), ("seq", seq)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise DataError(message(f"{called}: {what} must be an int >= 1, got {n!r}.",
+                                        fix=f"pass a positive {what}"))
         if num_tokens < needed:
             raise DataError(message(
                 f"{called}: the {part} split has {num_tokens} tokens; {needed} are needed.",
@@ -254,14 +261,15 @@ class TokenData:
           step: the training step; with the seed it fixes the batch.
           batch_size: rows in the global batch.
           seq: tokens per row.
-          rows: ``slice(start, stop)`` of the rows this data rank builds (all when ``None``).
+          rows: ``slice(start, stop)`` of the rows this data rank builds (all when ``None``);
+            e.g. the batch dim's entry of ``sharding.slice_index(shape, mesh, rank)``.
 
         Returns:
           Two int64 tensors of shape ``[len(rows), seq]``; ``labels`` is ``ids`` shifted by one.
           Every token read lies in the train split.
         """
         called = f"TokenData.batch(step={step}, batch_size={batch_size}, seq={seq})"
-        self._check_fits("train", self.split, seq, seq + 1, called)
+        self._check_fits("train", self.split, seq, seq + 1, called, batch_size)
         num_starts = self.split - seq   # starts 0..split-seq-1 keep the last label inside the split
         starts = [row_offset(self.seed, step, r, num_starts) for r in _rows(rows, batch_size, called)]
         return self._windows(self.tokens, starts, seq)
@@ -291,9 +299,9 @@ class TokenData:
           rows: as for :meth:`batch`.
         """
         called = f"TokenData.eval_batches(batch_size={batch_size}, seq={seq})"
-        fits = self.num_eval_batches(batch_size, seq)
-        want = fits if num_batches is None else num_batches
-        self._check_fits("eval", len(self.eval_tokens), seq, max(1, want) * batch_size * seq + 1, called)
+        self._check_fits("eval", len(self.eval_tokens), seq, seq + 1, called, batch_size)
+        want = self.num_eval_batches(batch_size, seq) if num_batches is None else num_batches
+        self._check_fits("eval", len(self.eval_tokens), seq, max(1, want) * batch_size * seq + 1, called, batch_size)
         out = []
         for b in range(want):
             starts = [self.split + (b * batch_size + r) * seq for r in _rows(rows, batch_size, called)]
