@@ -383,3 +383,21 @@ def test_two_gloo_processes_save_one_loads_resharded(tmp_path):
     assert [s.file for s in info.tensors["b"].slices] == ["rank-00000.safetensors"]
     _check_load(path, "", {})
     _check_load(path, "a:2; b:3", {"vocab": ("b",), "d_ff": ("a", "b")})
+
+
+def _save_with_a_bad_rank(comm, root):
+    """Rank 1 passes a local slice of the wrong shape; every process must fail, none may hang."""
+    shape, dtype, sh = _specs("data:2", {"d_model": ("data",)}, names=("w",))["w"]
+    local = torch.zeros(2, 12) if comm.ranks == (0,) else torch.zeros(3, 12)
+    try:
+        save_checkpoint(root, 1, {"w": ((shape, dtype, sh), [local])}, comm)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_failing_rank_fails_every_process(tmp_path):
+    results = spawn(_save_with_a_bad_rank, 2, args=(str(tmp_path),), mesh="data:2", timeout=120)
+    for msg in results:
+        assert "w on rank 1: local (3, 12) torch.float32, expected (2, 12)" in msg
+    assert latest_checkpoint(tmp_path) is None

@@ -167,7 +167,7 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
                 data = safetensors_bytes(owned, metadata={"format": FORMAT, "rank": str(r)})
                 _write_file(tmp / shard_file_name(r), data)
                 files[shard_file_name(r)] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    except OSError as e:
+    except Exception as e:     # reported to every process below, so none waits for this one
         err = CheckpointError(message(f"save_checkpoint: writing into {str(tmp)!r} failed: {e}.",
                                       fix="check free space and permissions"))
     texts = _sync(comm, json.dumps({"files": files, "error": None if err is None else str(err)}))
@@ -181,9 +181,9 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
     if committer:
         try:
             _commit(root, tmp, final, step, plan, comm.mesh, model, meta, reports, keep)
-        except OSError as e:
+        except Exception as e:
             err = CheckpointError(message(f"save_checkpoint: committing {str(final)!r} failed: {e}.",
-                                          fix="check free space and permissions; the previous checkpoint is intact"))
+                                          fix="check free space and permissions; committed checkpoints stay loadable"))
     _check_all(comm, err)
     return final
 
