@@ -177,6 +177,9 @@ class _Spy:
                     def get_shape(self):
                         return sl.get_shape()
 
+                    def get_dtype(self):
+                        return sl.get_dtype()
+
                     def __getitem__(self, idx):
                         x = sl[idx]
                         spy.read.append((Path(path).name, key, x.numel()))
@@ -309,6 +312,20 @@ def test_corrupt_bytes_caught_by_sha256_and_header(saved):
     data[:8] = b"\xff" * 8                           # a header length that points past the end
     f.write_bytes(bytes(data))
     assert "rank-00003.safetensors: not a readable safetensors file" in _load_error(saved)
+
+
+def test_a_shard_that_holds_something_else(saved):
+    """A replaced shard file whose size was made to match: its header is checked before any read."""
+    from safetensors.torch import save as to_bytes
+
+    data = to_bytes({"w": torch.zeros(4, 3, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.int64)})
+    (saved / "rank-00001.safetensors").write_bytes(data)
+    doc = json.loads((saved / "checkpoint.json").read_text())
+    doc["files"]["rank-00001.safetensors"]["bytes"] = len(data)
+    (saved / "checkpoint.json").write_text(json.dumps(doc))
+    msg = _load_error(saved)
+    assert "rank-00001.safetensors: tensor 'w' missing or not float32 of shape [4, 3]" in msg
+    assert "rank-00001.safetensors: tensor 'b' missing or not int64 of shape [3]" in msg
 
 
 def test_wrong_shape_and_dtype_wanted(saved):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,6 +18,11 @@ from safetensors import SafetensorError, safe_open
 from ..errors import message
 from ..layout.mesh import Mesh
 from .checkpoint_format import CheckpointError, dtype_name, read_metadata, tensor_spec
+
+# torch dtype -> the dtype string in a safetensors header.
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def _overlap(region, sl):
@@ -35,7 +41,8 @@ def _check_wanted(info, want: dict, mesh: Mesh, model, strict: bool) -> list[str
     bad = []
     if model is not None and info.model != model:
         bad.append(f"model: saved {info.model!r}, loading {model!r}")
-    missing, extra = sorted(set(want) - set(info.tensors)), sorted(set(info.tensors) - set(want)) if strict else []
+    missing = sorted(set(want) - set(info.tensors))
+    extra = sorted(set(info.tensors) - set(want)) if strict else []
     bad += [f"{n}: wanted but not in the checkpoint" for n in missing]
     bad += [f"{n}: in the checkpoint but not wanted (another model?)" for n in extra]
     for name in sorted(set(want) & set(info.tensors)):
@@ -130,9 +137,15 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
             except (SafetensorError, OSError) as e:
                 raise _load_error(path, info, mesh, [f"{f}: not a readable safetensors file ({e})"]) from None
             for name in want:
-                for sl in info.tensors[name].slices:
-                    if sl.file == f and (sl.key not in keys or tuple(h.get_slice(sl.key).get_shape()) != sl.sizes):
-                        bad.append(f"{f}: tensor {sl.key!r} missing or not of shape {list(sl.sizes)}")
+                saved = info.tensors[name]
+                for sl in saved.slices:
+                    if sl.file != f:
+                        continue
+                    got = h.get_slice(sl.key) if sl.key in keys else None
+                    if got is None or tuple(got.get_shape()) != sl.sizes or \
+                            got.get_dtype() != _SAFETENSORS_DTYPES[saved.dtype]:
+                        bad.append(f"{f}: tensor {sl.key!r} missing or not {dtype_name(saved.dtype)} "
+                                   f"of shape {list(sl.sizes)}")
         if bad:
             raise _load_error(path, info, mesh, bad)
         out = {}
