@@ -58,28 +58,29 @@ def _mesh(text: str) -> Mesh:
     return Mesh(()) if not text else Mesh.parse(text)
 
 
-def _specs(mesh_text: str, split: dict, names=tuple(SHAPES)) -> dict:
+def _specs(split: dict, names=tuple(SHAPES)) -> dict:
     return {n: (SHAPES[n], DTYPES[n], Sharding.of(SHAPES[n], split)) for n in names}
 
 
-def _save(root, step: int, mesh_text: str, split: dict, fulls=None, **kw) -> Path:
+def _save(root, step: int, mesh_text: str, split: dict, **kw) -> Path:
+    """Save every tensor of SHAPES from all ranks of ``mesh_text`` (one simulated process)."""
     mesh = _mesh(mesh_text)
     comm = SimulatedComm(mesh)
-    fulls = fulls or {n: _full(n) for n in SHAPES}
     tensors = {}
-    for n, spec in _specs(mesh_text, split, tuple(fulls)).items():
-        tensors[n] = (spec, [fulls[n][spec[2].slice_index(spec[0], mesh, r)].contiguous() for r in comm.ranks])
+    for n, (shape, dtype, sh) in _specs(split).items():
+        tensors[n] = ((shape, dtype, sh), [_full(n)[sh.slice_index(shape, mesh, r)].contiguous() for r in comm.ranks])
     kw.setdefault("model", "toy")
     return save_checkpoint(root, step, tensors, comm, **kw)
 
 
-def _check_load(path, mesh_text: str, split: dict, ranks=None, fulls=None, **kw) -> None:
+def _check_load(path, mesh_text: str, split: dict, ranks=None, **kw) -> None:
+    """Load onto ``mesh_text`` / ``split`` and compare every held rank with the full tensor's slice."""
     mesh = _mesh(mesh_text)
-    specs = _specs(mesh_text, split)
+    specs = _specs(split)
     out = load_checkpoint(path, specs, mesh, ranks, **kw)
     ranks = range(mesh.size) if ranks is None else ranks
     for n, (shape, dtype, sharding) in specs.items():
-        full = (fulls or {})[n] if fulls else _full(n)
+        full = _full(n)
         assert len(out[n]) == len(ranks)
         for r, x in zip(ranks, out[n]):
             assert x.dtype == dtype
@@ -193,7 +194,7 @@ def test_a_rank_reads_only_the_slices_it_needs(tmp_path, monkeypatch):
     spy = _Spy(checkpoint_load.safe_open)
     monkeypatch.setattr(checkpoint_load, "safe_open", spy)
     # Rank 1 of "y:2" with d_ff split over y wants d_ff 6..11: saved by ranks 2 and 3 of x:4 (3 each).
-    specs = _specs("y:2", {"d_ff": ("y",)}, names=("w", "b"))
+    specs = _specs({"d_ff": ("y",)}, names=("w", "b"))
     out = load_checkpoint(path, specs, Mesh.parse("y:2"), ranks=[1], strict=False)   # no emb: a subset
     assert sorted(spy.opened) == ["rank-00002.safetensors", "rank-00003.safetensors"]
     assert sum(n for f, k, n in spy.read if k == "w") == out["w"][0].numel() == 4 * 6
@@ -276,7 +277,7 @@ def saved(tmp_path) -> Path:
 
 
 def _load_error(path, specs=None, **kw) -> str:
-    specs = specs or _specs("data:2", {})
+    specs = specs or _specs({})
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(path, specs, Mesh.parse("data:2"), **kw)
     assert isinstance(e.value, MeshDSLError)
@@ -329,7 +330,7 @@ def test_a_shard_that_holds_something_else(saved):
 
 
 def test_wrong_shape_and_dtype_wanted(saved):
-    specs = _specs("data:2", {})
+    specs = _specs({})
     bigger = Shape([Dim("d_model", 4), Dim("d_ff", 16)])
     specs["w"] = (bigger, torch.float32, Sharding.of(bigger, {}))
     specs["b"] = (SHAPES["b"], torch.float32, Sharding.of(SHAPES["b"], {}))
@@ -340,7 +341,7 @@ def test_wrong_shape_and_dtype_wanted(saved):
 
 def test_another_model(saved):
     assert "model: saved 'toy', loading 'gpt'" in _load_error(saved, model="gpt")
-    specs = _specs("data:2", {}, names=("w", "b"))
+    specs = _specs({}, names=("w", "b"))
     specs["head"] = (SHAPES["b"], torch.float32, Sharding.of(SHAPES["b"], {}))
     msg = _load_error(saved, specs)
     assert "head: wanted but not in the checkpoint" in msg and "emb: in the checkpoint but not wanted" in msg
@@ -381,7 +382,7 @@ def test_save_errors(tmp_path):
 def _save_on_rank(comm, root):
     fulls = {n: _full(n) for n in SHAPES}
     tensors = {}
-    for n, (shape, dtype, sh) in _specs("data:2", {"d_model": ("data",)}).items():
+    for n, (shape, dtype, sh) in _specs({"d_model": ("data",)}).items():
         tensors[n] = ((shape, dtype, sh), [fulls[n][sh.slice_index(shape, comm.mesh, r)].contiguous()
                                            for r in comm.ranks])
     path = save_checkpoint(root, 7, tensors, comm, model="toy", meta={"rank_count": 2})
@@ -404,7 +405,7 @@ def test_two_gloo_processes_save_one_loads_resharded(tmp_path):
 
 def _save_with_a_bad_rank(comm, root):
     """Rank 1 passes a local slice of the wrong shape; every process must fail, none may hang."""
-    shape, dtype, sh = _specs("data:2", {"d_model": ("data",)}, names=("w",))["w"]
+    shape, dtype, sh = _specs({"d_model": ("data",)}, names=("w",))["w"]
     local = torch.zeros(2, 12) if comm.ranks == (0,) else torch.zeros(3, 12)
     try:
         save_checkpoint(root, 1, {"w": ((shape, dtype, sh), [local])}, comm)
