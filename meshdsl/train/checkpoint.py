@@ -1,0 +1,221 @@
+"""Sharded checkpoints: each rank writes its own slices; any mesh and layout loads them.
+
+Saving (:func:`save_checkpoint`) writes safetensors files, one per rank that
+owns a slice (a replicated slice is owned by the lowest rank holding it, so it
+is written once), plus ``checkpoint.json`` (format: :mod:`.checkpoint_format`).
+Loading (:func:`load_checkpoint`) reshards: for each wanted local slice it reads
+only the overlapping regions of the saved slices, through safetensors' lazy
+``get_slice``, so a rank touches only the bytes it needs.  Nothing is unpickled.
+
+The commit protocol, the same for one process holding every rank (the simulated
+mesh) and for one process per rank (torch.distributed); ``comm.agree`` is the
+only synchronisation, and the process holding rank 0 is the committer:
+
+1. The committer removes leftover ``.tmp-*`` directories and creates
+   ``ROOT/.tmp-step-N/``.  Every process checks its own inputs; all agree on success.
+2. Every process writes its owned slices into the temporary directory (fsynced)
+   and agrees its files' sizes and sha256s.
+3. The committer writes ``checkpoint.json``, fsyncs, renames the directory to
+   ``ROOT/step-N/`` (the commit), updates ``latest`` and deletes the oldest
+   committed checkpoints beyond ``keep``; all agree on success.
+
+A crash before the rename leaves only a ``.tmp-`` directory, which readers
+ignore: the previous checkpoint stays the latest.  One save at a time per root.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save as safetensors_bytes
+
+from ..errors import message
+from ..layout.mesh import Mesh
+from .checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, TMP_PREFIX, VERSION, CheckpointError,
+                                committed_steps, dtype_name, latest_checkpoint, read_metadata,
+                                shard_file_name, step_dir_name, tensor_spec)
+from .checkpoint_load import load_checkpoint
+
+
+def _slices(shape, sharding, mesh: Mesh) -> dict[int, tuple[slice, ...]]:
+    """Owner rank -> the distinct slice it owns: the lowest rank holding each slice."""
+    owners: dict[tuple, int] = {}
+    for r in range(mesh.size):
+        idx = sharding.slice_index(shape, mesh, r)
+        owners.setdefault(tuple((s.start, s.stop) for s in idx), r)
+    return {r: tuple(slice(a, b) for a, b in key) for key, r in owners.items()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (the one place a shard reaches the disk)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync(comm, text: str) -> list[str]:
+    """Every process's ``text`` (one per process; a process holding all ranks needs no exchange)."""
+    return [text] if len(comm.ranks) == comm.mesh.size else sorted(set(comm.agree(text)))
+
+
+def _check_all(comm, err: Exception | None) -> None:
+    """Agree on success; every process raises the first failure any process reported."""
+    texts = _sync(comm, "" if err is None else f"ERR {err}")
+    bad = [t[4:] for t in texts if t.startswith("ERR ")]
+    if err is not None:
+        raise err
+    if bad:
+        raise CheckpointError(bad[0])
+
+
+def _check_inputs(step, tensors, comm, meta, keep) -> dict:
+    """Checked ``{name: (shape, dtype, sharding, owned slices, locals)}``; raises CheckpointError."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(message(f"save_checkpoint: step {step!r} is not an int >= 0.", fix="pass the step"))
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise CheckpointError(message(f"save_checkpoint: keep={keep!r}.", rule="keep is None (all) or an int >= 1",
+                                      fix="pass --keep 1 or more"))
+    try:
+        json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(message(f"save_checkpoint: meta is not JSON ({e}).",
+                                      rule="checkpoint metadata is plain JSON: no pickle is ever written or read",
+                                      fix="store tensors (RNG, optimizer state) as tensors; the rest as "
+                                          "str/int/float/list/dict")) from None
+    out, bad = {}, []
+    for name, (spec, xs) in tensors.items():
+        shape, dtype, sharding = tensor_spec(name, spec)
+        dtype_name(dtype)
+        want = sharding.local_shape(shape, comm.mesh)
+        if sharding.partial:
+            bad.append(f"{name}: partial over {sharding.partial}; reduce it before saving")
+        elif len(xs) != len(comm.ranks):
+            bad.append(f"{name}: {len(xs)} local tensor(s) for {len(comm.ranks)} held rank(s)")
+        else:
+            bad += [f"{name} on rank {r}: local {tuple(x.shape)} {x.dtype}, expected {want} {dtype}"
+                    for r, x in zip(comm.ranks, xs) if tuple(x.shape) != want or x.dtype != dtype]
+        out[name] = (shape, dtype, sharding, _slices(shape, sharding, comm.mesh), xs)
+    if bad:
+        raise CheckpointError(message(f"save_checkpoint(step={step}): local tensors do not match their specs.",
+                                      inputs=[f"mesh: {comm.mesh}", f"ranks held: {list(comm.ranks)}"],
+                                      bullets=bad, rule="each held rank gives its local slice: shape and dtype "
+                                      "as the sharding gives them", fix="pass the executor's per-rank params"))
+    return out
+
+
+def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model: str | None = None,
+                    meta: dict | None = None, keep: int | None = None) -> Path:
+    """Save the held ranks' slices of ``tensors`` as ``root/step-N/``, atomically.
+
+    Every process of the job calls it with the same names and specs (see the
+    module docstring for the protocol).
+
+    Args:
+      root: the checkpoint folder (created if missing).
+      step: the training step (the directory name and ``checkpoint.json``'s ``step``).
+      tensors: name -> ``(spec, [local tensor per held rank])``; a spec is a Plan
+        ``Value`` or ``(Shape, dtype, Sharding)``.  Optimizer state goes here too.
+      comm: the communicator: ``mesh``, ``ranks`` held, and ``agree`` (a SimulatedComm or TorchComm).
+      model: an id of the model; :func:`load_checkpoint` refuses another.
+      meta: JSON-able: layout string, config, data position, RNG seeds, ...
+      keep: how many committed checkpoints to keep (``None``: all).
+
+    Returns:
+      The committed directory.
+
+    Raises:
+      CheckpointError: bad inputs, ``step-N`` already exists, or any process failed to write.
+    """
+    root = Path(root)
+    final, committer = root / step_dir_name(step), 0 in comm.ranks
+    tmp = root / f"{TMP_PREFIX}{final.name}"
+    meta = {} if meta is None else meta
+    err, plan = None, None
+    try:
+        plan = _check_inputs(step, tensors, comm, meta, keep)
+        if committer:
+            root.mkdir(parents=True, exist_ok=True)
+            if final.exists():
+                raise CheckpointError(message(f"save_checkpoint: {str(final)!r} already exists.",
+                                              rule="a committed checkpoint is never overwritten",
+                                              fix="delete it first, or save into another folder"))
+            for old in root.glob(f"{TMP_PREFIX}*"):     # unfinished saves and deletes, a stale pointer
+                shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+            tmp.mkdir()
+    except Exception as e:     # every process must reach the agreement below, whatever went wrong
+        err = e if not isinstance(e, OSError) else CheckpointError(message(
+            f"save_checkpoint: cannot prepare {str(tmp)!r}: {e}.", fix="check the folder's permissions"))
+    _check_all(comm, err)
+
+    files, err = {}, None
+    try:
+        for i, r in enumerate(comm.ranks):
+            owned = {n: p[4][i].detach().contiguous().clone() for n, p in plan.items() if r in p[3]}
+            if owned:
+                data = safetensors_bytes(owned, metadata={"format": FORMAT, "rank": str(r)})
+                _write_file(tmp / shard_file_name(r), data)
+                files[shard_file_name(r)] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    except Exception as e:     # reported to every process below, so none waits for this one
+        err = CheckpointError(message(f"save_checkpoint: writing into {str(tmp)!r} failed: {e}.",
+                                      fix="check free space and permissions"))
+    texts = _sync(comm, json.dumps({"files": files, "error": None if err is None else str(err)}))
+    reports = [json.loads(t) for t in texts]
+    if err is not None or any(r["error"] for r in reports):
+        if committer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise err or CheckpointError(next(r["error"] for r in reports if r["error"]))
+
+    err = None
+    if committer:
+        try:
+            _commit(root, tmp, final, step, plan, comm.mesh, model, meta, reports, keep)
+        except Exception as e:
+            err = CheckpointError(message(f"save_checkpoint: committing {str(final)!r} failed: {e}.",
+                                          fix="check free space and permissions; committed checkpoints stay loadable"))
+    _check_all(comm, err)
+    return final
+
+
+def _commit(root, tmp, final, step, plan, mesh, model, meta, reports, keep) -> None:
+    files = {f: v for r in reports for f, v in r["files"].items()}
+    doc = {"format": FORMAT, "version": VERSION, "step": step, "mesh": str(mesh), "model": model, "meta": meta,
+           "tensors": {}, "files": files}
+    for name, (shape, dtype, sharding, owned, _) in plan.items():
+        doc["tensors"][name] = {
+            "shape": [[d.name, d.size] for d in shape], "dtype": dtype_name(dtype), "sharding": str(sharding),
+            "slices": [{"file": shard_file_name(r), "key": name, "offsets": [s.start for s in idx],
+                        "sizes": [s.stop - s.start for s in idx]} for r, idx in sorted(owned.items())]}
+    missing = sorted({s["file"] for t in doc["tensors"].values() for s in t["slices"]} - set(files))
+    assert not missing, f"no process reported writing {missing}"
+    _write_file(tmp / META_FILE, json.dumps(doc, indent=1).encode("utf-8"))
+    _fsync_dir(tmp)
+    os.rename(tmp, final)      # the commit: atomic on one filesystem
+    _fsync_dir(root)
+    pointer = root / f"{TMP_PREFIX}{LATEST_FILE}"
+    # The newest committed step, which is what latest_checkpoint returns too.
+    _write_file(pointer, (committed_steps(root)[-1][1].name + "\n").encode())
+    os.replace(pointer, root / LATEST_FILE)
+    _fsync_dir(root)
+    if keep is not None:
+        # The new checkpoint always stays, with the newest keep - 1 others.
+        others = [p for _, p in committed_steps(root) if p != final]
+        for old in others[:max(0, len(others) - (keep - 1))]:
+            # Renamed first, so a crash mid-delete leaves a .tmp- folder, not a broken checkpoint.
+            doomed = root / f"{TMP_PREFIX}del-{old.name}"
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "read_metadata", "save_checkpoint"]

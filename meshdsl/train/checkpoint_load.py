@@ -1,0 +1,172 @@
+"""Loading a sharded checkpoint into any mesh and layout, reading only the bytes each rank needs.
+
+For each wanted local slice, the saved slices that overlap it are found by
+interval arithmetic over every dim, and only those regions are read, through
+safetensors' lazy ``get_slice`` (memory-mapped: untouched bytes are never read).
+Every check runs before the first tensor byte is read, so a load is whole or
+an error.  Nothing is unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import message
+from ..layout.mesh import Mesh
+from .checkpoint_format import CheckpointError, dtype_name, read_metadata, tensor_spec
+
+# torch dtype -> the dtype string in a safetensors header.
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _overlap(region, sl):
+    """(index into the saved slice, index into the wanted region), or None when they do not meet."""
+    src, dst = [], []
+    for want, o, n in zip(region, sl.offsets, sl.sizes):
+        lo, hi = max(want.start, o), min(want.stop, o + n)
+        if lo >= hi:
+            return None
+        src.append(slice(lo - o, hi - o))
+        dst.append(slice(lo - want.start, hi - want.start))
+    return tuple(src), tuple(dst)
+
+
+def _check_wanted(info, want: dict, mesh: Mesh, model, strict: bool) -> list[str]:
+    bad = []
+    if model is not None and info.model != model:
+        bad.append(f"model: saved {info.model!r}, loading {model!r}")
+    missing = sorted(set(want) - set(info.tensors))
+    extra = sorted(set(info.tensors) - set(want)) if strict else []
+    bad += [f"{n}: wanted but not in the checkpoint" for n in missing]
+    bad += [f"{n}: in the checkpoint but not wanted (another model?)" for n in extra]
+    for name in sorted(set(want) & set(info.tensors)):
+        shape, dtype, sharding = tensor_spec(name, want[name])
+        saved = info.tensors[name]
+        got = tuple((d.name, d.size) for d in shape)
+        if got != saved.shape:
+            bad.append(f"{name}: saved shape {_fmt(saved.shape)}, wanted {_fmt(got)}")
+        if dtype != saved.dtype:
+            bad.append(f"{name}: saved dtype {dtype_name(saved.dtype)}, wanted {dtype_name(dtype)}")
+        for axis in {a for _, axes in sharding.dims for a in axes}:
+            mesh.check_axis(axis, f"load_checkpoint: sharding of {name!r}")
+        if sharding.partial:
+            bad.append(f"{name}: a partial sharding {sharding} cannot be loaded into")
+    return bad
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(f"{d}:{s}" for d, s in shape) + "]"
+
+
+def _check_files(info, names, verify: str, opened) -> list[str]:
+    bad = []
+    for f in sorted({s.file for n in names for s in info.tensors[n].slices}):
+        p, rec = info.path / f, info.files[f]
+        if not p.is_file():
+            bad.append(f"{f}: missing")
+        elif p.stat().st_size != rec["bytes"]:
+            bad.append(f"{f}: {p.stat().st_size} bytes, {rec['bytes']} were written (truncated or replaced)")
+        elif verify == "sha256" and f in opened:
+            h = hashlib.sha256()
+            with open(p, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            if h.hexdigest() != rec["sha256"]:
+                bad.append(f"{f}: sha256 differs from the one written (corrupted)")
+    return bad
+
+
+def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: str | None = None,
+                    verify: str = "size", strict: bool = True) -> dict[str, list[torch.Tensor]]:
+    """Load ``want``'s tensors from the committed checkpoint ``path``, resharded to ``mesh``.
+
+    Everything is checked before any tensor data is read (names, shapes, dtypes,
+    model, every shard file present at its written size, their safetensors
+    headers), so the result is whole or an error: never a partial load.
+
+    Args:
+      path: a committed directory, e.g. ``latest_checkpoint(root)``.
+      want: name -> the spec to load into, as for :func:`save_checkpoint` (any mesh or layout).
+      mesh: the mesh to load onto (a Mesh or mesh string).
+      ranks: the ranks this process holds (default: all of ``mesh``).
+      model: when given, the model id the checkpoint must have been saved with.
+      verify: ``"size"`` (every shard file's size) or ``"sha256"`` (also hash the
+        files this load opens, reading them whole).
+      strict: a saved tensor that is not wanted is an error (another model?);
+        ``False`` loads a subset, e.g. the params without the optimizer state.
+
+    Returns:
+      name -> one local tensor per held rank.
+
+    Raises:
+      CheckpointError: naming the file and what is wrong.
+    """
+    mesh = Mesh.parse(mesh)
+    ranks = tuple(range(mesh.size)) if ranks is None else tuple(ranks)
+    info = read_metadata(path)
+    path = info.path
+    if verify not in ("size", "sha256"):
+        raise CheckpointError(message(f"load_checkpoint: verify={verify!r}.", rule='verify is "size" or "sha256"',
+                                      fix='pass verify="sha256" to hash every shard file read'))
+    bad = _check_wanted(info, want, mesh, model, strict)
+    if bad:
+        raise _load_error(path, info, mesh, bad)
+    reads, opened = {}, {}
+    for name, spec in want.items():
+        shape, _, sharding = tensor_spec(name, spec)
+        for r in ranks:
+            region = sharding.slice_index(shape, mesh, r)
+            hits = [(sl, ov) for sl in info.tensors[name].slices if (ov := _overlap(region, sl))]
+            reads[name, r] = (tuple(s.stop - s.start for s in region), hits)
+            opened.update({sl.file: None for sl, _ in hits})
+    bad = _check_files(info, want, verify, opened)
+    if bad:
+        raise _load_error(path, info, mesh, bad)
+    with ExitStack() as stack:
+        handles = {}
+        for f in opened:
+            try:
+                h = handles[f] = stack.enter_context(safe_open(str(path / f), framework="pt"))
+                keys = set(h.keys())
+            except (SafetensorError, OSError) as e:
+                raise _load_error(path, info, mesh, [f"{f}: not a readable safetensors file ({e})"]) from None
+            for name in want:
+                saved = info.tensors[name]
+                for sl in saved.slices:
+                    if sl.file != f:
+                        continue
+                    got = h.get_slice(sl.key) if sl.key in keys else None
+                    if got is None or tuple(got.get_shape()) != sl.sizes or \
+                            got.get_dtype() != _SAFETENSORS_DTYPES[saved.dtype]:
+                        bad.append(f"{f}: tensor {sl.key!r} missing or not {dtype_name(saved.dtype)} "
+                                   f"of shape {list(sl.sizes)}")
+        if bad:
+            raise _load_error(path, info, mesh, bad)
+        out = {}
+        for name, spec in want.items():
+            dtype = tensor_spec(name, spec)[1]
+            out[name] = []
+            for r in ranks:
+                local_shape, hits = reads[name, r]
+                x = torch.empty(local_shape, dtype=dtype)
+                for sl, (src, dst) in hits:
+                    x[dst] = handles[sl.file].get_slice(sl.key)[src]
+                out[name].append(x)
+    return out
+
+
+def _load_error(path, info, mesh, bad) -> CheckpointError:
+    return CheckpointError(message(
+        f"load_checkpoint({str(path)!r}): the checkpoint cannot be loaded whole; nothing was loaded.",
+        inputs=[f"saved: step {info.step}, mesh {info.mesh}, model {info.model!r}", f"loading onto mesh: {mesh}"],
+        bullets=bad, rule="a load matches the saved model's names, shapes and dtypes, and every shard file is intact",
+        fix="load the checkpoint of this model, or an older intact one (latest_checkpoint lists committed ones)"))
+
+
+__all__ = ["load_checkpoint"]
