@@ -135,9 +135,12 @@ class Plan:
     params: Mapping[str, int] = field(default_factory=dict)   # param name -> value id
     inputs: Mapping[str, int] = field(default_factory=dict)   # input name -> value id
     notes: tuple[str, ...] = ()
+    #: value id -> the mesh ranks that hold it, for params, inputs and outputs a pipeline
+    #: keeps on some stages only (absent: every rank).
+    holders: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("values", "outputs", "params", "inputs"):
+        for name in ("values", "outputs", "params", "inputs", "holders"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "notes", tuple(self.notes))

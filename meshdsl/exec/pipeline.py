@@ -1,0 +1,168 @@
+"""Running a ``pipeline`` step: the schedule's actions over stage views of the communicator.
+
+The step is data (:mod:`meshdsl.lowering.partition` builds it): four segments
+(prologue, forward, backward, final), each step with the stages that run it, and
+a :class:`~meshdsl.lowering.schedule.Schedule`.  Here:
+
+* the prologue runs once, each step on the ranks of its stages;
+* each schedule action runs on a *view*: the ranks of one stage and one
+  micro-batch (the virtual micro-batch ranks, see :mod:`meshdsl.lowering.pipeline`).
+  ``F`` runs the forward segment's steps of that stage, ``B`` the backward
+  segment's; ``send_*``/``recv_*`` move the carry (or its gradient) to the next
+  stage (or the previous one) by ``send``/``recv``;
+* the final segment runs once after all micro-batches (gradient accumulation,
+  updates), and the sends still in flight are waited for.
+
+Values live in one store, per value and rank, so a view reads and writes only its
+own ranks.  The simulated mesh holds every stage: it runs all ranks' actions in one
+order that respects their dependencies (the unit-cost simulation's); a
+torch.distributed process runs its own stage's list.  Each action's wall-clock
+start and end are recorded per stage in :attr:`Executor.last_timeline`, ready for
+:func:`meshdsl.lowering.timeline.bubble_from_timeline`.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..lowering.schedule import COMPUTE
+from ..lowering.timeline import simulate
+from .comm import Pending
+from .steps import rule_for, step_rule
+
+_PHASE = {"F": 1, "send_act": 1, "recv_act": 1, "B": 2, "send_grad": 2, "recv_grad": 2}
+
+
+class _StageExecutor:
+    """What the step rules read from an executor, for one view of the communicator."""
+
+    def __init__(self, plan, comm):
+        self.plan, self.comm, self.donated = plan, comm, frozenset()
+
+
+class _ViewEnv:
+    """The env a step call writes into: results land in the store at the view's ranks."""
+
+    __slots__ = ("store", "ranks")
+
+    def __init__(self, store, ranks):
+        self.store, self.ranks = store, ranks
+
+    def __setitem__(self, vid, xs):
+        if isinstance(xs, Pending):
+            xs = xs.wait()
+        slot = self.store.setdefault(vid, {})
+        for r, x in zip(self.ranks, xs):
+            if x is not None:
+                slot[r] = x
+
+    def get(self, vid):
+        slot = self.store[vid]
+        return [slot[r] for r in self.ranks]
+
+
+def _view(comm, ranks):
+    ranks = tuple(ranks)
+    return comm if ranks == tuple(comm.ranks) else comm.view(ranks)
+
+
+def _order(schedule, held_stages):
+    """(stage, action) pairs to run: one rank's list, or every rank's in a dependency-respecting order."""
+    if len(held_stages) == 1:
+        (s,) = held_stages
+        return [(s, a) for a in schedule.actions[s]]
+    timeline = simulate(schedule).timeline
+    # A transfer happens when it ends, a compute when it starts; at equal times sends before
+    # receives before computes, so every receive finds its message and every compute its input.
+    rank_of = {"send": 0, "recv": 1}
+    items = []
+    for stage, row in enumerate(timeline):
+        for a, t0, t1 in row:
+            kind = "send" if a.is_send else "recv" if a.is_recv else None
+            items.append(((t1 if kind else t0), rank_of.get(kind, 2), stage, a))
+    items.sort(key=lambda t: t[:3])
+    return [(stage, a) for _, _, stage, a in items]
+
+
+@step_rule("pipeline")
+def _prepare_pipeline(ex, i, step):
+    a = step.args
+    plan, comm, mesh = ex.plan, ex.comm, ex.plan.mesh
+    ax, mb_axis, schedule = a["axis"], a["mb_axis"], a["schedule"]
+    prologue, mbs, final = step.subplans
+    forward, backward = mbs.steps[0].subplans
+    segments = [(prologue.steps, a["stages"][0]), (forward.steps, a["stages"][1]),
+                (backward.steps, a["stages"][2]), (final.steps, a["stages"][3])]
+    carry = set(a["carry_tags"])
+    coords = {r: mesh.coords(r) for r in comm.ranks}
+    held_stages = sorted({c[ax] for c in coords.values()})
+    views: dict = {}
+    calls: dict = {}
+
+    def view_of(stages, mb=None):
+        key = (stages, mb)
+        if key not in views:
+            ranks = tuple(r for r in comm.ranks if coords[r][ax] in stages
+                          and (mb is None or mb_axis is None or coords[r][mb_axis] == mb))
+            views[key] = _view(comm, ranks) if ranks else None
+        return views[key]
+
+    def run_step(seg, j, stages, view, store, run):
+        s = segments[seg][0][j]
+        env = _ViewEnv(store, view.ranks)
+        if s.kind == "send":
+            view.send(env.get(s.ins[0]), s.axes, s.args["offset"], s.args["tag"])
+            return
+        if s.kind == "recv":
+            v = plan.values[s.outs[0]]
+            tmpl = torch.empty(v.local_shape(mesh), dtype=v.dtype)
+            env[s.outs[0]] = view.recv([tmpl] * len(view.ranks), s.axes, s.args["offset"], s.args["tag"])
+            return
+        key = (seg, j, id(view))
+        call = calls.get(key)
+        if call is None:
+            call = calls[key] = rule_for(s.kind)(_StageExecutor(plan, view), j, s)
+        call(env, env.get, run)
+
+    def run_once(seg, store, run):
+        steps, stages = segments[seg]
+        for j, st in enumerate(stages):
+            view = view_of(frozenset(st))
+            if view is not None:
+                run_step(seg, j, st, view, store, run)
+
+    def run_action(stage, act, store, run):
+        seg = _PHASE[act.kind]
+        steps, stages = segments[seg]
+        view = view_of(frozenset({stage}), act.microbatch)
+        for j, (s, st) in enumerate(zip(steps, stages)):
+            if stage not in st:
+                continue
+            is_carry = s.kind in ("send", "recv") and s.args["tag"] in carry
+            if act.kind in COMPUTE:
+                if not is_carry:
+                    run_step(seg, j, st, view, store, run)
+            elif is_carry and (s.kind == "send") == act.is_send:
+                run_step(seg, j, st, view, store, run)
+
+    order = _order(schedule, held_stages)
+
+    def call(env, get, run):
+        store: dict = {}
+        for v in step.ins:
+            store[v] = {r: x for r, x in zip(comm.ranks, get(v)) if x is not None}
+        run_once(0, store, run)
+        timeline = {s: [] for s in held_stages}
+        clock = time.perf_counter
+        for stage, act in order:
+            t0 = clock()
+            run_action(stage, act, store, run)
+            timeline[stage].append((act, t0, clock()))
+        run_once(3, store, run)
+        comm.drain()
+        for v in step.outs:
+            slot = store.get(v, {})
+            env[v] = [slot.get(r) for r in comm.ranks]
+        ex.last_timeline = tuple(tuple(timeline[s]) for s in held_stages)
+    return call
