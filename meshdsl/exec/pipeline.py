@@ -90,8 +90,7 @@ def _prepare_pipeline(ex, i, step):
     a = step.args
     plan, comm, mesh = ex.plan, ex.comm, ex.plan.mesh
     ax, mb_axis, schedule = a["axis"], a["mb_axis"], a["schedule"]
-    prologue, mbs, final = step.subplans
-    forward, backward = mbs.steps[0].subplans
+    prologue, forward, backward, final = step.subplans
     segments = [(prologue.steps, a["stages"][0]), (forward.steps, a["stages"][1]),
                 (backward.steps, a["stages"][2]), (final.steps, a["stages"][3])]
     carry = set(a["carry_tags"])

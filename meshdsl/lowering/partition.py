@@ -35,8 +35,6 @@ from .plan import Plan, Step, step_args, register_step_kind
 # step, the stages running it; carry_tags: tags of the carry's (activation, gradient) transfers.
 register_step_kind("pipeline", ("axis", "num_stages", "microbatches", "mb_axis", "schedule", "stages",
                                 "carry_tags"))
-# Runs its sub-plans (the forward and backward segments) once per micro-batch: ``times`` = m.
-register_step_kind("microbatches", ())
 
 ACT_TAG, GRAD_TAG = 0, 1
 SEGMENTS = ("prologue", "forward", "backward", "final")
@@ -196,20 +194,17 @@ def partition(steps, values, outputs: dict[str, int], spec):
             held[v] = held[v] | {t}
 
     sub = {k: Plan(mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in SEGMENTS}
-    mbs = Step("microbatches", -1, "microbatches", f"{spec.num_microbatches} micro-batches", "forward", (), (),
-               step_args("microbatches", {}), subplans=(sub["forward"], sub["backward"]),
-               times=spec.num_microbatches)
-    mb_plan = Plan(mesh, spec.layout, [mbs], values, {})
+    m = spec.num_microbatches
     leaves = [s for i, s in enumerate(steps) if leaf[i]]
     made = {v for i, s in enumerate(steps) if not leaf[i] for v in s.outs}
     pipe = Step("pipeline", -1, "pipeline", f"pipeline over '{ax}' ({spec.schedule.name})", "forward",
                 tuple(v for s in leaves for v in s.outs), tuple(sorted(set(outputs.values()) & made)), (ax,),
                 step_args("pipeline", {
-                    "axis": ax, "num_stages": p, "microbatches": spec.num_microbatches,
-                    "mb_axis": MB_AXIS if spec.num_microbatches > 1 else None, "schedule": spec.schedule,
+                    "axis": ax, "num_stages": p, "microbatches": m,
+                    "mb_axis": MB_AXIS if m > 1 else None, "schedule": spec.schedule,
                     "stages": tuple(tuple(tuple(sorted(st)) for _, st in lists[k]) for k in SEGMENTS),
                     "carry_tags": (ACT_TAG, GRAD_TAG)}),
-                subplans=(sub["prologue"], mb_plan, sub["final"]))
+                subplans=tuple(sub[k] for k in SEGMENTS), sub_times=(1, m, m, 1))
     holders = {}
     for v in [v for s in leaves for v in s.outs] + list(outputs.values()):
         st = held.get(v, demand.get(v, ALL))

@@ -93,6 +93,8 @@ class Step:
       note: why the step is there, when it is not obvious (e.g. a re-layout).
       subplans: plans this step runs (a loop body); their figures count ``times`` over.
       times: how often each sub-plan runs per run of the step.
+      sub_times: per sub-plan counts instead of ``times``, when they differ (a pipeline
+        runs its forward and backward segments once per micro-batch, the rest once).
     """
 
     kind: str
@@ -109,6 +111,11 @@ class Step:
     note: str = ""
     subplans: tuple["Plan", ...] = ()
     times: int = 1
+    sub_times: tuple[int, ...] = ()
+
+    def runs(self, k: int) -> int:
+        """How often sub-plan ``k`` runs per run of the step."""
+        return self.sub_times[k] if self.sub_times else self.times
 
     def __post_init__(self):
         if not isinstance(self.args, MappingProxyType):
@@ -148,9 +155,9 @@ class Plan:
     def collectives(self):
         """Every collective step, sub-plans included, with how often it runs per run of the plan."""
         for s in self.steps:
-            for sub in s.subplans:
+            for k, sub in enumerate(s.subplans):
                 for c, mult in sub.collectives():
-                    yield c, mult * s.times
+                    yield c, mult * s.runs(k)
             if s.is_collective:
                 yield s, 1
 
@@ -174,14 +181,14 @@ class Plan:
 
     def flops(self) -> int:
         """FLOPs of one run on one rank, sub-plans counted as often as they run."""
-        return sum(s.flops + s.times * sum(sub.flops() for sub in s.subplans) for s in self.steps)
+        return sum(s.flops + sum(s.runs(k) * sub.flops() for k, sub in enumerate(s.subplans)) for s in self.steps)
 
     def signature(self) -> str:
         """A hash of everything that must agree across ranks (steps, shapes, collectives)."""
         h = hashlib.sha256()
         h.update(f"{self.mesh}|{self.layout}".encode())
         for s in self.steps:
-            h.update(f"{s.kind}|{s.op}|{s.label}|{s.ins}|{s.outs}|{s.axes}|{s.bytes}|{s.times}|".encode())
+            h.update(f"{s.kind}|{s.op}|{s.label}|{s.ins}|{s.outs}|{s.axes}|{s.bytes}|{s.times}|{s.sub_times}|".encode())
             for k in sorted(s.args):
                 v = s.args[k]
                 if v is None or isinstance(v, (bool, int, float, str)):
