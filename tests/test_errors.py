@@ -101,7 +101,7 @@ CASES = [
      LayoutError, ["layout rule 'batch:data' uses the pipeline axis 'data'", "Rule:", "Fix:"]),
     ("pipeline_axis_by_params_rule_splits_another_dim",
      lambda: md.compile(repeat_model(), MESH, "params.layer:model; batch:model"),
-     LayoutError, ["layout rule 'd_ff:model' uses the pipeline axis 'model'"]),
+     LayoutError, ["layout rule 'batch:model' uses the pipeline axis 'model'"]),
     # --------------------------------------------------------------- building graphs
     ("einsum_operand_names", lambda: md.einsum("batch d_ff, d_model d_ff -> batch", mlp().x, mlp().w1),
      ShapeError, ["operand 0 names 'd_ff'", "write operand 0 as 'batch d_model'"]),
