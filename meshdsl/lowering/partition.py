@@ -180,11 +180,12 @@ def partition(steps, values, outputs: dict[str, int], spec):
         seg.extend(before)
         if i in (F, B):
             carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == F else (s.ins[dy_pos], -1, GRAD_TAG)
-            recv_on = frozenset(range(1, p)) if i == F else frozenset(range(p - 1))
-            seg.append((_transfer("recv", carry, values, mesh, ax, off, tg, s.phase, "carry"), recv_on))
+            first, last = frozenset(range(p - 1)), frozenset(range(1, p))  # stages with a next / a previous
+            seg.append((_transfer("recv", carry, values, mesh, ax, off, tg, s.phase, "carry"),
+                        last if i == F else first))
             seg.append((s, ALL))
             seg.append((_transfer("send", s.outs[0], values, mesh, ax, off, tg, s.phase, "carry"),
-                        ALL - recv_on))
+                        first if i == F else last))
         else:
             seg.append((s, stages[i]))
         seg.extend(after_send.pop(i, []))

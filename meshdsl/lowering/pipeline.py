@@ -123,10 +123,15 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
                 raise _err(f"layout rule '{r}' uses the pipeline axis '{axis}'.", mesh=mesh, layout=layout,
                            rule=f"a pipeline axis splits only the layer dim ('{layer}')",
                            fix=f"map '{r.key[1]}' to another axis")
+    # A layer dim split over axes of size 1 is whole: a pipeline of one stage is no pipeline.
+    trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
+    if trivial:
+        layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
     if axis is None and microbatches == 1:
-        return None
-    if schedule not in SCHEDULES or SCHEDULES[schedule].chunked:
+        return PipeSpec(None, 1, 1, -1, "", None, mesh, layout) if trivial else None
+    if schedule not in SCHEDULES:
         make_schedule(schedule, 1, 1)  # the unknown-name error, with its did-you-mean
+    if SCHEDULES[schedule].chunked:
         raise _err(f"schedule '{schedule}' runs several stages per rank.", mesh=mesh, layout=layout,
                    rule="pipelined plans run one stage per rank of the pipeline axis",
                    fix="use 'gpipe' or '1f1b'")
