@@ -16,6 +16,7 @@ from ..collectives import COLLECTIVES
 from ..core.graph import Tensor
 from ..exec.comm import Communicator
 from ..exec.executor import Executor
+from ..exec.fold import for_plan
 from ..exec.simulated import SimulatedComm
 from ..ir.autodiff import grad
 from ..lowering.compiler import compile
@@ -85,9 +86,8 @@ class TrainStep:
                  lr: float = 0.01, seed: int = 0, microbatches: int = 1, schedule: str = "gpipe"):
         self.outputs = training_outputs(loss, params, lr)
         self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule)
-        if self.plan.mesh.axes != comm.mesh.axes and isinstance(comm, SimulatedComm):
-            # the plan has the virtual micro-batch axis: simulate its ranks too
-            comm = SimulatedComm(self.plan.mesh)
+        if self.plan.mesh.axes != comm.mesh.axes:  # the plan has the virtual micro-batch axis
+            comm = SimulatedComm(self.plan.mesh) if isinstance(comm, SimulatedComm) else for_plan(comm, self.plan)
         self.executor = Executor(self.plan, comm, donate_params=True)
         self.params = self.executor.init_params(seed)
         self.names = list(params)
