@@ -106,3 +106,25 @@ def test_rank_killed_mid_pipeline_is_named_fast(tmp_path):
     delay = time.time() - float(Path(tmp_path, "failed_at").read_text())
     assert delay < 10, f"the failure took {delay:.1f} s to surface"  # the survivor waits in a 60 s recv
     assert multiprocessing.active_children() == []
+
+
+def _jobs(comm, mesh, layout):
+    from meshdsl.train.jobs import check_job, train_job
+    return (check_job(comm, "transformer", True, mesh, layout, microbatches=2, schedule="1f1b"),
+            train_job(comm, "transformer", True, mesh, layout, 3, 0.1, microbatches=2, schedule="1f1b"))
+
+
+@pytest.mark.timeout(120)
+def test_check_and_train_jobs_report_on_rank_0():
+    """The CLI's jobs: rank 0 returns every output and the loss curve though the last stage makes them."""
+    mesh, layout = "stage:2", "layer:stage"
+    (got, steps), _ = launch.spawn(_jobs, 2, args=(mesh, layout), mesh=mesh, timeout=100)
+    from meshdsl.tools.loader import load_model
+    model = load_model("transformer", tiny=True)
+    want = md.run_dense({"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, model.feeds(0))
+    assert set(got) == set(want)
+    for k in want:
+        scale = want[k].abs().max().item()
+        torch.testing.assert_close(got[k], want[k], rtol=REL, atol=REL * scale)
+    losses = [loss for loss, _, _ in steps]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]

@@ -165,3 +165,35 @@ def _prepare_pipeline(ex, i, step):
             env[v] = [slot.get(r) for r in comm.ranks]
         ex.last_timeline = tuple(tuple(timeline[s]) for s in held_stages)
     return call
+
+
+def outputs_to_first_rank(comm, plan, full: dict) -> dict:
+    """``full`` (name -> full tensor or None) completed on rank 0 of a torch.distributed job.
+
+    A pipeline keeps outputs on the stages that make them (the loss on the last);
+    each one rank 0 lacks is sent to it, over the stage axis, by the rank of its first
+    holding stage with all other coordinates 0.  Every rank calls this, in the same
+    order; a communicator holding every rank (the simulated mesh) has them all already.
+
+    Returns:
+      ``full`` with rank 0's missing outputs filled in (other ranks: unchanged).
+    """
+    pipe = next((s for s in plan.steps if s.kind == "pipeline"), None)
+    real = getattr(comm, "real", comm)  # the process's own rank (micro-batches folded)
+    if pipe is None or len(real.ranks) != 1:
+        return full
+    ax, mesh, me = pipe.args["axis"], real.mesh, real.ranks[0]
+    out = dict(full)
+    for tag, (name, vid) in enumerate(plan.outputs.items()):
+        holders = plan.holders.get(vid)
+        if holders is None or 0 in holders:  # virtual rank 0 is real rank 0's first micro-batch
+            continue
+        stage = min(plan.mesh.coords(r)[ax] for r in holders)
+        src = mesh.rank({a: (stage if a == ax else 0) for a in mesh.names})
+        v = plan.values[vid]
+        if me == src:
+            real.send([out[name]], (ax,), -stage, tag)
+            real.drain()
+        elif me == 0:
+            out[name] = real.recv([torch.empty(v.shape.sizes, dtype=v.dtype)], (ax,), -stage, tag)[0]
+    return out
