@@ -150,3 +150,10 @@ def test_five_sgd_steps_match_dense(schedule):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(dense_losses), rtol=REL, atol=REL)
     full = step.full_params()
     _assert_matches(full, params, f"params after 5 steps ({schedule})")
+
+
+def test_dropout_masks_follow_the_global_layer():
+    """Each stage salts its kernels by the global layer index, so dropout drops what the dense program drops."""
+    _, outs, feeds, want = _reference(dataclasses.replace(CFG, dropout=0.1, norm="rms", tied=True))
+    got, _, _ = _run(outs, feeds, "stage:4", "layer:stage", 2, "1f1b")
+    _assert_matches(got, want, "dropout")

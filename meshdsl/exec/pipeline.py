@@ -35,10 +35,11 @@ _PHASE = {"F": 1, "send_act": 1, "recv_act": 1, "B": 2, "send_grad": 2, "recv_gr
 
 
 class _StageExecutor:
-    """What the step rules read from an executor, for one view of the communicator."""
+    """What the step rules read from an executor, for one view of the communicator; a stage's
+    local layers are layers ``layer_offset``.. of the stack."""
 
-    def __init__(self, plan, comm):
-        self.plan, self.comm, self.donated = plan, comm, frozenset()
+    def __init__(self, plan, comm, layer_offset):
+        self.plan, self.comm, self.donated, self.layer_offset = plan, comm, frozenset(), layer_offset
 
 
 class _ViewEnv:
@@ -94,6 +95,7 @@ def _prepare_pipeline(ex, i, step):
     segments = [(prologue.steps, a["stages"][0]), (forward.steps, a["stages"][1]),
                 (backward.steps, a["stages"][2]), (final.steps, a["stages"][3])]
     carry = set(a["carry_tags"])
+    local_layers = next(s.times for s in forward.steps if s.kind == "repeat")
     coords = {r: mesh.coords(r) for r in comm.ranks}
     held_stages = sorted({c[ax] for c in coords.values()})
     views: dict = {}
@@ -121,7 +123,8 @@ def _prepare_pipeline(ex, i, step):
         key = (seg, j, id(view))
         call = calls.get(key)
         if call is None:
-            call = calls[key] = rule_for(s.kind)(_StageExecutor(plan, view), j, s)
+            offset = local_layers * stages[0] if len(stages) == 1 else 0
+            call = calls[key] = rule_for(s.kind)(_StageExecutor(plan, view, offset), j, s)
         call(env, env.get, run)
 
     def run_once(seg, store, run):
@@ -141,9 +144,9 @@ def _prepare_pipeline(ex, i, step):
             is_carry = s.kind in ("send", "recv") and s.args["tag"] in carry
             if act.kind in COMPUTE:
                 if not is_carry:
-                    run_step(seg, j, st, view, store, run)
+                    run_step(seg, j, (stage,), view, store, run)
             elif is_carry and (s.kind == "send") == act.is_send:
-                run_step(seg, j, st, view, store, run)
+                run_step(seg, j, (stage,), view, store, run)
 
     order = _order(schedule, held_stages)
 
