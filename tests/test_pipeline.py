@@ -125,3 +125,19 @@ def test_bad_configurations(make, mesh, layout, kw, err, parts):
         md.compile(make(), mesh, layout, **kw)
     for part in parts:
         assert part in str(info.value), str(info.value)
+
+
+def test_whole_batch_op_before_the_pipeline_is_an_error():
+    """Centring by the batch mean before the layers needs every micro-batch at once."""
+    b, d, l = md.Dim("batch", 8), md.Dim("d_model", 4), md.Dim("layer", 2)
+    with md.Graph():
+        x = md.input("x", [b, d])
+        w = md.param("w", [l, d])
+        h = x - md.reduce_mean(x, "batch")
+        y = md.repeat(lambda c, p: md.tanh(c * p["w"]), h, {"w": w}, "layer")
+        loss = md.reduce_sum(y)
+    md.compile(loss, "stage:2", "layer:stage", microbatches=1)  # one micro-batch: fine
+    with pytest.raises(md.LayoutError) as info:
+        md.compile(loss, "stage:2", "layer:stage", microbatches=2)
+    text = str(info.value)
+    assert "runs on the whole batch before the pipelined repeat" in text and "Rule:" in text, text
