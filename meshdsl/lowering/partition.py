@@ -48,7 +48,15 @@ def _transfer(kind, v, values, mesh, axis, offset, tag, phase, what) -> Step:
 
 def _error(what, spec, bullets, rule, fix):
     return LayoutError(message(f"compile (pipeline over '{spec.axis}'): {what}", bullets=bullets,
-                               inputs=[f"mesh: {spec.mesh}", f"layout: {spec.layout}"], rule=rule, fix=fix))
+                               inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}",
+                                       f"micro-batches: {spec.num_microbatches}"], rule=rule, fix=fix))
+
+
+def _whole_batch_cause(steps, producer, final, i):
+    """The collective over the micro-batch axis that put step ``i`` in the final segment."""
+    while not (steps[i].is_collective and MB_AXIS in steps[i].axes):
+        i = next(producer[v] for v in steps[i].ins if producer.get(v) in final)
+    return steps[i]
 
 
 def partition(steps, values, outputs: dict[str, int], spec):
@@ -117,9 +125,11 @@ def partition(steps, values, outputs: dict[str, int], spec):
         if blk is not None:
             for v in steps[blk].ins:
                 if producer.get(v) in final:
-                    s = steps[producer[v]]
-                    raise _error(f"'{s.op}' ({s.label}) runs on the whole batch before the pipelined repeat.",
-                                 spec, [f"step {s.kind} over {s.axes or 'no axes'}: {s.note or s.label}"],
+                    c = _whole_batch_cause(steps, producer, final, producer[v])
+                    src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
+                    raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
+                                 "the result before the pipelined repeat.", spec,
+                                 [f"{c.kind} over {c.axes} for '{c.op}' joins the micro-batches"],
                                  "what feeds or follows the pipelined layers runs one micro-batch at a time",
                                  "keep ops that reduce over the batch after the loss, or use microbatches=1")
     after_b: set[int] = set(steps[B].outs) if B is not None else set()

@@ -43,6 +43,7 @@ class PipeSpec:
       layer: the repeat's layer dim name.
       schedule: the validated schedule (None without a pipeline).
       mesh, layout: what the plan is lowered on (with :data:`MB_AXIS` when m > 1).
+      given: the user's (mesh, layout), for messages.
     """
 
     axis: str | None
@@ -53,6 +54,7 @@ class PipeSpec:
     schedule: Schedule | None
     mesh: Mesh
     layout: Layout
+    given: tuple = ()
 
 
 def _err(what, *, mesh, layout, rule, fix, bullets=None, cls=LayoutError):
@@ -128,7 +130,7 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     if trivial:
         layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
     if axis is None and microbatches == 1:
-        return PipeSpec(None, 1, 1, -1, "", None, mesh, layout) if trivial else None
+        return PipeSpec(None, 1, 1, -1, "", None, mesh, layout, (mesh, layout)) if trivial else None
     if schedule not in SCHEDULES:
         make_schedule(schedule, 1, 1)  # the unknown-name error, with its did-you-mean
     if SCHEDULES[schedule].chunked:
@@ -157,4 +159,4 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
         layout2 = Layout(tuple(rules), source=layout.source)
     sched = make_schedule(schedule, p, microbatches) if axis else None
     return PipeSpec(axis, p, microbatches, node.id if node else -1,
-                    node.attrs["layer"].name if node else "", sched, mesh2, layout2)
+                    node.attrs["layer"].name if node else "", sched, mesh2, layout2, (mesh, layout))
