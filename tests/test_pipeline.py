@@ -140,5 +140,5 @@ def test_whole_batch_op_before_the_pipeline_is_an_error():
     with pytest.raises(md.LayoutError) as info:
         md.compile(loss, "stage:2", "layer:stage", microbatches=2)
     text = str(info.value)
-    assert "'reduce_mean' (reduce_mean) reduces over the whole batch, and 'sub' reads" in text, text
+    assert "reduces over the whole batch, and 'sub' reads the result before the pipelined repeat" in text, text
     assert "layout: layer:stage" in text and "micro-batches: 2" in text and "Rule:" in text, text
