@@ -2,7 +2,7 @@
 
 A step is local compute on slices, a collective over named mesh axes (a kind
 in :data:`meshdsl.collectives.COLLECTIVES`), a local split, a leaf (param /
-input), or a step that runs sub-plans (a loop body; later, pipeline stages).
+input), or a step that runs sub-plans (a loop body, a pipeline's segments).
 Values are numbered; each has a global shape, a dtype and a
 :class:`~meshdsl.layout.sharding.Sharding`.  Figures (bytes per collective,
 FLOPs per kernel) are plain fields, so reports, cost models and layout search
