@@ -142,3 +142,11 @@ def test_whole_batch_op_before_the_pipeline_is_an_error():
     text = str(info.value)
     assert "reduces over the whole batch, and 'sub' reads the result before the pipelined repeat" in text, text
     assert "layout: layer:stage" in text and "micro-batches: 2" in text and "Rule:" in text, text
+
+
+def test_plan_signature_covers_schedule_and_microbatches():
+    """Ranks that disagree on the schedule or the micro-batch count fail the plan agreement."""
+    _, outs = _outputs()
+    sigs = {md.compile(outs, "stage:2", "layer:stage", microbatches=m, schedule=s).signature()
+            for m in (1, 2) for s in ("gpipe", "1f1b")}
+    assert len(sigs) == 4

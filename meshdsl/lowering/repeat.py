@@ -3,8 +3,9 @@
 The carry keeps the layout its dims have everywhere; each stacked param is
 sliced along ``layer`` locally.  ``layer`` is whole, or split over the pipeline
 axis (:mod:`.pipeline`): then each stage's sub-plan runs its ``layers / p`` local
-layers, and the stacked carries, activations and gradients stay split like the params.  In the backward block, parameter gradients may
-stay lazy partial sums, so they are reduced once, stacked, after the loop.
+layers, and the stacked carries, activations and gradients stay split like the
+params.  In the backward block, parameter gradients may stay lazy partial sums,
+so they are reduced once, stacked, after the loop.
 
 The forward sub-plan also outputs the activations the backward block reads
 (``attrs["saved"]``, only those this plan uses), each in the sharding the forward
