@@ -13,6 +13,8 @@ a :class:`~meshdsl.lowering.schedule.Schedule`.  Here:
 * the final segment runs once after all micro-batches (gradient accumulation,
   updates), and the sends still in flight are waited for.
 
+A micro-batch's activations are dropped from a stage after its last action there.
+
 Values live in one store, per value and rank, so a view reads and writes only its
 own ranks.  The simulated mesh holds every stage: it runs all ranks' actions in one
 order that respects their dependencies (the unit-cost simulation's); a
@@ -149,6 +151,13 @@ def _prepare_pipeline(ex, i, step):
                 run_step(seg, j, (stage,), view, store, run)
 
     order = _order(schedule, held_stages)
+    # What one micro-batch makes and only its own actions read (activations, the carry and
+    # its gradient): dropped from a stage once its B is done, so a stage holds the
+    # activations its schedule keeps in flight, not every micro-batch's.  (Its last action
+    # there is its B, or the send of the gradient that B made.)
+    kept = {v for s in final.steps for v in s.ins} | set(step.outs)
+    transient = {v for seg in (forward, backward) for s in seg.steps for v in s.outs} - kept
+    last = {(stage, a.microbatch): a for stage in held_stages for a in schedule.actions[stage]}
 
     def call(env, get, run):
         store: dict = {}
@@ -161,6 +170,10 @@ def _prepare_pipeline(ex, i, step):
             t0 = clock()
             run_action(stage, act, store, run)
             timeline[stage].append((act, t0, clock()))
+            if last[(stage, act.microbatch)] == act:  # the micro-batch is done on this stage
+                for r in view_of(frozenset({stage}), act.microbatch).ranks:
+                    for v in transient:
+                        store.get(v, {}).pop(r, None)
         run_once(3, store, run)
         comm.drain()
         for v in step.outs:
