@@ -128,3 +128,25 @@ def test_check_and_train_jobs_report_on_rank_0():
         torch.testing.assert_close(got[k], want[k], rtol=REL, atol=REL * scale)
     losses = [loss for loss, _, _ in steps]
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_pipelined_check(tmp_path):
+    """Under torchrun (two processes, one per stage), `meshdsl check` of a pipelined layout matches dense."""
+    import subprocess
+    import sys
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "0", "-m", "meshdsl", "check", "transformer", "--tiny", "--mesh", "stage:2",
+           "--layout", "layer:stage", "--backend", "gloo", "--timeout", "60"]
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = (tmp_path / "log").read_text()
+    assert proc.returncode == 0, text
+    assert "OK" in text and "match the dense program" in text, text
