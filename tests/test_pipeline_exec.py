@@ -157,3 +157,13 @@ def test_dropout_masks_follow_the_global_layer():
     _, outs, feeds, want = _reference(dataclasses.replace(CFG, dropout=0.1, norm="rms", tied=True))
     got, _, _ = _run(outs, feeds, "stage:4", "layer:stage", 2, "1f1b")
     _assert_matches(got, want, "dropout")
+
+
+def test_step_stats_count_the_pipeline_s_kernels_and_transfers():
+    model = build(CFG)
+    step = TrainStep(model.loss, model.params, "stage:2", "layer:stage", SimulatedComm(md.Mesh.parse("stage:2")),
+                     microbatches=2, schedule="1f1b")
+    _, stats = step(model.feeds(0), timed=True)
+    assert stats.compute > 0 and stats.comm > 0
+    assert stats.by_kind["send"] > 0 and stats.by_kind["recv"] > 0
+    assert stats.compute + stats.comm <= stats.total

@@ -112,6 +112,14 @@ def _prepare_pipeline(ex, i, step):
         return views[key]
 
     def run_step(seg, j, stages, view, store, run):
+        if run.stats is None or segments[seg][0][j].subplans:  # a repeat times its own steps
+            return _run_step(seg, j, stages, view, store, run)
+        t0 = time.perf_counter()
+        _run_step(seg, j, stages, view, store, run)
+        kind = segments[seg][0][j].kind
+        run.stats[kind] = run.stats.get(kind, 0.0) + time.perf_counter() - t0
+
+    def _run_step(seg, j, stages, view, store, run):
         s = segments[seg][0][j]
         env = _ViewEnv(store, view.ranks)
         if s.kind == "send":
