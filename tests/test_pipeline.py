@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 import meshdsl as md
 from meshdsl.lowering.schedule import ScheduleError

@@ -81,7 +81,8 @@ def test_pipelines_match_dense(nproc):
             assert peak == peak_theory(schedule, p, m, stage), what
             for k, v in got.items():
                 scale = want[k].abs().max().item()
-                torch.testing.assert_close(v, want[k], rtol=REL, atol=REL * scale, msg=lambda e, k=k: f"{what} '{k}': {e}")
+                torch.testing.assert_close(v, want[k], rtol=REL, atol=REL * scale,
+                                           msg=lambda e, k=k: f"{what} '{k}': {e}")
             seen |= set(got)
         assert seen == set(want)  # every output is held by some rank
 

@@ -138,8 +138,7 @@ def _prepare_pipeline(ex, i, step):
         call(env, env.get, run)
 
     def run_once(seg, store, run):
-        steps, stages = segments[seg]
-        for j, st in enumerate(stages):
+        for j, st in enumerate(segments[seg][1]):
             view = view_of(frozenset(st))
             if view is not None:
                 run_step(seg, j, st, view, store, run)
