@@ -18,7 +18,9 @@ The simulated implementation takes ``(xs, groups, args)``: ``xs[r]`` is rank
 ordered first axis major); it returns one tensor (or ``None``) per rank.
 The distributed one takes ``(comm, x, group, args)``: a ``TorchComm``, this
 rank's tensor and its group (``members``, ``group_rank``, ``me``, ``pg``).
-Both reduce in group order, so results agree bit for bit except the
+Simulated implementations index ``xs`` by global rank; a rank the
+communicator does not hold has ``None`` there (a pipeline stage runs on a
+communicator that holds only its own ranks).  Both reduce in group order, so results agree bit for bit except the
 backend's own allreduce sum.
 """
 from __future__ import annotations
@@ -45,6 +47,9 @@ class Collective:
       start: optional ``start(comm, x, group, args) -> (work, finish)``: an async
         torch.distributed call and a function giving its result once ``work`` is done.
       point_to_point: each rank exchanges with one peer rather than the whole group.
+      mailbox: for one half of a point-to-point pair: ``"put"`` (a send: on the simulated
+        mesh its results are left in the communicator's mailbox, keyed by destination rank
+        and ``tag``) or ``"take"`` (a receive: its inputs are taken from there); None otherwise.
     """
 
     name: str
@@ -54,6 +59,7 @@ class Collective:
     distributed: Callable
     start: Callable | None = None
     point_to_point: bool = False
+    mailbox: str | None = None
 
 
 COLLECTIVES: dict[str, Collective] = {}
@@ -236,3 +242,55 @@ def _dist_permute(comm, x, group, args):
 
 register(Collective("permute", ("offset", "wrap"), lambda n: 1.0, _sim_permute, _dist_permute,
                     point_to_point=True))
+
+
+# ----------------------------------------------------------------------------- send / recv
+# Pipeline transfers: along the step's axis, member j sends to member j + offset, and
+# member j receives from member j - offset.  A send is one plan step run by the
+# senders, its recv another run by the receivers; ``tag`` pairs them.  On the simulated
+# mesh the send leaves its tensors in the communicator's mailbox and the recv takes them
+# out; on torch.distributed the send is an isend the communicator waits for later (so
+# two stages sending to each other never block on each other), the recv an irecv that
+# is posted, then waited on.
+
+def _peer(group, offset):
+    j = group.me + offset
+    return group.members[j] if 0 <= j < group.size else None
+
+
+def _sim_send(xs, groups, args):
+    off = args["offset"]
+    out: list = [None] * len(xs)
+    for g in groups:
+        for j, r in enumerate(g):
+            if xs[r] is not None and 0 <= j + off < len(g):
+                out[g[j + off]] = xs[r]
+    return out
+
+
+def _dist_send(comm, x, group, args):
+    dst = _peer(group, args["offset"])
+    if dst is not None:
+        x_c = comm.prep(x)
+        comm.hold(_dist().isend(x_c, dst=dst, group=group.pg, tag=args["tag"]), x_c)
+    return None
+
+
+def _sim_recv(xs, groups, args):
+    return list(xs)  # the communicator put the mailbox's tensors in xs
+
+
+def _dist_recv(comm, x, group, args):
+    # x is a template with the local shape and dtype of what arrives.
+    src = _peer(group, -args["offset"])
+    if src is None:
+        return None
+    out = torch.empty_like(comm.prep(x))
+    _dist().irecv(out, src=src, group=group.pg, tag=args["tag"]).wait()
+    return out
+
+
+register(Collective("send", ("offset", "tag"), lambda n: 1.0, _sim_send, _dist_send, point_to_point=True,
+                    mailbox="put"))
+register(Collective("recv", ("offset", "tag"), lambda n: 1.0, _sim_recv, _dist_recv, point_to_point=True,
+                    mailbox="take"))

@@ -96,10 +96,12 @@ CASES = [
      ["Layout dict entry 'batch'", "not a mesh axis"]),
     ("layout_dict_repeated_axis", lambda: md.compile(mlp().loss, MESH, {"batch": ("data", "data")}),
      LayoutError, ["tuple of distinct axes"]),
-    ("layer_dim_split_in_repeat", lambda: md.compile(repeat_model(), MESH, "layer:data"), LayoutError,
-     ["stacked param 'a' splits dim 'layer'", "'layer' must be whole", "Fix:"]),
-    ("layer_dim_split_by_params_rule", lambda: md.compile(repeat_model(), MESH, "params.layer:model"),
-     LayoutError, ["splits dim 'layer' over mesh axes ('model',)"]),
+    # 'layer:<axis>' makes <axis> a pipeline axis (tests/test_pipeline.py); it may split nothing else.
+    ("pipeline_axis_splits_another_dim", lambda: md.compile(repeat_model(), MESH, "layer:data; batch:data"),
+     LayoutError, ["layout rule 'batch:data' uses the pipeline axis 'data'", "Rule:", "Fix:"]),
+    ("pipeline_axis_by_params_rule_splits_another_dim",
+     lambda: md.compile(repeat_model(), MESH, "params.layer:model; batch:model"),
+     LayoutError, ["layout rule 'batch:model' uses the pipeline axis 'model'"]),
     # --------------------------------------------------------------- building graphs
     ("einsum_operand_names", lambda: md.einsum("batch d_ff, d_model d_ff -> batch", mlp().x, mlp().w1),
      ShapeError, ["operand 0 names 'd_ff'", "write operand 0 as 'batch d_model'"]),

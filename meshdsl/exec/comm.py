@@ -69,6 +69,24 @@ class Communicator(ABC):
         """
         return self.collective("permute", xs, axes, {"offset": offset, "wrap": wrap})
 
+    def send(self, xs, axes, offset: int, tag: int):
+        """Send to the member ``offset`` further along the group (no result); ``tag`` pairs it with its recv."""
+        return self.collective("send", xs, axes, {"offset": offset, "tag": tag})
+
+    def recv(self, xs, axes, offset: int, tag: int):
+        """Receive what the member ``offset`` back along the group sent with ``tag``.
+
+        ``xs`` are templates (local shape and dtype of what arrives); a member with no
+        sender gets ``None``.
+        """
+        return self.collective("recv", xs, axes, {"offset": offset, "tag": tag})
+
+    def hold(self, work, buffer) -> None:
+        """Keep an asynchronous send (and its buffer) until :meth:`drain` (communicators that have them)."""
+
+    def drain(self) -> None:
+        """Wait for every send still in flight."""
+
     def barrier(self) -> None:
         """Wait for every rank (a no-op where all ranks live in one process)."""
 

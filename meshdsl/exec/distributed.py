@@ -161,6 +161,7 @@ class TorchComm(Communicator):
         self.last_done = ""
         self._pgs: dict[tuple[str, ...], object] = {}
         self._slices: dict[tuple[str, ...], _Slice] = {}
+        self._sends: list = []   # (work, buffer) of isends not yet waited for
         self._create_groups(timedelta(seconds=timeout))
 
     # ---------------------------------------------------------------- groups
@@ -255,6 +256,16 @@ class TorchComm(Communicator):
         (x,), t0 = xs, time.perf_counter()
         work, finish = c.start(self, x, s, args)
         return _InFlight(self, work, kind, finish, axes, s, x, t0)
+
+    def hold(self, work, buffer) -> None:
+        """Keep an isend and its buffer (which must live until it completes) until :meth:`drain`."""
+        self._sends.append((work, buffer))
+
+    def drain(self) -> None:
+        """Wait for every isend this rank started."""
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            work.wait()
 
     def exchange(self, x: torch.Tensor, s: _Slice, split_dim: int) -> list[torch.Tensor]:
         """Send chunk j of ``x`` (along ``split_dim``) to member j; return what each member sent."""

@@ -137,6 +137,8 @@ class Executor:
             self.donated = {i for i, s in enumerate(steps)
                             if s.kind == "local" and s.args.get("inplace") is not None
                             and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i}
+        #: Per stage, the (action, start, end) of the last pipelined run (see :mod:`.pipeline`).
+        self.last_timeline = None
         self._leaves = {s.outs[0]: s.args["tensor"] for s in steps if s.kind in ("input", "param")}
         self._slice_idx: dict[int, list[tuple]] = {}
         # One prepared callable per step: the run loop dispatches by index, not by kind.
@@ -145,13 +147,16 @@ class Executor:
         self._timed = [None if s.subplans else s.kind for s in steps]
 
     # -- params and feeds
-    def local_slices(self, value: Value, full: torch.Tensor) -> list[torch.Tensor]:
-        """Each held rank's slice of ``full`` (indices worked out once per value)."""
+    def local_slices(self, value: Value, full: torch.Tensor) -> list:
+        """Each held rank's slice of ``full`` (indices worked out once per value); ``None`` on a
+        rank that does not hold the value (a pipeline stage that never reads it)."""
         idx = self._slice_idx.get(value.id)
         if idx is None:
-            idx = self._slice_idx[value.id] = [value.sharding.slice_index(value.shape, self.plan.mesh, r)
-                                               for r in self.comm.ranks]
-        return [full[i].contiguous() for i in idx]
+            holders = self.plan.holders.get(value.id)
+            idx = self._slice_idx[value.id] = [
+                value.sharding.slice_index(value.shape, self.plan.mesh, r)
+                if holders is None or r in holders else None for r in self.comm.ranks]
+        return [None if i is None else full[i].contiguous() for i in idx]
 
     def init_params(self, seed: int = 0) -> dict[str, list[torch.Tensor]]:
         """Every param's local slices, from the layout-independent init."""
@@ -243,5 +248,24 @@ class Executor:
         return xs
 
     def full_outputs(self, outs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Full output tensors (as seen by the first held rank)."""
-        return {k: self.to_full(self.plan.outputs[k], xs)[0] for k, xs in outs.items()}
+        """Full output tensors (as seen by the first held rank that holds them)."""
+        return {k: self.to_full_held(self.plan.outputs[k], xs) for k, xs in outs.items()}
+
+    def to_full_held(self, vid: int, xs: list):
+        """The full tensor of value ``vid`` from the held ranks that hold it (a pipeline keeps
+        some values on some stages only); None if this process holds none of them."""
+        holders = self.plan.holders.get(vid)
+        if holders is None:
+            return self.to_full(vid, xs)[0]
+        pos = [j for j, r in enumerate(self.comm.ranks) if r in holders]
+        if not pos:
+            return None
+        ranks = tuple(self.comm.ranks[j] for j in pos)
+        if ranks == tuple(self.comm.ranks):
+            return self.to_full(vid, xs)[0]
+        v = self.plan.values[vid]
+        comm = self.comm.view(ranks)
+        part = [xs[j] for j in pos]
+        for m in plan_moves(v.shape, v.sharding, Sharding.replicated(v.shape), self.plan.mesh):
+            part = run_collective(comm, m.kind, part, m.axes, move_args(m, v.shape))
+        return part[0]

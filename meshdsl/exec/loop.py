@@ -23,9 +23,12 @@ def _prepare_repeat(ex, i, step):
     names, pos, saved, num_layers = a["names"], a["pos"], a["saved"], step.times
     held = range(len(ex.comm.ranks))
     run_fn = _backward if a["backward"] else _forward
+    # A pipeline stage runs layers layer_offset.. of the whole stack: kernels (dropout) salt
+    # by the global layer index, as the dense op does.
+    first = getattr(ex, "layer_offset", 0) + 1
 
     def call(env, get, run):
-        outs = run_fn(sub, [get(v) for v in step.ins], names, pos, saved, num_layers, held, run.stats)
+        outs = run_fn(sub, [get(v) for v in step.ins], names, pos, saved, num_layers, held, run.stats, first)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
     return call
@@ -35,12 +38,12 @@ def _layer_params(stacked, names, pos, held, l):
     return {k: PerRank([p[j].select(pos[k], l) for j in held]) for k, p in zip(names, stacked)}
 
 
-def _forward(sub, ins, names, pos, saved, num_layers, held, stats):
+def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first):
     x, *stacked = ins
 
     def layer(l, x):
         r = sub.run({"carry": PerRank(x), **_layer_params(stacked, names, pos, held, l)}, {},
-                    salt=l + 1, stats=stats)
+                    salt=first + l, stats=stats)
         return r["out"], (x, *[r[k] for k in saved])
 
     x, kept = run_layers(num_layers, layer, x)
@@ -48,7 +51,7 @@ def _forward(sub, ins, names, pos, saved, num_layers, held, stats):
     return [x, *[[LayerStack(k[n][j] for k in kept) for j in held] for n in range(1 + len(saved))]]
 
 
-def _backward(sub, ins, names, pos, saved, num_layers, held, stats):
+def _backward(sub, ins, names, pos, saved, num_layers, held, stats, first):
     carries, *rest = ins
     stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
 
@@ -56,7 +59,7 @@ def _backward(sub, ins, names, pos, saved, num_layers, held, stats):
         feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy),
                  **_layer_params(stacked, names, pos, held, l),
                  **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
-        r = sub.run(feeds, {}, salt=l + 1, stats=stats)
+        r = sub.run(feeds, {}, salt=first + l, stats=stats)
         return r["dcarry"], tuple(r[f"d/{k}"] for k in names)
 
     dy, kept = run_layers(num_layers, layer, dy, backward=True)

@@ -17,6 +17,8 @@ from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
+from .partition import partition
+from .pipeline import detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
@@ -39,6 +41,7 @@ class Lowerer:
         # Tensors this plan reads: a node with optional outputs (a repeat's saved
         # activations) lowers only the ones in here.
         self.used: set[int] = set()
+        self.pipeline_axis: str | None = None  # the mesh axis a repeat's layers are pipelined over
 
     # -- values
     def new_value(self, shape, dtype, sharding: Sharding) -> int:
@@ -205,7 +208,8 @@ def _check_outputs(outputs: dict) -> None:
                                                                 "or compile each graph on its own"))
 
 
-def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = True) -> Plan:  # noqa: A001
+def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = True,  # noqa: A001
+            microbatches: int = 1, schedule: str = "gpipe") -> Plan:
     """Lower the graph behind ``outputs`` into an SPMD plan.
 
     Args:
@@ -215,12 +219,18 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
       cost: the cost model used to choose among valid lowerings.
       fuse: merge local kernels whose intermediate nothing else reads (see
         :mod:`.fuse`); False keeps one step per lowered kernel.
+      microbatches: cut the ``batch`` dim into this many micro-batches; gradients
+        accumulate over them (see :mod:`.pipeline`).
+      schedule: the pipeline schedule when the layout splits a repeat's layer dim
+        over a mesh axis (``"layer:stage"``): ``"gpipe"`` or ``"1f1b"``.
 
     Returns:
       The :class:`Plan`: steps, values, outputs, params, inputs, notes.
 
     Raises:
-      ParseError, LayoutError, MeshError: on bad mesh or layout strings.
+      ParseError, LayoutError, MeshError: on bad mesh or layout strings, or a bad
+        pipeline (layer split over two axes, a batch the micro-batches do not divide, ...).
+      ScheduleError: an unknown schedule.
     """
     if isinstance(outputs, Tensor):
         outputs = {"out": outputs}
@@ -235,7 +245,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     mesh = Mesh.parse(mesh)
     layout = Layout.parse(layout)
     g = next(iter(outputs.values())).graph
-    key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost, fuse)
+    key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost, fuse,
+           microbatches, schedule)
     hit = _CACHE.get(key)
     if hit is not None and hit[1] is g:
         _CACHE.move_to_end(key)
@@ -243,10 +254,17 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     nodes = topo_nodes(list(outputs.values()))
     dims, names = _graph_dims(nodes)
     layout.validate(mesh, dims, names)
+    spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule)
+    if spec is not None:  # lowered with the micro-batch axis (when m > 1)
+        mesh, layout = spec.mesh, spec.layout
     lw = Lowerer(mesh, layout, cost)
+    lw.pipeline_axis = spec.axis if spec else None
     outs = lower_into(lw, outputs)
     steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
-    plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes)
+    holders = {}
+    if spec is not None and spec.axis is not None:
+        steps, holders = partition(steps, lw.values, outs, spec)
+    plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)
     _CACHE[key] = (plan, g)
     if len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)

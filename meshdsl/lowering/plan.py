@@ -2,7 +2,7 @@
 
 A step is local compute on slices, a collective over named mesh axes (a kind
 in :data:`meshdsl.collectives.COLLECTIVES`), a local split, a leaf (param /
-input), or a step that runs sub-plans (a loop body; later, pipeline stages).
+input), or a step that runs sub-plans (a loop body, a pipeline's segments).
 Values are numbered; each has a global shape, a dtype and a
 :class:`~meshdsl.layout.sharding.Sharding`.  Figures (bytes per collective,
 FLOPs per kernel) are plain fields, so reports, cost models and layout search
@@ -93,6 +93,8 @@ class Step:
       note: why the step is there, when it is not obvious (e.g. a re-layout).
       subplans: plans this step runs (a loop body); their figures count ``times`` over.
       times: how often each sub-plan runs per run of the step.
+      sub_times: per sub-plan counts instead of ``times``, when they differ (a pipeline
+        runs its forward and backward segments once per micro-batch, the rest once).
     """
 
     kind: str
@@ -109,6 +111,11 @@ class Step:
     note: str = ""
     subplans: tuple["Plan", ...] = ()
     times: int = 1
+    sub_times: tuple[int, ...] = ()
+
+    def runs(self, k: int) -> int:
+        """How often sub-plan ``k`` runs per run of the step."""
+        return self.sub_times[k] if self.sub_times else self.times
 
     def __post_init__(self):
         if not isinstance(self.args, MappingProxyType):
@@ -135,9 +142,12 @@ class Plan:
     params: Mapping[str, int] = field(default_factory=dict)   # param name -> value id
     inputs: Mapping[str, int] = field(default_factory=dict)   # input name -> value id
     notes: tuple[str, ...] = ()
+    #: value id -> the mesh ranks that hold it, for params, inputs and outputs a pipeline
+    #: keeps on some stages only (absent: every rank).
+    holders: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("values", "outputs", "params", "inputs"):
+        for name in ("values", "outputs", "params", "inputs", "holders"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "notes", tuple(self.notes))
@@ -145,9 +155,9 @@ class Plan:
     def collectives(self):
         """Every collective step, sub-plans included, with how often it runs per run of the plan."""
         for s in self.steps:
-            for sub in s.subplans:
+            for k, sub in enumerate(s.subplans):
                 for c, mult in sub.collectives():
-                    yield c, mult * s.times
+                    yield c, mult * s.runs(k)
             if s.is_collective:
                 yield s, 1
 
@@ -171,14 +181,14 @@ class Plan:
 
     def flops(self) -> int:
         """FLOPs of one run on one rank, sub-plans counted as often as they run."""
-        return sum(s.flops + s.times * sum(sub.flops() for sub in s.subplans) for s in self.steps)
+        return sum(s.flops + sum(s.runs(k) * sub.flops() for k, sub in enumerate(s.subplans)) for s in self.steps)
 
     def signature(self) -> str:
         """A hash of everything that must agree across ranks (steps, shapes, collectives)."""
         h = hashlib.sha256()
         h.update(f"{self.mesh}|{self.layout}".encode())
         for s in self.steps:
-            h.update(f"{s.kind}|{s.op}|{s.label}|{s.ins}|{s.outs}|{s.axes}|{s.bytes}|{s.times}|".encode())
+            h.update(f"{s.kind}|{s.op}|{s.label}|{s.ins}|{s.outs}|{s.axes}|{s.bytes}|{s.times}|{s.sub_times}|".encode())
             for k in sorted(s.args):
                 v = s.args[k]
                 if v is None or isinstance(v, (bool, int, float, str)):

@@ -1,9 +1,11 @@
 """Lowering of repeat / repeat_grad: the block becomes a sub-plan run once per layer.
 
 The carry keeps the layout its dims have everywhere; each stacked param is
-sliced along ``layer`` locally (``layer`` must be whole: splitting it over a
-mesh axis means pipelining).  In the backward block, parameter gradients may
-stay lazy partial sums, so they are reduced once, stacked, after the loop.
+sliced along ``layer`` locally.  ``layer`` is whole, or split over the pipeline
+axis (:mod:`.pipeline`): then each stage's sub-plan runs its ``layers / p`` local
+layers, and the stacked carries, activations and gradients stay split like the
+params.  In the backward block, parameter gradients may stay lazy partial sums,
+so they are reduced once, stacked, after the loop.
 
 The forward sub-plan also outputs the activations the backward block reads
 (``attrs["saved"]``, only those this plan uses), each in the sharding the forward
@@ -35,9 +37,10 @@ def _slice_sharding(stacked: Sharding, layer: str) -> Sharding:
     return Sharding(tuple((n, a) for n, a in stacked.dims if n != layer), stacked.partial)
 
 
-def _stack_sharding(sub: Sharding, shape, layer: str) -> Sharding:
+def _stack_sharding(sub: Sharding, shape, layer: str, layer_axes=()) -> Sharding:
     split = dict(sub.dims)
-    return Sharding(tuple((d.name, () if d.name == layer else split[d.name]) for d in shape), sub.partial)
+    return Sharding(tuple((d.name, tuple(layer_axes) if d.name == layer else split[d.name]) for d in shape),
+                    sub.partial)
 
 
 @lowering("repeat", "repeat_grad")
@@ -66,26 +69,30 @@ def lower_repeat(lw: Lowerer, node) -> None:
     carry_sh = lw.layout.targets(carry_shape, (), mesh, "carry", False)[0][0]
     ins = []
     if backward:
+        la = lw.targets(stacked[names[0]], strict=True)[0][0].axes_of(layer) if names else ()
         ins.append(lw.relayout(lw.value(carries_t), _stack_sharding(
-            carry_sh, Shape([node.attrs["layer"]] + list(carry_shape)), layer), node, "saved layer inputs"))
+            carry_sh, Shape([node.attrs["layer"]] + list(carry_shape)), layer, la), node, "saved layer inputs"))
     else:
         ins.append(lw.relayout(lw.value(x_t), carry_sh, node, "carry"))
     slice_sh = {}
+    layer_axes: tuple[str, ...] = ()
     for k, t in zip(names, stacked_t):
         tgt = lw.targets(stacked[k], strict=True)[0][0]
-        if tgt.axes_of(layer):
+        layer_axes = tgt.axes_of(layer)
+        if mesh.axis_size(layer_axes) > 1 and layer_axes != (lw.pipeline_axis,):
             raise LayoutError(message(
                 f"repeat '{node.name}': stacked param '{k}' splits dim '{layer}' over mesh axes "
                 f"{tgt.axes_of(layer)}.", inputs=[f"layout: {lw.layout}", f"mesh: {mesh}"],
-                rule="a repeat runs its layers in sequence on every rank, so 'layer' must be whole",
-                fix=f"remove the '{layer}:...' rule (pipeline schedules over a stage axis are a separate feature)"))
+                rule="a repeat inside a block runs its layers in sequence on every rank, so 'layer' must be whole",
+                fix=f"remove the '{layer}:...' rule; only the outermost repeat can be a pipeline"))
         ins.append(lw.relayout(lw.value(t), tgt, node, f"stacked param '{k}'"))
         slice_sh[k] = _slice_sharding(tgt, layer)
     if backward:
         ins.append(lw.relayout(lw.value(dy_t), carry_sh, node, "carry gradient"))
         for t in saved_t:  # as the forward saved them: no re-layout
             ins.append(lw.value(t))
-            assert not lw.sharding(ins[-1]).partial and not lw.sharding(ins[-1]).axes_of(layer)
+            assert not lw.sharding(ins[-1]).partial and mesh.axis_size(lw.sharding(ins[-1]).axes_of(layer)) \
+                == mesh.axis_size(layer_axes)
 
     sub = Lowerer(mesh, lw.layout, lw.cost)
     feeds = {"carry": carry_sh, **slice_sh}
@@ -125,21 +132,21 @@ def lower_repeat(lw: Lowerer, node) -> None:
     for n in sub.notes:
         lw.note(f"{node.name} block: {n}")
 
-    L = node.attrs["layer"].size
+    L = node.attrs["layer"].size // mesh.axis_size(layer_axes)  # layers per stage
     out_vids = []
     if backward:
         out_vids.append(lw.new_value(carry_shape, dy_t.dtype, carry_sh))
         for k, t in zip(names, stacked_t):
             out_vids.append(lw.new_value(t.shape, t.dtype, _stack_sharding(plan.values[ids[f"d/{k}"]].sharding,
-                                                                            t.shape, layer)))
+                                                                            t.shape, layer, layer_axes)))
     else:
         out_vids.append(lw.new_value(carry_shape, x_t.dtype, carry_sh))
         cs = node.outputs[1].shape
-        out_vids.append(lw.new_value(cs, x_t.dtype, _stack_sharding(carry_sh, cs, layer)))
+        out_vids.append(lw.new_value(cs, x_t.dtype, _stack_sharding(carry_sh, cs, layer, layer_axes)))
         for i in want:
             t = node.outputs[2 + i]
             out_vids.append(lw.new_value(t.shape, t.dtype, _stack_sharding(
-                plan.values[ids[f"saved/{i}"]].sharding, t.shape, layer)))
+                plan.values[ids[f"saved/{i}"]].sharding, t.shape, layer, layer_axes)))
     pos = node.attrs["pos"]
     lw.emit("repeat", node, ins, out_vids,
             args={"names": tuple(names), "pos": dict(pos), "backward": backward, "saved": tuple(saved_names)},

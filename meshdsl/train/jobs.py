@@ -13,6 +13,8 @@ import time
 from ..errors import DistributedError, message
 from ..exec.comm import Communicator
 from ..exec.executor import Executor
+from ..exec.fold import for_plan
+from ..exec.pipeline import outputs_to_first_rank
 from ..lowering.compiler import compile
 from ..lowering.plan import Plan
 from .step import TrainStep
@@ -38,22 +40,27 @@ def _load(model_ref: str, tiny: bool):
     return load_model(model_ref, tiny=tiny)
 
 
-def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0):
+def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0,
+              microbatches: int = 1, schedule: str = "gpipe"):
     """Loss and gradients of the model on this job's ranks; rank 0 returns them in full."""
     model = _load(model_ref, tiny)
     outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
-    plan = compile(outs, mesh, layout)
+    plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule)
     agree_plan(comm, plan)
-    ex = Executor(plan, comm)
-    full = ex.full_outputs(ex.run(model.feeds(seed), ex.init_params(seed)))
+    ex = Executor(plan, for_plan(comm, plan))
+    full = outputs_to_first_rank(comm, plan, ex.full_outputs(ex.run(model.feeds(seed), ex.init_params(seed))))
     return {k: v.detach().cpu() for k, v in full.items()} if comm.ranks[0] == 0 else None
 
 
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
-              lr: float, seed: int = 0, warmup: int = 1):
-    """Run ``warmup + steps`` SGD steps; returns per-step (loss, StepStats) of the timed steps."""
+              lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe"):
+    """Run ``warmup + steps`` SGD steps; returns per-step (loss, StepStats) of the timed steps.
+
+    With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
+    """
     model = _load(model_ref, tiny)
-    step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed)
+    step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
+                     microbatches=microbatches, schedule=schedule)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for _ in range(warmup):
@@ -64,6 +71,10 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
         t0 = time.perf_counter()
         loss, stats = step(feeds, timed=True)
         out.append((loss, stats, time.perf_counter() - t0))
+    # A pipeline's loss is on its last stage only: every rank reports the losses of the first that has them.
+    reported = [r for r in comm.agree(" ".join(repr(loss) for loss, _, _ in out)) if "nan" not in r]
+    if reported:
+        out = [(float(x), stats, dt) for x, (_, stats, dt) in zip(reported[0].split(), out)]
     return out
 
 

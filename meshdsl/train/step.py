@@ -16,6 +16,8 @@ from ..collectives import COLLECTIVES
 from ..core.graph import Tensor
 from ..exec.comm import Communicator
 from ..exec.executor import Executor
+from ..exec.fold import for_plan
+from ..exec.simulated import SimulatedComm
 from ..ir.autodiff import grad
 from ..lowering.compiler import compile
 from .optim import sgd
@@ -75,12 +77,17 @@ class TrainStep:
       comm: SimulatedComm or TorchComm for the same mesh.
       lr: SGD learning rate.
       seed: param init seed (same values for every layout).
+      microbatches: cut the batch into this many micro-batches and accumulate their
+        gradients (one step still equals one full-batch step).
+      schedule: the pipeline schedule when the layout pipelines a repeat (``"layer:stage"``).
     """
 
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
-                 lr: float = 0.01, seed: int = 0):
+                 lr: float = 0.01, seed: int = 0, microbatches: int = 1, schedule: str = "gpipe"):
         self.outputs = training_outputs(loss, params, lr)
-        self.plan = compile(self.outputs, mesh, layout)
+        self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule)
+        if self.plan.mesh.axes != comm.mesh.axes:  # the plan has the virtual micro-batch axis
+            comm = SimulatedComm(self.plan.mesh) if isinstance(comm, SimulatedComm) else for_plan(comm, self.plan)
         self.executor = Executor(self.plan, comm, donate_params=True)
         self.params = self.executor.init_params(seed)
         self.names = list(params)
@@ -91,7 +98,9 @@ class TrainStep:
         outs = self.executor.run(feeds, self.params, stats=stats)
         for k in self.names:
             self.params[k] = outs[f"new/{k}"]
-        loss = float(outs["loss"][0].item())
+        # A pipeline keeps the loss on its last stage: read it where it is.
+        held = [x for x in outs["loss"] if x is not None]
+        loss = float(held[0].item()) if held else float("nan")
         total = time.perf_counter() - t0
         if not timed:
             return loss, None
@@ -100,4 +109,4 @@ class TrainStep:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every param as a full tensor (gathered over the mesh)."""
-        return {k: self.executor.to_full(self.plan.params[k], v)[0] for k, v in self.params.items()}
+        return {k: self.executor.to_full_held(self.plan.params[k], v) for k, v in self.params.items()}

@@ -1,0 +1,223 @@
+"""Partition a lowered plan into a pipeline: which stage runs each step, and when.
+
+The plan is first lowered as a whole (on the mesh with the micro-batch axis, see
+:mod:`.pipeline`); here its steps are cut into four segments of one ``pipeline``
+step, and each step gets the set of stages that run it:
+
+* **prologue** (once, before the schedule): steps that depend on no input, e.g.
+  param re-layouts.  They run on the stages that read their results.
+* **forward** (per micro-batch, in the schedule's ``F`` actions): what feeds the
+  pipelined repeat (stage 0), the repeat's local layers (every stage, the carry
+  received from the stage before and sent to the next), and what follows it up to
+  the loss and its gradient down to the repeat's cotangent (the last stage).
+* **backward** (per micro-batch, in ``B`` actions): the repeat's backward layers
+  (the carry gradient travelling back) and what reads its input gradient (stage 0).
+* **final** (once, after the schedule): collectives over the micro-batch axis
+  (gradient accumulation, the loss mean) and all that follows: updates, and steps
+  that combine values of several stages (a tied embedding's two gradients).
+
+Stages come from data flow: the repeat's output carry lives on the last stage and
+its input gradient on stage 0, and every step reading such values runs where they
+are; steps reading neither run where their results are read.  A value a step
+needs on another stage travels by one ``send``/``recv`` pair over the stage axis
+(the carry and its gradient every micro-batch; others, such as the tied
+embedding's gradient, once in the final segment), so nothing is gathered or
+reduced over the stage axis and a param is stored only on the stages that read it.
+"""
+from __future__ import annotations
+
+from ..errors import LayoutError, message
+from .pipeline import MB_AXIS
+from .plan import Plan, Step, step_args, register_step_kind
+
+# axis: the stage axis; num_stages, microbatches; mb_axis: the virtual micro-batch axis (None for m = 1);
+# schedule: a lowering.schedule.Schedule; stages: per segment (prologue, forward, backward, final), per
+# step, the stages running it; carry_tags: tags of the carry's (activation, gradient) transfers.
+register_step_kind("pipeline", ("axis", "num_stages", "microbatches", "mb_axis", "schedule", "stages",
+                                "carry_tags"))
+
+ACT_TAG, GRAD_TAG = 0, 1
+SEGMENTS = ("prologue", "forward", "backward", "final")
+
+
+def _transfer(kind, v, values, mesh, axis, offset, tag, phase, what) -> Step:
+    ins, outs = ((v,), ()) if kind == "send" else ((), (v,))
+    return Step(kind, -1, kind, f"{kind} {what}", phase, ins, outs, (axis,),
+                step_args(kind, {"offset": offset, "tag": tag}), values[v].local_bytes(mesh))
+
+
+def _error(what, spec, bullets, rule, fix):
+    return LayoutError(message(f"compile (pipeline over '{spec.axis}'): {what}", bullets=bullets,
+                               inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}",
+                                       f"micro-batches: {spec.num_microbatches}"], rule=rule, fix=fix))
+
+
+def _whole_batch_cause(steps, producer, final, i):
+    """The collective over the micro-batch axis that put step ``i`` in the final segment."""
+    while not (steps[i].is_collective and MB_AXIS in steps[i].axes):
+        i = next(producer[v] for v in steps[i].ins if producer.get(v) in final)
+    return steps[i]
+
+
+def partition(steps, values, outputs: dict[str, int], spec):
+    """Cut ``steps`` into a ``pipeline`` step; returns (top-level steps, holders).
+
+    ``holders`` maps each param, input and output value id to the mesh ranks that
+    hold it (the ranks of the stages reading or producing it).
+    """
+    mesh, ax, p, layer = spec.mesh, spec.axis, spec.num_stages, spec.layer
+    ALL = frozenset(range(p))
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+
+    def pipelined(s):
+        return (s.kind == "repeat" and len(s.ins) > 1
+                and values[s.ins[1]].sharding.axes_of(layer) == (ax,))
+    fwd = [i for i, s in enumerate(steps) if pipelined(s) and not s.args["backward"]]
+    bwd = [i for i, s in enumerate(steps) if pipelined(s) and s.args["backward"]]
+    assert len(fwd) == 1, "a pipelined repeat lowers to one forward step"
+    if len(bwd) > 1:
+        raise _error("the pipelined repeat is differentiated more than once.", spec, [],
+                     "a pipeline runs one forward and one backward per micro-batch", "take one gradient")
+    F, B = fwd[0], (bwd[0] if bwd else None)
+    dy_pos = 1 + len(steps[F].args["names"])
+    leaf = [s.kind in ("param", "input") for s in steps]
+
+    # Which steps depend on the batch (run per micro-batch) and which run once.
+    mb_vals: set[int] = set()
+    per_mb = [False] * len(steps)
+    for i, s in enumerate(steps):
+        if s.kind == "input" or any(v in mb_vals for v in s.ins):
+            per_mb[i] = True
+            mb_vals.update(s.outs)
+
+    # Stages: values anchored by the repeat's ends flow forward; the rest is placed by demand.
+    held: dict[int, frozenset] = {}
+    stages: list = [None] * len(steps)
+    for i, s in enumerate(steps):
+        if i in (F, B):
+            stages[i] = ALL
+            held[s.outs[0]] = frozenset({p - 1}) if i == F else frozenset({0})
+            held.update((v, ALL) for v in s.outs[1:])
+        elif not leaf[i]:
+            anchored = [held[v] for v in s.ins if v in held]
+            if anchored:
+                stages[i] = frozenset().union(*anchored)
+                held.update((v, stages[i]) for v in s.outs)
+    demand: dict[int, frozenset] = {v: ALL for v in outputs.values()}
+    for i in reversed(range(len(steps))):
+        s = steps[i]
+        if stages[i] is None:
+            stages[i] = frozenset().union(*(demand.get(v, frozenset()) for v in s.outs)) or frozenset({0})
+            held.update((v, stages[i]) for v in s.outs)
+        for j, v in enumerate(s.ins):
+            want = {0} if (i == F and j == 0) else {p - 1} if (i == B and j == dy_pos) else stages[i]
+            demand[v] = demand.get(v, frozenset()) | want
+
+    # Segments.
+    final: set[int] = set()
+    for i, s in enumerate(steps):
+        if leaf[i] or i in (F, B) or not per_mb[i]:
+            continue
+        if ((s.is_collective and MB_AXIS in s.axes) or len(stages[i]) > 1
+                or any(producer.get(v) in final for v in s.ins)):
+            final.add(i)
+    for blk in (F, B):
+        if blk is not None:
+            for v in steps[blk].ins:
+                if producer.get(v) in final:
+                    c = _whole_batch_cause(steps, producer, final, producer[v])
+                    src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
+                    raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
+                                 "the result before the pipelined repeat.", spec,
+                                 [f"{c.kind} over {c.axes} for '{c.op}' joins the micro-batches"],
+                                 "what feeds or follows the pipelined layers runs one micro-batch at a time",
+                                 "keep ops that reduce over the batch after the loss, or use microbatches=1")
+    after_b: set[int] = set(steps[B].outs) if B is not None else set()
+    phase = {}
+    for i, s in enumerate(steps):
+        if any(v in after_b for v in s.ins):
+            after_b.update(s.outs)
+            phase[i] = "B"
+    segment = []
+    for i, s in enumerate(steps):
+        if leaf[i]:
+            segment.append(None)
+        elif i in final:
+            segment.append("final")
+        elif i == F:
+            segment.append("forward")
+        elif i == B:
+            segment.append("backward")
+        elif not per_mb[i]:
+            segment.append("prologue")
+        else:
+            segment.append("backward" if phase.get(i) == "B" else "forward")
+
+    # Transfers for values read on a stage that does not hold them.
+    lists: dict[str, list] = {k: [] for k in SEGMENTS}
+    after_send: dict[int, list] = {}
+    tag = GRAD_TAG
+    moved: set = set()
+    for i, s in enumerate(steps):
+        if leaf[i]:
+            continue
+        before = []
+        for j, v in enumerate(s.ins):
+            if (i == F and j == 0) or (i == B and j == dy_pos):
+                continue
+            for t in sorted(stages[i] - held.get(v, ALL)):
+                if (v, t) in moved:
+                    continue
+                moved.add((v, t))
+                src = min(held[v], key=lambda h: abs(h - t))
+                pj = producer[v]
+                ok = segment[i] == "final" or (segment[pj] == "forward" and segment[i] == "backward")
+                if not ok:
+                    raise _error(f"'{s.op}' on stage {t} reads '{steps[pj].op}' of stage {src} in the same pass.",
+                                 spec, [f"{steps[pj].label} -> {s.label}"],
+                                 "within a micro-batch, values move forward with the carry and back with its "
+                                 "gradient", "restructure the model so each stage reads its own values")
+                tag += 1
+                what = f"{steps[pj].label} to stage {t}"
+                snd = (_transfer("send", v, values, mesh, ax, t - src, tag, s.phase, what), frozenset({src}))
+                rcv = (_transfer("recv", v, values, mesh, ax, t - src, tag, s.phase, what), frozenset({t}))
+                if segment[i] == "final":
+                    before += [snd, rcv]
+                else:
+                    after_send.setdefault(pj, []).append(snd)
+                    before.append(rcv)
+        seg = lists[segment[i]]
+        seg.extend(before)
+        if i in (F, B):
+            carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == F else (s.ins[dy_pos], -1, GRAD_TAG)
+            first, last = frozenset(range(p - 1)), frozenset(range(1, p))  # stages with a next / a previous
+            seg.append((_transfer("recv", carry, values, mesh, ax, off, tg, s.phase, "carry"),
+                        last if i == F else first))
+            seg.append((s, ALL))
+            seg.append((_transfer("send", s.outs[0], values, mesh, ax, off, tg, s.phase, "carry"),
+                        first if i == F else last))
+        else:
+            seg.append((s, stages[i]))
+        seg.extend(after_send.pop(i, []))
+        for v in s.outs:
+            held[v] = held.get(v, stages[i])
+        for v, t in moved:
+            held[v] = held[v] | {t}
+
+    sub = {k: Plan(mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in SEGMENTS}
+    m = spec.num_microbatches
+    leaves = [s for i, s in enumerate(steps) if leaf[i]]
+    made = {v for i, s in enumerate(steps) if not leaf[i] for v in s.outs}
+    pipe = Step("pipeline", -1, "pipeline", f"pipeline over '{ax}' ({spec.schedule.name})", "forward",
+                tuple(v for s in leaves for v in s.outs), tuple(sorted(set(outputs.values()) & made)), (ax,),
+                step_args("pipeline", {
+                    "axis": ax, "num_stages": p, "microbatches": m,
+                    "mb_axis": MB_AXIS if m > 1 else None, "schedule": spec.schedule,
+                    "stages": tuple(tuple(tuple(sorted(st)) for _, st in lists[k]) for k in SEGMENTS),
+                    "carry_tags": (ACT_TAG, GRAD_TAG)}),
+                subplans=tuple(sub[k] for k in SEGMENTS), sub_times=(1, m, m, 1))
+    holders = {}
+    for v in [v for s in leaves for v in s.outs] + list(outputs.values()):
+        st = held.get(v, demand.get(v, ALL))
+        holders[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in st)
+    return leaves + [pipe], holders

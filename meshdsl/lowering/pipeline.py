@@ -1,0 +1,162 @@
+"""Pipeline detection: which mesh axis (if any) a layout makes a pipeline, and micro-batches.
+
+A layout rule ``layer:<axis>`` on the layer dim of a ``repeat`` makes ``<axis>`` a
+pipeline axis: each rank of it holds ``layers / p`` consecutive layers.  Nothing
+else may be split over that axis.
+
+Micro-batches are a virtual mesh axis: the plan is lowered on the user's mesh plus
+an axis :data:`MB_AXIS` of size ``m`` (minor), with the ``batch`` dim split over it
+first.  Local shapes are then those of one micro-batch, and everything summed over
+the batch (the loss, weight gradients) stays a partial sum over :data:`MB_AXIS`
+until a collective reduces it: gradient accumulation, exactly.  A process holds all
+``m`` virtual ranks of its coordinate (the simulated mesh holds every rank anyway).
+:mod:`.partition` then cuts the plan into what runs per micro-batch on each stage
+and what runs once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.names import Name
+from ..errors import LayoutError, MeshError, message
+from ..layout.layout import Layout
+from ..layout.mesh import Mesh
+from ..layout.specs import Rule
+from .schedule_gen import SCHEDULES, make_schedule
+from .schedule import Schedule
+
+#: The virtual micro-batch axis (a leading underscore keeps it apart from user axes).
+MB_AXIS = "_mb"
+#: The dim cut into micro-batches.
+BATCH = "batch"
+
+
+@dataclass(frozen=True)
+class PipeSpec:
+    """A pipelined compilation: the stage axis, the micro-batches and the schedule.
+
+    Attributes:
+      axis: the pipeline mesh axis, or None when only micro-batches are asked for.
+      num_stages: its size p (1 without a pipeline).
+      num_microbatches: m.
+      node: id of the pipelined repeat node (-1 without a pipeline).
+      layer: the repeat's layer dim name.
+      schedule: the validated schedule (None without a pipeline).
+      mesh, layout: what the plan is lowered on (with :data:`MB_AXIS` when m > 1).
+      given: the user's (mesh, layout), for messages.
+    """
+
+    axis: str | None
+    num_stages: int
+    num_microbatches: int
+    node: int
+    layer: str
+    schedule: Schedule | None
+    mesh: Mesh
+    layout: Layout
+    given: tuple = ()
+
+
+def _err(what, *, mesh, layout, rule, fix, bullets=None, cls=LayoutError):
+    return cls(message(f"compile: {what}", inputs=[f"mesh: {mesh}", f"layout: {layout}"], bullets=bullets,
+                       rule=rule, fix=fix))
+
+
+def _check_count(what: str, n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise MeshError(message(f"compile: {what} = {n!r}.", rule=f"{what} is a positive integer",
+                                fix=f"pass e.g. {what}=4"))
+
+
+def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int = 1,
+           schedule: str = "gpipe") -> PipeSpec | None:
+    """The pipeline a layout asks for, or None for a plain program.
+
+    Raises:
+      LayoutError: ``layer`` split over two axes, stacked params of one repeat split
+        differently, two pipelined repeats, a pipeline axis that also splits another
+        dim, a ``layer`` rule with no repeat scanning that dim, a batch that the
+        micro-batches (times the batch's axes) do not divide.
+      ScheduleError: an unknown schedule.
+    """
+    _check_count("microbatches", microbatches)
+    if MB_AXIS in mesh.sizes:
+        raise MeshError(message(f"compile: mesh axis '{MB_AXIS}' is reserved.", inputs=[f"mesh: {mesh}"],
+                                rule=f"'{MB_AXIS}' is the virtual micro-batch axis", fix="rename that axis"))
+    found = []   # (node, axes)
+    scanned = set()
+    for n in nodes:
+        if n.op.name != "repeat":
+            continue
+        layer = n.attrs["layer"].name
+        scanned.add(layer)
+        per = {}
+        for k, p in n.attrs["stacked"].items():
+            sh = layout.targets(p.shape, p.scopes, mesh, p.name, True)[0][0]
+            per[k] = sh.axes_of(layer)
+        kinds = set(per.values())
+        if len(kinds) > 1:
+            raise _err(f"repeat '{n.name}': its stacked params split '{layer}' differently.", mesh=mesh,
+                       layout=layout, bullets=[f"'{k}': {a or 'whole'}" for k, a in per.items()],
+                       rule="every stacked param of a pipelined repeat splits its layer dim over the same axis",
+                       fix=f"write one unscoped rule '{layer}:<axis>'")
+        axes = next(iter(kinds), ())
+        if len(axes) > 1:
+            raise _err(f"repeat '{n.name}': dim '{layer}' is split over {len(axes)} mesh axes {axes}.",
+                       mesh=mesh, layout=layout, rule="a pipeline runs over one mesh axis",
+                       fix=f"map '{layer}' to one axis, e.g. '{layer}:{axes[0]}'")
+        if axes and mesh.axis_size(axes) > 1:
+            found.append((n, axes[0]))
+    for r in layout.rules:
+        dim = r.key[1]
+        if dim == "layer" and dim not in scanned and r.axis_names:
+            raise _err(f"layout rule '{r}' splits dim 'layer', which no repeat scans over.", mesh=mesh,
+                       layout=layout, rule="a 'layer:<axis>' rule makes a pipeline of a repeat over 'layer'",
+                       fix="stack the blocks with md.repeat(..., 'layer'), or drop the rule")
+    if len(found) > 1:
+        raise _err("more than one repeat is pipelined.", mesh=mesh, layout=layout,
+                   bullets=[f"repeat '{n.name}' over '{a}'" for n, a in found],
+                   rule="one repeat per graph runs as a pipeline", fix="pipeline one of them only")
+    node, axis = found[0] if found else (None, None)
+    if axis is not None:
+        layer = node.attrs["layer"].name
+        for r in layout.rules:
+            if axis in r.axis_names and r.key[1] != layer:
+                raise _err(f"layout rule '{r}' uses the pipeline axis '{axis}'.", mesh=mesh, layout=layout,
+                           rule=f"a pipeline axis splits only the layer dim ('{layer}')",
+                           fix=f"map '{r.key[1]}' to another axis")
+    # A layer dim split over axes of size 1 is whole: a pipeline of one stage is no pipeline.
+    trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
+    if trivial:
+        layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
+    if axis is None and microbatches == 1:
+        return PipeSpec(None, 1, 1, -1, "", None, mesh, layout, (mesh, layout)) if trivial else None
+    if schedule not in SCHEDULES:
+        make_schedule(schedule, 1, 1)  # the unknown-name error, with its did-you-mean
+    if SCHEDULES[schedule].chunked:
+        raise _err(f"schedule '{schedule}' runs several stages per rank.", mesh=mesh, layout=layout,
+                   rule="pipelined plans run one stage per rank of the pipeline axis",
+                   fix="use 'gpipe' or '1f1b'")
+    p = mesh.sizes[axis] if axis else 1
+    mesh2, layout2 = mesh, layout
+    if microbatches > 1:
+        if BATCH not in dims:
+            raise _err(f"{microbatches} micro-batches, but no tensor has a '{BATCH}' dim.", mesh=mesh,
+                       layout=layout, rule=f"micro-batches cut the '{BATCH}' dim", fix="use microbatches=1")
+        rule = layout.rule_for(BATCH, ())
+        axes = rule.axis_names if rule else ()
+        n = microbatches * mesh.axis_size(axes)
+        if dims[BATCH] % n:
+            raise _err(f"batch {dims[BATCH]} is not divisible by {microbatches} micro-batches "
+                       f"x {mesh.axis_size(axes)} (the batch's mesh axes {axes or '(none)'}).", mesh=mesh,
+                       layout=layout, rule="each micro-batch takes an equal share of the batch on every rank",
+                       fix=f"use a batch that is a multiple of {n}, or fewer micro-batches")
+        mesh2 = Mesh(mesh.axes + ((MB_AXIS, microbatches),))
+        rules = [Rule(r.scope, r.dim, (Name(MB_AXIS, None),) + r.axes, r.span) if r.key[1] == BATCH else r
+                 for r in layout.rules]
+        if rule is None:
+            rules.append(Rule(None, Name(BATCH, None), (Name(MB_AXIS, None),)))
+        layout2 = Layout(tuple(rules), source=layout.source)
+    sched = make_schedule(schedule, p, microbatches) if axis else None
+    return PipeSpec(axis, p, microbatches, node.id if node else -1,
+                    node.attrs["layer"].name if node else "", sched, mesh2, layout2, (mesh, layout))

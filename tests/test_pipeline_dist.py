@@ -1,0 +1,153 @@
+"""Pipelined plans on real gloo processes give the dense program's loss and every gradient.
+
+One spawn per process count runs every case in turn (process start-up dominates).
+Each rank checks the plan signature with the others, runs its own stage's actions
+(send/recv between stages, isend never blocking), and returns the full outputs it
+holds and its measured peak of held activations; the parent compares every rank's
+outputs with the dense program.  A rank killed mid-pipeline brings the job down fast,
+naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.errors import DistributedError
+from meshdsl.exec import launch
+from meshdsl.exec.distributed import TorchComm
+from meshdsl.exec.fold import for_plan
+from meshdsl.lowering.schedule_gen import peak_theory
+from meshdsl.lowering.timeline import bubble_from_timeline
+from meshdsl.train.jobs import agree_plan
+from meshdsl.train.step import training_outputs
+from models.transformer import Config, build
+
+REL = 1e-5  # as tests/test_pipeline_exec.py: rounding only, relative to each output's magnitude
+CFG = dataclasses.replace(Config.tiny(), layers=4, batch=8)
+
+# (config overrides, mesh, layout, micro-batches, schedule)
+CASES = {
+    2: [({}, "stage:2", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)],
+    4: [({}, "stage:4", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 4)]
+       + [({}, "stage:2; data:2", "layer:stage; batch:data", 2, "1f1b"),
+          ({}, "stage:2; model:2", "layer:stage; heads:model; d_ff:model", 2, "gpipe"),
+          ({"tied": True}, "stage:2; data:2", "layer:stage; batch:data", 2, "1f1b")],
+    8: [({}, "stage:2; data:2; model:2", "layer:stage; batch:data; heads:model; d_ff:model", 2, "1f1b")],
+}
+
+
+def _outputs(overrides):
+    model = build(dataclasses.replace(CFG, **overrides))
+    return model, training_outputs(model.loss, model.params, 0.1, with_grads=True)
+
+
+def _run_cases(rank, cases):
+    out = []
+    for overrides, mesh, layout, m, schedule in cases:
+        comm = TorchComm(mesh)
+        model, outs = _outputs(overrides)
+        plan = md.compile(outs, mesh, layout, microbatches=m, schedule=schedule)
+        agree_plan(comm, plan)
+        ex = md.Executor(plan, for_plan(comm, plan))
+        res = ex.run(model.feeds(0))
+        full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
+        stage = plan.mesh.coords(comm.rank * m)["stage"]  # its first virtual rank (the micro-batch axis is minor)
+        peak = bubble_from_timeline(ex.last_timeline).ranks[0].peak_activations
+        out.append(({k: v for k, v in full.items() if v is not None}, stage, peak))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nproc", sorted(CASES))
+def test_pipelines_match_dense(nproc):
+    results = launch.spawn(_run_cases, nproc, args=(CASES[nproc],), timeout=280)
+    assert multiprocessing.active_children() == []
+    for c, (overrides, mesh, layout, m, schedule) in enumerate(CASES[nproc]):
+        model, outs = _outputs(overrides)
+        want = md.run_dense(outs, model.feeds(0))
+        p = md.Mesh.parse(mesh).sizes["stage"]
+        seen = set()
+        for rank in range(nproc):
+            got, stage, peak = results[rank][c]
+            what = f"{mesh} / {layout} m={m} {schedule} rank {rank}"
+            assert peak == peak_theory(schedule, p, m, stage), what
+            for k, v in got.items():
+                scale = want[k].abs().max().item()
+                torch.testing.assert_close(v, want[k], rtol=REL, atol=REL * scale,
+                                           msg=lambda e, k=k: f"{what} '{k}': {e}")
+            seen |= set(got)
+        assert seen == set(want)  # every output is held by some rank
+
+
+def _killed_mid_pipeline(rank, pid_dir):
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    comm = TorchComm("stage:2")
+    model, outs = _outputs({})
+    plan = md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="1f1b")
+    ex = md.Executor(plan, for_plan(comm, plan))
+    if rank == 1:  # the last stage dies before receiving its first activation
+        Path(pid_dir, "failed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    ex.run(model.feeds(0))
+
+
+@pytest.mark.timeout(90)
+def test_rank_killed_mid_pipeline_is_named_fast(tmp_path):
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_killed_mid_pipeline, 2, args=(str(tmp_path),), collective_timeout=60, timeout=80)
+    assert "rank 1 of 2 was killed by signal SIGKILL" in str(e.value)
+    delay = time.time() - float(Path(tmp_path, "failed_at").read_text())
+    assert delay < 10, f"the failure took {delay:.1f} s to surface"  # the survivor waits in a 60 s recv
+    assert multiprocessing.active_children() == []
+
+
+def _jobs(comm, mesh, layout):
+    from meshdsl.train.jobs import check_job, train_job
+    return (check_job(comm, "transformer", True, mesh, layout, microbatches=2, schedule="1f1b"),
+            train_job(comm, "transformer", True, mesh, layout, 3, 0.1, microbatches=2, schedule="1f1b"))
+
+
+@pytest.mark.timeout(120)
+def test_check_and_train_jobs_report_on_rank_0():
+    """The CLI's jobs: rank 0 returns every output and the loss curve though the last stage makes them."""
+    mesh, layout = "stage:2", "layer:stage"
+    (got, steps), _ = launch.spawn(_jobs, 2, args=(mesh, layout), mesh=mesh, timeout=100)
+    from meshdsl.tools.loader import load_model
+    model = load_model("transformer", tiny=True)
+    want = md.run_dense({"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, model.feeds(0))
+    assert set(got) == set(want)
+    for k in want:
+        scale = want[k].abs().max().item()
+        torch.testing.assert_close(got[k], want[k], rtol=REL, atol=REL * scale)
+    losses = [loss for loss, _, _ in steps]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_pipelined_check(tmp_path):
+    """Under torchrun (two processes, one per stage), `meshdsl check` of a pipelined layout matches dense."""
+    import subprocess
+    import sys
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "0", "-m", "meshdsl", "check", "transformer", "--tiny", "--mesh", "stage:2",
+           "--layout", "layer:stage", "--backend", "gloo", "--timeout", "60"]
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = (tmp_path / "log").read_text()
+    assert proc.returncode == 0, text
+    assert "OK" in text and "match the dense program" in text, text
