@@ -128,12 +128,13 @@ def route(z_bsd, w_gate, cfg: Config):
         if filled_bg is not None:
             before_bsg = before_bsg + filled_bg
         position_bs = md.reduce_sum(before_bsg * mask_bsg, "gate_experts")
-        kept_bs = md.cast(md.less(position_bs, c_dim.size), torch.int64)
+        over_bs = md.greater_equal(position_bs, c_dim.size)
+        kept_bs = md.cast(md.logical_not(over_bs), torch.int64)
         kept_bsg = mask_bsg * kept_bs
         filled_now_bg = md.reduce_sum(kept_bsg, "seq")
         filled_bg = filled_now_bg if filled_bg is None else filled_bg + filled_now_bg
         slot_bsgc = md.cast(kept_bsg * md.one_hot(position_bs, c_dim, torch.int64), probs_bsg.dtype)
-        drop = md.reduce_sum(1 - kept_bs)
+        drop = md.reduce_sum(md.cast(over_bs, torch.int64))
         dispatch = slot_bsgc if dispatch is None else dispatch + slot_bsgc
         combine = slot_bsgc * gate_bs if combine is None else combine + slot_bsgc * gate_bs
         dropped = drop if dropped is None else dropped + drop
