@@ -9,7 +9,8 @@
   FSDP layouts, and expert parallelism on two gloo processes;
 * the plan: dispatch and combine are alltoalls over the experts' axis, and the gate
   tensors move no data;
-* five SGD steps under expert parallelism follow the dense loss curve.
+* SGD steps under expert parallelism follow the dense loss curve, on the simulated mesh
+  and on 2 and 4 gloo processes.
 
 Legend: the tiny config, batch 4, seq 8, d_model 8, heads 2, d_head 4, d_ff 8, vocab 16,
 2 layers, experts 4; capacity ceil(1.25 * 8 * k / 4) = 3 (top-1) or 5 (top-2).
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 import meshdsl as md
 from conftest import ATOL, RTOL
 from meshdsl.exec.launch import spawn
+from meshdsl.train.jobs import train_job
 from meshdsl.train.model import find_model_file, load_module
 
 EP = "batch:data; experts:data"
@@ -231,17 +233,22 @@ def test_experts_split_alone_needs_no_alltoall():
 # ----------------------------------------------------------------------------- training and processes
 
 
+def _dense_curve(num_steps: int) -> torch.Tensor:
+    m = _model()
+    step = md.TrainStep(m.loss, m.params, "data:1", "", md.SimulatedComm(md.Mesh.parse("data:1")), lr=0.1)
+    return torch.tensor([step(m.feeds(0))[0] for _ in range(num_steps)])
+
+
 def test_sgd_under_expert_parallelism_follows_the_dense_curve():
     m = _model()
-    feeds = m.feeds(0)
-    curves = []
-    for mesh, layout in (("data:1", ""), ("data:2", EP)):
+    want = _dense_curve(5)
+    assert want[-1] < want[0]
+    for mesh, layout in (("data:2", EP), ("data:2; model:2", "batch:data; experts:data; d_ff:model")):
         step = md.TrainStep(m.loss, m.params, mesh, layout, md.SimulatedComm(md.Mesh.parse(mesh)), lr=0.1)
-        curves.append(torch.tensor([step(feeds)[0] for _ in range(5)]))
-    assert curves[0][-1] < curves[0][0]
-    # Five fp32 SGD steps in another summation order: the routing stays the same, so the
-    # curves agree to rounding.
-    torch.testing.assert_close(curves[1], curves[0], rtol=RTOL, atol=ATOL)
+        got = torch.tensor([step(m.feeds(0))[0] for _ in range(5)])
+        # Five fp32 SGD steps in another summation order: the routing stays the same, so the
+        # curves agree to rounding.
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda s: f"{layout}: {s}")
 
 
 def _ep_on_ranks(comm, top_k):
@@ -261,3 +268,13 @@ def test_expert_parallel_on_two_gloo_processes():
     for k in want:
         # gloo's alltoall moves values exactly; its allreduce sums in its own order.
         torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=lambda s, k=k: f"{k}: {s}")
+
+
+@pytest.mark.parametrize("nproc, mesh, layout", [(2, "data:2", EP), (4, "data:4", EP)])
+def test_sgd_on_gloo_processes_follows_the_dense_curve(nproc, mesh, layout):
+    # experts 4 over data:4 is one expert per rank; batch 4 is one sequence per rank.
+    steps = spawn(train_job, nproc, args=("moe", True, mesh, layout, 3, 0.1, 0, 1), mesh=mesh, timeout=240)[0]
+    got = torch.tensor([loss for loss, _, _ in steps])
+    want = _dense_curve(4)[1:]  # the job's first step is a warm-up
+    # gloo sums in its own order: fp32 rounding only over four steps.
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
