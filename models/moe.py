@@ -34,8 +34,8 @@ dispatched tokens [gate_experts, batch, capacity, d_model] are renamed to
 
 The loss is the next-token cross-entropy plus ``aux_loss_weight`` times the sum
 over layers of the load-balancing loss ``experts * sum_g(f_g * P_g)`` (f_g: the
-fraction of tokens whose first choice is g; P_g: the mean router probability
-of g; both over the whole batch).  ``Model.outputs`` holds ``moe/aux_loss``
+fraction of a group's tokens whose first choice is g; P_g: the group's mean
+router probability of g), averaged over the groups.  ``Model.outputs`` holds ``moe/aux_loss``
 (that sum) and ``moe/dropped`` (int64: (token, choice) routings dropped past
 capacity, all layers) with ``moe/dropped/L`` per layer: compile them with the
 loss, e.g. ``md.run_simulated(md.compile({"loss": m.loss, **m.outputs}, ...))``.
@@ -112,12 +112,12 @@ def route(z_bsd, w_gate, cfg: Config):
     remaining_bsg, filled_bg = probs_bsg, None
     dispatch = combine = dropped = None
     gates, masks = [], []
-    for _ in range(cfg.top_k):
+    for choice in range(cfg.top_k):
+        if choice:  # this choice excludes the earlier ones (probs are > 0: a zeroed expert never wins)
+            remaining_bsg = remaining_bsg * md.cast(1 - masks[-1], probs_bsg.dtype)
         top_p, top_i = md.top_k(remaining_bsg, "gate_experts", 1, "top")
         gates.append(md.squeeze(top_p, "top"))
         masks.append(md.one_hot(md.squeeze(top_i, "top"), g_dim, torch.int64))           # [b, s, g]
-        # The next choice excludes this one (probs are > 0, so a zeroed expert never wins).
-        remaining_bsg = remaining_bsg * md.cast(1 - masks[-1], probs_bsg.dtype)
     if cfg.top_k == 2:
         total = gates[0] + gates[1]
         gates = [gates[0] / total, gates[1] / total]
@@ -138,9 +138,13 @@ def route(z_bsd, w_gate, cfg: Config):
         dispatch = slot_bsgc if dispatch is None else dispatch + slot_bsgc
         combine = slot_bsgc * gate_bs if combine is None else combine + slot_bsgc * gate_bs
         dropped = drop if dropped is None else dropped + drop
-    # Switch-style balance loss: f (first choices, no gradient) times P (mean router probability).
-    frac_g = md.reduce_mean(md.cast(masks[0], probs_bsg.dtype), ["batch", "seq"])
-    aux = md.reduce_sum(frac_g * md.reduce_mean(probs_bsg, ["batch", "seq"])) * float(cfg.experts)
+    # Switch-style balance loss per group, as Mesh-TF computes it: f (first choices, no gradient)
+    # times P (mean router probability), then the mean over groups.  Per group, the product
+    # is local to a batch shard, and the mean stays a lazy partial sum into the loss's one
+    # allreduce; over the whole batch, f and P would each need an allreduce per layer.
+    frac_bg = md.reduce_mean(md.cast(masks[0], probs_bsg.dtype), "seq")
+    balance_bg = frac_bg * md.reduce_mean(probs_bsg, "seq")
+    aux = md.reduce_mean(md.reduce_sum(balance_bg, "gate_experts"), "batch") * float(cfg.experts)
     return dispatch, combine, aux, dropped
 
 
