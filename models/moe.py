@@ -177,10 +177,12 @@ def block(x_bsd, p, cfg: Config):
 
 def build(cfg: Config = Config()) -> Model:
     """Build the MoE transformer; its loss is cross-entropy plus the weighted balance loss."""
-    if cfg.top_k not in (1, 2):
-        raise md.GraphError(f"moe: Config.top_k is {cfg.top_k}; use 1 or 2.")
-    if cfg.top_k > cfg.experts:
-        raise md.GraphError(f"moe: Config.top_k={cfg.top_k} exceeds Config.experts={cfg.experts}.")
+    if cfg.top_k not in (1, 2) or cfg.top_k > cfg.experts:
+        raise md.GraphError(f"moe: Config.top_k is {cfg.top_k} with {cfg.experts} experts; "
+                            "use 1 or 2, at most the number of experts.")
+    if not cfg.capacity_factor > 0:
+        raise md.GraphError(f"moe: Config.capacity_factor is {cfg.capacity_factor}; use a number > 0 "
+                            "(1.0 gives each expert an even share of a sequence's routings).")
     b, s = md.Dim("batch", cfg.batch), md.Dim("seq", cfg.seq)
     d, h, e = md.Dim("d_model", cfg.d_model), md.Dim("heads", cfg.heads), md.Dim("d_head", cfg.d_head)
     f, v, l = md.Dim("d_ff", cfg.d_ff), md.Dim("vocab", cfg.vocab), md.Dim("layer", cfg.layers)

@@ -178,6 +178,14 @@ def test_small_capacity_drops_tokens_and_the_residual_passes_them():
     assert float(res["y"][~gone].abs().min()) > 0
 
 
+@pytest.mark.parametrize("overrides, words", [({"top_k": 3}, "use 1 or 2"), ({"top_k": 2, "experts": 1}, "at most"),
+                                              ({"capacity_factor": 0.0}, "use a number > 0")])
+def test_bad_configs_are_refused(overrides, words):
+    with pytest.raises(md.MeshDSLError) as e:
+        _model(**overrides)
+    assert words in str(e.value)
+
+
 # ----------------------------------------------------------------------------- layouts vs dense
 
 
