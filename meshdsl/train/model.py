@@ -20,7 +20,7 @@ import dataclasses
 import importlib.util
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +49,8 @@ class Model:
       make_feeds: ``seed -> {input name: torch.Tensor}``, synthetic data of the
         right shapes and dtypes.
       config: the Config the model was built from.
+      outputs: other tensors the model exposes by name, outside the loss (``models/moe.py``:
+        its balance loss and dropped-token counts); compile them with the loss to read them.
     """
 
     graph: Graph
@@ -56,6 +58,7 @@ class Model:
     params: dict[str, Tensor]
     make_feeds: Callable[[int], dict[str, torch.Tensor]]
     config: Any = None
+    outputs: dict[str, Tensor] = field(default_factory=dict)
 
     def feeds(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Synthetic inputs, deterministic in ``seed``."""
