@@ -145,4 +145,4 @@ def build(cfg: Config = Config()) -> Model:
         tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
         return {"ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
-    return Model(g, loss, params, feeds, cfg)
+    return Model(g, loss, params, feeds, cfg, logits=logits_bsv)

@@ -51,6 +51,9 @@ class Model:
       config: the Config the model was built from.
       outputs: other tensors the model exposes by name, outside the loss (``models/moe.py``:
         its balance loss and dropped-token counts); compile them with the loss to read them.
+      logits: optional next-token logits ``[batch, seq, vocab]`` (dims named ``vocab`` last
+        among them), for a language model; :func:`meshdsl.generate` samples text from it.
+        ``None`` (the default) for a model that is not one.
     """
 
     graph: Graph
@@ -59,6 +62,7 @@ class Model:
     make_feeds: Callable[[int], dict[str, torch.Tensor]]
     config: Any = None
     outputs: dict[str, Tensor] = field(default_factory=dict)
+    logits: Tensor | None = None
 
     def feeds(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Synthetic inputs, deterministic in ``seed``."""

@@ -1,0 +1,104 @@
+"""Sample text from a trained language model, on the dense program with full params.
+
+The model exposes its next-token logits as :attr:`Model.logits`, shaped
+``[batch, seq, vocab]``, and reads one integer input ``[batch, seq]`` (the
+token ids).  The model must be causal: the logits at position ``p`` depend on
+the tokens at ``0..p`` only, so a context shorter than ``seq`` is written at
+the start of its row (the rest padded) and its next token read at its last
+position.  A context longer than ``seq`` keeps its last ``seq`` tokens.  Up to
+``batch`` prompts are continued at once, one per row.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import message
+from ..ir.interpret import DenseProgram
+from .data import ByteTokenizer
+from .model import Model, ModelError
+
+
+def _program(model: Model):
+    if model.logits is None:
+        raise ModelError(message(
+            "generate: the model exposes no logits.",
+            inputs=[f"model graph: {model.graph.name}"],
+            rule="generation samples from Model.logits, the [batch, seq, vocab] next-token logits",
+            fix="return md.Model(..., logits=logits_bsv) from the model file's build()"))
+    prog = DenseProgram({"logits": model.logits})
+    ids = [(k, t) for k, t in prog.inputs.items() if not t.dtype.is_floating_point]
+    shape = model.logits.shape
+    if len(ids) != 1 or len(prog.inputs) != 1 or len(shape) != 3:
+        raise ModelError(message(
+            "generate: the logits must be [batch, seq, vocab] and read one integer input of token ids.",
+            inputs=[f"logits: {shape}", f"inputs the logits read: {sorted(prog.inputs)}"],
+            rule="a causal language model: ids [batch, seq] -> logits [batch, seq, vocab]",
+            fix="expose the LM head's output as Model.logits"))
+    return prog, ids[0][0], [d.size for d in shape]
+
+
+@torch.no_grad()
+def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens: int = 200,
+                  temperature: float = 0.8, seed: int = 0) -> list[str]:
+    """Continue each prompt with ``max_new_tokens`` sampled byte tokens.
+
+    Args:
+      model: a built model with :attr:`Model.logits` (e.g. ``models/transformer.py``).
+      params: param name -> full tensor, e.g. ``TrainStep.full_params()``.
+      prompts: the texts to continue (UTF-8, byte-tokenized); one may be empty.
+      max_new_tokens: tokens to add to each.
+      temperature: softmax temperature; ``0`` takes the most likely token.
+      seed: the sampling seed (the same seed gives the same text).
+
+    Returns:
+      The generated continuations (without their prompts), one per prompt.
+
+    Raises:
+      ModelError: the model has no logits, or a vocab smaller than the 256 byte tokens.
+    """
+    prog, ids_name, (batch, seq, vocab) = _program(model)
+    if vocab < ByteTokenizer.vocab_size:
+        raise ModelError(message(f"generate: the model's vocab is {vocab}, smaller than the 256 byte tokens.",
+                                 rule="text is byte-tokenized: ids 0..255",
+                                 fix="build the model with vocab=256 (--config vocab=256)"))
+    if temperature < 0:
+        raise ModelError(message(f"generate: temperature {temperature} < 0.", fix="use 0 (greedy) or more"))
+    tok = ByteTokenizer()
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for lo in range(0, len(prompts), batch):
+        rows = [tok.encode(p).tolist() for p in prompts[lo:lo + batch]]
+        new = [[] for _ in rows]
+        for _ in range(max_new_tokens):
+            ids = torch.zeros(batch, seq, dtype=torch.int64)
+            last = []
+            for r, toks in enumerate(rows):
+                ctx = toks[-seq:] or [ord("\n")]   # an empty prompt starts from a newline
+                ids[r, :len(ctx)] = torch.tensor(ctx)
+                last.append(len(ctx) - 1)
+            logits = prog({ids_name: ids}, params)["logits"]
+            step = logits[torch.arange(len(rows)), torch.tensor(last), :tok.vocab_size]
+            if temperature == 0:
+                nxt = step.argmax(-1)
+            else:
+                nxt = torch.multinomial(torch.softmax(step.double() / temperature, -1), 1, generator=gen)[:, 0]
+            for r, t in enumerate(nxt.tolist()):
+                rows[r].append(t)
+                new[r].append(t)
+        out += [tok.decode(n) for n in new]
+    return out
+
+
+def generate(model: Model, params: dict, prompt: str = "", max_new_tokens: int = 200,
+             temperature: float = 0.8, seed: int = 0) -> str:
+    """Continue ``prompt`` with ``max_new_tokens`` sampled tokens (see :func:`generate_many`).
+
+    Example::
+
+        step = md.TrainStep(model.loss, model.params, "data:1", "", comm)  # ... trained
+        print(md.generate(model, step.full_params(), "def ", max_new_tokens=100))
+    """
+    return generate_many(model, params, [prompt], max_new_tokens, temperature, seed)[0]
+
+
+__all__ = ["generate", "generate_many"]
