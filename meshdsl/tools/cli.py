@@ -1,4 +1,4 @@
-"""The ``meshdsl`` command line: ``plan``, ``check`` and ``run`` a model under a mesh and a layout.
+"""The ``meshdsl`` command line: ``plan``, ``check``, ``run`` and ``train`` a model under a mesh and a layout.
 
 Each subcommand is two functions: ``add_<name>(subparsers)`` declares its
 arguments and ``cmd_<name>(args) -> exit code`` runs it; :data:`SUBCOMMANDS`
@@ -32,10 +32,11 @@ from ..exec.launch import in_torchrun
 from ..exec.simulated import run_simulated
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
-from ..train.model import DEFAULT_LR, load_model
+from ..train.model import DEFAULT_LR
 from .dist_cli import add_run, dist_args, is_rank0
 from .preflight import SEED_MAX, check_simulated_memory, float_in, int_in
 from .report import plan_report, print_report
+from .train_cli import add_train, load_configured
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -80,6 +81,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="",
                    help='layout rules, e.g. "batch:data; heads:model; params.d_model:data"')
     p.add_argument("--tiny", action="store_true", help="build the model's Config.tiny() (for quick checks)")
+    p.add_argument("--config", default="", metavar="K=V,...",
+                   help="override fields of the model's Config, e.g. d_model=128,layers=8,seq=128")
 
 
 def lr_arg(p, default: float) -> None:
@@ -114,7 +117,7 @@ def cmd_plan(args) -> int:
         raise MeshDSLError("--json and --only-comm conflict: the JSON report always lists every op.\n"
                            "Fix: drop --only-comm (filter the 'ops' whose 'collectives' are non-empty)")
     Mesh.parse(args.mesh)
-    model = load_model(args.model, tiny=args.tiny)
+    model = load_configured(args)
     plan = compile_plan(model.train_step(args.lr), args.mesh, args.layout)
     report = plan_report(plan)
     if args.json:
@@ -155,7 +158,7 @@ def cmd_check(args) -> int:
     if distributed:
         from .dist_cli import preflight_processes
         preflight_processes(args, mesh)
-    model = load_model(args.model, tiny=args.tiny)
+    model = load_configured(args)
     outputs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
     plan = compile_plan(outputs, mesh, args.layout)
     if not distributed:
@@ -231,7 +234,7 @@ def report_check(want: dict, got: dict, tol: float, where: str) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-SUBCOMMANDS = [add_plan, add_check, add_run]
+SUBCOMMANDS = [add_plan, add_check, add_run, add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,7 +69,8 @@ def is_rank0() -> bool:
 
 def check_distributed(args, want: dict, report) -> int:
     """``check --nproc``: loss and gradients on processes, compared with ``want`` (dense)."""
-    results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed))
+    results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed, 1, "gpipe",
+                                        getattr(args, "config_overrides", None)))
     got = results[0]
     if got is None:  # a torchrun rank other than 0
         return 0
@@ -99,15 +100,15 @@ def add_run(sub) -> None:
 
 def cmd_run(args) -> int:
     from ..lowering.compiler import compile as compile_plan
-    from ..train.model import load_model
+    from .train_cli import load_configured
 
     mesh = Mesh.parse(args.mesh)
     preflight_processes(args, mesh)
-    model = load_model(args.model, tiny=args.tiny)
+    model = load_configured(args)
     compile_plan(model.train_step(args.lr), mesh, args.layout)  # layout errors surface here, once
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
-                                        args.lr, args.seed, args.warmup))
+                                        args.lr, args.seed, args.warmup, 1, "gpipe", args.config_overrides))
     if not is_rank0():
         return 0
     _print_steps(args, results[0])

@@ -35,15 +35,18 @@ def agree_plan(comm: Communicator, plan: Plan) -> None:
             fix="pass identical --mesh/--layout and model files to every rank"))
 
 
-def _load(model_ref: str, tiny: bool):
+def _load(model_ref: str, tiny: bool, config: dict | None = None):
     from .model import load_model
-    return load_model(model_ref, tiny=tiny)
+    return load_model(model_ref, tiny=tiny, **(config or {}))
 
 
 def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0,
-              microbatches: int = 1, schedule: str = "gpipe"):
-    """Loss and gradients of the model on this job's ranks; rank 0 returns them in full."""
-    model = _load(model_ref, tiny)
+              microbatches: int = 1, schedule: str = "gpipe", config: dict | None = None):
+    """Loss and gradients of the model on this job's ranks; rank 0 returns them in full.
+
+    ``config`` holds overrides of the model's Config fields (``--config``).
+    """
+    model = _load(model_ref, tiny, config)
     outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
     plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule)
     agree_plan(comm, plan)
@@ -53,12 +56,14 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
 
 
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
-              lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe"):
+              lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
+              config: dict | None = None):
     """Run ``warmup + steps`` SGD steps; returns per-step (loss, StepStats) of the timed steps.
 
     With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
+    ``config`` holds overrides of the model's Config fields (``--config``).
     """
-    model = _load(model_ref, tiny)
+    model = _load(model_ref, tiny, config)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
                      microbatches=microbatches, schedule=schedule)
     agree_plan(comm, step.plan)

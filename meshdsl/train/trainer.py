@@ -12,12 +12,13 @@ The optimizer and everything a checkpoint holds live in two functions only,
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import message
+from ..errors import MeshDSLError, message
 from ..exec.executor import Executor
 from ..exec.fold import for_plan
 from ..exec.simulated import SimulatedComm
@@ -32,6 +33,10 @@ from .step import TrainStep
 
 #: Prompts of samples.txt for the default corpus (Python source).
 PYTHON_PROMPTS = ("def ", "class ", "import ")
+
+
+class TrainingError(MeshDSLError):
+    """Training cannot go on: the loss became NaN or infinite."""
 
 
 @dataclass
@@ -238,6 +243,11 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
             t0 = time.perf_counter()
             loss, stats, lr, gnorm = run_step(step, feeder.train(t), spec, t)
             loss = _agree_loss(comm, step.plan, loss)
+            if not math.isfinite(loss):
+                raise TrainingError(message(
+                    f"train: the loss is {loss} at step {t}: training diverged.",
+                    inputs=[f"optimizer {spec.optimizer}, lr {spec.lr:g}", f"mesh '{spec.mesh}', layout '{spec.layout}'"],
+                    rule="each step's loss is finite", fix=f"lower the learning rate, e.g. --lr {spec.lr / 4:g}"))
             ms = (time.perf_counter() - t0) * 1e3
             tps = feeder.tokens_per_step / ms * 1e3 if feeder.tokens_per_step else None
             row = {"step": t, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "ms": ms,
@@ -332,5 +342,5 @@ def _rank_job(comm, spec: TrainSpec, data=None, eval_data=None):
     return run_rank(comm, spec, None, data, eval_data)
 
 
-__all__ = ["TrainResult", "TrainSpec", "build_step", "load_train_state", "model_id", "resume_from", "run_rank",
+__all__ = ["TrainingError", "TrainResult", "TrainSpec", "build_step", "load_train_state", "model_id", "resume_from", "run_rank",
            "run_step", "train", "train_state"]

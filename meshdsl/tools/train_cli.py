@@ -1,0 +1,232 @@
+"""``meshdsl train``: train a model on real text and show that it learned.
+
+With no arguments it trains ``models/transformer.py`` (sized by
+:data:`TRAIN_DEFAULTS`) on the default corpus, with a mesh and layout picked
+for this machine (:func:`auto_mesh`).  Everything is validated in this process
+first (flags, ``--config``, mesh, model, layout, data, the checkpoint to resume
+from); then the job runs in this process (one device) or on N processes
+(:func:`meshdsl.exec.launch.launch`, torchrun-aware).  Rank 0 shows a progress
+bar and, at the end, a summary; outputs go to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from ..exec.launch import in_torchrun
+from ..layout.mesh import Mesh
+from ..lowering.compiler import compile as compile_plan
+from ..train.config import parse_config
+from ..train.data import TokenData
+from ..train.feeder import TokenFeeder
+from ..train.model import find_model_file, load_model, load_module
+from ..train.step import training_outputs
+from ..train.trainer import TrainSpec, resume_from, run_rank
+from .dist_cli import dist_args, is_rank0, preflight_processes
+from .preflight import float_in, int_in
+
+#: Config defaults of ``meshdsl train`` per shipped model (``--config`` overrides them): a
+#: transformer that learns the default corpus's byte statistics within the default steps.
+TRAIN_DEFAULTS = {"transformer": "d_model=128,heads=4,d_head=32,d_ff=512,layers=2,seq=64,batch=16"}
+DEFAULT_STEPS, DEFAULT_LR = 400, 0.5
+
+
+def config_overrides(model: str, text: str, base: str = "") -> dict:
+    """``--config`` parsed against the model file's Config (``base`` first, ``text`` over it)."""
+    cls = load_module(find_model_file(model)).Config
+    return {**parse_config(base, cls), **parse_config(text, cls)}
+
+
+def load_configured(args):
+    """Load ``args.model`` with ``--tiny`` and ``--config`` (parsed into ``args.config_overrides``)."""
+    args.config_overrides = config_overrides(args.model, args.config or "")
+    return load_model(args.model, tiny=args.tiny, **args.config_overrides)
+
+
+def auto_mesh(batch: int, cores: int | None = None) -> tuple[str, str, str]:
+    """``(mesh, layout, why)`` for this machine: data parallel, one process per core.
+
+    A CPU rank runs its kernels on one thread; ranks on separate cores run their
+    rows at once and exchange only the gradients (one allreduce per step), so
+    data parallelism over the cores is the fastest plan for a model this small.
+    The data axis is the largest power of two up to the cores (at most 8) that
+    divides the batch.
+    """
+    cores = cores or os.cpu_count() or 1
+    n = 1
+    while n * 2 <= min(cores, 8) and batch % (n * 2) == 0:
+        n *= 2
+    if n == 1:
+        return "data:1", "", f"{cores} CPU core(s): one process"
+    return (f"data:{n}", "batch:data",
+            f"{cores} CPU cores: data parallel, one process per core (each computes its own rows; "
+            f"one gradient allreduce per step), faster here than one process")
+
+
+def add_train(sub) -> None:
+    from .cli import EXIT_CODES, seed_arg
+
+    p = sub.add_parser("train", help="train MODEL on text and report train/eval loss (default: the "
+                                     "transformer on the standard library's source)",
+                       description="Train MODEL (default: transformer) on a text corpus (default: this "
+                                   "Python's standard library sources, byte-tokenized) for S steps on a mesh, "
+                                   "with eval loss, checkpoints and resume, and write metrics.jsonl, loss.png, "
+                                   "samples.txt and config.json to --out.",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", nargs="?", default="transformer",
+                   help="a shipped model's name or a path to a model .py file (default: transformer)")
+    p.add_argument("--mesh", default=None, help='mesh, e.g. "data:2; model:2" (default: picked for this '
+                                               'machine, printed with the reason)')
+    p.add_argument("--layout", default=None, help='layout, e.g. "batch:data; d_ff:model"')
+    p.add_argument("--tiny", action="store_true", help="start from the model's Config.tiny()")
+    p.add_argument("--config", default="", metavar="K=V,...",
+                   help="override Config fields, e.g. d_model=128,layers=8,seq=128 (over the train "
+                        f"defaults: {TRAIN_DEFAULTS['transformer']} for the transformer)")
+    p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 100"), default=DEFAULT_STEPS,
+                   help=f"total steps of the run; a resumed run goes on up to it (default {DEFAULT_STEPS})")
+    p.add_argument("--batch", type=int_in(1, fix="e.g. --batch 16"), default=None,
+                   help="global batch rows (the Config's 'batch' field)")
+    p.add_argument("--optimizer", choices=("sgd",), default="sgd", help="optimizer (default sgd)")
+    p.add_argument("--lr", type=float_in(0.0, lo_open=True, fix="e.g. --lr 0.5"), default=DEFAULT_LR,
+                   help=f"learning rate (default {DEFAULT_LR:g})")
+    p.add_argument("--precision", choices=("fp32",), default="fp32", help="compute precision: fp32 only")
+    p.add_argument("--accum", type=int_in(1, fix="e.g. --accum 4"), default=None,
+                   help="gradient accumulation: cut each batch into k micro-batches (same step result)")
+    p.add_argument("--microbatches", type=int_in(1, fix="e.g. --microbatches 4"), default=None,
+                   help="micro-batches of a pipelined layout (with --schedule)")
+    p.add_argument("--schedule", default="gpipe", help="pipeline schedule (default gpipe)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a UTF-8 text file to train on (default: the standard library's .py sources)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR", help="save checkpoints into DIR")
+    p.add_argument("--save-every", type=int_in(1, fix="e.g. --save-every 50"), default=None,
+                   help="save every K steps (and at the end; needs --checkpoint)")
+    p.add_argument("--keep", type=int_in(1, fix="e.g. --keep 3"), default=None,
+                   help="keep the newest N checkpoints (default: all)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint "
+                                                         "(on any mesh, layout or process count)")
+    p.add_argument("--eval-every", type=int_in(1, fix="e.g. --eval-every 50"), default=None,
+                   help="eval loss every K steps (default: steps/10; always at the end)")
+    seed_arg(p)
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default runs/<timestamp>/)")
+    p.add_argument("--samples", type=int_in(0, 3, fix="e.g. --samples 3"), default=3,
+                   help="texts generated into samples.txt at the end (0..3, default 3)")
+    dist_args(p)
+    p.set_defaults(run=cmd_train)
+
+
+def make_spec(args) -> tuple[TrainSpec, list[str]]:
+    """Validate everything in this process; returns the run's spec and its first printed lines."""
+    if args.accum and args.microbatches:
+        raise _usage("--accum and --microbatches both cut the batch", "pass one of them")
+    if args.save_every and not args.checkpoint:
+        raise _usage("--save-every needs --checkpoint DIR", "add --checkpoint DIR")
+    shipped_default = "" if args.tiny else TRAIN_DEFAULTS.get(args.model, "")
+    overrides = config_overrides(args.model, args.config, shipped_default)
+    cls_fields = load_module(find_model_file(args.model)).Config.__dataclass_fields__
+    lines = []
+    if "vocab" in cls_fields and "vocab" not in overrides:
+        overrides["vocab"] = 256  # byte tokens
+    if args.batch is not None:
+        overrides["batch"] = args.batch
+    model = load_model(args.model, tiny=args.tiny, **overrides)
+    batch = getattr(model.config, "batch", 1)
+    why = "given"
+    if args.mesh is None:
+        nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
+        args.mesh, layout, why = auto_mesh(batch, nproc)
+        args.layout = layout if args.layout is None else args.layout
+    args.layout = args.layout or ""
+    mesh = Mesh.parse(args.mesh)
+    preflight_processes(args, mesh)
+    micro = args.accum or args.microbatches or 1
+    plan = compile_plan(training_outputs(model.loss, model.params, args.lr), mesh, args.layout,
+                        microbatches=micro, schedule=args.schedule)
+    steps = args.steps
+    spec = TrainSpec(model=args.model, tiny=args.tiny, config=overrides, mesh=args.mesh, layout=args.layout,
+                     steps=steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed, data=args.data,
+                     microbatches=micro, schedule=args.schedule, checkpoint=args.checkpoint,
+                     save_every=args.save_every or 0, keep=args.keep, resume=args.resume,
+                     eval_every=args.eval_every or max(1, steps // 10),
+                     out=args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")),
+                     samples=args.samples, progress=True)
+    data = TokenData.load(args.data, seed=args.seed)
+    TokenFeeder(data, plan, [0], getattr(model.config, "vocab", None))
+    path = resume_from(spec, model)
+    nproc = int(os.environ.get("WORLD_SIZE", mesh.size)) if in_torchrun() else (args.nproc or mesh.size)
+    size = ", ".join(f"{k}={v}" for k, v in vars(model.config).items()) if model.config is not None else "-"
+    lines += [f"meshdsl train {args.model}: mesh '{args.mesh}', layout '{args.layout}' on {nproc} process(es)"
+              + ("" if why == "given" else f"  [auto: {why}]"),
+              f"  config: {size}",
+              f"  data: {data.source} ({len(data.tokens):,} byte tokens, {len(data.eval_tokens):,} held out); "
+              f"unigram entropy {data.unigram_entropy():.3f} nats/token",
+              f"  steps {steps}" + (f" (resuming from {path.name})" if path else "")
+              + f", {args.optimizer} lr {args.lr:g}, out {spec.out}"]
+    return spec, lines
+
+
+def _usage(what: str, fix: str):
+    from .preflight import UsageError
+    return UsageError(f"{what}.\nFix: {fix}")
+
+
+def cmd_train(args) -> int:
+    from .cli import _console
+    spec, lines = make_spec(args)
+    args.preflight_done = True
+    console = _console()
+    if is_rank0():
+        for line in lines:
+            console.print(line, highlight=False)
+    if Mesh.parse(spec.mesh).size == 1 and not in_torchrun():
+        from ..exec.simulated import SimulatedComm
+        result = run_rank(SimulatedComm(Mesh.parse(spec.mesh)), spec)
+    else:
+        from ..train.trainer import _rank_job
+        from .dist_cli import _launch
+        result = _launch(args, _rank_job, (spec,))[0]
+    if result is not None and is_rank0():
+        print_summary(console, spec, result)
+    return 0
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def print_summary(console, spec: TrainSpec, r) -> None:
+    """The end-of-run table: losses against the unigram baseline, speed, collectives, memory."""
+    from rich.table import Table
+
+    t = Table(title=f"meshdsl train: steps {r.start_step + 1}-{spec.steps}", title_justify="left", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("final train loss (mean of the last 10 steps)", f"{r.final_loss:.4f} nats/token")
+    if r.final_eval_loss is not None:
+        t.add_row("final eval loss (held-out text)", f"{r.final_eval_loss:.4f} nats/token")
+    if r.unigram_entropy is not None:
+        t.add_row("unigram (byte-frequency) entropy of the corpus", f"{r.unigram_entropy:.4f} nats/token")
+        if r.final_eval_loss is not None:
+            gap = r.unigram_entropy - r.final_eval_loss
+            t.add_row("eval loss below the unigram entropy by", f"{gap:.4f} nats/token"
+                      + (" (learned more than byte frequencies)" if gap > 0 else " (NOT below)"))
+    if r.tokens_per_s:
+        t.add_row("throughput (median step)", f"{r.tokens_per_s:,.0f} tokens/s")
+    colls = ", ".join(f"{k} x{v['count']} ({_bytes(v['bytes'])})" for k, v in r.collectives_per_step.items())
+    t.add_row("collectives per step", colls or "none")
+    t.add_row("time in collectives per step (median)", f"{r.comm_ms_per_step:.2f} ms")
+    t.add_row("memory per rank (plan values, upper bound)", _bytes(r.memory_per_rank))
+    if r.out:
+        t.add_row("outputs", f"{r.out}/{{metrics.jsonl, loss.png, samples.txt, config.json}}")
+    if spec.checkpoint:
+        t.add_row("checkpoints", spec.checkpoint)
+    console.print(t)
+    if r.samples:
+        console.print(f"sample: {r.samples[0][:160]!r}", highlight=False)
+
+
+__all__ = ["TRAIN_DEFAULTS", "add_train", "auto_mesh", "cmd_train", "config_overrides", "load_configured",
+           "make_spec", "print_summary"]
