@@ -12,6 +12,10 @@ Public API (everything else lives in subpackages and may change):
   :class:`TorchComm` (one rank per process); processes: :func:`launch`, :func:`spawn`
 * training and model files: :class:`Model` (what a model file's ``build`` returns),
   :func:`load_model`, :class:`TrainStep`, :func:`sgd`
+* the training loop: ``train(model, mesh=..., layout=..., steps=..., data=...)`` (the
+  callable package :mod:`meshdsl.train`, see :func:`meshdsl.train.trainer.train`) -> :class:`TrainResult`, :class:`TokenData` (text batches),
+  :func:`generate` (text from a trained language model); checkpoints :func:`save_checkpoint`,
+  :func:`load_checkpoint`, :func:`latest_checkpoint`
 """
 from .core.graph import Graph, Tensor
 from .core.shape import Dim, Shape
@@ -31,7 +35,11 @@ from .lowering.compiler import compile
 from .lowering.plan import Plan
 from .ops import *  # noqa: F401,F403
 from .train.model import Model, ModelError, load_model
+from .train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .train.data import TokenData
+from .train.generate import generate
 from .train.optim import sgd
 from .train.step import TrainStep
+from .train.trainer import TrainResult
 
 __version__ = "0.1.0"

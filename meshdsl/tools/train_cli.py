@@ -22,7 +22,7 @@ from ..train.data import TokenData
 from ..train.feeder import TokenFeeder
 from ..train.model import find_model_file, load_model, load_module
 from ..train.step import training_outputs
-from ..train.trainer import TrainSpec, resume_from, run_rank
+from ..train.trainer import TrainSpec, reads_text, resume_from, run_rank
 from .dist_cli import dist_args, is_rank0, preflight_processes
 from .preflight import float_in, int_in
 
@@ -150,16 +150,19 @@ def make_spec(args) -> tuple[TrainSpec, list[str]]:
                      eval_every=args.eval_every or max(1, steps // 10),
                      out=args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")),
                      samples=args.samples, progress=True)
-    data = TokenData.load(args.data, seed=args.seed)
-    TokenFeeder(data, plan, [0], getattr(model.config, "vocab", None))
+    text = args.data is not None or reads_text(model)
+    data = TokenData.load(args.data, seed=args.seed) if text else None
+    if text:
+        TokenFeeder(data, plan, [0], getattr(model.config, "vocab", None))
     path = resume_from(spec, model)
     nproc = int(os.environ.get("WORLD_SIZE", mesh.size)) if in_torchrun() else (args.nproc or mesh.size)
     size = ", ".join(f"{k}={v}" for k, v in vars(model.config).items()) if model.config is not None else "-"
     lines += [f"meshdsl train {args.model}: mesh '{args.mesh}', layout '{args.layout}' on {nproc} process(es)"
               + ("" if why == "given" else f"  [auto: {why}]"),
               f"  config: {size}",
-              f"  data: {data.source} ({len(data.tokens):,} byte tokens, {len(data.eval_tokens):,} held out); "
-              f"unigram entropy {data.unigram_entropy():.3f} nats/token",
+              (f"  data: {data.source} ({len(data.tokens):,} byte tokens, {len(data.eval_tokens):,} held out); "
+               f"unigram entropy {data.unigram_entropy():.3f} nats/token" if data is not None else
+               "  data: the model's own feeds (make_feeds(seed + step)); it reads no 'ids'/'labels' text"),
               f"  steps {steps}" + (f" (resuming from {path.name})" if path else "")
               + f", {args.optimizer} lr {args.lr:g}, out {spec.out}"]
     return spec, lines

@@ -27,7 +27,7 @@ from ..lowering.compiler import compile as compile_plan
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_metadata, save_checkpoint
 from .config import config_dict
 from .data import TokenData
-from .feeder import CallableFeeder, TokenFeeder
+from .feeder import IDS, LABELS, CallableFeeder, TokenFeeder
 from .model import Model, load_model
 from .step import TrainStep
 
@@ -200,6 +200,41 @@ def _progress(spec: TrainSpec, total: int, start: int):
     return p, p.add_task("train", total=total, completed=start, info="")
 
 
+def reads_text(model: Model) -> bool:
+    """True when the model reads token ids and next-token labels (``ids`` and ``labels``)."""
+    names = {n.name for n in model.graph.nodes if n.op.name == "input"}
+    return {IDS, LABELS} <= names
+
+
+def make_feeder(model: Model, step: TrainStep, spec: TrainSpec, data=None, eval_data=None):
+    """``(TokenData or None, feeder)`` for the run.
+
+    ``data`` None: the text of ``spec.data`` (default corpus) for a model that reads
+    ``ids``/``labels``; any other model (given no text file) trains on its own
+    ``make_feeds``, one seed per step, and evaluates on a seed no step uses.
+    """
+    if data is None and spec.data is None and not reads_text(model):
+        fn = _OwnFeeds(model, spec.seed)
+        return None, CallableFeeder(fn, [model.feeds(fn.eval_seed)])
+    tokens = data if isinstance(data, TokenData) else None
+    if data is None:
+        tokens = TokenData.load(spec.data, seed=spec.seed)
+    if tokens is not None:
+        vocab = getattr(model.config, "vocab", None)
+        return tokens, TokenFeeder(tokens, step.plan, step.executor.comm.ranks, vocab)
+    return None, CallableFeeder(data, eval_data)
+
+
+class _OwnFeeds:
+    """A model's own synthetic batches, ``make_feeds(seed + step)``; eval on a seed steps never reach."""
+
+    def __init__(self, model: Model, seed: int):
+        self.model, self.seed, self.eval_seed = model, seed, 2**62 + seed
+
+    def __call__(self, step: int) -> dict:
+        return self.model.feeds(self.seed + step)
+
+
 def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_data=None) -> TrainResult | None:
     """Train on this process's ranks of ``comm``; rank 0 returns the :class:`TrainResult`.
 
@@ -218,13 +253,7 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
     if not isinstance(comm, SimulatedComm):
         from .jobs import agree_plan
         agree_plan(comm, step.plan)
-    tokens = data if isinstance(data, TokenData) else None
-    if data is None:
-        tokens = TokenData.load(spec.data, seed=spec.seed)
-    if tokens is not None:
-        feeder = TokenFeeder(tokens, step.plan, step.executor.comm.ranks, getattr(model.config, "vocab", None))
-    else:
-        feeder = CallableFeeder(data, eval_data)
+    tokens, feeder = make_feeder(model, step, spec, data, eval_data)
     start = 0
     path = resume_from(spec, model)
     if path is not None:
@@ -343,4 +372,4 @@ def _rank_job(comm, spec: TrainSpec, data=None, eval_data=None):
 
 
 __all__ = ["TrainingError", "TrainResult", "TrainSpec", "build_step", "load_train_state", "model_id", "resume_from", "run_rank",
-           "run_step", "train", "train_state"]
+           "make_feeder", "reads_text", "run_step", "train", "train_state"]

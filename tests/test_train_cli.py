@@ -1,0 +1,203 @@
+"""``meshdsl train`` and ``--config``: clean user errors (exit 2) before any work, resume checks, a
+kill in the middle of a checkpoint save, and the outputs of a short run through the CLI.
+
+Most tests call :func:`meshdsl.tools.cli.main` in-process with ``--tiny`` on a one-device mesh.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from meshdsl import Mesh, SimulatedComm
+from meshdsl import Mesh, SimulatedComm
+from meshdsl.tools import cli
+from meshdsl.tools.train_cli import auto_mesh
+from meshdsl.train.checkpoint import latest_checkpoint, load_checkpoint, read_metadata
+from meshdsl.train.config import ConfigError, parse_config
+from meshdsl.train.model import load_model
+from meshdsl.train.run_outputs import METRIC_KEYS, read_metrics
+from meshdsl.train.trainer import TrainSpec, build_step, train_state
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--tiny", "--mesh", "data:1", "--samples", "0"]
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ----------------------------------------------------------------- --config
+
+def test_parse_config_types_and_spaces():
+    from models.transformer import Config
+    got = parse_config(" d_model=16, tied=true ,norm=rms,dropout=0.5", Config)
+    assert got == {"d_model": 16, "tied": True, "norm": "rms", "dropout": 0.5}
+    assert isinstance(got["dropout"], float) and got["tied"] is True
+    assert parse_config("", Config) == {}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("d_modle=16", ["no field 'd_modle'", "Did you mean 'd_model'?", "^^^^^^^^^^"]),
+    ("layers=two", ["layers='two': not a valid int", "Rule: layers is a int"]),
+    ("d_model=8,tied=maybe", ["tied='maybe': not a boolean", "          ^^^^^^^^^^"]),
+    ("layers", ["item 'layers' is not field=value"]),
+    ("layers=2,layers=3", ["field 'layers' is given twice"]),
+])
+def test_parse_config_errors(text, words):
+    from models.transformer import Config
+    with pytest.raises(ConfigError) as e:
+        parse_config(text, Config)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert "fields: vocab (int), d_model (int)" in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["plan", "check", "run", "train"])
+def test_config_error_is_exit_2_in_every_command(capsys, command):
+    extra = ["--mesh", "data:1"] if command != "train" else ["--mesh", "data:1"]
+    rc, out, err = run(capsys, command, "transformer", "--tiny", *extra, "--config", "d_modle=16")
+    assert rc == 2
+    assert f"meshdsl {command}: error: --config: Config has no field 'd_modle'. Did you mean 'd_model'?" in err
+    assert "Traceback" not in err
+
+
+def test_config_changes_the_model_in_plan(capsys):
+    rc, out, _ = run(capsys, "plan", "transformer", "--tiny", "--mesh", "data:1", "--json",
+                     "--config", "d_ff=24")
+    assert rc == 0
+    shapes = json.dumps(json.loads(out)["ops"])
+    assert '"d_ff": 24' in shapes and '"d_ff": 16' not in shapes
+
+
+def test_auto_mesh_is_data_parallel_over_the_cores():
+    assert auto_mesh(16, 2)[:2] == ("data:2", "batch:data")
+    assert auto_mesh(16, 1)[:2] == ("data:1", "")
+    assert auto_mesh(12, 16)[:2] == ("data:4", "batch:data")   # the largest power of two dividing the batch
+    assert auto_mesh(7, 4)[:2] == ("data:1", "")
+
+
+# ----------------------------------------------------------------- a run and its outputs
+
+def test_train_writes_its_outputs(capsys, tmp_path):
+    rc, out, err = run(capsys, "train", *TINY, "--steps", "4", "--eval-every", "2", "--out", str(tmp_path / "o"),
+                       "--samples", "1")
+    assert rc == 0, err
+    assert "meshdsl train transformer: mesh 'data:1'" in out and "unigram entropy" in out
+    assert "final eval loss" in out and "collectives per step" in out
+    rows = read_metrics(tmp_path / "o")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(set(METRIC_KEYS) <= set(r) for r in rows)
+    assert [("eval_loss" in r) for r in rows] == [False, True, False, True]
+    assert (tmp_path / "o" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "o" / "samples.txt").read_text().strip()
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["resolved_config"]["vocab"] == 256 and cfg["mesh"] == "data:1" and cfg["steps"] == 4
+
+
+def test_train_a_model_without_text_inputs_on_its_own_feeds(capsys, tmp_path):
+    rc, out, err = run(capsys, "train", "mlp", *TINY, "--steps", "3", "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    assert "the model's own feeds" in out
+    assert len(read_metrics(tmp_path / "o")) == 3
+
+
+# ----------------------------------------------------------------- resume errors
+
+def test_resume_without_a_checkpoint(capsys, tmp_path):
+    rc, out, err = run(capsys, "train", *TINY, "--steps", "2", "--resume", "--checkpoint", str(tmp_path / "none"))
+    assert rc == 2
+    assert "--resume: no committed checkpoint in" in err and "Fix: drop --resume" in err
+    rc, out, err = run(capsys, "train", *TINY, "--steps", "2", "--resume")
+    assert rc == 2 and "--resume needs --checkpoint DIR" in err
+
+
+def test_resume_from_another_model_or_config(capsys, tmp_path):
+    ck = str(tmp_path / "ck")
+    rc, _, err = run(capsys, "train", *TINY, "--steps", "2", "--checkpoint", ck, "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    rc, _, err = run(capsys, "train", *TINY, "--steps", "4", "--checkpoint", ck, "--resume",
+                     "--config", "d_ff=24", "--out", str(tmp_path / "o2"))
+    assert rc == 2
+    assert "is of another model" in err and "d_ff: saved 16, now 24" in err
+    rc, _, err = run(capsys, "train", "mlp", *TINY, "--steps", "4", "--checkpoint", ck, "--resume",
+                     "--out", str(tmp_path / "o3"))
+    assert rc == 2
+    assert "saved model: 'transformer', this model: 'mlp'" in err
+    rc, _, err = run(capsys, "train", *TINY, "--steps", "2", "--checkpoint", ck, "--resume")
+    assert rc == 2 and "the checkpoint is at step 2, and --steps is 2" in err
+
+
+def test_resume_continues_to_the_total_step_count(capsys, tmp_path):
+    ck = str(tmp_path / "ck")
+    assert run(capsys, "train", *TINY, "--steps", "2", "--checkpoint", ck, "--out", str(tmp_path / "a"))[0] == 0
+    rc, out, err = run(capsys, "train", *TINY, "--steps", "4", "--checkpoint", ck, "--resume",
+                       "--out", str(tmp_path / "b"))
+    assert rc == 0, err
+    assert "resuming from step-00000002" in out
+    assert [r["step"] for r in read_metrics(tmp_path / "b")] == [3, 4]
+    assert read_metadata(latest_checkpoint(ck)).step == 4
+
+
+# ----------------------------------------------------------------- a kill mid-save
+
+_KILLED = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import meshdsl.train.checkpoint as ck
+    from meshdsl.tools import cli
+
+    root = Path({root!r})
+    real = ck._write_file
+    def slow(path, data):
+        real(path, data)
+        if "step-00000004" in str(path):
+            (root.parent / "MARKER").write_text(path.name)  # a shard of step 4 is on disk: kill us now
+            time.sleep(120)
+    ck._write_file = slow
+    sys.exit(cli.main(["train", "--tiny", "--mesh", "data:1", "--samples", "0", "--steps", "4",
+                       "--save-every", "2", "--checkpoint", str(root), "--out", {out!r}]))
+""")
+
+
+def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, capsys):
+    root = tmp_path / "ck"
+    code = _KILLED.format(root=str(root), out=str(tmp_path / "o"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "MARKER").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the run never reached the second save"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stderr.close()
+    assert latest_checkpoint(root) == root / "step-00000002"
+    assert not (root / "step-00000004").exists()
+    info = read_metadata(root / "step-00000002")
+    model = load_model("transformer", tiny=True, vocab=256)
+    step = build_step(model, TrainSpec(mesh="data:1"), SimulatedComm(Mesh.parse("data:1")))
+    want = {k: spec for k, (spec, _) in train_state(step).items()}
+    got = load_checkpoint(root / "step-00000002", want, "data:1", model="transformer")
+    assert set(got) == set(info.tensors) and info.step == 2
+    # The CLI resumes from it and finishes the run.
+    rc, out, err = run(capsys, "train", *TINY, "--steps", "4", "--checkpoint", str(root), "--resume",
+                       "--out", str(tmp_path / "o2"))
+    assert rc == 0, err
+    assert [r["step"] for r in read_metrics(tmp_path / "o2")] == [3, 4]
+    assert latest_checkpoint(root) == root / "step-00000004"
