@@ -1,0 +1,143 @@
+"""The training loop (:mod:`meshdsl.train.trainer`): outputs, the Python API on a user's own model
+file and batches, resharding resume (4 -> 2 -> 1 processes), generation, and learning.
+
+The dense single-device run is the oracle: a run resumed on another mesh, layout or process count
+must give the losses and params of the uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.train.data import ByteTokenizer, TokenData, default_corpus_text
+from meshdsl.train.generate import generate_many
+from meshdsl.train.model import ModelError, load_model, load_module
+from meshdsl.train.run_outputs import METRIC_KEYS, read_metrics
+from meshdsl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+TINY = dict(tiny=True, config={"vocab": 256}, lr=0.5, samples=0, eval_batches=1)
+# Twenty SGD steps on reordered fp32 sums (a sharded contraction adds its partial sums in another
+# order) stay within ~1e-6 of the dense run; a wrong restore (a missing or mis-sliced param, the
+# wrong step's batch) moves the loss by 1e-2 or more.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(default_corpus_text(60_000), encoding="utf-8")
+    return str(path)
+
+
+def test_a_short_run_writes_every_output(tmp_path, text_file):
+    r = md.train("transformer", steps=4, data=text_file, out=str(tmp_path), eval_every=2,
+                 **{**TINY, "samples": 2, "sample_tokens": 12})
+    rows = read_metrics(tmp_path)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4] and all(set(METRIC_KEYS) <= set(x) for x in rows)
+    assert rows[1]["eval_loss"] == pytest.approx(r.rows[1]["eval_loss"]) and r.final_eval_loss == rows[3]["eval_loss"]
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    samples = (tmp_path / "samples.txt").read_text()
+    assert samples.count("--- sample") == 2 and len(r.samples) == 2
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["resolved_config"]["d_model"] == 8 and cfg["data"]["source"] == text_file
+    assert r.unigram_entropy == pytest.approx(TokenData.load(text_file).unigram_entropy())
+    assert r.collectives_per_step == {} and r.memory_per_rank > 0
+
+
+USER_MODEL = textwrap.dedent('''
+    """A user's model file: linear regression, not one of meshdsl's models."""
+    from dataclasses import dataclass
+    import torch
+    import meshdsl as md
+
+    @dataclass(frozen=True)
+    class Config:
+        batch: int = 8
+        features: int = 4
+
+    def build(cfg=Config()):
+        b, f = md.Dim("batch", cfg.batch), md.Dim("features", cfg.features)
+        with md.Graph("linreg") as g:
+            x, y = md.input("x", [b, f]), md.input("y", [b])
+            w = md.param("w", [f], init="zeros")
+            loss = md.reduce_mean((md.einsum("batch features, features -> batch", x, w) - y) ** 2)
+        feeds = lambda seed=0: {"x": torch.randn(cfg.batch, cfg.features), "y": torch.zeros(cfg.batch)}
+        return md.Model(g, loss, {"w": w}, feeds, cfg)
+''')
+
+TRUE_W = torch.tensor([1.0, -2.0, 0.5, 3.0])
+
+
+def user_batch(step: int) -> dict:
+    """The user's own batches: a pure function of the step."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+    return {"x": x, "y": x @ TRUE_W}
+
+
+def test_python_api_trains_a_user_model_on_its_own_batches(tmp_path):
+    path = tmp_path / "linreg.py"
+    path.write_text(USER_MODEL)
+    build, Config = load_module(path).build, load_module(path).Config
+    ck = str(tmp_path / "ck")
+    first = md.train(build(Config()), mesh="data:2", layout="batch:data", steps=30, data=user_batch, lr=0.1,
+                     checkpoint=ck, save_every=10, keep=2, eval_data=[user_batch(10**6)])
+    assert first.rows[-1]["loss"] < 0.05 * first.rows[0]["loss"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-00000020", "step-00000030"]
+    more = md.train(build(Config()), mesh="data:1", steps=60, data=user_batch, lr=0.1, checkpoint=ck,
+                    resume=True)
+    assert more.start_step == 30 and [r["step"] for r in more.rows] == list(range(31, 61))
+    torch.testing.assert_close(more.step.full_params()["w"], TRUE_W, rtol=0, atol=1e-3)
+    # The CLI trains the same file on its own make_feeds.
+    assert md.train(str(path), steps=3, lr=0.1).rows[-1]["step"] == 3
+
+
+def test_resume_reshards_from_4_to_2_and_1_processes(tmp_path, text_file):
+    ck = tmp_path / "ck"
+    opts = dict(TINY, data=text_file)
+    whole = md.train("transformer", mesh="data:1", steps=20, **opts)
+    first = md.train("transformer", mesh="data:2; model:2", layout="batch:data; d_ff:model", nproc=4, steps=10,
+                     checkpoint=str(ck), save_every=10, **opts)
+    losses = lambda r: torch.tensor([x["loss"] for x in r.rows])
+    torch.testing.assert_close(losses(first), losses(whole)[:10], rtol=RTOL, atol=ATOL)
+    runs = {}
+    for name, mesh, layout, nproc in (("two", "model:2", "d_ff:model", 2), ("one", "data:1", "", 1)):
+        shutil.copytree(ck, tmp_path / name)
+        runs[name] = md.train("transformer", mesh=mesh, layout=layout, nproc=nproc, steps=20,
+                              checkpoint=str(tmp_path / name), resume=True, **opts)
+        assert [x["step"] for x in runs[name].rows] == list(range(11, 21))
+        torch.testing.assert_close(losses(runs[name]), losses(whole)[10:], rtol=RTOL, atol=ATOL)
+    # The params (the whole training state today) at step 20 match too, saved from 2 processes.
+    want = whole.step.full_params()
+    specs = {k: s for k, (s, _) in md.train.trainer.train_state(whole.step).items()}
+    got = load_checkpoint(latest_checkpoint(tmp_path / "two"), specs, "data:1", model="transformer")
+    for k, v in want.items():
+        torch.testing.assert_close(got[k][0], v, rtol=RTOL, atol=ATOL, msg=k)
+
+
+def test_generate_returns_text(text_file):
+    r = md.train("transformer", steps=2, data=text_file, **TINY)
+    params = r.step.full_params()
+    a = md.generate(r.model, params, "def ", max_new_tokens=16, seed=1)
+    assert isinstance(a, str) and 0 < len(a) <= 16
+    assert a == md.generate(r.model, params, "def ", max_new_tokens=16, seed=1)
+    many = generate_many(r.model, params, ["x"] * 6, max_new_tokens=5, temperature=0)   # two batches of 4 rows
+    assert len(many) == 6 and len(set(many)) == 1
+    with pytest.raises(ModelError, match="the model exposes no logits"):
+        md.generate(load_model("mlp", tiny=True), {}, "x")
+    with pytest.raises(ModelError, match="vocab is 16, smaller than the 256 byte tokens"):
+        tiny = load_model("transformer", tiny=True)
+        md.generate(tiny, {k: torch.zeros(1) for k in tiny.params}, "x")
+
+
+def test_learning_beats_the_unigram_entropy():
+    # A small slice of the default corpus; a small transformer learns its bigram statistics in a few
+    # hundred SGD steps, which a model of byte frequencies alone cannot.
+    data = TokenData(ByteTokenizer().encode(default_corpus_text(300_000)), seed=0)
+    r = md.train("transformer", mesh="data:1", steps=LEARN_STEPS, data=data, lr=LEARN_LR, samples=0,
+                 eval_batches=8, config=LEARN_CONFIG)
+    assert r.final_eval_loss < data.unigram_entropy() - 0.2, (r.final_eval_loss, data.unigram_entropy())
