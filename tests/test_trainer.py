@@ -25,6 +25,9 @@ TINY = dict(tiny=True, config={"vocab": 256}, lr=0.5, samples=0, eval_batches=1)
 # order) stay within ~1e-6 of the dense run; a wrong restore (a missing or mis-sliced param, the
 # wrong step's batch) moves the loss by 1e-2 or more.
 RTOL, ATOL = 1e-4, 1e-5
+# The learning test: one block, 400 SGD steps of 16 x 32 bytes (a few seconds of CPU).
+LEARN_CONFIG = dict(vocab=256, d_model=64, heads=4, d_head=16, d_ff=256, layers=1, seq=32, batch=16)
+LEARN_STEPS, LEARN_LR = 400, 1.0
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def test_a_short_run_writes_every_output(tmp_path, text_file):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["resolved_config"]["d_model"] == 8 and cfg["data"]["source"] == text_file
     assert r.unigram_entropy == pytest.approx(TokenData.load(text_file).unigram_entropy())
-    assert r.collectives_per_step == {} and r.memory_per_rank > 0
+    assert r.collectives_per_step == {}
 
 
 USER_MODEL = textwrap.dedent('''

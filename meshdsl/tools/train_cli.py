@@ -28,8 +28,8 @@ from .preflight import float_in, int_in
 
 #: Config defaults of ``meshdsl train`` per shipped model (``--config`` overrides them): a
 #: transformer that learns the default corpus's byte statistics within the default steps.
-TRAIN_DEFAULTS = {"transformer": "d_model=128,heads=4,d_head=32,d_ff=512,layers=2,seq=64,batch=16"}
-DEFAULT_STEPS, DEFAULT_LR = 400, 0.5
+TRAIN_DEFAULTS = {"transformer": "d_model=64,heads=4,d_head=16,d_ff=256,layers=2,seq=32,batch=32"}
+DEFAULT_STEPS, DEFAULT_LR = 1200, 1.0
 
 
 def config_overrides(model: str, text: str, base: str = "") -> dict:
@@ -115,8 +115,8 @@ def add_train(sub) -> None:
     p.set_defaults(run=cmd_train)
 
 
-def make_spec(args) -> tuple[TrainSpec, list[str]]:
-    """Validate everything in this process; returns the run's spec and its first printed lines."""
+def make_spec(args):
+    """Validate everything in this process; returns the run's spec, its first printed lines and its plan."""
     if args.accum and args.microbatches:
         raise _usage("--accum and --microbatches both cut the batch", "pass one of them")
     if args.save_every and not args.checkpoint:
@@ -165,7 +165,7 @@ def make_spec(args) -> tuple[TrainSpec, list[str]]:
                "  data: the model's own feeds (make_feeds(seed + step)); it reads no 'ids'/'labels' text"),
               f"  steps {steps}" + (f" (resuming from {path.name})" if path else "")
               + f", {args.optimizer} lr {args.lr:g}, out {spec.out}"]
-    return spec, lines
+    return spec, lines, plan
 
 
 def _usage(what: str, fix: str):
@@ -175,7 +175,8 @@ def _usage(what: str, fix: str):
 
 def cmd_train(args) -> int:
     from .cli import _console
-    spec, lines = make_spec(args)
+    from .preflight import plan_bytes
+    spec, lines, plan = make_spec(args)
     args.preflight_done = True
     console = _console()
     if is_rank0():
@@ -189,7 +190,7 @@ def cmd_train(args) -> int:
         from .dist_cli import _launch
         result = _launch(args, _rank_job, (spec,))[0]
     if result is not None and is_rank0():
-        print_summary(console, spec, result)
+        print_summary(console, spec, result, plan_bytes(plan))
     return 0
 
 
@@ -200,7 +201,7 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def print_summary(console, spec: TrainSpec, r) -> None:
+def print_summary(console, spec: TrainSpec, r, memory_per_rank: int) -> None:
     """The end-of-run table: losses against the unigram baseline, speed, collectives, memory."""
     from rich.table import Table
 
@@ -221,7 +222,7 @@ def print_summary(console, spec: TrainSpec, r) -> None:
     colls = ", ".join(f"{k} x{v['count']} ({_bytes(v['bytes'])})" for k, v in r.collectives_per_step.items())
     t.add_row("collectives per step", colls or "none")
     t.add_row("time in collectives per step (median)", f"{r.comm_ms_per_step:.2f} ms")
-    t.add_row("memory per rank (plan values, upper bound)", _bytes(r.memory_per_rank))
+    t.add_row("memory per rank (plan values, upper bound)", _bytes(memory_per_rank))
     if r.out:
         t.add_row("outputs", f"{r.out}/{{metrics.jsonl, loss.png, samples.txt, config.json}}")
     if spec.checkpoint:

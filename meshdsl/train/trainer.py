@@ -83,7 +83,6 @@ class TrainResult:
     tokens_per_s: float | None
     comm_ms_per_step: float
     collectives_per_step: dict
-    memory_per_rank: int
     samples: list[str]
     out: str | None
     step: TrainStep | None = None
@@ -312,7 +311,6 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
             texts = generate_many(model, full, prompts, spec.sample_tokens, seed=spec.seed)
     if not lead:
         return None
-    from ..tools.preflight import plan_bytes
     last = [r["loss"] for r in rows[-10:]]
     evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
     times = [r["tokens_per_s"] for r in rows[1:] or rows if r["tokens_per_s"]]
@@ -321,7 +319,7 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
                       unigram_entropy=tokens.unigram_entropy() if tokens is not None else None,
                       tokens_per_s=statistics.median(times) if times else None,
                       comm_ms_per_step=statistics.median(r["comm_ms"] for r in rows) if rows else 0.0,
-                      collectives_per_step=step.plan.totals(), memory_per_rank=plan_bytes(step.plan),
+                      collectives_per_step=step.plan.totals(),
                       samples=texts, out=str(out) if out else None)
     if out:
         title = f"{spec.model}: mesh '{spec.mesh}', layout '{spec.layout}'"
