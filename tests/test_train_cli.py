@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshdsl import Mesh, SimulatedComm
 from meshdsl import Mesh, SimulatedComm
@@ -29,6 +30,16 @@ from meshdsl.train.trainer import TrainSpec, build_step, train_state
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--tiny", "--mesh", "data:1", "--samples", "0"]
 
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Training runs in this process: one torch thread, as each spawned rank has, so that a busy
+    # machine's cores are not fought over by spinning intra-op threads.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 def run(capsys, *argv):
     rc = cli.main(list(argv))

@@ -30,6 +30,16 @@ LEARN_CONFIG = dict(vocab=256, d_model=64, heads=4, d_head=16, d_ff=256, layers=
 LEARN_STEPS, LEARN_LR = 400, 1.0
 
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Training runs in this process: one torch thread, as each spawned rank has, so that a busy
+    # machine's cores are not fought over by spinning intra-op threads.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
