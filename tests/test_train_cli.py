@@ -20,7 +20,7 @@ import torch
 from meshdsl import Mesh, SimulatedComm
 from meshdsl import Mesh, SimulatedComm
 from meshdsl.tools import cli
-from meshdsl.tools.train_cli import auto_mesh
+from meshdsl.tools.train_cli import DP_MIN_FLOPS, auto_mesh
 from meshdsl.train.checkpoint import latest_checkpoint, load_checkpoint, read_metadata
 from meshdsl.train.config import ConfigError, parse_config
 from meshdsl.train.model import load_model
@@ -90,11 +90,14 @@ def test_config_changes_the_model_in_plan(capsys):
     assert '"d_ff": 24' in shapes and '"d_ff": 16' not in shapes
 
 
-def test_auto_mesh_is_data_parallel_over_the_cores():
-    assert auto_mesh(16, 2)[:2] == ("data:2", "batch:data")
-    assert auto_mesh(16, 1)[:2] == ("data:1", "")
-    assert auto_mesh(12, 16)[:2] == ("data:4", "batch:data")   # the largest power of two dividing the batch
-    assert auto_mesh(7, 4)[:2] == ("data:1", "")
+def test_auto_mesh_goes_data_parallel_only_for_a_big_step():
+    big = DP_MIN_FLOPS
+    assert auto_mesh(16, big, 2)[:2] == ("data:2", "batch:data")
+    assert auto_mesh(16, big, 1)[:2] == ("data:1", "")
+    assert auto_mesh(12, big, 16)[:2] == ("data:4", "batch:data")   # the largest power of two dividing the batch
+    assert auto_mesh(7, big, 4)[:2] == ("data:1", "")
+    mesh, layout, why = auto_mesh(32, 0.8e9, 2)
+    assert (mesh, layout) == ("data:1", "") and "one process with one torch thread" in why
 
 
 # ----------------------------------------------------------------- a run and its outputs

@@ -44,24 +44,34 @@ def load_configured(args):
     return load_model(args.model, tiny=args.tiny, **args.config_overrides)
 
 
-def auto_mesh(batch: int, cores: int | None = None) -> tuple[str, str, str]:
-    """``(mesh, layout, why)`` for this machine: data parallel, one process per core.
+#: FLOPs of one step above which the auto mesh goes data parallel.  Measured on a 2-core machine
+#: (README, "Training"): a 2-process gloo allreduce of a step's gradients costs 10-20 ms; the
+#: default model (0.8 GFLOP per step, ~35 ms on one core) trained 300 steps in 11-15 s as one
+#: one-thread process and in 19-26 s as 2 data-parallel processes.  At 5 GFLOP a step is ~200 ms
+#: of compute, so halving it pays for the allreduce many times over.
+DP_MIN_FLOPS = 5e9
 
-    A CPU rank runs its kernels on one thread; ranks on separate cores run their
-    rows at once and exchange only the gradients (one allreduce per step), so
-    data parallelism over the cores is the fastest plan for a model this small.
-    The data axis is the largest power of two up to the cores (at most 8) that
-    divides the batch.
+
+def auto_mesh(batch: int, flops: float, cores: int | None = None) -> tuple[str, str, str]:
+    """``(mesh, layout, why)`` for this machine, for a model whose step costs ``flops``.
+
+    A small model trains fastest as one process with one torch thread: its step is
+    shorter than the gradient allreduce data parallelism would add.  From
+    :data:`DP_MIN_FLOPS` per step on, it goes data parallel over the cores (one
+    process per core, the largest power of two up to 8 that divides the batch).
     """
     cores = cores or os.cpu_count() or 1
     n = 1
     while n * 2 <= min(cores, 8) and batch % (n * 2) == 0:
         n *= 2
-    if n == 1:
-        return "data:1", "", f"{cores} CPU core(s): one process"
+    if n == 1 or flops < DP_MIN_FLOPS:
+        why = (f"{flops / 1e9:.2g} GFLOP per step is below {DP_MIN_FLOPS / 1e9:g}: one process with one "
+               f"torch thread beats data parallelism, whose gradient allreduce costs more than the compute "
+               f"it saves" if n > 1 else f"{cores} CPU core(s) or a batch of {batch}: one process, one thread")
+        return "data:1", "", why
     return (f"data:{n}", "batch:data",
-            f"{cores} CPU cores: data parallel, one process per core (each computes its own rows; "
-            f"one gradient allreduce per step), faster here than one process")
+            f"{cores} CPU cores and {flops / 1e9:.2g} GFLOP per step: data parallel, one process per core "
+            f"(each computes its own rows; one gradient allreduce per step)")
 
 
 def add_train(sub) -> None:
@@ -132,9 +142,11 @@ def make_spec(args):
     model = load_model(args.model, tiny=args.tiny, **overrides)
     batch = getattr(model.config, "batch", 1)
     why = "given"
-    if args.mesh is None:
+    args.auto = args.mesh is None
+    if args.auto:
         nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
-        args.mesh, layout, why = auto_mesh(batch, nproc)
+        flops = compile_plan(training_outputs(model.loss, model.params, args.lr), "data:1", "").flops()
+        args.mesh, layout, why = auto_mesh(batch, flops, nproc)
         args.layout = layout if args.layout is None else args.layout
     args.layout = args.layout or ""
     mesh = Mesh.parse(args.mesh)
@@ -181,9 +193,13 @@ def cmd_train(args) -> int:
     console = _console()
     if is_rank0():
         for line in lines:
-            console.print(line, highlight=False)
+            console.print(line, highlight=False, markup=False)
     if Mesh.parse(spec.mesh).size == 1 and not in_torchrun():
+        import torch
+
         from ..exec.simulated import SimulatedComm
+        if args.auto:
+            torch.set_num_threads(1)   # see auto_mesh
         result = run_rank(SimulatedComm(Mesh.parse(spec.mesh)), spec)
     else:
         from ..train.trainer import _rank_job
@@ -233,4 +249,4 @@ def print_summary(console, spec: TrainSpec, r, memory_per_rank: int) -> None:
 
 
 __all__ = ["TRAIN_DEFAULTS", "add_train", "auto_mesh", "cmd_train", "config_overrides", "load_configured",
-           "make_spec", "print_summary"]
+           "make_spec", "print_summary", "DP_MIN_FLOPS"]
