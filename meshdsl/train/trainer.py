@@ -324,7 +324,8 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
     if out:
         title = f"{spec.model}: mesh '{spec.mesh}', layout '{spec.layout}'"
         plot_loss(out, rows, title, res.unigram_entropy)
-        write_samples(out, prompts, texts)
+        if texts:
+            write_samples(out, prompts, texts)
         write_config(out, {**dataclasses.asdict(spec), "resolved_config": config_dict(model.config),
                            "model_id": model_id(model), "data": tokens.fingerprint() if tokens else None})
     if isinstance(comm, SimulatedComm):
