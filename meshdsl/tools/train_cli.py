@@ -145,8 +145,12 @@ def make_spec(args):
     args.auto = args.mesh is None
     if args.auto:
         nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
-        flops = compile_plan(training_outputs(model.loss, model.params, args.lr), "data:1", "").flops()
+        # Under torchrun the process count is given: go data parallel over it.
+        flops = DP_MIN_FLOPS if in_torchrun() else \
+            compile_plan(training_outputs(model.loss, model.params, args.lr), "data:1", "").flops()
         args.mesh, layout, why = auto_mesh(batch, flops, nproc)
+        if in_torchrun():
+            why = f"torchrun started {nproc} processes: data parallel over them"
         args.layout = layout if args.layout is None else args.layout
     args.layout = args.layout or ""
     mesh = Mesh.parse(args.mesh)
