@@ -29,6 +29,7 @@ from .ir.repeat import repeat
 from .layout.layout import Layout
 from .layout.mesh import Mesh
 from .lowering.compiler import compile
+from .lowering.memory import memory_report
 from .lowering.plan import Plan
 from .ops import *  # noqa: F401,F403
 from .train.model import Model, ModelError, load_model
