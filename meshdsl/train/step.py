@@ -148,13 +148,19 @@ class TrainStep:
         #: the last step's global gradient norm, before clipping (None with the plain SGD)
         self.grad_norm: float | None = None
 
+    @staticmethod
+    def hyper_values(optimizer: Optimizer, clip_norm: float | None, step: int, lr: float | None = None) -> dict:
+        """The hyperparameter feeds (``opt/lr``, ...) of 0-based ``step``."""
+        feeds = optimizer.feeds(step, lr)
+        if clip_norm is not None:
+            feeds["opt/clip_norm"] = torch.tensor(float(clip_norm))
+        return feeds
+
     def hyper_feeds(self, lr: float | None = None) -> dict[str, torch.Tensor]:
         """This step's hyperparameter feeds (``opt/lr``, ...), read by the plan."""
         if self.optimizer is None:
             return {}
-        feeds = self.optimizer.feeds(self.step_count, lr)
-        if self.clip_norm is not None:
-            feeds["opt/clip_norm"] = torch.tensor(float(self.clip_norm))
+        feeds = self.hyper_values(self.optimizer, self.clip_norm, self.step_count, lr)
         return {k: v for k, v in feeds.items() if k in self.plan.inputs}
 
     def __call__(self, feeds: dict, timed: bool = False, lr: float | None = None
