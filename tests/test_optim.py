@@ -122,9 +122,10 @@ def test_adamw_matches_reference(mesh, layout):
         torch.testing.assert_close(v, p[k], **TOL)
 
 
+@pytest.mark.parametrize("mesh,layout", [("data:1", ""), ("data:2", "batch:data")])  # data:1: in-place kernels
 @pytest.mark.parametrize("mom,wd", [(0.0, 0.0), (0.9, 0.01)])
-def test_sgd_matches_reference(mom, wd):
-    step, params = _step(md.SGD(lr=0.1, momentum=mom, weight_decay=wd), "data:2", "batch:data")
+def test_sgd_matches_reference(mom, wd, mesh, layout):
+    step, params = _step(md.SGD(lr=0.1, momentum=mom, weight_decay=wd), mesh, layout)
     p, st = _init(params), {}
     for i in range(8):
         step(_feeds(i))

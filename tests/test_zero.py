@@ -123,6 +123,25 @@ def test_zero1_updates_a_slice_without_reduce_scatter(model):
     assert spec.sharding.axes_of("d_model") == ("data",) and xs[0].shape[1] == CFG.d_model // 2
 
 
+def test_scope_names_are_checked(model):
+    with pytest.raises(md.LayoutError, match="Did you mean 'opt'"):
+        md.TrainStep(model.loss, model.params, "data:2", "batch:data; optim.d_model:data",
+                     md.SimulatedComm(md.Mesh.parse("data:2")), optimizer=_opt())
+
+
+def test_param_rule_beats_opt_rule(model):
+    # the most specific rule wins: a rule naming the param lays out its state too, above 'opt.'
+    mesh = "data:2; model:2"
+    step = md.TrainStep(model.loss, model.params, mesh, "batch:data; opt.d_model:data; wq.d_model:model",
+                        md.SimulatedComm(md.Mesh.parse(mesh)), optimizer=_opt())
+    state = step.state()
+    assert state["opt/wq/exp_avg"][0].sharding.axes_of("d_model") == ("model",)
+    assert state["param/wq"][0].sharding.axes_of("d_model") == ("model",)
+    assert state["opt/wk/exp_avg"][0].sharding.axes_of("d_model") == ("data",)
+    assert state["param/wk"][0].sharding.axes_of("d_model") == ()
+    assert state["opt/lnf/exp_avg"][0].sharding.axes_of("d_model") == ("data",)
+
+
 def _bytes(model, pred):
     return sum(math.prod(t.shape.sizes) * 4 for t in model.params.values() if pred(t))
 

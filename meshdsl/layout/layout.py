@@ -110,9 +110,9 @@ class Layout:
                     fix="correct the dim name or drop the rule")
             if scope and scope not in SCOPES and scope not in tensor_names:
                 raise self._err(
-                    f"Layout rule scope '{scope}' is neither 'params' nor the name of a tensor."
+                    f"Layout rule scope '{scope}' is neither 'params' nor the name of a tensor (nor 'grads' or 'opt')."
                     f"{did_you_mean(scope, tensor_names | set(SCOPES))}", r.scope.span or r.span,
-                    inputs=[f"named tensors: {', '.join(sorted(tensor_names)) or '(none)'}"],
+                    inputs=[f"named tensors: {', '.join(sorted(n for n in tensor_names if is_name(n))) or '(none)'}"],
                     rule="'SCOPE.dim:axis' applies to all params (params), their gradients (grads), "
                          "optimizer state (opt), or the tensor named SCOPE",
                     fix="use 'params.', 'grads.', 'opt.' or the name of a param or input")

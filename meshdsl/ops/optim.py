@@ -86,6 +86,18 @@ class SgdStep(_Update):
         buf = buf.mul(mom).add_(g)
         return p.add(buf, alpha=-lr), buf
 
+    def compute_inplace(self, ctx, attrs, p, g, *rest):
+        """The same update written into ``p`` (the executor donates the old param)."""
+        buf = rest[0] if attrs["momentum"] else None
+        lr, mom, wd, scale = (float(x) for x in rest[-4:])
+        g = g * scale if scale != 1.0 else g
+        if wd:
+            g = g.add(p, alpha=wd)
+        if buf is None:
+            return p.add_(g, alpha=-lr)
+        buf = buf.mul(mom).add_(g)
+        return p.add_(buf, alpha=-lr), buf
+
 
 @register
 class AdamwUpdate(_Update):

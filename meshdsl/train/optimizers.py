@@ -13,6 +13,7 @@ then a global one.  ``"batch:data; opt.d_model:data"`` is ZeRO-1.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ def hyper(g: Graph, name: str, dtype=torch.float32) -> Tensor:
     return t
 
 
-class Optimizer:
+class Optimizer(ABC):
     """Base: :meth:`update` builds the graph, :meth:`feeds` gives the step's hyperparameters."""
 
     name = "optimizer"
@@ -58,17 +59,18 @@ class Optimizer:
         """What the update graph depends on (hyperparameters fed at run time do not count)."""
         return (self.name,)
 
+    @abstractmethod
     def hparams(self) -> tuple[str, ...]:
         """Names of the scalar hyperparameter inputs the update reads."""
-        raise NotImplementedError
 
     def feeds(self, step: int, lr: float | None = None) -> dict[str, torch.Tensor]:
         """The hyperparameter feeds of (0-based) step ``step``, with ``lr`` overriding ``self.lr``."""
         vals = self._values(step + 1, self.lr if lr is None else float(lr))
         return {f"opt/{k}": torch.tensor(float(vals[k])) for k in self.hparams()}
 
+    @abstractmethod
     def _values(self, t: int, lr: float) -> dict[str, float]:
-        raise NotImplementedError
+        """Each hyperparameter's value at 1-based step ``t`` with learning rate ``lr``."""
 
     def update(self, params: dict[str, Tensor], grads: dict[str, Tensor], scale: Tensor
                ) -> dict[str, Tensor]:
@@ -85,8 +87,9 @@ class Optimizer:
                 out[name] = t
         return out
 
+    @abstractmethod
     def _update_one(self, p, g, hp, scale) -> dict[str, Tensor]:
-        raise NotImplementedError
+        """Slot -> updated tensor for one param (slot ``""`` is the param itself)."""
 
 
 @dataclass
