@@ -135,9 +135,12 @@ def test_sgd_matches_reference(mom, wd, mesh, layout):
     assert ("opt/w1/momentum_buffer" in step.plan.params) == bool(mom)
 
 
-def test_adafactor_matches_reference():
+@pytest.mark.parametrize("mesh,layout", [("data:1", ""), ("data:2; model:2", "batch:data; d_h:model"),
+                                         ("data:2", "batch:data; opt.d_in:data; opt.d_h:data")])
+def test_adafactor_matches_reference(mesh, layout):
+    # the row/column means reduce over whatever axes split the factored moments
     opt = md.Adafactor(lr=1e-2, beta2_decay=-0.8, eps=1e-30, clip_threshold=1.0, weight_decay=0.01)
-    step, params = _step(opt)
+    step, params = _step(opt, mesh, layout)
     p, st = _init(params), {}
     for i in range(8):
         step(_feeds(i))

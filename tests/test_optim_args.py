@@ -67,3 +67,16 @@ def test_check_one_optimizer_step_matches_dense(capsys):
                        "--clip-norm", "0.5", *ZERO2)
     assert rc == 0, err
     assert "grad_norm" in out and "new/opt/wq/exp_avg" in out and "OK" in out
+
+
+@pytest.mark.timeout(120)
+def test_check_and_run_on_processes_take_the_optimizer(capsys):
+    fsdp = ["--mesh", "data:2", "--layout", "batch:data; params.d_model:data"]
+    rc, out, err = run(capsys, "check", "transformer", "--tiny", "--optimizer", "adamw", "--lr", "0.01",
+                       "--clip-norm", "0.5", "--nproc", "2", *fsdp)
+    assert rc == 0, err
+    assert "2 processes" in out and "new/opt/wq/exp_avg_sq" in out
+    rc, out, err = run(capsys, "run", "transformer", "--tiny", "--optimizer", "sgd", "--momentum", "0.9",
+                       "--steps", "2", "--warmup", "0", *fsdp)
+    assert rc == 0, err
+    assert "loss" in out
