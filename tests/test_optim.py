@@ -213,3 +213,22 @@ def test_state_round_trip():
         torch.testing.assert_close(b.full_params()[k], v, rtol=0, atol=0)
     with pytest.raises(md.GraphError, match="missing"):
         b.load_state({k: v for k, v in saved.items() if k != "opt/step"})
+
+
+def test_state_checkpoint_reshards_between_zero_layouts(tmp_path):
+    from meshdsl.train.checkpoint import load_checkpoint, save_checkpoint
+
+    opt = md.AdamW(lr=1e-2)
+    a, _ = _step(opt, "data:2", "batch:data; opt.d_h:data")   # ZeRO-1
+    for i in range(3):
+        a(_feeds(i))
+    path = save_checkpoint(tmp_path, 3, a.state(), a.executor.comm)
+    b, _ = _step(opt, "data:2", "batch:data; params.d_in:data")  # FSDP: another slicing of params and state
+    want = {k: spec for k, (spec, _) in b.state().items()}
+    b.load_state(load_checkpoint(path, want, "data:2"))
+    assert b.step_count == 3
+    for i in range(3, 6):
+        # the same numbers, summed in another order: fp32 rounding only (see TOL)
+        assert b(_feeds(i))[0] == pytest.approx(a(_feeds(i))[0], rel=1e-5)
+    for k, v in a.full_params().items():
+        torch.testing.assert_close(b.full_params()[k], v, **TOL)
