@@ -232,3 +232,21 @@ def test_state_checkpoint_reshards_between_zero_layouts(tmp_path):
         assert b(_feeds(i))[0] == pytest.approx(a(_feeds(i))[0], rel=1e-5)
     for k, v in a.full_params().items():
         torch.testing.assert_close(b.full_params()[k], v, **TOL)
+
+
+@pytest.mark.parametrize("make,word", [
+    (lambda: md.AdamW(betas=(0.9, 1.0)), "betas"),
+    (lambda: md.AdamW(eps=0.0), "eps"),
+    (lambda: md.SGD(lr=float("nan")), "lr"),
+    (lambda: md.SGD(momentum=-0.5), "momentum"),
+    (lambda: md.Adafactor(beta2_decay=0.8), "beta2_decay"),
+    (lambda: md.Adafactor(clip_threshold=0.0), "clip_threshold"),
+])
+def test_bad_hyperparameters_are_clean_errors(make, word):
+    with pytest.raises(md.MeshDSLError, match=word):
+        make()
+
+
+def test_bad_clip_norm_is_a_clean_error():
+    with pytest.raises(md.GraphError, match="clip_norm"):
+        _step(md.AdamW(), clip_norm=-1.0)

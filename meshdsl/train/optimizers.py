@@ -13,12 +13,14 @@ then a global one.  ``"batch:data; opt.d_model:data"`` is ZeRO-1.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from ..core.graph import Graph, Tensor
+from ..errors import MeshDSLError, message
 from ..ops import elementwise as ew
 from ..ops.leaf import input as input_
 from ..ops.leaf import param
@@ -47,6 +49,30 @@ def hyper(g: Graph, name: str, dtype=torch.float32) -> Tensor:
         with g:
             t = input_(key, [], dtype)
     return t
+
+
+class OptimizerError(MeshDSLError):
+    """An optimizer built with a hyperparameter outside its range."""
+
+
+def _check_ranges(opt, ranges: dict) -> None:
+    """Raise OptimizerError naming every hyperparameter outside its range ``(test, text)``."""
+    bad = [f"{k}={getattr(opt, k)!r}: {text}" for k, (ok, text) in ranges.items() if not ok(getattr(opt, k))]
+    if bad:
+        raise OptimizerError(message(f"{type(opt).__name__}: invalid hyperparameters.", bullets=bad,
+                                     rule="learning rates, decays and eps are finite numbers in their ranges",
+                                     fix=f"e.g. {type(opt).__name__}()'s defaults"))
+
+
+def _num(lo, hi=math.inf, lo_open=False, hi_open=False):
+    def ok(x):
+        return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi))
+    return ok
+
+
+_LR = (_num(0.0), "a finite number >= 0")
+_DECAY = (_num(0.0), "a finite number >= 0")
 
 
 class Optimizer(ABC):
@@ -107,6 +133,10 @@ class SGD(Optimizer):
     weight_decay: float = 0.0
     name = "sgd"
 
+    def __post_init__(self):
+        _check_ranges(self, {"lr": _LR, "momentum": (_num(0.0), "a finite number >= 0"),
+                             "weight_decay": _DECAY})
+
     def graph_key(self):
         return (self.name, bool(self.momentum))
 
@@ -141,6 +171,13 @@ class AdamW(Optimizer):
     eps: float = 1e-8
     weight_decay: float = 0.1
     name = "adamw"
+
+    def __post_init__(self):
+        b = self.betas
+        ok = isinstance(b, (tuple, list)) and len(b) == 2 and all(_num(0.0, 1.0, hi_open=True)(x) for x in b)
+        _check_ranges(self, {"lr": _LR, "betas": (lambda _: ok, "two numbers in [0, 1)"),
+                             "eps": (_num(0.0, lo_open=True), "a finite number > 0"), "weight_decay": _DECAY})
+        self.betas = tuple(float(x) for x in b)
 
     def hparams(self):
         return ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
@@ -181,6 +218,13 @@ class Adafactor(Optimizer):
     clip_threshold: float = 1.0
     weight_decay: float = 0.0
     name = "adafactor"
+
+    def __post_init__(self):
+        _check_ranges(self, {"lr": _LR, "beta2_decay": (_num(-math.inf, 0.0, hi_open=True), "a number < 0"),
+                             "eps": (_num(0.0, lo_open=True), "a finite number > 0 (a zero gradient "
+                                                              "would divide 0 by 0)"),
+                             "clip_threshold": (_num(0.0, lo_open=True), "a finite number > 0"),
+                             "weight_decay": _DECAY})
 
     def graph_key(self):
         return (self.name, self.eps)

@@ -128,6 +128,10 @@ class TrainStep:
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
                  optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
                  schedule: str = "gpipe", seed: int = 0, lr: float = 0.01):
+        if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
+            raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
+                                     rule="the global gradient norm is clipped to a positive bound",
+                                     fix="pass e.g. clip_norm=1.0, or None for no clipping"))
         if clip_norm is not None and optimizer is None:
             from .optimizers import SGD
             optimizer = SGD(lr=lr)
