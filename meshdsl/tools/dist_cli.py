@@ -69,8 +69,11 @@ def is_rank0() -> bool:
 
 def check_distributed(args, want: dict, report) -> int:
     """``check --nproc``: loss and gradients on processes, compared with ``want`` (dense)."""
+    from .optim_args import optimizer_from_args
+
+    opt, clip = optimizer_from_args(args)
     results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed, 1, "gpipe",
-                                        getattr(args, "config_overrides", None)))
+                                        opt, clip, getattr(args, "config_overrides", None)))
     got = results[0]
     if got is None:  # a torchrun rank other than 0
         return 0
@@ -82,9 +85,10 @@ def check_distributed(args, want: dict, report) -> int:
 def add_run(sub) -> None:
     from .cli import EXIT_CODES, _model_args, lr_arg, seed_arg
 
-    p = sub.add_parser("run", help="train MODEL for S SGD steps on N processes (torch.distributed)",
+    p = sub.add_parser("run", help="train MODEL for S steps on N processes (torch.distributed)",
                        description="Spawn N local processes (or join a torchrun job), run S forward+"
-                                   "backward+SGD steps of MODEL on synthetic data, and print the loss, "
+                                   "backward+optimizer steps of MODEL on synthetic data (plain SGD, or "
+                                   "--optimizer), and print the loss, "
                                    "the step time, and where the time went.",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(p)
@@ -104,11 +108,14 @@ def cmd_run(args) -> int:
 
     mesh = Mesh.parse(args.mesh)
     preflight_processes(args, mesh)
+    from .optim_args import optimizer_from_args, train_outputs
+
     model = load_configured(args)
-    compile_plan(model.train_step(args.lr), mesh, args.layout)  # layout errors surface here, once
+    opt, clip = optimizer_from_args(args)
+    compile_plan(train_outputs(model, args)[0], mesh, args.layout)  # layout errors surface here, once
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
-                                        args.lr, args.seed, args.warmup, 1, "gpipe", args.config_overrides))
+                                        args.lr, args.seed, args.warmup, 1, "gpipe", opt, clip, args.config_overrides))
     if not is_rank0():
         return 0
     _print_steps(args, results[0])
