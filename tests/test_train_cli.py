@@ -215,3 +215,17 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, capsy
     assert rc == 0, err
     assert [r["step"] for r in read_metrics(tmp_path / "o2")] == [3, 4]
     assert latest_checkpoint(root) == root / "step-00000004"
+
+
+def test_train_with_adamw_warmup_and_clipping(capsys, tmp_path):
+    rc, out, err = run(capsys, "train", *TINY, "--steps", "4", "--optimizer", "adamw", "--lr", "1e-2",
+                       "--warmup-steps", "2", "--clip-norm", "1", "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    assert "adamw lr 0.01 (warmup 2, cosine)" in out
+    rows = read_metrics(tmp_path / "o")
+    assert [r["lr"] for r in rows[:2]] == pytest.approx([5e-3, 1e-2])     # linear warmup
+    assert rows[3]["lr"] < rows[2]["lr"] and all(r["grad_norm"] > 0 for r in rows)
+    rc, _, err = run(capsys, "train", *TINY, "--optimizer", "adamw", "--momentum", "0.9")
+    assert rc == 2 and "--momentum given with --optimizer adamw" in err
+    rc, _, err = run(capsys, "train", *TINY, "--steps", "4", "--warmup-steps", "5")
+    assert rc == 2 and "--warmup-steps 5 is more than --steps 4" in err

@@ -24,6 +24,7 @@ from ..train.model import find_model_file, load_model, load_module
 from ..train.step import training_outputs
 from ..train.trainer import TrainSpec, reads_text, resume_from, run_rank
 from .dist_cli import dist_args, is_rank0, preflight_processes
+from .optim_args import add_optimizer_args, optimizer_from_args
 from .preflight import float_in, int_in
 
 #: Config defaults of ``meshdsl train`` per shipped model (``--config`` overrides them): a
@@ -97,9 +98,12 @@ def add_train(sub) -> None:
                    help=f"total steps of the run; a resumed run goes on up to it (default {DEFAULT_STEPS})")
     p.add_argument("--batch", type=int_in(1, fix="e.g. --batch 16"), default=None,
                    help="global batch rows (the Config's 'batch' field)")
-    p.add_argument("--optimizer", choices=("sgd",), default="sgd", help="optimizer (default sgd)")
     p.add_argument("--lr", type=float_in(0.0, lo_open=True, fix="e.g. --lr 0.5"), default=DEFAULT_LR,
-                   help=f"learning rate (default {DEFAULT_LR:g})")
+                   help=f"learning rate, the peak one with --warmup-steps (default {DEFAULT_LR:g})")
+    add_optimizer_args(p)
+    p.add_argument("--warmup-steps", type=int_in(0, fix="e.g. --warmup-steps 100"), default=None,
+                   help="linear warmup over this many steps, then a cosine decay to lr/10 at the last "
+                        "step (default: a constant learning rate)")
     p.add_argument("--precision", choices=("fp32",), default="fp32", help="compute precision: fp32 only")
     p.add_argument("--accum", type=int_in(1, fix="e.g. --accum 4"), default=None,
                    help="gradient accumulation: cut each batch into k micro-batches (same step result)")
@@ -129,6 +133,12 @@ def make_spec(args):
     """Validate everything in this process; returns the run's spec, its first printed lines and its plan."""
     if args.accum and args.microbatches:
         raise _usage("--accum and --microbatches both cut the batch", "pass one of them")
+    opt, _ = optimizer_from_args(args)     # refuses a flag the optimizer does not read
+    opt_name = args.optimizer or ("sgd" if opt is None else type(opt).__name__.lower())
+    opt_args = {k: getattr(args, k) for k in ("momentum", "betas", "weight_decay") if getattr(args, k) is not None}
+    if args.warmup_steps is not None and args.warmup_steps > args.steps:
+        raise _usage(f"--warmup-steps {args.warmup_steps} is more than --steps {args.steps}",
+                     "warm up over fewer steps than the run has")
     if args.save_every and not args.checkpoint:
         raise _usage("--save-every needs --checkpoint DIR", "add --checkpoint DIR")
     shipped_default = "" if args.tiny else TRAIN_DEFAULTS.get(args.model, "")
@@ -160,7 +170,8 @@ def make_spec(args):
                         microbatches=micro, schedule=args.schedule)
     steps = args.steps
     spec = TrainSpec(model=args.model, tiny=args.tiny, config=overrides, mesh=args.mesh, layout=args.layout,
-                     steps=steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed, data=args.data,
+                     steps=steps, lr=args.lr, optimizer=opt_name, optimizer_args=opt_args, clip_norm=args.clip_norm,
+                     warmup_steps=args.warmup_steps, seed=args.seed, data=args.data,
                      microbatches=micro, schedule=args.schedule, checkpoint=args.checkpoint,
                      save_every=args.save_every or 0, keep=args.keep, resume=args.resume,
                      eval_every=args.eval_every or max(1, steps // 10),
@@ -180,7 +191,8 @@ def make_spec(args):
                f"unigram entropy {data.unigram_entropy():.3f} nats/token" if data is not None else
                "  data: the model's own feeds (make_feeds(seed + step)); it reads no 'ids'/'labels' text"),
               f"  steps {steps}" + (f" (resuming from {path.name})" if path else "")
-              + f", {args.optimizer} lr {args.lr:g}, out {spec.out}"]
+              + f", {opt_name} lr {args.lr:g}" + (f" (warmup {args.warmup_steps}, cosine)" if args.warmup_steps
+                                                  is not None else "") + f", out {spec.out}"]
     return spec, lines, plan
 
 

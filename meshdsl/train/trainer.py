@@ -55,6 +55,9 @@ class TrainSpec:
     steps: int = 100
     lr: float = 0.1
     optimizer: str = "sgd"
+    optimizer_args: dict = field(default_factory=dict)
+    clip_norm: float | None = None
+    warmup_steps: int | None = None
     seed: int = 0
     data: str | None = None
     microbatches: int = 1
@@ -91,29 +94,48 @@ class TrainResult:
 
 # ----------------------------------------------------------------- optimizer and state
 
+def lr_at(spec: TrainSpec, t: int) -> float:
+    """The learning rate of 1-based step ``t``: constant, or with ``warmup_steps`` a linear
+    warmup then a cosine decay to a tenth of ``lr`` at the last step."""
+    if spec.warmup_steps is None:
+        return spec.lr
+    from .lr_schedule import cosine_schedule
+    return cosine_schedule(spec.lr, spec.warmup_steps, spec.steps, spec.lr / 10)(t - 1)
+
+
 def build_step(model: Model, spec: TrainSpec, comm) -> TrainStep:
-    """The compiled training step of ``model`` with ``spec``'s optimizer on ``comm``'s ranks."""
-    return TrainStep(model.loss, model.params, spec.mesh, spec.layout, comm, lr=spec.lr, seed=spec.seed,
-                     microbatches=spec.microbatches, schedule=spec.schedule)
+    """The compiled training step of ``model`` with ``spec``'s optimizer on ``comm``'s ranks.
+
+    Plain SGD at a constant rate, with nothing else asked, keeps the fused gradient-update
+    kernel; anything else builds ``spec.optimizer`` (its learning rate fed each step).
+    """
+    from .optimizers import OPTIMIZERS
+
+    plain = spec.optimizer == "sgd" and not spec.optimizer_args and spec.clip_norm is None \
+        and spec.warmup_steps is None
+    opt = None if plain else OPTIMIZERS[spec.optimizer](lr=spec.lr, **spec.optimizer_args)
+    return TrainStep(model.loss, model.params, spec.mesh, spec.layout, comm, optimizer=opt,
+                     clip_norm=spec.clip_norm, lr=spec.lr, seed=spec.seed, microbatches=spec.microbatches,
+                     schedule=spec.schedule)
 
 
 def run_step(step: TrainStep, feeds: dict, spec: TrainSpec, t: int):
-    """One step: ``(loss, StepStats, lr, grad_norm or None)``."""
-    loss, stats = step(feeds, timed=True)
-    return loss, stats, spec.lr, getattr(step, "grad_norm", None)
+    """Step ``t`` (1-based): ``(loss, StepStats, lr, grad_norm or None)``."""
+    lr = lr_at(spec, t)
+    loss, stats = step(feeds, timed=True, lr=lr if step.optimizer is not None else None)
+    return loss, stats, lr, step.grad_norm
 
 
 def train_state(step: TrainStep) -> dict:
-    """Everything a checkpoint holds: ``{name: (Value spec, [local tensor per held rank])}``."""
-    return {k: (step.plan.values[step.plan.params[k]], step.params[k]) for k in step.params}
+    """Everything a checkpoint holds: ``{name: (Value spec, [local tensor per held rank])}``:
+    the params, the optimizer state and its step counter (:meth:`TrainStep.state`)."""
+    return step.state()
 
 
 def load_train_state(step: TrainStep, path: Path, model_id: str) -> None:
     """Restore :func:`train_state` from checkpoint ``path``, resharded to this step's mesh and layout."""
     want = {k: spec for k, (spec, _) in train_state(step).items()}
-    got = load_checkpoint(path, want, step.plan.mesh, step.executor.comm.ranks, model=model_id)
-    for k, xs in got.items():
-        step.params[k] = xs
+    step.load_state(load_checkpoint(path, want, step.plan.mesh, step.executor.comm.ranks, model=model_id))
 
 
 # ----------------------------------------------------------------- resume checks
@@ -285,7 +307,7 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
             if spec.checkpoint and ((spec.save_every and t % spec.save_every == 0) or t == spec.steps):
                 meta = {"mesh": spec.mesh, "layout": spec.layout, "config": config_dict(model.config),
                         "data": tokens.state(t) if tokens is not None else {"step": t}, "lr": spec.lr,
-                        "optimizer": spec.optimizer}
+                        "optimizer": spec.optimizer, "optimizer_args": spec.optimizer_args}
                 save_checkpoint(spec.checkpoint, t, train_state(step), step.executor.comm, model=model_id(model),
                                 meta=meta, keep=spec.keep)
             rows.append(row)
@@ -371,4 +393,4 @@ def _rank_job(comm, spec: TrainSpec, data=None, eval_data=None):
 
 
 __all__ = ["TrainingError", "TrainResult", "TrainSpec", "build_step", "load_train_state", "model_id", "resume_from", "run_rank",
-           "make_feeder", "reads_text", "run_step", "train", "train_state"]
+           "lr_at", "make_feeder", "reads_text", "run_step", "train", "train_state"]
