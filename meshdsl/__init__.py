@@ -13,8 +13,7 @@ Public API (everything else lives in subpackages and may change):
 * training and model files: :class:`Model` (what a model file's ``build`` returns),
   :func:`load_model`, :class:`TrainStep`, :func:`sgd`; optimizers :class:`SGD`, :class:`AdamW`,
   :class:`Adafactor`, :func:`cosine_schedule`; :func:`memory_report` (bytes per rank of a plan)
-* the training loop: ``train(model, mesh=..., layout=..., steps=..., data=...)`` (the
-  callable package :mod:`meshdsl.train`, see :func:`meshdsl.train.trainer.train`) -> :class:`TrainResult`, :class:`TokenData` (text batches),
+* the training loop: :func:`fit` ``(model, mesh=..., layout=..., steps=..., data=...)`` -> :class:`TrainResult`, :class:`TokenData` (text batches),
   :func:`generate` (text from a trained language model); checkpoints :func:`save_checkpoint`,
   :func:`load_checkpoint`, :func:`latest_checkpoint`
 """
@@ -44,6 +43,6 @@ from .train.lr_schedule import cosine_schedule
 from .train.optim import sgd
 from .train.optimizers import SGD, Adafactor, AdamW
 from .train.step import TrainStep
-from .train.trainer import TrainResult
+from .train.trainer import TrainResult, fit
 
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ import meshdsl as md
 from meshdsl.train.data import ByteTokenizer, TokenData, default_corpus_text
 from meshdsl.train.generate import generate_many
 from meshdsl.train.model import ModelError, load_model, load_module
+from meshdsl.train.trainer import train_state
 from meshdsl.train.run_outputs import METRIC_KEYS, read_metrics
 from meshdsl.train.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -48,7 +49,7 @@ def text_file(tmp_path_factory):
 
 
 def test_a_short_run_writes_every_output(tmp_path, text_file):
-    r = md.train("transformer", steps=4, data=text_file, out=str(tmp_path), eval_every=2,
+    r = md.fit("transformer", steps=4, data=text_file, out=str(tmp_path), eval_every=2,
                  **{**TINY, "samples": 2, "sample_tokens": 12})
     rows = read_metrics(tmp_path)
     assert [x["step"] for x in rows] == [1, 2, 3, 4] and all(set(METRIC_KEYS) <= set(x) for x in rows)
@@ -97,37 +98,37 @@ def test_python_api_trains_a_user_model_on_its_own_batches(tmp_path):
     path.write_text(USER_MODEL)
     build, Config = load_module(path).build, load_module(path).Config
     ck = str(tmp_path / "ck")
-    first = md.train(build(Config()), mesh="data:2", layout="batch:data", steps=30, data=user_batch, lr=0.1,
+    first = md.fit(build(Config()), mesh="data:2", layout="batch:data", steps=30, data=user_batch, lr=0.1,
                      checkpoint=ck, save_every=10, keep=2, eval_data=[user_batch(10**6)])
     assert first.rows[-1]["loss"] < 0.05 * first.rows[0]["loss"]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-00000020", "step-00000030"]
-    more = md.train(build(Config()), mesh="data:1", steps=60, data=user_batch, lr=0.1, checkpoint=ck,
+    more = md.fit(build(Config()), mesh="data:1", steps=60, data=user_batch, lr=0.1, checkpoint=ck,
                     resume=True)
     assert more.start_step == 30 and [r["step"] for r in more.rows] == list(range(31, 61))
     torch.testing.assert_close(more.step.full_params()["w"], TRUE_W, rtol=0, atol=1e-3)
     # The CLI trains the same file on its own make_feeds.
-    assert md.train(str(path), steps=3, lr=0.1).rows[-1]["step"] == 3
+    assert md.fit(str(path), steps=3, lr=0.1).rows[-1]["step"] == 3
 
 
 def test_resume_reshards_from_4_to_2_and_1_processes(tmp_path, text_file):
     ck = tmp_path / "ck"
     # AdamW with clipping: its moments and step count must survive the reshard too.
     opts = dict(TINY, data=text_file, optimizer="adamw", lr=1e-2, clip_norm=1.0)
-    whole = md.train("transformer", mesh="data:1", steps=20, **opts)
-    first = md.train("transformer", mesh="data:2; model:2", layout="batch:data; d_ff:model", nproc=4, steps=10,
+    whole = md.fit("transformer", mesh="data:1", steps=20, **opts)
+    first = md.fit("transformer", mesh="data:2; model:2", layout="batch:data; d_ff:model", nproc=4, steps=10,
                      checkpoint=str(ck), save_every=10, **opts)
     losses = lambda r: torch.tensor([x["loss"] for x in r.rows])
     torch.testing.assert_close(losses(first), losses(whole)[:10], rtol=RTOL, atol=ATOL)
     runs = {}
     for name, mesh, layout, nproc in (("two", "model:2", "d_ff:model", 2), ("one", "data:1", "", 1)):
         shutil.copytree(ck, tmp_path / name)
-        runs[name] = md.train("transformer", mesh=mesh, layout=layout, nproc=nproc, steps=20,
+        runs[name] = md.fit("transformer", mesh=mesh, layout=layout, nproc=nproc, steps=20,
                               checkpoint=str(tmp_path / name), resume=True, **opts)
         assert [x["step"] for x in runs[name].rows] == list(range(11, 21))
         torch.testing.assert_close(losses(runs[name]), losses(whole)[10:], rtol=RTOL, atol=ATOL)
     # The whole training state at step 20 (params, AdamW moments, step count), saved from 2
     # processes, matches the uninterrupted run's.
-    state = md.train.trainer.train_state(whole.step)
+    state = train_state(whole.step)
     assert any(k.startswith("opt/") and k != "opt/step" for k in state)
     got = load_checkpoint(latest_checkpoint(tmp_path / "two"), {k: s for k, (s, _) in state.items()}, "data:1",
                           model="transformer")
@@ -137,7 +138,7 @@ def test_resume_reshards_from_4_to_2_and_1_processes(tmp_path, text_file):
 
 
 def test_generate_returns_text(text_file):
-    r = md.train("transformer", steps=2, data=text_file, **TINY)
+    r = md.fit("transformer", steps=2, data=text_file, **TINY)
     params = r.step.full_params()
     a = md.generate(r.model, params, "def ", max_new_tokens=16, seed=1)
     assert isinstance(a, str) and 0 < len(a) <= 16
@@ -155,6 +156,6 @@ def test_learning_beats_the_unigram_entropy():
     # A small slice of the default corpus; a small transformer learns its bigram statistics in a few
     # hundred SGD steps, which a model of byte frequencies alone cannot.
     data = TokenData(ByteTokenizer().encode(default_corpus_text(300_000)), seed=0)
-    r = md.train("transformer", mesh="data:1", steps=LEARN_STEPS, data=data, lr=LEARN_LR, samples=0,
+    r = md.fit("transformer", mesh="data:1", steps=LEARN_STEPS, data=data, lr=LEARN_LR, samples=0,
                  eval_batches=8, config=LEARN_CONFIG)
     assert r.final_eval_loss < data.unigram_entropy() - 0.2, (r.final_eval_loss, data.unigram_entropy())

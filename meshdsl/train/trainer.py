@@ -1,6 +1,6 @@
 """The training loop: data, steps, eval, checkpoints and run outputs, on one rank or many.
 
-:func:`train` is the Python API (``md.train``); ``meshdsl train`` calls it too.
+:func:`fit` is the Python API (``md.fit``); ``meshdsl train`` calls it too.
 Each rank runs :func:`run_rank`: it builds the model, the step
 (:func:`build_step`), its own rows of each batch (:mod:`.feeder`), restores a
 checkpoint when resuming (any mesh, layout or process count: the load
@@ -355,7 +355,7 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
     return res
 
 
-def train(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, data=None, eval_data=None,
+def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, data=None, eval_data=None,
           nproc: int | None = None, **options) -> TrainResult:
     """Train ``model`` and return a :class:`TrainResult`.
 
@@ -374,7 +374,7 @@ def train(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, da
 
     Example::
 
-        result = md.train(build(Config()), mesh="data:2", layout="batch:data", steps=50,
+        result = md.fit(build(Config()), mesh="data:2", layout="batch:data", steps=50,
                           data=lambda step: my_batch(step), lr=0.05, checkpoint="ckpt", save_every=10)
     """
     given = isinstance(model, Model)
