@@ -35,6 +35,8 @@ from ..lowering.compiler import compile as compile_plan
 from ..train.model import DEFAULT_LR, load_model
 from .dist_cli import add_run, dist_args, is_rank0
 from .preflight import SEED_MAX, check_simulated_memory, float_in, int_in
+from ..lowering.schedule_gen import SCHEDULES
+from .pipe_report import schedule_summary, user_mesh_layout
 from .report import plan_report, print_report
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -52,6 +54,9 @@ EXIT_CODES = """exit codes:
 # 1e-4 covers n up to ~1e3 (every model here); a layout bug (a missing or
 # doubled reduction, a wrong slice) is off by O(1) of the magnitude.
 DEFAULT_TOL = 1e-4
+
+#: Schedules a plan can run: one stage per rank of the pipeline axis (no virtual stages).
+PIPE_SCHEDULES = tuple(n for n, g in SCHEDULES.items() if not g.chunked)
 
 
 def _console():
@@ -87,6 +92,17 @@ def lr_arg(p, default: float) -> None:
                    default=default, help=f"SGD learning rate (default {default:g})")
 
 
+def pipe_args(p) -> None:
+    """``--microbatches`` and ``--schedule``: how a pipelined layout (``layer:<axis>``) runs."""
+    p.add_argument("--microbatches", type=int_in(1, fix="pass a micro-batch count, e.g. --microbatches 4"),
+                   default=1, help="cut the batch into M micro-batches and accumulate their gradients; "
+                                   "a pipeline ('layer:<axis>' in --layout) runs them through its stages "
+                                   "(default 1)")
+    p.add_argument("--schedule", choices=PIPE_SCHEDULES, default="gpipe",
+                   help="pipeline schedule: gpipe (every forward, then every backward) or 1f1b (same "
+                        "bubble, at most p activations held per stage) (default gpipe)")
+
+
 def seed_arg(p) -> None:
     p.add_argument("--seed", type=int_in(0, SEED_MAX, fix="pass a seed such as --seed 0"), default=0,
                    help=f"seed of the synthetic data and the param init (0 .. 2**63-1)")
@@ -106,6 +122,7 @@ def add_plan(sub) -> None:
     form.add_argument("--totals", action="store_true", help="print only the collective totals")
     p.add_argument("--only-comm", action="store_true", help="list only the ops that communicate")
     lr_arg(p, DEFAULT_LR)
+    pipe_args(p)
     p.set_defaults(run=cmd_plan)
 
 
@@ -115,12 +132,21 @@ def cmd_plan(args) -> int:
                            "Fix: drop --only-comm (filter the 'ops' whose 'collectives' are non-empty)")
     Mesh.parse(args.mesh)
     model = load_model(args.model, tiny=args.tiny)
-    plan = compile_plan(model.train_step(args.lr), args.mesh, args.layout)
+    plan = compile_plan(model.train_step(args.lr), args.mesh, args.layout,
+                        microbatches=args.microbatches, schedule=args.schedule)
     report = plan_report(plan)
     if args.json:
         print(json.dumps(report))
-    else:
-        print_report(report, _console(), only_comm=args.only_comm, totals_only=args.totals)
+        return EXIT_OK
+    console = _console()
+    print_report(report, console, only_comm=args.only_comm, totals_only=args.totals)
+    pipe = schedule_summary(plan)
+    if pipe is not None:
+        console.print(f"pipeline over '{pipe['axis']}': {pipe['stages']} stages, {pipe['microbatches']} "
+                      f"micro-batches, schedule {pipe['schedule']}; theory: bubble "
+                      f"(p-1)/(m+p-1) = {pipe['bubble_theory']:.1%}, peak activations per stage "
+                      f"{pipe['peak_theory']}", highlight=False)
+        console.print(pipe["table"], highlight=False, markup=False)
     return EXIT_OK
 
 
@@ -140,6 +166,7 @@ def add_check(sub) -> None:
                    help=f"tolerance relative to each output's magnitude, or to the largest "
                         f"gradient's for a gradient (default {DEFAULT_TOL}: fp32 rounding of "
                         f"re-ordered sums, far below what a wrong layout produces)")
+    pipe_args(p)
     dist_args(p)
     p.set_defaults(run=cmd_check)
 
@@ -157,7 +184,7 @@ def cmd_check(args) -> int:
         preflight_processes(args, mesh)
     model = load_model(args.model, tiny=args.tiny)
     outputs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
-    plan = compile_plan(outputs, mesh, args.layout)
+    plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
     if not distributed:
         check_simulated_memory(plan)
     args.preflight_done = True
@@ -167,7 +194,15 @@ def cmd_check(args) -> int:
         from .dist_cli import check_distributed
         return check_distributed(args, want, report_check)
     got = run_on_simulated_mesh(plan, feeds, args.seed)
-    return report_check(want, got, args.tol, f"mesh '{plan.mesh}', layout '{plan.layout}'")
+    user_mesh, user_layout = user_mesh_layout(plan)
+    where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan)
+    return report_check(want, got, args.tol, where)
+
+
+def _pipe_words(args, plan) -> str:
+    """``, 4 micro-batches, schedule 1f1b`` for a pipelined or micro-batched run; empty otherwise."""
+    words = f", {args.microbatches} micro-batches" if args.microbatches > 1 else ""
+    return words + (f", schedule {args.schedule}" if schedule_summary(plan) is not None else "")
 
 
 # An output that is zero in exact math (a bias gradient cancelled by a following

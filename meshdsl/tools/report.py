@@ -49,9 +49,9 @@ def _entries(plan: Plan, prefix: str, times: int) -> list[dict[str, Any]]:
         }
         out.append(entry)
         for s in steps:
-            for sub in s.subplans:
-                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.times}")
-                out.extend(_entries(sub, f"{prefix}{first.label}/", times * s.times))
+            for k, sub in enumerate(s.subplans):
+                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.runs(k)}")
+                out.extend(_entries(sub, f"{prefix}{first.label}/", times * s.runs(k)))
     return out
 
 
@@ -65,11 +65,19 @@ def plan_report(plan: Plan) -> dict[str, Any]:
       output), ``shardings``, ``flops`` (per run, one rank), ``collectives``
       (``{kind, axes, bytes}`` per run, bytes sent by one rank) and ``notes``.
       ``totals`` maps each collective kind to ``{count, bytes}`` per training
-      step, repeats included.
+      step, repeats and micro-batches included.  With micro-batches (or a pipeline),
+      ``mesh`` and ``layout`` are the user's (without the virtual micro-batch axis),
+      ``microbatches`` is m and ``pipeline`` the schedule (see
+      :func:`~.pipe_report.schedule_summary`); local shapes are one micro-batch's.
     """
+    from .pipe_report import num_microbatches, schedule_summary, user_mesh_layout
+
+    mesh, layout = user_mesh_layout(plan)
     return {
-        "mesh": str(plan.mesh),
-        "layout": str(plan.layout),
+        "mesh": str(mesh),
+        "layout": str(layout),
+        "microbatches": num_microbatches(plan),
+        "pipeline": schedule_summary(plan),
         "ops": _entries(plan, "", 1),
         "totals": {k: dict(v) for k, v in sorted(plan.totals().items())},
         "totals_by_axis": [{"kind": k, "axes": list(axes), **v}
@@ -120,8 +128,11 @@ def ops_table(report: dict[str, Any], only_comm: bool = False):
     """One row per op: label (x times per step), phase, local shapes, FLOPs, collectives, notes."""
     from rich.table import Table
 
-    ops = Table(title=f"plan  mesh '{report['mesh']}'  layout '{report['layout']}'", title_justify="left",
-                expand=True)
+    m = report.get("microbatches", 1)
+    title = f"plan  mesh '{report['mesh']}'  layout '{report['layout']}'"
+    if m > 1:
+        title += f"  {m} micro-batches (local shapes are one micro-batch's)"
+    ops = Table(title=title, title_justify="left", expand=True)
     for col, kw in (("op", {"no_wrap": True}), ("phase", {"no_wrap": True}), ("local shapes", {"ratio": 1}),
                     ("FLOPs", {"justify": "right", "no_wrap": True}), ("collectives", {"no_wrap": True}),
                     ("notes", {"style": "dim", "ratio": 1})):
