@@ -105,6 +105,16 @@ def human_count(n: float) -> str:
     raise AssertionError
 
 
+def axes_text(axes) -> str:
+    """Mesh axes as printed: the virtual micro-batch axis (a local sum on each rank) named in words."""
+    from ..lowering.pipeline import MB_AXIS
+
+    real = [a for a in axes if a != MB_AXIS]
+    if len(real) == len(axes):
+        return ",".join(axes)
+    return ",".join(real) + " + micro-batches" if real else "micro-batches"
+
+
 def _shape_text(shape: dict[str, int], sharding: str) -> str:
     dims = " ".join(f"{k}:{v}" for k, v in shape.items()) or "scalar"
     return f"{dims} {sharding}" if sharding != "{}" else dims
@@ -143,7 +153,7 @@ def ops_table(report: dict[str, Any], only_comm: bool = False):
         label = e["label"] if e["label"] == e["op"] or e["op"] in LEAVES else f"{e['label']} ({e['op']})"
         if e["times"] > 1:
             label += f" x{e['times']}"
-        coll = "\n".join(f"[bold]{c['kind']}[/]({','.join(c['axes'])}) {human_bytes(c['bytes'])}"
+        coll = "\n".join(f"[bold]{c['kind']}[/]({axes_text(c['axes'])}) {human_bytes(c['bytes'])}"
                          for c in e["collectives"])
         shapes = "\n".join(_shape_text(s, sh) for s, sh in zip(e["local_shapes"], e["shardings"]))
         ops.add_row(label, e["phase"], shapes, human_count(e["flops"]) if e["flops"] else "", coll,
@@ -164,7 +174,7 @@ def totals_table(report: dict[str, Any]):
         t.add_row(f"[bold]{kind}[/]", "all", str(v["count"]), human_bytes(v["bytes"]))
         for r in report["totals_by_axis"]:
             if r["kind"] == kind:
-                t.add_row("", ",".join(r["axes"]), str(r["count"]), human_bytes(r["bytes"]))
+                t.add_row("", axes_text(r["axes"]), str(r["count"]), human_bytes(r["bytes"]))
     if not report["totals"]:
         t.add_row("(none)", "", "0", "0 B")
     return t
