@@ -143,8 +143,9 @@ def cmd_plan(args) -> int:
     pipe = schedule_summary(plan)
     if pipe is not None:
         console.print(f"pipeline over '{pipe['axis']}': {pipe['stages']} stages, {pipe['microbatches']} "
-                      f"micro-batches, schedule {pipe['schedule']}; in theory: bubble {pipe['bubble_theory']:.1%}, "
-                      f"activations held per stage {pipe['peak_theory']}", highlight=False)
+                      f"micro-batches, schedule {pipe['schedule']}; in theory: bubble "
+                      f"{pipe['bubble_theory']:.1%}, activations held per stage {pipe['peak_theory']}",
+                      highlight=False, soft_wrap=True)
         console.print(pipe["table"], highlight=False, markup=False)
     return EXIT_OK
 

@@ -130,11 +130,13 @@ def cmd_run(args) -> int:
     figures = run_figures(summary, timelines) if summary is not None and timelines else None
     if figures is not None:
         from .cli import _console
-        _console().print(figures_table(figures, f"pipeline over '{summary['axis']}': {figures['stages']} "
-                                                f"stages, {figures['microbatches']} micro-batches, "
-                                                f"{figures['schedule']}; medians over the timed steps; "
-                                                f"theory: bubble (p-1)/(m+p-1), peak m (gpipe) or "
-                                                f"p - stage (1f1b)"))
+        console = _console()
+        console.print(figures_table(figures, f"pipeline over '{summary['axis']}': {figures['stages']} stages, "
+                                             f"{figures['microbatches']} micro-batches, {figures['schedule']}"))
+        console.print("per stage, medians over the timed steps: busy = time in F and B actions; bubble = idle "
+                      "fraction of the span from the step's first action to its last, over all ranks; "
+                      "theory: bubble (p-1)/(m+p-1), activations held m (gpipe) or p - stage (1f1b)",
+                      highlight=False, soft_wrap=True)
     if args.report is not None:
         write_report(args, steps, figures)
     return 0
@@ -173,9 +175,10 @@ def _print_steps(args, steps) -> None:
     from .cli import _console
 
     console = _console()
-    pipe = f", {args.microbatches} micro-batches, schedule {args.schedule}" if args.microbatches > 1 else ""
-    t = Table(title=f"meshdsl run {args.model}: mesh '{args.mesh}', layout '{args.layout}'{pipe}",
-              title_justify="left")
+    pipe = f", {args.microbatches} micro-batches, {args.schedule}" if args.microbatches > 1 else ""
+    console.print(f"meshdsl run {args.model}: mesh '{args.mesh}', layout '{args.layout}'{pipe}", highlight=False,
+                  soft_wrap=True)
+    t = Table()
     for col in ("step", "loss", "step ms", "compute ms", "comm ms", "overhead ms"):
         t.add_column(col, justify="right")
     for i, (loss, st, wall) in enumerate(steps):
