@@ -28,15 +28,16 @@ import torch
 
 from ..errors import MeshDSLError
 from ..exec.dense import run_dense
+from ..exec.executor import Executor
 from ..exec.launch import in_torchrun
-from ..exec.simulated import run_simulated
+from ..exec.simulated import SimulatedComm, run_simulated
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
 from ..train.model import DEFAULT_LR, load_model
 from .dist_cli import add_run, dist_args, is_rank0
 from .preflight import SEED_MAX, check_simulated_memory, float_in, int_in
 from ..lowering.schedule_gen import SCHEDULES
-from .pipe_report import schedule_summary, user_mesh_layout
+from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .report import plan_report, print_report
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -171,9 +172,24 @@ def add_check(sub) -> None:
     p.set_defaults(run=cmd_check)
 
 
-def run_on_simulated_mesh(plan, feeds, seed: int) -> dict[str, torch.Tensor]:
-    """The executor of ``check``: every rank of the mesh simulated in this process."""
-    return run_simulated(plan, feeds, seed=seed)
+def run_on_simulated_mesh(plan, feeds, seed: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The executor of ``check``: every rank of the mesh simulated in this process.
+
+    Returns:
+      The full outputs, and for a pipelined plan its per-stage figures
+      (:func:`~.pipe_report.run_figures`; None without a pipeline).  The simulated
+      mesh runs every stage in this process, one action at a time, in the unit-cost
+      simulation's order: those timings are that order's, not a parallel run's, so
+      its bubble says how the actions interleave, not how fast a real pipeline is
+      (``meshdsl run`` measures that).
+    """
+    summary = schedule_summary(plan)
+    if summary is None:
+        return run_simulated(plan, feeds, seed=seed), None
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    out = ex.full_outputs(ex.run(feeds, ex.init_params(seed)))
+    rows = [[(a.kind, a.microbatch, a.stage, a.peer, t0, t1) for a, t0, t1 in row] for row in ex.last_timeline]
+    return out, run_figures(summary, [rows])
 
 
 def cmd_check(args) -> int:
@@ -193,10 +209,18 @@ def cmd_check(args) -> int:
     if distributed:
         from .dist_cli import check_distributed
         return check_distributed(args, want, report_check)
-    got = run_on_simulated_mesh(plan, feeds, args.seed)
+    got, figures = run_on_simulated_mesh(plan, feeds, args.seed)
     user_mesh, user_layout = user_mesh_layout(plan)
     where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan)
-    return report_check(want, got, args.tol, where)
+    code = report_check(want, got, args.tol, where)
+    if figures is not None:
+        _console().print(
+            "pipeline on the simulated mesh (every stage in this process, in the unit-cost simulation's order: "
+            "timings of that order, not of a parallel run; `meshdsl run` measures one): bubble per stage "
+            + ", ".join(f"{b:.0%}" for b in figures["bubble_measured"])
+            + f" (theory for a parallel run {figures['bubble_theory']:.0%}); activations held "
+            + f"{figures['peak_activations']} (theory {figures['peak_theory']})", highlight=False, soft_wrap=True)
+    return code
 
 
 def _pipe_words(args, plan) -> str:

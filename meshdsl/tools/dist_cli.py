@@ -13,12 +13,12 @@ import argparse
 import os
 import statistics
 
+from ..errors import message
 from ..exec.distributed import resolve_backend
 from ..exec.launch import in_torchrun, launch
 from ..layout.mesh import Mesh
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
-from ..errors import message
 from .pipe_report import figures_table, run_figures, schedule_summary
 from .preflight import UsageError, check_processes, float_in, int_in
 
