@@ -171,3 +171,16 @@ def test_run_report_without_pipeline_has_no_pipeline_keys(capsys, tmp_path):
     assert len(r["step_ms"]) == 2 and len(r["compute_ms"]) == 2
     assert not {"schedule", "bubble_measured", "peak_activations"} & set(r)
     assert "bubble" not in out
+
+
+def test_gather_timelines_puts_every_rank_on_one_clock():
+    from meshdsl.exec.simulated import SimulatedComm
+    from meshdsl.layout.mesh import Mesh
+    from meshdsl.lowering.schedule import Action
+    from meshdsl.train.jobs import gather_timelines
+
+    row = ((Action("F", 0, 1), 100.25, 100.5), (Action("send_act", 0, 1, 2), 100.5, 100.5))
+    # One process's view: a communicator of one rank (agree returns its own token once).
+    comm = SimulatedComm(Mesh.parse("stage:1"))
+    got = gather_timelines(comm, [(row,), (row,)], origin=100.0)
+    assert got == [[[("F", 0, 1, None, 0.25, 0.5), ("send_act", 0, 1, 2, 0.5, 0.5)]]] * 2
