@@ -309,8 +309,7 @@ def bench(args) -> int:
                   "per-round medians.  Bubble: idle fraction of the pipeline's makespan per stage, "
                   "median over the timed steps.")
 
-    mem = Table(title=f"peak activation memory per stage at m={max(args.ms)} (peak micro-batches held x "
-                      f"one micro-batch's forward outputs that its backward reads)", title_justify="left")
+    mem = Table(title=f"peak activation memory per stage, m={max(args.ms)}", title_justify="left")
     for col in ("schedule", "stage 0", "stage 1"):
         mem.add_column(col, justify="left" if col == "schedule" else "right")
     peak_mem = {}
@@ -319,6 +318,8 @@ def bench(args) -> int:
         peak_mem[s] = [n * b for n, b in zip(figures[k]["peak_activations"], act_bytes[k])]
         mem.add_row(s, *(f"{x / 2**20:.1f} MiB" for x in peak_mem[s]))
     console.print(mem)
+    console.print("peak micro-batches held (measured) x the bytes of one micro-batch's forward outputs that "
+                  "its backward reads, per stage")
 
     goals = {}
     for k, fig in figures.items():
