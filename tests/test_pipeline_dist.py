@@ -120,7 +120,7 @@ def test_check_and_train_jobs_report_on_rank_0():
     """The CLI's jobs: rank 0 returns every output and the loss curve though the last stage makes them."""
     mesh, layout = "stage:2", "layer:stage"
     (got, steps), _ = launch.spawn(_jobs, 2, args=(mesh, layout), mesh=mesh, timeout=100)
-    from meshdsl.tools.loader import load_model
+    from meshdsl.train.model import load_model
     model = load_model("transformer", tiny=True)
     want = md.run_dense({"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, model.feeds(0))
     assert set(got) == set(want)
