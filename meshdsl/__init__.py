@@ -11,7 +11,8 @@ Public API (everything else lives in subpackages and may change):
   communicators :class:`SimulatedComm` (every rank in one process) and
   :class:`TorchComm` (one rank per process); processes: :func:`launch`, :func:`spawn`
 * training and model files: :class:`Model` (what a model file's ``build`` returns),
-  :func:`load_model`, :class:`TrainStep`, :func:`sgd`
+  :func:`load_model`, :class:`TrainStep`, :func:`sgd`; optimizers :class:`SGD`, :class:`AdamW`,
+  :class:`Adafactor`, :func:`cosine_schedule`; :func:`memory_report` (bytes per rank of a plan)
 """
 from .core.graph import Graph, Tensor
 from .core.shape import Dim, Shape
@@ -28,10 +29,13 @@ from .ir.repeat import repeat
 from .layout.layout import Layout
 from .layout.mesh import Mesh
 from .lowering.compiler import compile
+from .lowering.memory import memory_report
 from .lowering.plan import Plan
 from .ops import *  # noqa: F401,F403
 from .train.model import Model, ModelError, load_model
+from .train.lr_schedule import cosine_schedule
 from .train.optim import sgd
+from .train.optimizers import SGD, Adafactor, AdamW
 from .train.step import TrainStep
 
 __version__ = "0.1.0"

@@ -97,7 +97,8 @@ def grad(loss: Tensor, wrt=None) -> list[Tensor]:
 
     Returns:
       A list of gradient Tensors shaped like ``wrt`` (a dict if ``wrt`` was a dict).
-      Each gradient carries its param's layout scopes, so ``params.`` rules lay it out.
+      Each gradient carries its param's layout scopes (and ``grads``), so ``grads.`` and
+      ``params.`` rules lay it out.
 
     Raises:
       GraphError: if ``loss`` is not a scalar.
@@ -132,6 +133,7 @@ def grad(loss: Tensor, wrt=None) -> list[Tensor]:
             if d is None:
                 d = broadcast_to(ew.constant(0.0, p.dtype, p), p.shape)
             d = apply("stop_gradient", [d], name=f"grad/{p.name}")
-            d.scopes = p.scopes
+            # A gradient answers to its param's rules, with 'grads.' rules ranked above 'params.'.
+            d.scopes = tuple(x for s in p.scopes for x in (("grads", s) if s == "params" else (s,)))
             out.append(d)
     return dict(zip(wrt.keys(), out)) if as_dict else out

@@ -2,10 +2,13 @@
 
 A layout string such as ``"batch:data; d_ff:model; params.d_model:data"`` is
 an ordered list of rules.  A rule without a scope applies to every tensor; a
-``params.`` rule applies to trainable parameters and their gradients (so
-weights can be sharded differently from activations, as FSDP/ZeRO-3 wants);
-a ``NAME.`` rule applies to the one tensor called NAME.  The most specific
-rule wins.  When two dims of one tensor want the same axis, rules written
+``params.`` rule applies to trainable parameters, their gradients and their
+optimizer state (so weights can be sharded differently from activations, as
+FSDP/ZeRO-3 wants); a ``grads.`` rule to gradients only and an ``opt.`` rule to
+optimizer state only (ZeRO-1: ``opt.d_model:data``; ZeRO-2 adds
+``grads.d_model:data``); a ``NAME.`` rule applies to the one tensor called NAME
+(and to that param's gradient and state).  The most specific rule wins: NAME,
+then ``grads.``/``opt.``, then ``params.``, then the global rule.  When two dims of one tensor want the same axis, rules written
 earlier have priority, and the compiler may pick the cheaper of the variants.
 """
 from __future__ import annotations
@@ -18,6 +21,11 @@ from ..errors import LayoutError, clip, did_you_mean, message
 from .mesh import Mesh
 from .sharding import Sharding
 from .specs import Rule
+
+#: Scopes that name a kind of tensor rather than one tensor.  Most specific first:
+#: a tensor's own name, then 'grads.' (its gradient) or 'opt.' (its optimizer state),
+#: then 'params.' (the param, its gradient and its state), then a global rule.
+SCOPES = ("grads", "opt", "params")
 
 
 class Layout:
@@ -100,13 +108,14 @@ class Layout:
                     inputs=[f"model dims: {', '.join(sorted(dims))}"],
                     rule="every rule's dim must be a dim of some tensor in the model",
                     fix="correct the dim name or drop the rule")
-            if scope and scope != "params" and scope not in tensor_names:
+            if scope and scope not in SCOPES and scope not in tensor_names:
                 raise self._err(
-                    f"Layout rule scope '{scope}' is neither 'params' nor the name of a tensor."
-                    f"{did_you_mean(scope, tensor_names | {'params'})}", r.scope.span or r.span,
-                    inputs=[f"named tensors: {', '.join(sorted(tensor_names)) or '(none)'}"],
-                    rule="'SCOPE.dim:axis' applies to all params (SCOPE=params) or to the tensor named SCOPE",
-                    fix="use 'params.' or the name of a param or input")
+                    f"Layout rule scope '{scope}' is neither 'params' nor the name of a tensor (nor 'grads' or 'opt')."
+                    f"{did_you_mean(scope, tensor_names | set(SCOPES))}", r.scope.span or r.span,
+                    inputs=[f"named tensors: {', '.join(sorted(n for n in tensor_names if is_name(n))) or '(none)'}"],
+                    rule="'SCOPE.dim:axis' applies to all params (params), their gradients (grads), "
+                         "optimizer state (opt), or the tensor named SCOPE",
+                    fix="use 'params.', 'grads.', 'opt.' or the name of a param or input")
 
     def rule_for(self, dim: str, scopes: tuple[str, ...]) -> Rule | None:
         for s in scopes:

@@ -150,7 +150,8 @@ def parse_layout(s: str) -> LayoutSpec:
     Args:
       s: rules ``[scope.]dim:axes`` separated by ``;``, ``,`` or line breaks, with
         ``#`` comments.  ``axes`` is one mesh axis or ``(a, b)`` (first major).
-        ``scope`` is ``params`` (every trainable parameter and its gradient) or one
+        ``scope`` is ``params`` (every trainable parameter, its gradient and optimizer
+        state), ``grads`` (gradients), ``opt`` (optimizer state) or one
         tensor's name, e.g. ``"batch:data; params.d_model:fsdp; w1.d_ff:(data, model)"``.
         The empty layout replicates everything.
 

@@ -9,6 +9,7 @@ from .elementwise import (add, cast, constant, div, equal, exp, gelu, greater, g
                           relu, rsqrt, sigmoid, silu, sqrt, stop_gradient, sub, tanh, where)
 from .embed import causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
+from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)
 from .nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
 from .reduce import logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
 from .registry import OPS

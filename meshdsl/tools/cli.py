@@ -33,10 +33,12 @@ from ..exec.launch import in_torchrun
 from ..exec.simulated import SimulatedComm, run_simulated
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
+from ..lowering.memory import memory_report
+from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR, load_model
 from .dist_cli import add_run, dist_args, is_rank0
+from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
 from .preflight import SEED_MAX, check_simulated_memory, float_in, int_in
-from ..lowering.schedule_gen import SCHEDULES
 from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .report import plan_report, print_report
 
@@ -90,7 +92,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def lr_arg(p, default: float) -> None:
     p.add_argument("--lr", type=float_in(fix="pass a finite learning rate, e.g. --lr 0.1"),
-                   default=default, help=f"SGD learning rate (default {default:g})")
+                   default=default, help=f"learning rate (default {default:g})")
+    add_optimizer_args(p)
 
 
 def pipe_args(p) -> None:
@@ -112,9 +115,11 @@ def seed_arg(p) -> None:
 # ----------------------------------------------------------------------------- plan
 
 def add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="compile one SGD training step and print its per-op plan",
-                       description="Compile loss, gradients and SGD updates of MODEL and print, per op, "
-                                   "the phase, local shapes, FLOPs and collectives, then the totals.",
+    p = sub.add_parser("plan", help="compile one training step and print its per-op plan",
+                       description="Compile loss, gradients and optimizer updates of MODEL and print, per "
+                                   "op, the phase, local shapes, FLOPs and collectives, then the totals "
+                                   "and the memory per rank (params, grads, optimizer state, peak "
+                                   "activations).",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(p)
     form = p.add_mutually_exclusive_group()
@@ -133,9 +138,11 @@ def cmd_plan(args) -> int:
                            "Fix: drop --only-comm (filter the 'ops' whose 'collectives' are non-empty)")
     Mesh.parse(args.mesh)
     model = load_model(args.model, tiny=args.tiny)
-    plan = compile_plan(model.train_step(args.lr), args.mesh, args.layout,
-                        microbatches=args.microbatches, schedule=args.schedule)
+    outputs, _ = train_outputs(model, args)
+    plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
     report = plan_report(plan)
+    report["optimizer"] = describe(*optimizer_from_args(args))
+    report["memory"] = memory_report(plan)
     if args.json:
         print(json.dumps(report))
         return EXIT_OK
@@ -167,6 +174,7 @@ def add_check(sub) -> None:
                    help=f"tolerance relative to each output's magnitude, or to the largest "
                         f"gradient's for a gradient (default {DEFAULT_TOL}: fp32 rounding of "
                         f"re-ordered sums, far below what a wrong layout produces)")
+    lr_arg(p, DEFAULT_LR)
     pipe_args(p)
     dist_args(p)
     p.set_defaults(run=cmd_check)
@@ -199,12 +207,16 @@ def cmd_check(args) -> int:
         from .dist_cli import preflight_processes
         preflight_processes(args, mesh)
     model = load_model(args.model, tiny=args.tiny)
-    outputs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
+    opt, _ = optimizer_from_args(args)
+    if opt is None:  # loss and gradients
+        outputs, hyper = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, {}
+    else:  # one optimizer step: loss, global norm, new params and state
+        outputs, hyper = train_outputs(model, args)
     plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
     if not distributed:
         check_simulated_memory(plan)
     args.preflight_done = True
-    feeds = model.feeds(args.seed)
+    feeds = {**model.feeds(args.seed), **hyper}
     want = run_dense(outputs, feeds, seed=args.seed)
     if distributed:
         from .dist_cli import check_distributed

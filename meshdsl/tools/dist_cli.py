@@ -71,8 +71,11 @@ def is_rank0() -> bool:
 
 def check_distributed(args, want: dict, report) -> int:
     """``check --nproc``: loss and gradients on processes, compared with ``want`` (dense)."""
+    from .optim_args import optimizer_from_args
+
+    opt, clip = optimizer_from_args(args)
     results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed,
-                                        args.microbatches, args.schedule))
+                                        args.microbatches, args.schedule, opt, clip))
     got = results[0]
     if got is None:  # a torchrun rank other than 0
         return 0
@@ -86,9 +89,10 @@ def check_distributed(args, want: dict, report) -> int:
 def add_run(sub) -> None:
     from .cli import EXIT_CODES, _model_args, lr_arg, pipe_args, seed_arg
 
-    p = sub.add_parser("run", help="train MODEL for S SGD steps on N processes (torch.distributed)",
+    p = sub.add_parser("run", help="train MODEL for S steps on N processes (torch.distributed)",
                        description="Spawn N local processes (or join a torchrun job), run S forward+"
-                                   "backward+SGD steps of MODEL on synthetic data, and print the loss, "
+                                   "backward+optimizer steps of MODEL on synthetic data (plain SGD, or "
+                                   "--optimizer), and print the loss, "
                                    "the step time, and where the time went.",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(p)
@@ -112,16 +116,19 @@ def cmd_run(args) -> int:
 
     mesh = Mesh.parse(args.mesh)
     preflight_processes(args, mesh)
+    from .optim_args import optimizer_from_args, train_outputs
+
     if args.report is not None:
         check_report_path(args.report)
     model = load_model(args.model, tiny=args.tiny)
+    opt, clip = optimizer_from_args(args)
     # Layout, micro-batch and schedule errors surface here, once, before any process starts.
-    plan = compile_plan(model.train_step(args.lr), mesh, args.layout, microbatches=args.microbatches,
+    plan = compile_plan(train_outputs(model, args)[0], mesh, args.layout, microbatches=args.microbatches,
                         schedule=args.schedule)
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
                                         args.lr, args.seed, args.warmup, args.microbatches, args.schedule,
-                                        True))
+                                        opt, clip, True))
     if not is_rank0():
         return 0
     steps, timelines = results[0]

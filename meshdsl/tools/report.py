@@ -130,6 +130,14 @@ def print_report(report: dict[str, Any], console=None, only_comm: bool = False,
         console.print(ops_table(report, only_comm))
     console.print(totals_table(report))
     console.print(f"FLOPs per rank per step: {human_count(report['flops'])}")
+    if "optimizer" in report:
+        console.print(f"optimizer: {report['optimizer']}")
+    mem = report.get("memory")
+    if mem:
+        console.print("memory per rank: " + ", ".join(
+            f"{label} {human_bytes(mem[k])}" for k, label in
+            (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer state"),
+             ("activations_peak", "peak activations"))))
     for n in report["notes"]:
         console.print(f"note: {n}", style="dim")
 

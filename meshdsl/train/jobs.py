@@ -17,7 +17,7 @@ from ..exec.fold import for_plan
 from ..exec.pipeline import outputs_to_first_rank
 from ..lowering.compiler import compile
 from ..lowering.plan import Plan
-from .step import TrainStep
+from .step import TrainStep, optimizer_outputs
 
 
 def agree_plan(comm: Communicator, plan: Plan) -> None:
@@ -41,21 +41,32 @@ def _load(model_ref: str, tiny: bool):
 
 
 def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0,
-              microbatches: int = 1, schedule: str = "gpipe"):
-    """Loss and gradients of the model on this job's ranks; rank 0 returns them in full."""
+              microbatches: int = 1, schedule: str = "gpipe", optimizer=None, clip_norm: float | None = None):
+    """Loss and gradients of the model on this job's ranks; rank 0 returns them in full.
+
+    With an ``optimizer``: loss, global gradient norm, and the new params and
+    optimizer state after one step (``clip_norm`` clips the norm).
+    """
     model = _load(model_ref, tiny)
-    outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
+    hyper = {}
+    if optimizer is None:
+        outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
+    else:
+        outs = optimizer_outputs(model.loss, model.params, optimizer, clip_norm is not None)
+        hyper = TrainStep.hyper_values(optimizer, clip_norm, 0)
     plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule)
     agree_plan(comm, plan)
     ex = Executor(plan, for_plan(comm, plan))
-    full = outputs_to_first_rank(comm, plan, ex.full_outputs(ex.run(model.feeds(seed), ex.init_params(seed))))
+    res = ex.run({**model.feeds(seed), **hyper}, ex.init_params(seed))
+    full = outputs_to_first_rank(comm, plan, ex.full_outputs(res))
     return {k: v.detach().cpu() for k, v in full.items()} if comm.ranks[0] == 0 else None
 
 
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
               lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
-              with_timeline: bool = False):
-    """Run ``warmup + steps`` SGD steps; returns per-step (loss, StepStats, seconds) of the timed steps.
+              optimizer=None, clip_norm: float | None = None, with_timeline: bool = False):
+    """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``);
+    returns per-step (loss, StepStats, seconds) of the timed steps.
 
     With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
     With ``with_timeline``, returns ``(steps, timelines)`` instead: ``timelines`` has, per timed
@@ -63,7 +74,7 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     """
     model = _load(model_ref, tiny)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
-                     microbatches=microbatches, schedule=schedule)
+                     microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for _ in range(warmup):

@@ -1,8 +1,9 @@
-"""A training step as one compiled plan: loss, gradients and SGD updates.
+"""A training step as one compiled plan: loss, gradients and optimizer updates.
 
-:class:`TrainStep` compiles ``{loss, new params}`` for a mesh and layout, keeps
-each rank's param slices between steps, and reports where the time went
-(local compute vs communication) per step.
+:class:`TrainStep` compiles ``{loss, new params, new optimizer state}`` for a
+mesh and layout, keeps each rank's param and state slices between steps, feeds
+the optimizer's hyperparameters (so a learning-rate schedule never recompiles),
+and reports where the time went (local compute vs communication) per step.
 """
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ from ..exec.fold import for_plan
 from ..exec.simulated import SimulatedComm
 from ..ir.autodiff import grad
 from ..lowering.compiler import compile
+from ..layout.sharding import Sharding
+from ..lowering.plan import Value
+from ..core.shape import Shape
+from ..errors import GraphError, message
 from .optim import sgd
+from .optimizers import Optimizer, clip_scale, global_norm, hyper
 
 #: Stats keys that count as communication: every collective kind, and time blocked on one in flight.
 COMM_KINDS = (*COLLECTIVES, "wait")
@@ -46,10 +52,42 @@ def training_outputs(loss: Tensor, params: dict[str, Tensor], lr: float, with_gr
     outs = {"loss": loss, **{f"new/{k}": v for k, v in new.items()}}
     if with_grads:
         outs.update({f"grad/{k}": g for k, g in grads.items()})
+    _remember(key, loss, outs)
+    return outs
+
+
+def _remember(key, loss, outs) -> None:
     _TRAIN_OUTPUTS[key] = (loss, outs)
     if len(_TRAIN_OUTPUTS) > _TRAIN_OUTPUTS_SIZE:
         _TRAIN_OUTPUTS.popitem(last=False)
+
+
+def optimizer_outputs(loss: Tensor, params: dict[str, Tensor], optimizer: Optimizer, clip: bool) -> dict:
+    """Graph outputs of one optimizer step: ``loss``, ``grad_norm``, ``new/<param>`` and
+    ``new/opt/<param>/<slot>`` (cached per loss, optimizer kind and clipping).
+
+    With ``clip`` the gradients are scaled by ``min(1, c / norm)``, ``c`` being the
+    scalar input ``opt/clip_norm``.
+    """
+    key = (loss.graph.uid, id(loss), optimizer.graph_key(), clip, tuple(params))
+    hit = _TRAIN_OUTPUTS.get(key)
+    if hit is not None and hit[0] is loss:
+        _TRAIN_OUTPUTS.move_to_end(key)
+        return hit[1]
+    grads = grad(loss, params)
+    g = loss.graph
+    with g.in_phase("update"):
+        norm = global_norm(grads)
+        scale = clip_scale(norm, hyper(g, "clip_norm", norm.dtype)) if clip else ew_one(norm)
+    outs = {"loss": loss, "grad_norm": norm, **optimizer.update(params, grads, scale)}
+    _remember(key, loss, outs)
     return outs
+
+
+def ew_one(like: Tensor) -> Tensor:
+    """The scalar 1 (the gradient scale when nothing is clipped)."""
+    from ..ops.elementwise import constant
+    return constant(1.0, like.dtype, like)
 
 
 @dataclass
@@ -68,39 +106,83 @@ class StepStats:
 
 
 class TrainStep:
-    """Compile and run SGD steps of ``loss`` over ``params`` on ``comm``'s ranks.
+    """Compile and run training steps of ``loss`` over ``params`` on ``comm``'s ranks.
 
     Args:
       loss: scalar loss Tensor.
       params: name -> param Tensor.
-      mesh, layout: strings (or objects) as for :func:`meshdsl.compile`.
+      mesh, layout: strings (or objects) as for :func:`meshdsl.compile`; ``opt.`` and
+        ``grads.`` rules lay out optimizer state and gradients (ZeRO-1: ``"batch:data;
+        opt.d_model:data"``).
       comm: SimulatedComm or TorchComm for the same mesh.
-      lr: SGD learning rate.
-      seed: param init seed (same values for every layout).
+      optimizer: an :class:`~meshdsl.train.optimizers.Optimizer` (SGD, AdamW, Adafactor);
+        None keeps the plain SGD of ``lr`` (with its fused gradient-update kernel).
+      clip_norm: clip the global gradient norm to this (None: no clipping).
       microbatches: cut the batch into this many micro-batches and accumulate their
         gradients (one step still equals one full-batch step).
       schedule: the pipeline schedule when the layout pipelines a repeat (``"layer:stage"``).
+      seed: param init seed (same values for every layout).
+      lr: the learning rate of the plain SGD (``optimizer=None``).
     """
 
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
-                 lr: float = 0.01, seed: int = 0, microbatches: int = 1, schedule: str = "gpipe"):
-        self.outputs = training_outputs(loss, params, lr)
+                 optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
+                 schedule: str = "gpipe", seed: int = 0, lr: float = 0.01):
+        if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
+            raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
+                                     rule="the global gradient norm is clipped to a positive bound",
+                                     fix="pass e.g. clip_norm=1.0, or None for no clipping"))
+        if clip_norm is not None and optimizer is None:
+            from .optimizers import SGD
+            optimizer = SGD(lr=lr)
+        self.optimizer, self.clip_norm = optimizer, clip_norm
+        if optimizer is None:
+            self.outputs = training_outputs(loss, params, lr)
+        else:
+            self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None)
         self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule)
         if self.plan.mesh.axes != comm.mesh.axes:  # the plan has the virtual micro-batch axis
             comm = SimulatedComm(self.plan.mesh) if isinstance(comm, SimulatedComm) else for_plan(comm, self.plan)
         self.executor = Executor(self.plan, comm, donate_params=True)
         self.params = self.executor.init_params(seed)
         self.names = list(params)
+        #: names of the carried tensors: the params, then the optimizer state
+        self.carried = [k for k in self.plan.params if f"new/{k}" in self.plan.outputs]
+        self.step_count = 0
+        #: the last step's global gradient norm, before clipping (None with the plain SGD)
+        self.grad_norm: float | None = None
 
-    def __call__(self, feeds: dict, timed: bool = False) -> tuple[float, StepStats | None]:
+    @staticmethod
+    def hyper_values(optimizer: Optimizer, clip_norm: float | None, step: int, lr: float | None = None) -> dict:
+        """The hyperparameter feeds (``opt/lr``, ...) of 0-based ``step``."""
+        feeds = optimizer.feeds(step, lr)
+        if clip_norm is not None:
+            feeds["opt/clip_norm"] = torch.tensor(float(clip_norm))
+        return feeds
+
+    def hyper_feeds(self, lr: float | None = None) -> dict[str, torch.Tensor]:
+        """This step's hyperparameter feeds (``opt/lr``, ...), read by the plan."""
+        if self.optimizer is None:
+            return {}
+        feeds = self.hyper_values(self.optimizer, self.clip_norm, self.step_count, lr)
+        return {k: v for k, v in feeds.items() if k in self.plan.inputs}
+
+    def __call__(self, feeds: dict, timed: bool = False, lr: float | None = None
+                 ) -> tuple[float, StepStats | None]:
+        if lr is not None and self.optimizer is None:
+            raise GraphError(message("TrainStep: lr= given to a step built without an optimizer.",
+                                     rule="a runtime learning rate needs an optimizer that reads it",
+                                     fix="build the step with optimizer=md.SGD(lr=...)"))
         stats = {} if timed else None
         t0 = time.perf_counter()
-        outs = self.executor.run(feeds, self.params, stats=stats)
-        for k in self.names:
+        outs = self.executor.run({**feeds, **self.hyper_feeds(lr)}, self.params, stats=stats)
+        for k in self.carried:
             self.params[k] = outs[f"new/{k}"]
+        self.step_count += 1
+        if "grad_norm" in outs:
+            self.grad_norm = _held_scalar(outs["grad_norm"])
         # A pipeline keeps the loss on its last stage: read it where it is.
-        held = [x for x in outs["loss"] if x is not None]
-        loss = float(held[0].item()) if held else float("nan")
+        loss = _held_scalar(outs["loss"])
         total = time.perf_counter() - t0
         if not timed:
             return loss, None
@@ -109,4 +191,56 @@ class TrainStep:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every param as a full tensor (gathered over the mesh)."""
-        return {k: self.executor.to_full_held(self.plan.params[k], v) for k, v in self.params.items()}
+        return {k: self.executor.to_full_held(self.plan.params[k], self.params[k]) for k in self.names}
+
+    def state(self) -> dict[str, tuple[Value, list]]:
+        """Every carried tensor's value spec and local slices (one per held rank).
+
+        Names: ``param/<k>`` for params, ``opt/<k>/<slot>`` for optimizer state, and
+        ``opt/step`` (a replicated int64 scalar) for the step counter.
+        """
+        out = {}
+        for k in self.carried:
+            name = k if k.startswith("opt/") else f"param/{k}"
+            out[name] = (self.plan.values[self.plan.params[k]], list(self.params[k]))
+        shape = Shape()
+        step = Value(-1, shape, torch.int64, Sharding.replicated(shape))
+        out["opt/step"] = (step, [torch.tensor(self.step_count) for _ in self.executor.comm.ranks])
+        return out
+
+    def load_state(self, state: dict) -> None:
+        """Put back what :meth:`state` returned (local slices for the ranks held).
+
+        Raises:
+          GraphError: a carried tensor missing from ``state`` or of the wrong local shape.
+        """
+        want = self.state()
+        missing = sorted(set(want) - set(state))
+        if missing:
+            raise GraphError(message(f"TrainStep.load_state: {len(missing)} tensor(s) missing.",
+                                     bullets=[f"'{k}'" for k in missing[:8]],
+                                     rule="a state holds every param, every optimizer-state tensor and 'opt/step'",
+                                     fix="pass what TrainStep.state() (or a checkpoint of it) returned"))
+        for name, (spec, xs) in want.items():
+            got = state[name]
+            got = got[1] if isinstance(got, tuple) else got
+            if len(got) != len(xs) or any(g is not None and x is not None and tuple(g.shape) != tuple(x.shape)
+                                          for g, x in zip(got, xs)):
+                raise GraphError(message(f"TrainStep.load_state: '{name}' has the wrong local slices.",
+                                         inputs=[f"want: {[None if x is None else tuple(x.shape) for x in xs]}",
+                                                 f"got: {[None if g is None else tuple(g.shape) for g in got]}"],
+                                         rule="slices are this plan's local slices, one per held rank",
+                                         fix="load the checkpoint with this step's mesh and layout"))
+        for name in want:
+            got = state[name]
+            got = list(got[1] if isinstance(got, tuple) else got)
+            if name == "opt/step":
+                self.step_count = int(next(x for x in got if x is not None))
+            else:
+                key = name[len("param/"):] if name.startswith("param/") else name
+                self.params[key] = [None if x is None else x.clone() for x in got]
+
+
+def _held_scalar(xs) -> float:
+    held = [x for x in xs if x is not None]
+    return float(held[0].item()) if held else float("nan")

@@ -1,0 +1,156 @@
+"""Optimizer update kernels and the global sum that exact gradient clipping needs.
+
+Each update is one elementwise op over its param's dims with several outputs
+(the new param and the new optimizer state), so the generic lowering runs it
+on whatever slice the layout gives the param or its state (ZeRO: a slice).
+Hyperparameters arrive as scalar tensors (graph inputs, fed every step), so a
+learning-rate schedule never recompiles; the kernels read them once per call.
+
+* ``sgd_step``: ``p, g, [buf], lr, momentum, weight_decay, scale`` ->
+  ``p', [buf']`` (torch.optim.SGD's rule, no dampening).
+* ``adamw_update``: ``p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, scale``
+  -> ``p', m', v'`` (decoupled weight decay, bias correction).
+* ``scalar_sum``: a sum of scalars that may be partial sums over different mesh
+  axes; its lowering reduces each set of axes once (:mod:`meshdsl.lowering.global_sum`).
+
+``scale`` multiplies the gradient first: the clip factor ``min(1, c / norm)``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.shape import Shape
+from ..errors import ShapeError, message
+from .registry import ComputeSpec, Op, register
+
+
+def _check(what: str, p, tensors, scalars) -> None:
+    for t in tensors:
+        if t.shape != p.shape or t.dtype != p.dtype:
+            raise ShapeError(message(f"{what}: {t!r} does not match param {p!r}.",
+                                     rule="gradients and optimizer state have their param's dims (in order) and dtype",
+                                     fix="pass the gradients md.grad returned for these params"))
+    for s in scalars:
+        if len(s.shape):
+            raise ShapeError(message(f"{what}: hyperparameter {s!r} is not a scalar.",
+                                     rule="hyperparameters are scalar tensors (graph inputs fed each step)",
+                                     fix="use meshdsl.input(name, []) for each hyperparameter"))
+
+
+class _Update(Op):
+    """An elementwise update: outputs shaped like the param (input 0)."""
+
+    num_tensors = 2  # param, gradient, then state tensors; the rest are scalars
+
+    def tensors_of(self, attrs) -> int:
+        return self.num_tensors
+
+    def infer(self, inputs, attrs):
+        k = self.tensors_of(attrs)
+        p = inputs[0]
+        _check(self.name, p, inputs[1:k], inputs[k:])
+        return [(p.shape, p.dtype)] * (k - 1)
+
+    def spec(self, node):
+        return ComputeSpec({d.name: d.size for d in node.inputs[0].shape})
+
+    def grad(self, node, douts):
+        return [None] * len(node.inputs)
+
+    def flops(self, node, local):
+        n = 1
+        for d in node.inputs[0].shape:
+            n *= local.get(d.name, d.size)
+        return 10 * n
+
+
+@register
+class SgdStep(_Update):
+    """``buf = momentum * buf + g``; ``p - lr * buf`` (no buffer when ``momentum`` is off)."""
+
+    name = "sgd_step"
+
+    def tensors_of(self, attrs):
+        return 3 if attrs["momentum"] else 2
+
+    def compute(self, ctx, attrs, p, g, *rest):
+        buf = rest[0] if attrs["momentum"] else None
+        lr, mom, wd, scale = (float(x) for x in rest[-4:])
+        g = g * scale if scale != 1.0 else g
+        if wd:
+            g = g.add(p, alpha=wd)
+        if buf is None:
+            return p.add(g, alpha=-lr)
+        buf = buf.mul(mom).add_(g)
+        return p.add(buf, alpha=-lr), buf
+
+    def compute_inplace(self, ctx, attrs, p, g, *rest):
+        """The same update written into ``p`` (the executor donates the old param)."""
+        buf = rest[0] if attrs["momentum"] else None
+        lr, mom, wd, scale = (float(x) for x in rest[-4:])
+        g = g * scale if scale != 1.0 else g
+        if wd:
+            g = g.add(p, alpha=wd)
+        if buf is None:
+            return p.add_(g, alpha=-lr)
+        buf = buf.mul(mom).add_(g)
+        return p.add_(buf, alpha=-lr), buf
+
+
+@register
+class AdamwUpdate(_Update):
+    """AdamW (Loshchilov & Hutter): decoupled weight decay, bias-corrected moments."""
+
+    name = "adamw_update"
+    num_tensors = 4
+
+    def compute(self, ctx, attrs, p, g, m, v, lr, b1, b2, eps, wd, step, scale):
+        lr, b1, b2, eps, wd, t, scale = (float(x) for x in (lr, b1, b2, eps, wd, step, scale))
+        if scale != 1.0:
+            g = g * scale
+        m = m.mul(b1).add_(g, alpha=1.0 - b1)
+        v = v.mul(b2).addcmul_(g, g, value=1.0 - b2)
+        bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        new = p.mul(1.0 - lr * wd) if wd else p.clone()
+        new.addcdiv_(m, denom, value=-lr / bc1)
+        return new, m, v
+
+    def compute_inplace(self, ctx, attrs, p, g, m, v, lr, b1, b2, eps, wd, step, scale):
+        """The same update written into ``p`` (the executor donates the old param)."""
+        lr, b1, b2, eps, wd, t, scale = (float(x) for x in (lr, b1, b2, eps, wd, step, scale))
+        if scale != 1.0:
+            g = g * scale
+        m = m.mul(b1).add_(g, alpha=1.0 - b1)
+        v = v.mul(b2).addcmul_(g, g, value=1.0 - b2)
+        bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        if wd:
+            p.mul_(1.0 - lr * wd)
+        return p.addcdiv_(m, denom, value=-lr / bc1), m, v
+
+
+@register
+class ScalarSum(Op):
+    """The sum of scalar inputs (sums of squares of gradients, for one global norm)."""
+
+    name = "scalar_sum"
+    linear = True
+
+    def infer(self, inputs, attrs):
+        for x in inputs:
+            if len(x.shape):
+                raise ShapeError(message(f"scalar_sum: {x!r} is not a scalar.", rule="scalar_sum adds scalars",
+                                         fix="reduce each tensor first, e.g. reduce_sum(g * g)"))
+        return [(Shape(), inputs[0].dtype)]
+
+    def compute(self, ctx, attrs, *xs):
+        return torch.stack(list(xs)).sum()
+
+    def spec(self, node):
+        return ComputeSpec({})
+
+    def grad(self, node, douts):
+        return [douts[0]] * len(node.inputs)

@@ -1,0 +1,93 @@
+"""Optimizer flags shared by ``plan``, ``check`` and ``run``.
+
+``--optimizer sgd|adamw|adafactor`` with ``--lr``, ``--momentum``, ``--betas B1,B2``,
+``--weight-decay`` and ``--clip-norm``.  Without ``--optimizer`` (and without an
+optimizer-only flag) a command keeps the plain SGD step of ``--lr``; a flag that
+the chosen optimizer does not read is a usage error, not silently ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..errors import MeshDSLError, message
+from ..train.optimizers import OPTIMIZERS, Optimizer
+from .preflight import UsageError, float_in
+
+#: flag -> the optimizers that read it
+READERS = {"momentum": ("sgd",), "betas": ("adamw",), "weight_decay": ("sgd", "adamw", "adafactor")}
+
+
+def _betas(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    try:
+        b = tuple(float(x) for x in parts)
+    except ValueError:
+        b = ()
+    if len(b) != 2 or not all(math.isfinite(x) and 0.0 <= x < 1.0 for x in b):
+        raise argparse.ArgumentTypeError(f"'{text}' is not two numbers in [0, 1) separated by a comma; "
+                                         f"fix: pass e.g. --betas 0.9,0.95")
+    return b
+
+
+def add_optimizer_args(p) -> None:
+    """Declare the optimizer flags on parser ``p`` (``--lr`` is declared by the command)."""
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
+                   help="the optimizer of the training step (default: plain SGD of --lr with its fused "
+                        "gradient-update kernel)")
+    p.add_argument("--momentum", type=float_in(0.0, fix="pass a momentum such as --momentum 0.9"), default=None,
+                   help="SGD momentum (default 0)")
+    p.add_argument("--betas", type=_betas, default=None, metavar="B1,B2",
+                   help="AdamW moment decay rates (default 0.9,0.95)")
+    p.add_argument("--weight-decay", type=float_in(0.0, fix="pass e.g. --weight-decay 0.1"), default=None,
+                   help="weight decay (AdamW/Adafactor: decoupled; SGD: added to the gradient)")
+    p.add_argument("--clip-norm", type=float_in(0.0, lo_open=True, fix="pass e.g. --clip-norm 1.0"), default=None,
+                   help="clip the global gradient norm (exact under any layout) to this")
+
+
+def optimizer_from_args(args) -> tuple[Optimizer | None, float | None]:
+    """The optimizer and clip norm the flags ask for; (None, None) for the plain SGD step.
+
+    Raises:
+      UsageError: a flag the chosen optimizer does not read.
+    """
+    name = args.optimizer
+    given = {k: getattr(args, k) for k in READERS if getattr(args, k) is not None}
+    if name is None and not given and args.clip_norm is None:
+        return None, None
+    if name is None:
+        name = "sgd" if "betas" not in given else "adamw"
+    bad = [k for k in given if name not in READERS[k]]
+    if bad:
+        flags = ", ".join("--" + k.replace("_", "-") for k in bad)
+        raise UsageError(message(f"{flags} given with --optimizer {name}, which does not read it.",
+                                 rule="--momentum is SGD's, --betas AdamW's; --weight-decay and --clip-norm "
+                                      "work with every optimizer",
+                                 fix=f"drop {flags}, or pick the optimizer that reads it"))
+    kw = {"lr": args.lr, **given}
+    try:
+        return OPTIMIZERS[name](**kw), args.clip_norm
+    except TypeError as e:  # an internal mismatch between READERS and the classes
+        raise MeshDSLError(f"--optimizer {name}: {e}") from None
+
+
+def describe(opt: Optimizer | None, clip: float | None) -> str:
+    """One line naming the optimizer and its settings, for reports."""
+    if opt is None:
+        return "plain SGD (fused gradient-update kernel)"
+    return f"{opt!r}" + (f", clip_norm={clip:g}" if clip is not None else "")
+
+
+def train_outputs(model, args) -> tuple[dict, dict]:
+    """The training step's outputs for ``plan``/``check`` and the hyperparameter feeds they read."""
+    from ..train.step import optimizer_outputs
+
+    opt, clip = optimizer_from_args(args)
+    if opt is None:
+        return model.train_step(args.lr), {}
+    outs = optimizer_outputs(model.loss, model.params, opt, clip is not None)
+    feeds = opt.feeds(0)
+    if clip is not None:
+        import torch
+        feeds["opt/clip_norm"] = torch.tensor(float(clip))
+    return outs, feeds
