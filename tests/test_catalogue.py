@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST_S = 3.0  # a user error surfaces within this, before any process starts
 
 MLP = ["mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:data"]
+PIPE = ["transformer", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage"]  # tiny batch: 4
 
 
 def run_cli(capsys, argv):
@@ -135,6 +136,22 @@ CASES = [
      ["1000 local processes, more than the limit of", "--max-procs 1000"]),
     ("too many processes, check", ["check", "mlp", "--tiny", "--mesh", "data:1000", "--nproc", "1000"], 2,
      ["more than the limit"]),
+    # Pipelines (--microbatches, --schedule): refused before any process starts.
+    ("run batch not divisible by micro-batches",
+     ["run", *PIPE, "--microbatches", "3"], 2,
+     ["batch 4 is not divisible by 3 micro-batches", "Fix: use a batch that is a multiple of 3"]),
+    ("check --nproc batch not divisible by micro-batches",
+     ["check", *PIPE, "--microbatches", "8", "--nproc", "2"], 2, ["batch 4 is not divisible by 8 micro-batches"]),
+    ("plan unknown schedule", ["plan", *PIPE, "--schedule", "1f1bb"], 2,
+     ["--schedule: invalid choice: '1f1bb'", "'gpipe', '1f1b'"]),
+    ("run virtual-stage schedule", ["run", *PIPE, "--schedule", "interleaved"], 2,
+     ["--schedule: invalid choice: 'interleaved'"]),
+    ("microbatches 0", ["run", *PIPE, "--microbatches", "0"], 2, ["--microbatches", "1 <= N", "fix:"]),
+    ("microbatches not a number", ["plan", *PIPE, "--microbatches", "four"], 2,
+     ["--microbatches", "not an integer"]),
+    ("run --report in a missing folder", ["run", *PIPE, "--report", "{tmp:missing_dir}"], 2,
+     ["--report", "does not exist", "Fix: pass a file in an existing, writable folder"]),
+    ("run --report is a folder", ["run", *PIPE, "--report", "{tmp:dir}"], 2, ["--report", "is a folder"]),
     ("simulated mesh too big for memory", ["check", "transformer", "--mesh", "a:64; b:64"], 2,
      ["needs up to", "GiB", "of memory available", "--tiny, a smaller mesh, or --nproc"]),
 ]
@@ -143,7 +160,7 @@ if not torch.cuda.is_available():
                   ["CUDA is not available", "--backend gloo"]))
 
 _MAKERS = {"syntax": _syntax_error, "import": _raises_on_import, "build": _raises_in_build, "mderr": _meshdsl_error_in_build,
-           "dir": _directory}
+           "dir": _directory, "missing_dir": lambda tmp: str(tmp / "no" / "such" / "run.json")}
 
 
 @pytest.mark.parametrize("argv,code,phrases", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

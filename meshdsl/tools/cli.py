@@ -28,15 +28,18 @@ import torch
 
 from ..errors import MeshDSLError
 from ..exec.dense import run_dense
+from ..exec.executor import Executor
 from ..exec.launch import in_torchrun
-from ..exec.simulated import run_simulated
+from ..exec.simulated import SimulatedComm, run_simulated
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
-from ..train.model import DEFAULT_LR
 from ..lowering.memory import memory_report
+from ..lowering.schedule_gen import SCHEDULES
+from ..train.model import DEFAULT_LR
 from .dist_cli import add_run, dist_args, is_rank0
 from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
 from .preflight import SEED_MAX, check_simulated_memory, float_in, int_in
+from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .report import plan_report, print_report
 from .train_cli import add_train, load_configured
 
@@ -55,6 +58,9 @@ EXIT_CODES = """exit codes:
 # 1e-4 covers n up to ~1e3 (every model here); a layout bug (a missing or
 # doubled reduction, a wrong slice) is off by O(1) of the magnitude.
 DEFAULT_TOL = 1e-4
+
+#: Schedules a plan can run: one stage per rank of the pipeline axis (no virtual stages).
+PIPE_SCHEDULES = tuple(n for n, g in SCHEDULES.items() if not g.chunked)
 
 
 def _console():
@@ -93,6 +99,17 @@ def lr_arg(p, default: float) -> None:
     add_optimizer_args(p)
 
 
+def pipe_args(p) -> None:
+    """``--microbatches`` and ``--schedule``: how a pipelined layout (``layer:<axis>``) runs."""
+    p.add_argument("--microbatches", type=int_in(1, fix="pass a micro-batch count, e.g. --microbatches 4"),
+                   default=1, help="cut the batch into M micro-batches and accumulate their gradients; "
+                                   "a pipeline ('layer:<axis>' in --layout) runs them through its stages "
+                                   "(default 1)")
+    p.add_argument("--schedule", choices=PIPE_SCHEDULES, default="gpipe",
+                   help="pipeline schedule: gpipe (every forward, then every backward) or 1f1b (same "
+                        "bubble, at most p activations held per stage) (default gpipe)")
+
+
 def seed_arg(p) -> None:
     p.add_argument("--seed", type=int_in(0, SEED_MAX, fix="pass a seed such as --seed 0"), default=0,
                    help=f"seed of the synthetic data and the param init (0 .. 2**63-1)")
@@ -114,6 +131,7 @@ def add_plan(sub) -> None:
     form.add_argument("--totals", action="store_true", help="print only the collective totals")
     p.add_argument("--only-comm", action="store_true", help="list only the ops that communicate")
     lr_arg(p, DEFAULT_LR)
+    pipe_args(p)
     p.set_defaults(run=cmd_plan)
 
 
@@ -124,14 +142,22 @@ def cmd_plan(args) -> int:
     Mesh.parse(args.mesh)
     model = load_configured(args)
     outputs, _ = train_outputs(model, args)
-    plan = compile_plan(outputs, args.mesh, args.layout)
+    plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
     report = plan_report(plan)
     report["optimizer"] = describe(*optimizer_from_args(args))
     report["memory"] = memory_report(plan)
     if args.json:
         print(json.dumps(report))
-    else:
-        print_report(report, _console(), only_comm=args.only_comm, totals_only=args.totals)
+        return EXIT_OK
+    console = _console()
+    print_report(report, console, only_comm=args.only_comm, totals_only=args.totals)
+    pipe = schedule_summary(plan)
+    if pipe is not None:
+        console.print(f"pipeline over '{pipe['axis']}': {pipe['stages']} stages, {pipe['microbatches']} "
+                      f"micro-batches, schedule {pipe['schedule']}; in theory: bubble "
+                      f"{pipe['bubble_theory']:.1%}, activations held per stage {pipe['peak_theory']}",
+                      highlight=False, soft_wrap=True)
+        console.print(pipe["table"], highlight=False, markup=False)
     return EXIT_OK
 
 
@@ -152,13 +178,29 @@ def add_check(sub) -> None:
                         f"gradient's for a gradient (default {DEFAULT_TOL}: fp32 rounding of "
                         f"re-ordered sums, far below what a wrong layout produces)")
     lr_arg(p, DEFAULT_LR)
+    pipe_args(p)
     dist_args(p)
     p.set_defaults(run=cmd_check)
 
 
-def run_on_simulated_mesh(plan, feeds, seed: int) -> dict[str, torch.Tensor]:
-    """The executor of ``check``: every rank of the mesh simulated in this process."""
-    return run_simulated(plan, feeds, seed=seed)
+def run_on_simulated_mesh(plan, feeds, seed: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The executor of ``check``: every rank of the mesh simulated in this process.
+
+    Returns:
+      The full outputs, and for a pipelined plan its per-stage figures
+      (:func:`~.pipe_report.run_figures`; None without a pipeline).  The simulated
+      mesh runs every stage in this process, one action at a time, in the unit-cost
+      simulation's order: those timings are that order's, not a parallel run's, so
+      its bubble says how the actions interleave, not how fast a real pipeline is
+      (``meshdsl run`` measures that).
+    """
+    summary = schedule_summary(plan)
+    if summary is None:
+        return run_simulated(plan, feeds, seed=seed), None
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    out = ex.full_outputs(ex.run(feeds, ex.init_params(seed)))
+    rows = [[(a.kind, a.microbatch, a.stage, a.peer, t0, t1) for a, t0, t1 in row] for row in ex.last_timeline]
+    return out, run_figures(summary, [rows])
 
 
 def cmd_check(args) -> int:
@@ -173,7 +215,7 @@ def cmd_check(args) -> int:
         outputs, hyper = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, {}
     else:  # one optimizer step: loss, global norm, new params and state
         outputs, hyper = train_outputs(model, args)
-    plan = compile_plan(outputs, mesh, args.layout)
+    plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
     if not distributed:
         check_simulated_memory(plan)
     args.preflight_done = True
@@ -182,8 +224,24 @@ def cmd_check(args) -> int:
     if distributed:
         from .dist_cli import check_distributed
         return check_distributed(args, want, report_check)
-    got = run_on_simulated_mesh(plan, feeds, args.seed)
-    return report_check(want, got, args.tol, f"mesh '{plan.mesh}', layout '{plan.layout}'")
+    got, figures = run_on_simulated_mesh(plan, feeds, args.seed)
+    user_mesh, user_layout = user_mesh_layout(plan)
+    where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan)
+    code = report_check(want, got, args.tol, where)
+    if figures is not None:
+        _console().print(
+            "pipeline on the simulated mesh (every stage in this process, in the unit-cost simulation's order: "
+            "timings of that order, not of a parallel run; `meshdsl run` measures one): bubble per stage "
+            + ", ".join(f"{b:.0%}" for b in figures["bubble_measured"])
+            + f" (theory for a parallel run {figures['bubble_theory']:.0%}); activations held "
+            + f"{figures['peak_activations']} (theory {figures['peak_theory']})", highlight=False, soft_wrap=True)
+    return code
+
+
+def _pipe_words(args, plan) -> str:
+    """``, 4 micro-batches, schedule 1f1b`` for a pipelined or micro-batched run; empty otherwise."""
+    words = f", {args.microbatches} micro-batches" if args.microbatches > 1 else ""
+    return words + (f", schedule {args.schedule}" if schedule_summary(plan) is not None else "")
 
 
 # An output that is zero in exact math (a bias gradient cancelled by a following

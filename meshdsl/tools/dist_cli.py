@@ -13,12 +13,14 @@ import argparse
 import os
 import statistics
 
+from ..errors import message
 from ..exec.distributed import resolve_backend
 from ..exec.launch import in_torchrun, launch
 from ..layout.mesh import Mesh
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
-from .preflight import check_processes, float_in, int_in
+from .pipe_report import figures_table, run_figures, schedule_summary
+from .preflight import UsageError, check_processes, float_in, int_in
 
 
 def dist_args(p) -> None:
@@ -72,18 +74,21 @@ def check_distributed(args, want: dict, report) -> int:
     from .optim_args import optimizer_from_args
 
     opt, clip = optimizer_from_args(args)
-    results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed, 1, "gpipe",
-                                        opt, clip, getattr(args, "config_overrides", None)))
+    results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed,
+                                        args.microbatches, args.schedule, opt, clip,
+                                        getattr(args, "config_overrides", None)))
     got = results[0]
     if got is None:  # a torchrun rank other than 0
         return 0
     where = f"{len(results) if not in_torchrun() else os.environ.get('WORLD_SIZE')} processes, " \
             f"mesh '{args.mesh}', layout '{args.layout}'"
+    if args.microbatches > 1:
+        where += f", {args.microbatches} micro-batches, schedule {args.schedule}"
     return report(want, got, args.tol, where)
 
 
 def add_run(sub) -> None:
-    from .cli import EXIT_CODES, _model_args, lr_arg, seed_arg
+    from .cli import EXIT_CODES, _model_args, lr_arg, pipe_args, seed_arg
 
     p = sub.add_parser("run", help="train MODEL for S steps on N processes (torch.distributed)",
                        description="Spawn N local processes (or join a torchrun job), run S forward+"
@@ -99,6 +104,10 @@ def add_run(sub) -> None:
                    help="untimed steps first (default 2)")
     lr_arg(p, 0.01)
     seed_arg(p)
+    pipe_args(p)
+    p.add_argument("--report", metavar="FILE.json", default=None,
+                   help="also write the figures to FILE.json: step_ms and per step the compute / comm / "
+                        "overhead split; with a pipeline, the per-stage bubble and peak activations")
     p.set_defaults(run=cmd_run)
 
 
@@ -110,25 +119,74 @@ def cmd_run(args) -> int:
     preflight_processes(args, mesh)
     from .optim_args import optimizer_from_args, train_outputs
 
+    if args.report is not None:
+        check_report_path(args.report)
     model = load_configured(args)
     opt, clip = optimizer_from_args(args)
-    compile_plan(train_outputs(model, args)[0], mesh, args.layout)  # layout errors surface here, once
+    # Layout, micro-batch and schedule errors surface here, once, before any process starts.
+    plan = compile_plan(train_outputs(model, args)[0], mesh, args.layout, microbatches=args.microbatches,
+                        schedule=args.schedule)
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
-                                        args.lr, args.seed, args.warmup, 1, "gpipe", opt, clip, args.config_overrides))
+                                        args.lr, args.seed, args.warmup, args.microbatches, args.schedule,
+                                        opt, clip, args.config_overrides, True))
     if not is_rank0():
         return 0
-    _print_steps(args, results[0])
+    steps, timelines = results[0]
+    _print_steps(args, steps)
+    summary = schedule_summary(plan)
+    figures = run_figures(summary, timelines) if summary is not None and timelines else None
+    if figures is not None:
+        from .cli import _console
+        console = _console()
+        console.print(figures_table(figures, f"pipeline over '{summary['axis']}': {figures['stages']} stages, "
+                                             f"{figures['microbatches']} micro-batches, {figures['schedule']}"))
+        console.print("per stage, medians over the timed steps: busy = time in F and B actions; bubble = idle "
+                      "fraction of the span from the step's first action to its last, over all ranks; "
+                      "theory: bubble (p-1)/(m+p-1), activations held m (gpipe) or p - stage (1f1b)",
+                      highlight=False, soft_wrap=True)
+    if args.report is not None:
+        write_report(args, steps, figures)
     return 0
 
 
+def check_report_path(path: str) -> None:
+    """Refuse a ``--report`` file that cannot be written, before any process starts."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        why = "is a folder" if os.path.isdir(path) else \
+            "is in a folder that does not exist" if not os.path.isdir(folder) else "is in a read-only folder"
+        raise UsageError(message(f"--report {path}: the file {why}.", inputs=[f"folder: {folder}"],
+                                 rule="--report names a JSON file to create or replace",
+                                 fix="pass a file in an existing, writable folder, e.g. --report run.json"))
+
+
+def write_report(args, steps, figures) -> None:
+    """Write ``--report``: the run's figures as one JSON object (pipeline keys only when pipelined)."""
+    import json
+
+    out = {"model": args.model, "mesh": args.mesh, "layout": args.layout, "microbatches": args.microbatches,
+           "loss": [loss for loss, _, _ in steps],
+           "step_ms": [wall * 1e3 for _, _, wall in steps],
+           "compute_ms": [st.compute * 1e3 for _, st, _ in steps],
+           "comm_ms": [st.comm * 1e3 for _, st, _ in steps],
+           "overhead_ms": [st.overhead * 1e3 for _, st, _ in steps]}
+    if figures is not None:
+        out.update(figures)
+    with open(args.report, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def _print_steps(args, steps) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    t = Table(title=f"meshdsl run {args.model}: mesh '{args.mesh}', layout '{args.layout}'",
-              title_justify="left")
+    from .cli import _console
+
+    console = _console()
+    pipe = f", {args.microbatches} micro-batches, {args.schedule}" if args.microbatches > 1 else ""
+    console.print(f"meshdsl run {args.model}: mesh '{args.mesh}', layout '{args.layout}'{pipe}", highlight=False,
+                  soft_wrap=True)
+    t = Table()
     for col in ("step", "loss", "step ms", "compute ms", "comm ms", "overhead ms"):
         t.add_column(col, justify="right")
     for i, (loss, st, wall) in enumerate(steps):

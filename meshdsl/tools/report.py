@@ -49,9 +49,9 @@ def _entries(plan: Plan, prefix: str, times: int) -> list[dict[str, Any]]:
         }
         out.append(entry)
         for s in steps:
-            for sub in s.subplans:
-                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.times}")
-                out.extend(_entries(sub, f"{prefix}{first.label}/", times * s.times))
+            for k, sub in enumerate(s.subplans):
+                entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.runs(k)}")
+                out.extend(_entries(sub, f"{prefix}{first.label}/", times * s.runs(k)))
     return out
 
 
@@ -65,11 +65,19 @@ def plan_report(plan: Plan) -> dict[str, Any]:
       output), ``shardings``, ``flops`` (per run, one rank), ``collectives``
       (``{kind, axes, bytes}`` per run, bytes sent by one rank) and ``notes``.
       ``totals`` maps each collective kind to ``{count, bytes}`` per training
-      step, repeats included.
+      step, repeats and micro-batches included.  With micro-batches (or a pipeline),
+      ``mesh`` and ``layout`` are the user's (without the virtual micro-batch axis),
+      ``microbatches`` is m and ``pipeline`` the schedule (see
+      :func:`~.pipe_report.schedule_summary`); local shapes are one micro-batch's.
     """
+    from .pipe_report import num_microbatches, schedule_summary, user_mesh_layout
+
+    mesh, layout = user_mesh_layout(plan)
     return {
-        "mesh": str(plan.mesh),
-        "layout": str(plan.layout),
+        "mesh": str(mesh),
+        "layout": str(layout),
+        "microbatches": num_microbatches(plan),
+        "pipeline": schedule_summary(plan),
         "ops": _entries(plan, "", 1),
         "totals": {k: dict(v) for k, v in sorted(plan.totals().items())},
         "totals_by_axis": [{"kind": k, "axes": list(axes), **v}
@@ -95,6 +103,16 @@ def human_count(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
         n /= 1000
     raise AssertionError
+
+
+def axes_text(axes) -> str:
+    """Mesh axes as printed: the virtual micro-batch axis (a local sum on each rank) named in words."""
+    from ..lowering.pipeline import MB_AXIS
+
+    real = [a for a in axes if a != MB_AXIS]
+    if len(real) == len(axes):
+        return ",".join(axes)
+    return ",".join(real) + " + micro-batches" if real else "micro-batches"
 
 
 def _shape_text(shape: dict[str, int], sharding: str) -> str:
@@ -128,8 +146,11 @@ def ops_table(report: dict[str, Any], only_comm: bool = False):
     """One row per op: label (x times per step), phase, local shapes, FLOPs, collectives, notes."""
     from rich.table import Table
 
-    ops = Table(title=f"plan  mesh '{report['mesh']}'  layout '{report['layout']}'", title_justify="left",
-                expand=True)
+    m = report.get("microbatches", 1)
+    title = f"plan  mesh '{report['mesh']}'  layout '{report['layout']}'"
+    if m > 1:
+        title += f"  {m} micro-batches (local shapes are one micro-batch's)"
+    ops = Table(title=title, title_justify="left", expand=True)
     for col, kw in (("op", {"no_wrap": True}), ("phase", {"no_wrap": True}), ("local shapes", {"ratio": 1}),
                     ("FLOPs", {"justify": "right", "no_wrap": True}), ("collectives", {"no_wrap": True}),
                     ("notes", {"style": "dim", "ratio": 1})):
@@ -140,7 +161,7 @@ def ops_table(report: dict[str, Any], only_comm: bool = False):
         label = e["label"] if e["label"] == e["op"] or e["op"] in LEAVES else f"{e['label']} ({e['op']})"
         if e["times"] > 1:
             label += f" x{e['times']}"
-        coll = "\n".join(f"[bold]{c['kind']}[/]({','.join(c['axes'])}) {human_bytes(c['bytes'])}"
+        coll = "\n".join(f"[bold]{c['kind']}[/]({axes_text(c['axes'])}) {human_bytes(c['bytes'])}"
                          for c in e["collectives"])
         shapes = "\n".join(_shape_text(s, sh) for s, sh in zip(e["local_shapes"], e["shardings"]))
         ops.add_row(label, e["phase"], shapes, human_count(e["flops"]) if e["flops"] else "", coll,
@@ -161,7 +182,7 @@ def totals_table(report: dict[str, Any]):
         t.add_row(f"[bold]{kind}[/]", "all", str(v["count"]), human_bytes(v["bytes"]))
         for r in report["totals_by_axis"]:
             if r["kind"] == kind:
-                t.add_row("", ",".join(r["axes"]), str(r["count"]), human_bytes(r["bytes"]))
+                t.add_row("", axes_text(r["axes"]), str(r["count"]), human_bytes(r["bytes"]))
     if not report["totals"]:
         t.add_row("(none)", "", "0", "0 B")
     return t

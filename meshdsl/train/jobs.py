@@ -66,12 +66,15 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
 
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
               lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
-              optimizer=None, clip_norm: float | None = None, config: dict | None = None):
+              optimizer=None, clip_norm: float | None = None, config: dict | None = None,
+              with_timeline: bool = False):
     """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``);
-    returns per-step (loss, StepStats) of the timed steps.
+    returns per-step (loss, StepStats, seconds) of the timed steps.
 
     With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
     ``config`` holds overrides of the model's Config fields (``--config``).
+    With ``with_timeline``, returns ``(steps, timelines)`` instead: ``timelines`` has, per timed
+    step, every rank's pipeline actions (see :func:`gather_timelines`; None without a pipeline).
     """
     model = _load(model_ref, tiny, config)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
@@ -81,16 +84,52 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     for _ in range(warmup):
         step(feeds)
     comm.barrier()
-    out = []
+    origin = time.perf_counter()  # every rank leaves the barrier at about the same moment
+    out, rows = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         loss, stats = step(feeds, timed=True)
         out.append((loss, stats, time.perf_counter() - t0))
+        rows.append(step.executor.last_timeline)
     # A pipeline's loss is on its last stage only: every rank reports the losses of the first that has them.
     reported = [r for r in comm.agree(" ".join(repr(loss) for loss, _, _ in out)) if "nan" not in r]
     if reported:
         out = [(float(x), stats, dt) for x, (_, stats, dt) in zip(reported[0].split(), out)]
-    return out
+    if not with_timeline:
+        return out
+    return out, (gather_timelines(comm, rows, origin) if rows[0] is not None else None)
 
 
-__all__ = ["agree_plan", "check_job", "train_job"]
+def gather_timelines(comm: Communicator, rows: list, origin: float) -> list:
+    """Every rank's recorded pipeline actions, per step, on one clock.
+
+    Each rank's ``perf_counter`` times are taken relative to ``origin``, the moment it left
+    a barrier, so rows of different processes (even on different hosts) line up to within
+    the barrier's skew (tens of microseconds on loopback gloo).  Gathered after the timed
+    steps, so the exchange does not land inside a timed step.
+
+    Args:
+      rows: per step, this rank's ``Executor.last_timeline`` (one row per stage it runs).
+
+    Returns:
+      Per step, a list of rows (every rank's, rank order), each a list of
+      ``(kind, microbatch, stage, peer, start, end)`` with times in seconds since ``origin``.
+    """
+    text = "|".join(";".join(" ".join(f"{a.kind},{a.microbatch},{a.stage},{-1 if a.peer is None else a.peer},"
+                                      f"{t0 - origin:.7f},{t1 - origin:.7f}" for a, t0, t1 in row)
+                             for row in step_rows) for step_rows in rows)
+    per_step: list[list] = [[] for _ in rows]
+    for token in comm.agree(text):
+        for k, step_text in enumerate(token.split("|")):
+            for row_text in step_text.split(";"):
+                row = []
+                for item in row_text.split():
+                    kind, mb, stage, peer, t0, t1 = item.split(",")
+                    row.append((kind, int(mb), int(stage), None if peer == "-1" else int(peer),
+                                float(t0), float(t1)))
+                if row:
+                    per_step[k].append(row)
+    return per_step
+
+
+__all__ = ["agree_plan", "check_job", "train_job", "gather_timelines"]

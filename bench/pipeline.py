@@ -1,0 +1,378 @@
+"""Pipeline training step on 2 gloo processes: meshdsl GPipe and 1F1B vs torch.distributed.pipelining.
+
+Workload: models/transformer.py at its default Config (4 layers, batch 16, seq 64,
+d_model 256, fp32), one step = forward + backward + SGD, 1 torch thread per process.
+Variants:
+
+  1 proc    plain torch (bench/dense_vs_torch.py's TorchGPT, autograd, manual SGD): the baseline
+  1 proc    meshdsl, mesh "data:1", layout ""
+  2 procs   meshdsl, mesh "stage:2", layout "layer:stage", --microbatches m, schedule gpipe / 1f1b
+  2 procs   torch.distributed.pipelining ScheduleGPipe / Schedule1F1B, the same split
+            (embedding + blocks 0-1 | blocks 2-3 + final norm + head) and the same m
+
+for m in {1, 2, 4, 8}.  The harness is bench/distributed_mlp.py's: spawned processes,
+turns that rotate the variants (one untimed step, a barrier, then ``block - 1`` steps
+back to back; a sample is their mean step time, the slower rank's), rounds that
+alternate the 1-process and the 2-process job, and step-0 losses checked against
+plain torch's.  For meshdsl, every timed step's pipeline actions are recorded on both
+ranks (``Executor.last_timeline``) and put on one clock, giving the measured bubble
+per stage next to (p-1)/(m+p-1), and the peak number of micro-batch activations held.
+
+    python bench/pipeline.py                    # 3 rounds
+    python bench/pipeline.py --rounds 1 --reps 2 --ms 1 4
+    python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b m=8 on rank 0
+
+Results go to bench/results/pipeline.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from dense_vs_torch import TorchGPT  # noqa: E402  (the torch twin of models/transformer.py)
+from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the shared harness)
+
+MODEL = str(ROOT / "models" / "transformer.py")
+RESULTS = ROOT / "bench" / "results" / "pipeline.json"
+SCHEDULES = ("gpipe", "1f1b")
+# Step-0 losses agree up to fp32 summation order (micro-batch sums, other kernels): a wrong
+# split or a missing micro-batch moves the loss by O(1) of itself, far above 1e-4.
+LOSS_RTOL = 1e-4
+# Goals from the issue.
+BUBBLE_RTOL, SPEEDUP_GOAL = 0.10, 1.5
+
+
+def _setup(seed: int):
+    from meshdsl.ops.leaf import init_value
+    from meshdsl.train.model import load_model
+    model = load_model(MODEL)
+    return model, model.feeds(seed), {k: init_value(t, seed) for k, t in model.params.items()}
+
+
+# ----------------------------------------------------------------------------- torch variants
+
+def torch_step(cfg, w, feeds, lr):
+    """Plain torch on one process."""
+    net = TorchGPT(cfg, w)
+    params = list(net.parameters())
+
+    def step():
+        loss = net(feeds["ids"], feeds["labels"])
+        loss.backward()
+        _sgd(params, lr)
+        return loss.item()
+    return step
+
+
+def _sgd(params, lr):
+    with torch.no_grad():
+        for p in params:
+            p.sub_(p.grad * lr)
+            p.grad = None
+
+
+class First(nn.Module):
+    """Stage 0: token + position embedding, blocks 0 .. L/2-1."""
+
+    def __init__(self, net: TorchGPT):
+        super().__init__()
+        self.wte, self.wpe = net.wte, net.wpe
+        self.blocks = nn.ModuleList(net.blocks[: len(net.blocks) // 2])
+
+    def forward(self, ids):
+        x = F.embedding(ids, self.wte) + self.wpe
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Last(nn.Module):
+    """Stage 1: blocks L/2 .., the final norm and the LM head (logits)."""
+
+    def __init__(self, net: TorchGPT):
+        super().__init__()
+        self.cfg = net.cfg
+        self.blocks = nn.ModuleList(net.blocks[len(net.blocks) // 2:])
+        self.lnf, self.lnf_b, self.lm_head = net.lnf, net.lnf_b, net.lm_head
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        x = F.layer_norm(x, (self.cfg.d_model,), self.lnf, self.lnf_b, eps=1e-5)
+        return x @ self.lm_head.t()
+
+
+def torch_pipe_step(cfg, w, feeds, lr, schedule: str, m: int):
+    """torch.distributed.pipelining on this rank's half of the model; returns the step's loss
+    on the last stage (NaN on the first)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    rank = dist.get_rank()
+    net = TorchGPT(cfg, w)
+    module = First(net) if rank == 0 else Last(net)
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    vocab = cfg.vocab
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
+    # scale_grads (the default) divides the summed micro-batch gradients by m: the full batch's mean.
+    sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
+    params = list(module.parameters())
+
+    def step():
+        if rank == 0:
+            sched.step(feeds["ids"])
+            loss = math.nan
+        else:
+            losses: list = []
+            sched.step(target=feeds["labels"], losses=losses)
+            loss = torch.stack(losses).mean().item()
+        _sgd(params, lr)
+        return loss
+    return step
+
+
+# ----------------------------------------------------------------------------- meshdsl variants
+
+def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpipe", rows=None):
+    """A meshdsl TrainStep; with ``rows``, appends each timed step's pipeline timeline to it."""
+    from meshdsl.train.jobs import agree_plan
+    from meshdsl.train.step import TrainStep
+    ts = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed, microbatches=m,
+                   schedule=schedule)
+    agree_plan(comm, ts.plan)
+
+    def step(timed=False):
+        loss, _ = ts(feeds, timed=timed)
+        if timed and rows is not None:
+            rows.append(ts.executor.last_timeline)
+        return loss
+    step.plan = ts.plan
+    return step
+
+
+def _activation_bytes(plan) -> list[int]:
+    """Per stage, bytes of one micro-batch's activations: what its forward makes and its backward
+    reads (values made by the forward segment's steps of that stage, read by the backward's)."""
+    pipe = next(s for s in plan.steps if s.kind == "pipeline")
+    _, forward, backward, _ = pipe.subplans
+    p = pipe.args["num_stages"]
+    read_back = {v for s in backward.steps for v in s.ins}
+    out = [0] * p
+    for s, stages in zip(forward.steps, pipe.args["stages"][1]):
+        for v in s.outs:
+            if v in read_back:
+                for k in stages:
+                    out[k] += plan.values[v].local_bytes(plan.mesh)
+    return out
+
+
+def single_job(comm, warmup, reps, block, lr, seed):
+    """1 process: plain torch and meshdsl on data:1, interleaved."""
+    model, feeds, w = _setup(seed)
+    steps = {"torch 1p": torch_step(model.config, w, feeds, lr),
+             "meshdsl 1p": meshdsl_step(model, feeds, comm, "data:1", "", lr, seed)}
+    loss0, last, times, cpu = _interleave(steps, warmup, reps, block, timed_arg=("meshdsl 1p",))
+    return {"loss0": loss0, "last": last, "times": times, "cpu": cpu}
+
+
+def _names(ms):
+    # torch's Schedule1F1B refuses fewer micro-batches than stages (m=1 on 2 stages).
+    return [f"{who} {s} m={m}" for m in ms for s in SCHEDULES for who in ("meshdsl", "torch")
+            if not (who == "torch" and s == "1f1b" and m < 2)]
+
+
+def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False):
+    """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved."""
+    from meshdsl.train.jobs import gather_timelines
+    from meshdsl.tools.pipe_report import schedule_summary
+    model, feeds, w = _setup(seed)
+    rows = {}
+    steps = {}
+    for m in ms:
+        for s in SCHEDULES:
+            rows[f"meshdsl {s} m={m}"] = []
+            steps[f"meshdsl {s} m={m}"] = meshdsl_step(model, feeds, comm, "stage:2", "layer:stage", lr, seed,
+                                                       m, s, rows[f"meshdsl {s} m={m}"])
+            if f"torch {s} m={m}" in _names(ms):
+                steps[f"torch {s} m={m}"] = torch_pipe_step(model.config, w, feeds, lr, s, m)
+    if profile:
+        return _profile(steps[f"meshdsl 1f1b m={max(ms)}"], warmup)
+    dist.barrier()
+    origin = time.perf_counter()
+    loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
+                                          timed_arg=tuple(rows))
+    # The loss lives on the last stage: rank 1's figures are the ones to report.
+    sent = torch.tensor([loss0[k] for k in steps] + [last[k] for k in steps], dtype=torch.float64)
+    dist.broadcast(sent, src=1)
+    n = len(steps)
+    loss0 = dict(zip(steps, sent[:n].tolist()))
+    last = dict(zip(steps, sent[n:].tolist()))
+    timelines = {k: gather_timelines(comm, r, origin) for k, r in rows.items()}
+    summaries = {k: schedule_summary(steps[k].plan) for k in rows}
+    act_bytes = {k: _activation_bytes(steps[k].plan) for k in rows}
+    return {"loss0": loss0, "last": last, "times": times, "cpu": cpu, "timelines": timelines,
+            "summaries": summaries, "act_bytes": act_bytes}
+
+
+def _profile(step, warmup, num_steps=10):
+    import cProfile
+    import io
+    import pstats
+    for _ in range(warmup):
+        step()
+    pr = cProfile.Profile()
+    dist.barrier()
+    pr.enable()
+    for _ in range(num_steps):
+        step()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+# ----------------------------------------------------------------------------- report
+
+def bench(args) -> int:
+    from meshdsl.exec.launch import spawn
+    from meshdsl.tools.pipe_report import run_figures
+    console = Console(width=max(Console().width, 150))
+    if args.profile:
+        text = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, True),
+                     mesh="stage:2", timeout=1800)[0]
+        console.print(text, markup=False, highlight=False)
+        return 0
+    t_start, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
+    single, pair = ("torch 1p", "meshdsl 1p"), _names(args.ms)
+    times = {k: [] for k in (*single, *pair)}
+    per_round = {k: [] for k in times}
+    timelines = {k: [] for k in pair if k.startswith("meshdsl")}
+    loss0, last, summaries, act_bytes = {}, {}, {}, {}
+    for rnd in range(args.rounds):
+        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed),
+                    mesh="data:1", timeout=1800)[0]
+        two = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed),
+                    mesh="stage:2", timeout=3600)
+        for k in single:
+            times[k] += one["times"][k]
+            per_round[k].append(_ms(one["times"][k]))
+        for k in pair:  # a step is done when its slower rank is
+            wall = [max(ts) for ts in zip(*(r["times"][k] for r in two))]
+            times[k] += wall
+            per_round[k].append(_ms(wall))
+        for k in timelines:
+            timelines[k] += two[0]["timelines"][k]
+        summaries, act_bytes = two[0]["summaries"], two[0]["act_bytes"]
+        if rnd == 0:
+            loss0 = {**one["loss0"], **two[0]["loss0"]}
+            last = {**one["last"], **two[0]["last"]}
+    wall_s, ticks1, load1 = time.perf_counter() - t_start, _cpu_ticks(), os.getloadavg()
+    steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
+    figures = {k: run_figures(summaries[k], tl) for k, tl in timelines.items()}
+    med = {k: _ms(v) for k, v in times.items()}
+    speedup = {k: med["torch 1p"] / v for k, v in med.items()}
+    base = loss0["torch 1p"]
+    loss_ok = {k: abs(v - base) <= LOSS_RTOL * abs(base) for k, v in loss0.items()}
+
+    t = Table(title=f"transformer training step (4 layers, batch 16, seq 64, d_model 256, fp32), 2 stages, "
+                    f"1 thread/process, {args.rounds} round(s) x {args.reps} turns x {args.block} steps",
+              title_justify="left")
+    for col in ("variant", "median ms", "round medians", "speedup vs 1p", "bubble measured (stage 0, 1)",
+                "bubble theory", "peak act. (theory)", "loss step 0"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for k in (*single, *pair):
+        fig = figures.get(k)
+        bub = " ".join(f"{b:.1%}" for b in fig["bubble_measured"]) if fig else ""
+        theory = f"{fig['bubble_theory']:.1%}" if fig else ""
+        peak = (" ".join(map(str, fig["peak_activations"])) + f" ({' '.join(map(str, fig['peak_theory']))})"
+                if fig else "")
+        t.add_row(k, f"{med[k]:.1f}", f"{min(per_round[k]):.1f}-{max(per_round[k]):.1f}", f"{speedup[k]:.2f}x",
+                  bub, theory, peak, f"{loss0[k]:.6f}" + ("" if loss_ok[k] else " [red]MISMATCH[/]"))
+    console.print(t)
+    console.print("ms: median step over every sample (the slower rank's); round medians: range of the "
+                  "per-round medians.  Bubble: idle fraction of the pipeline's makespan per stage, "
+                  "median over the timed steps.")
+
+    mem = Table(title=f"peak activation memory per stage, m={max(args.ms)}", title_justify="left")
+    for col in ("schedule", "stage 0", "stage 1"):
+        mem.add_column(col, justify="left" if col == "schedule" else "right")
+    peak_mem = {}
+    for s in SCHEDULES:
+        k = f"meshdsl {s} m={max(args.ms)}"
+        peak_mem[s] = [n * b for n, b in zip(figures[k]["peak_activations"], act_bytes[k])]
+        mem.add_row(s, *(f"{x / 2**20:.1f} MiB" for x in peak_mem[s]))
+    console.print(mem)
+    console.print("peak micro-batches held (measured) x the bytes of one micro-batch's forward outputs that "
+                  "its backward reads, per stage")
+
+    goals = {}
+    for k, fig in figures.items():
+        if int(k.rsplit("=", 1)[1]) >= 4:
+            th = fig["bubble_theory"]
+            goals[f"bubble within {BUBBLE_RTOL:.0%} of theory: {k}"] = all(
+                abs(b - th) <= BUBBLE_RTOL * th for b in fig["bubble_measured"])
+    for m in (m for m in args.ms if f"torch 1f1b m={m}" in med):
+        goals[f"meshdsl 1f1b m={m} not slower than torch 1f1b"] = med[f"meshdsl 1f1b m={m}"] <= med[f"torch 1f1b m={m}"]
+    if 8 in args.ms:
+        goals[f"meshdsl 1f1b m=8 >= {SPEEDUP_GOAL}x one process"] = speedup["meshdsl 1f1b m=8"] >= SPEEDUP_GOAL
+    for name, ok in goals.items():
+        console.print(f"goal {name}: [bold {'green' if ok else 'red'}]{'met' if ok else 'missed'}[/]")
+    bad = [k for k, ok in loss_ok.items() if not ok]
+    console.print(f"step-0 losses vs torch 1p (rtol {LOSS_RTOL:g}): "
+                  + ("all equal" if not bad else f"[red]MISMATCH in {', '.join(bad)}[/]")
+                  + f"; max |diff| = {max(abs(v - base) for v in loss0.values()):.2e}")
+    console.print(f"wall time {wall_s:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} "
+                  f"(1 min) on {os.cpu_count()} cores"
+                  + (f"; CPU time stolen by the hypervisor during the run: {steal:.1%}" if steal is not None else ""))
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "workload": {"model": "transformer (default Config)", "stages": 2, "microbatches": list(args.ms),
+                     "lr": args.lr, "threads_per_process": 1},
+        "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block, "warmup": args.warmup,
+                "wall_s": wall_s, "torch": torch.__version__, "python": platform.python_version(),
+                "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal},
+        "median_ms": med, "round_median_ms": per_round, "speedup_vs_torch_1p": speedup,
+        "pipeline": figures, "peak_activation_bytes": peak_mem, "goals": goals,
+        "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,
+        "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
+    }, indent=1))
+    console.print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return 0 if not bad else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3, help="1-process + 2-process job pairs (default 3)")
+    p.add_argument("--reps", type=int, default=3, help="turns per variant per round (default 3)")
+    p.add_argument("--block", type=int, default=4,
+                   help="consecutive steps per turn (at least 2); the first of each is untimed")
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8], help="micro-batch counts (default 1 2 4 8)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m on rank 0")
+    args = p.parse_args(argv)
+    if args.block < 2:
+        p.error("--block must be at least 2 (a turn's first step is untimed)")
+    return bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

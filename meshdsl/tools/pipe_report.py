@@ -1,0 +1,130 @@
+"""Pipeline figures for the command line: the schedule of a plan, and measured bubbles per stage.
+
+``meshdsl plan`` shows a pipelined plan's schedule as a per-stage table
+(:func:`schedule_text`); ``meshdsl run`` turns the actions every rank recorded
+(:func:`meshdsl.train.jobs.gather_timelines`) into, per stage, the busy time,
+the measured idle (bubble) fraction and the peak number of micro-batch
+activations held at once, next to theory (:func:`run_figures`).  Measured and
+simulated figures both come from
+:func:`meshdsl.lowering.timeline.bubble_from_timeline`.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from ..layout.layout import Layout
+from ..layout.mesh import Mesh
+from ..layout.specs import Rule
+from ..lowering.pipeline import MB_AXIS
+from ..lowering.plan import Plan, Step
+from ..lowering.schedule import Action
+from ..lowering.schedule_gen import bubble_theory, peak_theory
+from ..lowering.timeline import bubble_from_timeline, format_table
+
+
+def pipeline_step(plan: Plan) -> Step | None:
+    """The plan's ``pipeline`` step, or None for a plan without a pipeline."""
+    return next((s for s in plan.steps if s.kind == "pipeline"), None)
+
+
+def user_mesh_layout(plan: Plan) -> tuple[Mesh, Layout]:
+    """The mesh and layout as the user wrote them: without the virtual micro-batch axis.
+
+    A plan with micro-batches is lowered on ``mesh + _mb:m`` with ``batch`` split over
+    ``_mb`` first; the user asked for neither, so printed plans leave both out and
+    state the micro-batch count on its own.
+    """
+    mesh = Mesh(tuple((a, n) for a, n in plan.mesh.axes if a != MB_AXIS))
+    rules = []
+    for r in plan.layout.rules:
+        axes = tuple(a for a in r.axes if a.name != MB_AXIS)
+        if axes != r.axes and not axes:
+            continue  # the rule the micro-batches added: the user's layout left the batch whole
+        rules.append(r if axes == r.axes else Rule(r.scope, r.dim, axes, r.span))
+    return mesh, Layout(tuple(rules), source=plan.layout.source)
+
+
+def num_microbatches(plan: Plan) -> int:
+    """m: the size of the virtual micro-batch axis (1 without micro-batches)."""
+    return plan.mesh.sizes.get(MB_AXIS, 1)
+
+
+def schedule_summary(plan: Plan) -> dict[str, Any] | None:
+    """The pipeline of ``plan`` as plain data, or None: axis, stages, micro-batches, schedule, theory.
+
+    Returns:
+      ``{"axis", "stages", "microbatches", "schedule", "bubble_theory", "peak_theory", "table"}``;
+      ``peak_theory`` lists, per stage, the micro-batch activations held at once in theory
+      and ``table`` is the unit-cost schedule table (:func:`~.timeline.format_table`).
+    """
+    step = pipeline_step(plan)
+    if step is None:
+        return None
+    sched = step.args["schedule"]
+    p, m = sched.num_ranks, sched.num_microbatches
+    return {"axis": step.args["axis"], "stages": p, "microbatches": m, "schedule": sched.name,
+            "bubble_theory": float(bubble_theory(p, m)),
+            "peak_theory": [peak_theory(sched.name, p, m, r) for r in range(p)],
+            "table": format_table(sched)}
+
+
+def _figures_of_step(rows: list, num_stages: int) -> tuple[list[float], list[float], list[int]]:
+    """Per stage: busy seconds and idle fraction (mean over the stage's ranks), peak activations (max)."""
+    actions = [[(Action(kind, mb, stage, peer), t0, t1) for kind, mb, stage, peer, t0, t1 in row] for row in rows]
+    stats = bubble_from_timeline(actions)
+    busy: list[list[float]] = [[] for _ in range(num_stages)]
+    idle: list[list[float]] = [[] for _ in range(num_stages)]
+    peak = [0] * num_stages
+    for row, r in zip(rows, stats.ranks):
+        stage = row[0][2]
+        busy[stage].append(float(r.busy))
+        idle[stage].append(float(r.idle_fraction))
+        peak[stage] = max(peak[stage], r.peak_activations)
+    return ([statistics.fmean(b) for b in busy], [statistics.fmean(i) for i in idle], peak)
+
+
+def run_figures(summary: dict[str, Any], timelines: list) -> dict[str, Any]:
+    """Per-stage figures of a pipelined run from every rank's recorded actions.
+
+    The makespan of a step runs from its first action's start to its last action's
+    end over all ranks (the prologue and the final segment, run once per step, are
+    outside it); a stage's bubble is the fraction of that makespan it spends outside
+    its F and B actions.  Figures are medians over the timed steps (peaks: the max).
+
+    Args:
+      summary: :func:`schedule_summary` of the plan.
+      timelines: per step, every rank's rows (:func:`meshdsl.train.jobs.gather_timelines`).
+
+    Returns:
+      ``{"schedule", "stages", "microbatches", "bubble_measured", "bubble_theory",
+      "peak_activations", "peak_theory", "busy_ms"}``, lists with one entry per stage.
+    """
+    p = summary["stages"]
+    per_step = [_figures_of_step(rows, p) for rows in timelines]
+    return {
+        "schedule": summary["schedule"], "stages": p, "microbatches": summary["microbatches"],
+        "bubble_measured": [statistics.median(s[1][k] for s in per_step) for k in range(p)],
+        "bubble_theory": summary["bubble_theory"],
+        "peak_activations": [max(s[2][k] for s in per_step) for k in range(p)],
+        "peak_theory": summary["peak_theory"],
+        "busy_ms": [statistics.median(s[0][k] for s in per_step) * 1e3 for k in range(p)],
+    }
+
+
+def figures_table(fig: dict[str, Any], title: str):
+    """The per-stage rich table of :func:`run_figures`."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in ("stage", "busy ms", "bubble measured", "bubble theory", "peak activations", "theory"):
+        t.add_column(col, justify="right")
+    for k in range(fig["stages"]):
+        t.add_row(str(k), f"{fig['busy_ms'][k]:.2f}", f"{fig['bubble_measured'][k]:.1%}",
+                  f"{fig['bubble_theory']:.1%}", str(fig["peak_activations"][k]),
+                  str(fig["peak_theory"][k]))
+    return t
+
+
+__all__ = ["pipeline_step", "user_mesh_layout", "num_microbatches", "schedule_summary", "run_figures",
+           "figures_table"]

@@ -1,0 +1,186 @@
+"""Pipelines from the command line: ``plan``/``check``/``run`` with ``--microbatches`` and
+``--schedule``, the schedule table, per-stage bubble and peak figures, and ``run --report``.
+
+The figures code is pinned on the unit-cost simulation, whose bubble is exactly
+(p-1)/(m+p-1); the real runs pin what is deterministic (the keys, the peak number
+of activations each schedule holds) and bound the rest.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+from fractions import Fraction
+
+import pytest
+
+from meshdsl.lowering.compiler import compile as compile_plan
+from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
+from meshdsl.lowering.timeline import simulate
+from meshdsl.tools import cli
+from meshdsl.tools.pipe_report import run_figures, schedule_summary, user_mesh_layout
+from meshdsl.train.model import load_model
+
+PIPE = ["transformer", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage"]  # tiny: 2 layers, batch 4
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def flat(text: str) -> str:
+    """``text`` with every run of whitespace made one space: rich wraps long titles at the console width."""
+    return " ".join(text.split())
+
+
+def _rows(stats):
+    """A simulated timeline in the form gather_timelines returns."""
+    return [[(a.kind, a.microbatch, a.stage, a.peer, t0, t1) for a, t0, t1 in row] for row in stats.timeline]
+
+
+# ----------------------------------------------------------------------------- figures
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 8), (4, 4)])
+def test_run_figures_of_the_unit_cost_simulation_are_the_theory(schedule, p, m):
+    plan_like = {"axis": "stage", "stages": p, "microbatches": m, "schedule": schedule,
+                 "bubble_theory": float(bubble_theory(p, m)),
+                 "peak_theory": [peak_theory(schedule, p, m, r) for r in range(p)]}
+    stats = simulate(make_schedule(schedule, p, m))
+    fig = run_figures(plan_like, [_rows(stats)] * 3)
+    # Unit costs in floats: exact up to the float conversion of a Fraction.
+    assert fig["bubble_measured"] == pytest.approx([float(bubble_theory(p, m))] * p, rel=1e-12)
+    assert fig["peak_activations"] == plan_like["peak_theory"]
+    assert fig["busy_ms"] == pytest.approx([2 * m * 1e3] * p)
+
+
+def test_run_figures_takes_the_median_step_and_the_largest_peak():
+    gpipe = _rows(simulate(make_schedule("gpipe", 2, 4)))
+    # A step twice as slow on stage 1 only: its makespan grows, stage 0 idles more.
+    slow = [[(k, mb, s, peer, t0 * (2 if s == 1 else 1), t1 * (2 if s == 1 else 1))
+             for k, mb, s, peer, t0, t1 in row] for row in gpipe]
+    summary = {"axis": "stage", "stages": 2, "microbatches": 4, "schedule": "gpipe",
+               "bubble_theory": 0.2, "peak_theory": [4, 4]}
+    fig = run_figures(summary, [gpipe, gpipe, slow])
+    assert fig["bubble_measured"] == pytest.approx([0.2, 0.2])  # the median: the two unit-cost steps
+    assert fig["peak_activations"] == [4, 4]
+
+
+def test_user_mesh_and_layout_leave_out_the_micro_batch_axis():
+    model = load_model("transformer", tiny=True)
+    for mesh, layout in (("stage:2; data:2", "layer:stage; batch:data"), ("stage:2", "layer:stage")):
+        plan = compile_plan(model.train_step(0.1), mesh, layout, microbatches=2)
+        assert "_mb" in str(plan.mesh)
+        m, lay = user_mesh_layout(plan)
+        assert (str(m), str(lay)) == (mesh, layout)
+
+
+def test_schedule_summary_of_a_plan():
+    model = load_model("transformer", tiny=True)
+    plan = compile_plan(model.train_step(0.1), "stage:2", "layer:stage", microbatches=4, schedule="1f1b")
+    s = schedule_summary(plan)
+    assert (s["axis"], s["stages"], s["microbatches"], s["schedule"]) == ("stage", 2, 4, "1f1b")
+    assert s["bubble_theory"] == float(Fraction(1, 5)) and s["peak_theory"] == [2, 1]
+    assert schedule_summary(compile_plan(model.train_step(0.1), "data:2", "batch:data")) is None
+
+
+# ----------------------------------------------------------------------------- plan and check
+
+def test_plan_prints_the_schedule_table_and_the_users_mesh(capsys):
+    rc, out, err = run(capsys, "plan", *PIPE, "--microbatches", "4", "--schedule", "1f1b")
+    assert rc == 0, err
+    assert "plan mesh 'stage:2' layout 'layer:stage' 4 micro-batches" in flat(out)
+    assert "_mb" not in out.split("┏")[0]  # the table's title
+    assert "pipeline over 'stage': 2 stages, 4 micro-batches, schedule 1f1b" in flat(out)
+    assert "1f1b: 2 ranks, 4 micro-batches" in out
+    assert "rank 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3" in out
+    assert "rank 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 ." in out
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_plan_json_counts_per_micro_batch_segments_m_times(capsys, m):
+    rc, out, _ = run(capsys, "plan", *PIPE, "--json", "--microbatches", str(m))
+    assert rc == 0
+    r = json.loads(out)
+    assert (r["mesh"], r["layout"], r["microbatches"]) == ("stage:2", "layer:stage", m)
+    assert r["pipeline"]["schedule"] == "gpipe" and r["pipeline"]["peak_theory"] == [m, m]
+    # One carry goes forward and its gradient back per micro-batch.
+    assert r["totals"]["send"]["count"] == 2 * m and r["totals"]["recv"]["count"] == 2 * m
+    sends = [e for e in r["ops"] if any(c["kind"] == "send" for c in e["collectives"])]
+    assert sends and all(e["times"] == m for e in sends)
+
+
+def test_plan_without_pipeline_has_no_pipeline_key(capsys):
+    rc, out, _ = run(capsys, "plan", "mlp", "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data")
+    assert rc == 0
+    r = json.loads(out)
+    assert r["pipeline"] is None and r["microbatches"] == 1
+
+
+@pytest.mark.parametrize("schedule,peak", [("gpipe", [2, 2]), ("1f1b", [2, 1])])
+def test_check_pipelined_matches_dense_on_the_simulated_mesh(capsys, schedule, peak):
+    rc, out, err = run(capsys, "check", "transformer", "--tiny", "--mesh", "stage:2; data:2",
+                       "--layout", "layer:stage; batch:data", "--microbatches", "2", "--schedule", schedule)
+    assert rc == 0, out + err
+    assert (f"mesh 'stage:2; data:2', layout 'layer:stage; batch:data', 2 micro-batches, schedule {schedule}"
+            in flat(out))
+    assert "OK: " in out
+    # The simulated mesh runs the stages one after another: its timings are the order's, said so.
+    assert "pipeline on the simulated mesh" in flat(out) and "not of a parallel run" in flat(out)
+    assert f"activations held {peak} (theory {peak})" in flat(out)
+
+
+def test_check_pipelined_on_processes(capsys):
+    rc, out, err = run(capsys, "check", *PIPE, "--microbatches", "2", "--schedule", "1f1b", "--nproc", "2")
+    assert rc == 0, out + err
+    assert "2 processes" in out and "2 micro-batches, schedule 1f1b" in flat(out) and "OK: " in out
+    assert multiprocessing.active_children() == []
+
+
+# ----------------------------------------------------------------------------- run
+
+@pytest.mark.parametrize("schedule,peak", [("gpipe", [4, 4]), ("1f1b", [2, 1])])
+def test_run_prints_per_stage_figures_and_writes_the_report(capsys, tmp_path, schedule, peak):
+    path = tmp_path / "run.json"
+    rc, out, err = run(capsys, "run", *PIPE, "--microbatches", "4", "--schedule", schedule, "--steps", "3",
+                       "--warmup", "1", "--report", str(path))
+    assert rc == 0, out + err
+    assert f"pipeline over 'stage': 2 stages, 4 micro-batches, {schedule}" in flat(out)
+    assert "bubble measured" in out and "20.0%" in out  # the theory column: (2-1)/(4+2-1)
+    r = json.loads(path.read_text())
+    assert (r["schedule"], r["stages"], r["microbatches"]) == (schedule, 2, 4)
+    assert r["bubble_theory"] == pytest.approx(0.2)
+    assert len(r["bubble_measured"]) == 2 and all(0 < b < 1 for b in r["bubble_measured"])
+    # Each rank runs its own list of actions in order: the activations held at once follow
+    # from the schedule alone (m for GPipe, p - stage for 1F1B), whatever the timings.
+    assert r["peak_activations"] == peak
+    assert len(r["step_ms"]) == 3 and all(x > 0 for x in r["step_ms"])
+    for k in ("compute_ms", "comm_ms", "overhead_ms", "loss"):
+        assert len(r[k]) == 3
+    assert all(c <= s for c, s in zip(r["compute_ms"], r["step_ms"]))
+    assert multiprocessing.active_children() == []
+
+
+def test_run_report_without_pipeline_has_no_pipeline_keys(capsys, tmp_path):
+    path = tmp_path / "run.json"
+    rc, out, err = run(capsys, "run", "mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:data",
+                       "--steps", "2", "--warmup", "0", "--report", str(path))
+    assert rc == 0, out + err
+    r = json.loads(path.read_text())
+    assert len(r["step_ms"]) == 2 and len(r["compute_ms"]) == 2
+    assert not {"schedule", "bubble_measured", "peak_activations"} & set(r)
+    assert "bubble" not in out
+
+
+def test_gather_timelines_puts_every_rank_on_one_clock():
+    from meshdsl.exec.simulated import SimulatedComm
+    from meshdsl.layout.mesh import Mesh
+    from meshdsl.lowering.schedule import Action
+    from meshdsl.train.jobs import gather_timelines
+
+    row = ((Action("F", 0, 1), 100.25, 100.5), (Action("send_act", 0, 1, 2), 100.5, 100.5))
+    # One process's view: a communicator of one rank (agree returns its own token once).
+    comm = SimulatedComm(Mesh.parse("stage:1"))
+    got = gather_timelines(comm, [(row,), (row,)], origin=100.0)
+    assert got == [[[("F", 0, 1, None, 0.25, 0.5), ("send_act", 0, 1, 2, 0.5, 0.5)]]] * 2
