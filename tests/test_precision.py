@@ -152,3 +152,39 @@ def test_unknown_precision_lists_the_choices(model):
         _step(model, "data:1", "", "fp16")
     with pytest.raises(md.GraphError, match="known: fp32, bf16"):
         mixed_precision(model.loss, "half")
+
+
+def _cli(capsys, *argv):
+    from meshdsl.tools import cli
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse's choice errors exit from the parser
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_plan_and_run_take_precision(capsys):
+    import json
+    args = ["transformer", "--tiny", "--mesh", DP_TP[0], "--layout", DP_TP[1], "--optimizer", "adamw"]
+    reports = {}
+    for prec in ("fp32", "bf16"):
+        rc, out, err = _cli(capsys, "plan", *args, "--json", "--precision", prec)
+        assert rc == 0, err
+        reports[prec] = json.loads(out)["totals"]["allreduce"]["bytes"]
+    # the report is the plan's: bf16 shrinks the tensor-parallel activation allreduces (pinned above)
+    fp32_plan, bf16_plan = _step(build(Config.tiny()), *DP_TP).plan, _step(build(Config.tiny()), *DP_TP, "bf16").plan
+    assert reports["fp32"] == fp32_plan.totals()["allreduce"]["bytes"]
+    assert reports["bf16"] == bf16_plan.totals()["allreduce"]["bytes"] < reports["fp32"]
+    rc, out, err = _cli(capsys, "run", "transformer", "--tiny", "--mesh", "data:2", "--layout", "batch:data",
+                        "--optimizer", "adamw", "--steps", "2", "--warmup", "0", "--precision", "bf16")
+    assert rc == 0, err
+    assert "loss" in out
+
+
+def test_cli_check_refuses_bf16_and_unknown_precision(capsys):
+    rc, out, err = _cli(capsys, "check", "transformer", "--tiny", "--mesh", "data:2", "--layout", "batch:data",
+                        "--precision", "bf16")
+    assert rc == 2 and "fp32 dense program" in err
+    rc, out, err = _cli(capsys, "plan", "transformer", "--tiny", "--mesh", "data:2", "--precision", "fp16")
+    assert rc == 2 and "'fp32', 'bf16'" in err

@@ -115,7 +115,8 @@ def cmd_run(args) -> int:
     compile_plan(train_outputs(model, args)[0], mesh, args.layout)  # layout errors surface here, once
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
-                                        args.lr, args.seed, args.warmup, 1, "gpipe", opt, clip))
+                                        args.lr, args.seed, args.warmup, 1, "gpipe", opt, clip,
+                                        args.precision))
     if not is_rank0():
         return 0
     _print_steps(args, results[0])

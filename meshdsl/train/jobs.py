@@ -64,15 +64,15 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
 
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
               lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
-              optimizer=None, clip_norm: float | None = None):
-    """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``);
-    returns per-step (loss, StepStats) of the timed steps.
+              optimizer=None, clip_norm: float | None = None, precision: str = "fp32"):
+    """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``) in
+    ``precision``; returns per-step (loss, StepStats) of the timed steps.
 
     With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
     """
     model = _load(model_ref, tiny)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
-                     microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm)
+                     microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm, precision=precision)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for _ in range(warmup):
