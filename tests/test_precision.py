@@ -17,6 +17,7 @@ import meshdsl as md
 from meshdsl.ir.precision import mixed_precision
 from meshdsl.ops import OPS
 from meshdsl.ops.precision import POLICY
+from meshdsl.train.model import load_model
 from models.transformer import Config, build
 
 CFG = dataclasses.replace(Config.tiny(), layers=4, batch=8)
@@ -73,6 +74,24 @@ def test_bf16_curve_follows_fp32(model, mesh, layout):
     for k in step.carried:
         assert all(x.dtype == torch.float32 for x in step.params[k] if x is not None), k
     assert any(k.startswith("opt/") for k in step.carried)
+
+
+@pytest.mark.parametrize("name,mesh,layout,mb", [("mlp", "data:2", "batch:data", 1),
+                                                   ("moe", "data:2", "batch:data", 1),
+                                                   ("transformer", "stage:2", "layer:stage", 2)],
+                         ids=["mlp-dp", "moe-dp", "transformer-pipeline"])
+def test_bf16_other_models_and_a_pipeline(name, mesh, layout, mb):
+    # no repeat (mlp), routing with top_k (moe), a repeat cut into pipeline stages with
+    # micro-batches: the first loss (same params) differs by forward rounding only
+    m = load_model(name, tiny=True)
+    first = {}
+    for prec in ("fp32", "bf16"):
+        step = md.TrainStep(m.loss, m.params, mesh, layout, md.SimulatedComm(md.Mesh.parse(mesh)),
+                            optimizer=_opt(), precision=prec, microbatches=mb, schedule="1f1b")
+        first[prec] = step(m.feeds(0))[0]
+        assert all(x.dtype == torch.float32 for k in step.carried for x in step.params[k] if x is not None)
+    assert first["bf16"] == pytest.approx(first["fp32"], rel=FIRST_REL)
+    assert first["bf16"] != first["fp32"]
 
 
 def _collectives(plan):

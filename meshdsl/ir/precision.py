@@ -104,8 +104,7 @@ def _replay(nodes, env: dict[int, Tensor], low: torch.dtype) -> None:
     for n in nodes:
         if all(id(o) in env for o in n.outputs):
             continue
-        if n.op.name in ("param", "input"):
-            rule_for(n.op.name, n.name)
+        if n.op.name in ("param", "input", "placeholder"):  # leaves are reused: params stay fp32
             env.update((id(o), o) for o in n.outputs)
             continue
         ins = [env[id(t)] for t in n.inputs]
