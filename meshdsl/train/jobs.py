@@ -72,7 +72,8 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     """
     model = _load(model_ref, tiny)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
-                     microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm, precision=precision)
+                     microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm,
+                     precision=precision)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for _ in range(warmup):
