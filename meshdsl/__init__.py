@@ -12,7 +12,8 @@ Public API (everything else lives in subpackages and may change):
   :class:`TorchComm` (one rank per process); processes: :func:`launch`, :func:`spawn`
 * training and model files: :class:`Model` (what a model file's ``build`` returns),
   :func:`load_model`, :class:`TrainStep`, :func:`sgd`; optimizers :class:`SGD`, :class:`AdamW`,
-  :class:`Adafactor`, :func:`cosine_schedule`; :func:`memory_report` (bytes per rank of a plan)
+  :class:`Adafactor`, :func:`cosine_schedule`; :func:`memory_report` (bytes per rank of a plan);
+  :func:`mixed_precision` (a loss rebuilt for bf16 compute, as ``TrainStep(precision="bf16")`` does)
 * the training loop: :func:`fit` ``(model, mesh=..., layout=..., steps=..., data=...)`` -> :class:`TrainResult`, :class:`TokenData` (text batches),
   :func:`generate` (text from a trained language model); checkpoints :func:`save_checkpoint`,
   :func:`load_checkpoint`, :func:`latest_checkpoint`
@@ -28,6 +29,7 @@ from .exec.launch import launch, spawn
 from .exec.simulated import SimulatedComm, run_simulated
 from .ir.autodiff import grad, vjp
 from .ir.interpret import DenseProgram
+from .ir.precision import mixed_precision
 from .ir.repeat import repeat
 from .layout.layout import Layout
 from .layout.mesh import Mesh

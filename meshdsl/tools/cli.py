@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-from ..errors import MeshDSLError
+from ..errors import MeshDSLError, message
 from ..exec.dense import run_dense
 from ..exec.executor import Executor
 from ..exec.launch import in_torchrun
@@ -38,7 +38,7 @@ from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
 from .dist_cli import add_run, dist_args, is_rank0
 from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
-from .preflight import SEED_MAX, check_simulated_memory, float_in, int_in
+from .preflight import SEED_MAX, UsageError, check_simulated_memory, float_in, int_in
 from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .report import plan_report, print_report
 from .train_cli import add_train, load_configured
@@ -204,6 +204,11 @@ def run_on_simulated_mesh(plan, feeds, seed: int) -> tuple[dict[str, torch.Tenso
 
 
 def cmd_check(args) -> int:
+    if args.precision != "fp32":
+        raise UsageError(message(f"check --precision {args.precision}: check compares with the fp32 dense "
+                                 "program.",
+                                 rule="check pins exact equivalence, which holds in fp32 only",
+                                 fix="drop --precision (use it with plan and run)"))
     distributed = args.nproc is not None or in_torchrun()
     mesh = Mesh.parse(args.mesh)
     if distributed:

@@ -129,7 +129,7 @@ def cmd_run(args) -> int:
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
                                         args.lr, args.seed, args.warmup, args.microbatches, args.schedule,
-                                        opt, clip, args.config_overrides, True))
+                                        opt, clip, args.config_overrides, True, args.precision))
     if not is_rank0():
         return 0
     steps, timelines = results[0]

@@ -1,7 +1,8 @@
 """Optimizer flags shared by ``plan``, ``check`` and ``run``.
 
 ``--optimizer sgd|adamw|adafactor`` with ``--lr``, ``--momentum``, ``--betas B1,B2``,
-``--weight-decay`` and ``--clip-norm``.  Without ``--optimizer`` (and without an
+``--weight-decay``, ``--clip-norm`` and ``--precision fp32|bf16`` (the compute precision
+of the training step, :mod:`meshdsl.ops.precision`).  Without ``--optimizer`` (and without an
 optimizer-only flag) a command keeps the plain SGD step of ``--lr``; a flag that
 the chosen optimizer does not read is a usage error, not silently ignored.
 """
@@ -11,6 +12,7 @@ import argparse
 import math
 
 from ..errors import MeshDSLError, message
+from ..ops.precision import PRECISIONS
 from ..train.optimizers import OPTIMIZERS, Optimizer
 from .preflight import UsageError, float_in
 
@@ -43,6 +45,9 @@ def add_optimizer_args(p) -> None:
                    help="weight decay (AdamW/Adafactor: decoupled; SGD: added to the gradient)")
     p.add_argument("--clip-norm", type=float_in(0.0, lo_open=True, fix="pass e.g. --clip-norm 1.0"), default=None,
                    help="clip the global gradient norm (exact under any layout) to this")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32 (default) or bf16: bfloat16 matmuls with fp32 master weights, optimizer "
+                        "state, loss and gradient sums")
 
 
 def optimizer_from_args(args) -> tuple[Optimizer | None, float | None]:
@@ -80,12 +85,16 @@ def describe(opt: Optimizer | None, clip: float | None) -> str:
 
 def train_outputs(model, args) -> tuple[dict, dict]:
     """The training step's outputs for ``plan``/``check`` and the hyperparameter feeds they read."""
-    from ..train.step import optimizer_outputs
+    from ..ir.precision import mixed_precision
+    from ..train.step import optimizer_outputs, training_outputs
 
     opt, clip = optimizer_from_args(args)
+    loss = mixed_precision(model.loss, getattr(args, "precision", "fp32"))
     if opt is None:
-        return model.train_step(args.lr), {}
-    outs = optimizer_outputs(model.loss, model.params, opt, clip is not None)
+        if loss is model.loss:
+            return model.train_step(args.lr), {}
+        return training_outputs(loss, model.params, args.lr, with_grads=True), {}
+    outs = optimizer_outputs(loss, model.params, opt, clip is not None)
     feeds = opt.feeds(0)
     if clip is not None:
         import torch

@@ -16,6 +16,7 @@ import time
 
 from ..exec.launch import in_torchrun
 from ..layout.mesh import Mesh
+from ..ops.precision import PRECISIONS
 from ..lowering.compiler import compile as compile_plan
 from ..train.config import parse_config
 from ..train.data import TokenData
@@ -104,7 +105,9 @@ def add_train(sub) -> None:
     p.add_argument("--warmup-steps", type=int_in(0, fix="e.g. --warmup-steps 100"), default=None,
                    help="linear warmup over this many steps, then a cosine decay to lr/10 at the last "
                         "step (default: a constant learning rate)")
-    p.add_argument("--precision", choices=("fp32",), default="fp32", help="compute precision: fp32 only")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="compute precision: fp32, or bf16 compute with fp32 master weights, optimizer state "
+                        "and gradient reductions (see meshdsl/ops/precision.py)")
     p.add_argument("--accum", type=int_in(1, fix="e.g. --accum 4"), default=None,
                    help="gradient accumulation: cut each batch into k micro-batches (same step result)")
     p.add_argument("--microbatches", type=int_in(1, fix="e.g. --microbatches 4"), default=None,
@@ -172,7 +175,8 @@ def make_spec(args):
     spec = TrainSpec(model=args.model, tiny=args.tiny, config=overrides, mesh=args.mesh, layout=args.layout,
                      steps=steps, lr=args.lr, optimizer=opt_name, optimizer_args=opt_args, clip_norm=args.clip_norm,
                      warmup_steps=args.warmup_steps, seed=args.seed, data=args.data,
-                     microbatches=micro, schedule=args.schedule, checkpoint=args.checkpoint,
+                     microbatches=micro, schedule=args.schedule, precision=args.precision,
+                     checkpoint=args.checkpoint,
                      save_every=args.save_every or 0, keep=args.keep, resume=args.resume,
                      eval_every=args.eval_every or max(1, steps // 10),
                      out=args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")),

@@ -67,9 +67,9 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
               lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
               optimizer=None, clip_norm: float | None = None, config: dict | None = None,
-              with_timeline: bool = False):
-    """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``);
-    returns per-step (loss, StepStats, seconds) of the timed steps.
+              with_timeline: bool = False, precision: str = "fp32"):
+    """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``) in
+    ``precision``; returns per-step (loss, StepStats, seconds) of the timed steps.
 
     With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
     ``config`` holds overrides of the model's Config fields (``--config``).
@@ -78,7 +78,8 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     """
     model = _load(model_ref, tiny, config)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
-                     microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm)
+                     microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm,
+                     precision=precision)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for _ in range(warmup):

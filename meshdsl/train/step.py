@@ -20,6 +20,8 @@ from ..exec.executor import Executor
 from ..exec.fold import for_plan
 from ..exec.simulated import SimulatedComm
 from ..ir.autodiff import grad
+from ..ir.precision import mixed_precision
+from ..ops.precision import check_precision
 from ..lowering.compiler import compile
 from ..layout.sharding import Sharding
 from ..lowering.plan import Value
@@ -123,11 +125,17 @@ class TrainStep:
       schedule: the pipeline schedule when the layout pipelines a repeat (``"layer:stage"``).
       seed: param init seed (same values for every layout).
       lr: the learning rate of the plain SGD (``optimizer=None``).
+      precision: ``"fp32"`` (the default: every op in fp32, exactly the dense program) or
+        ``"bf16"``: matmuls in bfloat16 with fp32 params, optimizer state, loss and gradient
+        sums; the per-op rules are in :mod:`meshdsl.ops.precision`.
+
+    Raises:
+      GraphError: a bad ``clip_norm`` or an unknown ``precision``.
     """
 
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
                  optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
-                 schedule: str = "gpipe", seed: int = 0, lr: float = 0.01):
+                 schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32"):
         if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
             raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
                                      rule="the global gradient norm is clipped to a positive bound",
@@ -136,6 +144,9 @@ class TrainStep:
             from .optimizers import SGD
             optimizer = SGD(lr=lr)
         self.optimizer, self.clip_norm = optimizer, clip_norm
+        #: "fp32" or "bf16"
+        self.precision = check_precision(precision, "TrainStep")
+        loss = mixed_precision(loss, precision)
         if optimizer is None:
             self.outputs = training_outputs(loss, params, lr)
         else:

@@ -62,6 +62,7 @@ class TrainSpec:
     data: str | None = None
     microbatches: int = 1
     schedule: str = "gpipe"
+    precision: str = "fp32"
     checkpoint: str | None = None
     save_every: int = 0
     keep: int | None = None
@@ -116,7 +117,7 @@ def build_step(model: Model, spec: TrainSpec, comm) -> TrainStep:
     opt = None if plain else OPTIMIZERS[spec.optimizer](lr=spec.lr, **spec.optimizer_args)
     return TrainStep(model.loss, model.params, spec.mesh, spec.layout, comm, optimizer=opt,
                      clip_norm=spec.clip_norm, lr=spec.lr, seed=spec.seed, microbatches=spec.microbatches,
-                     schedule=spec.schedule)
+                     schedule=spec.schedule, precision=spec.precision)
 
 
 def run_step(step: TrainStep, feeds: dict, spec: TrainSpec, t: int):
