@@ -16,7 +16,6 @@ import time
 
 from ..exec.launch import in_torchrun
 from ..layout.mesh import Mesh
-from ..ops.precision import PRECISIONS
 from ..lowering.compiler import compile as compile_plan
 from ..train.config import parse_config
 from ..train.data import TokenData
@@ -105,9 +104,6 @@ def add_train(sub) -> None:
     p.add_argument("--warmup-steps", type=int_in(0, fix="e.g. --warmup-steps 100"), default=None,
                    help="linear warmup over this many steps, then a cosine decay to lr/10 at the last "
                         "step (default: a constant learning rate)")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="compute precision: fp32, or bf16 compute with fp32 master weights, optimizer state "
-                        "and gradient reductions (see meshdsl/ops/precision.py)")
     p.add_argument("--accum", type=int_in(1, fix="e.g. --accum 4"), default=None,
                    help="gradient accumulation: cut each batch into k micro-batches (same step result)")
     p.add_argument("--microbatches", type=int_in(1, fix="e.g. --microbatches 4"), default=None,
