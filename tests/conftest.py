@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +200,24 @@ def check_layouts(case: Case, mesh: str, cap: int | None = None, seed: int = 0, 
         pytest.fail(f"{len(failures)} of {len(layouts)} layouts differ from the dense program:\n"
                     + "\n".join(failures[:12]), pytrace=False)
     return len(layouts)
+
+
+def kill_when_marked(code: str, marker: Path, what: str, limit_s: float = 120.0) -> None:
+    """Run ``code`` in a fresh interpreter (this checkout first on its path) and SIGKILL it as
+    soon as it has written ``marker``; the assertion names ``what`` it never reached."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + limit_s
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, f"the child never reached {what}"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stderr.close()

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import meshdsl.train.checkpoint_load as checkpoint_load
+from conftest import kill_when_marked
 from meshdsl.core.shape import Dim, Shape
 from meshdsl.errors import MeshDSLError
 from meshdsl.exec.launch import spawn
@@ -225,21 +222,7 @@ _KILLED_SAVE = textwrap.dedent("""
 
 def test_a_save_killed_midway_leaves_the_last_checkpoint(tmp_path):
     code = _KILLED_SAVE.format(tests=str(ROOT / "tests"), root=str(tmp_path))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "MARKER").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never reached the second save"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        proc.stderr.close()
+    kill_when_marked(code, tmp_path / "MARKER", "the second save")
     assert (tmp_path / ".tmp-step-00000002").is_dir()            # the unfinished save
     assert (tmp_path / "latest").read_text() == "step-00000001\n"
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"

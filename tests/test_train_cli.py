@@ -6,18 +6,13 @@ Most tests call :func:`meshdsl.tools.cli.main` in-process with ``--tiny`` on a o
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from meshdsl import Mesh, SimulatedComm
+from conftest import kill_when_marked
 from meshdsl import Mesh, SimulatedComm
 from meshdsl.tools import cli
 from meshdsl.tools.train_cli import DP_MIN_FLOPS, auto_mesh
@@ -186,21 +181,7 @@ _KILLED = textwrap.dedent("""
 def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, capsys):
     root = tmp_path / "ck"
     code = _KILLED.format(root=str(root), out=str(tmp_path / "o"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "MARKER").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the run never reached the second save"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        proc.stderr.close()
+    kill_when_marked(code, tmp_path / "MARKER", "the second save")
     assert latest_checkpoint(root) == root / "step-00000002"
     assert not (root / "step-00000004").exists()
     info = read_metadata(root / "step-00000002")

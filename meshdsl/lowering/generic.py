@@ -10,7 +10,6 @@ partial sum; 'max'/'min' get an allreduce at once.
 from __future__ import annotations
 
 import itertools
-import math
 
 from ..layout.sharding import Sharding
 from .relayout import relayout_cost

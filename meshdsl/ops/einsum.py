@@ -24,7 +24,7 @@ class Einsum(Op):
     linear = False
 
     def infer(self, inputs, attrs):
-        names_in, names_out = attrs["in"], attrs["out"]
+        names_out = attrs["out"]
         sizes = {}
         for x in inputs:
             for d in x.shape:

@@ -76,27 +76,23 @@ class SgdStep(_Update):
         return 3 if attrs["momentum"] else 2
 
     def compute(self, ctx, attrs, p, g, *rest):
-        buf = rest[0] if attrs["momentum"] else None
-        lr, mom, wd, scale = (float(x) for x in rest[-4:])
-        g = g * scale if scale != 1.0 else g
-        if wd:
-            g = g.add(p, alpha=wd)
-        if buf is None:
-            return p.add(g, alpha=-lr)
-        buf = buf.mul(mom).add_(g)
-        return p.add(buf, alpha=-lr), buf
+        return _sgd(p, g, rest, attrs["momentum"], inplace=False)
 
     def compute_inplace(self, ctx, attrs, p, g, *rest):
         """The same update written into ``p`` (the executor donates the old param)."""
-        buf = rest[0] if attrs["momentum"] else None
-        lr, mom, wd, scale = (float(x) for x in rest[-4:])
-        g = g * scale if scale != 1.0 else g
-        if wd:
-            g = g.add(p, alpha=wd)
-        if buf is None:
-            return p.add_(g, alpha=-lr)
-        buf = buf.mul(mom).add_(g)
-        return p.add_(buf, alpha=-lr), buf
+        return _sgd(p, g, rest, attrs["momentum"], inplace=True)
+
+
+def _sgd(p, g, rest, momentum: bool, inplace: bool):
+    """One SGD step; ``rest`` is (buf?, lr, momentum, weight decay, grad scale)."""
+    buf = rest[0] if momentum else None
+    lr, mom, wd, scale = (float(x) for x in rest[-4:])
+    g = g * scale if scale != 1.0 else g
+    if wd:
+        g = g.add(p, alpha=wd)
+    step = g if buf is None else buf.mul(mom).add_(g)
+    new = p.add_(step, alpha=-lr) if inplace else p.add(step, alpha=-lr)
+    return new if buf is None else (new, step)
 
 
 @register
@@ -106,30 +102,28 @@ class AdamwUpdate(_Update):
     name = "adamw_update"
     num_tensors = 4
 
-    def compute(self, ctx, attrs, p, g, m, v, lr, b1, b2, eps, wd, step, scale):
-        lr, b1, b2, eps, wd, t, scale = (float(x) for x in (lr, b1, b2, eps, wd, step, scale))
-        if scale != 1.0:
-            g = g * scale
-        m = m.mul(b1).add_(g, alpha=1.0 - b1)
-        v = v.mul(b2).addcmul_(g, g, value=1.0 - b2)
-        bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        new = p.mul(1.0 - lr * wd) if wd else p.clone()
-        new.addcdiv_(m, denom, value=-lr / bc1)
-        return new, m, v
+    def compute(self, ctx, attrs, p, g, m, v, *hyper):
+        return _adamw(p, g, m, v, hyper, inplace=False)
 
-    def compute_inplace(self, ctx, attrs, p, g, m, v, lr, b1, b2, eps, wd, step, scale):
+    def compute_inplace(self, ctx, attrs, p, g, m, v, *hyper):
         """The same update written into ``p`` (the executor donates the old param)."""
-        lr, b1, b2, eps, wd, t, scale = (float(x) for x in (lr, b1, b2, eps, wd, step, scale))
-        if scale != 1.0:
-            g = g * scale
-        m = m.mul(b1).add_(g, alpha=1.0 - b1)
-        v = v.mul(b2).addcmul_(g, g, value=1.0 - b2)
-        bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        if wd:
-            p.mul_(1.0 - lr * wd)
-        return p.addcdiv_(m, denom, value=-lr / bc1), m, v
+        return _adamw(p, g, m, v, hyper, inplace=True)
+
+
+def _adamw(p, g, m, v, hyper, inplace: bool):
+    """One AdamW step; ``hyper`` is (lr, beta1, beta2, eps, weight decay, step, grad scale)."""
+    lr, b1, b2, eps, wd, t, scale = (float(x) for x in hyper)
+    if scale != 1.0:
+        g = g * scale
+    m = m.mul(b1).add_(g, alpha=1.0 - b1)
+    v = v.mul(b2).addcmul_(g, g, value=1.0 - b2)
+    bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+    denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+    if inplace:
+        new = p.mul_(1.0 - lr * wd) if wd else p
+    else:
+        new = p.mul(1.0 - lr * wd) if wd else p.clone()
+    return new.addcdiv_(m, denom, value=-lr / bc1), m, v
 
 
 @register

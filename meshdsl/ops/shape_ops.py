@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import einops
-import torch
 
 from ..core.graph import Tensor
 from ..core.shape import Dim, Shape, as_shape
@@ -115,7 +114,7 @@ class Reshape(Op):
         if clash:
             raise ShapeError(message(
                 f"reshape {x.shape} -> {y.shape}: dim '{clash[0]}' changes size but keeps its name.",
-                rule="a dim name means one size within an op", fix=f"give the new dim another name"))
+                rule="a dim name means one size within an op", fix="give the new dim another name"))
         return ComputeSpec(dims, fixed=fixed, out_rename={})
 
     def grad(self, node, douts):

@@ -112,7 +112,7 @@ def pipe_args(p) -> None:
 
 def seed_arg(p) -> None:
     p.add_argument("--seed", type=int_in(0, SEED_MAX, fix="pass a seed such as --seed 0"), default=0,
-                   help=f"seed of the synthetic data and the param init (0 .. 2**63-1)")
+                   help="seed of the synthetic data and the param init (0 .. 2**63-1)")
 
 
 # ----------------------------------------------------------------------------- plan

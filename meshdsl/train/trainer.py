@@ -394,4 +394,4 @@ def _rank_job(comm, spec: TrainSpec, data=None, eval_data=None):
 
 
 __all__ = ["TrainingError", "TrainResult", "TrainSpec", "build_step", "load_train_state", "model_id", "resume_from", "run_rank",
-           "lr_at", "make_feeder", "reads_text", "run_step", "train", "train_state"]
+           "lr_at", "make_feeder", "reads_text", "run_step", "fit", "train_state"]
