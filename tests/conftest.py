@@ -221,3 +221,24 @@ def kill_when_marked(code: str, marker: Path, what: str, limit_s: float = 120.0)
             proc.kill()
             proc.wait(30)
         proc.stderr.close()
+
+
+def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[list[float], list[float]]:
+    """The dense program's losses and global gradient norms over ``steps`` optimizer steps.
+
+    The oracle of the "same curve whatever the layout" tests: ``model``'s step with
+    optimizer ``opt`` and clipping at ``clip`` run as the dense program, params and
+    optimizer state carried by hand; step ``i`` reads ``feeds(i)`` (default ``model.feeds``).
+    """
+    step = md.TrainStep(model.loss, model.params, "data:1", "", md.SimulatedComm(md.Mesh.parse("data:1")),
+                        optimizer=opt, clip_norm=clip)
+    prog = md.DenseProgram(step.outputs)
+    state = prog.init_params(0)
+    losses, norms = [], []
+    for i in range(steps):
+        hyper = {**opt.feeds(i), "opt/clip_norm": torch.tensor(clip)}
+        out = prog({**(feeds or model.feeds)(i), **hyper}, state)
+        losses.append(float(out["loss"]))
+        norms.append(float(out["grad_norm"]))
+        state = {k: out[f"new/{k}"] for k in state}
+    return losses, norms

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import meshdsl as md
+from conftest import adamw_dense_curve
 from meshdsl.exec import launch
 from meshdsl.exec.distributed import TorchComm
 from meshdsl.train.jobs import agree_plan
@@ -50,23 +51,10 @@ def _opt():
 
 
 def dense_curve(model, steps=STEPS, feeds=None):
-    """The dense program's losses and gradient norms, its params and state carried by hand."""
+    """The dense program's losses and gradient norms (cached per model and step count)."""
     key = (id(model), steps)
-    if key in _DENSE:
-        return _DENSE[key]
-    opt = _opt()
-    step = md.TrainStep(model.loss, model.params, "data:1", "", md.SimulatedComm(md.Mesh.parse("data:1")),
-                        optimizer=opt, clip_norm=CLIP)
-    prog = md.DenseProgram(step.outputs)
-    state = prog.init_params(0)
-    losses, norms = [], []
-    for i in range(steps):
-        hyper = {**opt.feeds(i), "opt/clip_norm": torch.tensor(CLIP)}
-        out = prog({**(feeds or model.feeds)(i), **hyper}, state)
-        losses.append(float(out["loss"]))
-        norms.append(float(out["grad_norm"]))
-        state = {k: out[f"new/{k}"] for k in state}
-    _DENSE[key] = (losses, norms)
+    if key not in _DENSE:
+        _DENSE[key] = adamw_dense_curve(model, _opt(), CLIP, steps, feeds)
     return _DENSE[key]
 
 
