@@ -40,6 +40,12 @@ router probability of g), averaged over the groups.  ``Model.outputs`` holds ``m
 capacity, all layers) with ``moe/dropped/L`` per layer: compile them with the
 loss, e.g. ``md.run_simulated(md.compile({"loss": m.loss, **m.outputs}, ...))``.
 
+``Model.logits`` (the LM head's output) lets ``md.generate`` sample text from a trained
+model.  Routing is per sequence, and second choices queue after every first choice of
+their sequence, so with ``top_k=2`` a position's output can depend on later positions
+(as in Switch/GShard with per-group capacity): the samples read the padding after the
+prompt through the second choices' capacity.
+
 The layers are unrolled in Python over slices of the stacked params: a block
 of ``md.repeat`` returns only its carry, and the router's per-layer aux loss
 (which needs a gradient) and drop counts are per-layer outputs besides it.
@@ -233,4 +239,4 @@ def build(cfg: Config = Config()) -> Model:
         return {"ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
     outputs = {"moe/aux_loss": aux_total, "moe/dropped": dropped_total, **outputs}
-    return Model(graph, loss, params, feeds, cfg, outputs=outputs)
+    return Model(graph, loss, params, feeds, cfg, outputs=outputs, logits=logits_bsv)

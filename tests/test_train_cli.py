@@ -210,3 +210,18 @@ def test_train_with_adamw_warmup_and_clipping(capsys, tmp_path):
     assert rc == 2 and "--momentum given with --optimizer adamw" in err
     rc, _, err = run(capsys, "train", *TINY, "--steps", "4", "--warmup-steps", "5")
     assert rc == 2 and "--warmup-steps 5 is more than --steps 4" in err
+
+
+def test_train_moe_with_expert_parallelism_on_two_processes(capsys, tmp_path):
+    # `meshdsl train moe`: the routed MoE on text, its experts split over 2 gloo processes
+    # (dispatch and combine are alltoalls), AdamW with clipping.
+    rc, out, err = run(capsys, "train", "moe", "--tiny", "--mesh", "data:2", "--layout", "batch:data; experts:data",
+                       "--optimizer", "adamw", "--lr", "0.01", "--clip-norm", "1", "--steps", "3",
+                       "--samples", "1", "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    assert "meshdsl train moe: mesh 'data:2', layout 'batch:data; experts:data' on 2 process(es)" in out
+    assert "experts=4" in out and "alltoall" in out
+    rows = read_metrics(tmp_path / "o")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
+    assert (tmp_path / "o" / "samples.txt").read_text().strip()
