@@ -16,6 +16,10 @@ the corpus is loaded, so it covers building, compiling and training), next to wh
 activations) and the ZeRO arithmetic (the ``d_model`` part of params, grads and AdamW's two
 moments divided over N data ranks), for 2 and 4 processes.
 
+CPU: each side's whole step and its forward + backward alone, in thread CPU time (robust to
+other jobs' load), so a gap shows whether it lies in the model's math or in what the training
+step adds (optimizer update, clipping, data feeding, the loop).
+
     python bench/train.py                 # 3 rounds x 12 timed steps
     python bench/train.py --quick         # 1 round x 4 timed steps, fewer 4-process steps
     python bench/train.py --rounds 5 --steps 20 --config d_model=512,d_ff=2048
@@ -148,6 +152,55 @@ def _name(layout: str) -> str:
     return next(k for k, v in LAYOUTS.items() if v == layout)
 
 
+# ----------------------------------------------------------------------------- CPU breakdown
+
+def cpu_breakdown(config: dict, tokens: TokenData, steps: int) -> dict:
+    """CPU ms per step (this thread's time, so other jobs' load does not count) of each side's
+    whole training step and of its forward + backward alone, the four taking turns step by step.
+
+    The difference of the two is what the step adds to the model's math: the optimizer update,
+    clipping, data feeding and the loop.  meshdsl's whole step is ``trainer.run_step`` on the
+    feeds ``TokenFeeder`` builds (the calls ``run_rank`` makes); its forward + backward is the
+    dense program of the loss and every gradient.
+    """
+    from meshdsl.train.feeder import TokenFeeder
+    from meshdsl.train.trainer import run_step
+
+    torch.set_num_threads(1)
+    model = load_model("transformer", **config)
+    cfg, spec = model.config, make_spec(config, "data:1", "", steps + WARMUP)
+    step = build_step(model, spec, md.SimulatedComm(md.Mesh.parse("data:1")))
+    feeder = TokenFeeder(tokens, step.plan, [0], cfg.vocab)
+    fwd_bwd = md.DenseProgram({"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}})
+    params = fwd_bwd.init_params(0)
+    net = TorchGPT(cfg, md.DenseProgram(dict(model.params)).init_params(0))
+    opt = torch.optim.AdamW(net.parameters(), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
+                            weight_decay=HP["weight_decay"])
+
+    def torch_step(t, update=True):
+        ids, labels = tokens.batch(t, cfg.batch, cfg.seq)
+        opt.zero_grad(set_to_none=True)
+        net(ids, labels).backward()
+        if update:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), HP["clip"])
+            opt.step()
+
+    def meshdsl_fwd_bwd(t):
+        ids, labels = tokens.batch(t, cfg.batch, cfg.seq)
+        fwd_bwd({"ids": ids, "labels": labels}, params)
+
+    sides = {"torch step": torch_step, "torch fwd+bwd": lambda t: torch_step(t, False),
+             "meshdsl step": lambda t: run_step(step, feeder.train(t), spec, t), "meshdsl fwd+bwd": meshdsl_fwd_bwd}
+    cpu = {k: [] for k in sides}
+    for t in range(1, steps + WARMUP + 1):
+        for k, fn in sides.items():
+            c0 = time.thread_time()
+            fn(t)
+            if t > WARMUP:
+                cpu[k].append((time.thread_time() - c0) * 1e3)
+    return {k: statistics.median(v) for k, v in cpu.items()}
+
+
 # ----------------------------------------------------------------------------- the bench
 
 def _timed(ms: list[float]) -> list[float]:
@@ -234,6 +287,16 @@ def bench(args) -> int:
                   f"{pred['activations_peak'] / MiB:.1f}", f"{(plan_state + pred['activations_peak']) / MiB:.1f}",
                   f"{measured / MiB:.1f}")
     console.print(m)
+    cpu = cpu_breakdown(config, tokens, args.steps)
+    c = Table(title="CPU ms per step (thread time, median): where each side's step goes", title_justify="left")
+    for col in ("side", "whole step", "forward + backward", "the rest: update, clipping, data, loop"):
+        c.add_column(col, justify="left" if col == "side" else "right")
+    for side in ("torch", "meshdsl"):
+        whole, fb = cpu[f"{side} step"], cpu[f"{side} fwd+bwd"]
+        c.add_row(side, f"{whole:.1f}", f"{fb:.1f}", f"{whole - fb:.1f}")
+    c.add_row("meshdsl / torch", f"{cpu['meshdsl step'] / cpu['torch step']:.2f}",
+              f"{cpu['meshdsl fwd+bwd'] / cpu['torch fwd+bwd']:.2f}", "")
+    console.print(c)
     ticks1 = _cpu_ticks()
     steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
     console.print(f"load average at start {load0[0]:.2f}, at end {os.getloadavg()[0]:.2f}; "
@@ -247,7 +310,7 @@ def bench(args) -> int:
         "tokens_per_step": tokens_per_step, "tokens_per_s": per, "ratio_to_torch": ratio, "best_2proc": best2,
         "goals": {"1proc": GOAL_1, "2proc": GOAL_2}, "loss_max_rel_diff": drift,
         "runs": {k: [{"losses": r["losses"], "ms": r["ms"]} for r in v] for k, v in runs.items()},
-        "memory_bytes": memory, "load_average": [load0[0], os.getloadavg()[0]], "steal": steal,
+        "memory_bytes": memory, "cpu_ms_per_step": cpu, "load_average": [load0[0], os.getloadavg()[0]], "steal": steal,
         "python": platform.python_version(), "torch": torch.__version__}, indent=1))
     console.print(f"wrote {out.relative_to(ROOT)}")
     return 0
