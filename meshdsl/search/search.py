@@ -94,7 +94,8 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
     """
     t0 = time.perf_counter()
     stateful = any(k.startswith("opt/") for k in model.graph.params)
-    space = list(candidates(model, nproc, stateful))
+    pruned: list = []
+    space = list(candidates(model, nproc, stateful, pruned))
     seen: dict[Candidate, Ranked | str] = {}
 
     def price(c: Candidate):
@@ -129,8 +130,9 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
     ranked = [r for r in seen.values() if isinstance(r, Ranked)]
     ok = sorted((r for r in ranked if _fits(r, memory_limit)), key=lambda r: (r.prediction.step_s, r.candidate))
     over = [r for r in ranked if not _fits(r, memory_limit)]
-    invalid = [(c, r) for c, r in seen.items() if isinstance(r, str)]
-    return SearchResult(ok, len(space), len(seen), invalid, over, strategy, time.perf_counter() - t0)
+    invalid = pruned + [(c, r) for c, r in seen.items() if isinstance(r, str)]
+    return SearchResult(ok, len(space) + len(pruned), len(seen), invalid, over, strategy,
+                        time.perf_counter() - t0)
 
 
 def _fits(r: Ranked, limit: float | None) -> bool:

@@ -120,13 +120,35 @@ def _inputs(model) -> list:
     return [n.outputs[0] for n in model.graph.nodes if n.op.name == "input"]
 
 
-def candidates(model, nproc: int, stateful: bool = False):
-    """Yield every :class:`Candidate` for ``model`` on ``nproc`` processes (not yet compiled).
+def indivisible(c: Candidate, dims: dict[str, int]) -> str | None:
+    """Why ``c`` cannot compile for lack of divisibility (a quick test before compiling), or None.
+
+    Every rule's dim must be divisible by the size of the axes it is split over, and the
+    batch by the data axis times the micro-batches.
+    """
+    sizes = dict((name, int(size)) for name, size in (a.split(":") for a in c.mesh.split("; ")))
+    split: dict[str, int] = {}
+    for rule in filter(None, c.layout.split("; ")):
+        target, axis = rule.split(":")
+        dim = target.rsplit(".", 1)[-1]
+        split[dim] = max(split.get(dim, 1), sizes[axis])
+    if c.microbatches > 1:
+        split["batch"] = split.get("batch", 1) * c.microbatches
+    for dim, k in split.items():
+        if dims.get(dim, k) % k:
+            return f"dim '{dim}' of size {dims[dim]} is not divisible by {k}"
+    return None
+
+
+def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = None):
+    """Yield every :class:`Candidate` for ``model`` on ``nproc`` processes whose dims divide
+    (see :func:`indivisible`; not yet compiled).
 
     Args:
       model: a loaded :class:`~meshdsl.train.model.Model`.
       nproc: processes (mesh devices).
       stateful: the optimizer keeps state (ZeRO options make sense).
+      pruned: a list that receives ``(candidate, reason)`` for each candidate dropped.
     """
     dims = model_dims(model)
     batch = dims.get("batch", 1)
@@ -141,4 +163,9 @@ def candidates(model, nproc: int, stateful: bool = False):
             m = max(c[2] for c in combo)
             sched = next((c[3] for c in combo if c[3]), "gpipe")
             family = "+".join(name for _, name, _, _ in combo)
-            yield Candidate(text, rules, m, sched, family)
+            c = Candidate(text, rules, m, sched, family)
+            why = indivisible(c, dims)
+            if why is None:
+                yield c
+            elif pruned is not None:
+                pruned.append((c, why))
