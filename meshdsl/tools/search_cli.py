@@ -105,7 +105,8 @@ def add_search(sub) -> None:
     p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 3"), default=3,
                    help="timed steps per layout with --measure (default 3, after one warmup step)")
     p.add_argument("--plot", default="search-scatter.png", metavar="FILE.png",
-                   help="with --measure: the predicted-vs-measured scatter plot (default search-scatter.png)")
+                   help="with --measure: where to write the predicted-vs-measured scatter plot (default "
+                        "search-scatter.png)")
     p.add_argument("--explain", action="store_true", help="say why the winner wins over the runner-up")
     p.add_argument("--json", action="store_true", help="print the ranked candidates as a JSON list")
     lr_arg(p, 0.01)
@@ -142,6 +143,7 @@ def cmd_search(args) -> int:
     measured = measure(args, rows[:args.top]) if args.measure else None
     if measured is not None:
         rows = sorted(rows[:args.top], key=lambda r: measured[id(r)])
+        scatter(rows, measured, args.plot)
     if args.json:
         out = []
         for r in rows:
@@ -157,7 +159,6 @@ def cmd_search(args) -> int:
         for line in explain(result.ranked):
             console.print(line, highlight=False, soft_wrap=True)
     if measured is not None:
-        scatter(rows, measured, args.plot)
         console.print(f"predicted vs measured: {args.plot}", highlight=False)
     return 0
 
