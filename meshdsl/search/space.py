@@ -14,7 +14,9 @@ a few layout options, built from the dims the model has:
 * ``pipe``: ``layer`` over it, with a micro-batch count (2, 4, 8: the ones the
   batch allows) and a schedule (gpipe, 1f1b).
 
-A candidate is one option per role.  :func:`candidates` yields the strings;
+A candidate is one option per role, and on a mesh without a pipeline also a
+gradient accumulation count (:data:`ACCUMULATION`: fewer activations held, more
+kernels).  :func:`candidates` yields the strings;
 whether a candidate compiles (a dim the axis does not divide, a schedule the
 layer count does not allow) is settled by compiling it, in :mod:`.search`.
 """
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 
 ROLES = ("pipe", "data", "model")
 MICROBATCHES = (2, 4, 8)
+#: Gradient accumulation without a pipeline: micro-batch counts offered on meshes with no ``pipe`` axis.
+ACCUMULATION = (2,)
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -158,11 +162,12 @@ def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = 
         per_role = [role_options(role, size, dims, stateful, per_replica) if size > 1 else
                     [(f"batch:{role}" if role == "data" else "", "single", 1, "")] for role, size in mesh]
         text = "; ".join(f"{r}:{s}" for r, s in mesh)
-        for combo in itertools.product(*per_role):
+        accum = (1,) if "pipe" in sizes else (1,) + ACCUMULATION
+        for combo, k in itertools.product(itertools.product(*per_role), accum):
             rules = "; ".join(r for r, _, _, _ in combo if r)
-            m = max(c[2] for c in combo)
+            m = max(c[2] for c in combo) * k
             sched = next((c[3] for c in combo if c[3]), "gpipe")
-            family = "+".join(name for _, name, _, _ in combo)
+            family = "+".join(name for _, name, _, _ in combo) + (f"+accum{k}" if k > 1 else "")
             c = Candidate(text, rules, m, sched, family)
             why = indivisible(c, dims)
             if why is None:
