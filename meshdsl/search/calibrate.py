@@ -9,7 +9,10 @@
   (so ``bandwidth`` is a bus bandwidth, comparable across kinds and sizes);
 * kernels, in this process with one thread: matmul/bmm seconds against FLOPs,
   and elementwise/reduction seconds against bytes touched, each
-  ``overhead + amount / rate``.
+  ``overhead + amount / rate``;
+* the executor's own cost per step (dispatch, bookkeeping): a small training
+  step is run by :class:`~meshdsl.exec.executor.Executor` and the part of its
+  time the kernel lines do not explain is spread over its steps.
 
 The result is a :class:`Calibration` saved as JSON in
 ``$MESHDSL_CACHE_DIR`` (default ``~/.cache/meshdsl``), one file per host and
@@ -72,6 +75,7 @@ class Calibration:
       elementwise: seconds of an elementwise or reduction kernel against the bytes it touches.
       cores: CPU cores of the host: ranks beyond them share a core, so compute slows.
       source: ``"measured"`` or ``"defaults"`` (no calibration yet).
+      dispatch_s: the executor's own seconds per step, on top of the kernel or collective.
     """
 
     collectives: dict[str, dict[int, Line]]
@@ -81,6 +85,7 @@ class Calibration:
     host: str = field(default_factory=socket.gethostname)
     backend: str = "gloo"
     source: str = "measured"
+    dispatch_s: float = 0.0
 
     def collective(self, kind: str, nbytes: int, n: int) -> float:
         """Seconds of one collective sending ``nbytes`` per rank in a group of ``n``.
@@ -104,7 +109,7 @@ class Calibration:
 
     def to_json(self) -> dict:
         return {"version": VERSION, "host": self.host, "backend": self.backend, "cores": self.cores,
-                "source": self.source,
+                "source": self.source, "dispatch_s": self.dispatch_s,
                 "collectives": {k: {str(n): vars(l) for n, l in t.items()} for k, t in self.collectives.items()},
                 "matmul": vars(self.matmul), "elementwise": vars(self.elementwise)}
 
@@ -112,7 +117,7 @@ class Calibration:
     def from_json(cls, d: dict) -> "Calibration":
         return cls({k: {int(n): Line(**l) for n, l in t.items()} for k, t in d["collectives"].items()},
                    Line(**d["matmul"]), Line(**d["elementwise"]), d["cores"], d["host"], d["backend"],
-                   d.get("source", "measured"))
+                   d.get("source", "measured"), d.get("dispatch_s", 0.0))
 
     @classmethod
     def defaults(cls) -> "Calibration":
@@ -326,9 +331,40 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advanc
         if "error" in box:
             raise box["error"]
     cal = fit(box["samples"], kernels, backend)
+    cal.dispatch_s = dispatch_seconds(cal, 5 if quick else 20)
+    advance(1)
     save(cal)
     return cal
 
 
 def num_kernel_samples(quick: bool) -> int:
-    return len(MATMUL_SIDES) - (1 if quick else 0) + len(ELEMENTWISE_NUMELS)
+    return len(MATMUL_SIDES) - (1 if quick else 0) + len(ELEMENTWISE_NUMELS) + 1
+
+
+def dispatch_seconds(cal: Calibration, reps: int) -> float:
+    """The executor's seconds per step beyond the kernel lines, from the tiny transformer's
+    training step on one rank (median of ``reps`` runs, one thread)."""
+    from ..exec.executor import Executor
+    from ..exec.simulated import SimulatedComm
+    from ..lowering.compiler import compile as compile_plan
+    from ..train.model import load_model
+    from .predict import predict
+
+    model = load_model("transformer", tiny=True)
+    plan = compile_plan(model.train_step(0.01), "data:1", "")
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    params, feeds = ex.init_params(0), model.feeds(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ex.run(feeds, params)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ex.run(feeds, params)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    kernels = predict(plan, cal).step_s
+    num_steps = sum(1 for s in plan.steps if s.kind == "local")
+    return max(0.0, (sorted(times)[len(times) // 2] - kernels) / num_steps)

@@ -2,7 +2,8 @@
 
 Each step is priced on its own: a local kernel by its FLOPs (matmul-like ops:
 ``einsum``, ``gather``, ``scatter_add``) or by the bytes it reads and writes
-(everything else), a collective by its kind's fitted line for its group size.
+(everything else), a collective by its kind's fitted line for its group size;
+each adds the executor's calibrated cost per step.
 The step time then replays the executor's own issue order
 (:func:`meshdsl.exec.executor.issue_order` with the kinds torch.distributed
 runs asynchronously): an asynchronous collective occupies the link from its
@@ -63,11 +64,12 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration) -> float:
     """Seconds of one kernel or collective step (0 for leaves and splits)."""
     mesh = plan.mesh
     if step.is_collective:
-        return cal.collective(step.kind, step.bytes, mesh.axis_size(step.axes))
+        n = mesh.axis_size(step.axes)
+        return cal.collective(step.kind, step.bytes, n) + (cal.dispatch_s if n > 1 else 0.0)
     if step.kind != "local":
         return 0.0
     nbytes = sum(plan.values[v].local_bytes(mesh) for v in (*step.ins, *step.outs) if v in plan.values)
-    return cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, mesh.size)
+    return cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, mesh.size) + cal.dispatch_s
 
 
 class _Walk:

@@ -78,7 +78,8 @@ def print_calibration(cal: Calibration, console) -> None:
     console.print(t)
     console.print(f"matmul/bmm: {cal.matmul.rate / 1e9:.1f} GFLOP/s, {cal.matmul.fixed_s * 1e6:.1f} us per kernel; "
                   f"elementwise/reduction: {cal.elementwise.rate / 1e9:.2f} GB/s, "
-                  f"{cal.elementwise.fixed_s * 1e6:.1f} us per kernel (one thread)", highlight=False, soft_wrap=True)
+                  f"{cal.elementwise.fixed_s * 1e6:.1f} us per kernel (one thread); executor: "
+                  f"{cal.dispatch_s * 1e6:.1f} us per step", highlight=False, soft_wrap=True)
 
 
 # ----------------------------------------------------------------------------- search
