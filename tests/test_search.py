@@ -109,7 +109,7 @@ def _ranked(name: str, nproc: int):
     return _SEARCHED[key]
 
 
-@settings(derandomize=True, deadline=None, max_examples=12, suppress_health_check=list(HealthCheck))
+@settings(derandomize=True, deadline=None, max_examples=8, suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(["mlp", "transformer", "moe"]), nproc=st.sampled_from([2, 4]), pick=st.integers(0, 10**6))
 def test_every_ranked_candidate_compiles_and_checks(name, nproc, pick, capsys):
     ranked = _ranked(name, nproc)

@@ -25,7 +25,7 @@ from .predict import Prediction, predict
 from .space import Candidate, candidates
 
 EXHAUSTIVE_LIMIT = 600
-BEAM = 4
+BEAM = 3
 SKELETONS = 2
 
 
