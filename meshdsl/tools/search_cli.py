@@ -100,7 +100,8 @@ def add_search(sub) -> None:
                    help="processes (mesh devices) to plan for")
     p.add_argument("--memory-limit", type=float_in(0.0, lo_open=True, fix="e.g. --memory-limit 2"), default=None,
                    metavar="GB", help="most memory per rank a layout may need, in GB (10^9 bytes)")
-    p.add_argument("--top", type=int_in(1, fix="e.g. --top 5"), default=10, help="rows to show (default 10)")
+    p.add_argument("--top", type=int_in(1, fix="e.g. --top 5"), default=10,
+                   help="rows to show, and with --measure the layouts to run (default 10)")
     p.add_argument("--measure", action="store_true",
                    help="run the top K on real processes for a few steps each and re-rank by measured time")
     p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 3"), default=3,
@@ -147,7 +148,7 @@ def cmd_search(args) -> int:
         scatter(rows, measured, args.plot)
     if args.json:
         out = []
-        for r in rows:
+        for r in rows[:args.top]:
             d = r.to_json()
             if measured is not None:
                 d["measured_ms"] = measured[id(r)] * 1e3
@@ -158,7 +159,7 @@ def cmd_search(args) -> int:
     print_ranking(result, rows[:args.top], measured, console)
     if args.explain and len(result.ranked) > 0:
         for line in explain(result.ranked):
-            console.print(line, highlight=False, soft_wrap=True)
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
     if measured is not None:
         console.print(f"predicted vs measured: {args.plot}", highlight=False)
     return 0
