@@ -124,7 +124,7 @@ def run_case(name, config, nproc, steps, quick, cal):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"measure {MIN_LAYOUTS} layouts per case, not all")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (default 3)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
     ap.add_argument("--cases", nargs="*", default=None, help="e.g. mlp:2 transformer:4 (default: all four)")
     args = ap.parse_args()
     cal = load()
