@@ -183,6 +183,8 @@ def test_overlap_hides_async_communication():
     (["check", "mlp", "--tiny", "--mesh", "auto", "--layout", "batch:data"], "--mesh auto needs --layout auto"),
     (["check", "mlp", "--tiny", "--mesh", "x:2", "--layout", "auto"], "no layout found for mesh 'x:2'"),
     (["search", "mlp", "--tiny", "--nproc", "2", "--config", "nope=1"], "nope"),
+    (["search", "mlp", "--tiny", "--nproc", "2", "--measure", "--plot", "/no/such/folder/x.png"],
+     "cannot write the scatter plot"),
 ])
 def test_cli_errors_are_clean(argv, words, capsys):
     assert main(argv) == 2

@@ -140,6 +140,13 @@ def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
 def cmd_search(args) -> int:
     from .cli import _console
 
+    if args.measure:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.plot):
+            raise UsageError(message(f"--plot {args.plot}: cannot write the scatter plot there.",
+                                     inputs=[f"folder: {folder}"],
+                                     rule="--plot names a PNG file in an existing, writable folder",
+                                     fix="pass e.g. --plot search-scatter.png"))
     result, _ = run_search(args, args.nproc)
     rows = result.ranked
     measured = measure(args, rows[:args.top]) if args.measure else None
