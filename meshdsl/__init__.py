@@ -17,6 +17,9 @@ Public API (everything else lives in subpackages and may change):
 * the training loop: :func:`fit` ``(model, mesh=..., layout=..., steps=..., data=...)`` -> :class:`TrainResult`, :class:`TokenData` (text batches),
   :func:`generate` (text from a trained language model); checkpoints :func:`save_checkpoint`,
   :func:`load_checkpoint`, :func:`latest_checkpoint`
+* layout search: :func:`calibrate` (measure this machine, cache the fit), :func:`load_calibration`,
+  :func:`predict` (a plan's step time and memory per rank), :func:`search_layouts` (rank meshes and
+  layouts for N processes)
 """
 from .core.graph import Graph, Tensor
 from .core.shape import Dim, Shape
@@ -46,5 +49,8 @@ from .train.optim import sgd
 from .train.optimizers import SGD, Adafactor, AdamW
 from .train.step import TrainStep
 from .train.trainer import TrainResult, fit
+from .search.calibrate import calibrate, load as load_calibration
+from .search.predict import predict
+from .search.search import search as search_layouts
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 The rooms, bottom to top (see ARCHITECTURE.md)::
 
-    errors -> core -> ops -> ir -> layout -> collectives -> lowering -> exec -> train -> tools
+    errors -> core -> ops -> ir -> layout -> collectives -> lowering -> exec -> train -> search -> tools
 
 A module may import its own room and the rooms below it, at module level or
 inside a function alike.  ``meshdsl/__init__.py`` and ``__main__.py`` sit on top.
@@ -16,7 +16,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "meshdsl"
-ROOMS = ["errors", "core", "ops", "ir", "layout", "collectives", "lowering", "exec", "train", "tools"]
+ROOMS = ["errors", "core", "ops", "ir", "layout", "collectives", "lowering", "exec", "train", "search", "tools"]
 TOP = {"__init__", "__main__"}
 MAX_LINES = 400
 

@@ -38,9 +38,10 @@ from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
 from .dist_cli import add_run, dist_args, is_rank0
 from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
-from .preflight import SEED_MAX, UsageError, check_simulated_memory, float_in, int_in
+from .preflight import SEED_MAX, UsageError, check_simulated_memory, float_in, int_in, resolve_auto_layout
 from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .report import plan_report, print_report
+from .search_cli import add_calibrate, add_search, print_prediction
 from .train_cli import add_train, load_configured
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -85,9 +86,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="the name of a model shipped with meshdsl (e.g. 'transformer'), or a path "
                         "to a model .py file (e.g. ./my_model.py); a bare name never runs a file "
                         "from the current directory")
-    p.add_argument("--mesh", required=True, help='mesh axes and sizes, e.g. "data:2; model:2"')
+    p.add_argument("--mesh", required=True, help='mesh axes and sizes, e.g. "data:2; model:2"; "auto" with '
+                                                 '--layout auto: the search picks it')
     p.add_argument("--layout", default="",
-                   help='layout rules, e.g. "batch:data; heads:model; params.d_model:data"')
+                   help='layout rules, e.g. "batch:data; heads:model; params.d_model:data"; "auto": the best '
+                        'layout `meshdsl search` finds (printed)')
     p.add_argument("--tiny", action="store_true", help="build the model's Config.tiny() (for quick checks)")
     p.add_argument("--config", default="", metavar="K=V,...",
                    help="override fields of the model's Config, e.g. d_model=128,layers=8,seq=128")
@@ -130,6 +133,8 @@ def add_plan(sub) -> None:
                                                           "(the whole report; not with --totals/--only-comm)")
     form.add_argument("--totals", action="store_true", help="print only the collective totals")
     p.add_argument("--only-comm", action="store_true", help="list only the ops that communicate")
+    p.add_argument("--predict", action="store_true", help="also print the predicted time per op and per step "
+                                                          "(from `meshdsl calibrate`)")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
     p.set_defaults(run=cmd_plan)
@@ -139,6 +144,7 @@ def cmd_plan(args) -> int:
     if args.json and args.only_comm:
         raise MeshDSLError("--json and --only-comm conflict: the JSON report always lists every op.\n"
                            "Fix: drop --only-comm (filter the 'ops' whose 'collectives' are non-empty)")
+    resolve_auto_layout(args)
     Mesh.parse(args.mesh)
     model = load_configured(args)
     outputs, _ = train_outputs(model, args)
@@ -158,6 +164,8 @@ def cmd_plan(args) -> int:
                       f"{pipe['bubble_theory']:.1%}, activations held per stage {pipe['peak_theory']}",
                       highlight=False, soft_wrap=True)
         console.print(pipe["table"], highlight=False, markup=False)
+    if args.predict:
+        print_prediction(plan, console)
     return EXIT_OK
 
 
@@ -210,6 +218,7 @@ def cmd_check(args) -> int:
                                  rule="check pins exact equivalence, which holds in fp32 only",
                                  fix="drop --precision (use it with plan and run)"))
     distributed = args.nproc is not None or in_torchrun()
+    resolve_auto_layout(args)
     mesh = Mesh.parse(args.mesh)
     if distributed:
         from .dist_cli import preflight_processes
@@ -310,7 +319,7 @@ def report_check(want: dict, got: dict, tol: float, where: str) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-SUBCOMMANDS = [add_plan, add_check, add_run, add_train]
+SUBCOMMANDS = [add_plan, add_check, add_run, add_train, add_calibrate, add_search]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,8 +113,10 @@ def add_run(sub) -> None:
 
 def cmd_run(args) -> int:
     from ..lowering.compiler import compile as compile_plan
+    from .preflight import resolve_auto_layout
     from .train_cli import load_configured
 
+    resolve_auto_layout(args)
     mesh = Mesh.parse(args.mesh)
     preflight_processes(args, mesh)
     from .optim_args import optimizer_from_args, train_outputs

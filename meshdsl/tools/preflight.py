@@ -168,5 +168,12 @@ def check_simulated_memory(plan: Plan, available: int | None = None) -> None:
         fix="use --tiny, a smaller mesh, or --nproc N to run the ranks as separate processes"))
 
 
-__all__ = ["UsageError", "int_in", "float_in", "check_processes", "check_simulated_memory",
+def resolve_auto_layout(args, default_nproc: int | None = None, model=None) -> None:
+    """``--layout auto`` (and ``--mesh auto``): replace them by the search's best layout (printed)."""
+    if getattr(args, "layout", None) == "auto" or getattr(args, "mesh", None) == "auto":
+        from .search_cli import auto_layout
+        auto_layout(args, default_nproc, model)
+
+
+__all__ = ["resolve_auto_layout", "UsageError", "int_in", "float_in", "check_processes", "check_simulated_memory",
            "plan_bytes", "dense_bytes", "available_bytes", "max_local_procs"]

@@ -153,6 +153,10 @@ def make_spec(args):
     model = load_model(args.model, tiny=args.tiny, **overrides)
     batch = getattr(model.config, "batch", 1)
     why = "given"
+    if args.layout == "auto":
+        from .preflight import resolve_auto_layout
+        resolve_auto_layout(args, default_nproc=None, model=model)
+        why = "searched"
     args.auto = args.mesh is None
     if args.auto:
         nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None

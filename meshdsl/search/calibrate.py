@@ -1,0 +1,370 @@
+"""Calibration: measure this machine's collectives and kernels, fit a few figures, cache them.
+
+``meshdsl calibrate`` runs two sweeps and fits straight lines to them:
+
+* collectives, on real processes (:func:`meshdsl.exec.launch.spawn`, one torch
+  thread per rank): for each kind and group size, seconds against message
+  size, fitted as ``latency + fraction(n) * bytes / bandwidth`` where
+  ``fraction`` is the kind's ring factor from :data:`meshdsl.collectives.COLLECTIVES`
+  (so ``bandwidth`` is a bus bandwidth, comparable across kinds and sizes);
+* kernels, in this process with one thread: matmul/bmm seconds against FLOPs,
+  and elementwise/reduction seconds against bytes touched, each
+  ``overhead + amount / rate``;
+* the executor's own cost per step (dispatch, bookkeeping): a small training
+  step is run by :class:`~meshdsl.exec.executor.Executor` and the part of its
+  time the kernel lines do not explain is spread over its steps.
+
+The result is a :class:`Calibration` saved as JSON in
+``$MESHDSL_CACHE_DIR`` (default ``~/.cache/meshdsl``), one file per host and
+backend.  :func:`load` returns it, or the uncalibrated defaults of
+:mod:`meshdsl.lowering.cost` when there is none.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..collectives import COLLECTIVES
+from ..lowering.cost import DEFAULT as DEFAULT_COST
+
+#: The collective kinds the sweep measures (``send`` stands for the send/recv pair).
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "send")
+#: Message sizes in bytes per rank: full sweep and ``--quick``.
+SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+QUICK_SIZES = (1 << 10, 1 << 16, 1 << 20)
+#: Kernel sweep: square matmul sides and elementwise element counts.
+MATMUL_SIDES = (32, 64, 128, 256, 384)
+ELEMENTWISE_NUMELS = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+VERSION = 1
+
+
+def cache_dir() -> str:
+    """Where calibrations live: ``$MESHDSL_CACHE_DIR``, else ``~/.cache/meshdsl``."""
+    return os.environ.get("MESHDSL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "meshdsl")
+
+
+def cache_path(backend: str = "gloo", host: str | None = None) -> str:
+    """``<cache dir>/calibration-<host>-<backend>.json``."""
+    return os.path.join(cache_dir(), f"calibration-{host or socket.gethostname()}-{backend}.json")
+
+
+@dataclass(frozen=True)
+class Line:
+    """``seconds = fixed_s + amount / rate``: a fitted line (amount in FLOPs or bytes)."""
+
+    fixed_s: float
+    rate: float
+
+    def seconds(self, amount: float) -> float:
+        return self.fixed_s + amount / self.rate
+
+
+@dataclass
+class Calibration:
+    """Fitted figures of one host and backend.
+
+    Attributes:
+      collectives: kind -> group size -> :class:`Line` (``rate`` is the bus bandwidth in B/s,
+        applied to ``fraction(n) * bytes``).
+      matmul: seconds of a matmul-like kernel against its FLOPs.
+      elementwise: seconds of an elementwise or reduction kernel against the bytes it touches.
+      cores: CPU cores of the host: ranks beyond them share a core, so compute slows.
+      source: ``"measured"`` or ``"defaults"`` (no calibration yet).
+      dispatch_s: the executor's own seconds per step, on top of the kernel or collective.
+    """
+
+    collectives: dict[str, dict[int, Line]]
+    matmul: Line
+    elementwise: Line
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    host: str = field(default_factory=socket.gethostname)
+    backend: str = "gloo"
+    source: str = "measured"
+    dispatch_s: float = 0.0
+
+    def collective(self, kind: str, nbytes: int, n: int) -> float:
+        """Seconds of one collective sending ``nbytes`` per rank in a group of ``n``.
+
+        An unmeasured group size takes the nearest measured one's bandwidth and scales its
+        latency by the ring steps ``(n - 1)``; ``recv`` is priced with its ``send``.
+        """
+        if n <= 1 or kind == "split":
+            return 0.0
+        kind = "send" if kind in ("recv", "permute") else kind
+        table = self.collectives.get(kind) or self.collectives["allreduce"]
+        near = min(table, key=lambda m: (abs(m - n), m))
+        line = table[near]
+        steps = 1 if kind == "send" else (n - 1) / max(near - 1, 1)
+        return line.fixed_s * steps + COLLECTIVES[kind].fraction(n) * nbytes / line.rate
+
+    def kernel(self, matmul: bool, flops: int, nbytes: int, num_ranks: int = 1) -> float:
+        """Seconds of one local kernel; ranks beyond :attr:`cores` share cores (a slowdown)."""
+        t = self.matmul.seconds(flops) if matmul else self.elementwise.seconds(nbytes)
+        return t * max(1.0, num_ranks / self.cores)
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "host": self.host, "backend": self.backend, "cores": self.cores,
+                "source": self.source, "dispatch_s": self.dispatch_s,
+                "collectives": {k: {str(n): vars(l) for n, l in t.items()} for k, t in self.collectives.items()},
+                "matmul": vars(self.matmul), "elementwise": vars(self.elementwise)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Calibration":
+        return cls({k: {int(n): Line(**l) for n, l in t.items()} for k, t in d["collectives"].items()},
+                   Line(**d["matmul"]), Line(**d["elementwise"]), d["cores"], d["host"], d["backend"],
+                   d.get("source", "measured"), d.get("dispatch_s", 0.0))
+
+    @classmethod
+    def defaults(cls) -> "Calibration":
+        """The uncalibrated figures of :data:`meshdsl.lowering.cost.DEFAULT`."""
+        c = DEFAULT_COST
+        line = Line(c.latency_s, c.bandwidth_Bps)
+        return cls({k: {2: line} for k in KINDS}, Line(10e-6, c.flops_per_s), Line(5e-6, 2e9),
+                   source="defaults")
+
+
+def load(backend: str = "gloo") -> Calibration:
+    """This host's cached calibration for ``backend``, or :meth:`Calibration.defaults`."""
+    try:
+        with open(cache_path(backend)) as f:
+            d = json.load(f)
+        if d.get("version") == VERSION:
+            return Calibration.from_json(d)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return Calibration.defaults()
+
+
+def save(cal: Calibration) -> str:
+    """Write ``cal`` to its cache file; returns the path."""
+    path = cache_path(cal.backend, cal.host)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(cal.to_json(), f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def fit_line(xs, ys) -> Line:
+    """Least squares ``y = a + x / rate`` with ``a >= 0`` and a positive rate."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if slope <= 0:  # noise swamped the size dependence: price everything by the largest case
+        slope = max(ys) / max(xs) if max(xs) else 1e-12
+    fixed = my - slope * mx
+    if fixed < 0:  # a negative intercept is noise; refit through the origin
+        fixed = 0.0
+        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return Line(fixed, 1.0 / max(slope, 1e-18))
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def sweep_kernels(quick: bool = False, tick=lambda: None) -> dict:
+    """Time matmul/bmm and elementwise/reduction kernels with one thread; returns the samples."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    reps = 2 if quick else 4
+    mm, ew = [], []
+    try:
+        for side in MATMUL_SIDES[:-1] if quick else MATMUL_SIDES:
+            a, b = torch.randn(side, side), torch.randn(side, side)
+            mm.append((2 * side ** 3, _time(lambda: a @ b, reps)))
+            a3, b3 = torch.randn(4, side // 2, side), torch.randn(4, side, side // 2)
+            mm.append((2 * 4 * (side // 2) ** 2 * side, _time(lambda: torch.bmm(a3, b3), reps)))
+            tick()
+        for numel in ELEMENTWISE_NUMELS:
+            x, y = torch.randn(numel), torch.randn(numel)
+            ew.append((3 * 4 * numel, _time(lambda: x * y, reps)))
+            ew.append((2 * 4 * numel, _time(lambda: torch.exp(x), reps)))
+            ew.append((4 * numel, _time(lambda: x.sum(), reps)))
+            tick()
+    finally:
+        torch.set_num_threads(threads)
+    return {"matmul": mm, "elementwise": ew}
+
+
+def _collective_job(comm, sizes, reps, progress_file):
+    """On every rank: time each kind over each group (axes suffix) and size; rank 0 reports progress."""
+    import torch.distributed as dist
+
+    axes = comm.mesh.names
+    out: dict = {}
+    done = 0
+    for kind in KINDS:
+        for j in range(len(axes)):
+            group = tuple(axes[j:])
+            n = comm.mesh.axis_size(group)
+            if kind == "send" and n != 2:
+                continue
+            for size in sizes:
+                numel = size // 4
+                x = torch.randn(max(numel, n * 2))
+                args = {"allreduce": {"op": "sum"}, "allgather": {"dim": 0},
+                        "reduce_scatter": {"dim": 0, "op": "sum"},
+                        "alltoall": {"split_dim": 0, "concat_dim": 0}, "send": {"offset": 1, "tag": 7}}[kind]
+                me = comm.mesh.index_along(comm.rank, group)
+
+                def once():
+                    if kind == "send":
+                        comm.collective("send" if me == 0 else "recv", [x], group, args)
+                        comm.drain()
+                    else:
+                        comm.collective(kind, [x], group, args)
+
+                times = []
+                for _ in range(reps + 1):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    once()
+                    times.append(time.perf_counter() - t0)
+                out.setdefault(kind, {}).setdefault(n, []).append((x.numel() * 4, min(times[1:])))
+                done += 1
+                if comm.rank == 0 and progress_file:
+                    with open(progress_file, "w") as f:
+                        f.write(str(done))
+    return out
+
+
+def collective_mesh(nproc: int) -> str:
+    """A mesh whose axis suffixes give groups of 2, 4, ... ``nproc`` ranks (one axis otherwise)."""
+    if nproc >= 2 and nproc & (nproc - 1) == 0:
+        return "; ".join(f"g{i}:2" for i in range(nproc.bit_length() - 1))
+    return f"g0:{nproc}"
+
+
+def num_collective_samples(nproc: int, quick: bool) -> int:
+    groups = len(collective_mesh(nproc).split(";"))
+    sizes = len(QUICK_SIZES if quick else SIZES)
+    return sizes * (groups * (len(KINDS) - 1) + 1)
+
+
+def sweep_collectives(nproc: int, backend: str = "gloo", quick: bool = False, progress_file: str | None = None,
+                      timeout: float = 120.0) -> dict:
+    """Run :func:`_collective_job` on ``nproc`` fresh processes; returns rank 0's samples."""
+    from ..exec.launch import spawn
+
+    sizes = QUICK_SIZES if quick else SIZES
+    results = spawn(_collective_job, nproc, args=(sizes, 2 if quick else 4, progress_file), timeout=timeout,
+                    backend=backend, mesh=collective_mesh(nproc))
+    # Every rank waited for the slowest in each sample: take the per-sample max.
+    merged: dict = {}
+    for kind, table in results[0].items():
+        for n, rows in table.items():
+            merged.setdefault(kind, {})[n] = [
+                (b, max(r[kind][n][i][1] for r in results)) for i, (b, _) in enumerate(rows)]
+    return merged
+
+
+def fit(collective_samples: dict, kernel_samples: dict, backend: str = "gloo") -> Calibration:
+    """A :class:`Calibration` from the two sweeps' samples."""
+    coll = {}
+    for kind, table in collective_samples.items():
+        for n, rows in table.items():
+            frac = COLLECTIVES[kind].fraction(n)
+            coll.setdefault(kind, {})[n] = fit_line([frac * b for b, _ in rows], [t for _, t in rows])
+    mm = kernel_samples["matmul"]
+    ew = kernel_samples["elementwise"]
+    return Calibration(coll, fit_line([f for f, _ in mm], [t for _, t in mm]),
+                       fit_line([b for b, _ in ew], [t for _, t in ew]), backend=backend)
+
+
+def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advance=lambda k: None,
+              timeout: float = 120.0) -> Calibration:
+    """Run both sweeps on this machine, fit them, save the result and return it.
+
+    Args:
+      nproc: processes of the collective sweep; a power of two measures groups of 2, 4, ... nproc.
+      backend: the torch.distributed backend to measure.
+      quick: fewer sizes and repetitions (a few seconds; for tests).
+      advance: called with the number of samples just finished (drives a progress bar).
+      timeout: seconds the collective sweep may take before its processes are killed.
+
+    Returns:
+      The saved :class:`Calibration` (see :func:`cache_path`).
+    """
+    import tempfile
+    import threading
+
+    kernels = sweep_kernels(quick, tick=lambda: advance(1))
+    with tempfile.TemporaryDirectory() as tmp:
+        progress = os.path.join(tmp, "done")
+        box: dict = {}
+
+        def work():
+            try:
+                box["samples"] = sweep_collectives(nproc, backend, quick, progress, timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
+                box["error"] = e
+
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        seen = 0
+        while t.is_alive():
+            t.join(0.2)
+            try:
+                with open(progress) as f:
+                    now = int(f.read() or 0)
+            except (OSError, ValueError):
+                continue
+            if now > seen:
+                advance(now - seen)
+                seen = now
+        if "error" in box:
+            raise box["error"]
+    cal = fit(box["samples"], kernels, backend)
+    cal.dispatch_s = dispatch_seconds(cal, 5 if quick else 20)
+    advance(1)
+    save(cal)
+    return cal
+
+
+def num_kernel_samples(quick: bool) -> int:
+    return len(MATMUL_SIDES) - (1 if quick else 0) + len(ELEMENTWISE_NUMELS) + 1
+
+
+def dispatch_seconds(cal: Calibration, reps: int) -> float:
+    """The executor's seconds per step beyond the kernel lines, from the tiny transformer's
+    training step on one rank (median of ``reps`` runs, one thread)."""
+    from ..exec.executor import Executor
+    from ..exec.simulated import SimulatedComm
+    from ..lowering.compiler import compile as compile_plan
+    from ..train.model import load_model
+    from .predict import predict
+
+    model = load_model("transformer", tiny=True)
+    plan = compile_plan(model.train_step(0.01), "data:1", "")
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    params, feeds = ex.init_params(0), model.feeds(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ex.run(feeds, params)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ex.run(feeds, params)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    kernels = predict(plan, cal).step_s
+    num_steps = sum(1 for s in plan.steps if s.kind == "local")
+    return max(0.0, (sorted(times)[len(times) // 2] - kernels) / num_steps)

@@ -1,0 +1,163 @@
+"""Predicted step time and memory of a compiled plan, from a :class:`~.calibrate.Calibration`.
+
+Each step is priced on its own: a local kernel by its FLOPs (matmul-like ops:
+``einsum``, ``gather``, ``scatter_add``) or by the bytes it reads and writes
+(everything else), a collective by its kind's fitted line for its group size;
+each adds the executor's calibrated cost per step.
+The step time then replays the executor's own issue order
+(:func:`meshdsl.exec.executor.issue_order` with the kinds torch.distributed
+runs asynchronously): an asynchronous collective occupies the link from its
+issue (or when the link frees) and only the step that reads its result
+waits, so the prediction overlaps exactly what the runtime overlaps.  A loop
+runs its body ``times`` over; a pipeline prices each stage's forward and
+backward segment and runs its schedule through
+:func:`meshdsl.lowering.timeline.simulate`, so the bubble is the schedule's.
+Memory per rank is :func:`meshdsl.lowering.memory.memory_report`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..collectives import COLLECTIVES
+from ..exec.executor import issue_order
+from ..lowering.memory import memory_report
+from ..lowering.plan import Plan, Step
+from ..lowering.timeline import simulate
+from .calibrate import Calibration
+
+#: Ops priced by FLOPs (the rest by bytes touched).
+MATMUL_OPS = frozenset({"einsum", "gather", "scatter_add", "matmul", "bmm"})
+#: Kinds torch.distributed starts asynchronously (the executor issues them early).
+ASYNC_KINDS = frozenset(k for k, c in COLLECTIVES.items() if c.start is not None)
+
+
+@dataclass
+class Prediction:
+    """What a plan is predicted to cost per step on one rank.
+
+    Attributes:
+      step_s: predicted wall time of one step.
+      compute_s: kernel time summed (what the step would take with free communication).
+      comm_s: collective time summed (exposed or hidden).
+      exposed_comm_s: the part of the step spent waiting on communication.
+      bubble_s: pipeline idle time on the busiest stage (0 without a pipeline).
+      memory: :func:`~meshdsl.lowering.memory.memory_report` of the plan (bytes per rank).
+      comm_bytes: bytes per rank sent by collectives per step (``Plan.totals()``).
+      by_op: ``(label, op, compute_s, comm_s)`` per step with a cost, sub-plans multiplied out.
+    """
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    memory: dict
+    comm_bytes: int
+    by_op: list = field(default_factory=list)
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(self.memory[k] for k in ("params", "grads", "optimizer", "activations_peak"))
+
+
+def step_seconds(step: Step, plan: Plan, cal: Calibration) -> float:
+    """Seconds of one kernel or collective step (0 for leaves and splits)."""
+    mesh = plan.mesh
+    if step.is_collective:
+        n = mesh.axis_size(step.axes)
+        return cal.collective(step.kind, step.bytes, n) + (cal.dispatch_s if n > 1 else 0.0)
+    if step.kind != "local":
+        return 0.0
+    nbytes = sum(plan.values[v].local_bytes(mesh) for v in (*step.ins, *step.outs) if v in plan.values)
+    return cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, mesh.size) + cal.dispatch_s
+
+
+class _Walk:
+    """One pass over a plan, collecting per-op rows and totals."""
+
+    def __init__(self, cal: Calibration):
+        self.cal = cal
+        self.rows: list[tuple[str, str, float, float]] = []
+        self.compute = self.comm = self.bubble = 0.0
+
+    def plan_time(self, plan: Plan, mult: int, stages=None, stage=None) -> float:
+        """Wall time of one run of ``plan`` (only the steps of ``stage`` when given)."""
+        steps = plan.steps
+        ready: dict[int, float] = {}
+        cpu = link = 0.0
+        for i in issue_order(plan, ASYNC_KINDS):
+            s = steps[i]
+            if stages is not None and stage not in stages[i]:
+                continue
+            start = max([cpu] + [ready[v] for v in s.ins if v in ready])
+            if s.subplans:
+                dur = self.sub_time(s, plan, mult)
+                end = cpu = start + dur
+            else:
+                dur = step_seconds(s, plan, self.cal)
+                if s.is_collective:
+                    self.comm += mult * dur
+                    self.rows.append((s.label, s.kind, 0.0, mult * dur))
+                    begin = max(start, link)
+                    end = link = begin + dur
+                    if s.kind not in ASYNC_KINDS:
+                        cpu = end
+                else:
+                    if dur:
+                        self.compute += mult * dur
+                        self.rows.append((s.label, s.op, mult * dur, 0.0))
+                    end = cpu = start + dur
+            for v in s.outs:
+                ready[v] = end
+        return max([cpu, link] + list(ready.values()))
+
+    def sub_time(self, s: Step, plan: Plan, mult: int) -> float:
+        if s.kind == "pipeline":
+            return self.pipeline_time(s, mult)
+        return sum(s.runs(k) * self.plan_time(sub, mult * s.runs(k)) for k, sub in enumerate(s.subplans))
+
+    def pipeline_time(self, s: Step, mult: int) -> float:
+        sched, p = s.args["schedule"], s.args["num_stages"]
+        stages = s.args["stages"]
+        pro, fwd, bwd, fin = s.subplans
+        m = s.runs(1)
+        t_pro = self.plan_time(pro, mult)
+        fwd_t = [self.plan_time(fwd, mult * m, stages[1], st) for st in range(p)]
+        bwd_t = [self.plan_time(bwd, mult * m, stages[2], st) for st in range(p)]
+        t_fin = self.plan_time(fin, mult)
+        # Each stage's segment time already holds its transfers; the schedule adds the waiting.
+        stats = simulate(sched, lambda a: fwd_t[a.stage] if a.kind == "F" else bwd_t[a.stage] if a.kind == "B"
+                         else 0.0)
+        makespan = float(stats.makespan)
+        busy = max(float(r.busy) for r in stats.ranks)
+        self.bubble += mult * (makespan - busy)
+        return t_pro + makespan + t_fin
+
+
+def predict(plan: Plan, cal: Calibration) -> Prediction:
+    """Predicted step time, memory per rank and communication of ``plan``.
+
+    Args:
+      plan: a compiled training plan.
+      cal: the calibration (:func:`~.calibrate.load`).
+
+    Returns:
+      A :class:`Prediction`.
+    """
+    w = _Walk(cal)
+    total = w.plan_time(plan, 1)
+    comm_bytes = sum(t["bytes"] for t in plan.totals().values())
+    exposed = max(0.0, total - w.compute - w.bubble)
+    return Prediction(total, w.compute, w.comm, min(exposed, w.comm), w.bubble, memory_report(plan), comm_bytes,
+                      w.rows)
+
+
+def by_op_table(pred: Prediction, top: int | None = None) -> list[tuple[str, str, float, float]]:
+    """Rows of :attr:`Prediction.by_op` merged by label, most expensive first."""
+    merged: dict[tuple[str, str], list[float]] = {}
+    for label, op, comp, comm in pred.by_op:
+        acc = merged.setdefault((label, op), [0.0, 0.0])
+        acc[0] += comp
+        acc[1] += comm
+    rows = sorted(((l, o, c, m) for (l, o), (c, m) in merged.items()), key=lambda r: -(r[2] + r[3]))
+    return rows if top is None else rows[:top]

@@ -1,0 +1,169 @@
+"""Rank the candidates of :mod:`.space` by predicted step time.
+
+Each candidate is compiled (one training step) and priced by
+:func:`.predict.predict`; one that does not compile is invalid, one whose
+memory per rank exceeds the limit is infeasible, and both are counted (not
+ranked).  A space of at most :data:`EXHAUSTIVE_LIMIT` candidates is searched
+exhaustively.  A larger one is searched coarse to fine, a beam over meshes:
+each mesh is first priced by its cheapest few *skeletons* (the first option
+of each role: plain DP, Megatron TP, the fewest micro-batches), the
+:data:`BEAM` best meshes survive, and every candidate on them is then
+priced.  Options inside a role change a step's time far less than the mesh
+shape does (which dims are split how many ways), which is what makes the
+beam safe.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import MeshDSLError
+from ..lowering.compiler import compile as compile_plan
+from ..lowering.pipeline import MB_AXIS
+from .calibrate import Calibration
+from .predict import Prediction, predict
+from .space import Candidate, candidates
+
+EXHAUSTIVE_LIMIT = 600
+BEAM = 3
+SKELETONS = 2
+
+
+@dataclass
+class Ranked:
+    """A candidate with its prediction."""
+
+    candidate: Candidate
+    prediction: Prediction
+
+    def to_json(self) -> dict:
+        """The ``--json`` entry: ``mesh``, ``layout``, ``predicted_ms``, ``predicted_memory_bytes``,
+        ``comm_bytes`` (plus ``microbatches`` and ``schedule`` for a pipelined candidate, which
+        ``run`` needs as flags)."""
+        c, p = self.candidate, self.prediction
+        out = {"mesh": c.mesh, "layout": c.layout, "predicted_ms": p.step_s * 1e3,
+               "predicted_memory_bytes": p.memory_bytes, "comm_bytes": p.comm_bytes}
+        if c.pipelined:
+            out.update(microbatches=c.microbatches, schedule=c.schedule)
+        return out
+
+
+@dataclass
+class SearchResult:
+    """Ranked candidates, best first, and what was dropped.
+
+    Attributes:
+      ranked: the feasible candidates by predicted step time.
+      num_candidates: the size of the space.
+      num_evaluated: candidates compiled and priced.
+      invalid: ``(candidate, reason)`` of those that do not compile.
+      infeasible: ranked entries over the memory limit.
+      strategy: ``"exhaustive"`` or ``"beam"``.
+      seconds: wall time of the search.
+    """
+
+    ranked: list[Ranked]
+    num_candidates: int
+    num_evaluated: int
+    invalid: list
+    infeasible: list[Ranked]
+    strategy: str
+    seconds: float
+
+
+class NotRunnable(MeshDSLError):
+    """A plan that compiles but that real processes cannot run."""
+
+
+def evaluate(outputs, cand: Candidate, cal: Calibration) -> Ranked:
+    """Compile ``cand`` and predict it.
+
+    Raises:
+      MeshDSLError: the compiler's error when ``cand`` is invalid, or :class:`NotRunnable` when
+        its plan needs a collective over the micro-batch axis other than a sum: on real
+        processes a rank folds its micro-batches by summing them (``exec/fold.py``).
+    """
+    plan = compile_plan(outputs, cand.mesh, cand.layout, microbatches=cand.microbatches, schedule=cand.schedule)
+    for s, _ in plan.collectives():
+        if MB_AXIS in s.axes and s.kind != "allreduce":
+            raise NotRunnable(f"{s.kind} over the micro-batch axis ({s.label}): real processes fold "
+                              f"micro-batches by sums only")
+    return Ranked(cand, predict(plan, cal))
+
+
+def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | None = None,
+           exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam: int = BEAM) -> SearchResult:
+    """Rank every layout of ``model`` on ``nproc`` processes by predicted step time.
+
+    Args:
+      model: the loaded model (its dims define the space).
+      outputs: the training step's outputs (loss, new params, optimizer state).
+      nproc: processes (mesh devices).
+      cal: the calibration to price with.
+      memory_limit: bytes per rank a candidate may need at most (None: no limit).
+      exhaustive_limit: the largest space searched exhaustively.
+      beam: meshes kept by the coarse pass of a larger space.
+
+    Returns:
+      A :class:`SearchResult`; ``ranked`` is empty when nothing is valid and fits.
+    """
+    t0 = time.perf_counter()
+    stateful = any(k.startswith("opt/") for k in model.graph.params)
+    pruned: list = []
+    space = list(candidates(model, nproc, stateful, pruned))
+    seen: dict[Candidate, Ranked | str] = {}
+
+    def price(c: Candidate):
+        if c not in seen:
+            try:
+                seen[c] = evaluate(outputs, c, cal)
+            except MeshDSLError as e:
+                seen[c] = str(e).splitlines()[0]
+        return seen[c]
+
+    if len(space) <= exhaustive_limit:
+        strategy, todo = "exhaustive", space
+    else:
+        strategy = "beam"
+        by_mesh: dict[str, list[Candidate]] = {}
+        for c in space:
+            by_mesh.setdefault(c.mesh, []).append(c)
+        best: dict[str, float] = {}
+        for mesh, cs in by_mesh.items():
+            found = 0
+            for c in _skeletons(cs):
+                r = price(c)
+                if isinstance(r, Ranked) and _fits(r, memory_limit):
+                    best[mesh] = min(best.get(mesh, float("inf")), r.prediction.step_s)
+                    found += 1
+                if found == SKELETONS:
+                    break
+        keep = sorted(best, key=best.get)[:beam]
+        todo = [c for m in keep for c in by_mesh[m]]
+    for c in todo:
+        price(c)
+    ranked = [r for r in seen.values() if isinstance(r, Ranked)]
+    ok = sorted((r for r in ranked if _fits(r, memory_limit)), key=lambda r: (r.prediction.step_s, r.candidate))
+    over = [r for r in ranked if not _fits(r, memory_limit)]
+    invalid = pruned + [(c, r) for c, r in seen.items() if isinstance(r, str)]
+    return SearchResult(ok, len(space) + len(pruned), len(seen), invalid, over, strategy,
+                        time.perf_counter() - t0)
+
+
+def _fits(r: Ranked, limit: float | None) -> bool:
+    return limit is None or r.prediction.memory_bytes <= limit
+
+
+def _skeletons(cs: list[Candidate]):
+    """A mesh's candidates, one per strategy family head first (``DP+TP`` before its variants),
+    then the rest: the coarse pass prices the first :data:`SKELETONS` of them that are valid."""
+    heads: set[str] = set()
+    rest = []
+    for c in cs:
+        head = c.family.split("(")[0]
+        if head in heads:
+            rest.append(c)
+        else:
+            heads.add(head)
+            yield c
+    yield from rest

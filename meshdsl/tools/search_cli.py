@@ -1,0 +1,315 @@
+"""``meshdsl calibrate``, ``meshdsl search``, ``plan --predict`` and ``--layout auto``.
+
+``calibrate`` measures this machine (:mod:`meshdsl.search.calibrate`) and
+caches the fit; ``search`` ranks the layouts of a model on N processes by the
+cost model (:mod:`meshdsl.search.search`), optionally re-ranks the top K by
+measured step time on real processes and plots predicted against measured;
+``--layout auto`` in ``run``, ``check`` and ``train`` runs the search and uses
+its winner (:func:`auto_layout`, called from :mod:`.preflight`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from ..errors import message
+from ..search.calibrate import Calibration, cache_path, calibrate, load, num_collective_samples, num_kernel_samples
+from ..search.predict import Prediction, by_op_table, predict
+from ..search.search import Ranked, SearchResult, search
+from .preflight import UsageError, float_in, int_in
+
+GB = 1e9
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+def add_calibrate(sub) -> None:
+    from .cli import EXIT_CODES
+
+    p = sub.add_parser("calibrate", help="measure this machine's collectives and kernels for the cost model",
+                       description="Time every collective kind over groups of 2 .. N real processes and a "
+                                   "sweep of message sizes, and matmul/elementwise kernels over a sweep of "
+                                   "shapes; fit latency and bandwidth per kind and group size, and kernel "
+                                   "rates; cache them for `meshdsl search` and `plan --predict`.",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int_in(2, 16, fix="pass 2, 4 or 8"), default=2,
+                   help="processes of the collective sweep; a power of two also measures the smaller "
+                        "groups (default 2)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="backend to measure (default gloo)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (a few seconds)")
+    p.add_argument("--timeout", type=float_in(0.0, lo_open=True, fix="e.g. --timeout 120"), default=120.0,
+                   help="seconds the collective sweep may take (default 120)")
+    p.set_defaults(run=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from rich.progress import Progress
+
+    from ..exec.distributed import resolve_backend
+    from .cli import _console
+
+    resolve_backend(args.backend)
+    console = _console()
+    total = num_kernel_samples(args.quick) + num_collective_samples(args.nproc, args.quick)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"calibrating ({args.nproc} processes, {args.backend})", total=total)
+        cal = calibrate(args.nproc, args.backend, args.quick, lambda k: bar.advance(task, k), args.timeout)
+    print_calibration(cal, console)
+    console.print(f"saved to {cache_path(cal.backend, cal.host)}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def print_calibration(cal: Calibration, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"calibration of {cal.host} ({cal.backend}, {cal.cores} cores)", title_justify="left")
+    for col in ("collective", "group", "latency us", "bus bandwidth GB/s"):
+        t.add_column(col, justify="left" if col == "collective" else "right")
+    for kind, table in cal.collectives.items():
+        for n, line in sorted(table.items()):
+            t.add_row("send/recv" if kind == "send" else kind, str(n), f"{line.fixed_s * 1e6:.0f}",
+                      f"{line.rate / 1e9:.2f}")
+    console.print(t)
+    console.print(f"matmul/bmm: {cal.matmul.rate / 1e9:.1f} GFLOP/s, {cal.matmul.fixed_s * 1e6:.1f} us per kernel; "
+                  f"elementwise/reduction: {cal.elementwise.rate / 1e9:.2f} GB/s, "
+                  f"{cal.elementwise.fixed_s * 1e6:.1f} us per kernel (one thread); executor: "
+                  f"{cal.dispatch_s * 1e6:.1f} us per step", highlight=False, soft_wrap=True)
+
+
+# ----------------------------------------------------------------------------- search
+
+def add_search(sub) -> None:
+    from .cli import EXIT_CODES, lr_arg
+
+    p = sub.add_parser("search", help="rank meshes and layouts of MODEL on N processes by predicted step time",
+                       description="Enumerate the meshes for N processes and the layouts over them (data, "
+                                   "tensor, FSDP, ZeRO, expert and pipeline parallelism), drop those that do "
+                                   "not compile or do not fit --memory-limit, and rank the rest by the step "
+                                   "time the calibrated cost model predicts (`meshdsl calibrate`).",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="a shipped model's name (e.g. 'transformer') or a model .py file")
+    p.add_argument("--tiny", action="store_true", help="build the model's Config.tiny()")
+    p.add_argument("--config", default="", metavar="K=V,...", help="override Config fields, e.g. layers=24")
+    p.add_argument("--nproc", type=int_in(1, 4096, fix="pass a process count, e.g. --nproc 4"), required=True,
+                   help="processes (mesh devices) to plan for")
+    p.add_argument("--memory-limit", type=float_in(0.0, lo_open=True, fix="e.g. --memory-limit 2"), default=None,
+                   metavar="GB", help="most memory per rank a layout may need, in GB (10^9 bytes)")
+    p.add_argument("--top", type=int_in(1, fix="e.g. --top 5"), default=10,
+                   help="rows to show, and with --measure the layouts to run (default 10)")
+    p.add_argument("--measure", action="store_true",
+                   help="run the top K on real processes for a few steps each and re-rank by measured time")
+    p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 3"), default=3,
+                   help="timed steps per layout with --measure (default 3, after one warmup step)")
+    p.add_argument("--plot", default="search-scatter.png", metavar="FILE.png",
+                   help="with --measure: where to write the predicted-vs-measured scatter plot (default "
+                        "search-scatter.png)")
+    p.add_argument("--explain", action="store_true", help="say why the winner wins over the runner-up")
+    p.add_argument("--json", action="store_true", help="print the ranked candidates as a JSON list")
+    lr_arg(p, 0.01)
+    p.set_defaults(run=cmd_search)
+
+
+def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
+    """Load the model of ``args`` and search ``nproc`` processes; refuse a search with no result."""
+    from .optim_args import train_outputs
+    from .train_cli import load_configured
+
+    model = model or load_configured(args)
+    outputs, _ = train_outputs(model, args)
+    limit = None if getattr(args, "memory_limit", None) is None else args.memory_limit * GB
+    result = search(model, outputs, nproc, load(), limit)
+    if not result.ranked:
+        smallest = min((r.prediction.memory_bytes for r in result.infeasible), default=None)
+        raise UsageError(message(
+            f"search {args.model} on {nproc} processes: no layout is valid and fits.",
+            inputs=[f"candidates: {result.num_candidates}", f"invalid: {len(result.invalid)}",
+                    f"over the memory limit: {len(result.infeasible)}"],
+            bullets=[f"the smallest needs {smallest / GB:.3f} GB per rank, over --memory-limit "
+                     f"{args.memory_limit:g}"] if smallest is not None else [],
+            rule="a layout must compile for the mesh and fit the memory limit on every rank",
+            fix="raise --memory-limit, use more processes, or shrink the model with --config"))
+    return result, model
+
+
+def cmd_search(args) -> int:
+    from .cli import _console
+
+    if args.measure:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.plot):
+            raise UsageError(message(f"--plot {args.plot}: cannot write the scatter plot there.",
+                                     inputs=[f"folder: {folder}"],
+                                     rule="--plot names a PNG file in an existing, writable folder",
+                                     fix="pass e.g. --plot search-scatter.png"))
+    result, _ = run_search(args, args.nproc)
+    rows = result.ranked
+    measured = measure(args, rows[:args.top]) if args.measure else None
+    if measured is not None:
+        rows = sorted(rows[:args.top], key=lambda r: measured[id(r)])
+        scatter(rows, measured, args.plot)
+    if args.json:
+        out = []
+        for r in rows[:args.top]:
+            d = r.to_json()
+            if measured is not None:
+                d["measured_ms"] = measured[id(r)] * 1e3
+            out.append(d)
+        print(json.dumps(out))
+        return 0
+    console = _console()
+    print_ranking(result, rows[:args.top], measured, console)
+    if args.explain and len(result.ranked) > 0:
+        for line in explain(result.ranked):
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
+    if measured is not None:
+        console.print(f"predicted vs measured: {args.plot}", highlight=False)
+    return 0
+
+
+def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -> None:
+    from rich.table import Table
+
+    cal = load()
+    t = Table(title=f"{result.num_candidates} candidates ({result.strategy} search, {result.num_evaluated} "
+                    f"compiled, {len(result.invalid)} invalid, {len(result.infeasible)} over the memory limit) "
+                    f"in {result.seconds:.1f} s; cost model: {cal.source} figures of {cal.host}",
+              title_justify="left")
+    for col in ("#", "mesh", "layout", "pipeline", "predicted ms", "memory/rank", "comm/step") + \
+               (("measured ms",) if measured is not None else ()):
+        t.add_column(col, justify="left" if col in ("mesh", "layout", "pipeline") else "right")
+    for i, r in enumerate(rows):
+        c, p = r.candidate, r.prediction
+        t.add_row(str(i + 1), c.mesh, c.layout or "(replicated)",
+                  f"m={c.microbatches} {c.schedule}" if c.pipelined else "",
+                  f"{p.step_s * 1e3:.2f}", _mb(p.memory_bytes), _mb(p.comm_bytes),
+                  *((f"{measured[id(r)] * 1e3:.2f}",) if measured is not None else ()))
+    console.print(t)
+    best = rows[0].candidate
+    flags = f" --microbatches {best.microbatches} --schedule {best.schedule}" if best.pipelined else ""
+    console.print(f"best: --mesh '{best.mesh}' --layout '{best.layout}'{flags}", highlight=False, soft_wrap=True)
+
+
+def explain(ranked: list[Ranked]) -> list[str]:
+    """Why the first of ``ranked`` wins: where its time goes and what the runner-up pays for."""
+    def parts(p: Prediction) -> str:
+        return (f"{p.compute_s * 1e3:.2f} ms compute, {p.exposed_comm_s * 1e3:.2f} ms exposed communication "
+                f"(of {p.comm_s * 1e3:.2f} ms), {p.bubble_s * 1e3:.2f} ms pipeline bubble")
+
+    win = ranked[0]
+    lines = [f"winner {win.candidate.family} on '{win.candidate.mesh}': {win.prediction.step_s * 1e3:.2f} ms = "
+             + parts(win.prediction) + f"; sends {_mb(win.prediction.comm_bytes)} per step"]
+    top = by_op_table(win.prediction, 3)
+    lines.append("  its costliest ops: " + ", ".join(f"{l} [{k}] ({(c + m) * 1e3:.2f} ms)" for l, k, c, m in top))
+    if len(ranked) > 1:
+        run = ranked[1]
+        w, r = win.prediction, run.prediction
+        diffs = [("compute", r.compute_s - w.compute_s), ("exposed communication", r.exposed_comm_s - w.exposed_comm_s),
+                 ("bubble", r.bubble_s - w.bubble_s)]
+        worst = max(diffs, key=lambda d: d[1])
+        lines.append(f"runner-up {run.candidate.family} on '{run.candidate.mesh}' ('{run.candidate.layout}'): "
+                     f"{r.step_s * 1e3:.2f} ms = " + parts(r) + f"; it pays most for {worst[0]} "
+                     f"(+{worst[1] * 1e3:.2f} ms) and sends {_mb(r.comm_bytes)} per step")
+    return lines
+
+
+def measure(args, rows: list[Ranked]) -> dict[int, float]:
+    """Median measured step seconds of each row, ``steps`` timed steps on real processes each."""
+    from rich.progress import Progress
+
+    from ..exec.launch import launch
+    from ..train.jobs import train_job
+    from .cli import _console
+    from .optim_args import optimizer_from_args
+
+    opt, clip = optimizer_from_args(args)
+    out = {}
+    with Progress(console=_console(), transient=True) as bar:
+        task = bar.add_task("measuring", total=len(rows))
+        for r in rows:
+            c = r.candidate
+            res = launch(train_job, c.mesh, args=(args.model, args.tiny, c.mesh, c.layout, args.steps, args.lr, 0, 1,
+                                                  c.microbatches, c.schedule, opt, clip, args.config_overrides),
+                         backend="gloo", timeout=600)
+            out[id(r)] = statistics.median(w for _, _, w in res[0])
+            bar.advance(task)
+    return out
+
+
+def scatter(rows: list[Ranked], measured: dict, path: str) -> None:
+    """Write the predicted-vs-measured scatter plot of ``rows`` to ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r.prediction.step_s * 1e3 for r in rows]
+    ys = [measured[id(r)] * 1e3 for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(xs, ys)
+    for r, x, y in zip(rows, xs, ys):
+        ax.annotate(r.candidate.family, (x, y), fontsize=7)
+    hi = max(xs + ys) * 1.1
+    ax.plot([0, hi], [0, hi], "k--", linewidth=0.5)
+    ax.set_xlabel("predicted step ms")
+    ax.set_ylabel("measured step ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- plan --predict, --layout auto
+
+def print_prediction(plan, console, top: int = 15) -> None:
+    """``plan --predict``: the predicted time per op (costliest first) and in total."""
+    from rich.table import Table
+
+    cal = load()
+    p = predict(plan, cal)
+    t = Table(title=f"predicted per step ({cal.source} figures of {cal.host}); costliest {top} ops",
+              title_justify="left")
+    for col in ("op", "kind", "compute ms", "comm ms"):
+        t.add_column(col, justify="left" if col in ("op", "kind") else "right")
+    for label, op, comp, comm in by_op_table(p, top):
+        t.add_row(label, op, f"{comp * 1e3:.3f}", f"{comm * 1e3:.3f}")
+    console.print(t)
+    console.print(f"predicted step {p.step_s * 1e3:.2f} ms: compute {p.compute_s * 1e3:.2f} ms, communication "
+                  f"{p.comm_s * 1e3:.2f} ms ({p.exposed_comm_s * 1e3:.2f} ms exposed), pipeline bubble "
+                  f"{p.bubble_s * 1e3:.2f} ms; memory per rank {_mb(p.memory_bytes)}; sends "
+                  f"{_mb(p.comm_bytes)} per step", highlight=False, soft_wrap=True)
+
+
+def auto_layout(args, default_nproc: int | None = None, model=None) -> None:
+    """``--layout auto``: search, then set ``args.mesh``, ``args.layout`` (and the pipeline flags).
+
+    With ``--mesh auto`` the search covers every mesh of ``--nproc`` (default: the CPU cores)
+    processes; with a given mesh, the layouts over that mesh.
+    """
+    from ..layout.mesh import Mesh
+
+    if args.layout != "auto":
+        if args.mesh == "auto":
+            raise UsageError(message("--mesh auto needs --layout auto.", rule="the search picks mesh and layout "
+                                     "together", fix="add --layout auto, or give a mesh such as --mesh data:2"))
+        return
+    given = None if args.mesh in (None, "auto") else Mesh.parse(args.mesh)
+    nproc = given.size if given is not None else (getattr(args, "nproc", None) or default_nproc or os.cpu_count())
+    result, _ = run_search(args, nproc, model)
+    rows = result.ranked if given is None else [r for r in result.ranked if r.candidate.mesh == str(given)]
+    if not rows:
+        raise UsageError(message(f"--layout auto: no layout found for mesh '{given}'.",
+                                 inputs=[f"meshes searched: {sorted({r.candidate.mesh for r in result.ranked})}"],
+                                 rule="the search names its axes pipe, data and model",
+                                 fix="use --mesh auto, or one of the meshes searched"))
+    best = rows[0].candidate
+    args.mesh, args.layout = best.mesh, best.layout
+    if hasattr(args, "microbatches") and best.pipelined:
+        args.microbatches, args.schedule = best.microbatches, best.schedule
+    print(f"--layout auto: mesh '{best.mesh}', layout '{best.layout}'"
+          + (f", {best.microbatches} micro-batches, {best.schedule}" if best.pipelined else "")
+          + f" (predicted {rows[0].prediction.step_s * 1e3:.2f} ms per step, best of {len(result.ranked)})",
+          flush=True)

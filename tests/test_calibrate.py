@@ -1,0 +1,78 @@
+"""Calibration: the fit recovers known lines, the sweep runs on real processes and lands in the cache.
+
+Every test points ``MESHDSL_CACHE_DIR`` at its own folder, so the user's cache
+is never read or written.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from meshdsl.search import calibrate as cal_mod
+from meshdsl.search.calibrate import Calibration, cache_path, fit_line, load
+from meshdsl.tools.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHDSL_CACHE_DIR", str(tmp_path))
+
+
+def test_fit_recovers_an_exact_line():
+    xs = [1e3, 1e4, 1e5, 1e6]
+    line = fit_line(xs, [20e-6 + x / 2e9 for x in xs])
+    assert line.fixed_s == pytest.approx(20e-6, rel=1e-9)
+    assert line.rate == pytest.approx(2e9, rel=1e-9)
+
+
+def test_fit_never_goes_negative():
+    line = fit_line([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])  # intercept -1: refit through the origin
+    assert line.fixed_s == 0.0 and line.rate > 0
+
+
+def test_no_cache_means_the_defaults():
+    assert load().source == "defaults"
+
+
+def test_collective_price_uses_the_ring_factor():
+    c = Calibration.defaults()
+    line = c.collectives["allreduce"][2]
+    # 4 ranks: 2 * 3/4 of the bytes on the wire, three ring steps of latency (one measured at n=2).
+    assert c.collective("allreduce", 10**6, 4) == pytest.approx(3 * line.fixed_s + 1.5 * 10**6 / line.rate)
+    assert c.collective("allreduce", 10**6, 1) == 0.0
+    assert c.collective("recv", 1000, 2) == c.collective("send", 1000, 2)
+
+
+def test_kernel_price_slows_down_past_the_cores():
+    c = Calibration.defaults()
+    one = c.kernel(True, 10**9, 0, num_ranks=c.cores)
+    assert c.kernel(True, 10**9, 0, num_ranks=2 * c.cores) == pytest.approx(2 * one)
+
+
+def test_calibrate_quick_measures_saves_and_prints(tmp_path, capsys):
+    assert main(["calibrate", "--quick", "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "allreduce" in out and "send/recv" in out and "GFLOP/s" in out
+    path = cache_path("gloo")
+    assert os.path.dirname(path) == str(tmp_path)
+    with open(path) as f:
+        d = json.load(f)
+    assert set(d["collectives"]) == set(cal_mod.KINDS)
+    loaded = load()
+    assert loaded.source == "measured"
+    for kind in cal_mod.KINDS:
+        line = loaded.collectives[kind][2]
+        assert line.fixed_s >= 0 and line.rate > 0
+    assert loaded.matmul.rate > 1e8 and loaded.elementwise.rate > 1e7
+
+
+def test_search_measure_writes_the_scatter_plot(tmp_path, capsys):
+    png = tmp_path / "scatter.png"
+    assert main(["search", "mlp", "--tiny", "--nproc", "2", "--measure", "--top", "2", "--steps", "1",
+                 "--plot", str(png), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 2 and all(r["measured_ms"] > 0 for r in rows)
+    assert [r["measured_ms"] for r in rows] == sorted(r["measured_ms"] for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
