@@ -15,18 +15,44 @@ from ..layout.sharding import Sharding
 from .relayout import relayout_cost
 
 
-def _partial_mode(node, shs):
-    """Axes of a partial sum the op may pass through lazily, and which inputs keep it."""
+def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
+    """The ways ``node`` may treat its partial-sum inputs, most lazy first.
+
+    Each is ``(P, kept, scale)``: the output stays partial over axes ``P``; input
+    ``i`` in ``kept`` is read still partial over ``kept[i]`` (the others are
+    reduced first); input ``i`` in ``scale`` is multiplied by ``scale[i]`` in the
+    kernel.  A jointly linear op (add, sub, concat) on inputs partial over
+    different axes, or on a mix of partial and whole inputs, may stay lazy too:
+    an input whole over some axes of ``P`` is divided by their size, so that
+    summing the ranks' results over ``P`` counts it once.  That mode is offered
+    only when every partial input has no other reader (else the partial value
+    and the sum would each be reduced), and the cost model chooses between it
+    and reducing the inputs first; on a tie it stays lazy, since a later add of
+    another partial sum is then free (Mesh-TF's lazy allreduce).
+    """
     op = node.op
     partial_in = [i for i, s in enumerate(shs) if s.partial]
     if not partial_in:
-        return (), set()
+        return [((), {}, {})]
     sets = {frozenset(shs[i].partial) for i in partial_in}
     if op.is_linear(node) and len(partial_in) == len(shs) and len(sets) == 1:
-        return shs[partial_in[0]].partial, set(partial_in)
+        P = shs[partial_in[0]].partial
+        return [(P, {i: P for i in partial_in}, {})]
     if len(partial_in) == 1 and partial_in[0] in op.linear_args:
-        return shs[partial_in[0]].partial, set(partial_in)
-    return (), set()
+        P = shs[partial_in[0]].partial
+        return [(P, {partial_in[0]: P}, {})]
+    eager = [((), {}, {})]
+    if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
+            and all(lw.num_uses(node.inputs[i]) == 1 for i in partial_in)):
+        return eager
+    mesh = lw.mesh
+    P = tuple(a for a in mesh.names if any(a in shs[i].partial for i in partial_in))
+    scale = {}
+    for i, s in enumerate(shs):
+        missing = tuple(a for a in P if a not in s.partial)
+        if missing:
+            scale[i] = 1.0 / mesh.axis_size(missing)
+    return [(P, {i: shs[i].partial for i in partial_in}, scale)] + eager
 
 
 def lower_generic(lw, node) -> None:
@@ -35,7 +61,7 @@ def lower_generic(lw, node) -> None:
     spec = op.spec(node)
     ins = [lw.reduced(lw.value(t)) for t in node.inputs]
     shs = [lw.sharding(v) for v in ins]
-    P, keep = _partial_mode(node, shs)
+    modes = _partial_modes(lw, node, shs)
     comp = {o.name: spec.out_rename.get(o.name, o.name) for t in node.outputs for o in t.shape}
     targets = [lw.targets(t) for t in node.outputs]
 
@@ -45,11 +71,6 @@ def lower_generic(lw, node) -> None:
         for sh, _ in tl:
             sources.append({comp[n]: axes for n, axes in sh.split.items()})
     splittable = [d for d in spec.dims if d not in spec.fixed]
-    options = []
-    free_axes = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
-    for a in free_axes:
-        opts = [None] + [d for d in splittable if any(a in src.get(d, ()) for src in sources)]
-        options.append(opts)
 
     def order_key(d, a):
         for i, src in enumerate(sources):
@@ -58,19 +79,23 @@ def lower_generic(lw, node) -> None:
         return (len(sources), mesh.names.index(a))
 
     best = None
-    for choice in itertools.product(*options):
-        split: dict[str, list[str]] = {}
-        for a, d in zip(free_axes, choice):
-            if d is not None:
-                split.setdefault(d, []).append(a)
-        C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
-        if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
-            continue
-        cost, plan = _price(lw, node, spec, C, shs, P, keep, targets, comp)
-        if best is None or cost < best[0] - 1e-12:
-            best = (cost, C, plan)
+    for P, keep, scale in modes:
+        free_axes = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
+        options = [[None] + [d for d in splittable if any(a in src.get(d, ()) for src in sources)]
+                   for a in free_axes]
+        for choice in itertools.product(*options):
+            split: dict[str, list[str]] = {}
+            for a, d in zip(free_axes, choice):
+                if d is not None:
+                    split.setdefault(d, []).append(a)
+            C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
+            if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
+                continue
+            cost, plan = _price(lw, node, spec, C, shs, P, keep, targets, comp)
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, C, plan, P, scale)
     assert best is not None, node
-    _emit(lw, node, spec, ins, best[1], best[2], P)
+    _emit(lw, node, spec, ins, best[1], best[2], best[3], best[4])
 
 
 def _price(lw, node, spec, C, shs, P, keep, targets, comp):
@@ -79,7 +104,7 @@ def _price(lw, node, spec, C, shs, P, keep, targets, comp):
     cost = 0.0
     req = []
     for i, (t, s) in enumerate(zip(node.inputs, shs)):
-        r = Sharding.of(t.shape, C, P if i in keep else ())
+        r = Sharding.of(t.shape, C, keep.get(i, ()))
         req.append(r)
         cost += relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model)
     local = {d: size // mesh.axis_size(C.get(d, ())) for d, size in spec.dims.items()}
@@ -111,14 +136,24 @@ def op_flops(node, local) -> int:
     return node.op.flops(node, local)
 
 
-def _emit(lw, node, spec, ins, C, plan, P):
+def _scaled(fn, scale: tuple):
+    """``fn`` reading input ``i`` multiplied by ``scale[i]`` (1.0: as it is)."""
+    def kernel(ctx, attrs, *xs):
+        return fn(ctx, attrs, *(x if k == 1.0 else x * k for x, k in zip(xs, scale)))
+    return kernel
+
+
+def _emit(lw, node, spec, ins, C, plan, P, scale):
     mesh = lw.mesh
+    fn, inplace = node.op.compute, node.op.compute_inplace
+    if scale:
+        fn, inplace = _scaled(fn, tuple(scale.get(i, 1.0) for i in range(len(ins)))), None
     vids = [lw.relayout(v, r, node, f"input {i} of {node.op.name}") for i, (v, r) in enumerate(zip(ins, plan["req"]))]
     ext = plan["ext_axes"]
     out_vids = []
     for t, (out_sh, lazy, note) in zip(node.outputs, plan["outs"]):
         out_vids.append(lw.new_value(t.shape, t.dtype, out_sh))
-    lw.emit("local", node, vids, out_vids, args={"fn": node.op.compute, "inplace": node.op.compute_inplace,
+    lw.emit("local", node, vids, out_vids, args={"fn": fn, "inplace": inplace,
                                                  "attrs": node.attrs, "compute": C,
                                                  "sizes": dict(spec.dims)},
             flops=op_flops(node, plan["local"]))
