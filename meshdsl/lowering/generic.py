@@ -24,13 +24,15 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     kernel.  A jointly linear op (add, sub, concat) on inputs partial over
     different axes, or on a mix of partial and whole inputs, may stay lazy too:
     an input whole over some axes of ``P`` is divided by their size, so that
-    summing the ranks' results over ``P`` counts it once.  That mode is offered
-    only when every partial input has no other reader (else the partial value
-    and the sum would each be reduced), and the cost model chooses between it
-    and reducing the inputs first; on a tie it stays lazy, since a later add of
-    another partial sum is then free (Mesh-TF's lazy allreduce).
+    summing the ranks' results over ``P`` counts it once.  The cost model
+    chooses between that mode and reducing the inputs first; on a tie it stays
+    lazy, since a later add of another partial sum is then free (Mesh-TF's lazy
+    allreduce).  Only a partial input with one reader is passed on lazily.
     """
     op = node.op
+    # A partial sum with several readers is reduced at its first one: passed on
+    # lazily, each reader's result would need a reduction of its own.
+    shs = [s.with_partial(()) if s.partial and lw.num_uses(t) > 1 else s for s, t in zip(shs, node.inputs)]
     partial_in = [i for i, s in enumerate(shs) if s.partial]
     if not partial_in:
         return [((), {}, {})]
@@ -42,8 +44,7 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         P = shs[partial_in[0]].partial
         return [(P, {partial_in[0]: P}, {})]
     eager = [((), {}, {})]
-    if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
-            and all(lw.num_uses(node.inputs[i]) == 1 for i in partial_in)):
+    if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)):
         return eager
     mesh = lw.mesh
     P = tuple(a for a in mesh.names if any(a in shs[i].partial for i in partial_in))
