@@ -4,8 +4,11 @@ Given the op's :class:`~meshdsl.ops.registry.ComputeSpec`, the current
 shardings of its inputs and the layout's targets for its outputs, try every
 assignment of mesh axes to compute dims that some input or target suggests,
 price each with the cost model (input re-layouts + local FLOPs + output
-re-layout), and emit the cheapest.  A split 'sum'-reduced dim leaves a lazy
-partial sum; 'max'/'min' get an allreduce at once.
+re-layout), and emit the cheapest; on a tie, the one that re-lays out fewer
+values.  A split 'sum'-reduced dim leaves a lazy partial sum; 'max'/'min' get
+an allreduce at once.  Partial sums pass through linear ops lazily, also when
+added to whole values (see :func:`_partial_modes`), and are reduced once, where
+a reader needs the whole value (or reduce-scattered where it wants it split).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     summing the ranks' results over ``P`` counts it once.  The cost model
     chooses between that mode and reducing the inputs first; on a tie it stays
     lazy, since a later add of another partial sum is then free (Mesh-TF's lazy
-    allreduce).  Only a partial input with one reader is passed on lazily.
+    allreduce).  Only a partial input with one reader is passed on lazily, and
+    a mix only into a result with one reader.
     """
     op = node.op
     # A partial sum with several readers is reduced at its first one: passed on
@@ -44,7 +48,10 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         P = shs[partial_in[0]].partial
         return [(P, {partial_in[0]: P}, {})]
     eager = [((), {}, {})]
-    if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)):
+    # A lazy result with several readers would be reduced at its first one: no
+    # better than reducing the inputs now, and the scaling would cost a kernel.
+    if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
+            and all(lw.num_uses(t) == 1 for t in node.outputs)):
         return eager
     mesh = lw.mesh
     P = tuple(a for a in mesh.names if any(a in shs[i].partial for i in partial_in))
@@ -93,10 +100,12 @@ def lower_generic(lw, node) -> None:
             if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
                 continue
             cost, plan = _price(lw, node, spec, C, shs, P, keep, targets, comp)
-            if best is None or cost < best[0] - 1e-12:
-                best = (cost, C, plan, P, scale)
+            # On a tie in time, the lowering that moves fewer values wins: doing nothing.
+            moves = sum(r != s for r, s in zip(plan["req"], shs)) + sum(o[0] != o[1] for o in plan["outs"])
+            if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and moves < best[1]):
+                best = (cost, moves, C, plan, P, scale)
     assert best is not None, node
-    _emit(lw, node, spec, ins, best[1], best[2], best[3], best[4])
+    _emit(lw, node, spec, ins, *best[2:])
 
 
 def _price(lw, node, spec, C, shs, P, keep, targets, comp):
@@ -126,7 +135,7 @@ def _price(lw, node, spec, C, shs, P, keep, targets, comp):
             if lazy.partial:  # it will be reduced eventually
                 c += model.collective("allreduce", lazy.local_numel(t.shape, mesh) * t.dtype.itemsize,
                                       mesh.axis_size(lazy.partial))
-            if best is None or c < best[0] - 1e-12:
+            if best is None or c < best[0] - 1e-12 or (c <= best[0] + 1e-12 and best[1] != out_sh == lazy):
                 best = (c, lazy, note)
         cost += best[0]
         outs.append((out_sh, best[1], best[2]))
