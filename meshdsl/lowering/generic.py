@@ -155,9 +155,11 @@ def _scaled(fn, scale: tuple):
 
 def _emit(lw, node, spec, ins, C, plan, P, scale):
     mesh = lw.mesh
-    fn, inplace = node.op.compute, node.op.compute_inplace
+    fn, inplace, why = node.op.compute, node.op.compute_inplace, ""
     if scale:
         fn, inplace = _scaled(fn, tuple(scale.get(i, 1.0) for i in range(len(ins)))), None
+        why = (f"lazy partial sum over {','.join(P)}: "
+               + ", ".join(f"input {i} x {k:g}" for i, k in sorted(scale.items())))
     vids = [lw.relayout(v, r, node, f"input {i} of {node.op.name}") for i, (v, r) in enumerate(zip(ins, plan["req"]))]
     ext = plan["ext_axes"]
     out_vids = []
@@ -166,7 +168,7 @@ def _emit(lw, node, spec, ins, C, plan, P, scale):
     lw.emit("local", node, vids, out_vids, args={"fn": fn, "inplace": inplace,
                                                  "attrs": node.attrs, "compute": C,
                                                  "sizes": dict(spec.dims)},
-            flops=op_flops(node, plan["local"]))
+            flops=op_flops(node, plan["local"]), note=why)
     for t, vid, (out_sh, lazy, note) in zip(node.outputs, out_vids, plan["outs"]):
         if ext:
             red = lw.new_value(t.shape, t.dtype, out_sh)
