@@ -137,7 +137,10 @@ class Layout:
         """Conflict-free shardings the rules allow for a tensor, best-priority first.
 
         Each is paired with a note ('' when the rules did not conflict).  With
-        ``strict`` (params and inputs) a conflict is an error instead.
+        ``strict`` (params and inputs) a conflict is an error instead.  Axes of
+        size 1 split nothing, so they are left out: a dim split only over such
+        axes is whole, and two dims never contend for one, so a plan on
+        ``data:2; model:1`` is the plan on ``data:2``.
         """
         wanted = self.wanted(shape, scopes)
         for name, r in wanted.items():
@@ -150,13 +153,14 @@ class Layout:
                     r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
                     rule="a split dim's size must be a multiple of the product of its axes' sizes",
                     fix=f"make '{name}' a multiple of {n} (pad it), or map it to smaller axes")
+        axes_of = {n: tuple(a for a in r.axis_names if mesh.sizes[a] > 1) for n, r in wanted.items()}
         users: dict[str, list[str]] = {}
-        for name, r in wanted.items():
-            for a in r.axis_names:
+        for name, axes in axes_of.items():
+            for a in axes:
                 users.setdefault(a, []).append(name)
         contested = {a: ns for a, ns in users.items() if len(ns) > 1}
         if not contested:
-            return [(Sharding.of(shape, {n: r.axis_names for n, r in wanted.items()}), "")]
+            return [(Sharding.of(shape, axes_of), "")]
         if strict:
             a, ns = next(iter(contested.items()))
             raise self._err(
@@ -172,7 +176,7 @@ class Layout:
         names = list(contested)
         for choice in itertools.product(*(contested[a] for a in names)):
             won = dict(zip(names, choice))
-            split = {n: tuple(a for a in r.axis_names if won.get(a, n) == n) for n, r in wanted.items()}
+            split = {n: tuple(a for a in axes if won.get(a, n) == n) for n, axes in axes_of.items()}
             why = "; ".join(f"'{a}' -> {won[a]} (not {', '.join(x for x in contested[a] if x != won[a])})"
                             for a in names)
             key = tuple(prio[won[a]] for a in names)

@@ -42,6 +42,8 @@ class Lowerer:
         # activations) lowers only the ones in here.
         self.used: set[int] = set()
         self.pipeline_axis: str | None = None  # the mesh axis a repeat's layers are pipelined over
+        self._uses: dict[int, int] = {}  # id(Tensor) -> readers in this plan, plus 1 if an output
+        self.counted = False
 
     # -- values
     def new_value(self, shape, dtype, sharding: Sharding) -> int:
@@ -56,6 +58,28 @@ class Lowerer:
             raise GraphError(message(f"compile: {t!r} is used before it is defined in this plan.",
                                      rule="a plan is built from one graph's nodes",
                                      fix="do not mix tensors from different graphs or blocks")) from None
+
+    def count_readers(self, outputs) -> None:
+        """Count, for :meth:`num_uses`, the readers among the nodes ``outputs`` need.
+
+        Called once per lowerer with everything it will be asked to lower (a
+        repeat's body lowers its outputs in two calls of :func:`lower_into`).
+        """
+        outputs = list(outputs)
+        self.counted = True
+        for n in topo_nodes(outputs, self.env):  # values already bound are not recomputed
+            for x in n.inputs:
+                self._uses[id(x)] = self._uses.get(id(x), 0) + 1
+        for t in outputs:
+            self._uses[id(t)] = self._uses.get(id(t), 0) + 1
+
+    def num_uses(self, t: Tensor) -> int:
+        """How many inputs of the nodes this plan lowers read ``t``, plus one if it is an output.
+
+        Dead nodes of the graph (a gradient nobody asked for) do not count: a
+        partial sum with one reader here may stay lazy (see :mod:`.generic`).
+        """
+        return self._uses.get(id(t), 0)
 
     def sharding(self, vid: int) -> Sharding:
         return self.values[vid].sharding
@@ -170,6 +194,8 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
     # What this plan reads: a node with optional outputs (a repeat's saved activations) lowers only those.
     lw.used.update(id(t) for n in nodes for t in n.inputs)
     lw.used.update(id(t) for t in outputs.values())
+    if not lw.counted:
+        lw.count_readers(outputs.values())
     for node in nodes:
         if not all(id(t) in lw.env for t in node.outputs):  # a second call reuses what the first lowered
             rule_for(node.op.name)(lw, node)

@@ -4,8 +4,11 @@ Given the op's :class:`~meshdsl.ops.registry.ComputeSpec`, the current
 shardings of its inputs and the layout's targets for its outputs, try every
 assignment of mesh axes to compute dims that some input or target suggests,
 price each with the cost model (input re-layouts + local FLOPs + output
-re-layout), and emit the cheapest.  A split 'sum'-reduced dim leaves a lazy
-partial sum; 'max'/'min' get an allreduce at once.
+re-layout), and emit the cheapest; on a tie, the one that re-lays out fewer
+values.  A split 'sum'-reduced dim leaves a lazy partial sum; 'max'/'min' get
+an allreduce at once.  Partial sums pass through linear ops lazily, also when
+added to whole values (see :func:`_partial_modes`), and are reduced once, where
+a reader needs the whole value (or reduce-scattered where it wants it split).
 """
 from __future__ import annotations
 
@@ -15,18 +18,49 @@ from ..layout.sharding import Sharding
 from .relayout import relayout_cost
 
 
-def _partial_mode(node, shs):
-    """Axes of a partial sum the op may pass through lazily, and which inputs keep it."""
+def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
+    """The ways ``node`` may treat its partial-sum inputs, most lazy first.
+
+    Each is ``(P, kept, scale)``: the output stays partial over axes ``P``; input
+    ``i`` in ``kept`` is read still partial over ``kept[i]`` (the others are
+    reduced first); input ``i`` in ``scale`` is multiplied by ``scale[i]`` in the
+    kernel.  A jointly linear op (add, sub, concat) on inputs partial over
+    different axes, or on a mix of partial and whole inputs, may stay lazy too:
+    an input whole over some axes of ``P`` is divided by their size, so that
+    summing the ranks' results over ``P`` counts it once.  The cost model
+    chooses between that mode and reducing the inputs first; on a tie it stays
+    lazy, since a later add of another partial sum is then free (Mesh-TF's lazy
+    allreduce).  Only a partial input with one reader is passed on lazily, and
+    a mix only into a result with one reader.
+    """
     op = node.op
+    # A partial sum with several readers is reduced at its first one: passed on
+    # lazily, each reader's result would need a reduction of its own.
+    shs = [s.with_partial(()) if s.partial and lw.num_uses(t) > 1 else s for s, t in zip(shs, node.inputs)]
     partial_in = [i for i, s in enumerate(shs) if s.partial]
     if not partial_in:
-        return (), set()
+        return [((), {}, {})]
     sets = {frozenset(shs[i].partial) for i in partial_in}
     if op.is_linear(node) and len(partial_in) == len(shs) and len(sets) == 1:
-        return shs[partial_in[0]].partial, set(partial_in)
+        P = shs[partial_in[0]].partial
+        return [(P, {i: P for i in partial_in}, {})]
     if len(partial_in) == 1 and partial_in[0] in op.linear_args:
-        return shs[partial_in[0]].partial, set(partial_in)
-    return (), set()
+        P = shs[partial_in[0]].partial
+        return [(P, {partial_in[0]: P}, {})]
+    eager = [((), {}, {})]
+    # A lazy result with several readers would be reduced at its first one: no
+    # better than reducing the inputs now, and the scaling would cost a kernel.
+    if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
+            and all(lw.num_uses(t) == 1 for t in node.outputs)):
+        return eager
+    mesh = lw.mesh
+    P = tuple(a for a in mesh.names if any(a in shs[i].partial for i in partial_in))
+    scale = {}
+    for i, s in enumerate(shs):
+        missing = tuple(a for a in P if a not in s.partial)
+        if missing:
+            scale[i] = 1.0 / mesh.axis_size(missing)
+    return [(P, {i: shs[i].partial for i in partial_in}, scale)] + eager
 
 
 def lower_generic(lw, node) -> None:
@@ -35,7 +69,7 @@ def lower_generic(lw, node) -> None:
     spec = op.spec(node)
     ins = [lw.reduced(lw.value(t)) for t in node.inputs]
     shs = [lw.sharding(v) for v in ins]
-    P, keep = _partial_mode(node, shs)
+    modes = _partial_modes(lw, node, shs)
     comp = {o.name: spec.out_rename.get(o.name, o.name) for t in node.outputs for o in t.shape}
     targets = [lw.targets(t) for t in node.outputs]
 
@@ -45,11 +79,6 @@ def lower_generic(lw, node) -> None:
         for sh, _ in tl:
             sources.append({comp[n]: axes for n, axes in sh.split.items()})
     splittable = [d for d in spec.dims if d not in spec.fixed]
-    options = []
-    free_axes = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
-    for a in free_axes:
-        opts = [None] + [d for d in splittable if any(a in src.get(d, ()) for src in sources)]
-        options.append(opts)
 
     def order_key(d, a):
         for i, src in enumerate(sources):
@@ -58,19 +87,25 @@ def lower_generic(lw, node) -> None:
         return (len(sources), mesh.names.index(a))
 
     best = None
-    for choice in itertools.product(*options):
-        split: dict[str, list[str]] = {}
-        for a, d in zip(free_axes, choice):
-            if d is not None:
-                split.setdefault(d, []).append(a)
-        C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
-        if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
-            continue
-        cost, plan = _price(lw, node, spec, C, shs, P, keep, targets, comp)
-        if best is None or cost < best[0] - 1e-12:
-            best = (cost, C, plan)
+    for P, keep, scale in modes:
+        free_axes = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
+        options = [[None] + [d for d in splittable if any(a in src.get(d, ()) for src in sources)]
+                   for a in free_axes]
+        for choice in itertools.product(*options):
+            split: dict[str, list[str]] = {}
+            for a, d in zip(free_axes, choice):
+                if d is not None:
+                    split.setdefault(d, []).append(a)
+            C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
+            if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
+                continue
+            cost, plan = _price(lw, node, spec, C, shs, P, keep, targets, comp)
+            # On a tie in time, the lowering that moves fewer values wins: doing nothing.
+            moves = sum(r != s for r, s in zip(plan["req"], shs)) + sum(o[0] != o[1] for o in plan["outs"])
+            if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and moves < best[1]):
+                best = (cost, moves, C, plan, P, scale)
     assert best is not None, node
-    _emit(lw, node, spec, ins, best[1], best[2], P)
+    _emit(lw, node, spec, ins, *best[2:])
 
 
 def _price(lw, node, spec, C, shs, P, keep, targets, comp):
@@ -79,7 +114,7 @@ def _price(lw, node, spec, C, shs, P, keep, targets, comp):
     cost = 0.0
     req = []
     for i, (t, s) in enumerate(zip(node.inputs, shs)):
-        r = Sharding.of(t.shape, C, P if i in keep else ())
+        r = Sharding.of(t.shape, C, keep.get(i, ()))
         req.append(r)
         cost += relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model)
     local = {d: size // mesh.axis_size(C.get(d, ())) for d, size in spec.dims.items()}
@@ -100,7 +135,7 @@ def _price(lw, node, spec, C, shs, P, keep, targets, comp):
             if lazy.partial:  # it will be reduced eventually
                 c += model.collective("allreduce", lazy.local_numel(t.shape, mesh) * t.dtype.itemsize,
                                       mesh.axis_size(lazy.partial))
-            if best is None or c < best[0] - 1e-12:
+            if best is None or c < best[0] - 1e-12 or (c <= best[0] + 1e-12 and best[1] != out_sh == lazy):
                 best = (c, lazy, note)
         cost += best[0]
         outs.append((out_sh, best[1], best[2]))
@@ -111,17 +146,29 @@ def op_flops(node, local) -> int:
     return node.op.flops(node, local)
 
 
-def _emit(lw, node, spec, ins, C, plan, P):
+def _scaled(fn, scale: tuple):
+    """``fn`` reading input ``i`` multiplied by ``scale[i]`` (1.0: as it is)."""
+    def kernel(ctx, attrs, *xs):
+        return fn(ctx, attrs, *(x if k == 1.0 else x * k for x, k in zip(xs, scale)))
+    return kernel
+
+
+def _emit(lw, node, spec, ins, C, plan, P, scale):
     mesh = lw.mesh
+    fn, inplace, why = node.op.compute, node.op.compute_inplace, ""
+    if scale:
+        fn, inplace = _scaled(fn, tuple(scale.get(i, 1.0) for i in range(len(ins)))), None
+        why = (f"lazy partial sum over {','.join(P)}: "
+               + ", ".join(f"input {i} x {k:g}" for i, k in sorted(scale.items())))
     vids = [lw.relayout(v, r, node, f"input {i} of {node.op.name}") for i, (v, r) in enumerate(zip(ins, plan["req"]))]
     ext = plan["ext_axes"]
     out_vids = []
     for t, (out_sh, lazy, note) in zip(node.outputs, plan["outs"]):
         out_vids.append(lw.new_value(t.shape, t.dtype, out_sh))
-    lw.emit("local", node, vids, out_vids, args={"fn": node.op.compute, "inplace": node.op.compute_inplace,
+    lw.emit("local", node, vids, out_vids, args={"fn": fn, "inplace": inplace,
                                                  "attrs": node.attrs, "compute": C,
                                                  "sizes": dict(spec.dims)},
-            flops=op_flops(node, plan["local"]))
+            flops=op_flops(node, plan["local"]), note=why)
     for t, vid, (out_sh, lazy, note) in zip(node.outputs, out_vids, plan["outs"]):
         if ext:
             red = lw.new_value(t.shape, t.dtype, out_sh)

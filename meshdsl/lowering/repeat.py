@@ -112,9 +112,11 @@ def lower_repeat(lw: Lowerer, node) -> None:
             sub.inputs[name] = vid
             sub.bind(t, vid)
         outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
+        sub.count_readers(outs.values())
         ids = lower_into(sub, {"dcarry": outs["dcarry"]})
         ids.update(lower_into(sub, {k: v for k, v in outs.items() if k != "dcarry"}, lazy=True))
     else:
+        sub.count_readers([blk.out, *(saved[i] for i in want)])
         ids = lower_into(sub, {"out": blk.out})
         if want:
             for n in topo_nodes([saved[i] for i in want], sub.env):  # normally all lowered already
