@@ -20,7 +20,7 @@ per stage next to (p-1)/(m+p-1), and the peak number of micro-batch activations 
 
     python bench/pipeline.py                    # 3 rounds
     python bench/pipeline.py --rounds 1 --reps 2 --ms 1 4
-    python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b m=8 on rank 0
+    python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b at the largest m, per rank
 
 Results go to bench/results/pipeline.json.
 """
@@ -242,7 +242,10 @@ def _profile(step, warmup, num_steps=10):
         step()
     pr.disable()
     out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(pr, stream=out)
+    print(f"rank {dist.get_rank()}: {num_steps} steps", file=out)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(30)
     return out.getvalue()
 
 
@@ -253,9 +256,10 @@ def bench(args) -> int:
     from meshdsl.tools.pipe_report import run_figures
     console = Console(width=max(Console().width, 150))
     if args.profile:
-        text = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, True),
-                     mesh="stage:2", timeout=1800)[0]
-        console.print(text, markup=False, highlight=False)
+        texts = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, True),
+                      mesh="stage:2", timeout=1800)
+        for text in texts:
+            console.print(text, markup=False, highlight=False)
         return 0
     t_start, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
     single, pair = ("torch 1p", "meshdsl 1p"), _names(args.ms)
@@ -366,7 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m on rank 0")
+    p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m, per rank")
     args = p.parse_args(argv)
     if args.block < 2:
         p.error("--block must be at least 2 (a turn's first step is untimed)")
