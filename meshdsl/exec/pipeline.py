@@ -178,10 +178,11 @@ def _prepare_pipeline(ex, i, step):
     # there is its B, or the send of the gradient that B made.)  Its partial sums over the
     # micro-batches go into the accumulator then.
     kept = {v for s in final.steps for v in s.ins} | set(step.outs)
-    transient = tuple({v for seg in (forward, backward) for s in seg.steps for v in s.outs} - kept)
+    transient = {stage: tuple({v for seg in (1, 2) for s, st in zip(*segments[seg]) if stage in st
+                               for v in s.outs} - kept) for stage in held_stages}
     last = {(stage, a.microbatch): a for stage in held_stages for a in schedule.actions[stage]}
-    done = [view_of(frozenset({stage}), act.microbatch).ranks if last[(stage, act.microbatch)] == act else None
-            for stage, act, _ in program]
+    done = [(view_of(frozenset({stage}), act.microbatch).ranks, transient[stage])
+            if last[(stage, act.microbatch)] == act else None for stage, act, _ in program]
     head, tail = once(0), once(3)
 
     def call(env, get, run):
@@ -195,13 +196,14 @@ def _prepare_pipeline(ex, i, step):
             post()
         timeline = {s: [] for s in held_stages}
         clock = time.perf_counter
-        for (stage, act, thunks), ranks in zip(program, done):
+        for (stage, act, thunks), finished in zip(program, done):
             t0 = clock()
             for go in thunks:
                 go(run)
             timeline[stage].append((act, t0, clock()))
-            if ranks is not None:  # the micro-batch is done on this stage
-                for v in transient:
+            if finished is not None:  # the micro-batch is done on this stage
+                ranks, dropped = finished
+                for v in dropped:
                     slot = store.get(v)
                     if slot:
                         for r in ranks:
