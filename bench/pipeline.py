@@ -257,7 +257,7 @@ def _profile(step, warmup, num_steps=10):
 def bench(args) -> int:
     from meshdsl.exec.launch import spawn
     from meshdsl.tools.pipe_report import run_figures
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 200))
     if args.profile:
         texts = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, True),
                       mesh="stage:2", timeout=1800)
