@@ -56,28 +56,31 @@ def test_run_figures_of_the_unit_cost_simulation_are_the_theory(schedule, p, m):
     assert fig["busy_ms"] == pytest.approx([2 * m * 1e3] * p)
 
 
-def test_run_figures_takes_the_median_step_and_the_largest_peak():
+def _gpipe_2x4_with_stage_1_slowed():
+    """GPipe on 2 stages, 4 micro-batches: the unit-cost timeline, the same with every time on
+    stage 1 doubled, and the plan summary."""
     gpipe = _rows(simulate(make_schedule("gpipe", 2, 4)))
-    # A step twice as slow on stage 1 only: its makespan grows, stage 0 idles more.
     slow = [[(k, mb, s, peer, t0 * (2 if s == 1 else 1), t1 * (2 if s == 1 else 1))
              for k, mb, s, peer, t0, t1 in row] for row in gpipe]
     summary = {"axis": "stage", "stages": 2, "microbatches": 4, "schedule": "gpipe",
                "bubble_theory": 0.2, "peak_theory": [4, 4]}
+    return gpipe, slow, summary
+
+
+def test_run_figures_takes_the_median_step_and_the_largest_peak():
+    # A step twice as slow on stage 1 only: its makespan grows, stage 0 idles more.
+    gpipe, slow, summary = _gpipe_2x4_with_stage_1_slowed()
     fig = run_figures(summary, [gpipe, gpipe, slow])
     assert fig["bubble_measured"] == pytest.approx([0.2, 0.2])  # the median: the two unit-cost steps
     assert fig["peak_activations"] == [4, 4]
 
 
 def test_bubble_at_costs_is_the_schedule_run_with_the_measured_stage_costs():
-    gpipe = _rows(simulate(make_schedule("gpipe", 2, 4)))
     # Stage 1's actions take twice as long (times scaled, so this is not a run the schedule
     # allows: stage 1's F0 starts before stage 0's F0 ends).  Replayed with F = B = 1 on
     # stage 0 and 2 on stage 1: stage 0 runs F0-F3 in 0-4, stage 1 F0-F3 in 1-9 and B0-B3 in
     # 9-17, stage 0 each B right after its gradient, B3 in 17-18; busy 8 and 16 of 18.
-    slow = [[(k, mb, s, peer, t0 * (2 if s == 1 else 1), t1 * (2 if s == 1 else 1))
-             for k, mb, s, peer, t0, t1 in row] for row in gpipe]
-    summary = {"axis": "stage", "stages": 2, "microbatches": 4, "schedule": "gpipe",
-               "bubble_theory": 0.2, "peak_theory": [4, 4]}
+    _, slow, summary = _gpipe_2x4_with_stage_1_slowed()
     assert bubble_at_costs(summary, [slow]) == pytest.approx([10 / 18, 2 / 18])
     # Idle time the runtime adds (each stage-1 action waits 1 before it starts) shows in the
     # measured bubble, not in the one at the measured costs.
