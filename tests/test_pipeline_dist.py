@@ -165,20 +165,22 @@ def _posts_and_actions(rank, m):
         posts.append((time.perf_counter(), kind, args["tag"]))
         return start(kind, xs, axes, args)
     comm.start = logged
-    ex.run(model.feeds(0))
+    stats: dict = {}
+    ex.run(model.feeds(0), stats=stats)
     ((row),) = ex.last_timeline
-    return posts, [(a.kind, a.microbatch, t0) for a, t0, _ in row]
+    return posts, [(a.kind, a.microbatch, t0) for a, t0, _ in row], stats.get("recv", 0.0)
 
 
 @pytest.mark.timeout(120)
 def test_carry_receives_are_posted_before_the_compute_they_overlap():
     """On real processes a stage posts the receive of micro-batch k's carry (or its gradient)
     before it starts computing micro-batch k-1, so the message lands meanwhile; only carries
-    are received that way (tag: carry tag * m + micro-batch)."""
+    are received that way (tag: carry tag * m + micro-batch).  Timed, the waits count as 'recv'."""
     m = 4
     results = launch.spawn(_posts_and_actions, 2, args=(m,), mesh="stage:2", timeout=100)
     assert multiprocessing.active_children() == []
-    for rank, (posts, actions) in enumerate(results):
+    for rank, (posts, actions, recv_seconds) in enumerate(results):
+        assert recv_seconds > 0  # a timed run books the receives it took under 'recv'
         carry_tag, compute = (0, "F") if rank == 1 else (1, "B")
         assert [k for _, k, _ in posts] == ["recv"] * m
         assert [tag for _, _, tag in posts] == [carry_tag * m + mb for mb in range(m)]

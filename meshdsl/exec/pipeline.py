@@ -164,7 +164,7 @@ def _prepare_pipeline(ex, i, step):
             elif is_carry and act.is_recv and s.kind == "recv" and early:
                 r = _Recv(s, store, view, plan)
                 posted.setdefault(act.kind, []).append(r)
-                thunks.append(r.take)
+                thunks.append(_timed("recv", r.take))
             elif is_carry and (s.kind == "send") == act.is_send:
                 thunks.append(prepared(seg, j, (stage,), view))
         program.append((stage, act, thunks))
