@@ -19,8 +19,9 @@ ranks (``Executor.last_timeline``) and put on one clock, giving the measured bub
 per stage next to (p-1)/(m+p-1), and the peak number of micro-batch activations held.
 
     python bench/pipeline.py                    # 3 rounds
+    python bench/pipeline.py --quick            # 1 round, 2 turns, m in {4, 8}: the goals' cases
     python bench/pipeline.py --rounds 1 --reps 2 --ms 1 4
-    python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b m=8 on rank 0
+    python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b at the largest m, per rank
 
 Results go to bench/results/pipeline.json.
 """
@@ -157,7 +158,9 @@ def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpip
     agree_plan(comm, ts.plan)
 
     def step(timed=False):
-        loss, _ = ts(feeds, timed=timed)
+        # Per-kind stats (TrainStep's timed=True) time every kernel: overhead nothing here reads.
+        # The pipeline's action timeline is recorded on every step anyway.
+        loss, _ = ts(feeds)
         if timed and rows is not None:
             rows.append(ts.executor.last_timeline)
         return loss
@@ -242,7 +245,10 @@ def _profile(step, warmup, num_steps=10):
         step()
     pr.disable()
     out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(pr, stream=out)
+    print(f"rank {dist.get_rank()}: {num_steps} steps", file=out)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(30)
     return out.getvalue()
 
 
@@ -251,15 +257,17 @@ def _profile(step, warmup, num_steps=10):
 def bench(args) -> int:
     from meshdsl.exec.launch import spawn
     from meshdsl.tools.pipe_report import run_figures
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 200))
     if args.profile:
-        text = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, True),
-                     mesh="stage:2", timeout=1800)[0]
-        console.print(text, markup=False, highlight=False)
+        texts = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, True),
+                      mesh="stage:2", timeout=1800)
+        for text in texts:
+            console.print(text, markup=False, highlight=False)
         return 0
     t_start, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
     single, pair = ("torch 1p", "meshdsl 1p"), _names(args.ms)
     times = {k: [] for k in (*single, *pair)}
+    cpu = {k: [] for k in times}
     per_round = {k: [] for k in times}
     timelines = {k: [] for k in pair if k.startswith("meshdsl")}
     loss0, last, summaries, act_bytes = {}, {}, {}, {}
@@ -270,10 +278,12 @@ def bench(args) -> int:
                     mesh="stage:2", timeout=3600)
         for k in single:
             times[k] += one["times"][k]
+            cpu[k] += one["cpu"][k]
             per_round[k].append(_ms(one["times"][k]))
         for k in pair:  # a step is done when its slower rank is
             wall = [max(ts) for ts in zip(*(r["times"][k] for r in two))]
             times[k] += wall
+            cpu[k] += [max(cs) for cs in zip(*(r["cpu"][k] for r in two))]
             per_round[k].append(_ms(wall))
         for k in timelines:
             timelines[k] += two[0]["timelines"][k]
@@ -285,6 +295,7 @@ def bench(args) -> int:
     steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
     figures = {k: run_figures(summaries[k], tl) for k, tl in timelines.items()}
     med = {k: _ms(v) for k, v in times.items()}
+    cpu_med = {k: _ms(v) for k, v in cpu.items()}
     speedup = {k: med["torch 1p"] / v for k, v in med.items()}
     base = loss0["torch 1p"]
     loss_ok = {k: abs(v - base) <= LOSS_RTOL * abs(base) for k, v in loss0.items()}
@@ -292,21 +303,26 @@ def bench(args) -> int:
     t = Table(title=f"transformer training step (4 layers, batch 16, seq 64, d_model 256, fp32), 2 stages, "
                     f"1 thread/process, {args.rounds} round(s) x {args.reps} turns x {args.block} steps",
               title_justify="left")
-    for col in ("variant", "median ms", "round medians", "speedup vs 1p", "bubble measured (stage 0, 1)",
-                "bubble theory", "peak act. (theory)", "loss step 0"):
+    for col in ("variant", "median ms", "round medians", "CPU ms", "speedup vs 1p",
+                "bubble measured (stage 0, 1)", "at measured costs", "bubble theory", "peak act. (theory)",
+                "loss step 0"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for k in (*single, *pair):
         fig = figures.get(k)
         bub = " ".join(f"{b:.1%}" for b in fig["bubble_measured"]) if fig else ""
+        costed = " ".join(f"{b:.1%}" for b in fig["bubble_at_costs"]) if fig else ""
         theory = f"{fig['bubble_theory']:.1%}" if fig else ""
         peak = (" ".join(map(str, fig["peak_activations"])) + f" ({' '.join(map(str, fig['peak_theory']))})"
                 if fig else "")
-        t.add_row(k, f"{med[k]:.1f}", f"{min(per_round[k]):.1f}-{max(per_round[k]):.1f}", f"{speedup[k]:.2f}x",
-                  bub, theory, peak, f"{loss0[k]:.6f}" + ("" if loss_ok[k] else " [red]MISMATCH[/]"))
+        t.add_row(k, f"{med[k]:.1f}", f"{min(per_round[k]):.1f}-{max(per_round[k]):.1f}", f"{cpu_med[k]:.1f}",
+                  f"{speedup[k]:.2f}x", bub, costed, theory, peak, f"{loss0[k]:.6f}" + ("" if loss_ok[k] else " [red]MISMATCH[/]"))
     console.print(t)
     console.print("ms: median step over every sample (the slower rank's); round medians: range of the "
-                  "per-round medians.  Bubble: idle fraction of the pipeline's makespan per stage, "
-                  "median over the timed steps.")
+                  "per-round medians; CPU ms: CPU time per step of the busier process (every thread; time "
+                  "descheduled left out).  Bubble: idle fraction of the pipeline's makespan per stage "
+                  "(outside F and B: waits in a receive count as idle), median over the timed steps; at "
+                  "measured costs: the schedule replayed with each stage's mean F and B times and free "
+                  "transfers, the bubble the stages' imbalance alone leaves.")
 
     mem = Table(title=f"peak activation memory per stage, m={max(args.ms)}", title_justify="left")
     for col in ("schedule", "stage 0", "stage 1"):
@@ -347,7 +363,7 @@ def bench(args) -> int:
         "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block, "warmup": args.warmup,
                 "wall_s": wall_s, "torch": torch.__version__, "python": platform.python_version(),
                 "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal},
-        "median_ms": med, "round_median_ms": per_round, "speedup_vs_torch_1p": speedup,
+        "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
         "pipeline": figures, "peak_activation_bytes": peak_mem, "goals": goals,
         "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,
         "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
@@ -366,10 +382,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m on rank 0")
+    p.add_argument("--quick", action="store_true",
+                   help="1 round, 2 turns, m in {4, 8} (the goals' cases); overrides --rounds, --reps, --ms")
+    p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m, per rank")
     args = p.parse_args(argv)
     if args.block < 2:
         p.error("--block must be at least 2 (a turn's first step is untimed)")
+    if args.quick:
+        args.rounds, args.reps, args.ms = 1, 2, [4, 8]
     return bench(args)
 
 

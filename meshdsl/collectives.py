@@ -251,7 +251,7 @@ register(Collective("permute", ("offset", "wrap"), lambda n: 1.0, _sim_permute, 
 # mesh the send leaves its tensors in the communicator's mailbox and the recv takes them
 # out; on torch.distributed the send is an isend the communicator waits for later (so
 # two stages sending to each other never block on each other), the recv an irecv that
-# is posted, then waited on.
+# is posted, then waited on (``start`` posts it alone, for a pipeline that waits later).
 
 def _peer(group, offset):
     j = group.me + offset
@@ -280,17 +280,30 @@ def _sim_recv(xs, groups, args):
     return list(xs)  # the communicator put the mailbox's tensors in xs
 
 
-def _dist_recv(comm, x, group, args):
-    # x is a template with the local shape and dtype of what arrives.
+class _Nothing:
+    """The work of a receive with no sender: done at once, with no result."""
+
+    def wait(self):
+        return True
+
+
+def _start_recv(comm, x, group, args):
+    # x is a template with the local shape and dtype of what arrives.  Posted early (a
+    # pipeline posts its next receive before computing), the message lands meanwhile.
     src = _peer(group, -args["offset"])
     if src is None:
-        return None
+        return _Nothing(), lambda: None
     out = torch.empty_like(comm.prep(x))
-    _dist().irecv(out, src=src, group=group.pg, tag=args["tag"]).wait()
-    return out
+    return _dist().irecv(out, src=src, group=group.pg, tag=args["tag"]), lambda: out
+
+
+def _dist_recv(comm, x, group, args):
+    work, finish = _start_recv(comm, x, group, args)
+    work.wait()
+    return finish()
 
 
 register(Collective("send", ("offset", "tag"), lambda n: 1.0, _sim_send, _dist_send, point_to_point=True,
                     mailbox="put"))
-register(Collective("recv", ("offset", "tag"), lambda n: 1.0, _sim_recv, _dist_recv, point_to_point=True,
-                    mailbox="take"))
+register(Collective("recv", ("offset", "tag"), lambda n: 1.0, _sim_recv, _dist_recv, _start_recv,
+                    point_to_point=True, mailbox="take"))

@@ -17,7 +17,7 @@ from meshdsl.lowering.compiler import compile as compile_plan
 from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
 from meshdsl.lowering.timeline import simulate
 from meshdsl.tools import cli
-from meshdsl.tools.pipe_report import run_figures, schedule_summary, user_mesh_layout
+from meshdsl.tools.pipe_report import bubble_at_costs, run_figures, schedule_summary, user_mesh_layout
 from meshdsl.train.model import load_model
 
 PIPE = ["transformer", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage"]  # tiny: 2 layers, batch 4
@@ -51,20 +51,44 @@ def test_run_figures_of_the_unit_cost_simulation_are_the_theory(schedule, p, m):
     fig = run_figures(plan_like, [_rows(stats)] * 3)
     # Unit costs in floats: exact up to the float conversion of a Fraction.
     assert fig["bubble_measured"] == pytest.approx([float(bubble_theory(p, m))] * p, rel=1e-12)
+    assert fig["bubble_at_costs"] == pytest.approx([float(bubble_theory(p, m))] * p, rel=1e-12)
     assert fig["peak_activations"] == plan_like["peak_theory"]
     assert fig["busy_ms"] == pytest.approx([2 * m * 1e3] * p)
 
 
-def test_run_figures_takes_the_median_step_and_the_largest_peak():
+def _gpipe_2x4_with_stage_1_slowed():
+    """GPipe on 2 stages, 4 micro-batches: the unit-cost timeline, the same with every time on
+    stage 1 doubled, and the plan summary."""
     gpipe = _rows(simulate(make_schedule("gpipe", 2, 4)))
-    # A step twice as slow on stage 1 only: its makespan grows, stage 0 idles more.
     slow = [[(k, mb, s, peer, t0 * (2 if s == 1 else 1), t1 * (2 if s == 1 else 1))
              for k, mb, s, peer, t0, t1 in row] for row in gpipe]
     summary = {"axis": "stage", "stages": 2, "microbatches": 4, "schedule": "gpipe",
                "bubble_theory": 0.2, "peak_theory": [4, 4]}
+    return gpipe, slow, summary
+
+
+def test_run_figures_takes_the_median_step_and_the_largest_peak():
+    # A step twice as slow on stage 1 only: its makespan grows, stage 0 idles more.
+    gpipe, slow, summary = _gpipe_2x4_with_stage_1_slowed()
     fig = run_figures(summary, [gpipe, gpipe, slow])
     assert fig["bubble_measured"] == pytest.approx([0.2, 0.2])  # the median: the two unit-cost steps
     assert fig["peak_activations"] == [4, 4]
+
+
+def test_bubble_at_costs_is_the_schedule_run_with_the_measured_stage_costs():
+    # Stage 1's actions take twice as long (times scaled, so this is not a run the schedule
+    # allows: stage 1's F0 starts before stage 0's F0 ends).  Replayed with F = B = 1 on
+    # stage 0 and 2 on stage 1: stage 0 runs F0-F3 in 0-4, stage 1 F0-F3 in 1-9 and B0-B3 in
+    # 9-17, stage 0 each B right after its gradient, B3 in 17-18; busy 8 and 16 of 18.
+    _, slow, summary = _gpipe_2x4_with_stage_1_slowed()
+    assert bubble_at_costs(summary, [slow]) == pytest.approx([10 / 18, 2 / 18])
+    # Idle time the runtime adds (each stage-1 action waits 1 before it starts) shows in the
+    # measured bubble, not in the one at the measured costs.
+    late = [[(k, mb, s, peer, t0 + (mb + 1 if s == 1 else 0), t1 + (mb + 1 if s == 1 else 0))
+             for k, mb, s, peer, t0, t1 in row] for row in slow]
+    fig = run_figures(summary, [late])
+    assert fig["bubble_at_costs"] == pytest.approx([10 / 18, 2 / 18])
+    assert fig["bubble_measured"][1] > 2 / 18
 
 
 def test_user_mesh_and_layout_leave_out_the_micro_batch_axis():

@@ -167,3 +167,20 @@ def test_step_stats_count_the_pipeline_s_kernels_and_transfers():
     assert stats.compute > 0 and stats.comm > 0
     assert stats.by_kind["send"] > 0 and stats.by_kind["recv"] > 0
     assert stats.compute + stats.comm <= stats.total
+
+
+@pytest.mark.parametrize("mesh, layout, others", [("stage:2", "layer:stage", ()),
+                                                  ("stage:2; data:2", "layer:stage; batch:data", ("data",))])
+def test_microbatch_sums_accumulate_locally(mesh, layout, others):
+    """Gradients and the loss are summed over the micro-batches on each stage as they finish,
+    in place; what reaches the communicator is one allreduce per value over the other axes
+    (none without data parallelism), never one over the micro-batch axis."""
+    _, outs, feeds, want = _reference()
+    plan = md.compile(outs, mesh, layout, microbatches=4, schedule="1f1b")
+    comm = SimulatedComm(plan.mesh)
+    ex = md.Executor(plan, comm)
+    res = ex.run(feeds)
+    reduced = [axes for kind, axes, _ in comm.log if kind == "allreduce"]
+    assert all(axes == others for axes in reduced), reduced
+    assert bool(reduced) == bool(others)
+    _assert_matches(ex.full_outputs(res), want, f"{mesh} m=4")

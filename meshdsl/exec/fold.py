@@ -11,7 +11,7 @@ process hold all ``m`` virtual ranks of its real rank, on top of a real communic
 * an allreduce over axes with it first folds the held micro-batches locally, in
   group order, then reduces the rest over the real axes;
 * a send or receive carries the micro-batch in its tag, so transfers of different
-  micro-batches never pair up.
+  micro-batches never pair up; a receive can be started early and waited for later.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..collectives import REDUCE
 from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from ..lowering.pipeline import MB_AXIS
-from .comm import Communicator
+from .comm import Communicator, Pending
 
 
 def real_rank(mesh: Mesh, virtual: int) -> int:
@@ -42,6 +42,7 @@ class MicrobatchComm(Communicator):
         (r,) = real.ranks
         self.ranks = tuple(range(r * m, (r + 1) * m)) if ranks is None else tuple(ranks)
         self.num_microbatches = m
+        self.async_kinds = real.async_kinds & {"recv"}
 
     def view(self, ranks) -> "MicrobatchComm":
         """The same process holding only ``ranks`` (some of its micro-batches)."""
@@ -50,16 +51,24 @@ class MicrobatchComm(Communicator):
     def _mb(self, v: int) -> int:
         return v % self.num_microbatches
 
+    def _tagged(self, v: int, args) -> dict:
+        return {**args, "tag": args["tag"] * self.num_microbatches + self._mb(v)}
+
+    def start(self, kind, xs, axes, args):
+        """See :meth:`Communicator.start`: a receive is posted on the real communicator and
+        waited for later (a pipeline posts its next one before computing)."""
+        if kind not in self.async_kinds:
+            return super().start(kind, xs, axes, args)
+        real_axes = tuple(a for a in axes if a != MB_AXIS)
+        return _All([self.real.start(kind, [x], real_axes, self._tagged(v, args)) for v, x in zip(self.ranks, xs)])
+
     def collective(self, kind, xs, axes, args):
         """See :meth:`Communicator.collective`."""
         axes = tuple(axes)
         real_axes = tuple(a for a in axes if a != MB_AXIS)
         if kind in ("send", "recv"):
-            out = []
-            for v, x in zip(self.ranks, xs):
-                tagged = {**args, "tag": args["tag"] * self.num_microbatches + self._mb(v)}
-                out.append(self.real.collective(kind, [x], real_axes, tagged)[0])
-            return out
+            return [self.real.collective(kind, [x], real_axes, self._tagged(v, args))[0]
+                    for v, x in zip(self.ranks, xs)]
         if MB_AXIS not in axes:
             return [self.real.collective(kind, [x], real_axes, args)[0] for x in xs]
         if kind != "allreduce" or len(self.ranks) != self.num_microbatches:
@@ -87,6 +96,18 @@ class MicrobatchComm(Communicator):
 
     def agree(self, token: str) -> list[str]:
         return self.real.agree(token)
+
+
+class _All(Pending):
+    """Several held ranks' collectives in flight; ``wait()`` gives one result per rank."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def wait(self):
+        return [p.wait()[0] for p in self.parts]
 
 
 def for_plan(comm: Communicator, plan) -> Communicator:

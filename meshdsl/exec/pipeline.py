@@ -13,7 +13,14 @@ a :class:`~meshdsl.lowering.schedule.Schedule`.  Here:
 * the final segment runs once after all micro-batches (gradient accumulation,
   updates), and the sends still in flight are waited for.
 
-A micro-batch's activations are dropped from a stage after its last action there.
+A micro-batch's activations are dropped from a stage after its last action there,
+and its partial sums over the micro-batches (gradients, the loss) are added in
+place into one buffer per value (:class:`_Accumulator`); the final segment's
+allreduce over the micro-batch axis then reduces only that buffer over its other
+axes.  On real processes a stage posts the receive of its next carry (or carry
+gradient) as soon as it has taken the previous one, so the message arrives while
+it computes; sends are asynchronous and waited for at the end of the step.  All
+of this is prepared once per plan: a run walks a list of ready calls.
 
 Values live in one store, per value and rank, so a view reads and writes only its
 own ranks.  The simulated mesh holds every stage: it runs all ranks' actions in one
@@ -28,6 +35,7 @@ import time
 
 import torch
 
+from ..collectives import REDUCE
 from ..lowering.schedule import COMPUTE
 from ..lowering.timeline import simulate
 from .comm import Pending
@@ -100,8 +108,11 @@ def _prepare_pipeline(ex, i, step):
     local_layers = next(s.times for s in forward.steps if s.kind == "repeat")
     coords = {r: mesh.coords(r) for r in comm.ranks}
     held_stages = sorted({c[ax] for c in coords.values()})
+    # Each held rank's micro-batch-0 twin: the rank a micro-batch sum accumulates on.
+    base = {r: r if mb_axis is None else mesh.rank({**c, mb_axis: 0}) for r, c in coords.items()}
+    store: dict = {}   # value id -> {rank: tensor}, for one run
+    acc = _Accumulator(store, base, mb_axis, _folded(step, mb_axis))
     views: dict = {}
-    calls: dict = {}
 
     def view_of(stages, mb=None):
         key = (stages, mb)
@@ -111,83 +122,215 @@ def _prepare_pipeline(ex, i, step):
             views[key] = _view(comm, ranks) if ranks else None
         return views[key]
 
-    def run_step(seg, j, stages, view, store, run):
-        if run.stats is None or segments[seg][0][j].subplans:  # a repeat times its own steps
-            return _run_step(seg, j, stages, view, store, run)
-        t0 = time.perf_counter()
-        _run_step(seg, j, stages, view, store, run)
-        kind = segments[seg][0][j].kind
-        run.stats[kind] = run.stats.get(kind, 0.0) + time.perf_counter() - t0
-
-    def _run_step(seg, j, stages, view, store, run):
+    def prepared(seg, j, stages, view):
+        """Step ``j`` of segment ``seg`` on ``view``, prepared once: a function of the run."""
         s = segments[seg][0][j]
-        env = _ViewEnv(store, view.ranks)
-        if s.kind == "send":
-            view.send(env.get(s.ins[0]), s.axes, s.args["offset"], s.args["tag"])
-            return
-        if s.kind == "recv":
-            v = plan.values[s.outs[0]]
-            tmpl = torch.empty(v.local_shape(mesh), dtype=v.dtype)
-            env[s.outs[0]] = view.recv([tmpl] * len(view.ranks), s.axes, s.args["offset"], s.args["tag"])
-            return
-        key = (seg, j, id(view))
-        call = calls.get(key)
-        if call is None:
+        if s.kind == "allreduce" and s.ins[0] in acc.ops:
+            go = acc.reduce_step(s, view, view_of(frozenset(stages), 0))
+        elif s.kind == "recv":
+            go = _Recv(s, store, view, plan).run
+        elif s.kind == "send":
+            env, (src,), axes, off, tag = _ViewEnv(store, view.ranks), s.ins, s.axes, s.args["offset"], s.args["tag"]
+            go = lambda run: view.send(env.get(src), axes, off, tag)  # noqa: E731
+        else:
+            env = _ViewEnv(store, view.ranks)
             offset = local_layers * stages[0] if len(stages) == 1 else 0
-            call = calls[key] = rule_for(s.kind)(_StageExecutor(plan, view, offset), j, s)
-        call(env, env.get, run)
+            call, get = rule_for(s.kind)(_StageExecutor(plan, view, offset), j, s), env.get
+            go = lambda run: call(env, get, run)  # noqa: E731
+        return go if s.subplans else _timed(s.kind, go)  # a repeat times its own steps
 
-    def run_once(seg, store, run):
-        for j, st in enumerate(segments[seg][1]):
-            view = view_of(frozenset(st))
-            if view is not None:
-                run_step(seg, j, st, view, store, run)
+    def once(seg):
+        return [prepared(seg, j, st, view_of(frozenset(st))) for j, st in enumerate(segments[seg][1])
+                if view_of(frozenset(st)) is not None]
 
-    def run_action(stage, act, store, run):
+    # Receives of the carry are posted ahead on real processes: the next one of each kind as
+    # soon as the previous one is taken, so the message lands while the stage computes.
+    early = len(held_stages) == 1 and "recv" in comm.async_kinds
+    order = _order(schedule, held_stages)
+    posted: dict = {}   # carry kind -> receives of that kind, in run order
+    program = []
+    for stage, act in order:
         seg = _PHASE[act.kind]
         steps, stages = segments[seg]
         view = view_of(frozenset({stage}), act.microbatch)
+        thunks = []
         for j, (s, st) in enumerate(zip(steps, stages)):
             if stage not in st:
                 continue
             is_carry = s.kind in ("send", "recv") and s.args["tag"] in carry
             if act.kind in COMPUTE:
                 if not is_carry:
-                    run_step(seg, j, (stage,), view, store, run)
+                    thunks.append(prepared(seg, j, (stage,), view))
+            elif is_carry and act.is_recv and s.kind == "recv" and early:
+                r = _Recv(s, store, view, plan)
+                posted.setdefault(act.kind, []).append(r)
+                thunks.append(_timed("recv", r.take))
             elif is_carry and (s.kind == "send") == act.is_send:
-                run_step(seg, j, (stage,), view, store, run)
-
-    order = _order(schedule, held_stages)
+                thunks.append(prepared(seg, j, (stage,), view))
+        program.append((stage, act, thunks))
+    for rs in posted.values():  # taking one posts the next
+        for r, nxt in zip(rs, rs[1:]):
+            r.then = nxt.post
+    first_posts = [rs[0].post for rs in posted.values()]
     # What one micro-batch makes and only its own actions read (activations, the carry and
     # its gradient): dropped from a stage once its B is done, so a stage holds the
     # activations its schedule keeps in flight, not every micro-batch's.  (Its last action
-    # there is its B, or the send of the gradient that B made.)
+    # there is its B, or the send of the gradient that B made.)  Its partial sums over the
+    # micro-batches go into the accumulator then.
     kept = {v for s in final.steps for v in s.ins} | set(step.outs)
-    transient = {v for seg in (forward, backward) for s in seg.steps for v in s.outs} - kept
+    transient = {stage: tuple({v for seg in (1, 2) for s, st in zip(*segments[seg]) if stage in st
+                               for v in s.outs} - kept) for stage in held_stages}
     last = {(stage, a.microbatch): a for stage in held_stages for a in schedule.actions[stage]}
+    done = [(view_of(frozenset({stage}), act.microbatch).ranks, transient[stage])
+            if last[(stage, act.microbatch)] == act else None for stage, act, _ in program]
+    head, tail = once(0), once(3)
 
     def call(env, get, run):
-        store: dict = {}
+        store.clear()
+        acc.clear()
         for v in step.ins:
             store[v] = {r: x for r, x in zip(comm.ranks, get(v)) if x is not None}
-        run_once(0, store, run)
+        for go in head:
+            go(run)
+        for post in first_posts:
+            post()
         timeline = {s: [] for s in held_stages}
         clock = time.perf_counter
-        for stage, act in order:
+        for (stage, act, thunks), finished in zip(program, done):
             t0 = clock()
-            run_action(stage, act, store, run)
+            for go in thunks:
+                go(run)
             timeline[stage].append((act, t0, clock()))
-            if last[(stage, act.microbatch)] == act:  # the micro-batch is done on this stage
-                for r in view_of(frozenset({stage}), act.microbatch).ranks:
-                    for v in transient:
-                        store.get(v, {}).pop(r, None)
-        run_once(3, store, run)
+            if finished is not None:  # the micro-batch is done on this stage
+                ranks, dropped = finished
+                for v in dropped:
+                    slot = store.get(v)
+                    if slot:
+                        for r in ranks:
+                            slot.pop(r, None)
+                acc.add(ranks)
+        for go in tail:
+            go(run)
         comm.drain()
         for v in step.outs:
             slot = store.get(v, {})
             env[v] = [slot.get(r) for r in comm.ranks]
+        store.clear()
+        acc.clear()
         ex.last_timeline = tuple(tuple(timeline[s]) for s in held_stages)
     return call
+
+
+def _timed(kind, go):
+    """``go``, adding its seconds to the run's stats under ``kind`` when the run is timed."""
+    def timed(run):
+        if run.stats is None:
+            return go(run)
+        t0 = time.perf_counter()
+        go(run)
+        run.stats[kind] = run.stats.get(kind, 0.0) + time.perf_counter() - t0
+    return timed
+
+
+class _Recv:
+    """A carry receive on one view: posted (``post``), then taken (``take``, the schedule's action).
+
+    Posted ahead, the transfer runs while the stage computes; ``then`` posts the next
+    receive of the same kind once this one is taken.  ``run`` receives at once (the
+    simulated mesh, where the message is already in the mailbox).
+    """
+
+    def __init__(self, s, store, view, plan):
+        v = plan.values[s.outs[0]]
+        self.env, self.out, self.view = _ViewEnv(store, view.ranks), s.outs[0], view
+        self.templates = [torch.empty(v.local_shape(plan.mesh), dtype=v.dtype)] * len(view.ranks)
+        self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"]}
+        self.pending, self.then = None, None
+
+    def post(self) -> None:
+        self.pending = self.view.start("recv", self.templates, self.axes, self.args)
+
+    def take(self, run) -> None:
+        self.env[self.out] = self.pending
+        self.pending = None
+        if self.then is not None:
+            self.then()
+
+    def run(self, run) -> None:
+        self.env[self.out] = self.view.collective("recv", self.templates, self.axes, self.args)
+
+
+def _folded(step, mb_axis) -> dict:
+    """Values summed over the micro-batches in the final segment and read nowhere else there:
+    value id -> the reduction."""
+    if mb_axis is None:
+        return {}
+    _, forward, backward, final = step.subplans
+    per_mb = {v for seg in (forward, backward) for s in seg.steps for v in s.outs}
+    readers: dict = {}
+    for s in final.steps:
+        for v in s.ins:
+            readers.setdefault(v, []).append(s)
+    out = {}
+    for v, steps in readers.items():
+        ops = {s.args.get("op", "sum") for s in steps if s.kind == "allreduce" and mb_axis in s.axes}
+        if v in per_mb and v not in step.outs and len(ops) == 1 and all(s.kind == "allreduce" for s in steps):
+            out[v] = ops.pop()
+    return out
+
+
+class _Accumulator:
+    """Sums over the micro-batch axis (gradient accumulation, the loss), taken as each
+    micro-batch finishes on a stage, in place into one buffer per value and base rank.
+
+    The final segment's allreduce over the micro-batch axis then only reduces that buffer
+    over its other axes (once).  Micro-batches finish on a stage in micro-batch order, the
+    order the allreduce would fold them in, so sums come out the same.
+    """
+
+    def __init__(self, store, base, mb_axis, ops):
+        self.store, self.base, self.mb_axis, self.ops = store, base, mb_axis, ops
+        self.sums: dict = {}    # (value id, base rank) -> running reduction
+        self.owned: set = set()  # keys whose buffer is ours to write into
+
+    def clear(self) -> None:
+        self.sums.clear()
+        self.owned.clear()
+
+    def add(self, ranks) -> None:
+        """Fold the values of ``ranks`` (one stage's ranks for one micro-batch) into the sums."""
+        sums, owned = self.sums, self.owned
+        for v, op in self.ops.items():
+            slot = self.store.get(v)
+            if not slot:
+                continue
+            for r in ranks:
+                x = slot.pop(r, None)
+                if x is None:
+                    continue
+                key = (v, self.base[r])
+                y = sums.get(key)
+                if y is None:
+                    sums[key] = x      # may be shared: the next one allocates
+                elif key in owned:
+                    REDUCE[op](y, x, out=y)
+                else:
+                    sums[key] = REDUCE[op](y, x)
+                    owned.add(key)
+
+    def reduce_step(self, s, view, bases):
+        """The final segment's allreduce ``s`` on ``view``: the sums of ``bases`` (the
+        view's micro-batch-0 ranks) reduced over the remaining axes, on every rank."""
+        (v,), out, env = s.ins, s.outs[0], _ViewEnv(self.store, view.ranks)
+        axes, args = tuple(a for a in s.axes if a != self.mb_axis), s.args
+
+        def go(run):
+            xs = [self.sums[(v, r)] for r in bases.ranks]
+            if axes:
+                xs = bases.collective(s.kind, xs, axes, args)
+            by_base = dict(zip(bases.ranks, xs))
+            env[out] = [by_base[self.base[r]] for r in view.ranks]
+        return go
 
 
 def outputs_to_first_rank(comm, plan, full: dict) -> dict:

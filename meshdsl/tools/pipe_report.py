@@ -18,9 +18,9 @@ from ..layout.mesh import Mesh
 from ..layout.specs import Rule
 from ..lowering.pipeline import MB_AXIS
 from ..lowering.plan import Plan, Step
-from ..lowering.schedule import Action
-from ..lowering.schedule_gen import bubble_theory, peak_theory
-from ..lowering.timeline import bubble_from_timeline, format_table
+from ..lowering.schedule import COMPUTE, Action
+from ..lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
+from ..lowering.timeline import bubble_from_timeline, format_table, simulate
 
 
 def pipeline_step(plan: Plan) -> Step | None:
@@ -84,13 +84,36 @@ def _figures_of_step(rows: list, num_stages: int) -> tuple[list[float], list[flo
     return ([statistics.fmean(b) for b in busy], [statistics.fmean(i) for i in idle], peak)
 
 
+def bubble_at_costs(summary: dict[str, Any], timelines: list) -> list[float]:
+    """Per stage, the bubble the schedule itself leaves at the measured action costs.
+
+    Each stage's F and B take their mean measured time (over every step and rank of
+    the stage) and transfers take none; the schedule is then simulated
+    (:func:`~meshdsl.lowering.timeline.simulate`).  Against the measured bubble this
+    separates idle time the schedule causes with these stages (uneven stages give more
+    than (p-1)/(m+p-1)) from what the runtime adds (transfer latency, descheduling).
+    """
+    spent: dict = {}
+    for rows in timelines:
+        for row in rows:
+            for kind, _, stage, _, t0, t1 in row:
+                if kind in COMPUTE:
+                    spent.setdefault((kind, stage), []).append(t1 - t0)
+    mean = {k: statistics.fmean(v) for k, v in spent.items()}
+    sched = make_schedule(summary["schedule"], summary["stages"], summary["microbatches"])
+    stats = simulate(sched, lambda a: mean.get((a.kind, a.stage), 0.0))
+    return [float(r.idle_fraction) for r in stats.ranks]
+
+
 def run_figures(summary: dict[str, Any], timelines: list) -> dict[str, Any]:
     """Per-stage figures of a pipelined run from every rank's recorded actions.
 
     The makespan of a step runs from its first action's start to its last action's
     end over all ranks (the prologue and the final segment, run once per step, are
     outside it); a stage's bubble is the fraction of that makespan it spends outside
-    its F and B actions.  Figures are medians over the timed steps (peaks: the max).
+    its F and B actions: waiting in a receive, sending, or descheduled counts as
+    idle, as in (p-1)/(m+p-1).  Figures are medians over the timed steps (peaks: the
+    max); ``bubble_at_costs`` is :func:`bubble_at_costs`.
 
     Args:
       summary: :func:`schedule_summary` of the plan.
@@ -98,7 +121,8 @@ def run_figures(summary: dict[str, Any], timelines: list) -> dict[str, Any]:
 
     Returns:
       ``{"schedule", "stages", "microbatches", "bubble_measured", "bubble_theory",
-      "peak_activations", "peak_theory", "busy_ms"}``, lists with one entry per stage.
+      "bubble_at_costs", "peak_activations", "peak_theory", "busy_ms"}``, lists with one
+      entry per stage.
     """
     p = summary["stages"]
     per_step = [_figures_of_step(rows, p) for rows in timelines]
@@ -106,6 +130,7 @@ def run_figures(summary: dict[str, Any], timelines: list) -> dict[str, Any]:
         "schedule": summary["schedule"], "stages": p, "microbatches": summary["microbatches"],
         "bubble_measured": [statistics.median(s[1][k] for s in per_step) for k in range(p)],
         "bubble_theory": summary["bubble_theory"],
+        "bubble_at_costs": bubble_at_costs(summary, timelines),
         "peak_activations": [max(s[2][k] for s in per_step) for k in range(p)],
         "peak_theory": summary["peak_theory"],
         "busy_ms": [statistics.median(s[0][k] for s in per_step) * 1e3 for k in range(p)],
@@ -126,5 +151,5 @@ def figures_table(fig: dict[str, Any], title: str):
     return t
 
 
-__all__ = ["pipeline_step", "user_mesh_layout", "num_microbatches", "schedule_summary", "run_figures",
-           "figures_table"]
+__all__ = ["pipeline_step", "user_mesh_layout", "num_microbatches", "schedule_summary", "bubble_at_costs",
+           "run_figures", "figures_table"]
