@@ -40,7 +40,7 @@ PRECISIONS = ("fp32", "bf16")
 #: The compute dtype of each precision's "bf16"-rule ops.
 COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-_MATMUL = ("einsum", "gather")
+_MATMUL = ("einsum", "gather", "attention", "attention_backward")
 _FP32 = ("softmax", "softmax_backward", "normalize", "normalize_backward", "rms_normalize",
          "rms_normalize_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
          "adamw_update")
