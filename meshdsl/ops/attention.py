@@ -8,9 +8,10 @@ tensor is written, q, k and v are read in their own layouts (no permuted copy),
 and the output comes out in q's dim order.  The forward also returns the
 row-wise logsumexp, which the backward kernel reads instead of the scores.
 
-Lowering: every dim but the key and feature dims may be split.  Batch and head
-dims are local; a split query dim is local too (each rank passes its slice's
-causal mask, offset by ``ctx``); the key and feature dims are whole on a rank.
+Lowering: batch and head dims may be split and stay local.  The forward may
+split the query dim too (each rank passes its slice's causal mask, offset by
+``ctx``); the backward keeps it whole, since dk and dv sum over every query.
+The key and feature dims are whole on a rank.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def _layout(attrs: dict, q: Tensor, k: Tensor) -> None:
 def _to4(x: torch.Tensor, perm, nb: int) -> torch.Tensor:
     """``x`` permuted to (batch..., seq, feature) and folded to the kernel's 4 dims."""
     x = x.permute(perm)
+    if x.stride(-1) != 1:  # the kernel reads each row of features as one contiguous run
+        x = x.contiguous()
     if nb == 2:
         return x
     if nb < 2:
@@ -64,10 +67,13 @@ def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
     return False, torch.zeros(n_q, n_k, dtype=like.dtype).masked_fill_(~keep, float("-inf"))
 
 
-def _spec(attrs: dict, q: Tensor, k: Tensor) -> ComputeSpec:
+def _spec(attrs: dict, q: Tensor, k: Tensor, backward: bool = False) -> ComputeSpec:
     dims = {d.name: d.size for d in q.shape}
     dims[attrs["key_dim"]] = k.shape.get(attrs["key_dim"]).size
-    return ComputeSpec(dims, fixed=frozenset([attrs["key_dim"], attrs["feature_dim"]]))
+    fixed = {attrs["key_dim"], attrs["feature_dim"]}
+    if backward:  # dk and dv sum over every query: a split query dim would leave them partial, dq not
+        fixed.add(attrs["query_dim"])
+    return ComputeSpec(dims, fixed=frozenset(fixed))
 
 
 def _flops(attrs: dict, q: Tensor, k: Tensor, local: dict) -> int:
@@ -139,7 +145,7 @@ class AttentionBackward(Op):
         return _from4(dq, bs, attrs["q_back"]), _from4(dk, bs, attrs["k_back"]), _from4(dv, bs, attrs["k_back"])
 
     def spec(self, node):
-        return _spec(node.attrs, *node.inputs[1:3])
+        return _spec(node.attrs, *node.inputs[1:3], backward=True)
 
     def flops(self, node, local):
         return 2 * _flops(node.attrs, *node.inputs[1:3], local)
@@ -170,8 +176,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
     Raises:
       ShapeError: if the dims do not line up as above.
 
-    Layouts may split the batch dims (``"batch:data; heads:model"``) and the query
-    dim; the key and feature dims are gathered when split.
+    Layouts may split the batch dims (``"batch:data; heads:model"``) with no
+    communication; a split query dim stays split in the forward and is gathered for
+    the backward; the key and feature dims are gathered when split.
     """
     qd, kd, fd = (d.name if isinstance(d, Dim) else d for d in (query_dim, key_dim, feature_dim))
     bad = next((x for x in (q, k, v) if not isinstance(x, Tensor)), None)
