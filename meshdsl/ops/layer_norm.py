@@ -2,7 +2,7 @@
 
 ``layer_norm(x, dim, scale, bias)`` with a scale and a bias shaped ``[dim]`` is one
 ``layer_norm_affine`` node instead of normalize, mul and add: one pass over x
-forward (which also returns the mean and rstd), and a backward of two kernels, each one call of torch's own layer-norm
+forward, and a backward of two kernels, each one call of torch's own layer-norm
 backward: ``layer_norm_affine_backward`` (dx, elementwise like x) and
 ``layer_norm_param_grads`` (dscale, dbias: sums over every dim but ``dim``).  They
 are two ops because they reduce differently: a split batch dim leaves the param
@@ -14,9 +14,16 @@ split.  A scale or bias with other dims keeps the composite (nn.layer_norm).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..errors import ShapeError
 from .registry import ComputeSpec, Op, apply, register
+
+
+def _stats(x: torch.Tensor, eps: float):
+    """(n, mean, rstd) of ``x`` over its last dim, as torch's layer-norm backward reads them."""
+    n = x.shape[-1]
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], None, None, eps)
+    return n, mean, rstd
 
 
 def _last(pos: int, *xs: torch.Tensor):
@@ -42,42 +49,34 @@ class _Norm(Op):
 
 @register
 class LayerNormAffine(_Norm):
-    """(x, scale, bias) -> (y = normalize(x) * scale + bias, mean, rstd) over ``attrs['dim']``.
-
-    The mean and reciprocal standard deviation (x's dims without ``dim``) are what
-    the backward kernels read, so they never recompute them.
-    """
+    """(x, scale, bias) -> y = normalize(x) * scale + bias over ``attrs['dim']``."""
 
     name = "layer_norm_affine"
 
     def infer(self, inputs, attrs):
         x = inputs[0]
         attrs["pos"] = x.shape.index(attrs["dim"])
-        stat = x.shape.without([attrs["dim"]])
-        return [(x.shape, x.dtype), (stat, x.dtype), (stat, x.dtype)]
+        return [(x.shape, x.dtype)]
 
     def compute(self, ctx, attrs, x, scale, bias):
         pos = attrs["pos"]
         (v,) = _last(pos, x)
-        y, mean, rstd = torch.ops.aten.native_layer_norm(v, [v.shape[-1]], scale, bias, attrs["eps"])
-        return y if pos == x.dim() - 1 else y.movedim(-1, pos), mean.squeeze(-1), rstd.squeeze(-1)
+        y = F.layer_norm(v, (v.shape[-1],), scale, bias, eps=attrs["eps"])
+        return y if pos == x.dim() - 1 else y.movedim(-1, pos)
 
     def grad(self, node, douts):
         from .nn import _like
-        if any(d is not None for d in douts[1:]):
-            raise ShapeError("layer_norm: its mean and rstd outputs are for the backward kernels only")
         x, scale, _ = node.inputs
         g = _like(douts[0], x)
-        attrs = {"dim": node.attrs["dim"], "eps": node.attrs["eps"], "x_index": 1}
-        stats = list(node.outputs[1:])
-        dx = apply("layer_norm_affine_backward", [g, x, scale, *stats], attrs)
-        dscale, dbias = apply("layer_norm_param_grads", [g, x, scale, *stats], attrs)
+        attrs = {"dim": node.attrs["dim"], "eps": node.attrs["eps"]}
+        dx = apply("layer_norm_affine_backward", [g, x, scale], {**attrs, "x_index": 1})
+        dscale, dbias = apply("layer_norm_param_grads", [g, x, scale], {**attrs, "x_index": 1})
         return [dx, dscale, dbias]
 
 
 @register
 class LayerNormAffineBackward(_Norm):
-    """(g, x, scale, mean, rstd) -> dx; linear in the cotangent ``g``."""
+    """(g, x, scale) -> dx; linear in the cotangent ``g``."""
 
     name = "layer_norm_affine_backward"
     linear_args = (0,)
@@ -88,17 +87,17 @@ class LayerNormAffineBackward(_Norm):
         attrs["pos"] = x.shape.index(attrs["dim"])
         return [(x.shape, x.dtype)]
 
-    def compute(self, ctx, attrs, g, x, scale, mean, rstd):
+    def compute(self, ctx, attrs, g, x, scale):
         pos = attrs["pos"]
         g, v = _last(pos, g, x)
-        dx = torch.ops.aten.native_layer_norm_backward(g, v, [v.shape[-1]], mean.unsqueeze(-1), rstd.unsqueeze(-1),
-                                                       scale, None, [True, False, False])[0]
+        n, mean, rstd = _stats(v, attrs["eps"])
+        dx = torch.ops.aten.native_layer_norm_backward(g, v, [n], mean, rstd, scale, None, [True, False, False])[0]
         return dx if pos == x.dim() - 1 else dx.movedim(-1, pos)
 
 
 @register
 class LayerNormParamGrads(_Norm):
-    """(g, x, scale, mean, rstd) -> (dscale, dbias), each ``[dim]``: sums over x's other dims.
+    """(g, x, scale) -> (dscale, dbias), each ``[dim]``: sums over x's other dims.
     ``scale`` is read only because torch's kernel wants it defined."""
 
     name = "layer_norm_param_grads"
@@ -110,10 +109,11 @@ class LayerNormParamGrads(_Norm):
         attrs["pos"] = x.shape.index(attrs["dim"])
         return [(scale.shape, x.dtype), (scale.shape, x.dtype)]
 
-    def compute(self, ctx, attrs, g, x, scale, mean, rstd):
+    def compute(self, ctx, attrs, g, x, scale):
         g, v = _last(attrs["pos"], g, x)
-        _, dscale, dbias = torch.ops.aten.native_layer_norm_backward(
-            g, v, [v.shape[-1]], mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, scale, [False, True, True])
+        n, mean, rstd = _stats(v, attrs["eps"])
+        _, dscale, dbias = torch.ops.aten.native_layer_norm_backward(g, v, [n], mean, rstd, scale, scale,
+                                                                     [False, True, True])
         return dscale, dbias
 
     def spec(self, node):

@@ -209,7 +209,7 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
     with x.graph.scope("layer_norm"):
         if scale is not None and bias is not None and scale.shape.names == bias.shape.names == (d,):
             from . import layer_norm as _fused  # noqa: F401  (registers the fused ops)
-            return apply("layer_norm_affine", [x, scale, bias], {"dim": d, "eps": float(eps)})[0]
+            return apply("layer_norm_affine", [x, scale, bias], {"dim": d, "eps": float(eps)})
         y = apply("normalize", [x], {"dim": d, "eps": float(eps)})
         if scale is not None:
             y = y * scale
