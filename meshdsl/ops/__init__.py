@@ -11,7 +11,6 @@ from .elementwise import (add, cast, constant, div, equal, exp, gelu, greater, g
 from .embed import causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)
-from . import layer_norm as _layer_norm  # noqa: F401  (registers the fused layer norm ops)
 from .nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
 from .reduce import logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
 from .registry import OPS

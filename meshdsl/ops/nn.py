@@ -5,8 +5,7 @@
   uses).  Their reduced dim is ``fixed`` in the spec: it must be whole on a
   rank, so the compiler gathers it when it is split (correct, more traffic).
   The norms' scale and bias are applied with elementwise mul/add, so their
-  gradients (which reduce over the batch dims) lower generically; a layer norm
-  with a ``[dim]`` scale and bias is one fused op instead (``layer_norm.py``).
+  gradients (which reduce over the batch dims) lower generically.
 * ``log_softmax`` and ``cross_entropy`` stay composites of primitives, so they
   lower on any layout without gathering, e.g. a vocab-split cross-entropy.
 * ``dropout`` is a primitive whose mask depends only on the global element
@@ -197,19 +196,11 @@ def _check_affine(what: str, x: Tensor, **params) -> None:
 
 def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
-    """Layer norm over ``dim`` with optional ``scale`` and ``bias`` (shaped by ``dim``).
-
-    With both a scale and a bias of dims ``[dim]`` it is one fused op
-    (:mod:`meshdsl.ops.layer_norm`, ``F.layer_norm``); otherwise normalize, then mul
-    and add.
-    """
+    """Layer norm over ``dim`` with optional ``scale`` and ``bias`` (shaped by ``dim``)."""
     _check_affine("layer_norm", x, scale=scale, bias=bias)
     _check_float("layer_norm", x)
     d = _one_dim(x, dim, "layer_norm")
     with x.graph.scope("layer_norm"):
-        if scale is not None and bias is not None and scale.shape.names == bias.shape.names == (d,):
-            from . import layer_norm as _fused  # noqa: F401  (registers the fused ops)
-            return apply("layer_norm_affine", [x, scale, bias], {"dim": d, "eps": float(eps)})
         y = apply("normalize", [x], {"dim": d, "eps": float(eps)})
         if scale is not None:
             y = y * scale

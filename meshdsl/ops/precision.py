@@ -43,9 +43,8 @@ COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 _MATMUL = ("einsum", "gather")
 _FP32 = ("softmax", "softmax_backward", "attention", "attention_backward", "normalize", "normalize_backward",
-         "layer_norm_affine", "layer_norm_affine_backward", "layer_norm_param_grads",
-         "rms_normalize", "rms_normalize_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step",
-         "sgd_update", "adamw_update")
+         "rms_normalize", "rms_normalize_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
+         "adamw_update")
 _FOLLOW = ("add", "sub", "mul", "div", "neg", "exp", "log", "pow", "sqrt", "rsqrt", "tanh", "sigmoid",
            "silu", "relu", "relu_backward", "gelu", "gelu_backward", "gelu_grad", "maximum", "minimum",
            "where", "dropout", "stop_gradient", "reduce_max", "reduce_min", "top_k", "scatter_add",
