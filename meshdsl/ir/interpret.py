@@ -18,7 +18,7 @@ from ..ops.registry import DENSE_CTX, LocalCtx
 #: Ops whose kernels return new storage, never a view of an input (a 2-operand einsum
 #: is a matmul): a value they produce that only one add reads may be added into.
 _FRESH = frozenset({"add", "sub", "mul", "gelu_backward", "softmax_backward", "normalize_backward",
-                    "layer_norm_affine_backward", "attention_backward"})
+                    "attention_backward"})
 
 
 def _add_into(ctx, attrs, x, y):
