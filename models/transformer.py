@@ -73,10 +73,13 @@ def attention(z_bsd, p, cfg: Config):
     q_bshe = md.einsum(PROJ, z_bsd, p["wq"])
     k_bkhe = md.rename(md.einsum(PROJ, z_bsd, p["wk"]), seq="key_seq")
     v_bkhe = md.rename(md.einsum(PROJ, z_bsd, p["wv"]), seq="key_seq")
-    att_bhsk = md.einsum(SCORES, q_bshe, k_bkhe) * (cfg.d_head ** -0.5)
-    att_bhsk = md.where(md.causal_mask(s, md.Dim("key_seq", s.size)), att_bhsk, -1e9)
-    att_bhsk = drop(md.softmax(att_bhsk, "key_seq"), cfg, seed=1)
-    y_bshe = md.einsum(MIX, att_bhsk, v_bkhe)
+    if cfg.dropout:  # dropout on the probabilities needs them written out
+        att_bhsk = md.einsum(SCORES, q_bshe, k_bkhe) * (cfg.d_head ** -0.5)
+        att_bhsk = md.where(md.causal_mask(s, md.Dim("key_seq", s.size)), att_bhsk, -1e9)
+        att_bhsk = drop(md.softmax(att_bhsk, "key_seq"), cfg, seed=1)
+        y_bshe = md.einsum(MIX, att_bhsk, v_bkhe)
+    else:  # the same math as one fused kernel (torch's flash attention), no score tensor
+        y_bshe = md.attention(q_bshe, k_bkhe, v_bkhe, "seq", "key_seq", "d_head", causal=True)
     return md.einsum(OUT, y_bshe, p["wo"])
 
 

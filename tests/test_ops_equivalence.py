@@ -322,6 +322,16 @@ def _causal_mask():
     return {"mask": mask, "attn": md.softmax(md.where(mask, scores, -1e9), "key")}, {}
 
 
+@case("attention", cap=60, sample=6)
+def _attention():
+    # q [batch, seq, feat], k and v [batch, key, feat]: batch and seq split locally in the
+    # forward (each query slice masks from its offset), key and feat are gathered.
+    key = md.Dim("key", 8)
+    q = _p("q_bsf", [B, S, F])
+    k, v = _p("k_bkf", [B, key, F]), _p("v_bkf", [B, key, F])
+    return md.attention(q, k, v, "seq", "key", "feat", causal=True), {}
+
+
 @case("top_k")
 def _top_k():
     x = _x("x_bv", [B, V])
@@ -432,7 +442,7 @@ OPS_COVERED = {
     "pad", "concat", "shift", "roll", "softmax", "log_softmax", "layer_norm", "rms_norm",
     "cross_entropy", "gather", "one_hot", "iota", "causal_mask", "top_k", "dropout", "repeat", "vjp",
     "sgd",
-    "cumsum", "squeeze", "unsqueeze",
+    "cumsum", "squeeze", "unsqueeze", "attention",
 }
 
 

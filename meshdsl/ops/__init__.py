@@ -3,6 +3,7 @@ and gives tensors their operators (``x + y`` is :func:`add`)."""
 import sys as _sys
 
 from ..core.graph import set_operators as _set_operators
+from .attention import attention
 from .einsum import einsum
 from .elementwise import (add, cast, constant, div, equal, exp, gelu, greater, greater_equal, less,
                           less_equal, log, logical_not, maximum, minimum, mul, neg, not_equal, pow,

@@ -1,8 +1,8 @@
 """Elementwise ops with broadcasting by dim name.
 
 Operands are aligned by name: the output has the union of the operands' dims
-in order of first appearance, and each operand is permuted and unsqueezed to
-it locally.  No communication is ever needed beyond matching layouts, which
+in order of first appearance (``where`` lists its condition last), and each
+operand is permuted and unsqueezed to it locally.  No communication is ever needed beyond matching layouts, which
 the generic lowering rule takes care of.
 """
 from __future__ import annotations
@@ -175,8 +175,12 @@ class Pow(Unary):
 class Nary(Op):
     out_dtype = None  # None: same as inputs
 
+    def out_shape(self, inputs) -> Shape:
+        """The output dims: the union of the operands', in order of first appearance."""
+        return broadcast_shapes([x.shape for x in inputs], self.name)
+
     def infer(self, inputs, attrs):
-        shape = broadcast_shapes([x.shape for x in inputs], self.name)
+        shape = self.out_shape(inputs)
         dtypes = {x.dtype for x in inputs if x.node.op.name != "constant"} or {inputs[0].dtype}
         data = [x for x in inputs if self.name != "where" or x is not inputs[0]]
         ddt = {x.dtype for x in data if x.node.op.name != "constant"} or {data[0].dtype}
@@ -249,11 +253,18 @@ class Where(Nary):
                                      fix="build it with a comparison, e.g. x > 0"))
         return super().infer(inputs, attrs)
 
+    def out_shape(self, inputs):
+        # The values' dims lead and the condition's follow: a mask [seq, key_seq] over
+        # scores [batch, heads, seq, key_seq] keeps the scores' layout, so the softmax
+        # and the einsum after it read a contiguous tensor instead of copying it.
+        c, a, b = inputs
+        return broadcast_shapes([a.shape, b.shape, c.shape], self.name)
+
     def grad(self, node, douts):
         c, a, b = node.inputs
         g = douts[0]
-        zero = g * 0.0
-        return [None, _sum_to(where(c, g, zero), a), _sum_to(where(c, zero, g), b)]
+        # A scalar zero (as torch's masked_fill backward): no second full-size tensor.
+        return [None, _sum_to(where(c, g, 0.0), a), _sum_to(where(c, 0.0, g), b)]
 
 
 # ----------------------------------------------------------------------------- public API
@@ -306,7 +317,11 @@ def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def where(cond: Tensor, a, b) -> Tensor:
-    """``a`` where ``cond`` else ``b``, broadcasting by name."""
+    """``a`` where ``cond`` else ``b``, broadcasting by name.
+
+    The result's dims are those of ``a``, then ``b``'s, then ``cond``'s, each
+    in order of first appearance: a mask keeps the layout of the values it masks.
+    """
     return apply("where", [cond] + _lift([a, b]))
 
 

@@ -78,7 +78,9 @@ class MatmulForm:
         """``einsum(x, y)`` with the output's dims in order."""
         a, b, shape = self._operands(x, y)
         out = (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
-        return out if self.out_perm is None else out.permute(self.out_perm)
+        # A permuted product is laid out in the output's order once, here: its readers
+        # (attention's projections read q, k, v's gradients twice) would each copy it.
+        return out if self.out_perm is None else out.permute(self.out_perm).contiguous()
 
     def add_matmul(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor, alpha: float,
                    inplace: bool = False) -> torch.Tensor:

@@ -6,7 +6,8 @@ op has one rule here:
 
 * ``"bf16"``: floating inputs are cast down to bfloat16 (a param is read through a
   cast, so its gradient is cast back up and arrives in fp32); the matmul-like ops.
-* ``"fp32"``: floating inputs are cast up to fp32 and the output is fp32: softmax,
+* ``"fp32"``: floating inputs are cast up to fp32 and the output is fp32: softmax
+  (and the fused attention, whose softmax is inside it),
   the layer/RMS-norm statistics, sums (``reduce_sum`` accumulates, and reductions
   that produce the loss must not round at every add), and the optimizer updates.
 * ``"follow"``: the op computes in its floating inputs' dtype, and in bfloat16 as
@@ -41,8 +42,8 @@ PRECISIONS = ("fp32", "bf16")
 COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 _MATMUL = ("einsum", "gather")
-_FP32 = ("softmax", "softmax_backward", "normalize", "normalize_backward", "rms_normalize",
-         "rms_normalize_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
+_FP32 = ("softmax", "softmax_backward", "attention", "attention_backward", "normalize", "normalize_backward",
+         "rms_normalize", "rms_normalize_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
          "adamw_update")
 _FOLLOW = ("add", "sub", "mul", "div", "neg", "exp", "log", "pow", "sqrt", "rsqrt", "tanh", "sigmoid",
            "silu", "relu", "relu_backward", "gelu", "gelu_backward", "gelu_grad", "maximum", "minimum",

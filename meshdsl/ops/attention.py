@@ -1,0 +1,214 @@
+"""Fused scaled dot-product attention: one torch kernel forward, one backward.
+
+``attention(q, k, v, ...)`` is ``softmax(q . k * scale, masked) . v`` over named
+dims, the math of the composite ``einsum -> mul -> where(causal_mask) -> softmax
+-> einsum``, run as torch's fused CPU attention kernel (the flash-attention
+form behind ``F.scaled_dot_product_attention``): no [.., seq, key_seq] score
+tensor is written, q, k and v are read in their own layouts (no permuted copy),
+and the output comes out in q's dim order.  The forward also returns the
+row-wise logsumexp, which the backward kernel reads instead of the scores.
+
+Lowering: batch and head dims may be split and stay local.  The forward may
+split the query dim too (each rank passes its slice's causal mask, offset by
+``ctx``); the backward keeps it whole, since dk and dv sum over every query.
+The key and feature dims are whole on a rank.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.graph import Tensor
+from ..core.shape import Dim, Shape
+from ..errors import ShapeError, message
+from .registry import ComputeSpec, Op, apply, register
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _layout(attrs: dict, q: Tensor, k: Tensor) -> None:
+    """Fill ``attrs`` with the permutations to and from the kernel's [batch, heads, seq, feature] form."""
+    qd, kd, fd = attrs["query_dim"], attrs["key_dim"], attrs["feature_dim"]
+    batch = [n for n in q.shape.names if n not in (qd, fd)]
+    attrs["batch"] = tuple(batch)
+    attrs["q_perm"] = tuple(q.shape.index(n) for n in (*batch, qd, fd))
+    attrs["k_perm"] = tuple(k.shape.index(n) for n in (*batch, kd, fd))
+    attrs["q_back"] = tuple(attrs["q_perm"].index(i) for i in range(len(q.shape)))
+    attrs["k_back"] = tuple(attrs["k_perm"].index(i) for i in range(len(k.shape)))
+
+
+def _to4(x: torch.Tensor, perm, nb: int) -> torch.Tensor:
+    """``x`` permuted to (batch..., seq, feature) and folded to the kernel's 4 dims."""
+    x = x.permute(perm)
+    if x.stride(-1) != 1:  # the kernel reads each row of features as one contiguous run
+        x = x.contiguous()
+    if nb == 2:
+        return x
+    if nb < 2:
+        return x.reshape((1,) * (2 - nb) + tuple(x.shape))
+    return x.reshape(-1, *x.shape[nb - 1:])  # fold the leading batch dims (a copy if they do not merge)
+
+
+def _from4(x4: torch.Tensor, batch_sizes, back) -> torch.Tensor:
+    return x4.reshape(*batch_sizes, *x4.shape[-2:]).permute(back)
+
+
+def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
+    """(is_causal, additive mask) for this rank's query slice: the kernel's own causal
+    mask when the slice starts at query 0, else an explicit one offset by the slice."""
+    if not attrs["causal"]:
+        return False, None
+    off = ctx.offset(attrs["query_dim"])
+    if off == 0:
+        return True, None
+    keep = torch.arange(n_k)[None, :] <= torch.arange(off, off + n_q)[:, None]
+    return False, torch.zeros(n_q, n_k, dtype=like.dtype).masked_fill_(~keep, float("-inf"))
+
+
+def _spec(attrs: dict, q: Tensor, k: Tensor, backward: bool = False) -> ComputeSpec:
+    dims = {d.name: d.size for d in q.shape}
+    dims[attrs["key_dim"]] = k.shape.get(attrs["key_dim"]).size
+    fixed = {attrs["key_dim"], attrs["feature_dim"]}
+    if backward:  # dk and dv sum over every query: a split query dim would leave them partial, dq not
+        fixed.add(attrs["query_dim"])
+    return ComputeSpec(dims, fixed=frozenset(fixed))
+
+
+def _flops(attrs: dict, q: Tensor, k: Tensor, local: dict) -> int:
+    # Two matmuls of [.., query, feature] x [.., key, feature], 2 FLOPs per term each.
+    return 4 * math.prod(local.get(n, s) for n, s in _spec(attrs, q, k).dims.items())
+
+
+@register
+class Attention(Op):
+    """(q, k, v) -> (out, logsumexp); attrs: query/key/feature dim names, ``causal``, ``scale``."""
+
+    name = "attention"
+
+    def infer(self, inputs, attrs):
+        q, k, v = inputs
+        _layout(attrs, q, k)
+        lse = Shape([q.shape.get(n) for n in attrs["batch"]] + [q.shape.get(attrs["query_dim"])])
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return [(q.shape, q.dtype), (lse, lse_dtype)]
+
+    def compute(self, ctx, attrs, q, k, v):
+        nb = len(attrs["batch"])
+        q4, k4, v4 = _to4(q, attrs["q_perm"], nb), _to4(k, attrs["k_perm"], nb), _to4(v, attrs["k_perm"], nb)
+        causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+        out4, lse4 = _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=attrs["scale"])
+        bs = [q.shape[i] for i in attrs["q_perm"][:nb]]
+        return _from4(out4, bs, attrs["q_back"]), lse4.reshape(*bs, lse4.shape[-1])
+
+    def spec(self, node):
+        return _spec(node.attrs, *node.inputs[:2])
+
+    def flops(self, node, local):
+        return _flops(node.attrs, *node.inputs[:2], local)
+
+    def grad(self, node, douts):
+        g, g_lse = douts
+        if g_lse is not None:
+            raise ShapeError("attention: the logsumexp output is for the backward kernel only; it has no gradient")
+        if g is None:
+            return [None, None, None]
+        q = node.inputs[0]
+        if g.shape.names != q.shape.names:
+            from .shape_ops import transpose
+            g = transpose(g, q.shape.names)
+        outs = apply("attention_backward", [g, *node.inputs, *node.outputs], dict(node.attrs))
+        return list(outs)
+
+
+@register
+class AttentionBackward(Op):
+    """(d_out, q, k, v, out, logsumexp) -> (dq, dk, dv): the fused kernel's backward."""
+
+    name = "attention_backward"
+    differentiable = False
+
+    def infer(self, inputs, attrs):
+        _, q, k, v = inputs[:4]
+        return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
+
+    def compute(self, ctx, attrs, g, q, k, v, out, lse):
+        nb = len(attrs["batch"])
+        qp, kp = attrs["q_perm"], attrs["k_perm"]
+        q4, k4, v4 = _to4(q, qp, nb), _to4(k, kp, nb), _to4(v, kp, nb)
+        causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+        lse4 = lse.reshape(q4.shape[:-1])
+        dq, dk, dv = _BWD(_to4(g, qp, nb), q4, k4, v4, _to4(out, qp, nb), lse4, 0.0, causal,
+                          attn_mask=mask, scale=attrs["scale"])
+        bs = [q.shape[i] for i in qp[:nb]]
+        return _from4(dq, bs, attrs["q_back"]), _from4(dk, bs, attrs["k_back"]), _from4(dv, bs, attrs["k_back"])
+
+    def spec(self, node):
+        return _spec(node.attrs, *node.inputs[1:3], backward=True)
+
+    def flops(self, node, local):
+        return 2 * _flops(node.attrs, *node.inputs[1:3], local)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq", feature_dim="d_head",
+              causal: bool = True, scale: float | None = None) -> Tensor:
+    """Scaled dot-product attention by dim name, as one fused kernel forward and backward.
+
+    ``out[.., query, feature] = sum_key softmax_key(q . k * scale) v``, where ``q . k``
+    sums over ``feature_dim`` and every other dim of ``q`` (batch, heads) is a batch
+    dim that ``k`` and ``v`` share.  With ``causal`` a query attends to the keys at or
+    before its own position, the mask of ``causal_mask(query_dim, key_dim)``.  The
+    composite ``softmax(where(causal_mask(..), einsum(..) * scale, -1e9)) . v`` gives
+    the same values; use it when the probabilities need dropout.
+
+    Args:
+      q: [batch dims..., query_dim, feature_dim] in any dim order.
+      k: [the same batch dims, key_dim, feature_dim], any order.
+      v: like ``k``.
+      query_dim, key_dim, feature_dim: the dim names (a name or a Dim).
+      causal: mask the keys after each query.
+      scale: the factor on ``q . k``; default ``1 / sqrt(size of feature_dim)``.
+
+    Returns:
+      The attention output, with ``q``'s dims in ``q``'s order.
+
+    Raises:
+      ShapeError: if the dims do not line up as above.
+
+    Layouts may split the batch dims (``"batch:data; heads:model"``) with no
+    communication; a split query dim stays split in the forward and is gathered for
+    the backward; the key and feature dims are gathered when split.
+    """
+    qd, kd, fd = (d.name if isinstance(d, Dim) else d for d in (query_dim, key_dim, feature_dim))
+    bad = next((x for x in (q, k, v) if not isinstance(x, Tensor)), None)
+    if bad is not None:
+        raise ShapeError(message(f"attention: {bad!r} ({type(bad).__name__}) is not a Tensor.",
+                                 rule="attention takes meshdsl Tensors q, k, v", fix="pass Tensors built by ops"))
+    batch = [n for n in q.shape.names if n not in (qd, fd)]
+    want = {"q": (q, [*batch, qd, fd]), "k": (k, [*batch, kd, fd]), "v": (v, [*batch, kd, fd])}
+    bullets = [f"{name} {x.shape} should have the dims {sorted(dims)}" for name, (x, dims) in want.items()
+               if sorted(x.shape.names) != sorted(dims)]
+    if not bullets:
+        bullets = [f"dim '{d.name}' of {name} has size {d.size}, of q {q.shape.get(d.name).size}"
+                   for name, x in (("k", k), ("v", v)) for d in x.shape if d.name in q.shape and d.name != qd
+                   and q.shape.get(d.name) != d]
+        bullets += [f"v's '{kd}' {v.shape.get(kd).size} differs from k's {k.shape.get(kd).size}"] \
+            if v.shape.get(kd) != k.shape.get(kd) else []
+    dtypes = {x.dtype for x in (q, k, v)}
+    if len(dtypes) > 1 or not q.dtype.is_floating_point:
+        bullets.append(f"q, k, v have dtypes {sorted(map(str, dtypes))}; they share one floating dtype")
+    if bullets:
+        raise ShapeError(message(
+            f"attention(q, k, v, query_dim='{qd}', key_dim='{kd}', feature_dim='{fd}'): the operands do not line up.",
+            inputs=[f"q: {q.shape}", f"k: {k.shape}", f"v: {v.shape}"], bullets=bullets,
+            rule="q is [batch..., query, feature]; k and v are [the same batch..., key, feature]",
+            fix="rename the dims (meshdsl.rename) so that they match"))
+    if scale is None:
+        scale = q.shape.get(fd).size ** -0.5
+    out, _ = apply("attention", [q, k, v], {"query_dim": qd, "key_dim": kd, "feature_dim": fd,
+                                           "causal": bool(causal), "scale": float(scale)})
+    return out
+
+
+__all__ = ["attention"]

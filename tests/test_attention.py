@@ -1,0 +1,95 @@
+"""The fused attention op (meshdsl/ops/attention.py) against the composite it replaces.
+
+The composite is ``softmax(where(causal_mask, einsum(q, k) * scale, -1e9)) . v``, the
+transformer's attention before the fused op.  Both run in fp32 on O(1) values; the
+fused kernel sums the softmax in blocks (online, flash style) and the composite in one
+pass, so they agree to a few ulps, not bit for bit: rtol = atol = 1e-5 (as
+test_nn_fused.py) still catches a wrong mask, scale or layout of any element.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshdsl as md
+from conftest import build_case, check_plan
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+B, H, S, K, E = md.Dim("batch", 2), md.Dim("heads", 4), md.Dim("seq", 8), md.Dim("key_seq", 8), md.Dim("d_head", 4)
+
+
+def _attn(q, k, v, batch: list[str], causal: bool, fused: bool):
+    if fused:
+        return md.attention(q, k, v, "seq", "key_seq", "d_head", causal=causal)
+    qn, kn = " ".join(batch + ["seq", "d_head"]), " ".join(batch + ["key_seq", "d_head"])
+    scores = md.einsum(f"{qn}, {kn} -> {' '.join(batch + ['seq', 'key_seq'])}", q, k) * (E.size ** -0.5)
+    if causal:
+        scores = md.where(md.causal_mask(S, K), scores, -1e9)
+    att = md.softmax(scores, "key_seq")
+    return md.transpose(md.einsum(f"{' '.join(batch + ['seq', 'key_seq'])}, {kn} -> {qn}", att, v), q.shape.names)
+
+
+def _run(q_dims, k_dims, causal: bool, fused: bool):
+    """y = attention(q, k, v), loss = sum(y * W); meshdsl's y and gradients, dense."""
+    batch = [d.name for d in q_dims if d.name not in ("seq", "d_head")]
+    with md.Graph():
+        q, k, v = md.param("q", q_dims, scale=1.0), md.param("k", k_dims, scale=1.0), md.param("v", k_dims, scale=1.0)
+        w = md.param("w", q_dims, scale=1.0)
+        y = _attn(q, k, v, batch, causal, fused)
+        loss = md.reduce_sum(y * w)
+        grads = md.grad(loss, {"q": q, "k": k, "v": v})
+        return md.run_dense({"y": y, **{f"grad/{n}": g for n, g in grads.items()}}, seed=7)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_dims,k_dims", [
+    ([B, S, H, E], [B, K, H, E]),        # the transformer's layout: two batch dims, folded for free
+    ([H, E, S, B], [K, B, E, H]),        # every operand in another dim order
+    ([S, E], [K, E]),                    # no batch dim
+    ([S, B, E], [B, E, K]),              # one batch dim
+    ([B, H, md.Dim("x", 3), S, E], [md.Dim("x", 3), K, B, H, E]),   # three: folded by a copy
+], ids=["bshe", "permuted", "nobatch", "onebatch", "threebatch"])
+def test_fused_matches_composite(q_dims, k_dims, causal):
+    got, want = _run(q_dims, k_dims, causal, True), _run(q_dims, k_dims, causal, False)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _case():
+    q = md.param("q", [B, S, H, E], scale=1.0)
+    k, v = md.param("k", [B, K, H, E], scale=1.0), md.param("v", [B, K, H, E], scale=1.0)
+    return md.attention(q, k, v), {}
+
+
+@pytest.mark.parametrize("layout", [
+    "heads:x", "batch:x; heads:y", "seq:x", "seq:x; heads:y", "key_seq:x", "d_head:x", "batch:y; seq:x",
+])
+def test_sharded_layouts_match_dense(layout):
+    # seq:x gives each rank a slice of the queries, whose causal mask starts at its offset;
+    # key_seq / d_head are gathered (they are whole in the kernel).
+    check_plan(build_case(_case), "x:2; y:2", layout)
+
+
+def test_heads_split_is_local():
+    c = build_case(_case)
+    plan = md.compile(c.outputs, "x:2", "heads:x")
+    # Megatron's attention: forward and backward run on each rank's heads; only the
+    # test's scalar loss (a sum over the split heads) is reduced.
+    assert plan.totals() == {"allreduce": {"count": 1, "bytes": 4}}, plan.totals()
+
+
+def test_mismatched_dims_are_reported():
+    with md.Graph():
+        q = md.param("q", [B, S, H, E])
+        k = md.param("k", [B, K, E])
+        with pytest.raises(md.ShapeError, match=r"(?s)attention.*k \[batch:2, key_seq:8, d_head:4\].*Rule:"):
+            md.attention(q, k, k)
+
+
+def test_transformer_uses_one_fused_node_per_block():
+    from meshdsl.train.model import load_model
+    from pathlib import Path
+    model = load_model(str(Path(__file__).resolve().parents[1] / "models" / "transformer.py"))
+    block = next(n for n in md.core.graph.topo_nodes([model.loss]) if n.op.name == "repeat").attrs["block"]
+    ops = [n.op.name for n in block.graph.nodes]
+    assert ops.count("attention") == 1 and "softmax" not in ops, ops
