@@ -22,6 +22,7 @@ from ..exec.simulated import SimulatedComm
 from ..ir.autodiff import grad
 from ..ir.precision import mixed_precision
 from ..ops.precision import check_precision
+from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile
 from ..layout.sharding import Sharding
 from ..lowering.plan import Value
@@ -128,6 +129,8 @@ class TrainStep:
       precision: ``"fp32"`` (the default: every op in fp32, exactly the dense program) or
         ``"bf16"``: matmuls in bfloat16 with fp32 params, optimizer state, loss and gradient
         sums; the per-op rules are in :mod:`meshdsl.ops.precision`.
+      bucket_mb: reduce gradients in buckets of about this many MB (default 25, as DDP);
+        0: one collective per gradient (see :mod:`meshdsl.lowering.bucket`).
 
     Raises:
       GraphError: a bad ``clip_norm`` or an unknown ``precision``.
@@ -135,7 +138,8 @@ class TrainStep:
 
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
                  optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
-                 schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32"):
+                 schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32",
+                 bucket_mb: float = DEFAULT_BUCKET_MB):
         if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
             raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
                                      rule="the global gradient norm is clipped to a positive bound",
@@ -151,7 +155,8 @@ class TrainStep:
             self.outputs = training_outputs(loss, params, lr)
         else:
             self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None)
-        self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule)
+        self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
+                            bucket_mb=bucket_mb)
         if self.plan.mesh.axes != comm.mesh.axes:  # the plan has the virtual micro-batch axis
             comm = SimulatedComm(self.plan.mesh) if isinstance(comm, SimulatedComm) else for_plan(comm, self.plan)
         self.executor = Executor(self.plan, comm, donate_params=True)
