@@ -32,6 +32,7 @@ from ..exec.executor import Executor
 from ..exec.launch import in_torchrun
 from ..exec.simulated import SimulatedComm, run_simulated
 from ..layout.mesh import Mesh
+from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.memory import memory_report
 from ..lowering.schedule_gen import SCHEDULES
@@ -110,6 +111,14 @@ def pipe_args(p) -> None:
                         "bubble, at most p activations held per stage) (default gpipe)")
 
 
+def bucket_arg(p) -> None:
+    """``--bucket-mb``: the size of the gradient buckets (see :mod:`meshdsl.lowering.bucket`)."""
+    p.add_argument("--bucket-mb", type=float_in(0.0, fix="pass a size in MB, e.g. --bucket-mb 25, or 0 for none"),
+                   default=DEFAULT_BUCKET_MB,
+                   help=f"reduce gradients in buffers of about this many MB, one collective per bucket "
+                        f"(default {DEFAULT_BUCKET_MB:g}, as DDP; 0: one collective per gradient)")
+
+
 def seed_arg(p) -> None:
     p.add_argument("--seed", type=int_in(0, SEED_MAX, fix="pass a seed such as --seed 0"), default=0,
                    help="seed of the synthetic data and the param init (0 .. 2**63-1)")
@@ -132,6 +141,7 @@ def add_plan(sub) -> None:
     p.add_argument("--only-comm", action="store_true", help="list only the ops that communicate")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
+    bucket_arg(p)
     p.set_defaults(run=cmd_plan)
 
 
@@ -142,7 +152,8 @@ def cmd_plan(args) -> int:
     Mesh.parse(args.mesh)
     model = load_configured(args)
     outputs, _ = train_outputs(model, args)
-    plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
+    plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
+                        bucket_mb=args.bucket_mb)
     report = plan_report(plan)
     report["optimizer"] = describe(*optimizer_from_args(args))
     report["memory"] = memory_report(plan)
@@ -179,6 +190,7 @@ def add_check(sub) -> None:
                         f"re-ordered sums, far below what a wrong layout produces)")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
+    bucket_arg(p)
     dist_args(p)
     p.set_defaults(run=cmd_check)
 
@@ -220,7 +232,8 @@ def cmd_check(args) -> int:
         outputs, hyper = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, {}
     else:  # one optimizer step: loss, global norm, new params and state
         outputs, hyper = train_outputs(model, args)
-    plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
+    plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
+                        bucket_mb=args.bucket_mb)
     if not distributed:
         check_simulated_memory(plan)
     args.preflight_done = True

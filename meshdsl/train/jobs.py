@@ -43,12 +43,12 @@ def _load(model_ref: str, tiny: bool, config: dict | None = None):
 
 def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0,
               microbatches: int = 1, schedule: str = "gpipe", optimizer=None, clip_norm: float | None = None,
-              config: dict | None = None):
+              config: dict | None = None, bucket_mb: float = DEFAULT_BUCKET_MB):
     """Loss and gradients of the model on this job's ranks; rank 0 returns them in full.
 
     With an ``optimizer``: loss, global gradient norm, and the new params and
     optimizer state after one step (``clip_norm`` clips the norm).  ``config`` holds
-    overrides of the model's Config fields (``--config``).
+    overrides of the model's Config fields (``--config``); ``bucket_mb`` sizes the gradient buckets.
     """
     model = _load(model_ref, tiny, config)
     hyper = {}
@@ -57,7 +57,7 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     else:
         outs = optimizer_outputs(model.loss, model.params, optimizer, clip_norm is not None)
         hyper = TrainStep.hyper_values(optimizer, clip_norm, 0)
-    plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule)
+    plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb)
     agree_plan(comm, plan)
     ex = Executor(plan, for_plan(comm, plan))
     res = ex.run({**model.feeds(seed), **hyper}, ex.init_params(seed))

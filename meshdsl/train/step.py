@@ -95,12 +95,22 @@ def ew_one(like: Tensor) -> Tensor:
 
 @dataclass
 class StepStats:
-    """Seconds of one step: total, local compute, communication, and per collective kind."""
+    """Seconds of one step: total, local compute, exposed communication, and per collective kind.
+
+    ``comm`` is the communication the step waited for: time issuing collectives
+    (a synchronous one runs whole; an asynchronous one is started) plus time blocked
+    on one in flight.  ``in_flight`` is how long the collectives were in flight in all
+    (torch.distributed only; 0 on the simulated mesh), so ``in_flight - comm`` was
+    hidden behind compute.  ``peak_rss`` is the process's resident-set high-water mark
+    after the step, in bytes (``getrusage``'s ``ru_maxrss``).
+    """
 
     total: float
     compute: float
     comm: float
     by_kind: dict[str, float] = field(default_factory=dict)
+    in_flight: float = 0.0
+    peak_rss: int = 0
 
     @property
     def overhead(self) -> float:
@@ -190,6 +200,7 @@ class TrainStep:
                                      rule="a runtime learning rate needs an optimizer that reads it",
                                      fix="build the step with optimizer=md.SGD(lr=...)"))
         stats = {} if timed else None
+        flight0 = _in_flight(self.executor.comm) if timed else 0.0
         t0 = time.perf_counter()
         outs = self.executor.run({**feeds, **self.hyper_feeds(lr)}, self.params, stats=stats)
         for k in self.carried:
@@ -203,7 +214,8 @@ class TrainStep:
         if not timed:
             return loss, None
         comm = sum(v for k, v in stats.items() if k in COMM_KINDS)
-        return loss, StepStats(total, stats.get("local", 0.0) + stats.get("split", 0.0), comm, stats)
+        return loss, StepStats(total, stats.get("local", 0.0) + stats.get("split", 0.0), comm, stats,
+                               _in_flight(self.executor.comm) - flight0, peak_rss())
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every param as a full tensor (gathered over the mesh)."""
@@ -255,6 +267,20 @@ class TrainStep:
             else:
                 key = name[len("param/"):] if name.startswith("param/") else name
                 self.params[key] = [None if x is None else x.clone() for x in got]
+
+
+def _in_flight(comm) -> float:
+    """Seconds ``comm``'s collectives have been in flight so far (its per-kind totals, if it keeps them)."""
+    stats = getattr(comm, "stats", None) or getattr(getattr(comm, "real", None), "stats", None) or {}
+    return sum(st["seconds"] for st in stats.values())
+
+
+def peak_rss() -> int:
+    """This process's resident-set high-water mark in bytes (Linux reports ``ru_maxrss`` in KiB)."""
+    import resource
+    import sys
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _held_scalar(xs) -> float:
