@@ -168,8 +168,8 @@ def write_report(args, per_rank: list, figures, plan) -> None:
 
     Top-level per-step lists are rank 0's: ``step_ms``, ``compute_ms``, ``comm_ms`` (exposed
     communication: issuing collectives plus time blocked on one in flight; also under
-    ``exposed_comm_ms``), ``overhead_ms`` and ``comm_in_flight_ms`` (how long collectives
-    were in flight, hidden or not).  ``ranks`` has the same per rank with ``peak_rss_mib``
+    ``exposed_comm_ms``), ``overhead_ms`` and ``comm_in_flight_ms`` (the sum over collectives
+    of the time each was in flight, hidden or not; overlapping ones each count).  ``ranks`` has the same per rank with ``peak_rss_mib``
     (each step's resident-set high-water mark, measured), and ``memory_plan`` the plan's
     own bytes per rank (params, grads, optimizer state, peak activations).
     """

@@ -99,9 +99,10 @@ class StepStats:
 
     ``comm`` is the communication the step waited for: time issuing collectives
     (a synchronous one runs whole; an asynchronous one is started) plus time blocked
-    on one in flight.  ``in_flight`` is how long the collectives were in flight in all
-    (torch.distributed only; 0 on the simulated mesh), so ``in_flight - comm`` was
-    hidden behind compute.  ``peak_rss`` is the process's resident-set high-water mark
+    on one in flight.  ``in_flight`` sums, over the step's collectives, the time from each
+    one's start to its completion (torch.distributed only; 0 on the simulated mesh):
+    collectives in flight at the same time each count, so it may exceed the step, and
+    whatever of it is not in ``comm`` was hidden behind compute or other collectives.  ``peak_rss`` is the process's resident-set high-water mark
     after the step, in bytes (``getrusage``'s ``ru_maxrss``).
     """
 
