@@ -128,3 +128,16 @@ def test_bucketed_steps_equal_unbucketed_on_gloo(model):
                 assert loss == want_loss, (name, size)
                 for k, xs in want_params.items():
                     torch.testing.assert_close(params[k][0], xs[0], rtol=0, atol=0)
+
+
+def test_buckets_follow_the_backward(model):
+    # plain SGD with gradient outputs: the LM head's gradient is made first, the embedding's last
+    plan = md.compile(model.train_step(0.1), "data:2", "batch:data", bucket_mb=1e-3)
+    buckets = [s for s in plan.steps if s.kind == "bucket_allreduce"]
+    assert plan.outputs["grad/lm_head"] in buckets[0].outs and plan.outputs["grad/wte"] in buckets[-1].outs
+    # each bucket comes right after the step that makes its last gradient, every step after its producers
+    pos = {v: i for i, s in enumerate(plan.steps) for v in s.outs}
+    for i, s in enumerate(plan.steps):
+        assert all(pos[v] < i for v in s.ins), s.label
+        if s in buckets:
+            assert max(pos[v] for v in s.ins) == i - 1 or plan.steps[i - 1] in buckets

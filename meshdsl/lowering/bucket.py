@@ -10,11 +10,11 @@ megabytes each:
   backward phase whose result only the optimizer update reads or that is a
   plan output (a gradient), never an activation's reduction, which the rest
   of the backward waits for;
-* members share kind, mesh axes, reduce op and dtype; they are taken in plan
-  order, which is the order the backward produces them, and a bucket closes
-  once it holds ``bucket_mb``;
-* the bucket step stands where its last member stood, so it starts as soon
-  as its last gradient exists; the executor's issue order
+* members share kind, mesh axes, reduce op and dtype; they are taken in the
+  order the backward produces the gradients, and a bucket closes once it
+  holds ``bucket_mb``;
+* the bucket step stands right after the step that makes its last gradient,
+  and the executor starts it as soon as that gradient exists; the executor's issue order
   (:func:`meshdsl.exec.executor.issue_order`) waits on it only when an update
   reads one of its members.
 
@@ -67,48 +67,61 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
         for v in s.ins:
             readers.setdefault(v, []).append(i)
     outs = set(outputs.values())
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     after: dict[int, int] = {}   # value id -> bit set of the candidate steps it depends on
-    open_: dict[tuple, list[int]] = {}
-    mask: dict[tuple, int] = {}
-    buckets: list[list[int]] = []
+    needs: dict[int, int] = {}   # candidate -> bit set of the candidates its input depends on
     for i, s in enumerate(steps):
         dep = 0
         for v in s.ins:
             dep |= after.get(v, 0)
         if _is_grad_reduction(s, readers, steps, outs):
-            key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
-            if dep & mask.get(key, 0):
-                open_.pop(key, None)
-            members = open_.get(key)
-            if members is None:
-                members = open_[key] = []
-                mask[key] = 0
-                buckets.append(members)
-            members.append(i)
-            mask[key] |= 1 << i
+            needs[i] = dep
             dep |= 1 << i
-            if sum(steps[j].bytes for j in members) >= cap:
-                del open_[key]
         for v in s.outs:
             after[v] = dep
-    at = {b[-1]: b for b in buckets if len(b) > 1}
-    merged = {i for b in at.values() for i in b}
+    open_: dict[tuple, list[int]] = {}
+    mask: dict[tuple, int] = {}
+    buckets: list[list[int]] = []
+    # In the order the backward makes the gradients (by the step that produced each), not
+    # the order the reductions were emitted in: a bucket then holds gradients that are ready
+    # at about the same time.  A member a reduction depends on was produced before it.
+    for i in sorted(needs, key=lambda i: (producer.get(steps[i].ins[0], -1), i)):
+        s = steps[i]
+        key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
+        if needs[i] & mask.get(key, 0):
+            open_.pop(key, None)
+        members = open_.get(key)
+        if members is None:
+            members = open_[key] = []
+            mask[key] = 0
+            buckets.append(members)
+        members.append(i)
+        mask[key] |= 1 << i
+        if sum(steps[j].bytes for j in members) >= cap:
+            del open_[key]
+    # A bucket goes right after the step that makes its last gradient (readers of its
+    # members that stood earlier move after it: _dependency_order).
+    at: dict[int, list[list[int]]] = {}
+    for members in buckets:
+        if len(members) > 1:
+            at.setdefault(max(producer.get(steps[j].ins[0], j) for j in members), []).append(members)
+    merged = {j for bs in at.values() for members in bs for j in members}
     if not merged:
         return steps
-    out = []
+    out: list[Step] = []
     for i, s in enumerate(steps):
-        if i in at:
-            out.append(_bucket_step(len(out), [steps[j] for j in at[i]]))
-        elif i not in merged:
+        if i not in merged:
             out.append(s)
+        for members in at.get(i, ()):
+            out.append(_bucket_step(len(out), [steps[j] for j in members]))
     return _dependency_order(out)
 
 
 def _dependency_order(steps: list[Step]) -> list[Step]:
     """``steps`` reordered so each comes after its producers, otherwise in the given order.
 
-    A bucket stands where its last member stood; readers of its earlier members that
-    stood before it move after it.
+    A bucket stands right after the step that makes its last gradient; readers of its
+    members that stood before it move after it.
     """
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     done: set[int] = set()

@@ -32,12 +32,11 @@ from ..exec.executor import Executor
 from ..exec.launch import in_torchrun
 from ..exec.simulated import SimulatedComm, run_simulated
 from ..layout.mesh import Mesh
-from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.memory import memory_report
 from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
-from .dist_cli import add_run, dist_args, is_rank0
+from .dist_cli import add_run, bucket_arg, dist_args, is_rank0
 from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
 from .preflight import SEED_MAX, UsageError, check_simulated_memory, float_in, int_in
 from .pipe_report import run_figures, schedule_summary, user_mesh_layout
@@ -109,14 +108,6 @@ def pipe_args(p) -> None:
     p.add_argument("--schedule", choices=PIPE_SCHEDULES, default="gpipe",
                    help="pipeline schedule: gpipe (every forward, then every backward) or 1f1b (same "
                         "bubble, at most p activations held per stage) (default gpipe)")
-
-
-def bucket_arg(p) -> None:
-    """``--bucket-mb``: the size of the gradient buckets (see :mod:`meshdsl.lowering.bucket`)."""
-    p.add_argument("--bucket-mb", type=float_in(0.0, fix="pass a size in MB, e.g. --bucket-mb 25, or 0 for none"),
-                   default=DEFAULT_BUCKET_MB,
-                   help=f"reduce gradients in buffers of about this many MB, one collective per bucket "
-                        f"(default {DEFAULT_BUCKET_MB:g}, as DDP; 0: one collective per gradient)")
 
 
 def seed_arg(p) -> None:

@@ -17,6 +17,7 @@ from ..errors import message
 from ..exec.distributed import resolve_backend
 from ..exec.launch import in_torchrun, launch
 from ..layout.mesh import Mesh
+from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
 from .pipe_report import figures_table, run_figures, schedule_summary
@@ -44,6 +45,14 @@ def dist_args(p) -> None:
                         "README, 'Running on real processes'")
     p.add_argument("--verbose", action="store_true",
                    help="log every collective (kind, axes, group, bytes, time) per rank to stderr")
+
+
+def bucket_arg(p) -> None:
+    """``--bucket-mb``: the size of the gradient buckets (see :mod:`meshdsl.lowering.bucket`)."""
+    p.add_argument("--bucket-mb", type=float_in(0.0, fix="pass a size in MB, e.g. --bucket-mb 25, or 0 for none"),
+                   default=DEFAULT_BUCKET_MB,
+                   help=f"reduce gradients in buffers of about this many MB, one collective per bucket "
+                        f"(default {DEFAULT_BUCKET_MB:g}, as DDP; 0: one collective per gradient)")
 
 
 def preflight_processes(args, mesh: Mesh) -> None:
@@ -88,7 +97,7 @@ def check_distributed(args, want: dict, report) -> int:
 
 
 def add_run(sub) -> None:
-    from .cli import EXIT_CODES, _model_args, bucket_arg, lr_arg, pipe_args, seed_arg
+    from .cli import EXIT_CODES, _model_args, lr_arg, pipe_args, seed_arg
 
     p = sub.add_parser("run", help="train MODEL for S steps on N processes (torch.distributed)",
                        description="Spawn N local processes (or join a torchrun job), run S forward+"
