@@ -141,3 +141,29 @@ def test_buckets_follow_the_backward(model):
         assert all(pos[v] < i for v in s.ins), s.label
         if s in buckets:
             assert max(pos[v] for v in s.ins) == i - 1 or plan.steps[i - 1] in buckets
+
+
+@pytest.mark.parametrize("size", [25, 1e-3])
+def test_buckets_start_at_their_last_gradient_and_are_read_late(model, size):
+    from meshdsl.exec.executor import issue_order
+    plan = md.compile(model.train_step(0.1), "data:2", "batch:data", bucket_mb=size)
+    order = issue_order(plan, TorchComm.async_kinds)
+    at = {i: k for k, i in enumerate(order)}
+    made = {v: i for i, s in enumerate(plan.steps) for v in s.outs}
+    buckets = {i for i, s in enumerate(plan.steps) if s.kind == "bucket_allreduce"}
+    in_bucket = {v for i in buckets for v in plan.steps[i].outs}
+    # every step that (transitively) reads a bucket's result
+    after_bucket = set()
+    for j in order:
+        s = plan.steps[j]
+        if set(s.ins) & in_bucket:
+            in_bucket |= set(s.outs)
+            after_bucket.add(j)
+    for i in buckets:
+        # started on torch.distributed as soon as its last gradient exists: only other
+        # collectives being started (buckets made ready by the same step) come in between
+        last = max(at[made[v]] for v in plan.steps[i].ins)
+        assert all(plan.steps[order[k]].kind in TorchComm.async_kinds for k in range(last + 1, at[i]))
+    # no bucket is waited on while work that needs none of them is left
+    first_read = min(at[j] for j in after_bucket)
+    assert all(at[j] < first_read for j in range(len(order)) if j not in after_bucket and j not in buckets)
