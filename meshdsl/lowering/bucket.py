@@ -38,6 +38,8 @@ def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[i
     # global norm reduces the scaled gradients (the norm itself is summed from partials)
     if s.kind not in BUCKET_KIND or s.phase not in ("backward", "update") or MB_AXIS in s.axes:
         return False
+    if s.op == "scalar_sum":  # the global gradient norm: every clipped update waits for it
+        return False
     out = s.outs[0]
     users = readers.get(out, ())
     return (out in outputs or bool(users)) and all(steps[j].phase == "update" for j in users)
