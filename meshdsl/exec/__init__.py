@@ -4,4 +4,4 @@ Importing the package registers every step rule (:mod:`.steps`, and the
 repeat loop in :mod:`.loop`, the pipeline in :mod:`.pipeline`), so an :class:`~.executor.Executor` can run any
 step a plan holds.
 """
-from . import bucket, loop, pipeline  # noqa: F401  (register the bucket, repeat and pipeline step rules)
+from . import loop, pipeline  # noqa: F401  (register the repeat and pipeline step rules)

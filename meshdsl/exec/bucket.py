@@ -1,7 +1,8 @@
 """Running a gradient bucket: several values reduced in one flat buffer.
 
 A ``bucket_allreduce`` or ``bucket_reduce_scatter`` step (made by
-:mod:`meshdsl.lowering.bucket`) has one input and one output per member.
+:mod:`meshdsl.lowering.bucket`) has one input and one output per member; the
+collective rule of :mod:`.steps` hands such steps to :func:`prepare_bucket`.
 Per held rank the rule packs the members into one 1-D buffer, starts the
 collective on it (asynchronously where the communicator can), and gives each
 output a handle that unpacks its piece when first read, so a reader waits for
@@ -12,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from .comm import Pending
-from .steps import step_rule
 
 
 class _Unpacked:
@@ -54,9 +54,8 @@ def _pack_reduce_scatter(xs, num_chunks, dims):
     return torch.cat([c[j].reshape(-1) for j in range(num_chunks) for c in chunks])
 
 
-@step_rule("bucket_allreduce")
-@step_rule("bucket_reduce_scatter")
-def _prepare_bucket(ex, i, s):
+def prepare_bucket(ex, i, s):
+    """The executor's call for bucket step ``s`` (the collective rule hands buckets here)."""
     comm, kind, axes, args, ins, outs = ex.comm, s.kind, s.axes, s.args, s.ins, s.outs
     mesh = ex.plan.mesh
     shapes = [ex.plan.values[v].local_shape(mesh) for v in outs]
