@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -38,14 +37,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from dense_vs_torch import TorchGPT  # noqa: E402  (the torch twin of models/transformer.py)
+from _common import setup, torch_pipe_step, torch_step  # noqa: E402  (the torch sides, shared)
 from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the shared harness)
 
 MODEL = str(ROOT / "models" / "transformer.py")
@@ -59,92 +56,7 @@ BUBBLE_RTOL, SPEEDUP_GOAL = 0.10, 1.5
 
 
 def _setup(seed: int):
-    from meshdsl.ops.leaf import init_value
-    from meshdsl.train.model import load_model
-    model = load_model(MODEL)
-    return model, model.feeds(seed), {k: init_value(t, seed) for k, t in model.params.items()}
-
-
-# ----------------------------------------------------------------------------- torch variants
-
-def torch_step(cfg, w, feeds, lr):
-    """Plain torch on one process."""
-    net = TorchGPT(cfg, w)
-    params = list(net.parameters())
-
-    def step():
-        loss = net(feeds["ids"], feeds["labels"])
-        loss.backward()
-        _sgd(params, lr)
-        return loss.item()
-    return step
-
-
-def _sgd(params, lr):
-    with torch.no_grad():
-        for p in params:
-            p.sub_(p.grad * lr)
-            p.grad = None
-
-
-class First(nn.Module):
-    """Stage 0: token + position embedding, blocks 0 .. L/2-1."""
-
-    def __init__(self, net: TorchGPT):
-        super().__init__()
-        self.wte, self.wpe = net.wte, net.wpe
-        self.blocks = nn.ModuleList(net.blocks[: len(net.blocks) // 2])
-
-    def forward(self, ids):
-        x = F.embedding(ids, self.wte) + self.wpe
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-class Last(nn.Module):
-    """Stage 1: blocks L/2 .., the final norm and the LM head (logits)."""
-
-    def __init__(self, net: TorchGPT):
-        super().__init__()
-        self.cfg = net.cfg
-        self.blocks = nn.ModuleList(net.blocks[len(net.blocks) // 2:])
-        self.lnf, self.lnf_b, self.lm_head = net.lnf, net.lnf_b, net.lm_head
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        x = F.layer_norm(x, (self.cfg.d_model,), self.lnf, self.lnf_b, eps=1e-5)
-        return x @ self.lm_head.t()
-
-
-def torch_pipe_step(cfg, w, feeds, lr, schedule: str, m: int):
-    """torch.distributed.pipelining on this rank's half of the model; returns the step's loss
-    on the last stage (NaN on the first)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    rank = dist.get_rank()
-    net = TorchGPT(cfg, w)
-    module = First(net) if rank == 0 else Last(net)
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-    vocab = cfg.vocab
-
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
-    # scale_grads (the default) divides the summed micro-batch gradients by m: the full batch's mean.
-    sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
-    params = list(module.parameters())
-
-    def step():
-        if rank == 0:
-            sched.step(feeds["ids"])
-            loss = math.nan
-        else:
-            losses: list = []
-            sched.step(target=feeds["labels"], losses=losses)
-            loss = torch.stack(losses).mean().item()
-        _sgd(params, lr)
-        return loss
-    return step
+    return setup(seed, MODEL)
 
 
 # ----------------------------------------------------------------------------- meshdsl variants

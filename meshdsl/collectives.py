@@ -188,15 +188,53 @@ def _dist_reduce_scatter(comm, x, group, args):
     op = comm.check_op(args.get("op", "sum"))
     if group.size == 1:
         return x.chunk(1, dim=args["dim"])[0].contiguous()
-    parts = comm.exchange(x, group, args["dim"])
+    return _fold_parts(comm.exchange(x, group, args["dim"]), op)
+
+
+def _fold_parts(parts, op):
     out = parts[0]
     for p in parts[1:]:
         out = REDUCE[op](out, p)
     return out.contiguous()
 
 
+def _start_reduce_scatter(comm, x, group, args):
+    # The same all-to-all and fold as _dist_reduce_scatter, with the all-to-all in flight.
+    op = comm.check_op(args.get("op", "sum"))
+    work, parts = comm.start_exchange(x, group, args["dim"])
+    return work, lambda: _fold_parts(parts(), op)
+
+
 register(Collective("reduce_scatter", ("dim", "op"), lambda n: (n - 1) / n, _sim_reduce_scatter,
-                    _dist_reduce_scatter))
+                    _dist_reduce_scatter, _start_reduce_scatter))
+
+
+# ----------------------------------------------------------------------------- gradient buckets
+# Several gradients reduced in one flat buffer (DDP's buckets): one call's latency and one
+# kernel launch instead of one per gradient.  lowering/bucket.py makes the steps; the
+# executor's bucket rule (exec/bucket.py) packs the members into the buffer and unpacks the
+# result, so the implementations below see one 1-D tensor per rank.  A reduce-scatter
+# bucket is packed chunk-major (member j's chunks of every gradient, then member j+1's), so
+# scattering the flat buffer along its only dim hands each member its chunk of every gradient.
+
+def _flat(args):
+    return {"op": args.get("op", "sum"), "dim": 0}
+
+
+def _start_bucket_allreduce(comm, x, group, args):
+    # The packed buffer is this step's own: reduce it in place, no copy.
+    op = comm.check_op(args.get("op", "sum"))
+    out = comm.prep(x)
+    work = _dist().all_reduce(out, op=_reduce_op(op), group=group.pg, async_op=True)
+    return work, lambda: out
+
+
+register(Collective("bucket_allreduce", ("op",), lambda n: 2 * (n - 1) / n, _sim_allreduce, _dist_allreduce,
+                    _start_bucket_allreduce))
+register(Collective("bucket_reduce_scatter", ("op", "dims"), lambda n: (n - 1) / n,
+                    lambda xs, groups, args: _sim_reduce_scatter(xs, groups, _flat(args)),
+                    lambda comm, x, group, args: _dist_reduce_scatter(comm, x, group, _flat(args)),
+                    lambda comm, x, group, args: _start_reduce_scatter(comm, x, group, _flat(args))))
 
 
 # ----------------------------------------------------------------------------- permute

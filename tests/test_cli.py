@@ -123,7 +123,9 @@ def test_model_by_path(capsys, tmp_path, monkeypatch):
     path = tmp_path / "my_mlp.py"
     path.write_text(src)
     monkeypatch.chdir(tmp_path)  # names still resolve via models/ beside the package
-    rc, out, _ = run(capsys, "plan", str(path), "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data")
+    # --bucket-mb 0: one allreduce per gradient (2) and the loss's
+    rc, out, _ = run(capsys, "plan", str(path), "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data",
+                     "--bucket-mb", "0")
     assert rc == 0 and json.loads(out)["totals"]["allreduce"]["count"] == 3
     assert find_model_file("transformer") == (ROOT / "models" / "transformer.py").resolve()
 
@@ -143,7 +145,7 @@ def _python_m(*argv):
 
 
 def test_python_m_meshdsl():
-    r = _python_m("plan", "mlp", "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data")
+    r = _python_m("plan", "mlp", "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data", "--bucket-mb", "0")
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["totals"]) == {"allreduce"}
 
@@ -230,7 +232,7 @@ def test_installed_package_ships_the_models(tmp_path):
     zipfile.ZipFile(whl).extractall(site)
     assert (site / "meshdsl" / "models" / "mlp.py").is_file()
     r = subprocess.run([sys.executable, "-m", "meshdsl", "plan", "mlp", "--tiny", "--json", "--mesh", "data:2",
-                        "--layout", "batch:data"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                        "--layout", "batch:data", "--bucket-mb", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(site)})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["totals"]["allreduce"]["count"] == 3

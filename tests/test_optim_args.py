@@ -25,12 +25,12 @@ def run(capsys, *argv):
 
 def test_plan_json_shows_the_optimizer_collectives_and_memory(capsys):
     rc, out, err = run(capsys, "plan", "transformer", "--tiny", "--json", "--optimizer", "adamw",
-                       "--betas", "0.9,0.99", "--weight-decay", "0.05", "--clip-norm", "1", *ZERO2)
+                       "--betas", "0.9,0.99", "--weight-decay", "0.05", "--clip-norm", "1", *ZERO2, "--bucket-mb", "0")
     assert rc == 0, err
     report = json.loads(out)
     model = load_model("transformer", tiny=True)
     plan = md.compile(optimizer_outputs(model.loss, model.params, md.AdamW(), True), "data:2",
-                      "batch:data; grads.d_model:data; opt.d_model:data")
+                      "batch:data; grads.d_model:data; opt.d_model:data", bucket_mb=0)
     assert report["totals"] == plan.totals() and report["memory"] == md.memory_report(plan)
     update = [c for e in report["ops"] if e["phase"] == "update" for c in e["collectives"]]
     assert {c["kind"] for c in update} >= {"allgather", "allreduce"}  # new params; the global norm

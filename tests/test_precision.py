@@ -51,10 +51,10 @@ def model():
     return build(CFG)
 
 
-def _step(model, mesh, layout, precision=None):
+def _step(model, mesh, layout, precision=None, bucket_mb=25.0):
     kw = {} if precision is None else {"precision": precision}
     return md.TrainStep(model.loss, model.params, mesh, layout, md.SimulatedComm(md.Mesh.parse(mesh)),
-                        optimizer=_opt(), clip_norm=1.0, **kw)
+                        optimizer=_opt(), clip_norm=1.0, bucket_mb=bucket_mb, **kw)
 
 
 def _curve(step, model):
@@ -114,8 +114,9 @@ def _values(plan):
 
 
 def test_bf16_plan_has_bf16_activations_and_fp32_gradient_sums(model):
-    fp32 = _step(model, *DP_TP).plan
-    bf16 = _step(model, *DP_TP, "bf16").plan
+    # bucket_mb=0: one reduction per gradient, so each one's dtype and bytes can be read
+    fp32 = _step(model, *DP_TP, bucket_mb=0).plan
+    bf16 = _step(model, *DP_TP, "bf16", bucket_mb=0).plan
     assert torch.bfloat16 in {v.dtype for v in _values(bf16)}
     assert torch.bfloat16 not in {v.dtype for v in _values(fp32)}
 
@@ -139,7 +140,7 @@ def test_bf16_plan_has_bf16_activations_and_fp32_gradient_sums(model):
 
 def test_bf16_zero2_reduce_scatters_fp32_gradients(model):
     plan = md.TrainStep(model.loss, model.params, *ZERO2, md.SimulatedComm(md.Mesh.parse("data:2")),
-                        optimizer=_opt(), precision="bf16").plan
+                        optimizer=_opt(), precision="bf16", bucket_mb=0).plan
     scatter = [(s, p) for s, p in _collectives(plan) if s.kind == "reduce_scatter"]
     assert scatter and all(p.values[s.ins[0]].dtype == torch.float32 for s, p in scatter)
 

@@ -86,8 +86,9 @@ def test_adamw_curve_is_the_dense_curve(model, name):
 
 
 def test_zero2_collectives_are_pinned(model):
+    # one collective per gradient (bucket_mb=0): tests/test_bucket.py pins the bucketed plan
     step = md.TrainStep(model.loss, model.params, *LAYOUTS["zero2"], md.SimulatedComm(md.Mesh.parse("data:2")),
-                        optimizer=_opt())
+                        optimizer=_opt(), bucket_mb=0)
     totals = step.plan.totals_by_axis()
     scatter = [s for s, _ in step.plan.collectives() if s.kind == "reduce_scatter"]
     gather = [s for s, _ in step.plan.collectives() if s.kind == "allgather" and s.phase == "update"]

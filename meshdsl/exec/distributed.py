@@ -269,13 +269,15 @@ class TorchComm(Communicator):
 
     def exchange(self, x: torch.Tensor, s: _Slice, split_dim: int) -> list[torch.Tensor]:
         """Send chunk j of ``x`` (along ``split_dim``) to member j; return what each member sent."""
+        work, parts = self.start_exchange(x, s, split_dim, async_op=False)
+        return parts()
+
+    def start_exchange(self, x: torch.Tensor, s: _Slice, split_dim: int, async_op: bool = True):
+        """:meth:`exchange` started: returns ``(work, parts)``; ``parts()`` gives what each
+        member sent once ``work`` is done (``work`` is None when ``async_op`` is False)."""
         chunks = x.chunk(s.size, dim=split_dim)
         if len(chunks) != s.size:
-            raise DistributedError(message(
-                f"cannot split dim {split_dim} of size {x.shape[split_dim]} into "
-                f"{s.size} chunks for group {s.members}",
-                rule="a split dim needs at least one element per group member",
-                fix="make the dim divisible by the product of the mesh axes it is split over"))
+            self._exchange_error(x, s, split_dim)
         by_group_rank = [None] * s.size
         for j, g in enumerate(s.group_rank):
             by_group_rank[g] = chunks[j]
@@ -283,10 +285,19 @@ class TorchComm(Communicator):
         mine = chunks[s.me]
         recv = torch.empty(mine.numel() * s.size, dtype=x.dtype, device=send.device)
         splits = [c.numel() for c in by_group_rank]
-        dist.all_to_all_single(recv, send, output_split_sizes=[mine.numel()] * s.size,
-                               input_split_sizes=splits, group=s.pg)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=[mine.numel()] * s.size,
+                                      input_split_sizes=splits, group=s.pg, async_op=async_op)
         pieces = recv.view(s.size, -1)
-        return [pieces[g].view(mine.shape) for g in s.group_rank]
+        return work, lambda: [pieces[g].view(mine.shape) for g in s.group_rank]
+
+    @staticmethod
+    def _exchange_error(x: torch.Tensor, s: _Slice, split_dim: int):
+        """Raise: ``x`` cannot be cut into one chunk per member of ``s``."""
+        raise DistributedError(message(
+            f"cannot split dim {split_dim} of size {x.shape[split_dim]} into "
+            f"{s.size} chunks for group {s.members}",
+            rule="a split dim needs at least one element per group member",
+            fix="make the dim divisible by the product of the mesh axes it is split over"))
 
     def barrier(self) -> None:
         """Wait for every rank of the job."""

@@ -195,11 +195,12 @@ class Executor:
 
     # -- running
     def run(self, feeds: dict | None = None, params: dict | None = None, salt: int = 0,
-            stats: dict | None = None) -> dict[str, list[torch.Tensor]]:
+            stats: dict | None = None, prefetched: dict | None = None) -> dict[str, list[torch.Tensor]]:
         """Run the plan; returns output name -> local tensors (one per held rank).
 
         With ``stats`` (a dict), seconds spent per step kind are added to it, and
-        time blocked on collectives in flight under 'wait'.
+        time blocked on collectives in flight under 'wait'.  ``prefetched`` maps value
+        ids to collectives started before the run (:mod:`.prefetch`); their steps are skipped.
 
         Raises:
           GraphError: a missing feed or param, a bad feed, or a feed no input of the plan reads.
@@ -209,7 +210,7 @@ class Executor:
             check_no_extra_feeds("Executor.run", feeds, self.plan.inputs)
         if params is None:
             params = self.init_params()
-        env: dict[int, list] = {}
+        env: dict[int, list] = dict(prefetched) if prefetched else {}
         run = _Run(feeds, params, salt, stats)
         clock = time.perf_counter if stats is not None else None
 
@@ -225,7 +226,9 @@ class Executor:
             return x
 
         calls, free_after, timed = self.calls, self.free_after, self._timed
-        for i in self.order:
+        order = self.order if not prefetched else \
+            [i for i in self.order if self.plan.steps[i].outs[0] not in prefetched]
+        for i in order:
             if clock:
                 t0, waited = clock(), stats.get("wait", 0.0)
             calls[i](env, get, run)

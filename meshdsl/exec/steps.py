@@ -114,6 +114,9 @@ def _prepare_split(ex, i, s):
 
 
 def _prepare_collective(ex, i, s):
+    if len(s.ins) > 1:  # a gradient bucket: several values through one flat buffer
+        from .bucket import prepare_bucket
+        return prepare_bucket(ex, i, s)
     start, kind, (src,), out, axes, args = ex.comm.start, s.kind, s.ins, s.outs[0], s.axes, s.args
 
     def call(env, get, run):

@@ -15,6 +15,7 @@ from ..errors import GraphError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
+from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
 from .partition import partition
@@ -235,7 +236,7 @@ def _check_outputs(outputs: dict) -> None:
 
 
 def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = True,  # noqa: A001
-            microbatches: int = 1, schedule: str = "gpipe") -> Plan:
+            microbatches: int = 1, schedule: str = "gpipe", bucket_mb: float = DEFAULT_BUCKET_MB) -> Plan:
     """Lower the graph behind ``outputs`` into an SPMD plan.
 
     Args:
@@ -249,6 +250,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
         accumulate over them (see :mod:`.pipeline`).
       schedule: the pipeline schedule when the layout splits a repeat's layer dim
         over a mesh axis (``"layer:stage"``): ``"gpipe"`` or ``"1f1b"``.
+      bucket_mb: reduce gradients in buckets of about this many MB (see :mod:`.bucket`);
+        0 keeps one collective per gradient.  Pipelined plans are not bucketed.
 
     Returns:
       The :class:`Plan`: steps, values, outputs, params, inputs, notes.
@@ -268,11 +271,15 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
         raise GraphError(message("compile: no outputs given.", rule="a plan computes at least one tensor",
                                  fix="pass the loss (and gradients) to compile"))
     _check_outputs(outputs)
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 <= bucket_mb < float("inf"):
+        raise GraphError(message(f"compile: bucket_mb={bucket_mb!r} is not a size in MB.",
+                                 rule="gradients are reduced in buckets of bucket_mb >= 0 megabytes (0: no buckets)",
+                                 fix=f"pass e.g. bucket_mb={DEFAULT_BUCKET_MB:g}, or 0 to turn bucketing off"))
     mesh = Mesh.parse(mesh)
     layout = Layout.parse(layout)
     g = next(iter(outputs.values())).graph
     key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost, fuse,
-           microbatches, schedule)
+           microbatches, schedule, bucket_mb)
     hit = _CACHE.get(key)
     if hit is not None and hit[1] is g:
         _CACHE.move_to_end(key)
@@ -290,6 +297,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     holders = {}
     if spec is not None and spec.axis is not None:
         steps, holders = partition(steps, lw.values, outs, spec)
+    else:
+        steps = bucket_steps(steps, lw.values, outs, bucket_mb)
     plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)
     _CACHE[key] = (plan, g)
     if len(_CACHE) > CACHE_SIZE:

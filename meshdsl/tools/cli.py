@@ -36,7 +36,7 @@ from ..lowering.compiler import compile as compile_plan
 from ..lowering.memory import memory_report
 from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
-from .dist_cli import add_run, dist_args, is_rank0
+from .dist_cli import add_run, bucket_arg, dist_args, is_rank0
 from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
 from .preflight import SEED_MAX, UsageError, check_simulated_memory, float_in, int_in, resolve_auto_layout
 from .pipe_report import run_figures, schedule_summary, user_mesh_layout
@@ -137,6 +137,7 @@ def add_plan(sub) -> None:
                                                           "(from `meshdsl calibrate`)")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
+    bucket_arg(p)
     p.set_defaults(run=cmd_plan)
 
 
@@ -148,7 +149,8 @@ def cmd_plan(args) -> int:
     Mesh.parse(args.mesh)
     model = load_configured(args)
     outputs, _ = train_outputs(model, args)
-    plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
+    plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
+                        bucket_mb=args.bucket_mb)
     report = plan_report(plan)
     report["optimizer"] = describe(*optimizer_from_args(args))
     report["memory"] = memory_report(plan)
@@ -187,6 +189,7 @@ def add_check(sub) -> None:
                         f"re-ordered sums, far below what a wrong layout produces)")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
+    bucket_arg(p)
     dist_args(p)
     p.set_defaults(run=cmd_check)
 
@@ -229,7 +232,8 @@ def cmd_check(args) -> int:
         outputs, hyper = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, {}
     else:  # one optimizer step: loss, global norm, new params and state
         outputs, hyper = train_outputs(model, args)
-    plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule)
+    plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
+                        bucket_mb=args.bucket_mb)
     if not distributed:
         check_simulated_memory(plan)
     args.preflight_done = True

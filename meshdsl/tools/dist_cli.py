@@ -17,6 +17,7 @@ from ..errors import message
 from ..exec.distributed import resolve_backend
 from ..exec.launch import in_torchrun, launch
 from ..layout.mesh import Mesh
+from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
 from .pipe_report import figures_table, run_figures, schedule_summary
@@ -44,6 +45,14 @@ def dist_args(p) -> None:
                         "README, 'Running on real processes'")
     p.add_argument("--verbose", action="store_true",
                    help="log every collective (kind, axes, group, bytes, time) per rank to stderr")
+
+
+def bucket_arg(p) -> None:
+    """``--bucket-mb``: the size of the gradient buckets (see :mod:`meshdsl.lowering.bucket`)."""
+    p.add_argument("--bucket-mb", type=float_in(0.0, fix="pass a size in MB, e.g. --bucket-mb 25, or 0 for none"),
+                   default=DEFAULT_BUCKET_MB,
+                   help=f"reduce gradients in buffers of about this many MB, one collective per bucket "
+                        f"(default {DEFAULT_BUCKET_MB:g}, as DDP; 0: one collective per gradient)")
 
 
 def preflight_processes(args, mesh: Mesh) -> None:
@@ -76,7 +85,7 @@ def check_distributed(args, want: dict, report) -> int:
     opt, clip = optimizer_from_args(args)
     results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed,
                                         args.microbatches, args.schedule, opt, clip,
-                                        getattr(args, "config_overrides", None)))
+                                        getattr(args, "config_overrides", None), args.bucket_mb))
     got = results[0]
     if got is None:  # a torchrun rank other than 0
         return 0
@@ -105,6 +114,7 @@ def add_run(sub) -> None:
     lr_arg(p, 0.01)
     seed_arg(p)
     pipe_args(p)
+    bucket_arg(p)
     p.add_argument("--report", metavar="FILE.json", default=None,
                    help="also write the figures to FILE.json: step_ms and per step the compute / comm / "
                         "overhead split; with a pipeline, the per-stage bubble and peak activations")
@@ -127,15 +137,16 @@ def cmd_run(args) -> int:
     opt, clip = optimizer_from_args(args)
     # Layout, micro-batch and schedule errors surface here, once, before any process starts.
     plan = compile_plan(train_outputs(model, args)[0], mesh, args.layout, microbatches=args.microbatches,
-                        schedule=args.schedule)
+                        schedule=args.schedule, bucket_mb=args.bucket_mb)
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
                                         args.lr, args.seed, args.warmup, args.microbatches, args.schedule,
-                                        opt, clip, args.config_overrides, True, args.precision))
+                                        opt, clip, args.config_overrides, True, args.precision,
+                                        args.bucket_mb))
     if not is_rank0():
         return 0
     steps, timelines = results[0]
-    _print_steps(args, steps)
+    _print_steps(args, steps, [r[0] for r in results if r is not None])
     summary = schedule_summary(plan)
     figures = run_figures(summary, timelines) if summary is not None and timelines else None
     if figures is not None:
@@ -148,7 +159,7 @@ def cmd_run(args) -> int:
                       "theory: bubble (p-1)/(m+p-1), activations held m (gpipe) or p - stage (1f1b)",
                       highlight=False, soft_wrap=True)
     if args.report is not None:
-        write_report(args, steps, figures)
+        write_report(args, [r[0] for r in results if r is not None], figures, plan)
     return 0
 
 
@@ -163,23 +174,44 @@ def check_report_path(path: str) -> None:
                                  fix="pass a file in an existing, writable folder, e.g. --report run.json"))
 
 
-def write_report(args, steps, figures) -> None:
-    """Write ``--report``: the run's figures as one JSON object (pipeline keys only when pipelined)."""
+def write_report(args, per_rank: list, figures, plan) -> None:
+    """Write ``--report``: the run's figures as one JSON object (pipeline keys only when pipelined).
+
+    Top-level per-step lists are rank 0's: ``step_ms``, ``compute_ms``, ``comm_ms`` (exposed
+    communication: issuing collectives plus time blocked on one in flight; also under
+    ``exposed_comm_ms``), ``overhead_ms`` and ``comm_in_flight_ms`` (the sum over collectives
+    of the time each was in flight, hidden or not; overlapping ones each count).  ``ranks`` has the same per rank with ``peak_rss_mib``
+    (each step's resident-set high-water mark, measured), and ``memory_plan`` the plan's
+    own bytes per rank (params, grads, optimizer state, peak activations).
+    """
     import json
 
+    from ..lowering.memory import memory_report
+
+    def split(steps):
+        return {"step_ms": [wall * 1e3 for _, _, wall in steps],
+                "compute_ms": [st.compute * 1e3 for _, st, _ in steps],
+                "comm_ms": [st.comm * 1e3 for _, st, _ in steps],
+                "exposed_comm_ms": [st.comm * 1e3 for _, st, _ in steps],
+                "comm_in_flight_ms": [st.in_flight * 1e3 for _, st, _ in steps],
+                "overhead_ms": [st.overhead * 1e3 for _, st, _ in steps]}
+
+    steps = per_rank[0]
     out = {"model": args.model, "mesh": args.mesh, "layout": args.layout, "microbatches": args.microbatches,
-           "loss": [loss for loss, _, _ in steps],
-           "step_ms": [wall * 1e3 for _, _, wall in steps],
-           "compute_ms": [st.compute * 1e3 for _, st, _ in steps],
-           "comm_ms": [st.comm * 1e3 for _, st, _ in steps],
-           "overhead_ms": [st.overhead * 1e3 for _, st, _ in steps]}
+           "bucket_mb": args.bucket_mb, "loss": [loss for loss, _, _ in steps], **split(steps),
+           "ranks": [{"rank": r, **split(st), "peak_rss_mib": [s.peak_rss / 2 ** 20 for _, s, _ in st]}
+                     for r, st in enumerate(per_rank)],
+           "memory_plan": memory_report(plan),
+           "memory_source": "peak_rss_mib: getrusage ru_maxrss of each rank's process after each step "
+                            "(the whole process: interpreter, torch, buffers); memory_plan: bytes per rank "
+                            "read off the plan"}
     if figures is not None:
         out.update(figures)
     with open(args.report, "w") as f:
         json.dump(out, f, indent=1)
 
 
-def _print_steps(args, steps) -> None:
+def _print_steps(args, steps, per_rank: list) -> None:
     from rich.table import Table
 
     from .cli import _console
@@ -203,6 +235,11 @@ def _print_steps(args, steps) -> None:
                 kinds[k] = kinds.get(k, 0.0) + v / len(steps)
     comp = statistics.median(st.compute for _, st, _ in steps)
     over = statistics.median(st.overhead / st.total for _, st, _ in steps if st.total)
+    flight = statistics.median(st.in_flight for _, st, _ in steps)
+    exposed = statistics.median(st.comm for _, st, _ in steps)
+    rss = " ".join(f"{max(s.peak_rss for _, s, _ in st) / 2 ** 20:.0f}" for st in per_rank)
     console.print(f"median step {med * 1e3:.2f} ms; compute {comp * 1e3:.2f} ms; "
-                  f"communication per step: " + (", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in kinds.items())
-                                                 or "none") + f"; framework overhead {over:.1%} of a step")
+                  f"exposed communication per step: " + (", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in kinds.items())
+                                                         or "none") +
+                  f" ({exposed * 1e3:.2f} ms of {flight * 1e3:.2f} ms in flight); framework overhead "
+                  f"{over:.1%} of a step; peak RSS per rank (MiB): {rss}", highlight=False, soft_wrap=True)

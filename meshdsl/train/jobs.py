@@ -15,6 +15,7 @@ from ..exec.comm import Communicator
 from ..exec.executor import Executor
 from ..exec.fold import for_plan
 from ..exec.pipeline import outputs_to_first_rank
+from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile
 from ..lowering.plan import Plan
 from .step import TrainStep, optimizer_outputs
@@ -42,12 +43,12 @@ def _load(model_ref: str, tiny: bool, config: dict | None = None):
 
 def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0,
               microbatches: int = 1, schedule: str = "gpipe", optimizer=None, clip_norm: float | None = None,
-              config: dict | None = None):
+              config: dict | None = None, bucket_mb: float = DEFAULT_BUCKET_MB):
     """Loss and gradients of the model on this job's ranks; rank 0 returns them in full.
 
     With an ``optimizer``: loss, global gradient norm, and the new params and
     optimizer state after one step (``clip_norm`` clips the norm).  ``config`` holds
-    overrides of the model's Config fields (``--config``).
+    overrides of the model's Config fields (``--config``); ``bucket_mb`` sizes the gradient buckets.
     """
     model = _load(model_ref, tiny, config)
     hyper = {}
@@ -56,7 +57,7 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     else:
         outs = optimizer_outputs(model.loss, model.params, optimizer, clip_norm is not None)
         hyper = TrainStep.hyper_values(optimizer, clip_norm, 0)
-    plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule)
+    plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb)
     agree_plan(comm, plan)
     ex = Executor(plan, for_plan(comm, plan))
     res = ex.run({**model.feeds(seed), **hyper}, ex.init_params(seed))
@@ -67,19 +68,19 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
               lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
               optimizer=None, clip_norm: float | None = None, config: dict | None = None,
-              with_timeline: bool = False, precision: str = "fp32"):
+              with_timeline: bool = False, precision: str = "fp32", bucket_mb: float = DEFAULT_BUCKET_MB):
     """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``) in
     ``precision``; returns per-step (loss, StepStats, seconds) of the timed steps.
 
     With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
-    ``config`` holds overrides of the model's Config fields (``--config``).
-    With ``with_timeline``, returns ``(steps, timelines)`` instead: ``timelines`` has, per timed
-    step, every rank's pipeline actions (see :func:`gather_timelines`; None without a pipeline).
+    ``config`` holds overrides of the model's Config fields (``--config``); ``bucket_mb`` sizes
+    the gradient buckets (0: none).  With ``with_timeline``, returns ``(steps, timelines)``
+    instead: ``timelines`` has, per timed step, every rank's pipeline actions (see :func:`gather_timelines`; None without a pipeline).
     """
     model = _load(model_ref, tiny, config)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
                      microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm,
-                     precision=precision)
+                     precision=precision, bucket_mb=bucket_mb)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for _ in range(warmup):

@@ -22,6 +22,7 @@ from ..exec.simulated import SimulatedComm
 from ..ir.autodiff import grad
 from ..ir.precision import mixed_precision
 from ..ops.precision import check_precision
+from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile
 from ..layout.sharding import Sharding
 from ..lowering.plan import Value
@@ -94,12 +95,23 @@ def ew_one(like: Tensor) -> Tensor:
 
 @dataclass
 class StepStats:
-    """Seconds of one step: total, local compute, communication, and per collective kind."""
+    """Seconds of one step: total, local compute, exposed communication, and per collective kind.
+
+    ``comm`` is the communication the step waited for: time issuing collectives
+    (a synchronous one runs whole; an asynchronous one is started) plus time blocked
+    on one in flight.  ``in_flight`` sums, over the step's collectives, the time from each
+    one's start to its completion (torch.distributed only; 0 on the simulated mesh):
+    collectives in flight at the same time each count, so it may exceed the step, and
+    whatever of it is not in ``comm`` was hidden behind compute or other collectives.  ``peak_rss`` is the process's resident-set high-water mark
+    after the step, in bytes (``getrusage``'s ``ru_maxrss``).
+    """
 
     total: float
     compute: float
     comm: float
     by_kind: dict[str, float] = field(default_factory=dict)
+    in_flight: float = 0.0
+    peak_rss: int = 0
 
     @property
     def overhead(self) -> float:
@@ -128,6 +140,8 @@ class TrainStep:
       precision: ``"fp32"`` (the default: every op in fp32, exactly the dense program) or
         ``"bf16"``: matmuls in bfloat16 with fp32 params, optimizer state, loss and gradient
         sums; the per-op rules are in :mod:`meshdsl.ops.precision`.
+      bucket_mb: reduce gradients in buckets of about this many MB (default 25, as DDP);
+        0: one collective per gradient (see :mod:`meshdsl.lowering.bucket`).
 
     Raises:
       GraphError: a bad ``clip_norm`` or an unknown ``precision``.
@@ -135,7 +149,8 @@ class TrainStep:
 
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
                  optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
-                 schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32"):
+                 schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32",
+                 bucket_mb: float = DEFAULT_BUCKET_MB):
         if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
             raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
                                      rule="the global gradient norm is clipped to a positive bound",
@@ -151,7 +166,8 @@ class TrainStep:
             self.outputs = training_outputs(loss, params, lr)
         else:
             self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None)
-        self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule)
+        self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
+                            bucket_mb=bucket_mb)
         if self.plan.mesh.axes != comm.mesh.axes:  # the plan has the virtual micro-batch axis
             comm = SimulatedComm(self.plan.mesh) if isinstance(comm, SimulatedComm) else for_plan(comm, self.plan)
         self.executor = Executor(self.plan, comm, donate_params=True)
@@ -185,6 +201,7 @@ class TrainStep:
                                      rule="a runtime learning rate needs an optimizer that reads it",
                                      fix="build the step with optimizer=md.SGD(lr=...)"))
         stats = {} if timed else None
+        flight0 = _in_flight(self.executor.comm) if timed else 0.0
         t0 = time.perf_counter()
         outs = self.executor.run({**feeds, **self.hyper_feeds(lr)}, self.params, stats=stats)
         for k in self.carried:
@@ -198,7 +215,8 @@ class TrainStep:
         if not timed:
             return loss, None
         comm = sum(v for k, v in stats.items() if k in COMM_KINDS)
-        return loss, StepStats(total, stats.get("local", 0.0) + stats.get("split", 0.0), comm, stats)
+        return loss, StepStats(total, stats.get("local", 0.0) + stats.get("split", 0.0), comm, stats,
+                               _in_flight(self.executor.comm) - flight0, peak_rss())
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every param as a full tensor (gathered over the mesh)."""
@@ -250,6 +268,20 @@ class TrainStep:
             else:
                 key = name[len("param/"):] if name.startswith("param/") else name
                 self.params[key] = [None if x is None else x.clone() for x in got]
+
+
+def _in_flight(comm) -> float:
+    """Seconds ``comm``'s collectives have been in flight so far (its per-kind totals, if it keeps them)."""
+    stats = getattr(comm, "stats", None) or getattr(getattr(comm, "real", None), "stats", None) or {}
+    return sum(st["seconds"] for st in stats.values())
+
+
+def peak_rss() -> int:
+    """This process's resident-set high-water mark in bytes (Linux reports ``ru_maxrss`` in KiB)."""
+    import resource
+    import sys
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _held_scalar(xs) -> float:

@@ -1,0 +1,162 @@
+"""Gradient bucketing: reduce several gradients in one collective over one flat buffer.
+
+A data-parallel step reduces every gradient over the data axes.  One
+collective per gradient pays a call's latency (and, on gloo, a round of
+messages) per tensor, most of them small (norm scales, biases).  As DDP does,
+this pass packs the gradient reductions into buckets of about ``bucket_mb``
+megabytes each:
+
+* a member is an ``allreduce`` (or ``reduce_scatter``: ZeRO-2, FSDP) of the
+  backward phase whose result only the optimizer update reads or that is a
+  plan output (a gradient), never an activation's reduction, which the rest
+  of the backward waits for;
+* members share kind, mesh axes, reduce op and dtype; they are taken in the
+  order the backward produces the gradients, and a bucket closes once it
+  holds ``bucket_mb``;
+* the bucket step stands right after the step that makes its last gradient,
+  and the executor starts it as soon as that gradient exists; the executor's issue order
+  (:func:`meshdsl.exec.executor.issue_order`) waits on it only when an update
+  reads one of its members.
+
+Collectives over the micro-batch axis (gradient accumulation) stay as they
+are; a pipelined plan is cut into stages before this pass could see it, and
+the compiler does not bucket it.
+"""
+from __future__ import annotations
+
+from .pipeline import MB_AXIS
+from .plan import Step, step_args
+
+#: DDP's default bucket size.
+DEFAULT_BUCKET_MB = 25.0
+#: member kind -> bucket kind
+BUCKET_KIND = {"allreduce": "bucket_allreduce", "reduce_scatter": "bucket_reduce_scatter"}
+
+
+def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[int]) -> bool:
+    # backward: plain SGD reduces each gradient as it is made; update: an optimizer with a
+    # global norm reduces the scaled gradients (the norm itself is summed from partials)
+    if s.kind not in BUCKET_KIND or s.phase not in ("backward", "update") or MB_AXIS in s.axes:
+        return False
+    if s.op == "scalar_sum":  # the global gradient norm: every clipped update waits for it
+        return False
+    out = s.outs[0]
+    users = readers.get(out, ())
+    return (out in outputs or bool(users)) and all(steps[j].phase == "update" for j in users)
+
+
+def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: float) -> list[Step]:
+    """``steps`` with the gradient reductions merged into buckets of about ``bucket_mb`` MB.
+
+    A reduction that depends on another member's result (a clipped gradient on the
+    reduced norm) starts a new bucket, so a bucket never waits on itself.
+
+    Args:
+      steps: the lowered (and fused) steps of a plan without a pipeline.
+      values: value id -> :class:`~.plan.Value`.
+      outputs: output name -> value id.
+      bucket_mb: the bucket size in megabytes (2**20 bytes); 0 keeps one collective per gradient.
+
+    Returns:
+      The new step list (``steps`` itself when nothing was merged), in an order where
+      every step comes after the steps it reads from.
+    """
+    if bucket_mb <= 0:
+        return steps
+    cap = bucket_mb * 2 ** 20
+    readers: dict[int, list[int]] = {}
+    for i, s in enumerate(steps):
+        for v in s.ins:
+            readers.setdefault(v, []).append(i)
+    outs = set(outputs.values())
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+    after: dict[int, int] = {}   # value id -> bit set of the candidate steps it depends on
+    needs: dict[int, int] = {}   # candidate -> bit set of the candidates its input depends on
+    for i, s in enumerate(steps):
+        dep = 0
+        for v in s.ins:
+            dep |= after.get(v, 0)
+        if _is_grad_reduction(s, readers, steps, outs):
+            needs[i] = dep
+            dep |= 1 << i
+        for v in s.outs:
+            after[v] = dep
+    open_: dict[tuple, list[int]] = {}
+    mask: dict[tuple, int] = {}
+    buckets: list[list[int]] = []
+    # In the order the backward makes the gradients (by the step that produced each), not
+    # the order the reductions were emitted in: a bucket then holds gradients that are ready
+    # at about the same time.  A member a reduction depends on was produced before it.
+    for i in sorted(needs, key=lambda i: (producer.get(steps[i].ins[0], -1), i)):
+        s = steps[i]
+        key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
+        if needs[i] & mask.get(key, 0):
+            open_.pop(key, None)
+        members = open_.get(key)
+        if members is None:
+            members = open_[key] = []
+            mask[key] = 0
+            buckets.append(members)
+        members.append(i)
+        mask[key] |= 1 << i
+        if sum(steps[j].bytes for j in members) >= cap:
+            del open_[key]
+    # A bucket goes right after the step that makes its last gradient (readers of its
+    # members that stood earlier move after it: _dependency_order).
+    at: dict[int, list[list[int]]] = {}
+    for members in buckets:
+        if len(members) > 1:
+            at.setdefault(max(producer.get(steps[j].ins[0], j) for j in members), []).append(members)
+    merged = {j for bs in at.values() for members in bs for j in members}
+    if not merged:
+        return steps
+    out: list[Step] = []
+    for i, s in enumerate(steps):
+        if i not in merged:
+            out.append(s)
+        for members in at.get(i, ()):
+            out.append(_bucket_step(len(out), [steps[j] for j in members]))
+    return _dependency_order(out)
+
+
+def _dependency_order(steps: list[Step]) -> list[Step]:
+    """``steps`` reordered so each comes after its producers, otherwise in the given order.
+
+    A bucket stands right after the step that makes its last gradient; readers of its
+    members that stood before it move after it.
+    """
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+    done: set[int] = set()
+    order: list[Step] = []
+
+    def visit(i: int) -> None:
+        stack = [i]
+        while stack:
+            j = stack[-1]
+            if j in done:
+                stack.pop()
+                continue
+            todo = [producer[v] for v in steps[j].ins if v in producer and producer[v] not in done]
+            if todo:
+                stack.extend(todo)
+                continue
+            done.add(j)
+            order.append(steps[j])
+            stack.pop()
+
+    for i in range(len(steps)):
+        visit(i)
+    return order
+
+
+def _bucket_step(pos: int, members: list[Step]) -> Step:
+    last = members[-1]
+    kind = BUCKET_KIND[last.kind]
+    args = {"op": last.args.get("op", "sum")}
+    if kind == "bucket_reduce_scatter":
+        args["dims"] = tuple(m.args["dim"] for m in members)
+    names = ", ".join(m.label for m in members)
+    return Step(kind, last.node, "bucket", f"grad bucket @{pos}", "backward",
+                tuple(m.ins[0] for m in members), tuple(m.outs[0] for m in members), last.axes,
+                step_args(kind, args), sum(m.bytes for m in members),
+                note=f"{len(members)} gradient {last.kind}s in one buffer: {names}")

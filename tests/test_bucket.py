@@ -1,0 +1,169 @@
+"""Gradient bucketing (lowering/bucket.py, exec/bucket.py): fewer collectives, the same numbers.
+
+The plan of a data-parallel step reduces its gradients in fewer collectives than
+with bucketing off, and only gradients (never an activation's reduction) go into
+a bucket; DP and ZeRO-2 steps with buckets of every size give exactly the
+unbucketed results, on the simulated mesh and on 2 gloo processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.errors import MeshDSLError
+from meshdsl.exec import launch
+from meshdsl.exec.distributed import TorchComm
+from models.transformer import Config, build
+
+CFG = dataclasses.replace(Config.tiny(), layers=2, batch=4)
+LAYOUTS = {"dp": ("data:2", "batch:data"),
+           "zero2": ("data:2", "batch:data; grads.d_model:data; opt.d_model:data"),
+           "dp+tp": ("data:2; model:2", "batch:data; heads:model; d_ff:model")}
+# 0: off; 1e-3 MB (~1 KiB): many small buckets, some of one member; 25: everything in one
+SIZES = (0, 1e-3, 25)
+
+
+def _kinds(plan):
+    return {k: t["count"] for k, t in plan.totals().items()}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(CFG)
+
+
+def _step(model, name, comm=None, bucket_mb=25.0):
+    mesh, layout = LAYOUTS[name]
+    comm = comm or md.SimulatedComm(md.Mesh.parse(mesh))
+    return md.TrainStep(model.loss, model.params, mesh, layout, comm, optimizer=md.AdamW(lr=1e-2),
+                        bucket_mb=bucket_mb)
+
+
+def test_buckets_replace_the_gradient_allreduces(model):
+    off, on = _step(model, "dp", bucket_mb=0).plan, _step(model, "dp").plan
+    grads = [s for s, _ in off.collectives() if s.kind == "allreduce" and s.phase != "forward"]
+    assert len(grads) == len(model.params) and "bucket_allreduce" not in _kinds(off)
+    # the tiny model's gradients (well under 25 MB) travel in one bucket; the forward loss allreduce stays
+    assert _kinds(on)["bucket_allreduce"] == 1
+    assert _kinds(on)["allreduce"] == _kinds(off)["allreduce"] - len(grads)
+    assert sum(s.bytes for s, _ in on.collectives()) == sum(s.bytes for s, _ in off.collectives())
+
+
+def test_zero2_reduce_scatters_are_bucketed(model):
+    off, on = _step(model, "zero2", bucket_mb=0).plan, _step(model, "zero2").plan
+    assert _kinds(on)["bucket_reduce_scatter"] == 1 and "reduce_scatter" not in _kinds(on)
+    bucket = next(s for s in on.steps if s.kind == "bucket_reduce_scatter")
+    assert len(bucket.ins) == _kinds(off)["reduce_scatter"]
+
+
+def test_small_buckets_close_at_the_size(model):
+    plan = _step(model, "dp", bucket_mb=1e-3).plan
+    buckets = [s for s in plan.steps if s.kind == "bucket_allreduce"]
+    assert len(buckets) > 1
+    # a bucket closes on the member that takes it to the size: all but its last member fit under it
+    for s in buckets:
+        sizes = [plan.values[v].local_bytes(plan.mesh) for v in s.ins]
+        assert sum(sizes[:-1]) < 2 ** 10 * 1.024
+
+
+def test_activation_reductions_stay_out_of_buckets(model):
+    plan = _step(model, "dp+tp").plan
+    for s in plan.steps:
+        if s.kind == "allreduce" and s.phase == "backward":
+            # a tensor-parallel activation gradient: the rest of the backward reads it
+            assert any(u.phase == "backward" for u in plan.steps if s.outs[0] in u.ins)
+    assert _kinds(plan)["bucket_allreduce"] >= 1
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "25", True])
+def test_bucket_size_is_checked(model, bad):
+    with pytest.raises(MeshDSLError, match="bucket_mb"):
+        md.compile(model.loss, "data:2", "batch:data", bucket_mb=bad)
+
+
+def _curve(step, model, steps=3):
+    feeds = model.feeds(0)
+    return [step(feeds)[0] for _ in range(steps)], {k: [x.clone() for x in v] for k, v in step.params.items()}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_bucketed_steps_equal_unbucketed_on_the_simulated_mesh(model, name):
+    want_loss, want_params = _curve(_step(model, name, bucket_mb=0), model)
+    for size in SIZES[1:]:
+        loss, params = _curve(_step(model, name, bucket_mb=size), model)
+        # a bucket adds the same numbers in the same group order, one element at a time: bitwise equal
+        assert loss == want_loss, (name, size)
+        for k, xs in want_params.items():
+            for x, y in zip(xs, params[k]):
+                torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+def _gloo(rank, names):
+    torch.set_num_threads(1)
+    model = build(CFG)
+    out = {}
+    for name in names:
+        for size in SIZES:
+            step = _step(model, name, TorchComm(LAYOUTS[name][0]), bucket_mb=size)
+            out[(name, size)] = _curve(step, model)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_bucketed_steps_equal_unbucketed_on_gloo(model):
+    names = ("dp", "zero2")
+    results = launch.spawn(_gloo, 2, args=(names,), timeout=280)
+    assert multiprocessing.active_children() == []
+    for res in results:
+        for name in names:
+            want_loss, want_params = res[(name, 0)]
+            for size in SIZES[1:]:
+                loss, params = res[(name, size)]
+                # gloo sums two ranks' elements (a + b, commutative) and the reduce-scatter folds
+                # locally in group order, whatever the buffer: bitwise equal to the unbucketed step
+                assert loss == want_loss, (name, size)
+                for k, xs in want_params.items():
+                    torch.testing.assert_close(params[k][0], xs[0], rtol=0, atol=0)
+
+
+def test_buckets_follow_the_backward(model):
+    # plain SGD with gradient outputs: the LM head's gradient is made first, the embedding's last
+    plan = md.compile(model.train_step(0.1), "data:2", "batch:data", bucket_mb=1e-3)
+    buckets = [s for s in plan.steps if s.kind == "bucket_allreduce"]
+    assert plan.outputs["grad/lm_head"] in buckets[0].outs and plan.outputs["grad/wte"] in buckets[-1].outs
+    # each bucket comes right after the step that makes its last gradient, every step after its producers
+    pos = {v: i for i, s in enumerate(plan.steps) for v in s.outs}
+    for i, s in enumerate(plan.steps):
+        assert all(pos[v] < i for v in s.ins), s.label
+        if s in buckets:
+            assert max(pos[v] for v in s.ins) == i - 1 or plan.steps[i - 1] in buckets
+
+
+@pytest.mark.parametrize("size", [25, 1e-3])
+def test_buckets_start_at_their_last_gradient_and_are_read_late(model, size):
+    from meshdsl.exec.executor import issue_order
+    plan = md.compile(model.train_step(0.1), "data:2", "batch:data", bucket_mb=size)
+    order = issue_order(plan, TorchComm.async_kinds)
+    at = {i: k for k, i in enumerate(order)}
+    made = {v: i for i, s in enumerate(plan.steps) for v in s.outs}
+    buckets = {i for i, s in enumerate(plan.steps) if s.kind == "bucket_allreduce"}
+    in_bucket = {v for i in buckets for v in plan.steps[i].outs}
+    # every step that (transitively) reads a bucket's result
+    after_bucket = set()
+    for j in order:
+        s = plan.steps[j]
+        if set(s.ins) & in_bucket:
+            in_bucket |= set(s.outs)
+            after_bucket.add(j)
+    for i in buckets:
+        # started on torch.distributed as soon as its last gradient exists: only other
+        # collectives being started (buckets made ready by the same step) come in between
+        last = max(at[made[v]] for v in plan.steps[i].ins)
+        assert all(plan.steps[order[k]].kind in TorchComm.async_kinds for k in range(last + 1, at[i]))
+    # no bucket is waited on while work that needs none of them is left
+    first_read = min(at[j] for j in after_bucket)
+    assert all(at[j] < first_read for j in range(len(order)) if j not in after_bucket and j not in buckets)
