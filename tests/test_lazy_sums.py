@@ -13,6 +13,7 @@ from meshdsl import Model
 
 B, S, D = md.Dim("batch", 4), md.Dim("seq", 4), md.Dim("d_model", 8)
 H, E, F, V = md.Dim("heads", 2), md.Dim("d_head", 4), md.Dim("d_ff", 8), md.Dim("vocab", 16)
+# The counts below are per gradient, so the plans are compiled without gradient buckets (bucket_mb=0).
 TP = ("model:2", "heads:model; d_ff:model")  # Megatron: q/k/v/w_fc split, wo/w_proj row-parallel
 
 PROJ = "batch seq d_model, d_model heads d_head -> batch seq heads d_head"
@@ -102,7 +103,7 @@ def _two_branches():
 
 def test_two_split_branches_are_reduced_once_each_way():
     outs = _two_branches()
-    plan = md.compile(outs, "model:2", "d_ff:model")
+    plan = md.compile(outs, "model:2", "d_ff:model", bucket_mb=0)
     # Forward: a and b are partial over 'model'; h + a stays partial (h counted once), + b
     # adds locally, and the square needs the whole sum: one allreduce.  Backward: dh is
     # the sum of the residual's whole cotangent and the two branches' partial ones.
@@ -115,7 +116,7 @@ def test_two_split_branches_are_reduced_once_each_way():
 def test_post_norm_bert_two_allreduces_per_layer_each_way():
     model = _bert(2, stacked=False)
     outs = model.train_step(0.1)
-    plan = md.compile(outs, *TP)
+    plan = md.compile(outs, *TP, bucket_mb=0)
     # Per layer, forward: the attention output and the MLP output (row-parallel, partial).
     # Backward: the block input's cotangent (q, k, v partial + the residual, added first)
     # and the MLP input's (w_fc partial + the residual).  The embedding reads a whole one.
@@ -128,7 +129,7 @@ def test_post_norm_bert_two_allreduces_per_layer_each_way():
 def test_post_norm_bert_in_a_repeat_and_with_data_parallelism():
     model = _bert(3, stacked=True)
     outs = model.train_step(0.1)
-    plan = md.compile(outs, "data:2; model:2", "batch:data; heads:model; d_ff:model")
+    plan = md.compile(outs, "data:2; model:2", "batch:data; heads:model; d_ff:model", bucket_mb=0)
     on_model = {k: v["count"] for (k, axes), v in plan.totals_by_axis().items() if axes == ("model",)}
     assert on_model == {"allreduce": 3 * 4}  # per layer: 2 forward + 2 backward, counted per loop trip
     assert all(s.axes in (("model",), ("data",)) for s, _ in plan.collectives())
@@ -144,7 +145,7 @@ def test_a_partial_sum_with_two_readers_is_reduced_once():
             "batch d_model, d_model d_ff -> batch d_ff", x_bd, w1), w2)
         y_bd = (x_bd + a_bd) * md.relu(a_bd)
         outs = {"y": y_bd}
-    plan = md.compile(outs, "model:2", "d_ff:model")
+    plan = md.compile(outs, "model:2", "d_ff:model", bucket_mb=0)
     assert plan.totals()["allreduce"]["count"] == 1
     _check_against_dense(outs, plan, {"x": torch.randn(B.size, D.size, generator=torch.Generator().manual_seed(2))})
 
@@ -157,7 +158,7 @@ def test_a_broadcasting_add_reduces_the_smaller_partial_input():
         w = md.param("w", [D])
         s_b = md.einsum("batch d_model, d_model -> batch", x_bd, w)
         outs = {"y": md.exp(x_bd + s_b)}
-    plan = md.compile(outs, "model:2", "w.d_model:model")
+    plan = md.compile(outs, "model:2", "w.d_model:model", bucket_mb=0)
     (red,) = [s for s, _ in plan.collectives() if s.kind == "allreduce"]
     assert red.bytes == B.size * 4
     _check_against_dense(outs, plan, {"x": torch.randn(B.size, D.size, generator=torch.Generator().manual_seed(3))})
@@ -169,7 +170,7 @@ def test_routed_moe_moves_only_tokens_and_gradients():
     partial sum folded into it) and one per replicated param's gradient.  The gate moves
     nothing: its ``gate_experts`` dim is never laid out."""
     m = md.load_model("moe", tiny=True, layers=4)
-    plan = md.compile(m.train_step(), "data:2", "batch:data; experts:data")
+    plan = md.compile(m.train_step(), "data:2", "batch:data; experts:data", bucket_mb=0)
     replicated = [k for k in m.params if k not in ("w_in", "w_out")]  # the experts' weights are split
     assert len(replicated) == 14
     assert {k: v["count"] for k, v in plan.totals().items()} == {"alltoall": 4 * 4, "allreduce": 1 + 14}

@@ -94,6 +94,6 @@ def test_random_sums_of_partial_branches_match_dense(data, mesh):
     # reduction.  (A projection onto d_ff makes y's cotangent partial too, and the split
     # MLPs' backward needs it whole: a second allreduce that is not the sums' doing.)
     if any(k in ("split_mlp", "scaled_split") for k in drawn["kinds"]) and drawn["consumer"] != "project":
-        plan = md.compile(case.outputs, "x:2", "d_ff:x")
+        plan = md.compile(case.outputs, "x:2", "d_ff:x", bucket_mb=0)
         assert _allreduces(plan, "forward") == 1
         assert _allreduces(plan, "backward") == 1  # the cotangent of h, before w0's gradient
