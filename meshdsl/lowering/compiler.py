@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..core.graph import Node, Tensor, topo_nodes
-from ..errors import GraphError, message
+from ..errors import GraphError, LayoutError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
@@ -21,7 +21,7 @@ from .fuse import fuse as fuse_steps
 from .partition import partition
 from .pipeline import detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
-from .relayout import move_args, move_bytes, plan_moves
+from .relayout import blocked, move_args, move_bytes, plan_moves
 from .rules import rule_for
 
 
@@ -116,14 +116,29 @@ class Lowerer:
         return step
 
     def relayout(self, vid: int, to: Sharding, node: Node | None, why: str = "") -> int:
-        """Emit the collectives that bring value ``vid`` to sharding ``to``."""
+        """Emit the collectives that bring value ``vid`` to sharding ``to``.
+
+        Raises:
+          LayoutError: a move over the micro-batch axis other than a sum (see
+            :func:`.relayout.blocked`): no lowering of the op avoids it.
+        """
         v = self.values[vid]
         if v.sharding == to:
             return vid
         key = (vid, to)
         if key in self._relaid:
             return self._relaid[key]
-        for m in plan_moves(v.shape, v.sharding, to, self.mesh):
+        moves = plan_moves(v.shape, v.sharding, to, self.mesh)
+        bad = [m for m in moves if blocked(m)]
+        if bad:
+            name = self.layout_name(node)
+            raise LayoutError(message(
+                f"compile: {name} cannot be micro-batched with this layout.",
+                inputs=[f"mesh: {self.mesh}", f"layout: {self.layout}"],
+                bullets=[f"{why or 're-layout'}: {m.kind} over {m.axes}: {m.before} -> {m.after}" for m in bad],
+                rule="micro-batches (the virtual axis '_mb') only carry partial sums, reduced by an allreduce",
+                fix="use microbatches=1, or a layout that keeps the batch dim split where this op reads it"))
+        for m in moves:
             args = move_args(m, v.shape)
             out = self.new_value(v.shape, v.dtype, m.after)
             self.emit(m.kind, node, [vid], [out], m.axes, args,
@@ -132,6 +147,11 @@ class Lowerer:
             vid = out
         self._relaid[key] = vid
         return vid
+
+    @staticmethod
+    def layout_name(node: Node | None) -> str:
+        """How messages name ``node``: ``"'label' (op)"``, or ``"an output"``."""
+        return f"'{node.name}' ({node.op.name})" if node is not None else "an output"
 
     def reduced(self, vid: int) -> int:
         """An already-reduced copy of partial value ``vid`` if one was made, else ``vid``.
