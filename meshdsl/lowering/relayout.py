@@ -160,6 +160,26 @@ def blocked(m: Move) -> bool:
     return m.kind != "allreduce" and MB_AXIS in m.axes
 
 
+def keep_microbatches(target: Sharding, sh: Sharding, shape: Shape, mesh: Mesh) -> Sharding:
+    """``target``, except that the dim ``sh`` splits over the micro-batch axis stays split over it.
+
+    A dim split by micro-batches (``batch``, or one renamed from it, as MoE's
+    ``expert_batch``) stays a per-micro-batch dim whatever its layout rule says:
+    gathering it would be a :func:`blocked` move.  The axis goes major, where
+    :mod:`.pipeline` puts it on ``batch``.  ``target`` is kept as it is when it
+    already uses the axis or the dim's size does not allow it.
+    """
+    if MB_AXIS not in sh.used_axes or MB_AXIS in target.used_axes:
+        return target
+    dim = next((n for n, axes in sh.dims if MB_AXIS in axes), None)
+    if dim is None:
+        return target
+    axes = (MB_AXIS,) + target.axes_of(dim)
+    if shape.get(dim).size % mesh.axis_size(axes):
+        return target
+    return Sharding(tuple((n, axes if n == dim else a) for n, a in target.dims), target.partial)
+
+
 def move_bytes(m: Move, shape: Shape, mesh: Mesh, itemsize: int) -> int:
     """Per-rank bytes a move sends: the size of its local input."""
     if m.kind == "split":
