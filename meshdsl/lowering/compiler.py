@@ -19,9 +19,9 @@ from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
 from .partition import partition
-from .pipeline import detect as detect_pipeline
+from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
-from .relayout import blocked, move_args, move_bytes, plan_moves
+from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 
 
@@ -107,7 +107,21 @@ class Lowerer:
     def emit(self, kind: str, node: Node | None, ins, outs, axes=(), args=None, nbytes: int = 0,
              flops: int = 0, note: str = "", *, op: str | None = None, label: str | None = None,
              phase: str | None = None, subplans: tuple = (), times: int = 1) -> Step:
-        """Append a step of ``kind`` for ``node`` (op, label and phase default to the node's)."""
+        """Append a step of ``kind`` for ``node`` (op, label and phase default to the node's).
+
+        Raises:
+          LayoutError: a collective over the micro-batch axis other than an allreduce: a
+            process folds its micro-batches by sums only (``exec/fold.py``), and the
+            lowering rules price every other move over it at infinity, so only an op
+            with no other lowering gets here.
+        """
+        if MB_AXIS in axes and kind != "allreduce":
+            raise LayoutError(message(
+                f"compile: {self.describe(node)} cannot be micro-batched with this layout.",
+                inputs=[f"mesh: {self.mesh}", f"layout: {self.layout}"],
+                bullets=[f"{kind} over {tuple(axes)}" + (f": {note}" if note else "")],
+                rule=f"micro-batches (the virtual axis '{MB_AXIS}') only carry partial sums, reduced by an allreduce",
+                fix="use microbatches=1, or a layout that keeps the batch dim split where this op reads it"))
         step = Step(kind, node.id if node else -1, op or (node.op.name if node else "output"),
                     label or (node.name if node else "output"), phase or (node.phase if node else "forward"),
                     tuple(ins), tuple(outs), tuple(axes), step_args(kind, args), nbytes, flops, note,
@@ -119,8 +133,7 @@ class Lowerer:
         """Emit the collectives that bring value ``vid`` to sharding ``to``.
 
         Raises:
-          LayoutError: a move over the micro-batch axis other than a sum (see
-            :func:`.relayout.blocked`): no lowering of the op avoids it.
+          LayoutError: a move over the micro-batch axis other than a sum (see :meth:`emit`).
         """
         v = self.values[vid]
         if v.sharding == to:
@@ -129,15 +142,6 @@ class Lowerer:
         if key in self._relaid:
             return self._relaid[key]
         moves = plan_moves(v.shape, v.sharding, to, self.mesh)
-        bad = [m for m in moves if blocked(m)]
-        if bad:
-            name = self.layout_name(node)
-            raise LayoutError(message(
-                f"compile: {name} cannot be micro-batched with this layout.",
-                inputs=[f"mesh: {self.mesh}", f"layout: {self.layout}"],
-                bullets=[f"{why or 're-layout'}: {m.kind} over {m.axes}: {m.before} -> {m.after}" for m in bad],
-                rule="micro-batches (the virtual axis '_mb') only carry partial sums, reduced by an allreduce",
-                fix="use microbatches=1, or a layout that keeps the batch dim split where this op reads it"))
         for m in moves:
             args = move_args(m, v.shape)
             out = self.new_value(v.shape, v.dtype, m.after)
@@ -149,7 +153,7 @@ class Lowerer:
         return vid
 
     @staticmethod
-    def layout_name(node: Node | None) -> str:
+    def describe(node: Node | None) -> str:
         """How messages name ``node``: ``"'label' (op)"``, or ``"an output"``."""
         return f"'{node.name}' ({node.op.name})" if node is not None else "an output"
 
