@@ -12,6 +12,7 @@ runs on 2 gloo processes and matches the dense program.
 from __future__ import annotations
 
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from meshdsl.lowering.relayout import plan_moves, relayout_cost
 from meshdsl.search.space import candidates
 from meshdsl.train.jobs import check_job
 
-MODELS = ("mlp", "transformer", "moe")
+MODELS = sorted(p.stem for p in (Path(__file__).parent.parent / "models").glob("*.py") if p.stem != "__init__")
 
 
 def _mb_moves(plan) -> list[str]:
