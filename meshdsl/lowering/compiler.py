@@ -141,8 +141,7 @@ class Lowerer:
         key = (vid, to)
         if key in self._relaid:
             return self._relaid[key]
-        moves = plan_moves(v.shape, v.sharding, to, self.mesh)
-        for m in moves:
+        for m in plan_moves(v.shape, v.sharding, to, self.mesh):
             args = move_args(m, v.shape)
             out = self.new_value(v.shape, v.dtype, m.after)
             self.emit(m.kind, node, [vid], [out], m.axes, args,

@@ -7,9 +7,9 @@ price each with the cost model (input re-layouts + local FLOPs + output
 re-layout), and emit the cheapest; on a tie, the one that re-lays out fewer
 values.  Micro-batches (the virtual axis ``_mb``) stay split: a re-layout
 that gathers or moves them is priced at infinity (see :mod:`.relayout`), so
-their sums stay partial, and an output dim split by them stays so whatever its
-layout rule says (MoE's ``expert_batch``).  A split 'sum'-reduced dim leaves a lazy partial sum; 'max'/'min' get
-an allreduce at once.  Partial sums pass through linear ops lazily, also when
+their sums stay partial, and an output dim split by them stays so whatever
+its layout rule says (MoE's ``expert_batch``).  A split 'sum'-reduced dim
+leaves a lazy partial sum; 'max'/'min' get an allreduce at once.  Partial sums pass through linear ops lazily, also when
 added to whole values (see :func:`_partial_modes`), and are reduced once, where
 a reader needs the whole value (or reduce-scattered where it wants it split).
 """

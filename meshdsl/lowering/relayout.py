@@ -16,7 +16,7 @@ The virtual micro-batch axis (:data:`~.pipeline.MB_AXIS`) carries only partial
 sums: a process holds all its micro-batches and can fold them by summing only,
 and a micro-batch exists only while its step runs.  Any other move over it is
 *blocked* (:func:`blocked`): priced at infinity, so the lowering rules pick the
-partial-sum form, and refused by :meth:`~.compiler.Lowerer.relayout`.
+partial-sum form, and refused by :meth:`~.compiler.Lowerer.emit`.
 """
 from __future__ import annotations
 
