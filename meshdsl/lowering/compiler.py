@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..core.graph import Node, Tensor, topo_nodes
-from ..errors import GraphError, message
+from ..errors import GraphError, LayoutError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
@@ -19,7 +19,7 @@ from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
 from .partition import partition
-from .pipeline import detect as detect_pipeline
+from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
@@ -107,7 +107,21 @@ class Lowerer:
     def emit(self, kind: str, node: Node | None, ins, outs, axes=(), args=None, nbytes: int = 0,
              flops: int = 0, note: str = "", *, op: str | None = None, label: str | None = None,
              phase: str | None = None, subplans: tuple = (), times: int = 1) -> Step:
-        """Append a step of ``kind`` for ``node`` (op, label and phase default to the node's)."""
+        """Append a step of ``kind`` for ``node`` (op, label and phase default to the node's).
+
+        Raises:
+          LayoutError: a collective over the micro-batch axis other than an allreduce: a
+            process folds its micro-batches by sums only (``exec/fold.py``), and the
+            lowering rules price every other move over it at infinity, so only an op
+            with no other lowering gets here.
+        """
+        if MB_AXIS in axes and kind != "allreduce":
+            raise LayoutError(message(
+                f"compile: {self.describe(node)} cannot be micro-batched with this layout.",
+                inputs=[f"mesh: {self.mesh}", f"layout: {self.layout}"],
+                bullets=[f"{kind} over {tuple(axes)}" + (f": {note}" if note else "")],
+                rule=f"micro-batches (the virtual axis '{MB_AXIS}') only carry partial sums, reduced by an allreduce",
+                fix="use microbatches=1, or a layout that keeps the batch dim split where this op reads it"))
         step = Step(kind, node.id if node else -1, op or (node.op.name if node else "output"),
                     label or (node.name if node else "output"), phase or (node.phase if node else "forward"),
                     tuple(ins), tuple(outs), tuple(axes), step_args(kind, args), nbytes, flops, note,
@@ -116,7 +130,11 @@ class Lowerer:
         return step
 
     def relayout(self, vid: int, to: Sharding, node: Node | None, why: str = "") -> int:
-        """Emit the collectives that bring value ``vid`` to sharding ``to``."""
+        """Emit the collectives that bring value ``vid`` to sharding ``to``.
+
+        Raises:
+          LayoutError: a move over the micro-batch axis other than a sum (see :meth:`emit`).
+        """
         v = self.values[vid]
         if v.sharding == to:
             return vid
@@ -132,6 +150,11 @@ class Lowerer:
             vid = out
         self._relaid[key] = vid
         return vid
+
+    @staticmethod
+    def describe(node: Node | None) -> str:
+        """How messages name ``node``: ``"'label' (op)"``, or ``"an output"``."""
+        return f"'{node.name}' ({node.op.name})" if node is not None else "an output"
 
     def reduced(self, vid: int) -> int:
         """An already-reduced copy of partial value ``vid`` if one was made, else ``vid``.

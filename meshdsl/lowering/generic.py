@@ -5,8 +5,11 @@ shardings of its inputs and the layout's targets for its outputs, try every
 assignment of mesh axes to compute dims that some input or target suggests,
 price each with the cost model (input re-layouts + local FLOPs + output
 re-layout), and emit the cheapest; on a tie, the one that re-lays out fewer
-values.  A split 'sum'-reduced dim leaves a lazy partial sum; 'max'/'min' get
-an allreduce at once.  Partial sums pass through linear ops lazily, also when
+values.  Micro-batches (the virtual axis ``_mb``) stay split: a re-layout
+that gathers or moves them is priced at infinity (see :mod:`.relayout`), so
+their sums stay partial, and an output dim split by them stays so whatever
+its layout rule says (MoE's ``expert_batch``).  A split 'sum'-reduced dim
+leaves a lazy partial sum; 'max'/'min' get an allreduce at once.  Partial sums pass through linear ops lazily, also when
 added to whole values (see :func:`_partial_modes`), and are reduced once, where
 a reader needs the whole value (or reduce-scattered where it wants it split).
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import itertools
 
 from ..layout.sharding import Sharding
-from .relayout import relayout_cost
+from .relayout import keep_microbatches, relayout_cost
 
 
 def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
@@ -131,6 +134,7 @@ def _price(lw, node, spec, C, shs, P, keep, targets, comp):
         best = None
         for tgt, note in tl:
             lazy = tgt.with_partial(tuple(a for a in out_sh.partial if a not in tgt.used_axes))
+            lazy = keep_microbatches(lazy, out_sh, t.shape, mesh)
             c = relayout_cost(t.shape, out_sh, lazy, mesh, t.dtype.itemsize, model)
             if lazy.partial:  # it will be reduced eventually
                 c += model.collective("allreduce", lazy.local_numel(t.shape, mesh) * t.dtype.itemsize,

@@ -11,6 +11,12 @@ Per mesh axis, following Mesh-TF's reshape rules and DTensor's redistribute:
 Dims split over several axes are changed at their minor end, so each step
 keeps the global element order exact; a run of axes that moves together (from
 partial sums or from one dim onto another) is one collective over the run.
+
+The virtual micro-batch axis (:data:`~.pipeline.MB_AXIS`) carries only partial
+sums: a process holds all its micro-batches and can fold them by summing only,
+and a micro-batch exists only while its step runs.  Any other move over it is
+*blocked* (:func:`blocked`): priced at infinity, so the lowering rules pick the
+partial-sum form, and refused by :meth:`~.compiler.Lowerer.emit`.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from ..core.shape import Shape
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
 from .cost import DEFAULT, CostModel
+from .pipeline import MB_AXIS
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,32 @@ def plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> list[Move]
     return moves
 
 
+def blocked(m: Move) -> bool:
+    """Whether move ``m`` is one no plan may make: a move over the micro-batch axis that is not
+    the allreduce of a partial sum (gathering, scattering or splitting micro-batches)."""
+    return m.kind != "allreduce" and MB_AXIS in m.axes
+
+
+def keep_microbatches(target: Sharding, sh: Sharding, shape: Shape, mesh: Mesh) -> Sharding:
+    """``target``, except that the dim ``sh`` splits over the micro-batch axis stays split over it.
+
+    A dim split by micro-batches (``batch``, or one renamed from it, as MoE's
+    ``expert_batch``) stays a per-micro-batch dim whatever its layout rule says:
+    gathering it would be a :func:`blocked` move.  The axis goes major, where
+    :mod:`.pipeline` puts it on ``batch``.  ``target`` is kept as it is when it
+    already uses the axis or the dim's size does not allow it.
+    """
+    if MB_AXIS not in sh.used_axes or MB_AXIS in target.used_axes:
+        return target
+    dim = next((n for n, axes in sh.dims if MB_AXIS in axes), None)
+    if dim is None:
+        return target
+    axes = (MB_AXIS,) + target.axes_of(dim)
+    if shape.get(dim).size % mesh.axis_size(axes):
+        return target
+    return Sharding(tuple((n, axes if n == dim else a) for n, a in target.dims), target.partial)
+
+
 def move_bytes(m: Move, shape: Shape, mesh: Mesh, itemsize: int) -> int:
     """Per-rank bytes a move sends: the size of its local input."""
     if m.kind == "split":
@@ -157,7 +190,8 @@ def move_bytes(m: Move, shape: Shape, mesh: Mesh, itemsize: int) -> int:
 @functools.lru_cache(maxsize=1 << 16)
 def relayout_cost(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh, itemsize: int = 4,
                   model: CostModel = DEFAULT) -> float:
-    """Seconds the moves from ``a`` to ``b`` are expected to take.
+    """Seconds the moves from ``a`` to ``b`` are expected to take; infinity when one is
+    :func:`blocked`, so no lowering chooses it.
 
     Cached: the generic lowering rule prices the same few re-layouts for every
     candidate compute sharding of every node, and all arguments are immutable.
@@ -166,5 +200,7 @@ def relayout_cost(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh, itemsize: 
         return 0.0
     total = 0.0
     for m in plan_moves(shape, a, b, mesh):
+        if blocked(m):
+            return float("inf")
         total += model.collective(m.kind, move_bytes(m, shape, mesh, itemsize), mesh.axis_size(m.axes))
     return total

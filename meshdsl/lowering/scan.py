@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..core.shape import Dim, Shape
 from ..layout.sharding import Sharding
 from ..ops.scan import exclusive_of, scan_local
+from .pipeline import MB_AXIS
 from .relayout import relayout_cost
 from .rules import lowering
 
@@ -77,6 +78,8 @@ def lower_cumsum(lw, node) -> None:
     for comp in _candidates(t.shape, name, cur, targets):
         cost = relayout_cost(t.shape, cur, comp, mesh, item, model)
         axes = comp.axes_of(name)
+        if MB_AXIS in axes:  # its totals would be gathered over micro-batches: a blocked move
+            cost = float("inf")
         if mesh.axis_size(axes) > 1:
             tot = _totals_shape(t.shape, name, mesh.axis_size(axes))
             cost += model.collective("allgather", comp.local_numel(tot, mesh) * item, mesh.axis_size(axes))

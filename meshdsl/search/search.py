@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from ..errors import MeshDSLError
 from ..lowering.compiler import compile as compile_plan
-from ..lowering.pipeline import MB_AXIS
 from .calibrate import Calibration
 from .predict import Prediction, predict
 from .space import Candidate, candidates
@@ -71,23 +70,15 @@ class SearchResult:
     seconds: float
 
 
-class NotRunnable(MeshDSLError):
-    """A plan that compiles but that real processes cannot run."""
-
-
 def evaluate(outputs, cand: Candidate, cal: Calibration) -> Ranked:
     """Compile ``cand`` and predict it.
 
     Raises:
-      MeshDSLError: the compiler's error when ``cand`` is invalid, or :class:`NotRunnable` when
-        its plan needs a collective over the micro-batch axis other than a sum: on real
-        processes a rank folds its micro-batches by summing them (``exec/fold.py``).
+      MeshDSLError: the compiler's error when ``cand`` is invalid.  (A plan the compiler
+        returns is one real processes can run: it never moves micro-batches other than by
+        summing them, see :meth:`~meshdsl.lowering.compiler.Lowerer.emit`.)
     """
     plan = compile_plan(outputs, cand.mesh, cand.layout, microbatches=cand.microbatches, schedule=cand.schedule)
-    for s, _ in plan.collectives():
-        if MB_AXIS in s.axes and s.kind != "allreduce":
-            raise NotRunnable(f"{s.kind} over the micro-batch axis ({s.label}): real processes fold "
-                              f"micro-batches by sums only")
     return Ranked(cand, predict(plan, cal))
 
 
