@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..collectives import COLLECTIVES
 from ..exec.executor import issue_order
 from ..lowering.memory import memory_report
+from ..lowering.pipeline import MB_AXIS
 from ..lowering.plan import Plan, Step
 from ..lowering.timeline import simulate
 from .calibrate import Calibration
@@ -42,7 +43,7 @@ class Prediction:
       exposed_comm_s: the part of the step spent waiting on communication.
       bubble_s: pipeline idle time on the busiest stage (0 without a pipeline).
       memory: :func:`~meshdsl.lowering.memory.memory_report` of the plan (bytes per rank).
-      comm_bytes: bytes per rank sent by collectives per step (``Plan.totals()``).
+      comm_bytes: bytes per rank sent by collectives between processes per step (:func:`process_totals`).
       by_op: ``(label, op, compute_s, comm_s)`` per step with a cost, sub-plans multiplied out.
     """
 
@@ -60,11 +61,31 @@ class Prediction:
         return sum(self.memory[k] for k in ("params", "grads", "optimizer", "activations_peak"))
 
 
+def process_axes(axes) -> tuple[str, ...]:
+    """The axes of a collective that cross processes: all but the virtual micro-batch axis, whose
+    members one process holds and folds locally (``exec/fold.py``, the pipeline's accumulator)."""
+    return tuple(a for a in axes if a != MB_AXIS)
+
+
+def process_totals(plan: Plan) -> dict[str, dict[str, int]]:
+    """As :meth:`Plan.totals`, counting only collectives that move bytes between processes."""
+    out: dict[str, dict[str, int]] = {}
+    for s, mult in plan.collectives():
+        if process_axes(s.axes):
+            t = out.setdefault(s.kind, {"count": 0, "bytes": 0})
+            t["count"] += mult
+            t["bytes"] += mult * s.bytes
+    return out
+
+
 def step_seconds(step: Step, plan: Plan, cal: Calibration) -> float:
     """Seconds of one kernel or collective step (0 for leaves and splits)."""
     mesh = plan.mesh
     if step.is_collective:
-        n = mesh.axis_size(step.axes)
+        real = process_axes(step.axes)
+        if not real:  # a sum over micro-batches only: each process adds its own, in place
+            return cal.kernel(False, 0, 2 * step.bytes, mesh.size) + cal.dispatch_s
+        n = mesh.axis_size(real)
         return cal.collective(step.kind, step.bytes, n) + (cal.dispatch_s if n > 1 else 0.0)
     if step.kind != "local":
         return 0.0
@@ -146,7 +167,7 @@ def predict(plan: Plan, cal: Calibration) -> Prediction:
     """
     w = _Walk(cal)
     total = w.plan_time(plan, 1)
-    comm_bytes = sum(t["bytes"] for t in plan.totals().values())
+    comm_bytes = sum(t["bytes"] for t in process_totals(plan).values())
     exposed = max(0.0, total - w.compute - w.bubble)
     return Prediction(total, w.compute, w.comm, min(exposed, w.comm), w.bubble, memory_report(plan), comm_bytes,
                       w.rows)
