@@ -23,7 +23,7 @@ from ..lowering.plan import Plan, Value
 from ..lowering.relayout import move_args, plan_moves
 from .comm import Communicator, Pending
 from .dense import check_no_extra_feeds
-from .steps import rule_for, split_local
+from .steps import inplace_adds, rule_for, split_local
 
 
 class PerRank(list):
@@ -137,6 +137,8 @@ class Executor:
             self.donated = {i for i, s in enumerate(steps)
                             if s.kind == "local" and s.args.get("inplace") is not None
                             and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i}
+        #: Add steps that write into an operand no one else reads (see :func:`.steps.inplace_adds`).
+        self.add_into = inplace_adds(plan)
         #: Per stage, the (action, start, end) of the last pipelined run (see :mod:`.pipeline`).
         self.last_timeline = None
         self._leaves = {s.outs[0]: s.args["tensor"] for s in steps if s.kind in ("input", "param")}

@@ -50,6 +50,9 @@ class _StageExecutor:
 
     def __init__(self, plan, comm, layer_offset):
         self.plan, self.comm, self.donated, self.layer_offset = plan, comm, frozenset(), layer_offset
+        # Segments share values across actions (a forward's result is read by the backward):
+        # their adds stay out of place.
+        self.add_into = {}
 
 
 class _ViewEnv:
