@@ -143,6 +143,7 @@ class Executor:
         self.last_timeline = None
         self._leaves = {s.outs[0]: s.args["tensor"] for s in steps if s.kind in ("input", "param")}
         self._slice_idx: dict[int, list[tuple]] = {}
+        self._local_shape: dict[int, tuple[int, ...]] = {}
         # One prepared callable per step: the run loop dispatches by index, not by kind.
         self.calls = [rule_for(s.kind)(self, i, s) for i, s in enumerate(steps)]
         # Steps with sub-plans are timed by their sub-plans' own steps.
@@ -178,7 +179,9 @@ class Executor:
                 raise GraphError(message(f"feed '{name}': {len(value)} slices for {len(self.comm.ranks)} rank(s).",
                                          rule="per-rank feeds give one local slice per rank held",
                                          fix="pass one tensor per rank, or the full tensor"))
-            want = v.local_shape(self.plan.mesh)
+            want = self._local_shape.get(vid)
+            if want is None:  # a loop feeds its body every layer: worked out once
+                want = self._local_shape[vid] = v.local_shape(self.plan.mesh)
             for x in value:
                 if tuple(x.shape) != want:
                     raise GraphError(message(f"feed '{name}': local slice shape {tuple(x.shape)} != {want}.",
