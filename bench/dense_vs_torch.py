@@ -11,6 +11,10 @@ and range are reported.  Results go to bench/results/dense_vs_torch[_update].jso
     python bench/dense_vs_torch.py --update        # ... + the SGD update
     python bench/dense_vs_torch.py --rounds 3 --reps 7
     python bench/dense_vs_torch.py --profile       # where meshdsl's time goes
+    python bench/dense_vs_torch.py --plan          # the plan executor (mesh data:1) instead
+
+With ``--plan`` meshdsl's side is the compiled plan on mesh ``data:1`` run by the
+plan executor, the path ``meshdsl run``/``train`` and every per-rank program take.
 """
 from __future__ import annotations
 
@@ -108,15 +112,27 @@ class TorchGPT(nn.Module):
 
 # ----------------------------------------------------------------------------- steps
 
-def make_steps(update: bool, lr: float):
+def _plan_program(wanted):
+    """``wanted`` compiled for mesh ``data:1`` and run by the plan executor, called like a
+    DenseProgram (one rank holds every value whole)."""
+    plan = md.compile(wanted, "data:1", "")
+    ex = md.Executor(plan, md.SimulatedComm(plan.mesh))
+
+    def run(feeds, params):
+        return {k: xs[0] for k, xs in ex.run(feeds, {k: [v] for k, v in params.items()}).items()}
+    return run
+
+
+def make_steps(update: bool, lr: float, plan: bool = False):
     model = load_model(str(ROOT / "models" / "transformer.py"))
     cfg = model.config
     if cfg.dropout or cfg.norm != "layer" or cfg.tied:
         raise SystemExit("the torch twin implements dropout=0, norm='layer', tied=False only")
     outs = training_outputs(model.loss, model.params, lr, with_grads=True)
     wanted = {k: v for k, v in outs.items() if k == "loss" or k.startswith("new/" if update else "grad/")}
-    prog = md.DenseProgram(wanted)
-    params = prog.init_params(seed=0)
+    dense = md.DenseProgram(wanted)
+    params = dense.init_params(seed=0)
+    prog = _plan_program(wanted) if plan else dense
     feeds = model.feeds(0)
     net = TorchGPT(cfg, params)
     state = {"params": params}
@@ -159,7 +175,7 @@ def bench(args) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     console = Console()
-    cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr)
+    cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr, args.plan)
     md_loss, th_loss, gdiff = verify(prog, params, feeds, net, args.update)
     if args.update:  # the update variant checks the loss of the first step instead
         md_loss, th_loss = md_step()["loss"].item(), th_step().item()
@@ -181,7 +197,7 @@ def bench(args) -> int:
                     f"{args.reps} interleaved reps", title_justify="left")
     for col in ("", "median ms", "min ms", "max ms", "median CPU ms", "loss"):
         t.add_column(col, justify="right" if col else "left")
-    for name, key, loss in (("meshdsl dense", "meshdsl", md_loss), ("plain torch", "torch", th_loss)):
+    for name, key, loss in (("meshdsl plan" if args.plan else "meshdsl dense", "meshdsl", md_loss), ("plain torch", "torch", th_loss)):
         v = times[key]
         t.add_row(name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}", f"{max(v) * 1e3:.1f}",
                   f"{statistics.median(cpu[key]) * 1e3:.1f}", f"{loss:.6f}")
@@ -195,9 +211,9 @@ def bench(args) -> int:
                       f"[{min(ratios):.3f}, {max(ratios):.3f}], CPU ratio [{min(cpu_ratios):.3f}, "
                       f"{max(cpu_ratios):.3f}]; the table shows the last round")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"dense_vs_torch{'_update' if args.update else ''}.json"
+    out = RESULTS / f"dense_vs_torch{'_update' if args.update else ''}{'_plan' if args.plan else ''}.json"
     out.write_text(json.dumps({
-        "what": what, "config": str(cfg), "threads": torch.get_num_threads(), "reps": args.reps,
+        "what": what, "runner": "plan executor, data:1" if args.plan else "dense interpreter", "config": str(cfg), "threads": torch.get_num_threads(), "reps": args.reps,
         "wall_ratio": ratios, "cpu_ratio": cpu_ratios, "target": TARGET,
         "step_ms": {k: [[x * 1e3 for x in t[k]] for t, _ in rounds] for k in ("meshdsl", "torch")},
         "loss": {"meshdsl": md_loss, "torch": th_loss}, "max_grad_diff": None if args.update else gdiff,
@@ -260,6 +276,7 @@ def main(argv=None) -> int:
     p.add_argument("--update", action="store_true", help="include the SGD update in the step")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--profile", action="store_true", help="profile instead of timing")
+    p.add_argument("--plan", action="store_true", help="run meshdsl's side through the plan executor (mesh data:1)")
     return bench(p.parse_args(argv))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import meshdsl as md
-from meshdsl.ir import interpret
+from meshdsl.ops import inplace
 from meshdsl.ir.interpret import DenseProgram
 
 B, D, E = md.Dim("batch", 3), md.Dim("d_model", 4), md.Dim("e", 4)
@@ -18,7 +18,7 @@ MM = "batch d_model, d_model e -> batch e"
 
 
 def _kernels(prog):
-    return [fn for fn, *_ in prog.code if fn in (interpret._add_into, interpret._add_into_second)]
+    return [fn for fn, *_ in prog.code if fn in (inplace.add_into_first, inplace.add_into_second)]
 
 
 def test_in_place_only_into_unshared_fresh_values():
@@ -37,7 +37,7 @@ def test_in_place_only_into_unshared_fresh_values():
     torch.testing.assert_close(got["s1"], ref + ref, rtol=0, atol=0)
     torch.testing.assert_close(got["s2"], xv + ref, rtol=0, atol=0)
     torch.testing.assert_close(got["b"], ref, rtol=0, atol=0)
-    assert _kernels(prog) == [interpret._add_into]  # s1 only
+    assert _kernels(prog) == [inplace.add_into_first]  # s1 only
 
 
 def test_outputs_and_broadcasts_are_never_written():
@@ -68,7 +68,7 @@ def test_residual_adds_into_the_block_output():
     keep = xv.clone()
     prog = DenseProgram(out)
     torch.testing.assert_close(prog({"x": xv}, {"w": wv})["y"], xv + (xv @ wv) * 0.5, rtol=0, atol=0)
-    assert _kernels(prog) == [interpret._add_into_second]
+    assert _kernels(prog) == [inplace.add_into_second]
     assert torch.equal(xv, keep)  # the feed is untouched
 
 

@@ -23,7 +23,7 @@ from ..lowering.plan import Plan, Value
 from ..lowering.relayout import move_args, plan_moves
 from .comm import Communicator, Pending
 from .dense import check_no_extra_feeds
-from .steps import rule_for, split_local
+from .steps import inplace_adds, rule_for, split_local
 
 
 class PerRank(list):
@@ -137,10 +137,13 @@ class Executor:
             self.donated = {i for i, s in enumerate(steps)
                             if s.kind == "local" and s.args.get("inplace") is not None
                             and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i}
+        #: Add steps that write into an operand no one else reads (see :func:`.steps.inplace_adds`).
+        self.add_into = inplace_adds(plan)
         #: Per stage, the (action, start, end) of the last pipelined run (see :mod:`.pipeline`).
         self.last_timeline = None
         self._leaves = {s.outs[0]: s.args["tensor"] for s in steps if s.kind in ("input", "param")}
         self._slice_idx: dict[int, list[tuple]] = {}
+        self._local_shape: dict[int, tuple[int, ...]] = {}
         # One prepared callable per step: the run loop dispatches by index, not by kind.
         self.calls = [rule_for(s.kind)(self, i, s) for i, s in enumerate(steps)]
         # Steps with sub-plans are timed by their sub-plans' own steps.
@@ -176,7 +179,9 @@ class Executor:
                 raise GraphError(message(f"feed '{name}': {len(value)} slices for {len(self.comm.ranks)} rank(s).",
                                          rule="per-rank feeds give one local slice per rank held",
                                          fix="pass one tensor per rank, or the full tensor"))
-            want = v.local_shape(self.plan.mesh)
+            want = self._local_shape.get(vid)
+            if want is None:  # a loop feeds its body every layer: worked out once
+                want = self._local_shape[vid] = v.local_shape(self.plan.mesh)
             for x in value:
                 if tuple(x.shape) != want:
                     raise GraphError(message(f"feed '{name}': local slice shape {tuple(x.shape)} != {want}.",

@@ -50,6 +50,9 @@ class _StageExecutor:
 
     def __init__(self, plan, comm, layer_offset):
         self.plan, self.comm, self.donated, self.layer_offset = plan, comm, frozenset(), layer_offset
+        # Segments share values across actions (a forward's result is read by the backward):
+        # their adds stay out of place.
+        self.add_into = {}
 
 
 class _ViewEnv:
@@ -149,6 +152,8 @@ def _prepare_pipeline(ex, i, step):
     order = _order(schedule, held_stages)
     posted: dict = {}   # carry kind -> receives of that kind, in run order
     program = []
+    kept = {v for s in final.steps for v in s.ins} | set(step.outs) | set(acc.ops)
+    drops = {(seg, stage): _action_drops(segments, seg, stage, kept) for seg in (1, 2) for stage in held_stages}
     for stage, act in order:
         seg = _PHASE[act.kind]
         steps, stages = segments[seg]
@@ -161,6 +166,9 @@ def _prepare_pipeline(ex, i, step):
             if act.kind in COMPUTE:
                 if not is_carry:
                     thunks.append(prepared(seg, j, (stage,), view))
+                    dropped = drops[(seg, stage)].get(j)
+                    if dropped:
+                        thunks.append(_dropper(store, view.ranks, dropped))
             elif is_carry and act.is_recv and s.kind == "recv" and early:
                 r = _Recv(s, store, view, plan)
                 posted.setdefault(act.kind, []).append(r)
@@ -177,7 +185,6 @@ def _prepare_pipeline(ex, i, step):
     # activations its schedule keeps in flight, not every micro-batch's.  (Its last action
     # there is its B, or the send of the gradient that B made.)  Its partial sums over the
     # micro-batches go into the accumulator then.
-    kept = {v for s in final.steps for v in s.ins} | set(step.outs)
     transient = {stage: tuple({v for seg in (1, 2) for s, st in zip(*segments[seg]) if stage in st
                                for v in s.outs} - kept) for stage in held_stages}
     last = {(stage, a.microbatch): a for stage in held_stages for a in schedule.actions[stage]}
@@ -219,6 +226,34 @@ def _prepare_pipeline(ex, i, step):
         acc.clear()
         ex.last_timeline = tuple(tuple(timeline[s]) for s in held_stages)
     return call
+
+
+def _action_drops(segments, seg, stage, kept) -> dict[int, tuple]:
+    """Step position -> the values ``stage`` drops right after that step of segment ``seg``
+    (1: F, 2: B): made there and read only by its compute steps on this stage (not by a
+    send, another segment or ``kept``), so dead after their last reader, as in the executor."""
+    made = {v for s, st in zip(*segments[seg]) if stage in st for v in s.outs}
+    last, shared = {}, set(kept)
+    for k, (steps, stages) in enumerate(segments):
+        for j, (s, st) in enumerate(zip(steps, stages)):
+            for v in s.ins:
+                if k != seg or s.kind in ("send", "recv") or stage not in st:
+                    shared.add(v)
+                else:
+                    last[v] = j
+    out: dict[int, tuple] = {}
+    for v, j in last.items():
+        if v in made and v not in shared:
+            out[j] = out.get(j, ()) + (v,)
+    return out
+
+
+def _dropper(store, ranks, values):
+    def drop(run):
+        for v in values:
+            for r in ranks:
+                store.get(v, {}).pop(r, None)
+    return drop
 
 
 def _timed(kind, go):

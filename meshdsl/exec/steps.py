@@ -19,7 +19,8 @@ from typing import Callable
 
 from ..collectives import COLLECTIVES
 from ..errors import GraphError, message
-from ..ops.registry import LocalCtx
+from ..ops.inplace import Operand, add_kernel
+from ..ops.registry import OPS, LocalCtx
 
 #: step kind -> ``prepare(ex, i, step)``; collective kinds use :func:`_prepare_collective`.
 STEP_RULES: dict[str, Callable] = {}
@@ -62,11 +63,50 @@ def _ctx(mesh, rank: int, compute: dict, sizes: dict) -> LocalCtx:
     return LocalCtx(offs, loc)
 
 
+def inplace_adds(plan) -> dict[int, Callable]:
+    """Step index -> the in-place kernel of each plain ``add`` step of ``plan`` that may write
+    into an operand (:func:`meshdsl.ops.inplace.add_kernel`).
+
+    Readers are counted over every step (collectives and loops included), the plan's
+    outputs are kept, and an operand fits when it has the sum's global shape, dtype and
+    sharding, so its local slice has the sum's local shape on every rank.  Only local
+    steps produce fresh operands: a collective's result may be shared between simulated ranks.
+    """
+    steps, values = plan.steps, plan.values
+    readers: dict[int, int] = {}
+    for s in steps:
+        for v in s.ins:
+            readers[v] = readers.get(v, 0) + 1
+    producer = {v: s for s in steps if s.kind == "local" for v in s.outs}
+    kept = set(plan.outputs.values())
+    add = OPS["add"].compute
+    out = {}
+    for i, s in enumerate(steps):
+        if s.kind != "local" or s.op != "add" or s.args["fn"] != add:  # a scaled (lazy partial) add keeps its own
+            continue
+        sum_ = values[s.outs[0]]
+
+        def operand(v):
+            p, x = producer.get(v), values[v]
+            return Operand(p.op if p else "", len(p.ins) if p else 0, readers[v], v in kept,
+                           x.dtype == sum_.dtype and x.shape == sum_.shape and x.sharding == sum_.sharding)
+        fn = add_kernel(s.args["attrs"], (operand(s.ins[0]), operand(s.ins[1])))
+        if fn is not None:
+            out[i] = fn
+    return out
+
+
 @step_rule("local")
 def _prepare_local(ex, i, s):
     ctxs = [_ctx(ex.plan.mesh, r, s.args["compute"], s.args["sizes"]) for r in ex.comm.ranks]
-    fn = s.args["inplace"] if i in ex.donated else s.args["fn"]
+    fn = s.args["inplace"] if i in ex.donated else ex.add_into.get(i, s.args["fn"])
     attrs, ins, outs = s.args["attrs"], s.ins, s.outs
+    if len(ctxs) == 1 and len(outs) == 1:  # one held rank (every real process): no per-rank loop
+        (c,), (out,) = ctxs, outs
+
+        def call_one(env, get, run):
+            env[out] = [fn(c.with_salt(run.salt) if run.salt else c, attrs, *[get(v)[0] for v in ins])]
+        return call_one
 
     def call(env, get, run):
         xs = [get(v) for v in ins]

@@ -10,40 +10,16 @@ import torch
 
 from ..core.graph import Tensor, topo_nodes
 from ..errors import GraphError, message
-from ..ops.elementwise import align
+from ..ops.inplace import Operand, add_kernel
 from ..ops.leaf import init_value
 from ..ops.registry import DENSE_CTX, LocalCtx
 
 
-#: Ops whose kernels return new storage, never a view of an input (a 2-operand einsum
-#: is a matmul): a value they produce that only one add reads may be added into.
-_FRESH = frozenset({"add", "sub", "mul", "gelu_backward", "softmax_backward", "normalize_backward",
-                    "attention_backward"})
-
-
-def _add_into(ctx, attrs, x, y):
-    """``x + y`` written into ``x`` (x has the output's dims in order); out of place when
-    autograd watches ``x`` (a caller differentiating through the program)."""
-    if x.requires_grad:
-        return torch.add(x, align(y, attrs["align"][1]))
-    return x.add_(align(y, attrs["align"][1]))
-
-
-def _add_into_second(ctx, attrs, x, y):
-    """``x + y`` written into ``y`` (the residual ``x + block(x)``: x is read again)."""
-    if y.requires_grad:
-        return torch.add(align(x, attrs["align"][0]), y)
-    return y.add_(align(x, attrs["align"][0]))
-
-
-def _owned_by_add(n, i: int, readers: dict, kept: set) -> bool:
-    """Add node ``n`` may write into its input ``i``: that value is new storage that
-    nothing else reads or returns, and already has the sum's dims, order and dtype."""
+def _operand(n, i: int, readers: dict, kept: set) -> Operand:
+    """What the in-place rule needs to know about input ``i`` of add node ``n``."""
     a, src = n.inputs[i], n.inputs[i].node
-    fresh = src.op.name in _FRESH or (src.op.name == "einsum" and len(src.inputs) == 2)
-    return (fresh and readers.get(id(a)) == 1 and id(a) not in kept and n.inputs[1 - i] is not a
-            and n.attrs["align"][i] == (None, None) and a.dtype == n.outputs[0].dtype
-            and a.shape == n.outputs[0].shape)
+    return Operand(src.op.name, len(src.inputs), readers.get(id(a), 0), id(a) in kept,
+                   a.dtype == n.outputs[0].dtype and a.shape == n.outputs[0].shape)
 
 
 def _as_dict(outputs):
@@ -109,10 +85,7 @@ class DenseProgram:
                 outs = outs[:num_outs]
             fn = n.op.compute
             if n.op.name == "add":  # accumulate in place, as autograd's gradient sums do
-                if _owned_by_add(n, 0, readers, kept):
-                    fn = _add_into
-                elif _owned_by_add(n, 1, readers, kept):
-                    fn = _add_into_second
+                fn = add_kernel(attrs, (_operand(n, 0, readers, kept), _operand(n, 1, readers, kept))) or fn
             self.code.append((fn, attrs, tuple(slot[id(t)] for t in n.inputs), outs))
         self.out_slots = {k: slot[id(t)] for k, t in self.outputs.items()}
 
