@@ -30,7 +30,9 @@ from .rules import lowering, rule_for
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
 # (forward) or takes (backward).
-register_step_kind("repeat", ("names", "pos", "backward", "saved"))
+# streamed: (backward) names whose gradient the sub-plan reduces per layer (lowering/bucket.py,
+# stream_loop_grads): the loop starts those reductions as each layer's gradient is made.
+register_step_kind("repeat", ("names", "pos", "backward", "saved", "streamed"))
 
 
 def _slice_sharding(stacked: Sharding, layer: str) -> Sharding:
