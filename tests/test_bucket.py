@@ -2,7 +2,7 @@
 
 The plan of a data-parallel step reduces its gradients in fewer collectives than
 with bucketing off, and only gradients (never an activation's reduction) go into
-a bucket; DP and ZeRO-2 steps with buckets of every size give exactly the
+a bucket; DP, ZeRO-2 and FSDP steps with buckets of every size give exactly the
 unbucketed results, on the simulated mesh and on 2 gloo processes.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from models.transformer import Config, build
 CFG = dataclasses.replace(Config.tiny(), layers=2, batch=4)
 LAYOUTS = {"dp": ("data:2", "batch:data"),
            "zero2": ("data:2", "batch:data; grads.d_model:data; opt.d_model:data"),
-           "dp+tp": ("data:2; model:2", "batch:data; heads:model; d_ff:model")}
+           "dp+tp": ("data:2; model:2", "batch:data; heads:model; d_ff:model"),
+           "fsdp": ("data:2", "batch:data; params.d_model:data")}
 # 0: off; 1e-3 MB (~1 KiB): many small buckets, some of one member; 25: everything in one
 SIZES = (0, 1e-3, 25)
 
@@ -127,7 +128,7 @@ def _gloo(rank, names):
 
 @pytest.mark.timeout(300)
 def test_bucketed_steps_equal_unbucketed_on_gloo(model):
-    names = ("dp", "zero2")
+    names = ("dp", "zero2", "fsdp")
     results = launch.spawn(_gloo, 2, args=(names,), timeout=280)
     assert multiprocessing.active_children() == []
     for res in results:

@@ -176,7 +176,8 @@ def _bucket_step(pos: int, members: list[Step]) -> Step:
 def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: float) -> list[Step]:
     """``steps`` with stacked gradients reduced layer by layer inside the backward layer loop.
 
-    A backward ``repeat`` step's stacked gradient whose one reader is a gradient
+    A gradient the block's sub-plan reduces itself (FSDP's reduce-scatter) is streamed as
+    it is.  A backward ``repeat`` step's stacked gradient whose one reader is a gradient
     reduction (an ``allreduce``, or a ``reduce_scatter`` along a dim other than
     ``layer``) loses that reduction: the block's sub-plan reduces the layer's slice
     instead (the same collective over the same axes, so the same sums), its
@@ -197,7 +198,19 @@ def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], 
         sub_steps, sub_values, sub_outputs = list(sub.steps), dict(sub.values), dict(sub.outputs)
         next_id = max([*values, *sub_values]) + 1
         r_outs, streamed, members = list(r.outs), [], {}
+        sub_readers: dict[int, list[int]] = {}
+        for j, t in enumerate(sub_steps):
+            for v in t.ins:
+                sub_readers.setdefault(v, []).append(j)
+        made = {v: t for t in sub_steps for v in t.outs}
         for n, name in enumerate(names):
+            # reduced in the block already (FSDP's reduce-scatter into the param's shards): only
+            # the loop's waiting for it at the end of each layer goes
+            t = made.get(sub_outputs[f"d/{name}"])
+            if t is not None and _is_grad_reduction(t, sub_readers, sub_steps, set(sub_outputs.values())):
+                members[t.outs[0]] = t.outs[0]
+                streamed.append(name)
+                continue
             g = r.outs[1 + n]
             users = readers.get(g, ())
             if len(users) != 1 or g in outs:

@@ -155,7 +155,14 @@ def lower_repeat(lw: Lowerer, node) -> None:
     lw.emit("repeat", node, ins, out_vids,
             args={"names": tuple(names), "pos": dict(pos), "backward": backward, "saved": tuple(saved_names)},
             subplans=(plan,), times=L)
-    n_main = len(node.outputs) if backward else 2
+    # The carry (and its gradient) take the carry's layout.  The stacked parameter gradients stay
+    # as the block made them (split like the sub-plan's, partial sums lazy): their reader (the
+    # update, sharded like the param) brings them where it needs them, so an FSDP gradient the
+    # block reduce-scattered is not gathered here only to be split again by the update.
+    if backward:
+        for t, vid in zip(node.outputs[1:], out_vids[1:]):
+            lw.bind(t, vid)
+    n_main = 1 if backward else 2
     for t, vid in zip(node.outputs[:n_main], out_vids):
         lw.bind(t, lw.relayout(vid, lw.target(t).with_partial(
             tuple(a for a in lw.sharding(vid).partial if a not in lw.target(t).used_axes)), node,
