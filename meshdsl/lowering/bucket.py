@@ -228,7 +228,7 @@ def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], 
             args = dict(s.args)
             if "dim" in args:
                 args["dim"] -= args["dim"] > pos[name]
-            sub_steps.append(replace(s, label=f"{s.label} (layer slice)", phase="backward", ins=(part.id,),
+            sub_steps.append(replace(s, phase="backward", ins=(part.id,),
                                      outs=(next_id,), args=step_args(s.kind, args),
                                      bytes=part.local_bytes(sub.mesh),
                                      note=f"{s.kind} of one layer's slice of {name}'s gradient, started in the "
