@@ -139,15 +139,13 @@ def _backward_fn(tail: list, shapes: list):
 
     ``shapes``: the (local shape, dtype) of each stacked gradient the step outputs.
     """
-    tail_outs = {v for s, _ in tail for v in s.outs}
-
     def backward(sub, ins, names, pos, saved, num_layers, held, stats, first):
         carries, *rest = ins
         stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
         ahead = _Ahead(sub, names, num_layers, stats)
         outv = [sub.plan.outputs[f"d/{k}"] for k in names]
         late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
-        bufs = [[torch.empty(shape, dtype=dtype) for _ in held] for shape, dtype in shapes]
+        bufs: list = []   # made at the first layer, on the device its gradients are on
         pending = {n: [None] * num_layers for n in late}
 
         def params_of(l):
@@ -165,6 +163,9 @@ def _backward_fn(tail: list, shapes: list):
                 call(env, env.__getitem__, None)
                 if stats is not None:
                     stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
+            if not bufs:
+                bufs.extend([torch.empty(shape, dtype=dtype, device=g.device) for g in r[f"d/{k}"]]
+                            for (shape, dtype), k in zip(shapes, names))
             for n, k in enumerate(names):
                 if n in late:
                     pending[n][l] = env[_reduced_out(tail, outv[n])]
