@@ -2,7 +2,7 @@
 
 The plan of a data-parallel step reduces its gradients in fewer collectives than
 with bucketing off, and only gradients (never an activation's reduction) go into
-a bucket; DP and ZeRO-2 steps with buckets of every size give exactly the
+a bucket; DP, ZeRO-2 and FSDP steps with buckets of every size give exactly the
 unbucketed results, on the simulated mesh and on 2 gloo processes.
 """
 from __future__ import annotations
@@ -22,13 +22,22 @@ from models.transformer import Config, build
 CFG = dataclasses.replace(Config.tiny(), layers=2, batch=4)
 LAYOUTS = {"dp": ("data:2", "batch:data"),
            "zero2": ("data:2", "batch:data; grads.d_model:data; opt.d_model:data"),
-           "dp+tp": ("data:2; model:2", "batch:data; heads:model; d_ff:model")}
+           "dp+tp": ("data:2; model:2", "batch:data; heads:model; d_ff:model"),
+           "fsdp": ("data:2", "batch:data; params.d_model:data")}
 # 0: off; 1e-3 MB (~1 KiB): many small buckets, some of one member; 25: everything in one
 SIZES = (0, 1e-3, 25)
 
 
 def _kinds(plan):
     return {k: t["count"] for k, t in plan.totals().items()}
+
+
+def _walk(plan):
+    """(plan, step) for every step, the layer loop's sub-plans included (each step once)."""
+    for s in plan.steps:
+        yield plan, s
+        for sub in s.subplans:
+            yield from _walk(sub)
 
 
 @pytest.fixture(scope="module")
@@ -47,26 +56,30 @@ def test_buckets_replace_the_gradient_allreduces(model):
     off, on = _step(model, "dp", bucket_mb=0).plan, _step(model, "dp").plan
     grads = [s for s, _ in off.collectives() if s.kind == "allreduce" and s.phase != "forward"]
     assert len(grads) == len(model.params) and "bucket_allreduce" not in _kinds(off)
-    # the tiny model's gradients (well under 25 MB) travel in one bucket; the forward loss allreduce stays
-    assert _kinds(on)["bucket_allreduce"] == 1
+    # the tiny model's gradients (well under 25 MB) travel in one bucket per layer, started inside
+    # the layer loop (lowering/bucket.py, stream_loop_grads), and one for the rest; the forward
+    # loss allreduce stays
+    assert _kinds(on)["bucket_allreduce"] == CFG.layers + 1
     assert _kinds(on)["allreduce"] == _kinds(off)["allreduce"] - len(grads)
-    assert sum(s.bytes for s, _ in on.collectives()) == sum(s.bytes for s, _ in off.collectives())
+    # the same bytes in all (a loop's collectives count once per layer)
+    assert sum(s.bytes * n for s, n in on.collectives()) == sum(s.bytes * n for s, n in off.collectives())
 
 
 def test_zero2_reduce_scatters_are_bucketed(model):
     off, on = _step(model, "zero2", bucket_mb=0).plan, _step(model, "zero2").plan
-    assert _kinds(on)["bucket_reduce_scatter"] == 1 and "reduce_scatter" not in _kinds(on)
-    bucket = next(s for s in on.steps if s.kind == "bucket_reduce_scatter")
-    assert len(bucket.ins) == _kinds(off)["reduce_scatter"]
+    # one bucket per layer in the layer loop, one for the rest
+    assert _kinds(on)["bucket_reduce_scatter"] == CFG.layers + 1 and "reduce_scatter" not in _kinds(on)
+    buckets = [s for _, s in _walk(on) if s.kind == "bucket_reduce_scatter"]
+    assert len(buckets) == 2 and sum(len(b.ins) for b in buckets) == _kinds(off)["reduce_scatter"]
 
 
 def test_small_buckets_close_at_the_size(model):
     plan = _step(model, "dp", bucket_mb=1e-3).plan
-    buckets = [s for s in plan.steps if s.kind == "bucket_allreduce"]
+    buckets = [(p, s) for p, s in _walk(plan) if s.kind == "bucket_allreduce"]
     assert len(buckets) > 1
     # a bucket closes on the member that takes it to the size: all but its last member fit under it
-    for s in buckets:
-        sizes = [plan.values[v].local_bytes(plan.mesh) for v in s.ins]
+    for p, s in buckets:
+        sizes = [p.values[v].local_bytes(p.mesh) for v in s.ins]
         assert sum(sizes[:-1]) < 2 ** 10 * 1.024
 
 
@@ -115,7 +128,7 @@ def _gloo(rank, names):
 
 @pytest.mark.timeout(300)
 def test_bucketed_steps_equal_unbucketed_on_gloo(model):
-    names = ("dp", "zero2")
+    names = ("dp", "zero2", "fsdp")
     results = launch.spawn(_gloo, 2, args=(names,), timeout=280)
     assert multiprocessing.active_children() == []
     for res in results:

@@ -225,3 +225,23 @@ def test_train_moe_with_expert_parallelism_on_two_processes(capsys, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
     assert (tmp_path / "o" / "samples.txt").read_text().strip()
+
+
+def test_train_bucket_mb_reaches_the_training_step(capsys, tmp_path):
+    # --bucket-mb flows into TrainSpec and from it into TrainStep's plan: the default packs the
+    # data-parallel gradient allreduces into buckets, 0 leaves one allreduce per gradient.
+    rc, out, err = run(capsys, "train", *TINY, "--steps", "1", "--bucket-mb", "0", "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["bucket_mb"] == 0
+    with pytest.raises(SystemExit) as e:
+        run(capsys, "train", *TINY, "--bucket-mb", "-1")
+    assert e.value.code == 2 and "--bucket-mb: -1 is out of range" in capsys.readouterr().err
+    model = load_model("transformer", tiny=True)
+    kinds = {}
+    for mb in (0.0, 25.0):
+        spec = TrainSpec(mesh="data:2", layout="batch:data", bucket_mb=mb)
+        step = build_step(model, spec, SimulatedComm(Mesh.parse("data:2")))
+        kinds[mb] = step.plan.totals()
+    assert "bucket_allreduce" not in kinds[0.0] and kinds[0.0]["allreduce"]["count"] > 1
+    assert kinds[25.0]["bucket_allreduce"]["count"] >= 1
+    assert kinds[25.0].get("allreduce", {"count": 0})["count"] < kinds[0.0]["allreduce"]["count"]

@@ -7,25 +7,44 @@ here a carry is one local tensor per held rank and a layer is one run of the
 sub-plan's executor, built once per outer executor.  Before a layer runs, the
 collectives of the next layer that read only its params (FSDP's gathers) are
 started (:mod:`.prefetch`).
+
+A backward loop writes each layer's parameter gradients into preallocated
+stacked buffers as the layer finishes.  The gradients its step names
+``streamed`` (:func:`meshdsl.lowering.bucket.stream_loop_grads`) are reduced by
+the sub-plan's trailing collectives, one per layer (or one bucket): the loop
+runs the sub-plan without them and starts them itself right after the layer,
+so they are in flight while the layers below are differentiated; the stacked
+result is handed on as a :class:`~.comm.Pending` that waits for every layer
+when a reader (the optimizer update) first needs it.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
 from ..ir.repeat import LayerStack, run_layers
+from ..lowering.plan import Plan
+from .comm import Pending
 from .executor import Executor, PerRank
 from .prefetch import prefetchable, start
-from .steps import step_rule
+from .steps import rule_for, step_rule
 
 
 @step_rule("repeat")
 def _prepare_repeat(ex, i, step):
     (plan,) = step.subplans
-    sub = Executor(plan, ex.comm)
     a = step.args
     names, pos, saved, num_layers = a["names"], a["pos"], a["saved"], step.times
     held = range(len(ex.comm.ranks))
-    run_fn = _backward if a["backward"] else _forward
+    if a["backward"]:
+        body, tail = _split_tail(plan, a.get("streamed", ()))
+        sub = Executor(body, ex.comm)
+        tail = [(s, rule_for(s.kind)(sub, -1, s)) for s in tail]
+        shapes = [(ex.plan.values[v].local_shape(ex.plan.mesh), ex.plan.values[v].dtype) for v in step.outs[1:]]
+        run_fn = _backward_fn(tail, shapes)
+    else:
+        sub, run_fn = Executor(plan, ex.comm), _forward
     # A pipeline stage runs layers layer_offset.. of the whole stack: kernels (dropout) salt
     # by the global layer index, as the dense op does.
     first = getattr(ex, "layer_offset", 0) + 1
@@ -80,21 +99,89 @@ def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first):
     return [x, *[[LayerStack(k[n][j] for k in kept) for j in held] for n in range(1 + len(saved))]]
 
 
-def _backward(sub, ins, names, pos, saved, num_layers, held, stats, first):
-    carries, *rest = ins
-    stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
-    ahead = _Ahead(sub, names, num_layers, stats)
+def _split_tail(plan: Plan, streamed) -> tuple[Plan, list]:
+    """``plan`` without the collectives that reduce the ``streamed`` gradients, and those steps.
 
-    def params_of(l):
-        return _layer_params(stacked, names, pos, held, l)
+    The trimmed plan outputs each such gradient unreduced (the collective's input).
+    """
+    want = {plan.outputs[f"d/{n}"] for n in streamed}
+    tail = [i for i, s in enumerate(plan.steps) if s.is_collective and want & set(s.outs)]
+    if not tail:
+        return plan, []
+    src = {o: v for i in tail for v, o in zip(plan.steps[i].ins, plan.steps[i].outs)}
+    outputs = {k: src.get(v, v) for k, v in plan.outputs.items()}
+    assert set(src) <= set(plan.outputs.values()), "a streamed reduction's result is read inside the block"
+    steps = [s for i, s in enumerate(plan.steps) if i not in set(tail)]
+    body = Plan(plan.mesh, plan.layout, steps, plan.values, outputs, plan.params, plan.inputs, plan.notes,
+                plan.holders)
+    return body, [plan.steps[i] for i in tail]
 
-    def layer(l, dy):
-        params = params_of(l)
-        pre = ahead(l, l - 1, params, params_of)
-        feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy), **params,
-                 **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
-        r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
-        return r["dcarry"], tuple(r[f"d/{k}"] for k in names)
 
-    dy, kept = run_layers(num_layers, layer, dy, backward=True)
-    return [dy] + [[torch.stack([k[n][j] for k in kept], pos[name]) for j in held] for n, name in enumerate(names)]
+class _Layers(Pending):
+    """Stacked gradients reduced layer by layer: waits each layer's collective, fills the buffer."""
+
+    __slots__ = ("pending", "bufs", "pos")
+
+    def __init__(self, pending: list, bufs: list, pos: int):
+        self.pending, self.bufs, self.pos = pending, bufs, pos
+
+    def wait(self):
+        for l in reversed(range(len(self.pending))):   # in the order the layers started them
+            x = self.pending[l]
+            for buf, g in zip(self.bufs, x.wait() if isinstance(x, Pending) else x):
+                buf.select(self.pos, l).copy_(g)
+        self.pending = None
+        return self.bufs
+
+
+def _backward_fn(tail: list, shapes: list):
+    """The backward loop for a sub-plan whose ``tail`` collectives the loop starts itself.
+
+    ``shapes``: the (local shape, dtype) of each stacked gradient the step outputs.
+    """
+    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first):
+        carries, *rest = ins
+        stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
+        ahead = _Ahead(sub, names, num_layers, stats)
+        outv = [sub.plan.outputs[f"d/{k}"] for k in names]
+        late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
+        bufs: list = []   # made at the first layer, on the device its gradients are on
+        pending = {n: [None] * num_layers for n in late}
+
+        def params_of(l):
+            return _layer_params(stacked, names, pos, held, l)
+
+        def layer(l, dy):
+            params = params_of(l)
+            pre = ahead(l, l - 1, params, params_of)
+            feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy), **params,
+                     **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
+            r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
+            env = {v: r[f"d/{k}"] for v, k in zip(outv, names)}
+            for s, call in tail:
+                t0 = time.perf_counter()
+                call(env, env.__getitem__, None)
+                if stats is not None:
+                    stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
+            if not bufs:
+                bufs.extend([torch.empty(shape, dtype=dtype, device=g.device) for g in r[f"d/{k}"]]
+                            for (shape, dtype), k in zip(shapes, names))
+            for n, k in enumerate(names):
+                if n in late:
+                    pending[n][l] = env[_reduced_out(tail, outv[n])]
+                else:
+                    for buf, g in zip(bufs[n], r[f"d/{k}"]):
+                        buf.select(pos[k], l).copy_(g)
+            return r["dcarry"], ()
+
+        dy, _ = run_layers(num_layers, layer, dy, backward=True)
+        return [dy] + [_Layers(pending[n], bufs[n], pos[k]) if n in late else bufs[n] for n, k in enumerate(names)]
+    return backward
+
+
+def _reduced_out(tail: list, v: int) -> int | None:
+    """The value a ``tail`` collective makes from ``v`` (None if none reduces it)."""
+    for s, _ in tail:
+        if v in s.ins:
+            return s.outs[s.ins.index(v)]
+    return None

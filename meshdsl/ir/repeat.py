@@ -248,16 +248,20 @@ class RepeatGrad(Op):
         given = blk.extra.get("given", {})
         prog = blk.dense(outs, given)
         names, pos = list(blk.params), attrs["pos"]
+        # each layer's gradients go straight into their slice of the stacked result (no stack at the end)
+        grads = [torch.empty_like(p) for p in stacked]
 
         def layer(l, dy):
             feeds = {"carry": carries[l], "cotangent": dy,
                      **{k: p.select(pos[k], l) for k, p in zip(names, stacked)},
                      **{k: s[l] for k, s in zip(given, saved)}}
             r = prog(feeds, salt=l + 1)
-            return r["dcarry"], tuple(r[f"d/{k}"] for k in names)
+            for k, g in zip(names, grads):
+                g.select(pos[k], l).copy_(r[f"d/{k}"])
+            return r["dcarry"], None
 
-        dy, kept = run_layers(attrs["layer"].size, layer, dy, backward=True)
-        return (dy, *[torch.stack([k[i] for k in kept], pos[name]) for i, name in enumerate(names)])
+        dy, _ = run_layers(attrs["layer"].size, layer, dy, backward=True)
+        return (dy, *grads)
 
     def subgraphs(self, node):
         blk: Block = node.attrs["block"]

@@ -18,14 +18,24 @@ megabytes each:
   (:func:`meshdsl.exec.executor.issue_order`) waits on it only when an update
   reads one of its members.
 
+A layer loop's stacked gradients are not left to one reduction after the loop:
+:func:`stream_loop_grads` moves the reduction of each stacked gradient that only a
+gradient reduction reads into the backward block's sub-plan, one reduction of
+the layer's slice per layer (packed into one bucket per layer), so the loop
+(:mod:`meshdsl.exec.loop`) starts it as soon as that layer's gradient exists,
+while the layers below are still differentiated, as DDP's per-layer hooks do.
+
 Collectives over the micro-batch axis (gradient accumulation) stay as they
 are; a pipelined plan is cut into stages before this pass could see it, and
 the compiler does not bucket it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from ..layout.sharding import Sharding
 from .pipeline import MB_AXIS
-from .plan import Step, step_args
+from .plan import Plan, Step, Value, step_args
 
 #: DDP's default bucket size.
 DEFAULT_BUCKET_MB = 25.0
@@ -63,6 +73,7 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
     """
     if bucket_mb <= 0:
         return steps
+    steps = stream_loop_grads(steps, values, outputs, bucket_mb)
     cap = bucket_mb * 2 ** 20
     readers: dict[int, list[int]] = {}
     for i, s in enumerate(steps):
@@ -160,3 +171,79 @@ def _bucket_step(pos: int, members: list[Step]) -> Step:
                 tuple(m.ins[0] for m in members), tuple(m.outs[0] for m in members), last.axes,
                 step_args(kind, args), sum(m.bytes for m in members),
                 note=f"{len(members)} gradient {last.kind}s in one buffer: {names}")
+
+
+def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: float) -> list[Step]:
+    """``steps`` with stacked gradients reduced layer by layer inside the backward layer loop.
+
+    A gradient the block's sub-plan reduces itself (FSDP's reduce-scatter) is streamed as
+    it is.  A backward ``repeat`` step's stacked gradient whose one reader is a gradient
+    reduction (an ``allreduce``, or a ``reduce_scatter`` along a dim other than
+    ``layer``) loses that reduction: the block's sub-plan reduces the layer's slice
+    instead (the same collective over the same axes, so the same sums), its
+    reductions packed into buckets of ``bucket_mb`` (:func:`bucket`), and the repeat
+    step outputs the reduced stacked value (its name in the step's ``streamed`` arg).
+    """
+    readers: dict[int, list[int]] = {}
+    for i, s in enumerate(steps):
+        for v in s.ins:
+            readers.setdefault(v, []).append(i)
+    outs = set(outputs.values())
+    dropped: set[int] = set()
+    new: dict[int, Step] = {}
+    for i, r in enumerate(steps):
+        if r.kind != "repeat" or not r.args["backward"] or len(r.subplans) != 1:
+            continue
+        sub, names, pos = r.subplans[0], r.args["names"], r.args["pos"]
+        sub_steps, sub_values, sub_outputs = list(sub.steps), dict(sub.values), dict(sub.outputs)
+        next_id = max([*values, *sub_values]) + 1
+        r_outs, streamed, members = list(r.outs), [], {}
+        sub_readers: dict[int, list[int]] = {}
+        for j, t in enumerate(sub_steps):
+            for v in t.ins:
+                sub_readers.setdefault(v, []).append(j)
+        made = {v: t for t in sub_steps for v in t.outs}
+        for n, name in enumerate(names):
+            # reduced in the block already (FSDP's reduce-scatter into the param's shards): only
+            # the loop's waiting for it at the end of each layer goes
+            t = made.get(sub_outputs[f"d/{name}"])
+            if t is not None and _is_grad_reduction(t, sub_readers, sub_steps, set(sub_outputs.values())):
+                members[t.outs[0]] = t.outs[0]
+                streamed.append(name)
+                continue
+            g = r.outs[1 + n]
+            users = readers.get(g, ())
+            if len(users) != 1 or g in outs:
+                continue
+            s = steps[users[0]]
+            if s.ins != (g,) or not _is_grad_reduction(s, readers, steps, outs) or s.args.get("dim") == pos[name]:
+                continue
+            part = sub_values[sub_outputs[f"d/{name}"]]
+            stacked = values[s.outs[0]]
+            layer = stacked.shape[pos[name]].name
+            reduced = Value(next_id, part.shape, part.dtype,
+                            Sharding(tuple((d, a) for d, a in stacked.sharding.dims if d != layer),
+                                     stacked.sharding.partial))
+            sub_values[next_id] = reduced
+            args = dict(s.args)
+            if "dim" in args:
+                args["dim"] -= args["dim"] > pos[name]
+            sub_steps.append(replace(s, phase="backward", ins=(part.id,),
+                                     outs=(next_id,), args=step_args(s.kind, args),
+                                     bytes=part.local_bytes(sub.mesh),
+                                     note=f"{s.kind} of one layer's slice of {name}'s gradient, started in the "
+                                          f"layer loop as soon as the layer's backward made it"))
+            sub_outputs[f"d/{name}"] = members[next_id] = next_id
+            next_id += 1
+            r_outs[1 + n] = s.outs[0]
+            streamed.append(name)
+            dropped.add(users[0])
+        if streamed:
+            sub_steps = bucket(sub_steps, sub_values, {str(v): v for v in members}, bucket_mb)
+            body = Plan(sub.mesh, sub.layout, sub_steps, sub_values, sub_outputs, sub.params, sub.inputs,
+                        sub.notes, sub.holders)
+            new[i] = replace(r, outs=tuple(r_outs), subplans=(body,),
+                             args=step_args("repeat", {**r.args, "streamed": tuple(streamed)}))
+    if not new:
+        return steps
+    return [new.get(i, s) for i, s in enumerate(steps) if i not in dropped]

@@ -30,7 +30,9 @@ from .rules import lowering, rule_for
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
 # (forward) or takes (backward).
-register_step_kind("repeat", ("names", "pos", "backward", "saved"))
+# streamed: (backward) names whose gradient the sub-plan reduces per layer (lowering/bucket.py,
+# stream_loop_grads): the loop starts those reductions as each layer's gradient is made.
+register_step_kind("repeat", ("names", "pos", "backward", "saved", "streamed"))
 
 
 def _slice_sharding(stacked: Sharding, layer: str) -> Sharding:
@@ -153,7 +155,14 @@ def lower_repeat(lw: Lowerer, node) -> None:
     lw.emit("repeat", node, ins, out_vids,
             args={"names": tuple(names), "pos": dict(pos), "backward": backward, "saved": tuple(saved_names)},
             subplans=(plan,), times=L)
-    n_main = len(node.outputs) if backward else 2
+    # The carry (and its gradient) take the carry's layout.  The stacked parameter gradients stay
+    # as the block made them (split like the sub-plan's, partial sums lazy): their reader (the
+    # update, sharded like the param) brings them where it needs them, so an FSDP gradient the
+    # block reduce-scattered is not gathered here only to be split again by the update.
+    if backward:
+        for t, vid in zip(node.outputs[1:], out_vids[1:]):
+            lw.bind(t, vid)
+    n_main = 1 if backward else 2
     for t, vid in zip(node.outputs[:n_main], out_vids):
         lw.bind(t, lw.relayout(vid, lw.target(t).with_partial(
             tuple(a for a in lw.sharding(vid).partial if a not in lw.target(t).used_axes)), node,

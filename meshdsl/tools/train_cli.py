@@ -23,7 +23,7 @@ from ..train.feeder import TokenFeeder
 from ..train.model import find_model_file, load_model, load_module
 from ..train.step import training_outputs
 from ..train.trainer import TrainSpec, reads_text, resume_from, run_rank
-from .dist_cli import dist_args, is_rank0, preflight_processes
+from .dist_cli import bucket_arg, dist_args, is_rank0, preflight_processes
 from .optim_args import add_optimizer_args, optimizer_from_args
 from .preflight import float_in, int_in
 
@@ -126,6 +126,7 @@ def add_train(sub) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default runs/<timestamp>/)")
     p.add_argument("--samples", type=int_in(0, 3, fix="e.g. --samples 3"), default=3,
                    help="texts generated into samples.txt at the end (0..3, default 3)")
+    bucket_arg(p)
     dist_args(p)
     p.set_defaults(run=cmd_train)
 
@@ -172,12 +173,13 @@ def make_spec(args):
     preflight_processes(args, mesh)
     micro = args.accum or args.microbatches or 1
     plan = compile_plan(training_outputs(model.loss, model.params, args.lr), mesh, args.layout,
-                        microbatches=micro, schedule=args.schedule)
+                        microbatches=micro, schedule=args.schedule, bucket_mb=args.bucket_mb)
     steps = args.steps
     spec = TrainSpec(model=args.model, tiny=args.tiny, config=overrides, mesh=args.mesh, layout=args.layout,
                      steps=steps, lr=args.lr, optimizer=opt_name, optimizer_args=opt_args, clip_norm=args.clip_norm,
                      warmup_steps=args.warmup_steps, seed=args.seed, data=args.data,
                      microbatches=micro, schedule=args.schedule, precision=args.precision,
+                     bucket_mb=args.bucket_mb,
                      checkpoint=args.checkpoint,
                      save_every=args.save_every or 0, keep=args.keep, resume=args.resume,
                      eval_every=args.eval_every or max(1, steps // 10),

@@ -23,6 +23,7 @@ from ..exec.executor import Executor
 from ..exec.fold import for_plan
 from ..exec.simulated import SimulatedComm
 from ..layout.mesh import Mesh
+from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile as compile_plan
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_metadata, save_checkpoint
 from .config import config_dict
@@ -63,6 +64,7 @@ class TrainSpec:
     microbatches: int = 1
     schedule: str = "gpipe"
     precision: str = "fp32"
+    bucket_mb: float = DEFAULT_BUCKET_MB
     checkpoint: str | None = None
     save_every: int = 0
     keep: int | None = None
@@ -117,7 +119,8 @@ def build_step(model: Model, spec: TrainSpec, comm) -> TrainStep:
     opt = None if plain else OPTIMIZERS[spec.optimizer](lr=spec.lr, **spec.optimizer_args)
     return TrainStep(model.loss, model.params, spec.mesh, spec.layout, comm, optimizer=opt,
                      clip_norm=spec.clip_norm, lr=spec.lr, seed=spec.seed, microbatches=spec.microbatches,
-                     schedule=spec.schedule, precision=spec.precision)
+                     schedule=spec.schedule, precision=spec.precision,
+                     bucket_mb=spec.bucket_mb)
 
 
 def run_step(step: TrainStep, feeds: dict, spec: TrainSpec, t: int):
