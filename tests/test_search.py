@@ -210,3 +210,21 @@ def test_layout_auto_in_check_prints_the_choice(capsys):
     assert main(["check", "mlp", "--tiny", "--mesh", "auto", "--layout", "auto"]) == 0
     out = capsys.readouterr().out
     assert "--layout auto: mesh '" in out and "OK" in out
+
+
+def test_micro_batches_are_priced_as_one_process_runs_them():
+    # A process runs its micro-batches one after another: accumulation costs at least the
+    # whole-batch step, and a pipeline's cost does not grow with m as if every micro-batch
+    # were another process sharing the cores.
+    model = md.load_model("transformer", tiny=True)
+    outs = model.train_step(0.01)
+    cal = Calibration.defaults()
+
+    def step_s(mesh, layout, m):
+        return predict(compile_plan(outs, mesh, layout, microbatches=m, schedule="gpipe"), cal).step_s
+
+    one, acc = step_s("model:2", "heads:model; d_ff:model", 1), step_s("model:2", "heads:model; d_ff:model", 4)
+    assert acc >= one
+    outs = md.load_model("transformer").train_step(0.01)  # batch 16: room for 8 micro-batches
+    p2, p8 = step_s("pipe:2", "layer:pipe", 2), step_s("pipe:2", "layer:pipe", 8)
+    assert p8 < 1.5 * p2

@@ -78,19 +78,28 @@ def process_totals(plan: Plan) -> dict[str, dict[str, int]]:
     return out
 
 
-def step_seconds(step: Step, plan: Plan, cal: Calibration) -> float:
-    """Seconds of one kernel or collective step (0 for leaves and splits)."""
+def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1) -> float:
+    """Seconds of one kernel or collective step (0 for leaves and splits) on one process.
+
+    ``serial`` is how many micro-batches the process runs this step for, one after another
+    (gradient accumulation outside a pipeline; a pipeline's schedule counts its own).
+    """
     mesh = plan.mesh
+    nproc = mesh.axis_size(process_axes(mesh.names))
     if step.is_collective:
         real = process_axes(step.axes)
+        adds = cal.kernel(False, 0, 2 * step.bytes, nproc) * (serial - 1)
         if not real:  # a sum over micro-batches only: each process adds its own, in place
-            return cal.kernel(False, 0, 2 * step.bytes, mesh.size) + cal.dispatch_s
+            return adds + cal.dispatch_s
         n = mesh.axis_size(real)
-        return cal.collective(step.kind, step.bytes, n) + (cal.dispatch_s if n > 1 else 0.0)
+        once = cal.collective(step.kind, step.bytes, n) + (cal.dispatch_s if n > 1 else 0.0)
+        # Over micro-batches too: summed locally, then one collective; otherwise one per micro-batch.
+        return adds + once if real != tuple(step.axes) else serial * once
     if step.kind != "local":
         return 0.0
     nbytes = sum(plan.values[v].local_bytes(mesh) for v in (*step.ins, *step.outs) if v in plan.values)
-    return cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, mesh.size) + cal.dispatch_s
+    # Processes share the cores; a process's micro-batches (the virtual axis) run one after another.
+    return serial * (cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, nproc) + cal.dispatch_s)
 
 
 class _Walk:
@@ -101,7 +110,7 @@ class _Walk:
         self.rows: list[tuple[str, str, float, float]] = []
         self.compute = self.comm = self.bubble = 0.0
 
-    def plan_time(self, plan: Plan, mult: int, stages=None, stage=None) -> float:
+    def plan_time(self, plan: Plan, mult: int, stages=None, stage=None, serial: int = 1) -> float:
         """Wall time of one run of ``plan`` (only the steps of ``stage`` when given)."""
         steps = plan.steps
         ready: dict[int, float] = {}
@@ -112,10 +121,10 @@ class _Walk:
                 continue
             start = max([cpu] + [ready[v] for v in s.ins if v in ready])
             if s.subplans:
-                dur = self.sub_time(s, plan, mult)
+                dur = self.sub_time(s, plan, mult, serial)
                 end = cpu = start + dur
             else:
-                dur = step_seconds(s, plan, self.cal)
+                dur = step_seconds(s, plan, self.cal, serial)
                 if s.is_collective:
                     self.comm += mult * dur
                     self.rows.append((s.label, s.kind, 0.0, mult * dur))
@@ -132,10 +141,11 @@ class _Walk:
                 ready[v] = end
         return max([cpu, link] + list(ready.values()))
 
-    def sub_time(self, s: Step, plan: Plan, mult: int) -> float:
+    def sub_time(self, s: Step, plan: Plan, mult: int, serial: int) -> float:
         if s.kind == "pipeline":
             return self.pipeline_time(s, mult)
-        return sum(s.runs(k) * self.plan_time(sub, mult * s.runs(k)) for k, sub in enumerate(s.subplans))
+        return sum(s.runs(k) * self.plan_time(sub, mult * s.runs(k), serial=serial)
+                   for k, sub in enumerate(s.subplans))
 
     def pipeline_time(self, s: Step, mult: int) -> float:
         sched, p = s.args["schedule"], s.args["num_stages"]
@@ -166,7 +176,9 @@ def predict(plan: Plan, cal: Calibration) -> Prediction:
       A :class:`Prediction`.
     """
     w = _Walk(cal)
-    total = w.plan_time(plan, 1)
+    mb = plan.mesh.axis_size((MB_AXIS,)) if MB_AXIS in plan.mesh.names else 1
+    has_pipeline = any(s.kind == "pipeline" for s in plan.steps)
+    total = w.plan_time(plan, 1, serial=1 if has_pipeline else mb)
     comm_bytes = sum(t["bytes"] for t in process_totals(plan).values())
     exposed = max(0.0, total - w.compute - w.bubble)
     return Prediction(total, w.compute, w.comm, min(exposed, w.comm), w.bubble, memory_report(plan), comm_bytes,
