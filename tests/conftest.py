@@ -242,3 +242,13 @@ def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[
         norms.append(float(out["grad_norm"]))
         state = {k: out[f"new/{k}"] for k in state}
     return losses, norms
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for a test that trains in this process, as each spawned rank has, so
+    that a busy machine's cores are not fought over by spinning intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

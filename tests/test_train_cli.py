@@ -10,7 +10,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import kill_when_marked
 from meshdsl import Mesh, SimulatedComm
@@ -27,14 +26,8 @@ TINY = ["--tiny", "--mesh", "data:1", "--samples", "0"]
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Training runs in this process: one torch thread, as each spawned rank has, so that a busy
-    # machine's cores are not fought over by spinning intra-op threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Training runs in this process: one torch thread, as each spawned rank has (conftest).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def run(capsys, *argv):
     rc = cli.main(list(argv))

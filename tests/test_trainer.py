@@ -32,14 +32,8 @@ LEARN_STEPS, LEARN_LR = 400, 1.0
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Training runs in this process: one torch thread, as each spawned rank has, so that a busy
-    # machine's cores are not fought over by spinning intra-op threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Training runs in this process: one torch thread, as each spawned rank has (conftest).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
