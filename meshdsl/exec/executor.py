@@ -23,7 +23,8 @@ from ..lowering.plan import Plan, Value
 from ..lowering.relayout import move_args, plan_moves
 from .comm import Communicator, Pending
 from .dense import check_no_extra_feeds
-from .steps import inplace_adds, rule_for, split_local
+from .fold import real_rank
+from .steps import inplace_adds, rule_for, split_local, twins
 
 
 class PerRank(list):
@@ -126,17 +127,21 @@ class Executor:
             if v not in keep:
                 self.free_after[i] += (v,)
         # With donate_params (a training loop that replaces its params by the updated
-        # ones), a kernel with an in-place variant that is the last reader of its param
-        # overwrites it.  Only with one held rank: simulated ranks may share a replicated tensor.
+        # ones), a kernel with an in-place variant that is the last reader of the params
+        # it writes into (the param, an optimizer's state) overwrites them.  Only where the
+        # step runs once per process (one held rank, or one micro-batch rank for all: see
+        # steps.twins): simulated ranks may share a replicated tensor.
         self.donated: set[int] = set()
-        if donate_params and len(comm.ranks) == 1:
+        if donate_params and len({real_rank(comm.mesh, r) for r in comm.ranks}) == 1:
             param_vids = {s.outs[0] for s in steps if s.kind == "param"}
             # never under a collective that may still be reading it, nor when it is an output
             param_vids -= {v for s in steps if s.kind != "local" for v in s.ins}
             param_vids -= keep
             self.donated = {i for i, s in enumerate(steps)
                             if s.kind == "local" and s.args.get("inplace") is not None
-                            and s.ins[0] in param_vids and last_use.get(s.ins[0]) == i}
+                            and all(s.ins[k] in param_vids and last_use.get(s.ins[k]) == i
+                                    for k in s.args.get("donates", (0,)))
+                            and (len(comm.ranks) == 1 or twins(self, s) is not None)}
         #: Add steps that write into an operand no one else reads (see :func:`.steps.inplace_adds`).
         self.add_into = inplace_adds(plan)
         #: Per stage, the (action, start, end) of the last pipelined run (see :mod:`.pipeline`).

@@ -23,8 +23,9 @@ from .comm import Communicator, Pending
 
 
 def real_rank(mesh: Mesh, virtual: int) -> int:
-    """The real rank of a virtual rank of ``mesh`` (the real mesh is ``mesh`` without the micro-batch axis)."""
-    return virtual // mesh.sizes[MB_AXIS]
+    """The real rank of a virtual rank of ``mesh`` (the real mesh is ``mesh`` without the
+    micro-batch axis, which is minor); ``virtual`` itself on a mesh without it."""
+    return virtual // mesh.sizes.get(MB_AXIS, 1)
 
 
 class MicrobatchComm(Communicator):
@@ -42,7 +43,7 @@ class MicrobatchComm(Communicator):
         (r,) = real.ranks
         self.ranks = tuple(range(r * m, (r + 1) * m)) if ranks is None else tuple(ranks)
         self.num_microbatches = m
-        self.async_kinds = real.async_kinds & {"recv"}
+        self.async_kinds = real.async_kinds
 
     def view(self, ranks) -> "MicrobatchComm":
         """The same process holding only ``ranks`` (some of its micro-batches)."""
@@ -55,12 +56,23 @@ class MicrobatchComm(Communicator):
         return {**args, "tag": args["tag"] * self.num_microbatches + self._mb(v)}
 
     def start(self, kind, xs, axes, args):
-        """See :meth:`Communicator.start`: a receive is posted on the real communicator and
-        waited for later (a pipeline posts its next one before computing)."""
+        """See :meth:`Communicator.start`: what the real communicator runs asynchronously runs
+        so here too.  A receive is posted and waited for later (a pipeline posts its next
+        one before computing); a sum over the micro-batches is folded locally at once and
+        its reduction over the real axes left in flight."""
         if kind not in self.async_kinds:
             return super().start(kind, xs, axes, args)
+        axes = tuple(axes)
         real_axes = tuple(a for a in axes if a != MB_AXIS)
-        return _All([self.real.start(kind, [x], real_axes, self._tagged(v, args)) for v, x in zip(self.ranks, xs)])
+        if kind in ("send", "recv"):
+            return _All([self.real.start(kind, [x], real_axes, self._tagged(v, args))
+                         for v, x in zip(self.ranks, xs)])
+        if MB_AXIS not in axes:
+            return _All([self.real.start(kind, [x], real_axes, args) for x in xs])
+        if not real_axes:
+            return super().start(kind, xs, axes, args)
+        acc = self._fold(kind, xs, axes, args)
+        return _Same(self.real.start(kind, [acc], real_axes, args), len(xs))
 
     def collective(self, kind, xs, axes, args):
         """See :meth:`Communicator.collective`."""
@@ -71,6 +83,14 @@ class MicrobatchComm(Communicator):
                     for v, x in zip(self.ranks, xs)]
         if MB_AXIS not in axes:
             return [self.real.collective(kind, [x], real_axes, args)[0] for x in xs]
+        acc = self._fold(kind, xs, axes, args)
+        if real_axes:
+            acc = self.real.collective(kind, [acc], real_axes, args)[0]
+        return [acc] * len(xs)
+
+    def _fold(self, kind, xs, axes, args):
+        """The held micro-batches' sum (or max/min), folded in group order; checks that the
+        collective is one real processes can fold."""
         if kind != "allreduce" or len(self.ranks) != self.num_microbatches:
             raise DistributedError(message(
                 f"{kind} over {axes} on torch.distributed with micro-batches.",
@@ -81,9 +101,7 @@ class MicrobatchComm(Communicator):
         acc = xs[0]
         for x in xs[1:]:  # the micro-batch axis is minor: a rank's micro-batches are consecutive in a group
             acc = REDUCE[args.get("op", "sum")](acc, x)
-        if real_axes:
-            acc = self.real.collective(kind, [acc], real_axes, args)[0]
-        return [acc] * len(xs)
+        return acc
 
     def hold(self, work, buffer) -> None:
         self.real.hold(work, buffer)
@@ -96,6 +114,18 @@ class MicrobatchComm(Communicator):
 
     def agree(self, token: str) -> list[str]:
         return self.real.agree(token)
+
+
+class _Same(Pending):
+    """One collective in flight whose result every held micro-batch rank reads."""
+
+    __slots__ = ("part", "n")
+
+    def __init__(self, part, n):
+        self.part, self.n = part, n
+
+    def wait(self):
+        return self.part.wait() * self.n
 
 
 class _All(Pending):

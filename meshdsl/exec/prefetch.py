@@ -15,16 +15,17 @@ from __future__ import annotations
 import time
 
 from .comm import Pending
+from .steps import starter
 
 
 def prefetchable(ex) -> tuple[tuple[int, str], ...]:
-    """``(step index, param name)`` of each asynchronous collective of ``ex``'s plan that
+    """``(step index, param name, starter)`` of each asynchronous collective of ``ex``'s plan that
     reads one fed input directly (computed once per executor)."""
     found = getattr(ex, "_prefetchable", None)
     if found is None:
         steps = ex.plan.steps
         fed = {s.outs[0]: s.args["name"] for s in steps if s.kind == "input"}
-        found = tuple((i, fed[s.ins[0]]) for i, s in enumerate(steps)
+        found = tuple((i, fed[s.ins[0]], starter(ex, s)) for i, s in enumerate(steps)
                       if s.kind in ex.comm.async_kinds and len(s.ins) == 1 and s.ins[0] in fed)
         ex._prefetchable = found
     return found
@@ -34,12 +35,12 @@ def start(ex, feeds: dict, names, stats: dict | None = None) -> dict[int, Pendin
     """Start the collectives of :func:`prefetchable` whose input is one of ``names`` in
     ``feeds``; returns value id -> handle, for ``Executor.run(..., prefetched=...)``."""
     out: dict[int, Pending] = {}
-    for i, name in prefetchable(ex):
+    for i, name, go in prefetchable(ex):
         if name not in names:
             continue
         s = ex.plan.steps[i]
         t0 = time.perf_counter()
-        out[s.outs[0]] = ex.comm.start(s.kind, ex.feed(name, s.ins[0], feeds[name]), s.axes, s.args)
+        out[s.outs[0]] = go(ex.feed(name, s.ins[0], feeds[name]))
         if stats is not None:
             stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
     return out

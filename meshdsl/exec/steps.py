@@ -19,8 +19,11 @@ from typing import Callable
 
 from ..collectives import COLLECTIVES
 from ..errors import GraphError, message
+from ..lowering.pipeline import MB_AXIS
 from ..ops.inplace import Operand, add_kernel
 from ..ops.registry import OPS, LocalCtx
+from .comm import Pending
+from .fold import real_rank
 
 #: step kind -> ``prepare(ex, i, step)``; collective kinds use :func:`_prepare_collective`.
 STEP_RULES: dict[str, Callable] = {}
@@ -51,6 +54,51 @@ def split_local(comm, xs, axes, dim: int):
         size = x.shape[dim] // n
         out.append(x.narrow(dim, mesh.index_along(r, axes) * size, size).contiguous())
     return out
+
+
+def twins(ex, s) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where step ``s`` need run once per real rank, not once per micro-batch.
+
+    Under gradient accumulation (and in a pipeline's final segment) a process holds
+    the ``m`` micro-batch ranks of its real rank.  A step none of whose values is
+    split or partial along the micro-batch axis computes the same thing on all ``m``
+    (the optimizer update, an allgather of FSDP params): it runs on one of them, the
+    *representative*, and the others read its result.
+
+    Returns:
+      ``(reps, of)``: the positions (in ``ex.comm.ranks``) of the representatives,
+      and for each held rank the index in ``reps`` of its own; ``None`` when the
+      step varies along the micro-batch axis or every held rank is its own.
+    """
+    mesh, ranks = ex.plan.mesh, ex.comm.ranks
+    if MB_AXIS not in mesh.sizes or len(ranks) == 1:
+        return None
+    values = ex.plan.values
+    if any(MB_AXIS in values[v].sharding.used_axes for v in (*s.ins, *s.outs) if v in values):
+        return None
+    first: dict[int, int] = {}
+    reps: list[int] = []
+    of = []
+    for j, r in enumerate(ranks):
+        key = real_rank(mesh, r)
+        if key not in first:
+            first[key] = len(reps)
+            reps.append(j)
+        of.append(first[key])
+    return (tuple(reps), tuple(of)) if len(reps) < len(ranks) else None
+
+
+class Spread(Pending):
+    """A result computed on the representatives only (:func:`twins`), read by every held rank."""
+
+    __slots__ = ("pending", "of")
+
+    def __init__(self, pending: Pending, of: tuple[int, ...]):
+        self.pending, self.of = pending, of
+
+    def wait(self):
+        xs = self.pending.wait()
+        return [xs[k] for k in self.of]
 
 
 def _ctx(mesh, rank: int, compute: dict, sizes: dict) -> LocalCtx:
@@ -98,9 +146,24 @@ def inplace_adds(plan) -> dict[int, Callable]:
 
 @step_rule("local")
 def _prepare_local(ex, i, s):
-    ctxs = [_ctx(ex.plan.mesh, r, s.args["compute"], s.args["sizes"]) for r in ex.comm.ranks]
+    tw = twins(ex, s)
+    ranks = ex.comm.ranks if tw is None else [ex.comm.ranks[j] for j in tw[0]]
+    ctxs = [_ctx(ex.plan.mesh, r, s.args["compute"], s.args["sizes"]) for r in ranks]
     fn = s.args["inplace"] if i in ex.donated else ex.add_into.get(i, s.args["fn"])
     attrs, ins, outs = s.args["attrs"], s.ins, s.outs
+    if tw is not None:
+        reps, of = tw
+
+        def call_reps(env, get, run):
+            xs = [get(v) for v in ins]
+            salt = run.salt
+            res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in xs]) for j, c in zip(reps, ctxs)]
+            if len(outs) == 1:
+                env[outs[0]] = [res[k] for k in of]
+            else:
+                for o, vid in enumerate(outs):
+                    env[vid] = [res[k][o] for k in of]
+        return call_reps
     if len(ctxs) == 1 and len(outs) == 1:  # one held rank (every real process): no per-rank loop
         (c,), (out,) = ctxs, outs
 
@@ -147,6 +210,16 @@ def _prepare_input(ex, i, s):
 @step_rule("split")
 def _prepare_split(ex, i, s):
     comm, (src,), out, axes, dim = ex.comm, s.ins, s.outs[0], s.axes, s.args["dim"]
+    tw = twins(ex, s)
+    if tw is not None:
+        reps, of = tw
+        sub = comm.view([comm.ranks[j] for j in reps])
+
+        def call_reps(env, get, run):
+            xs = get(src)
+            ys = split_local(sub, [xs[j] for j in reps], axes, dim)
+            env[out] = [ys[k] for k in of]
+        return call_reps
 
     def call(env, get, run):
         env[out] = split_local(comm, get(src), axes, dim)
@@ -157,8 +230,21 @@ def _prepare_collective(ex, i, s):
     if len(s.ins) > 1:  # a gradient bucket: several values through one flat buffer
         from .bucket import prepare_bucket
         return prepare_bucket(ex, i, s)
-    start, kind, (src,), out, axes, args = ex.comm.start, s.kind, s.ins, s.outs[0], s.axes, s.args
+    go, (src,), out = starter(ex, s), s.ins, s.outs[0]
 
     def call(env, get, run):
-        env[out] = start(kind, get(src), axes, args)
+        env[out] = go(get(src))
     return call
+
+
+def starter(ex, s) -> Callable:
+    """``go(xs) -> Pending``: starts collective step ``s`` on the held ranks' tensors ``xs``
+    (on the representatives only where :func:`twins` allows)."""
+    kind, axes, args = s.kind, s.axes, s.args
+    tw = twins(ex, s) if kind not in ("send", "recv") else None
+    if tw is None:
+        start = ex.comm.start
+        return lambda xs: start(kind, xs, axes, args)
+    reps, of = tw
+    start = ex.comm.view([ex.comm.ranks[j] for j in reps]).start
+    return lambda xs: Spread(start(kind, [xs[j] for j in reps], axes, args), of)

@@ -169,7 +169,7 @@ def _emit(lw, node, spec, ins, C, plan, P, scale):
     out_vids = []
     for t, (out_sh, lazy, note) in zip(node.outputs, plan["outs"]):
         out_vids.append(lw.new_value(t.shape, t.dtype, out_sh))
-    lw.emit("local", node, vids, out_vids, args={"fn": fn, "inplace": inplace,
+    lw.emit("local", node, vids, out_vids, args={"fn": fn, "inplace": inplace, "donates": node.op.donates,
                                                  "attrs": node.attrs, "compute": C,
                                                  "sizes": dict(spec.dims)},
             flops=op_flops(node, plan["local"]), note=why)

@@ -29,7 +29,7 @@ from ..layout.sharding import Sharding
 #: Step kind -> the args its steps carry (the schema :func:`step_args` checks).
 #: Collective kinds take theirs from :data:`meshdsl.collectives.COLLECTIVES`.
 STEP_KINDS: dict[str, frozenset[str]] = {
-    "local": frozenset({"fn", "inplace", "attrs", "compute", "sizes"}),
+    "local": frozenset({"fn", "inplace", "donates", "attrs", "compute", "sizes"}),
     "split": frozenset({"dim"}),
     "param": frozenset({"name", "tensor"}),
     "input": frozenset({"name", "tensor"}),

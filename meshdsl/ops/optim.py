@@ -101,29 +101,38 @@ class AdamwUpdate(_Update):
 
     name = "adamw_update"
     num_tensors = 4
+    donates = (0, 2, 3)
 
     def compute(self, ctx, attrs, p, g, m, v, *hyper):
-        return _adamw(p, g, m, v, hyper, inplace=False)
+        return _adamw(p.clone(), g, m.clone(), v.clone(), hyper)
 
     def compute_inplace(self, ctx, attrs, p, g, m, v, *hyper):
-        """The same update written into ``p`` (the executor donates the old param)."""
-        return _adamw(p, g, m, v, hyper, inplace=True)
+        """The same update written into ``p``, ``m`` and ``v`` (the executor donates all three)."""
+        return _adamw(p, g, m, v, hyper)
 
 
-def _adamw(p, g, m, v, hyper, inplace: bool):
-    """One AdamW step; ``hyper`` is (lr, beta1, beta2, eps, weight decay, step, grad scale)."""
+def _adamw(p, g, m, v, hyper):
+    """One AdamW step, in place into ``p``, ``m``, ``v``; ``hyper`` is (lr, beta1, beta2, eps,
+    weight decay, step, grad scale).  One fused pass (torch's ``_fused_adamw_``, the kernel
+    of ``torch.optim.AdamW(fused=True)``) where torch has it for the dtype, else the same
+    rule in separate in-place kernels."""
     lr, b1, b2, eps, wd, t, scale = (float(x) for x in hyper)
     if scale != 1.0:
         g = g * scale
-    m = m.mul(b1).add_(g, alpha=1.0 - b1)
-    v = v.mul(b2).addcmul_(g, g, value=1.0 - b2)
+    if _FUSED_ADAMW is not None and p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        _FUSED_ADAMW([p], [g], [m], [v], [], [torch.tensor(t)], lr=lr, beta1=b1, beta2=b2,
+                     weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+        return p, m, v
+    m.mul_(b1).add_(g, alpha=1.0 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
     bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
     denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-    if inplace:
-        new = p.mul_(1.0 - lr * wd) if wd else p
-    else:
-        new = p.mul(1.0 - lr * wd) if wd else p.clone()
-    return new.addcdiv_(m, denom, value=-lr / bc1), m, v
+    if wd:
+        p.mul_(1.0 - lr * wd)
+    return p.addcdiv_(m, denom, value=-lr / bc1), m, v
+
+
+_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 
 
 @register

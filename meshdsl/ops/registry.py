@@ -90,6 +90,8 @@ class Op(ABC):
     #: ``compute_inplace(ctx, attrs, *xs)``: the kernel, writing its result into
     #: ``xs[0]``; an executor that may donate that input uses it.  None: no such variant.
     compute_inplace = None
+    #: the input positions ``compute_inplace`` writes into (all donated, or it is not used).
+    donates: tuple[int, ...] = (0,)
 
     @abstractmethod
     def infer(self, inputs: list[Tensor], attrs: dict) -> list[tuple[Shape, torch.dtype]]:

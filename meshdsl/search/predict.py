@@ -78,6 +78,13 @@ def process_totals(plan: Plan) -> dict[str, dict[str, int]]:
     return out
 
 
+def varies(step: Step, plan: Plan) -> bool:
+    """Whether ``step`` computes something else per micro-batch: one of its values is split
+    or partial along the micro-batch axis (otherwise a process runs it once)."""
+    return step.kind in ("send", "recv") or any(
+        MB_AXIS in plan.values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in plan.values)
+
+
 def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1) -> float:
     """Seconds of one kernel or collective step (0 for leaves and splits) on one process.
 
@@ -86,6 +93,8 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1) -> f
     """
     mesh = plan.mesh
     nproc = mesh.axis_size(process_axes(mesh.names))
+    if serial > 1 and not varies(step, plan):
+        serial = 1  # the executor runs it on one micro-batch rank (exec/steps.py: twins)
     if step.is_collective:
         real = process_axes(step.axes)
         adds = cal.kernel(False, 0, 2 * step.bytes, nproc) * (serial - 1)
