@@ -8,8 +8,9 @@ on 2 and 4 gloo processes, 1 torch thread each.  For each (model, processes):
    this machine's calibration (``meshdsl calibrate`` first; the defaults otherwise);
 2. every layout (``--quick``: an even sample of at least 12 along the predicted
    ranking, the pick included) is measured on real processes: one spawn per mesh
-   runs each of its layouts for one warmup step and ``--steps`` timed steps; a
-   layout's time is the median step of rank 0;
+   runs each of its layouts for two warmup steps and about ``--budget`` seconds of
+   timed steps (5 to 40); a step's time is the slowest rank's; over ``--rounds``
+   rounds, each in another order, a layout's time is the median of its round medians;
 3. reported: Spearman's rank correlation of predicted against measured, the
    measured time of the search's pick against the best measured one, and the
    pick's family (the issue expects TP for the MLP, DP for the GPT, or faster).
@@ -73,13 +74,20 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (vx * vy) ** 0.5 if vx and vy else float("nan")
 
 
-def _mesh_job(comm, model, config, mesh, layouts, steps):
-    """On every rank: time each (layout, microbatches, schedule) of ``mesh``; rank 0's medians."""
+def _mesh_job(comm, model, config, mesh, layouts):
+    """On every rank: time each (layout, microbatches, schedule, steps) of ``mesh``; the
+    median step of each, as the slowest rank saw it (a step ends when every rank is done)."""
     out = []
-    for layout, m, sched in layouts:
-        res = train_job(comm, model, False, mesh, layout, steps, 1e-3, 0, 1, m, sched, _opt(), None, config)
-        out.append(statistics.median(w for _, _, w in res))
-    return out
+    for layout, m, sched, steps in layouts:
+        res = train_job(comm, model, False, mesh, layout, steps, 1e-3, 0, 2, m, sched, _opt(), None, config)
+        out.append([w for _, _, w in res])
+    every = [json.loads(t) for t in comm.agree(json.dumps(out))]   # per rank, per layout, per step
+    return [statistics.median(max(ws) for ws in zip(*per)) for per in zip(*every)]
+
+
+def steps_for(predicted_s: float, budget_s: float) -> int:
+    """Timed steps for a layout: about ``budget_s`` of them at its predicted time, 5 to 40."""
+    return max(5, min(40, round(budget_s / max(predicted_s, 1e-4))))
 
 
 def sample(n: int, k: int) -> list[int]:
@@ -89,7 +97,7 @@ def sample(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def run_case(name, config, nproc, steps, quick, cal):
+def run_case(name, config, nproc, budget_s, rounds, quick, cal):
     model = md.load_model(name, **config)
     outs = optimizer_outputs(model.loss, model.params, _opt(), False)
     result = search(model, outs, nproc, cal)
@@ -98,14 +106,22 @@ def run_case(name, config, nproc, steps, quick, cal):
     by_mesh: dict[str, list] = {}
     for r in chosen:
         by_mesh.setdefault(r.candidate.mesh, []).append(r)
+    samples: dict[int, list[float]] = {id(r): [] for r in chosen}
+    meshes = list(by_mesh.items())
+    for k in range(rounds):  # each round visits the meshes, and each mesh's layouts, in another order
+        for mesh, rs in meshes[k % len(meshes):] + meshes[:k % len(meshes)]:
+            rs = rs[k % len(rs):] + rs[:k % len(rs)]
+            layouts = [(r.candidate.layout, r.candidate.microbatches, r.candidate.schedule,
+                        steps_for(r.prediction.step_s, budget_s)) for r in rs]
+            times = spawn(_mesh_job, nproc, args=(name, config, mesh, layouts), mesh=mesh, timeout=1800)[0]
+            for r, t in zip(rs, times):
+                samples[id(r)].append(t)
     measured = {}
-    for mesh, rs in by_mesh.items():
-        layouts = [(r.candidate.layout, r.candidate.microbatches, r.candidate.schedule) for r in rs]
-        times = spawn(_mesh_job, nproc, args=(name, config, mesh, layouts, steps), mesh=mesh, timeout=1800)[0]
-        for r, t in zip(rs, times):
-            measured[id(r)] = t
-            print(f"  {mesh:18s} {r.candidate.layout or '(replicated)':55s} m={r.candidate.microbatches} "
-                  f"predicted {r.prediction.step_s * 1e3:8.2f} ms  measured {t * 1e3:8.2f} ms", flush=True)
+    for r in chosen:
+        t = measured[id(r)] = statistics.median(samples[id(r)])
+        print(f"  {r.candidate.mesh:18s} {r.candidate.layout or '(replicated)':55s} m={r.candidate.microbatches} "
+              f"predicted {r.prediction.step_s * 1e3:8.2f} ms  measured {t * 1e3:8.2f} ms "
+              f"[{min(samples[id(r)]) * 1e3:.2f}-{max(samples[id(r)]) * 1e3:.2f}]", flush=True)
     pred = [r.prediction.step_s for r in chosen]
     meas = [measured[id(r)] for r in chosen]
     best = min(meas)
@@ -117,6 +133,7 @@ def run_case(name, config, nproc, steps, quick, cal):
             "pick_over_best": measured[id(pick)] / best,
             "best_measured": next(r.candidate.family for r in chosen if measured[id(r)] == best),
             "layouts": [{"mesh": r.candidate.mesh, "layout": r.candidate.layout, "microbatches": r.candidate.microbatches,
+                         "schedule": r.candidate.schedule,
                          "family": r.candidate.family, "predicted_ms": r.prediction.step_s * 1e3,
                          "measured_ms": measured[id(r)] * 1e3} for r in chosen]}
 
@@ -124,7 +141,12 @@ def run_case(name, config, nproc, steps, quick, cal):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"measure {MIN_LAYOUTS} layouts per case, not all")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
+    ap.add_argument("--budget", type=float, default=0.4,
+                    help="seconds of timed steps per layout and round, at its predicted step time "
+                         "(5 to 40 steps; default 0.4)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds, each in another order; a layout's time is the median of its round "
+                         "medians (default 3)")
     ap.add_argument("--cases", nargs="*", default=None, help="e.g. mlp:2 transformer:4 (default: all four)")
     args = ap.parse_args()
     cal = load()
@@ -134,7 +156,7 @@ def main() -> None:
     t0 = time.time()
     for name, config, nproc in cases:
         print(f"{name} on {nproc} processes:", flush=True)
-        res = run_case(name, config, nproc, args.steps, args.quick, cal)
+        res = run_case(name, config, nproc, args.budget, args.rounds, args.quick, cal)
         out["cases"].append(res)
         print(f"  -> {res['num_measured']} of {res['num_candidates']} layouts measured; Spearman "
               f"{res['spearman']:.2f}; pick {res['pick']['family']} '{res['pick']['layout']}' measured "

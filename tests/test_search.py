@@ -228,3 +228,31 @@ def test_micro_batches_are_priced_as_one_process_runs_them():
     outs = md.load_model("transformer").train_step(0.01)  # batch 16: room for 8 micro-batches
     p2, p8 = step_s("pipe:2", "layer:pipe", 2), step_s("pipe:2", "layer:pipe", 8)
     assert p8 < 1.5 * p2
+
+
+def _with_cores(cores: int) -> Calibration:
+    cal = Calibration.defaults()
+    cal.cores = cores
+    return cal
+
+
+def test_more_processes_than_cores_hide_no_communication():
+    """gloo moves and reduces bytes on the CPU: with a core per process a collective in
+    flight overlaps the kernels after it; with fewer cores than processes it cannot."""
+    model = md.load_model("transformer", tiny=True)
+    plan = compile_plan(model.train_step(0.01), "data:4", "batch:data")
+    roomy, crowded = predict(plan, _with_cores(4)), predict(plan, _with_cores(2))
+    assert roomy.exposed_comm_s < roomy.comm_s
+    assert crowded.exposed_comm_s == pytest.approx(crowded.comm_s)
+    assert crowded.compute_s == pytest.approx(2 * roomy.compute_s)   # two processes per core
+
+
+def test_an_oversubscribed_pipeline_is_slowed_by_its_work_not_its_process_count():
+    """A stage in its bubble leaves its core to the others: on 2 cores, 4 stages with a
+    60% bubble (m=2) are slowed far less than 2x, and never below their busy time over the cores."""
+    model = md.load_model("transformer", tiny=True, layers=4)
+    plan = compile_plan(model.train_step(0.01), "pipe:4", "layer:pipe", microbatches=2)
+    roomy, crowded = predict(plan, _with_cores(4)), predict(plan, _with_cores(2))
+    assert roomy.step_s < crowded.step_s < 1.5 * roomy.step_s
+    single = predict(plan, _with_cores(1))   # one core: every stage's busy time, one after another
+    assert single.step_s > crowded.step_s

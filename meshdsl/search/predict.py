@@ -85,14 +85,15 @@ def varies(step: Step, plan: Plan) -> bool:
         MB_AXIS in plan.values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in plan.values)
 
 
-def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1) -> float:
+def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, sharing: int | None = None) -> float:
     """Seconds of one kernel or collective step (0 for leaves and splits) on one process.
 
     ``serial`` is how many micro-batches the process runs this step for, one after another
     (gradient accumulation outside a pipeline; a pipeline's schedule counts its own).
+    ``sharing``: how many processes compute at once, sharing the cores (default: all of them).
     """
     mesh = plan.mesh
-    nproc = mesh.axis_size(process_axes(mesh.names))
+    nproc = mesh.axis_size(process_axes(mesh.names)) if sharing is None else sharing
     if serial > 1 and not varies(step, plan):
         serial = 1  # the executor runs it on one micro-batch rank (exec/steps.py: twins)
     if step.is_collective:
@@ -114,8 +115,12 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1) -> f
 class _Walk:
     """One pass over a plan, collecting per-op rows and totals."""
 
-    def __init__(self, cal: Calibration):
-        self.cal = cal
+    def __init__(self, cal: Calibration, nproc: int):
+        self.cal, self.nproc = cal, nproc
+        # More processes than cores: a collective in flight has no core to progress on while
+        # the others compute (gloo moves and reduces bytes on the CPU), so nothing overlaps.
+        self.overlap = nproc <= cal.cores
+        self.sharing: int | None = None   # processes computing at once (None: all)
         self.rows: list[tuple[str, str, float, float]] = []
         self.compute = self.comm = self.bubble = 0.0
 
@@ -133,13 +138,13 @@ class _Walk:
                 dur = self.sub_time(s, plan, mult, serial)
                 end = cpu = start + dur
             else:
-                dur = step_seconds(s, plan, self.cal, serial)
+                dur = step_seconds(s, plan, self.cal, serial, self.sharing)
                 if s.is_collective:
                     self.comm += mult * dur
                     self.rows.append((s.label, s.kind, 0.0, mult * dur))
                     begin = max(start, link)
                     end = link = begin + dur
-                    if s.kind not in ASYNC_KINDS:
+                    if s.kind not in ASYNC_KINDS or not self.overlap:
                         cpu = end
                 else:
                     if dur:
@@ -162,8 +167,12 @@ class _Walk:
         pro, fwd, bwd, fin = s.subplans
         m = s.runs(1)
         t_pro = self.plan_time(pro, mult)
+        # Segments priced as if their stage had the cores to itself; the CPU the stages
+        # really share is charged below, from the schedule's busy times.
+        self.sharing, overlap, self.overlap = 1, self.overlap, True
         fwd_t = [self.plan_time(fwd, mult * m, stages[1], st) for st in range(p)]
         bwd_t = [self.plan_time(bwd, mult * m, stages[2], st) for st in range(p)]
+        self.sharing, self.overlap = None, overlap
         t_fin = self.plan_time(fin, mult)
         # Each stage's segment time already holds its transfers; the schedule adds the waiting.
         stats = simulate(sched, lambda a: fwd_t[a.stage] if a.kind == "F" else bwd_t[a.stage] if a.kind == "B"
@@ -171,7 +180,11 @@ class _Walk:
         makespan = float(stats.makespan)
         busy = max(float(r.busy) for r in stats.ranks)
         self.bubble += mult * (makespan - busy)
-        return t_pro + makespan + t_fin
+        # All processes' busy time (kernels and the collectives they wait on inside F and B)
+        # over the cores: a stage in its bubble leaves its core to the others, so an
+        # oversubscribed pipeline is slowed by its work, not by its process count.
+        demand = sum(float(r.busy) for r in stats.ranks) * (self.nproc // p) / self.cal.cores
+        return t_pro + max(makespan, demand) + t_fin
 
 
 def predict(plan: Plan, cal: Calibration) -> Prediction:
@@ -184,7 +197,7 @@ def predict(plan: Plan, cal: Calibration) -> Prediction:
     Returns:
       A :class:`Prediction`.
     """
-    w = _Walk(cal)
+    w = _Walk(cal, plan.mesh.axis_size(process_axes(plan.mesh.names)))
     mb = plan.mesh.axis_size((MB_AXIS,)) if MB_AXIS in plan.mesh.names else 1
     has_pipeline = any(s.kind == "pipeline" for s in plan.steps)
     total = w.plan_time(plan, 1, serial=1 if has_pipeline else mb)
