@@ -6,8 +6,8 @@ process (in this process, as `meshdsl train` does) and on 2 gloo processes with 
 data-parallel layouts DP, ZeRO-1, ZeRO-2 and FSDP (the fastest is reported as "best").  The
 baseline is the same model written in plain torch (``TorchGPT`` of bench/dense_vs_torch.py),
 holding meshdsl's initial weights, fed the same batches (``TokenData.batch(step, ...)`` of the
-default corpus), with ``torch.optim.AdamW`` and ``clip_grad_norm_`` at the same hyperparameters;
-both run with one torch thread.  Their loss curves are compared, so both sides train the same
+default corpus), with ``torch.optim.AdamW(fused=True)`` (the kernel meshdsl's update runs too)
+and ``clip_grad_norm_`` at the same hyperparameters; both run with one torch thread.  Their loss curves are compared, so both sides train the same
 model on the same data.
 
 Memory: each rank of each multi-process run reports its peak resident set (VmHWM, reset after
@@ -117,7 +117,7 @@ def torch_run(config: dict, tokens: TokenData, steps: int) -> dict:
     cfg = model.config
     net = TorchGPT(cfg, md.DenseProgram(dict(model.params)).init_params(0))
     opt = torch.optim.AdamW(net.parameters(), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
-                            weight_decay=HP["weight_decay"])
+                            weight_decay=HP["weight_decay"], fused=True)
     losses, ms = [], []
     for t in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -175,7 +175,7 @@ def cpu_breakdown(config: dict, tokens: TokenData, steps: int) -> dict:
     params = fwd_bwd.init_params(0)
     net = TorchGPT(cfg, md.DenseProgram(dict(model.params)).init_params(0))
     opt = torch.optim.AdamW(net.parameters(), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
-                            weight_decay=HP["weight_decay"])
+                            weight_decay=HP["weight_decay"], fused=True)
 
     def torch_step(t, update=True):
         ids, labels = tokens.batch(t, cfg.batch, cfg.seq)
