@@ -6,8 +6,9 @@ on 2 and 4 gloo processes, 1 torch thread each.  For each (model, processes):
 
 1. ``meshdsl.search`` ranks every enumerated layout by predicted step time, with
    this machine's calibration (``meshdsl calibrate`` first; the defaults otherwise);
-2. every layout (``--quick``: an even sample of at least 12 along the predicted
-   ranking, the pick included) is measured on real processes: one spawn per mesh
+2. every layout (``--sample N``: every one of a case with at most N, else N spread
+   evenly along the predicted ranking, the pick included; ``--quick``: N = 12) is
+   measured on real processes: one spawn per mesh
    runs each of its layouts for two warmup steps and about ``--budget`` seconds of
    timed steps (5 to 40); a step's time is the slowest rank's; over ``--rounds``
    rounds, each in another order, a layout's time is the median of its round medians;
@@ -17,7 +18,8 @@ on 2 and 4 gloo processes, 1 torch thread each.  For each (model, processes):
 
     python -m meshdsl calibrate --nproc 4
     python bench/search.py               # every layout
-    python bench/search.py --quick       # >= 12 per case
+    python bench/search.py --sample 40   # all of a case up to 40, else 40 of them
+    python bench/search.py --quick       # 12 per case
 
 Results go to bench/results/search.json.
 """
@@ -97,12 +99,12 @@ def sample(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def run_case(name, config, nproc, budget_s, rounds, quick, cal):
+def run_case(name, config, nproc, budget_s, rounds, limit, cal):
     model = md.load_model(name, **config)
     outs = optimizer_outputs(model.loss, model.params, _opt(), False)
     result = search(model, outs, nproc, cal)
     ranked = result.ranked
-    chosen = [ranked[i] for i in (sample(len(ranked), MIN_LAYOUTS) if quick else range(len(ranked)))]
+    chosen = [ranked[i] for i in sample(len(ranked), max(limit or len(ranked), 2))]
     by_mesh: dict[str, list] = {}
     for r in chosen:
         by_mesh.setdefault(r.candidate.mesh, []).append(r)
@@ -141,6 +143,9 @@ def run_case(name, config, nproc, budget_s, rounds, quick, cal):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"measure {MIN_LAYOUTS} layouts per case, not all")
+    ap.add_argument("--sample", type=int, default=None,
+                    help="measure every layout of a case with at most this many, else this many spread "
+                         "evenly along the predicted ranking (the pick included)")
     ap.add_argument("--budget", type=float, default=0.4,
                     help="seconds of timed steps per layout and round, at its predicted step time "
                          "(5 to 40 steps; default 0.4)")
@@ -156,7 +161,8 @@ def main() -> None:
     t0 = time.time()
     for name, config, nproc in cases:
         print(f"{name} on {nproc} processes:", flush=True)
-        res = run_case(name, config, nproc, args.budget, args.rounds, args.quick, cal)
+        res = run_case(name, config, nproc, args.budget, args.rounds,
+                       MIN_LAYOUTS if args.quick else max(args.sample or 0, 0) or None, cal)
         out["cases"].append(res)
         print(f"  -> {res['num_measured']} of {res['num_candidates']} layouts measured; Spearman "
               f"{res['spearman']:.2f}; pick {res['pick']['family']} '{res['pick']['layout']}' measured "

@@ -105,7 +105,7 @@ def add_search(sub) -> None:
     p.add_argument("--measure", action="store_true",
                    help="run the top K on real processes for a few steps each and re-rank by measured time")
     p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 3"), default=3,
-                   help="timed steps per layout with --measure (default 3, after one warmup step)")
+                   help="timed steps per layout with --measure (default 3, after two warmup steps)")
     p.add_argument("--plot", default="search-scatter.png", metavar="FILE.png",
                    help="with --measure: where to write the predicted-vs-measured scatter plot (default "
                         "search-scatter.png)")
@@ -219,7 +219,8 @@ def explain(ranked: list[Ranked]) -> list[str]:
 
 
 def measure(args, rows: list[Ranked]) -> dict[int, float]:
-    """Median measured step seconds of each row, ``steps`` timed steps on real processes each."""
+    """Median measured step seconds of each row, ``steps`` timed steps on real processes each
+    (after two warmup steps); a step takes as long as its slowest rank."""
     from rich.progress import Progress
 
     from ..exec.launch import launch
@@ -233,10 +234,10 @@ def measure(args, rows: list[Ranked]) -> dict[int, float]:
         task = bar.add_task("measuring", total=len(rows))
         for r in rows:
             c = r.candidate
-            res = launch(train_job, c.mesh, args=(args.model, args.tiny, c.mesh, c.layout, args.steps, args.lr, 0, 1,
+            res = launch(train_job, c.mesh, args=(args.model, args.tiny, c.mesh, c.layout, args.steps, args.lr, 0, 2,
                                                   c.microbatches, c.schedule, opt, clip, args.config_overrides),
                          backend="gloo", timeout=600)
-            out[id(r)] = statistics.median(w for _, _, w in res[0])
+            out[id(r)] = statistics.median(max(ws) for ws in zip(*[[w for _, _, w in rank] for rank in res]))
             bar.advance(task)
     return out
 
