@@ -9,7 +9,7 @@
   (so ``bandwidth`` is a bus bandwidth, comparable across kinds and sizes);
 * kernels, in this process with one thread: matmul/bmm seconds against FLOPs,
   and elementwise/reduction seconds against bytes touched, each
-  ``overhead + amount / rate``;
+  ``overhead + amount / rate``, the overhead timed on a kernel with almost no work;
 * the executor's own cost per step (dispatch, bookkeeping): a small training
   step is run by :class:`~meshdsl.exec.executor.Executor` and the part of its
   time the kernel lines do not explain is spread over its steps.
@@ -76,6 +76,8 @@ class Calibration:
       cores: CPU cores of the host: ranks beyond them share a core, so compute slows.
       source: ``"measured"`` or ``"defaults"`` (no calibration yet).
       dispatch_s: the executor's own seconds per step, on top of the kernel or collective.
+      pipeline_dispatch_s: the same inside a pipeline's forward and backward actions (its
+        runtime's per-action bookkeeping); 0: as ``dispatch_s``.
     """
 
     collectives: dict[str, dict[int, Line]]
@@ -86,6 +88,7 @@ class Calibration:
     backend: str = "gloo"
     source: str = "measured"
     dispatch_s: float = 0.0
+    pipeline_dispatch_s: float = 0.0
 
     def collective(self, kind: str, nbytes: int, n: int) -> float:
         """Seconds of one collective sending ``nbytes`` per rank in a group of ``n``.
@@ -110,6 +113,7 @@ class Calibration:
     def to_json(self) -> dict:
         return {"version": VERSION, "host": self.host, "backend": self.backend, "cores": self.cores,
                 "source": self.source, "dispatch_s": self.dispatch_s,
+                "pipeline_dispatch_s": self.pipeline_dispatch_s,
                 "collectives": {k: {str(n): vars(l) for n, l in t.items()} for k, t in self.collectives.items()},
                 "matmul": vars(self.matmul), "elementwise": vars(self.elementwise)}
 
@@ -117,7 +121,7 @@ class Calibration:
     def from_json(cls, d: dict) -> "Calibration":
         return cls({k: {int(n): Line(**l) for n, l in t.items()} for k, t in d["collectives"].items()},
                    Line(**d["matmul"]), Line(**d["elementwise"]), d["cores"], d["host"], d["backend"],
-                   d.get("source", "measured"), d.get("dispatch_s", 0.0))
+                   d.get("source", "measured"), d.get("dispatch_s", 0.0), d.get("pipeline_dispatch_s", 0.0))
 
     @classmethod
     def defaults(cls) -> "Calibration":
@@ -153,8 +157,15 @@ def save(cal: Calibration) -> str:
 
 # ----------------------------------------------------------------------------- fitting
 
-def fit_line(xs, ys) -> Line:
-    """Least squares ``y = a + x / rate`` with ``a >= 0`` and a positive rate."""
+def fit_line(xs, ys, fixed: float | None = None) -> Line:
+    """Least squares ``y = a + x / rate`` with ``a >= 0`` and a positive rate; with ``fixed``
+    the intercept is that measured one and only the rate is fitted."""
+    if fixed is not None:
+        sxx = sum(x * x for x in xs)
+        slope = sum(x * (y - fixed) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+        if slope <= 0:
+            slope = max(ys) / max(xs) if max(xs) else 1e-12
+        return Line(fixed, 1.0 / max(slope, 1e-18))
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
@@ -197,9 +208,23 @@ def sweep_kernels(quick: bool = False, tick=lambda: None) -> dict:
             ew.append((2 * 4 * numel, _time(lambda: torch.exp(x), reps)))
             ew.append((4 * numel, _time(lambda: x.sum(), reps)))
             tick()
+        # The per-kernel cost is measured, not extrapolated: a kernel with almost nothing to
+        # do (a fit through the large sizes puts its intercept wherever their noise lands).
+        a, x = torch.randn(8, 8), torch.randn(16)
+        fixed = {"matmul": _median_time(lambda: a @ a, 200), "elementwise": _median_time(lambda: x * x, 200)}
     finally:
         torch.set_num_threads(threads)
-    return {"matmul": mm, "elementwise": ew}
+    return {"matmul": mm, "elementwise": ew, "fixed": fixed}
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]
 
 
 def _collective_job(comm, sizes, reps, progress_file):
@@ -283,8 +308,10 @@ def fit(collective_samples: dict, kernel_samples: dict, backend: str = "gloo") -
             coll.setdefault(kind, {})[n] = fit_line([frac * b for b, _ in rows], [t for _, t in rows])
     mm = kernel_samples["matmul"]
     ew = kernel_samples["elementwise"]
-    return Calibration(coll, fit_line([f for f, _ in mm], [t for _, t in mm]),
-                       fit_line([b for b, _ in ew], [t for _, t in ew]), backend=backend)
+    fixed = kernel_samples.get("fixed", {})
+    return Calibration(coll, fit_line([f for f, _ in mm], [t for _, t in mm], fixed.get("matmul")),
+                       fit_line([b for b, _ in ew], [t for _, t in ew], fixed.get("elementwise")),
+                       backend=backend)
 
 
 def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advance=lambda k: None,
@@ -332,6 +359,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advanc
             raise box["error"]
     cal = fit(box["samples"], kernels, backend)
     cal.dispatch_s = dispatch_seconds(cal, 5 if quick else 20)
+    cal.pipeline_dispatch_s = pipeline_dispatch_seconds(cal, 3 if quick else 10)
     advance(1)
     save(cal)
     return cal
@@ -366,5 +394,43 @@ def dispatch_seconds(cal: Calibration, reps: int) -> float:
     finally:
         torch.set_num_threads(threads)
     kernels = predict(plan, cal).step_s
-    num_steps = sum(1 for s in plan.steps if s.kind == "local")
-    return max(0.0, (sorted(times)[len(times) // 2] - kernels) / num_steps)
+    return max(0.0, (sorted(times)[len(times) // 2] - kernels) / _local_steps(plan))
+
+
+def pipeline_dispatch_seconds(cal: Calibration, reps: int) -> float:
+    """The pipeline runtime's seconds per step: the tiny transformer in 2 stages, 4 micro-batches,
+    1F1B, run whole on the simulated mesh (every stage's actions in one process, one after
+    another), less its kernels, over the steps it ran (median of ``reps`` runs, one thread);
+    at least the executor's own :attr:`Calibration.dispatch_s`."""
+    from dataclasses import replace
+
+    from ..exec.executor import Executor
+    from ..exec.simulated import SimulatedComm
+    from ..lowering.compiler import compile as compile_plan
+    from ..train.model import load_model
+    from .predict import predict
+
+    model = load_model("transformer", tiny=True)
+    plan = compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule="1f1b")
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    params, feeds = ex.init_params(0), model.feeds(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ex.run(feeds, params)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ex.run(feeds, params)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    bare = predict(plan, replace(cal, dispatch_s=0.0, pipeline_dispatch_s=0.0, cores=max(cal.cores, 2)))
+    per_step = (sorted(times)[len(times) // 2] - bare.compute_s) / max(bare.kernel_calls, 1)
+    return max(cal.dispatch_s, per_step)
+
+
+def _local_steps(plan) -> int:
+    """Local steps one run of ``plan`` executes (a loop's body once per layer)."""
+    return sum(1 for s in plan.steps if s.kind == "local") + sum(
+        s.runs(k) * _local_steps(sub) for s in plan.steps for k, sub in enumerate(s.subplans))

@@ -12,6 +12,14 @@ waits, so the prediction overlaps exactly what the runtime overlaps.  A loop
 runs its body ``times`` over; a pipeline prices each stage's forward and
 backward segment and runs its schedule through
 :func:`meshdsl.lowering.timeline.simulate`, so the bubble is the schedule's.
+A process runs its micro-batches one after another, and once what does not vary
+per micro-batch (:func:`meshdsl.exec.steps.twins`).
+
+With more processes than cores, kernels slow by processes per core and nothing
+overlaps (gloo moves and reduces bytes on the CPU: a collective in flight has no
+core while the others compute); a pipeline is charged instead the larger of its
+makespan and its stages' busy time over the cores, as a stage in its bubble leaves
+its core to the others.
 Memory per rank is :func:`meshdsl.lowering.memory.memory_report`.
 """
 from __future__ import annotations
@@ -45,6 +53,8 @@ class Prediction:
       memory: :func:`~meshdsl.lowering.memory.memory_report` of the plan (bytes per rank).
       comm_bytes: bytes per rank sent by collectives between processes per step (:func:`process_totals`).
       by_op: ``(label, op, compute_s, comm_s)`` per step with a cost, sub-plans multiplied out.
+      kernel_calls: local steps one run executes (loops and micro-batches counted; a
+        pipeline's forward and backward segments for every stage).
     """
 
     step_s: float
@@ -55,6 +65,7 @@ class Prediction:
     memory: dict
     comm_bytes: int
     by_op: list = field(default_factory=list)
+    kernel_calls: int = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -85,13 +96,16 @@ def varies(step: Step, plan: Plan) -> bool:
         MB_AXIS in plan.values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in plan.values)
 
 
-def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, sharing: int | None = None) -> float:
+def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, sharing: int | None = None,
+                 dispatch: float | None = None) -> float:
     """Seconds of one kernel or collective step (0 for leaves and splits) on one process.
 
     ``serial`` is how many micro-batches the process runs this step for, one after another
     (gradient accumulation outside a pipeline; a pipeline's schedule counts its own).
     ``sharing``: how many processes compute at once, sharing the cores (default: all of them).
+    ``dispatch``: the runtime's seconds per step (default: the executor's, ``cal.dispatch_s``).
     """
+    dispatch = cal.dispatch_s if dispatch is None else dispatch
     mesh = plan.mesh
     nproc = mesh.axis_size(process_axes(mesh.names)) if sharing is None else sharing
     if serial > 1 and not varies(step, plan):
@@ -100,16 +114,16 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, shar
         real = process_axes(step.axes)
         adds = cal.kernel(False, 0, 2 * step.bytes, nproc) * (serial - 1)
         if not real:  # a sum over micro-batches only: each process adds its own, in place
-            return adds + cal.dispatch_s
+            return adds + dispatch
         n = mesh.axis_size(real)
-        once = cal.collective(step.kind, step.bytes, n) + (cal.dispatch_s if n > 1 else 0.0)
+        once = cal.collective(step.kind, step.bytes, n) + (dispatch if n > 1 else 0.0)
         # Over micro-batches too: summed locally, then one collective; otherwise one per micro-batch.
         return adds + once if real != tuple(step.axes) else serial * once
     if step.kind != "local":
         return 0.0
     nbytes = sum(plan.values[v].local_bytes(mesh) for v in (*step.ins, *step.outs) if v in plan.values)
     # Processes share the cores; a process's micro-batches (the virtual axis) run one after another.
-    return serial * (cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, nproc) + cal.dispatch_s)
+    return serial * (cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, nproc) + dispatch)
 
 
 class _Walk:
@@ -121,6 +135,8 @@ class _Walk:
         # the others compute (gloo moves and reduces bytes on the CPU), so nothing overlaps.
         self.overlap = nproc <= cal.cores
         self.sharing: int | None = None   # processes computing at once (None: all)
+        self.dispatch: float | None = None  # the runtime's seconds per step (None: the executor's)
+        self.kernel_calls = 0               # local steps run, loops and micro-batches counted
         self.rows: list[tuple[str, str, float, float]] = []
         self.compute = self.comm = self.bubble = 0.0
 
@@ -138,7 +154,7 @@ class _Walk:
                 dur = self.sub_time(s, plan, mult, serial)
                 end = cpu = start + dur
             else:
-                dur = step_seconds(s, plan, self.cal, serial, self.sharing)
+                dur = step_seconds(s, plan, self.cal, serial, self.sharing, self.dispatch)
                 if s.is_collective:
                     self.comm += mult * dur
                     self.rows.append((s.label, s.kind, 0.0, mult * dur))
@@ -148,6 +164,7 @@ class _Walk:
                         cpu = end
                 else:
                     if dur:
+                        self.kernel_calls += mult
                         self.compute += mult * dur
                         self.rows.append((s.label, s.op, mult * dur, 0.0))
                     end = cpu = start + dur
@@ -169,10 +186,12 @@ class _Walk:
         t_pro = self.plan_time(pro, mult)
         # Segments priced as if their stage had the cores to itself; the CPU the stages
         # really share is charged below, from the schedule's busy times.
+        # ... and at the pipeline runtime's cost per step (its per-action bookkeeping).
         self.sharing, overlap, self.overlap = 1, self.overlap, True
+        self.dispatch = self.cal.pipeline_dispatch_s or None
         fwd_t = [self.plan_time(fwd, mult * m, stages[1], st) for st in range(p)]
         bwd_t = [self.plan_time(bwd, mult * m, stages[2], st) for st in range(p)]
-        self.sharing, self.overlap = None, overlap
+        self.sharing, self.overlap, self.dispatch = None, overlap, None
         t_fin = self.plan_time(fin, mult)
         # Each stage's segment time already holds its transfers; the schedule adds the waiting.
         stats = simulate(sched, lambda a: fwd_t[a.stage] if a.kind == "F" else bwd_t[a.stage] if a.kind == "B"
@@ -204,7 +223,7 @@ def predict(plan: Plan, cal: Calibration) -> Prediction:
     comm_bytes = sum(t["bytes"] for t in process_totals(plan).values())
     exposed = max(0.0, total - w.compute - w.bubble)
     return Prediction(total, w.compute, w.comm, min(exposed, w.comm), w.bubble, memory_report(plan), comm_bytes,
-                      w.rows)
+                      w.rows, w.kernel_calls)
 
 
 def by_op_table(pred: Prediction, top: int | None = None) -> list[tuple[str, str, float, float]]:

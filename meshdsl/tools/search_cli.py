@@ -79,7 +79,8 @@ def print_calibration(cal: Calibration, console) -> None:
     console.print(f"matmul/bmm: {cal.matmul.rate / 1e9:.1f} GFLOP/s, {cal.matmul.fixed_s * 1e6:.1f} us per kernel; "
                   f"elementwise/reduction: {cal.elementwise.rate / 1e9:.2f} GB/s, "
                   f"{cal.elementwise.fixed_s * 1e6:.1f} us per kernel (one thread); executor: "
-                  f"{cal.dispatch_s * 1e6:.1f} us per step", highlight=False, soft_wrap=True)
+                  f"{cal.dispatch_s * 1e6:.1f} us per step ({cal.pipeline_dispatch_s * 1e6:.1f} in a pipeline's "
+                  f"actions)", highlight=False, soft_wrap=True)
 
 
 # ----------------------------------------------------------------------------- search
