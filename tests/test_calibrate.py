@@ -32,6 +32,14 @@ def test_fit_never_goes_negative():
     assert line.fixed_s == 0.0 and line.rate > 0
 
 
+def test_fit_with_a_measured_intercept_fits_only_the_rate():
+    xs = [1e3, 1e4, 1e5, 1e6]
+    ys = [20e-6 + x / 2e9 for x in xs]
+    line = fit_line(xs, ys, fixed=1e-6)   # the tiny kernel's time, not the large sizes' intercept
+    assert line.fixed_s == 1e-6
+    assert line.rate == pytest.approx(2e9, rel=0.05)
+
+
 def test_no_cache_means_the_defaults():
     assert load().source == "defaults"
 
@@ -66,6 +74,10 @@ def test_calibrate_quick_measures_saves_and_prints(tmp_path, capsys):
         line = loaded.collectives[kind][2]
         assert line.fixed_s >= 0 and line.rate > 0
     assert loaded.matmul.rate > 1e8 and loaded.elementwise.rate > 1e7
+    # per-kernel costs timed on kernels with almost no work: microseconds, not zero
+    assert 0 < loaded.matmul.fixed_s < 1e-3 and 0 < loaded.elementwise.fixed_s < 1e-3
+    assert loaded.pipeline_dispatch_s >= loaded.dispatch_s >= 0
+    assert d["pipeline_dispatch_s"] == loaded.pipeline_dispatch_s
 
 
 def test_search_measure_writes_the_scatter_plot(tmp_path, capsys):

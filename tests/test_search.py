@@ -256,3 +256,18 @@ def test_an_oversubscribed_pipeline_is_slowed_by_its_work_not_its_process_count(
     assert roomy.step_s < crowded.step_s < 1.5 * roomy.step_s
     single = predict(plan, _with_cores(1))   # one core: every stage's busy time, one after another
     assert single.step_s > crowded.step_s
+
+
+def test_a_pipelines_actions_are_priced_at_the_pipeline_runtimes_cost_per_step():
+    model = md.load_model("transformer", tiny=True)
+    piped = compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=2)
+    flat = compile_plan(model.train_step(0.01), "data:2", "batch:data")
+    base = _with_cores(4)
+    slow = _with_cores(4)
+    slow.pipeline_dispatch_s = base.dispatch_s + 1e-3
+    assert predict(flat, slow).step_s == predict(flat, base).step_s
+    calls = predict(piped, base).kernel_calls
+    assert calls > 0
+    grew = predict(piped, slow).compute_s - predict(piped, base).compute_s
+    # every forward and backward step of every stage and micro-batch pays 1 ms more
+    assert 0 < grew <= calls * 1e-3 + 1e-9
