@@ -31,6 +31,7 @@ import torch
 
 from ..collectives import COLLECTIVES
 from ..lowering.cost import DEFAULT as DEFAULT_COST
+from .overhead import dispatch_seconds, median_time, pipeline_dispatch_seconds
 
 #: The collective kinds the sweep measures (``send`` stands for the send/recv pair).
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "send")
@@ -211,20 +212,10 @@ def sweep_kernels(quick: bool = False, tick=lambda: None) -> dict:
         # The per-kernel cost is measured, not extrapolated: a kernel with almost nothing to
         # do (a fit through the large sizes puts its intercept wherever their noise lands).
         a, x = torch.randn(8, 8), torch.randn(16)
-        fixed = {"matmul": _median_time(lambda: a @ a, 200), "elementwise": _median_time(lambda: x * x, 200)}
+        fixed = {"matmul": median_time(lambda: a @ a, 200), "elementwise": median_time(lambda: x * x, 200)}
     finally:
         torch.set_num_threads(threads)
     return {"matmul": mm, "elementwise": ew, "fixed": fixed}
-
-
-def _median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2]
 
 
 def _collective_job(comm, sizes, reps, progress_file):
@@ -367,70 +358,3 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advanc
 
 def num_kernel_samples(quick: bool) -> int:
     return len(MATMUL_SIDES) - (1 if quick else 0) + len(ELEMENTWISE_NUMELS) + 1
-
-
-def dispatch_seconds(cal: Calibration, reps: int) -> float:
-    """The executor's seconds per step beyond the kernel lines, from the tiny transformer's
-    training step on one rank (median of ``reps`` runs, one thread)."""
-    from ..exec.executor import Executor
-    from ..exec.simulated import SimulatedComm
-    from ..lowering.compiler import compile as compile_plan
-    from ..train.model import load_model
-    from .predict import predict
-
-    model = load_model("transformer", tiny=True)
-    plan = compile_plan(model.train_step(0.01), "data:1", "")
-    ex = Executor(plan, SimulatedComm(plan.mesh))
-    params, feeds = ex.init_params(0), model.feeds(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ex.run(feeds, params)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            ex.run(feeds, params)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    kernels = predict(plan, cal).step_s
-    return max(0.0, (sorted(times)[len(times) // 2] - kernels) / _local_steps(plan))
-
-
-def pipeline_dispatch_seconds(cal: Calibration, reps: int) -> float:
-    """The pipeline runtime's seconds per step: the tiny transformer in 2 stages, 4 micro-batches,
-    1F1B, run whole on the simulated mesh (every stage's actions in one process, one after
-    another), less its kernels, over the steps it ran (median of ``reps`` runs, one thread);
-    at least the executor's own :attr:`Calibration.dispatch_s`."""
-    from dataclasses import replace
-
-    from ..exec.executor import Executor
-    from ..exec.simulated import SimulatedComm
-    from ..lowering.compiler import compile as compile_plan
-    from ..train.model import load_model
-    from .predict import predict
-
-    model = load_model("transformer", tiny=True)
-    plan = compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule="1f1b")
-    ex = Executor(plan, SimulatedComm(plan.mesh))
-    params, feeds = ex.init_params(0), model.feeds(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ex.run(feeds, params)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            ex.run(feeds, params)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    bare = predict(plan, replace(cal, dispatch_s=0.0, pipeline_dispatch_s=0.0, cores=max(cal.cores, 2)))
-    per_step = (sorted(times)[len(times) // 2] - bare.compute_s) / max(bare.kernel_calls, 1)
-    return max(cal.dispatch_s, per_step)
-
-
-def _local_steps(plan) -> int:
-    """Local steps one run of ``plan`` executes (a loop's body once per layer)."""
-    return sum(1 for s in plan.steps if s.kind == "local") + sum(
-        s.runs(k) * _local_steps(sub) for s in plan.steps for k, sub in enumerate(s.subplans))
