@@ -19,7 +19,7 @@ from typing import Callable
 
 from ..collectives import COLLECTIVES
 from ..errors import GraphError, message
-from ..lowering.pipeline import MB_AXIS
+from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..ops.inplace import Operand, add_kernel
 from ..ops.registry import OPS, LocalCtx
 from .comm import Pending
@@ -71,10 +71,7 @@ def twins(ex, s) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
       step varies along the micro-batch axis or every held rank is its own.
     """
     mesh, ranks = ex.plan.mesh, ex.comm.ranks
-    if MB_AXIS not in mesh.sizes or len(ranks) == 1:
-        return None
-    values = ex.plan.values
-    if any(MB_AXIS in values[v].sharding.used_axes for v in (*s.ins, *s.outs) if v in values):
+    if MB_AXIS not in mesh.sizes or len(ranks) == 1 or per_microbatch(s, ex.plan.values):
         return None
     first: dict[int, int] = {}
     reps: list[int] = []
@@ -88,6 +85,11 @@ def twins(ex, s) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return (tuple(reps), tuple(of)) if len(reps) < len(ranks) else None
 
 
+def _spread(res: list, of) -> list:
+    """Per held rank, its representative's result (``of`` from :func:`twins`; None: its own)."""
+    return res if of is None else [res[k] for k in of]
+
+
 class Spread(Pending):
     """A result computed on the representatives only (:func:`twins`), read by every held rank."""
 
@@ -97,8 +99,7 @@ class Spread(Pending):
         self.pending, self.of = pending, of
 
     def wait(self):
-        xs = self.pending.wait()
-        return [xs[k] for k in self.of]
+        return _spread(self.pending.wait(), self.of)
 
 
 def _ctx(mesh, rank: int, compute: dict, sizes: dict) -> LocalCtx:
@@ -146,25 +147,12 @@ def inplace_adds(plan) -> dict[int, Callable]:
 
 @step_rule("local")
 def _prepare_local(ex, i, s):
-    tw = twins(ex, s)
-    ranks = ex.comm.ranks if tw is None else [ex.comm.ranks[j] for j in tw[0]]
-    ctxs = [_ctx(ex.plan.mesh, r, s.args["compute"], s.args["sizes"]) for r in ranks]
+    # Run on every held rank, or on one micro-batch rank per process (twins) and spread.
+    reps, of = twins(ex, s) or (range(len(ex.comm.ranks)), None)
+    ctxs = [_ctx(ex.plan.mesh, ex.comm.ranks[j], s.args["compute"], s.args["sizes"]) for j in reps]
     fn = s.args["inplace"] if i in ex.donated else ex.add_into.get(i, s.args["fn"])
     attrs, ins, outs = s.args["attrs"], s.ins, s.outs
-    if tw is not None:
-        reps, of = tw
-
-        def call_reps(env, get, run):
-            xs = [get(v) for v in ins]
-            salt = run.salt
-            res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in xs]) for j, c in zip(reps, ctxs)]
-            if len(outs) == 1:
-                env[outs[0]] = [res[k] for k in of]
-            else:
-                for o, vid in enumerate(outs):
-                    env[vid] = [res[k][o] for k in of]
-        return call_reps
-    if len(ctxs) == 1 and len(outs) == 1:  # one held rank (every real process): no per-rank loop
+    if len(ex.comm.ranks) == 1 and len(outs) == 1:  # one held rank (every real process): no per-rank loop
         (c,), (out,) = ctxs, outs
 
         def call_one(env, get, run):
@@ -174,12 +162,12 @@ def _prepare_local(ex, i, s):
     def call(env, get, run):
         xs = [get(v) for v in ins]
         salt = run.salt
-        res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in xs]) for j, c in enumerate(ctxs)]
+        res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in xs]) for j, c in zip(reps, ctxs)]
         if len(outs) == 1:
-            env[outs[0]] = res
+            env[outs[0]] = _spread(res, of)
         else:
             for o, vid in enumerate(outs):
-                env[vid] = [r[o] for r in res]
+                env[vid] = _spread([r[o] for r in res], of)
     return call
 
 
@@ -209,20 +197,15 @@ def _prepare_input(ex, i, s):
 
 @step_rule("split")
 def _prepare_split(ex, i, s):
-    comm, (src,), out, axes, dim = ex.comm, s.ins, s.outs[0], s.axes, s.args["dim"]
-    tw = twins(ex, s)
-    if tw is not None:
-        reps, of = tw
-        sub = comm.view([comm.ranks[j] for j in reps])
-
-        def call_reps(env, get, run):
-            xs = get(src)
-            ys = split_local(sub, [xs[j] for j in reps], axes, dim)
-            env[out] = [ys[k] for k in of]
-        return call_reps
+    (src,), out, axes, dim = s.ins, s.outs[0], s.axes, s.args["dim"]
+    reps, of = twins(ex, s) or (range(len(ex.comm.ranks)), None)
+    comm = ex.comm if of is None else ex.comm.view([ex.comm.ranks[j] for j in reps])
 
     def call(env, get, run):
-        env[out] = split_local(comm, get(src), axes, dim)
+        xs = get(src)
+        if of is not None:
+            xs = [xs[j] for j in reps]
+        env[out] = _spread(split_local(comm, xs, axes, dim), of)
     return call
 
 
@@ -241,7 +224,7 @@ def starter(ex, s) -> Callable:
     """``go(xs) -> Pending``: starts collective step ``s`` on the held ranks' tensors ``xs``
     (on the representatives only where :func:`twins` allows)."""
     kind, axes, args = s.kind, s.axes, s.args
-    tw = twins(ex, s) if kind not in ("send", "recv") else None
+    tw = twins(ex, s)
     if tw is None:
         start = ex.comm.start
         return lambda xs: start(kind, xs, axes, args)

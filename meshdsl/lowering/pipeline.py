@@ -57,6 +57,15 @@ class PipeSpec:
     given: tuple = ()
 
 
+def per_microbatch(step, values) -> bool:
+    """Whether plan step ``step`` computes something else for each micro-batch: one of its
+    values is split or partial along :data:`MB_AXIS`, or it moves one micro-batch's carry
+    (``send``/``recv``).  Otherwise a process runs it once for all its micro-batches
+    (``exec/steps.py`` ``twins``; the cost model prices it so)."""
+    return step.kind in ("send", "recv") or any(
+        MB_AXIS in values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in values)
+
+
 def _err(what, *, mesh, layout, rule, fix, bullets=None, cls=LayoutError):
     return cls(message(f"compile: {what}", inputs=[f"mesh: {mesh}", f"layout: {layout}"], bullets=bullets,
                        rule=rule, fix=fix))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ..collectives import COLLECTIVES
 from ..exec.executor import issue_order
 from ..lowering.memory import memory_report
-from ..lowering.pipeline import MB_AXIS
+from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..lowering.plan import Plan, Step
 from ..lowering.timeline import simulate
 from .calibrate import Calibration
@@ -89,13 +89,6 @@ def process_totals(plan: Plan) -> dict[str, dict[str, int]]:
     return out
 
 
-def varies(step: Step, plan: Plan) -> bool:
-    """Whether ``step`` computes something else per micro-batch: one of its values is split
-    or partial along the micro-batch axis (otherwise a process runs it once)."""
-    return step.kind in ("send", "recv") or any(
-        MB_AXIS in plan.values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in plan.values)
-
-
 def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, sharing: int | None = None,
                  dispatch: float | None = None) -> float:
     """Seconds of one kernel or collective step (0 for leaves and splits) on one process.
@@ -108,7 +101,7 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, shar
     dispatch = cal.dispatch_s if dispatch is None else dispatch
     mesh = plan.mesh
     nproc = mesh.axis_size(process_axes(mesh.names)) if sharing is None else sharing
-    if serial > 1 and not varies(step, plan):
+    if serial > 1 and not per_microbatch(step, plan.values):
         serial = 1  # the executor runs it on one micro-batch rank (exec/steps.py: twins)
     if step.is_collective:
         real = process_axes(step.axes)
@@ -184,9 +177,9 @@ class _Walk:
         pro, fwd, bwd, fin = s.subplans
         m = s.runs(1)
         t_pro = self.plan_time(pro, mult)
-        # Segments priced as if their stage had the cores to itself; the CPU the stages
-        # really share is charged below, from the schedule's busy times.
-        # ... and at the pipeline runtime's cost per step (its per-action bookkeeping).
+        # Segments priced as if their stage had the cores to itself (the CPU the stages
+        # really share is charged below, from the schedule's busy times), at the pipeline
+        # runtime's cost per step (its per-action bookkeeping).
         self.sharing, overlap, self.overlap = 1, self.overlap, True
         self.dispatch = self.cal.pipeline_dispatch_s or None
         fwd_t = [self.plan_time(fwd, mult * m, stages[1], st) for st in range(p)]
