@@ -36,7 +36,8 @@ def add_calibrate(sub) -> None:
                        description="Time every collective kind over groups of 2 .. N real processes and a "
                                    "sweep of message sizes, and matmul/elementwise kernels over a sweep of "
                                    "shapes; fit latency and bandwidth per kind and group size, kernel rates "
-                                   "and the runtime's own cost per step; cache them for `meshdsl search` and `plan --predict`.",
+                                   "and the runtime's own cost per step; cache them for `meshdsl search` and "
+                                   "`plan --predict`.",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int_in(2, 16, fix="pass 2, 4 or 8"), default=2,
                    help="processes of the collective sweep; a power of two also measures the smaller "
