@@ -100,7 +100,8 @@ def test_bucket_size_is_checked(model, bad):
 
 def _curve(step, model, steps=3):
     feeds = model.feeds(0)
-    return [step(feeds)[0] for _ in range(steps)], {k: [x.clone() for x in v] for k, v in step.params.items()}
+    return [step(feeds)[0] for _ in range(steps)], {k: [x if x is None else x.clone() for x in v]
+                                                     for k, v in step.params.items()}
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -180,3 +181,51 @@ def test_buckets_start_at_their_last_gradient_and_are_read_late(model, size):
     # no bucket is waited on while work that needs none of them is left
     first_read = min(at[j] for j in after_bucket)
     assert all(at[j] < first_read for j in range(len(order)) if j not in after_bucket and j not in buckets)
+
+
+def _pipe_step(model, bucket_mb, microbatches=2):
+    mesh, layout = "pipe:2; data:2", "layer:pipe; batch:data"
+    return md.TrainStep(model.loss, model.params, mesh, layout, md.SimulatedComm(md.Mesh.parse(mesh)),
+                        optimizer=md.AdamW(lr=1e-2), microbatches=microbatches, schedule="1f1b",
+                        bucket_mb=bucket_mb)
+
+
+def _final(plan):
+    pipe = next(s for s in plan.steps if s.kind == "pipeline")
+    return list(zip(pipe.subplans[3].steps, pipe.args["stages"][3]))
+
+
+def test_a_pipelines_final_gradient_reductions_are_bucketed_per_stage(model):
+    """The final segment reduces the micro-batch sums over the data axis: one bucket per
+    set of stages instead of one allreduce per gradient, the same bytes in all."""
+    off, on = _final(_pipe_step(model, 0).plan), _final(_pipe_step(model, 25).plan)
+    made = {v for s, _ in off for v in s.outs}   # reduced alone: a gradient norm's partial sums
+    grads = [(s, st) for s, st in off if s.kind == "allreduce" and s.phase != "forward" and s.ins[0] not in made]
+    buckets = [(s, st) for s, st in on if s.kind == "bucket_allreduce"]
+    assert len(grads) > len(buckets) >= 2
+    assert len({st for _, st in buckets}) == len(buckets)            # one per set of stages
+    assert sorted(v for s, _ in buckets for v in s.ins) == sorted(s.ins[0] for s, _ in grads)
+    assert sum(s.bytes for s, _ in buckets) == sum(s.bytes for s, _ in grads)
+    for s, st in buckets:   # members share their stages
+        assert all(dict((g.ins[0], t) for g, t in grads)[v] == st for v in s.ins)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_bucketed_pipeline_steps_equal_unbucketed(model, microbatches):
+    want_loss, want_params = _curve(_pipe_step(model, 0, microbatches), model)
+    for size in SIZES[1:]:
+        loss, params = _curve(_pipe_step(model, size, microbatches), model)
+        assert loss == want_loss, size
+        for k, xs in want_params.items():
+            for x, y in zip(xs, params[k]):
+                torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+def test_a_tied_embeddings_sum_made_in_the_final_segment_is_reduced_on_its_own():
+    tied = build(dataclasses.replace(CFG, tied=True))
+    final = _final(_pipe_step(tied, 25).plan)
+    made = {v for s, _ in final for v in s.outs}
+    for s, _ in final:
+        if s.kind == "bucket_allreduce":
+            assert not made & set(s.ins)
+    assert any(s.kind == "allreduce" and s.ins[0] in made for s, _ in final)

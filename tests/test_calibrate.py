@@ -11,7 +11,7 @@ import os
 import pytest
 
 from meshdsl.search import calibrate as cal_mod
-from meshdsl.search.calibrate import Calibration, cache_path, fit_line, load
+from meshdsl.search.calibrate import Calibration, cache_path, fit, fit_line, interpolate, job_sizes, load, monotone
 from meshdsl.tools.cli import main
 
 
@@ -53,6 +53,47 @@ def test_collective_price_uses_the_ring_factor():
     assert c.collective("recv", 1000, 2) == c.collective("send", 1000, 2)
 
 
+def test_interpolate_is_piecewise_linear_and_continues_the_last_segment():
+    pts = [(1000, 1e-4), (2000, 2e-4), (4000, 1e-3)]
+    assert interpolate(pts, 10) == 1e-4                      # below the samples: the smallest's time
+    assert interpolate(pts, 1500) == pytest.approx(1.5e-4)
+    assert interpolate(pts, 3000) == pytest.approx(6e-4)
+    assert interpolate(pts, 6000) == pytest.approx(1.8e-3)   # past them: the last segment's slope
+    assert interpolate([(1000, 1e-4)], 10**6) == 1e-4
+
+
+def test_monotone_drops_noise_spikes_but_keeps_the_curve():
+    # a spike at 2000 (noise only ever adds) is lowered to the larger size's time
+    assert monotone([(1000, 3e-4), (2000, 9e-4), (4000, 5e-4), (8000, 2e-3)]) == \
+        [(1000, 3e-4), (2000, 5e-4), (4000, 5e-4), (8000, 2e-3)]
+
+
+def test_measured_samples_price_collectives_per_job_size():
+    """A collective is priced from the samples of its own job size (4 processes on a 2-core
+    host are slower than 2), interpolated; an unmeasured group size falls back to the line."""
+    two = {"allreduce": {2: [(1000, 1e-4), (10**6, 1e-3)]}}
+    four = {"allreduce": {2: [(1000, 4e-4), (10**6, 4e-3)], 4: [(1000, 8e-4), (10**6, 8e-3)]}}
+    kernels = {"matmul": [(1e6, 1e-4), (1e8, 1e-3)], "elementwise": [(1e3, 1e-6), (1e6, 1e-4)]}
+    c = fit({2: two, 4: four}, kernels)
+    assert c.collective("allreduce", 10**6, 2, job=2) == pytest.approx(1e-3)
+    assert c.collective("allreduce", 10**6, 2, job=4) == pytest.approx(4e-3)
+    assert c.collective("allreduce", 500500, 4, job=4) == pytest.approx(4.4e-3)
+    assert c.collective("allreduce", 10**6, 2, job=3) == pytest.approx(4e-3)   # the next larger job's
+    assert c.collective("allreduce", 10**6, 4, job=64) == pytest.approx(8e-3)  # past them: the largest
+    line = c.collectives["allreduce"][4]
+    assert line.fixed_s == 8e-4                      # the summary's latency: the smallest message's time
+    assert c.collective("allreduce", 10**6, 8, job=8) == pytest.approx(
+        7 / 3 * line.fixed_s + 2 * 7 / 8 * 10**6 / line.rate)
+    # a bucket is priced as its members' kind over one buffer; a receive as its send
+    assert c.collective("bucket_allreduce", 10**6, 2, job=2) == c.collective("allreduce", 10**6, 2, job=2)
+    back = Calibration.from_json(json.loads(json.dumps(c.to_json())))
+    assert back.samples == c.samples
+
+
+def test_job_sizes():
+    assert job_sizes(2) == [2] and job_sizes(4) == [2, 4] and job_sizes(6) == [2, 4, 6] and job_sizes(8) == [2, 4, 8]
+
+
 def test_kernel_price_slows_down_past_the_cores():
     c = Calibration.defaults()
     one = c.kernel(True, 10**9, 0, num_ranks=c.cores)
@@ -78,6 +119,12 @@ def test_calibrate_quick_measures_saves_and_prints(tmp_path, capsys):
     assert 0 < loaded.matmul.fixed_s < 1e-3 and 0 < loaded.elementwise.fixed_s < 1e-3
     assert loaded.pipeline_dispatch_s >= loaded.dispatch_s >= 0
     assert d["pipeline_dispatch_s"] == loaded.pipeline_dispatch_s
+    # the measured samples are kept, by job size, and price the collectives
+    pts = loaded.samples[2]["allgather"][2]
+    assert [b for b, _ in pts] == sorted(b for b, _ in pts) and len(pts) == len(cal_mod.QUICK_SIZES)
+    assert loaded.collective("allgather", pts[-1][0], 2, job=2) == pytest.approx(pts[-1][1])
+    assert set(loaded.after_compute_s) == {2} and loaded.after_compute_s[2][2] >= 0
+    assert "reached from compute" in out
 
 
 def test_search_measure_writes_the_scatter_plot(tmp_path, capsys):

@@ -236,15 +236,45 @@ def _with_cores(cores: int) -> Calibration:
     return cal
 
 
-def test_more_processes_than_cores_hide_no_communication():
-    """gloo moves and reduces bytes on the CPU: with a core per process a collective in
-    flight overlaps the kernels after it; with fewer cores than processes it cannot."""
+def test_without_a_spare_core_communication_is_not_hidden():
+    """gloo moves and reduces bytes on the CPU, in a thread of the process: with a spare core
+    per process a collective in flight overlaps the kernels after it; with one core per
+    process (or fewer) it cannot."""
     model = md.load_model("transformer", tiny=True)
     plan = compile_plan(model.train_step(0.01), "data:4", "batch:data")
-    roomy, crowded = predict(plan, _with_cores(4)), predict(plan, _with_cores(2))
+    roomy, exact, crowded = (predict(plan, _with_cores(c)) for c in (8, 4, 2))
     assert roomy.exposed_comm_s < roomy.comm_s
+    assert exact.exposed_comm_s == pytest.approx(exact.comm_s)
     assert crowded.exposed_comm_s == pytest.approx(crowded.comm_s)
-    assert crowded.compute_s == pytest.approx(2 * roomy.compute_s)   # two processes per core
+    assert exact.compute_s == pytest.approx(roomy.compute_s)
+    assert crowded.compute_s == pytest.approx(2 * exact.compute_s)   # two processes per core
+
+
+def test_the_first_collective_after_compute_pays_the_measured_drift():
+    """Ranks come to a collective from compute apart: the calibration's after-compute cost is
+    added once per run of collectives that follows local compute, never to one that follows
+    another collective, and only where it was measured for the job and group size."""
+    model = md.load_model("transformer", tiny=True)
+    base = _with_cores(8)
+    drift = _with_cores(8)
+    drift.after_compute_s = {2: {2: 1e-3}}
+
+    def grew(plan):
+        extra = predict(plan, drift).comm_s - predict(plan, base).comm_s
+        assert extra == pytest.approx(round(extra / 1e-3) * 1e-3)   # whole multiples of the drift
+        return round(extra / 1e-3), sum(m for s, m in plan.collectives())
+
+    # Megatron: every allreduce follows the kernels that made its partial sums
+    paid, count = grew(compile_plan(model.train_step(0.01), "model:2", "heads:model; d_ff:model"))
+    assert paid == count > 0
+    # FSDP: the param gathers run back to back, and pay once per run
+    plan = compile_plan(model.train_step(0.01), "data:2", "batch:data; params.d_model:data")
+    paid, count = grew(plan)
+    assert 1 <= paid < count
+    plan = compile_plan(model.train_step(0.01), "model:2", "heads:model; d_ff:model")
+    other = _with_cores(8)
+    other.after_compute_s = {2: {4: 1e-3}}                     # measured for groups of 4 only
+    assert predict(plan, other).comm_s == pytest.approx(predict(plan, base).comm_s)
 
 
 def test_an_oversubscribed_pipeline_is_slowed_by_its_work_not_its_process_count():

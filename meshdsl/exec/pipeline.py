@@ -128,7 +128,7 @@ def _prepare_pipeline(ex, i, step):
     def prepared(seg, j, stages, view):
         """Step ``j`` of segment ``seg`` on ``view``, prepared once: a function of the run."""
         s = segments[seg][0][j]
-        if s.kind == "allreduce" and s.ins[0] in acc.ops:
+        if s.kind in ("allreduce", "bucket_allreduce") and all(v in acc.ops for v in s.ins):
             go = acc.reduce_step(s, view, view_of(frozenset(stages), 0))
         elif s.kind == "recv":
             go = _Recv(s, store, view, plan).run
@@ -308,8 +308,9 @@ def _folded(step, mb_axis) -> dict:
             readers.setdefault(v, []).append(s)
     out = {}
     for v, steps in readers.items():
-        ops = {s.args.get("op", "sum") for s in steps if s.kind == "allreduce" and mb_axis in s.axes}
-        if v in per_mb and v not in step.outs and len(ops) == 1 and all(s.kind == "allreduce" for s in steps):
+        reduce = ("allreduce", "bucket_allreduce")
+        ops = {s.args.get("op", "sum") for s in steps if s.kind in reduce and mb_axis in s.axes}
+        if v in per_mb and v not in step.outs and len(ops) == 1 and all(s.kind in reduce for s in steps):
             out[v] = ops.pop()
     return out
 
@@ -354,17 +355,22 @@ class _Accumulator:
                     owned.add(key)
 
     def reduce_step(self, s, view, bases):
-        """The final segment's allreduce ``s`` on ``view``: the sums of ``bases`` (the
-        view's micro-batch-0 ranks) reduced over the remaining axes, on every rank."""
-        (v,), out, env = s.ins, s.outs[0], _ViewEnv(self.store, view.ranks)
-        axes, args = tuple(a for a in s.axes if a != self.mb_axis), s.args
+        """The final segment's allreduce (or bucket of allreduces) ``s`` on ``view``: the sums
+        of ``bases`` (the view's micro-batch-0 ranks) reduced over the remaining axes, on
+        every rank; a bucket's in one flat buffer."""
+        env = _ViewEnv(self.store, view.ranks)
+        axes, args = tuple(a for a in s.axes if a != self.mb_axis), {"op": s.args.get("op", "sum")}
 
         def go(run):
-            xs = [self.sums[(v, r)] for r in bases.ranks]
+            parts = [[self.sums[(v, r)] for v in s.ins] for r in bases.ranks]
             if axes:
-                xs = bases.collective(s.kind, xs, axes, args)
-            by_base = dict(zip(bases.ranks, xs))
-            env[out] = [by_base[self.base[r]] for r in view.ranks]
+                flats = [torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0] for xs in parts]
+                flats = bases.collective("allreduce", flats, axes, args)
+                parts = [[p.view(x.shape) for p, x in zip(torch.split(flat.reshape(-1), [x.numel() for x in xs]), xs)]
+                         if len(xs) > 1 else [flat] for flat, xs in zip(flats, parts)]
+            by_base = dict(zip(bases.ranks, parts))
+            for k, out in enumerate(s.outs):
+                env[out] = [by_base[self.base[r]][k] for r in view.ranks]
         return go
 
 

@@ -26,8 +26,10 @@ the layer's slice per layer (packed into one bucket per layer), so the loop
 while the layers below are still differentiated, as DDP's per-layer hooks do.
 
 Collectives over the micro-batch axis (gradient accumulation) stay as they
-are; a pipelined plan is cut into stages before this pass could see it, and
-the compiler does not bucket it.
+are.  A pipelined plan is cut into stages before this pass could see it;
+:func:`bucket_final` packs its final segment's gradient allreduces (over the
+micro-batch axis and others: the pipeline adds the micro-batches up locally,
+then reduces the sums over the other axes, one bucket per stage).
 """
 from __future__ import annotations
 
@@ -43,10 +45,14 @@ DEFAULT_BUCKET_MB = 25.0
 BUCKET_KIND = {"allreduce": "bucket_allreduce", "reduce_scatter": "bucket_reduce_scatter"}
 
 
-def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[int]) -> bool:
+def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[int], folded: bool = False) -> bool:
     # backward: plain SGD reduces each gradient as it is made; update: an optimizer with a
-    # global norm reduces the scaled gradients (the norm itself is summed from partials)
-    if s.kind not in BUCKET_KIND or s.phase not in ("backward", "update") or MB_AXIS in s.axes:
+    # global norm reduces the scaled gradients (the norm itself is summed from partials).
+    # ``folded``: a pipeline's final segment, whose allreduces over the micro-batch axis add
+    # the micro-batches up locally first (exec/pipeline.py), then reduce over the other axes.
+    if s.kind not in BUCKET_KIND or s.phase not in ("backward", "update"):
+        return False
+    if MB_AXIS in s.axes and not (folded and s.kind == "allreduce" and set(s.axes) - {MB_AXIS}):
         return False
     if s.op == "scalar_sum":  # the global gradient norm: every clipped update waits for it
         return False
@@ -128,6 +134,53 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
         for members in at.get(i, ()):
             out.append(_bucket_step(len(out), [steps[j] for j in members]))
     return _dependency_order(out)
+
+
+def bucket_final(pairs: list[tuple[Step, frozenset]], values: dict, outputs: dict[str, int],
+                 bucket_mb: float) -> list[tuple[Step, frozenset]]:
+    """A pipeline's final segment, ``(step, stages)`` pairs, with its gradient allreduces packed
+    into buckets of about ``bucket_mb`` MB.
+
+    Members share kind, axes, op, dtype and stages, and reduce a gradient the forward and
+    backward actions made (what the pipeline's accumulator added up over the micro-batches;
+    a sum made in this segment, as a tied embedding's, is reduced on its own).  A bucket
+    stands where its first member stood, so every reader of a member still comes after it.
+    No other step moves: the segment's transfers keep their order.
+    """
+    if bucket_mb <= 0:
+        return pairs
+    steps = [s for s, _ in pairs]
+    readers: dict[int, list[int]] = {}
+    for i, s in enumerate(steps):
+        for v in s.ins:
+            readers.setdefault(v, []).append(i)
+    outs = set(outputs.values())
+    cap = bucket_mb * 2 ** 20
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+    open_: dict[tuple, list[int]] = {}
+    buckets: list[list[int]] = []
+    for i, (s, st) in enumerate(pairs):
+        if not _is_grad_reduction(s, readers, steps, outs, folded=True) or s.ins[0] in producer:
+            continue
+        key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype, st)
+        members = open_.get(key)
+        if members is None:
+            members = open_[key] = []
+            buckets.append(members)
+        members.append(i)
+        if sum(steps[j].bytes for j in members) >= cap:
+            del open_[key]
+    at = {members[0]: members for members in buckets if len(members) > 1}
+    if not at:
+        return pairs
+    merged = {j for members in at.values() for j in members}
+    out = []
+    for i, (s, st) in enumerate(pairs):
+        if i in at:
+            out.append((_bucket_step(len(out), [steps[j] for j in at[i]]), st))
+        elif i not in merged:
+            out.append((s, st))
+    return out
 
 
 def _dependency_order(steps: list[Step]) -> list[Step]:

@@ -274,7 +274,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
       schedule: the pipeline schedule when the layout splits a repeat's layer dim
         over a mesh axis (``"layer:stage"``): ``"gpipe"`` or ``"1f1b"``.
       bucket_mb: reduce gradients in buckets of about this many MB (see :mod:`.bucket`);
-        0 keeps one collective per gradient.  Pipelined plans are not bucketed.
+        0 keeps one collective per gradient.  A pipeline buckets its final segment's
+        gradient reductions (per stage).
 
     Returns:
       The :class:`Plan`: steps, values, outputs, params, inputs, notes.
@@ -319,7 +320,7 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
     holders = {}
     if spec is not None and spec.axis is not None:
-        steps, holders = partition(steps, lw.values, outs, spec)
+        steps, holders = partition(steps, lw.values, outs, spec, bucket_mb)
     else:
         steps = bucket_steps(steps, lw.values, outs, bucket_mb)
     plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)

@@ -27,6 +27,7 @@ reduced over the stage axis and a param is stored only on the stages that read i
 from __future__ import annotations
 
 from ..errors import LayoutError, message
+from .bucket import bucket_final
 from .pipeline import MB_AXIS
 from .plan import Plan, Step, step_args, register_step_kind
 
@@ -59,8 +60,11 @@ def _whole_batch_cause(steps, producer, final, i):
     return steps[i]
 
 
-def partition(steps, values, outputs: dict[str, int], spec):
+def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0):
     """Cut ``steps`` into a ``pipeline`` step; returns (top-level steps, holders).
+
+    The final segment's gradient allreduces are packed into buckets of about ``bucket_mb``
+    MB (:func:`~.bucket.bucket_final`; 0: one per gradient).
 
     ``holders`` maps each param, input and output value id to the mesh ranks that
     hold it (the ranks of the stages reading or producing it).
@@ -204,6 +208,7 @@ def partition(steps, values, outputs: dict[str, int], spec):
         for v, t in moved:
             held[v] = held[v] | {t}
 
+    lists["final"] = bucket_final(lists["final"], values, outputs, bucket_mb)
     sub = {k: Plan(mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in SEGMENTS}
     m = spec.num_microbatches
     leaves = [s for i, s in enumerate(steps) if leaf[i]]

@@ -4,9 +4,13 @@
 
 * collectives, on real processes (:func:`meshdsl.exec.launch.spawn`, one torch
   thread per rank): for each kind and group size, seconds against message
-  size, fitted as ``latency + fraction(n) * bytes / bandwidth`` where
-  ``fraction`` is the kind's ring factor from :data:`meshdsl.collectives.COLLECTIVES`
-  (so ``bandwidth`` is a bus bandwidth, comparable across kinds and sizes);
+  size.  The samples are kept and a collective is priced by interpolating
+  between them (gloo's time per byte is not constant: large messages cost
+  more per byte than medium ones); the summary line printed is
+  ``latency + fraction(n) * bytes / bandwidth``, the latency the smallest
+  message's time and ``fraction`` the kind's ring factor from
+  :data:`meshdsl.collectives.COLLECTIVES` (so ``bandwidth`` is a bus
+  bandwidth, comparable across kinds and sizes);
 * kernels, in this process with one thread: matmul/bmm seconds against FLOPs,
   and elementwise/reduction seconds against bytes touched, each
   ``overhead + amount / rate``, the overhead timed on a kernel with almost no work;
@@ -35,13 +39,24 @@ from .overhead import dispatch_seconds, median_time, pipeline_dispatch_seconds
 
 #: The collective kinds the sweep measures (``send`` stands for the send/recv pair).
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "send")
+#: Kinds priced with another's measurements: a bucket is its member kind over one buffer.
+PRICED_AS = {"recv": "send", "permute": "send", "bucket_allreduce": "allreduce",
+             "bucket_reduce_scatter": "reduce_scatter"}
 #: Message sizes in bytes per rank: full sweep and ``--quick``.
-SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 20, 1 << 22, 1 << 24)
 QUICK_SIZES = (1 << 10, 1 << 16, 1 << 20)
 #: Kernel sweep: square matmul sides and elementwise element counts.
 MATMUL_SIDES = (32, 64, 128, 256, 384)
 ELEMENTWISE_NUMELS = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
-VERSION = 1
+#: Seconds of compute before each collective that :func:`_after_compute` times.
+BURST_S = 1e-3
+VERSION = 2
+
+
+def _job_at(table: dict, job: int) -> int | None:
+    """The smallest job size in ``table`` of at least ``job`` processes, else the largest."""
+    jobs = sorted(table)
+    return next((j for j in jobs if j >= job), jobs[-1] if jobs else None)
 
 
 def cache_dir() -> str:
@@ -71,7 +86,14 @@ class Calibration:
 
     Attributes:
       collectives: kind -> group size -> :class:`Line` (``rate`` is the bus bandwidth in B/s,
-        applied to ``fraction(n) * bytes``).
+        applied to ``fraction(n) * bytes``): the summary of ``samples``.
+      samples: job size -> kind -> group size -> measured ``(bytes per rank, seconds)``, by
+        size, with that many processes running (on a small host a 4-process job's
+        collectives share the cores with twice as many processes as a 2-process job's); a
+        collective of a measured kind and group is priced between them.
+      after_compute_s: job size -> group size -> what a collective costs on top of its sweep
+        time when the ranks come to it from compute, not from a barrier (measured; the cost
+        model adds it to the first collective after local compute).
       matmul: seconds of a matmul-like kernel against its FLOPs.
       elementwise: seconds of an elementwise or reduction kernel against the bytes it touches.
       cores: CPU cores of the host: ranks beyond them share a core, so compute slows.
@@ -90,21 +112,37 @@ class Calibration:
     source: str = "measured"
     dispatch_s: float = 0.0
     pipeline_dispatch_s: float = 0.0
+    samples: dict[int, dict[str, dict[int, list[tuple[int, float]]]]] = field(default_factory=dict)
+    after_compute_s: dict[int, dict[int, float]] = field(default_factory=dict)
 
-    def collective(self, kind: str, nbytes: int, n: int) -> float:
-        """Seconds of one collective sending ``nbytes`` per rank in a group of ``n``.
+    def collective(self, kind: str, nbytes: int, n: int, job: int | None = None) -> float:
+        """Seconds of one collective sending ``nbytes`` per rank in a group of ``n``, in a job
+        of ``job`` processes (default ``n``).
 
-        An unmeasured group size takes the nearest measured one's bandwidth and scales its
-        latency by the ring steps ``(n - 1)``; ``recv`` is priced with its ``send``.
+        A measured kind and group size is interpolated linearly between its samples (and
+        continued past the largest along its last two), those of the smallest measured job
+        of at least ``job`` processes (else the largest).  An unmeasured group size takes
+        the nearest measured one's line, its latency scaled by the ring steps ``(n - 1)``;
+        ``recv`` is priced with its ``send`` and a bucket as its members' kind (:data:`PRICED_AS`).
         """
         if n <= 1 or kind == "split":
             return 0.0
-        kind = "send" if kind in ("recv", "permute") else kind
+        kind = PRICED_AS.get(kind, kind)
         table = self.collectives.get(kind) or self.collectives["allreduce"]
         near = min(table, key=lambda m: (abs(m - n), m))
+        at = _job_at(self.samples, job or n)
+        points = self.samples[at].get(kind, {}).get(n) if at is not None else None
+        if points:
+            return interpolate(points, nbytes)
         line = table[near]
         steps = 1 if kind == "send" else (n - 1) / max(near - 1, 1)
         return line.fixed_s * steps + COLLECTIVES[kind].fraction(n) * nbytes / line.rate
+
+    def after_compute(self, n: int, job: int) -> float:
+        """Seconds a collective over ``n`` ranks costs beyond :meth:`collective` when the ranks
+        come to it from compute, in a job of ``job`` processes (0 where not measured)."""
+        at = _job_at(self.after_compute_s, job)
+        return self.after_compute_s[at].get(n, 0.0) if at is not None else 0.0
 
     def kernel(self, matmul: bool, flops: int, nbytes: int, num_ranks: int = 1) -> float:
         """Seconds of one local kernel; ranks beyond :attr:`cores` share cores (a slowdown)."""
@@ -116,13 +154,20 @@ class Calibration:
                 "source": self.source, "dispatch_s": self.dispatch_s,
                 "pipeline_dispatch_s": self.pipeline_dispatch_s,
                 "collectives": {k: {str(n): vars(l) for n, l in t.items()} for k, t in self.collectives.items()},
-                "matmul": vars(self.matmul), "elementwise": vars(self.elementwise)}
+                "matmul": vars(self.matmul), "elementwise": vars(self.elementwise),
+                "samples": {str(j): {k: {str(n): [list(p) for p in pts] for n, pts in t.items()}
+                                     for k, t in kinds.items()} for j, kinds in self.samples.items()},
+                "after_compute_s": {str(j): {str(n): x for n, x in t.items()}
+                                    for j, t in self.after_compute_s.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Calibration":
         return cls({k: {int(n): Line(**l) for n, l in t.items()} for k, t in d["collectives"].items()},
                    Line(**d["matmul"]), Line(**d["elementwise"]), d["cores"], d["host"], d["backend"],
-                   d.get("source", "measured"), d.get("dispatch_s", 0.0), d.get("pipeline_dispatch_s", 0.0))
+                   d.get("source", "measured"), d.get("dispatch_s", 0.0), d.get("pipeline_dispatch_s", 0.0),
+                   {int(j): {k: {int(n): [(int(b), float(t)) for b, t in pts] for n, pts in t.items()}
+                             for k, t in kinds.items()} for j, kinds in d.get("samples", {}).items()},
+                   {int(j): {int(n): float(x) for n, x in t.items()} for j, t in d.get("after_compute_s", {}).items()})
 
     @classmethod
     def defaults(cls) -> "Calibration":
@@ -157,6 +202,28 @@ def save(cal: Calibration) -> str:
 
 
 # ----------------------------------------------------------------------------- fitting
+
+def interpolate(points: list[tuple[int, float]], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through ``points`` (sorted by x): the first point's y below
+    them, their last two points' line above them (never below the last y)."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return max(y1, y1 + (y1 - y0) * (x - x1) / (x1 - x0))
+
+
+def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``points`` (sorted by size) with each time lowered to the least time of any larger size:
+    a larger message never costs less, and timing noise only ever adds."""
+    out, low = [], float("inf")
+    for x, y in reversed(points):
+        low = min(low, y)
+        out.append((x, low))
+    return out[::-1]
+
 
 def fit_line(xs, ys, fixed: float | None = None) -> Line:
     """Least squares ``y = a + x / rate`` with ``a >= 0`` and a positive rate; with ``fixed``
@@ -218,13 +285,13 @@ def sweep_kernels(quick: bool = False, tick=lambda: None) -> dict:
     return {"matmul": mm, "elementwise": ew, "fixed": fixed}
 
 
-def _collective_job(comm, sizes, reps, progress_file):
-    """On every rank: time each kind over each group (axes suffix) and size; rank 0 reports progress."""
+def _collective_job(comm, sizes, reps, progress_file, done):
+    """On every rank: time each kind over each group (axes suffix) and size; rank 0 writes
+    the running count of samples (from ``done``) to ``progress_file``."""
     import torch.distributed as dist
 
     axes = comm.mesh.names
     out: dict = {}
-    done = 0
     for kind in KINDS:
         for j in range(len(axes)):
             group = tuple(axes[j:])
@@ -247,7 +314,8 @@ def _collective_job(comm, sizes, reps, progress_file):
                         comm.collective(kind, [x], group, args)
 
                 times = []
-                for _ in range(reps + 1):
+                # small messages are cheap and noisy: more repetitions
+                for _ in range(reps * max(1, min(4, (1 << 22) // max(size, 1))) + 1):
                     dist.barrier()
                     t0 = time.perf_counter()
                     once()
@@ -257,7 +325,42 @@ def _collective_job(comm, sizes, reps, progress_file):
                 if comm.rank == 0 and progress_file:
                     with open(progress_file, "w") as f:
                         f.write(str(done))
-    return out
+    return out, _after_compute(comm, reps)
+
+
+def _after_compute(comm, reps):
+    """Per group size: the mean seconds a small allreduce takes when every rank comes to it
+    from :data:`BURST_S` of compute (as in a training step), less its least time when the
+    ranks come to it from a barrier (what the sweep prices).  The difference is what the
+    sweep misses: the ranks arrive apart and a waiting rank is woken late."""
+    import torch.distributed as dist
+
+    a = torch.randn(96, 96)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    k = max(1, round(BURST_S / ((time.perf_counter() - t0) / 20)))
+    x = torch.randn(256)
+    extra = {}
+    for j in range(len(comm.mesh.names)):
+        group = tuple(comm.mesh.names[j:])
+        times = {True: [], False: []}
+        for i in range(48 * reps + 2):
+            busy = i % 2 == 0
+            if busy:
+                for _ in range(k):
+                    a @ a
+            else:
+                dist.barrier()
+            t0 = time.perf_counter()
+            comm.collective("allreduce", [x], group, {"op": "sum"})
+            if i >= 2:
+                times[busy].append(time.perf_counter() - t0)
+        # The sweep prices a collective at its least time; reached from compute it costs on
+        # average this much more (sometimes a late wake-up of milliseconds, mostly little).
+        busy = times[True]
+        extra[comm.mesh.axis_size(group)] = max(0.0, sum(busy) / len(busy) - min(times[False]))
+    return extra
 
 
 def collective_mesh(nproc: int) -> str:
@@ -267,42 +370,66 @@ def collective_mesh(nproc: int) -> str:
     return f"g0:{nproc}"
 
 
+def job_sizes(nproc: int) -> list[int]:
+    """The job sizes the sweep runs: 2, 4, ... up to ``nproc``, and ``nproc``."""
+    return sorted({1 << k for k in range(1, nproc.bit_length()) if 1 << k <= nproc} | {nproc})
+
+
 def num_collective_samples(nproc: int, quick: bool) -> int:
-    groups = len(collective_mesh(nproc).split(";"))
     sizes = len(QUICK_SIZES if quick else SIZES)
-    return sizes * (groups * (len(KINDS) - 1) + 1)
+    return sum(sizes * (len(collective_mesh(j).split(";")) * (len(KINDS) - 1) + 1) for j in job_sizes(nproc))
 
 
 def sweep_collectives(nproc: int, backend: str = "gloo", quick: bool = False, progress_file: str | None = None,
                       timeout: float = 120.0) -> dict:
-    """Run :func:`_collective_job` on ``nproc`` fresh processes; returns rank 0's samples."""
+    """Run :func:`_collective_job` on 2, 4, ... ``nproc`` fresh processes (one job per size);
+    returns job size -> kind -> group size -> samples, and job size -> group size -> the
+    extra seconds of a collective reached from compute (:func:`_after_compute`)."""
     from ..exec.launch import spawn
 
     sizes = QUICK_SIZES if quick else SIZES
-    results = spawn(_collective_job, nproc, args=(sizes, 2 if quick else 4, progress_file), timeout=timeout,
-                    backend=backend, mesh=collective_mesh(nproc))
-    # Every rank waited for the slowest in each sample: take the per-sample max.
-    merged: dict = {}
-    for kind, table in results[0].items():
-        for n, rows in table.items():
-            merged.setdefault(kind, {})[n] = [
-                (b, max(r[kind][n][i][1] for r in results)) for i, (b, _) in enumerate(rows)]
-    return merged
+    out, after, done = {}, {}, 0
+    for job in job_sizes(nproc):
+        results = spawn(_collective_job, job, args=(sizes, 2 if quick else 4, progress_file, done),
+                        timeout=timeout, backend=backend, mesh=collective_mesh(job))
+        # Every rank waited for the slowest in each sample: take the per-sample max.
+        merged: dict = {}
+        for kind, table in results[0][0].items():
+            for n, rows in table.items():
+                merged.setdefault(kind, {})[n] = [
+                    (b, max(r[0][kind][n][i][1] for r in results)) for i, (b, _) in enumerate(rows)]
+                done += len(rows)
+        out[job] = merged
+        after[job] = {n: max(r[1][n] for r in results) for n in results[0][1]}
+    return out, after
 
 
-def fit(collective_samples: dict, kernel_samples: dict, backend: str = "gloo") -> Calibration:
-    """A :class:`Calibration` from the two sweeps' samples."""
-    coll = {}
-    for kind, table in collective_samples.items():
+def summary_lines(kinds: dict) -> dict[str, dict[int, Line]]:
+    """kind -> group size -> samples, summed up as lines: the latency the smallest message's
+    time (not a fit's intercept, which lands wherever the largest sizes' noise puts it), the
+    bus bandwidth fitted over the ring factor's bytes."""
+    out: dict = {}
+    for kind, table in kinds.items():
         for n, rows in table.items():
             frac = COLLECTIVES[kind].fraction(n)
-            coll.setdefault(kind, {})[n] = fit_line([frac * b for b, _ in rows], [t for _, t in rows])
+            out.setdefault(kind, {})[n] = fit_line([frac * b for b, _ in rows], [t for _, t in rows],
+                                                   fixed=rows[0][1])
+    return out
+
+
+def fit(collective_samples: dict, kernel_samples: dict, backend: str = "gloo",
+        after_compute: dict | None = None) -> Calibration:
+    """A :class:`Calibration` from the two sweeps' samples (and :func:`_after_compute`'s
+    figures, job size -> group size -> seconds)."""
+    samples = {job: {kind: {n: monotone(sorted(rows)) for n, rows in table.items()}
+                     for kind, table in kinds.items()} for job, kinds in collective_samples.items()}
+    coll = summary_lines(samples[max(samples)]) if samples else {}
     mm = kernel_samples["matmul"]
     ew = kernel_samples["elementwise"]
     fixed = kernel_samples.get("fixed", {})
     return Calibration(coll, fit_line([f for f, _ in mm], [t for _, t in mm], fixed.get("matmul")),
                        fit_line([b for b, _ in ew], [t for _, t in ew], fixed.get("elementwise")),
-                       backend=backend)
+                       backend=backend, samples=samples, after_compute_s=dict(after_compute or {}))
 
 
 def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advance=lambda k: None,
@@ -348,7 +475,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advanc
                 seen = now
         if "error" in box:
             raise box["error"]
-    cal = fit(box["samples"], kernels, backend)
+    samples, after = box["samples"]
+    cal = fit(samples, kernels, backend, after)
     cal.dispatch_s = dispatch_seconds(cal, 5 if quick else 20)
     cal.pipeline_dispatch_s = pipeline_dispatch_seconds(cal, 3 if quick else 10)
     advance(1)

@@ -2,8 +2,11 @@
 
 Each step is priced on its own: a local kernel by its FLOPs (matmul-like ops:
 ``einsum``, ``gather``, ``scatter_add``) or by the bytes it reads and writes
-(everything else), a collective by its kind's fitted line for its group size;
-each adds the executor's calibrated cost per step.
+(everything else), a collective from its kind's measured samples for its group
+and job size; each adds the executor's calibrated cost per step.  The first
+collective after local compute adds what the calibration measured such a
+collective to cost beyond the sweep's (the ranks come to it apart, and a waiting
+one is woken late); collectives back to back do not.
 The step time then replays the executor's own issue order
 (:func:`meshdsl.exec.executor.issue_order` with the kinds torch.distributed
 runs asynchronously): an asynchronous collective occupies the link from its
@@ -15,9 +18,10 @@ backward segment and runs its schedule through
 A process runs its micro-batches one after another, and once what does not vary
 per micro-batch (:func:`meshdsl.exec.steps.twins`).
 
-With more processes than cores, kernels slow by processes per core and nothing
-overlaps (gloo moves and reduces bytes on the CPU: a collective in flight has no
-core while the others compute); a pipeline is charged instead the larger of its
+Without a spare core per process nothing overlaps (gloo moves and reduces bytes
+on the CPU: a collective in flight has no core while its process computes); with
+more processes than cores kernels also slow by processes per core, and a
+pipeline is charged instead the larger of its
 makespan and its stages' busy time over the cores, as a stage in its bubble leaves
 its core to the others.
 Memory per rank is :func:`meshdsl.lowering.memory.memory_report`.
@@ -109,7 +113,8 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, shar
         if not real:  # a sum over micro-batches only: each process adds its own, in place
             return adds + dispatch
         n = mesh.axis_size(real)
-        once = cal.collective(step.kind, step.bytes, n) + (dispatch if n > 1 else 0.0)
+        job = mesh.axis_size(process_axes(mesh.names))
+        once = cal.collective(step.kind, step.bytes, n, job) + (dispatch if n > 1 else 0.0)
         # Over micro-batches too: summed locally, then one collective; otherwise one per micro-batch.
         return adds + once if real != tuple(step.axes) else serial * once
     if step.kind != "local":
@@ -124,14 +129,16 @@ class _Walk:
 
     def __init__(self, cal: Calibration, nproc: int):
         self.cal, self.nproc = cal, nproc
-        # More processes than cores: a collective in flight has no core to progress on while
-        # the others compute (gloo moves and reduces bytes on the CPU), so nothing overlaps.
-        self.overlap = nproc <= cal.cores
+        # No spare core: a collective in flight has none to progress on while its process
+        # computes (gloo moves and reduces bytes on the CPU, in a thread of that process), so
+        # nothing overlaps.
+        self.overlap = nproc < cal.cores
         self.sharing: int | None = None   # processes computing at once (None: all)
         self.dispatch: float | None = None  # the runtime's seconds per step (None: the executor's)
         self.kernel_calls = 0               # local steps run, loops and micro-batches counted
         self.rows: list[tuple[str, str, float, float]] = []
         self.compute = self.comm = self.bubble = 0.0
+        self.computed = False  # a kernel ran since the last collective: the ranks drifted apart
 
     def plan_time(self, plan: Plan, mult: int, stages=None, stage=None, serial: int = 1) -> float:
         """Wall time of one run of ``plan`` (only the steps of ``stage`` when given)."""
@@ -149,6 +156,11 @@ class _Walk:
             else:
                 dur = step_seconds(s, plan, self.cal, serial, self.sharing, self.dispatch)
                 if s.is_collective:
+                    n = plan.mesh.axis_size(process_axes(s.axes))
+                    if self.computed and n > 1:
+                        # the first collective after compute: the ranks come to it apart
+                        dur += self.cal.after_compute(n, self.nproc)
+                        self.computed = False
                     self.comm += mult * dur
                     self.rows.append((s.label, s.kind, 0.0, mult * dur))
                     begin = max(start, link)
@@ -157,6 +169,7 @@ class _Walk:
                         cpu = end
                 else:
                     if dur:
+                        self.computed = True
                         self.kernel_calls += mult
                         self.compute += mult * dur
                         self.rows.append((s.label, s.op, mult * dur, 0.0))

@@ -15,7 +15,8 @@ import os
 import statistics
 
 from ..errors import message
-from ..search.calibrate import Calibration, cache_path, calibrate, load, num_collective_samples, num_kernel_samples
+from ..search.calibrate import (Calibration, cache_path, calibrate, load, num_collective_samples, num_kernel_samples,
+                                summary_lines)
 from ..search.predict import Prediction, by_op_table, predict
 from ..search.search import Ranked, SearchResult, search
 from .preflight import UsageError, float_in, int_in
@@ -70,13 +71,20 @@ def print_calibration(cal: Calibration, console) -> None:
     from rich.table import Table
 
     t = Table(title=f"calibration of {cal.host} ({cal.backend}, {cal.cores} cores)", title_justify="left")
-    for col in ("collective", "group", "latency us", "bus bandwidth GB/s"):
+    for col in ("processes", "collective", "group", "latency us", "bus bandwidth GB/s"):
         t.add_column(col, justify="left" if col == "collective" else "right")
-    for kind, table in cal.collectives.items():
-        for n, line in sorted(table.items()):
-            t.add_row("send/recv" if kind == "send" else kind, str(n), f"{line.fixed_s * 1e6:.0f}",
-                      f"{line.rate / 1e9:.2f}")
+    jobs = {j: summary_lines(kinds) for j, kinds in sorted(cal.samples.items())} or {0: cal.collectives}
+    for job, lines in jobs.items():
+        for kind, table in lines.items():
+            for n, line in sorted(table.items()):
+                t.add_row(str(job or ""), "send/recv" if kind == "send" else kind, str(n),
+                          f"{line.fixed_s * 1e6:.0f}", f"{line.rate / 1e9:.2f}")
     console.print(t)
+    after = "; ".join(f"+{x * 1e6:.0f} us ({job} processes, groups of {n})"
+                      for job, t in sorted(cal.after_compute_s.items()) for n, x in sorted(t.items()))
+    console.print("latency: the smallest message's time (a collective is priced between the measured sizes)"
+                  + (f"; reached from compute, not from a barrier, a collective costs {after}" if after else ""),
+                  highlight=False, soft_wrap=True)
     console.print(f"matmul/bmm: {cal.matmul.rate / 1e9:.1f} GFLOP/s, {cal.matmul.fixed_s * 1e6:.1f} us per kernel; "
                   f"elementwise/reduction: {cal.elementwise.rate / 1e9:.2f} GB/s, "
                   f"{cal.elementwise.fixed_s * 1e6:.1f} us per kernel (one thread); executor: "
