@@ -10,8 +10,9 @@ import os
 
 import pytest
 
-from meshdsl.search import calibrate as cal_mod
-from meshdsl.search.calibrate import Calibration, cache_path, fit, fit_line, interpolate, job_sizes, load, monotone
+from meshdsl.search import sweep
+from meshdsl.search.calibrate import Calibration, cache_path, fit, fit_line, interpolate, load, monotone
+from meshdsl.search.sweep import job_sizes
 from meshdsl.tools.cli import main
 
 
@@ -108,10 +109,10 @@ def test_calibrate_quick_measures_saves_and_prints(tmp_path, capsys):
     assert os.path.dirname(path) == str(tmp_path)
     with open(path) as f:
         d = json.load(f)
-    assert set(d["collectives"]) == set(cal_mod.KINDS)
+    assert set(d["collectives"]) == set(sweep.KINDS)
     loaded = load()
     assert loaded.source == "measured"
-    for kind in cal_mod.KINDS:
+    for kind in sweep.KINDS:
         line = loaded.collectives[kind][2]
         assert line.fixed_s >= 0 and line.rate > 0
     assert loaded.matmul.rate > 1e8 and loaded.elementwise.rate > 1e7
@@ -121,7 +122,7 @@ def test_calibrate_quick_measures_saves_and_prints(tmp_path, capsys):
     assert d["pipeline_dispatch_s"] == loaded.pipeline_dispatch_s
     # the measured samples are kept, by job size, and price the collectives
     pts = loaded.samples[2]["allgather"][2]
-    assert [b for b, _ in pts] == sorted(b for b, _ in pts) and len(pts) == len(cal_mod.QUICK_SIZES)
+    assert [b for b, _ in pts] == sorted(b for b, _ in pts) and len(pts) == len(sweep.QUICK_SIZES)
     assert loaded.collective("allgather", pts[-1][0], 2, job=2) == pytest.approx(pts[-1][1])
     assert set(loaded.after_compute_s) == {2} and loaded.after_compute_s[2][2] >= 0
     assert "reached from compute" in out

@@ -15,7 +15,7 @@ a :class:`~meshdsl.lowering.schedule.Schedule`.  Here:
 
 A micro-batch's activations are dropped from a stage after its last action there,
 and its partial sums over the micro-batches (gradients, the loss) are added in
-place into one buffer per value (:class:`_Accumulator`); the final segment's
+place into one buffer per value (:class:`~.pipeline_store.Accumulator`); the final segment's
 allreduce over the micro-batch axis then reduces only that buffer over its other
 axes.  On real processes a stage posts the receive of its next carry (or carry
 gradient) as soon as it has taken the previous one, so the message arrives while
@@ -35,10 +35,9 @@ import time
 
 import torch
 
-from ..collectives import REDUCE
 from ..lowering.schedule import COMPUTE
 from ..lowering.timeline import simulate
-from .comm import Pending
+from .pipeline_store import Accumulator, ViewEnv, folded
 from .steps import rule_for, step_rule
 
 _PHASE = {"F": 1, "send_act": 1, "recv_act": 1, "B": 2, "send_grad": 2, "recv_grad": 2}
@@ -53,27 +52,6 @@ class _StageExecutor:
         # Segments share values across actions (a forward's result is read by the backward):
         # their adds stay out of place.
         self.add_into = {}
-
-
-class _ViewEnv:
-    """The env a step call writes into: results land in the store at the view's ranks."""
-
-    __slots__ = ("store", "ranks")
-
-    def __init__(self, store, ranks):
-        self.store, self.ranks = store, ranks
-
-    def __setitem__(self, vid, xs):
-        if isinstance(xs, Pending):
-            xs = xs.wait()
-        slot = self.store.setdefault(vid, {})
-        for r, x in zip(self.ranks, xs):
-            if x is not None:
-                slot[r] = x
-
-    def get(self, vid):
-        slot = self.store[vid]
-        return [slot[r] for r in self.ranks]
 
 
 def _view(comm, ranks):
@@ -114,7 +92,7 @@ def _prepare_pipeline(ex, i, step):
     # Each held rank's micro-batch-0 twin: the rank a micro-batch sum accumulates on.
     base = {r: r if mb_axis is None else mesh.rank({**c, mb_axis: 0}) for r, c in coords.items()}
     store: dict = {}   # value id -> {rank: tensor}, for one run
-    acc = _Accumulator(store, base, mb_axis, _folded(step, mb_axis))
+    acc = Accumulator(store, base, mb_axis, folded(step, mb_axis))
     views: dict = {}
 
     def view_of(stages, mb=None):
@@ -133,10 +111,10 @@ def _prepare_pipeline(ex, i, step):
         elif s.kind == "recv":
             go = _Recv(s, store, view, plan).run
         elif s.kind == "send":
-            env, (src,), axes, off, tag = _ViewEnv(store, view.ranks), s.ins, s.axes, s.args["offset"], s.args["tag"]
+            env, (src,), axes, off, tag = ViewEnv(store, view.ranks), s.ins, s.axes, s.args["offset"], s.args["tag"]
             go = lambda run: view.send(env.get(src), axes, off, tag)  # noqa: E731
         else:
-            env = _ViewEnv(store, view.ranks)
+            env = ViewEnv(store, view.ranks)
             offset = local_layers * stages[0] if len(stages) == 1 else 0
             call, get = rule_for(s.kind)(_StageExecutor(plan, view, offset), j, s), env.get
             go = lambda run: call(env, get, run)  # noqa: E731
@@ -277,7 +255,7 @@ class _Recv:
 
     def __init__(self, s, store, view, plan):
         v = plan.values[s.outs[0]]
-        self.env, self.out, self.view = _ViewEnv(store, view.ranks), s.outs[0], view
+        self.env, self.out, self.view = ViewEnv(store, view.ranks), s.outs[0], view
         self.templates = [torch.empty(v.local_shape(plan.mesh), dtype=v.dtype)] * len(view.ranks)
         self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"]}
         self.pending, self.then = None, None
@@ -293,85 +271,6 @@ class _Recv:
 
     def run(self, run) -> None:
         self.env[self.out] = self.view.collective("recv", self.templates, self.axes, self.args)
-
-
-def _folded(step, mb_axis) -> dict:
-    """Values summed over the micro-batches in the final segment and read nowhere else there:
-    value id -> the reduction."""
-    if mb_axis is None:
-        return {}
-    _, forward, backward, final = step.subplans
-    per_mb = {v for seg in (forward, backward) for s in seg.steps for v in s.outs}
-    readers: dict = {}
-    for s in final.steps:
-        for v in s.ins:
-            readers.setdefault(v, []).append(s)
-    out = {}
-    for v, steps in readers.items():
-        reduce = ("allreduce", "bucket_allreduce")
-        ops = {s.args.get("op", "sum") for s in steps if s.kind in reduce and mb_axis in s.axes}
-        if v in per_mb and v not in step.outs and len(ops) == 1 and all(s.kind in reduce for s in steps):
-            out[v] = ops.pop()
-    return out
-
-
-class _Accumulator:
-    """Sums over the micro-batch axis (gradient accumulation, the loss), taken as each
-    micro-batch finishes on a stage, in place into one buffer per value and base rank.
-
-    The final segment's allreduce over the micro-batch axis then only reduces that buffer
-    over its other axes (once).  Micro-batches finish on a stage in micro-batch order, the
-    order the allreduce would fold them in, so sums come out the same.
-    """
-
-    def __init__(self, store, base, mb_axis, ops):
-        self.store, self.base, self.mb_axis, self.ops = store, base, mb_axis, ops
-        self.sums: dict = {}    # (value id, base rank) -> running reduction
-        self.owned: set = set()  # keys whose buffer is ours to write into
-
-    def clear(self) -> None:
-        self.sums.clear()
-        self.owned.clear()
-
-    def add(self, ranks) -> None:
-        """Fold the values of ``ranks`` (one stage's ranks for one micro-batch) into the sums."""
-        sums, owned = self.sums, self.owned
-        for v, op in self.ops.items():
-            slot = self.store.get(v)
-            if not slot:
-                continue
-            for r in ranks:
-                x = slot.pop(r, None)
-                if x is None:
-                    continue
-                key = (v, self.base[r])
-                y = sums.get(key)
-                if y is None:
-                    sums[key] = x      # may be shared: the next one allocates
-                elif key in owned:
-                    REDUCE[op](y, x, out=y)
-                else:
-                    sums[key] = REDUCE[op](y, x)
-                    owned.add(key)
-
-    def reduce_step(self, s, view, bases):
-        """The final segment's allreduce (or bucket of allreduces) ``s`` on ``view``: the sums
-        of ``bases`` (the view's micro-batch-0 ranks) reduced over the remaining axes, on
-        every rank; a bucket's in one flat buffer."""
-        env = _ViewEnv(self.store, view.ranks)
-        axes, args = tuple(a for a in s.axes if a != self.mb_axis), {"op": s.args.get("op", "sum")}
-
-        def go(run):
-            parts = [[self.sums[(v, r)] for v in s.ins] for r in bases.ranks]
-            if axes:
-                flats = [torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0] for xs in parts]
-                flats = bases.collective("allreduce", flats, axes, args)
-                parts = [[p.view(x.shape) for p, x in zip(torch.split(flat.reshape(-1), [x.numel() for x in xs]), xs)]
-                         if len(xs) > 1 else [flat] for flat, xs in zip(flats, parts)]
-            by_base = dict(zip(bases.ranks, parts))
-            for k, out in enumerate(s.outs):
-                env[out] = [by_base[self.base[r]][k] for r in view.ranks]
-        return go
 
 
 def outputs_to_first_rank(comm, plan, full: dict) -> dict:

@@ -15,8 +15,8 @@ import os
 import statistics
 
 from ..errors import message
-from ..search.calibrate import (Calibration, cache_path, calibrate, load, num_collective_samples, num_kernel_samples,
-                                summary_lines)
+from ..search.calibrate import Calibration, cache_path, calibrate, load, summary_lines
+from ..search.sweep import num_collective_samples, num_kernel_samples
 from ..search.predict import Prediction, by_op_table, predict
 from ..search.search import Ranked, SearchResult, search
 from .preflight import UsageError, float_in, int_in

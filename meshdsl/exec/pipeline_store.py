@@ -1,0 +1,114 @@
+"""A pipeline's value store: what an action's steps write and read, and the micro-batch sums.
+
+Values live in one store, per value and rank (:mod:`.pipeline` runs the actions).
+:class:`ViewEnv` is the env a step call writes into, for the ranks of one view;
+:func:`folded` finds the values the final segment only sums over the micro-batch axis;
+:class:`Accumulator` adds each micro-batch's into one buffer as it finishes on a stage and
+reduces the buffer over the other axes once (a bucket's in one flat buffer).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..collectives import REDUCE
+from .comm import Pending
+
+
+class ViewEnv:
+    """The env a step call writes into: results land in the store at the view's ranks."""
+
+    __slots__ = ("store", "ranks")
+
+    def __init__(self, store, ranks):
+        self.store, self.ranks = store, ranks
+
+    def __setitem__(self, vid, xs):
+        if isinstance(xs, Pending):
+            xs = xs.wait()
+        slot = self.store.setdefault(vid, {})
+        for r, x in zip(self.ranks, xs):
+            if x is not None:
+                slot[r] = x
+
+    def get(self, vid):
+        slot = self.store[vid]
+        return [slot[r] for r in self.ranks]
+
+
+def folded(step, mb_axis) -> dict:
+    """Values summed over the micro-batches in the final segment and read nowhere else there:
+    value id -> the reduction."""
+    if mb_axis is None:
+        return {}
+    _, forward, backward, final = step.subplans
+    per_mb = {v for seg in (forward, backward) for s in seg.steps for v in s.outs}
+    readers: dict = {}
+    for s in final.steps:
+        for v in s.ins:
+            readers.setdefault(v, []).append(s)
+    out = {}
+    for v, steps in readers.items():
+        reduce = ("allreduce", "bucket_allreduce")
+        ops = {s.args.get("op", "sum") for s in steps if s.kind in reduce and mb_axis in s.axes}
+        if v in per_mb and v not in step.outs and len(ops) == 1 and all(s.kind in reduce for s in steps):
+            out[v] = ops.pop()
+    return out
+
+
+class Accumulator:
+    """Sums over the micro-batch axis (gradient accumulation, the loss), taken as each
+    micro-batch finishes on a stage, in place into one buffer per value and base rank.
+
+    The final segment's allreduce over the micro-batch axis then only reduces that buffer
+    over its other axes (once).  Micro-batches finish on a stage in micro-batch order, the
+    order the allreduce would fold them in, so sums come out the same.
+    """
+
+    def __init__(self, store, base, mb_axis, ops):
+        self.store, self.base, self.mb_axis, self.ops = store, base, mb_axis, ops
+        self.sums: dict = {}    # (value id, base rank) -> running reduction
+        self.owned: set = set()  # keys whose buffer is ours to write into
+
+    def clear(self) -> None:
+        self.sums.clear()
+        self.owned.clear()
+
+    def add(self, ranks) -> None:
+        """Fold the values of ``ranks`` (one stage's ranks for one micro-batch) into the sums."""
+        sums, owned = self.sums, self.owned
+        for v, op in self.ops.items():
+            slot = self.store.get(v)
+            if not slot:
+                continue
+            for r in ranks:
+                x = slot.pop(r, None)
+                if x is None:
+                    continue
+                key = (v, self.base[r])
+                y = sums.get(key)
+                if y is None:
+                    sums[key] = x      # may be shared: the next one allocates
+                elif key in owned:
+                    REDUCE[op](y, x, out=y)
+                else:
+                    sums[key] = REDUCE[op](y, x)
+                    owned.add(key)
+
+    def reduce_step(self, s, view, bases):
+        """The final segment's allreduce (or bucket of allreduces) ``s`` on ``view``: the sums
+        of ``bases`` (the view's micro-batch-0 ranks) reduced over the remaining axes, on
+        every rank; a bucket's in one flat buffer."""
+        env = ViewEnv(self.store, view.ranks)
+        axes, args = tuple(a for a in s.axes if a != self.mb_axis), {"op": s.args.get("op", "sum")}
+
+        def go(run):
+            parts = [[self.sums[(v, r)] for v in s.ins] for r in bases.ranks]
+            if axes:
+                flats = [torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0] for xs in parts]
+                flats = bases.collective(s.kind, flats, axes, args)
+                parts = [[p.view(x.shape) for p, x in zip(torch.split(flat.reshape(-1), [x.numel() for x in xs]), xs)]
+                         if len(xs) > 1 else [flat] for flat, xs in zip(flats, parts)]
+            by_base = dict(zip(bases.ranks, parts))
+            for k, out in enumerate(s.outs):
+                env[out] = [by_base[self.base[r]][k] for r in view.ranks]
+        return go
