@@ -137,13 +137,14 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
 
 
 def bucket_final(pairs: list[tuple[Step, frozenset]], values: dict, outputs: dict[str, int],
-                 bucket_mb: float) -> list[tuple[Step, frozenset]]:
+                 bucket_mb: float, per_microbatch: set[int]) -> list[tuple[Step, frozenset]]:
     """A pipeline's final segment, ``(step, stages)`` pairs, with its gradient allreduces packed
     into buckets of about ``bucket_mb`` MB.
 
     Members share kind, axes, op, dtype and stages, and reduce a gradient the forward and
-    backward actions made (what the pipeline's accumulator added up over the micro-batches;
-    a sum made in this segment, as a tied embedding's, is reduced on its own).  A bucket
+    backward actions made (``per_microbatch``: what the pipeline's accumulator adds up over
+    the micro-batches; a sum made in this segment, as a tied embedding's, is reduced on its
+    own).  A bucket
     stands where its first member stood, so every reader of a member still comes after it.
     No other step moves: the segment's transfers keep their order.
     """
@@ -156,11 +157,10 @@ def bucket_final(pairs: list[tuple[Step, frozenset]], values: dict, outputs: dic
             readers.setdefault(v, []).append(i)
     outs = set(outputs.values())
     cap = bucket_mb * 2 ** 20
-    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     open_: dict[tuple, list[int]] = {}
     buckets: list[list[int]] = []
     for i, (s, st) in enumerate(pairs):
-        if not _is_grad_reduction(s, readers, steps, outs, folded=True) or s.ins[0] in producer:
+        if not _is_grad_reduction(s, readers, steps, outs, folded=True) or s.ins[0] not in per_microbatch:
             continue
         key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype, st)
         members = open_.get(key)

@@ -208,7 +208,8 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
         for v, t in moved:
             held[v] = held[v] | {t}
 
-    lists["final"] = bucket_final(lists["final"], values, outputs, bucket_mb)
+    in_actions = {v for k in ("forward", "backward") for s, _ in lists[k] for v in s.outs}
+    lists["final"] = bucket_final(lists["final"], values, outputs, bucket_mb, in_actions)
     sub = {k: Plan(mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in SEGMENTS}
     m = spec.num_microbatches
     leaves = [s for i, s in enumerate(steps) if leaf[i]]
