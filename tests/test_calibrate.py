@@ -95,6 +95,13 @@ def test_job_sizes():
     assert job_sizes(2) == [2] and job_sizes(4) == [2, 4] and job_sizes(6) == [2, 4, 6] and job_sizes(8) == [2, 4, 8]
 
 
+def test_a_large_job_sweeps_fewer_sizes():
+    # 16 MiB per rank gathered on 16 ranks would be 256 MiB each: a large job stops earlier
+    assert sweep.sizes_for(2, False) == sweep.SIZES and sweep.sizes_for(4, False) == sweep.SIZES
+    big = sweep.sizes_for(16, False)
+    assert big == sweep.SIZES[:len(big)] and max(big) * 16 <= sweep.MAX_GATHERED and len(big) >= 2
+
+
 def test_kernel_price_slows_down_past_the_cores():
     c = Calibration.defaults()
     one = c.kernel(True, 10**9, 0, num_ranks=c.cores)

@@ -19,6 +19,9 @@ KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "send")
 #: Message sizes in bytes per rank: full sweep and ``--quick``.
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 20, 1 << 22, 1 << 24)
 QUICK_SIZES = (1 << 10, 1 << 16, 1 << 20)
+#: A job of n processes sweeps the sizes up to this many bytes over n (an allgather's output
+#: per rank), so a large job's sweep stays short and small in memory.
+MAX_GATHERED = 1 << 26
 #: Kernel sweep: square matmul sides and elementwise element counts.
 MATMUL_SIDES = (32, 64, 128, 256, 384)
 ELEMENTWISE_NUMELS = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
@@ -153,9 +156,15 @@ def job_sizes(nproc: int) -> list[int]:
     return sorted({1 << k for k in range(1, nproc.bit_length()) if 1 << k <= nproc} | {nproc})
 
 
+def sizes_for(job: int, quick: bool) -> tuple[int, ...]:
+    """The message sizes a job of ``job`` processes sweeps (at least the smallest two)."""
+    sizes = QUICK_SIZES if quick else SIZES
+    return tuple(b for i, b in enumerate(sizes) if i < 2 or b * job <= MAX_GATHERED)
+
+
 def num_collective_samples(nproc: int, quick: bool) -> int:
-    sizes = len(QUICK_SIZES if quick else SIZES)
-    return sum(sizes * (len(collective_mesh(j).split(";")) * (len(KINDS) - 1) + 1) for j in job_sizes(nproc))
+    return sum(len(sizes_for(j, quick)) * (len(collective_mesh(j).split(";")) * (len(KINDS) - 1) + 1)
+               for j in job_sizes(nproc))
 
 
 def sweep_collectives(nproc: int, backend: str = "gloo", quick: bool = False, progress_file: str | None = None,
@@ -165,10 +174,9 @@ def sweep_collectives(nproc: int, backend: str = "gloo", quick: bool = False, pr
     extra seconds of a collective reached from compute (:func:`_after_compute`)."""
     from ..exec.launch import spawn
 
-    sizes = QUICK_SIZES if quick else SIZES
     out, after, done = {}, {}, 0
     for job in job_sizes(nproc):
-        results = spawn(_collective_job, job, args=(sizes, 2 if quick else 4, progress_file, done),
+        results = spawn(_collective_job, job, args=(sizes_for(job, quick), 2 if quick else 4, progress_file, done),
                         timeout=timeout, backend=backend, mesh=collective_mesh(job))
         # Every rank waited for the slowest in each sample: take the per-sample max.
         merged: dict = {}
