@@ -15,6 +15,11 @@ import torch
 from .comm import Pending
 
 
+def unpack(flat: torch.Tensor, numels, shapes) -> list[torch.Tensor]:
+    """``flat`` cut into pieces of ``numels`` elements, viewed as ``shapes`` (no copy)."""
+    return [p.view(shape) for p, shape in zip(torch.split(flat.reshape(-1), numels), shapes)]
+
+
 class _Unpacked:
     """The bucket's result, cut into the members' tensors on first use."""
 
@@ -27,8 +32,7 @@ class _Unpacked:
         if self.parts is None:
             flats = self.pending.wait()
             self.pending = None
-            self.parts = [[p.view(shape) for p, shape in zip(torch.split(flat, self.numels), self.shapes)]
-                          for flat in flats]
+            self.parts = [unpack(flat, self.numels, self.shapes) for flat in flats]
         return [parts[k] for parts in self.parts]
 
 
@@ -44,8 +48,13 @@ class _Member(Pending):
         return self.whole.part(self.k)
 
 
-def _pack_allreduce(xs, num_chunks, dims):
+def pack(xs) -> torch.Tensor:
+    """``xs`` flattened into one 1-D buffer, in order."""
     return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _pack_allreduce(xs, num_chunks, dims):
+    return pack(xs)
 
 
 def _pack_reduce_scatter(xs, num_chunks, dims):

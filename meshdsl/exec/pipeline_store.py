@@ -8,9 +8,8 @@ reduces the buffer over the other axes once (a bucket's in one flat buffer).
 """
 from __future__ import annotations
 
-import torch
-
 from ..collectives import REDUCE
+from .bucket import pack, unpack
 from .comm import Pending
 
 
@@ -46,9 +45,8 @@ def folded(step, mb_axis) -> dict:
     for s in final.steps:
         for v in s.ins:
             readers.setdefault(v, []).append(s)
-    out = {}
+    out, reduce = {}, ("allreduce", "bucket_allreduce")
     for v, steps in readers.items():
-        reduce = ("allreduce", "bucket_allreduce")
         ops = {s.args.get("op", "sum") for s in steps if s.kind in reduce and mb_axis in s.axes}
         if v in per_mb and v not in step.outs and len(ops) == 1 and all(s.kind in reduce for s in steps):
             out[v] = ops.pop()
@@ -104,10 +102,10 @@ class Accumulator:
         def go(run):
             parts = [[self.sums[(v, r)] for v in s.ins] for r in bases.ranks]
             if axes:
-                flats = [torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0] for xs in parts]
+                flats = [pack(xs) if len(xs) > 1 else xs[0] for xs in parts]
                 flats = bases.collective(s.kind, flats, axes, args)
-                parts = [[p.view(x.shape) for p, x in zip(torch.split(flat.reshape(-1), [x.numel() for x in xs]), xs)]
-                         if len(xs) > 1 else [flat] for flat, xs in zip(flats, parts)]
+                parts = [unpack(flat, [x.numel() for x in xs], [x.shape for x in xs]) if len(xs) > 1 else [flat]
+                         for flat, xs in zip(flats, parts)]
             by_base = dict(zip(bases.ranks, parts))
             for k, out in enumerate(s.outs):
                 env[out] = [by_base[self.base[r]][k] for r in view.ranks]

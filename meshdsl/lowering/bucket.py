@@ -98,26 +98,12 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
             dep |= 1 << i
         for v in s.outs:
             after[v] = dep
-    open_: dict[tuple, list[int]] = {}
-    mask: dict[tuple, int] = {}
-    buckets: list[list[int]] = []
     # In the order the backward makes the gradients (by the step that produced each), not
     # the order the reductions were emitted in: a bucket then holds gradients that are ready
     # at about the same time.  A member a reduction depends on was produced before it.
-    for i in sorted(needs, key=lambda i: (producer.get(steps[i].ins[0], -1), i)):
-        s = steps[i]
-        key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
-        if needs[i] & mask.get(key, 0):
-            open_.pop(key, None)
-        members = open_.get(key)
-        if members is None:
-            members = open_[key] = []
-            mask[key] = 0
-            buckets.append(members)
-        members.append(i)
-        mask[key] |= 1 << i
-        if sum(steps[j].bytes for j in members) >= cap:
-            del open_[key]
+    order = sorted(needs, key=lambda i: (producer.get(steps[i].ins[0], -1), i))
+    buckets = _fill(order, steps, values, cap,
+                    starts_new=lambda i, members: needs[i] & sum(1 << j for j in members))
     # A bucket goes right after the step that makes its last gradient (readers of its
     # members that stood earlier move after it: _dependency_order).
     at: dict[int, list[list[int]]] = {}
@@ -136,6 +122,26 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
     return _dependency_order(out)
 
 
+def _fill(order, steps: list[Step], values: dict, cap: float, extra=lambda i: None,
+          starts_new=lambda i, members: False) -> list[list[int]]:
+    """The reductions ``order`` (step positions) put into buckets, in that order: one open
+    bucket per kind, axes, op, dtype and ``extra(i)``, closed once it holds ``cap`` bytes;
+    ``starts_new(i, members)`` closes the open one before ``i`` would join it."""
+    open_: dict[tuple, list[int]] = {}
+    buckets: list[list[int]] = []
+    for i in order:
+        s = steps[i]
+        key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype, extra(i))
+        members = open_.get(key)
+        if members is None or starts_new(i, members):
+            members = open_[key] = []
+            buckets.append(members)
+        members.append(i)
+        if sum(steps[j].bytes for j in members) >= cap:
+            del open_[key]
+    return buckets
+
+
 def bucket_final(pairs: list[tuple[Step, frozenset]], values: dict, outputs: dict[str, int],
                  bucket_mb: float, per_microbatch: set[int]) -> list[tuple[Step, frozenset]]:
     """A pipeline's final segment, ``(step, stages)`` pairs, with its gradient allreduces packed
@@ -144,9 +150,8 @@ def bucket_final(pairs: list[tuple[Step, frozenset]], values: dict, outputs: dic
     Members share kind, axes, op, dtype and stages, and reduce a gradient the forward and
     backward actions made (``per_microbatch``: what the pipeline's accumulator adds up over
     the micro-batches; a sum made in this segment, as a tied embedding's, is reduced on its
-    own).  A bucket
-    stands where its first member stood, so every reader of a member still comes after it.
-    No other step moves: the segment's transfers keep their order.
+    own).  A bucket stands where its first member stood, so every reader of a member still
+    comes after it.  No other step moves: the segment's transfers keep their order.
     """
     if bucket_mb <= 0:
         return pairs
@@ -156,20 +161,9 @@ def bucket_final(pairs: list[tuple[Step, frozenset]], values: dict, outputs: dic
         for v in s.ins:
             readers.setdefault(v, []).append(i)
     outs = set(outputs.values())
-    cap = bucket_mb * 2 ** 20
-    open_: dict[tuple, list[int]] = {}
-    buckets: list[list[int]] = []
-    for i, (s, st) in enumerate(pairs):
-        if not _is_grad_reduction(s, readers, steps, outs, folded=True) or s.ins[0] not in per_microbatch:
-            continue
-        key = (s.kind, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype, st)
-        members = open_.get(key)
-        if members is None:
-            members = open_[key] = []
-            buckets.append(members)
-        members.append(i)
-        if sum(steps[j].bytes for j in members) >= cap:
-            del open_[key]
+    order = [i for i, s in enumerate(steps)
+             if _is_grad_reduction(s, readers, steps, outs, folded=True) and s.ins[0] in per_microbatch]
+    buckets = _fill(order, steps, values, bucket_mb * 2 ** 20, extra=lambda i: pairs[i][1])
     at = {members[0]: members for members in buckets if len(members) > 1}
     if not at:
         return pairs

@@ -4,9 +4,10 @@
 
 * collectives, on real processes (:func:`meshdsl.exec.launch.spawn`, one torch
   thread per rank), per job size: for each kind and group size, seconds against
-  message size, and what a collective reached from compute costs on top.  The samples are kept and a collective is priced by interpolating
-  between them (gloo's time per byte is not constant: large messages cost
-  more per byte than medium ones); the summary line printed is
+  message size, and what a collective reached from compute costs on top.  The
+  samples are kept and a collective is priced by interpolating between them
+  (gloo's time per byte is not constant: large messages cost more per byte
+  than medium ones); the summary line printed is
   ``latency + fraction(n) * bytes / bandwidth``, the latency the smallest
   message's time and ``fraction`` the kind's ring factor from
   :data:`meshdsl.collectives.COLLECTIVES` (so ``bandwidth`` is a bus
@@ -116,12 +117,12 @@ class Calibration:
         if n <= 1 or kind == "split":
             return 0.0
         kind = PRICED_AS.get(kind, kind)
-        table = self.collectives.get(kind) or self.collectives["allreduce"]
-        near = min(table, key=lambda m: (abs(m - n), m))
         at = _job_at(self.samples, job or n)
         points = self.samples[at].get(kind, {}).get(n) if at is not None else None
         if points:
             return interpolate(points, nbytes)
+        table = self.collectives.get(kind) or self.collectives["allreduce"]
+        near = min(table, key=lambda m: (abs(m - n), m))
         line = table[near]
         steps = 1 if kind == "send" else (n - 1) / max(near - 1, 1)
         return line.fixed_s * steps + COLLECTIVES[kind].fraction(n) * nbytes / line.rate
