@@ -5,7 +5,8 @@ operand), random operand and output orders, and checks: the form exists unless a
 is summed within one operand; it is "in order" (fusable with an update) exactly when
 the output lists its batch dims first and then one operand's dims before the other's;
 and it equals ``torch.einsum`` (fp32, rtol/atol 1e-5: the same products summed by a
-BLAS kernel in another blocking), out of place and, in order, added into p in place.
+BLAS kernel in another blocking), out of place and, in order, added into p in place,
+written into a buffer and added into it.
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def test_form_matches_einsum(case):
     res = ADD_MATMUL.compute_inplace(None, {"form": form, "alpha": -0.5}, q, x, y)
     assert res.data_ptr() == ptr and torch.equal(res, q), "in place means into p's own buffer"
     torch.testing.assert_close(q, p - 0.5 * want, rtol=1e-5, atol=1e-5)
+    # written into a buffer (a stacked gradient's layer slice), then added into it (a running sum)
+    buf = torch.full(want.shape, float("nan"))
+    assert form.matmul_into(x, y, buf, accumulate=False) is buf
+    torch.testing.assert_close(buf, want, rtol=1e-5, atol=1e-5)
+    assert form.matmul_into(x, y, buf, accumulate=True) is buf
+    torch.testing.assert_close(buf, 2 * want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("a, b, out, swap", [
@@ -114,3 +121,15 @@ def test_non_contiguous_param_is_not_written_in_place():
     res = form.add_matmul(p, x, y, -1.0, inplace=True)
     assert torch.equal(p, before)
     torch.testing.assert_close(res, before - torch.einsum("bd,bf->df", x, y), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_into_a_buffer_that_cannot_take_it_returns_the_product():
+    """A buffer of another dtype, or not row-major, is left alone: the caller copies."""
+    form = MatmulForm.of(("b", "d"), ("b", "f"), ("d", "f"))
+    x, y = _tensor("bd", 1), _tensor("bf", 2)
+    want = torch.einsum("bd,bf->df", x, y)
+    for buf in (torch.zeros(SIZES["f"], SIZES["d"]).t(), torch.zeros(SIZES["d"], SIZES["f"], dtype=torch.float64)):
+        before = buf.clone()
+        got = form.matmul_into(x, y, buf, accumulate=True)
+        assert got is not buf and torch.equal(buf, before)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

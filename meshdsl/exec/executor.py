@@ -39,12 +39,14 @@ def run_collective(comm: Communicator, kind: str, xs, axes, args):
 
 
 class _Run:
-    """What one run of a plan was given: feeds, params, the kernel salt, and the stats dict."""
+    """What one run of a plan was given: feeds, params, the kernel salt, and the stats dict;
+    ``into``: running sums a pipeline's backward loop adds its gradients into (see :mod:`.loop`)."""
 
-    __slots__ = ("feeds", "params", "salt", "stats")
+    __slots__ = ("feeds", "params", "salt", "stats", "into")
 
     def __init__(self, feeds, params, salt, stats):
         self.feeds, self.params, self.salt, self.stats = feeds, params, salt, stats
+        self.into = None
 
 
 def issue_order(plan: Plan, async_kinds=frozenset()) -> list[int]:
@@ -134,8 +136,9 @@ class Executor:
         self.donated: set[int] = set()
         if donate_params and len({real_rank(comm.mesh, r) for r in comm.ranks}) == 1:
             param_vids = {s.outs[0] for s in steps if s.kind == "param"}
-            # never under a collective that may still be reading it, nor when it is an output
-            param_vids -= {v for s in steps if s.kind != "local" for v in s.ins}
+            # never under a collective that may still be reading it, nor when it is an output;
+            # a repeat loop (stacked params) has read its layers' slices when it returns
+            param_vids -= {v for s in steps if s.kind not in ("local", "repeat") for v in s.ins}
             param_vids -= keep
             self.donated = {i for i, s in enumerate(steps)
                             if s.kind == "local" and s.args.get("inplace") is not None

@@ -9,7 +9,10 @@ collectives of the next layer that read only its params (FSDP's gathers) are
 started (:mod:`.prefetch`).
 
 A backward loop writes each layer's parameter gradients into preallocated
-stacked buffers as the layer finishes.  The gradients its step names
+stacked buffers as the layer finishes: the matmul that makes a gradient writes
+into its layer slice itself where it can (:mod:`.sink`), otherwise the result is
+copied there.  A pipeline that sums micro-batches hands the loop its running sums
+(``run.into``): the loop then adds each layer's gradient into them instead.  The gradients its step names
 ``streamed`` (:func:`meshdsl.lowering.bucket.stream_loop_grads`) are reduced by
 the sub-plan's trailing collectives, one per layer (or one bucket): the loop
 runs the sub-plan without them and starts them itself right after the layer,
@@ -28,6 +31,7 @@ from ..lowering.plan import Plan
 from .comm import Pending
 from .executor import Executor, PerRank
 from .prefetch import prefetchable, start
+from .sink import install
 from .steps import rule_for, step_rule
 
 
@@ -42,7 +46,8 @@ def _prepare_repeat(ex, i, step):
         sub = Executor(body, ex.comm)
         tail = [(s, rule_for(s.kind)(sub, -1, s)) for s in tail]
         shapes = [(ex.plan.values[v].local_shape(ex.plan.mesh), ex.plan.values[v].dtype) for v in step.outs[1:]]
-        run_fn = _backward_fn(tail, shapes)
+        sinks = [install(sub, body.outputs[f"d/{k}"]) for k in names]
+        run_fn = _backward_fn(tail, shapes, sinks, step.outs[1:])
     else:
         sub, run_fn = Executor(plan, ex.comm), _forward
     # A pipeline stage runs layers layer_offset.. of the whole stack: kernels (dropout) salt
@@ -50,7 +55,8 @@ def _prepare_repeat(ex, i, step):
     first = getattr(ex, "layer_offset", 0) + 1
 
     def call(env, get, run):
-        outs = run_fn(sub, [get(v) for v in step.ins], names, pos, saved, num_layers, held, run.stats, first)
+        outs = run_fn(sub, [get(v) for v in step.ins], names, pos, saved, num_layers, held, run.stats, first,
+                      run.into)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
     return call
@@ -81,7 +87,7 @@ class _Ahead:
         return now
 
 
-def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first):
+def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None):
     x, *stacked = ins
     ahead = _Ahead(sub, names, num_layers, stats)
 
@@ -134,19 +140,26 @@ class _Layers(Pending):
         return self.bufs
 
 
-def _backward_fn(tail: list, shapes: list):
+def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
     """The backward loop for a sub-plan whose ``tail`` collectives the loop starts itself.
 
-    ``shapes``: the (local shape, dtype) of each stacked gradient the step outputs.
+    ``shapes``: the (local shape, dtype) of each stacked gradient the step outputs (value
+    ids ``outs``); ``sinks``: per gradient, its producer's :class:`~.sink.Sink` or None.
+    A call's ``into`` maps some of ``outs`` to running sums (one tensor per held rank):
+    those gradients are added into them, which the call then returns.
     """
-    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first):
+    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None):
         carries, *rest = ins
         stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
         ahead = _Ahead(sub, names, num_layers, stats)
         outv = [sub.plan.outputs[f"d/{k}"] for k in names]
         late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
-        bufs: list = []   # made at the first layer, on the device its gradients are on
         pending = {n: [None] * num_layers for n in late}
+        into = into or {}
+        adds = [n not in late and outs[n] in into for n in range(len(names))]
+        bufs = [into[outs[n]] if adds[n] else
+                [torch.empty(shape, dtype=dtype, device=x.device) for x in dy]
+                for n, (shape, dtype) in enumerate(shapes)]
 
         def params_of(l):
             return _layer_params(stacked, names, pos, held, l)
@@ -156,22 +169,29 @@ def _backward_fn(tail: list, shapes: list):
             pre = ahead(l, l - 1, params, params_of)
             feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy), **params,
                      **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
-            r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
+            dsts = [[buf.select(pos[k], l) for buf in bufs[n]] for n, k in enumerate(names)]
+            for n, sink in enumerate(sinks):
+                if sink is not None and n not in late:
+                    sink.dst, sink.accumulate = dsts[n], adds[n]
+            try:
+                r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
+            finally:
+                for sink in sinks:
+                    if sink is not None:
+                        sink.dst = None
             env = {v: r[f"d/{k}"] for v, k in zip(outv, names)}
             for s, call in tail:
                 t0 = time.perf_counter()
                 call(env, env.__getitem__, None)
                 if stats is not None:
                     stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
-            if not bufs:
-                bufs.extend([torch.empty(shape, dtype=dtype, device=g.device) for g in r[f"d/{k}"]]
-                            for (shape, dtype), k in zip(shapes, names))
             for n, k in enumerate(names):
                 if n in late:
                     pending[n][l] = env[_reduced_out(tail, outv[n])]
-                else:
-                    for buf, g in zip(bufs[n], r[f"d/{k}"]):
-                        buf.select(pos[k], l).copy_(g)
+                    continue
+                for dst, g in zip(dsts[n], r[f"d/{k}"]):
+                    if g is not dst:  # its matmul could not write there itself
+                        dst.add_(g) if adds[n] else dst.copy_(g)
             return r["dcarry"], ()
 
         dy, _ = run_layers(num_layers, layer, dy, backward=True)

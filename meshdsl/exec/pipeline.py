@@ -92,7 +92,13 @@ def _prepare_pipeline(ex, i, step):
     # Each held rank's micro-batch-0 twin: the rank a micro-batch sum accumulates on.
     base = {r: r if mb_axis is None else mesh.rank({**c, mb_axis: 0}) for r, c in coords.items()}
     store: dict = {}   # value id -> {rank: tensor}, for one run
-    acc = Accumulator(store, base, mb_axis, folded(step, mb_axis))
+    # A backward loop's stacked gradients that only the final segment's sums read: the loop
+    # adds later micro-batches' into the first one's buffer itself (Accumulator.into).
+    read = {v for steps, _ in segments[:3] for s in steps for v in s.ins}
+    fresh = {v for s in backward.steps if s.kind == "repeat" for v in s.outs[1:]} - read
+    acc = Accumulator(store, base, mb_axis, folded(step, mb_axis), fresh)
+    summed = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in acc.fresh)
+              for stage in held_stages}
     views: dict = {}
 
     def view_of(stages, mb=None):
@@ -137,6 +143,8 @@ def _prepare_pipeline(ex, i, step):
         steps, stages = segments[seg]
         view = view_of(frozenset({stage}), act.microbatch)
         thunks = []
+        if act.kind == "B" and summed[stage]:
+            thunks.append(_adding_into(acc, view.ranks, summed[stage]))
         for j, (s, st) in enumerate(zip(steps, stages)):
             if stage not in st:
                 continue
@@ -153,6 +161,8 @@ def _prepare_pipeline(ex, i, step):
                 thunks.append(_timed("recv", r.take))
             elif is_carry and (s.kind == "send") == act.is_send:
                 thunks.append(prepared(seg, j, (stage,), view))
+        if act.kind == "B" and summed[stage]:
+            thunks.append(_adding_into(None, (), ()))
         program.append((stage, act, thunks))
     for rs in posted.values():  # taking one posts the next
         for r, nxt in zip(rs, rs[1:]):
@@ -224,6 +234,14 @@ def _action_drops(segments, seg, stage, kept) -> dict[int, tuple]:
         if v in made and v not in shared:
             out[j] = out.get(j, ()) + (v,)
     return out
+
+
+def _adding_into(acc, ranks, values):
+    """Sets ``run.into`` for a B action: the running sums its loop adds ``values`` into
+    (``acc`` None: clears it, after the action)."""
+    def go(run):
+        run.into = acc.into(ranks, values) if acc is not None else None
+    return go
 
 
 def _dropper(store, ranks, values):

@@ -4,7 +4,9 @@ Values live in one store, per value and rank (:mod:`.pipeline` runs the actions)
 :class:`ViewEnv` is the env a step call writes into, for the ranks of one view;
 :func:`folded` finds the values the final segment only sums over the micro-batch axis;
 :class:`Accumulator` adds each micro-batch's into one buffer as it finishes on a stage and
-reduces the buffer over the other axes once (a bucket's in one flat buffer).
+reduces the buffer over the other axes once (a bucket's in one flat buffer).  A backward
+loop's stacked gradients are added into that buffer by the loop itself (:meth:`Accumulator.into`):
+its matmuls accumulate there, so a micro-batch's gradients are never copied.
 """
 from __future__ import annotations
 
@@ -62,14 +64,27 @@ class Accumulator:
     order the allreduce would fold them in, so sums come out the same.
     """
 
-    def __init__(self, store, base, mb_axis, ops):
+    def __init__(self, store, base, mb_axis, ops, fresh=frozenset()):
         self.store, self.base, self.mb_axis, self.ops = store, base, mb_axis, ops
+        #: values made in a buffer of their own each time (a backward loop's stacked gradients)
+        self.fresh = frozenset(v for v in fresh if ops.get(v) == "sum")
         self.sums: dict = {}    # (value id, base rank) -> running reduction
         self.owned: set = set()  # keys whose buffer is ours to write into
 
     def clear(self) -> None:
         self.sums.clear()
         self.owned.clear()
+
+    def into(self, ranks, values) -> dict:
+        """The running sums of ``values`` (of :attr:`fresh`) that ``ranks`` (one stage's ranks
+        for one micro-batch) may add into in place, as the backward loop's ``run.into``:
+        value id -> one tensor per rank, for values whose sum is started and ours on every rank."""
+        out = {}
+        for v in values:
+            keys = [(v, self.base[r]) for r in ranks]
+            if all(k in self.owned for k in keys):
+                out[v] = [self.sums[k] for k in keys]
+        return out
 
     def add(self, ranks) -> None:
         """Fold the values of ``ranks`` (one stage's ranks for one micro-batch) into the sums."""
@@ -85,7 +100,11 @@ class Accumulator:
                 key = (v, self.base[r])
                 y = sums.get(key)
                 if y is None:
-                    sums[key] = x      # may be shared: the next one allocates
+                    sums[key] = x      # may be shared (unless fresh): the next one allocates
+                    if v in self.fresh:
+                        owned.add(key)
+                elif x is y:           # added into the sum where it was made (:meth:`into`)
+                    continue
                 elif key in owned:
                     REDUCE[op](y, x, out=y)
                 else:

@@ -82,6 +82,22 @@ class MatmulForm:
         # (attention's projections read q, k, v's gradients twice) would each copy it.
         return out if self.out_perm is None else out.permute(self.out_perm).contiguous()
 
+    def matmul_into(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        """``einsum(x, y)`` written into ``out`` (``out + einsum(x, y)`` when ``accumulate``), in
+        one BLAS call; returns ``out``.  Only for forms :attr:`in_order`.  When ``out`` cannot take
+        it (another shape, dtype or device, not contiguous), the product is returned and ``out`` is untouched."""
+        assert self.out_perm is None, "matmul_into needs the product in the output's order"
+        a, b, shape = self._operands(x, y)
+        if (tuple(out.shape) != shape or out.dtype != a.dtype or b.dtype != a.dtype or out.device != a.device
+                or not out.is_contiguous()):
+            return (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
+        q = out.view(*a.shape[:-1], b.shape[-1])
+        if accumulate:
+            (q.baddbmm_ if self.nb else q.addmm_)(a, b)
+        else:
+            (torch.bmm if self.nb else torch.mm)(a, b, out=q)
+        return out
+
     def add_matmul(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor, alpha: float,
                    inplace: bool = False) -> torch.Tensor:
         """``p + alpha * einsum(x, y)`` in one BLAS call; into ``p`` itself when ``inplace``.

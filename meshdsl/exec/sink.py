@@ -1,0 +1,72 @@
+"""Gradients written by their matmul straight into a buffer, or added into it.
+
+A repeat's backward loop puts each layer's parameter gradients into one stacked
+buffer per gradient (:mod:`.loop`), and a pipeline sums each micro-batch's stacked
+gradients into a running sum (:class:`~.pipeline_store.Accumulator`).  Done with
+copies, every gradient costs its matmul, then a copy into the buffer, then an add
+into the sum: two more passes over memory per weight, per layer, per micro-batch.
+
+When the step that makes a gradient is a matmul-form einsum and nothing else in the
+block reads its result, it writes into the buffer's layer slice itself:
+``mm(a, b, out=slice)``, or ``slice.addmm_(a, b)`` to add into a running sum (the
+add happens inside the matmul).  :func:`install` wraps that step's call once; the
+loop points :attr:`Sink.dst` at this layer's slices before the block runs.
+"""
+from __future__ import annotations
+
+from ..lowering.fuse import IDENTITY
+from ..ops.registry import OPS
+from .steps import twins
+
+
+class Sink:
+    """Where one gradient goes while a loop runs its block: ``dst`` (one tensor per held
+    rank, or None: the step returns a fresh result), and whether to add into it."""
+
+    __slots__ = ("dst", "accumulate")
+
+    def __init__(self):
+        self.dst: list | None = None
+        self.accumulate = False
+
+
+def install(ex, vid: int) -> Sink | None:
+    """Make the step of ``ex`` that produces value ``vid`` write into a :class:`Sink`.
+
+    Returns None (the step is left as it is) unless the step is a two-operand einsum
+    in matmul form whose product comes out in the output's order, in the plain
+    kernel (not a mixed-precision one), run once per held rank, and ``vid`` is read
+    by no step of the plan (only the plan's output names it).  Identity kernels in
+    between (``stop_gradient``, the gradient's name) are seen through: they hand on
+    the tensor itself.
+    """
+    steps = ex.plan.steps
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+    readers: dict = {}
+    for s in steps:
+        for v in s.ins:
+            readers[v] = readers.get(v, 0) + 1
+    if readers.get(vid) or vid not in producer:
+        return None
+    i = producer[vid]
+    while steps[i].kind == "local" and steps[i].op in IDENTITY:  # a gradient's name tag: see through it
+        (v,) = steps[i].ins
+        if readers[v] != 1 or v not in producer:
+            return None
+        vid, i = v, producer[v]
+    s = steps[i]
+    form = s.args.get("attrs", {}).get("form") if s.kind == "local" else None
+    if (form is None or not form.in_order or s.op != "einsum" or len(s.ins) != 2 or len(s.outs) != 1
+            or s.args["fn"] != OPS["einsum"].compute or i in ex.donated or twins(ex, s) is not None):
+        return None
+    sink, plain, (a, b) = Sink(), ex.calls[i], s.ins
+
+    def call(env, get, run):
+        dst = sink.dst
+        if dst is None:
+            return plain(env, get, run)
+        acc = sink.accumulate
+        env[vid] = [form.matmul(x, y) if d is None else form.matmul_into(x, y, d, acc)
+                    for x, y, d in zip(get(a), get(b), dst)]
+    ex.calls[i] = call
+    return sink
