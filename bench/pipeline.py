@@ -231,8 +231,9 @@ def bench(args) -> int:
     console.print(t)
     console.print("ms: median step over every sample (the slower rank's); round medians: range of the "
                   "per-round medians; CPU ms: CPU time per step of the busier process (every thread; time "
-                  "descheduled left out).  Bubble: idle fraction of the pipeline's makespan per stage "
-                  "(outside F and B: waits in a receive count as idle), median over the timed steps; at "
+                  "descheduled left out).  Bubble: idle fraction of the pipeline's makespan (first F to last "
+                  "action) per stage (outside F and B: waits in a receive count as idle), median over the "
+                  "timed steps; at "
                   "measured costs: the schedule replayed with each stage's mean F and B times and free "
                   "transfers, the bubble the stages' imbalance alone leaves.")
 

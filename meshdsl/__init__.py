@@ -17,6 +17,7 @@ Public API (everything else lives in subpackages and may change):
 * the training loop: :func:`fit` ``(model, mesh=..., layout=..., steps=..., data=...)`` -> :class:`TrainResult`, :class:`TokenData` (text batches),
   :func:`generate` (text from a trained language model); checkpoints :func:`save_checkpoint`,
   :func:`load_checkpoint`, :func:`latest_checkpoint`
+* pipelines: :func:`draw_timeline` (a plan's schedule, or a run's recorded actions, as a PNG)
 * layout search: :func:`calibrate` (measure this machine, cache the fit), :func:`load_calibration`,
   :func:`predict` (a plan's step time and memory per rank), :func:`search_layouts` (rank meshes and
   layouts for N processes)
@@ -48,6 +49,7 @@ from .train.lr_schedule import cosine_schedule
 from .train.optim import sgd
 from .train.optimizers import SGD, Adafactor, AdamW
 from .train.step import TrainStep
+from .tools.timeline_png import draw_timeline
 from .train.trainer import TrainResult, fit
 from .search.calibrate import calibrate, load as load_calibration
 from .search.predict import predict

@@ -166,11 +166,13 @@ def test_check_pipelined_on_processes(capsys):
 
 @pytest.mark.parametrize("schedule,peak", [("gpipe", [4, 4]), ("1f1b", [2, 1])])
 def test_run_prints_per_stage_figures_and_writes_the_report(capsys, tmp_path, schedule, peak):
-    path = tmp_path / "run.json"
+    path, png = tmp_path / "run.json", tmp_path / "timeline.png"
     rc, out, err = run(capsys, "run", *PIPE, "--microbatches", "4", "--schedule", schedule, "--steps", "3",
-                       "--warmup", "1", "--report", str(path))
+                       "--warmup", "1", "--report", str(path), "--timeline", str(png))
     assert rc == 0, out + err
     assert f"pipeline over 'stage': 2 stages, 4 micro-batches, {schedule}" in flat(out)
+    # the measured step drawn: 4 F and 4 B bars per stage (tests/test_timeline_png.py pins the drawing)
+    assert f"timeline: {png} (16 F/B bars" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "bubble measured" in out and "20.0%" in out  # the theory column: (2-1)/(4+2-1)
     r = json.loads(path.read_text())
     assert (r["schedule"], r["stages"], r["microbatches"]) == (schedule, 2, 4)

@@ -348,6 +348,25 @@ def test_bubble_from_a_recorded_timeline_agrees_with_simulate():
     assert compute == [[(a, t - t0, u - t0) for a, t, u in row] for row in recorded]
 
 
+def test_a_receive_posted_before_the_first_forward_is_not_bubble():
+    """A later stage that finished the previous step first waits in its receive before the
+    first stage's F0 starts: that wait is the previous step's flush.  The makespan starts
+    at the first F, so the recorded step gives the simulated bubble exactly."""
+    f = lambda kind, mb, stage, peer=None: Action(kind, mb, stage, peer)  # noqa: E731
+    t0 = 50.0
+    early = [[(f("F", 0, 0), t0 + 0, t0 + 1), (f("F", 1, 0), t0 + 1, t0 + 2),
+              (f("B", 0, 0), t0 + 4, t0 + 5), (f("B", 1, 0), t0 + 5, t0 + 6)],
+             [(f("recv_act", 0, 1, 0), t0 - 7, t0 + 1),   # posted 7 time units before F0 started
+              (f("F", 0, 1), t0 + 1, t0 + 2), (f("F", 1, 1), t0 + 2, t0 + 3),
+              (f("B", 0, 1), t0 + 3, t0 + 4), (f("B", 1, 1), t0 + 4, t0 + 5)]]
+    measured = bubble_from_timeline(early)
+    simulated = simulate(make_schedule("gpipe", 2, 2))
+    assert measured.makespan == simulated.makespan == 6
+    assert [r.idle_fraction for r in measured.ranks] == pytest.approx([1 / 3, 1 / 3])
+    # with no F or B at all (transfers only), the span is the transfers' own
+    assert bubble_from_timeline([[(f("recv_act", 0, 1, 0), 2, 5)]]).makespan == 3
+
+
 def test_peak_counts_an_activation_until_its_backward_ends():
     f = lambda kind, mb: Action(kind, mb, 0)  # noqa: E731
     # Recorded out of order: the runtime may append per thread; B0 ends before F2 starts.

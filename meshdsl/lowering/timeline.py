@@ -53,13 +53,20 @@ def bubble_from_timeline(timeline: Sequence[Sequence[tuple[Action, Number, Numbe
     both go through here, so measured and simulated figures mean the same.  An
     activation is held from the start of its F to the end of its B.
 
+    The makespan runs from the first F or B to the last action's end, as in
+    (p-1)/(m+p-1), where the first stage's first F starts the clock.  In a training
+    loop a later stage finishes a step before the first one (which still runs the
+    last backward) and posts its first receive early: that wait is the previous
+    step's flush, already inside that step's makespan, so it is not counted twice.
+
     Example:
         >>> f, b = Action("F", 0, 0), Action("B", 0, 0)
         >>> bubble_from_timeline([[(f, 10, 11), (b, 12, 14)]]).ranks[0]
         RankStats(busy=3, idle_fraction=Fraction(1, 4), peak_activations=1)
     """
     spans = [(t0, t1) for row in timeline for _, t0, t1 in row]
-    t_first = min((t0 for t0, _ in spans), default=0)
+    starts = [t0 for row in timeline for a, t0, _ in row if a.kind in COMPUTE] or [t0 for t0, _ in spans]
+    t_first = min(starts, default=0)
     makespan = max((t1 for _, t1 in spans), default=0) - t_first
     ranks = []
     for row in timeline:

@@ -43,6 +43,7 @@ from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .compare import report_check
 from .report import plan_report, print_report
 from .search_cli import add_calibrate, add_search, print_prediction
+from .timeline_png import check_timeline, draw, simulated_rows, timeline_arg
 from .train_cli import add_train, load_configured
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -138,6 +139,7 @@ def add_plan(sub) -> None:
                                                           "(from `meshdsl calibrate`)")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
+    timeline_arg(p)
     bucket_arg(p)
     p.set_defaults(run=cmd_plan)
 
@@ -152,6 +154,8 @@ def cmd_plan(args) -> int:
     outputs, _ = train_outputs(model, args)
     plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
                         bucket_mb=args.bucket_mb)
+    pipe = schedule_summary(plan)
+    check_timeline(args, pipe)
     report = plan_report(plan)
     report["optimizer"] = describe(*optimizer_from_args(args))
     report["memory"] = memory_report(plan)
@@ -160,13 +164,19 @@ def cmd_plan(args) -> int:
         return EXIT_OK
     console = _console()
     print_report(report, console, only_comm=args.only_comm, totals_only=args.totals)
-    pipe = schedule_summary(plan)
     if pipe is not None:
         console.print(f"pipeline over '{pipe['axis']}': {pipe['stages']} stages, {pipe['microbatches']} "
                       f"micro-batches, schedule {pipe['schedule']}; in theory: bubble "
                       f"{pipe['bubble_theory']:.1%}, activations held per stage {pipe['peak_theory']}",
                       highlight=False, soft_wrap=True)
         console.print(pipe["table"], highlight=False, markup=False)
+    if args.timeline is not None:
+        step = next(s for s in plan.steps if s.kind == "pipeline")
+        got = draw(simulated_rows(step.args["schedule"]), args.timeline,
+                   f"{args.model}: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} micro-batches "
+                   f"(F = B = 1, transfers free)", unit="F times", scale=1.0)
+        console.print(f"timeline: {args.timeline} ({sum(got['bars'].values())} F/B bars, span {got['span']:g} "
+                      f"F times)", highlight=False, soft_wrap=True)
     if args.predict:
         print_prediction(plan, console)
     return EXIT_OK

@@ -13,7 +13,6 @@ import argparse
 import os
 import statistics
 
-from ..errors import message
 from ..exec.distributed import resolve_backend
 from ..exec.launch import in_torchrun, launch
 from ..layout.mesh import Mesh
@@ -21,7 +20,8 @@ from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
 from .pipe_report import figures_table, run_figures, schedule_summary
-from .preflight import UsageError, check_processes, float_in, int_in
+from .preflight import check_output_path, check_processes, float_in, int_in
+from .timeline_png import check_timeline, draw, median_step, timeline_arg
 
 
 def dist_args(p) -> None:
@@ -118,6 +118,7 @@ def add_run(sub) -> None:
     p.add_argument("--report", metavar="FILE.json", default=None,
                    help="also write the figures to FILE.json: step_ms and per step the compute / comm / "
                         "overhead split; with a pipeline, the per-stage bubble and peak activations")
+    timeline_arg(p)
     p.set_defaults(run=cmd_run)
 
 
@@ -138,6 +139,8 @@ def cmd_run(args) -> int:
     # Layout, micro-batch and schedule errors surface here, once, before any process starts.
     plan = compile_plan(train_outputs(model, args)[0], mesh, args.layout, microbatches=args.microbatches,
                         schedule=args.schedule, bucket_mb=args.bucket_mb)
+    summary = schedule_summary(plan)
+    check_timeline(args, summary)
     args.preflight_done = True
     results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
                                         args.lr, args.seed, args.warmup, args.microbatches, args.schedule,
@@ -147,7 +150,6 @@ def cmd_run(args) -> int:
         return 0
     steps, timelines = results[0]
     _print_steps(args, steps, [r[0] for r in results if r is not None])
-    summary = schedule_summary(plan)
     figures = run_figures(summary, timelines) if summary is not None and timelines else None
     if figures is not None:
         from .cli import _console
@@ -155,9 +157,14 @@ def cmd_run(args) -> int:
         console.print(figures_table(figures, f"pipeline over '{summary['axis']}': {figures['stages']} stages, "
                                              f"{figures['microbatches']} micro-batches, {figures['schedule']}"))
         console.print("per stage, medians over the timed steps: busy = time in F and B actions; bubble = idle "
-                      "fraction of the span from the step's first action to its last, over all ranks; "
+                      "fraction of the span from the step's first F to its last action, over all ranks; "
                       "theory: bubble (p-1)/(m+p-1), activations held m (gpipe) or p - stage (1f1b)",
                       highlight=False, soft_wrap=True)
+    if args.timeline is not None and timelines:
+        got = draw(median_step(timelines), args.timeline,
+                   f"{args.model}: {summary['schedule']}, {summary['stages']} stages, {summary['microbatches']} "
+                   f"micro-batches, mesh '{args.mesh}' (measured: the step of median length)")
+        print(f"timeline: {args.timeline} ({sum(got['bars'].values())} F/B bars, span {got['span']:.1f} ms)")
     if args.report is not None:
         write_report(args, [r[0] for r in results if r is not None], figures, plan)
     return 0
@@ -165,13 +172,7 @@ def cmd_run(args) -> int:
 
 def check_report_path(path: str) -> None:
     """Refuse a ``--report`` file that cannot be written, before any process starts."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        why = "is a folder" if os.path.isdir(path) else \
-            "is in a folder that does not exist" if not os.path.isdir(folder) else "is in a read-only folder"
-        raise UsageError(message(f"--report {path}: the file {why}.", inputs=[f"folder: {folder}"],
-                                 rule="--report names a JSON file to create or replace",
-                                 fix="pass a file in an existing, writable folder, e.g. --report run.json"))
+    check_output_path("--report", path, "a JSON file", "run.json")
 
 
 def write_report(args, per_rank: list, figures, plan) -> None:

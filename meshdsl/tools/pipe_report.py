@@ -108,9 +108,10 @@ def bubble_at_costs(summary: dict[str, Any], timelines: list) -> list[float]:
 def run_figures(summary: dict[str, Any], timelines: list) -> dict[str, Any]:
     """Per-stage figures of a pipelined run from every rank's recorded actions.
 
-    The makespan of a step runs from its first action's start to its last action's
-    end over all ranks (the prologue and the final segment, run once per step, are
-    outside it); a stage's bubble is the fraction of that makespan it spends outside
+    The makespan of a step runs from its first F's start to its last action's end
+    over all ranks (the prologue and the final segment, run once per step, are
+    outside it; so is a receive's wait before the first F, the previous step's flush:
+    see :func:`~meshdsl.lowering.timeline.bubble_from_timeline`); a stage's bubble is the fraction of that makespan it spends outside
     its F and B actions: waiting in a receive, sending, or descheduled counts as
     idle, as in (p-1)/(m+p-1).  Figures are medians over the timed steps (peaks: the
     max); ``bubble_at_costs`` is :func:`bubble_at_costs`.

@@ -72,6 +72,21 @@ def float_in(lo: float | None = None, *, lo_open: bool = False, fix: str = ""):
 
 # ------------------------------------------------------------ process count
 
+def check_output_path(flag: str, path: str, what: str, example: str) -> None:
+    """Refuse an output file ``path`` (given as ``flag``) that cannot be written, before any work.
+
+    Args:
+      what: what the file is, e.g. "a JSON file"; example: a good value, e.g. "run.json".
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        why = "is a folder" if os.path.isdir(path) else \
+            "is in a folder that does not exist" if not os.path.isdir(folder) else "is in a read-only folder"
+        raise UsageError(message(f"{flag} {path}: the file {why}.", inputs=[f"folder: {folder}"],
+                                 rule=f"{flag} names {what} to create or replace",
+                                 fix=f"pass a file in an existing, writable folder, e.g. {flag} {example}"))
+
+
 def max_local_procs() -> int:
     """The default limit on local processes: :data:`PROCS_PER_CPU` per CPU core."""
     return PROCS_PER_CPU * (os.cpu_count() or 1)
