@@ -162,7 +162,7 @@ def _prepare_pipeline(ex, i, step):
             elif is_carry and (s.kind == "send") == act.is_send:
                 thunks.append(prepared(seg, j, (stage,), view))
         if act.kind == "B" and summed[stage]:
-            thunks.append(_adding_into(None, (), ()))
+            thunks.append(_done_adding)
         program.append((stage, act, thunks))
     for rs in posted.values():  # taking one posts the next
         for r, nxt in zip(rs, rs[1:]):
@@ -237,11 +237,15 @@ def _action_drops(segments, seg, stage, kept) -> dict[int, tuple]:
 
 
 def _adding_into(acc, ranks, values):
-    """Sets ``run.into`` for a B action: the running sums its loop adds ``values`` into
-    (``acc`` None: clears it, after the action)."""
+    """Sets ``run.into`` for a B action: the running sums its loop adds ``values`` into."""
     def go(run):
-        run.into = acc.into(ranks, values) if acc is not None else None
+        run.into = acc.into(ranks, values)
     return go
+
+
+def _done_adding(run):
+    """Clears ``run.into`` after a B action."""
+    run.into = None
 
 
 def _dropper(store, ranks, values):
