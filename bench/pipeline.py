@@ -17,6 +17,9 @@ alternate the 1-process and the 2-process job, and step-0 losses checked against
 plain torch's.  For meshdsl, every timed step's pipeline actions are recorded on both
 ranks (``Executor.last_timeline``) and put on one clock, giving the measured bubble
 per stage next to (p-1)/(m+p-1), and the peak number of micro-batch activations held.
+Each stage's time in F and B per step is printed for both sides: meshdsl's recorded
+actions, and torch's ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``, timed
+by wrapping them (compute against compute, waiting left out).
 
     python bench/pipeline.py                    # 3 rounds
     python bench/pipeline.py --quick            # 1 round, 2 turns, m in {4, 8}: the goals' cases
@@ -31,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -111,6 +115,55 @@ def _names(ms):
             if not (who == "torch" and s == "1f1b" and m < 2)]
 
 
+class _TorchActions:
+    """Seconds torch pipelining spends in each stage's forward and backward of a micro-batch
+    (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``, timed by wrapping them), per
+    variant, over its timed steps: the counterpart of meshdsl's recorded F and B actions."""
+
+    def __init__(self):
+        from torch.distributed.pipelining import PipelineStage
+        self.current, self.spent, self.steps = None, {}, {}
+        for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            setattr(PipelineStage, attr, self._timing(kind, getattr(PipelineStage, attr)))
+
+    def _timing(self, kind, fn):
+        def timed(stage, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(stage, *a, **kw)
+            finally:
+                if self.current is not None:
+                    key = (self.current, kind)
+                    self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def wrap(self, name, step):
+        """``step`` as a variant that records its actions when the harness times it."""
+        def run(timed=False):
+            self.current = name if timed else None
+            self.steps[name] = self.steps.get(name, 0) + bool(timed)
+            try:
+                return step()
+            finally:
+                self.current = None
+        return run
+
+    def per_step_ms(self) -> dict:
+        return {name: {kind: self.spent.get((name, kind), 0.0) * 1e3 / n for kind in ("F", "B")}
+                for name, n in self.steps.items() if n}
+
+
+def _meshdsl_actions_ms(rows: list) -> dict:
+    """This rank's mean F and B milliseconds per timed step, from its recorded timelines."""
+    spent = {"F": 0.0, "B": 0.0}
+    for timeline in rows:
+        for row in timeline:
+            for a, t0, t1 in row:
+                if a.kind in spent:
+                    spent[a.kind] += t1 - t0
+    return {k: v * 1e3 / max(1, len(rows)) for k, v in spent.items()}
+
+
 def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False):
     """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved."""
     from meshdsl.train.jobs import gather_timelines
@@ -118,19 +171,21 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False):
     model, feeds, w = _setup(seed)
     rows = {}
     steps = {}
+    actions = _TorchActions()
     for m in ms:
         for s in SCHEDULES:
             rows[f"meshdsl {s} m={m}"] = []
             steps[f"meshdsl {s} m={m}"] = meshdsl_step(model, feeds, comm, "stage:2", "layer:stage", lr, seed,
                                                        m, s, rows[f"meshdsl {s} m={m}"])
             if f"torch {s} m={m}" in _names(ms):
-                steps[f"torch {s} m={m}"] = torch_pipe_step(model.config, w, feeds, lr, s, m)
+                name = f"torch {s} m={m}"
+                steps[name] = actions.wrap(name, torch_pipe_step(model.config, w, feeds, lr, s, m))
     if profile:
         return _profile(steps[f"meshdsl 1f1b m={max(ms)}"], warmup)
     dist.barrier()
     origin = time.perf_counter()
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
-                                          timed_arg=tuple(rows))
+                                          timed_arg=tuple(steps))
     # The loss lives on the last stage: rank 1's figures are the ones to report.
     sent = torch.tensor([loss0[k] for k in steps] + [last[k] for k in steps], dtype=torch.float64)
     dist.broadcast(sent, src=1)
@@ -140,8 +195,9 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False):
     timelines = {k: gather_timelines(comm, r, origin) for k, r in rows.items()}
     summaries = {k: schedule_summary(steps[k].plan) for k in rows}
     act_bytes = {k: _activation_bytes(steps[k].plan) for k in rows}
+    compute = {**actions.per_step_ms(), **{k: _meshdsl_actions_ms(r) for k, r in rows.items()}}
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu, "timelines": timelines,
-            "summaries": summaries, "act_bytes": act_bytes}
+            "summaries": summaries, "act_bytes": act_bytes, "actions_ms": compute}
 
 
 def _profile(step, warmup, num_steps=10):
@@ -182,6 +238,7 @@ def bench(args) -> int:
     cpu = {k: [] for k in times}
     per_round = {k: [] for k in times}
     timelines = {k: [] for k in pair if k.startswith("meshdsl")}
+    actions = {k: [[] for _ in range(2)] for k in pair}   # per stage (= rank): per round {"F", "B"} ms per step
     loss0, last, summaries, act_bytes = {}, {}, {}, {}
     for rnd in range(args.rounds):
         one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed),
@@ -199,6 +256,9 @@ def bench(args) -> int:
             per_round[k].append(_ms(wall))
         for k in timelines:
             timelines[k] += two[0]["timelines"][k]
+        for stage, r in enumerate(two):
+            for k, spent in r["actions_ms"].items():
+                actions[k][stage].append(spent)
         summaries, act_bytes = two[0]["summaries"], two[0]["act_bytes"]
         if rnd == 0:
             loss0 = {**one["loss0"], **two[0]["loss0"]}
@@ -236,6 +296,20 @@ def bench(args) -> int:
                   "timed steps; at "
                   "measured costs: the schedule replayed with each stage's mean F and B times and free "
                   "transfers, the bubble the stages' imbalance alone leaves.")
+
+    act = Table(title="F and B per step and stage, ms (means over the timed steps; median of the rounds)",
+                title_justify="left")
+    for col in ("variant", "stage 0 F", "stage 0 B", "stage 1 F", "stage 1 B", "F+B stage 0", "F+B stage 1"):
+        act.add_column(col, justify="left" if col == "variant" else "right")
+    act_ms = {k: [{kind: statistics.median(r[kind] for r in per) for kind in ("F", "B")} if per else None
+                  for per in stages] for k, stages in actions.items()}
+    for k, (s0, s1) in act_ms.items():
+        if s0 and s1:
+            act.add_row(k, *(f"{x[kind]:.1f}" for x in (s0, s1) for kind in ("F", "B")),
+                        f"{s0['F'] + s0['B']:.1f}", f"{s1['F'] + s1['B']:.1f}")
+    console.print(act)
+    console.print("torch: PipelineStage.forward_one_chunk / backward_one_chunk (the loss outside them); meshdsl: "
+                  "its F and B actions (the last stage's F includes the loss and the head's backward).")
 
     mem = Table(title=f"peak activation memory per stage, m={max(args.ms)}", title_justify="left")
     for col in ("schedule", "stage 0", "stage 1"):
@@ -277,7 +351,7 @@ def bench(args) -> int:
                 "wall_s": wall_s, "torch": torch.__version__, "python": platform.python_version(),
                 "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal},
         "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
-        "pipeline": figures, "peak_activation_bytes": peak_mem, "goals": goals,
+        "pipeline": figures, "actions_ms_per_step": act_ms, "peak_activation_bytes": peak_mem, "goals": goals,
         "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,
         "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
     }, indent=1))
