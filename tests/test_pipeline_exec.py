@@ -184,3 +184,19 @@ def test_microbatch_sums_accumulate_locally(mesh, layout, others):
     assert all(axes == others for axes in reduced), reduced
     assert bool(reduced) == bool(others)
     _assert_matches(ex.full_outputs(res), want, f"{mesh} m=4")
+
+
+def test_the_final_segment_may_overwrite_every_params_update():
+    """Under donation (one real rank per process) each SGD update of the final segment is its
+    param's last reader, so the pipeline lets it write in place; nothing else is donated."""
+    from meshdsl.exec.pipeline import _final_donations
+    model = build(CFG)
+    plan = md.compile(training_outputs(model.loss, model.params, 0.1), "stage:2", "layer:stage", microbatches=2,
+                      schedule="1f1b")
+    ex = md.Executor(plan, SimulatedComm(plan.mesh))
+    step = next(s for s in plan.steps if s.kind == "pipeline")
+    final = step.subplans[3].steps
+    got = {final[j].outs[0] for j in _final_donations(ex, step)}
+    updates = {s.outs[0] for s in final if s.kind == "local" and s.args.get("inplace") is not None}
+    assert got == updates and len(updates) == len(model.params)
+    assert not ex.donates   # the simulated mesh holds both stages: it never overwrites

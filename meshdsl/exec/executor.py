@@ -103,6 +103,21 @@ def issue_order(plan: Plan, async_kinds=frozenset()) -> list[int]:
     return order
 
 
+def donatable_params(steps, params: set[int], keep: set[int]) -> set[int]:
+    """The ``params`` an update may overwrite: none that a collective (or a send) may still be
+    reading, nor a plan output.  A repeat loop (stacked params) has read its layers' slices
+    when it returns, so it does not stand in the way."""
+    return set(params) - {v for s in steps if s.kind not in ("local", "repeat") for v in s.ins} - keep
+
+
+def donating_steps(steps, params: set[int], last_use: dict[int, int]) -> set[int]:
+    """Indices of the local steps with an in-place kernel that are the last readers (``last_use``:
+    value -> step index) of the donatable ``params`` they write into."""
+    return {i for i, s in enumerate(steps)
+            if s.kind == "local" and s.args.get("inplace") is not None
+            and all(s.ins[k] in params and last_use.get(s.ins[k]) == i for k in s.args.get("donates", (0,)))}
+
+
 class Executor:
     """Executes ``plan`` for the ranks ``comm`` holds.
 
@@ -133,18 +148,13 @@ class Executor:
         # it writes into (the param, an optimizer's state) overwrites them.  Only where the
         # step runs once per process (one held rank, or one micro-batch rank for all: see
         # steps.twins): simulated ranks may share a replicated tensor.
+        #: whether this executor may overwrite its params (a pipeline's final segment asks too)
+        self.donates = bool(donate_params) and len({real_rank(comm.mesh, r) for r in comm.ranks}) == 1
         self.donated: set[int] = set()
-        if donate_params and len({real_rank(comm.mesh, r) for r in comm.ranks}) == 1:
-            param_vids = {s.outs[0] for s in steps if s.kind == "param"}
-            # never under a collective that may still be reading it, nor when it is an output;
-            # a repeat loop (stacked params) has read its layers' slices when it returns
-            param_vids -= {v for s in steps if s.kind not in ("local", "repeat") for v in s.ins}
-            param_vids -= keep
-            self.donated = {i for i, s in enumerate(steps)
-                            if s.kind == "local" and s.args.get("inplace") is not None
-                            and all(s.ins[k] in param_vids and last_use.get(s.ins[k]) == i
-                                    for k in s.args.get("donates", (0,)))
-                            and (len(comm.ranks) == 1 or twins(self, s) is not None)}
+        if self.donates:
+            params = donatable_params(steps, {s.outs[0] for s in steps if s.kind == "param"}, keep)
+            self.donated = {i for i in donating_steps(steps, params, last_use)
+                            if len(comm.ranks) == 1 or twins(self, steps[i]) is not None}
         #: Add steps that write into an operand no one else reads (see :func:`.steps.inplace_adds`).
         self.add_into = inplace_adds(plan)
         #: Per stage, the (action, start, end) of the last pipelined run (see :mod:`.pipeline`).

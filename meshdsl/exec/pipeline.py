@@ -37,8 +37,9 @@ import torch
 
 from ..lowering.schedule import COMPUTE
 from ..lowering.timeline import simulate
+from .executor import donatable_params, donating_steps
 from .pipeline_store import Accumulator, ViewEnv, folded
-from .steps import rule_for, step_rule
+from .steps import rule_for, step_rule, twins
 
 _PHASE = {"F": 1, "send_act": 1, "recv_act": 1, "B": 2, "send_grad": 2, "recv_grad": 2}
 
@@ -47,8 +48,8 @@ class _StageExecutor:
     """What the step rules read from an executor, for one view of the communicator; a stage's
     local layers are layers ``layer_offset``.. of the stack."""
 
-    def __init__(self, plan, comm, layer_offset):
-        self.plan, self.comm, self.donated, self.layer_offset = plan, comm, frozenset(), layer_offset
+    def __init__(self, plan, comm, layer_offset, donated=frozenset()):
+        self.plan, self.comm, self.donated, self.layer_offset = plan, comm, donated, layer_offset
         # Segments share values across actions (a forward's result is read by the backward):
         # their adds stay out of place.
         self.add_into = {}
@@ -100,6 +101,7 @@ def _prepare_pipeline(ex, i, step):
     summed = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in acc.fresh)
               for stage in held_stages}
     views: dict = {}
+    final_donations = _final_donations(ex, step) if getattr(ex, "donates", False) else set()
 
     def view_of(stages, mb=None):
         key = (stages, mb)
@@ -122,7 +124,10 @@ def _prepare_pipeline(ex, i, step):
         else:
             env = ViewEnv(store, view.ranks)
             offset = local_layers * stages[0] if len(stages) == 1 else 0
-            call, get = rule_for(s.kind)(_StageExecutor(plan, view, offset), j, s), env.get
+            sx = _StageExecutor(plan, view, offset)
+            if seg == 3 and j in final_donations and (len(view.ranks) == 1 or twins(sx, s) is not None):
+                sx.donated = frozenset({j})   # the update overwrites its param (see Executor.donated)
+            call, get = rule_for(s.kind)(sx, j, s), env.get
             go = lambda run: call(env, get, run)  # noqa: E731
         return go if s.subplans else _timed(s.kind, go)  # a repeat times its own steps
 
@@ -214,6 +219,18 @@ def _prepare_pipeline(ex, i, step):
         acc.clear()
         ex.last_timeline = tuple(tuple(timeline[s]) for s in held_stages)
     return call
+
+
+def _final_donations(ex, step) -> set[int]:
+    """Positions in the final segment of the updates that may overwrite their params: every
+    action has run by then, so the rule is the executor's over all the pipeline's steps."""
+    top = [s for s in ex.plan.steps if s is not step]   # the pipeline step itself reads every param
+    inner = [s for sub in step.subplans for s in sub.steps]
+    params = donatable_params(top + inner, {s.outs[0] for s in top if s.kind == "param"},
+                              set(ex.plan.outputs.values()))
+    final = step.subplans[3].steps
+    last_use = {v: j for j, s in enumerate(final) for v in s.ins}
+    return donating_steps(final, params, last_use)
 
 
 def _action_drops(segments, seg, stage, kept) -> dict[int, tuple]:
