@@ -20,9 +20,9 @@ from ..core.shape import Dim
 from ..errors import ShapeError, message
 import torch.nn.functional as F
 
-from .embed import one_hot
-from .reduce import _dims_arg, logsumexp, reduce_sum
+from .reduce import _dims_arg, logsumexp
 from .registry import ComputeSpec, Op, apply, register
+from .xent import fused_cross_entropy
 
 
 def _name(dim) -> str:
@@ -222,6 +222,8 @@ def rms_norm(x: Tensor, dim, scale: Tensor | None = None, eps: float = 1e-6) -> 
 def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:
     """Per-example cross-entropy of integer ``labels`` under ``logits`` along ``dim``.
 
+    One fused op (:mod:`.xent`): torch's kernel forward and backward where ``dim`` is
+    whole on a rank, the composite of the same math where a layout splits it.
     Returns a tensor with ``labels``' dims; take ``reduce_mean`` for the loss.
     """
     d = _name(dim)
@@ -230,9 +232,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:
             f"cross_entropy: labels {labels.shape} must have the logits' dims minus '{d}' "
             f"({logits.shape.without([d])}).", rule="one label per example, indexing dim '" + d + "'",
             fix="rename or transpose the labels"))
-    with logits.graph.scope("cross_entropy"):
-        picked = reduce_sum(logits * one_hot(labels, logits.shape.get(d), logits.dtype), d)
-        return logsumexp(logits, d) - picked
+    return fused_cross_entropy(logits, labels, d)
 
 
 def _hash_uniform(shape_full, ctx, local_shape, names, seed: int) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""Fused softmax cross-entropy: one torch kernel forward, one backward.
+
+``cross_entropy(logits, labels, dim)`` is ``logsumexp(logits) - logits[label]``
+along ``dim``, per example.  As one op it runs torch's fused kernel forward and
+a fused ``softmax(logits) - one_hot(label)`` backward, where the composite of the
+same math runs about twenty small kernels.  The forward also returns the row-wise
+logsumexp (``lse``): the composite backward of a split class dim reads it, so that
+dim's max and sums are not reduced twice.
+
+Lowering (:mod:`meshdsl.lowering.xent`): with the class dim whole on a rank the
+fused kernels run locally; a layout that splits it (Megatron's vocab-parallel loss)
+gets the composite (:func:`composite_forward`, :func:`composite_backward`), whose
+max, sums and picked logits reduce over the split dim without gathering it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..core.graph import Tensor
+from .registry import ComputeSpec, Op, apply, register
+
+
+def _rows(x: torch.Tensor, pos: int) -> torch.Tensor:
+    """``x`` with the class dim last, as (examples, classes)."""
+    x = x.movedim(pos, -1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def _spec(node) -> ComputeSpec:
+    logits = node.inputs[0]
+    return ComputeSpec({d.name: d.size for d in logits.shape}, fixed=frozenset({node.attrs["dim"]}))
+
+
+@register
+class CrossEntropy(Op):
+    """(logits, labels) -> (loss per example, logsumexp per example); attrs ``dim``, ``pos``."""
+
+    name = "cross_entropy"
+
+    def infer(self, inputs, attrs):
+        logits, labels = inputs
+        return [(labels.shape, logits.dtype), (labels.shape, logits.dtype)]
+
+    def compute(self, ctx, attrs, logits, labels):
+        x = _rows(logits, attrs["pos"])
+        ls = F.log_softmax(x, -1)        # one vectorised pass; lse = x - log_softmax(x), any column
+        loss = -ls.gather(1, labels.reshape(-1, 1)).squeeze(1)
+        lse = x[:, 0] - ls[:, 0]
+        return loss.view(labels.shape), lse.view(labels.shape)
+
+    def spec(self, node):
+        return _spec(node)
+
+    def flops(self, node, local):
+        return 4 * math.prod(local.get(n, s) for n, s in _spec(node).dims.items())
+
+    def grad(self, node, douts):
+        g, g_lse = douts
+        if g_lse is not None:
+            raise ValueError("cross_entropy: the logsumexp output is for the backward kernel only")
+        if g is None:
+            return [None, None]
+        logits, labels = node.inputs
+        return [apply("cross_entropy_backward", [logits, labels, node.outputs[1], g], dict(node.attrs)), None]
+
+
+@register
+class CrossEntropyBackward(Op):
+    """(logits, labels, lse, d_loss) -> d_logits = (exp(logits - lse) - one_hot(labels)) * d_loss."""
+
+    name = "cross_entropy_backward"
+    differentiable = False
+
+    def infer(self, inputs, attrs):
+        logits = inputs[0]
+        return [(logits.shape, logits.dtype)]
+
+    def compute(self, ctx, attrs, logits, labels, lse, g):
+        # torch's softmax kernel recomputes the probabilities faster than exp(logits - lse) here
+        pos = attrs["pos"]
+        d = torch.softmax(logits.movedim(pos, -1), -1)
+        d.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(labels, -1, dtype=d.dtype).unsqueeze(-1))
+        d.mul_(g.unsqueeze(-1))
+        return d.movedim(-1, pos).contiguous()
+
+    def spec(self, node):
+        return _spec(node)
+
+    def flops(self, node, local):
+        return 4 * math.prod(local.get(n, s) for n, s in _spec(node).dims.items())
+
+
+def fused_cross_entropy(logits: Tensor, labels: Tensor, dim: str) -> Tensor:
+    """The fused op's per-example loss (``labels`` has ``logits``' dims without ``dim``, in order)."""
+    loss, _ = apply("cross_entropy", [logits, labels], {"dim": dim, "pos": logits.shape.index(dim)})
+    return loss
+
+
+def composite_forward(logits: Tensor, labels: Tensor, dim: str) -> tuple[Tensor, Tensor]:
+    """(loss, lse) from the primitives, for a layout that splits ``dim``."""
+    from .elementwise import exp, log, stop_gradient
+    from .embed import one_hot
+    from .reduce import reduce_max, reduce_sum
+    m = stop_gradient(reduce_max(logits, [dim]))
+    lse = log(reduce_sum(exp(logits - m), [dim])) + m
+    picked = reduce_sum(logits * one_hot(labels, logits.shape.get(dim), logits.dtype), [dim])
+    return lse - picked, lse
+
+
+def composite_backward(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, dim: str) -> Tensor:
+    """d_logits from the primitives: elementwise along ``dim``, so a split ``dim`` stays split."""
+    from .elementwise import exp
+    from .embed import one_hot
+    from .shape_ops import transpose
+    d = (exp(logits - lse) - one_hot(labels, logits.shape.get(dim), logits.dtype)) * g
+    return d if d.shape.names == logits.shape.names else transpose(d, logits.shape.names)
