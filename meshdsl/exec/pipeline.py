@@ -101,7 +101,7 @@ def _prepare_pipeline(ex, i, step):
     summed = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in acc.fresh)
               for stage in held_stages}
     views: dict = {}
-    final_donations = _final_donations(ex, step) if getattr(ex, "donates", False) else set()
+    final_donations = _final_donations(ex, step) if ex.donates else set()
 
     def view_of(stages, mb=None):
         key = (stages, mb)

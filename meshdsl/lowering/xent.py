@@ -5,8 +5,9 @@ sharding leave it, ``cross_entropy`` and its backward lower as any op
 (:func:`~.generic.lower_generic`): one fused kernel each.  A layout that splits
 it (Megatron's vocab-parallel loss) would make the fused kernel gather the
 logits; instead the node is lowered as the composite of the same math
-(:func:`meshdsl.ops.xent.composite_forward` / ``composite_backward``), built on
-placeholders bound to the node's inputs, in the node's phase: its max, sums and
+(:func:`meshdsl.ops.xent.composite_forward` / ``composite_backward``), built in a
+sub-graph whose inputs (``placeholder`` ops, as a repeat's block has) are bound to
+the node's inputs, in the node's phase: its max, sums and
 picked logits reduce over the split dim by small allreduces, and the backward is
 elementwise, so the logits are never gathered.
 """

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.graph import Tensor
+from ..errors import ShapeError
 from .registry import ComputeSpec, Op, apply, register
 
 
@@ -60,7 +61,8 @@ class CrossEntropy(Op):
     def grad(self, node, douts):
         g, g_lse = douts
         if g_lse is not None:
-            raise ValueError("cross_entropy: the logsumexp output is for the backward kernel only")
+            raise ShapeError("cross_entropy: the logsumexp output is for the backward kernel only; "
+                             "it has no gradient")
         if g is None:
             return [None, None]
         logits, labels = node.inputs
@@ -101,11 +103,9 @@ def fused_cross_entropy(logits: Tensor, labels: Tensor, dim: str) -> Tensor:
 
 def composite_forward(logits: Tensor, labels: Tensor, dim: str) -> tuple[Tensor, Tensor]:
     """(loss, lse) from the primitives, for a layout that splits ``dim``."""
-    from .elementwise import exp, log, stop_gradient
     from .embed import one_hot
-    from .reduce import reduce_max, reduce_sum
-    m = stop_gradient(reduce_max(logits, [dim]))
-    lse = log(reduce_sum(exp(logits - m), [dim])) + m
+    from .reduce import logsumexp, reduce_sum
+    lse = logsumexp(logits, [dim])
     picked = reduce_sum(logits * one_hot(labels, logits.shape.get(dim), logits.dtype), [dim])
     return lse - picked, lse
 
