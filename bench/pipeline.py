@@ -154,13 +154,15 @@ class _TorchActions:
 
 
 def _meshdsl_actions_ms(rows: list) -> dict:
-    """This rank's mean F and B milliseconds per timed step, from its recorded timelines."""
+    """This rank's mean F and B milliseconds per timed step, from its recorded timelines (a
+    B's weight gradients run after its send, the W action, count in B, as in torch's backward)."""
     spent = {"F": 0.0, "B": 0.0}
     for timeline in rows:
         for row in timeline:
             for a, t0, t1 in row:
-                if a.kind in spent:
-                    spent[a.kind] += t1 - t0
+                kind = "B" if a.kind == "W" else a.kind
+                if kind in spent:
+                    spent[kind] += t1 - t0
     return {k: v * 1e3 / max(1, len(rows)) for k, v in spent.items()}
 
 
@@ -292,9 +294,9 @@ def bench(args) -> int:
     console.print("ms: median step over every sample (the slower rank's); round medians: range of the "
                   "per-round medians; CPU ms: CPU time per step of the busier process (every thread; time "
                   "descheduled left out).  Bubble: idle fraction of the pipeline's makespan (first F to last "
-                  "action) per stage (outside F and B: waits in a receive count as idle), median over the "
+                  "action) per stage (outside F, B and W: waits in a receive count as idle), median over the "
                   "timed steps; at "
-                  "measured costs: the schedule replayed with each stage's mean F and B times and free "
+                  "measured costs: the schedule replayed with each stage's mean F, B and W times and free "
                   "transfers, the bubble the stages' imbalance alone leaves.")
 
     act = Table(title="F and B per step and stage, ms (means over the timed steps; median of the rounds)",
@@ -309,7 +311,7 @@ def bench(args) -> int:
                         f"{s0['F'] + s0['B']:.1f}", f"{s1['F'] + s1['B']:.1f}")
     console.print(act)
     console.print("torch: PipelineStage.forward_one_chunk / backward_one_chunk (the loss outside them); meshdsl: "
-                  "its F and B actions (the last stage's F includes the loss and the head's backward).")
+                  "its F and B actions, B with its W (the weight gradients, run after the send); the last stage's F includes the loss and the head's backward.")
 
     mem = Table(title=f"peak activation memory per stage, m={max(args.ms)}", title_justify="left")
     for col in ("schedule", "stage 0", "stage 1"):

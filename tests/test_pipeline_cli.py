@@ -171,8 +171,9 @@ def test_run_prints_per_stage_figures_and_writes_the_report(capsys, tmp_path, sc
                        "--warmup", "1", "--report", str(path), "--timeline", str(png))
     assert rc == 0, out + err
     assert f"pipeline over 'stage': 2 stages, 4 micro-batches, {schedule}" in flat(out)
-    # the measured step drawn: 4 F and 4 B bars per stage (tests/test_timeline_png.py pins the drawing)
-    assert f"timeline: {png} (16 F/B bars" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the measured step drawn: 4 F and 4 B bars per stage, and stage 1's 4 B's weight gradients
+    # after their sends (tests/test_timeline_png.py pins the drawing)
+    assert f"timeline: {png} (8 F, 8 B and 4 W bars" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "bubble measured" in out and "20.0%" in out  # the theory column: (2-1)/(4+2-1)
     r = json.loads(path.read_text())
     assert (r["schedule"], r["stages"], r["microbatches"]) == (schedule, 2, 4)

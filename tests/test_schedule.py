@@ -22,7 +22,7 @@ from meshdsl.errors import MeshDSLError
 from meshdsl.lowering import schedule as sch
 from meshdsl.lowering import schedule_gen as gen
 from meshdsl.lowering import timeline as tl
-from meshdsl.lowering.schedule import Action, Schedule, ScheduleError, parse_action, validate
+from meshdsl.lowering.schedule import Action, Schedule, ScheduleError, parse_action, split_backward, validate
 from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
 from meshdsl.lowering.timeline import bubble_from_timeline, costs, format_table, simulate
 
@@ -213,15 +213,49 @@ def test_string_and_dict_round_trip(name, p, m):
 def test_labels():
     assert [str(a) for a in (Action("F", 3, 1), Action("B", 0, 2), Action("send_act", 3, 1, 2),
                              Action("recv_act", 3, 2, 1), Action("send_grad", 4, 2, 1),
-                             Action("recv_grad", 4, 1, 2))] == ["F3@1", "B0@2", "sF3@1>2", "rF3@2<1", "sB4@2>1",
-                                                                 "rB4@1<2"]
+                             Action("recv_grad", 4, 1, 2), Action("W", 4, 2))] == [
+        "F3@1", "B0@2", "sF3@1>2", "rF3@2<1", "sB4@2>1", "rB4@1<2", "W4@2"]
+    assert parse_action("W4", stage=2) == Action("W", 4, 2)
 
 
-@pytest.mark.parametrize("text", ["X3", "F", "sF3", "sF3<1", "rB3>1", "F3>1", "f3", "F-1", "sF3@1>2 "])
+@pytest.mark.parametrize("text", ["X3", "F", "sF3", "sF3<1", "rB3>1", "F3>1", "f3", "F-1", "sF3@1>2 ", "sW3>1",
+                                  "rW3<1"])
 def test_bad_labels_are_rejected_with_a_caret(text):
     with pytest.raises(ScheduleError, match=re.escape(text)) as e:
         parse_action(text, stage=0)
     assert "^" in str(e.value) and "Fix:" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- split backward (W)
+
+@pytest.mark.parametrize("name,p,m", [("gpipe", 2, 4), ("1f1b", 2, 8), ("1f1b", 4, 5), ("gpipe", 3, 1)])
+def test_split_backward_puts_each_sent_gradients_weights_right_after_the_send(name, p, m):
+    s = make_schedule(name, p, m)
+    split = split_backward(s)
+    validate(split)
+    for rank, (row, new) in enumerate(zip(s.actions, split.actions)):
+        assert [a for a in new if a.kind != "W"] == list(row)
+        ws = [i for i, a in enumerate(new) if a.kind == "W"]
+        assert len(ws) == (m if rank > 0 else 0)          # the first stage sends no gradient
+        for i in ws:
+            assert new[i - 1] == Action("send_grad", new[i].microbatch, rank, rank - 1)
+    # W costs nothing at unit cost: the theory is unchanged
+    assert [r.idle_fraction for r in simulate(split).ranks] == [r.idle_fraction for r in simulate(s).ranks]
+    assert Schedule.from_dict(json.loads(json.dumps(split.to_dict()))) == split
+
+
+def test_splitting_the_backward_shortens_the_step_when_the_weights_cost_time():
+    """With F = 1, B = 2 and a third of B in its weight gradients, stage 0 gets each gradient
+    sooner: the 1F1B step of 2 stages and 8 micro-batches ends earlier."""
+    s = make_schedule("1f1b", 2, 8)
+    whole = simulate(s, lambda a: {"F": 3, "B": 6}.get(a.kind, 0)).makespan
+    split = simulate(split_backward(s), lambda a: {"F": 3, "B": 4, "W": 2}.get(a.kind, 0)).makespan
+    assert split < whole
+
+
+def test_a_w_needs_its_b():
+    _error(["F0 sF0>1 rB0<1 B0", "rF0<0 F0 W0 B0 sB0>0"], 1,
+           ["rank 1 position 2: W0@1 needs B0@1 earlier on rank 1 (at position 3)"])
 
 
 def test_a_label_without_stage_needs_one():

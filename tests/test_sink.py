@@ -38,15 +38,25 @@ def reference():
     return m, outs, feeds, md.run_dense(outs, feeds)
 
 
+class _Calls(list):
+    later: list
+
+    def __init__(self):
+        super().__init__()
+        self.later = []
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """Every ``matmul_into`` call: (accumulate, wrote into the buffer)."""
-    seen = []
+    """Every ``matmul_into`` call: (accumulate, wrote into the buffer); ``calls.later``: per
+    call, whether its BLAS call was put off."""
+    seen = _Calls()
     real = MatmulForm.matmul_into
 
-    def spy(self, x, y, out, accumulate):
-        got = real(self, x, y, out, accumulate)
+    def spy(self, x, y, out, accumulate, later=None):
+        got = real(self, x, y, out, accumulate, later)
         seen.append((accumulate, got is out))
+        seen.later.append(later is not None)
         return got
     monkeypatch.setattr(MatmulForm, "matmul_into", spy)
     return seen
@@ -101,3 +111,39 @@ def test_only_a_matmul_made_gradient_gets_a_sink(reference):
     sinks = {k: install(sub, body.outputs[f"d/{k}"]) for k in loop.args["names"]}
     assert {k for k, s in sinks.items() if isinstance(s, Sink)} == set(MATMUL_GRADS)
     assert install(sub, body.outputs["dcarry"]) is None   # read by nothing, but not a weight's matmul
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_stage_that_sends_a_gradient_runs_its_weight_gradients_after_the_send(reference, calls, schedule):
+    """Stage 1 sends each B's input gradient upstream: its loop's weight-gradient matmuls
+    are put off into a W action right after that send; stage 0 sends nothing and keeps
+    them in its B.  The results are the dense program's, and bitwise those of the run that
+    defers nothing (the same products, added in the same order)."""
+    _, outs, feeds, want = reference
+    m = 4
+    plan = md.compile(outs, "stage:2", "layer:stage", microbatches=m, schedule=schedule)
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    got = ex.full_outputs(ex.run(feeds))
+    _matches(got, want)
+    per_mb = CFG.layers // 2 * len(MATMUL_GRADS)
+    assert sorted(calls.later) == [False] * m * per_mb + [True] * m * per_mb
+    rows = {row[0][0].stage: [a.label(with_stage=False) for a, *_ in row] for row in ex.last_timeline}
+    for mb in range(m):
+        at = rows[1].index(f"sB{mb}>0")
+        after = [x for x in rows[1][at + 1:] if x[0] in "FBW"]
+        assert after[0] == f"W{mb}", rows[1]      # the next compute after the send
+        assert rows[1].index(f"B{mb}") < at
+    assert not any(x.startswith("W") for x in rows[0])
+
+    calls.clear()
+    calls.later.clear()
+    try:
+        Executor.defer_weight_grads = False
+        plain = Executor(plan, SimulatedComm(plan.mesh))
+    finally:
+        Executor.defer_weight_grads = True
+    again = plain.full_outputs(plain.run(feeds))
+    assert not any(calls.later)
+    assert not any(a.kind == "W" for row in plain.last_timeline for a, *_ in row)
+    for k in want:
+        assert torch.equal(got[k], again[k]), k

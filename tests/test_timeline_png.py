@@ -46,7 +46,7 @@ def test_plan_draws_the_schedule(capsys, tmp_path):
     rc = cli.main(["plan", *PIPE, "--microbatches", "4", "--schedule", "1f1b", "--totals", "--timeline", str(path)])
     out = capsys.readouterr().out
     assert rc == 0
-    assert f"timeline: {path} (16 F/B bars, span 10 F times)" in out
+    assert f"timeline: {path} (8 F and 8 B bars, span 10 F times)" in out
     assert path.read_bytes()[:8] == PNG
 
 
@@ -81,7 +81,8 @@ def test_draw_timeline_from_python(tmp_path):
         md.draw_timeline(step.executor.last_timeline, str(tmp_path / "run.png"))
     step(model.feeds(0))
     got = md.draw_timeline(step.executor.last_timeline, str(tmp_path / "run.png"), "one step")
-    assert got["bars"] == {"F": 4, "B": 4} and (tmp_path / "run.png").read_bytes()[:8] == PNG
+    # stage 1's two B's send their gradients, then run their weight gradients (W)
+    assert got["bars"] == {"F": 4, "B": 4, "W": 2} and (tmp_path / "run.png").read_bytes()[:8] == PNG
     dense = md.compile(model.loss, "data:2", "batch:data")
     with pytest.raises(md.GraphError, match="the plan has no pipeline"):
         md.draw_timeline(dense, str(tmp_path / "none.png"))

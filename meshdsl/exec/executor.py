@@ -40,13 +40,14 @@ def run_collective(comm: Communicator, kind: str, xs, axes, args):
 
 class _Run:
     """What one run of a plan was given: feeds, params, the kernel salt, and the stats dict;
-    ``into``: running sums a pipeline's backward loop adds its gradients into (see :mod:`.loop`)."""
+    ``into``: running sums a pipeline's backward loop adds its gradients into; ``defer``: the
+    :class:`~.sink.Deferred` its weight-gradient matmuls go to (see :mod:`.loop`)."""
 
-    __slots__ = ("feeds", "params", "salt", "stats", "into")
+    __slots__ = ("feeds", "params", "salt", "stats", "into", "defer")
 
     def __init__(self, feeds, params, salt, stats):
         self.feeds, self.params, self.salt, self.stats = feeds, params, salt, stats
-        self.into = None
+        self.into = self.defer = None
 
 
 def issue_order(plan: Plan, async_kinds=frozenset()) -> list[int]:
@@ -125,6 +126,10 @@ class Executor:
       plan: a compiled plan.
       comm: SimulatedComm (all ranks) or TorchComm (this process's rank).
     """
+
+    #: A pipeline stage's B that sends a gradient upstream runs its weight-gradient matmuls
+    #: after the send (:mod:`.pipeline`); False runs them inside the B (read when a plan is prepared).
+    defer_weight_grads = True
 
     def __init__(self, plan: Plan, comm: Communicator, donate_params: bool = False):
         if comm.mesh.size != plan.mesh.size or comm.mesh.axes != plan.mesh.axes:

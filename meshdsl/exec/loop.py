@@ -12,7 +12,9 @@ A backward loop writes each layer's parameter gradients into preallocated
 stacked buffers as the layer finishes: the matmul that makes a gradient writes
 into its layer slice itself where it can (:mod:`.sink`), otherwise the result is
 copied there.  A pipeline that sums micro-batches hands the loop its running sums
-(``run.into``): the loop then adds each layer's gradient into them instead.  The gradients its step names
+(``run.into``): the loop then adds each layer's gradient into them instead; a
+pipeline stage that sends a gradient upstream may also have it put those matmuls
+off until the send has gone (``run.defer``, :class:`~.sink.Deferred`).  The gradients its step names
 ``streamed`` (:func:`meshdsl.lowering.bucket.stream_loop_grads`) are reduced by
 the sub-plan's trailing collectives, one per layer (or one bucket): the loop
 runs the sub-plan without them and starts them itself right after the layer,
@@ -56,7 +58,7 @@ def _prepare_repeat(ex, i, step):
 
     def call(env, get, run):
         outs = run_fn(sub, [get(v) for v in step.ins], names, pos, saved, num_layers, held, run.stats, first,
-                      run.into)
+                      run.into, run.defer)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
     return call
@@ -87,7 +89,7 @@ class _Ahead:
         return now
 
 
-def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None):
+def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None):
     x, *stacked = ins
     ahead = _Ahead(sub, names, num_layers, stats)
 
@@ -146,9 +148,11 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
     ``shapes``: the (local shape, dtype) of each stacked gradient the step outputs (value
     ids ``outs``); ``sinks``: per gradient, its producer's :class:`~.sink.Sink` or None.
     A call's ``into`` maps some of ``outs`` to running sums (one tensor per held rank):
-    those gradients are added into them, which the call then returns.
+    those gradients are added into them, which the call then returns.  With ``defer`` (a
+    :class:`~.sink.Deferred`), the matmuls of the gradients it names are put off into it:
+    the returned buffers hold those gradients once it has run.
     """
-    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None):
+    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None):
         carries, *rest = ins
         stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
         ahead = _Ahead(sub, names, num_layers, stats)
@@ -157,6 +161,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
         pending = {n: [None] * num_layers for n in late}
         into = into or {}
         adds = [n not in late and outs[n] in into for n in range(len(names))]
+        later = [defer.work if defer is not None and outs[n] in defer.values else None for n in range(len(names))]
         bufs = [into[outs[n]] if adds[n] else
                 [torch.empty(shape, dtype=dtype, device=x.device) for x in dy]
                 for n, (shape, dtype) in enumerate(shapes)]
@@ -172,13 +177,13 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
             dsts = [[buf.select(pos[k], l) for buf in bufs[n]] for n, k in enumerate(names)]
             for n, sink in enumerate(sinks):
                 if sink is not None and n not in late:
-                    sink.dst, sink.accumulate = dsts[n], adds[n]
+                    sink.dst, sink.accumulate, sink.later = dsts[n], adds[n], later[n]
             try:
                 r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
             finally:
                 for sink in sinks:
                     if sink is not None:
-                        sink.dst = None
+                        sink.dst = sink.later = None
             env = {v: r[f"d/{k}"] for v, k in zip(outv, names)}
             for s, call in tail:
                 t0 = time.perf_counter()

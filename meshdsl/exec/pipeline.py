@@ -9,7 +9,10 @@ a :class:`~meshdsl.lowering.schedule.Schedule`.  Here:
   micro-batch (the virtual micro-batch ranks, see :mod:`meshdsl.lowering.pipeline`).
   ``F`` runs the forward segment's steps of that stage, ``B`` the backward
   segment's; ``send_*``/``recv_*`` move the carry (or its gradient) to the next
-  stage (or the previous one) by ``send``/``recv``;
+  stage (or the previous one) by ``send``/``recv``.  A B that sends a gradient
+  upstream puts its loop's weight-gradient matmuls off until the send has gone
+  (:class:`~.sink.Deferred`): they run as a ``W`` entry right after it, so the
+  stage upstream starts its backward while this one finishes the weight gradients;
 * the final segment runs once after all micro-batches (gradient accumulation,
   updates), and the sends still in flight are waited for.
 
@@ -35,10 +38,11 @@ import time
 
 import torch
 
-from ..lowering.schedule import COMPUTE
+from ..lowering.schedule import COMPUTE, split_backward
 from ..lowering.timeline import simulate
 from .executor import donatable_params, donating_steps
 from .pipeline_store import Accumulator, ViewEnv, folded
+from .sink import Deferred
 from .steps import rule_for, step_rule, twins
 
 _PHASE = {"F": 1, "send_act": 1, "recv_act": 1, "B": 2, "send_grad": 2, "recv_grad": 2}
@@ -138,12 +142,23 @@ def _prepare_pipeline(ex, i, step):
     # Receives of the carry are posted ahead on real processes: the next one of each kind as
     # soon as the previous one is taken, so the message lands while the stage computes.
     early = len(held_stages) == 1 and "recv" in comm.async_kinds
+    # A B that sends its input gradient upstream puts its loop's weight-gradient matmuls
+    # off until the send has gone: they run as the W action right after it (see .sink).
+    if ex.defer_weight_grads:
+        schedule = split_backward(schedule)
+    sends_grad = {(a.stage, a.microbatch) for row in schedule.actions for a in row if a.kind == "W"}
+    deferred: dict = {}   # (stage, micro-batch) -> its B's Deferred
     order = _order(schedule, held_stages)
     posted: dict = {}   # carry kind -> receives of that kind, in run order
     program = []
     kept = {v for s in final.steps for v in s.ins} | set(step.outs) | set(acc.ops)
     drops = {(seg, stage): _action_drops(segments, seg, stage, kept) for seg in (1, 2) for stage in held_stages}
     for stage, act in order:
+        key = (stage, act.microbatch)
+        if act.kind == "W":
+            if key in deferred:
+                program.append((stage, act, [_timed("local", _flushing(deferred[key]))]))
+            continue
         seg = _PHASE[act.kind]
         steps, stages = segments[seg]
         view = view_of(frozenset({stage}), act.microbatch)
@@ -168,6 +183,9 @@ def _prepare_pipeline(ex, i, step):
                 thunks.append(prepared(seg, j, (stage,), view))
         if act.kind == "B" and summed[stage]:
             thunks.append(_done_adding)
+        if act.kind == "B" and summed[stage] and key in sends_grad:
+            deferred[key] = Deferred(summed[stage])
+            thunks = [_deferring(deferred[key]), *thunks, _done_deferring]
         program.append((stage, act, thunks))
     for rs in posted.values():  # taking one posts the next
         for r, nxt in zip(rs, rs[1:]):
@@ -180,7 +198,8 @@ def _prepare_pipeline(ex, i, step):
     # micro-batches go into the accumulator then.
     transient = {stage: tuple({v for seg in (1, 2) for s, st in zip(*segments[seg]) if stage in st
                                for v in s.outs} - kept) for stage in held_stages}
-    last = {(stage, a.microbatch): a for stage in held_stages for a in schedule.actions[stage]}
+    last = {(stage, a.microbatch): a for stage in held_stages for a in schedule.actions[stage]
+            if a.kind != "W" or (stage, a.microbatch) in deferred}
     done = [(view_of(frozenset({stage}), act.microbatch).ranks, transient[stage])
             if last[(stage, act.microbatch)] == act else None for stage, act, _ in program]
     head, tail = once(0), once(3)
@@ -263,6 +282,24 @@ def _adding_into(acc, ranks, values):
 def _done_adding(run):
     """Clears ``run.into`` after a B action."""
     run.into = None
+
+
+def _deferring(deferred):
+    """Sets ``run.defer`` for a B action whose weight-gradient matmuls wait for its send."""
+    def go(run):
+        run.defer = deferred
+    return go
+
+
+def _done_deferring(run):
+    run.defer = None
+
+
+def _flushing(deferred):
+    """The W entry after a B's send: its put-off weight-gradient matmuls."""
+    def go(run):
+        deferred.run()
+    return go
 
 
 def _dropper(store, ranks, values):

@@ -11,6 +11,13 @@ block reads its result, it writes into the buffer's layer slice itself:
 ``mm(a, b, out=slice)``, or ``slice.addmm_(a, b)`` to add into a running sum (the
 add happens inside the matmul).  :func:`install` wraps that step's call once; the
 loop points :attr:`Sink.dst` at this layer's slices before the block runs.
+
+Nothing in the block reads such a gradient, so its matmul may also run later: a
+pipeline stage that sends an input gradient upstream puts its weight-gradient
+matmuls off until that send has gone (:class:`Deferred`), so the previous stage
+can start its backward while this one finishes the weight gradients (the split
+of zero-bubble pipeline schedules).  The loop points :attr:`Sink.later` at the
+list they go to.
 """
 from __future__ import annotations
 
@@ -21,13 +28,35 @@ from .steps import twins
 
 class Sink:
     """Where one gradient goes while a loop runs its block: ``dst`` (one tensor per held
-    rank, or None: the step returns a fresh result), and whether to add into it."""
+    rank, or None: the step returns a fresh result), whether to add into it, and ``later``:
+    None (the matmul runs now) or the list of a :class:`Deferred` it is appended to."""
 
-    __slots__ = ("dst", "accumulate")
+    __slots__ = ("dst", "accumulate", "later")
 
     def __init__(self):
         self.dst: list | None = None
         self.accumulate = False
+        self.later: list | None = None
+
+
+class Deferred:
+    """Weight-gradient matmuls a B action puts off until after its send.
+
+    ``values``: the stacked gradients (value ids) whose matmuls may wait: only the
+    pipeline's final segment reads them.  ``work``: the ready BLAS calls, in the order
+    the loop made them; :meth:`run` runs and forgets them.
+    """
+
+    __slots__ = ("values", "work")
+
+    def __init__(self, values):
+        self.values = frozenset(values)
+        self.work: list = []
+
+    def run(self) -> None:
+        work, self.work = self.work, []
+        for call in work:
+            call()
 
 
 def install(ex, vid: int) -> Sink | None:
@@ -65,8 +94,8 @@ def install(ex, vid: int) -> Sink | None:
         dst = sink.dst
         if dst is None:
             return plain(env, get, run)
-        acc = sink.accumulate
-        env[vid] = [form.matmul(x, y) if d is None else form.matmul_into(x, y, d, acc)
+        acc, later = sink.accumulate, sink.later
+        env[vid] = [form.matmul(x, y) if d is None else form.matmul_into(x, y, d, acc, later)
                     for x, y, d in zip(get(a), get(b), dst)]
     ex.calls[i] = call
     return sink

@@ -32,6 +32,9 @@ class ScheduleError(MeshDSLError):
 
 
 COMPUTE = ("F", "B")
+# What a recorded timeline counts as busy: the schedule's computes, and "W", the
+# weight-gradient part of a B that the runtime runs after the B's send (exec/pipeline).
+BUSY = COMPUTE + ("W",)
 # The transfer each compute kind sends and receives, and which way its data flows:
 # an F sends activations downstream, a B sends gradients upstream.  A split backward
 # (zero bubble: "I" sends the input gradient, "W" only computes weight gradients) adds
@@ -40,9 +43,9 @@ SEND_OF = {"F": "send_act", "B": "send_grad"}
 RECV_OF = {"F": "recv_act", "B": "recv_grad"}
 DIRECTION = {"F": +1, "B": -1}
 CARRIES = {t: k for table in (SEND_OF, RECV_OF) for k, t in table.items()}
-KINDS = COMPUTE + tuple(SEND_OF.values()) + tuple(RECV_OF.values())
+KINDS = BUSY + tuple(SEND_OF.values()) + tuple(RECV_OF.values())
 
-_LABEL = re.compile(r"(?P<dir>[sr]?)(?P<kind>[FB])(?P<mb>\d+)(?:@(?P<stage>\d+))?(?:(?P<arrow>[<>])(?P<peer>\d+))?")
+_LABEL = re.compile(r"(?P<dir>[sr]?)(?P<kind>[FBW])(?P<mb>\d+)(?:@(?P<stage>\d+))?(?:(?P<arrow>[<>])(?P<peer>\d+))?")
 _ARROW = {"": None, "s": ">", "r": "<"}
 
 
@@ -51,7 +54,8 @@ class Action:
     """One entry of a rank's list.
 
     Attributes:
-      kind: ``F``, ``B``, ``send_act``, ``recv_act``, ``send_grad`` or ``recv_grad``.
+      kind: ``F``, ``B``, ``send_act``, ``recv_act``, ``send_grad`` or ``recv_grad`` (and ``W``
+        in a recorded timeline: a B's weight gradients, run after its send).
       microbatch: the micro-batch index.
       stage: the logical stage whose data it computes, sends or receives.
       peer: for a transfer, the logical stage at the other end; None otherwise.
@@ -78,7 +82,7 @@ class Action:
     def label(self, with_stage: bool = True) -> str:
         """Compact form: ``F3@1`` (F of micro-batch 3 on stage 1), ``sF3@1>2``, ``rB3@1<2``."""
         at = f"@{self.stage}" if with_stage else ""
-        if self.kind in COMPUTE:
+        if self.kind in BUSY:
             return f"{self.kind}{self.microbatch}{at}"
         return f"{self.kind[0]}{CARRIES[self.kind]}{self.microbatch}{at}{'>' if self.is_send else '<'}{self.peer}"
 
@@ -93,13 +97,14 @@ def parse_action(text: str, stage: int | None = None) -> Action:
         Action(kind='send_act', microbatch=3, stage=1, peer=2)
     """
     m = _LABEL.fullmatch(text)
-    if m is None or _ARROW[m["dir"]] != m["arrow"] or (m["stage"] is None and stage is None):
+    if (m is None or _ARROW[m["dir"]] != m["arrow"] or (m["stage"] is None and stage is None)
+            or (m["kind"] == "W" and m["dir"])):
         raise ScheduleError(message(
             f"parse_action({text!r}): not a schedule action.", source=text, span=Span(0, max(1, len(text))),
-            rule="F<mb> or B<mb> for compute; s/r + F/B + <mb> + >/< + <peer stage> for transfers, "
+            rule="F<mb>, B<mb> or W<mb> for compute; s/r + F/B + <mb> + >/< + <peer stage> for transfers, "
                  "each optionally with @<stage> after the micro-batch",
             fix="write e.g. 'F3', 'B3@1', 'sF3>2' (send activations of micro-batch 3 to stage 2), 'rB3<2'"))
-    kind = {"": m["kind"], "s": SEND_OF[m["kind"]], "r": RECV_OF[m["kind"]]}[m["dir"]]
+    kind = m["kind"] if not m["dir"] else (SEND_OF if m["dir"] == "s" else RECV_OF)[m["kind"]]
     return Action(kind, int(m["mb"]), stage if m["stage"] is None else int(m["stage"]),
                   None if m["peer"] is None else int(m["peer"]))
 
@@ -172,12 +177,32 @@ def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages:
 # ----------------------------------------------------------------------------- validation
 
 def unit_cost(a: Action) -> int:
-    """F = B = 1, transfers free: the cost under which the bubble theory is exact."""
+    """F = B = 1, transfers (and a split-off W) free: the cost under which the bubble theory is exact."""
     return 1 if a.kind in COMPUTE else 0
 
 
+def split_backward(s: Schedule) -> Schedule:
+    """``s`` as the runtime runs it: a B that sends its input gradient upstream leaves its
+    weight gradients to a ``W`` action right after that send.
+
+    The stage upstream then gets the gradient it waits for a W sooner.  A B that sends
+    nothing (the first stage's) keeps its weight gradients.
+
+    Example:
+        >>> from meshdsl.lowering.schedule_gen import make_schedule
+        >>> [str(a) for a in split_backward(make_schedule("1f1b", 2, 1)).actions[1]]
+        ['rF0@1<0', 'F0@1', 'B0@1', 'sB0@1>0', 'W0@1']
+    """
+    rows = tuple(tuple(x for a in row for x in ((a, Action("W", a.microbatch, a.stage)) if a.kind == "send_grad"
+                                                 else (a,))) for row in s.actions)
+    return Schedule(s.name, s.num_ranks, s.num_microbatches, rows, s.num_chunks)
+
+
 def _needs(a: Action, num_stages: int) -> list[Action]:
-    """Actions that must come earlier on the same rank: a compute's received input, B's own F, a send's compute."""
+    """Actions that must come earlier on the same rank: a compute's received input, B's own F, W's own B,
+    a send's compute."""
+    if a.kind == "W":
+        return [Action("B", a.microbatch, a.stage)]
     if a.kind in COMPUTE:
         src = a.stage - DIRECTION[a.kind]
         needs = [Action(RECV_OF[a.kind], a.microbatch, a.stage, src)] if 0 <= src < num_stages else []
@@ -241,7 +266,7 @@ def validate(s: Schedule) -> None:
             if a.kind not in KINDS or not 0 <= a.stage < s.num_stages or not 0 <= a.microbatch < s.num_microbatches:
                 _fail(s, "action out of range.", [spot], f"kinds {', '.join(KINDS)}; stages 0..{s.num_stages - 1}; "
                       f"micro-batches 0..{s.num_microbatches - 1}")
-            peer = None if a.kind in COMPUTE else a.stage + DIRECTION[CARRIES[a.kind]] * (1 if a.is_send else -1)
+            peer = None if a.kind in BUSY else a.stage + DIRECTION[CARRIES[a.kind]] * (1 if a.is_send else -1)
             for ok, what, bullet, rule in [
                     (s.rank_of(a.stage) == rank, "action on the wrong rank.",
                      f"{spot} belongs to rank {s.rank_of(a.stage)}", "stage s runs on rank s % num_ranks"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Sequence
 
-from .schedule import COMPUTE, Action, Number, Schedule, _match, _walk, unit_cost, validate
+from .schedule import BUSY, COMPUTE, Action, Number, Schedule, _match, _walk, unit_cost, validate
 
 def costs(forward: Number = 1, backward: Number = 1, transfer: Number = 0) -> Callable[[Action], Number]:
     """A cost function with the given F, B and per-transfer times, e.g. ``costs(1, 2)``."""
@@ -74,7 +74,7 @@ def bubble_from_timeline(timeline: Sequence[Sequence[tuple[Action, Number, Numbe
         held: set[tuple[int, int]] = set()
         peak = 0
         for a, t0, t1 in sorted(row, key=lambda e: (e[1], e[2])):
-            if a.kind in COMPUTE:
+            if a.kind in BUSY:
                 busy += t1 - t0
             if a.kind == "F":
                 held.add((a.stage, a.microbatch))

@@ -13,6 +13,7 @@ einsum (the fused gradient and SGD update of :mod:`meshdsl.lowering.fuse`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,10 +83,14 @@ class MatmulForm:
         # (attention's projections read q, k, v's gradients twice) would each copy it.
         return out if self.out_perm is None else out.permute(self.out_perm).contiguous()
 
-    def matmul_into(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    def matmul_into(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, accumulate: bool,
+                    later: list | None = None) -> torch.Tensor:
         """``einsum(x, y)`` written into ``out`` (``out + einsum(x, y)`` when ``accumulate``), in
         one BLAS call; returns ``out``.  Only for forms :attr:`in_order`.  When ``out`` cannot take
-        it (another shape, dtype or device, not contiguous), the product is returned and ``out`` is untouched."""
+        it (another shape, dtype or device, not contiguous), the product is returned and ``out`` is untouched.
+
+        With ``later`` (a list), the BLAS call is appended to it as a ready callable instead of
+        run: ``out`` is returned unwritten, and holds the product once that callable has run."""
         assert self.out_perm is None, "matmul_into needs the product in the output's order"
         a, b, shape = self._operands(x, y)
         if (tuple(out.shape) != shape or out.dtype != a.dtype or b.dtype != a.dtype or out.device != a.device
@@ -93,9 +98,13 @@ class MatmulForm:
             return (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
         q = out.view(*a.shape[:-1], b.shape[-1])
         if accumulate:
-            (q.baddbmm_ if self.nb else q.addmm_)(a, b)
+            call = functools.partial(q.baddbmm_ if self.nb else q.addmm_, a, b)
         else:
-            (torch.bmm if self.nb else torch.mm)(a, b, out=q)
+            call = functools.partial(torch.bmm if self.nb else torch.mm, a, b, out=q)
+        if later is None:
+            call()
+        else:
+            later.append(call)
         return out
 
     def add_matmul(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor, alpha: float,

@@ -43,7 +43,7 @@ from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .compare import report_check
 from .report import plan_report, print_report
 from .search_cli import add_calibrate, add_search, print_prediction
-from .timeline_png import check_timeline, draw, simulated_rows, timeline_arg
+from .timeline_png import bar_counts, check_timeline, draw, simulated_rows, timeline_arg
 from .train_cli import add_train, load_configured
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -175,7 +175,7 @@ def cmd_plan(args) -> int:
         got = draw(simulated_rows(step.args["schedule"]), args.timeline,
                    f"{args.model}: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} micro-batches "
                    f"(F = B = 1, transfers free)", unit="F times", scale=1.0)
-        console.print(f"timeline: {args.timeline} ({sum(got['bars'].values())} F/B bars, span {got['span']:g} "
+        console.print(f"timeline: {args.timeline} ({bar_counts(got['bars'])}, span {got['span']:g} "
                       f"F times)", highlight=False, soft_wrap=True)
     if args.predict:
         print_prediction(plan, console)

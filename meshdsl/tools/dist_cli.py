@@ -21,7 +21,7 @@ from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
 from .pipe_report import figures_table, run_figures, schedule_summary
 from .preflight import check_output_path, check_processes, float_in, int_in
-from .timeline_png import check_timeline, draw, median_step, timeline_arg
+from .timeline_png import bar_counts, check_timeline, draw, median_step, timeline_arg
 
 
 def dist_args(p) -> None:
@@ -156,15 +156,16 @@ def cmd_run(args) -> int:
         console = _console()
         console.print(figures_table(figures, f"pipeline over '{summary['axis']}': {figures['stages']} stages, "
                                              f"{figures['microbatches']} micro-batches, {figures['schedule']}"))
-        console.print("per stage, medians over the timed steps: busy = time in F and B actions; bubble = idle "
-                      "fraction of the span from the step's first F to its last action, over all ranks; "
+        console.print("per stage, medians over the timed steps: busy = time in F, B and W actions (W: a B's "
+                      "weight gradients, run after it sends its input gradient); bubble = idle fraction of the "
+                      "span from the step's first F to its last action, over all ranks; "
                       "theory: bubble (p-1)/(m+p-1), activations held m (gpipe) or p - stage (1f1b)",
                       highlight=False, soft_wrap=True)
     if args.timeline is not None and timelines:
         got = draw(median_step(timelines), args.timeline,
                    f"{args.model}: {summary['schedule']}, {summary['stages']} stages, {summary['microbatches']} "
                    f"micro-batches, mesh '{args.mesh}' (measured: the step of median length)")
-        print(f"timeline: {args.timeline} ({sum(got['bars'].values())} F/B bars, span {got['span']:.1f} ms)")
+        print(f"timeline: {args.timeline} ({bar_counts(got['bars'])}, span {got['span']:.1f} ms)")
     if args.report is not None:
         write_report(args, [r[0] for r in results if r is not None], figures, plan)
     return 0

@@ -18,7 +18,7 @@ from ..layout.mesh import Mesh
 from ..layout.specs import Rule
 from ..lowering.pipeline import MB_AXIS
 from ..lowering.plan import Plan, Step
-from ..lowering.schedule import COMPUTE, Action
+from ..lowering.schedule import BUSY, Action, split_backward
 from ..lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
 from ..lowering.timeline import bubble_from_timeline, format_table, simulate
 
@@ -87,9 +87,10 @@ def _figures_of_step(rows: list, num_stages: int) -> tuple[list[float], list[flo
 def bubble_at_costs(summary: dict[str, Any], timelines: list) -> list[float]:
     """Per stage, the bubble the schedule itself leaves at the measured action costs.
 
-    Each stage's F and B take their mean measured time (over every step and rank of
-    the stage) and transfers take none; the schedule is then simulated
-    (:func:`~meshdsl.lowering.timeline.simulate`).  Against the measured bubble this
+    Each stage's F, B (and W, where the runtime split a B's weight gradients off after
+    its send: :func:`~meshdsl.lowering.schedule.split_backward`) take their mean measured
+    time (over every step and rank of the stage) and transfers take none; the schedule,
+    split the same way, is then simulated (:func:`~meshdsl.lowering.timeline.simulate`).  Against the measured bubble this
     separates idle time the schedule causes with these stages (uneven stages give more
     than (p-1)/(m+p-1)) from what the runtime adds (transfer latency, descheduling).
     """
@@ -97,10 +98,12 @@ def bubble_at_costs(summary: dict[str, Any], timelines: list) -> list[float]:
     for rows in timelines:
         for row in rows:
             for kind, _, stage, _, t0, t1 in row:
-                if kind in COMPUTE:
+                if kind in BUSY:
                     spent.setdefault((kind, stage), []).append(t1 - t0)
     mean = {k: statistics.fmean(v) for k, v in spent.items()}
     sched = make_schedule(summary["schedule"], summary["stages"], summary["microbatches"])
+    if any(kind == "W" for kind, _ in spent):
+        sched = split_backward(sched)
     stats = simulate(sched, lambda a: mean.get((a.kind, a.stage), 0.0))
     return [float(r.idle_fraction) for r in stats.ranks]
 
@@ -112,7 +115,7 @@ def run_figures(summary: dict[str, Any], timelines: list) -> dict[str, Any]:
     over all ranks (the prologue and the final segment, run once per step, are
     outside it; so is a receive's wait before the first F, the previous step's flush:
     see :func:`~meshdsl.lowering.timeline.bubble_from_timeline`); a stage's bubble is the fraction of that makespan it spends outside
-    its F and B actions: waiting in a receive, sending, or descheduled counts as
+    its F, B and W actions: waiting in a receive, sending, or descheduled counts as
     idle, as in (p-1)/(m+p-1).  Figures are medians over the timed steps (peaks: the
     max); ``bubble_at_costs`` is :func:`bubble_at_costs`.
 

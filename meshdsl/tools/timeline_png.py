@@ -4,7 +4,8 @@
 F = B = 1 (the timeline the printed table shows); ``meshdsl run ... --timeline FILE.png``
 draws one measured step, every rank's recorded actions on one clock
 (:func:`meshdsl.train.jobs.gather_timelines`): the step whose makespan is the median.
-F bars are blue and B bars orange, each labelled with its micro-batch; sends and receives
+F bars are blue, B bars orange and W bars (a B's weight gradients, run after its send) red,
+each labelled with its micro-batch; sends and receives
 are grey lines under the row (a receive spans the time it waited); white is idle.  Each row ends with its idle fraction of
 the makespan, the bubble :func:`meshdsl.lowering.timeline.bubble_from_timeline` reports.
 """
@@ -13,12 +14,12 @@ from __future__ import annotations
 import statistics
 
 from ..errors import message
-from ..lowering.schedule import COMPUTE, Action
+from ..lowering.schedule import BUSY, COMPUTE, Action
 from ..lowering.timeline import bubble_from_timeline, simulate
 from .preflight import UsageError, check_output_path
 
 #: action kind -> bar colour
-COLOURS = {"F": "tab:blue", "B": "tab:orange"}
+COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:red"}
 
 
 def simulated_rows(schedule) -> list[list[tuple]]:
@@ -45,7 +46,8 @@ def draw(rows: list, path: str, title: str, unit: str = "ms", scale: float = 1e3
       unit: the time axis's unit; ``scale`` turns the rows' times into it (seconds to ms).
 
     Returns:
-      ``{"bars": {"F": n, "B": n}, "ticks": n, "idle": [fraction per row], "span": makespan in unit}``.
+      ``{"bars": {"F": n, "B": n} (and "W": n where the rows have any), "ticks": n,
+      "idle": [fraction per row], "span": makespan in unit}``.
     """
     import matplotlib
 
@@ -58,14 +60,14 @@ def draw(rows: list, path: str, title: str, unit: str = "ms", scale: float = 1e3
     origin = min((t0 for row in rows for k, *_, t0, _ in row if k in COMPUTE),
                  default=min((t0 for row in rows for *_, t0, _ in row), default=0.0))
     fig, ax = plt.subplots(figsize=(10, 1.4 + 0.7 * len(rows)), dpi=100)
-    bars = {k: 0 for k in COLOURS}
+    bars = {k: 0 for k in COLOURS if k != "W" or any(r[0] == "W" for row in rows for r in row)}
     ticks = 0
     labels = []
     for y, row in enumerate(rows):
         for kind, mb, _, _, t0, t1 in row:
             t0 = max(t0, origin)
             x, w = (t0 - origin) * scale, max(t1 - t0, 0.0) * scale
-            if kind in COMPUTE:
+            if kind in BUSY:
                 ax.broken_barh([(x, w)], (y - 0.35, 0.7), facecolors=COLOURS[kind], edgecolor="white", lw=0.5)
                 ax.text(x + w / 2, y, str(mb), ha="center", va="center", fontsize=7, color="white", clip_on=True)
                 bars[kind] += 1
@@ -85,14 +87,22 @@ def draw(rows: list, path: str, title: str, unit: str = "ms", scale: float = 1e3
     ax.set_xlim(0, span * 1.12 if span else 1)
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title, fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    names = {"F": "F (forward)", "B": "B (backward)", "W": "W (weight gradients, after the send)"}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in bars]
     ax.legend(handles + [plt.Line2D([0], [0], color="grey", lw=2)],
-              ["F (forward)", "B (backward)", "send / recv (a receive spans its wait)"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12), fontsize=7, ncol=3, frameon=False)
+              [names[k] for k in bars] + ["send / recv (a receive spans its wait)"],
+              loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12), fontsize=7, ncol=len(bars) + 1,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return {"bars": bars, "ticks": ticks, "idle": [float(r.idle_fraction) for r in stats.ranks], "span": span}
+
+
+def bar_counts(bars: dict) -> str:
+    """``draw``'s bar counts in words: ``"8 F, 8 B and 4 W bars"``."""
+    parts = [f"{n} {k}" for k, n in bars.items()]
+    return (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)) + " bars"
 
 
 def draw_timeline(source, path: str, title: str = "") -> dict:
