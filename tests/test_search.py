@@ -301,3 +301,21 @@ def test_a_pipelines_actions_are_priced_at_the_pipeline_runtimes_cost_per_step()
     grew = predict(piped, slow).compute_s - predict(piped, base).compute_s
     # every forward and backward step of every stage and micro-batch pays 1 ms more
     assert 0 < grew <= calls * 1e-3 + 1e-9
+
+
+def test_a_pipeline_prediction_splits_a_sending_backward_as_the_runtime_does(monkeypatch):
+    """Stage 1 sends each input gradient before its loop's weight-gradient matmuls (a W):
+    the prediction counts those matmuls (the same compute) but stage 0 waits less for
+    each gradient, so the step is shorter than with whole B's."""
+    import meshdsl.search.predict as pr
+
+    model = md.load_model("transformer", tiny=True)
+    plan = compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule="1f1b")
+    cal = _with_cores(4)
+    split = predict(plan, cal)
+    pipe = next(s for s in plan.steps if s.kind == "pipeline")
+    assert len(pr._put_off(pipe)) == 6    # per layer: wq wk wv wo w_fc w_proj's gradients
+    monkeypatch.setattr(pr, "_put_off", lambda step: frozenset())
+    whole = predict(plan, cal)
+    assert split.compute_s == pytest.approx(whole.compute_s)
+    assert split.step_s < whole.step_s

@@ -113,14 +113,14 @@ def test_only_a_matmul_made_gradient_gets_a_sink(reference):
     assert install(sub, body.outputs["dcarry"]) is None   # read by nothing, but not a weight's matmul
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_stage_that_sends_a_gradient_runs_its_weight_gradients_after_the_send(reference, calls, schedule):
+@pytest.mark.parametrize("schedule, m", [("1f1b", 4), ("gpipe", 4), ("1f1b", 1)])
+def test_a_stage_that_sends_a_gradient_runs_its_weight_gradients_after_the_send(reference, calls, schedule, m):
     """Stage 1 sends each B's input gradient upstream: its loop's weight-gradient matmuls
     are put off into a W action right after that send; stage 0 sends nothing and keeps
     them in its B.  The results are the dense program's, and bitwise those of the run that
-    defers nothing (the same products, added in the same order)."""
+    defers nothing (the same products, added in the same order).  With one micro-batch
+    nothing is summed, and the W still follows the send."""
     _, outs, feeds, want = reference
-    m = 4
     plan = md.compile(outs, "stage:2", "layer:stage", microbatches=m, schedule=schedule)
     ex = Executor(plan, SimulatedComm(plan.mesh))
     got = ex.full_outputs(ex.run(feeds))

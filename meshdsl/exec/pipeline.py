@@ -104,6 +104,9 @@ def _prepare_pipeline(ex, i, step):
     acc = Accumulator(store, base, mb_axis, folded(step, mb_axis), fresh)
     summed = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in acc.fresh)
               for stage in held_stages}
+    # Those same stacked gradients (summed over micro-batches or not) may wait for a W.
+    later = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in fresh)
+             for stage in held_stages}
     views: dict = {}
     final_donations = _final_donations(ex, step) if ex.donates else set()
 
@@ -183,8 +186,8 @@ def _prepare_pipeline(ex, i, step):
                 thunks.append(prepared(seg, j, (stage,), view))
         if act.kind == "B" and summed[stage]:
             thunks.append(_done_adding)
-        if act.kind == "B" and summed[stage] and key in sends_grad:
-            deferred[key] = Deferred(summed[stage])
+        if act.kind == "B" and later[stage] and key in sends_grad:
+            deferred[key] = Deferred(later[stage])
             thunks = [_deferring(deferred[key]), *thunks, _done_deferring]
         program.append((stage, act, thunks))
     for rs in posted.values():  # taking one posts the next

@@ -59,17 +59,16 @@ class Deferred:
             call()
 
 
-def install(ex, vid: int) -> Sink | None:
-    """Make the step of ``ex`` that produces value ``vid`` write into a :class:`Sink`.
+def matmul_producer(plan, vid: int) -> int | None:
+    """The position of the step of ``plan`` whose matmul may write value ``vid`` into a buffer.
 
-    Returns None (the step is left as it is) unless the step is a two-operand einsum
-    in matmul form whose product comes out in the output's order, in the plain
-    kernel (not a mixed-precision one), run once per held rank, and ``vid`` is read
-    by no step of the plan (only the plan's output names it).  Identity kernels in
-    between (``stop_gradient``, the gradient's name) are seen through: they hand on
-    the tensor itself.
+    None unless that step is a two-operand einsum in matmul form whose product comes
+    out in the output's order, in the plain kernel (not a mixed-precision one), and
+    ``vid`` is read by no step of the plan (only the plan's output names it).  Identity
+    kernels in between (``stop_gradient``, the gradient's name) are seen through: they
+    hand on the tensor itself.
     """
-    steps = ex.plan.steps
+    steps = plan.steps
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     readers: dict = {}
     for s in steps:
@@ -86,8 +85,22 @@ def install(ex, vid: int) -> Sink | None:
     s = steps[i]
     form = s.args.get("attrs", {}).get("form") if s.kind == "local" else None
     if (form is None or not form.in_order or s.op != "einsum" or len(s.ins) != 2 or len(s.outs) != 1
-            or s.args["fn"] != OPS["einsum"].compute or i in ex.donated or twins(ex, s) is not None):
+            or s.args["fn"] != OPS["einsum"].compute):
         return None
+    return i
+
+
+def install(ex, vid: int) -> Sink | None:
+    """Make the step of ``ex`` that produces value ``vid`` write into a :class:`Sink`.
+
+    Returns None (the step is left as it is) unless :func:`matmul_producer` finds the
+    step and it runs once per held rank, not donated.
+    """
+    i = matmul_producer(ex.plan, vid)
+    if i is None or i in ex.donated or twins(ex, ex.plan.steps[i]) is not None:
+        return None
+    s = ex.plan.steps[i]
+    form, vid = s.args["attrs"]["form"], s.outs[0]
     sink, plain, (a, b) = Sink(), ex.calls[i], s.ins
 
     def call(env, get, run):

@@ -14,7 +14,9 @@ issue (or when the link frees) and only the step that reads its result
 waits, so the prediction overlaps exactly what the runtime overlaps.  A loop
 runs its body ``times`` over; a pipeline prices each stage's forward and
 backward segment and runs its schedule through
-:func:`meshdsl.lowering.timeline.simulate`, so the bubble is the schedule's.
+:func:`meshdsl.lowering.timeline.simulate`, so the bubble is the schedule's; a
+B that sends a gradient upstream is split as the runtime splits it, its loops'
+weight-gradient matmuls priced as a W after the send.
 A process runs its micro-batches one after another, and once what does not vary
 per micro-batch (:func:`meshdsl.exec.steps.twins`).
 
@@ -32,9 +34,11 @@ from dataclasses import dataclass, field
 
 from ..collectives import COLLECTIVES
 from ..exec.executor import issue_order
+from ..exec.sink import matmul_producer
 from ..lowering.memory import memory_report
 from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..lowering.plan import Plan, Step
+from ..lowering.schedule import split_backward
 from ..lowering.timeline import simulate
 from .calibrate import Calibration
 
@@ -139,6 +143,10 @@ class _Walk:
         self.rows: list[tuple[str, str, float, float]] = []
         self.compute = self.comm = self.bubble = 0.0
         self.computed = False  # a kernel ran since the last collective: the ranks drifted apart
+        # A pipeline B's weight-gradient matmuls the runtime puts off to its W (exec/sink.py):
+        # ids of those steps, their seconds per run, and the runs of the loops around them.
+        self.later: frozenset = frozenset()
+        self.w, self.w_scale = 0.0, 1
 
     def plan_time(self, plan: Plan, mult: int, stages=None, stage=None, serial: int = 1) -> float:
         """Wall time of one run of ``plan`` (only the steps of ``stage`` when given)."""
@@ -173,7 +181,11 @@ class _Walk:
                         self.kernel_calls += mult
                         self.compute += mult * dur
                         self.rows.append((s.label, s.op, mult * dur, 0.0))
-                    end = cpu = start + dur
+                    if id(s) in self.later:   # runs in the W, after the B's send: off this path
+                        self.w += self.w_scale * dur
+                        end = start
+                    else:
+                        end = cpu = start + dur
             for v in s.outs:
                 ready[v] = end
         return max([cpu, link] + list(ready.values()))
@@ -181,8 +193,12 @@ class _Walk:
     def sub_time(self, s: Step, plan: Plan, mult: int, serial: int) -> float:
         if s.kind == "pipeline":
             return self.pipeline_time(s, mult)
-        return sum(s.runs(k) * self.plan_time(sub, mult * s.runs(k), serial=serial)
-                   for k, sub in enumerate(s.subplans))
+        total, scale = 0.0, self.w_scale
+        for k, sub in enumerate(s.subplans):
+            self.w_scale = scale * s.runs(k)
+            total += s.runs(k) * self.plan_time(sub, mult * s.runs(k), serial=serial)
+        self.w_scale = scale
+        return total
 
     def pipeline_time(self, s: Step, mult: int) -> float:
         sched, p = s.args["schedule"], s.args["num_stages"]
@@ -196,12 +212,23 @@ class _Walk:
         self.sharing, overlap, self.overlap = 1, self.overlap, True
         self.dispatch = self.cal.pipeline_dispatch_s or None
         fwd_t = [self.plan_time(fwd, mult * m, stages[1], st) for st in range(p)]
-        bwd_t = [self.plan_time(bwd, mult * m, stages[2], st) for st in range(p)]
+        # A B that sends its input gradient upstream leaves its weight gradients to a W
+        # (lowering/schedule.py split_backward), as the runtime does.
+        later = _put_off(s)
+        sends = {a.stage for row in sched.actions for a in row if a.kind == "send_grad"}
+        bwd_t, w_t = [], []
+        for st in range(p):
+            self.later, self.w = (later if st in sends else frozenset()), 0.0
+            bwd_t.append(self.plan_time(bwd, mult * m, stages[2], st))
+            w_t.append(self.w)
+        self.later = frozenset()
         self.sharing, self.overlap, self.dispatch = None, overlap, None
         t_fin = self.plan_time(fin, mult)
+        if any(w_t):
+            sched = split_backward(sched)
         # Each stage's segment time already holds its transfers; the schedule adds the waiting.
-        stats = simulate(sched, lambda a: fwd_t[a.stage] if a.kind == "F" else bwd_t[a.stage] if a.kind == "B"
-                         else 0.0)
+        cost = {"F": fwd_t, "B": bwd_t, "W": w_t}
+        stats = simulate(sched, lambda a: cost[a.kind][a.stage] if a.kind in cost else 0.0)
         makespan = float(stats.makespan)
         busy = max(float(r.busy) for r in stats.ranks)
         self.bubble += mult * (makespan - busy)
@@ -210,6 +237,22 @@ class _Walk:
         # oversubscribed pipeline is slowed by its work, not by its process count.
         demand = sum(float(r.busy) for r in stats.ranks) * (self.nproc // p) / self.cal.cores
         return t_pro + max(makespan, demand) + t_fin
+
+
+def _put_off(step: Step) -> frozenset:
+    """Ids of the weight-gradient matmuls in a pipeline's backward loops that a B puts off
+    to its W: those of the stacked gradients only the final segment reads (exec/pipeline.py)."""
+    bwd = step.subplans[2]
+    read = {v for sub in step.subplans[:3] for s in sub.steps for v in s.ins}
+    out = set()
+    for s in bwd.steps:
+        if s.kind == "repeat" and s.args["backward"]:
+            (block,) = s.subplans
+            for name, v in zip(s.args["names"], s.outs[1:]):
+                i = matmul_producer(block, block.outputs[f"d/{name}"])
+                if v not in read and i is not None and name not in s.args.get("streamed", ()):
+                    out.add(id(block.steps[i]))
+    return frozenset(out)
 
 
 def predict(plan: Plan, cal: Calibration) -> Prediction:
