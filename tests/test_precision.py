@@ -1,7 +1,8 @@
 """Mixed precision: ``TrainStep(precision="bf16")`` against fp32.
 
-20 AdamW steps of the tiny transformer in bf16 follow the fp32 curve within a stated
-tolerance (dense and DP+TP, on the simulated mesh); params and optimizer state stay
+Step-0 gradients in bf16 are the fp32 ones rounded, and 20 AdamW steps of the tiny
+transformer in bf16 follow the fp32 curve (four data windows) within stated
+tolerances (dense and DP+TP, on the simulated mesh); params and optimizer state stay
 fp32; the plan shows bf16 activations with halved tensor-parallel allreduce bytes and
 fp32 gradient reductions (allreduce and, under ZeRO-2, reduce-scatter); every op has a
 precision rule; fp32 stays the default and its plans are untouched.
@@ -34,12 +35,25 @@ FIRST_REL = 1e-2
 # After that the runs drift apart: AdamW divides each gradient by its own RMS, so a
 # rounding that flips a near-zero gradient element moves that weight by 2 * lr in
 # the other direction.  The curves stay together (same data, same steps) but no
-# longer to 2^-9: measured over 20 steps, at most 2.0e-2 relative on one step and
-# 6e-3 to 8e-3 on average.  We allow 5e-2 per step and 2e-2 on average; a gradient
-# that is wrong rather than rounded (a dropped partial sum, a bf16-summed gradient
-# that overflows, a missing cast) leaves the fp32 curve by more within a few steps.
+# longer to 2^-9, and how far one 20-step curve strays depends on which elements
+# flip: a change of kernel that only reorders fp32 sums (the fused layer norm's
+# backward against normalize + mul + reduce_sum: the same step-0 bf16 gradients to
+# 3e-4 relative) moved the worst step of the curve starting at batch 0 from 3.7e-2
+# to 5.0e-2, and left the curves starting at batches 100, 200 and 300 at 0.2e-2,
+# 1.9e-2 and 2.7e-2.  So the curve is checked over WINDOWS, four 20-step curves from
+# different data: every window's mean within MEAN_REL, and, step by step, the
+# median over the windows within STEP_REL (measured, dense and DP+TP: window means
+# 0.05e-2 to 1.9e-2, window maxima 0.2e-2 to 5.0e-2, the median curve at most 1.1e-2).  A wrong gradient is caught directly on step 0:
+# each param's bf16 gradient is its fp32 gradient rounded, within GRAD_REL in
+# norm (measured at most 0.15 relative: wk's, through the 2-wide attention heads of
+# the tiny model, 0.10 dense; the others 0.01 to 0.08); a gradient that is wrong
+# rather than rounded (a dropped partial sum: half of it missing, a bf16-summed
+# gradient that overflows, a missing cast) is off by far more, and leaves the fp32
+# curve in every window within a few steps.
 STEP_REL = 5e-2
 MEAN_REL = 2e-2
+GRAD_REL = 0.2
+WINDOWS = (0, 100, 200, 300)
 
 
 def _opt():
@@ -57,19 +71,37 @@ def _step(model, mesh, layout, precision=None, bucket_mb=25.0):
                         optimizer=_opt(), clip_norm=1.0, bucket_mb=bucket_mb, **kw)
 
 
-def _curve(step, model):
-    return [step(model.feeds(i))[0] for i in range(STEPS)]
+def _curve(step, model, start=0):
+    return [step(model.feeds(start + i))[0] for i in range(STEPS)]
+
+
+@pytest.mark.parametrize("mesh,layout", [("data:1", ""), DP_TP], ids=["dense", "dp+tp"])
+def test_bf16_gradients_are_the_fp32_gradients_rounded(model, mesh, layout):
+    grads = {}
+    for prec in ("fp32", "bf16"):
+        loss = mixed_precision(model.loss, prec)
+        outs = {"loss": loss, **md.grad(loss, model.params)}
+        grads[prec] = md.run_simulated(md.compile(outs, mesh, layout), model.feeds(0))
+    for k in model.params:
+        want, got = grads["fp32"][k], grads["bf16"][k]
+        assert got.dtype == torch.float32, k
+        assert 0 < (got - want).norm() <= GRAD_REL * want.norm(), (k, ((got - want).norm() / want.norm()).item())
 
 
 @pytest.mark.parametrize("mesh,layout", [("data:1", ""), DP_TP], ids=["dense", "dp+tp"])
 def test_bf16_curve_follows_fp32(model, mesh, layout):
-    want = torch.tensor(_curve(_step(model, mesh, layout), model))
-    step = _step(model, mesh, layout, "bf16")
-    got = torch.tensor(_curve(step, model))
-    rel = (got - want).abs() / want.abs()
-    assert rel[0] <= FIRST_REL, rel[0]
-    assert rel.max() <= STEP_REL and rel.mean() <= MEAN_REL, rel
-    assert rel.max() > 0  # bf16 really computed something in bf16
+    rels = []
+    for start in WINDOWS:
+        want = torch.tensor(_curve(_step(model, mesh, layout), model, start))
+        step = _step(model, mesh, layout, "bf16")
+        got = torch.tensor(_curve(step, model, start))
+        rel = (got - want).abs() / want.abs()
+        assert rel[0] <= FIRST_REL, (start, rel[0])
+        assert rel.mean() <= MEAN_REL, (start, rel)
+        assert rel.max() > 0  # bf16 really computed something in bf16
+        rels.append(rel)
+    median = torch.stack(rels).median(0).values
+    assert median.max() <= STEP_REL, median
     # master weights and optimizer state stay fp32 (every rank's slice)
     for k in step.carried:
         assert all(x.dtype == torch.float32 for x in step.params[k] if x is not None), k

@@ -47,10 +47,12 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     if op.is_linear(node) and len(partial_in) == len(shs) and len(sets) == 1:
         P = shs[partial_in[0]].partial
         return [(P, {i: P for i in partial_in}, {})]
+    eager = [((), {}, {})]
     if len(partial_in) == 1 and partial_in[0] in op.linear_args:
         P = shs[partial_in[0]].partial
-        return [(P, {partial_in[0]: P}, {})]
-    eager = [((), {}, {})]
+        # Several outputs (layer norm's backward: dx and the affine's gradients) would each
+        # need a reduction of their own: reducing the input first may cost less.
+        return [(P, {partial_in[0]: P}, {})] + (eager if len(node.outputs) > 1 else [])
     # A lazy result with several readers would be reduced at its first one: no
     # better than reducing the inputs now, and the scaling would cost a kernel.
     if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
@@ -122,11 +124,15 @@ def _price(lw, node, spec, C, shs, P, keep, targets, comp):
         cost += relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model)
     local = {d: size // mesh.axis_size(C.get(d, ())) for d, size in spec.dims.items()}
     cost += model.compute(op_flops(node, local))
-    sum_axes = tuple(a for d, kind in spec.reduce.items() if kind == "sum" for a in C.get(d, ()))
     ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
     outs = []
     for t, tl in zip(node.outputs, targets):
         split = {o.name: C.get(comp[o.name], ()) for o in t.shape}
+        # An output is a partial sum over the axes of the 'sum' dims it lacks (an op may
+        # keep a reduced dim in one output: layer norm's backward, its input gradient).
+        kept = {comp[o.name] for o in t.shape}
+        sum_axes = tuple(a for d, kind in spec.reduce.items() if kind == "sum" and d not in kept
+                         for a in C.get(d, ()))
         out_sh = Sharding.of(t.shape, split, tuple(a for a in mesh.names if a in set(P) | set(sum_axes)))
         nbytes = out_sh.local_numel(t.shape, mesh) * t.dtype.itemsize
         if ext_axes:

@@ -4,8 +4,10 @@
   fused primitives (one torch kernel forward, one backward, as torch's autograd
   uses).  Their reduced dim is ``fixed`` in the spec: it must be whole on a
   rank, so the compiler gathers it when it is split (correct, more traffic).
-  The norms' scale and bias are applied with elementwise mul/add, so their
-  gradients (which reduce over the batch dims) lower generically.
+  ``layer_norm`` with a scale and/or bias over its dim alone is one op with its
+  affine (:mod:`.layernorm`); otherwise (and ``rms_norm``'s scale) the affine is
+  elementwise mul/add.  Either way the parameter gradients, which reduce over
+  the batch dims, lower generically.
 * ``log_softmax`` and ``cross_entropy`` stay composites of primitives, so they
   lower on any layout without gathering, e.g. a vocab-split cross-entropy.
 * ``dropout`` is a primitive whose mask depends only on the global element
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 from .reduce import _dims_arg, logsumexp
 from .registry import ComputeSpec, Op, apply, register
+from .layernorm import fused_layer_norm
 from .xent import fused_cross_entropy
 
 
@@ -200,6 +203,9 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
     _check_affine("layer_norm", x, scale=scale, bias=bias)
     _check_float("layer_norm", x)
     d = _one_dim(x, dim, "layer_norm")
+    given = [t for t in (scale, bias) if t is not None]
+    if given and all(t.shape.names == (d,) for t in given):
+        return fused_layer_norm(x, d, scale, bias, eps)
     with x.graph.scope("layer_norm"):
         y = apply("normalize", [x], {"dim": d, "eps": float(eps)})
         if scale is not None:

@@ -40,6 +40,7 @@ class ComputeSpec:
       fixed: dims that must be whole (unsplit) on every rank.
       reduce: input dims absent from the output, name -> 'sum' | 'max' | 'min'.
         A split 'sum' dim leaves a lazy partial sum; 'max'/'min' are reduced at once.
+        With several outputs, each is a partial sum over the 'sum' dims it lacks.
       out_rename: output dim name -> compute dim name, for ops that rename dims.
     """
 

@@ -1,0 +1,125 @@
+"""Layer norm with its scale and bias: one torch kernel forward, one backward.
+
+``layer_norm(x, dim, scale, bias)`` is ``normalize(x) * scale + bias`` along ``dim``.
+As the three ops it costs three passes over the activation forward and five
+backward (the normalisation's, then ``g * scale``, ``sum(g)`` and ``sum(g * x̂)``
+for the two parameter gradients), and the backward reads the saved ``x̂``.  As one
+op it runs ``F.layer_norm`` with the affine forward and ``native_layer_norm_backward``
+backward, which returns the input gradient and both parameter gradients at once
+from ``x`` alone, as torch's autograd does.
+
+Lowering is the generic rule's: ``dim`` is ``fixed`` (gathered where a layout
+splits it, with the scale and bias whole along it), and the backward's parameter
+gradients reduce over every other dim (``reduce``), so a batch or sequence dim
+split over a mesh axis leaves them partial sums over that axis, reduced once where
+they are read, exactly as the composite's ``reduce_sum`` did.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..core.graph import Tensor
+from .registry import ComputeSpec, Op, apply, register
+
+
+def _last(fn, pos: int, *xs):
+    """``fn`` of ``xs`` with dim ``pos`` moved last; its first result moved back."""
+    if pos == xs[0].dim() - 1:
+        return fn(*xs)
+    out = fn(*(x.movedim(pos, -1) for x in xs))
+    if isinstance(out, tuple):
+        return (out[0].movedim(-1, pos), *out[1:])
+    return out.movedim(-1, pos)
+
+
+def _spec(node, x: Tensor, reduce: bool) -> ComputeSpec:
+    d = node.attrs["dim"]
+    dims = {t.name: t.size for t in x.shape}
+    return ComputeSpec(dims, fixed=frozenset({d}),
+                       reduce={n: "sum" for n in dims if n != d} if reduce else {})
+
+
+def _affine(attrs, params):
+    """(scale or None, bias or None) from the op's trailing inputs."""
+    params = list(params)
+    scale = params.pop(0) if attrs["scale"] else None
+    bias = params.pop(0) if attrs["bias"] else None
+    return scale, bias
+
+
+@register
+class LayerNorm(Op):
+    """(x, [scale], [bias]) -> y; attrs ``dim``, ``pos``, ``eps``, ``scale``, ``bias`` (which inputs follow x)."""
+
+    name = "layer_norm"
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        attrs["pos"] = x.shape.index(attrs["dim"])
+        return [(x.shape, x.dtype)]
+
+    def compute(self, ctx, attrs, x, *params):
+        scale, bias = _affine(attrs, params)
+        eps = attrs["eps"]
+        return _last(lambda v: F.layer_norm(v, (v.shape[-1],), scale, bias, eps), attrs["pos"], x)
+
+    def spec(self, node):
+        return _spec(node, node.inputs[0], reduce=False)
+
+    def flops(self, node, local):
+        return 8 * math.prod(local.get(n, s) for n, s in self.spec(node).dims.items())
+
+    def grad(self, node, douts):
+        (g,) = douts
+        if g is None:
+            return [None] * len(node.inputs)
+        x = node.inputs[0]
+        if g.shape.names != x.shape.names:
+            from .shape_ops import transpose
+            g = transpose(g, x.shape.names)
+        scale = [node.inputs[1]] if node.attrs["scale"] else []
+        outs = apply("layer_norm_backward", [g, x, *scale], dict(node.attrs))
+        return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+@register
+class LayerNormBackward(Op):
+    """(g, x, [scale]) -> (dx, [d_scale], [d_bias]): linear in ``g``; no second-order gradient."""
+
+    name = "layer_norm_backward"
+    linear_args = (0,)
+    differentiable = False
+
+    def infer(self, inputs, attrs):
+        x = inputs[1]
+        d = x.shape.without([n for n in x.shape.names if n != attrs["dim"]])
+        return [(x.shape, x.dtype)] + [(d, x.dtype)] * (int(attrs["scale"]) + int(attrs["bias"]))
+
+    def compute(self, ctx, attrs, g, x, *params):
+        scale = params[0] if attrs["scale"] else None
+        eps, mask = attrs["eps"], [True, bool(attrs["scale"]), bool(attrs["bias"])]
+
+        def bwd(g, x):
+            n = x.shape[-1]
+            _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], None, None, eps)
+            # the kernel shapes the bias gradient like the bias, whose values it never reads
+            bias = x.new_empty(n) if attrs["bias"] else None
+            return torch.ops.aten.native_layer_norm_backward(g, x, [n], mean, rstd, scale, bias, mask)
+        dx, dscale, dbias = _last(bwd, attrs["pos"], g, x)
+        return (dx,) + ((dscale,) if attrs["scale"] else ()) + ((dbias,) if attrs["bias"] else ())
+
+    def spec(self, node):
+        return _spec(node, node.inputs[1], reduce=True)
+
+    def flops(self, node, local):
+        return 12 * math.prod(local.get(n, s) for n, s in self.spec(node).dims.items())
+
+
+def fused_layer_norm(x: Tensor, dim: str, scale: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """The fused op; ``scale`` and ``bias`` (if given) have the single dim ``dim``."""
+    ins = [x] + [t for t in (scale, bias) if t is not None]
+    return apply("layer_norm", ins, {"dim": dim, "eps": float(eps), "scale": scale is not None,
+                                     "bias": bias is not None})

@@ -1,0 +1,135 @@
+"""The fused layer norm with its affine (meshdsl/ops/layernorm.py): one op forward, one
+backward that returns the input gradient and both parameter gradients, against torch
+autograd (dense) and against the dense program on simulated meshes that split the batch,
+the sequence, the normalised dim or the params.
+
+Tolerances are rtol = atol = 1e-5 in fp32, as tests/test_nn_fused.py: the same kind of
+fused kernels on both sides, sums in a different order.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import meshdsl as md
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+B, S, D = md.Dim("batch", 4), md.Dim("seq", 6), md.Dim("d_model", 8)
+
+
+def _build(scale: bool, bias: bool, dim: str = "d_model"):
+    """loss = sum(w * layer_norm(x * 1.5, dim, scale, bias)) (x read twice: its gradient sums)."""
+    dims = {"batch": B, "seq": S, "d_model": D}
+    x = md.param("x", [B, S, D])
+    w = md.input("w", [D, B, S])   # another dim order: the cotangent comes transposed
+    s = md.param("scale", [dims[dim]], init="ones") if scale else None
+    b = md.param("bias", [dims[dim]], init="zeros") if bias else None
+    y = md.layer_norm(x * 1.5, dim, s, b) + x
+    loss = md.reduce_sum(w * y)
+    wrt = {"x": x, **({"scale": s} if scale else {}), **({"bias": b} if bias else {})}
+    return y, loss, wrt
+
+
+def _feeds():
+    return {"w": torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(3))}
+
+
+def _params(scale, bias):
+    g = torch.Generator().manual_seed(7)
+    p = {"x": torch.randn(4, 6, 8, generator=g) * 2 + 0.5}
+    if scale:
+        p["scale"] = torch.randn(8, generator=g)
+    if bias:
+        p["bias"] = torch.randn(8, generator=g)
+    return p
+
+
+@pytest.mark.parametrize("scale, bias", [(True, True), (True, False), (False, True)])
+def test_fused_layer_norm_matches_torch_autograd(scale, bias):
+    with md.Graph():
+        y, loss, wrt = _build(scale, bias)
+        assert y.node.inputs[0].node.op.name == "layer_norm"
+        grads = md.grad(loss, wrt)
+        params, feeds = _params(scale, bias), _feeds()
+        got = md.run_dense({"y": y, **{f"d{k}": g for k, g in grads.items()}}, feeds, params)
+    t = {k: v.clone().requires_grad_() for k, v in params.items()}
+    ty = F.layer_norm(t["x"] * 1.5, (8,), t.get("scale"), t.get("bias"), 1e-5) + t["x"]
+    (ty * feeds["w"].permute(1, 2, 0)).sum().backward()
+    torch.testing.assert_close(got["y"], ty.detach(), **TOL)
+    for k in wrt:
+        torch.testing.assert_close(got[f"d{k}"], t[k].grad, **TOL, msg=lambda m: f"d{k}: {m}")
+
+
+def test_the_affine_is_in_the_one_op_and_its_gradient_in_one_backward():
+    """No mul/add for the affine forward; no reduce_sum/mul for its gradients backward."""
+    with md.Graph():
+        x = md.param("x", [B, S, D])
+        s, b = md.param("scale", [D]), md.param("bias", [D])
+        y = md.layer_norm(x, "d_model", s, b)
+        assert y.node.op.name == "layer_norm" and len(y.node.inputs) == 3
+        grads = md.grad(md.reduce_sum(y * y), [x, s, b])
+        # each gradient is named by an identity (stop_gradient) over the one backward node
+        (made,) = {g.node.inputs[0].node for g in grads}
+        assert made.op.name == "layer_norm_backward" and len(made.outputs) == 3
+    with md.Graph():   # a scale over two dims keeps the composite
+        x = md.param("x", [B, S, D])
+        y = md.layer_norm(x, "d_model", md.param("scale", [S, D]))
+        assert y.node.op.name == "mul"
+
+
+LAYOUTS = [("data:2", "batch:data"), ("data:2", "seq:data"), ("model:2", "d_model:model"),
+           ("data:2", "batch:data; scale.d_model:data; bias.d_model:data"), ("data:2; model:2", "batch:data; seq:model")]
+
+
+@pytest.mark.parametrize("mesh, layout", LAYOUTS)
+def test_layouts_give_the_dense_numbers(mesh, layout):
+    with md.Graph():
+        y, loss, wrt = _build(True, True)
+        grads = md.grad(loss, wrt)
+        outs = {"y": y, "loss": loss, **{f"d{k}": g for k, g in grads.items()}}
+        feeds, params = _feeds(), _params(True, True)
+        want = md.run_dense(outs, feeds, params)
+        got = md.run_simulated(md.compile(outs, mesh, layout), feeds, params)
+    for k in outs:
+        torch.testing.assert_close(got[k], want[k], **TOL, msg=lambda m: f"{mesh} / {layout}, {k}: {m}")
+
+
+def test_a_split_batch_leaves_the_param_gradients_partial_and_reduced_once():
+    """batch:data: the backward's scale and bias gradients come out partial over 'data'
+    and are reduced once (in one bucket); its input gradient is split, not partial."""
+    with md.Graph():
+        x = md.param("x", [B, S, D])
+        s, b = md.param("scale", [D]), md.param("bias", [D])
+        loss = md.reduce_sum(md.layer_norm(x, "d_model", s, b) ** 2)
+        ds, db = md.grad(loss, [s, b])
+        plan = md.compile({"loss": loss, "ds": ds, "db": db}, "data:2", "batch:data")
+    bwd = next(st for st in plan.steps if st.kind == "local" and st.op == "layer_norm_backward")
+    dx_sh, ds_sh, db_sh = (plan.values[v].sharding for v in bwd.outs)
+    assert not dx_sh.partial and dx_sh.split == {"batch": ("data",)}
+    assert ds_sh.partial == ("data",) and db_sh.partial == ("data",)
+    coll = [st for st in plan.steps if st.is_collective]
+    # the loss's allreduce, and one (bucketed) allreduce of the two gradients as they came out
+    assert [(st.kind, st.axes) for st in coll] == [("allreduce", ("data",)), ("bucket_allreduce", ("data",))]
+    assert coll[1].ins == bwd.outs[1:]
+
+
+@settings(max_examples=12, deadline=None)
+@given(layout=st.sampled_from(["", "batch:data", "seq:data", "d_model:data", "batch:data; scale.d_model:data"]),
+       scale=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_property_any_layout_matches_the_dense_oracle(layout, scale, bias, seed):
+    if not (scale or bias):
+        scale = True
+    if not scale:
+        layout = layout.replace("scale.", "bias.")
+    with md.Graph():
+        y, loss, wrt = _build(scale, bias)
+        grads = md.grad(loss, wrt)
+        outs = {"loss": loss, **{f"d{k}": g for k, g in grads.items()}}
+        feeds = {"w": torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(seed))}
+        params = _params(scale, bias)
+        want = md.run_dense(outs, feeds, params)
+        got = md.run_simulated(md.compile(outs, "data:2", layout), feeds, params)
+    for k in outs:
+        torch.testing.assert_close(got[k], want[k], **TOL)
