@@ -149,7 +149,7 @@ def _prepare_pipeline(ex, i, step):
     # off until the send has gone: they run as the W action right after it (see .sink).
     if ex.defer_weight_grads:
         schedule = split_backward(schedule)
-    sends_grad = {(a.stage, a.microbatch) for row in schedule.actions for a in row if a.kind == "W"}
+    has_w = {(a.stage, a.microbatch) for row in schedule.actions for a in row if a.kind == "W"}
     deferred: dict = {}   # (stage, micro-batch) -> its B's Deferred
     order = _order(schedule, held_stages)
     posted: dict = {}   # carry kind -> receives of that kind, in run order
@@ -186,7 +186,7 @@ def _prepare_pipeline(ex, i, step):
                 thunks.append(prepared(seg, j, (stage,), view))
         if act.kind == "B" and summed[stage]:
             thunks.append(_done_adding)
-        if act.kind == "B" and later[stage] and key in sends_grad:
+        if act.kind == "B" and later[stage] and key in has_w:
             deferred[key] = Deferred(later[stage])
             thunks = [_deferring(deferred[key]), *thunks, _done_deferring]
         program.append((stage, act, thunks))
