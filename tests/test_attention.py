@@ -93,3 +93,24 @@ def test_transformer_uses_one_fused_node_per_block():
     block = next(n for n in md.core.graph.topo_nodes([model.loss]) if n.op.name == "repeat").attrs["block"]
     ops = [n.op.name for n in block.graph.nodes]
     assert ops.count("attention") == 1 and "softmax" not in ops, ops
+
+
+def test_split_queries_leave_dk_dv_partial_not_gathered():
+    """seq:x: the backward runs on each rank's queries (no gather of its query-side inputs);
+    dq comes out split, dk and dv partial sums over x (every query adds to them)."""
+    c = build_case(_case)
+    plan = md.compile(c.outputs, "x:2", "seq:x")
+    bwd = next(s for s in plan.steps if s.kind == "local" and s.op == "attention_backward")
+    dq, dk, dv = (plan.values[v].sharding for v in bwd.outs)
+    assert dq.split == {"seq": ("x",)} and not dq.partial
+    assert dk.partial == ("x",) and dv.partial == ("x",)
+    assert not any(s.kind == "allgather" for s in plan.steps if s.phase == "backward")
+
+
+def test_sequence_parallel_transformer_reduce_scatters_key_and_value_gradients():
+    """The transformer under seq:model: per layer, k and v are allgathered forward and their
+    gradients reduce-scattered backward; no attention backward runs on the whole sequence."""
+    model = md.load_model("transformer", tiny=True)
+    plan = md.compile(model.train_step(0.01), "model:2", "seq:model")
+    totals, layers = plan.totals(), model.config.layers
+    assert totals["allgather"]["count"] == 2 * layers and totals["reduce_scatter"]["count"] == 2 * layers

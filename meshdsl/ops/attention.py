@@ -71,9 +71,10 @@ def _spec(attrs: dict, q: Tensor, k: Tensor, backward: bool = False) -> ComputeS
     dims = {d.name: d.size for d in q.shape}
     dims[attrs["key_dim"]] = k.shape.get(attrs["key_dim"]).size
     fixed = {attrs["key_dim"], attrs["feature_dim"]}
-    if backward:  # dk and dv sum over every query: a split query dim would leave them partial, dq not
-        fixed.add(attrs["query_dim"])
-    return ComputeSpec(dims, fixed=frozenset(fixed))
+    # dk and dv sum over every query: a split query dim leaves them partial sums over its
+    # axes (reduced, or reduce-scattered, where they are read); dq keeps the query dim, split.
+    reduce = {attrs["query_dim"]: "sum"} if backward else {}
+    return ComputeSpec(dims, fixed=frozenset(fixed), reduce=reduce)
 
 
 def _flops(attrs: dict, q: Tensor, k: Tensor, local: dict) -> int:
