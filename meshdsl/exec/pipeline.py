@@ -102,11 +102,10 @@ def _prepare_pipeline(ex, i, step):
     read = {v for steps, _ in segments[:3] for s in steps for v in s.ins}
     fresh = {v for s in backward.steps if s.kind == "repeat" for v in s.outs[1:]} - read
     acc = Accumulator(store, base, mb_axis, folded(step, mb_axis), fresh)
-    summed = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in acc.fresh)
-              for stage in held_stages}
-    # Those same stacked gradients (summed over micro-batches or not) may wait for a W.
+    # Per stage, those gradients: all may wait for a W; the summed ones are added into.
     later = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in fresh)
              for stage in held_stages}
+    summed = {stage: tuple(v for v in vs if v in acc.fresh) for stage, vs in later.items()}
     views: dict = {}
     final_donations = _final_donations(ex, step) if ex.donates else set()
 

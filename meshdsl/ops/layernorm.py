@@ -26,7 +26,8 @@ from .registry import ComputeSpec, Op, apply, register
 
 
 def _last(fn, pos: int, *xs):
-    """``fn`` of ``xs`` with dim ``pos`` moved last; its first result moved back."""
+    """``fn`` (which works on the last dim) of ``xs`` with dim ``pos`` moved last; its result (or
+    the first of its results) moved back."""
     if pos == xs[0].dim() - 1:
         return fn(*xs)
     out = fn(*(x.movedim(pos, -1) for x in xs))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .reduce import _dims_arg, logsumexp
 from .registry import ComputeSpec, Op, apply, register
-from .layernorm import fused_layer_norm
+from .layernorm import _last, fused_layer_norm
 from .xent import fused_cross_entropy
 
 
@@ -80,13 +80,6 @@ class _Backward(_AlongDim):
 
     linear_args = (0,)
     differentiable = False
-
-
-def _last(fn, pos: int, *xs):
-    """Apply ``fn`` (which works on the last dim) along dim ``pos`` of every ``xs``."""
-    if pos == xs[0].dim() - 1:
-        return fn(*xs)
-    return fn(*(x.movedim(pos, -1) for x in xs)).movedim(-1, pos)
 
 
 @register
