@@ -101,20 +101,37 @@ def _sim_allreduce(xs, groups, args):
     return out
 
 
+class _Finished:
+    """The work handle of a collective that ran to the end when it was started."""
+
+    @staticmethod
+    def wait():
+        return True
+
+
+def _all_reduce_(comm, out, group, op: str, async_op: bool):
+    """Reduce ``out`` over ``group`` in place: through shared memory where the communicator
+    has a segment for the group (:mod:`meshdsl.exec.shm`, at once), else the backend's."""
+    shm = comm.shm_group(group) if out.device.type == "cpu" else None
+    if shm is not None:
+        shm.allreduce_(out, REDUCE[op], group.me, group.members)
+        return _Finished()
+    return _dist().all_reduce(out, op=_reduce_op(op), group=group.pg, async_op=async_op)
+
+
 def _dist_allreduce(comm, x, group, args):
     op = comm.check_op(args.get("op", "sum"))
     if group.size == 1:
         return x
     out = comm.prep(x).clone()
-    _dist().all_reduce(out, op=_reduce_op(op), group=group.pg)
+    _all_reduce_(comm, out, group, op, async_op=False)
     return out
 
 
 def _start_allreduce(comm, x, group, args):
     op = comm.check_op(args.get("op", "sum"))
     out = comm.prep(x).clone()  # all_reduce works in place; x may have other readers
-    work = _dist().all_reduce(out, op=_reduce_op(op), group=group.pg, async_op=True)
-    return work, lambda: out
+    return _all_reduce_(comm, out, group, op, async_op=True), lambda: out
 
 
 register(Collective("allreduce", ("op",), lambda n: 2 * (n - 1) / n, _sim_allreduce, _dist_allreduce,
@@ -225,8 +242,7 @@ def _start_bucket_allreduce(comm, x, group, args):
     # The packed buffer is this step's own: reduce it in place, no copy.
     op = comm.check_op(args.get("op", "sum"))
     out = comm.prep(x)
-    work = _dist().all_reduce(out, op=_reduce_op(op), group=group.pg, async_op=True)
-    return work, lambda: out
+    return _all_reduce_(comm, out, group, op, async_op=True), lambda: out
 
 
 register(Collective("bucket_allreduce", ("op",), lambda n: 2 * (n - 1) / n, _sim_allreduce, _dist_allreduce,

@@ -63,6 +63,17 @@ def test_bucket_mb_0_keeps_the_reductions_after_the_loop(model):
     assert not any(s.is_collective for s in loop.subplans[0].steps)
 
 
+def _step_equals_unbucketed(model, comm) -> None:
+    """One bucketed DP step on ``comm`` gives bitwise the loss and params of one unbucketed step."""
+    step = md.TrainStep(model.loss, model.params, *DP, comm, lr=0.1)
+    want = md.TrainStep(model.loss, model.params, *DP, md.SimulatedComm(md.Mesh.parse(DP[0])), lr=0.1,
+                        bucket_mb=0)
+    feeds = model.feeds(0)
+    assert step(feeds)[0] == want(feeds)[0]
+    for k, xs in want.params.items():
+        torch.testing.assert_close(step.params[k][0], xs[0], rtol=0, atol=0)
+
+
 class _Recording(md.SimulatedComm):
     """Logs each started collective and when its result is first waited for."""
 
@@ -83,16 +94,34 @@ class _Recording(md.SimulatedComm):
 
 def test_the_loop_starts_each_layers_bucket_and_leaves_the_waiting_to_the_update(model):
     log: list = []
-    step = md.TrainStep(model.loss, model.params, *DP, _Recording(DP[0], log), lr=0.1)
-    want = md.TrainStep(model.loss, model.params, *DP, md.SimulatedComm(md.Mesh.parse(DP[0])), lr=0.1,
-                        bucket_mb=0)
-    feeds = model.feeds(0)
-    loss, _ = step(feeds)
-    assert loss == want(feeds)[0]
-    for k, xs in want.params.items():
-        torch.testing.assert_close(step.params[k][0], xs[0], rtol=0, atol=0)
+    _step_equals_unbucketed(model, _Recording(DP[0], log))
     buckets = [e for e in log if e[1] == "bucket_allreduce"]
     # one bucket per layer, started as the loop goes, then the one of the gradients made after it
     # (embeddings); every one is started before any is waited for
     assert buckets[:CFG.layers + 1] == [("start", "bucket_allreduce")] * (CFG.layers + 1)
     assert buckets[CFG.layers + 1:] == [("wait", "bucket_allreduce")] * (CFG.layers + 1)
+
+
+class _Buffers(md.SimulatedComm):
+    """Records where each started bucket allreduce's buffer lives: (storage, offset, numel)."""
+
+    def __init__(self, mesh, log):
+        super().__init__(md.Mesh.parse(mesh))
+        self.buffers = log
+
+    def start(self, kind, xs, axes, args):
+        if kind == "bucket_allreduce":
+            self.buffers.append((xs[0].untyped_storage().data_ptr(), xs[0].storage_offset(), xs[0].numel()))
+        return super().start(kind, xs, axes, args)
+
+
+def test_a_layers_bucket_is_its_row_of_the_stacked_gradients_no_packing_copy(model):
+    # The loop's stacked gradients are views into one [layers, bucket] buffer: each layer's
+    # bucket goes to the collective as that row (no copy), as DDP's gradients live in buckets.
+    log: list = []
+    _step_equals_unbucketed(model, _Buffers(DP[0], log))
+    rows = log[:CFG.layers]  # started last layer first
+    storage, _, numel = rows[0]
+    assert [r[0] for r in rows] == [storage] * CFG.layers
+    assert [r[1] for r in rows] == [l * numel for l in reversed(range(CFG.layers))]
+    assert log[CFG.layers][0] != storage  # the gradients made after the loop are packed as before

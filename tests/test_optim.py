@@ -122,6 +122,20 @@ def test_adamw_matches_reference(mesh, layout):
         torch.testing.assert_close(v, p[k], **TOL)
 
 
+def test_adamw_kernel_reads_a_strided_gradient_by_its_strides():
+    # a layer loop's gradients can be views into their buckets (exec/loop.py); torch's fused
+    # AdamW kernel reads its tensors as dense memory, so the kernel must not hand it one
+    from meshdsl.ops.optim import _adamw
+    flat = torch.randn(4, 20)
+    g = flat[:, 4:12].view(4, 2, 4)
+    hyper = [torch.tensor(x) for x in (0.1, 0.9, 0.99, 1e-8, 0.01, 1.0, 1.0)]
+    p = torch.randn(4, 2, 4)
+    got = _adamw(p.clone(), g, torch.zeros_like(p), torch.zeros_like(p), hyper)
+    want = _adamw(p.clone(), g.contiguous(), torch.zeros_like(p), torch.zeros_like(p), hyper)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mesh,layout", [("data:1", ""), ("data:2", "batch:data")])  # data:1: in-place kernels
 @pytest.mark.parametrize("mom,wd", [(0.0, 0.0), (0.9, 0.01)])
 def test_sgd_matches_reference(mom, wd, mesh, layout):

@@ -63,19 +63,30 @@ def _pack_reduce_scatter(xs, num_chunks, dims):
     return torch.cat([c[j].reshape(-1) for j in range(num_chunks) for c in chunks])
 
 
+def bucket_members(ex, s) -> tuple[list[int], list]:
+    """The element counts and local shapes of bucket step ``s``'s members, in order."""
+    mesh = ex.plan.mesh
+    shapes = [ex.plan.values[v].local_shape(mesh) for v in s.outs]
+    return [int(torch.Size(shape).numel()) for shape in shapes], shapes
+
+
+def start_packed(comm, s, flats, numels, shapes) -> list[Pending]:
+    """Start bucket step ``s`` on ``flats`` (one packed 1-D buffer per held rank); a handle per
+    member.  An allreduce bucket reduces the buffers in place where the communicator can."""
+    whole = _Unpacked(comm.start(s.kind, flats, s.axes, s.args), numels, shapes)
+    return [_Member(whole, k) for k in range(len(s.outs))]
+
+
 def prepare_bucket(ex, i, s):
     """The executor's call for bucket step ``s`` (the collective rule hands buckets here)."""
-    comm, kind, axes, args, ins, outs = ex.comm, s.kind, s.axes, s.args, s.ins, s.outs
-    mesh = ex.plan.mesh
-    shapes = [ex.plan.values[v].local_shape(mesh) for v in outs]
-    numels = [int(torch.Size(shape).numel()) for shape in shapes]
-    pack = _pack_allreduce if kind == "bucket_allreduce" else _pack_reduce_scatter
-    num_chunks, dims = mesh.axis_size(axes), args.get("dims", ())
+    comm, ins, outs = ex.comm, s.ins, s.outs
+    numels, shapes = bucket_members(ex, s)
+    pack = _pack_allreduce if s.kind == "bucket_allreduce" else _pack_reduce_scatter
+    num_chunks, dims = ex.plan.mesh.axis_size(s.axes), s.args.get("dims", ())
 
     def call(env, get, run):
         members = [get(v) for v in ins]
         flats = [pack([m[j] for m in members], num_chunks, dims) for j in range(len(comm.ranks))]
-        whole = _Unpacked(comm.start(kind, flats, axes, args), numels, shapes)
-        for k, vid in enumerate(outs):
-            env[vid] = _Member(whole, k)
+        for vid, member in zip(outs, start_packed(comm, s, flats, numels, shapes)):
+            env[vid] = member
     return call

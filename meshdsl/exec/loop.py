@@ -20,7 +20,11 @@ the sub-plan's trailing collectives, one per layer (or one bucket): the loop
 runs the sub-plan without them and starts them itself right after the layer,
 so they are in flight while the layers below are differentiated; the stacked
 result is handed on as a :class:`~.comm.Pending` that waits for every layer
-when a reader (the optimizer update) first needs it.
+when a reader (the optimizer update) first needs it.  A bucket allreduce of
+such gradients is not packed: its members' stacked buffers are views into one
+``[layers, bucket]`` buffer (:func:`_packed_rows`), the layer's row is the packed
+bucket, and the reduction lands in the stacked buffers in place, as DDP's
+gradients are views into its buckets.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import torch
 
 from ..ir.repeat import LayerStack, run_layers
 from ..lowering.plan import Plan
+from .bucket import bucket_members, start_packed
 from .comm import Pending
 from .executor import Executor, PerRank
 from .prefetch import prefetchable, start
@@ -137,7 +142,9 @@ class _Layers(Pending):
         for l in reversed(range(len(self.pending))):   # in the order the layers started them
             x = self.pending[l]
             for buf, g in zip(self.bufs, x.wait() if isinstance(x, Pending) else x):
-                buf.select(self.pos, l).copy_(g)
+                dst = buf.select(self.pos, l)
+                if g.data_ptr() != dst.data_ptr() or g.stride() != dst.stride():  # not reduced in place
+                    dst.copy_(g)
         self.pending = None
         return self.bufs
 
@@ -161,10 +168,13 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
         pending = {n: [None] * num_layers for n in late}
         into = into or {}
         adds = [n not in late and outs[n] in into for n in range(len(names))]
-        later = [defer.work if defer is not None and outs[n] in defer.values else None for n in range(len(names))]
-        bufs = [into[outs[n]] if adds[n] else
+        later = [defer.work if defer is not None and outs[n] in defer.values and n not in late else None
+                 for n in range(len(names))]
+        packed, rows = _packed_rows(sub, tail, outv, shapes, [pos[k] for k in names], num_layers, dy)
+        bufs = [packed[n] if n in packed else into[outs[n]] if adds[n] else
                 [torch.empty(shape, dtype=dtype, device=x.device) for x in dy]
                 for n, (shape, dtype) in enumerate(shapes)]
+        direct = [n not in late or n in packed for n in range(len(names))]  # the layer's grad goes to bufs
 
         def params_of(l):
             return _layer_params(stacked, names, pos, held, l)
@@ -176,7 +186,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
                      **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
             dsts = [[buf.select(pos[k], l) for buf in bufs[n]] for n, k in enumerate(names)]
             for n, sink in enumerate(sinks):
-                if sink is not None and n not in late:
+                if sink is not None and direct[n]:
                     sink.dst, sink.accumulate, sink.later = dsts[n], adds[n], later[n]
             try:
                 r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
@@ -184,24 +194,55 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
                 for sink in sinks:
                     if sink is not None:
                         sink.dst = sink.later = None
+            for n, k in enumerate(names):
+                if direct[n]:
+                    for dst, g in zip(dsts[n], r[f"d/{k}"]):
+                        if g is not dst:  # its matmul could not write there itself
+                            dst.add_(g) if adds[n] else dst.copy_(g)
             env = {v: r[f"d/{k}"] for v, k in zip(outv, names)}
-            for s, call in tail:
+            for t, (s, call) in enumerate(tail):
                 t0 = time.perf_counter()
-                call(env, env.__getitem__, None)
+                if t in rows:
+                    numels, shapes_ = rows[t][1]
+                    env.update(zip(s.outs, start_packed(sub.comm, s, [f[l] for f in rows[t][0]], numels, shapes_)))
+                else:
+                    call(env, env.__getitem__, None)
                 if stats is not None:
                     stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
-            for n, k in enumerate(names):
-                if n in late:
-                    pending[n][l] = env[_reduced_out(tail, outv[n])]
-                    continue
-                for dst, g in zip(dsts[n], r[f"d/{k}"]):
-                    if g is not dst:  # its matmul could not write there itself
-                        dst.add_(g) if adds[n] else dst.copy_(g)
+            for n in late:
+                pending[n][l] = env[_reduced_out(tail, outv[n])]
             return r["dcarry"], ()
 
         dy, _ = run_layers(num_layers, layer, dy, backward=True)
         return [dy] + [_Layers(pending[n], bufs[n], pos[k]) if n in late else bufs[n] for n, k in enumerate(names)]
     return backward
+
+
+def _packed_rows(sub, tail, outv, shapes, pos, num_layers, xs):
+    """The stacked gradients that ``tail``'s bucket allreduces reduce, laid out as their buckets.
+
+    For each bucket allreduce whose members are all loop gradients (``outv``): one
+    ``[num_layers, bucket elements]`` buffer per held rank (like ``xs``), row ``l`` being
+    layer ``l``'s bucket, packed in member order; each member's stacked gradient (``shapes``:
+    local shape and dtype, layer dim at ``pos``) is a view into it.
+
+    Returns:
+      ``({gradient index: [view per held rank]}, {tail index: (buffers, (numels, shapes))})``.
+    """
+    where = {v: n for n, v in enumerate(outv)}
+    packed, rows = {}, {}
+    for t, (s, _) in enumerate(tail):
+        if s.kind != "bucket_allreduce" or not all(v in where for v in s.ins):
+            continue
+        members = [where[v] for v in s.ins]
+        numels, layer_shapes = bucket_members(sub, s)
+        flats = [torch.empty(num_layers, sum(numels), dtype=shapes[members[0]][1], device=x.device) for x in xs]
+        start = 0
+        for n, k, shape in zip(members, numels, layer_shapes):
+            packed[n] = [f[:, start:start + k].view(num_layers, *shape).movedim(0, pos[n]) for f in flats]
+            start += k
+        rows[t] = (flats, (numels, layer_shapes))
+    return packed, rows
 
 
 def _reduced_out(tail: list, v: int) -> int | None:

@@ -119,7 +119,11 @@ def _adamw(p, g, m, v, hyper):
     lr, b1, b2, eps, wd, t, scale = (float(x) for x in hyper)
     if scale != 1.0:
         g = g * scale
-    if _FUSED_ADAMW is not None and p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    # The fused kernel reads its tensors as dense memory, ignoring strides: a gradient can be a
+    # strided view (a layer loop's gradients live in their buckets, exec/loop.py).
+    g = g.contiguous()
+    if _FUSED_ADAMW is not None and p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) \
+            and p.is_contiguous() and m.is_contiguous() and v.is_contiguous():
         _FUSED_ADAMW([p], [g], [m], [v], [], [torch.tensor(t)], lr=lr, beta1=b1, beta2=b2,
                      weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
         return p, m, v

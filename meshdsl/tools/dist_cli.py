@@ -45,6 +45,9 @@ def dist_args(p) -> None:
                         "README, 'Running on real processes'")
     p.add_argument("--verbose", action="store_true",
                    help="log every collective (kind, axes, group, bytes, time) per rank to stderr")
+    p.add_argument("--no-shm", action="store_true",
+                   help="keep allreduces on gloo's sockets instead of shared memory among the ranks "
+                        "of one host (also MESHDSL_SHM=0)")
 
 
 def bucket_arg(p) -> None:
@@ -66,6 +69,8 @@ def preflight_processes(args, mesh: Mesh) -> None:
 def _launch(args, fn, fn_args):
     if args.verbose:
         os.environ["MESHDSL_VERBOSE"] = "1"
+    if args.no_shm:
+        os.environ["MESHDSL_SHM"] = "0"
     mesh = Mesh.parse(args.mesh)
     args.num_procs = int(os.environ["WORLD_SIZE"]) if in_torchrun() else (args.nproc or mesh.size)
     return launch(fn, mesh, nproc=args.nproc, args=fn_args, backend=args.backend,

@@ -1,0 +1,194 @@
+"""Allreduce through shared memory, for the ranks of a group that share one host's CPU.
+
+gloo moves a CPU allreduce through TCP sockets on the loopback: every byte is copied
+into the kernel and out again, by a gloo thread that competes with the compute for
+the cores.  Ranks on one host can instead share a memory segment: each writes its
+tensor into its slot, each reduces its chunk of the slots into a result area, and
+each copies the result back; two barriers (on flags in the segment) keep the steps
+apart.  On this project's 2-core machine a 12.8 MB allreduce takes 2.2 ms this way
+and 10 ms through gloo.
+
+The chunk of each rank is folded in group order, as the simulated mesh folds, so
+every rank gets the same bits and the result is bitwise the simulated mesh's.
+
+A :class:`ShmGroup` is made collectively over a group's process group (when its
+first allreduce runs): the members check that they share a host (host name and
+boot id), the first member creates a file in ``/dev/shm`` (mode 0600, space
+reserved up front), the others map it, and once every member has it mapped it is
+unlinked, so nothing is left behind even if a process dies.  Where any of that
+fails (no ``/dev/shm``, no space, another host) the group keeps using gloo.
+Only x86-64 is used: its stores become visible in program order, which the
+flags rely on.
+
+``TorchComm(..., shm=False)`` or ``MESHDSL_SHM=0`` turns it off.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+
+import torch
+
+from ..errors import DistributedError, message
+
+#: Bytes of one rank's slot (and of the result area); larger tensors go in pieces.
+SLOT_BYTES = 4 << 20
+_FLAG_STRIDE = 8      # int64s between two ranks' flags: one 64-byte cache line each
+_NAME_BYTES = 64
+_SPINS = 200          # busy checks of the flags before yielding the core
+
+
+def supported() -> bool:
+    """Whether this machine can run shared-memory collectives (x86-64 Linux with /dev/shm)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+
+def _host_key() -> int:
+    """A number that two processes share exactly when they run on one host (and boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    h = 1469598103934665603
+    for b in f"{socket.gethostname()}|{boot}".encode():
+        h = ((h ^ b) * 1099511628211) % (1 << 63)
+    return h
+
+
+class ShmGroup:
+    """A shared segment for one process group: a flag per member, a slot per member, a result area.
+
+    Use :meth:`open` (collective over the group); then every member calls
+    :meth:`allreduce_` with the same sequence of tensors.
+    """
+
+    def __init__(self, buf: mmap.mmap, size: int, timeout: float, describe: str):
+        self.buf, self.n, self.timeout, self.describe = buf, size, timeout, describe
+        self.flags = memoryview(buf).cast("q")
+        self.data = _FLAG_STRIDE * 8 * size  # byte offset of the slots
+        self.seq = 0
+        self._views: dict = {}
+
+    # ------------------------------------------------------------- making one
+    @classmethod
+    def open(cls, pg, size: int, timeout: float, describe: str) -> "ShmGroup | None":
+        """Map one segment for the ``size`` members of process group ``pg`` (every member calls
+        this at the same point); None (use gloo) where they do not share a host or one fails."""
+        import torch.distributed as dist
+        keys = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(keys, torch.tensor([_host_key()], dtype=torch.int64), group=pg)
+        if len({int(k) for k in keys}) != 1:
+            return None
+        first = dist.get_rank(pg) == 0
+        nbytes = _FLAG_STRIDE * 8 * size + (size + 1) * SLOT_BYTES
+        path, fd = "", -1
+        if first:
+            path = f"/dev/shm/meshdsl-{os.getpid()}-{secrets.token_hex(8)}"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.posix_fallocate(fd, 0, nbytes)  # no SIGBUS later on a full /dev/shm
+            except OSError:
+                path = _close(fd, path)
+        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+        dist.broadcast(name, src=dist.get_global_rank(pg, 0), group=pg)
+        path = bytes(name[name > 0].tolist()).decode()
+        buf = None
+        if path:
+            try:
+                if not first:
+                    fd = os.open(path, os.O_RDWR)
+                buf = mmap.mmap(fd, nbytes)
+            except OSError:
+                buf = None
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)  # every member has it mapped (or gave up)
+        if first and path:
+            os.unlink(path)
+        if not int(ok):
+            if buf is not None:
+                buf.close()
+            return None
+        return cls(buf, size, timeout, describe)
+
+    # ------------------------------------------------------------- running
+    def _arrive_and_wait(self, me: int, members) -> None:
+        """Raise this member's flag to the next sequence number; return once every member has."""
+        self.seq += 1
+        seq, flags, n = self.seq, self.flags, self.n
+        flags[me * _FLAG_STRIDE] = seq
+        spins, deadline = 0, None
+        while True:
+            behind = [j for j in range(n) if flags[j * _FLAG_STRIDE] < seq]
+            if not behind:
+                return
+            spins += 1
+            if spins < _SPINS:
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout
+            elif now > deadline:
+                raise DistributedError(message(
+                    f"shared-memory allreduce: rank(s) {[members[j] for j in behind]} of group "
+                    f"{tuple(members)} did not arrive within {self.timeout:.0f} s",
+                    inputs=[self.describe],
+                    rule="every member of a group runs the same collectives in the same order",
+                    fix="look at the named ranks' output for their error; run with MESHDSL_SHM=0 to "
+                        "compare with gloo"))
+            os.sched_yield() if spins < 20 * _SPINS else time.sleep(5e-5)
+
+    def _slots(self, dtype: torch.dtype):
+        v = self._views.get(dtype)
+        if v is None:
+            esz = torch.empty(0, dtype=dtype).element_size()
+            per = SLOT_BYTES // esz
+            whole = torch.frombuffer(self.buf, dtype=dtype, count=per * (self.n + 1), offset=self.data)
+            v = self._views[dtype] = (whole[:per * self.n].view(self.n, per), whole[per * self.n:], per)
+        return v
+
+    def allreduce_(self, x: torch.Tensor, fold, me: int, members) -> torch.Tensor:
+        """Reduce contiguous CPU ``x`` over the group in place with ``fold`` (``torch.add``,
+        ``torch.maximum``, ``torch.minimum``), members in ``members`` order (this one at ``me``)."""
+        slots, result, per = self._slots(x.dtype)
+        flat, n = x.view(-1), self.n
+        for lo in range(0, flat.numel(), per):
+            piece = flat[lo:lo + per]
+            k = piece.numel()
+            slots[me, :k].copy_(piece)
+            self._arrive_and_wait(me, members)
+            a, b = k * me // n, k * (me + 1) // n
+            out = result[a:b]
+            fold(slots[0, a:b], slots[1, a:b], out=out)
+            for j in range(2, n):
+                fold(out, slots[j, a:b], out=out)
+            self._arrive_and_wait(me, members)
+            piece.copy_(result[:k])
+        return x
+
+    def close(self) -> None:
+        """Unmap the segment (its file is already gone)."""
+        self._views.clear()
+        self.flags.release()
+        try:
+            self.buf.close()
+        except BufferError:  # a tensor view still holds it; the mapping goes with the process
+            pass
+
+
+def _close(fd: int, path: str) -> str:
+    if fd >= 0:
+        os.close(fd)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return ""

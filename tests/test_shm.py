@@ -1,0 +1,109 @@
+"""Allreduce through shared memory (exec/shm.py) among the gloo ranks of one host.
+
+The shared-memory path folds each chunk in group order, as the simulated mesh does, so
+its results are bitwise the simulated mesh's for every op and dtype, including tensors
+larger than one slot (reduced in pieces).  A group whose ranks are on different hosts
+keeps gloo; a rank that never arrives is named once the collective timeout passes;
+nothing is left in /dev/shm.
+"""
+from __future__ import annotations
+
+import glob
+import time
+
+import pytest
+import torch
+
+from meshdsl.errors import DistributedError
+from meshdsl.exec import launch, shm
+from meshdsl.exec.distributed import TorchComm
+from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.layout.mesh import Mesh
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives need x86-64 Linux")
+
+MESH = "a:2; b:2"
+AXES = [("a",), ("b",), ("a", "b"), ("b", "a")]
+BIG = shm.SLOT_BYTES // 4 + 1000  # float32 elements: more than one slot, so two pieces
+
+
+def _inputs(rank: int) -> list[tuple[torch.Tensor, str]]:
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(3, 5, generator=g), "sum"), (torch.randn(BIG, generator=g), "sum"),
+            (torch.randn(7, generator=g).to(torch.bfloat16), "sum"), (torch.randn(6, generator=g), "max"),
+            (torch.randn(6, generator=g), "min"), (torch.randint(-5, 5, (9,), generator=g), "sum")]
+
+
+def _allreduces(comm):
+    out = [comm.all_reduce([x], axes, op)[0] for axes in AXES for x, op in _inputs(comm.rank)]
+    return out, [g is not None for g in comm._shm.values()], comm.stats["allreduce"]["count"]
+
+
+def _shm_files() -> set[str]:
+    return set(glob.glob("/dev/shm/meshdsl-*"))
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_allreduce_is_bitwise_the_simulated_fold():
+    before = _shm_files()
+    got = launch.spawn(_allreduces, 4, mesh=MESH, timeout=100)
+    sim = SimulatedComm(Mesh.parse(MESH))
+    inputs = [_inputs(r) for r in range(4)]
+    k = 0
+    for axes in AXES:
+        for j, (_, op) in enumerate(inputs[0]):
+            want = sim.all_reduce([inputs[r][j][0] for r in range(4)], axes, op)
+            for r in range(4):
+                assert torch.equal(got[r][0][k], want[r]), (r, axes, j)
+            k += 1
+    for _, used, count in got:
+        assert used and all(used)  # every group of the mesh went through shared memory
+        assert count == k
+    assert _shm_files() == before  # unlinked as soon as every member had it mapped
+
+
+def _on_other_hosts(comm):
+    shm._host_key = lambda: comm.rank  # as if each rank ran on a host of its own
+    x = torch.full((5,), float(comm.rank + 1))
+    return comm.all_reduce([x], ("x",), "sum")[0], list(comm._shm.values())
+
+
+@pytest.mark.timeout(60)
+def test_ranks_on_different_hosts_keep_gloo():
+    for y, groups in launch.spawn(_on_other_hosts, 2, mesh="x:2", timeout=50):
+        assert torch.equal(y, torch.full((5,), 3.0))
+        assert groups == [None]
+
+
+def _late_rank(comm):
+    x = torch.ones(4)
+    comm.all_reduce([x], ("x",), "sum")  # the group's segment is made here, by both
+    if comm.rank == 1:
+        time.sleep(6)
+    return comm.all_reduce([x], ("x",), "sum")[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_does_not_arrive_is_named_after_the_collective_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_late_rank, 2, mesh="x:2", collective_timeout=2.0, timeout=50)
+    text = str(e.value)
+    assert "rank 0 of 2 raised an exception" in text
+    assert "shared-memory allreduce: rank(s) [1] of group (0, 1) did not arrive within 2 s" in text
+    assert time.monotonic() - start < 30
+
+
+def _flags(comm):
+    return comm.shm, comm.all_reduce([torch.ones(2)], ("x",), "sum")[0], list(comm._shm.values())
+
+
+def _off(rank):
+    return TorchComm("x:2", shm=False).shm
+
+
+def test_turned_off_by_argument_or_environment(monkeypatch):
+    assert launch.spawn(_off, 2, timeout=50) == [False, False]
+    monkeypatch.setenv("MESHDSL_SHM", "0")
+    for on, y, groups in launch.spawn(_flags, 2, mesh="x:2", timeout=50):
+        assert not on and groups == [] and torch.equal(y, torch.full((2,), 2.0))
