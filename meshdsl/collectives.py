@@ -112,7 +112,7 @@ class _Finished:
 def _all_reduce_(comm, out, group, op: str, async_op: bool):
     """Reduce ``out`` over ``group`` in place: through shared memory where the communicator
     has a segment for the group (:mod:`meshdsl.exec.shm`, at once), else the backend's."""
-    shm = comm.shm_group(group) if out.device.type == "cpu" else None
+    shm = _shm(comm, group, out)
     if shm is not None:
         shm.allreduce_(out, REDUCE[op], group.me, group.members)
         return _Finished()
@@ -156,8 +156,18 @@ def _dist_allgather(comm, x, group, args):
     return finish()
 
 
+def _shm(comm, group, x):
+    """The communicator's shared-memory segment for ``group`` when ``x`` may use it, else None."""
+    return comm.shm_group(group) if x.device.type == "cpu" else None
+
+
 def _start_allgather(comm, x, group, args, async_op=True):
     x_c = comm.prep(x)
+    shm = _shm(comm, group, x_c)
+    if shm is not None:
+        out = shm.gather(x_c, group.me, group.members, lambda parts: torch.cat(parts, dim=args["dim"]))
+        if out is not None:
+            return _Finished(), lambda: out
     parts = [torch.empty_like(x_c) for _ in range(group.size)]
     work = _dist().all_gather(parts, x_c, group=group.pg, async_op=async_op)
     return work, lambda: torch.cat([parts[g] for g in group.group_rank], dim=args["dim"])
@@ -181,7 +191,17 @@ def _sim_alltoall(xs, groups, args):
 def _dist_alltoall(comm, x, group, args):
     if group.size == 1:
         return torch.cat([x.chunk(1, dim=args["split_dim"])[0]], dim=args["concat_dim"])
+    out = _shm_exchange(comm, x, group, args["split_dim"], lambda parts: torch.cat(parts, dim=args["concat_dim"]))
+    if out is not None:
+        return out
     return torch.cat(comm.exchange(x, group, args["split_dim"]), dim=args["concat_dim"])
+
+
+def _shm_exchange(comm, x, group, dim, combine):
+    """``combine`` of the all-to-all's parts, through shared memory; None where that cannot run."""
+    x_c = comm.prep(x)
+    shm = _shm(comm, group, x_c)
+    return None if shm is None else shm.exchange(x_c, dim, group.me, group.members, combine)
 
 
 register(Collective("alltoall", ("split_dim", "concat_dim"), lambda n: (n - 1) / n, _sim_alltoall,
@@ -205,6 +225,9 @@ def _dist_reduce_scatter(comm, x, group, args):
     op = comm.check_op(args.get("op", "sum"))
     if group.size == 1:
         return x.chunk(1, dim=args["dim"])[0].contiguous()
+    out = _shm_exchange(comm, x, group, args["dim"], lambda parts: _fold_parts(parts, op))
+    if out is not None:
+        return out
     return _fold_parts(comm.exchange(x, group, args["dim"]), op)
 
 
@@ -218,6 +241,9 @@ def _fold_parts(parts, op):
 def _start_reduce_scatter(comm, x, group, args):
     # The same all-to-all and fold as _dist_reduce_scatter, with the all-to-all in flight.
     op = comm.check_op(args.get("op", "sum"))
+    out = _shm_exchange(comm, x, group, args["dim"], lambda parts: _fold_parts(parts, op))
+    if out is not None:
+        return _Finished(), lambda: out
     work, parts = comm.start_exchange(x, group, args["dim"])
     return work, lambda: _fold_parts(parts(), op)
 

@@ -34,31 +34,49 @@ def _inputs(rank: int) -> list[tuple[torch.Tensor, str]]:
             (torch.randn(6, generator=g), "min"), (torch.randint(-5, 5, (9,), generator=g), "sum")]
 
 
-def _allreduces(comm):
-    out = [comm.all_reduce([x], axes, op)[0] for axes in AXES for x, op in _inputs(comm.rank)]
-    return out, [g is not None for g in comm._shm.values()], comm.stats["allreduce"]["count"]
-
-
 def _shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/meshdsl-*"))
 
 
-@pytest.mark.timeout(120)
-def test_shared_memory_allreduce_is_bitwise_the_simulated_fold():
-    before = _shm_files()
-    got = launch.spawn(_allreduces, 4, mesh=MESH, timeout=100)
-    sim = SimulatedComm(Mesh.parse(MESH))
-    inputs = [_inputs(r) for r in range(4)]
-    k = 0
+def _collectives(comm):
+    """Every kind the shared memory runs, over every axes tuple, on this rank's inputs."""
+    out = []
     for axes in AXES:
-        for j, (_, op) in enumerate(inputs[0]):
-            want = sim.all_reduce([inputs[r][j][0] for r in range(4)], axes, op)
-            for r in range(4):
-                assert torch.equal(got[r][0][k], want[r]), (r, axes, j)
-            k += 1
-    for _, used, count in got:
+        for x, op in _inputs(comm.rank):
+            out.append(comm.all_reduce([x], axes, op)[0])
+        for x, _ in _inputs(comm.rank)[:2]:  # the second exceeds a slot: gloo, on every member
+            out.append(comm.all_gather([x.view(-1, 1)], axes, dim=1)[0])
+            out.append(comm.reduce_scatter([x.reshape(-1)[:(x.numel() // 4) * 4]], axes, dim=0, op="sum")[0])
+            out.append(comm.all_to_all([x.reshape(-1)[:(x.numel() // 4) * 4].view(4, -1)], axes, 0, 1)[0])
+    return out, [g is not None for g in comm._shm.values()], {k: v["count"] for k, v in comm.stats.items()}
+
+
+def _same_on_the_simulated_mesh(sim, xs_of_rank, axes) -> list:
+    """What :func:`_collectives` computes, per rank, for ``axes`` on the simulated mesh."""
+    inputs = [xs_of_rank(r) for r in range(4)]
+    per_step = [sim.all_reduce([inputs[r][j][0] for r in range(4)], axes, op) for j, (_, op) in enumerate(inputs[0])]
+    for j in range(2):
+        xs = [inputs[r][j][0] for r in range(4)]
+        cut = [x.reshape(-1)[:(x.numel() // 4) * 4] for x in xs]
+        per_step += [sim.all_gather([x.view(-1, 1) for x in xs], axes, dim=1),
+                     sim.reduce_scatter(cut, axes, dim=0, op="sum"),
+                     sim.all_to_all([c.view(4, -1) for c in cut], axes, 0, 1)]
+    return per_step
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_collectives_are_bitwise_the_simulated_mesh():
+    before = _shm_files()
+    got = launch.spawn(_collectives, 4, mesh=MESH, timeout=100)
+    sim = SimulatedComm(Mesh.parse(MESH))
+    want = [w for axes in AXES for w in _same_on_the_simulated_mesh(sim, _inputs, axes)]
+    for r in range(4):
+        assert len(got[r][0]) == len(want)
+        for k, w in enumerate(want):
+            assert torch.equal(got[r][0][k], w[r]), (r, k)
+    for _, used, counts in got:
         assert used and all(used)  # every group of the mesh went through shared memory
-        assert count == k
+        assert counts == {"allreduce": 24, "allgather": 8, "reduce_scatter": 8, "alltoall": 8}
     assert _shm_files() == before  # unlinked as soon as every member had it mapped
 
 

@@ -240,7 +240,8 @@ class TorchComm(Communicator):
             return None
         key = tuple(sorted(s.members))
         if key not in self._shm:
-            self._shm[key] = ShmGroup.open(s.pg, s.size, self._timeout, f"mesh: {self.mesh}")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+            self._shm[key] = ShmGroup.open(s.pg, s.size, self._timeout, f"mesh: {self.mesh}", local)
         return self._shm[key]
 
     def reset_stats(self) -> None:
