@@ -1,8 +1,8 @@
-"""Allreduce through shared memory (exec/shm.py) among the gloo ranks of one host.
+"""Collectives through shared memory (exec/shm.py) among the gloo ranks of one host.
 
 The shared-memory path folds each chunk in group order, as the simulated mesh does, so
-its results are bitwise the simulated mesh's for every op and dtype, including tensors
-larger than one slot (reduced in pieces).  A group whose ranks are on different hosts
+its results are bitwise the simulated mesh's for every kind, op and dtype, including
+tensors larger than one slot (they go in pieces).  A group whose ranks are on different hosts
 keeps gloo; a rank that never arrives is named once the collective timeout passes;
 nothing is left in /dev/shm.
 """
@@ -44,7 +44,7 @@ def _collectives(comm):
     for axes in AXES:
         for x, op in _inputs(comm.rank):
             out.append(comm.all_reduce([x], axes, op)[0])
-        for x, _ in _inputs(comm.rank)[:2]:  # the second exceeds a slot: gloo, on every member
+        for x, _ in _inputs(comm.rank)[:2]:  # the second exceeds a slot: it goes in pieces
             out.append(comm.all_gather([x.view(-1, 1)], axes, dim=1)[0])
             out.append(comm.reduce_scatter([x.reshape(-1)[:(x.numel() // 4) * 4]], axes, dim=0, op="sum")[0])
             out.append(comm.all_to_all([x.reshape(-1)[:(x.numel() // 4) * 4].view(4, -1)], axes, 0, 1)[0])
