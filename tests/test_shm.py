@@ -125,3 +125,21 @@ def test_turned_off_by_argument_or_environment(monkeypatch):
     monkeypatch.setenv("MESHDSL_SHM", "0")
     for on, y, groups in launch.spawn(_flags, 2, mesh="x:2", timeout=50):
         assert not on and groups == [] and torch.equal(y, torch.full((2,), 2.0))
+
+
+def _verbose(comm, other_hosts):
+    import contextlib
+    import io
+    if other_hosts:
+        shm._host_key = lambda: comm.rank
+    comm.verbose, err = True, io.StringIO()
+    with contextlib.redirect_stderr(err):
+        comm.all_reduce([torch.ones(3)], ("x",), "sum")
+    return err.getvalue()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other_hosts,how", [(False, "shared memory"), (True, "gloo (no shared segment")])
+def test_verbose_says_which_transport_a_group_got(other_hosts, how):
+    for rank, text in enumerate(launch.spawn(_verbose, 2, args=(other_hosts,), mesh="x:2", timeout=50)):
+        assert f"[meshdsl rank {rank}] group (0, 1): collectives through {how}" in text

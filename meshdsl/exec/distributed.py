@@ -242,6 +242,11 @@ class TorchComm(Communicator):
         if key not in self._shm:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
             self._shm[key] = ShmGroup.open(s.pg, s.size, self._timeout, f"mesh: {self.mesh}", local)
+            if self.verbose:
+                how = ("shared memory" if self._shm[key] is not None else
+                       "gloo (no shared segment: ranks on other hosts, or /dev/shm missing or full)")
+                print(f"[meshdsl rank {self.rank}] group {key}: collectives through {how}",
+                      file=sys.stderr, flush=True)
         return self._shm[key]
 
     def reset_stats(self) -> None:
