@@ -143,3 +143,20 @@ def _verbose(comm, other_hosts):
 def test_verbose_says_which_transport_a_group_got(other_hosts, how):
     for rank, text in enumerate(launch.spawn(_verbose, 2, args=(other_hosts,), mesh="x:2", timeout=50)):
         assert f"[meshdsl rank {rank}] group (0, 1): collectives through {how}" in text
+
+
+def _one_cannot_map(comm):
+    if comm.rank == 1:
+        def refuse(*args, **kwargs):
+            raise OSError("no room")
+        shm.mmap.mmap = refuse
+    y = comm.all_reduce([torch.full((3,), float(comm.rank + 1))], ("x",), "sum")[0]
+    return y, list(comm._shm.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_cannot_map_the_segment_sends_the_whole_group_to_gloo():
+    before = _shm_files()
+    for y, groups in launch.spawn(_one_cannot_map, 2, mesh="x:2", timeout=50):
+        assert torch.equal(y, torch.full((3,), 3.0)) and groups == [None]
+    assert _shm_files() == before  # the creator unlinked it all the same

@@ -15,10 +15,11 @@ its tensor, or its chunks, into its slot and each reads what it needs from every
 slot, in pieces of a slot for larger tensors.
 
 A :class:`ShmGroup` is made collectively over a group's process group (when its
-first allreduce runs): the members check that they share a host (host name and
+first collective runs): the members check that they share a host (host name and
 boot id), the first member creates a file in ``/dev/shm`` (mode 0600, space
-reserved up front), the others map it, and once every member has it mapped it is
-unlinked, so nothing is left behind even if a process dies.  Where any of that
+reserved up front), the others map it, and once every member has it mapped (or an
+error ended the attempt) it is unlinked: only a process killed within those few
+milliseconds leaves it behind.  Where any of that
 fails (no ``/dev/shm``, no space, another host) the group keeps using gloo.
 Only x86-64 is used: its stores become visible in program order, which the
 flags rely on.
@@ -100,28 +101,13 @@ class ShmGroup:
                 os.posix_fallocate(fd, 0, nbytes)  # no SIGBUS later on a full /dev/shm
             except OSError:
                 path = _close(fd, path)
-        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-        name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
-        dist.broadcast(name, src=dist.get_global_rank(pg, 0), group=pg)
-        path = bytes(name[name > 0].tolist()).decode()
-        buf = None
-        if path:
-            try:
-                if not first:
-                    fd = os.open(path, os.O_RDWR)
-                buf = mmap.mmap(fd, nbytes)
-            except OSError:
-                buf = None
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)  # every member has it mapped (or gave up)
-        if first and path:
-            os.unlink(path)
-        if not int(ok):
-            if buf is not None:
-                buf.close()
+        mine = path
+        try:
+            buf = _attach(pg, first, path, fd, nbytes)
+        finally:
+            if mine:  # whatever happened, the name goes: the mappings keep the memory alive
+                _close(-1, mine)
+        if buf is None:
             return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return cls(buf, size, timeout, describe, _SPINS if local_procs <= cores else 0)
@@ -242,6 +228,34 @@ class ShmGroup:
             self.buf.close()
         except BufferError:  # a tensor view still holds it; the mapping goes with the process
             pass
+
+
+def _attach(pg, first: bool, path: str, fd: int, nbytes: int):
+    """The first member's ``path`` broadcast, mapped by every member; the mapping, or None
+    (every member alike) when any member could not map it."""
+    import torch.distributed as dist
+    name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+    dist.broadcast(name, src=dist.get_global_rank(pg, 0), group=pg)
+    path = bytes(name[name > 0].tolist()).decode()
+    buf = None
+    if path:
+        try:
+            if not first:
+                fd = os.open(path, os.O_RDWR)
+            buf = mmap.mmap(fd, nbytes)
+        except OSError:
+            buf = None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)  # every member has it mapped (or gave up)
+    if not int(ok):
+        if buf is not None:
+            buf.close()
+        return None
+    return buf
 
 
 def _close(fd: int, path: str) -> str:
