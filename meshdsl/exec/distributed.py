@@ -17,9 +17,9 @@ this module owns the groups, the device, the stats and the string exchange.
 Set ``MESHDSL_VERBOSE=1`` (or pass ``verbose=True``) to log every collective to
 stderr; per-kind totals are always kept in :attr:`TorchComm.stats`.
 
-On gloo, the allreduces of a group whose ranks share this host go through shared
-memory (:mod:`.shm`), several times faster than gloo's sockets; ``shm=False`` or
-``MESHDSL_SHM=0`` keeps them on gloo.
+On gloo, the allreduces, allgathers, reduce-scatters and all-to-alls of a group whose
+ranks share this host go through shared memory (:mod:`.shm`), several times faster
+than gloo's sockets; ``shm=False`` or ``MESHDSL_SHM=0`` keeps them on gloo.
 """
 from __future__ import annotations
 
@@ -133,8 +133,8 @@ class TorchComm(Communicator):
       mesh: a :class:`Mesh` or mesh string, e.g. ``"data:2; model:2"``.
       timeout: seconds before a collective on a new group gives up.
       verbose: log every collective to stderr; defaults to ``MESHDSL_VERBOSE=1``.
-      shm: allreduce through shared memory among ranks on this host (gloo, x86-64 Linux);
-        defaults to on unless ``MESHDSL_SHM=0``.
+      shm: collectives through shared memory among ranks on this host (gloo, x86-64
+        Linux); defaults to on unless ``MESHDSL_SHM=0``.
 
     Raises:
       DistributedError: torch.distributed is not initialised.

@@ -19,10 +19,9 @@ first collective runs): the members check that they share a host (host name and
 boot id), the first member creates a file in ``/dev/shm`` (mode 0600, space
 reserved up front), the others map it, and once every member has it mapped (or an
 error ended the attempt) it is unlinked: only a process killed within those few
-milliseconds leaves it behind.  Where any of that
-fails (no ``/dev/shm``, no space, another host) the group keeps using gloo.
-Only x86-64 is used: its stores become visible in program order, which the
-flags rely on.
+milliseconds leaves it behind.  Where any of that fails (no ``/dev/shm``, no
+space, another host) the group keeps using gloo.  Only x86-64 is used: its stores
+become visible in program order, which the flags rely on.
 
 ``TorchComm(..., shm=False)`` or ``MESHDSL_SHM=0`` turns it off.
 """
