@@ -199,9 +199,8 @@ def _dist_alltoall(comm, x, group, args):
 
 def _shm_exchange(comm, x, group, dim, combine):
     """``combine`` of the all-to-all's parts, through shared memory; None where that cannot run."""
-    x_c = comm.prep(x)
-    shm = _shm(comm, group, x_c)
-    return None if shm is None else shm.exchange(x_c, dim, group.me, group.members, combine)
+    shm = _shm(comm, group, x)  # CPU tensors only: exchange reads x as it is, no prep
+    return None if shm is None else shm.exchange(x, dim, group.me, group.members, combine)
 
 
 register(Collective("alltoall", ("split_dim", "concat_dim"), lambda n: (n - 1) / n, _sim_alltoall,

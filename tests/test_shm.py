@@ -108,7 +108,7 @@ def test_a_rank_that_does_not_arrive_is_named_after_the_collective_timeout():
         launch.spawn(_late_rank, 2, mesh="x:2", collective_timeout=2.0, timeout=50)
     text = str(e.value)
     assert "rank 0 of 2 raised an exception" in text
-    assert "shared-memory allreduce: rank(s) [1] of group (0, 1) did not arrive within 2 s" in text
+    assert "shared-memory collective: rank(s) [1] of group (0, 1) did not arrive within 2 s" in text
     assert time.monotonic() - start < 30
 
 

@@ -50,6 +50,11 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
+def _flag_bytes(size: int) -> int:
+    """Bytes of the flags at the head of a segment for ``size`` members."""
+    return _FLAG_STRIDE * 8 * size
+
+
 def _host_key() -> int:
     """A number that two processes share exactly when they run on one host (and boot)."""
     try:
@@ -67,14 +72,15 @@ class ShmGroup:
     """A shared segment for one process group: a flag per member, a slot per member, a result area.
 
     Use :meth:`open` (collective over the group); then every member calls
-    :meth:`allreduce_` with the same sequence of tensors.
+    :meth:`allreduce_`, :meth:`gather` and :meth:`exchange` in the same order, with
+    tensors of the same shapes.
     """
 
     def __init__(self, buf: mmap.mmap, size: int, timeout: float, describe: str, spins: int = _SPINS):
         self.buf, self.n, self.timeout, self.describe = buf, size, timeout, describe
         self.spins = spins
         self.flags = memoryview(buf).cast("q")
-        self.data = _FLAG_STRIDE * 8 * size  # byte offset of the slots
+        self.data = _flag_bytes(size)  # byte offset of the slots
         self.seq = 0
         self._views: dict = {}
 
@@ -91,7 +97,7 @@ class ShmGroup:
         if len({int(k) for k in keys}) != 1:
             return None
         first = dist.get_rank(pg) == 0
-        nbytes = _FLAG_STRIDE * 8 * size + (size + 1) * SLOT_BYTES
+        nbytes = _flag_bytes(size) + (size + 1) * SLOT_BYTES
         path, fd = "", -1
         if first:
             path = f"/dev/shm/meshdsl-{os.getpid()}-{secrets.token_hex(8)}"
@@ -130,7 +136,7 @@ class ShmGroup:
                 deadline = now + self.timeout
             elif now > deadline:
                 raise DistributedError(message(
-                    f"shared-memory allreduce: rank(s) {[members[j] for j in behind]} of group "
+                    f"shared-memory collective: rank(s) {[members[j] for j in behind]} of group "
                     f"{tuple(members)} did not arrive within {self.timeout:.0f} s",
                     inputs=[self.describe],
                     rule="every member of a group runs the same collectives in the same order",
@@ -218,15 +224,6 @@ class ShmGroup:
             recv[:, lo:lo + m].copy_(slots[:, me * m:(me + 1) * m])
             self._arrive_and_wait(me, members)
         return combine([recv[j].view(shape) for j in range(self.n)])
-
-    def close(self) -> None:
-        """Unmap the segment (its file is already gone)."""
-        self._views.clear()
-        self.flags.release()
-        try:
-            self.buf.close()
-        except BufferError:  # a tensor view still holds it; the mapping goes with the process
-            pass
 
 
 def _attach(pg, first: bool, path: str, fd: int, nbytes: int):
