@@ -109,6 +109,23 @@ def test_permuted_output(a, b, out):
     torch.testing.assert_close(form.matmul(x, y), torch.einsum(_eq(a, b, out), x, y), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("a, b, out, skips", [
+    ("mk", "kn", "mn", "permute reshape"),      # already (M, K) @ (K, N)
+    ("hmk", "hkn", "hmn", "permute reshape"),   # already (B, M, K) @ (B, K, N)
+    ("bsd", "df", "bsf", "permute"),            # rows over two dims: a reshape, no permute
+    ("bd", "fd", "bf", "reshape"),              # B transposed: a permute, no reshape
+    ("b", "b", "", "permute"),                  # a dot product: rows of one, a reshape
+])
+def test_identity_work_is_skipped(a, b, out, skips):
+    """A call skips a permute that keeps dim order and a reshape of operands one dim per group;
+    what it still does gives the einsum's numbers."""
+    form = MatmulForm.of(tuple(a), tuple(b), tuple(out))
+    assert (not form._permute_a and not form._permute_b) == ("permute" in skips)
+    assert (form._flat_a and form._flat_b) == ("reshape" in skips)
+    x, y = _tensor(a, 1), _tensor(b, 2)
+    torch.testing.assert_close(form.matmul(x, y), torch.einsum(_eq(a, b, out), x, y), rtol=1e-5, atol=1e-5)
+
+
 def test_no_form_when_a_dim_is_summed_within_one_operand():
     assert MatmulForm.of(tuple("mkz"), tuple("kn"), tuple("mn")) is None
 

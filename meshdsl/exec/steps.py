@@ -152,16 +152,30 @@ def _prepare_local(ex, i, s):
     ctxs = [_ctx(ex.plan.mesh, ex.comm.ranks[j], s.args["compute"], s.args["sizes"]) for j in reps]
     fn = s.args["inplace"] if i in ex.donated else ex.add_into.get(i, s.args["fn"])
     attrs, ins, outs = s.args["attrs"], s.ins, s.outs
+    op = OPS.get(s.op)
+    salted = op is None or op.salted  # a kernel of its own: it may read the salt
     if len(ex.comm.ranks) == 1 and len(outs) == 1:  # one held rank (every real process): no per-rank loop
         (c,), (out,) = ctxs, outs
+        if not salted and len(ins) == 1:
+            (x,) = ins
+
+            def call_unary(env, get, run):
+                env[out] = [fn(c, attrs, get(x)[0])]
+            return call_unary
+        if not salted and len(ins) == 2:
+            x, y = ins
+
+            def call_binary(env, get, run):
+                env[out] = [fn(c, attrs, get(x)[0], get(y)[0])]
+            return call_binary
 
         def call_one(env, get, run):
-            env[out] = [fn(c.with_salt(run.salt) if run.salt else c, attrs, *[get(v)[0] for v in ins])]
+            env[out] = [fn(c.with_salt(run.salt) if run.salt and salted else c, attrs, *[get(v)[0] for v in ins])]
         return call_one
 
     def call(env, get, run):
         xs = [get(v) for v in ins]
-        salt = run.salt
+        salt = run.salt if salted else 0
         res = [fn(c.with_salt(salt) if salt else c, attrs, *[x[j] for x in xs]) for j, c in zip(reps, ctxs)]
         if len(outs) == 1:
             env[outs[0]] = _spread(res, of)

@@ -65,15 +65,31 @@ class MatmulForm:
         """The product comes out in the output's dim order (what ``add_matmul`` needs)."""
         return self.out_perm is None
 
+    def __post_init__(self):
+        # What a call may skip: a permute in dim order, a reshape of an operand whose dims
+        # are already one per group ((batch,) rows, cols).
+        nb, nn = self.nb, len(self.perm_b) - self.nb - self.nk
+        ident = lambda p: p == tuple(range(len(p)))  # noqa: E731
+        object.__setattr__(self, "_permute_a", not ident(self.perm_a))
+        object.__setattr__(self, "_permute_b", not ident(self.perm_b))
+        object.__setattr__(self, "_flat_a", nb <= 1 and self.nm == 1 and self.nk == 1)
+        object.__setattr__(self, "_flat_b", nb <= 1 and self.nk == 1 and nn == 1)
+
     def _operands(self, x: torch.Tensor, y: torch.Tensor):
         a, b = (y, x) if self.swap else (x, y)
-        a, b = a.permute(self.perm_a), b.permute(self.perm_b)
+        if self._permute_a:
+            a = a.permute(self.perm_a)
+        if self._permute_b:
+            b = b.permute(self.perm_b)
         nb, nm, nk = self.nb, self.nm, self.nk
         bs, ms, ks, ns = a.shape[:nb], a.shape[nb:nb + nm], a.shape[nb + nm:], b.shape[nb + nk:]
-        sizes = (math.prod(bs), math.prod(ms), math.prod(ks), math.prod(ns))
-        if nb:
-            return _blas(a.reshape(sizes[:3])), _blas(b.reshape(sizes[0], sizes[2], sizes[3])), (*bs, *ms, *ns)
-        return _blas(a.reshape(sizes[1:3])), _blas(b.reshape(sizes[2:])), (*ms, *ns)
+        if not (self._flat_a and self._flat_b):
+            sizes = (math.prod(bs), math.prod(ms), math.prod(ks), math.prod(ns))
+            if nb:
+                a, b = a.reshape(sizes[:3]), b.reshape(sizes[0], sizes[2], sizes[3])
+            else:
+                a, b = a.reshape(sizes[1:3]), b.reshape(sizes[2:])
+        return _blas(a), _blas(b), (*bs, *ms, *ns)
 
     def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``einsum(x, y)`` with the output's dims in order."""

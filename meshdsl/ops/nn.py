@@ -257,6 +257,7 @@ def _hash_uniform(shape_full, ctx, local_shape, names, seed: int) -> torch.Tenso
 class Dropout(Op):
     name = "dropout"
     linear = True
+    salted = True
 
     def infer(self, inputs, attrs):
         (x,) = inputs
