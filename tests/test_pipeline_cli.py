@@ -15,7 +15,8 @@ import pytest
 
 from meshdsl.lowering.compiler import compile as compile_plan
 from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
-from meshdsl.lowering.timeline import simulate
+from meshdsl.lowering.schedule import theory_cost
+from meshdsl.lowering.timeline import simulate, theory_bubble
 from meshdsl.tools import cli
 from meshdsl.tools.pipe_report import bubble_at_costs, run_figures, schedule_summary, user_mesh_layout
 from meshdsl.train.model import load_model
@@ -54,6 +55,18 @@ def test_run_figures_of_the_unit_cost_simulation_are_the_theory(schedule, p, m):
     assert fig["bubble_at_costs"] == pytest.approx([float(bubble_theory(p, m))] * p, rel=1e-12)
     assert fig["peak_activations"] == plan_like["peak_theory"]
     assert fig["busy_ms"] == pytest.approx([2 * m * 1e3] * p)
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (3, 4)])
+def test_run_figures_of_zbh1_at_the_theory_costs(p, m):
+    sched = make_schedule("zbh1", p, m)
+    summary = {"axis": "stage", "stages": p, "microbatches": m, "schedule": "zbh1",
+               "bubble_theory": float(theory_bubble(sched)), "peak_theory": [peak_theory("zbh1", p, m, r) for r in range(p)]}
+    fig = run_figures(summary, [_rows(simulate(sched, theory_cost(sched)))] * 3)
+    assert fig["bubble_measured"] == pytest.approx([(p - 1) / (3 * m + p - 1)] * p, rel=1e-12)
+    assert fig["bubble_at_costs"] == pytest.approx(fig["bubble_measured"], rel=1e-12)
+    assert fig["peak_activations"] == [min(p, m)] * p
+    assert summary["bubble_theory"] == pytest.approx((p - 1) / (3 * m + p - 1))
 
 
 def _gpipe_2x4_with_stage_1_slowed():
@@ -120,6 +133,15 @@ def test_plan_prints_the_schedule_table_and_the_users_mesh(capsys):
     assert "1f1b: 2 ranks, 4 micro-batches" in out
     assert "rank 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3" in out
     assert "rank 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 ." in out
+
+
+def test_plan_of_zbh1_shows_its_ws_and_theory(capsys):
+    rc, out, err = run(capsys, "plan", *PIPE, "--microbatches", "4", "--schedule", "zbh1")
+    assert rc == 0, err
+    assert ("pipeline over 'stage': 2 stages, 4 micro-batches, schedule zbh1; in theory: bubble 7.7%, "
+            "activations held per stage [2, 2]") in flat(out)
+    assert "rank 0 | F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3" in out
+    assert "rank 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3" in out
 
 
 @pytest.mark.parametrize("m", [1, 2, 4])

@@ -35,7 +35,8 @@ CFG = dataclasses.replace(Config.tiny(), layers=4, batch=8)
 
 # (config overrides, mesh, layout, micro-batches, schedule)
 CASES = {
-    2: [({}, "stage:2", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)],
+    2: [({}, "stage:2", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)]
+       + [({}, "stage:2", "layer:stage", 4, "zbh1")],
     4: [({}, "stage:4", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 4)]
        + [({}, "stage:2; data:2", "layer:stage; batch:data", 2, "1f1b"),
           ({}, "stage:2; model:2", "layer:stage; heads:model; d_ff:model", 2, "gpipe"),

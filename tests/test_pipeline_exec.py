@@ -1,10 +1,10 @@
 """Pipelined plans run on the simulated mesh give the dense program's loss and every gradient.
 
-Covered: GPipe and 1F1B, m in {1, 2, 4, 8} micro-batches, p in {2, 4} stages; the
+Covered: GPipe, 1F1B and ZB-H1, m in {1, 2, 4, 8} micro-batches, p in {2, 4} stages; the
 stage axis next to data, tensor and both (3-D parallelism from one layout string);
 a tied embedding (its gradient summed across the first and last stage); a stack of
 MLP blocks; the default-size transformer; five SGD steps against five dense steps;
-and the recorded timelines (peak activations: m for GPipe, p - rank for 1F1B).
+and the recorded timelines (peak activations: m for GPipe, p - rank for 1F1B, p for ZB-H1).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _run(outs, feeds, mesh, layout, m, schedule):
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
 @pytest.mark.parametrize("p", [2, 4])
 def test_transformer_matches_dense(p, schedule, m):
     _, outs, feeds, want = _reference()
@@ -64,6 +64,18 @@ def test_transformer_matches_dense(p, schedule, m):
         # Activations held at once, from the measured timeline: what the schedule promises.
         assert rs.peak_activations == peak_theory(schedule, p, m, r)
         assert 0 <= rs.idle_fraction < 1
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_zbh1_runs_its_ws_where_the_schedule_places_them(p, m):
+    _, outs, feeds, _ = _reference()
+    _, ex, plan = _run(outs, feeds, f"stage:{p}", "layer:stage", m, "zbh1")
+    sched = next(s for s in plan.steps if s.kind == "pipeline").args["schedule"]
+    for rank, recorded in enumerate(ex.last_timeline):
+        want = [(a.kind, a.microbatch) for a in sched.actions[rank] if a.kind in ("F", "B", "W")]
+        if rank == 0:   # a W right after its own B is that B's tail: not split off
+            want = [k for k in want if k[0] != "W"]
+        assert [(a.kind, a.microbatch) for a, _, _ in recorded if a.kind in ("F", "B", "W")] == want
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -79,7 +91,7 @@ def test_stage_axis_with_other_parallelism(mesh, layout, schedule):
     _assert_matches(got, want, f"{mesh} / {layout} {schedule}")
 
 
-@pytest.mark.parametrize("p,m,schedule", [(2, 2, "gpipe"), (2, 4, "1f1b"), (4, 2, "1f1b")])
+@pytest.mark.parametrize("p,m,schedule", [(2, 2, "gpipe"), (2, 4, "1f1b"), (4, 2, "1f1b"), (4, 4, "zbh1")])
 def test_tied_embedding(p, m, schedule):
     _, outs, feeds, want = _reference(dataclasses.replace(CFG, tied=True))
     got, _, _ = _run(outs, feeds, f"stage:{p}", "layer:stage", m, schedule)
@@ -132,7 +144,7 @@ def test_mlp_stack(schedule):
     _assert_matches(got, want, f"mlp stack {schedule}")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
 def test_five_sgd_steps_match_dense(schedule):
     model = build(CFG)
     feeds = model.feeds(1)

@@ -24,7 +24,7 @@ from meshdsl.lowering import schedule_gen as gen
 from meshdsl.lowering import timeline as tl
 from meshdsl.lowering.schedule import Action, Schedule, ScheduleError, parse_action, split_backward, validate
 from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
-from meshdsl.lowering.timeline import bubble_from_timeline, costs, format_table, simulate
+from meshdsl.lowering.timeline import bubble_from_timeline, costs, format_table, simulate, theory_bubble
 
 GRID = [(name, p, m) for name in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in range(1, 9)]
 
@@ -408,3 +408,65 @@ def test_peak_counts_an_activation_until_its_backward_ends():
            (f("B", 2), 5, 6)]
     stats = bubble_from_timeline([row])
     assert stats.ranks[0].peak_activations == 2 and stats.ranks[0].busy == 6 and stats.ranks[0].idle_fraction == 0
+
+
+# ----------------------------------------------------------------------------- zero bubble (ZB-H1)
+
+ZB = [(p, m) for p in (1, 2, 3, 4) for m in range(1, 9)]
+
+
+@pytest.mark.parametrize("p,m", ZB)
+def test_zbh1_places_each_w_r_micro_batches_after_its_b(p, m):
+    s = make_schedule("zbh1", p, m)
+    for rank, row in enumerate(s.actions):
+        pos = {a: i for i, a in enumerate(row)}
+        bs = [a.microbatch for a in row if a.kind == "B"]
+        assert [a.microbatch for a in row if a.kind == "W"] == list(range(m))
+        for mb in range(m):
+            w = pos[Action("W", mb, rank)]
+            assert w > pos[Action("B", mb, rank)]
+            # the rank's Bs before this W: its own and the next `rank` (all there are, at the end)
+            assert sum(row[i].kind == "B" for i in range(w)) == min(mb + rank + 1, m)
+        # without its Ws, the rank runs 1F1B's list
+        assert [a for a in row if a.kind != "W"] == list(make_schedule("1f1b", p, m).actions[rank])
+        assert bs == list(range(m))
+    # split_backward leaves a schedule's own Ws alone
+    assert split_backward(s) == s
+
+
+@pytest.mark.parametrize("p,m", ZB)
+def test_zbh1_bubble_and_peak(p, m):
+    s = make_schedule("zbh1", p, m)
+    stats = simulate(s, costs(1, 1, w=1))
+    for rank, r in enumerate(stats.ranks):
+        assert r.busy == 3 * m
+        assert r.peak_activations == peak_theory("zbh1", p, m, rank) == min(p, m)   # at most 1F1B's largest
+    one_f_one_b = simulate(make_schedule("1f1b", p, m), costs(1, 2)).makespan
+    if m >= p:   # p - 1 idle steps on each rank instead of 1F1B's 3(p - 1)
+        assert stats.makespan == 3 * m + p - 1
+        assert all(r.idle_fraction == Fraction(p - 1, 3 * m + p - 1) for r in stats.ranks)
+        assert theory_bubble(s) == Fraction(p - 1, 3 * m + p - 1)
+    assert stats.makespan <= one_f_one_b and (p == 1 or stats.makespan < one_f_one_b)
+
+
+def test_zbh1_ends_sooner_when_the_last_stage_is_slower():
+    """The measured shape of bench/pipeline.py at m = 8: the last stage (head and loss) is the
+    slower one.  Its second delayed W overlaps the first stage's last backward."""
+    cost = {("F", 0): 5.2, ("B", 0): 5.3, ("W", 0): 5.4, ("F", 1): 6.4, ("B", 1): 5.0, ("W", 1): 5.3}
+    price = lambda a: cost.get((a.kind, a.stage), 0.0)  # noqa: E731
+    split = simulate(split_backward(make_schedule("1f1b", 2, 8)),
+                     lambda a: 10.7 if (a.kind, a.stage) == ("B", 0) else price(a)).makespan
+    zb = simulate(make_schedule("zbh1", 2, 8), price).makespan
+    assert zb == pytest.approx(split - 5.3)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+def test_theory_bubble_is_the_closed_form_for_unsplit_schedules(name, p, m, v):
+    assert theory_bubble(make_schedule(name, p, m, v)) == bubble_theory(p, m, v)
+
+
+def test_zbh1_table_shows_its_ws():
+    assert format_table(make_schedule("zbh1", 2, 2)).splitlines() == [
+        "zbh1: 2 ranks, 2 micro-batches; one column per time step with F = B = W = 1; '.' is idle; bubble 1/7",
+        "rank 0 | F0 F1 .  B0 W0 B1 W1",
+        "rank 1 | .  F0 B0 F1 B1 W0 W1"]

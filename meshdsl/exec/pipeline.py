@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from ..lowering.schedule import COMPUTE, split_backward
+from ..lowering.schedule import COMPUTE, Action, split_backward
 from ..lowering.timeline import simulate
 from .executor import donatable_params, donating_steps
 from .pipeline_store import Accumulator, ViewEnv, folded
@@ -148,7 +148,9 @@ def _prepare_pipeline(ex, i, step):
     # off until the send has gone: they run as the W action right after it (see .sink).
     if ex.defer_weight_grads:
         schedule = split_backward(schedule)
-    has_w = {(a.stage, a.microbatch) for row in schedule.actions for a in row if a.kind == "W"}
+    # A W right after its own B (ZB-H1's first rank) is that B's tail: nothing to put off.
+    has_w = {(a.stage, a.microbatch) for row in schedule.actions for prev, a in zip((None, *row), row)
+             if a.kind == "W" and prev != Action("B", a.microbatch, a.stage)}
     deferred: dict = {}   # (stage, micro-batch) -> its B's Deferred
     order = _order(schedule, held_stages)
     posted: dict = {}   # carry kind -> receives of that kind, in run order

@@ -272,7 +272,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
       microbatches: cut the ``batch`` dim into this many micro-batches; gradients
         accumulate over them (see :mod:`.pipeline`).
       schedule: the pipeline schedule when the layout splits a repeat's layer dim
-        over a mesh axis (``"layer:stage"``): ``"gpipe"`` or ``"1f1b"``.
+        over a mesh axis (``"layer:stage"``): ``"gpipe"``, ``"1f1b"`` or ``"zbh1"``
+        (see :mod:`.schedule_gen`).
       bucket_mb: reduce gradients in buckets of about this many MB (see :mod:`.bucket`);
         0 keeps one collective per gradient.  A pipeline buckets its final segment's
         gradient reductions (per stage).

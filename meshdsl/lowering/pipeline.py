@@ -145,7 +145,7 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     if SCHEDULES[schedule].chunked:
         raise _err(f"schedule '{schedule}' runs several stages per rank.", mesh=mesh, layout=layout,
                    rule="pipelined plans run one stage per rank of the pipeline axis",
-                   fix="use 'gpipe' or '1f1b'")
+                   fix="use 'gpipe', '1f1b' or 'zbh1'")
     p = mesh.sizes[axis] if axis else 1
     mesh2, layout2 = mesh, layout
     if microbatches > 1:

@@ -157,6 +157,7 @@ class Schedule:
 def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages: int) -> tuple[tuple[Action, ...], ...]:
     """Turn per-rank compute orders ``(kind, microbatch, stage)`` into full action lists.
 
+    ``kind`` is ``F``, ``B`` or ``W`` (a B's weight gradients, split off to run later).
     A compute action comes after the receive of its input from the neighbouring stage (for F
     the stage before, for B the one after) and before the send of its output the other way.
     """
@@ -164,6 +165,9 @@ def with_transfers(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages:
     for order in orders:
         row: list[Action] = []
         for kind, mb, stage in order:
+            if kind == "W":   # a split-off weight gradient: no transfer
+                row.append(Action(kind, mb, stage))
+                continue
             src, dst = stage - DIRECTION[kind], stage + DIRECTION[kind]
             if 0 <= src < num_stages:
                 row.append(Action(RECV_OF[kind], mb, stage, src))
@@ -181,20 +185,43 @@ def unit_cost(a: Action) -> int:
     return 1 if a.kind in COMPUTE else 0
 
 
+def has_placed_w(s: Schedule) -> bool:
+    """Whether the generator itself placed W actions (a zero-bubble schedule)."""
+    return any(a.kind == "W" for row in s.actions for a in row)
+
+
+def theory_cost(s: Schedule) -> Callable[[Action], int]:
+    """The costs the bubble theory assumes: F = 1 and a whole backward = 2, where a W that the
+    schedule places takes half of it (B = W = 1); transfers free.
+
+    Under them GPipe and 1F1B idle (p-1)/(m+p-1) of the makespan, virtual stages
+    (p-1)/(vm+p-1), and a zero-bubble schedule shows what moving its Ws buys.
+    """
+    if has_placed_w(s):
+        return lambda a: 1 if a.kind in BUSY else 0
+    return lambda a: {"F": 1, "B": 2}.get(a.kind, 0)
+
+
 def split_backward(s: Schedule) -> Schedule:
     """``s`` as the runtime runs it: a B that sends its input gradient upstream leaves its
     weight gradients to a ``W`` action right after that send.
 
     The stage upstream then gets the gradient it waits for a W sooner.  A B that sends
-    nothing (the first stage's) keeps its weight gradients.
+    nothing (the first stage's) keeps its weight gradients, and a B whose W the schedule
+    already places (a zero-bubble generator's) keeps that W where it is.
 
     Example:
         >>> from meshdsl.lowering.schedule_gen import make_schedule
         >>> [str(a) for a in split_backward(make_schedule("1f1b", 2, 1)).actions[1]]
         ['rF0@1<0', 'F0@1', 'B0@1', 'sB0@1>0', 'W0@1']
     """
-    rows = tuple(tuple(x for a in row for x in ((a, Action("W", a.microbatch, a.stage)) if a.kind == "send_grad"
-                                                 else (a,))) for row in s.actions)
+    def split(row):
+        placed = {(a.microbatch, a.stage) for a in row if a.kind == "W"}
+        for a in row:
+            yield a
+            if a.kind == "send_grad" and (a.microbatch, a.stage) not in placed:
+                yield Action("W", a.microbatch, a.stage)
+    rows = tuple(tuple(split(row)) for row in s.actions)
     return Schedule(s.name, s.num_ranks, s.num_microbatches, rows, s.num_chunks)
 
 
@@ -242,8 +269,9 @@ def validate(s: Schedule) -> None:
     """Check a schedule before it runs, as the executor will run it.
 
     Every action is on its stage's rank, with the right peer, once; every stage
-    runs F and B of every micro-batch; on each rank an action comes after what it
-    needs (B after its F, a compute after the receive of its input, a send after
+    runs F and B of every micro-batch (and at most one W, a B's weight gradients
+    placed by the generator); on each rank an action comes after what it
+    needs (B after its F, W after its B, a compute after the receive of its input, a send after
     its compute); sends pair with receives in order; and walking the lists (sends
     never block, a receive waits for its send) ends with every rank done.
 

@@ -102,6 +102,29 @@ def interleaved_1f1b(p: int, m: int, v: int):
                                  min(2 * (p - 1 - r) + (v - 1) * p, v * m)) for r in range(p)]
 
 
+@register("zbh1", peak=lambda p, m, v, rank: min(p, m))
+def zero_bubble_h1(p: int, m: int):
+    """ZB-H1 (zero bubble at 1F1B's memory, Qi et al. 2023): 1F1B with each backward split into
+    B (the input gradient, sent upstream at once) and W (the weight gradients).
+
+    Rank r runs the W of micro-batch i right after the B of micro-batch i + r, and its
+    last r Ws after its last B.  Rank r is idle at the end of 1F1B for r input-gradient
+    times while the last gradients travel upstream; the delayed Ws fill them.  Every
+    rank then holds at most p activations (1F1B's rank 0 already does), and with
+    F = B = W = 1 the bubble shrinks from 3(p-1) to p-1 time steps.
+    """
+    rows = []
+    for r in range(p):
+        order = []
+        for kind, mb, stage in _warm_then_alternate([("F", mb, r) for mb in range(m)],
+                                                    [("B", mb, r) for mb in range(m)], min(p - 1 - r, m)):
+            order.append((kind, mb, stage))
+            if kind == "B" and mb >= r:
+                order.append(("W", mb - r, stage))
+        rows.append(order + [("W", mb, r) for mb in range(max(m - r, 0), m)])
+    return rows
+
+
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
     """Build and validate the registered schedule ``name``.
 
@@ -126,3 +149,4 @@ def peak_theory(name: str, num_ranks: int, num_microbatches: int, rank: int = 0,
 def bubble_theory(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Fraction:
     """Idle fraction of each rank with equal action costs: (p-1)/(v*m + p-1)."""
     return Fraction(num_ranks - 1, num_chunks * num_microbatches + num_ranks - 1)
+

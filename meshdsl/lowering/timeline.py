@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Sequence
 
-from .schedule import BUSY, COMPUTE, Action, Number, Schedule, _match, _walk, unit_cost, validate
+from .schedule import (BUSY, COMPUTE, Action, Number, Schedule, _match, _walk, has_placed_w, theory_cost, unit_cost,
+                       validate)
 
-def costs(forward: Number = 1, backward: Number = 1, transfer: Number = 0) -> Callable[[Action], Number]:
-    """A cost function with the given F, B and per-transfer times, e.g. ``costs(1, 2)``."""
-    return lambda a: forward if a.kind == "F" else backward if a.kind == "B" else transfer
+def costs(forward: Number = 1, backward: Number = 1, transfer: Number = 0, w: Number = 0) -> Callable[[Action], Number]:
+    """A cost function with the given F, B, per-transfer and W (split-off weight gradient)
+    times, e.g. ``costs(1, 2)``."""
+    return lambda a: {"F": forward, "B": backward, "W": w}.get(a.kind, transfer)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ def bubble_from_timeline(timeline: Sequence[Sequence[tuple[Action, Number, Numbe
 
     The runtime records wall-clock intervals and :func:`simulate` simulated ones;
     both go through here, so measured and simulated figures mean the same.  An
-    activation is held from the start of its F to the end of its B.
+    activation is held from the start of its F to the end of its B, or of its W
+    where one is recorded (the weight gradients read the layer inputs).
 
     The makespan runs from the first F or B to the last action's end, as in
     (p-1)/(m+p-1), where the first stage's first F starts the clock.  In a training
@@ -73,14 +76,16 @@ def bubble_from_timeline(timeline: Sequence[Sequence[tuple[Action, Number, Numbe
         busy: Number = 0
         held: set[tuple[int, int]] = set()
         peak = 0
+        has_w = {(a.stage, a.microbatch) for a, _, _ in row if a.kind == "W"}
         for a, t0, t1 in sorted(row, key=lambda e: (e[1], e[2])):
             if a.kind in BUSY:
                 busy += t1 - t0
+            key = (a.stage, a.microbatch)
             if a.kind == "F":
-                held.add((a.stage, a.microbatch))
+                held.add(key)
                 peak = max(peak, len(held))
-            elif a.kind == "B":
-                held.discard((a.stage, a.microbatch))
+            elif a.kind == ("W" if key in has_w else "B"):
+                held.discard(key)
         ranks.append(RankStats(busy, _ratio(makespan - busy, makespan), peak))
     return PipelineStats(makespan, tuple(ranks), tuple(tuple(row) for row in timeline))
 
@@ -101,13 +106,33 @@ def simulate(s: Schedule, cost: Callable[[Action], Number] = unit_cost, latency:
     return bubble_from_timeline(_walk(s, _match(s, where), cost, latency)[0])
 
 
+def picture_cost(s: Schedule) -> Callable[[Action], Number]:
+    """The unit costs a schedule is shown with: F = B = 1, and W = 1 where the schedule places
+    its Ws (free otherwise: the runtime's split of a B is not the schedule's)."""
+    return theory_cost(s) if has_placed_w(s) else unit_cost
+
+
+def theory_bubble(s: Schedule) -> Fraction:
+    """The largest idle fraction over ranks of ``s`` at the theory's costs
+    (:func:`~.schedule.theory_cost`: F = 1, a backward 2, split B = W = 1 where the schedule
+    places its Ws): (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(vm+p-1) for interleaved, less for ZB-H1.
+
+    Example:
+        >>> from meshdsl.lowering.schedule_gen import make_schedule
+        >>> theory_bubble(make_schedule("1f1b", 2, 8)), theory_bubble(make_schedule("zbh1", 2, 8))
+        (Fraction(1, 9), Fraction(1, 25))
+    """
+    return max(Fraction(r.idle_fraction) for r in simulate(s, theory_cost(s)).ranks)
+
+
 # ----------------------------------------------------------------------------- printing
 
 def format_table(s: Schedule, transfers: bool = False) -> str:
     """A per-rank table.
 
     By default one column per time step of the unit-cost simulation, so the
-    bubble shows as ``.``; with ``transfers=True`` the full action lists, in order.
+    bubble shows as ``.`` (F = B = 1; a schedule that places its Ws: F = B = W = 1); with
+    ``transfers=True`` the full action lists, in order.
 
     Example:
         >>> from meshdsl.lowering.schedule_gen import make_schedule
@@ -121,14 +146,15 @@ def format_table(s: Schedule, transfers: bool = False) -> str:
         rows = [[short(a) for a in row] for row in s.actions]
         head = "actions in run order (sF3>1: send micro-batch 3's activations to stage 1; rB3<2: receive its gradient)"
     else:
-        stats = simulate(s)
+        w = has_placed_w(s)
+        stats = simulate(s, picture_cost(s))
         rows = [["."] * int(stats.makespan) for _ in s.actions]
         for r, row in enumerate(stats.timeline):
             for a, t0, _ in row:
-                if a.kind in COMPUTE:
+                if a.kind in (BUSY if w else COMPUTE):
                     rows[r][int(t0)] = short(a)
         bubble = max(r.idle_fraction for r in stats.ranks)
-        head = f"one column per time step with F = B = 1; '.' is idle; bubble {bubble}"
+        head = f"one column per time step with F = B{' = W' if w else ''} = 1; '.' is idle; bubble {bubble}"
     width = max((len(c) for row in rows for c in row), default=1)
     lines = [f"{s.name}: {s.num_ranks} ranks, {s.num_microbatches} micro-batches"
              + (f", {s.num_chunks} stages per rank" if s.num_chunks > 1 else "") + f"; {head}"]

@@ -34,6 +34,7 @@ from ..exec.simulated import SimulatedComm, run_simulated
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.memory import memory_report
+from ..lowering.schedule import has_placed_w
 from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
 from .dist_cli import add_run, bucket_arg, dist_args, is_rank0
@@ -111,8 +112,9 @@ def pipe_args(p) -> None:
                                    "a pipeline ('layer:<axis>' in --layout) runs them through its stages "
                                    "(default 1)")
     p.add_argument("--schedule", choices=PIPE_SCHEDULES, default="gpipe",
-                   help="pipeline schedule: gpipe (every forward, then every backward) or 1f1b (same "
-                        "bubble, at most p activations held per stage) (default gpipe)")
+                   help="pipeline schedule: gpipe (every forward, then every backward), 1f1b (same "
+                        "bubble, at most p activations held per stage) or zbh1 (1f1b with each "
+                        "backward's weight gradients delayed into the bubble, at most p held) (default gpipe)")
 
 
 def seed_arg(p) -> None:
@@ -174,7 +176,8 @@ def cmd_plan(args) -> int:
         step = next(s for s in plan.steps if s.kind == "pipeline")
         got = draw(simulated_rows(step.args["schedule"]), args.timeline,
                    f"{args.model}: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} micro-batches "
-                   f"(F = B = 1, transfers free)", unit="F times", scale=1.0)
+                   f"(F = B{' = W' if has_placed_w(step.args['schedule']) else ''} = 1, transfers free)",
+                   unit="F times", scale=1.0)
         console.print(f"timeline: {args.timeline} ({bar_counts(got['bars'])}, span {got['span']:g} "
                       f"F times)", highlight=False, soft_wrap=True)
     if args.predict:

@@ -164,7 +164,8 @@ def cmd_run(args) -> int:
         console.print("per stage, medians over the timed steps: busy = time in F, B and W actions (W: a B's "
                       "weight gradients, run after it sends its input gradient); bubble = idle fraction of the "
                       "span from the step's first F to its last action, over all ranks; "
-                      "theory: bubble (p-1)/(m+p-1), activations held m (gpipe) or p - stage (1f1b)",
+                      "theory: bubble (p-1)/(m+p-1) with F = 1 and B = 2 (zbh1: F = B = W = 1, less), activations "
+                      "held m (gpipe), p - stage (1f1b) or p (zbh1)",
                       highlight=False, soft_wrap=True)
     if args.timeline is not None and timelines:
         got = draw(median_step(timelines), args.timeline,

@@ -19,8 +19,8 @@ from ..layout.specs import Rule
 from ..lowering.pipeline import MB_AXIS
 from ..lowering.plan import Plan, Step
 from ..lowering.schedule import BUSY, Action, split_backward
-from ..lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
-from ..lowering.timeline import bubble_from_timeline, format_table, simulate
+from ..lowering.schedule_gen import make_schedule, peak_theory
+from ..lowering.timeline import bubble_from_timeline, format_table, simulate, theory_bubble
 
 
 def pipeline_step(plan: Plan) -> Step | None:
@@ -64,7 +64,7 @@ def schedule_summary(plan: Plan) -> dict[str, Any] | None:
     sched = step.args["schedule"]
     p, m = sched.num_ranks, sched.num_microbatches
     return {"axis": step.args["axis"], "stages": p, "microbatches": m, "schedule": sched.name,
-            "bubble_theory": float(bubble_theory(p, m)),
+            "bubble_theory": float(theory_bubble(sched)),
             "peak_theory": [peak_theory(sched.name, p, m, r) for r in range(p)],
             "table": format_table(sched)}
 

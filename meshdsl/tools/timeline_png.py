@@ -15,7 +15,7 @@ import statistics
 
 from ..errors import message
 from ..lowering.schedule import BUSY, COMPUTE, Action
-from ..lowering.timeline import bubble_from_timeline, simulate
+from ..lowering.timeline import bubble_from_timeline, picture_cost, simulate
 from .preflight import UsageError, check_output_path
 
 #: action kind -> bar colour
@@ -23,9 +23,10 @@ COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:red"}
 
 
 def simulated_rows(schedule) -> list[list[tuple]]:
-    """The unit-cost run of ``schedule`` as rows of ``(kind, microbatch, stage, peer, start, end)``."""
+    """The unit-cost run of ``schedule`` (:func:`~meshdsl.lowering.timeline.picture_cost`) as rows of
+    ``(kind, microbatch, stage, peer, start, end)``."""
     return [[(a.kind, a.microbatch, a.stage, a.peer, float(t0), float(t1)) for a, t0, t1 in row]
-            for row in simulate(schedule).timeline]
+            for row in simulate(schedule, picture_cost(schedule)).timeline]
 
 
 def median_step(timelines: list) -> list:
@@ -87,7 +88,7 @@ def draw(rows: list, path: str, title: str, unit: str = "ms", scale: float = 1e3
     ax.set_xlim(0, span * 1.12 if span else 1)
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title, fontsize=9)
-    names = {"F": "F (forward)", "B": "B (backward)", "W": "W (weight gradients, after the send)"}
+    names = {"F": "F (forward)", "B": "B (backward)", "W": "W (weight gradients, split off a B)"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in bars]
     ax.legend(handles + [plt.Line2D([0], [0], color="grey", lw=2)],
               [names[k] for k in bars] + ["send / recv (a receive spans its wait)"],
@@ -146,7 +147,7 @@ def timeline_arg(p) -> None:
     """``--timeline FILE.png``: draw the pipeline's timeline (plan: simulated; run: measured)."""
     p.add_argument("--timeline", metavar="FILE.png", default=None,
                    help="draw the pipeline's timeline to FILE.png: one row per stage, F and B bars per "
-                        "micro-batch, idle in white (plan: the schedule with F = B = 1; run: the measured "
+                        "micro-batch, idle in white (plan: the schedule with F = B = 1, and W = 1 where it places Ws; run: the measured "
                         "step of median length)")
 
 
