@@ -11,7 +11,7 @@ Workload: models/transformer.py at its default Config (vocab 256, d_model 256, 8
   2      DTensor Megatron TP (q,k,v,fc colwise;      model:2 / heads:model; d_ff:model
          o,proj rowwise)
   2      torch.distributed.pipelining Schedule1F1B,  stage:2 / layer:stage, 1f1b, m=8
-         m=8 (embedding + blocks 0-1 | 2-3 + head)
+         m=8 (embedding + blocks 0-1 | 2-3 + head)    and stage:2 / layer:stage, zbh1, m=8 (ZB-H1)
   2      FSDP2 (fully_shard per block, then root)    data:2 / batch:data; params.d_model:data
   4      DTensor TP on a 2x2 device mesh + DP        data:2; model:2 / batch:data; heads:model; d_ff:model
   4      pipelining 1F1B m=8 + DDP per stage         stage:2; data:2 / layer:stage; batch:data, 1f1b, m=8
@@ -76,19 +76,23 @@ LOSS_RTOL = 1e-4
 #: processes can beat it on this machine (its step-0 loss, the mean of the halves', is the batch's).
 BOUND = "bound (no comm)"
 JOBS = {1: ("torch", "meshdsl 1p"),
-        2: (BOUND, "DDP", "meshdsl DP", "DTensor TP", "meshdsl TP", "torch 1F1B", "meshdsl 1F1B", "FSDP2",
-            "meshdsl FSDP"),
+        2: (BOUND, "DDP", "meshdsl DP", "DTensor TP", "meshdsl TP", "torch 1F1B", "meshdsl 1F1B", "meshdsl ZB-H1",
+            "FSDP2", "meshdsl FSDP"),
         4: ("torch DP+TP", "meshdsl DP+TP", "torch PP+DP", "meshdsl PP+DP")}
 VARIANTS = tuple(k for names in JOBS.values() for k in names)
 NPROC = {k: n for n, names in JOBS.items() for k in names}
 MESHDSL = {"meshdsl 1p": ("data:1", "", 1), "meshdsl DP": ("data:2", "batch:data", 1),
            "meshdsl TP": ("model:2", "heads:model; d_ff:model", 1),
-           "meshdsl 1F1B": ("stage:2", "layer:stage", M),
+           "meshdsl 1F1B": ("stage:2", "layer:stage", M), "meshdsl ZB-H1": ("stage:2", "layer:stage", M),
            "meshdsl FSDP": ("data:2", "batch:data; params.d_model:data", 1),
            "meshdsl DP+TP": ("data:2; model:2", "batch:data; heads:model; d_ff:model", 1),
            "meshdsl PP+DP": ("stage:2; data:2", "layer:stage; batch:data", M)}
-#: meshdsl variant -> its torch counterpart (the ratios the issue asks for)
+#: the pipeline schedule of a pipelined meshdsl variant (1f1b unless named here)
+SCHEDULE = {"meshdsl ZB-H1": "zbh1"}
+#: meshdsl variant -> its torch counterpart (the ratios the issue asks for; torch's zero-bubble
+#: schedules need several stages per rank, so ZB-H1 is set beside torch's 1F1B)
 PEERS = {"meshdsl 1p": "torch", "meshdsl DP": "DDP", "meshdsl TP": "DTensor TP", "meshdsl 1F1B": "torch 1F1B",
+         "meshdsl ZB-H1": "torch 1F1B",
          "meshdsl FSDP": "FSDP2", "meshdsl DP+TP": "torch DP+TP", "meshdsl PP+DP": "torch PP+DP"}
 
 
@@ -241,7 +245,7 @@ def meshdsl_variant(name, model, feeds, lr, seed, stats):
     mesh, layout, m = MESHDSL[name]
     comm = TorchComm(mesh)
     ts = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed, microbatches=m,
-                   schedule="1f1b")
+                   schedule=SCHEDULE.get(name, "1f1b"))
     agree_plan(comm, ts.plan)
     dev = _device()
     if dev.type != "cpu":
