@@ -141,7 +141,7 @@ def test_plan_of_zbh1_shows_its_ws_and_theory(capsys):
     assert ("pipeline over 'stage': 2 stages, 4 micro-batches, schedule zbh1; in theory: bubble 7.7%, "
             "activations held per stage [2, 2]") in flat(out)
     assert "rank 0 | F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3" in out
-    assert "rank 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3" in out
+    assert "rank 1 | .  F0 B0 W0 F1 B1 W1 F2 B2 F3 B3 W2 W3" in out
 
 
 @pytest.mark.parametrize("m", [1, 2, 4])

@@ -416,7 +416,7 @@ ZB = [(p, m) for p in (1, 2, 3, 4) for m in range(1, 9)]
 
 
 @pytest.mark.parametrize("p,m", ZB)
-def test_zbh1_places_each_w_r_micro_batches_after_its_b(p, m):
+def test_zbh1_delays_rank_rs_last_ws_by_r_micro_batches(p, m):
     s = make_schedule("zbh1", p, m)
     for rank, row in enumerate(s.actions):
         pos = {a: i for i, a in enumerate(row)}
@@ -425,8 +425,10 @@ def test_zbh1_places_each_w_r_micro_batches_after_its_b(p, m):
         for mb in range(m):
             w = pos[Action("W", mb, rank)]
             assert w > pos[Action("B", mb, rank)]
-            # the rank's Bs before this W: its own and the next `rank` (all there are, at the end)
-            assert sum(row[i].kind == "B" for i in range(w)) == min(mb + rank + 1, m)
+            # the rank's Bs before this W: its own, and over the last p micro-batches the next
+            # `rank` too (all there are, at the end)
+            want = mb + 1 if mb < m - p else min(mb + rank + 1, m)
+            assert sum(row[i].kind == "B" for i in range(w)) == want
         # without its Ws, the rank runs 1F1B's list
         assert [a for a in row if a.kind != "W"] == list(make_schedule("1f1b", p, m).actions[rank])
         assert bs == list(range(m))
@@ -466,7 +468,30 @@ def test_theory_bubble_is_the_closed_form_for_unsplit_schedules(name, p, m, v):
 
 
 def test_zbh1_table_shows_its_ws():
-    assert format_table(make_schedule("zbh1", 2, 2)).splitlines() == [
-        "zbh1: 2 ranks, 2 micro-batches; one column per time step with F = B = W = 1; '.' is idle; bubble 1/7",
-        "rank 0 | F0 F1 .  B0 W0 B1 W1",
-        "rank 1 | .  F0 B0 F1 B1 W0 W1"]
+    assert format_table(make_schedule("zbh1", 2, 4)).splitlines() == [
+        "zbh1: 2 ranks, 4 micro-batches; one column per time step with F = B = W = 1; '.' is idle; bubble 1/13",
+        "rank 0 | F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3",
+        "rank 1 | .  F0 B0 W0 F1 B1 W1 F2 B2 F3 B3 W2 W3"]
+
+
+def test_delaying_every_w_as_the_paper_draws_it_gains_nothing():
+    """The figure of ZB-H1 delays rank r's every W by r micro-batches; zbh1 delays only those
+    of the last p.  Same makespan at F = B = W = 1, same peak, for every p, m checked."""
+    def every_w_delayed(p, m):
+        rows = []
+        for r in range(p):
+            order = []
+            for kind, mb, stage in gen._warm_then_alternate([("F", i, r) for i in range(m)],
+                                                            [("B", i, r) for i in range(m)], min(p - 1 - r, m)):
+                order.append((kind, mb, stage))
+                if kind == "B" and mb >= r:
+                    order.append(("W", mb - r, stage))
+            rows.append(order + [("W", i, r) for i in range(max(m - r, 0), m)])
+        return rows
+    for p in range(1, 7):
+        for m in range(1, 13):
+            ours = make_schedule("zbh1", p, m)
+            paper = Schedule("paper", p, m, sch.with_transfers(every_w_delayed(p, m), p))
+            a, b = simulate(ours, sch.theory_cost(ours)), simulate(paper, sch.theory_cost(paper))
+            assert a.makespan == b.makespan, (p, m)
+            assert [r.peak_activations for r in a.ranks] == [r.peak_activations for r in b.ranks], (p, m)

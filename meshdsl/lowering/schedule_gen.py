@@ -107,21 +107,26 @@ def zero_bubble_h1(p: int, m: int):
     """ZB-H1 (zero bubble at 1F1B's memory, Qi et al. 2023): 1F1B with each backward split into
     B (the input gradient, sent upstream at once) and W (the weight gradients).
 
-    Rank r runs the W of micro-batch i right after the B of micro-batch i + r, and its
-    last r Ws after its last B.  Rank r is idle at the end of 1F1B for r input-gradient
-    times while the last gradients travel upstream; the delayed Ws fill them.  Every
-    rank then holds at most p activations (1F1B's rank 0 already does), and with
-    F = B = W = 1 the bubble shrinks from 3(p-1) to p-1 time steps.
+    Over the last p micro-batches rank r runs the W of micro-batch i right after the B
+    of micro-batch i + r, and its last r Ws after its last B: at the end of 1F1B rank r
+    is idle for r input-gradient times while the last gradients travel upstream, and
+    the delayed Ws fill them.  Earlier Ws follow their own B (delaying them too, as the
+    paper's figure does, gives the same makespan and peak, tested for p <= 6, m <= 12,
+    but reads the layer inputs back from memory instead of cache).  Every rank then
+    holds at most p activations (1F1B's rank 0 already does), and with F = B = W = 1 the
+    bubble shrinks from 3(p-1) to p-1 time steps for m >= p.
     """
     rows = []
     for r in range(p):
-        order = []
+        order, delayed = [], []
         for kind, mb, stage in _warm_then_alternate([("F", mb, r) for mb in range(m)],
                                                     [("B", mb, r) for mb in range(m)], min(p - 1 - r, m)):
             order.append((kind, mb, stage))
-            if kind == "B" and mb >= r:
-                order.append(("W", mb - r, stage))
-        rows.append(order + [("W", mb, r) for mb in range(max(m - r, 0), m)])
+            if kind == "B":
+                delayed.append(mb)
+                if mb < m - p or len(delayed) > r:
+                    order.append(("W", delayed.pop(0), stage))
+        rows.append(order + [("W", mb, r) for mb in delayed])
     return rows
 
 
