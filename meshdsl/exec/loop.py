@@ -4,7 +4,10 @@ The step is data (:mod:`meshdsl.lowering.repeat` builds it): the block's
 sub-plan in ``step.subplans``, the layer count in ``step.times``.  The layer
 loop itself is :func:`meshdsl.ir.repeat.run_layers`, shared with the dense op;
 here a carry is one local tensor per held rank and a layer is one run of the
-sub-plan's executor, built once per outer executor.  Before a layer runs, the
+sub-plan's executor, built once per outer executor, fed each stacked param's layer
+slice (made once per layer while the stacked tensors stay the same objects: a pipeline
+stage runs its layers every micro-batch and step with the same params; a param changed
+in place shows through its slices, a new tensor gets new ones).  Before a layer runs, the
 collectives of the next layer that read only its params (FSDP's gathers) are
 started (:mod:`.prefetch`).
 
@@ -57,20 +60,41 @@ def _prepare_repeat(ex, i, step):
         run_fn = _backward_fn(tail, shapes, sinks, step.outs[1:])
     else:
         sub, run_fn = Executor(plan, ex.comm), _forward
+    sub.check_feeds = False   # the loop feeds its body the outer plan's own tensors
     # A pipeline stage runs layers layer_offset.. of the whole stack: kernels (dropout) salt
     # by the global layer index, as the dense op does.
     first = getattr(ex, "layer_offset", 0) + 1
 
+    layer_params = _LayerParams(names, pos, held)
+
     def call(env, get, run):
         outs = run_fn(sub, [get(v) for v in step.ins], names, pos, saved, num_layers, held, run.stats, first,
-                      run.into, run.defer)
+                      run.into, run.defer, layer_params)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
     return call
 
 
-def _layer_params(stacked, names, pos, held, l):
-    return {k: PerRank([p[j].select(pos[k], l) for j in held]) for k, p in zip(names, stacked)}
+class _LayerParams:
+    """Layer ``l``'s slice of each stacked param, as the body's feeds.
+
+    The slices of one layer are made once and reused while the stacked tensors are the
+    same objects: a pipeline stage runs its layers once per micro-batch, with the same
+    params.  An update in place keeps them right (they are views); a new stacked tensor
+    makes new ones.  The cache holds the stacked tensors, so their ids stay theirs.
+    """
+
+    def __init__(self, names, pos, held):
+        self.names, self.pos, self.held, self.made = names, pos, held, {}
+
+    def __call__(self, stacked, l: int) -> dict:
+        key = [p[j] for p in stacked for j in self.held]
+        hit = self.made.get(l)
+        if hit is not None and all(a is b for a, b in zip(hit[0], key)):
+            return hit[1]
+        params = {k: PerRank([p[j].select(self.pos[k], l) for j in self.held]) for k, p in zip(self.names, stacked)}
+        self.made[l] = (key, params)
+        return params
 
 
 class _Ahead:
@@ -94,12 +118,13 @@ class _Ahead:
         return now
 
 
-def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None):
+def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None, layer_params=None):
     x, *stacked = ins
     ahead = _Ahead(sub, names, num_layers, stats)
+    layer_params = layer_params or _LayerParams(names, pos, held)
 
     def params_of(l):
-        return _layer_params(stacked, names, pos, held, l)
+        return layer_params(stacked, l)
 
     def layer(l, x):
         params = params_of(l)
@@ -159,7 +184,8 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
     :class:`~.sink.Deferred`), the matmuls of the gradients it names are put off into it:
     the returned buffers hold those gradients once it has run.
     """
-    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None):
+    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None,
+                 layer_params=None):
         carries, *rest = ins
         stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
         ahead = _Ahead(sub, names, num_layers, stats)
@@ -176,8 +202,10 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
                 for n, (shape, dtype) in enumerate(shapes)]
         direct = [n not in late or n in packed for n in range(len(names))]  # the layer's grad goes to bufs
 
+        slices = layer_params or _LayerParams(names, pos, held)
+
         def params_of(l):
-            return _layer_params(stacked, names, pos, held, l)
+            return slices(stacked, l)
 
         def layer(l, dy):
             params = params_of(l)
