@@ -118,10 +118,9 @@ class _Ahead:
         return now
 
 
-def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None, layer_params=None):
+def _forward(sub, ins, names, pos, saved, num_layers, held, stats, first, into, defer, layer_params):
     x, *stacked = ins
     ahead = _Ahead(sub, names, num_layers, stats)
-    layer_params = layer_params or _LayerParams(names, pos, held)
 
     def params_of(l):
         return layer_params(stacked, l)
@@ -184,8 +183,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
     :class:`~.sink.Deferred`), the matmuls of the gradients it names are put off into it:
     the returned buffers hold those gradients once it has run.
     """
-    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into=None, defer=None,
-                 layer_params=None):
+    def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into, defer, layer_params):
         carries, *rest = ins
         stacked, dy, saved_in = rest[:len(names)], rest[len(names)], rest[len(names) + 1:]
         ahead = _Ahead(sub, names, num_layers, stats)
@@ -202,10 +200,8 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
                 for n, (shape, dtype) in enumerate(shapes)]
         direct = [n not in late or n in packed for n in range(len(names))]  # the layer's grad goes to bufs
 
-        slices = layer_params or _LayerParams(names, pos, held)
-
         def params_of(l):
-            return slices(stacked, l)
+            return layer_params(stacked, l)
 
         def layer(l, dy):
             params = params_of(l)

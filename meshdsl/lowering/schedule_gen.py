@@ -154,4 +154,3 @@ def peak_theory(name: str, num_ranks: int, num_microbatches: int, rank: int = 0,
 def bubble_theory(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Fraction:
     """Idle fraction of each rank with equal action costs: (p-1)/(v*m + p-1)."""
     return Fraction(num_ranks - 1, num_chunks * num_microbatches + num_ranks - 1)
-
