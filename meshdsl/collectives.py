@@ -330,7 +330,9 @@ register(Collective("permute", ("offset", "wrap"), lambda n: 1.0, _sim_permute, 
 # mesh the send leaves its tensors in the communicator's mailbox and the recv takes them
 # out; on torch.distributed the send is an isend the communicator waits for later (so
 # two stages sending to each other never block on each other), the recv an irecv that
-# is posted, then waited on (``start`` posts it alone, for a pipeline that waits later).
+# is posted, then waited on (``start`` posts it alone, for a pipeline that waits later).  One
+# whose args ask for ``pipe`` (a pipeline's carry) takes the group's shared-memory channels
+# where the communicator opened them (exec/shm_pipe.py).
 
 def _peer(group, offset):
     j = group.me + offset
@@ -347,11 +349,19 @@ def _sim_send(xs, groups, args):
     return out
 
 
+def _pipe(comm, x, group, args):
+    """The shared-memory channels for this transfer (a pipeline's carry, on CPU), or None: gloo."""
+    return comm.pipe_for(group) if args.get("pipe") and x.device.type == "cpu" else None
+
+
 def _dist_send(comm, x, group, args):
     dst = _peer(group, args["offset"])
     if dst is not None:
         x_c = comm.prep(x)
-        comm.hold(_dist().isend(x_c, dst=dst, group=group.pg, tag=args["tag"]), x_c)
+        if (pipe := _pipe(comm, x_c, group, args)) is not None:
+            pipe.send(x_c, group.me, group.me + args["offset"], args["tag"])
+        else:
+            comm.hold(_dist().isend(x_c, dst=dst, group=group.pg, tag=args["tag"]), x_c)
     return None
 
 
@@ -373,6 +383,8 @@ def _start_recv(comm, x, group, args):
     if src is None:
         return _Nothing(), lambda: None
     out = torch.empty_like(comm.prep(x))
+    if (pipe := _pipe(comm, out, group, args)) is not None:
+        return pipe.recv(out, group.me - args["offset"], group.me, args["tag"]), lambda: out
     return _dist().irecv(out, src=src, group=group.pg, tag=args["tag"]), lambda: out
 
 

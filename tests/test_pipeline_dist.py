@@ -4,7 +4,8 @@ One spawn per process count runs every case in turn (process start-up dominates)
 Each rank checks the plan signature with the others, runs its own stage's actions
 (send/recv between stages, isend never blocking), and returns the full outputs it
 holds and its measured peak of held activations; the parent compares every rank's
-outputs with the dense program.  A rank killed mid-pipeline brings the job down fast,
+outputs with the dense program (the carry goes through shared memory, exec/shm_pipe.py,
+where the machine has it).  A rank killed mid-pipeline brings the job down fast,
 naming it.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 import meshdsl as md
 from meshdsl.errors import DistributedError
-from meshdsl.exec import launch
+from meshdsl.exec import launch, shm
 from meshdsl.exec.distributed import TorchComm
 from meshdsl.exec.fold import for_plan
 from meshdsl.lowering.schedule_gen import peak_theory
@@ -62,7 +63,8 @@ def _run_cases(rank, cases):
         full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
         stage = plan.mesh.coords(comm.rank * m)["stage"]  # its first virtual rank (the micro-batch axis is minor)
         peak = bubble_from_timeline(ex.last_timeline).ranks[0].peak_activations
-        out.append(({k: v for k, v in full.items() if v is not None}, stage, peak))
+        pipes = [p is not None for p in comm._pipes.values()]   # the carry went through shared memory
+        out.append(({k: v for k, v in full.items() if v is not None}, stage, peak, pipes))
     return out
 
 
@@ -77,9 +79,10 @@ def test_pipelines_match_dense(nproc):
         p = md.Mesh.parse(mesh).sizes["stage"]
         seen = set()
         for rank in range(nproc):
-            got, stage, peak = results[rank][c]
+            got, stage, peak, pipes = results[rank][c]
             what = f"{mesh} / {layout} m={m} {schedule} rank {rank}"
             assert peak == peak_theory(schedule, p, m, stage), what
+            assert pipes == [shm.supported()], what
             for k, v in got.items():
                 scale = want[k].abs().max().item()
                 torch.testing.assert_close(v, want[k], rtol=REL, atol=REL * scale,

@@ -81,6 +81,11 @@ class Communicator(ABC):
         """
         return self.collective("recv", xs, axes, {"offset": offset, "tag": tag})
 
+    def open_pipe(self, axes: tuple[str, ...], offsets) -> None:
+        """Prepare a pipeline's transfers over ``axes`` at ``offsets`` (a faster path, where a
+        communicator has one); every rank calls it at the same point.  Transfers use it when
+        their ``args`` ask for ``"pipe"``."""
+
     def hold(self, work, buffer) -> None:
         """Keep an asynchronous send (and its buffer) until :meth:`drain` (communicators that have them)."""
 

@@ -38,6 +38,7 @@ from ..errors import DistributedError, MeshError, message
 from ..layout.mesh import Mesh
 from .comm import Communicator, Pending
 from .shm import ShmGroup, supported as shm_supported
+from .shm_pipe import ShmPipe
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -175,6 +176,7 @@ class TorchComm(Communicator):
         self.shm = bool(shm) and self.backend == "gloo" and shm_supported()
         self._timeout = timeout
         self._shm: dict[tuple[int, ...], object] = {}
+        self._pipes: dict[tuple[int, ...], ShmPipe | None] = {}
 
     # ---------------------------------------------------------------- groups
 
@@ -240,14 +242,34 @@ class TorchComm(Communicator):
             return None
         key = tuple(sorted(s.members))
         if key not in self._shm:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-            self._shm[key] = ShmGroup.open(s.pg, s.size, self._timeout, f"mesh: {self.mesh}", local)
+            self._shm[key] = ShmGroup.open(s.pg, s.size, self._timeout, f"mesh: {self.mesh}", self._local_procs())
             if self.verbose:
                 how = ("shared memory" if self._shm[key] is not None else
                        "gloo (no shared segment: ranks on other hosts, or /dev/shm missing or full)")
                 print(f"[meshdsl rank {self.rank}] group {key}: collectives through {how}",
                       file=sys.stderr, flush=True)
         return self._shm[key]
+
+    def _local_procs(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+    def open_pipe(self, axes, offsets) -> None:
+        """Make the shared-memory channels of a pipeline's transfers over ``axes`` (member j to
+        j + offset, for each of ``offsets``); collective over that group, once.  Where shared
+        memory is off or the group cannot have a segment, its transfers stay on gloo."""
+        s = self._slice(axes)
+        if not self.shm or s.pg is None or s.size < 2 or s.members in self._pipes:
+            return
+        pipe = ShmPipe.open(s.pg, s.members, offsets, self._timeout, f"mesh: {self.mesh}", self._local_procs())
+        self._pipes[s.members] = pipe
+        if self.verbose:
+            how = "shared memory" if pipe is not None else "gloo (no shared segment)"
+            print(f"[meshdsl rank {self.rank}] pipeline transfers over {tuple(axes)} {s.members}: {how}",
+                  file=sys.stderr, flush=True)
+
+    def pipe_for(self, s: _Slice) -> ShmPipe | None:
+        """The shared-memory channels :meth:`open_pipe` made for ``s``'s group, or None."""
+        return self._pipes.get(s.members)
 
     def reset_stats(self) -> None:
         """Forget the per-kind totals in :attr:`stats`."""
@@ -294,6 +316,9 @@ class TorchComm(Communicator):
         sends, self._sends = self._sends, []
         for work, _ in sends:
             work.wait()
+        for pipe in self._pipes.values():
+            if pipe is not None:
+                pipe.drain()
 
     def exchange(self, x: torch.Tensor, s: _Slice, split_dim: int) -> list[torch.Tensor]:
         """Send chunk j of ``x`` (along ``split_dim``) to member j; return what each member sent."""

@@ -103,6 +103,9 @@ class MicrobatchComm(Communicator):
             acc = REDUCE[args.get("op", "sum")](acc, x)
         return acc
 
+    def open_pipe(self, axes, offsets) -> None:
+        self.real.open_pipe(tuple(a for a in axes if a != MB_AXIS), offsets)
+
     def hold(self, work, buffer) -> None:
         self.real.hold(work, buffer)
 

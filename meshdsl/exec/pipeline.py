@@ -22,7 +22,9 @@ place into one buffer per value (:class:`~.pipeline_store.Accumulator`); the fin
 allreduce over the micro-batch axis then reduces only that buffer over its other
 axes.  On real processes a stage posts the receive of its next carry (or carry
 gradient) as soon as it has taken the previous one, so the message arrives while
-it computes; sends are asynchronous and waited for at the end of the step.  All
+it computes; sends are asynchronous and waited for at the end of the step.  The carry's
+transfers ask for the communicator's pipeline path (``Communicator.open_pipe``, made at
+the first run: shared memory between the processes of one host, :mod:`.shm_pipe`).  All
 of this is prepared once per plan: a run walks a list of ready calls.
 
 Values live in one store, per value and rank, so a view reads and writes only its
@@ -123,10 +125,11 @@ def _prepare_pipeline(ex, i, step):
         if s.kind in ("allreduce", "bucket_allreduce") and all(v in acc.ops for v in s.ins):
             go = acc.reduce_step(s, view, view_of(frozenset(stages), 0))
         elif s.kind == "recv":
-            go = _Recv(s, store, view, plan).run
+            go = _Recv(s, store, view, plan, s.args["tag"] in carry).run
         elif s.kind == "send":
-            env, (src,), axes, off, tag = ViewEnv(store, view.ranks), s.ins, s.axes, s.args["offset"], s.args["tag"]
-            go = lambda run: view.send(env.get(src), axes, off, tag)  # noqa: E731
+            env, (src,), axes = ViewEnv(store, view.ranks), s.ins, s.axes
+            args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": s.args["tag"] in carry}
+            go = lambda run: view.collective("send", env.get(src), axes, args)  # noqa: E731
         else:
             env = ViewEnv(store, view.ranks)
             offset = local_layers * stages[0] if len(stages) == 1 else 0
@@ -180,7 +183,7 @@ def _prepare_pipeline(ex, i, step):
                     if dropped:
                         thunks.append(_dropper(store, view.ranks, dropped))
             elif is_carry and act.is_recv and s.kind == "recv" and early:
-                r = _Recv(s, store, view, plan)
+                r = _Recv(s, store, view, plan, pipe=True)
                 posted.setdefault(act.kind, []).append(r)
                 thunks.append(_timed("recv", r.take))
             elif is_carry and (s.kind == "send") == act.is_send:
@@ -207,8 +210,17 @@ def _prepare_pipeline(ex, i, step):
     done = [(view_of(frozenset({stage}), act.microbatch).ranks, transient[stage])
             if last[(stage, act.microbatch)] == act else None for stage, act, _ in program]
     head, tail = once(0), once(3)
+    # The carry's transfers may take a faster path than the communicator's plain send and
+    # receive (shared memory between processes of one host: .shm_pipe); made at the first run,
+    # where every rank runs this step.
+    offsets = sorted({s.args["offset"] for seg in (1, 2) for s in segments[seg][0]
+                      if s.kind in ("send", "recv") and s.args["tag"] in carry})
+    opened = []
 
     def call(env, get, run):
+        if not opened:
+            comm.open_pipe((ax,), offsets)
+            opened.append(True)
         store.clear()
         acc.clear()
         for v in step.ins:
@@ -330,14 +342,15 @@ class _Recv:
 
     Posted ahead, the transfer runs while the stage computes; ``then`` posts the next
     receive of the same kind once this one is taken.  ``run`` receives at once (the
-    simulated mesh, where the message is already in the mailbox).
+    simulated mesh, where the message is already in the mailbox).  ``pipe``: the transfer
+    may take the communicator's pipeline path (see ``Communicator.open_pipe``).
     """
 
-    def __init__(self, s, store, view, plan):
+    def __init__(self, s, store, view, plan, pipe: bool):
         v = plan.values[s.outs[0]]
         self.env, self.out, self.view = ViewEnv(store, view.ranks), s.outs[0], view
         self.templates = [torch.empty(v.local_shape(plan.mesh), dtype=v.dtype)] * len(view.ranks)
-        self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"]}
+        self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
         self.pending, self.then = None, None
 
     def post(self) -> None:

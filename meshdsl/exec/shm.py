@@ -91,31 +91,10 @@ class ShmGroup:
         this at the same point); None (use gloo) where they do not share a host or one fails.
         With more ``local_procs`` (this host's processes of the job) than cores, a member that
         waits yields its core at once instead of spinning first."""
-        import torch.distributed as dist
-        keys = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_gather(keys, torch.tensor([_host_key()], dtype=torch.int64), group=pg)
-        if len({int(k) for k in keys}) != 1:
-            return None
-        first = dist.get_rank(pg) == 0
-        nbytes = _flag_bytes(size) + (size + 1) * SLOT_BYTES
-        path, fd = "", -1
-        if first:
-            path = f"/dev/shm/meshdsl-{os.getpid()}-{secrets.token_hex(8)}"
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.posix_fallocate(fd, 0, nbytes)  # no SIGBUS later on a full /dev/shm
-            except OSError:
-                path = _close(fd, path)
-        mine = path
-        try:
-            buf = _attach(pg, first, path, fd, nbytes)
-        finally:
-            if mine:  # whatever happened, the name goes: the mappings keep the memory alive
-                _close(-1, mine)
+        buf = open_segment(pg, size, _flag_bytes(size) + (size + 1) * SLOT_BYTES)
         if buf is None:
             return None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return cls(buf, size, timeout, describe, _SPINS if local_procs <= cores else 0)
+        return cls(buf, size, timeout, describe, spins_for(local_procs))
 
     # ------------------------------------------------------------- running
     def _arrive_and_wait(self, me: int, members) -> None:
@@ -123,26 +102,17 @@ class ShmGroup:
         self.seq += 1
         seq, flags, n = self.seq, self.flags, self.n
         flags[me * _FLAG_STRIDE] = seq
-        spins, deadline = 0, None
-        while True:
-            behind = [j for j in range(n) if flags[j * _FLAG_STRIDE] < seq]
-            if not behind:
-                return
-            spins += 1
-            if spins < self.spins:
-                continue
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.timeout
-            elif now > deadline:
-                raise DistributedError(message(
-                    f"shared-memory collective: rank(s) {[members[j] for j in behind]} of group "
-                    f"{tuple(members)} did not arrive within {self.timeout:.0f} s",
-                    inputs=[self.describe],
-                    rule="every member of a group runs the same collectives in the same order",
-                    fix="look at the named ranks' output for their error; run with MESHDSL_SHM=0 to "
-                        "compare with gloo"))
-            os.sched_yield() if spins < self.spins + 4000 else time.sleep(5e-5)
+
+        def late():
+            behind = [members[j] for j in range(n) if flags[j * _FLAG_STRIDE] < seq]
+            raise DistributedError(message(
+                f"shared-memory collective: rank(s) {behind} of group "
+                f"{tuple(members)} did not arrive within {self.timeout:.0f} s",
+                inputs=[self.describe],
+                rule="every member of a group runs the same collectives in the same order",
+                fix="look at the named ranks' output for their error; run with MESHDSL_SHM=0 to "
+                    "compare with gloo"))
+        wait_until(lambda: all(flags[j * _FLAG_STRIDE] >= seq for j in range(n)), self.spins, self.timeout, late)
 
     def _slots(self, dtype: torch.dtype):
         v = self._views.get(dtype)
@@ -224,6 +194,58 @@ class ShmGroup:
             recv[:, lo:lo + m].copy_(slots[:, me * m:(me + 1) * m])
             self._arrive_and_wait(me, members)
         return combine([recv[j].view(shape) for j in range(self.n)])
+
+
+def wait_until(ready, spins: int, timeout: float, late, yields: int = 4000) -> None:
+    """Return once ``ready()``: check it ``spins`` times, then ``yields`` times yielding the core
+    between checks, then napping; past ``timeout`` seconds after the spins, call ``late()``
+    (which raises)."""
+    n, deadline = 0, None
+    while not ready():
+        n += 1
+        if n < spins:
+            continue
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + timeout
+        elif now > deadline:
+            late()
+        os.sched_yield() if n < spins + yields else time.sleep(5e-5)
+
+
+def spins_for(local_procs: int) -> int:
+    """Busy checks before a waiting member yields: none when this host runs more of the
+    job's processes than this process may use cores (a spinning waiter would take the core
+    of the member it waits for)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return _SPINS if local_procs <= cores else 0
+
+
+def open_segment(pg, size: int, nbytes: int) -> mmap.mmap | None:
+    """A fresh ``nbytes`` shared mapping for the ``size`` members of process group ``pg``
+    (collective: every member calls it at the same point); None for every member alike
+    where they do not share a host, or any of them cannot make or map it.  The file is
+    unlinked once every member has it mapped (or gave up)."""
+    import torch.distributed as dist
+    keys = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(keys, torch.tensor([_host_key()], dtype=torch.int64), group=pg)
+    if len({int(k) for k in keys}) != 1:
+        return None
+    first = dist.get_rank(pg) == 0
+    path, fd = "", -1
+    if first:
+        path = f"/dev/shm/meshdsl-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.posix_fallocate(fd, 0, nbytes)  # no SIGBUS later on a full /dev/shm
+        except OSError:
+            path = _close(fd, path)
+    mine = path
+    try:
+        return _attach(pg, first, path, fd, nbytes)
+    finally:
+        if mine:  # whatever happened, the name goes: the mappings keep the memory alive
+            _close(-1, mine)
 
 
 def _attach(pg, first: bool, path: str, fd: int, nbytes: int):

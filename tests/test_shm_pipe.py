@@ -1,0 +1,167 @@
+"""Pipeline transfers through shared memory (exec/shm_pipe.py) between the gloo ranks of one host.
+
+What is sent arrives bitwise, for every dtype and size (a 0-dim tensor, a message cut into
+pieces, more than a ring holds: the helper thread writes the rest), in either direction at
+once without either side blocking, and in another order than sent (tags pair them).  A
+receive with no send names its peer once the collective timeout passes, as does a send
+that is never taken; turned off, the
+transfers stay on gloo; only transfers that ask for the pipe use it.
+"""
+from __future__ import annotations
+
+import glob
+import time
+
+import pytest
+import torch
+
+from meshdsl.errors import DistributedError
+from meshdsl.exec import launch, shm, shm_pipe
+from meshdsl.exec.distributed import TorchComm
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transfers need x86-64 Linux")
+
+RING = shm_pipe.NUM_SLOTS * shm_pipe.SLOT_DATA
+
+
+def _message(src: int, tag: int) -> torch.Tensor:
+    """What rank ``src`` sends with ``tag``: dtypes and sizes vary with the tag."""
+    g = torch.Generator().manual_seed(100 * src + tag)
+    kind = tag % 5
+    if kind == 0:
+        return torch.randn((), generator=g)                                  # 0-dim
+    if kind == 1:
+        return torch.randn(7, generator=g).to(torch.bfloat16)
+    if kind == 2:
+        return torch.randint(-9, 9, (3, 4), generator=g)                     # int64
+    if kind == 3:
+        return torch.randn(11, generator=g) > 0                              # bool
+    return torch.randn(shm_pipe.SLOT_DATA // 4 * 2 + 5, generator=g)         # three pieces
+
+
+def _send(comm, x, offset, tag, pipe=True):
+    comm.collective("send", [x], ("x",), {"offset": offset, "tag": tag, "pipe": pipe})
+
+
+def _recv(comm, like, offset, tag, pipe=True):
+    return comm.start("recv", [torch.empty_like(like)], ("x",), {"offset": offset, "tag": tag, "pipe": pipe})
+
+
+def _exchange(comm):
+    """Rank r sends tags 0..9 to each neighbour, then receives its neighbours' in reverse order."""
+    comm.open_pipe(("x",), [1, -1])
+    r, n = comm.rank, comm.mesh.size
+    peers = [off for off in (1, -1) if 0 <= r + off < n]
+    for tag in range(10):
+        for off in peers:
+            _send(comm, _message(r, tag), off, tag)
+    got = {}
+    for tag in reversed(range(10)):
+        for off in peers:
+            src = r + off
+            got[(src, tag)] = _recv(comm, _message(src, tag), -off, tag).wait()[0]
+    comm.drain()
+    return got, [p is not None for p in comm._pipes.values()]
+
+
+@pytest.mark.timeout(60)
+def test_messages_arrive_bitwise_in_any_order():
+    results = launch.spawn(_exchange, 3, mesh="x:3", timeout=50)
+    for r, (got, pipes) in enumerate(results):
+        assert pipes == [True]
+        assert sorted(src for src, _ in got) == sorted([q for q in (r - 1, r + 1) if 0 <= q < 3] * 10)
+        for (src, tag), y in got.items():
+            x = _message(src, tag)
+            assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, x), (r, src, tag)
+    assert glob.glob("/dev/shm/meshdsl-*") == []
+
+
+def _both_ways_more_than_a_ring(comm):
+    comm.open_pipe(("x",), [1, -1])
+    off = 1 if comm.rank == 0 else -1
+    big = [torch.full((RING // 4 // 3,), float(10 * comm.rank + i)) for i in range(5)]  # 5/3 of a ring
+    t0 = time.monotonic()
+    for i, x in enumerate(big):
+        _send(comm, x, off, i)
+    sent_in = time.monotonic() - t0
+    got = [_recv(comm, big[0], -off, i).wait()[0] for i in range(5)]
+    comm.drain()
+    return sent_in, [float(y[0]) for y in got], all(float(y[-1]) == float(y[0]) for y in got)
+
+
+@pytest.mark.timeout(60)
+def test_sends_never_block_when_both_rings_are_full():
+    results = launch.spawn(_both_ways_more_than_a_ring, 2, mesh="x:2", timeout=50)
+    for r, (sent_in, firsts, whole) in enumerate(results):
+        assert sent_in < 5.0          # the sends returned before the peer took anything
+        assert firsts == [float(10 * (1 - r) + i) for i in range(5)] and whole
+
+
+def _nothing_sent(comm):
+    comm.open_pipe(("x",), [1])
+    if comm.rank == 1:
+        return _recv(comm, torch.ones(3), 1, 0).wait()
+    time.sleep(6)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_with_no_send_names_the_peer_after_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_nothing_sent, 2, mesh="x:2", collective_timeout=2.0, timeout=50)
+    text = str(e.value)
+    assert "rank 1 of 2 raised an exception" in text
+    assert "rank 1 received nothing from rank 0 within 2 s" in text
+    assert time.monotonic() - start < 30
+
+
+def _nothing_taken(comm):
+    comm.open_pipe(("x",), [1])
+    if comm.rank == 0:  # more than the ring holds: the rest waits for slots that never free
+        _send(comm, torch.zeros(RING // 4 + 1000), 1, 0)
+        comm.drain()
+    time.sleep(6)
+
+
+@pytest.mark.timeout(60)
+def test_a_send_never_taken_names_the_receiver_after_the_timeout():
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_nothing_taken, 2, mesh="x:2", collective_timeout=2.0, timeout=50)
+    assert "rank 0 of 2 raised an exception" in str(e.value)
+    assert "rank 1 took nothing that rank 0 sent it for 2 s" in str(e.value)
+
+
+def _plain_or_pipe(comm, pipe):
+    comm.open_pipe(("x",), [1, -1])
+    off = 1 if comm.rank == 0 else -1
+    x = torch.arange(6.0) + comm.rank
+    _send(comm, x, off, 3, pipe)
+    y = _recv(comm, x, -off, 3, pipe).wait()[0]
+    comm.drain()
+    return y, [sum(p.written) for p in comm._pipes.values() if p is not None], comm.shm
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe", [True, False])
+def test_only_transfers_that_ask_use_the_pipe(pipe):
+    for r, (y, pipes, on) in enumerate(launch.spawn(_plain_or_pipe, 2, mesh="x:2", args=(pipe,), timeout=50)):
+        assert torch.equal(y, torch.arange(6.0) + (1 - r))
+        assert pipes == [1 if pipe else 0] and on   # pieces this rank put in its ring
+
+
+def _off(comm):
+    return _plain_or_pipe(TorchComm("x:2", shm=False), True)
+
+
+@pytest.mark.timeout(60)
+def test_turned_off_the_transfers_stay_on_gloo(monkeypatch):
+    for r, (y, pipes, on) in enumerate(launch.spawn(_off, 2, mesh="x:2", timeout=50)):
+        assert torch.equal(y, torch.arange(6.0) + (1 - r))
+        assert pipes == [] and not on
+
+
+def test_channels_are_the_pairs_of_the_offsets():
+    assert shm_pipe.pairs_for(3, [1, -1]) == [(1, 0), (2, 1), (0, 1), (1, 2)]
+    assert shm_pipe.pairs_for(2, [1, 1, 0]) == [(0, 1)]
+    assert shm_pipe.pairs_for(4, [-2]) == [(2, 0), (3, 1)]
