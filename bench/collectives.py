@@ -6,7 +6,9 @@ barrier, then ``--reps`` back-to-back calls whose mean is the turn's sample, the
 rank's.  Per kind and size it reports the median over turns of each transport's time and
 busy CPU time per call (the process's, gloo's thread included), and their ratio.  The sizes
 are the bytes each rank sends in: 64 KiB, 1 MiB, 4 MiB (one shared-memory slot) and 16 MiB
-(in pieces of a slot).
+(in pieces of a slot).  ``sendrecv`` is a pipeline's transfer (exec/shm_pipe.py against gloo's
+``isend``/``irecv``): ranks 2i and 2i+1 bounce the tensor, and a call is one round trip (a
+send each way).
 
     python bench/collectives.py                 # 2 processes, 5 turns x 10 calls
     python bench/collectives.py --nproc 4       # 4 processes (on 2 cores: oversubscribed)
@@ -27,11 +29,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "collectives.json"
 SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
-KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "sendrecv")
 
 
 def _call(comm, kind: str, x: torch.Tensor):
     axes = ("data",)
+    if kind == "sendrecv":   # even ranks send first; the pipe when comm.shm is on
+        off = 1 if comm.rank % 2 == 0 else -1
+        args = {"offset": off, "tag": 0, "pipe": comm.shm}
+        if off == 1:
+            comm.collective("send", [x], axes, args)
+        y = comm.start("recv", [x], axes, {**args, "offset": -off}).wait()
+        if off == -1:
+            comm.collective("send", [x], axes, args)
+        comm.drain()
+        return y
     if kind == "allreduce":
         return comm.all_reduce([x], axes, "sum")
     if kind == "allgather":
@@ -44,6 +56,7 @@ def _call(comm, kind: str, x: torch.Tensor):
 def job(comm, turns: int, reps: int):
     """This rank's samples: (kind, bytes, transport) -> [(wall s, cpu s) per call, per turn]."""
     import torch.distributed as dist
+    comm.open_pipe(("data",), [1, -1])
     out = {}
     for kind in KINDS:
         for nbytes in SIZES:

@@ -10,6 +10,8 @@ Variants:
   2 procs   torch.distributed.pipelining ScheduleGPipe / Schedule1F1B, the same split
             (embedding + blocks 0-1 | blocks 2-3 + final norm + head) and the same m
             (torch's zero-bubble schedules need several stages per rank: no ZB-H1 counterpart)
+  2 procs   with --gloo-sends, meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets
+            (TorchComm(shm=False)) beside the default shared-memory ones: the transport's share
 
 for m in {1, 2, 4, 8}.  The harness is bench/distributed_mlp.py's: spawned processes,
 turns that rotate the variants (one untimed step, a barrier, then ``block - 1`` steps
@@ -26,6 +28,7 @@ by wrapping them (compute against compute, waiting left out).
     python bench/pipeline.py --quick            # 1 round, 2 turns, m in {4, 8}: the goals' cases
     python bench/pipeline.py --rounds 1 --reps 2 --ms 1 4
     python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b at the largest m, per rank
+    python bench/pipeline.py --gloo-sends       # also 1F1B with its transfers on gloo (not shared memory)
 
 Results go to bench/results/pipeline.json.
 """
@@ -54,6 +57,7 @@ MODEL = str(ROOT / "models" / "transformer.py")
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
 SCHEDULES = ("gpipe", "1f1b", "zbh1")
 TORCH_SCHEDULES = ("gpipe", "1f1b")   # torch's zero-bubble schedules need several stages per rank
+GLOO = "1f1b(gloo)"   # --gloo-sends: meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets
 # Step-0 losses agree up to fp32 summation order (micro-batch sums, other kernels): a wrong
 # split or a missing micro-batch moves the loss by O(1) of itself, far above 1e-4.
 LOSS_RTOL = 1e-4
@@ -111,9 +115,9 @@ def single_job(comm, warmup, reps, block, lr, seed):
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu}
 
 
-def _names(ms):
+def _names(ms, gloo=False):
     # torch's Schedule1F1B refuses fewer micro-batches than stages (m=1 on 2 stages).
-    return [f"{who} {s} m={m}" for m in ms for s in SCHEDULES for who in ("meshdsl", "torch")
+    return [f"{who} {s} m={m}" for m in ms for s in SCHEDULES + (GLOO,) * gloo for who in ("meshdsl", "torch")
             if who == "meshdsl" or (s in TORCH_SCHEDULES and not (s == "1f1b" and m < 2))]
 
 
@@ -168,19 +172,22 @@ def _meshdsl_actions_ms(rows: list) -> dict:
     return {k: v * 1e3 / max(1, len(rows)) for k, v in spent.items()}
 
 
-def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False):
+def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False):
     """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved."""
+    from meshdsl.exec.distributed import TorchComm
     from meshdsl.train.jobs import gather_timelines
     from meshdsl.tools.pipe_report import schedule_summary
     model, feeds, w = _setup(seed)
     rows = {}
     steps = {}
     actions = _TorchActions()
+    plain = TorchComm("stage:2", shm=False) if gloo else None   # every rank makes its groups, in order
     for m in ms:
-        for s in SCHEDULES:
+        for s in SCHEDULES + (GLOO,) * gloo:
             rows[f"meshdsl {s} m={m}"] = []
-            steps[f"meshdsl {s} m={m}"] = meshdsl_step(model, feeds, comm, "stage:2", "layer:stage", lr, seed,
-                                                       m, s, rows[f"meshdsl {s} m={m}"])
+            steps[f"meshdsl {s} m={m}"] = meshdsl_step(model, feeds, plain if s == GLOO else comm, "stage:2",
+                                                       "layer:stage", lr, seed, m, "1f1b" if s == GLOO else s,
+                                                       rows[f"meshdsl {s} m={m}"])
             if f"torch {s} m={m}" in _names(ms):
                 name = f"torch {s} m={m}"
                 steps[name] = actions.wrap(name, torch_pipe_step(model.config, w, feeds, lr, s, m))
@@ -237,7 +244,7 @@ def bench(args) -> int:
             console.print(text, markup=False, highlight=False)
         return 0
     t_start, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
-    single, pair = ("torch 1p", "meshdsl 1p"), _names(args.ms)
+    single, pair = ("torch 1p", "meshdsl 1p"), _names(args.ms, args.gloo_sends)
     times = {k: [] for k in (*single, *pair)}
     cpu = {k: [] for k in times}
     per_round = {k: [] for k in times}
@@ -247,8 +254,8 @@ def bench(args) -> int:
     for rnd in range(args.rounds):
         one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed),
                     mesh="data:1", timeout=1800)[0]
-        two = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed),
-                    mesh="stage:2", timeout=3600)
+        two = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed,
+                                       False, args.gloo_sends), mesh="stage:2", timeout=3600)
         for k in single:
             times[k] += one["times"][k]
             cpu[k] += one["cpu"][k]
@@ -377,6 +384,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="1 round, 2 turns, m in {4, 8} (the goals' cases); overrides --rounds, --reps, --ms")
     p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m, per rank")
+    p.add_argument("--gloo-sends", action="store_true",
+                   help=f"also run meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets "
+                        f"(variant '{GLOO}'; by default they go through shared memory)")
     args = p.parse_args(argv)
     if args.block < 2:
         p.error("--block must be at least 2 (a turn's first step is untimed)")
