@@ -46,8 +46,8 @@ def dist_args(p) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="log every collective (kind, axes, group, bytes, time) per rank to stderr")
     p.add_argument("--no-shm", action="store_true",
-                   help="keep allreduces on gloo's sockets instead of shared memory among the ranks "
-                        "of one host (also MESHDSL_SHM=0)")
+                   help="keep collectives and pipeline transfers on gloo's sockets instead of shared "
+                        "memory among the ranks of one host (also MESHDSL_SHM=0)")
 
 
 def bucket_arg(p) -> None:
