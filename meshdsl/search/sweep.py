@@ -14,7 +14,8 @@ import torch
 
 from .overhead import median_time
 
-#: The collective kinds the sweep measures (``send`` stands for the send/recv pair).
+#: The collective kinds the sweep measures (``send`` stands for the send/recv pair, timed on the
+#: path a pipeline's transfers take: shared memory among the ranks of one host, where it can).
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "send")
 #: Message sizes in bytes per rank: full sweep and ``--quick``.
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 20, 1 << 22, 1 << 24)
@@ -79,12 +80,14 @@ def _collective_job(comm, sizes, reps, progress_file, done):
             n = comm.mesh.axis_size(group)
             if kind == "send" and n != 2:
                 continue
+            if kind == "send":   # a pipeline's transfer, by the path the pipeline runtime takes
+                comm.open_pipe(group, [1])
             for size in sizes:
                 numel = size // 4
                 x = torch.randn(max(numel, n * 2))
                 args = {"allreduce": {"op": "sum"}, "allgather": {"dim": 0},
                         "reduce_scatter": {"dim": 0, "op": "sum"},
-                        "alltoall": {"split_dim": 0, "concat_dim": 0}, "send": {"offset": 1, "tag": 7}}[kind]
+                        "alltoall": {"split_dim": 0, "concat_dim": 0}, "send": {"offset": 1, "tag": 7, "pipe": True}}[kind]
                 me = comm.mesh.index_along(comm.rank, group)
 
                 def once():
