@@ -197,3 +197,23 @@ def test_any_messages_in_any_receive_order_arrive_bitwise(messages, rnd):
         assert torch.equal(out, sent[tag]), tag
     pipe.drain()
     assert pipe.aside == {} and not any(pipe.queue.values())
+
+
+def _verbose(comm, other_hosts):
+    import contextlib
+    import io
+    if other_hosts:   # every rank its own host: no shared segment, the transfers stay on gloo
+        shm._host_key = lambda: comm.rank
+    comm.verbose, err = True, io.StringIO()
+    with contextlib.redirect_stderr(err):
+        comm.open_pipe(("x",), [1, -1])
+    y = _plain_or_pipe(comm, True)[0]
+    return err.getvalue(), y
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other_hosts,how", [(False, "shared memory"), (True, "gloo (no shared segment)")])
+def test_verbose_says_which_path_the_transfers_took(other_hosts, how):
+    for rank, (text, y) in enumerate(launch.spawn(_verbose, 2, args=(other_hosts,), mesh="x:2", timeout=50)):
+        assert text == f"[meshdsl rank {rank}] pipeline transfers over ('x',) (0, 1): {how}\n"
+        assert torch.equal(y, torch.arange(6.0) + (1 - rank))

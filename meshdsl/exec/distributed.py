@@ -232,8 +232,7 @@ class TorchComm(Communicator):
         self.num_done += 1
         self.last_done = f"{kind} over {tuple(axes)}"
         if self.verbose:
-            print(f"[meshdsl rank {self.rank}] {kind} axes={tuple(axes)} group={s.members} "
-                  f"bytes={nbytes} {dt * 1e3:.3f} ms", file=sys.stderr, flush=True)
+            self._log(f"{kind} axes={tuple(axes)} group={s.members} bytes={nbytes} {dt * 1e3:.3f} ms")
 
     def shm_group(self, s: _Slice):
         """The shared-memory segment of ``s``'s group, made on first use (every member asks at
@@ -246,9 +245,13 @@ class TorchComm(Communicator):
             if self.verbose:
                 how = ("shared memory" if self._shm[key] is not None else
                        "gloo (no shared segment: ranks on other hosts, or /dev/shm missing or full)")
-                print(f"[meshdsl rank {self.rank}] group {key}: collectives through {how}",
-                      file=sys.stderr, flush=True)
+                self._log(f"group {key}: collectives through {how}")
         return self._shm[key]
+
+    def _log(self, text: str) -> None:
+        """One ``--verbose`` line on stderr, in one write (ranks share the stream)."""
+        sys.stderr.write(f"[meshdsl rank {self.rank}] {text}\n")
+        sys.stderr.flush()
 
     def _local_procs(self) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
@@ -264,8 +267,7 @@ class TorchComm(Communicator):
         self._pipes[s.members] = pipe
         if self.verbose:
             how = "shared memory" if pipe is not None else "gloo (no shared segment)"
-            print(f"[meshdsl rank {self.rank}] pipeline transfers over {tuple(axes)} {s.members}: {how}",
-                  file=sys.stderr, flush=True)
+            self._log(f"pipeline transfers over {tuple(axes)} {s.members}: {how}")
 
     def pipe_for(self, s: _Slice) -> ShmPipe | None:
         """The shared-memory channels :meth:`open_pipe` made for ``s``'s group, or None."""
