@@ -33,9 +33,10 @@ import torch
 from ..errors import DistributedError, message
 from .shm import open_segment, spins_for, wait_until
 
-#: Bytes of one slot's data, and slots per channel: 4 MiB of ring per channel.
+#: Bytes of one slot's data, and slots per channel: 2 MiB of ring per channel (a pipeline of p
+#: stages maps 2(p-1) channels; a larger message streams through the ring in pieces).
 SLOT_DATA = 256 << 10
-NUM_SLOTS = 16
+NUM_SLOTS = 8
 _HEAD = 64                          # a slot's header: tag, message bytes, offset, piece bytes
 _SLOT = _HEAD + SLOT_DATA
 _COUNTERS = 128                     # a channel's two counters, one cache line each
