@@ -28,11 +28,12 @@ from dense_vs_torch import TorchGPT  # noqa: E402  (the torch twin of models/tra
 GPT = str(ROOT / "models" / "transformer.py")
 
 
-def setup(seed: int, model_file: str = GPT):
-    """(meshdsl model, feeds, initial weights by name as full tensors)."""
+def setup(seed: int, model_file: str = GPT, **config):
+    """(meshdsl model, feeds, initial weights by name as full tensors); ``config``: load_model's
+    ``tiny`` and Config overrides."""
     from meshdsl.ops.leaf import init_value
     from meshdsl.train.model import load_model
-    model = load_model(model_file)
+    model = load_model(model_file, **config)
     return model, model.feeds(seed), {k: init_value(t, seed) for k, t in model.params.items()}
 
 

@@ -29,6 +29,7 @@ by wrapping them (compute against compute, waiting left out).
     python bench/pipeline.py --rounds 1 --reps 2 --ms 1 4
     python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b at the largest m, per rank
     python bench/pipeline.py --gloo-sends       # also 1F1B with its transfers on gloo (not shared memory)
+    python bench/pipeline.py --tiny             # the tiny transformer: the runtime and transfers alone
 
 Results go to bench/results/pipeline.json.
 """
@@ -65,8 +66,13 @@ LOSS_RTOL = 1e-4
 BUBBLE_RTOL, SPEEDUP_GOAL = 0.10, 1.5
 
 
-def _setup(seed: int):
-    return setup(seed, MODEL)
+#: --tiny: the tiny transformer with 4 layers and batch 16 (every m divides it), whose kernels cost
+#: almost nothing: the runtime and the transfers alone.
+TINY = {"tiny": True, "layers": 4, "batch": 16}
+
+
+def _setup(seed: int, tiny: bool = False):
+    return setup(seed, MODEL, **(TINY if tiny else {}))
 
 
 # ----------------------------------------------------------------------------- meshdsl variants
@@ -106,9 +112,9 @@ def _activation_bytes(plan) -> list[int]:
     return out
 
 
-def single_job(comm, warmup, reps, block, lr, seed):
+def single_job(comm, warmup, reps, block, lr, seed, tiny=False):
     """1 process: plain torch and meshdsl on data:1, interleaved."""
-    model, feeds, w = _setup(seed)
+    model, feeds, w = _setup(seed, tiny)
     steps = {"torch 1p": torch_step(model.config, w, feeds, lr),
              "meshdsl 1p": meshdsl_step(model, feeds, comm, "data:1", "", lr, seed)}
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, timed_arg=("meshdsl 1p",))
@@ -172,12 +178,12 @@ def _meshdsl_actions_ms(rows: list) -> dict:
     return {k: v * 1e3 / max(1, len(rows)) for k, v in spent.items()}
 
 
-def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False):
+def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False, tiny=False):
     """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved."""
     from meshdsl.exec.distributed import TorchComm
     from meshdsl.train.jobs import gather_timelines
     from meshdsl.tools.pipe_report import schedule_summary
-    model, feeds, w = _setup(seed)
+    model, feeds, w = _setup(seed, tiny)
     rows = {}
     steps = {}
     actions = _TorchActions()
@@ -252,10 +258,10 @@ def bench(args) -> int:
     actions = {k: [[] for _ in range(2)] for k in pair}   # per stage (= rank): per round {"F", "B"} ms per step
     loss0, last, summaries, act_bytes = {}, {}, {}, {}
     for rnd in range(args.rounds):
-        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed),
+        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed, args.tiny),
                     mesh="data:1", timeout=1800)[0]
         two = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed,
-                                       False, args.gloo_sends), mesh="stage:2", timeout=3600)
+                                       False, args.gloo_sends, args.tiny), mesh="stage:2", timeout=3600)
         for k in single:
             times[k] += one["times"][k]
             cpu[k] += one["cpu"][k]
@@ -283,7 +289,9 @@ def bench(args) -> int:
     base = loss0["torch 1p"]
     loss_ok = {k: abs(v - base) <= LOSS_RTOL * abs(base) for k, v in loss0.items()}
 
-    t = Table(title=f"transformer training step (4 layers, batch 16, seq 64, d_model 256, fp32), 2 stages, "
+    workload = ("tiny transformer (4 layers, batch 16, seq 8, d_model 8)" if args.tiny else
+                "transformer training step (4 layers, batch 16, seq 64, d_model 256, fp32)")
+    t = Table(title=f"{workload}, 2 stages, "
                     f"1 thread/process, {args.rounds} round(s) x {args.reps} turns x {args.block} steps",
               title_justify="left")
     for col in ("variant", "median ms", "round medians", "CPU ms", "speedup vs 1p",
@@ -357,7 +365,8 @@ def bench(args) -> int:
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "workload": {"model": "transformer (default Config)", "stages": 2, "microbatches": list(args.ms),
+        "workload": {"model": "transformer (tiny, 4 layers, batch 16)" if args.tiny else
+                     "transformer (default Config)", "stages": 2, "microbatches": list(args.ms),
                      "lr": args.lr, "threads_per_process": 1},
         "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block, "warmup": args.warmup,
                 "wall_s": wall_s, "torch": torch.__version__, "python": platform.python_version(),
@@ -384,6 +393,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="1 round, 2 turns, m in {4, 8} (the goals' cases); overrides --rounds, --reps, --ms")
     p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m, per rank")
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny transformer (4 layers, batch 16), whose kernels cost almost nothing: "
+                        "what the runtime and the transfers cost")
     p.add_argument("--gloo-sends", action="store_true",
                    help=f"also run meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets "
                         f"(variant '{GLOO}'; by default they go through shared memory)")
