@@ -46,16 +46,22 @@ def sgd(params, lr):
                 p.grad = None
 
 
-def torch_step(cfg, w, feeds, lr):
-    """Plain torch on one process: TorchGPT, autograd, manual SGD."""
+def torch_step(cfg, w, feeds, lr, m: int = 1):
+    """Plain torch on one process: TorchGPT, autograd, manual SGD; with ``m`` > 1 the batch goes
+    through in ``m`` micro-batches whose gradients accumulate (each loss scaled by 1/m), as a
+    pipeline stage runs it, on one process: what cutting the batch alone costs."""
     net = TorchGPT(cfg, w)
     params = list(net.parameters())
+    chunks = list(zip(feeds["ids"].chunk(m), feeds["labels"].chunk(m)))
 
     def step():
-        loss = net(feeds["ids"], feeds["labels"])
-        loss.backward()
+        total = 0.0
+        for ids, labels in chunks:
+            loss = net(ids, labels)
+            (loss / m if m > 1 else loss).backward()
+            total += loss.item()
         sgd(params, lr)
-        return loss.item()
+        return total / m
     return step
 
 

@@ -12,6 +12,10 @@ Variants:
             (torch's zero-bubble schedules need several stages per rank: no ZB-H1 counterpart)
   2 procs   with --gloo-sends, meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets
             (TorchComm(shm=False)) beside the default shared-memory ones: the transport's share
+  floor     plain torch with the batch in max(m) micro-batches (gradients accumulated), on one
+            process and on both at once with no communication: what cutting the batch and sharing
+            the machine cost any pipeline; the bench prints the speedup two equal stages with the
+            theory bubble could reach from them
 
 for m in {1, 2, 4, 8}.  The harness is bench/distributed_mlp.py's: spawned processes,
 turns that rotate the variants (one untimed step, a barrier, then ``block - 1`` steps
@@ -112,10 +116,17 @@ def _activation_bytes(plan) -> list[int]:
     return out
 
 
-def single_job(comm, warmup, reps, block, lr, seed, tiny=False):
-    """1 process: plain torch and meshdsl on data:1, interleaved."""
+def _floor_names(ms) -> tuple[str, str]:
+    """The torch-alone variants that price what a pipeline of the largest m cannot avoid: the
+    batch cut into m micro-batches on one process, and that run on both processes at once."""
+    return f"torch 1p m={max(ms)}", f"torch 1p m={max(ms)} x2"
+
+
+def single_job(comm, ms, warmup, reps, block, lr, seed, tiny=False):
+    """1 process: plain torch (whole batch, and in max(ms) micro-batches) and meshdsl on data:1, interleaved."""
     model, feeds, w = _setup(seed, tiny)
     steps = {"torch 1p": torch_step(model.config, w, feeds, lr),
+             _floor_names(ms)[0]: torch_step(model.config, w, feeds, lr, max(ms)),
              "meshdsl 1p": meshdsl_step(model, feeds, comm, "data:1", "", lr, seed)}
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, timed_arg=("meshdsl 1p",))
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu}
@@ -179,7 +190,9 @@ def _meshdsl_actions_ms(rows: list) -> dict:
 
 
 def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False, tiny=False):
-    """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved."""
+    """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved; and plain
+    torch in max(ms) micro-batches on both processes at once (no communication: what sharing the
+    machine costs)."""
     from meshdsl.exec.distributed import TorchComm
     from meshdsl.train.jobs import gather_timelines
     from meshdsl.tools.pipe_report import schedule_summary
@@ -188,6 +201,7 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
     steps = {}
     actions = _TorchActions()
     plain = TorchComm("stage:2", shm=False) if gloo else None   # every rank makes its groups, in order
+    steps[_floor_names(ms)[1]] = torch_step(model.config, w, feeds, lr, max(ms))
     for m in ms:
         for s in SCHEDULES + (GLOO,) * gloo:
             rows[f"meshdsl {s} m={m}"] = []
@@ -202,7 +216,7 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
     dist.barrier()
     origin = time.perf_counter()
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
-                                          timed_arg=tuple(steps))
+                                          timed_arg=tuple(k for k in steps if k != _floor_names(ms)[1]))
     # The loss lives on the last stage: rank 1's figures are the ones to report.
     sent = torch.tensor([loss0[k] for k in steps] + [last[k] for k in steps], dtype=torch.float64)
     dist.broadcast(sent, src=1)
@@ -250,7 +264,8 @@ def bench(args) -> int:
             console.print(text, markup=False, highlight=False)
         return 0
     t_start, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
-    single, pair = ("torch 1p", "meshdsl 1p"), _names(args.ms, args.gloo_sends)
+    floor1, floor2 = _floor_names(args.ms)
+    single, pair = ("torch 1p", floor1, "meshdsl 1p"), [floor2, *_names(args.ms, args.gloo_sends)]
     times = {k: [] for k in (*single, *pair)}
     cpu = {k: [] for k in times}
     per_round = {k: [] for k in times}
@@ -258,7 +273,7 @@ def bench(args) -> int:
     actions = {k: [[] for _ in range(2)] for k in pair}   # per stage (= rank): per round {"F", "B"} ms per step
     loss0, last, summaries, act_bytes = {}, {}, {}, {}
     for rnd in range(args.rounds):
-        one = spawn(single_job, 1, args=(args.warmup, args.reps, args.block, args.lr, args.seed, args.tiny),
+        one = spawn(single_job, 1, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed, args.tiny),
                     mesh="data:1", timeout=1800)[0]
         two = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed,
                                        False, args.gloo_sends, args.tiny), mesh="stage:2", timeout=3600)
@@ -355,6 +370,15 @@ def bench(args) -> int:
             goals[f"meshdsl {s} m=8 >= {SPEEDUP_GOAL}x one process"] = speedup[f"meshdsl {s} m=8"] >= SPEEDUP_GOAL
     for name, ok in goals.items():
         console.print(f"goal {name}: [bold {'green' if ok else 'red'}]{'met' if ok else 'missed'}[/]")
+    m = max(args.ms)
+    # Two equal stages, each half the micro-batched step's work at the speed it runs with the other
+    # process busy beside it, and the theory bubble: makespan (m + 1) / m x that half.
+    ceiling = med["torch 1p"] / (med[floor2] / 2 * (m + 1) / m)
+    console.print(f"what this machine allows at m={m}: plain torch in {m} micro-batches takes {med[floor1]:.1f} ms on "
+                  f"one process ({med[floor1] / med['torch 1p']:.2f}x its whole-batch step),\n"
+                  f"  {med[floor2]:.1f} ms with both processes running it at once ({med[floor2] / med[floor1]:.2f}x); "
+                  f"two equal stages of half that work with the theory bubble {1 / (m + 1):.1%}: "
+                  f"{ceiling:.2f}x one process", markup=False, highlight=False)
     bad = [k for k, ok in loss_ok.items() if not ok]
     console.print(f"step-0 losses vs torch 1p (rtol {LOSS_RTOL:g}): "
                   + ("all equal" if not bad else f"[red]MISMATCH in {', '.join(bad)}[/]")
@@ -372,7 +396,9 @@ def bench(args) -> int:
                 "wall_s": wall_s, "torch": torch.__version__, "python": platform.python_version(),
                 "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal},
         "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
-        "pipeline": figures, "actions_ms_per_step": act_ms, "peak_activation_bytes": peak_mem, "goals": goals,
+        "pipeline": figures, "actions_ms_per_step": act_ms,
+        "ceiling_speedup": {"microbatches": m, "speedup": ceiling, "one_process_ms": med[floor1],
+                            "both_processes_ms": med[floor2]}, "peak_activation_bytes": peak_mem, "goals": goals,
         "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,
         "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
     }, indent=1))
