@@ -121,7 +121,8 @@ def run_case(name, config, nproc, budget_s, rounds, limit, cal):
     measured = {}
     for r in chosen:
         t = measured[id(r)] = statistics.median(samples[id(r)])
-        print(f"  {r.candidate.mesh:18s} {r.candidate.layout or '(replicated)':55s} m={r.candidate.microbatches} "
+        sched = f" {r.candidate.schedule}" if "layer:" in r.candidate.layout else ""
+        print(f"  {r.candidate.mesh:18s} {r.candidate.layout or '(replicated)':55s} m={r.candidate.microbatches}{sched} "
               f"predicted {r.prediction.step_s * 1e3:8.2f} ms  measured {t * 1e3:8.2f} ms "
               f"[{min(samples[id(r)]) * 1e3:.2f}-{max(samples[id(r)]) * 1e3:.2f}]", flush=True)
     pred = [r.prediction.step_s for r in chosen]

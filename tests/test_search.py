@@ -319,3 +319,22 @@ def test_a_pipeline_prediction_splits_a_sending_backward_as_the_runtime_does(mon
     whole = predict(plan, cal)
     assert split.compute_s == pytest.approx(whole.compute_s)
     assert split.step_s < whole.step_s
+
+
+def test_the_search_offers_zbh1_and_prices_it_from_its_own_schedule():
+    """A pipe axis gets ZB-H1 beside GPipe and 1F1B, at every micro-batch count the batch
+    allows; priced with the same stage costs, its bubble is below 1F1B's (its Ws fill the
+    cooldown) and it computes the same work."""
+    model = md.load_model("transformer", tiny=True)
+    piped = [c for c in candidates(model, 2) if c.pipelined and "layer:" in c.layout]
+    by_sched = {}
+    for c in piped:
+        by_sched.setdefault(c.schedule, set()).add(c.microbatches)
+    assert set(by_sched) == {"gpipe", "1f1b", "zbh1"}
+    assert by_sched["zbh1"] == by_sched["1f1b"] and by_sched["zbh1"]
+    cal = _with_cores(4)
+    pred = {s: predict(compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule=s), cal)
+            for s in ("1f1b", "zbh1")}
+    assert pred["zbh1"].compute_s == pytest.approx(pred["1f1b"].compute_s)
+    assert pred["zbh1"].bubble_s < pred["1f1b"].bubble_s
+    assert pred["zbh1"].step_s < pred["1f1b"].step_s

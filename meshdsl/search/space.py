@@ -12,7 +12,7 @@ a few layout options, built from the dims the model has:
 * ``model``: Megatron (``heads`` and ``d_ff``), ``d_ff`` alone, ``heads``
   alone, ``vocab``, ``experts``, ``seq``, ``d_model``, each where the model has the dims;
 * ``pipe``: ``layer`` over it, with a micro-batch count (2, 4, 8: the ones the
-  batch allows) and a schedule (gpipe, 1f1b).
+  batch allows) and a schedule (gpipe, 1f1b, zbh1).
 
 A candidate is one option per role, and on a mesh without a pipeline also a
 gradient accumulation count (:data:`ACCUMULATION`: fewer activations held, more
@@ -29,7 +29,7 @@ ROLES = ("pipe", "data", "model")
 MICROBATCHES = (2, 4, 8)
 #: Gradient accumulation without a pipeline: micro-batch counts offered on meshes with no ``pipe`` axis.
 ACCUMULATION = (2,)
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zbh1")
 
 
 @dataclass(frozen=True, order=True)
