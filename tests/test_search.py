@@ -338,3 +338,42 @@ def test_the_search_offers_zbh1_and_prices_it_from_its_own_schedule():
     assert pred["zbh1"].compute_s == pytest.approx(pred["1f1b"].compute_s)
     assert pred["zbh1"].bubble_s < pred["1f1b"].bubble_s
     assert pred["zbh1"].step_s < pred["1f1b"].step_s
+
+
+def test_a_plan_with_its_schedule_swapped_is_the_plan_compiled_for_it():
+    """with_schedule gives the plan a compilation for that schedule gives: the same schedule
+    and the same prediction (time, bubble, memory, bytes)."""
+    from meshdsl.lowering.partition import with_schedule
+
+    model = md.load_model("transformer", tiny=True)
+    cal = _with_cores(2)
+    base = compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule="gpipe")
+    for sched in ("1f1b", "zbh1", "gpipe"):
+        swapped = with_schedule(base, sched)
+        fresh = compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule=sched)
+        (a,), (b,) = ([s.args["schedule"] for s in p.steps if s.kind == "pipeline"] for p in (swapped, fresh))
+        assert a.name == b.name == sched and a.actions == b.actions
+        pa, pb = predict(swapped, cal), predict(fresh, cal)
+        assert (pa.step_s, pa.bubble_s, pa.memory_bytes, pa.comm_bytes) == \
+               (pb.step_s, pb.bubble_s, pb.memory_bytes, pb.comm_bytes)
+    flat = compile_plan(model.train_step(0.01), "data:2", "batch:data")
+    assert with_schedule(flat, "1f1b") == flat
+
+
+def test_the_search_ranks_as_if_every_candidate_were_compiled(monkeypatch):
+    """Re-pricing a compiled pipeline under another schedule changes no prediction: the
+    ranking equals the one with every candidate compiled afresh."""
+    import meshdsl.search.search as search_mod
+    from meshdsl.errors import MeshDSLError
+
+    model = md.load_model("transformer", tiny=True)
+    outs, cal = _outputs(model, False), _with_cores(2)
+    cached = search(model, outs, 2, cal)
+
+    def refuse(plan, schedule):
+        raise MeshDSLError("compile it")
+    monkeypatch.setattr(search_mod, "with_schedule", refuse)
+    fresh = search(model, outs, 2, cal)
+    assert any(r.candidate.schedule == "zbh1" for r in cached.ranked)
+    assert [(r.candidate, r.prediction.step_s) for r in cached.ranked] == \
+           [(r.candidate, r.prediction.step_s) for r in fresh.ranked]

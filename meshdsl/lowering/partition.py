@@ -26,10 +26,13 @@ reduced over the stage axis and a param is stored only on the stages that read i
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import LayoutError, message
 from .bucket import bucket_final
 from .pipeline import MB_AXIS
 from .plan import Plan, Step, step_args, register_step_kind
+from .schedule_gen import SCHEDULES, make_schedule
 
 # axis: the stage axis; num_stages, microbatches; mb_axis: the virtual micro-batch axis (None for m = 1);
 # schedule: a lowering.schedule.Schedule; stages: per segment (prologue, forward, backward, final), per
@@ -227,3 +230,28 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
         st = held.get(v, demand.get(v, ALL))
         holders[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in st)
     return leaves + [pipe], holders
+
+
+def with_schedule(plan: Plan, schedule: str) -> Plan:
+    """``plan`` with its pipeline run by ``schedule`` (one stage per rank) instead of the one it
+    was compiled with.
+
+    The schedule is the only part of a compiled pipeline that depends on it (the segments, the
+    stages and the transfers do not), so this equals compiling again with ``schedule``; the
+    layout search uses it to compile a pipelined layout once for all the schedules it prices.
+    A plan without a pipeline comes back as it is.
+
+    Raises:
+      ScheduleError: what :func:`.schedule_gen.make_schedule` raises for ``schedule``.
+      ValueError: ``schedule`` runs several stages per rank (it needs its own compilation).
+    """
+    if SCHEDULES.get(schedule) is not None and SCHEDULES[schedule].chunked:
+        raise ValueError(f"with_schedule: '{schedule}' runs several stages per rank; compile for it")
+    steps = []
+    for s in plan.steps:
+        if s.kind == "pipeline":
+            sched = make_schedule(schedule, s.args["num_stages"], s.args["microbatches"])
+            label = f"pipeline over '{s.args['axis']}' ({sched.name})"
+            s = dataclasses.replace(s, label=label, args=step_args("pipeline", {**s.args, "schedule": sched}))
+        steps.append(s)
+    return dataclasses.replace(plan, steps=tuple(steps))

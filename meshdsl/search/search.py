@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import MeshDSLError
 from ..lowering.compiler import compile as compile_plan
+from ..lowering.partition import with_schedule
 from .calibrate import Calibration
 from .predict import Prediction, predict
 from .space import Candidate, candidates
@@ -26,6 +27,9 @@ from .space import Candidate, candidates
 EXHAUSTIVE_LIMIT = 600
 BEAM = 3
 SKELETONS = 2
+#: Pipelined plans the search keeps to re-price under another schedule (it prices a layout's
+#: schedules one after another, so a couple suffice).
+KEEP_PLANS = 2
 
 
 @dataclass
@@ -70,15 +74,32 @@ class SearchResult:
     seconds: float
 
 
-def evaluate(outputs, cand: Candidate, cal: Calibration) -> Ranked:
+def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None = None) -> Ranked:
     """Compile ``cand`` and predict it.
+
+    ``compiled``, when given, keeps the last few pipelined plans by (mesh, layout,
+    micro-batches): a candidate that differs from one of them only in its schedule takes that
+    plan with its schedule swapped (:func:`~meshdsl.lowering.partition.with_schedule`, the
+    same plan a compilation would give) instead of compiling again.
 
     Raises:
       MeshDSLError: the compiler's error when ``cand`` is invalid.  (A plan the compiler
         returns is one real processes can run: it never moves micro-batches other than by
         summing them, see :meth:`~meshdsl.lowering.compiler.Lowerer.emit`.)
     """
-    plan = compile_plan(outputs, cand.mesh, cand.layout, microbatches=cand.microbatches, schedule=cand.schedule)
+    key = (cand.mesh, cand.layout, cand.microbatches)
+    plan = None
+    if compiled is not None and key in compiled:
+        try:
+            plan = with_schedule(compiled[key], cand.schedule)
+        except (MeshDSLError, ValueError):
+            plan = None      # compile, for the compiler's own error
+    if plan is None:
+        plan = compile_plan(outputs, cand.mesh, cand.layout, microbatches=cand.microbatches, schedule=cand.schedule)
+        if compiled is not None and "layer:" in cand.layout:
+            compiled[key] = plan
+            while len(compiled) > KEEP_PLANS:
+                compiled.pop(next(iter(compiled)))
     return Ranked(cand, predict(plan, cal))
 
 
@@ -103,11 +124,12 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
     pruned: list = []
     space = list(candidates(model, nproc, stateful, pruned))
     seen: dict[Candidate, Ranked | str] = {}
+    compiled: dict = {}
 
     def price(c: Candidate):
         if c not in seen:
             try:
-                seen[c] = evaluate(outputs, c, cal)
+                seen[c] = evaluate(outputs, c, cal, compiled)
             except MeshDSLError as e:
                 seen[c] = str(e).splitlines()[0]
         return seen[c]
@@ -131,8 +153,13 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
                     break
         keep = sorted(best, key=best.get)[:beam]
         todo = [c for m in keep for c in by_mesh[m]]
+    # A layout's schedules one after another, so each pipelined layout compiles once.
+    groups: dict[tuple, list[Candidate]] = {}
     for c in todo:
-        price(c)
+        groups.setdefault((c.mesh, c.layout, c.microbatches), []).append(c)
+    for group in groups.values():
+        for c in group:
+            price(c)
     ranked = [r for r in seen.values() if isinstance(r, Ranked)]
     ok = sorted((r for r in ranked if _fits(r, memory_limit)), key=lambda r: (r.prediction.step_s, r.candidate))
     over = [r for r in ranked if not _fits(r, memory_limit)]
