@@ -217,7 +217,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     m = spec.num_microbatches
     leaves = [s for i, s in enumerate(steps) if leaf[i]]
     made = {v for i, s in enumerate(steps) if not leaf[i] for v in s.outs}
-    pipe = Step("pipeline", -1, "pipeline", f"pipeline over '{ax}' ({spec.schedule.name})", "forward",
+    pipe = Step("pipeline", -1, "pipeline", _label(ax, spec.schedule), "forward",
                 tuple(v for s in leaves for v in s.outs), tuple(sorted(set(outputs.values()) & made)), (ax,),
                 step_args("pipeline", {
                     "axis": ax, "num_stages": p, "microbatches": m,
@@ -251,7 +251,12 @@ def with_schedule(plan: Plan, schedule: str) -> Plan:
     for s in plan.steps:
         if s.kind == "pipeline":
             sched = make_schedule(schedule, s.args["num_stages"], s.args["microbatches"])
-            label = f"pipeline over '{s.args['axis']}' ({sched.name})"
-            s = dataclasses.replace(s, label=label, args=step_args("pipeline", {**s.args, "schedule": sched}))
+            s = dataclasses.replace(s, label=_label(s.args["axis"], sched),
+                                    args=step_args("pipeline", {**s.args, "schedule": sched}))
         steps.append(s)
     return dataclasses.replace(plan, steps=tuple(steps))
+
+
+def _label(axis: str, schedule) -> str:
+    """The pipeline step's label: its axis and schedule."""
+    return f"pipeline over '{axis}' ({schedule.name})"
