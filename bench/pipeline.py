@@ -201,7 +201,8 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
     steps = {}
     actions = _TorchActions()
     plain = TorchComm("stage:2", shm=False) if gloo else None   # every rank makes its groups, in order
-    steps[_floor_names(ms)[1]] = torch_step(model.config, w, feeds, lr, max(ms))
+    both = _floor_names(ms)[1]
+    steps[both] = torch_step(model.config, w, feeds, lr, max(ms))
     for m in ms:
         for s in SCHEDULES + (GLOO,) * gloo:
             rows[f"meshdsl {s} m={m}"] = []
@@ -216,7 +217,7 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
     dist.barrier()
     origin = time.perf_counter()
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
-                                          timed_arg=tuple(k for k in steps if k != _floor_names(ms)[1]))
+                                          timed_arg=tuple(k for k in steps if k != both))
     # The loss lives on the last stage: rank 1's figures are the ones to report.
     sent = torch.tensor([loss0[k] for k in steps] + [last[k] for k in steps], dtype=torch.float64)
     dist.broadcast(sent, src=1)
