@@ -255,15 +255,28 @@ def test_torchrun_rank_with_busy_master_port_is_a_clean_error():
     assert "Traceback" not in r.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _ranks_under(pid: int) -> list[int]:
+    """The rank processes among ``pid``'s descendants (ranks name themselves meshdsl-rankN)."""
+    parent = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 pass
+
+    def under(p: int) -> bool:
+        while p in parent and p != pid:
+            p = parent[p]
+        return p == pid
+
+    out = []
+    for p in parent:
+        try:
+            if under(p) and Path(f"/proc/{p}/comm").read_text().startswith("meshdsl-rank"):
+                out.append(p)
+        except OSError:
+            pass
     return out
 
 
@@ -284,8 +297,7 @@ def test_ctrl_c_stops_every_rank_with_one_line():
         end = time.monotonic() + 60
         ranks: list[int] = []
         while time.monotonic() < end:
-            ranks = [c for c in _children(p.pid)
-                     if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            ranks = _ranks_under(p.pid)
             if len(ranks) == 2:
                 break
             assert p.poll() is None, p.communicate()

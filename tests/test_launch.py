@@ -166,17 +166,17 @@ def _listening(pid: int) -> list[str]:
     return out
 
 
-def _sockets_while_running(comm):
+def _sockets_while_running(comm, launcher_pid):
     comm.barrier()  # every rank has joined: the store and gloo are listening now
     mine = _listening(os.getpid())
-    parent = _listening(os.getppid()) if comm.rank == 0 else []
+    parent = _listening(launcher_pid) if comm.rank == 0 else []
     comm.barrier()  # nobody closes anything while another rank looks
     return mine, parent
 
 
 @pytest.mark.timeout(60)
 def test_every_listening_socket_is_on_loopback():
-    got = launch.spawn(_sockets_while_running, 2, mesh="x:2", timeout=50, collective_timeout=20)
+    got = launch.spawn(_sockets_while_running, 2, args=(os.getpid(),), mesh="x:2", timeout=50, collective_timeout=20)
     parent = got[0][1]
     children = [s for mine, _ in got for s in mine]
     assert parent, "the launcher hosts the rendezvous store: it must be listening"
@@ -188,7 +188,7 @@ def test_every_listening_socket_is_on_loopback():
 @pytest.mark.timeout(60)
 def test_rdzv_host_opens_only_the_store():
     # The explicit opt-in: the store listens on every interface, gloo stays on loopback.
-    got = launch.spawn(_sockets_while_running, 2, mesh="x:2", timeout=50, collective_timeout=20,
+    got = launch.spawn(_sockets_while_running, 2, args=(os.getpid(),), mesh="x:2", timeout=50, collective_timeout=20,
                        rdzv_host="0.0.0.0")
     parent = got[0][1]
     children = [s for mine, _ in got for s in mine]

@@ -106,8 +106,8 @@ def failure_error(procs, exited, results, errors, bad, inputs, progress=None,
         fix = ("a SIGKILL often means the out-of-memory killer, SIGSEGV or SIGABRT a crash in "
                "native code: rerun with fewer processes or smaller inputs")
     else:
-        fix = ("the child stopped before or outside fn (see its stderr above): with the spawn "
-               "start method fn must be importable and the main script a file guarded by "
+        fix = ("the child stopped before or outside fn (see its stderr above): a rank gets fn "
+               "by name, so fn must be importable and the main script a file guarded by "
                "`if __name__ == '__main__':`; fn must return, not exit")
     text = message(f"spawn: rank {first} of {len(procs)} {what}", inputs=inputs,
                    bullets=bullets, fix=fix)

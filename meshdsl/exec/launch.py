@@ -1,18 +1,23 @@
 """Start a multi-process job on this machine, or join one that torchrun started.
 
 :func:`spawn` is the launcher and the test harness: it starts one process per
-rank with the *spawn* start method, rendezvouses them on a TCP store that the
-parent hosts on 127.0.0.1, calls ``fn(comm, *args)`` in each, and returns the
-results in rank order.  If a rank raises, dies or hangs, the parent kills the
-others at once and raises :class:`DistributedError` with that rank's traceback.
-Children also die if the parent dies, so nothing is ever left running.
+rank, rendezvouses them on a TCP store that the parent hosts on 127.0.0.1,
+calls ``fn(comm, *args)`` in each, and returns the results in rank order.  If a
+rank raises, dies or hangs, the parent kills the others at once and raises
+:class:`DistributedError` with that rank's traceback.  Children also die if the
+parent dies, so nothing is ever left running.
+
+Ranks start from a *forkserver* that has imported torch and meshdsl once (see
+:mod:`.start`), so a job starts in a fraction of a second instead of paying
+torch's import in every rank; each rank still gets the launcher's environment,
+working directory, ``sys.path``, stdout and stderr as a spawned one would.
+``MESHDSL_START_METHOD=spawn`` starts every rank as a fresh interpreter instead.
 
 Under torchrun, :func:`init_from_env` joins the job instead; :func:`launch`
 picks whichever applies.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
@@ -22,7 +27,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing import connection, get_context
+from multiprocessing import connection
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,7 @@ from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
 from .failures import STALE_S, describe, failure_error, timeout_error
+from .start import InheritedFd, adopt_stdio, context, die_with_parent, name_process
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -158,26 +164,32 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
     if mesh is not None:
         mesh = Mesh.parse(mesh)
         check_world_size(mesh, nproc)
-    ctx = get_context("spawn")
+    ctx = context()
     store, port = _host_store(collective_timeout, rdzv_host)
     connect = _HOST if rdzv_host in ("0.0.0.0", "::", "") else rdzv_host
     procs, readers = [], []
+    # Every child holds the read end of this pipe; only the parent holds the write end,
+    # so the children see EOF the moment the parent is gone, however it went.
+    alive_r, alive_w = ctx.Pipe(duplex=False)
+    stdio = (InheritedFd(1), InheritedFd(2))
     try:
-        # Children start with SIGINT blocked (the mask survives exec): a Ctrl-C reaches the
-        # whole foreground group, and only the parent should act on it, by stopping them.
+        # Children start with SIGINT blocked (the mask survives exec and fork, and the
+        # forkserver is started under it): a Ctrl-C reaches the whole foreground group, and
+        # only the parent should act on it, by stopping them.
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             for rank in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_child, name=f"meshdsl-rank{rank}", args=(
                     rank, nproc, connect, port, backend, collective_timeout, mesh, verbose, fn,
-                    args, writer, os.getpid()))
+                    args, writer, alive_r, dict(os.environ), stdio))
                 p.start()
                 writer.close()  # so that the reader sees EOF when the child dies
                 procs.append(p)
                 readers.append(reader)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            alive_r.close()
         # A heartbeat older than the collective timeout cannot be a rank that waits in a
         # collective (it would have timed out); a floor of several beats absorbs load.
         stale_s = max(4 * _BEAT_S, min(STALE_S, 0.8 * collective_timeout))
@@ -191,6 +203,7 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
             p.join(5)
         for r in readers:
             r.close()
+        alive_w.close()
         del store
 
 
@@ -299,10 +312,14 @@ def _receive(rank, reader, results, errors) -> None:
 # --------------------------------------------------------------------- child
 
 def _child(rank, nproc, host, port, backend, collective_timeout, mesh, verbose, fn, args, conn,
-           parent_pid):
+           alive, environ, stdio):
     """Body of one spawned rank: join the group, run ``fn``, send back the result, exit."""
-    _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C by stopping us
+    die_with_parent(alive)
+    adopt_stdio(*stdio)
+    os.environ.clear()
+    os.environ.update(environ)
+    name_process(f"meshdsl-rank{rank}")
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
@@ -359,28 +376,9 @@ def _start_heartbeat(host, port, rank, comm) -> None:
         while True:
             try:
                 store.set(key, f"{time.time()} {comm.num_done} {comm.last_done}")
-            except RuntimeError:  # the parent is gone; _die_with_parent ends us
+            except RuntimeError:  # the parent is gone; die_with_parent ends us
                 return
             time.sleep(_BEAT_S)
 
     beat_thread = threading.Thread(target=beat, name="meshdsl-heartbeat", daemon=True)
     beat_thread.start()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Make sure this child does not outlive the launcher."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-    threading.Thread(target=watch, name="meshdsl-parent-watch", daemon=True).start()

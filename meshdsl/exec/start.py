@@ -1,0 +1,115 @@
+"""How the launcher starts a rank's process, and what the process takes from it.
+
+A fresh interpreter per rank (the *spawn* start method) pays torch's import,
+seconds of CPU, in every rank of every job.  Ranks therefore start from a
+*forkserver*: one helper process per launcher that imports torch and meshdsl
+once and forks a rank off itself on demand, in tens of milliseconds.
+
+A forked rank would otherwise see the forkserver's world, frozen when it
+started; the launcher hands each rank what a spawned child would have had
+(the environment as it is now, and stdout/stderr) and the forkserver's own
+machinery hands over the working directory and ``sys.path``.
+``MESHDSL_START_METHOD=spawn`` (or a platform without forkserver) gives the
+fresh-interpreter start instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from multiprocessing import reduction
+
+from ..errors import DistributedError, message
+
+ENV = "MESHDSL_START_METHOD"
+METHODS = ("forkserver", "spawn")
+# What the forkserver imports once, before it forks any rank.
+PRELOAD = ["torch", "torch.distributed", "meshdsl"]
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+def method() -> str:
+    """The start method for ranks: ``$MESHDSL_START_METHOD``, else forkserver where it exists."""
+    chosen = os.environ.get(ENV, "").strip() or "forkserver"
+    if chosen not in METHODS:
+        raise DistributedError(message(
+            f"{ENV}={chosen!r} is not a start method meshdsl knows",
+            rule=f"{ENV} is one of {', '.join(METHODS)} (or unset: forkserver)",
+            fix=f"unset {ENV}, or set it to spawn for a fresh interpreter per rank"))
+    if chosen == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return chosen
+
+
+def context():
+    """The multiprocessing context that starts ranks (see :func:`method`)."""
+    ctx = multiprocessing.get_context(method())
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
+    return ctx
+
+
+class InheritedFd:
+    """A descriptor of the launcher that a rank receives as a duplicate when it starts.
+
+    Pickled only while a process is being started: multiprocessing sends the
+    descriptor itself along (over the forkserver's socket, or to the spawned
+    interpreter), and :func:`adopt_stdio` puts it in place in the rank.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
+
+
+def adopt_stdio(out: int, err: int) -> None:
+    """Point this process's stdout and stderr where the launcher's are now."""
+    for fd, target in ((out, 1), (err, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _prctl(option: int, arg) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(option, arg)
+        except (OSError, AttributeError):
+            pass
+
+
+def name_process(name: str) -> None:
+    """Show ``name`` for this process in ``ps -o comm``, top and /proc (Linux; 15 bytes)."""
+    _prctl(_PR_SET_NAME, name.encode()[:15])
+
+
+def die_with_parent(alive) -> None:
+    """Make sure this rank does not outlive the launcher.
+
+    ``alive`` is the read end of a pipe whose only write end the launcher holds:
+    reading it returns (EOF) exactly when the launcher is gone, whether it exited
+    or was killed, and whether this process is its child (spawn) or the
+    forkserver's.  The parent-death signal is a second, immediate line on Linux:
+    the parent is the launcher or the forkserver, which exits with the launcher.
+    """
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch():
+        try:
+            alive.recv_bytes()  # nothing is ever sent: this returns at EOF only
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="meshdsl-parent-watch", daemon=True).start()

@@ -1,0 +1,61 @@
+"""How ranks start (meshdsl/exec/start.py): from the forkserver by default, with the
+launcher's environment, working directory and stdout/stderr as they are at launch."""
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshdsl.errors import DistributedError
+from meshdsl.exec import launch, start
+
+
+def _what_the_rank_sees(rank, key):
+    # One write each: two ranks' lines written in pieces could interleave.
+    sys.stdout.write(f"out from rank {rank}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"err from rank {rank}\n")
+    sys.stderr.flush()
+    comm = Path(f"/proc/{os.getpid()}/comm").read_text().strip() if sys.platform == "linux" else ""
+    return os.environ.get(key), os.getcwd(), comm
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["forkserver", "spawn"])
+def test_a_rank_sees_the_launcher_as_it_is_at_launch(how, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv(start.ENV, how)
+    # The forkserver may have started long before, in another directory and environment:
+    # what counts is the launcher's state when it starts this job.
+    launch.spawn(_what_the_rank_sees, 1, args=("MESHDSL_TEST_START",))
+    capfd.readouterr()
+    monkeypatch.setenv("MESHDSL_TEST_START", f"set-now-{how}")
+    monkeypatch.chdir(tmp_path)
+    got = launch.spawn(_what_the_rank_sees, 2, args=("MESHDSL_TEST_START",))
+    for rank, (value, cwd, comm) in enumerate(got):
+        assert value == f"set-now-{how}"
+        assert Path(cwd) == tmp_path
+        if sys.platform == "linux":
+            assert comm == f"meshdsl-rank{rank}"
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["out from rank 0", "out from rank 1"], out
+    assert "err from rank 0" in err and "err from rank 1" in err, err
+    assert multiprocessing.active_children() == []
+
+
+def test_forkserver_is_the_default_where_the_platform_has_it(monkeypatch):
+    monkeypatch.delenv(start.ENV, raising=False)
+    want = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    assert start.method() == want
+    assert start.context().get_start_method() == want
+
+
+@pytest.mark.parametrize("bad", ["fork", "thread", "Spawn"])
+def test_an_unknown_start_method_is_a_clear_error(bad, monkeypatch):
+    monkeypatch.setenv(start.ENV, bad)
+    with pytest.raises(DistributedError) as e:
+        launch.spawn(_what_the_rank_sees, 1, args=("X",))
+    text = str(e.value)
+    assert f"MESHDSL_START_METHOD={bad!r}" in text
+    assert "forkserver, spawn" in text and "Fix: unset MESHDSL_START_METHOD" in text
+    assert multiprocessing.active_children() == []
