@@ -2,6 +2,7 @@
 launcher's environment, working directory and stdout/stderr as they are at launch."""
 import multiprocessing
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -58,4 +59,21 @@ def test_an_unknown_start_method_is_a_clear_error(bad, monkeypatch):
     text = str(e.value)
     assert f"MESHDSL_START_METHOD={bad!r}" in text
     assert "forkserver, spawn" in text and "Fix: unset MESHDSL_START_METHOD" in text
+    assert multiprocessing.active_children() == []
+
+
+def _parent_pid(rank):
+    return os.getppid()
+
+
+@pytest.mark.timeout(90)
+def test_a_forkserver_killed_between_jobs_is_replaced(monkeypatch):
+    monkeypatch.delenv(start.ENV, raising=False)
+    if start.method() != "forkserver":
+        pytest.skip("no forkserver on this platform")
+    server = launch.spawn(_parent_pid, 2)
+    assert server[0] == server[1] != os.getpid(), "ranks are forked off the forkserver"
+    os.kill(server[0], signal.SIGKILL)
+    again = launch.spawn(_parent_pid, 2)
+    assert again[0] == again[1] not in (server[0], os.getpid())
     assert multiprocessing.active_children() == []

@@ -36,7 +36,7 @@ from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
 from .failures import STALE_S, describe, failure_error, timeout_error
-from .start import InheritedFd, adopt_stdio, context, die_with_parent, name_process
+from .start import InheritedFd, adopt_stdio, context, die_with_parent, name_process, start_process
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -180,10 +180,10 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
         try:
             for rank in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_child, name=f"meshdsl-rank{rank}", args=(
-                    rank, nproc, connect, port, backend, collective_timeout, mesh, verbose, fn,
-                    args, writer, alive_r, dict(os.environ), stdio))
-                p.start()
+                p = start_process(ctx, lambda: ctx.Process(
+                    target=_child, name=f"meshdsl-rank{rank}", args=(
+                        rank, nproc, connect, port, backend, collective_timeout, mesh, verbose,
+                        fn, args, writer, alive_r, dict(os.environ), stdio)))
                 writer.close()  # so that the reader sees EOF when the child dies
                 procs.append(p)
                 readers.append(reader)

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from multiprocessing import reduction
 
 from ..errors import DistributedError, message
@@ -29,6 +30,8 @@ METHODS = ("forkserver", "spawn")
 # What the forkserver imports once, before it forks any rank.
 PRELOAD = ["torch", "torch.distributed", "meshdsl"]
 
+_START_TRIES = 4
+_RETRY_S = 0.25
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -52,6 +55,33 @@ def context():
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
     return ctx
+
+
+def start_process(ctx, make):
+    """Start the process ``make()`` returns, and return it.
+
+    A forkserver that died since the last job (killed by the out-of-memory
+    killer, say) can still look alive for a moment and refuse the request;
+    multiprocessing starts a new server once the old one is reaped, so the start
+    is tried again a few times before it is an error.
+
+    Raises:
+      DistributedError: the process could not be started.
+    """
+    for attempt in range(_START_TRIES):
+        process = make()
+        try:
+            process.start()
+            return process
+        except (EOFError, OSError) as e:
+            if ctx.get_start_method() != "forkserver" or attempt == _START_TRIES - 1:
+                raise DistributedError(message(
+                    f"cannot start a rank's process ({ctx.get_start_method()}): "
+                    f"{type(e).__name__}: {e or 'the server closed the connection'}",
+                    rule="each rank is a process of this machine",
+                    fix=f"see the error above; with a broken forkserver, set {ENV}=spawn")) from None
+            time.sleep(_RETRY_S)
+    raise AssertionError("unreachable")
 
 
 class InheritedFd:
