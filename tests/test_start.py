@@ -3,6 +3,7 @@ launcher's environment, working directory and stdout/stderr as they are at launc
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,3 +78,16 @@ def test_a_forkserver_killed_between_jobs_is_replaced(monkeypatch):
     again = launch.spawn(_parent_pid, 2)
     assert again[0] == again[1] not in (server[0], os.getpid())
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_with_stdout_closed_still_runs_its_ranks():
+    # A daemon or a `cmd >&-` has no stdout: its ranks write theirs to /dev/null.
+    code = ("import os, sys, meshdsl as md\n"
+            "os.close(1)\n"
+            "sys.stderr.write(f'ranks returned {md.spawn(abs, 2)}')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop(start.ENV, None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.endswith("ranks returned [0, 1]"), r.stderr

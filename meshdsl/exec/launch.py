@@ -36,7 +36,7 @@ from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
 from .failures import STALE_S, describe, failure_error, timeout_error
-from .start import InheritedFd, adopt_stdio, context, die_with_parent, name_process, start_process
+from .start import adopt_stdio, context, die_with_parent, launcher_stdio, name_process, start_process
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -171,7 +171,7 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
     # Every child holds the read end of this pipe; only the parent holds the write end,
     # so the children see EOF the moment the parent is gone, however it went.
     alive_r, alive_w = ctx.Pipe(duplex=False)
-    stdio = (InheritedFd(1), InheritedFd(2))
+    stdio = launcher_stdio()
     try:
         # Children start with SIGINT blocked (the mask survives exec and fork, and the
         # forkserver is started under it): a Ctrl-C reaches the whole foreground group, and
@@ -356,8 +356,9 @@ def _exit(conn, code: int, clean: bool) -> None:
     "terminate called without an active exception" (SIGABRT) at random.
     """
     conn.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: the launcher started without it
+            stream.flush()
     if clean and dist.is_initialized():
         dist.destroy_process_group()
     os._exit(code)

@@ -103,9 +103,24 @@ def _received_fd(dup) -> int:
     return dup.detach()
 
 
-def adopt_stdio(out: int, err: int) -> None:
-    """Point this process's stdout and stderr where the launcher's are now."""
+def launcher_stdio() -> tuple:
+    """The launcher's stdout and stderr, to hand each rank (None for one that is closed)."""
+    out = []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+            out.append(InheritedFd(fd))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def adopt_stdio(out: "int | None", err: "int | None") -> None:
+    """Point this process's stdout and stderr where the launcher's are now (to /dev/null
+    where the launcher's is closed)."""
     for fd, target in ((out, 1), (err, 2)):
+        if fd is None:
+            fd = os.open(os.devnull, os.O_WRONLY)
         if fd != target:
             os.dup2(fd, target)
             os.close(fd)
