@@ -22,37 +22,66 @@ Public API (everything else lives in subpackages and may change):
   :func:`predict` (a plan's step time and memory per rank), :func:`search_layouts` (rank meshes and
   layouts for N processes)
 """
-from .core.graph import Graph, Tensor
-from .core.shape import Dim, Shape
-from .errors import (DistributedError, GraphError, LayoutError, MeshDSLError, MeshError, ParseError,
-                     ShapeError)
-from .exec.dense import run_dense
-from .exec.distributed import TorchComm
-from .exec.executor import Executor, PerRank
-from .exec.launch import launch, spawn
-from .exec.simulated import SimulatedComm, run_simulated
-from .ir.autodiff import grad, vjp
-from .ir.interpret import DenseProgram
-from .ir.precision import mixed_precision
-from .ir.repeat import repeat
-from .layout.layout import Layout
-from .layout.mesh import Mesh
-from .lowering.compiler import compile
-from .lowering.memory import memory_report
-from .lowering.plan import Plan
-from .ops import *  # noqa: F401,F403
-from .train.model import Model, ModelError, load_model
-from .train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .train.data import TokenData
-from .train.generate import generate
-from .train.lr_schedule import cosine_schedule
-from .train.optim import sgd
-from .train.optimizers import SGD, Adafactor, AdamW
-from .train.step import TrainStep
-from .tools.timeline_png import draw_timeline
-from .train.trainer import TrainResult, fit
-from .search.calibrate import calibrate, load as load_calibration
-from .search.predict import predict
-from .search.search import search as search_layouts
+import importlib as _importlib
+
+# Public name -> (module, attribute).  Names load on first use (PEP 562), so that
+# ``import meshdsl`` is cheap and the command line can start its ranks' forkserver
+# before it imports torch; every name below is a plain attribute once touched.
+_EXPORTS = {
+    **{n: (".core.graph", n) for n in ("Graph", "Tensor")},
+    **{n: (".core.shape", n) for n in ("Dim", "Shape")},
+    **{n: (".errors", n) for n in ("DistributedError", "GraphError", "LayoutError", "MeshDSLError",
+                                    "MeshError", "ParseError", "ShapeError")},
+    "run_dense": (".exec.dense", "run_dense"),
+    "TorchComm": (".exec.distributed", "TorchComm"),
+    **{n: (".exec.executor", n) for n in ("Executor", "PerRank")},
+    **{n: (".exec.launch", n) for n in ("launch", "spawn")},
+    **{n: (".exec.simulated", n) for n in ("SimulatedComm", "run_simulated")},
+    **{n: (".ir.autodiff", n) for n in ("grad", "vjp")},
+    "DenseProgram": (".ir.interpret", "DenseProgram"),
+    "mixed_precision": (".ir.precision", "mixed_precision"),
+    "repeat": (".ir.repeat", "repeat"),
+    "Layout": (".layout.layout", "Layout"),
+    "Mesh": (".layout.mesh", "Mesh"),
+    "compile": (".lowering.compiler", "compile"),
+    "memory_report": (".lowering.memory", "memory_report"),
+    "Plan": (".lowering.plan", "Plan"),
+    **{n: (".train.model", n) for n in ("Model", "ModelError", "load_model")},
+    **{n: (".train.checkpoint", n) for n in ("latest_checkpoint", "load_checkpoint", "save_checkpoint")},
+    "TokenData": (".train.data", "TokenData"),
+    "generate": (".train.generate", "generate"),
+    "cosine_schedule": (".train.lr_schedule", "cosine_schedule"),
+    "sgd": (".train.optim", "sgd"),
+    **{n: (".train.optimizers", n) for n in ("SGD", "Adafactor", "AdamW")},
+    "TrainStep": (".train.step", "TrainStep"),
+    "draw_timeline": (".tools.timeline_png", "draw_timeline"),
+    **{n: (".train.trainer", n) for n in ("TrainResult", "fit")},
+    "calibrate": (".search.calibrate", "calibrate"),
+    "load_calibration": (".search.calibrate", "load"),
+    "predict": (".search.predict", "predict"),
+    "search_layouts": (".search.search", "search"),
+}
+_ROOMS = ("errors", "core", "ops", "ir", "layout", "collectives", "lowering", "exec", "train", "search",
+          "tools")
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        value = getattr(_importlib.import_module(module, __name__), attr)
+    elif name in _ROOMS:
+        value = _importlib.import_module(f".{name}", __name__)
+    else:
+        ops = _importlib.import_module(".ops", __name__)  # every op of the DSL (meshdsl.ops)
+        if name not in ops.__all__:
+            raise AttributeError(f"module 'meshdsl' has no attribute {name!r}")
+        value = getattr(ops, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    ops = _importlib.import_module(".ops", __name__)
+    return sorted(set(globals()) | set(_EXPORTS) | set(ops.__all__))

@@ -1,6 +1,6 @@
 """``python -m meshdsl``: the same command line as the ``meshdsl`` console script."""
 import sys
 
-from .tools.cli import main
+from .tools.entry import main
 
 sys.exit(main())

@@ -305,3 +305,8 @@ class Executor:
         for m in plan_moves(v.shape, v.sharding, Sharding.replicated(v.shape), self.plan.mesh):
             part = run_collective(comm, m.kind, part, m.axes, move_args(m, v.shape))
         return part[0]
+
+
+# The repeat loop's and the pipeline's step rules live in modules of their own that build on
+# this one; importing them here registers them wherever an Executor exists.
+from . import loop, pipeline  # noqa: E402,F401

@@ -36,10 +36,10 @@ from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
 from .failures import STALE_S, describe, failure_error, timeout_error
-from .start import adopt_stdio, context, die_with_parent, launcher_stdio, name_process, start_process
+from .start import (TORCHRUN_ENV, adopt_stdio, context, die_with_parent, in_torchrun, launcher_stdio,
+                    name_process, start_process)
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _HOST = "127.0.0.1"
 _SETTLE_S = 0.2  # after a first failure, how long to wait for the others to report theirs
 _BEAT_S = 0.5    # how often a rank publishes its progress
@@ -47,11 +47,6 @@ _PROGRESS_KEY = "meshdsl/progress/"
 
 
 # ------------------------------------------------------------------ torchrun
-
-def in_torchrun() -> bool:
-    """True when the torchrun environment (RANK, WORLD_SIZE, ...) is set."""
-    return all(k in os.environ for k in _TORCHRUN_ENV)
-
 
 def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> int:
     """Join the process group described by torchrun's environment variables.
@@ -66,12 +61,12 @@ def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> 
     Raises:
       DistributedError: a torchrun variable is missing.
     """
-    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
         raise DistributedError(message(
             "init_from_env: the torchrun environment is incomplete",
             bullets=[f"{k} is not set" for k in missing],
-            rule=f"a torchrun job sets {', '.join(_TORCHRUN_ENV)}",
+            rule=f"a torchrun job sets {', '.join(TORCHRUN_ENV)}",
             fix="start with `torchrun --nproc-per-node N script.py`, or use launch.spawn(fn, N)"))
     if not dist.is_initialized():
         backend = resolve_backend(backend)

@@ -27,8 +27,10 @@ from ..errors import DistributedError, message
 
 ENV = "MESHDSL_START_METHOD"
 METHODS = ("forkserver", "spawn")
-# What the forkserver imports once, before it forks any rank.
-PRELOAD = ["torch", "torch.distributed", "meshdsl"]
+# What the forkserver imports once, before it forks any rank: torch, the rank's side of
+# the launcher, and what the command line's jobs and the training loop run.
+PRELOAD = ["torch", "torch.distributed", "meshdsl.exec.launch", "meshdsl.train.jobs", "meshdsl.train.trainer"]
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 _START_TRIES = 4
 _RETRY_S = 0.25
@@ -55,6 +57,37 @@ def context():
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
     return ctx
+
+
+def in_torchrun() -> bool:
+    """True when the torchrun environment (RANK, WORLD_SIZE, ...) is set."""
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def prestart() -> None:
+    """Start the forkserver now, so that the next job's ranks find it ready.
+
+    The server imports torch in a process of its own, while this one goes on (the
+    command line calls this before it imports torch itself, when its command will
+    start ranks).  Nothing happens under torchrun, with the spawn start method, or
+    with a start method that is not valid (the job reports that when it starts).
+    """
+    if in_torchrun():
+        return
+    try:
+        ctx = context()
+    except DistributedError:
+        return
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+    # Started with SIGINT blocked, as :func:`meshdsl.exec.launch.spawn` starts it: its ranks
+    # inherit the mask, and only the launcher acts on a Ctrl-C.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def start_process(ctx, make):
