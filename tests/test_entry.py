@@ -63,3 +63,4 @@ def test_from_import_and_operators_work_in_a_fresh_interpreter():
                  "    x = input('x', [Dim('batch', 2), Dim('d', 3)])\n"
                  "    print(type(x + x).__name__)")
     assert out == "Tensor"
+

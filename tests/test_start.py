@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,28 @@ def test_a_launcher_with_stdout_closed_still_runs_its_ranks():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr
     assert r.stderr.endswith("ranks returned [0, 1]"), r.stderr
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.timeout(90)
+def test_stop_forkserver_ends_it_and_the_next_job_starts_another(monkeypatch):
+    # What the command line does once its command is done (a server it started early and
+    # never used would go on importing torch after the command ended).
+    monkeypatch.delenv(start.ENV, raising=False)
+    if start.method() != "forkserver":
+        pytest.skip("no forkserver on this platform")
+    server = launch.spawn(_parent_pid, 1)[0]
+    start.stop_forkserver()
+    end = time.monotonic() + 5
+    while _state(server) not in ("Z", "gone") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _state(server) in ("Z", "gone")
+    assert launch.spawn(_parent_pid, 1)[0] not in (server, os.getpid())
+    assert multiprocessing.active_children() == []

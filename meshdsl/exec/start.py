@@ -90,6 +90,24 @@ def prestart() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def stop_forkserver() -> None:
+    """End this process's forkserver now, if it has one.
+
+    For the command line once its command is done (every rank has ended by
+    then): a server it started early and never used would otherwise go on
+    importing torch, and outlive the command by a second or two.
+    """
+    from multiprocessing import forkserver
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if not pid:
+        return
+    try:
+        # Not reaped here: multiprocessing reaps it, and starts a new one if a job follows.
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # already gone
+        pass
+
+
 def start_process(ctx, make):
     """Start the process ``make()`` returns, and return it.
 

@@ -62,8 +62,13 @@ def starts_ranks(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if starts_ranks(argv):
-        from ..exec.start import prestart
-        prestart()
-    from .cli import main as cli_main
-    return cli_main(argv)
+    if not starts_ranks(argv):
+        from .cli import main as cli_main
+        return cli_main(argv)
+    from ..exec.start import prestart, stop_forkserver
+    prestart()
+    try:
+        from .cli import main as cli_main
+        return cli_main(argv)
+    finally:
+        stop_forkserver()
