@@ -68,6 +68,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
+    if name == "__all__":  # ``from meshdsl import *``: every public name (which loads them all)
+        ops = _importlib.import_module(".ops", __name__)
+        return sorted(set(_EXPORTS) | set(ops.__all__))
     if name in _EXPORTS:
         module, attr = _EXPORTS[name]
         value = getattr(_importlib.import_module(module, __name__), attr)

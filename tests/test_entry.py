@@ -64,3 +64,9 @@ def test_from_import_and_operators_work_in_a_fresh_interpreter():
                  "    print(type(x + x).__name__)")
     assert out == "Tensor"
 
+
+
+def test_star_import_gives_every_public_name():
+    out = _fresh("from meshdsl import *\n"
+                 "print(einsum.__name__, fit.__name__, Mesh.__name__, search_layouts.__name__)")
+    assert out == "einsum fit Mesh search"
