@@ -37,7 +37,7 @@ from ..layout.mesh import Mesh
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
 from .failures import STALE_S, describe, failure_error, timeout_error
 from .start import (TORCHRUN_ENV, adopt_stdio, context, die_with_parent, in_torchrun, launcher_stdio,
-                    name_process, start_process)
+                    name_process, sigint_blocked, start_process)
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 _HOST = "127.0.0.1"
@@ -168,22 +168,19 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
     alive_r, alive_w = ctx.Pipe(duplex=False)
     stdio = launcher_stdio()
     try:
-        # Children start with SIGINT blocked (the mask survives exec and fork, and the
-        # forkserver is started under it): a Ctrl-C reaches the whole foreground group, and
-        # only the parent should act on it, by stopping them.
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        # Children start with SIGINT blocked: only the parent acts on a Ctrl-C, by stopping them.
         try:
-            for rank in range(nproc):
-                reader, writer = ctx.Pipe(duplex=False)
-                p = start_process(ctx, lambda: ctx.Process(
-                    target=_child, name=f"meshdsl-rank{rank}", args=(
-                        rank, nproc, connect, port, backend, collective_timeout, mesh, verbose,
-                        fn, args, writer, alive_r, dict(os.environ), stdio)))
-                writer.close()  # so that the reader sees EOF when the child dies
-                procs.append(p)
-                readers.append(reader)
+            with sigint_blocked():
+                for rank in range(nproc):
+                    reader, writer = ctx.Pipe(duplex=False)
+                    p = start_process(ctx, lambda: ctx.Process(
+                        target=_child, name=f"meshdsl-rank{rank}", args=(
+                            rank, nproc, connect, port, backend, collective_timeout, mesh, verbose,
+                            fn, args, writer, alive_r, dict(os.environ), stdio)))
+                    writer.close()  # so that the reader sees EOF when the child dies
+                    procs.append(p)
+                    readers.append(reader)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             alive_r.close()
         # A heartbeat older than the collective timeout cannot be a rank that waits in a
         # collective (it would have timed out); a floor of several beats absorbs load.

@@ -14,6 +14,7 @@ fresh-interpreter start instead.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -59,6 +60,18 @@ def context():
     return ctx
 
 
+@contextlib.contextmanager
+def sigint_blocked():
+    """Block SIGINT in this thread meanwhile: ranks, and a forkserver, started inside inherit
+    the mask (it survives exec and fork), so a Ctrl-C that reaches the whole foreground group
+    is acted on by the launcher alone, which stops them."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def in_torchrun() -> bool:
     """True when the torchrun environment (RANK, WORLD_SIZE, ...) is set."""
     return all(k in os.environ for k in TORCHRUN_ENV)
@@ -81,13 +94,8 @@ def prestart() -> None:
     if ctx.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
-    # Started with SIGINT blocked, as :func:`meshdsl.exec.launch.spawn` starts it: its ranks
-    # inherit the mask, and only the launcher acts on a Ctrl-C.
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
+    with sigint_blocked():
         forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def stop_forkserver() -> None:
@@ -119,20 +127,20 @@ def start_process(ctx, make):
     Raises:
       DistributedError: the process could not be started.
     """
-    for attempt in range(_START_TRIES):
+    tries = _START_TRIES if ctx.get_start_method() == "forkserver" else 1
+    for attempt in range(1, tries + 1):
         process = make()
         try:
             process.start()
             return process
         except (EOFError, OSError) as e:
-            if ctx.get_start_method() != "forkserver" or attempt == _START_TRIES - 1:
+            if attempt == tries:
                 raise DistributedError(message(
                     f"cannot start a rank's process ({ctx.get_start_method()}): "
                     f"{type(e).__name__}: {e or 'the server closed the connection'}",
                     rule="each rank is a process of this machine",
                     fix=f"see the error above; with a broken forkserver, set {ENV}=spawn")) from None
-            time.sleep(_RETRY_S)
-    raise AssertionError("unreachable")
+        time.sleep(_RETRY_S)
 
 
 class InheritedFd:
