@@ -173,6 +173,16 @@ def build_case(fn, *, loss: bool = True, whole=(), seed: int = 0) -> Case:
     return case
 
 
+def assert_matches_scaled(got: dict, want: dict, what: str, rel: float) -> None:
+    """Every output of ``got`` equals ``want``'s within ``rel`` of that output's largest
+    magnitude (a program that sums micro-batches or shards in another order than the dense
+    one differs by fp32 rounding only; a lost or doubled part is off by O(1))."""
+    assert set(got) == set(want)
+    for k, ref in want.items():
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(got[k], ref, rtol=rel, atol=rel * scale, msg=lambda m, k=k: f"{what}: '{k}': {m}")
+
+
 def check_plan(case: Case, mesh: str, layout) -> None:
     plan = md.compile(case.outputs, mesh, layout)
     got = md.run_simulated(plan, case.feeds)

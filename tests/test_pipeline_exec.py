@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import meshdsl as md
+from conftest import assert_matches_scaled
 from meshdsl.exec.simulated import SimulatedComm
 from meshdsl.lowering.schedule_gen import peak_theory
 from meshdsl.lowering.timeline import bubble_from_timeline
@@ -39,10 +40,7 @@ def _reference(cfg=CFG):
 
 
 def _assert_matches(got, want, what):
-    assert set(got) == set(want)
-    for k, ref in want.items():
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(got[k], ref, rtol=REL, atol=REL * scale, msg=lambda m, k=k: f"{what}: '{k}': {m}")
+    assert_matches_scaled(got, want, what, REL)
 
 
 def _run(outs, feeds, mesh, layout, m, schedule):

@@ -85,6 +85,7 @@ def _order(schedule, held_stages):
 
 
 @step_rule("pipeline")
+@step_rule("accumulate")
 def _prepare_pipeline(ex, i, step):
     a = step.args
     plan, comm, mesh = ex.plan, ex.comm, ex.plan.mesh
@@ -93,9 +94,10 @@ def _prepare_pipeline(ex, i, step):
     segments = [(prologue.steps, a["stages"][0]), (forward.steps, a["stages"][1]),
                 (backward.steps, a["stages"][2]), (final.steps, a["stages"][3])]
     carry = set(a["carry_tags"])
-    local_layers = next(s.times for s in forward.steps if s.kind == "repeat")
-    coords = {r: mesh.coords(r) for r in comm.ranks}
-    held_stages = sorted({c[ax] for c in coords.values()})
+    local_layers = next((s.times for s in forward.steps if s.kind == "repeat"), 0)
+    coords = {r: mesh.coords(r) for r in comm.ranks}  # an accumulate step: one stage, no axis
+    stage_of = {r: c[ax] if ax is not None else 0 for r, c in coords.items()}
+    held_stages = sorted(set(stage_of.values()))
     # Each held rank's micro-batch-0 twin: the rank a micro-batch sum accumulates on.
     base = {r: r if mb_axis is None else mesh.rank({**c, mb_axis: 0}) for r, c in coords.items()}
     store: dict = {}   # value id -> {rank: tensor}, for one run
@@ -114,7 +116,7 @@ def _prepare_pipeline(ex, i, step):
     def view_of(stages, mb=None):
         key = (stages, mb)
         if key not in views:
-            ranks = tuple(r for r in comm.ranks if coords[r][ax] in stages
+            ranks = tuple(r for r in comm.ranks if stage_of[r] in stages
                           and (mb is None or mb_axis is None or coords[r][mb_axis] == mb))
             views[key] = _view(comm, ranks) if ranks else None
         return views[key]
@@ -218,7 +220,7 @@ def _prepare_pipeline(ex, i, step):
     opened = []
 
     def call(env, get, run):
-        if not opened:
+        if offsets and not opened:
             comm.open_pipe((ax,), offsets)
             opened.append(True)
         store.clear()

@@ -18,6 +18,7 @@ from ..layout.sharding import Sharding
 from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
+from .accumulate import accumulate
 from .partition import partition
 from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
@@ -322,6 +323,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     holders = {}
     if spec is not None and spec.axis is not None:
         steps, holders = partition(steps, lw.values, outs, spec, bucket_mb)
+    elif spec is not None and spec.num_microbatches > 1:  # gradient accumulation: one micro-batch at a time
+        steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
     else:
         steps = bucket_steps(steps, lw.values, outs, bucket_mb)
     plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..layout.sharding import Sharding
 from .plan import Plan
+from .timeline import simulate
 
 KEYS = ("params", "grads", "optimizer", "activations_peak")
 
@@ -30,7 +31,10 @@ def _activation_peak(plan: Plan, skip: set[int]) -> int:
             last[v] = i
     live = peak = 0
     for i, s in enumerate(plan.steps):
-        inner = max((_activation_peak(sub, set()) for sub in s.subplans), default=0)
+        if s.kind in ("pipeline", "accumulate"):
+            inner = _pipeline_peak(s, mesh)
+        else:
+            inner = max((_activation_peak(sub, set()) for sub in s.subplans), default=0)
         for v in s.outs:
             if v not in skip and s.kind not in ("param", "input"):
                 live += plan.values[v].local_bytes(mesh)
@@ -39,6 +43,24 @@ def _activation_peak(plan: Plan, skip: set[int]) -> int:
             if last.get(v) == i and v not in skip and v in plan.values and not _is_leaf(plan, v):
                 live -= plan.values[v].local_bytes(mesh)
     return peak
+
+
+def _pipeline_peak(step, mesh) -> int:
+    """A pipeline's (or an accumulate step's) activations at their peak, on its busiest stage:
+    the larger of its segments' own peaks (one micro-batch's), plus, for each further
+    micro-batch its schedule holds at once (GPipe: all m, 1F1B: p - rank), what that
+    micro-batch's forward keeps for its backward there."""
+    _, forward, backward, _ = step.subplans
+    read_back = {v for s in backward.steps for v in s.ins}
+    held = [r.peak_activations for r in simulate(step.args["schedule"]).ranks]
+    kept = [0] * len(held)
+    for s, stages in zip(forward.steps, step.args["stages"][1]):
+        for v in s.outs:
+            if v in read_back:
+                for k in stages:
+                    kept[k] += forward.values[v].local_bytes(mesh)
+    own = max(_activation_peak(sub, set()) for sub in step.subplans)
+    return own + max((h - 1) * b for h, b in zip(held, kept))
 
 
 def _is_leaf(plan: Plan, vid: int) -> bool:

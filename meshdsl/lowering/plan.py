@@ -152,14 +152,18 @@ class Plan:
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "notes", tuple(self.notes))
 
-    def collectives(self):
-        """Every collective step, sub-plans included, with how often it runs per run of the plan."""
+    def walk(self):
+        """Every step, sub-plans' steps included (before the step that runs them), with how
+        often it runs per run of the plan."""
         for s in self.steps:
             for k, sub in enumerate(s.subplans):
-                for c, mult in sub.collectives():
+                for c, mult in sub.walk():
                     yield c, mult * s.runs(k)
-            if s.is_collective:
-                yield s, 1
+            yield s, 1
+
+    def collectives(self):
+        """Every collective step, sub-plans included, with how often it runs per run of the plan."""
+        return ((s, mult) for s, mult in self.walk() if s.is_collective)
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Collective count and bytes per kind, e.g. ``{"allreduce": {"count": 2, "bytes": 8}}``."""

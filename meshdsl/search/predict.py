@@ -36,6 +36,7 @@ from ..collectives import COLLECTIVES
 from ..exec.executor import issue_order
 from ..exec.sink import matmul_producer
 from ..lowering.memory import memory_report
+from ..lowering.fuse import IDENTITY
 from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..lowering.plan import Plan, Step
 from ..lowering.schedule import split_backward
@@ -123,6 +124,8 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, shar
         return adds + once if real != tuple(step.axes) else serial * once
     if step.kind != "local":
         return 0.0
+    if step.op in IDENTITY:  # hands its input on (a gradient's name): no kernel runs
+        return serial * dispatch
     nbytes = sum(plan.values[v].local_bytes(mesh) for v in (*step.ins, *step.outs) if v in plan.values)
     # Processes share the cores; a process's micro-batches (the virtual axis) run one after another.
     return serial * (cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, nproc) + dispatch)
@@ -176,7 +179,7 @@ class _Walk:
                     if s.kind not in ASYNC_KINDS or not self.overlap:
                         cpu = end
                 else:
-                    if dur:
+                    if dur or s.kind == "local":   # an identity costs its dispatch only, maybe 0
                         self.computed = True
                         self.kernel_calls += mult
                         self.compute += mult * dur
@@ -267,8 +270,9 @@ def predict(plan: Plan, cal: Calibration) -> Prediction:
     """
     w = _Walk(cal, plan.mesh.axis_size(process_axes(plan.mesh.names)))
     mb = plan.mesh.axis_size((MB_AXIS,)) if MB_AXIS in plan.mesh.names else 1
-    has_pipeline = any(s.kind == "pipeline" for s in plan.steps)
-    total = w.plan_time(plan, 1, serial=1 if has_pipeline else mb)
+    # A pipeline or an accumulate step counts its micro-batches itself (its segments' runs).
+    segmented = any(s.kind in ("pipeline", "accumulate") for s in plan.steps)
+    total = w.plan_time(plan, 1, serial=1 if segmented else mb)
     comm_bytes = sum(t["bytes"] for t in process_totals(plan).values())
     exposed = max(0.0, total - w.compute - w.bubble)
     return Prediction(total, w.compute, w.comm, min(exposed, w.comm), w.bubble, memory_report(plan), comm_bytes,

@@ -196,13 +196,21 @@ def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -
     for i, r in enumerate(rows):
         c, p = r.candidate, r.prediction
         t.add_row(str(i + 1), c.mesh, c.layout or "(replicated)",
-                  f"m={c.microbatches} {c.schedule}" if c.pipelined else "",
+                  _pipeline_cell(c),
                   f"{p.step_s * 1e3:.2f}", _mb(p.memory_bytes), _mb(p.comm_bytes),
                   *((f"{measured[id(r)] * 1e3:.2f}",) if measured is not None else ()))
     console.print(t)
     best = rows[0].candidate
-    flags = f" --microbatches {best.microbatches} --schedule {best.schedule}" if best.pipelined else ""
+    flags = (f" --microbatches {best.microbatches}" if best.microbatches > 1 else "") + \
+        (f" --schedule {best.schedule}" if "layer:" in best.layout else "")
     console.print(f"best: --mesh '{best.mesh}' --layout '{best.layout}'{flags}", highlight=False, soft_wrap=True)
+
+
+def _pipeline_cell(c) -> str:
+    """The table's pipeline column: micro-batches and schedule, or a gradient accumulation."""
+    if "layer:" in c.layout:
+        return f"m={c.microbatches} {c.schedule}"
+    return f"accum {c.microbatches}" if c.microbatches > 1 else ""
 
 
 def explain(ranked: list[Ranked]) -> list[str]:

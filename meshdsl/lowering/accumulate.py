@@ -1,0 +1,84 @@
+"""Gradient accumulation without a pipeline: a process runs its micro-batches one at a time.
+
+A plan compiled with ``microbatches=m`` and no pipeline axis is lowered on the mesh
+plus the virtual micro-batch axis (:mod:`.pipeline`), so its local shapes are one
+micro-batch's.  Run step by step as it is, a process would hold its ``m`` micro-batch
+ranks side by side: every kernel on all of them in turn, every activation ``m`` times
+over, and no memory saved by accumulating.  Here the steps are cut into the four
+segments of a pipeline step with one stage (:mod:`.partition`), an ``accumulate`` step:
+
+* **prologue** (once): steps that read no input (param re-layouts);
+* **forward** (per micro-batch): the forward pass up to the loss;
+* **backward** (per micro-batch): from the loss's gradient on, everything that still
+  varies per micro-batch (a step in the backward or update phase, or one reading such a
+  step's result);
+* **final** (once): the sums over the micro-batch axis (the gradients, the loss mean) and
+  all that reads them (their allreduces over the other axes, clipping, the update).
+
+The schedule is one stage's 1F1B, ``F0 B0 F1 B1 ...``: a micro-batch's activations are
+dropped once its backward is done, and its gradients are added in place into one running
+sum per gradient (the pipeline runtime's accumulator, :mod:`meshdsl.exec.pipeline`).  What
+does not vary per micro-batch (FSDP's gathered params) is made once, in the prologue, and
+held for the whole step: one gather per step, not one per micro-batch.  The executor, the
+cost model and the memory report read the step as they read a pipeline.
+"""
+from __future__ import annotations
+
+from .bucket import bucket_final
+from .partition import ACT_TAG, GRAD_TAG, SEGMENTS
+from .pipeline import MB_AXIS
+from .plan import Plan, Step, register_step_kind, step_args
+from .schedule_gen import make_schedule
+
+# The pipeline step's fields (see .partition): axis None, one stage.
+register_step_kind("accumulate", ("axis", "num_stages", "microbatches", "mb_axis", "schedule", "stages",
+                                  "carry_tags"))
+
+ONE = frozenset({0})
+
+
+def segments(steps) -> list[str | None]:
+    """Per step: its segment (a name of :data:`~.partition.SEGMENTS`), None for params and inputs."""
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+    per_mb, mb_vals = [], set()
+    for s in steps:
+        varies = s.kind == "input" or any(v in mb_vals for v in s.ins)
+        per_mb.append(varies)
+        if varies:
+            mb_vals.update(s.outs)
+    out: list[str | None] = []
+    for i, s in enumerate(steps):
+        came_from = {out[producer[v]] for v in s.ins if v in producer}
+        if s.kind in ("param", "input"):
+            out.append(None)
+        elif not per_mb[i]:
+            out.append("prologue")
+        elif (s.is_collective and MB_AXIS in s.axes) or "final" in came_from:
+            out.append("final")
+        elif s.phase != "forward" or "backward" in came_from:
+            out.append("backward")
+        else:
+            out.append("forward")
+    return out
+
+
+def accumulate(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0) -> list[Step]:
+    """``steps`` (lowered with the micro-batch axis, no pipeline) as the leaves plus one
+    ``accumulate`` step; the final segment's gradient allreduces are bucketed as a pipeline's."""
+    mesh, m = spec.mesh, spec.num_microbatches
+    seg = segments(steps)
+    lists = {k: [(s, ONE) for s, g in zip(steps, seg) if g == k] for k in SEGMENTS}
+    in_actions = {v for k in ("forward", "backward") for s, _ in lists[k] for v in s.outs}
+    lists["final"] = bucket_final(lists["final"], values, outputs, bucket_mb, in_actions)
+    leaves = [s for s, g in zip(steps, seg) if g is None]
+    made = {v for s, g in zip(steps, seg) if g is not None for v in s.outs}
+    sched = make_schedule("1f1b", 1, m)
+    step = Step("accumulate", -1, "accumulate", f"accumulate ({m} micro-batches)", "forward",
+                tuple(v for s in leaves for v in s.outs), tuple(sorted(set(outputs.values()) & made)), (),
+                step_args("accumulate", {
+                    "axis": None, "num_stages": 1, "microbatches": m, "mb_axis": MB_AXIS, "schedule": sched,
+                    "stages": tuple(tuple((0,) for _ in lists[k]) for k in SEGMENTS),
+                    "carry_tags": (ACT_TAG, GRAD_TAG)}),
+                subplans=tuple(Plan(mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in SEGMENTS),
+                sub_times=(1, m, m, 1))
+    return leaves + [step]
