@@ -147,3 +147,20 @@ def test_a_stage_that_sends_a_gradient_runs_its_weight_gradients_after_the_send(
     assert not any(a.kind == "W" for row in plain.last_timeline for a, *_ in row)
     for k in want:
         assert torch.equal(got[k], again[k]), k
+
+
+@pytest.mark.parametrize("mesh, layout", [("data:1", ""), ("model:2", "d_ff:model")])
+def test_a_matmul_outside_the_repeat_adds_later_micro_batches_into_its_sum(calls, mesh, layout):
+    """The MLP's two weight gradients are einsums outside any loop: under accumulation the
+    first micro-batch's product becomes the running sum, and the three later ones add into it
+    (exec/sink.py product_sums), on every rank."""
+    model = md.load_model("mlp", tiny=True)
+    outs = training_outputs(model.loss, model.params, 0.1, with_grads=True)
+    feeds = model.feeds(0)
+    want = md.run_dense(outs, feeds)
+    m = 4
+    plan = md.compile(outs, mesh, layout, microbatches=m)
+    ex = Executor(plan, SimulatedComm(plan.mesh))
+    _matches(ex.full_outputs(ex.run(feeds)), want)
+    ranks = plan.mesh.size // m
+    assert calls == [(True, True)] * (m - 1) * len(model.params) * ranks

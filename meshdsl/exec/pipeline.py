@@ -44,7 +44,7 @@ from ..lowering.schedule import COMPUTE, Action, split_backward
 from ..lowering.timeline import simulate
 from .executor import donatable_params, donating_steps
 from .pipeline_store import Accumulator, ViewEnv, folded
-from .sink import Deferred
+from .sink import Deferred, adding_into_sum, product_sums
 from .steps import rule_for, step_rule, twins
 
 _PHASE = {"F": 1, "send_act": 1, "recv_act": 1, "B": 2, "send_grad": 2, "recv_grad": 2}
@@ -101,15 +101,15 @@ def _prepare_pipeline(ex, i, step):
     # Each held rank's micro-batch-0 twin: the rank a micro-batch sum accumulates on.
     base = {r: r if mb_axis is None else mesh.rank({**c, mb_axis: 0}) for r, c in coords.items()}
     store: dict = {}   # value id -> {rank: tensor}, for one run
-    # A backward loop's stacked gradients that only the final segment's sums read: the loop
-    # adds later micro-batches' into the first one's buffer itself (Accumulator.into).
+    # A backward loop's stacked gradients, and the products of matmuls, that only the final
+    # segment's sums read: later micro-batches add into the first one's (Accumulator.into).
     read = {v for steps, _ in segments[:3] for s in steps for v in s.ins}
-    fresh = {v for s in backward.steps if s.kind == "repeat" for v in s.outs[1:]} - read
-    acc = Accumulator(store, base, mb_axis, folded(step, mb_axis), fresh)
-    # Per stage, those gradients: all may wait for a W; the summed ones are added into.
-    later = {stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in fresh)
-             for stage in held_stages}
-    summed = {stage: tuple(v for v in vs if v in acc.fresh) for stage, vs in later.items()}
+    fresh, sums = {v for s in backward.steps if s.kind == "repeat" for v in s.outs[1:]} - read, \
+        product_sums(backward, read)
+    acc = Accumulator(store, base, mb_axis, folded(step, mb_axis), fresh | set(sums))
+    # Per stage: the loops' gradients (they may wait for a W), and the sums added into.
+    later, summed = ({stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in vs)
+                      for stage in held_stages} for vs in (fresh, acc.fresh))
     views: dict = {}
     final_donations = _final_donations(ex, step) if ex.donates else set()
 
@@ -139,6 +139,8 @@ def _prepare_pipeline(ex, i, step):
             if seg == 3 and j in final_donations and (len(view.ranks) == 1 or twins(sx, s) is not None):
                 sx.donated = frozenset({j})   # the update overwrites its param (see Executor.donated)
             call, get = rule_for(s.kind)(sx, j, s), env.get
+            if seg == 2 and s.outs and sums.get(s.outs[0]) == j:
+                call = adding_into_sum(call, s)
             go = lambda run: call(env, get, run)  # noqa: E731
         return go if s.subplans else _timed(s.kind, go)  # a repeat times its own steps
 
@@ -191,10 +193,10 @@ def _prepare_pipeline(ex, i, step):
             elif is_carry and (s.kind == "send") == act.is_send:
                 thunks.append(prepared(seg, j, (stage,), view))
         if act.kind == "B" and summed[stage]:
-            thunks.append(_done_adding)
+            thunks.append(_done)
         if act.kind == "B" and later[stage] and key in has_w:
             deferred[key] = Deferred(later[stage])
-            thunks = [_deferring(deferred[key]), *thunks, _done_deferring]
+            thunks = [_deferring(deferred[key]), *thunks, _done]
         program.append((stage, act, thunks))
     for rs in posted.values():  # taking one posts the next
         for r, nxt in zip(rs, rs[1:]):
@@ -297,11 +299,6 @@ def _adding_into(acc, ranks, values):
     return go
 
 
-def _done_adding(run):
-    """Clears ``run.into`` after a B action."""
-    run.into = None
-
-
 def _deferring(deferred):
     """Sets ``run.defer`` for a B action whose weight-gradient matmuls wait for its send."""
     def go(run):
@@ -309,8 +306,9 @@ def _deferring(deferred):
     return go
 
 
-def _done_deferring(run):
-    run.defer = None
+def _done(run):
+    """Clears ``run.into`` and ``run.defer`` after a B action."""
+    run.into = run.defer = None
 
 
 def _flushing(deferred):

@@ -18,6 +18,11 @@ matmuls off until that send has gone (:class:`Deferred`), so the previous stage
 can start its backward while this one finishes the weight gradients (the split
 of zero-bubble pipeline schedules).  The loop points :attr:`Sink.later` at the
 list they go to.
+
+A matmul outside any loop whose product a pipeline (or gradient accumulation) only sums
+over the micro-batches (the MLP's weight gradients) gets the same treatment from the
+pipeline runtime: the first micro-batch's product becomes the running sum and every later
+one adds into it (:func:`product_sums`, :func:`adding_into_sum`).
 """
 from __future__ import annotations
 
@@ -112,3 +117,26 @@ def install(ex, vid: int) -> Sink | None:
                     for x, y, d in zip(get(a), get(b), dst)]
     ex.calls[i] = call
     return sink
+
+
+def product_sums(plan, read) -> dict[int, int]:
+    """Value id -> position, for each matmul step of ``plan`` (a pipeline's backward segment)
+    whose product nothing but the final segment reads (no value of ``read``): a micro-batch's
+    share of a sum over the micro-batches (a weight gradient outside the repeat), which the
+    pipeline's accumulator may keep as the running sum for later micro-batches to add into."""
+    return {s.outs[0]: j for j, s in enumerate(plan.steps)
+            if s.kind == "local" and len(s.outs) == 1 and s.outs[0] not in read
+            and matmul_producer(plan, s.outs[0]) == j}
+
+
+def adding_into_sum(call, s):
+    """``call`` of matmul step ``s`` (one of :func:`product_sums`), adding its product into the
+    running sum that ``run.into`` holds for it, in one BLAS call (no product to allocate and add)."""
+    form, (a, b), (vid,) = s.args["attrs"]["form"], s.ins, s.outs
+
+    def go(env, get, run):
+        into = run.into.get(vid) if run.into else None
+        if into is None:
+            return call(env, get, run)
+        env[vid] = [form.matmul_into(x, y, d, True) for x, y, d in zip(get(a), get(b), into)]
+    return go
