@@ -57,6 +57,8 @@ def starts_ranks(argv: list[str]) -> bool:
     if command == "check":
         return False  # without --nproc, check runs the simulated mesh in this process
     mesh = _option(argv, "--mesh")
+    # train without --mesh picks one from the model's size (tools/train_cli.py auto_mesh):
+    # one process for its default model, so no guess of several.
     return mesh is not None and _mesh_size(mesh) >= 2
 
 
