@@ -25,14 +25,12 @@ cost model and the memory report read the step as they read a pipeline.
 from __future__ import annotations
 
 from .bucket import bucket_final
-from .partition import ACT_TAG, GRAD_TAG, SEGMENTS
+from .partition import ACT_TAG, FIELDS, GRAD_TAG, SEGMENTS
 from .pipeline import MB_AXIS
 from .plan import Plan, Step, register_step_kind, step_args
 from .schedule_gen import make_schedule
 
-# The pipeline step's fields (see .partition): axis None, one stage.
-register_step_kind("accumulate", ("axis", "num_stages", "microbatches", "mb_axis", "schedule", "stages",
-                                  "carry_tags"))
+register_step_kind("accumulate", FIELDS)   # the pipeline step's fields: axis None, one stage
 
 ONE = frozenset({0})
 

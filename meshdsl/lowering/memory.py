@@ -8,7 +8,9 @@ rules give it (``grads.`` over ``params.``), so ZeRO arithmetic shows: on
 every param named ``opt/...``.  Peak activations follow the plan's own order:
 values are live from the step that makes them to their last reader (sub-plans
 count their own peak on top of what is live around them); params, state,
-inputs and the outputs that replace params are not activations.
+inputs and the outputs that replace params are not activations.  A pipeline (or gradient
+accumulation) holds as many micro-batches' saved activations as its schedule keeps in
+flight: m under GPipe, p - rank under 1F1B, one when accumulating.
 """
 from __future__ import annotations
 

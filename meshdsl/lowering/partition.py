@@ -37,8 +37,8 @@ from .schedule_gen import SCHEDULES, make_schedule
 # axis: the stage axis; num_stages, microbatches; mb_axis: the virtual micro-batch axis (None for m = 1);
 # schedule: a lowering.schedule.Schedule; stages: per segment (prologue, forward, backward, final), per
 # step, the stages running it; carry_tags: tags of the carry's (activation, gradient) transfers.
-register_step_kind("pipeline", ("axis", "num_stages", "microbatches", "mb_axis", "schedule", "stages",
-                                "carry_tags"))
+FIELDS = ("axis", "num_stages", "microbatches", "mb_axis", "schedule", "stages", "carry_tags")
+register_step_kind("pipeline", FIELDS)
 
 ACT_TAG, GRAD_TAG = 0, 1
 SEGMENTS = ("prologue", "forward", "backward", "final")

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from ..collectives import COLLECTIVES
 from ..exec.executor import issue_order
 from ..exec.sink import matmul_producer
-from ..lowering.memory import memory_report
 from ..lowering.fuse import IDENTITY
+from ..lowering.memory import memory_report
 from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..lowering.plan import Plan, Step
 from ..lowering.schedule import split_backward
