@@ -238,3 +238,18 @@ def test_train_bucket_mb_reaches_the_training_step(capsys, tmp_path):
     assert "bucket_allreduce" not in kinds[0.0] and kinds[0.0]["allreduce"]["count"] > 1
     assert kinds[25.0]["bucket_allreduce"]["count"] >= 1
     assert kinds[25.0].get("allreduce", {"count": 0})["count"] < kinds[0.0]["allreduce"]["count"]
+
+
+def test_train_accum_takes_the_same_steps_one_micro_batch_at_a_time(capsys, tmp_path):
+    """--accum 2 gives the losses of the whole-batch run, and its step is an accumulate step
+    (lowering/accumulate.py: a process holds one micro-batch's activations at a time)."""
+    losses = {}
+    for accum in (1, 2):
+        out_dir = tmp_path / f"a{accum}"
+        rc, out, err = run(capsys, "train", *TINY, "--steps", "3", "--accum", str(accum), "--out", str(out_dir))
+        assert rc == 0, err
+        losses[accum] = [r["loss"] for r in read_metrics(out_dir)]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
+    step = build_step(load_model("transformer", tiny=True), TrainSpec(mesh="data:1", microbatches=2),
+                      SimulatedComm(Mesh.parse("data:1")))
+    assert [s.kind for s in step.plan.steps if s.kind not in ("param", "input")] == ["accumulate"]
