@@ -103,17 +103,8 @@ def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpip
 def _activation_bytes(plan) -> list[int]:
     """Per stage, bytes of one micro-batch's activations: what its forward makes and its backward
     reads (values made by the forward segment's steps of that stage, read by the backward's)."""
-    pipe = next(s for s in plan.steps if s.kind == "pipeline")
-    _, forward, backward, _ = pipe.subplans
-    p = pipe.args["num_stages"]
-    read_back = {v for s in backward.steps for v in s.ins}
-    out = [0] * p
-    for s, stages in zip(forward.steps, pipe.args["stages"][1]):
-        for v in s.outs:
-            if v in read_back:
-                for k in stages:
-                    out[k] += plan.values[v].local_bytes(plan.mesh)
-    return out
+    from meshdsl.lowering.memory import saved_bytes
+    return saved_bytes(next(s for s in plan.steps if s.kind == "pipeline"), plan.mesh)
 
 
 def _floor_names(ms) -> tuple[str, str]:

@@ -104,12 +104,13 @@ def _prepare_pipeline(ex, i, step):
     # A backward loop's stacked gradients, and the products of matmuls, that only the final
     # segment's sums read: later micro-batches add into the first one's (Accumulator.into).
     read = {v for steps, _ in segments[:3] for s in steps for v in s.ins}
-    fresh, sums = {v for s in backward.steps if s.kind == "repeat" for v in s.outs[1:]} - read, \
-        product_sums(backward, read)
+    fresh = {v for s in backward.steps if s.kind == "repeat" for v in s.outs[1:]} - read
+    sums = product_sums(backward, read)
     acc = Accumulator(store, base, mb_axis, folded(step, mb_axis), fresh | set(sums))
     # Per stage: the loops' gradients (they may wait for a W), and the sums added into.
-    later, summed = ({stage: tuple(v for s, st in zip(*segments[2]) if stage in st for v in s.outs if v in vs)
-                      for stage in held_stages} for vs in (fresh, acc.fresh))
+    made = {stage: [v for s, st in zip(*segments[2]) if stage in st for v in s.outs] for stage in held_stages}
+    later = {stage: tuple(v for v in vs if v in fresh) for stage, vs in made.items()}
+    summed = {stage: tuple(v for v in vs if v in acc.fresh) for stage, vs in made.items()}
     views: dict = {}
     final_donations = _final_donations(ex, step) if ex.donates else set()
 

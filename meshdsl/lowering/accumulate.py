@@ -25,7 +25,7 @@ cost model and the memory report read the step as they read a pipeline.
 from __future__ import annotations
 
 from .bucket import bucket_final
-from .partition import ACT_TAG, FIELDS, GRAD_TAG, SEGMENTS
+from .partition import ACT_TAG, FIELDS, GRAD_TAG, SEGMENTS, varies_per_microbatch
 from .pipeline import MB_AXIS
 from .plan import Plan, Step, register_step_kind, step_args
 from .schedule_gen import make_schedule
@@ -38,12 +38,7 @@ ONE = frozenset({0})
 def segments(steps) -> list[str | None]:
     """Per step: its segment (a name of :data:`~.partition.SEGMENTS`), None for params and inputs."""
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
-    per_mb, mb_vals = [], set()
-    for s in steps:
-        varies = s.kind == "input" or any(v in mb_vals for v in s.ins)
-        per_mb.append(varies)
-        if varies:
-            mb_vals.update(s.outs)
+    per_mb = varies_per_microbatch(steps)
     out: list[str | None] = []
     for i, s in enumerate(steps):
         came_from = {out[producer[v]] for v in s.ins if v in producer}

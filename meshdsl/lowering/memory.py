@@ -52,17 +52,23 @@ def _pipeline_peak(step, mesh) -> int:
     the larger of its segments' own peaks (one micro-batch's), plus, for each further
     micro-batch its schedule holds at once (GPipe: all m, 1F1B: p - rank), what that
     micro-batch's forward keeps for its backward there."""
+    held = [r.peak_activations for r in simulate(step.args["schedule"]).ranks]
+    own = max(_activation_peak(sub, set()) for sub in step.subplans)
+    return own + max((h - 1) * b for h, b in zip(held, saved_bytes(step, mesh)))
+
+
+def saved_bytes(step, mesh) -> list[int]:
+    """Per stage of a pipeline (or accumulate) step, the bytes one micro-batch's forward keeps
+    for its backward there: values the forward segment makes on that stage and the backward reads."""
     _, forward, backward, _ = step.subplans
     read_back = {v for s in backward.steps for v in s.ins}
-    held = [r.peak_activations for r in simulate(step.args["schedule"]).ranks]
-    kept = [0] * len(held)
+    out = [0] * step.args["num_stages"]
     for s, stages in zip(forward.steps, step.args["stages"][1]):
         for v in s.outs:
             if v in read_back:
                 for k in stages:
-                    kept[k] += forward.values[v].local_bytes(mesh)
-    own = max(_activation_peak(sub, set()) for sub in step.subplans)
-    return own + max((h - 1) * b for h, b in zip(held, kept))
+                    out[k] += forward.values[v].local_bytes(mesh)
+    return out
 
 
 def _is_leaf(plan: Plan, vid: int) -> bool:

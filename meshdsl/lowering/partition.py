@@ -63,6 +63,18 @@ def _whole_batch_cause(steps, producer, final, i):
     return steps[i]
 
 
+def varies_per_microbatch(steps) -> list[bool]:
+    """Per step: whether it depends on the batch (an input, or a value made from one), so runs
+    once per micro-batch; the others run once."""
+    mb_vals: set[int] = set()
+    out = []
+    for s in steps:
+        out.append(s.kind == "input" or any(v in mb_vals for v in s.ins))
+        if out[-1]:
+            mb_vals.update(s.outs)
+    return out
+
+
 def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0):
     """Cut ``steps`` into a ``pipeline`` step; returns (top-level steps, holders).
 
@@ -89,13 +101,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     dy_pos = 1 + len(steps[F].args["names"])
     leaf = [s.kind in ("param", "input") for s in steps]
 
-    # Which steps depend on the batch (run per micro-batch) and which run once.
-    mb_vals: set[int] = set()
-    per_mb = [False] * len(steps)
-    for i, s in enumerate(steps):
-        if s.kind == "input" or any(v in mb_vals for v in s.ins):
-            per_mb[i] = True
-            mb_vals.update(s.outs)
+    per_mb = varies_per_microbatch(steps)
 
     # Stages: values anchored by the repeat's ends flow forward; the rest is placed by demand.
     held: dict[int, frozenset] = {}
