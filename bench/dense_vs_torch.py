@@ -2,7 +2,8 @@
 
 The torch side is the same model written by hand, nanoGPT-style (nn.Module,
 torch autograd, the same math), holding copies of meshdsl's initial weights,
-so both compute the same loss.  Steps alternate between the two, and the
+so both compute the same loss.  Both sides run in this process, on the allocator
+settings meshdsl's own processes use (``meshdsl.tune_malloc``).  Steps alternate between the two, and the
 table reports median times and the ratio meshdsl / torch (target <= 1.05).
 With ``--rounds N`` the whole measurement runs N times and the ratios' median
 and range are reported.  Results go to bench/results/dense_vs_torch[_update].json.
@@ -175,6 +176,9 @@ def bench(args) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     console = Console()
+    # Both sides share this process, so both run on the allocator meshdsl's own processes use.
+    console.print(f"malloc: {'tuned' if md.tune_malloc() else 'as is'} for both sides (meshdsl.tune_malloc; "
+                  "MESHDSL_MALLOC=default leaves it as is)")
     cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr, args.plan)
     md_loss, th_loss, gdiff = verify(prog, params, feeds, net, args.update)
     if args.update:  # the update variant checks the loss of the first step instead

@@ -210,6 +210,9 @@ def _timed(ms: list[float]) -> list[float]:
 def bench(args) -> int:
     console = Console(width=max(Console().width, 140))
     torch.set_num_threads(1)
+    # Both 1-process sides share this process (and every spawned rank tunes its own): both run
+    # on the allocator settings meshdsl's processes use, as `meshdsl train` does.
+    console.print(f"malloc: {'tuned' if md.tune_malloc() else 'as is'} for both sides (meshdsl.tune_malloc)")
     config = parse_config(args.config, load_model("transformer").config.__class__)
     cfg = load_model("transformer", **config).config
     tokens_per_step = cfg.batch * cfg.seq

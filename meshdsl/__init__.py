@@ -9,7 +9,8 @@ Public API (everything else lives in subpackages and may change):
 * layout: :class:`Mesh`, :class:`Layout`; compile: :func:`compile` -> :class:`Plan`
 * execution: :func:`run_dense`, :func:`run_simulated`, :class:`Executor`, :class:`PerRank`;
   communicators :class:`SimulatedComm` (every rank in one process) and
-  :class:`TorchComm` (one rank per process); processes: :func:`launch`, :func:`spawn`
+  :class:`TorchComm` (one rank per process); processes: :func:`launch`, :func:`spawn`;
+  :func:`tune_malloc` (keep a training step's memory in this process, as meshdsl's own processes do)
 * training and model files: :class:`Model` (what a model file's ``build`` returns),
   :func:`load_model`, :class:`TrainStep`, :func:`sgd`; optimizers :class:`SGD`, :class:`AdamW`,
   :class:`Adafactor`, :func:`cosine_schedule`; :func:`memory_report` (bytes per rank of a plan);
@@ -36,6 +37,7 @@ _EXPORTS = {
     "TorchComm": (".exec.distributed", "TorchComm"),
     **{n: (".exec.executor", n) for n in ("Executor", "PerRank")},
     **{n: (".exec.launch", n) for n in ("launch", "spawn")},
+    "tune_malloc": (".exec.malloc", "tune_malloc"),
     **{n: (".exec.simulated", n) for n in ("SimulatedComm", "run_simulated")},
     **{n: (".ir.autodiff", n) for n in ("grad", "vjp")},
     "DenseProgram": (".ir.interpret", "DenseProgram"),

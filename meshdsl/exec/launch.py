@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
+from . import malloc
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
 from .failures import STALE_S, describe, failure_error, timeout_error
 from .start import (TORCHRUN_ENV, adopt_stdio, context, die_with_parent, in_torchrun, launcher_stdio,
@@ -159,6 +160,7 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
     if mesh is not None:
         mesh = Mesh.parse(mesh)
         check_world_size(mesh, nproc)
+    malloc.mode()  # each rank tunes its allocator: a bad setting fails here, before any starts
     ctx = context()
     store, port = _host_store(collective_timeout, rdzv_host)
     connect = _HOST if rdzv_host in ("0.0.0.0", "::", "") else rdzv_host
@@ -313,6 +315,7 @@ def _child(rank, nproc, host, port, backend, collective_timeout, mesh, verbose, 
     os.environ.update(environ)
     name_process(f"meshdsl-rank{rank}")
     torch.set_num_threads(1)
+    malloc.tune_malloc()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
     if os.path.exists("/sys/class/net/lo"):

@@ -30,6 +30,7 @@ from ..errors import MeshDSLError, message
 from ..exec.dense import run_dense
 from ..exec.executor import Executor
 from ..exec.launch import in_torchrun
+from ..exec.malloc import tune_malloc
 from ..exec.simulated import SimulatedComm, run_simulated
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
+        tune_malloc()  # this process is meshdsl's: keep its steps' memory (exec/malloc.py)
         code = args.run(args)
     except MeshDSLError as e:
         _say(args, f"meshdsl {args.command}: error: {e}")
