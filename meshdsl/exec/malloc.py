@@ -2,10 +2,11 @@
 
 A training step allocates and frees the same large buffers (activations, gradients)
 every step.  glibc's ``malloc`` serves blocks above a moving threshold with fresh
-``mmap``s and trims the free top of its heap back to the kernel, so the next step
-page-faults the same memory in again, zeroed, a page at a time: thousands of faults
-per step for the default transformer (``resource.getrusage().ru_minflt``), and more
-for meshdsl's steps than for autograd's, whose frees come in another order.
+``mmap``s and trims the free top of its heap back to the kernel, so a later step can
+page-fault the same memory in again, zeroed, a page at a time
+(``resource.getrusage().ru_minflt``).  How often depends on what else the process
+allocates between steps: in ``bench/dense_vs_torch.py``, where meshdsl's steps
+alternate with torch's, meshdsl's faulted in thousands of pages each.
 
 :func:`tune_malloc` raises both thresholds once per process (``mallopt``): blocks up
 to 32 MiB come from the heap, and up to 1 GiB of free heap is kept for reuse.  The
