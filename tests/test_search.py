@@ -139,6 +139,7 @@ def test_a_space_of_over_a_thousand_candidates_is_searched_in_under_ten_seconds(
     assert r.num_candidates >= 1000 and r.ranked
 
 
+@pytest.mark.slow  # a timed scale check: the 64-process search above runs in the default suite
 def test_64_processes_24_layers_plan_in_under_a_minute(capsys):
     t0 = time.perf_counter()
     assert main(["search", "transformer", "--nproc", "64", "--config", "layers=24", "--top", "3"]) == 0
