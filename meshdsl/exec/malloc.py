@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import platform
 
-from ..errors import DistributedError, message
+from .start import env_choice
 
 ENV = "MESHDSL_MALLOC"
 MODES = ("tuned", "default")
@@ -35,12 +34,7 @@ _done: bool | None = None
 
 def mode() -> str:
     """``$MESHDSL_MALLOC``, checked: ``tuned`` (the default) or ``default``."""
-    chosen = os.environ.get(ENV, "").strip() or "tuned"
-    if chosen not in MODES:
-        raise DistributedError(message(f"{ENV}={chosen!r} is not a malloc setting meshdsl knows.",
-                                       rule=f"{ENV} is one of {', '.join(MODES)} (or unset: tuned)",
-                                       fix=f"unset {ENV}, or set it to default to leave malloc as it is"))
-    return chosen
+    return env_choice(ENV, MODES, "a malloc setting", "set it to default to leave malloc as it is")
 
 
 def tune_malloc() -> bool:
@@ -49,7 +43,7 @@ def tune_malloc() -> bool:
     Idempotent.  False off glibc, or with ``MESHDSL_MALLOC=default`` in the environment.
 
     Raises:
-      DistributedError: ``MESHDSL_MALLOC`` holds another value.
+      DistributedError: ``MESHDSL_MALLOC`` holds another value (see :func:`mode`).
     """
     global _done
     if _done is not None:

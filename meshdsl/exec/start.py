@@ -39,14 +39,21 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
+def env_choice(name: str, choices: tuple[str, ...], what: str, fix: str) -> str:
+    """``$name``, one of ``choices`` (unset or blank: the first); else a DistributedError
+    naming the value, the choices and ``fix`` (what to set instead)."""
+    chosen = os.environ.get(name, "").strip() or choices[0]
+    if chosen not in choices:
+        raise DistributedError(message(
+            f"{name}={chosen!r} is not {what} meshdsl knows",
+            rule=f"{name} is one of {', '.join(choices)} (or unset: {choices[0]})",
+            fix=f"unset {name}, or {fix}"))
+    return chosen
+
+
 def method() -> str:
     """The start method for ranks: ``$MESHDSL_START_METHOD``, else forkserver where it exists."""
-    chosen = os.environ.get(ENV, "").strip() or "forkserver"
-    if chosen not in METHODS:
-        raise DistributedError(message(
-            f"{ENV}={chosen!r} is not a start method meshdsl knows",
-            rule=f"{ENV} is one of {', '.join(METHODS)} (or unset: forkserver)",
-            fix=f"unset {ENV}, or set it to spawn for a fresh interpreter per rank"))
+    chosen = env_choice(ENV, METHODS, "a start method", "set it to spawn for a fresh interpreter per rank")
     if chosen == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     return chosen
