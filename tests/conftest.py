@@ -254,6 +254,13 @@ def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[
     return losses, norms
 
 
+def torchrun_env(tmp_path) -> dict:
+    """The environment of a torchrun under test: loopback, one thread, and its agent's log
+    folder (``torchelastic_*``, which torchrun leaves behind) under the test's own tmp_path."""
+    return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                TMPDIR=str(tmp_path))
+
+
 @pytest.fixture
 def one_torch_thread():
     """One torch thread for a test that trains in this process, as each spawned rank has, so

@@ -29,6 +29,8 @@ from meshdsl.lowering.schedule_gen import peak_theory
 from meshdsl.lowering.timeline import bubble_from_timeline
 from meshdsl.train.jobs import agree_plan
 from meshdsl.train.step import training_outputs
+
+from conftest import torchrun_env
 from models.transformer import Config, build
 
 REL = 1e-5  # as tests/test_pipeline_exec.py: rounding only, relative to each output's magnitude
@@ -140,7 +142,7 @@ def test_torchrun_pipelined_check(tmp_path):
     """Under torchrun (two processes, one per stage), `meshdsl check` of a pipelined layout matches dense."""
     import subprocess
     import sys
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = torchrun_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "0", "-m", "meshdsl", "check", "transformer", "--tiny", "--mesh", "stage:2",
            "--layout", "layer:stage", "--backend", "gloo", "--timeout", "60"]

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from conftest import torchrun_env
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -23,7 +25,7 @@ def _free_port() -> int:
 
 def test_two_node_torchrun_check(tmp_path):
     port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = torchrun_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "meshdsl-test",
            "--max-restarts", "0"]
@@ -52,7 +54,7 @@ def test_two_node_torchrun_check(tmp_path):
 def _torchrun_local(tmp_path, job, nproc=2, timeout=180):
     """One ``torchrun --nproc-per-node N -m meshdsl ...`` on loopback -> (exit code, output)."""
     port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = torchrun_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
            "-m", "meshdsl", *job]
