@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable
 
 from ..errors import ShapeError, did_you_mean, message
@@ -65,7 +66,7 @@ class Shape(tuple):
                                      fix="rename one of them, e.g. 'seq' and 'key_seq'"))
         return super().__new__(cls, dims)
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(d.name for d in self)
 

@@ -39,6 +39,7 @@ class Layout:
         self.source = source
         self._by_key: dict[tuple[str | None, str], Rule] = {}
         self._order: dict[tuple[str | None, str], int] = {}  # earlier rules win conflicts
+        self._targets: dict = {}  # (shape, scopes, mesh, strict) -> targets(...), computed once
         for i, r in enumerate(self.rules):
             key = r.key
             if key in self._by_key and self._by_key[key].axis_names != r.axis_names:
@@ -142,6 +143,15 @@ class Layout:
         axes is whole, and two dims never contend for one, so a plan on
         ``data:2; model:1`` is the plan on ``data:2``.
         """
+        key = (shape, scopes, mesh, strict)
+        hit = self._targets.get(key)
+        if hit is not None:   # what it returns does not depend on ``what`` (only its errors do)
+            return list(hit)
+        out = self._targets_of(shape, scopes, mesh, what, strict)
+        self._targets[key] = tuple(out)
+        return out
+
+    def _targets_of(self, shape, scopes, mesh, what, strict) -> list[tuple[Sharding, str]]:
         wanted = self.wanted(shape, scopes)
         for name, r in wanted.items():
             size = shape.get(name).size

@@ -126,8 +126,17 @@ class Mesh:
     def __str__(self) -> str:
         return "; ".join(f"{n}:{s}" for n, s in self.axes) or "(no axes)"
 
+    @cached_property
+    def _axis_sizes(self) -> dict:
+        return {}   # axes tuple -> product of their sizes: the compiler asks for the same few often
+
     def axis_size(self, axes) -> int:
         """Product of the sizes of ``axes`` (1 for none)."""
+        if type(axes) is tuple:
+            n = self._axis_sizes.get(axes)
+            if n is None:
+                n = self._axis_sizes[axes] = math.prod(self.sizes[a] for a in axes)
+            return n
         return math.prod(self.sizes[a] for a in axes)
 
     def check_axis(self, axis: str, context: str) -> None:

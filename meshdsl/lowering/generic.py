@@ -15,6 +15,7 @@ a reader needs the whole value (or reduce-scattered where it wants it split).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 from ..layout.sharding import Sharding
@@ -76,7 +77,7 @@ def lower_generic(lw, node) -> None:
     shs = [lw.sharding(v) for v in ins]
     modes = _partial_modes(lw, node, shs)
     comp = {o.name: spec.out_rename.get(o.name, o.name) for t in node.outputs for o in t.shape}
-    targets = [lw.targets(t) for t in node.outputs]
+    targets = [tuple(lw.targets(t)) for t in node.outputs]
 
     # Suggestions: compute-dim -> axes, from inputs and output targets.
     sources: list[dict[str, tuple[str, ...]]] = [dict(s.split) for s in shs]
@@ -91,8 +92,18 @@ def lower_generic(lw, node) -> None:
                 return (i, src[d].index(a))
         return (len(sources), mesh.names.index(a))
 
+    # Per output, what every candidate's pricing reads: its shape, targets, each dim's compute
+    # dim, and the 'sum'-reduced compute dims it lacks (it is a partial sum over their axes; an
+    # op may keep a reduced dim in one output: layer norm's backward, its input gradient).
+    outs_info = []
+    for t, tl in zip(node.outputs, targets):
+        pairs = tuple((o.name, comp[o.name]) for o in t.shape)
+        kept = {c for _, c in pairs}
+        sum_dims = tuple(d for d, kind in spec.reduce.items() if kind == "sum" and d not in kept)
+        outs_info.append((t.shape, t.dtype.itemsize, tl, pairs, sum_dims))
     best = None
     for P, keep, scale in modes:
+        memo: dict = {}   # what candidates of this mode share: input and output re-layout prices
         free_axes = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
         options = [[None] + [d for d in splittable if any(a in src.get(d, ()) for src in sources)]
                    for a in free_axes]
@@ -104,7 +115,7 @@ def lower_generic(lw, node) -> None:
             C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
             if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
                 continue
-            cost, plan = _price(lw, node, spec, C, shs, P, keep, targets, comp)
+            cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo)
             # On a tie in time, the lowering that moves fewer values wins: doing nothing.
             moves = sum(r != s for r, s in zip(plan["req"], shs)) + sum(o[0] != o[1] for o in plan["outs"])
             if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and moves < best[1]):
@@ -113,43 +124,58 @@ def lower_generic(lw, node) -> None:
     _emit(lw, node, spec, ins, *best[2:])
 
 
-def _price(lw, node, spec, C, shs, P, keep, targets, comp):
+def _price(lw, node, spec, C, shs, P, keep, outs_info, memo):
+    """The cost of computing ``node`` with compute sharding ``C`` (see :func:`lower_generic`), and
+    the re-layouts that takes.  ``memo`` holds, for one partial-sum mode, the prices that
+    candidates share: an input's re-layout depends only on the axes ``C`` gives its own dims."""
     mesh = lw.mesh
     model = lw.cost
     cost = 0.0
     req = []
     for i, (t, s) in enumerate(zip(node.inputs, shs)):
-        r = Sharding.of(t.shape, C, keep.get(i, ()))
-        req.append(r)
-        cost += relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model)
+        key = (i, tuple(C.get(n, ()) for n in t.shape.names))
+        hit = memo.get(key)
+        if hit is None:
+            r = Sharding.of(t.shape, C, keep.get(i, ()))
+            hit = memo[key] = (r, relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model))
+        req.append(hit[0])
+        cost += hit[1]
     local = {d: size // mesh.axis_size(C.get(d, ())) for d, size in spec.dims.items()}
     cost += model.compute(op_flops(node, local))
     ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
     outs = []
-    for t, tl in zip(node.outputs, targets):
-        split = {o.name: C.get(comp[o.name], ()) for o in t.shape}
-        # An output is a partial sum over the axes of the 'sum' dims it lacks (an op may
-        # keep a reduced dim in one output: layer norm's backward, its input gradient).
-        kept = {comp[o.name] for o in t.shape}
-        sum_axes = tuple(a for d, kind in spec.reduce.items() if kind == "sum" and d not in kept
-                         for a in C.get(d, ()))
-        out_sh = Sharding.of(t.shape, split, tuple(a for a in mesh.names if a in set(P) | set(sum_axes)))
-        nbytes = out_sh.local_numel(t.shape, mesh) * t.dtype.itemsize
-        if ext_axes:
-            cost += model.collective("allreduce", nbytes, mesh.axis_size(ext_axes))
-        best = None
-        for tgt, note in tl:
-            lazy = tgt.with_partial(tuple(a for a in out_sh.partial if a not in tgt.used_axes))
-            lazy = keep_microbatches(lazy, out_sh, t.shape, mesh)
-            c = relayout_cost(t.shape, out_sh, lazy, mesh, t.dtype.itemsize, model)
-            if lazy.partial:  # it will be reduced eventually
-                c += model.collective("allreduce", lazy.local_numel(t.shape, mesh) * t.dtype.itemsize,
-                                      mesh.axis_size(lazy.partial))
-            if best is None or c < best[0] - 1e-12 or (c <= best[0] + 1e-12 and best[1] != out_sh == lazy):
-                best = (c, lazy, note)
-        cost += best[0]
-        outs.append((out_sh, best[1], best[2]))
+    for shape, itemsize, tl, pairs, sum_dims in outs_info:
+        sum_axes = {a for d in sum_dims for a in C.get(d, ())}
+        out_sh = Sharding(tuple((o, C.get(c, ())) for o, c in pairs),
+                          tuple(a for a in mesh.names if a in P or a in sum_axes))
+        c, lazy, note = _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model)
+        cost += c
+        outs.append((out_sh, lazy, note))
     return cost, {"req": req, "outs": outs, "ext_axes": ext_axes, "local": local}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model):
+    """(cost, sharding, note) of an output of ``shape`` computed with ``out_sh``: its allreduce
+    over the 'max'/'min' axes ``ext_axes``, then the cheapest way to the layout's targets ``tl``.
+
+    Cached as :func:`~.relayout.relayout_cost` is: every argument is immutable, and the same
+    outputs are priced for many candidates, nodes and layouts."""
+    cost = 0.0
+    if ext_axes:
+        nbytes = out_sh.local_numel(shape, mesh) * itemsize
+        cost += model.collective("allreduce", nbytes, mesh.axis_size(ext_axes))
+    best = None
+    for tgt, note in tl:
+        lazy = tgt.with_partial(tuple(a for a in out_sh.partial if a not in tgt.used_axes))
+        lazy = keep_microbatches(lazy, out_sh, shape, mesh)
+        c = relayout_cost(shape, out_sh, lazy, mesh, itemsize, model)
+        if lazy.partial:  # it will be reduced eventually
+            c += model.collective("allreduce", lazy.local_numel(shape, mesh) * itemsize,
+                                  mesh.axis_size(lazy.partial))
+        if best is None or c < best[0] - 1e-12 or (c <= best[0] + 1e-12 and best[1] != out_sh == lazy):
+            best = (c, lazy, note)
+    return cost + best[0], best[1], best[2]
 
 
 def op_flops(node, local) -> int:
