@@ -62,8 +62,16 @@ def _mk(dims: dict[str, list[str]], order, partial) -> Sharding:
     return Sharding(tuple((n, tuple(dims[n])) for n in order), tuple(partial))
 
 
-def plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> list[Move]:
-    """The moves turning sharding ``a`` into ``b`` (both of a tensor with ``shape``)."""
+@functools.lru_cache(maxsize=1 << 14)
+def plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> tuple[Move, ...]:
+    """The moves turning sharding ``a`` into ``b`` (both of a tensor with ``shape``).
+
+    Cached (every argument and every :class:`Move` is immutable): a compile re-lays out the
+    same values the same ways for many nodes, and the pricing asks for the same moves."""
+    return tuple(_plan_moves(shape, a, b, mesh))
+
+
+def _plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> list[Move]:
     if a == b:
         return []
     order = shape.names
