@@ -61,3 +61,11 @@ def test_an_unknown_axis_is_never_remembered():
     with pytest.raises(KeyError):
         MESH.axis_size(("nope",))
     assert ("nope",) not in MESH._axis_sizes
+
+
+def test_groups_are_the_same_asked_again_or_with_a_list():
+    mesh = Mesh.parse("a:2; b:3")
+    assert mesh.group(4, ("b",)) == (3, 4, 5) == mesh.group(4, ["b"])
+    assert mesh.group(4, ("a", "b")) == tuple(range(6))
+    assert mesh.groups(("a",)) == ((0, 3), (1, 4), (2, 5)) == mesh.groups(["a"])
+    assert mesh.groups(()) == tuple((r,) for r in range(6))

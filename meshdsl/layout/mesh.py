@@ -168,8 +168,23 @@ class Mesh:
             i = i * self.sizes[a] + c[a]
         return i
 
+    @cached_property
+    def _group_of(self) -> dict:
+        return {}   # (rank, axes) -> group(rank, axes): the collectives ask for the same few often
+
+    @cached_property
+    def _groups(self) -> dict:
+        return {}   # axes -> groups(axes)
+
     def group(self, rank: int, axes) -> tuple[int, ...]:
         """Ranks that differ from ``rank`` only along ``axes``, in linear order over ``axes``."""
+        key = (rank, tuple(axes))
+        g = self._group_of.get(key)
+        if g is None:
+            g = self._group_of[key] = self._group(rank, key[1])
+        return g
+
+    def _group(self, rank: int, axes: tuple) -> tuple[int, ...]:
         c = dict(self.coords(rank))
         out = []
         n = self.axis_size(axes)
@@ -183,6 +198,13 @@ class Mesh:
 
     def groups(self, axes) -> tuple[tuple[int, ...], ...]:
         """Every group over ``axes``, each listed once, ordered by first rank."""
+        axes = tuple(axes)
+        got = self._groups.get(axes)
+        if got is None:
+            got = self._groups[axes] = self._all_groups(axes)
+        return got
+
+    def _all_groups(self, axes: tuple) -> tuple[tuple[int, ...], ...]:
         seen, out = set(), []
         for r in range(self.size):
             g = self.group(r, axes)
