@@ -103,7 +103,7 @@ def lower_generic(lw, node) -> None:
         outs_info.append((t.shape, t.dtype.itemsize, tl, pairs, sum_dims))
     best = None
     for P, keep, scale in modes:
-        memo: dict = {}   # what candidates of this mode share: input and output re-layout prices
+        memo: dict = {}   # what candidates of this mode share: their inputs' re-layouts and prices
         free_axes = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
         options = [[None] + [d for d in splittable if any(a in src.get(d, ()) for src in sources)]
                    for a in free_axes]
