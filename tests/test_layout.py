@@ -60,7 +60,7 @@ def test_axis_size_of_a_tuple_or_a_list(axes, size):
 def test_an_unknown_axis_is_never_remembered():
     with pytest.raises(KeyError):
         MESH.axis_size(("nope",))
-    assert ("nope",) not in MESH._axis_sizes
+    assert ("nope",) not in MESH._memo
 
 
 def test_groups_are_the_same_asked_again_or_with_a_list():

@@ -127,15 +127,24 @@ class Mesh:
         return "; ".join(f"{n}:{s}" for n, s in self.axes) or "(no axes)"
 
     @cached_property
-    def _axis_sizes(self) -> dict:
-        return {}   # axes tuple -> product of their sizes: the compiler asks for the same few often
+    def _memo(self) -> dict:
+        """Answers about axis groups, which the compiler and the collectives ask for often:
+        ``axes`` -> :meth:`axis_size`, ``("group", rank, axes)`` -> :meth:`group`, ``("groups",
+        axes)`` -> :meth:`groups`.  Only answers are kept (an unknown axis raises each time)."""
+        return {}
+
+    def _remember(self, key, compute):
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = compute()
+        return got
 
     def axis_size(self, axes) -> int:
         """Product of the sizes of ``axes`` (1 for none)."""
-        if type(axes) is tuple:
-            n = self._axis_sizes.get(axes)
+        if type(axes) is tuple:   # the hot path, inline: a tuple of axis names is its own key
+            n = self._memo.get(axes)
             if n is None:
-                n = self._axis_sizes[axes] = math.prod(self.sizes[a] for a in axes)
+                n = self._memo[axes] = math.prod(self.sizes[a] for a in axes)
             return n
         return math.prod(self.sizes[a] for a in axes)
 
@@ -168,21 +177,10 @@ class Mesh:
             i = i * self.sizes[a] + c[a]
         return i
 
-    @cached_property
-    def _group_of(self) -> dict:
-        return {}   # (rank, axes) -> group(rank, axes): the collectives ask for the same few often
-
-    @cached_property
-    def _groups(self) -> dict:
-        return {}   # axes -> groups(axes)
-
     def group(self, rank: int, axes) -> tuple[int, ...]:
         """Ranks that differ from ``rank`` only along ``axes``, in linear order over ``axes``."""
-        key = (rank, tuple(axes))
-        g = self._group_of.get(key)
-        if g is None:
-            g = self._group_of[key] = self._group(rank, key[1])
-        return g
+        axes = tuple(axes)
+        return self._remember(("group", rank, axes), lambda: self._group(rank, axes))
 
     def _group(self, rank: int, axes: tuple) -> tuple[int, ...]:
         c = dict(self.coords(rank))
@@ -199,10 +197,7 @@ class Mesh:
     def groups(self, axes) -> tuple[tuple[int, ...], ...]:
         """Every group over ``axes``, each listed once, ordered by first rank."""
         axes = tuple(axes)
-        got = self._groups.get(axes)
-        if got is None:
-            got = self._groups[axes] = self._all_groups(axes)
-        return got
+        return self._remember(("groups", axes), lambda: self._all_groups(axes))
 
     def _all_groups(self, axes: tuple) -> tuple[tuple[int, ...], ...]:
         seen, out = set(), []
