@@ -13,6 +13,8 @@ and range are reported.  Results go to bench/results/dense_vs_torch[_update].jso
     python bench/dense_vs_torch.py --rounds 3 --reps 7
     python bench/dense_vs_torch.py --profile       # where meshdsl's time goes
     python bench/dense_vs_torch.py --plan          # the plan executor (mesh data:1) instead
+    python bench/dense_vs_torch.py --device cuda   # both sides on the GPU (times after a synchronize)
+    python bench/dense_vs_torch.py --config d_model=512,layers=2   # another size of the model
 
 With ``--plan`` meshdsl's side is the compiled plan on mesh ``data:1`` run by the
 plan executor, the path ``meshdsl run``/``train`` and every per-rank program take.
@@ -61,7 +63,8 @@ class Block(nn.Module):
         self.ln2_b = nn.Parameter(w["ln2_b"].clone())
         self.w_fc = nn.Parameter(w["w_fc"].clone())                  # [d_model, d_ff]
         self.w_proj = nn.Parameter(w["w_proj"].clone())              # [d_ff, d_model]
-        self.register_buffer("causal", torch.tril(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool)))
+        self.register_buffer("causal", torch.tril(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool,
+                                                             device=w["ln1"].device)))
 
     def forward(self, x):
         cfg = self.cfg
@@ -113,29 +116,31 @@ class TorchGPT(nn.Module):
 
 # ----------------------------------------------------------------------------- steps
 
-def _plan_program(wanted):
+def _plan_program(wanted, device):
     """``wanted`` compiled for mesh ``data:1`` and run by the plan executor, called like a
     DenseProgram (one rank holds every value whole)."""
     plan = md.compile(wanted, "data:1", "")
-    ex = md.Executor(plan, md.SimulatedComm(plan.mesh))
+    ex = md.Executor(plan, md.SimulatedComm(plan.mesh, device=device))
 
     def run(feeds, params):
         return {k: xs[0] for k, xs in ex.run(feeds, {k: [v] for k, v in params.items()}).items()}
     return run
 
 
-def make_steps(update: bool, lr: float, plan: bool = False):
-    model = load_model(str(ROOT / "models" / "transformer.py"))
+def make_steps(update: bool, lr: float, plan: bool = False, device: str = "cpu", config: str = ""):
+    from meshdsl.tools.train_cli import config_overrides
+    path = str(ROOT / "models" / "transformer.py")
+    model = load_model(path, **config_overrides(path, config))
     cfg = model.config
     if cfg.dropout or cfg.norm != "layer" or cfg.tied:
         raise SystemExit("the torch twin implements dropout=0, norm='layer', tied=False only")
     outs = training_outputs(model.loss, model.params, lr, with_grads=True)
     wanted = {k: v for k, v in outs.items() if k == "loss" or k.startswith("new/" if update else "grad/")}
     dense = md.DenseProgram(wanted)
-    params = dense.init_params(seed=0)
-    prog = _plan_program(wanted) if plan else dense
-    feeds = model.feeds(0)
-    net = TorchGPT(cfg, params)
+    params = dense.init_params(seed=0, device=device)
+    prog = _plan_program(wanted, device) if plan else dense
+    feeds = {k: v.to(device) for k, v in model.feeds(0).items()}
+    net = TorchGPT(cfg, params).to(device)
     state = {"params": params}
 
     def meshdsl_step():
@@ -179,7 +184,9 @@ def bench(args) -> int:
     # Both sides share this process, so both run on the allocator meshdsl's own processes use.
     console.print(f"malloc: {'tuned' if md.tune_malloc() else 'as is'} for both sides (meshdsl.tune_malloc; "
                   "MESHDSL_MALLOC=default leaves it as is)")
-    cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr, args.plan)
+    cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr, args.plan, args.device, args.config)
+    if args.device != "cpu":  # a step's time ends when its kernels have run, not when they were queued
+        md_step, th_step = _synced(md_step), _synced(th_step)
     md_loss, th_loss, gdiff = verify(prog, params, feeds, net, args.update)
     if args.update:  # the update variant checks the loss of the first step instead
         md_loss, th_loss = md_step()["loss"].item(), th_step().item()
@@ -197,7 +204,8 @@ def bench(args) -> int:
     ratio, cpu_ratio = statistics.median(ratios), statistics.median(cpu_ratios)
 
     what = "forward + backward + SGD update" if args.update else "forward + backward"
-    t = Table(title=f"transformer training step ({what}), {torch.get_num_threads()} thread(s), "
+    where = f"on {torch.cuda.get_device_name()}" if args.device != "cpu" else f"{torch.get_num_threads()} thread(s)"
+    t = Table(title=f"transformer training step ({what}), {where}, "
                     f"{args.reps} interleaved reps", title_justify="left")
     for col in ("", "median ms", "min ms", "max ms", "median CPU ms", "loss"):
         t.add_column(col, justify="right" if col else "left")
@@ -215,9 +223,11 @@ def bench(args) -> int:
                       f"[{min(ratios):.3f}, {max(ratios):.3f}], CPU ratio [{min(cpu_ratios):.3f}, "
                       f"{max(cpu_ratios):.3f}]; the table shows the last round")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"dense_vs_torch{'_update' if args.update else ''}{'_plan' if args.plan else ''}.json"
+    out = RESULTS / (f"dense_vs_torch{'_update' if args.update else ''}{'_plan' if args.plan else ''}"
+                     f"{'_' + args.device.split(':')[0] if args.device != 'cpu' else ''}.json")
     out.write_text(json.dumps({
-        "what": what, "runner": "plan executor, data:1" if args.plan else "dense interpreter", "config": str(cfg), "threads": torch.get_num_threads(), "reps": args.reps,
+        "what": what, "device": args.device, "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
+        "torch": torch.__version__, "runner": "plan executor, data:1" if args.plan else "dense interpreter", "config": str(cfg), "threads": torch.get_num_threads(), "reps": args.reps,
         "wall_ratio": ratios, "cpu_ratio": cpu_ratios, "target": TARGET,
         "step_ms": {k: [[x * 1e3 for x in t[k]] for t, _ in rounds] for k in ("meshdsl", "torch")},
         "loss": {"meshdsl": md_loss, "torch": th_loss}, "max_grad_diff": None if args.update else gdiff,
@@ -228,6 +238,14 @@ def bench(args) -> int:
     else:
         console.print(f"|first-step loss difference| = {abs(md_loss - th_loss):.2e}")
     return 0
+
+
+def _synced(step):
+    def run():
+        out = step()
+        torch.cuda.synchronize()
+        return out
+    return run
 
 
 def _round(md_step, th_step, reps: int):
@@ -281,6 +299,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--profile", action="store_true", help="profile instead of timing")
     p.add_argument("--plan", action="store_true", help="run meshdsl's side through the plan executor (mesh data:1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where both sides run")
+    p.add_argument("--config", default="", metavar="K=V,...",
+                   help="override the transformer's Config fields, e.g. d_model=1024,layers=8,seq=512")
     return bench(p.parse_args(argv))
 
 

@@ -33,6 +33,8 @@ means).  Peak memory per rank is measured in a separate job per variant: the pro
 resident-set high-water mark (``getrusage`` ``ru_maxrss``) after 3 steps, minus the same
 mark taken after imports, process-group setup, the model's weights and feeds were made,
 so it counts what the variant adds: params, grads, activations and communication buffers.
+On GPUs (``--backend nccl``) it is the bytes torch allocated on the GPU instead
+(``torch.cuda.max_memory_allocated``, minus what was allocated before the variant was built).
 Step-0 losses are checked against plain torch's.
 
     python bench/distributed_gpt.py                      # 3 rounds
@@ -278,14 +280,18 @@ def time_job(comm, names, warmup, reps, block, lr, seed):
 
 
 def memory_job(comm, name, lr, seed, steps=3):
-    """Peak RSS of a process running variant ``name`` only, and the part the variant added."""
+    """Peak memory of a process running variant ``name`` only, and the part the variant added:
+    its resident set on the CPU; on a GPU, the bytes torch allocated there (weights included)."""
     from meshdsl.train.step import peak_rss
     model, feeds, w = setup(seed)
-    base = peak_rss()
+    dev = _device()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else peak_rss()
     step = _build((name,), lr, seed)[0][name]
     for _ in range(steps):
         step()
-    return {"base": base, "peak": peak_rss()}
+    return {"base": base, "peak": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else peak_rss()}
 
 
 # ----------------------------------------------------------------------------- report
@@ -383,7 +389,8 @@ def print_tables(out) -> None:
                     f"{run['rounds']} round(s) x {run['reps']} turns x {run['block']} steps, {run['backend']}",
               title_justify="left")
     for col in ("variant", "procs", "median ms", "round medians", "speedup vs 1p", "CPU ms", "compute ms",
-                "exposed comm ms", "in flight ms", "overhead ms", "peak RSS MiB/rank", "added MiB/rank",
+                "exposed comm ms", "in flight ms", "overhead ms",
+                "peak GPU MiB/rank" if run["backend"] == "nccl" else "peak RSS MiB/rank", "added MiB/rank",
                 "loss step 0"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for k, v in out["variants"].items():
@@ -401,8 +408,8 @@ def print_tables(out) -> None:
     console.print("ms per step: median over all samples (slowest rank); round medians: range of the per-round "
                   "medians; CPU ms: busy CPU time of the slowest rank; meshdsl split (rank 0, means): exposed "
                   "comm = issuing collectives + blocked on one in flight, in flight = how long collectives "
-                  "ran in all; memory: ru_maxrss of a job running the variant alone (added: minus the mark "
-                  "before the variant was built)", highlight=False, soft_wrap=True)
+                  "ran in all; memory: " + ("torch.cuda.max_memory_allocated" if run["backend"] == "nccl" else "ru_maxrss")
+                  + " of a job running the variant alone (added: minus the mark before the variant was built)", highlight=False, soft_wrap=True)
     for name, r in out["ratios"].items():
         console.print(f"{name} = {r:.3f}", highlight=False)
     console.print(f"wall {run['wall_s']:.0f} s; load average {run['loadavg_start'][0]:.2f} at start, "

@@ -207,6 +207,8 @@ def _interleave(steps: dict, warmup: int, reps: int, block: int, sync=None, time
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             loss = steps[k](True) if k in timed_arg else steps[k]()
+        if torch.cuda.is_initialized():  # on a GPU the steps end when their kernels have run
+            torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n, loss
 
     for i in range(reps):

@@ -114,3 +114,27 @@ def test_sequence_parallel_transformer_reduce_scatters_key_and_value_gradients()
     plan = md.compile(model.train_step(0.01), "model:2", "seq:model")
     totals, layers = plan.totals(), model.config.layers
     assert totals["allgather"]["count"] == 2 * layers and totals["reduce_scatter"]["count"] == 2 * layers
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=1e-5, atol=1e-5)),
+                                       (torch.float64, dict(rtol=1e-10, atol=1e-10)),
+                                       (torch.bfloat16, dict(rtol=2e-2, atol=2e-2))])
+@pytest.mark.parametrize("causal,offset,scale", [(False, 0, None), (True, 0, None), (True, 3, 0.3), (False, 0, 0.7)])
+def test_math_form_matches_the_fused_cpu_kernel(dtype, tol, causal, offset, scale):
+    """The unfused form other devices run (a GPU) returns what the CPU kernel returns: out and
+    logsumexp forward, dq, dk, dv backward, also for a query slice's offset causal mask."""
+    from meshdsl.ops.attention import _BWD, _FWD, _mask, math_backward, math_forward
+    from meshdsl.ops.registry import LocalCtx
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, n, 8, generator=g).to(dtype) for n in (5, 9, 9, 5))
+    ctx = LocalCtx({"seq": offset}) if offset else LocalCtx()
+    is_causal, mask = _mask(ctx, {"causal": causal, "query_dim": "seq"}, 5, 9, q)
+    out, lse = _FWD(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    m_out, m_lse = math_forward(q, k, v, is_causal, mask, scale)
+    assert m_out.dtype == out.dtype and m_lse.dtype == lse.dtype
+    torch.testing.assert_close(m_out, out, **tol)
+    torch.testing.assert_close(m_lse, lse, **tol)
+    want = _BWD(dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    for got, ref in zip(math_backward(dout, q, k, v, out, lse, is_causal, mask, scale), want):
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got, ref, **tol)

@@ -15,7 +15,37 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..errors import GraphError, message
 from ..layout.mesh import Mesh
+
+
+def as_device(device) -> torch.device:
+    """``device`` (a name such as ``"cuda"``, a torch.device, or None for the CPU) as a
+    torch.device, a GPU's index filled in (the current one), checked to exist here.
+
+    Raises:
+      GraphError: a name torch does not know, or a GPU this machine lacks.
+    """
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise GraphError(message(f"unknown device {device!r}.", rule="a device is 'cpu', 'cuda' or 'cuda:<index>'",
+                                 fix="use 'cpu' or 'cuda'")) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GraphError(message(f"device {device!r} needs CUDA, and CUDA is not available on this machine.",
+                                     inputs=[f"torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}"],
+                                     rule="values live on a device this machine has",
+                                     fix="use 'cpu', or run on a machine with a GPU"))
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise GraphError(message(f"device {device!r}: this machine has {torch.cuda.device_count()} GPU(s).",
+                                     rule="a GPU index is below torch.cuda.device_count()",
+                                     fix="use 'cuda' (the current GPU) or a smaller index"))
+    return dev
 
 
 class Communicator(ABC):
@@ -30,6 +60,9 @@ class Communicator(ABC):
     ranks: tuple[int, ...]
     #: Collective kinds :meth:`start` runs asynchronously; the executor issues them early.
     async_kinds: frozenset = frozenset()
+    #: Where the held ranks' values live: params are made and feeds moved there by the
+    #: executor (a torch.distributed process on nccl: its GPU).
+    device: torch.device = torch.device("cpu")
 
     @abstractmethod
     def collective(self, kind: str, xs: list[torch.Tensor], axes: tuple[str, ...],

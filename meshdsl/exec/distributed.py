@@ -63,20 +63,24 @@ class _InFlight(Pending):
         return self.out
 
 
-def resolve_backend(backend: str = "auto") -> str:
-    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available, else ``"gloo"``.
+def resolve_backend(backend: str = "auto", local_procs: int | None = None) -> str:
+    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available (and, with ``local_procs``,
+    there is a GPU for each of them), else ``"gloo"``.
 
     Args:
       backend: ``"auto"``, ``"gloo"`` or ``"nccl"``.
+      local_procs: processes this machine will run, when known: nccl gives each its own GPU.
 
     Returns:
       The backend name to pass to ``init_process_group``.
 
     Raises:
-      DistributedError: ``"nccl"`` without CUDA, or an unknown backend name.
+      DistributedError: ``"nccl"`` without CUDA or with fewer GPUs than ``local_procs``,
+        or an unknown backend name.
     """
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "nccl" if gpus and (local_procs is None or local_procs <= gpus) else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise DistributedError(message(
             "backend 'nccl' needs CUDA, and CUDA is not available on this machine",
@@ -87,6 +91,11 @@ def resolve_backend(backend: str = "auto") -> str:
         raise DistributedError(message(
             f"unknown backend '{backend}'", rule="the backend is 'auto', 'gloo' or 'nccl'",
             fix="use --backend gloo"))
+    if backend == "nccl" and local_procs is not None and local_procs > torch.cuda.device_count():
+        raise DistributedError(message(
+            f"backend 'nccl' with {local_procs} processes on a machine with {torch.cuda.device_count()} GPU(s)",
+            rule="nccl gives every process of a machine a GPU of its own",
+            fix=f"run at most {torch.cuda.device_count()} process(es) here, or use --backend gloo"))
     return backend
 
 

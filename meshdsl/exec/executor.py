@@ -21,6 +21,7 @@ from ..ir.interpret import check_feed
 from ..layout.sharding import Sharding
 from ..lowering.plan import Plan, Value
 from ..lowering.relayout import move_args, plan_moves
+from ..ops.registry import running_on
 from .comm import Communicator, Pending
 from .dense import check_no_extra_feeds
 from .fold import real_rank
@@ -140,6 +141,8 @@ class Executor:
                                      rule="a plan runs on the mesh it was compiled for",
                                      fix="compile with the same mesh string"))
         self.plan, self.comm = plan, comm
+        #: where params are made and feeds are moved (the communicator's device)
+        self.device = comm.device
         steps = plan.steps
         self.order = issue_order(plan, comm.async_kinds)
         last_use: dict[int, int] = {}
@@ -194,13 +197,13 @@ class Executor:
         for s in self.plan.steps:
             if s.kind == "param":
                 node = s.args["tensor"]
-                out[s.args["name"]] = self.local_slices(self.plan.values[s.outs[0]], init_value(node, seed))
+                out[s.args["name"]] = self.local_slices(self.plan.values[s.outs[0]], init_value(node, seed).to(self.device))
         return out
 
     def feed(self, name, vid, value) -> list[torch.Tensor]:
         """The held ranks' slices of feed ``value`` for input ``name`` (value ``vid``), checked."""
         if isinstance(value, PerRank) and not self.check_feeds:
-            return list(value)
+            return list(value) if self.device.type == "cpu" else [x.to(self.device) for x in value]
         v = self.plan.values[vid]
         if isinstance(value, PerRank):
             if len(value) != len(self.comm.ranks):
@@ -216,9 +219,9 @@ class Executor:
                                              inputs=[f"layout of '{name}': {v.sharding}"],
                                              rule="a per-rank slice has the local shape the layout gives",
                                              fix=f"slice it to {want} or feed the full tensor"))
-            return list(value)
+            return [x.to(self.device) for x in value]
         check_feed(self.plan_tensor(name, vid), value)
-        return self.local_slices(v, value)
+        return self.local_slices(v, value.to(self.device))
 
     def plan_tensor(self, name, vid):
         try:
@@ -261,17 +264,18 @@ class Executor:
         calls, free_after, timed = self.calls, self.free_after, self._timed
         order = self.order if not prefetched else \
             [i for i in self.order if self.plan.steps[i].outs[0] not in prefetched]
-        for i in order:
-            if clock:
-                t0, waited = clock(), stats.get("wait", 0.0)
-            calls[i](env, get, run)
-            for v in free_after[i]:
-                x = env.pop(v, None)
-                if isinstance(x, Pending):
-                    x.wait()
-            if clock and timed[i]:
-                k = timed[i]
-                stats[k] = stats.get(k, 0.0) + clock() - t0 - (stats.get("wait", 0.0) - waited)
+        with running_on(self.device):  # where kernels with no tensor inputs allocate
+            for i in order:
+                if clock:
+                    t0, waited = clock(), stats.get("wait", 0.0)
+                calls[i](env, get, run)
+                for v in free_after[i]:
+                    x = env.pop(v, None)
+                    if isinstance(x, Pending):
+                        x.wait()
+                if clock and timed[i]:
+                    k = timed[i]
+                    stats[k] = stats.get(k, 0.0) + clock() - t0 - (stats.get("wait", 0.0) - waited)
         return {name: get(vid) for name, vid in self.plan.outputs.items()}
 
     # -- assembling full tensors

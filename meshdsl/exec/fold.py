@@ -44,6 +44,7 @@ class MicrobatchComm(Communicator):
         self.ranks = tuple(range(r * m, (r + 1) * m)) if ranks is None else tuple(ranks)
         self.num_microbatches = m
         self.async_kinds = real.async_kinds
+        self.device = real.device
 
     def view(self, ranks) -> "MicrobatchComm":
         """The same process holding only ``ranks`` (some of its micro-batches)."""
@@ -144,8 +145,13 @@ class _All(Pending):
 
 
 def for_plan(comm: Communicator, plan) -> Communicator:
-    """``comm``, or a :class:`MicrobatchComm` on it when ``plan`` has the micro-batch axis and
-    ``comm`` holds one real rank (torch.distributed)."""
-    if MB_AXIS in plan.mesh.sizes and MB_AXIS not in comm.mesh.sizes and len(comm.ranks) == 1:
-        return MicrobatchComm(comm, plan.mesh)
+    """``comm``, or the communicator ``plan`` runs on when it has the micro-batch axis: the
+    simulated mesh of the plan's mesh (on ``comm``'s device) when ``comm`` simulates one, a
+    :class:`MicrobatchComm` on ``comm`` when it holds one real rank (torch.distributed)."""
+    if MB_AXIS in plan.mesh.sizes and MB_AXIS not in comm.mesh.sizes:
+        from .simulated import SimulatedComm
+        if isinstance(comm, SimulatedComm):
+            return SimulatedComm(plan.mesh, device=comm.device)
+        if len(comm.ranks) == 1:
+            return MicrobatchComm(comm, plan.mesh)
     return comm

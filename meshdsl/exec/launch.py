@@ -119,7 +119,7 @@ def launch(fn, mesh, *, nproc: int | None = None, args: tuple = (), backend: str
         init_from_env(backend, collective_timeout)
         return [fn(TorchComm(mesh, timeout=collective_timeout), *args)]
     return spawn(fn, mesh.size if nproc is None else nproc, args=args, timeout=timeout,
-                 backend=resolve_backend(backend), mesh=mesh,
+                 backend=resolve_backend(backend, mesh.size if nproc is None else nproc), mesh=mesh,
                  collective_timeout=collective_timeout, rdzv_host=rdzv_host)
 
 
@@ -160,6 +160,7 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
     if mesh is not None:
         mesh = Mesh.parse(mesh)
         check_world_size(mesh, nproc)
+    backend = resolve_backend(backend, nproc)  # before any process starts: every rank gets this one
     malloc.mode()  # each rank tunes its allocator: a bad setting fails here, before any starts
     ctx = context()
     store, port = _host_store(collective_timeout, rdzv_host)

@@ -350,7 +350,7 @@ class _Recv:
     def __init__(self, s, store, view, plan, pipe: bool):
         v = plan.values[s.outs[0]]
         self.env, self.out, self.view = ViewEnv(store, view.ranks), s.outs[0], view
-        self.templates = [torch.empty(v.local_shape(plan.mesh), dtype=v.dtype)] * len(view.ranks)
+        self.templates = [torch.empty(v.local_shape(plan.mesh), dtype=v.dtype, device=view.device)] * len(view.ranks)
         self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
         self.pending, self.then = None, None
 
@@ -395,5 +395,5 @@ def outputs_to_first_rank(comm, plan, full: dict) -> dict:
             real.send([out[name]], (ax,), -stage, tag)
             real.drain()
         elif me == 0:
-            out[name] = real.recv([torch.empty(v.shape.sizes, dtype=v.dtype)], (ax,), -stage, tag)[0]
+            out[name] = real.recv([torch.empty(v.shape.sizes, dtype=v.dtype, device=real.device)], (ax,), -stage, tag)[0]
     return out

@@ -14,7 +14,7 @@ from ..collectives import COLLECTIVES
 from ..errors import GraphError, did_you_mean, message
 from ..layout.mesh import Mesh
 from ..lowering.plan import Plan
-from .comm import Communicator
+from .comm import Communicator, as_device
 from .executor import Executor
 
 
@@ -26,8 +26,10 @@ class SimulatedComm(Communicator):
     at different times, on different views (:meth:`view`).
     """
 
-    def __init__(self, mesh: Mesh, ranks=None, *, mailbox: dict | None = None, log: list | None = None):
+    def __init__(self, mesh: Mesh, ranks=None, *, mailbox: dict | None = None, log: list | None = None,
+                 device=None):
         self.mesh = mesh
+        self.device = as_device(device)
         self.ranks = tuple(range(mesh.size)) if ranks is None else tuple(ranks)
         self.log: list[tuple[str, tuple[str, ...], int]] = [] if log is None else log
         self.mailbox: dict = {} if mailbox is None else mailbox
@@ -35,7 +37,7 @@ class SimulatedComm(Communicator):
 
     def view(self, ranks) -> "SimulatedComm":
         """A communicator holding only ``ranks`` (e.g. one pipeline stage), sharing mailbox and log."""
-        return SimulatedComm(self.mesh, ranks, mailbox=self.mailbox, log=self.log)
+        return SimulatedComm(self.mesh, ranks, mailbox=self.mailbox, log=self.log, device=self.device)
 
     def collective(self, kind, xs, axes, args):
         """See :meth:`Communicator.collective`; every call is appended to :attr:`log`."""
@@ -71,7 +73,7 @@ class SimulatedComm(Communicator):
 
 
 def run_simulated(plan: Plan, feeds: dict | None = None, params: dict | None = None,
-                  seed: int = 0) -> dict[str, torch.Tensor]:
+                  seed: int = 0, device=None) -> dict[str, torch.Tensor]:
     """Run ``plan`` with every rank simulated in this process; returns full outputs.
 
     Args:
@@ -79,11 +81,12 @@ def run_simulated(plan: Plan, feeds: dict | None = None, params: dict | None = N
       feeds: input name -> full tensor (or :class:`~meshdsl.exec.executor.PerRank` slices).
       params: param name -> full tensor; defaults to the deterministic init.
       seed: init seed when params are not given.
+      device: where every rank's values live (default the CPU; e.g. ``"cuda"``).
 
     Raises:
       GraphError: a param or feed the plan does not have, or one of the wrong shape or dtype.
     """
-    ex = Executor(plan, SimulatedComm(plan.mesh))
+    ex = Executor(plan, SimulatedComm(plan.mesh, device=device))
     local = ex.init_params(seed)
     for k, v in (params or {}).items():
         vid = plan.params.get(k)
@@ -98,5 +101,5 @@ def run_simulated(plan: Plan, feeds: dict | None = None, params: dict | None = N
             raise GraphError(message(f"run_simulated: param '{k}' is {got}, not {value.shape.sizes} {value.dtype}.",
                                      rule="a full param has its declared shape (dims in order) and dtype",
                                      fix=f"pass a tensor of shape {value.shape.sizes}"))
-        local[k] = ex.local_slices(value, v)
+        local[k] = ex.local_slices(value, v.to(ex.device))
     return ex.full_outputs(ex.run(feeds, local))

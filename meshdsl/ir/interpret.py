@@ -12,7 +12,7 @@ from ..core.graph import Tensor, topo_nodes
 from ..errors import GraphError, message
 from ..ops.inplace import Operand, add_kernel
 from ..ops.leaf import init_value
-from ..ops.registry import DENSE_CTX, LocalCtx
+from ..ops.registry import DENSE_CTX, LocalCtx, run_device, running_on
 
 
 def _operand(n, i: int, readers: dict, kept: set) -> Operand:
@@ -89,9 +89,10 @@ class DenseProgram:
             self.code.append((fn, attrs, tuple(slot[id(t)] for t in n.inputs), outs))
         self.out_slots = {k: slot[id(t)] for k, t in self.outputs.items()}
 
-    def init_params(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Every param's deterministic initial value."""
-        return {k: init_value(t, seed) for k, t in self.params.items()}
+    def init_params(self, seed: int = 0, device=None) -> dict[str, torch.Tensor]:
+        """Every param's deterministic initial value (made on the CPU, then moved to ``device``)."""
+        return {k: init_value(t, seed).to(device) if device is not None else init_value(t, seed)
+                for k, t in self.params.items()}
 
     def __call__(self, feeds: dict | None = None, params: dict | None = None, seed: int = 0,
                  salt: int = 0) -> dict[str, torch.Tensor]:
@@ -105,9 +106,21 @@ class DenseProgram:
             if t.node.op.name == "input":
                 check_feed(t, feeds[k])
             env[self._slot[id(t)]] = feeds[k]
+        # The program runs where its values are: the first fed or given tensor's device.
+        device = next((x.device for x in (*feeds.values(), *(params or {}).values())
+                       if isinstance(x, torch.Tensor)), None)
         for k, t in self.params.items():
-            env[self._slot[id(t)]] = params[k] if params is not None and k in params else init_value(t, seed)
+            env[self._slot[id(t)]] = params[k] if params is not None and k in params else \
+                init_value(t, seed).to(device or "cpu")
         ctx = self.ctx if not salt else self.ctx.with_salt(salt)
+        if device is None or device == run_device():
+            self._run(ctx, env)
+        else:
+            with running_on(device):
+                self._run(ctx, env)
+        return {k: env[s] for k, s in self.out_slots.items()}
+
+    def _run(self, ctx, env) -> None:
         for fn, attrs, ins, outs in self.code:
             r = fn(ctx, attrs, *[env[i] for i in ins])
             if len(outs) == 1:
@@ -115,4 +128,3 @@ class DenseProgram:
             else:
                 for o, x in zip(outs, r):
                     env[o] = x
-        return {k: env[s] for k, s in self.out_slots.items()}

@@ -12,10 +12,17 @@ Lowering: batch and head dims may be split and stay local.  The forward may
 split the query dim too (each rank passes its slice's causal mask, offset by
 ``ctx``); the backward keeps it whole, since dk and dv sum over every query.
 The key and feature dims are whole on a rank.
+
+On a GPU the forward and backward run CUDA's memory-efficient attention kernels (fp32,
+a feature size they take, no offset mask); elsewhere, or with
+``MESHDSL_ATTENTION=math``, the same contract (out and logsumexp forward; dq, dk, dv
+backward) is computed in the unfused math form (:func:`math_forward`,
+:func:`math_backward`), which writes each head's score tensor.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -26,6 +33,90 @@ from .registry import ComputeSpec, Op, apply, register
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _probs(q4, k4, causal: bool, mask, scale):
+    """Softmax probabilities of the masked scores ``q . k * scale`` (in at least float32, the
+    fused kernel's accumulation) and the scores themselves, softmaxed in place: one buffer of
+    [.., seq, key_seq], written by the product and then updated in place."""
+    acc = torch.promote_types(q4.dtype, torch.float32)
+    c = q4.shape[-1] ** -0.5 if scale is None else scale
+    s = (q4.to(acc) * c) @ k4.to(acc).transpose(-2, -1)   # the scale on q: the smaller operand
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s.masked_fill_(torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s.add_(mask)
+    return s
+
+
+def math_forward(q4, k4, v4, causal: bool, mask, scale):
+    """(out, logsumexp) of attention over [batch, heads, seq, feature] tensors: what the fused
+    CPU kernel returns, in plain tensor ops (any device)."""
+    s = _probs(q4, k4, causal, mask, scale)
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ v4.to(s.dtype)
+    return out.to(q4.dtype), lse
+
+
+def math_backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
+    """(dq, dk, dv) from the forward's out (the probabilities are recomputed from q and k; the
+    logsumexp is the forward's, unused here)."""
+    p = torch.softmax(_probs(q4, k4, causal, mask, scale), -1)
+    g = g4.to(p.dtype)
+    dv = p.transpose(-2, -1) @ g
+    ds = (g @ v4.to(p.dtype).transpose(-2, -1)).sub_((g * out4.to(p.dtype)).sum(-1, keepdim=True)).mul_(p)
+    c = q4.shape[-1] ** -0.5 if scale is None else scale
+    dq = (ds @ k4.to(p.dtype)).mul_(c)
+    dk = (ds.transpose(-2, -1) @ q4.to(p.dtype)).mul_(c)
+    return dq.to(q4.dtype), dk.to(k4.dtype), dv.to(v4.dtype)
+
+
+#: "fused" (default): torch's fused kernels (the CPU flash kernel; CUDA's memory-efficient one
+#: where it takes the shape and dtype); "math": the unfused form everywhere but the CPU.
+ATTENTION = os.environ.get("MESHDSL_ATTENTION", "fused")
+#: (dtype, feature size) -> whether CUDA's memory-efficient kernel took it (tried once)
+_CUDA_FUSED: dict = {}
+_LSE_ALIGN = 32   # the memory-efficient kernel pads its logsumexp rows to a multiple of this
+
+
+def _cuda_fused(q4, mask) -> bool:
+    # fp32 only: on an H200 (torch 2.11) the bf16 backward of this kernel, called as here,
+    # disagreed with the CPU kernel and the math form far beyond bf16 rounding.
+    return ATTENTION == "fused" and mask is None and q4.device.type == "cuda" and q4.dtype == torch.float32 \
+        and _CUDA_FUSED.get((q4.dtype, q4.shape[-1]), True)
+
+
+def _forward(q4, k4, v4, causal: bool, mask, scale):
+    if q4.device.type == "cpu":
+        return _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=scale)
+    if _cuda_fused(q4, mask):
+        key = (q4.dtype, q4.shape[-1])
+        try:
+            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q4, k4, v4, None, True, 0.0, causal, scale=scale)
+            _CUDA_FUSED[key] = True
+            return out, lse[..., :q4.shape[-2]]
+        except RuntimeError:   # a shape or dtype the kernel does not take: the math form, from now on
+            _CUDA_FUSED[key] = False
+    return math_forward(q4, k4, v4, causal, mask, scale)
+
+
+def _backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
+    if q4.device.type == "cpu":
+        return _BWD(g4, q4, k4, v4, out4, lse4, 0.0, causal, attn_mask=mask, scale=scale)
+    if _cuda_fused(q4, mask) and _CUDA_FUSED.get((q4.dtype, q4.shape[-1])):
+        pad = (-lse4.shape[-1]) % _LSE_ALIGN
+        lse = torch.nn.functional.pad(lse4, (0, pad)) if pad else lse4
+        none = torch.empty((), dtype=torch.int64, device=q4.device)   # no dropout: no random state
+        try:
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                g4.contiguous(), q4, k4, v4, None, out4.contiguous(), lse.contiguous(), none, none, 0.0,
+                [True, True, True, False], causal, scale=scale)
+            return dq, dk, dv
+        except RuntimeError:   # the math backward needs only out (it recomputes the probabilities)
+            _CUDA_FUSED[(q4.dtype, q4.shape[-1])] = False
+    return math_backward(g4, q4, k4, v4, out4, lse4, causal, mask, scale)
 
 
 def _layout(attrs: dict, q: Tensor, k: Tensor) -> None:
@@ -63,8 +154,9 @@ def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
     off = ctx.offset(attrs["query_dim"])
     if off == 0:
         return True, None
-    keep = torch.arange(n_k)[None, :] <= torch.arange(off, off + n_q)[:, None]
-    return False, torch.zeros(n_q, n_k, dtype=like.dtype).masked_fill_(~keep, float("-inf"))
+    dev = like.device
+    keep = torch.arange(n_k, device=dev)[None, :] <= torch.arange(off, off + n_q, device=dev)[:, None]
+    return False, torch.zeros(n_q, n_k, dtype=like.dtype, device=dev).masked_fill_(~keep, float("-inf"))
 
 
 def _spec(attrs: dict, q: Tensor, k: Tensor, backward: bool = False) -> ComputeSpec:
@@ -99,7 +191,7 @@ class Attention(Op):
         nb = len(attrs["batch"])
         q4, k4, v4 = _to4(q, attrs["q_perm"], nb), _to4(k, attrs["k_perm"], nb), _to4(v, attrs["k_perm"], nb)
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
-        out4, lse4 = _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=attrs["scale"])
+        out4, lse4 = _forward(q4, k4, v4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in attrs["q_perm"][:nb]]
         return _from4(out4, bs, attrs["q_back"]), lse4.reshape(*bs, lse4.shape[-1])
 
@@ -140,8 +232,7 @@ class AttentionBackward(Op):
         q4, k4, v4 = _to4(q, qp, nb), _to4(k, kp, nb), _to4(v, kp, nb)
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
         lse4 = lse.reshape(q4.shape[:-1])
-        dq, dk, dv = _BWD(_to4(g, qp, nb), q4, k4, v4, _to4(out, qp, nb), lse4, 0.0, causal,
-                          attn_mask=mask, scale=attrs["scale"])
+        dq, dk, dv = _backward(_to4(g, qp, nb), q4, k4, v4, _to4(out, qp, nb), lse4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in qp[:nb]]
         return _from4(dq, bs, attrs["q_back"]), _from4(dk, bs, attrs["k_back"]), _from4(dv, bs, attrs["k_back"])
 

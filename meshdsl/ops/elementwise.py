@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..core.graph import Tensor, graph_of
 from ..core.shape import Shape, broadcast_shapes
 from ..errors import ShapeError, message
-from .registry import DENSE_CTX, Op, apply, register
+from .registry import DENSE_CTX, Op, apply, register, run_device
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -63,6 +63,10 @@ def _lift(xs):
     return [x if isinstance(x, Tensor) else constant(float(x), dtype, like) for x in xs]
 
 
+#: (id of a constant's CPU tensor, device) -> (that tensor, its copy on the device)
+_ON_DEVICE: dict = {}
+
+
 @register
 class Constant(Op):
     name = "constant"
@@ -73,7 +77,14 @@ class Constant(Op):
         return [(Shape(), attrs["dtype"])]
 
     def compute(self, ctx, attrs):
-        return attrs["tensor"]
+        t, dev = attrs["tensor"], run_device()
+        if dev is None or dev == t.device:
+            return t
+        key = (id(t), dev)   # the constant, once per device it runs on (t kept alive: ids stay unique)
+        got = _ON_DEVICE.get(key)
+        if got is None:
+            got = _ON_DEVICE[key] = (t, t.to(dev))
+        return got[1]
 
     def spec(self, node):
         from .registry import ComputeSpec

@@ -15,7 +15,7 @@ import torch
 from ..core.graph import Graph, Tensor
 from ..core.shape import Dim, Shape
 from ..errors import GraphError, ShapeError, message
-from .registry import ComputeSpec, Op, apply, register
+from .registry import ComputeSpec, Op, apply, register, run_device
 
 
 @register
@@ -29,7 +29,7 @@ class Iota(Op):
     def compute(self, ctx, attrs, *xs):
         d = attrs["dim"]
         off = ctx.offset(d.name)
-        return torch.arange(off, off + ctx.size(d.name, d.size), dtype=attrs["dtype"])
+        return torch.arange(off, off + ctx.size(d.name, d.size), dtype=attrs["dtype"], device=run_device())
 
 
 @register
@@ -48,7 +48,7 @@ class OneHot(Op):
         d = attrs["dim"]
         n = ctx.size(d.name, d.size)
         local = ids - ctx.offset(d.name)
-        return (local.unsqueeze(-1) == torch.arange(n, dtype=ids.dtype)).to(attrs["dtype"])
+        return (local.unsqueeze(-1) == torch.arange(n, dtype=ids.dtype, device=ids.device)).to(attrs["dtype"])
 
     def grad(self, node, douts):
         return [None]
@@ -130,7 +130,7 @@ class ScatterAdd(Op):
         rest = [ctx.size(t.name, t.size) for t in table if t.name != d.name]
         rows = src.reshape(local.numel(), *rest)
         mask = (local >= 0) & (local < n)
-        out = torch.zeros(n, *rest, dtype=src.dtype)
+        out = torch.zeros(n, *rest, dtype=src.dtype, device=src.device)
         out.index_add_(0, torch.where(mask, local, 0), rows * mask.reshape(-1, *([1] * len(rest))).to(src.dtype))
         pos = table.index(d.name)
         return out.movedim(0, pos)

@@ -42,24 +42,25 @@ class Input(Param):
 
 
 def init_value(t: Tensor, seed: int = 0) -> torch.Tensor:
-    """The full initial value of param ``t``: deterministic in (name, seed)."""
+    """The full initial value of param ``t``: deterministic in (name, seed), made on the CPU
+    (the same numbers whatever the device; callers move it)."""
     a = t.node.attrs
     shape = t.shape.sizes
     kind = a["init"]
     if isinstance(kind, (int, float)) and not isinstance(kind, bool):
-        return torch.full(shape, float(kind), dtype=a["dtype"])
+        return torch.full(shape, float(kind), dtype=a["dtype"], device="cpu")
     if kind == "zeros":
-        return torch.zeros(shape, dtype=a["dtype"])
+        return torch.zeros(shape, dtype=a["dtype"], device="cpu")
     if kind == "ones":
-        return torch.ones(shape, dtype=a["dtype"])
+        return torch.ones(shape, dtype=a["dtype"], device="cpu")
     gen = torch.Generator().manual_seed((zlib.crc32(t.name.encode()) ^ (seed * 0x9E3779B1)) & 0x7FFFFFFF)
     scale = a["scale"]
     if scale is None:
         fan_in = math.prod(d.size for d in t.shape if d.name not in a["fan_out"]) if len(t.shape) > 1 else 1
         scale = 1.0 / math.sqrt(max(1, fan_in))
     if kind == "uniform":
-        return ((torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * scale).to(a["dtype"])
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(a["dtype"])
+        return ((torch.rand(shape, generator=gen, dtype=torch.float64, device="cpu") * 2 - 1) * scale).to(a["dtype"])
+    return (torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") * scale).to(a["dtype"])
 
 
 def param(name: str, shape, init="normal", scale: float | None = None, dtype=torch.float32,

@@ -234,13 +234,13 @@ def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:
     return fused_cross_entropy(logits, labels, d)
 
 
-def _hash_uniform(shape_full, ctx, local_shape, names, seed: int) -> torch.Tensor:
-    """Uniform [0,1) numbers from a 32-bit integer hash of each element's global index."""
-    idx = torch.zeros((), dtype=torch.int64)
+def _hash_uniform(shape_full, ctx, local_shape, names, seed: int, device=None) -> torch.Tensor:
+    """Uniform [0,1) numbers from a 32-bit integer hash of each element's global index, on ``device``."""
+    idx = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for i in reversed(range(len(names))):
         n = local_shape[i]
-        ar = torch.arange(ctx.offset(names[i]), ctx.offset(names[i]) + n, dtype=torch.int64) * stride
+        ar = torch.arange(ctx.offset(names[i]), ctx.offset(names[i]) + n, dtype=torch.int64, device=device) * stride
         view = [1] * len(names)
         view[i] = n
         idx = idx + ar.view(view)
@@ -267,7 +267,7 @@ class Dropout(Op):
 
     def compute(self, ctx, attrs, x):
         seed = attrs["seed"] + 1000003 * ctx.salt
-        u = _hash_uniform(attrs["full"], ctx, x.shape, attrs["names"], seed)
+        u = _hash_uniform(attrs["full"], ctx, x.shape, attrs["names"], seed, x.device)
         keep = (u >= attrs["rate"]).to(x.dtype)
         return x * keep * (1.0 / (1.0 - attrs["rate"]))
 

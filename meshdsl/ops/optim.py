@@ -124,7 +124,7 @@ def _adamw(p, g, m, v, hyper):
     g = g.contiguous()
     if _FUSED_ADAMW is not None and p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) \
             and p.is_contiguous() and m.is_contiguous() and v.is_contiguous():
-        _FUSED_ADAMW([p], [g], [m], [v], [], [torch.tensor(t)], lr=lr, beta1=b1, beta2=b2,
+        _FUSED_ADAMW([p], [g], [m], [v], [], [torch.full((), t, device=p.device)], lr=lr, beta1=b1, beta2=b2,
                      weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
         return p, m, v
     m.mul_(b1).add_(g, alpha=1.0 - b1)

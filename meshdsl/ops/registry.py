@@ -14,6 +14,8 @@ communication of their own get a rule in :mod:`meshdsl.lowering.rules`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +76,25 @@ class LocalCtx:
 
 
 DENSE_CTX = LocalCtx()
+
+#: The device the running program's values live on (None: torch's default device).
+_RUN_DEVICE: ContextVar = ContextVar("meshdsl_run_device", default=None)
+
+
+def run_device():
+    """Where a kernel with no tensor inputs (``iota``) makes its result: the device of the
+    program now running (set by the executors), else torch's default device (None)."""
+    return _RUN_DEVICE.get()
+
+
+@contextmanager
+def running_on(device):
+    """Run the enclosed kernels' input-free allocations on ``device``."""
+    token = _RUN_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _RUN_DEVICE.reset(token)
 
 
 class Op(ABC):

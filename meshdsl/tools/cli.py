@@ -38,7 +38,7 @@ from ..lowering.memory import memory_report
 from ..lowering.schedule import has_placed_w
 from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
-from .dist_cli import add_run, bucket_arg, dist_args, is_rank0
+from .dist_cli import add_run, bucket_arg, device_arg, dist_args, is_rank0, local_device
 from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
 from .preflight import SEED_MAX, UsageError, check_simulated_memory, float_in, int_in, resolve_auto_layout
 from .pipe_report import run_figures, schedule_summary, user_mesh_layout
@@ -206,11 +206,13 @@ def add_check(sub) -> None:
     pipe_args(p)
     bucket_arg(p)
     dist_args(p)
+    device_arg(p, "cpu")
     p.set_defaults(run=cmd_check)
 
 
-def run_on_simulated_mesh(plan, feeds, seed: int) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """The executor of ``check``: every rank of the mesh simulated in this process.
+def run_on_simulated_mesh(plan, feeds, seed: int, device=None) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The executor of ``check``: every rank of the mesh simulated in this process, its
+    values on ``device`` (default the CPU).
 
     Returns:
       The full outputs, and for a pipelined plan its per-stage figures
@@ -222,8 +224,8 @@ def run_on_simulated_mesh(plan, feeds, seed: int) -> tuple[dict[str, torch.Tenso
     """
     summary = schedule_summary(plan)
     if summary is None:
-        return run_simulated(plan, feeds, seed=seed), None
-    ex = Executor(plan, SimulatedComm(plan.mesh))
+        return run_simulated(plan, feeds, seed=seed, device=device), None
+    ex = Executor(plan, SimulatedComm(plan.mesh, device=device))
     out = ex.full_outputs(ex.run(feeds, ex.init_params(seed)))
     rows = [[(a.kind, a.microbatch, a.stage, a.peer, t0, t1) for a, t0, t1 in row] for row in ex.last_timeline]
     return out, run_figures(summary, [rows])
@@ -236,6 +238,7 @@ def cmd_check(args) -> int:
                                  rule="check pins exact equivalence, which holds in fp32 only",
                                  fix="drop --precision (use it with plan and run)"))
     distributed = args.nproc is not None or in_torchrun()
+    device = local_device(args, "check")   # the dense program it is checked against runs on the CPU
     resolve_auto_layout(args)
     mesh = Mesh.parse(args.mesh)
     if distributed:
@@ -257,9 +260,11 @@ def cmd_check(args) -> int:
     if distributed:
         from .dist_cli import check_distributed
         return check_distributed(args, want, report_check)
-    got, figures = run_on_simulated_mesh(plan, feeds, args.seed)
+    got, figures = run_on_simulated_mesh(plan, feeds, args.seed, device)
     user_mesh, user_layout = user_mesh_layout(plan)
     where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan)
+    if device.type != "cpu":
+        where += f", simulated on {device}"
     code = report_check(want, got, args.tol, where)
     if figures is not None:
         _console().print(

@@ -41,7 +41,7 @@ def report_check(want: dict, got: dict, tol: float, where: str) -> int:
         t.add_column(col, justify="left" if col in ("output", "shape") else "right")
     worst, bad = 0.0, []
     for k, ref in want.items():
-        diff = (got[k].double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+        diff = (got[k].double().cpu() - ref.double().cpu()).abs().max().item() if ref.numel() else 0.0
         scale = ref.abs().max().item() if ref.numel() else 0.0
         worst = max(worst, diff)
         ok = diff <= allowed[k]  # False for nan

@@ -50,6 +50,36 @@ def dist_args(p) -> None:
                         "memory among the ranks of one host (also MESHDSL_SHM=0)")
 
 
+def device_arg(p, default: str) -> None:
+    """``--device`` of a run in this process (the simulated mesh)."""
+    p.add_argument("--device", default=default, metavar="DEVICE",
+                   help=f"where a run in this process (the simulated mesh, no --nproc) keeps its values: cpu, "
+                        f"cuda (every simulated rank on one GPU) or auto (cuda when torch sees a GPU); default "
+                        f"{default}. Processes get theirs from --backend (nccl: a GPU each)")
+
+
+def local_device(args, command: str):
+    """The torch.device of ``args.device`` for a run in this process.
+
+    Raises:
+      UsageError: a device other than auto/cpu with processes (--nproc or torchrun).
+      GraphError: a device this machine lacks, or no device at all (see ``as_device``).
+    """
+    import torch
+
+    from ..errors import message
+    from ..exec.comm import as_device
+    from .preflight import UsageError
+    if (args.nproc is not None or in_torchrun()) and args.device not in ("auto", "cpu"):
+        raise UsageError(message(f"{command} --device {args.device} with processes: each process's device comes "
+                                 "from the backend.", rule="--device places a run in this process (no --nproc)",
+                                 fix="drop --device (--backend nccl puts each process on a GPU of its own)"))
+    if args.device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+    return as_device(args.device)
+
+
 def bucket_arg(p) -> None:
     """``--bucket-mb``: the size of the gradient buckets (see :mod:`meshdsl.lowering.bucket`)."""
     p.add_argument("--bucket-mb", type=float_in(0.0, fix="pass a size in MB, e.g. --bucket-mb 25, or 0 for none"),
@@ -60,9 +90,11 @@ def bucket_arg(p) -> None:
 
 def preflight_processes(args, mesh: Mesh) -> None:
     """Refuse a bad process count or backend before the model is even loaded (cheap checks first)."""
-    resolve_backend(args.backend)
-    if not in_torchrun():
+    if in_torchrun():
+        resolve_backend(args.backend)
+    else:
         nproc = mesh.size if args.nproc is None else args.nproc
+        resolve_backend(args.backend, nproc)
         check_processes(mesh, nproc, args.max_procs)
 
 

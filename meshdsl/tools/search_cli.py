@@ -56,7 +56,7 @@ def cmd_calibrate(args) -> int:
     from ..exec.distributed import resolve_backend
     from .cli import _console
 
-    resolve_backend(args.backend)
+    resolve_backend(args.backend, args.nproc)
     console = _console()
     total = num_kernel_samples(args.quick) + num_collective_samples(args.nproc, args.quick)
     with Progress(console=console, transient=True) as bar:

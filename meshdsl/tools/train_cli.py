@@ -23,7 +23,7 @@ from ..train.feeder import TokenFeeder
 from ..train.model import find_model_file, load_model, load_module
 from ..train.step import training_outputs
 from ..train.trainer import TrainSpec, reads_text, resume_from, run_rank
-from .dist_cli import bucket_arg, dist_args, is_rank0, preflight_processes
+from .dist_cli import bucket_arg, device_arg, dist_args, is_rank0, local_device, preflight_processes
 from .optim_args import add_optimizer_args, optimizer_from_args
 from .preflight import float_in, int_in
 
@@ -128,6 +128,7 @@ def add_train(sub) -> None:
                    help="texts generated into samples.txt at the end (0..3, default 3)")
     bucket_arg(p)
     dist_args(p)
+    device_arg(p, "auto")
     p.set_defaults(run=cmd_train)
 
 
@@ -213,18 +214,23 @@ def cmd_train(args) -> int:
     from .cli import _console
     from .preflight import plan_bytes
     spec, lines, plan = make_spec(args)
+    in_process = Mesh.parse(spec.mesh).size == 1 and not in_torchrun()
+    device = local_device(args, "train")
+    if in_process and device.type != "cpu":
+        import torch
+        lines.append(f"  device: {device} ({torch.cuda.get_device_name(device)})")
     args.preflight_done = True
     console = _console()
     if is_rank0():
         for line in lines:
             console.print(line, highlight=False, markup=False)
-    if Mesh.parse(spec.mesh).size == 1 and not in_torchrun():
+    if in_process:
         import torch
 
         from ..exec.simulated import SimulatedComm
         if args.auto:
             torch.set_num_threads(1)   # see auto_mesh
-        result = run_rank(SimulatedComm(Mesh.parse(spec.mesh)), spec)
+        result = run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec)
     else:
         from ..train.trainer import _rank_job
         from .dist_cli import _launch

@@ -162,7 +162,7 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
     files, err = {}, None
     try:
         for i, r in enumerate(comm.ranks):
-            owned = {n: p[4][i].detach().contiguous().clone() for n, p in plan.items() if r in p[3]}
+            owned = {n: p[4][i].detach().contiguous().to("cpu", copy=True) for n, p in plan.items() if r in p[3]}
             if owned:
                 data = safetensors_bytes(owned, metadata={"format": FORMAT, "rank": str(r)})
                 _write_file(tmp / shard_file_name(r), data)

@@ -64,7 +64,8 @@ def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens
     if temperature < 0:
         raise ModelError(message(f"generate: temperature {temperature} < 0.", fix="use 0 (greedy) or more"))
     tok = ByteTokenizer()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)   # sampled on the CPU: the same text on any device
+    dev = next((v.device for v in params.values()), torch.device("cpu"))
     out = []
     for lo in range(0, len(prompts), batch):
         rows = [tok.encode(p).tolist() for p in prompts[lo:lo + batch]]
@@ -76,8 +77,8 @@ def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens
                 ctx = toks[-seq:] or [ord("\n")]   # an empty prompt starts from a newline
                 ids[r, :len(ctx)] = torch.tensor(ctx)
                 last.append(len(ctx) - 1)
-            logits = prog({ids_name: ids}, params)["logits"]
-            step = logits[torch.arange(len(rows)), torch.tensor(last), :tok.vocab_size]
+            logits = prog({ids_name: ids.to(dev)}, params)["logits"]
+            step = logits[torch.arange(len(rows), device=dev), torch.tensor(last, device=dev), :tok.vocab_size].cpu()
             if temperature == 0:
                 nxt = step.argmax(-1)
             else:

@@ -18,7 +18,6 @@ from ..core.graph import Tensor
 from ..exec.comm import Communicator
 from ..exec.executor import Executor
 from ..exec.fold import for_plan
-from ..exec.simulated import SimulatedComm
 from ..ir.autodiff import grad
 from ..ir.precision import mixed_precision
 from ..ops.precision import check_precision
@@ -168,9 +167,8 @@ class TrainStep:
             self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None)
         self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
                             bucket_mb=bucket_mb)
-        if self.plan.mesh.axes != comm.mesh.axes:  # the plan has the virtual micro-batch axis
-            comm = SimulatedComm(self.plan.mesh) if isinstance(comm, SimulatedComm) else for_plan(comm, self.plan)
-        self.executor = Executor(self.plan, comm, donate_params=True)
+        # a plan with the virtual micro-batch axis runs on a communicator of its own mesh
+        self.executor = Executor(self.plan, for_plan(comm, self.plan), donate_params=True)
         self.params = self.executor.init_params(seed)
         self.names = list(params)
         #: names of the carried tensors: the params, then the optimizer state
@@ -267,7 +265,7 @@ class TrainStep:
                 self.step_count = int(next(x for x in got if x is not None))
             else:
                 key = name[len("param/"):] if name.startswith("param/") else name
-                self.params[key] = [None if x is None else x.clone() for x in got]
+                self.params[key] = [None if x is None else x.to(self.executor.device, copy=True) for x in got]
 
 
 def _in_flight(comm) -> float:

@@ -188,9 +188,8 @@ def _eval_fn(model: Model, step: TrainStep, spec: TrainSpec, comm):
     """A function ``feeds_list -> mean eval loss`` over the step's current params."""
     plan = compile_plan({"loss": model.loss}, spec.mesh, spec.layout, microbatches=spec.microbatches,
                         schedule=spec.schedule)
-    ex = Executor(plan, SimulatedComm(plan.mesh) if isinstance(comm, SimulatedComm) else for_plan(comm, plan))
-    same = all(plan.values[plan.params[k]].sharding == step.plan.values[step.plan.params[k]].sharding
-               for k in plan.params)
+    ex = Executor(plan, for_plan(comm, plan))
+    same = all(plan.values[v].sharding == step.plan.values[step.plan.params[k]].sharding for k, v in plan.params.items())
 
     def evaluate(feeds_list) -> float | None:
         params = step.params
@@ -360,7 +359,7 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
 
 
 def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, data=None, eval_data=None,
-          nproc: int | None = None, **options) -> TrainResult:
+          nproc: int | None = None, device=None, **options) -> TrainResult:
     """Train ``model`` and return a :class:`TrainResult`.
 
     Args:
@@ -373,6 +372,7 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, data
         function ``step -> {input name: full tensor}`` (the user's own batches).
       eval_data: with a function ``data``, a list of eval feeds.
       nproc: processes for a model given by name or path.
+      device: where a run in this process keeps its values (default the CPU; ``"cuda"``).
       options: any other :class:`TrainSpec` field: ``lr``, ``seed``, ``checkpoint``,
         ``save_every``, ``keep``, ``resume``, ``eval_every``, ``out``, ``config``, ``tiny``, ...
 
@@ -386,7 +386,7 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, data
         options["data"], data = str(data), None
     spec = TrainSpec(model="model" if given else str(model), mesh=str(mesh), layout=layout, steps=steps, **options)
     if given or (nproc or 1) == 1:
-        return run_rank(SimulatedComm(Mesh.parse(spec.mesh)), spec, model if given else None, data, eval_data)
+        return run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec, model if given else None, data, eval_data)
     from ..exec.launch import launch
     results = launch(_rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data))
     return results[0]
