@@ -123,3 +123,16 @@ def did_you_mean(name: str, choices) -> str:
 
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def env_choice(name: str, choices: tuple[str, ...], what: str, fix: str, error=MeshDSLError) -> str:
+    """``$name``, one of ``choices`` (unset or blank: the first); else an ``error`` naming the
+    value, the choices and ``fix`` (what to set instead)."""
+    import os
+    chosen = os.environ.get(name, "").strip() or choices[0]
+    if chosen not in choices:
+        raise error(message(
+            f"{name}={chosen!r} is not {what} meshdsl knows",
+            rule=f"{name} is one of {', '.join(choices)} (or unset: {choices[0]})",
+            fix=f"unset {name}, or {fix}"))
+    return chosen

@@ -187,3 +187,12 @@ def test_gpu_attention_kernels_match_the_cpu_kernel(causal, dtype, n_q, tol):
     torch.testing.assert_close(g_lse.cpu(), lse, rtol=tol, atol=tol)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.cpu(), b, rtol=tol, atol=tol)
+
+
+def test_attention_form_is_checked(monkeypatch):
+    from meshdsl.ops.attention import attention_mode
+    assert attention_mode() in ("fused", "math")
+    monkeypatch.setenv("MESHDSL_ATTENTION", "flash")
+    with pytest.raises(MeshDSLError, match="MESHDSL_ATTENTION='flash' is not an attention form meshdsl knows") as e:
+        attention_mode()
+    assert "fused, math" in str(e.value) and "Fix: unset MESHDSL_ATTENTION" in str(e.value)

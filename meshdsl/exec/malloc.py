@@ -21,7 +21,7 @@ import ctypes
 import ctypes.util
 import platform
 
-from .start import env_choice
+from ..errors import DistributedError, env_choice
 
 ENV = "MESHDSL_MALLOC"
 MODES = ("tuned", "default")
@@ -34,7 +34,7 @@ _done: bool | None = None
 
 def mode() -> str:
     """``$MESHDSL_MALLOC``, checked: ``tuned`` (the default) or ``default``."""
-    return env_choice(ENV, MODES, "a malloc setting", "set it to default to leave malloc as it is")
+    return env_choice(ENV, MODES, "a malloc setting", "set it to default to leave malloc as it is", DistributedError)
 
 
 def tune_malloc() -> bool:

@@ -24,7 +24,7 @@ import threading
 import time
 from multiprocessing import reduction
 
-from ..errors import DistributedError, message
+from ..errors import DistributedError, env_choice, message
 
 ENV = "MESHDSL_START_METHOD"
 METHODS = ("forkserver", "spawn")
@@ -39,21 +39,10 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def env_choice(name: str, choices: tuple[str, ...], what: str, fix: str) -> str:
-    """``$name``, one of ``choices`` (unset or blank: the first); else a DistributedError
-    naming the value, the choices and ``fix`` (what to set instead)."""
-    chosen = os.environ.get(name, "").strip() or choices[0]
-    if chosen not in choices:
-        raise DistributedError(message(
-            f"{name}={chosen!r} is not {what} meshdsl knows",
-            rule=f"{name} is one of {', '.join(choices)} (or unset: {choices[0]})",
-            fix=f"unset {name}, or {fix}"))
-    return chosen
-
-
 def method() -> str:
     """The start method for ranks: ``$MESHDSL_START_METHOD``, else forkserver where it exists."""
-    chosen = env_choice(ENV, METHODS, "a start method", "set it to spawn for a fresh interpreter per rank")
+    chosen = env_choice(ENV, METHODS, "a start method", "set it to spawn for a fresh interpreter per rank",
+                        DistributedError)
     if chosen == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     return chosen

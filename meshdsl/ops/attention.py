@@ -22,13 +22,12 @@ backward) is computed in the unfused math form (:func:`math_forward`,
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from ..core.graph import Tensor
 from ..core.shape import Dim, Shape
-from ..errors import ShapeError, message
+from ..errors import GraphError, ShapeError, env_choice, message
 from .registry import ComputeSpec, Op, apply, register
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -72,18 +71,23 @@ def math_backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
     return dq.to(q4.dtype), dk.to(k4.dtype), dv.to(v4.dtype)
 
 
-#: "fused" (default): torch's fused kernels (the CPU flash kernel; CUDA's memory-efficient one
-#: where it takes the shape and dtype); "math": the unfused form everywhere but the CPU.
-ATTENTION = os.environ.get("MESHDSL_ATTENTION", "fused")
+#: $MESHDSL_ATTENTION: "fused" (default): torch's fused kernels (the CPU flash kernel; CUDA's
+#: memory-efficient one where it takes the shape and dtype); "math": the unfused form off the CPU.
+ENV, MODES = "MESHDSL_ATTENTION", ("fused", "math")
 #: (dtype, feature size) -> whether CUDA's memory-efficient kernel took it (tried once)
 _CUDA_FUSED: dict = {}
 _LSE_ALIGN = 32   # the memory-efficient kernel pads its logsumexp rows to a multiple of this
 
 
+def attention_mode() -> str:
+    """``$MESHDSL_ATTENTION``, checked: ``fused`` (the default) or ``math``."""
+    return env_choice(ENV, MODES, "an attention form", "set it to math for the unfused form", GraphError)
+
+
 def _cuda_fused(q4, mask) -> bool:
     # fp32 only: on an H200 (torch 2.11) the bf16 backward of this kernel, called as here,
     # disagreed with the CPU kernel and the math form far beyond bf16 rounding.
-    return ATTENTION == "fused" and mask is None and q4.device.type == "cuda" and q4.dtype == torch.float32 \
+    return attention_mode() == "fused" and mask is None and q4.device.type == "cuda" and q4.dtype == torch.float32 \
         and _CUDA_FUSED.get((q4.dtype, q4.shape[-1]), True)
 
 
