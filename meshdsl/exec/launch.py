@@ -70,7 +70,7 @@ def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> 
             rule=f"a torchrun job sets {', '.join(TORCHRUN_ENV)}",
             fix="start with `torchrun --nproc-per-node N script.py`, or use launch.spawn(fn, N)"))
     if not dist.is_initialized():
-        backend = resolve_backend(backend)
+        backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         try:

@@ -34,10 +34,9 @@ _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _probs(q4, k4, causal: bool, mask, scale):
-    """Softmax probabilities of the masked scores ``q . k * scale`` (in at least float32, the
-    fused kernel's accumulation) and the scores themselves, softmaxed in place: one buffer of
-    [.., seq, key_seq], written by the product and then updated in place."""
+def _scores(q4, k4, causal: bool, mask, scale):
+    """The masked scores ``q . k * scale`` in at least float32 (the fused kernel's
+    accumulation): one [.., seq, key_seq] buffer, written by the product, masked in place."""
     acc = torch.promote_types(q4.dtype, torch.float32)
     c = q4.shape[-1] ** -0.5 if scale is None else scale
     s = (q4.to(acc) * c) @ k4.to(acc).transpose(-2, -1)   # the scale on q: the smaller operand
@@ -52,7 +51,7 @@ def _probs(q4, k4, causal: bool, mask, scale):
 def math_forward(q4, k4, v4, causal: bool, mask, scale):
     """(out, logsumexp) of attention over [batch, heads, seq, feature] tensors: what the fused
     CPU kernel returns, in plain tensor ops (any device)."""
-    s = _probs(q4, k4, causal, mask, scale)
+    s = _scores(q4, k4, causal, mask, scale)
     lse = torch.logsumexp(s, -1)
     out = torch.softmax(s, -1) @ v4.to(s.dtype)
     return out.to(q4.dtype), lse
@@ -61,7 +60,7 @@ def math_forward(q4, k4, v4, causal: bool, mask, scale):
 def math_backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
     """(dq, dk, dv) from the forward's out (the probabilities are recomputed from q and k; the
     logsumexp is the forward's, unused here)."""
-    p = torch.softmax(_probs(q4, k4, causal, mask, scale), -1)
+    p = torch.softmax(_scores(q4, k4, causal, mask, scale), -1)
     g = g4.to(p.dtype)
     dv = p.transpose(-2, -1) @ g
     ds = (g @ v4.to(p.dtype).transpose(-2, -1)).sub_((g * out4.to(p.dtype)).sum(-1, keepdim=True)).mul_(p)

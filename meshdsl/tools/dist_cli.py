@@ -63,7 +63,7 @@ def local_device(args, command: str):
 
     Raises:
       UsageError: a device other than auto/cpu with processes (--nproc or torchrun).
-      GraphError: a device this machine lacks, or no device at all (see ``as_device``).
+      GraphError: an unknown device, or one this machine lacks (see ``as_device``).
     """
     import torch
 
@@ -91,7 +91,7 @@ def bucket_arg(p) -> None:
 def preflight_processes(args, mesh: Mesh) -> None:
     """Refuse a bad process count or backend before the model is even loaded (cheap checks first)."""
     if in_torchrun():
-        resolve_backend(args.backend)
+        resolve_backend(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
     else:
         nproc = mesh.size if args.nproc is None else args.nproc
         resolve_backend(args.backend, nproc)
