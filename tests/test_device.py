@@ -196,3 +196,20 @@ def test_attention_form_is_checked(monkeypatch):
     with pytest.raises(MeshDSLError, match="MESHDSL_ATTENTION='flash' is not an attention form meshdsl knows") as e:
         attention_mode()
     assert "fused, math" in str(e.value) and "Fix: unset MESHDSL_ATTENTION" in str(e.value)
+
+
+def test_torchrun_backend_check_counts_local_processes(monkeypatch):
+    """Under torchrun the preflight knows LOCAL_WORLD_SIZE: nccl with more local processes
+    than GPUs is refused before the model loads; auto is left to pick gloo."""
+    import argparse
+
+    from meshdsl.tools.dist_cli import preflight_processes
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    mesh = Mesh.parse("data:2")
+    preflight_processes(argparse.Namespace(backend="auto", nproc=None, max_procs=None), mesh)
+    with pytest.raises(DistributedError, match="backend 'nccl' with 2 processes on a machine with 1 GPU"):
+        preflight_processes(argparse.Namespace(backend="nccl", nproc=None, max_procs=None), mesh)
