@@ -6,6 +6,8 @@ the way an op that holds a sub-graph (a repeat's block) computes it densely.
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from ..core.graph import Tensor, topo_nodes
@@ -107,7 +109,7 @@ class DenseProgram:
                 check_feed(t, feeds[k])
             env[self._slot[id(t)]] = feeds[k]
         # The program runs where its values are: the first fed or given tensor's device.
-        device = next((x.device for x in (*feeds.values(), *(params or {}).values())
+        device = next((x.device for x in chain(feeds.values(), (params or {}).values())
                        if isinstance(x, torch.Tensor)), None)
         for k, t in self.params.items():
             env[self._slot[id(t)]] = params[k] if params is not None and k in params else \
