@@ -26,7 +26,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 step install 60 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile .
 step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_device.py
 step tests_math 120 env MESHDSL_ATTENTION=math python3 -m pytest -q -p no:cacheprovider tests/test_device.py
-step attention_path 60 python3 -c "import importlib, torch; a = importlib.import_module('meshdsl.ops.attention'); q = torch.randn(16, 8, 64, 32, device='cuda'); a._forward(q, q, q, True, None, None); print('fused on CUDA for (dtype, d_head):', a._CUDA_FUSED)"
+step attention_path 60 python3 -c "import importlib, torch; a = importlib.import_module('meshdsl.ops.attention'); q = torch.randn(16, 8, 64, 32, device='cuda'); a._forward(q, q, q, True, None, None); print('fused on CUDA in fp32, by d_head:', a._CUDA_FUSED)"
 step dense 60 python3 bench/dense_vs_torch.py --device cuda --rounds 3 --reps 15
 step dense_update 60 python3 bench/dense_vs_torch.py --device cuda --rounds 3 --reps 15 --update
 step dense_plan 60 python3 bench/dense_vs_torch.py --device cuda --rounds 3 --reps 15 --update --plan

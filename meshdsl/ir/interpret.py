@@ -93,8 +93,7 @@ class DenseProgram:
 
     def init_params(self, seed: int = 0, device=None) -> dict[str, torch.Tensor]:
         """Every param's deterministic initial value (made on the CPU, then moved to ``device``)."""
-        return {k: init_value(t, seed).to(device) if device is not None else init_value(t, seed)
-                for k, t in self.params.items()}
+        return {k: init_value(t, seed).to(device or "cpu") for k, t in self.params.items()}
 
     def __call__(self, feeds: dict | None = None, params: dict | None = None, seed: int = 0,
                  salt: int = 0) -> dict[str, torch.Tensor]:

@@ -34,12 +34,16 @@ _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _scale(q4, scale) -> float:
+    """The score scale: ``scale``, or 1/sqrt(feature size) as the fused kernels default to."""
+    return q4.shape[-1] ** -0.5 if scale is None else scale
+
+
 def _scores(q4, k4, causal: bool, mask, scale):
     """The masked scores ``q . k * scale`` in at least float32 (the fused kernel's
     accumulation): one [.., seq, key_seq] buffer, written by the product, masked in place."""
     acc = torch.promote_types(q4.dtype, torch.float32)
-    c = q4.shape[-1] ** -0.5 if scale is None else scale
-    s = (q4.to(acc) * c) @ k4.to(acc).transpose(-2, -1)   # the scale on q: the smaller operand
+    s = (q4.to(acc) * _scale(q4, scale)) @ k4.to(acc).transpose(-2, -1)   # the scale on q: the smaller operand
     if causal:
         n_q, n_k = s.shape[-2:]
         s.masked_fill_(torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -64,7 +68,7 @@ def math_backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
     g = g4.to(p.dtype)
     dv = p.transpose(-2, -1) @ g
     ds = (g @ v4.to(p.dtype).transpose(-2, -1)).sub_((g * out4.to(p.dtype)).sum(-1, keepdim=True)).mul_(p)
-    c = q4.shape[-1] ** -0.5 if scale is None else scale
+    c = _scale(q4, scale)
     dq = (ds @ k4.to(p.dtype)).mul_(c)
     dk = (ds.transpose(-2, -1) @ q4.to(p.dtype)).mul_(c)
     return dq.to(q4.dtype), dk.to(k4.dtype), dv.to(v4.dtype)
@@ -73,7 +77,7 @@ def math_backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
 #: $MESHDSL_ATTENTION: "fused" (default): torch's fused kernels (the CPU flash kernel; CUDA's
 #: memory-efficient one where it takes the shape and dtype); "math": the unfused form off the CPU.
 ENV, MODES = "MESHDSL_ATTENTION", ("fused", "math")
-#: (dtype, feature size) -> whether CUDA's memory-efficient kernel took it (tried once)
+#: feature size -> whether CUDA's memory-efficient kernel took it in fp32 (tried once)
 _CUDA_FUSED: dict = {}
 _LSE_ALIGN = 32   # the memory-efficient kernel pads its logsumexp rows to a multiple of this
 
@@ -87,14 +91,14 @@ def _cuda_fused(q4, mask) -> bool:
     # fp32 only: on an H200 (torch 2.11) the bf16 backward of this kernel, called as here,
     # disagreed with the CPU kernel and the math form far beyond bf16 rounding.
     return attention_mode() == "fused" and mask is None and q4.device.type == "cuda" and q4.dtype == torch.float32 \
-        and _CUDA_FUSED.get((q4.dtype, q4.shape[-1]), True)
+        and _CUDA_FUSED.get(q4.shape[-1], True)
 
 
 def _forward(q4, k4, v4, causal: bool, mask, scale):
     if q4.device.type == "cpu":
         return _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=scale)
     if _cuda_fused(q4, mask):
-        key = (q4.dtype, q4.shape[-1])
+        key = q4.shape[-1]
         try:
             out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
                 q4, k4, v4, None, True, 0.0, causal, scale=scale)
@@ -108,7 +112,7 @@ def _forward(q4, k4, v4, causal: bool, mask, scale):
 def _backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
     if q4.device.type == "cpu":
         return _BWD(g4, q4, k4, v4, out4, lse4, 0.0, causal, attn_mask=mask, scale=scale)
-    if _cuda_fused(q4, mask) and _CUDA_FUSED.get((q4.dtype, q4.shape[-1])):
+    if _cuda_fused(q4, mask) and _CUDA_FUSED.get(q4.shape[-1]):
         pad = (-lse4.shape[-1]) % _LSE_ALIGN
         lse = torch.nn.functional.pad(lse4, (0, pad)) if pad else lse4
         none = torch.empty((), dtype=torch.int64, device=q4.device)   # no dropout: no random state
@@ -118,7 +122,7 @@ def _backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
                 [True, True, True, False], causal, scale=scale)
             return dq, dk, dv
         except RuntimeError:   # the math backward needs only out (it recomputes the probabilities)
-            _CUDA_FUSED[(q4.dtype, q4.shape[-1])] = False
+            _CUDA_FUSED[q4.shape[-1]] = False
     return math_backward(g4, q4, k4, v4, out4, lse4, causal, mask, scale)
 
 

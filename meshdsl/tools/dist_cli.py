@@ -75,8 +75,7 @@ def local_device(args, command: str):
                                  "from the backend.", rule="--device places a run in this process (no --nproc)",
                                  fix="drop --device (--backend nccl puts each process on a GPU of its own)"))
     if args.device == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        return as_device("cuda" if torch.cuda.is_available() else "cpu")
     return as_device(args.device)
 
 
