@@ -3,6 +3,7 @@
 * :func:`setup`: a meshdsl model, its feeds and its initial weights as full tensors (every
   variant of every bench starts from them, so step-0 losses can be compared);
 * :func:`sgd`: the manual SGD update the torch variants use (``p - g * lr``, meshdsl's rounding);
+* :func:`paired_ratio`: two variants' per-turn samples compared turn by turn;
 * :func:`torch_step`: plain torch on one process (``dense_vs_torch.TorchGPT``);
 * :class:`First` / :class:`Last` and :func:`torch_pipe_step`: the transformer cut into two
   ``torch.distributed.pipelining`` stages, optionally with each stage's module wrapped
@@ -44,6 +45,18 @@ def sgd(params, lr):
             if p.grad is not None:
                 p.sub_(p.grad * lr)
                 p.grad = None
+
+
+def paired_ratio(a: list[float], b: list[float]) -> dict:
+    """``a[i] / b[i]`` over the turns two variants of one job took side by side (the harness's
+    samples line up: same round, same turn, minutes apart at most): their median and the
+    10th-90th percentile range.  Drift of the machine's speed between turns, which on these
+    VMs moves a step by tens of percent, cancels in each ratio; a ratio of the two medians
+    keeps it, so the two can differ by more than the effect being measured."""
+    import statistics
+    r = sorted(x / y for x, y in zip(a, b))
+    lo, hi = (statistics.quantiles(r, n=10, method="inclusive")[::8] if len(r) > 1 else (r[0], r[0]))
+    return {"median": statistics.median(r), "p10": lo, "p90": hi, "turns": len(r)}
 
 
 def torch_step(cfg, w, feeds, lr, m: int = 1):

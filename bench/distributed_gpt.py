@@ -35,7 +35,10 @@ mark taken after imports, process-group setup, the model's weights and feeds wer
 so it counts what the variant adds: params, grads, activations and communication buffers.
 On GPUs (``--backend nccl``) it is the bytes torch allocated on the GPU instead
 (``torch.cuda.max_memory_allocated``, minus what was allocated before the variant was built).
-Step-0 losses are checked against plain torch's.
+Step-0 losses are checked against plain torch's.  Each meshdsl/torch ratio is given twice:
+the ratio of the two medians, and turn by turn (each meshdsl turn over its torch peer's turn
+of the same job and round, which ran right beside it): the median and 10-90% range of those
+ratios, which the machine's drift from turn to turn does not move.
 
     python bench/distributed_gpt.py                      # 3 rounds
     python bench/distributed_gpt.py --quick              # 1 round, 2 turns, no memory jobs
@@ -64,7 +67,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import setup, sgd, torch_pipe_step, torch_step  # noqa: E402
+from _common import paired_ratio, setup, sgd, torch_pipe_step, torch_step  # noqa: E402
 from dense_vs_torch import TorchGPT  # noqa: E402
 from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the shared harness)
 
@@ -375,6 +378,8 @@ def summarise(args, names, times, cpu, per_round, split, loss0, last, memory) ->
                          **({"mesh": MESHDSL[k][0], "layout": MESHDSL[k][1]} if k in MESHDSL else {})}
                      for k in names},
         "ratios": {f"{k} / {p}": med[k] / med[p] for k, p in PEERS.items() if k in med and p in med},
+        "paired_ratios": {f"{k} / {p}": paired_ratio(times[k], times[p]) for k, p in PEERS.items()
+                          if k in med and p in med},
         "loss_step0_ok": {k: abs(v - base_loss) <= LOSS_RTOL * abs(base_loss) for k, v in loss0.items()},
         "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
     }
@@ -411,7 +416,9 @@ def print_tables(out) -> None:
                   "ran in all; memory: " + ("torch.cuda.max_memory_allocated" if run["backend"] == "nccl" else "ru_maxrss")
                   + " of a job running the variant alone (added: minus the mark before the variant was built)", highlight=False, soft_wrap=True)
     for name, r in out["ratios"].items():
-        console.print(f"{name} = {r:.3f}", highlight=False)
+        p = out["paired_ratios"][name]
+        console.print(f"{name} = {r:.3f}; turn by turn: median {p['median']:.3f}, 10-90% {p['p10']:.3f}-"
+                      f"{p['p90']:.3f} over {p['turns']} turns", highlight=False)
     console.print(f"wall {run['wall_s']:.0f} s; load average {run['loadavg_start'][0]:.2f} at start, "
                   f"{run['loadavg_end'][0]:.2f} at end, on {run['cpus']} cores"
                   + (f"; skipped (fewer GPUs than processes): {', '.join(run['skipped'])}" if run["skipped"] else ""),

@@ -366,10 +366,11 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
     speedup = {k: med["torch"] / v for k, v in med.items()}
     p10_speedup = {k: p10["torch"] / v for k, v in p10.items()}
     cpu_speedup = {k: med_cpu["torch"] / v for k, v in med_cpu.items()}
-    ratios = {"meshdsl DP / DDP": med["meshdsl DP"] / med["DDP"],
-              "meshdsl TP / DTensor TP": med["meshdsl TP"] / med["DTensor TP"],
-              "meshdsl TP / hand TP": med["meshdsl TP"] / med["hand TP"],
-              "meshdsl 1p / torch": med["meshdsl 1p"] / med["torch"]}
+    from _common import paired_ratio  # the bench folder is this script's own
+    pairs = {"meshdsl DP / DDP": ("meshdsl DP", "DDP"), "meshdsl TP / DTensor TP": ("meshdsl TP", "DTensor TP"),
+             "meshdsl TP / hand TP": ("meshdsl TP", "hand TP"), "meshdsl 1p / torch": ("meshdsl 1p", "torch")}
+    ratios = {name: med[a] / med[b] for name, (a, b) in pairs.items()}
+    paired = {name: paired_ratio(times[a], times[b]) for name, (a, b) in pairs.items()}
     split = {}
     for k, sts in stats.items():
         # Means, so that compute + comm + overhead add up to total.
@@ -413,7 +414,9 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
     dp_ok = ratios["meshdsl DP / DDP"] <= DP_GOAL
     tp_ok = speedup["meshdsl TP"] >= TP_GOAL
     for name, val in ratios.items():
-        console.print(f"{name} = {val:.3f}")
+        p = paired[name]
+        console.print(f"{name} = {val:.3f}; turn by turn: median {p['median']:.3f}, 10-90% {p['p10']:.3f}-"
+                      f"{p['p90']:.3f} over {p['turns']} turns", highlight=False)
     console.print(f"goal DP <= DDP: [bold {'green' if dp_ok else 'red'}]{'met' if dp_ok else 'missed'}[/]"
                   f" ({ratios['meshdsl DP / DDP']:.2f}x DDP's time)")
     console.print(f"goal TP >= {TP_GOAL}x one process: [bold {'green' if tp_ok else 'red'}]"
@@ -439,7 +442,7 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
         "median_ms": med, "round_median_ms": per_round, "min_ms": {k: min(v) * 1e3 for k, v in times.items()},
         "p10_ms": p10, "cpu_median_ms": med_cpu, "speedup_vs_torch": speedup,
         "p10_speedup_vs_torch": p10_speedup, "cpu_speedup_vs_torch": cpu_speedup,
-        "ratios": ratios, "meshdsl_split": split,
+        "ratios": ratios, "paired_ratios": paired, "meshdsl_split": split,
         "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,
         "goals": {"dp_not_slower_than_ddp": dp_ok, f"tp_speedup_at_least_{TP_GOAL}": tp_ok},
         "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
