@@ -39,7 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -77,15 +76,27 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set in bytes (VmHWM; ru_maxrss off Linux)."""
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` line of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes; None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set in bytes (VmHWM; ru_maxrss off Linux)."""
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss() -> int:
+    """This process's resident set now, in bytes (VmRSS; off Linux the peak so far)."""
+    now = _status_bytes("VmRSS")
+    return now if now is not None else _peak_rss()
 
 
 # ----------------------------------------------------------------------------- the two sides
@@ -102,7 +113,7 @@ def meshdsl_rank(comm, spec: TrainSpec, tokens: TokenData | None = None) -> dict
     """One rank of a meshdsl run: per-step losses and ms (rank 0) and this rank's memory."""
     torch.set_num_threads(1)
     tokens = tokens or TokenData.load(None, seed=spec.seed)  # before the peak reset: not training's memory
-    base, reset = psutil.Process().memory_info().rss, _reset_peak()
+    base, reset = _rss(), _reset_peak()
     res = run_rank(comm, spec, data=tokens)
     out = {"rss_base": base, "rss_peak": _peak_rss(), "peak_reset": reset}
     if res is not None:
