@@ -79,10 +79,12 @@ class Gather(Op):
 
     def compute(self, ctx, attrs, ids, table):
         name, pos = attrs["dim"], attrs["pos"]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= attrs["size"]):
+        # One reduction and one read back (on a GPU, one wait for the device) per lookup.
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() else (0, 0)
+        if lo < 0 or hi >= attrs["size"]:
             # Each rank sees global ids, so every layout raises alike (dense indexing would too).
             raise GraphError(message(
-                f"gather: ids range over [{int(ids.min())}, {int(ids.max())}], outside dim '{name}' of size "
+                f"gather: ids range over [{lo}, {hi}], outside dim '{name}' of size "
                 f"{attrs['size']}.", rule=f"ids index the table along '{name}': 0 <= id < {attrs['size']}",
                 fix="check the fed ids (e.g. the vocabulary size) or clamp them"))
         n = table.shape[pos]

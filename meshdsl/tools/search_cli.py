@@ -24,6 +24,13 @@ from .preflight import UsageError, float_in, int_in
 GB = 1e9
 
 
+
+def _bar(console):
+    """A progress bar that vanishes when done; none when the output is not a terminal (a pipe or
+    a file gets the results only, not the bar's leftover line)."""
+    from rich.progress import Progress
+    return Progress(console=console, transient=True, disable=not console.is_terminal)
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -51,15 +58,13 @@ def add_calibrate(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from rich.progress import Progress
-
     from ..exec.distributed import resolve_backend
     from .cli import _console
 
     resolve_backend(args.backend, args.nproc)
     console = _console()
     total = num_kernel_samples(args.quick) + num_collective_samples(args.nproc, args.quick)
-    with Progress(console=console, transient=True) as bar:
+    with _bar(console) as bar:
         task = bar.add_task(f"calibrating ({args.nproc} processes, {args.backend})", total=total)
         cal = calibrate(args.nproc, args.backend, args.quick, lambda k: bar.advance(task, k), args.timeout)
     print_calibration(cal, console)
@@ -239,8 +244,6 @@ def explain(ranked: list[Ranked]) -> list[str]:
 def measure(args, rows: list[Ranked]) -> dict[int, float]:
     """Median measured step seconds of each row, ``steps`` timed steps on real processes each
     (after two warmup steps); a step takes as long as its slowest rank."""
-    from rich.progress import Progress
-
     from ..exec.launch import launch
     from ..train.jobs import train_job
     from .cli import _console
@@ -248,7 +251,7 @@ def measure(args, rows: list[Ranked]) -> dict[int, float]:
 
     opt, clip = optimizer_from_args(args)
     out = {}
-    with Progress(console=_console(), transient=True) as bar:
+    with _bar(_console()) as bar:
         task = bar.add_task("measuring", total=len(rows))
         for r in rows:
             c = r.candidate
