@@ -24,12 +24,12 @@ from .preflight import UsageError, float_in, int_in
 GB = 1e9
 
 
-
 def _bar(console):
     """A progress bar that vanishes when done; none when the output is not a terminal (a pipe or
     a file gets the results only, not the bar's leftover line)."""
     from rich.progress import Progress
     return Progress(console=console, transient=True, disable=not console.is_terminal)
+
 
 def _mb(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
