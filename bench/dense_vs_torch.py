@@ -15,6 +15,8 @@ and range are reported.  Results go to bench/results/dense_vs_torch[_update].jso
     python bench/dense_vs_torch.py --plan          # the plan executor (mesh data:1) instead
     python bench/dense_vs_torch.py --device cuda   # both sides on the GPU (times after a synchronize)
     python bench/dense_vs_torch.py --config d_model=512,layers=2   # another size of the model
+    python bench/dense_vs_torch.py --model llama   # models/llama.py against bench/torch_llama.py
+    python bench/dense_vs_torch.py --model vit     # models/vit.py against bench/torch_vit.py
 
 With ``--plan`` meshdsl's side is the compiled plan on mesh ``data:1`` run by the
 plan executor, the path ``meshdsl run``/``train`` and every per-rank program take.
@@ -127,20 +129,41 @@ def _plan_program(wanted, device):
     return run
 
 
-def make_steps(update: bool, lr: float, plan: bool = False, device: str = "cpu", config: str = ""):
-    from meshdsl.tools.train_cli import config_overrides
-    path = str(ROOT / "models" / "transformer.py")
-    model = load_model(path, **config_overrides(path, config))
-    cfg = model.config
+def _gpt_peer(cfg, params):
     if cfg.dropout or cfg.norm != "layer" or cfg.tied:
         raise SystemExit("the torch twin implements dropout=0, norm='layer', tied=False only")
+    return TorchGPT(cfg, params)
+
+
+def _llama_peer(cfg, params):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from torch_llama import TorchLlama
+    return TorchLlama(cfg, params)
+
+
+def _vit_peer(cfg, params):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from torch_vit import TorchViT
+    return TorchViT(cfg, params)
+
+
+#: --model NAME -> its torch peer, from (Config, meshdsl's initial params)
+PEERS = {"transformer": _gpt_peer, "llama": _llama_peer, "vit": _vit_peer}
+
+
+def make_steps(update: bool, lr: float, plan: bool = False, device: str = "cpu", config: str = "",
+               name: str = "transformer"):
+    from meshdsl.tools.train_cli import config_overrides
+    path = str(ROOT / "models" / f"{name}.py")
+    model = load_model(path, **config_overrides(path, config))
+    cfg = model.config
     outs = training_outputs(model.loss, model.params, lr, with_grads=True)
     wanted = {k: v for k, v in outs.items() if k == "loss" or k.startswith("new/" if update else "grad/")}
     dense = md.DenseProgram(wanted)
     params = dense.init_params(seed=0, device=device)
     prog = _plan_program(wanted, device) if plan else dense
     feeds = {k: v.to(device) for k, v in model.feeds(0).items()}
-    net = TorchGPT(cfg, params).to(device)
+    net = PEERS[name](cfg, params).to(device)
     state = {"params": params}
 
     def meshdsl_step():
@@ -152,7 +175,7 @@ def make_steps(update: bool, lr: float, plan: bool = False, device: str = "cpu",
     def torch_step():
         for p in net.parameters():
             p.grad = None
-        loss = net(feeds["ids"], feeds["labels"])
+        loss = net(**feeds)   # each peer's forward takes the model's inputs by name
         loss.backward()
         if update:
             with torch.no_grad():
@@ -170,7 +193,7 @@ def verify(prog, params, feeds, net, update: bool) -> tuple[float, float, float]
     r = prog(feeds, params)
     for p in net.parameters():
         p.grad = None
-    loss = net(feeds["ids"], feeds["labels"])
+    loss = net(**feeds)
     loss.backward()
     tg = net.stacked_grads()
     gdiff = max((r[f"grad/{k}"] - tg[k]).abs().max().item() for k in tg)
@@ -184,7 +207,8 @@ def bench(args) -> int:
     # Both sides share this process, so both run on the allocator meshdsl's own processes use.
     console.print(f"malloc: {'tuned' if md.tune_malloc() else 'as is'} for both sides (meshdsl.tune_malloc; "
                   "MESHDSL_MALLOC=default leaves it as is)")
-    cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr, args.plan, args.device, args.config)
+    cfg, prog, params, feeds, net, md_step, th_step = make_steps(args.update, args.lr, args.plan, args.device, args.config,
+                                                                 args.model)
     if args.device != "cpu":  # a step's time ends when its kernels have run, not when they were queued
         md_step, th_step = _synced(md_step), _synced(th_step)
     md_loss, th_loss, gdiff = verify(prog, params, feeds, net, args.update)
@@ -205,7 +229,7 @@ def bench(args) -> int:
 
     what = "forward + backward + SGD update" if args.update else "forward + backward"
     where = f"on {torch.cuda.get_device_name()}" if args.device != "cpu" else f"{torch.get_num_threads()} thread(s)"
-    t = Table(title=f"transformer training step ({what}), {where}, "
+    t = Table(title=f"{args.model} training step ({what}), {where}, "
                     f"{args.reps} interleaved reps", title_justify="left")
     for col in ("", "median ms", "min ms", "max ms", "median CPU ms", "loss"):
         t.add_column(col, justify="right" if col else "left")
@@ -223,10 +247,11 @@ def bench(args) -> int:
                       f"[{min(ratios):.3f}, {max(ratios):.3f}], CPU ratio [{min(cpu_ratios):.3f}, "
                       f"{max(cpu_ratios):.3f}]; the table shows the last round")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / (f"dense_vs_torch{'_update' if args.update else ''}{'_plan' if args.plan else ''}"
+    out = RESULTS / (f"dense_vs_torch{'' if args.model == 'transformer' else '_' + args.model}"
+                     f"{'_update' if args.update else ''}{'_plan' if args.plan else ''}"
                      f"{'_' + args.device.split(':')[0] if args.device != 'cpu' else ''}.json")
     out.write_text(json.dumps({
-        "what": what, "device": args.device, "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
+        "model": args.model, "what": what, "device": args.device, "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
         "torch": torch.__version__, "runner": "plan executor, data:1" if args.plan else "dense interpreter", "config": str(cfg), "threads": torch.get_num_threads(), "reps": args.reps,
         "wall_ratio": ratios, "cpu_ratio": cpu_ratios, "target": TARGET,
         "step_ms": {k: [[x * 1e3 for x in t[k]] for t, _ in rounds] for k in ("meshdsl", "torch")},
@@ -300,8 +325,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="profile instead of timing")
     p.add_argument("--plan", action="store_true", help="run meshdsl's side through the plan executor (mesh data:1)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where both sides run")
+    p.add_argument("--model", default="transformer", choices=sorted(PEERS),
+                   help="the model file in models/ and its torch peer (default transformer)")
     p.add_argument("--config", default="", metavar="K=V,...",
-                   help="override the transformer's Config fields, e.g. d_model=1024,layers=8,seq=512")
+                   help="override the model's Config fields, e.g. d_model=1024,layers=8,seq=512")
     return bench(p.parse_args(argv))
 
 

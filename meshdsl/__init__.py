@@ -4,7 +4,8 @@ turn it into data-, tensor-, FSDP-, expert- and sequence-parallel programs.
 Public API (everything else lives in subpackages and may change):
 
 * dims and graphs: :class:`Dim`, :class:`Shape`, :class:`Graph`, :class:`Tensor`
-* ops: see :mod:`meshdsl.ops` (re-exported here)
+* ops: see :mod:`meshdsl.ops` (re-exported here); among them :func:`constant` (a number, or a
+  tensor table with named dims that each rank slices), :func:`sin`, :func:`cos`, :func:`arange` (position ids)
 * autodiff: :func:`grad`, :func:`vjp`; scan: :func:`repeat`
 * layout: :class:`Mesh`, :class:`Layout`; compile: :func:`compile` -> :class:`Plan`
 * execution: :func:`run_dense`, :func:`run_simulated`, :class:`Executor`, :class:`PerRank`;
@@ -16,6 +17,7 @@ Public API (everything else lives in subpackages and may change):
   :class:`Adafactor`, :func:`cosine_schedule`; :func:`memory_report` (bytes per rank of a plan);
   :func:`mixed_precision` (a loss rebuilt for bf16 compute, as ``TrainStep(precision="bf16")`` does)
 * the training loop: :func:`fit` ``(model, mesh=..., layout=..., steps=..., data=...)`` -> :class:`TrainResult`, :class:`TokenData` (text batches),
+  :func:`row_generator` (one random stream per batch row, for a model's own ``batches``),
   :func:`generate` (text from a trained language model); checkpoints :func:`save_checkpoint`,
   :func:`load_checkpoint`, :func:`latest_checkpoint`
 * pipelines: :func:`draw_timeline` (a plan's schedule, or a run's recorded actions, as a PNG)
@@ -50,7 +52,7 @@ _EXPORTS = {
     "Plan": (".lowering.plan", "Plan"),
     **{n: (".train.model", n) for n in ("Model", "ModelError", "load_model")},
     **{n: (".train.checkpoint", n) for n in ("latest_checkpoint", "load_checkpoint", "save_checkpoint")},
-    "TokenData": (".train.data", "TokenData"),
+    **{n: (".train.data", n) for n in ("TokenData", "row_generator")},
     "generate": (".train.generate", "generate"),
     "cosine_schedule": (".train.lr_schedule", "cosine_schedule"),
     "sgd": (".train.optim", "sgd"),

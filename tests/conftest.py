@@ -36,6 +36,36 @@ MESHES = {"2": "x:2", "4": "x:4", "2x2": "x:2; y:2", "2x2x2": "x:2; y:2; z:2"}
 RTOL = ATOL = 1e-5
 
 
+#: The one multiplier of every wall-clock bound a test asserts (README, "Run the tests").
+TIME_SCALE_ENV = "MESHDSL_TEST_TIME_SCALE"
+
+
+def time_scale() -> float:
+    """``MESHDSL_TEST_TIME_SCALE`` (default 1): a slow or busy machine raises it."""
+    text = os.environ.get(TIME_SCALE_ENV, "1")
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise pytest.UsageError(f"{TIME_SCALE_ENV}={text!r}: not a finite number > 0 (e.g. 1, or 3 on a slow machine)")
+    return scale
+
+
+def time_limit(seconds: float) -> float:
+    """A speed bound a test asserts (``took < time_limit(3.0)``), stated for a 2-core machine
+    with one other busy process and scaled by :func:`time_scale`.
+
+    Only bounds that assert speed go through this; the hard timeouts that keep a hung test
+    from hanging the suite (``pytest.mark.timeout``, ``spawn(timeout=...)``) do not.
+    """
+    return seconds * time_scale()
+
+
+def pytest_configure(config):
+    time_scale()  # a bad multiplier stops the run at once, not in the middle of it
+
+
 def mesh_axes(mesh: str) -> dict[str, int]:
     return dict(md.Mesh.parse(mesh).axes)
 
@@ -252,6 +282,21 @@ def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[
         norms.append(float(out["grad_norm"]))
         state = {k: out[f"new/{k}"] for k in state}
     return losses, norms
+
+
+def sgd_dense_losses(model, lr: float, steps: int, seed: int = 0) -> list[float]:
+    """The dense program's losses over ``steps`` plain-SGD steps of ``lr``, params initialised
+    from ``seed``, every step on the batch ``model.feeds(seed)``: what ``meshdsl run`` trains
+    (its warmup steps included), whatever its mesh, layout or micro-batches."""
+    from meshdsl.train.step import training_outputs
+
+    prog = md.DenseProgram(training_outputs(model.loss, model.params, lr))
+    state, feeds, losses = prog.init_params(seed), model.feeds(seed), []
+    for _ in range(steps):
+        out = prog(feeds, state)
+        losses.append(float(out["loss"]))
+        state = {k: out[f"new/{k}"] for k in state}
+    return losses
 
 
 def torchrun_env(tmp_path) -> dict:

@@ -55,6 +55,86 @@ def test_fused_matches_composite(q_dims, k_dims, causal):
         torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# ----------------------------------------------------------------------------- grouped-query attention
+# q [batch, seq, kv_heads, group, d_head] against k, v [batch, key_seq, kv_heads, d_head]: each
+# key/value head serves the `group` query heads of its own; k and v lack `group`.
+N, G = md.Dim("kv_heads", 2), md.Dim("group", 3)
+
+
+def _gqa_composite(q, k, v, causal: bool):
+    """The composite with k and v broadcast over the dims they lack (einsum broadcasts them)."""
+    qn, kn = " ".join(q.shape.names), " ".join(k.shape.names)
+    batch = [n for n in q.shape.names if n not in ("seq", "d_head")]
+    sn = " ".join(batch + ["seq", "key_seq"])
+    scores = md.einsum(f"{qn}, {kn} -> {sn}", q, k) * (E.size ** -0.5)
+    if causal:
+        scores = md.where(md.causal_mask(S, K), scores, -1e9)
+    return md.transpose(md.einsum(f"{sn}, {' '.join(v.shape.names)} -> {qn}", md.softmax(scores, "key_seq"), v),
+                        q.shape.names)
+
+
+def _gqa_run(q_dims, k_dims, v_dims, causal: bool, fused: bool):
+    with md.Graph():
+        q, k, v = (md.param(n, dims, scale=1.0) for n, dims in (("q", q_dims), ("k", k_dims), ("v", v_dims)))
+        y = md.attention(q, k, v, causal=causal) if fused else _gqa_composite(q, k, v, causal)
+        loss = md.reduce_sum(y * md.param("w", q_dims, scale=1.0))
+        grads = md.grad(loss, {"q": q, "k": k, "v": v})
+        return md.run_dense({"y": y, **{f"grad/{n}": g for n, g in grads.items()}}, seed=3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_dims,k_dims,v_dims", [
+    ([B, S, N, G, E], [B, K, N, E], [B, K, N, E]),      # the llama's layout
+    ([G, E, S, B, N], [N, K, E, B], [E, B, N, K]),      # every operand in its own order
+    ([B, S, H, E], [B, K, E], [K, B, E]),               # multi-query: one key/value head for all
+    ([S, G, E], [K, E], [E, K]),                        # no dim shared but the key and feature dims
+], ids=["bsnge", "permuted", "multi-query", "nothing-shared"])
+def test_grouped_query_attention_matches_the_broadcast_composite(q_dims, k_dims, v_dims, causal):
+    got, want = _gqa_run(q_dims, k_dims, v_dims, causal, True), _gqa_run(q_dims, k_dims, v_dims, causal, False)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _gqa_case():
+    q = md.param("q", [B, S, N, md.Dim("group", 2), E], scale=1.0)   # a group the axes divide
+    k, v = md.param("k", [B, K, N, E], scale=1.0), md.param("v", [B, K, N, E], scale=1.0)
+    return md.attention(q, k, v), {}
+
+
+@pytest.mark.parametrize("layout", ["kv_heads:x", "group:x", "kv_heads:x; group:y", "batch:x; kv_heads:y",
+                                    "seq:x; group:y"])
+def test_grouped_query_layouts_match_dense(layout):
+    check_plan(build_case(_gqa_case), "x:2; y:2", layout)
+
+
+def test_split_group_leaves_dk_dv_partial_and_kv_heads_split_is_local():
+    c = build_case(_gqa_case)
+    plan = md.compile(c.outputs, "x:2", "group:x")
+    bwd = next(s for s in plan.steps if s.kind == "local" and s.op == "attention_backward")
+    dq, dk, dv = (plan.values[v].sharding for v in bwd.outs)
+    assert dq.split == {"group": ("x",)} and dk.partial == ("x",) and dv.partial == ("x",)
+    # kv_heads:x: Megatron's split of a grouped attention, every head's group on its rank;
+    # only the test's scalar loss is reduced.
+    assert md.compile(c.outputs, "x:2", "kv_heads:x").totals() == {"allreduce": {"count": 1, "bytes": 4}}
+
+
+def test_expanded_kv_on_other_devices_is_the_cpu_kernels_grouping():
+    """Off the CPU, k and v are repeated over each group for the kernel and their gradients summed
+    back: the same numbers as the CPU kernel's own grouped-query form, query head n * G + g
+    reading key/value head n."""
+    from meshdsl.ops.attention import _BWD, _FWD, _backward_expanded, _expand_kv, _sum_groups, math_forward
+    gen = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(2, 6, 5, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 7, 8, generator=gen) for _ in range(2))
+    out, lse = _FWD(q, k, v, 0.0, True)
+    m_out, m_lse = math_forward(q, _expand_kv(k, q), _expand_kv(v, q), True, None, None)
+    torch.testing.assert_close(m_out, out, **TOL)
+    torch.testing.assert_close(m_lse, lse, **TOL)
+    dq, dk, dv = _backward_expanded(dout, q, _expand_kv(k, q), _expand_kv(v, q), out, lse, True, None, None)
+    for got, ref in zip((dq, _sum_groups(dk, k), _sum_groups(dv, v)), _BWD(dout, q, k, v, out, lse, 0.0, True)):
+        torch.testing.assert_close(got, ref, **TOL)
+
+
 def _case():
     q = md.param("q", [B, S, H, E], scale=1.0)
     k, v = md.param("k", [B, K, H, E], scale=1.0), md.param("v", [B, K, H, E], scale=1.0)
@@ -81,9 +161,12 @@ def test_heads_split_is_local():
 def test_mismatched_dims_are_reported():
     with md.Graph():
         q = md.param("q", [B, S, H, E])
-        k = md.param("k", [B, K, E])
-        with pytest.raises(md.ShapeError, match=r"(?s)attention.*k \[batch:2, key_seq:8, d_head:4\].*Rule:"):
+        k = md.param("k", [B, K, md.Dim("x", 3), E])   # a dim q does not have
+        with pytest.raises(md.ShapeError, match=r"(?s)attention.*k \[batch:2, key_seq:8, x:3, d_head:4\].*Rule:"):
             md.attention(q, k, k)
+        v = md.param("v", [K, E])   # k and v must have the same dims
+        with pytest.raises(md.ShapeError, match=r"(?s)v \[key_seq:8, d_head:4\] should have the dims"):
+            md.attention(q, md.param("k2", [B, K, E]), v)
 
 
 def test_transformer_uses_one_fused_node_per_block():

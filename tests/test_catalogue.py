@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import time_limit
 from meshdsl.exec import launch
 from meshdsl.tools import cli, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST_S = 3.0  # a user error surfaces within this, before any process starts
+# A user error surfaces within this (scaled by time_limit); that it comes before any process
+# starts is pinned by the no_spawn fixture, not by the clock.
+FAST_S = 3.0
 
 MLP = ["mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:data"]
 PIPE = ["transformer", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage"]  # tiny batch: 4
@@ -173,7 +176,7 @@ def test_cli_user_error(capsys, tmp_path, no_spawn, argv, code, phrases):
     assert "Traceback" not in err and "Traceback" not in out
     for p in phrases:
         assert p in err, f"{p!r} not in:\n{err}"
-    assert took < FAST_S, f"the error took {took:.1f} s"
+    assert took < time_limit(FAST_S), f"the error took {took:.1f} s"
     assert multiprocessing.active_children() == []
 
 
@@ -312,7 +315,7 @@ def test_ctrl_c_stops_every_rank_with_one_line():
             p.wait()
     assert p.returncode == 130, err
     assert err.strip() == "meshdsl run: interrupted; all 2 ranks stopped"
-    end = time.monotonic() + 5
+    end = time.monotonic() + time_limit(5.0)
     while not all(_gone(r) for r in ranks) and time.monotonic() < end:
         time.sleep(0.1)
     assert all(_gone(r) for r in ranks), "a rank outlived Ctrl-C"

@@ -1,4 +1,5 @@
-"""Sharded checkpoints: save on one mesh and layout, load on any other; atomic commits; clear errors.
+"""Sharded checkpoints: save on one mesh and layout, load on any other; atomic commits (a save killed
+at every point of its protocol); clear errors.  Damaged files and what a resume reads: test_checkpoint_verify.py.
 
 The oracle is the full tensor: every rank's loaded slice must equal the slice
 of the full tensor its new sharding gives, bit for bit (a checkpoint copies
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -18,15 +23,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import meshdsl.train.checkpoint_load as checkpoint_load
-from conftest import kill_when_marked
 from meshdsl.core.shape import Dim, Shape
-from meshdsl.errors import MeshDSLError
+from meshdsl.errors import DistributedError, MeshDSLError
 from meshdsl.exec.launch import spawn
 from meshdsl.exec.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
 from meshdsl.layout.sharding import Sharding
-from meshdsl.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_metadata,
-                                      save_checkpoint)
+from meshdsl.train.checkpoint import (KILL_ENV, KILL_POINTS, CheckpointError, choose_checkpoint, latest_checkpoint,
+                                      load_checkpoint, read_metadata, save_checkpoint)
+from meshdsl.train.checkpoint_format import content_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"w": Shape([Dim("d_model", 4), Dim("d_ff", 12)]),
@@ -201,37 +206,89 @@ def test_a_rank_reads_only_the_slices_it_needs(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------- atomicity
 
-_KILLED_SAVE = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
+# One interpreter (torch imported once) forks a child per kill point; each child saves step 3
+# into its own root, a copy of one holding steps 1 and 2, with keep=2, and SIGKILLs itself at
+# its point (MESHDSL_CHECKPOINT_KILL_AT).  The parent prints each child's wait status.
+_KILL_EVERY_POINT = textwrap.dedent("""
+    import json, os, shutil, sys
     sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)   # no thread pool: safe to fork
+    from pathlib import Path
     import meshdsl.train.checkpoint as ck
     import test_checkpoint as t
 
-    root = Path({root!r})
-    t._save(root, 1, "x:4", {{"d_ff": ("x",)}})
-    real = ck._write_file
-    def slow(path, data):
-        real(path, data)
-        (root / "MARKER").write_text(path.name)   # one shard is on disk: the parent may kill us now
-        time.sleep(120)
-    ck._write_file = slow
-    t._save(root, 2, "x:4", {{"d_ff": ("x",)}})
+    base = Path({base!r})
+    t._save(base / "template", 1, "data:2", {{}})
+    t._save(base / "template", 2, "data:2", {{"d_model": ("data",)}})
+    status = {{}}
+    for point in {points!r}:
+        root = base / point.replace(":", "-")
+        shutil.copytree(base / "template", root)
+        pid = os.fork()
+        if pid == 0:
+            os.environ[ck.KILL_ENV] = point
+            t._save(root, 3, "x:2", {{"d_ff": ("x",)}}, keep=2)
+            os._exit(0)
+        status[point] = os.waitpid(pid, 0)[1]
+    print(json.dumps(status))
 """)
 
 
-def test_a_save_killed_midway_leaves_the_last_checkpoint(tmp_path):
-    code = _KILLED_SAVE.format(tests=str(ROOT / "tests"), root=str(tmp_path))
-    kill_when_marked(code, tmp_path / "MARKER", "the second save")
-    assert (tmp_path / ".tmp-step-00000002").is_dir()            # the unfinished save
-    assert (tmp_path / "latest").read_text() == "step-00000001\n"
-    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
-    assert not (tmp_path / "step-00000002").exists()
-    _check_load(latest_checkpoint(tmp_path), "data:2", {"d_model": ("data",)})
-    # The next save cleans the leftover up and commits.
-    path = _save(tmp_path, 2, "data:2", {})
-    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
-    assert latest_checkpoint(tmp_path) == path and (tmp_path / "latest").read_text() == "step-00000002\n"
+def _kill_points(num_ranks: int) -> list[str]:
+    """Every point of the save protocol, each rank's shard points for ``num_ranks`` ranks."""
+    return [p.replace(":R", f":{r}") for p in KILL_POINTS for r in (range(num_ranks) if ":R" in p else [0])]
+
+
+def test_a_save_killed_at_every_point_of_the_protocol_leaves_a_loadable_checkpoint(tmp_path):
+    points = _kill_points(2)     # x:2 with d_ff split: both ranks write a shard
+    code = _KILL_EVERY_POINT.format(tests=str(ROOT / "tests"), points=points, base=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout.strip().splitlines()[-1])
+    committed_from = KILL_POINTS.index("renamed")
+    for point in points:
+        assert os.WIFSIGNALED(status[point]) and os.WTERMSIG(status[point]) == signal.SIGKILL, point
+        root = tmp_path / point.replace(":", "-")
+        committed = KILL_POINTS.index(re.sub(r":\d+$", ":R", point)) >= committed_from
+        want = root / ("step-00000003" if committed else "step-00000002")
+        # Readers trust the folders: the latest one is the new step only once the rename happened.
+        assert latest_checkpoint(root) == want and choose_checkpoint(root) == want, point
+        _check_load(want, "data:2", {"d_model": ("data",)})
+        # The previous checkpoint always loads, whatever happened to the new one.
+        _check_load(root / "step-00000002", "x:4", {"d_ff": ("x",)})
+        pointer = (root / "latest").read_text()
+        assert pointer == ("step-00000003\n" if point in ("latest-replaced", "mid-delete") else "step-00000002\n")
+        assert (root / "step-00000001").is_dir() == (point != "mid-delete"), point    # keep=2 deletes step 1 last
+        # The next save cleans every leftover up and commits.
+        path = _save(root, 4, "data:2", {})
+        assert not any(p.name.startswith(".tmp-") for p in root.iterdir()), point
+        assert latest_checkpoint(root) == path and (root / "latest").read_text() == "step-00000004\n"
+
+
+def test_a_save_killed_on_one_rank_of_two_processes_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    previous = _save(tmp_path, 7, "data:2", {"d_model": ("data",)})
+    monkeypatch.setenv(KILL_ENV, "after-shard:1")    # rank 1's process dies with its shard on disk
+    with pytest.raises(DistributedError, match="rank 1 .*SIGKILL"):
+        spawn(_save_on_rank, 2, args=(str(tmp_path), 8), mesh="data:2", timeout=120)
+    assert (tmp_path / ".tmp-step-00000008" / "rank-00001.safetensors").is_file()
+    assert latest_checkpoint(tmp_path) == previous and (tmp_path / "latest").read_text() == "step-00000007\n"
+    _check_load(choose_checkpoint(tmp_path), "x:4", {"d_ff": ("x",)})
+
+
+def test_a_save_never_writes_through_a_planted_link(tmp_path):
+    root, victim = tmp_path / "ck", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "rank-00000.safetensors").write_text("mine")
+    root.mkdir()
+    for name in (".tmp-step-00000002", ".tmp-latest"):      # names a save could be guessed to use
+        os.symlink(victim, root / name)
+    path = _save(root, 2, "data:2", {})
+    assert [p.name for p in victim.iterdir()] == ["rank-00000.safetensors"]
+    assert (victim / "rank-00000.safetensors").read_text() == "mine"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]
+    _check_load(path, "x:4", {"d_ff": ("x",)})
 
 
 def test_keep_n_deletes_the_oldest(tmp_path):
@@ -271,47 +328,6 @@ def test_meta_round_trips(saved):
     assert read_metadata(saved).meta == {"layout": "d_ff:x", "data": {"step": 1}}
 
 
-def test_missing_shard(saved):
-    (saved / "rank-00002.safetensors").unlink()
-    msg = _load_error(saved)
-    assert "rank-00002.safetensors: missing" in msg and str(saved) in msg and "nothing was loaded" in msg
-
-
-def test_truncated_shard_reads_nothing(saved, monkeypatch):
-    f = saved / "rank-00001.safetensors"
-    f.write_bytes(f.read_bytes()[:-10])
-    spy = _Spy(checkpoint_load.safe_open)
-    monkeypatch.setattr(checkpoint_load, "safe_open", spy)
-    msg = _load_error(saved)
-    assert "rank-00001.safetensors" in msg and "truncated" in msg
-    assert spy.read == [] and spy.opened == []      # checked before any file was opened
-
-
-def test_corrupt_bytes_caught_by_sha256_and_header(saved):
-    f = saved / "rank-00003.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-1] ^= 0xFF
-    f.write_bytes(bytes(data))
-    assert "rank-00003.safetensors: sha256 differs" in _load_error(saved, verify="sha256")
-    data[:8] = b"\xff" * 8                           # a header length that points past the end
-    f.write_bytes(bytes(data))
-    assert "rank-00003.safetensors: not a readable safetensors file" in _load_error(saved)
-
-
-def test_a_shard_that_holds_something_else(saved):
-    """A replaced shard file whose size was made to match: its header is checked before any read."""
-    from safetensors.torch import save as to_bytes
-
-    data = to_bytes({"w": torch.zeros(4, 3, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.int64)})
-    (saved / "rank-00001.safetensors").write_bytes(data)
-    doc = json.loads((saved / "checkpoint.json").read_text())
-    doc["files"]["rank-00001.safetensors"]["bytes"] = len(data)
-    (saved / "checkpoint.json").write_text(json.dumps(doc))
-    msg = _load_error(saved)
-    assert "rank-00001.safetensors: tensor 'w' missing or not float32 of shape [4, 3]" in msg
-    assert "rank-00001.safetensors: tensor 'b' missing or not int64 of shape [3]" in msg
-
-
 def test_wrong_shape_and_dtype_wanted(saved):
     specs = _specs({})
     bigger = Shape([Dim("d_model", 4), Dim("d_ff", 16)])
@@ -339,12 +355,20 @@ def test_metadata_not_json(saved):
 def test_metadata_malformed_or_missing(saved, tmp_path):
     doc = json.loads((saved / "checkpoint.json").read_text())
     doc["tensors"]["w"]["slices"].pop()
+    doc["digest"] = content_digest(doc)      # an edit that kept the digest right: the slices are still checked
     (saved / "checkpoint.json").write_text(json.dumps(doc))
     assert "its slices do not cover its shape [4, 12]" in _load_error(saved)
     assert "has no checkpoint.json" in _load_error(tmp_path)
     doc["version"] = 99
     (saved / "checkpoint.json").write_text(json.dumps(doc))
     assert "format version 99" in _load_error(saved)
+    del doc["digest"]        # a checkpoint from before digests: read unchecked
+    doc["version"] = 1
+    (saved / "checkpoint.json").write_text(json.dumps(doc))
+    assert "its slices do not cover its shape [4, 12]" in _load_error(saved)
+    doc["files"]["../elsewhere.safetensors"] = {"bytes": 1, "sha256": ""}
+    (saved / "checkpoint.json").write_text(json.dumps(doc))
+    assert "file '../elsewhere.safetensors' is not a name inside the checkpoint's folder" in _load_error(saved)
 
 
 def test_save_errors(tmp_path):
@@ -362,13 +386,13 @@ def test_save_errors(tmp_path):
 
 # --------------------------------------------------------- two processes
 
-def _save_on_rank(comm, root):
+def _save_on_rank(comm, root, step=7):
     fulls = {n: _full(n) for n in SHAPES}
     tensors = {}
     for n, (shape, dtype, sh) in _specs({"d_model": ("data",)}).items():
         tensors[n] = ((shape, dtype, sh), [fulls[n][sh.slice_index(shape, comm.mesh, r)].contiguous()
                                            for r in comm.ranks])
-    path = save_checkpoint(root, 7, tensors, comm, model="toy", meta={"rank_count": 2})
+    path = save_checkpoint(root, step, tensors, comm, model="toy", meta={"rank_count": 2})
     return str(path), os.getpid()
 
 

@@ -62,6 +62,16 @@ def _in_graph(m, fn):
         return fn()
 
 
+def _two_stacks(depth_u: int, depth_v: int):
+    """Two stacks in one graph, both over a dim named 'layer'."""
+    with md.Graph():
+        h = md.input("x", [B, D])
+        for name, depth in (("u", depth_u), ("v", depth_v)):
+            w = md.param(name, [md.Dim("layer", depth), D])
+            h = md.repeat(lambda c, p, k=name: c * p[k], h, {name: w}, "layer")
+    return h
+
+
 def _feeds():
     return {"x": torch.randn(8, 4), "ids": torch.randint(0, 8, (8,))}
 
@@ -105,6 +115,15 @@ CASES = [
     # --------------------------------------------------------------- building graphs
     ("einsum_operand_names", lambda: md.einsum("batch d_ff, d_model d_ff -> batch", mlp().x, mlp().w1),
      ShapeError, ["operand 0 names 'd_ff'", "write operand 0 as 'batch d_model'"]),
+    # a [src_seq, d_model] table added to the [batch, d_model] stream broadcast it to 3-D: the
+    # error names that add and fixes it there, never suggesting to keep the dim
+    ("einsum_dim_from_a_broadcast", lambda: (lambda m: md.einsum(
+        "batch d_model, d_model d_ff -> batch d_ff",
+        md.tanh(m.x + _in_graph(m, lambda: md.param("pos", [md.Dim("src_seq", 8), D]))), m.w1))(mlp()), ShapeError,
+     ["omits dim(s) ['src_seq']", "dim 'src_seq' entered at add 'add'", "pos [src_seq:8, d_model:4] over x",
+      "fix add 'add'", "md.rename(pos, src_seq='batch')", "keeps [batch, d_model]"]),
+    ("einsum_operand_omits_a_dim_of_its_leaf", lambda: md.einsum("batch -> batch", mlp().x), ShapeError,
+     ["operand 0 omits dim(s) ['d_model']", "write operand 0 as 'batch d_model'"]),
     ("einsum_operand_count", lambda: (lambda m: md.einsum("batch d_model -> batch", m.x, m.w1))(mlp()),
      ShapeError, ["1 operand(s) but 2 tensor(s)"]),
     ("einsum_non_tensor", lambda: md.einsum("batch d_model -> batch", 3.0), ShapeError,
@@ -193,6 +212,11 @@ CASES = [
      ["reads param 'c', which was not passed", "params passed: ['a', 'b']"]),
     ("repeat_param_lacks_layer_dim", lambda: repeat_model(params=lambda a, b: {"a": a, "w": md.reduce_sum(b, "layer")}),
      ShapeError, ["stacked param 'w' [d_ff:8, d_model:4] has no 'layer' dim"]),
+    ("repeat_stacks_share_a_dim_name", lambda: repeat_model(params=lambda a, b: {"a": a, "b": b, "c": md.param(
+        "c", [md.Dim("layer", 3), D])}), ShapeError, ["disagree on (or lack) the size of 'layer'"]),
+    ("repeat_two_stacks_one_name_two_depths", lambda: _two_stacks(2, 3), ShapeError,
+     ["this stack has layer:3, but stack 'repeat'", "params ['u'], 2 layers", "params ['v'], 3 layers",
+      "Dim('enc_layer', 2) and Dim('dec_layer', 3)"]),
     # --------------------------------------------------------------- autodiff
     ("grad_of_non_scalar", lambda: (lambda m: md.grad(m.h, [m.w1]))(mlp()), GraphError, ["is not a scalar"]),
     ("grad_of_integer_loss", lambda: md.grad(md.reduce_sum(mlp().ids)), GraphError, ["int64, not floating point"]),
@@ -248,6 +272,10 @@ def test_there_are_enough_distinct_cases():
     assert len({c[0] for c in CASES}) == len(CASES) >= 25
 
 
+def test_two_stacks_of_one_depth_may_share_a_name():
+    assert _two_stacks(2, 2).shape == md.Shape([B, D])
+
+
 # ----------------------------------------------------------------------------- carets
 
 @pytest.mark.parametrize("layout, under", [
@@ -278,3 +306,23 @@ def test_multiline_layout_caret_names_the_line():
     with pytest.raises(LayoutError) as info:
         md.compile(mlp().loss, MESH, layout)
     assert "line 2: d_ff:modl" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- integer arithmetic
+
+
+def test_integer_tensors_keep_their_dtype_or_refuse():
+    """A scalar with an integer tensor: integral scalars keep the dtype (the value computed is
+    the one declared); a fractional scalar, a bool tensor in arithmetic, or an integer div is
+    refused instead of silently becoming float."""
+    n = md.Dim("n", 3)
+    with md.Graph():
+        m = md.input("m", [n], torch.int64)
+        y, z = 1 - m, m * 2
+        assert y.dtype == z.dtype == torch.int64
+        got = md.run_dense({"y": y, "z": z}, {"m": torch.tensor([0, 1, 2])})
+        assert got["y"].dtype == torch.int64 and got["y"].tolist() == [1, 0, -1] and got["z"].tolist() == [0, 2, 4]
+        assert (m > 0.5).dtype == torch.bool
+        for bad in (lambda: m * 0.5, lambda: m / m, lambda: md.greater(m, 0) * 1):
+            with pytest.raises(ShapeError, match="Fix: cast"):
+                bad()

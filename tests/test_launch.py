@@ -14,18 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import time_limit
 from meshdsl.errors import DistributedError, MeshError
 from meshdsl.exec import launch
 
 COLLECTIVE_TIMEOUT_S = 60.0  # failures must be reported far sooner than this
-NOTICE_S = 10.0  # from a rank failing to spawn raising; about 1 s on an idle machine
+NOTICE_S = 10.0  # from a rank failing to spawn raising (scaled); about 1 s on an idle machine
 
 
 def _noticed_fast(pid_dir: Path) -> None:
     # Timed from the failure, not from spawn: starting torch in each child takes 1-2 s of CPU
-    # and varies with machine load, the failure-to-report path should not.
+    # and varies with machine load, the failure-to-report path should not.  The callers'
+    # messages show the order: the failure itself was reported, not a survivor's collective
+    # timeout (60 s) or the job's (50 s).
     delay = time.time() - float(Path(pid_dir, "failed_at").read_text())
-    assert delay < NOTICE_S, f"the failure took {delay:.1f} s to surface"
+    assert delay < time_limit(NOTICE_S), f"the failure took {delay:.1f} s to surface"
 
 
 def _alive(pid: int) -> bool:
@@ -41,10 +44,11 @@ def _alive(pid: int) -> bool:
 
 
 def _assert_all_gone(pid_dir: Path, expected: int | None, within_s: float = 5.0) -> None:
-    """Every child that wrote a pid file is gone (``expected``: how many must have)."""
+    """Every child that wrote a pid file is gone within ``within_s`` (scaled; ``expected``: how
+    many must have written one)."""
     pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
     assert expected is None or len(pids) == expected, f"expected {expected} pid files: {pids}"
-    end = time.monotonic() + within_s
+    end = time.monotonic() + time_limit(within_s)
     while any(_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)], "a child outlived the job"
@@ -125,9 +129,24 @@ def test_hung_job_hits_the_hard_timeout(tmp_path):
     with pytest.raises(DistributedError) as e:
         launch.spawn(_hang_on_rank_0, 2, args=(str(tmp_path),), timeout=8,
                      collective_timeout=COLLECTIVE_TIMEOUT_S)
+    took = time.monotonic() - start
     assert "spawn: ranks 0, 1 of 2 did not finish within 8 s" in str(e.value)
-    assert time.monotonic() - start < 15
+    # Not before the timeout (a lower bound no load can break), and soon after it.
+    assert 8 <= took < 8 + time_limit(7.0), f"the job ended after {took:.1f} s"
     _assert_all_gone(tmp_path, None)  # on a loaded machine a rank may not have started yet
+
+
+def _at_once(rank):
+    return rank, os.environ.get("TORCH_DIST_INIT_BARRIER")
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_return_at_once_leave_no_peer_connecting():
+    # A rank that returned at once could exit while its peer was still connecting gloo to it, and
+    # the peer failed ("Connection closed by peer"): 20 of 200 such jobs beside one CPU hog on 2
+    # cores.  Every group's creation now ends with a store barrier (0 of 200).
+    for _ in range(20):
+        assert launch.spawn(_at_once, 2, timeout=50) == [(0, "1"), (1, "1")]
 
 
 def test_mesh_size_must_match_process_count():
@@ -226,9 +245,9 @@ def test_stopped_rank_is_blamed_not_the_rank_that_timed_out(tmp_path):
     assert "spawn: rank 1 of 2 stopped making progress" in text, text
     assert "waited for it in collective #4" in text and "is stopped by a signal" in text
     assert "rank 0 failed while waiting for it" in text
-    # Reported at the collective timeout, plus under 2 s.
+    # Reported at the collective timeout, plus under 2 s (scaled), not at the job's 50 s.
     delay = time.time() - float(Path(tmp_path, "failed_at").read_text())
-    assert delay < HANG_TIMEOUT_S + 2.0, f"the hang took {delay:.1f} s to surface"
+    assert delay < HANG_TIMEOUT_S + time_limit(2.0), f"the hang took {delay:.1f} s to surface"
     _assert_all_gone(tmp_path, 2)
 
 

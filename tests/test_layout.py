@@ -69,3 +69,26 @@ def test_groups_are_the_same_asked_again_or_with_a_list():
     assert mesh.group(4, ("a", "b")) == tuple(range(6))
     assert mesh.groups(("a",)) == ((0, 3), (1, 4), (2, 5)) == mesh.groups(["a"])
     assert mesh.groups(()) == tuple((r,) for r in range(6))
+
+
+def _implied(text: str):
+    """An implied rule as the compiler makes it (meshdsl/lowering/implied.py): global, with its why."""
+    (r,) = Layout.parse(text).rules
+    return (r, f"implied by reshape: {r}")
+
+
+def test_implied_rules_rank_after_the_written_ones():
+    lay = Layout.parse("batch:data; params.d_ff:model").with_implied((_implied("d_ff:data"),))
+    assert str(lay) == "batch:data; params.d_ff:model" and len(lay.rules) == 2   # what the user wrote
+    # a tensor with both dims: the written batch:data wins the axis over the implied d_ff:data
+    assert lay.targets(SHAPE, (), MESH, "h", strict=False)[0][0].split == {"batch": ("data",)}
+    assert lay.targets(Shape([Dim("d_ff", 8)]), (), MESH, "h", strict=False)[0][0].split == {"d_ff": ("data",)}
+    # a written scoped rule still places its tensors' dim
+    assert lay.targets(SHAPE, ("w", "params"), MESH, "w", strict=True)[0][0].split == \
+        {"batch": ("data",), "d_ff": ("model",)}
+
+
+def test_a_written_global_rule_drops_the_implied_one():
+    lay = Layout.parse("d_ff:model").with_implied((_implied("d_ff:data"),))
+    assert lay.implied == ()
+    assert lay.targets(SHAPE, (), MESH, "h", strict=False)[0][0].split == {"d_ff": ("model",)}

@@ -30,6 +30,14 @@ from meshdsl.train.jobs import check_job
 
 MODELS = sorted(p.stem for p in (Path(__file__).parent.parent / "models").glob("*.py") if p.stem != "__init__")
 
+# The candidates of the search space that compile neither with micro-batches nor without: the
+# space builds its strings from the model's dims and leaves whether they compile to the search,
+# which drops these.  Keyed by (model, processes): the first line of the compiler's error -> why.
+# Empty today: the space offers a pipeline only over a dim a repeat scans over (moe unrolls its
+# layers), and drops a candidate that puts one dim on two axes (moe's experts:data with
+# experts:model) before compiling.
+REFUSED_EITHER_WAY: dict = {}
+
 
 def _mb_moves(plan) -> list[str]:
     """The collectives of ``plan`` (sub-plans included) over ``_mb`` that are not sums (an
@@ -43,15 +51,18 @@ def _mb_moves(plan) -> list[str]:
 def test_micro_batched_plans_of_the_search_space_only_sum_micro_batches(name, nproc):
     model = md.load_model(name, tiny=True)
     outs = model.train_step(0.01)
-    compiled = 0
+    compiled, refused = 0, set()
     for c in candidates(model, nproc):
         m = max(c.microbatches, 2)
         try:
             plan = compile_plan(outs, c.mesh, c.layout, microbatches=m, schedule=c.schedule)
         except MeshDSLError as e:
-            try:  # a layout that does not compile without micro-batches says nothing here
+            try:
                 compile_plan(outs, c.mesh, c.layout, microbatches=1, schedule=c.schedule)
-            except MeshDSLError:
+            except MeshDSLError as without:  # says nothing about micro-batches, if it is a known refusal
+                first = str(without).splitlines()[0]
+                assert first in REFUSED_EITHER_WAY.get((name, nproc), {}), (c, str(without))
+                refused.add(first)
                 continue
             # Only a batch the micro-batches do not divide may stop it, never a move over them.
             assert isinstance(e, LayoutError) and "is not divisible by" in str(e).splitlines()[0], (c, str(e))
@@ -59,6 +70,7 @@ def test_micro_batched_plans_of_the_search_space_only_sum_micro_batches(name, np
         assert _mb_moves(plan) == [], (c, m)
         compiled += 1
     assert compiled >= 10, compiled  # the space's micro-batched plans were really looked at
+    assert refused == set(REFUSED_EITHER_WAY.get((name, nproc), {}))  # the list says what happens today
 
 
 def test_the_compiler_refuses_to_gather_micro_batches():

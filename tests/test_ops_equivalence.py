@@ -19,12 +19,17 @@ alone takes ~0.5 s on this mesh).  Samples are seeded by the case name, so a
 failure message's layout string always reproduces.  Together this keeps the file
 at about 80 s of CPU on 2 cores (compiling is most of it).
 
+Every op of the registry has a case, or (a backward op, a leaf) is run by the case that
+EXERCISED_BY names: test_every_op_has_a_case walks each claiming case's graph to check.
+
 Legend: batch (b) 4, seq (s) 8, feat (f) 4, vocab (v) 8; tensors are named by
 their dims where it helps (x_bs = [batch, seq]).
 """
 from __future__ import annotations
 
+import importlib
 import math
+import pkgutil
 import random
 import zlib
 
@@ -32,6 +37,9 @@ import pytest
 import torch
 
 import meshdsl as md
+from meshdsl.ops.registry import OPS
+from meshdsl.train.optimizers import global_norm
+from meshdsl.train.step import optimizer_outputs
 from conftest import (MESHES, axis_tuples, build_case, check_layouts, check_plan, layout_string, leaf_ok,
                       mesh_axes)
 
@@ -121,6 +129,13 @@ for _name, _fn in _COMPARE.items():
 def _where():
     a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
     return md.where(md.greater(a, 0.0), a * 2.0, c), {}
+
+
+@case("logical_not")
+def _logical_not():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    m = md.logical_not(md.greater(a, c))
+    return {"mask": m, "y": md.where(m, a * c, c)}, {}
 
 
 # ----------------------------------------------------------------------------- einsum
@@ -255,6 +270,34 @@ def _roll():
     return {f"k{k}": md.roll(x, "seq", k) for k in _OFFSETS}, {}
 
 
+# ----------------------------------------------------------------------------- convolution
+# A split spatial dim trades halos with its neighbours (forward: x's, backward: the output
+# gradient's; the weight gradient reuses x's); batch and c_out split freely, c_in leaves a
+# partial sum.  Samples keep the 5-dim cases' layouts (up to 5**4 on (2,2)) affordable.
+CI, CO = md.Dim("c_in", 2), md.Dim("c_out", 2)
+
+
+@case("conv", cap=48, sample=8)
+def _conv():
+    x, w = _x("x_bsc", [md.Dim("batch", 2), S, CI]), _p("w_tco", [md.Dim("tap", 3), CI, CO])
+    return {"same": md.conv(x, w, {"seq": "tap"}), "causal": md.conv(x, w, {"seq": "tap"}, padding="causal"),
+            "ends": md.conv(x, w, {"seq": "tap"}, padding=(0, 2))}, {}
+
+
+@case("conv_valid", cap=24, sample=6)
+def _conv_valid():
+    # seq 8 -> 4: every output block reads across a block boundary of the input.
+    x, w = _x("x_sc", [S, CI]), _p("w_tco", [md.Dim("tap", 5), CI, CO])
+    return md.conv(x, w, {"seq": "tap"}, padding="valid"), {}
+
+
+@case("conv_2d", cap=48, sample=8)
+def _conv_2d():
+    h, wd = md.Dim("h", 4), md.Dim("w", 4)
+    x, k = _x("x_hwc", [h, wd, CI]), _p("k_hwco", [md.Dim("kh", 3), md.Dim("kw", 2), CI, CO])
+    return md.conv(x, k, {"h": "kh", "w": "kw"}, padding={"h": "same", "w": "causal"}), {}
+
+
 # ----------------------------------------------------------------------------- nn
 
 @case("softmax")
@@ -271,6 +314,16 @@ def _log_softmax():
 def _layer_norm():
     x = _x("x_bf", [B, F])
     return md.layer_norm(x, "feat", _p("g_f", [F]), _p("b_f", [F])), {}
+
+
+@case("normalize", sample=6)  # a normalised dim split on (2,2,2) is gathered: ~0.25 s a layout
+def _normalize():
+    # layer_norm without an affine, or with a scale over more dims than its own, is the bare
+    # normalize op (the affine then elementwise).  x is a full param, not an outer product:
+    # normalising x_b * x_s over seq would cancel x_b and leave its gradient ~0.
+    x = _p("x_bs", [B, S])
+    affine = md.layer_norm(x, "batch", _p("g_bs", [B, S]), _p("b_s", [S]))
+    return {"plain": md.layer_norm(x, "seq"), "affine": affine}, {}
 
 
 @case("rms_norm")
@@ -392,14 +445,51 @@ def _vjp():
     return {"y": y, "gx": gx, "gw": gw}, {"ct": torch.randn(4, 4, generator=torch.Generator().manual_seed(3))}
 
 
-@case("sgd", loss=False)
-def _sgd():
+def _training_loss():
+    """A loss over a fed x [batch, seq] and params w_sf, v_f: (loss, params, feeds)."""
     x = md.input("x", [B, S])
     w = {"w_sf": _p("w_sf", [S, F]), "v_f": _p("v_f", [F])}
     loss = md.reduce_mean(md.tanh(md.einsum("batch seq, seq feat -> batch feat", x, w["w_sf"])) * w["v_f"])
+    return loss, w, {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(4))}
+
+
+@case("sgd", loss=False)
+def _sgd():
+    loss, w, feeds = _training_loss()
     new = md.sgd(w, md.grad(loss, w), lr=0.5)
-    return {"loss": loss, **{f"new/{k}": t for k, t in new.items()}}, \
-        {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(4))}
+    return {"loss": loss, **{f"new/{k}": t for k, t in new.items()}}, feeds
+
+
+# The optimizer steps below are the graphs TrainStep builds (optimizer_outputs): the update
+# ops see their param's slice on every layout.  Their state starts at zero (params init so).
+
+@case("sgd_step", loss=False)
+def _sgd_step():
+    # momentum and weight decay on w_sf; on v_f the same SGD without momentum, the op's form
+    # with no buffer.  Both read the same hyperparameter inputs (opt/lr, ...).
+    loss, w, feeds = _training_loss()
+    mom = md.SGD(lr=0.5, momentum=0.9, weight_decay=0.1)
+    with_buf = optimizer_outputs(loss, {"w_sf": w["w_sf"]}, mom, clip=False)
+    plain = optimizer_outputs(loss, {"v_f": w["v_f"]}, md.SGD(lr=0.5, weight_decay=0.1), clip=False)
+    outs = {**{f"momentum/{k}": t for k, t in with_buf.items()},
+            **{f"plain/{k}": t for k, t in plain.items() if k != "loss"}}
+    return outs, {**feeds, **mom.feeds(0)}
+
+
+@case("adamw_update", loss=False)
+def _adamw_update():
+    # Clipped at 0.05, a third of the global gradient norm (0.148), so the gradient scale is < 1;
+    # at step 3, so the bias corrections are not 1.
+    loss, w, feeds = _training_loss()
+    opt = md.AdamW(lr=0.1, weight_decay=0.1)
+    return optimizer_outputs(loss, w, opt, clip=True), {**feeds, **opt.feeds(2), "opt/clip_norm": torch.tensor(0.05)}
+
+
+@case("scalar_sum")
+def _scalar_sum():
+    # The global norm of tensors split over different axes: each sum of squares is partial over
+    # the axes that split its tensor, and scalar_sum's lowering reduces each set of axes once.
+    return global_norm({"a": _x("a_bs", [B, S]), "c": _p("c_sf", [S, F]), "v": _p("v_f", [F])}), {}
 
 
 @case("repeat_norm_dropout", whole=("layer",), cap=20, sample=4)  # the largest graph: sampled
@@ -434,21 +524,102 @@ def _partial_sums():
     }, {}
 
 
-OPS_COVERED = {
-    "add", "sub", "mul", "div", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "relu", "gelu", "silu",
-    "sigmoid", "pow", "maximum", "minimum", "where", "less", "less_equal", "greater", "greater_equal",
-    "equal", "not_equal", "cast", "stop_gradient", "einsum", "reduce_sum", "reduce_mean", "reduce_max",
-    "reduce_min", "logsumexp", "transpose", "broadcast_to", "rename", "reshape", "rearrange", "slice",
-    "pad", "concat", "shift", "roll", "softmax", "log_softmax", "layer_norm", "rms_norm",
-    "cross_entropy", "gather", "one_hot", "iota", "causal_mask", "top_k", "dropout", "repeat", "vjp",
-    "sgd",
-    "cumsum", "squeeze", "unsqueeze", "attention",
+# ----------------------------------------------------------------------------- constants, sin and cos
+# A tensor constant is sliced by each rank (like a param, never trained); a rotary embedding
+# reads one (its inverse frequencies) with position ids, sin and cos.
+
+case("sin")(lambda: (md.sin(_x("x_bs", [B, S]) * 3.0), {}))
+case("cos")(lambda: (md.cos(_x("x_bs", [B, S]) * 3.0), {}))
+
+
+@case("constant_tensor", cap=60)  # three dims: 125 layouts on (2,2), of which a sample keeps the file's time
+def _constant_tensor():
+    c = md.constant(torch.randn(8, 4, generator=torch.Generator().manual_seed(7)), [S, F])
+    return {"c": c, "y": _x("x_bs", [B, S]) * c + md.constant([0.5, -1.0, 2.0, 0.25], ["feat"])}, {}
+
+
+@case("constant_rope", cap=24, sample=6)  # six dims: sampled
+def _constant_rope():
+    # feat holds (half two) pairs, each turned by position * inv_freq: (x0, x1) -> x * cos + (-x1, x0) * sin
+    half, two = md.Dim("half", 2), md.Dim("two", 2)
+    inv_freq = md.constant(1.0 / 100.0 ** (torch.arange(0, 4, 2, dtype=torch.float32) / 4), [half])
+    angles = md.arange(S, torch.float32) * inv_freq
+    pairs = md.rearrange(_x("x_bsf", [B, S, F]), "batch seq (half two) -> batch seq half two", two=2)
+    turn = md.constant([[0.0, 1.0], [-1.0, 0.0]], [two, "two_out"])
+    turned = md.rename(md.einsum("batch seq half two, two two_out -> batch seq half two_out", pairs, turn),
+                       two_out="two")
+    return md.reshape(pairs * md.cos(angles) + turned * md.sin(angles), [B, S, F]), {}
+
+
+# ----------------------------------------------------------------------------- coverage from the op registry
+
+#: Registry ops that are no case of their own, each with the case whose built graph (forward,
+#: gradients, repeat blocks) holds a node of it: test_every_op_has_a_case walks that graph.
+EXERCISED_BY = {
+    # leaves, which every case builds on
+    "param": "add", "input": "cross_entropy", "placeholder": "repeat",  # the block's carry and layer params
+    "constant": "where",                              # a Python number operand: greater(a, 0.0), a * 2.0
+    # backward ops: only a gradient makes them (build_case differentiates each case's loss)
+    "softmax_backward": "softmax", "gelu_backward": "gelu", "relu_backward": "relu", "silu_backward": "silu",
+    "cross_entropy_backward": "cross_entropy", "layer_norm_backward": "layer_norm",
+    "normalize_backward": "normalize", "rms_normalize_backward": "rms_norm",
+    "attention_backward": "attention", "repeat_grad": "repeat", "conv_weight_grad": "conv",
+    # reached through another op or a function of another name
+    "scatter_add": "gather",                          # the table's gradient
+    "rms_normalize": "rms_norm",                      # rms_norm's normalisation
+    "sgd_update": "sgd",                              # md.sgd's fused update
 }
+
+#: Public functions composed of other ops (no registry entry of their own) that keep a case.
+COMPOSITES = ("reduce_mean", "logsumexp", "log_softmax", "rms_norm", "causal_mask", "roll", "unsqueeze",
+              "vjp", "sgd")
+
+
+def _registry() -> dict:
+    """The op table with every meshdsl module loaded: ``import meshdsl`` loads modules on first
+    use, and some rooms register ops of their own (``repeat`` in ir/, ``sgd_update`` in train/)."""
+    for m in pkgutil.walk_packages(md.__path__, "meshdsl."):
+        if m.name != "meshdsl.__main__":  # that one runs the CLI
+            importlib.import_module(m.name)
+    return OPS
+
+
+def _ops_in(c) -> set[str]:
+    """The op names of every node a built case runs: forward, gradients and sub-graphs (repeat blocks)."""
+    seen, names = set(), set()
+
+    def walk(nodes):
+        for n in nodes:
+            if id(n) not in seen:
+                seen.add(id(n))
+                names.add(n.op.name)
+                for g, _ in n.op.subgraphs(n):
+                    walk(g.nodes)
+    walk(md.core.graph.topo_nodes(list(c.outputs.values())))
+    return names
+
+
+def _cases_for(op: str) -> list[str]:
+    """The cases that claim ``op``: named after it (``op`` or ``op_<variant>``), or EXERCISED_BY's."""
+    named = [c for c in CASES if c == op or c.startswith(op + "_")]
+    return named + ([EXERCISED_BY[op]] if op in EXERCISED_BY else [])
 
 
 def test_every_op_has_a_case():
-    missing = [op for op in OPS_COVERED if not any(c == op or c.startswith(op + "_") for c in CASES)]
-    assert not missing
+    # An op added to the registry fails here until a case (or an EXERCISED_BY entry) covers it,
+    # and a claim only counts when the claiming case's graph really holds a node of the op.
+    ops = _registry()
+    unclaimed = sorted(op for op in ops if not _cases_for(op))
+    assert not unclaimed, (
+        f"registry op(s) with no layout-equivalence case: {unclaimed}.  Add a @case named after each "
+        "(or '<op>_<variant>'); an op only another op's case reaches (a backward op, a leaf) gets an "
+        "EXERCISED_BY entry naming that case instead.")
+    stale = sorted(set(EXERCISED_BY) - set(ops))
+    assert not stale, f"EXERCISED_BY names op(s) the registry no longer has: {stale}"
+    unheld = [f"'{op}': case(s) {_cases_for(op)} build no '{op}' node" for op in sorted(ops)
+              if not any(op in _ops_in(_built(c)) for c in _cases_for(op))]
+    assert not unheld, "cases that claim an op without running it:\n  " + "\n  ".join(unheld)
+    assert not [f for f in COMPOSITES if f not in CASES]
 
 
 _BUILT: dict = {}

@@ -48,7 +48,7 @@ def test_plan_table_prints_memory_per_rank(capsys):
 @pytest.mark.parametrize("flags,words", [
     (["--betas", "0.9"], ["--betas", "0.9,0.95"]),
     (["--betas", "0.9,1.5"], ["[0, 1)"]),
-    (["--clip-norm", "0"], ["--clip-norm", "out of range"]),
+    (["--clip-norm", "-1"], ["--clip-norm", "out of range"]),     # 0 is no clipping
     (["--weight-decay", "-1"], ["--weight-decay"]),
     (["--optimizer", "adamw", "--momentum", "0.9"], ["--momentum", "does not read it"]),
     (["--optimizer", "sgd", "--betas", "0.9,0.9"], ["--betas", "does not read it"]),

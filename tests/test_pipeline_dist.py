@@ -30,7 +30,7 @@ from meshdsl.lowering.timeline import bubble_from_timeline
 from meshdsl.train.jobs import agree_plan
 from meshdsl.train.step import training_outputs
 
-from conftest import torchrun_env
+from conftest import time_limit, torchrun_env
 from models.transformer import Config, build
 
 REL = 1e-5  # as tests/test_pipeline_exec.py: rounding only, relative to each output's magnitude
@@ -109,9 +109,10 @@ def _killed_mid_pipeline(rank, pid_dir):
 def test_rank_killed_mid_pipeline_is_named_fast(tmp_path):
     with pytest.raises(DistributedError) as e:
         launch.spawn(_killed_mid_pipeline, 2, args=(str(tmp_path),), collective_timeout=60, timeout=80)
+    # The death itself is reported, not the survivor's 60 s receive timing out or the job's 80 s.
     assert "rank 1 of 2 was killed by signal SIGKILL" in str(e.value)
     delay = time.time() - float(Path(tmp_path, "failed_at").read_text())
-    assert delay < 10, f"the failure took {delay:.1f} s to surface"  # the survivor waits in a 60 s recv
+    assert delay < time_limit(10.0), f"the failure took {delay:.1f} s to surface"
     assert multiprocessing.active_children() == []
 
 

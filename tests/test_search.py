@@ -9,6 +9,7 @@ these tests price with the uncalibrated defaults and never touch the user's cach
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import meshdsl as md
+from conftest import time_limit
 from meshdsl.exec.executor import Executor
 from meshdsl.exec.simulated import SimulatedComm
 from meshdsl.lowering.compiler import compile as compile_plan
@@ -133,17 +135,20 @@ def test_every_enumerated_candidate_is_a_valid_string_pair():
 
 def test_a_space_of_over_a_thousand_candidates_is_searched_in_under_ten_seconds():
     model = md.load_model("transformer", tiny=True)
-    t0 = time.perf_counter()
+    # Timed in this process's CPU seconds, which other processes on the machine do not inflate
+    # as they do the wall time (the search runs in this process, on one thread).
+    t0 = time.process_time()
     r = search(model, _outputs(model, True), 64, Calibration.defaults())  # AdamW: ZeRO options too
-    assert time.perf_counter() - t0 < 10
+    took = time.process_time() - t0
     assert r.num_candidates >= 1000 and r.ranked
+    assert took < time_limit(10.0), f"{r.num_candidates} candidates took {took:.1f} s of CPU"
 
 
 @pytest.mark.slow  # a timed scale check: the 64-process search above runs in the default suite
 def test_64_processes_24_layers_plan_in_under_a_minute(capsys):
     t0 = time.perf_counter()
     assert main(["search", "transformer", "--nproc", "64", "--config", "layers=24", "--top", "3"]) == 0
-    assert time.perf_counter() - t0 < 60
+    assert time.perf_counter() - t0 < time_limit(60.0)
     out = capsys.readouterr().out
     assert "best: --mesh" in out and "predicted ms" in out
 
@@ -378,3 +383,53 @@ def test_the_search_ranks_as_if_every_candidate_were_compiled(monkeypatch):
     assert any(r.candidate.schedule == "zbh1" for r in cached.ranked)
     assert [(r.candidate, r.prediction.step_s) for r in cached.ranked] == \
            [(r.candidate, r.prediction.step_s) for r in fresh.ranked]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 8])
+def test_the_terms_of_a_prediction_add_up_to_its_step_time(cores):
+    """compute on the critical path + exposed communication + bubble + waiting for a core =
+    the step: a pipeline's kernels summed over its stages exceed its step time and are no term."""
+    model = md.load_model("transformer", tiny=True)
+    cal = _with_cores(cores)
+    cases = [("pipe:2", "layer:pipe", 2, "gpipe"), ("pipe:2", "layer:pipe", 4, "1f1b"),
+             ("pipe:2", "layer:pipe", 4, "zbh1"), ("pipe:2; data:2", "layer:pipe; batch:data", 2, "1f1b"),
+             ("pipe:2; model:2", "layer:pipe; heads:model; d_ff:model", 2, "zbh1"),
+             ("data:2; model:2", "batch:data; heads:model; d_ff:model", 1, "gpipe"), ("data:2", "batch:data", 2, "gpipe")]
+    for mesh, layout, m, sched in cases:
+        p = predict(compile_plan(model.train_step(0.01), mesh, layout, microbatches=m, schedule=sched), cal)
+        terms = dict(p.terms())
+        assert sum(terms.values()) == pytest.approx(p.step_s, rel=1e-12), (mesh, m, sched, terms)
+        assert all(t >= 0 for t in terms.values()) and terms["exposed communication"] <= p.comm_s + 1e-12
+        assert p.path_compute_s <= p.compute_s + 1e-12
+        if "pipe" in mesh:
+            assert p.compute_s > p.path_compute_s   # the other stage's kernels run beside the path
+        waits = terms["stages waiting for a core"]
+        if cores == 8 or "pipe" not in mesh:   # a core per process, or no stages to share them
+            assert waits == 0
+        elif cores == 1:                       # two stages' work on one core: longer than the makespan
+            assert waits > 0
+
+
+def test_explain_prints_pipeline_terms_that_add_up_to_the_prediction(capsys, monkeypatch):
+    """The issue's line read '27.44 ms = 42.22 ms compute, 0.00 ms exposed communication, 14.70 ms
+    pipeline bubble': the compute was every stage's.  Now a pipelined winner's printed terms add
+    up to its printed time (each rounded to 0.01 ms: the sum may be off by half that per term)."""
+    import meshdsl.tools.search_cli as search_cli
+
+    real = search_cli.search
+
+    def piped_first(*args, **kw):   # put a pipelined candidate first, as a search on a pipeline-friendly model would
+        r = real(*args, **kw)
+        r.ranked.sort(key=lambda x: (not x.candidate.staged, x.prediction.step_s))
+        return r
+    monkeypatch.setattr(search_cli, "search", piped_first)
+    assert main(["search", "transformer", "--tiny", "--nproc", "2", "--explain", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    for who in ("winner", "runner-up"):
+        line = next(l for l in out.splitlines() if l.startswith(who))
+        total, rest = re.search(r": ([\d.]+) ms = ([^;]+);", line).groups()
+        parts = re.findall(r"([\d.]+) ms ([a-z ]+?)(?: \+ |$)", rest)
+        names = [n for _, n in parts]
+        assert names[:3] == ["compute", "exposed communication", "pipeline bubble"], line
+        assert float(total) == pytest.approx(sum(float(v) for v, _ in parts), abs=0.005 * len(parts) + 1e-9), line
+    assert "the kernels of all stages sum to" in out

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import time_limit
 from meshdsl.errors import DistributedError
 from meshdsl.exec import launch, start
 
@@ -111,7 +112,7 @@ def test_stop_forkserver_ends_it_and_the_next_job_starts_another(monkeypatch):
         pytest.skip("no forkserver on this platform")
     server = launch.spawn(_parent_pid, 1)[0]
     start.stop_forkserver()
-    end = time.monotonic() + 5
+    end = time.monotonic() + time_limit(5.0)
     while _state(server) not in ("Z", "gone") and time.monotonic() < end:
         time.sleep(0.05)
     assert _state(server) in ("Z", "gone")

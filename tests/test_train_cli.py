@@ -6,16 +6,20 @@ Most tests call :func:`meshdsl.tools.cli.main` in-process with ``--tiny`` on a o
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_when_marked
 from meshdsl import Mesh, SimulatedComm
 from meshdsl.tools import cli
-from meshdsl.tools.train_cli import DP_MIN_FLOPS, auto_mesh
-from meshdsl.train.checkpoint import latest_checkpoint, load_checkpoint, read_metadata
+from meshdsl.tools.train_cli import DP_MIN_FLOPS, auto_mesh, make_spec
+from meshdsl.train.checkpoint import KILL_ENV, latest_checkpoint, load_checkpoint, read_metadata
 from meshdsl.train.config import ConfigError, parse_config
 from meshdsl.train.model import load_model
 from meshdsl.train.run_outputs import METRIC_KEYS, read_metrics
@@ -136,7 +140,7 @@ def test_resume_from_another_model_or_config(capsys, tmp_path):
     assert rc == 2
     assert "saved model: 'transformer', this model: 'mlp'" in err
     rc, _, err = run(capsys, "train", *TINY, "--steps", "2", "--checkpoint", ck, "--resume")
-    assert rc == 2 and "the checkpoint is at step 2, and --steps is 2" in err
+    assert rc == 2 and "the checkpoint is at step 2, and the run ends there (--steps 2)" in err
 
 
 def test_resume_continues_to_the_total_step_count(capsys, tmp_path):
@@ -150,31 +154,119 @@ def test_resume_continues_to_the_total_step_count(capsys, tmp_path):
     assert read_metadata(latest_checkpoint(ck)).step == 4
 
 
+# ----------------------------------------------------------------- a resume restores the run
+
+def steps_of(out_dir) -> list[tuple]:
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in read_metrics(out_dir)]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.5", "--lr-schedule", "cosine", "--clip-norm", "0.3"],
+    ["--lr", "0.02", "--betas", "0.8,0.9", "--clip-norm", "0.5"],     # AdamW, the transformer's default
+], ids=["sgd", "adamw"])
+def test_a_resume_without_flags_continues_bit_identically(capsys, tmp_path, flags):
+    # Every setting that shapes the steps is given once, at the start, none at a default: a warmup,
+    # a cosine over 8 steps of a 6-step run, weight decay, accumulation, a seed.  Resumed from step 3
+    # with no flag but --resume, steps 4-6 are the uninterrupted run's, bit for bit (same process,
+    # same plan: no tolerance).
+    ck = tmp_path / "ck"
+    rc, _, err = run(capsys, "train", *TINY, "--steps", "6", "--warmup-steps", "2", "--decay-steps", "8",
+                     "--weight-decay", "0.01", "--accum", "2", "--seed", "5", "--save-every", "3",
+                     "--checkpoint", str(ck), "--out", str(tmp_path / "whole"), *flags)
+    assert rc == 0, err
+    shutil.copytree(ck / "step-00000003", tmp_path / "at3" / "step-00000003")
+    rc, out, err = run(capsys, "train", *TINY, "--checkpoint", str(tmp_path / "at3"), "--resume",
+                       "--out", str(tmp_path / "resumed"))
+    assert rc == 0, err
+    assert "resume:" not in out and "steps 6 (resuming from step-00000003)" in out
+    assert steps_of(tmp_path / "resumed") == steps_of(tmp_path / "whole")[3:]
+
+
+def test_a_changed_flag_on_resume_is_applied_with_a_line_or_refused(capsys, tmp_path):
+    ck = tmp_path / "ck"
+    assert run(capsys, "train", *TINY, "--steps", "4", "--checkpoint", str(ck), "--out", str(tmp_path / "o"))[0] == 0
+
+    def resume(name, *flags):
+        shutil.copytree(ck, tmp_path / name)
+        rc, out, err = run(capsys, "train", *TINY, "--checkpoint", str(tmp_path / name), "--resume",
+                           "--out", str(tmp_path / f"{name}-out"), *flags)
+        return rc, " ".join(out.split()), " ".join(err.split())    # as one line: rich wraps long ones
+
+    rc, out, err = resume("longer", "--steps", "6")
+    assert rc == 0, err
+    assert ("resume: --steps 6 (saved 4): the run goes on to step 6; the cosine schedule keeps its saved length, "
+            "4 steps, so steps 5-6 run at its floor, lr 0.001 (--decay-steps 6 stretches it instead)") in out
+    assert [r["lr"] for r in read_metrics(tmp_path / "longer-out")] == [1e-2 / 10] * 2
+    rc, out, err = resume("sgd", "--steps", "6", "--optimizer", "sgd")
+    assert rc == 2 and "Traceback" not in err
+    assert "--optimizer sgd: saved adamw; the saved optimizer state is adamw's" in err and "--reset-optimizer" in err
+    rc, out, err = resume("reset", "--steps", "6", "--optimizer", "sgd", "--reset-optimizer")
+    assert rc == 0, err
+    assert "resume: --reset-optimizer: the params of step 4 load, and the optimizer starts afresh as sgd lr 1" in out
+    assert [r["lr"] for r in read_metrics(tmp_path / "reset-out")] == [1.0, 1.0]
+    rc, out, err = resume("seed", "--steps", "6", "--seed", "3")
+    assert rc == 2 and "--seed 3: saved 0; another seed draws other batches" in err
+    rc, out, err = resume("momentum", "--steps", "6", "--momentum", "0.9")
+    assert rc == 2 and "--momentum 0.9: adamw, the checkpoint's optimizer, does not read it" in err
+    rc, _, err = run(capsys, "train", *TINY, "--reset-optimizer")
+    assert rc == 2 and "--reset-optimizer needs --resume" in err
+
+
+def test_the_default_run_is_adamw_with_warmup_cosine_and_clipping():
+    """The transformer (a model that trains on text) gets nanoGPT's recipe, a model that does
+    not plain SGD; ``--optimizer`` picks the other row of the recipes."""
+    def header(*argv):
+        args = cli.build_parser().parse_args(["train", *argv])
+        return make_spec(args)[1][3]
+    assert "adamw lr 0.01 (warmup 100, cosine to 0.001 at step 1200, clip 1)" in header("--tiny")
+    assert "adamw lr 0.01 (warmup 2, cosine to 0.001 at step 20, clip 1)" in header("--tiny", "--steps", "20")
+    assert ", sgd lr 1, out " in header("--tiny", "--optimizer", "sgd")    # the old default, whole
+    assert ", sgd lr 1, out " in header("mlp", "--tiny")
+    assert "(warmup 100, cosine to 0.001 at step 1200)" in header("--tiny", "--clip-norm", "0")
+
+
+USER_MODEL = textwrap.dedent('''
+    """A user's model with a vocab field that reads no text."""
+    from dataclasses import dataclass
+    import torch
+    import meshdsl as md
+
+    @dataclass(frozen=True)
+    class Config:
+        vocab: int = 50
+        batch: int = 4
+
+    def build(cfg=Config()):
+        b, v = md.Dim("batch", cfg.batch), md.Dim("vocab", cfg.vocab)
+        with md.Graph("user") as g:
+            x = md.input("x", [b, v])
+            w = md.param("w", [v], init="zeros")
+            loss = md.reduce_mean((md.einsum("batch vocab, vocab -> batch", x, w) - 1.0) ** 2)
+        return md.Model(g, loss, {"w": w}, lambda seed=0: {"x": torch.randn(cfg.batch, cfg.vocab) / 8}, cfg)
+''')
+
+
+def test_a_user_model_keeps_its_config_and_the_summary_names_its_data(capsys, tmp_path):
+    path = tmp_path / "user.py"
+    path.write_text(USER_MODEL)
+    rc, out, err = run(capsys, "train", str(path), "--mesh", "data:1", "--steps", "3", "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    assert "config: vocab=50, batch=4" in out and "sgd lr 1, out" in out
+    assert "final eval loss (the model's own feeds, seeds no step uses)" in out and "held-out text" not in out
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["resolved_config"]["vocab"] == 50
+
+
 # ----------------------------------------------------------------- a kill mid-save
-
-_KILLED = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
-    import meshdsl.train.checkpoint as ck
-    from meshdsl.tools import cli
-
-    root = Path({root!r})
-    real = ck._write_file
-    def slow(path, data):
-        real(path, data)
-        if "step-00000004" in str(path):
-            (root.parent / "MARKER").write_text(path.name)  # a shard of step 4 is on disk: kill us now
-            time.sleep(120)
-    ck._write_file = slow
-    sys.exit(cli.main(["train", "--tiny", "--mesh", "data:1", "--samples", "0", "--steps", "4",
-                       "--save-every", "2", "--checkpoint", str(root), "--out", {out!r}]))
-""")
-
 
 def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, capsys):
     root = tmp_path / "ck"
-    code = _KILLED.format(root=str(root), out=str(tmp_path / "o"))
-    kill_when_marked(code, tmp_path / "MARKER", "the second save")
+    # The save of step 4 SIGKILLs its process once its shard is on disk (train/checkpoint.py, KILL_POINTS).
+    run_ = subprocess.run([sys.executable, "-m", "meshdsl", "train", "--tiny", "--mesh", "data:1", "--samples", "0",
+                           "--steps", "4", "--optimizer", "sgd", "--save-every", "2", "--checkpoint", str(root),
+                           "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, KILL_ENV: "after-shard:0@4"})
+    assert run_.returncode == -signal.SIGKILL, run_.stderr
+    assert (root / ".tmp-step-00000004" / "rank-00000.safetensors").is_file()
     assert latest_checkpoint(root) == root / "step-00000002"
     assert not (root / "step-00000004").exists()
     info = read_metadata(root / "step-00000002")
@@ -195,7 +287,7 @@ def test_train_with_adamw_warmup_and_clipping(capsys, tmp_path):
     rc, out, err = run(capsys, "train", *TINY, "--steps", "4", "--optimizer", "adamw", "--lr", "1e-2",
                        "--warmup-steps", "2", "--clip-norm", "1", "--out", str(tmp_path / "o"))
     assert rc == 0, err
-    assert "adamw lr 0.01 (warmup 2, cosine)" in out
+    assert "adamw lr 0.01 (warmup 2, cosine to 0.001 at step 4, clip 1)" in out
     rows = read_metrics(tmp_path / "o")
     assert [r["lr"] for r in rows[:2]] == pytest.approx([5e-3, 1e-2])     # linear warmup
     assert rows[3]["lr"] < rows[2]["lr"] and all(r["grad_norm"] > 0 for r in rows)

@@ -17,11 +17,13 @@ import meshdsl as md
 from meshdsl.train.data import ByteTokenizer, TokenData, default_corpus_text
 from meshdsl.train.generate import generate_many
 from meshdsl.train.model import ModelError, load_model, load_module
+from meshdsl.train.resume import ResumeError
 from meshdsl.train.trainer import train_state
 from meshdsl.train.run_outputs import METRIC_KEYS, read_metrics
 from meshdsl.train.checkpoint import latest_checkpoint, load_checkpoint
 
-TINY = dict(tiny=True, config={"vocab": 256}, lr=0.5, samples=0, eval_batches=1)
+MODEL = dict(tiny=True, config={"vocab": 256}, samples=0, eval_batches=1)
+TINY = dict(MODEL, lr=0.5)
 # Twenty optimizer steps on reordered fp32 sums (a sharded contraction adds its partial sums in another
 # order) stay within ~1e-6 of the dense run; a wrong restore (a missing or mis-sliced param, the
 # wrong step's batch) moves the loss by 1e-2 or more.
@@ -96,18 +98,22 @@ def test_python_api_trains_a_user_model_on_its_own_batches(tmp_path):
                      checkpoint=ck, save_every=10, keep=2, eval_data=[user_batch(10**6)])
     assert first.rows[-1]["loss"] < 0.05 * first.rows[0]["loss"]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-00000020", "step-00000030"]
-    more = md.fit(build(Config()), mesh="data:1", steps=60, data=user_batch, lr=0.1, checkpoint=ck,
-                    resume=True)
+    # The resume takes lr, the optimizer and the save cadence from the checkpoint.
+    more = md.fit(build(Config()), mesh="data:1", steps=60, data=user_batch, checkpoint=ck, resume=True)
     assert more.start_step == 30 and [r["step"] for r in more.rows] == list(range(31, 61))
+    assert {r["lr"] for r in more.rows} == {0.1}
     torch.testing.assert_close(more.step.full_params()["w"], TRUE_W, rtol=0, atol=1e-3)
+    with pytest.raises(ResumeError, match="optimizer=adamw: saved sgd"):
+        md.fit(build(Config()), steps=70, data=user_batch, checkpoint=ck, resume=True, optimizer="adamw")
     # The CLI trains the same file on its own make_feeds.
     assert md.fit(str(path), steps=3, lr=0.1).rows[-1]["step"] == 3
 
 
 def test_resume_reshards_from_4_to_2_and_1_processes(tmp_path, text_file):
     ck = tmp_path / "ck"
-    # AdamW with clipping: its moments and step count must survive the reshard too.
-    opts = dict(TINY, data=text_file, optimizer="adamw", lr=1e-2, clip_norm=1.0)
+    # AdamW with warmup, a cosine over 20 steps and clipping: its moments, step count and schedule must
+    # survive the reshard too, and the resumes give no optimizer setting: the checkpoint has them.
+    opts = dict(MODEL, data=text_file, optimizer="adamw", lr=1e-2, clip_norm=1.0, warmup_steps=3, decay_steps=20)
     whole = md.fit("transformer", mesh="data:1", steps=20, **opts)
     first = md.fit("transformer", mesh="data:2; model:2", layout="batch:data; d_ff:model", nproc=4, steps=10,
                      checkpoint=str(ck), save_every=10, **opts)
@@ -117,7 +123,7 @@ def test_resume_reshards_from_4_to_2_and_1_processes(tmp_path, text_file):
     for name, mesh, layout, nproc in (("two", "model:2", "d_ff:model", 2), ("one", "data:1", "", 1)):
         shutil.copytree(ck, tmp_path / name)
         runs[name] = md.fit("transformer", mesh=mesh, layout=layout, nproc=nproc, steps=20,
-                              checkpoint=str(tmp_path / name), resume=True, **opts)
+                              checkpoint=str(tmp_path / name), resume=True, **MODEL, data=text_file)
         assert [x["step"] for x in runs[name].rows] == list(range(11, 21))
         torch.testing.assert_close(losses(runs[name]), losses(whole)[10:], rtol=RTOL, atol=ATOL)
     # The whole training state at step 20 (params, AdamW moments, step count), saved from 2
@@ -131,14 +137,75 @@ def test_resume_reshards_from_4_to_2_and_1_processes(tmp_path, text_file):
         torch.testing.assert_close(got[k][0], xs[0], rtol=RTOL, atol=ATOL, msg=k)
 
 
-def test_generate_returns_text(text_file):
-    r = md.fit("transformer", steps=2, data=text_file, **TINY)
-    params = r.step.full_params()
-    a = md.generate(r.model, params, "def ", max_new_tokens=16, seed=1)
-    assert isinstance(a, str) and 0 < len(a) <= 16
-    assert a == md.generate(r.model, params, "def ", max_new_tokens=16, seed=1)
-    many = generate_many(r.model, params, ["x"] * 6, max_new_tokens=5, temperature=0)   # two batches of 4 rows
-    assert len(many) == 6 and len(set(many)) == 1
+def test_a_resume_on_2_processes_is_bit_identical(tmp_path, text_file):
+    # AdamW with warmup, cosine and clipping on 2 gloo processes; resumed from step 4 with no
+    # setting but the model's, the run's steps 5-8 come back bit for bit: the same plan on the same
+    # mesh reads the same params, moments, step count, learning rates and batches.
+    spec = dict(MODEL, mesh="data:2", layout="batch:data", nproc=2, data=text_file)
+    whole = md.fit("transformer", steps=8, optimizer="adamw", lr=1e-2, clip_norm=0.5, warmup_steps=2,
+                   checkpoint=str(tmp_path / "ck"), save_every=4, **spec)
+    shutil.copytree(tmp_path / "ck" / "step-00000004", tmp_path / "at4" / "step-00000004")
+    resumed = md.fit("transformer", checkpoint=str(tmp_path / "at4"), resume=True, **spec)
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
+    assert [[r.get(k) for k in keys] for r in resumed.rows] == [[r.get(k) for k in keys] for r in whole.rows[4:]]
+
+
+def test_fit_runs_with_one_torch_thread_unless_told(capsys, tmp_path):
+    path = tmp_path / "linreg.py"
+    path.write_text(USER_MODEL)
+    build, Config = load_module(path).build, load_module(path).Config
+    seen = []
+
+    def batch(step):
+        seen.append(torch.get_num_threads())
+        return user_batch(step)
+
+    torch.set_num_threads(3)
+    md.fit(build(Config()), steps=2, data=batch, lr=0.1)
+    assert "md.fit: 1 torch thread(s) in this process (as each spawned rank; threads=N sets another)" in \
+        capsys.readouterr().out
+    md.fit(build(Config()), steps=2, data=batch, lr=0.1, threads=2)
+    assert seen == [1, 1, 2, 2] and torch.get_num_threads() == 3    # the count before, restored
+
+
+def _greedy(model, params, prompt: str, num_tokens: int) -> str:
+    """Greedy decoding written out: each new token is the argmax of the dense program's logits
+    at the context's last position, the context being the last ``seq`` tokens so far.  The
+    positions after the context, and the other rows, hold random tokens: the model is causal and
+    its rows independent, so they change nothing."""
+    prog = md.DenseProgram({"logits": model.logits})
+    (ids_name,) = prog.inputs
+    batch, seq, _ = model.logits.shape.sizes
+    toks, new = list(prompt.encode("utf-8")), []
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(num_tokens):
+        ctx = toks[-seq:]
+        ids = torch.randint(0, 256, (batch, seq), generator=rng)
+        ids[0, :len(ctx)] = torch.tensor(ctx)
+        logits = prog({ids_name: ids}, params)["logits"]
+        nxt = int(logits[0, len(ctx) - 1, :256].argmax())
+        toks.append(nxt)
+        new.append(nxt)
+    return ByteTokenizer().decode(torch.tensor(new))
+
+
+def test_generate_continues_with_the_dense_programs_tokens():
+    # Freshly initialised params: their next tokens vary with the context (a few training
+    # steps make the tiny model predict one frequent byte, which would pin little).
+    model = load_model("transformer", tiny=True, vocab=256)
+    params = md.DenseProgram({"logits": model.logits}).init_params(0)
+    # Greedy: the argmax of the logits step by step; 16 tokens run past the 8-token context.
+    greedy = md.generate(model, params, "def ", max_new_tokens=16, temperature=0)
+    assert greedy == _greedy(model, params, "def ", 16)
+    # Sampling: the seed fixes the text, another seed gives another.
+    a = md.generate(model, params, "def ", max_new_tokens=16, seed=1)
+    assert a == md.generate(model, params, "def ", max_new_tokens=16, seed=1)
+    assert a != md.generate(model, params, "def ", max_new_tokens=16, seed=2)
+    # Prompts in batches of the model's 4 rows: each row continues its own prompt alone.
+    prompts = ["x", "def ", "import torch", "", "a = 1\n", "y"]
+    many = generate_many(model, params, prompts, max_new_tokens=5, temperature=0)
+    assert many == [md.generate(model, params, p, max_new_tokens=5, temperature=0) for p in prompts]
+    assert many[0] == _greedy(model, params, "x", 5) and many[4] == _greedy(model, params, "a = 1\n", 5)
     with pytest.raises(ModelError, match="the model exposes no logits"):
         md.generate(load_model("mlp", tiny=True), {}, "x")
     with pytest.raises(ModelError, match="vocab is 16, smaller than the 256 byte tokens"):

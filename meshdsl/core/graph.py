@@ -118,6 +118,10 @@ class Graph:
         self._scope: list[str] = []
         self._names: dict[str, int] = {}
         self.uid = next(Graph._ids)
+        # A repeat block: the graph it is built for, and the hook that turns a tensor of an
+        # enclosing graph into one of its own (``ir/closure.py``).
+        self.outer: Graph | None = None
+        self.capture = None
 
     def __enter__(self) -> "Graph":
         _current.append(self)
@@ -159,18 +163,40 @@ class Graph:
         self._names[full] = n + 1
         return full if n == 0 else f"{full}_{n}"
 
+    def encloses(self, inner: "Graph") -> bool:
+        """Whether ``inner`` is a block built inside this graph (directly or nested)."""
+        g = inner.outer
+        while g is not None:
+            if g is self:
+                return True
+            g = g.outer
+        return False
+
+    def _local(self, op, t: Tensor) -> Tensor:
+        """Input ``t`` of an op built here: itself, or a block's stand-in for a tensor of a
+        graph around it (captured when the block is traced)."""
+        if t.graph is self:
+            return t
+        if self.capture is not None and t.graph.encloses(self):
+            return self.capture(t)
+        if self.outer is not None:
+            raise GraphError(message(
+                f"{op.name}: the repeat block '{self.name}' reads {t!r} of graph '{t.graph.name}' (#{t.graph.uid}), "
+                "which does not enclose the block.",
+                inputs=[f"block built for graph '{self.outer.name}' (#{self.outer.uid})"],
+                rule="a repeat block reads its carry, its stacked params and any tensor of the graph that calls "
+                     "repeat (and of the blocks around it, for a nested repeat)",
+                fix=f"build '{t.name}' in graph '{self.outer.name}' before calling repeat, or pass it to repeat "
+                    "in the params dict, stacked along the layer dim"))
+        raise GraphError(message(
+            f"{op.name}: input {t!r} belongs to graph '{t.graph.name}' (#{t.graph.uid}), "
+            f"not '{self.name}' (#{self.uid}).",
+            rule="all inputs of an op come from one graph (a repeat block also reads the graphs around it)",
+            fix="build the whole model inside one 'with Graph():' block"))
+
     def add_node(self, op, inputs, attrs, outs, name: str | None = None) -> Node:
         """Append a node; ``outs`` is a list of (Shape, dtype)."""
-        for t in inputs:
-            if t.graph is not self:
-                inner = "/block" in self.name
-                raise GraphError(message(
-                    f"{op.name}: input {t!r} belongs to graph '{t.graph.name}' (#{t.graph.uid}), "
-                    f"not '{self.name}' (#{self.uid}).",
-                    rule="all inputs of an op come from one graph; a repeat block sees only its carry "
-                         "and the params passed to repeat",
-                    fix="pass the tensor to repeat as a stacked param (or compute it inside the block)"
-                        if inner else "build the whole model inside one 'with Graph():' block"))
+        inputs = [self._local(op, t) for t in inputs]
         node = Node(len(self.nodes), op, tuple(inputs), attrs, self, self.phase,
                     self._unique(name or op.name))
         node.outputs = tuple(Tensor(node, i, s, d) for i, (s, d) in enumerate(outs))
@@ -179,10 +205,17 @@ class Graph:
 
 
 def graph_of(*xs) -> Graph:
-    """The graph of the first Tensor among ``xs``, else the active graph."""
+    """The graph of the first Tensor among ``xs``, else the active graph.
+
+    When the active graph is a repeat block built inside that tensor's graph (it is being
+    traced), the block: an op of the block on tensors of the graphs around it is part of
+    the block, which reads them as closed-over inputs.
+    """
     for x in xs:
         if isinstance(x, Tensor):
-            return x.graph
+            inner = _current[-1] if _current else None
+            return inner if inner is not None and inner.capture is not None and x.graph.encloses(inner) \
+                else x.graph
     return Graph.current()
 
 

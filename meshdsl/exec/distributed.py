@@ -253,7 +253,7 @@ class TorchComm(Communicator):
             self._shm[key] = ShmGroup.open(s.pg, s.size, self._timeout, f"mesh: {self.mesh}", self._local_procs())
             if self.verbose:
                 how = ("shared memory" if self._shm[key] is not None else
-                       "gloo (no shared segment: ranks on other hosts, or /dev/shm missing or full)")
+                       "gloo (no shared segment: ranks on other hosts, or it could not be made or handed over)")
                 self._log(f"group {key}: collectives through {how}")
         return self._shm[key]
 

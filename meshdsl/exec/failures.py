@@ -1,20 +1,84 @@
 """What the launcher says when a job fails: which rank, how, and what to do.
 
+A rank that raises reports a :class:`Raised`: its exception's class name, message and
+traceback as plain text (JSON), never a pickled object, so the launcher unpickles nothing
+a failing rank wrote about its failure.
+
 :func:`failure_error` picks the first cause among the ranks of a failed job
 (a rank that died silently, a rank that stopped making progress while the
 others timed out waiting for it, or the earliest exception) and formats it in
 the house structure; :func:`timeout_error` covers a job over its time limit.
+An exception meant for users (a :class:`~meshdsl.errors.MeshDSLError`: a bad
+checkpoint, config, feed or data) comes back as that one message, naming the
+rank(s) that raised it and printed once when several raised the same, with no
+traceback; any other exception is a :class:`RankInternalError` that carries the
+rank's traceback.
 """
 from __future__ import annotations
 
+import functools
+import json
 import signal
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import DistributedError, message
+from ..errors import DistributedError, MeshDSLError, message
 
 # A rank whose heartbeat is this old is not running (stopped, or stuck holding the GIL):
 # five beats, so a loaded machine does not make a healthy rank look dead.
 STALE_S = 2.5
+
+
+class RankInternalError(DistributedError):
+    """A rank raised an exception that is not a meshdsl error meant for users: a bug (in
+    meshdsl, or in the user's own code), reported with that rank's traceback."""
+
+
+_TAG = b"E"  # what a rank's error report starts with (a pickled result starts with b"\x80")
+
+
+@dataclass(frozen=True)
+class Raised:
+    """What a rank tells the launcher about the exception it raised, as plain text."""
+
+    time: float      # time.time() when it was caught
+    kind: str        # the class, "module.QualName"
+    user: bool       # a MeshDSLError: one message for the user, no traceback
+    text: str        # str() of the exception
+    traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException, when: float, traceback: str) -> "Raised":
+        kind = type(exc)
+        try:
+            text = str(exc)
+        except Exception:  # noqa: BLE001 - a broken __str__ must not cost the report
+            text = f"<{kind.__qualname__} whose str() failed>"
+        return cls(when, f"{kind.__module__}.{kind.__qualname__}", isinstance(exc, MeshDSLError), text, traceback)
+
+    def encode(self) -> bytes:
+        return _TAG + json.dumps(asdict(self)).encode()
+
+    @staticmethod
+    def is_report(data: bytes) -> bool:
+        return data[:1] == _TAG
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Raised":
+        """The report in ``data``; one that does not parse becomes an internal error showing it."""
+        try:
+            fields = json.loads(data[len(_TAG):].decode())
+            return cls(float(fields["time"]), str(fields["kind"]), fields["user"] is True, str(fields["text"]),
+                       str(fields["traceback"]))
+        except (ValueError, KeyError, TypeError) as e:
+            return cls(0.0, "?", False, "", f"an unreadable error report ({e}): {data[:200]!r}")
+
+    @property
+    def last_line(self) -> str:
+        """The traceback's last line (``Class: message``), or the message's first for a user error."""
+        text = self.text if self.user else self.traceback
+        lines = text.strip().splitlines()
+        return lines[-1 if not self.user else 0] if lines else self.kind
 
 
 def describe(fn, nproc, mesh) -> list[str]:
@@ -59,7 +123,7 @@ def _hung_error(procs, errors, hung, progress, inputs) -> DistributedError:
     counts = sorted({progress[i][1] for i in waiting if i in progress})
     during = f"collective #{counts[-1] + 1}" if counts else "a collective"
     for i in waiting:
-        last_line = _clip(errors[i][1].strip().splitlines()[-1])
+        last_line = _clip(errors[i].last_line)
         bullets.append(f"rank {i} failed while waiting for it in {during}: {last_line}")
     return DistributedError(message(
         f"spawn: rank {first} of {len(procs)} stopped making progress; the other ranks waited "
@@ -70,8 +134,10 @@ def _hung_error(procs, errors, hung, progress, inputs) -> DistributedError:
             f"shows a stuck rank's stack"))
 
 
-def failure_error(procs, exited, results, errors, bad, inputs, progress=None,
-                   stale_s: float = STALE_S) -> DistributedError:
+def failure_error(procs, exited, results, errors: "dict[int, Raised]", bad, inputs, progress=None,
+                  stale_s: float = STALE_S) -> DistributedError:
+    """The error that says why a job failed (see the module docstring); ``errors`` holds the
+    reports of the ranks that raised, ``bad`` every rank that failed."""
     # The first cause is a rank that died without a traceback (a signal, os._exit),
     # else a rank whose heartbeat stopped while others failed (they timed out waiting
     # for it), else the earliest exception: later ones are usually peers losing their
@@ -82,7 +148,9 @@ def failure_error(procs, exited, results, errors, bad, inputs, progress=None,
     hung = [i for i in running if i in (progress or {}) and progress[i][0] > stale_s]
     if not silent and hung:
         return _hung_error(procs, errors, hung, progress, inputs)
-    first = silent[0] if silent else min(bad, key=lambda i: errors[i][0])
+    first = silent[0] if silent else min(bad, key=lambda i: errors[i].time)
+    if first in errors and errors[first].user:
+        return user_error(errors, first, len(procs))
     p = procs[first]
     what = "raised an exception" if first in errors else _how(p)
     if first in errors and first in exited:
@@ -94,8 +162,7 @@ def failure_error(procs, exited, results, errors, bad, inputs, progress=None,
         if i == first:
             continue
         if i in errors:
-            last = errors[i][1].strip().splitlines()[-1]
-            bullets.append(f"rank {i} also failed: {_clip(last)}")
+            bullets.append(f"rank {i} also failed: {_clip(errors[i].last_line)}")
         elif i in bad:
             bullets.append(f"rank {i} also failed: it {_how(q)}")
         elif i not in results:
@@ -112,8 +179,59 @@ def failure_error(procs, exited, results, errors, bad, inputs, progress=None,
     text = message(f"spawn: rank {first} of {len(procs)} {what}", inputs=inputs,
                    bullets=bullets, fix=fix)
     if first in errors:
-        text += f"\nTraceback of rank {first}:\n{errors[first][1]}"
+        return RankInternalError(f"{text}\nTraceback of rank {first}:\n{errors[first].traceback}")
     return DistributedError(text)
+
+
+def user_error(errors: "dict[int, Raised]", first: int, nproc: int) -> MeshDSLError:
+    """Rank ``first``'s error meant for users, as the one message it is: the ranks that raised
+    it first (the same class and text: said once), then a line per rank that failed otherwise.
+
+    The error is of the rank's own class where this process has it loaded (``except
+    CheckpointError`` works around a launch) and also a :class:`DistributedError`."""
+    raised = errors[first]
+    same = sorted(i for i, r in errors.items() if (r.kind, r.text) == (raised.kind, raised.text))
+    who = (f"rank {first} of {nproc} raised an exception" if len(same) == 1 else
+           f"ranks {_ranges(same)} of {nproc} raised the same exception")
+    text = f"{who}: {raised.text}"
+    others = [f"  * rank {i} also failed: {_clip(r.last_line)}" for i, r in sorted(errors.items()) if i not in same]
+    if others:
+        text += "\nOther ranks:\n" + "\n".join(others)
+    try:
+        return _as_raised_in_rank(raised.kind)(text)
+    except TypeError:  # a class whose __init__ wants more than a message
+        return DistributedError(text)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0-3, 5, 7-8`` for ``[0, 1, 2, 3, 5, 7, 8]``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs)
+
+
+def _as_raised_in_rank(kind: str) -> type:
+    """The class to raise for a rank's user error of class ``kind`` ("module.QualName"): that
+    class joined with :class:`DistributedError`, when it is a MeshDSLError this process has
+    loaded; else DistributedError.  Only classes already loaded are looked up: a report never
+    makes the launcher import anything."""
+    todo = [MeshDSLError]
+    while todo:
+        cls = todo.pop()
+        if f"{cls.__module__}.{cls.__qualname__}" == kind:
+            return cls if issubclass(cls, DistributedError) else _joined(cls)
+        todo.extend(cls.__subclasses__())
+    return DistributedError
+
+
+@functools.lru_cache(maxsize=None)
+def _joined(cls: type) -> type:
+    """``cls`` that is also a :class:`DistributedError` (one class per ``cls``)."""
+    return type(cls.__name__, (cls, DistributedError), {"__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
 def _clip(line: str, width: int = 160) -> str:

@@ -4,8 +4,9 @@
 rank, rendezvouses them on a TCP store that the parent hosts on 127.0.0.1,
 calls ``fn(comm, *args)`` in each, and returns the results in rank order.  If a
 rank raises, dies or hangs, the parent kills the others at once and raises
-:class:`DistributedError` with that rank's traceback.  Children also die if the
-parent dies, so nothing is ever left running.
+:class:`DistributedError` naming that rank (see :mod:`.failures`: an error meant for
+users comes back as its one message, any other exception with the rank's traceback).
+Children also die if the parent dies, so nothing is ever left running.
 
 Ranks start from a *forkserver* that has imported torch and meshdsl once (see
 :mod:`.start`), so a job starts in a fraction of a second instead of paying
@@ -36,13 +37,16 @@ from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from . import malloc
 from .distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
-from .failures import STALE_S, describe, failure_error, timeout_error
+from .failures import STALE_S, Raised, describe, failure_error, timeout_error
 from .start import (TORCHRUN_ENV, adopt_stdio, context, die_with_parent, in_torchrun, launcher_stdio,
                     name_process, sigint_blocked, start_process)
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 _HOST = "127.0.0.1"
 _SETTLE_S = 0.2  # after a first failure, how long to wait for the others to report theirs
+# After a first user error (a bad feed or checkpoint: usually raised by every rank at the same
+# point), longer, so that one message can say which ranks raised it.
+_SETTLE_USER_S = 1.0
 _BEAT_S = 0.5    # how often a rank publishes its progress
 _PROGRESS_KEY = "meshdsl/progress/"
 
@@ -152,9 +156,14 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
 
     Raises:
       MeshError: the mesh size is not ``nproc``.
-      DistributedError: a rank raised, died, stopped making progress (found by
+      MeshDSLError: a rank raised a meshdsl error meant for users (a bad feed, checkpoint,
+        config): that message, naming the rank(s), no traceback; the error is of the
+        rank's own class (e.g. ``CheckpointError``) and a ``DistributedError``.
+      RankInternalError: a rank raised any other exception (a ``DistributedError``
+        carrying that rank's traceback).
+      DistributedError: a rank died, stopped making progress (found by
         its heartbeat, with ``mesh``) or did not finish in time; the message
-        names the rank, its exit code or signal, and its traceback; also when
+        names the rank and its exit code or signal; also when
         ``rdzv_host`` is not an address of this machine.
     """
     if mesh is not None:
@@ -253,7 +262,7 @@ def _supervise(procs, readers, timeout, inputs, progress=lambda: ({}, 0.0)) -> l
     """Wait for every child; on the first failure stop and raise."""
     n = len(procs)
     results: dict[int, object] = {}
-    errors: dict[int, tuple[float, str]] = {}   # rank -> (time of failure, traceback)
+    errors: dict[int, Raised] = {}   # rank -> what it raised
     exited: set[int] = set()
     open_readers = dict(enumerate(readers))
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -286,7 +295,8 @@ def _supervise(procs, readers, timeout, inputs, progress=lambda: ({}, 0.0)) -> l
             raise timeout_error(procs, results, timeout, inputs)
         poll(1.0 if left is None else min(1.0, left))
         if failed():
-            end = time.monotonic() + _SETTLE_S
+            user = errors and all(r.user for r in errors.values()) and len(errors) == len(failed())
+            end = time.monotonic() + (_SETTLE_USER_S if user else _SETTLE_S)
             while time.monotonic() < end and (open_readers or len(exited) < n):
                 poll(max(0.0, end - time.monotonic()))
             raise failure_error(procs, exited, results, errors, failed(), inputs, *progress())
@@ -294,14 +304,16 @@ def _supervise(procs, readers, timeout, inputs, progress=lambda: ({}, 0.0)) -> l
 
 
 def _receive(rank, reader, results, errors) -> None:
+    """Take a rank's one message: its error report (plain text, see :class:`Raised`) or its
+    pickled result."""
     try:
-        msg = pickle.loads(reader.recv_bytes())
+        data = reader.recv_bytes()
     except (EOFError, OSError):
         return
-    if msg[0] == "ok":
-        results[rank] = msg[1]
+    if Raised.is_report(data):
+        errors[rank] = Raised.decode(data)
     else:
-        errors[rank] = (msg[1], msg[2])
+        results[rank] = pickle.loads(data)
 
 
 # --------------------------------------------------------------------- child
@@ -318,7 +330,11 @@ def _child(rank, nproc, host, port, backend, collective_timeout, mesh, verbose, 
     torch.set_num_threads(1)
     malloc.tune_malloc()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port),
+                      # Every group's creation ends with a store barrier, so no rank leaves (a job
+                      # with no collective may end at once) while a peer is still connecting gloo to
+                      # it: that peer would fail with "Connection closed by peer" on a loaded machine.
+                      TORCH_DIST_INIT_BARRIER="1")
     if os.path.exists("/sys/class/net/lo"):
         # All spawned ranks are on this machine, whatever the store's address: gloo
         # listens on loopback only (and does not resolve the hostname, which fails in
@@ -335,10 +351,10 @@ def _child(rank, nproc, host, port, backend, collective_timeout, mesh, verbose, 
         if mesh is not None:
             target = TorchComm(mesh, timeout=collective_timeout, verbose=verbose)
             _start_heartbeat(host, port, rank, target)
-        payload = pickle.dumps(("ok", fn(target, *args)))
-    except BaseException:
+        payload = pickle.dumps(fn(target, *args))
+    except BaseException as e:
         # Exit at once: a clean shutdown could block on peers that are stuck.
-        conn.send_bytes(pickle.dumps(("error", time.time(), traceback.format_exc())))
+        conn.send_bytes(Raised.of(e, time.time(), traceback.format_exc()).encode())
         _exit(conn, 1, clean=False)
     conn.send_bytes(payload)
     _exit(conn, 0, clean=True)

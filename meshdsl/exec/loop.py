@@ -28,6 +28,11 @@ such gradients is not packed: its members' stacked buffers are views into one
 ``[layers, bucket]`` buffer (:func:`_packed_rows`), the layer's row is the packed
 bucket, and the reduction lands in the stacked buffers in place, as DDP's
 gradients are views into its buckets.
+
+Tensors the block reads from outside (the step's ``closed`` inputs, after the others) are
+fed to every layer as they are; a backward loop adds up the layers' gradients of each
+(its outputs after the stacked gradients) in a buffer of its own, or into the pipeline's
+running sum when ``run.into`` holds one.
 """
 from __future__ import annotations
 
@@ -50,14 +55,17 @@ def _prepare_repeat(ex, i, step):
     (plan,) = step.subplans
     a = step.args
     names, pos, saved, num_layers = a["names"], a["pos"], a["saved"], step.times
+    closed = a.get("closed", ())
     held = range(len(ex.comm.ranks))
     if a["backward"]:
         body, tail = _split_tail(plan, a.get("streamed", ()))
         sub = Executor(body, ex.comm)
         tail = [(s, rule_for(s.kind)(sub, -1, s)) for s in tail]
-        shapes = [(ex.plan.values[v].local_shape(ex.plan.mesh), ex.plan.values[v].dtype) for v in step.outs[1:]]
+        grads = step.outs[1:1 + len(names)]   # the stacked gradients; those of the closed-over tensors follow
+        shapes = [(ex.plan.values[v].local_shape(ex.plan.mesh), ex.plan.values[v].dtype) for v in grads]
         sinks = [install(sub, body.outputs[f"d/{k}"]) for k in names]
-        run_fn = _backward_fn(tail, shapes, sinks, step.outs[1:])
+        run_fn = _backward_fn(tail, shapes, sinks, grads,
+                              _ClosedSums([k for k in closed if f"d/{k}" in plan.outputs], step.outs[1 + len(names):]))
     else:
         sub, run_fn = Executor(plan, ex.comm), _forward
     sub.check_feeds = False   # the loop feeds its body the outer plan's own tensors
@@ -68,7 +76,9 @@ def _prepare_repeat(ex, i, step):
     layer_params = _LayerParams(names, pos, held)
 
     def call(env, get, run):
-        outs = run_fn(sub, [get(v) for v in step.ins], names, pos, saved, num_layers, held, run.stats, first,
+        ins = [get(v) for v in step.ins]
+        layer_params.fixed = {k: PerRank(x) for k, x in zip(closed, ins[len(ins) - len(closed):])}
+        outs = run_fn(sub, ins[:len(ins) - len(closed)], names, pos, saved, num_layers, held, run.stats, run.salt + first,
                       run.into, run.defer, layer_params)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
@@ -76,7 +86,8 @@ def _prepare_repeat(ex, i, step):
 
 
 class _LayerParams:
-    """Layer ``l``'s slice of each stacked param, as the body's feeds.
+    """Layer ``l``'s slice of each stacked param, as the body's feeds, with the feeds every
+    layer reads (``fixed``: the tensors the block reads from outside, set per run).
 
     The slices of one layer are made once and reused while the stacked tensors are the
     same objects: a pipeline stage runs its layers once per micro-batch, with the same
@@ -86,15 +97,16 @@ class _LayerParams:
 
     def __init__(self, names, pos, held):
         self.names, self.pos, self.held, self.made = names, pos, held, {}
+        self.fixed: dict = {}
 
     def __call__(self, stacked, l: int) -> dict:
         key = [p[j] for p in stacked for j in self.held]
         hit = self.made.get(l)
         if hit is not None and all(a is b for a, b in zip(hit[0], key)):
-            return hit[1]
+            return {**hit[1], **self.fixed} if self.fixed else hit[1]
         params = {k: PerRank([p[j].select(self.pos[k], l) for j in self.held]) for k, p in zip(self.names, stacked)}
         self.made[l] = (key, params)
-        return params
+        return {**params, **self.fixed} if self.fixed else params
 
 
 class _Ahead:
@@ -173,7 +185,29 @@ class _Layers(Pending):
         return self.bufs
 
 
-def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
+class _ClosedSums:
+    """A backward loop's sums over the layers of the gradients of the tensors the block reads
+    from outside: sub-plan outputs ``d/<name>`` for ``names``, step outputs ``outs``."""
+
+    def __init__(self, names, outs):
+        self.names, self.outs = names, outs
+
+    def start(self, into: dict, held) -> list:
+        """One sum per gradient: the pipeline's running sums (``into``) where it holds them
+        (added into), else None per held rank (the first layer's gradient is copied)."""
+        return [list(into[v]) if v in into else [None for _ in held] for v in self.outs]
+
+    def add(self, sums: list, r: dict) -> None:
+        """Add one layer's gradients (``r``: the sub-plan's results) into ``sums``."""
+        for acc, k in zip(sums, self.names):
+            for j, g in enumerate(r[f"d/{k}"]):
+                if acc[j] is None:
+                    acc[j] = g.clone()  # the sub-plan may hand on a tensor it still uses (the cotangent)
+                else:
+                    acc[j].add_(g)
+
+
+def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _ClosedSums):
     """The backward loop for a sub-plan whose ``tail`` collectives the loop starts itself.
 
     ``shapes``: the (local shape, dtype) of each stacked gradient the step outputs (value
@@ -181,7 +215,8 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
     A call's ``into`` maps some of ``outs`` to running sums (one tensor per held rank):
     those gradients are added into them, which the call then returns.  With ``defer`` (a
     :class:`~.sink.Deferred`), the matmuls of the gradients it names are put off into it:
-    the returned buffers hold those gradients once it has run.
+    the returned buffers hold those gradients once it has run.  ``closed``: the gradients of
+    tensors read from outside the block, summed over the layers after the stacked ones.
     """
     def backward(sub, ins, names, pos, saved, num_layers, held, stats, first, into, defer, layer_params):
         carries, *rest = ins
@@ -191,6 +226,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
         late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
         pending = {n: [None] * num_layers for n in late}
         into = into or {}
+        closed_sums = closed.start(into, held)
         adds = [n not in late and outs[n] in into for n in range(len(names))]
         later = [defer.work if defer is not None and outs[n] in defer.values and n not in late else None
                  for n in range(len(names))]
@@ -223,6 +259,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
                     for dst, g in zip(dsts[n], r[f"d/{k}"]):
                         if g is not dst:  # its matmul could not write there itself
                             dst.add_(g) if adds[n] else dst.copy_(g)
+            closed.add(closed_sums, r)
             env = {v: r[f"d/{k}"] for v, k in zip(outv, names)}
             for t, (s, call) in enumerate(tail):
                 t0 = time.perf_counter()
@@ -238,7 +275,8 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple):
             return r["dcarry"], ()
 
         dy, _ = run_layers(num_layers, layer, dy, backward=True)
-        return [dy] + [_Layers(pending[n], bufs[n], pos[k]) if n in late else bufs[n] for n, k in enumerate(names)]
+        return [dy] + [_Layers(pending[n], bufs[n], pos[k]) if n in late else bufs[n]
+                       for n, k in enumerate(names)] + closed_sums
     return backward
 
 

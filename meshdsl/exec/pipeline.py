@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from ..lowering.partition import pipelined_repeats
 from ..lowering.schedule import COMPUTE, Action, split_backward
 from ..lowering.timeline import simulate
 from .executor import donatable_params, donating_steps
@@ -94,7 +95,7 @@ def _prepare_pipeline(ex, i, step):
     segments = [(prologue.steps, a["stages"][0]), (forward.steps, a["stages"][1]),
                 (backward.steps, a["stages"][2]), (final.steps, a["stages"][3])]
     carry = set(a["carry_tags"])
-    local_layers = next((s.times for s in forward.steps if s.kind == "repeat"), 0)
+    stacks, local_layers = pipelined_repeats(step)  # (segment, position) of its steps; its layers per stage
     coords = {r: mesh.coords(r) for r in comm.ranks}  # an accumulate step: one stage, no axis
     stage_of = {r: c[ax] if ax is not None else 0 for r, c in coords.items()}
     held_stages = sorted(set(stage_of.values()))
@@ -135,7 +136,7 @@ def _prepare_pipeline(ex, i, step):
             go = lambda run: view.collective("send", env.get(src), axes, args)  # noqa: E731
         else:
             env = ViewEnv(store, view.ranks)
-            offset = local_layers * stages[0] if len(stages) == 1 else 0
+            offset = local_layers * stages[0] if len(stages) == 1 and (seg, j) in stacks else 0
             sx = _StageExecutor(plan, view, offset)
             if seg == 3 and j in final_donations and (len(view.ranks) == 1 or twins(sx, s) is not None):
                 sx.donated = frozenset({j})   # the update overwrites its param (see Executor.donated)

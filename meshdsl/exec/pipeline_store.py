@@ -33,7 +33,9 @@ class ViewEnv:
 
     def get(self, vid):
         slot = self.store[vid]
-        return [slot[r] for r in self.ranks]
+        # A rank a collective gave nothing (a halo's permute at the end of a dim) reads None, as
+        # outside a pipeline.
+        return [slot.get(r) for r in self.ranks]
 
 
 def folded(step, mb_axis) -> dict:

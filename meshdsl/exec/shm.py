@@ -16,12 +16,15 @@ slot, in pieces of a slot for larger tensors.
 
 A :class:`ShmGroup` is made collectively over a group's process group (when its
 first collective runs): the members check that they share a host (host name and
-boot id), the first member creates a file in ``/dev/shm`` (mode 0600, space
-reserved up front), the others map it, and once every member has it mapped (or an
-error ended the attempt) it is unlinked: only a process killed within those few
-milliseconds leaves it behind.  Where any of that fails (no ``/dev/shm``, no
-space, another host) the group keeps using gloo.  Only x86-64 is used: its stores
-become visible in program order, which the flags rely on.
+boot id), the first member makes an anonymous file (``memfd_create``, space
+reserved up front) and passes its descriptor to the others over a Unix socket
+in the abstract namespace, to the group's own processes only (checked by their
+pid and uid), and each maps it (:func:`open_segment`).  Nothing of it has a
+name in ``/dev/shm`` or on disk, so nothing is left behind however a member
+dies, even the first one the moment it made the segment: the memory goes with
+the last mapping.  Where any of that fails (no memory, another host or network
+namespace) the group keeps using gloo.  Only x86-64 is used: its stores become
+visible in program order, which the flags rely on.
 
 ``TorchComm(..., shm=False)`` or ``MESHDSL_SHM=0`` turns it off.
 """
@@ -32,6 +35,8 @@ import os
 import platform
 import secrets
 import socket
+import struct
+import sys
 import time
 
 import torch
@@ -43,11 +48,16 @@ SLOT_BYTES = 4 << 20
 _FLAG_STRIDE = 8      # int64s between two ranks' flags: one 64-byte cache line each
 _NAME_BYTES = 64
 _SPINS = 200          # busy checks of the flags before yielding the core
+# The most a segment's hand-over waits for a member (a connect, a descriptor): they all arrive
+# together, right after a collective, so this only ends an attempt that cannot succeed.
+_HANDOVER_S = 10.0
 
 
 def supported() -> bool:
-    """Whether this machine can run shared-memory collectives (x86-64 Linux with /dev/shm)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+    """Whether this machine can run shared-memory collectives: x86-64 Linux, whose anonymous
+    files (``memfd_create``) a process can pass to another (``socket.send_fds``)."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and sys.platform.startswith("linux")
+            and hasattr(os, "memfd_create") and hasattr(socket, "send_fds"))
 
 
 def _flag_bytes(size: int) -> int:
@@ -91,7 +101,7 @@ class ShmGroup:
         this at the same point); None (use gloo) where they do not share a host or one fails.
         With more ``local_procs`` (this host's processes of the job) than cores, a member that
         waits yields its core at once instead of spinning first."""
-        buf = open_segment(pg, size, _flag_bytes(size) + (size + 1) * SLOT_BYTES)
+        buf = open_segment(pg, size, _flag_bytes(size) + (size + 1) * SLOT_BYTES, timeout)
         if buf is None:
             return None
         return cls(buf, size, timeout, describe, spins_for(local_procs))
@@ -221,52 +231,34 @@ def spins_for(local_procs: int) -> int:
     return _SPINS if local_procs <= cores else 0
 
 
-def open_segment(pg, size: int, nbytes: int) -> mmap.mmap | None:
+def open_segment(pg, size: int, nbytes: int, timeout: float = _HANDOVER_S) -> mmap.mmap | None:
     """A fresh ``nbytes`` shared mapping for the ``size`` members of process group ``pg``
     (collective: every member calls it at the same point); None for every member alike
-    where they do not share a host, or any of them cannot make or map it.  The file is
-    unlinked once every member has it mapped (or gave up)."""
+    where they do not share a host, or any of them cannot make, receive or map it.
+
+    The segment has no name anywhere: the first member makes it with ``memfd_create`` and
+    hands its descriptor to the others (:func:`_hand_over`), so however a member dies, nothing
+    is left behind: the memory goes with the last mapping of it."""
     import torch.distributed as dist
-    keys = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(keys, torch.tensor([_host_key()], dtype=torch.int64), group=pg)
-    if len({int(k) for k in keys}) != 1:
+    ids = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(ids, torch.tensor([_host_key(), os.getpid()], dtype=torch.int64), group=pg)
+    if len({int(i[0]) for i in ids}) != 1:
         return None
     first = dist.get_rank(pg) == 0
-    path, fd = "", -1
+    fd, listener, name = -1, None, ""
     if first:
-        path = f"/dev/shm/meshdsl-{os.getpid()}-{secrets.token_hex(8)}"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.posix_fallocate(fd, 0, nbytes)  # no SIGBUS later on a full /dev/shm
-        except OSError:
-            path = _close(fd, path)
-    mine = path
+        fd, listener, name = _make_segment(nbytes, size)
     try:
-        return _attach(pg, first, path, fd, nbytes)
+        name = _broadcast_name(pg, name)
+        if not name:
+            return None
+        peers = {int(i[1]) for i in ids[1:]}
+        buf = _hand_over(pg, first, fd, listener, name, nbytes, peers, min(timeout, _HANDOVER_S))
     finally:
-        if mine:  # whatever happened, the name goes: the mappings keep the memory alive
-            _close(-1, mine)
-
-
-def _attach(pg, first: bool, path: str, fd: int, nbytes: int):
-    """The first member's ``path`` broadcast, mapped by every member; the mapping, or None
-    (every member alike) when any member could not map it."""
-    import torch.distributed as dist
-    name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
-    dist.broadcast(name, src=dist.get_global_rank(pg, 0), group=pg)
-    path = bytes(name[name > 0].tolist()).decode()
-    buf = None
-    if path:
-        try:
-            if not first:
-                fd = os.open(path, os.O_RDWR)
-            buf = mmap.mmap(fd, nbytes)
-        except OSError:
-            buf = None
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        if listener is not None:  # its abstract name goes with it
+            listener.close()
+        if fd >= 0:
+            os.close(fd)
     ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)  # every member has it mapped (or gave up)
     if not int(ok):
@@ -276,11 +268,95 @@ def _attach(pg, first: bool, path: str, fd: int, nbytes: int):
     return buf
 
 
-def _close(fd: int, path: str) -> str:
-    if fd >= 0:
-        os.close(fd)
+def _make_segment(nbytes: int, size: int):
+    """The first member's side: an anonymous ``nbytes`` file (space reserved up front: no
+    SIGBUS later when memory runs short) and a Unix socket listening in the abstract
+    namespace (no file; its name dies with this process) to hand it over on.
+
+    Returns:
+      ``(fd, listener, name)``; ``(-1, None, "")`` where either cannot be made.
+    """
+    fd, listener = -1, None
+    name = f"meshdsl-{os.getpid()}-{secrets.token_hex(8)}"
     try:
-        os.unlink(path)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.posix_fallocate(fd, 0, nbytes)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + name)
+        listener.listen(size + 8)
+        return fd, listener, name
     except OSError:
-        pass
-    return ""
+        if listener is not None:
+            listener.close()
+        if fd >= 0:
+            os.close(fd)
+        return -1, None, ""
+
+
+def _broadcast_name(pg, name: str) -> str:
+    """The first member's socket name, on every member ("" where it made none)."""
+    import torch.distributed as dist
+    t = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    t[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg)
+    return bytes(t[t > 0].tolist()).decode()
+
+
+def _hand_over(pg, first: bool, fd: int, listener, name: str, nbytes: int, peers: set[int], timeout: float):
+    """Pass the segment's descriptor from the first member to the others over its socket
+    (``SCM_RIGHTS``), to this group's processes only (``SO_PEERCRED``: their pids, our uid),
+    and map it; this member's mapping, or None where it failed (every member learns whether
+    all connected before the first member gives anything away)."""
+    import torch.distributed as dist
+    conn = None
+    if not first:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(timeout)
+        try:
+            conn.connect("\0" + name)
+        except OSError:  # another network namespace, a full backlog
+            conn.close()
+            conn = None
+    ready = torch.tensor([1 if first or conn is not None else 0], dtype=torch.int64)
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=pg)
+    try:
+        if not int(ready):
+            return None
+        if first:
+            _serve(listener, fd, peers, timeout)
+        else:
+            fd = _receive_fd(conn)
+        return mmap.mmap(fd, nbytes) if fd >= 0 else None
+    except OSError:
+        return None
+    finally:
+        if conn is not None:
+            conn.close()
+            if fd >= 0:
+                os.close(fd)
+
+
+def _serve(listener, fd: int, peers: set[int], timeout: float) -> None:
+    """Send ``fd`` to each process in ``peers`` that connects (of our uid), within ``timeout``;
+    any other caller is turned away."""
+    waiting, deadline = set(peers), time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        listener.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            return
+        with conn:
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+            if pid in waiting and uid == os.getuid():
+                socket.send_fds(conn, [b"m"], [fd])
+                waiting.discard(pid)
+
+
+def _receive_fd(conn) -> int:
+    """The descriptor the first member sends on ``conn``; -1 when none came."""
+    _, fds, _, _ = socket.recv_fds(conn, 1, 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0] if fds else -1

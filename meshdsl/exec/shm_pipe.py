@@ -74,7 +74,7 @@ class ShmPipe:
         pairs = pairs_for(len(members), offsets)
         if not pairs:
             return None
-        buf = open_segment(pg, len(members), len(pairs) * _CHANNEL)
+        buf = open_segment(pg, len(members), len(pairs) * _CHANNEL, timeout)
         return None if buf is None else cls(buf, pairs, members, timeout, describe, spins_for(local_procs))
 
     # ------------------------------------------------------------- layout

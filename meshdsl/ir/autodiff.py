@@ -6,11 +6,25 @@ plan, tagged with the 'backward' phase.
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from ..core.graph import Tensor, topo_nodes
 from ..errors import GraphError, message
 from ..ops import elementwise as ew
-from ..ops.registry import apply
+from ..ops.registry import Op, apply
 from ..ops.shape_ops import broadcast_to, transpose
+
+
+#: The nodes that depend on a ``wrt`` tensor of the vjp being built (None outside one).
+_LIVE: ContextVar = ContextVar("meshdsl_live_nodes", default=None)
+
+
+def wants_grad(t: Tensor) -> bool:
+    """Whether the gradient being built flows into ``t``: a floating-point tensor that depends
+    on a tensor it is taken with respect to (any floating-point tensor outside a vjp).  A grad
+    rule may leave out the gradients nobody reads (a repeat, those of constant tables)."""
+    live = _LIVE.get()
+    return t.dtype.is_floating_point and (live is None or id(t.node) in live)
 
 
 def _accumulate(grads: dict, t: Tensor, g: Tensor) -> None:
@@ -68,24 +82,37 @@ def vjp(outputs: list[Tensor], cotangents: list[Tensor], wrt: list[Tensor]) -> l
     wanted = {id(t.node) for t in wrt}
     live: set[int] = set()  # nodes that depend on some wrt
     for n in nodes:
-        if id(n) in wanted or any(id(t.node) in live for t in n.inputs):
+        if id(n) in wanted or (not n.op.blocks_gradient and any(id(t.node) in live for t in n.inputs)):
             live.add(id(n))
     grads: dict[int, Tensor] = {}
+    token = _LIVE.set(live)
+    try:
+        _backward(nodes, live, grads, outputs, cotangents, graph)
+    finally:
+        _LIVE.reset(token)
+    return [grads.get(id(t)) for t in wrt]
+
+
+def _backward(nodes, live: set[int], grads: dict, outputs, cotangents, graph) -> None:
+    """Fill ``grads`` (id of a tensor -> its gradient) from the outputs' cotangents back."""
     with graph.in_phase("backward"):
         for t, c in zip(outputs, cotangents):
             _accumulate(grads, t, c)
         for n in reversed(nodes):
-            if id(n) not in live or not n.inputs or not n.op.differentiable:
+            if id(n) not in live or not n.inputs:
                 continue
             douts = [grads.get(id(o)) for o in n.outputs]
             if all(d is None for d in douts):
+                continue
+            if not n.op.differentiable:
+                if any(t.dtype.is_floating_point and id(t.node) in live for t in n.inputs):
+                    Op.grad(n.op, n, douts)  # raises: a gradient would be dropped silently
                 continue
             with graph.scope(f"grad_{n.op.name}"):
                 gins = n.op.grad(n, douts)
             for inp, g in zip(n.inputs, gins):
                 if g is not None and id(inp.node) in live and inp.dtype.is_floating_point:
                     _accumulate(grads, inp, g)
-    return [grads.get(id(t)) for t in wrt]
 
 
 def grad(loss: Tensor, wrt=None) -> list[Tensor]:
@@ -99,6 +126,10 @@ def grad(loss: Tensor, wrt=None) -> list[Tensor]:
       A list of gradient Tensors shaped like ``wrt`` (a dict if ``wrt`` was a dict).
       Each gradient carries its param's layout scopes (and ``grads``), so ``grads.`` and
       ``params.`` rules lay it out.
+      The gradients are constants to any later differentiation (as torch's
+      ``autograd.grad`` without ``create_graph``); for a gradient of a gradient, build it
+      with :func:`vjp`, whose results stay differentiable (an op without a second-order
+      rule, such as a fused backward kernel, is then a clear error).
 
     Raises:
       GraphError: if ``loss`` is not a scalar.

@@ -75,7 +75,7 @@ def _cast(t: Tensor, dtype: torch.dtype, casts: dict) -> Tensor:
         return t
     key = (id(t), dtype)
     if key not in casts:
-        if t.node.op.name == "constant":
+        if t.node.op.name == "constant" and not t.shape:  # a tensor constant is cast like any tensor
             casts[key] = constant(t.node.attrs["value"], dtype)
         else:
             casts[key] = cast(t, dtype)
@@ -123,13 +123,15 @@ def _replay(nodes, env: dict[int, Tensor], low: torch.dtype) -> None:
 def _replay_repeat(n, ins: list[Tensor], low: torch.dtype) -> tuple:
     """A repeat whose block is the old block replayed under the same rules."""
     blk, stacked = n.attrs["block"], n.attrs["stacked"]
+    closed = ins[1 + len(stacked):]  # what the block reads from outside, replayed: the new block reads them
 
     def block(carry, params):
-        env = {id(blk.carry): carry, **{id(blk.params[k]): params[k] for k in blk.params}}
+        env = {id(blk.carry): carry, **{id(blk.params[k]): params[k] for k in blk.params},
+               **{id(ph): t for ph, t in zip(blk.closed.values(), closed)}}
         _replay(topo_nodes([blk.out]), env, low)
         out = env[id(blk.out)]
         # the carry keeps one dtype from layer to layer
         return out if out.dtype == carry.dtype else cast(out, carry.dtype)
 
-    x = repeat(block, ins[0], dict(zip(stacked, ins[1:])), n.attrs["layer"])
+    x = repeat(block, ins[0], dict(zip(stacked, ins[1:1 + len(stacked)])), n.attrs["layer"])
     return x.node.outputs

@@ -7,6 +7,11 @@ The forward also saves, stacked over ``layer``, the block activations its
 backward reads (``node.attrs["saved"]``, extra outputs of the repeat node added
 when its gradient is first built), so the backward block does not recompute the
 forward: those tensors are given values in it.
+
+The block may also read tensors of the graph around it (:mod:`.closure`): they are
+extra inputs of the repeat node after the stacked params, the same for every layer,
+and the gradient of each (those the loss's gradient flows into) is the sum of its
+layers' gradients.
 """
 from __future__ import annotations
 
@@ -15,11 +20,12 @@ from typing import Callable
 
 import torch
 
-from ..core.graph import Graph, Tensor, topo_nodes
+from ..core.graph import Graph, Tensor, graph_of, topo_nodes
 from ..core.shape import Dim, Shape
 from ..errors import ShapeError, did_you_mean, message
 from ..ops.leaf import placeholder
 from ..ops.registry import Op, apply, register
+from .closure import Closure, activations
 from .interpret import DenseProgram
 
 
@@ -32,6 +38,8 @@ class Block:
     carry: Tensor
     params: dict[str, Tensor]
     out: Tensor
+    closed: dict[str, Tensor] = field(default_factory=dict)  # placeholders of the tensors read from outside
+    outer: list = field(default_factory=list)  # those tensors (of the graph that calls repeat), in that order
     extra: dict = field(default_factory=dict)  # cotangent placeholder, grads, given (for grad blocks)
     _dense: dict = field(default_factory=dict)
 
@@ -90,13 +98,18 @@ def run_layers(num_layers: int, layer: Callable, carry, backward: bool = False):
     return carry, kept
 
 
-def _trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str) -> Block:
-    g = Graph(f"{x.graph.name}/{name}")
-    with g:
-        c = placeholder("carry", x.shape, x.dtype)
-        ps = _LayerParams({k: placeholder(k, p.shape.without([layer]), p.dtype, p.scopes)
-                           for k, p in stacked.items()})
-        y = fn(c, ps)
+def _trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str, outer: Graph) -> Block:
+    g = Graph(f"{outer.name}/{name}")
+    g.outer = outer
+    g.capture = closure = Closure(g)
+    try:
+        with g:
+            c = placeholder("carry", x.shape, x.dtype)
+            ps = _LayerParams({k: placeholder(k, p.shape.without([layer]), p.dtype, p.scopes)
+                               for k, p in stacked.items()})
+            y = fn(c, ps)
+    finally:
+        closure.open = False
     if not isinstance(y, Tensor) or y.graph is not g:
         raise ShapeError(message(f"repeat: the block returned {y!r}, not a Tensor built from its inputs.",
                                  rule="block(carry, params) returns the new carry",
@@ -109,7 +122,7 @@ def _trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str) -> 
         from ..ops.shape_ops import transpose
         with g:
             y = transpose(y, x.shape.names)
-    return Block(fn, g, c, ps, y)
+    return Block(fn, g, c, ps, y, closure.inner, closure.outer)
 
 
 def _stack_pos(p: Tensor, layer: str) -> int:
@@ -124,16 +137,17 @@ class Repeat(Op):
         x = inputs[0]
         return [(x.shape, x.dtype), (Shape([attrs["layer"]] + list(x.shape)), x.dtype)]
 
-    def compute(self, ctx, attrs, x, *stacked):
+    def compute(self, ctx, attrs, x, *rest):
         blk: Block = attrs["block"]
         saved_t = attrs.get("saved", [])
         saved = [f"saved/{i}" for i in range(len(saved_t))]
         prog = blk.dense({"out": blk.out, **dict(zip(saved, saved_t))})
         names, pos = list(blk.params), attrs["pos"]
+        stacked, closed = rest[:len(names)], dict(zip(blk.closed, rest[len(names):]))
 
         def layer(l, x):
-            feeds = {"carry": x, **{k: p.select(pos[k], l) for k, p in zip(names, stacked)}}
-            r = prog(feeds, salt=l + 1)
+            feeds = {"carry": x, **{k: p.select(pos[k], l) for k, p in zip(names, stacked)}, **closed}
+            r = prog(feeds, salt=ctx.salt + l + 1)
             return r["out"], (x, *[r[k] for k in saved])
 
         x, kept = run_layers(attrs["layer"].size, layer, x)
@@ -154,20 +168,29 @@ class Repeat(Op):
             raise ShapeError("repeat: gradients through the saved layer inputs are not supported")
         if dy is None:
             return [None] * len(node.inputs)
-        gblk = node.attrs.get("grad_block")
-        if gblk is None:  # built once; later grads of the same node reuse it and its saved outputs
-            blk: Block = node.attrs["block"]
+        from .autodiff import wants_grad
+        blk: Block = node.attrs["block"]
+        num_stacked = len(blk.params)
+        stacked_t, closed_t = node.inputs[1:1 + num_stacked], node.inputs[1 + num_stacked:]
+        # the closed-over tensors the loss's gradient flows into: the block is differentiated
+        # with respect to those only (a constant table or an input gets no gradient)
+        want = tuple(wants_grad(t) for t in closed_t)
+        built = node.attrs.setdefault("grad_blocks", {})
+        if want not in built:  # built once per set; later grads reuse it and its saved outputs
             layer = node.attrs["layer"]
-            gblk, pairs = _grad_block(blk, node.attrs["stacked"], layer.name)
+            gblk, pairs = _grad_block(blk, node.attrs["stacked"], layer.name, node.graph, want)
             base = len(node.outputs)
             node.outputs = node.outputs + tuple(
                 Tensor(node, base + i, Shape([layer] + list(f.shape)), f.dtype) for i, (_, f) in enumerate(pairs))
-            node.attrs["saved"] = [f for _, f in pairs]
-            node.attrs["grad_block"] = gblk
-        outs = apply("repeat_grad", [node.outputs[1], *node.inputs[1:], dy, *node.outputs[2:]],
+            node.attrs["saved"] = node.attrs.get("saved", []) + [f for _, f in pairs]
+            built[want] = (gblk, base, len(node.outputs))
+        gblk, lo, hi = built[want]
+        outs = apply("repeat_grad", [node.outputs[1], *stacked_t, dy, *node.outputs[lo:hi], *closed_t],
                      {"block": gblk, "layer": node.attrs["layer"], "pos": node.attrs["pos"],
                       "stacked": node.attrs["stacked"]})
-        return list(outs)
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+        dclosed = iter(outs[1 + num_stacked:])
+        return outs[:1 + num_stacked] + [next(dclosed) if w else None for w in want]
 
 
 def _saved(b: Block, n_fwd: int, blk: Block) -> list[tuple[Tensor, Tensor]]:
@@ -175,12 +198,14 @@ def _saved(b: Block, n_fwd: int, blk: Block) -> list[tuple[Tensor, Tensor]]:
 
     Returns (tensor of ``b``, the same tensor of the forward block ``blk``) pairs: the
     first ``n_fwd`` nodes of ``b`` re-trace ``blk`` node for node.  Placeholders are fed
-    anyway; values that do not depend on the carry (constants, functions of the
-    layer's params) are cheap to recompute and are not saved.
+    anyway; values that do not depend on the carry or on a closed-over activation
+    (constants, functions of the layer's params or of tables) are cheap to recompute
+    and are not saved.
     """
-    outs = [b.extra["dcarry"], *b.extra["dparams"].values()]
+    outs = [b.extra["dcarry"], *b.extra["dparams"].values(), *b.extra["dclosed"].values()]
     fwd = b.graph.nodes[:n_fwd]
-    act: set[int] = {id(b.carry.node)}  # nodes whose outputs depend on the carry
+    # nodes whose outputs depend on the carry or on a closed-over activation
+    act: set[int] = {id(b.carry.node), *(id(t.node) for t in activations(b.closed, b.outer))}
     for n in fwd:
         if any(id(t.node) in act for t in n.inputs):
             act.add(id(n))
@@ -201,20 +226,26 @@ def _saved(b: Block, n_fwd: int, blk: Block) -> list[tuple[Tensor, Tensor]]:
     return pairs
 
 
-def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str):
-    """The backward block, and the (grad-block tensor, forward-block tensor) pairs it is given."""
+def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, outer: Graph, want: tuple[bool, ...]):
+    """The backward block, and the (grad-block tensor, forward-block tensor) pairs it is given.
+
+    ``want``: per closed-over tensor, whether the backward block outputs its gradient
+    (``extra["dclosed"]``, by placeholder name).
+    """
     from .autodiff import vjp
     from ..ops.shape_ops import broadcast_to
     from ..ops.elementwise import constant
 
-    b = _trace(blk.fn, blk.carry, stacked, layer, "block_grad")
+    b = _trace(blk.fn, blk.carry, stacked, layer, "block_grad", outer)
     n_fwd = len(b.graph.nodes)
-    if n_fwd != len(blk.graph.nodes):
-        raise ShapeError(f"repeat: the block traced differently twice ({len(blk.graph.nodes)} vs {n_fwd} nodes); "
+    if n_fwd != len(blk.graph.nodes) or [id(t) for t in b.outer] != [id(t) for t in blk.outer]:
+        raise ShapeError(f"repeat: the block traced differently twice ({len(blk.graph.nodes)} vs {n_fwd} nodes, "
+                         f"reading {[t.name for t in blk.outer]} vs {[t.name for t in b.outer]} from outside); "
                          "blocks must be deterministic functions of (carry, params)")
+    closed = [k for k, w in zip(b.closed, want) if w]
     with b.graph:
         dy = placeholder("cotangent", b.out.shape, b.out.dtype)
-        wrt = [b.carry] + list(b.params.values())
+        wrt = [b.carry] + list(b.params.values()) + [b.closed[k] for k in closed]
         grads = vjp([b.out], [dy], wrt)
         fixed = []
         for t, g in zip(wrt, grads):
@@ -223,7 +254,9 @@ def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str):
             g = apply("stop_gradient", [g], name=f"grad/{t.name}")
             g.scopes = t.scopes
             fixed.append(g)
-    b.extra = {"cotangent": dy, "dcarry": fixed[0], "dparams": dict(zip(b.params, fixed[1:]))}
+    n = 1 + len(b.params)
+    b.extra = {"cotangent": dy, "dcarry": fixed[0], "dparams": dict(zip(b.params, fixed[1:n])),
+               "dclosed": dict(zip(closed, fixed[n:]))}
     pairs = _saved(b, n_fwd, blk)
     b.extra["given"] = {f"saved/{i}": t for i, (t, _) in enumerate(pairs)}
     return b, pairs
@@ -233,43 +266,74 @@ def _grad_block(blk: Block, stacked: dict[str, Tensor], layer: str):
 class RepeatGrad(Op):
     name = "repeat_grad"
 
-    # inputs: saved layer inputs, stacked params, carry gradient, saved activations (block.extra["given"])
+    # inputs: saved layer inputs, stacked params, carry gradient, saved activations (block.extra["given"]),
+    # closed-over tensors (block.closed); outputs: carry gradient, stacked gradients, and the gradient
+    # of each closed-over tensor in block.extra["dclosed"], summed over the layers
 
     def infer(self, inputs, attrs):
         carries, *rest = inputs
         stacked, dy = rest[:len(attrs["stacked"])], rest[len(attrs["stacked"])]
-        return [(dy.shape, dy.dtype)] + [(p.shape, p.dtype) for p in stacked]
+        blk: Block = attrs["block"]
+        closed = dict(zip(blk.closed, rest[len(rest) - len(blk.closed):]))
+        return [(dy.shape, dy.dtype)] + [(p.shape, p.dtype) for p in stacked] + \
+            [(closed[k].shape, closed[k].dtype) for k in blk.extra["dclosed"]]
 
     def compute(self, ctx, attrs, carries, *rest):
         n = len(attrs["stacked"])
-        stacked, dy, saved = rest[:n], rest[n], rest[n + 1:]
         blk: Block = attrs["block"]
-        outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
         given = blk.extra.get("given", {})
+        stacked, dy, saved = rest[:n], rest[n], rest[n + 1:n + 1 + len(given)]
+        closed = dict(zip(blk.closed, rest[n + 1 + len(given):]))
+        outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()},
+                **{f"d/{k}": g for k, g in blk.extra["dclosed"].items()}}
         prog = blk.dense(outs, given)
         names, pos = list(blk.params), attrs["pos"]
         # each layer's gradients go straight into their slice of the stacked result (no stack at the end)
         grads = [torch.empty_like(p) for p in stacked]
+        sums = {k: torch.zeros_like(closed[k]) for k in blk.extra["dclosed"]}  # a closed-over tensor's: all layers'
 
         def layer(l, dy):
             feeds = {"carry": carries[l], "cotangent": dy,
                      **{k: p.select(pos[k], l) for k, p in zip(names, stacked)},
-                     **{k: s[l] for k, s in zip(given, saved)}}
-            r = prog(feeds, salt=l + 1)
+                     **{k: s[l] for k, s in zip(given, saved)}, **closed}
+            r = prog(feeds, salt=ctx.salt + l + 1)
             for k, g in zip(names, grads):
                 g.select(pos[k], l).copy_(r[f"d/{k}"])
+            for k, g in sums.items():
+                g.add_(r[f"d/{k}"])
             return r["dcarry"], None
 
         dy, _ = run_layers(attrs["layer"].size, layer, dy, backward=True)
-        return (dy, *grads)
+        return (dy, *grads, *sums.values())
 
     def subgraphs(self, node):
         blk: Block = node.attrs["block"]
         return ((blk.graph, tuple(blk.params)),)
 
 
+def _check_depth(graph: Graph, layer: Dim, params: dict) -> None:
+    """Refuse a stack whose layer dim has the name of an earlier stack's but another size."""
+    for n in graph.nodes:
+        other = n.attrs["layer"] if n.op.name == "repeat" else layer
+        if other.name == layer.name and other.size != layer.size:
+            raise ShapeError(message(
+                f"repeat: this stack has {layer!r}, but stack '{n.name}' of graph '{graph.name}' has {other!r}.",
+                inputs=[f"stack '{n.name}': params {[t.name for t in n.attrs['stacked'].values()]}, "
+                        f"{other.size} layers", f"this stack: params {[t.name for t in params.values()]}, "
+                                                f"{layer.size} layers"],
+                rule="a dim name means one size (as in every op's operands): a layout splits dims by name, "
+                     f"so '{layer.name}:<axis>' would pipeline both stacks",
+                fix=f"name the stacks' dims apart, e.g. Dim('enc_{layer.name}', {other.size}) and "
+                    f"Dim('dec_{layer.name}', {layer.size})"))
+
+
 def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim) -> Tensor:
     """Apply ``block`` once per entry of ``dim`` with that entry's slice of each stacked param.
+
+    The block may also read any tensor of the graph that calls ``repeat`` (an input, a
+    constant, a param not stacked along ``dim``, an activation computed before the stack,
+    such as an encoder's output): every layer reads it unchanged, and its gradient is the
+    sum of the layers' gradients.
 
     Args:
       block: ``block(carry, params) -> new carry``; ``params`` maps the names given
@@ -284,6 +348,12 @@ def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim) -> Tensor
     Example::
 
         y = repeat(lambda h, p: h + relu(einsum("b d, d f -> b f", h, p["w"])) ..., x, {"w": w}, layer)
+        # a decoder whose layers read the encoder's output enc (cross-attention)
+        y = repeat(lambda h, p: h + cross_attention(h, enc, p), tgt, dec_params, "layer")
+
+    Raises:
+      ShapeError: a stacked param without ``dim``, or the block's result not shaped like ``x``.
+      GraphError: the block reads a tensor of a graph that does not enclose it.
     """
     name = dim.name if isinstance(dim, Dim) else dim
     for k, p in params.items():
@@ -296,7 +366,9 @@ def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim) -> Tensor
     if layer is None or len(sizes) > 1:
         raise ShapeError(message(f"repeat: the stacked params disagree on (or lack) the size of '{name}': {sizes}.",
                                  rule="one layer count for all stacked params", fix="give them the same layer Dim"))
-    blk = _trace(block, x, params, name, "block")
+    _check_depth(x.graph, layer, params)
+    blk = _trace(block, x, params, name, "block", graph_of(x))  # x's graph, or the block being traced
     pos = {k: _stack_pos(p, name) for k, p in params.items()}
-    outs = apply("repeat", [x, *params.values()], {"block": blk, "layer": layer, "pos": pos, "stacked": dict(params)})
+    outs = apply("repeat", [x, *params.values(), *blk.outer],
+                 {"block": blk, "layer": layer, "pos": pos, "stacked": dict(params)})
     return outs[0]

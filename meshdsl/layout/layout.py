@@ -9,7 +9,9 @@ optimizer state only (ZeRO-1: ``opt.d_model:data``; ZeRO-2 adds
 ``grads.d_model:data``); a ``NAME.`` rule applies to the one tensor called NAME
 (and to that param's gradient and state).  The most specific rule wins: NAME,
 then ``grads.``/``opt.``, then ``params.``, then the global rule.  When two dims of one tensor want the same axis, rules written
-earlier have priority, and the compiler may pick the cheaper of the variants.
+earlier have priority, and the compiler may pick the cheaper of the variants.  The compiler adds
+*implied* global rules for dims without a written global rule, which a reshape makes from a
+split dim (:mod:`meshdsl.lowering.implied`); they rank after every written rule.
 """
 from __future__ import annotations
 
@@ -34,9 +36,12 @@ class Layout:
     Example: ``Layout.parse("batch:data; d_ff:model")``.
     """
 
-    def __init__(self, rules: tuple[Rule, ...] = (), source: str | None = None):
+    def __init__(self, rules: tuple[Rule, ...] = (), source: str | None = None,
+                 implied: tuple[tuple[Rule, str], ...] = ()):
         self.rules = tuple(rules)
         self.source = source
+        # (rule, where it comes from) for dims without a written global rule: see with_implied
+        self.implied = tuple((r, why) for r, why in implied if all(w.key != r.key for w in self.rules))
         self._by_key: dict[tuple[str | None, str], Rule] = {}
         self._order: dict[tuple[str | None, str], int] = {}  # earlier rules win conflicts
         self._targets: dict = {}  # (shape, scopes, mesh, strict) -> targets(...), computed once
@@ -53,6 +58,9 @@ class Layout:
                         f"(e.g. 'params.{key[1]}:...' for weights)"))
             self._by_key.setdefault(key, r)
             self._order.setdefault(key, i)
+        for i, (r, _) in enumerate(self.implied, len(self.rules)):
+            self._by_key[r.key] = r
+            self._order[r.key] = i
 
     @staticmethod
     def parse(text: "str | Layout | dict | None") -> "Layout":
@@ -83,6 +91,17 @@ class Layout:
 
         spec = parse_layout(text)
         return Layout(spec.rules, source=spec.source)
+
+    def with_implied(self, implied: tuple[tuple[Rule, str], ...]) -> "Layout":
+        """These written rules plus ``implied`` ones, each ``(rule, why)``, instead of this layout's.
+
+        Implied rules are global rules ranked after every written one, for dims without a
+        written global rule (a scoped written rule still wins for its tensors); ``rules``,
+        ``str()`` and :meth:`validate` stay the written ones (what the user typed).
+        """
+        if tuple(implied) == self.implied:
+            return self
+        return Layout(self.rules, self.source, implied)
 
     def __str__(self) -> str:
         return "; ".join(map(str, self.rules))

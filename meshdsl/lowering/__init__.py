@@ -3,7 +3,9 @@
 Importing the package loads every module that registers a lowering rule
 (:mod:`.rules`), so :func:`~.compiler.compile` always sees the full table.
 """
-from . import repeat, shift  # noqa: F401  (they register their rules on import)
+from . import repeat, window  # noqa: F401  (they register their rules on import)
+from . import conv  # noqa: F401  (conv's rule and its weight gradient's: halo exchanges on split spatial dims)
 from . import scan  # noqa: F401  (cumsum's rule)
 from . import global_sum  # noqa: F401  (scalar_sum's rule: one reduction per axis set)
+from . import reshape  # noqa: F401  (reshape's and rearrange's rule: splits kept where exact)
 from . import xent  # noqa: F401  (cross_entropy's rule: fused, or composite when the class dim is split)

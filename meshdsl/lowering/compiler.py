@@ -19,6 +19,7 @@ from .accumulate import accumulate
 from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
+from .implied import implied_layout
 from .partition import partition
 from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
@@ -46,6 +47,8 @@ class Lowerer:
         self.pipeline_axis: str | None = None  # the mesh axis a repeat's layers are pipelined over
         self._uses: dict[int, int] = {}  # id(Tensor) -> readers in this plan, plus 1 if an output
         self.counted = False
+        # What a rule shares between the nodes it lowers (the halo exchanges of lowering/halo.py).
+        self.memo: dict = {}
 
     # -- values
     def new_value(self, shape, dtype, sharding: Sharding) -> int:
@@ -313,10 +316,13 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     nodes = topo_nodes(list(outputs.values()))
     dims, names = _graph_dims(nodes)
     layout.validate(mesh, dims, names)
+    layout = implied_layout(nodes, mesh, layout)   # the splits reshapes carry over to new dims
     spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule)
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
-        mesh, layout = spec.mesh, spec.layout
+        mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied)
     lw = Lowerer(mesh, layout, cost)
+    for _, why in layout.implied:
+        lw.note(why)
     lw.pipeline_axis = spec.axis if spec else None
     outs = lower_into(lw, outputs)
     steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps

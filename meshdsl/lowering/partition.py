@@ -23,6 +23,14 @@ needs on another stage travels by one ``send``/``recv`` pair over the stage axis
 (the carry and its gradient every micro-batch; others, such as the tied
 embedding's gradient, once in the final segment), so nothing is gathered or
 reduced over the stage axis and a param is stored only on the stages that read it.
+
+What the pipelined layers read from outside their repeat (:mod:`meshdsl.ir.closure`)
+reaches every stage: an input is fed to each stage that reads it, a value made once
+(from params and tables) is made on each, and a value made per micro-batch before the
+layers (an encoder's output) is made on the first stage that reads it and sent on with
+the carry.  Its gradient, each stage's sum over its own layers, travels back down the
+stages to stage 0 with the carry's gradient (:mod:`.stage_sum`); a param's is summed
+over the stages after the micro-batches, as the global norm's sums are.
 """
 from __future__ import annotations
 
@@ -30,8 +38,9 @@ import dataclasses
 
 from ..errors import LayoutError, message
 from .bucket import bucket_final
-from .pipeline import MB_AXIS
-from .plan import Plan, Step, step_args, register_step_kind
+from .pipeline import BATCH, MB_AXIS
+from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
+from .plan import Plan, Step, Value, step_args, register_step_kind
 from .schedule_gen import SCHEDULES, make_schedule
 
 # axis: the stage axis; num_stages, microbatches; mb_axis: the virtual micro-batch axis (None for m = 1);
@@ -57,22 +66,60 @@ def _error(what, spec, bullets, rule, fix):
 
 
 def _whole_batch_cause(steps, producer, final, i):
-    """The collective over the micro-batch axis that put step ``i`` in the final segment."""
+    """The collective over the micro-batch axis that put step ``i`` in the final segment, or
+    None when the step is there for another reason (it runs on several stages)."""
     while not (steps[i].is_collective and MB_AXIS in steps[i].axes):
-        i = next(producer[v] for v in steps[i].ins if producer.get(v) in final)
+        i = next((producer[v] for v in steps[i].ins if producer.get(v) in final), None)
+        if i is None:
+            return None
     return steps[i]
 
 
-def varies_per_microbatch(steps) -> list[bool]:
+def varies_per_microbatch(steps, values=None) -> list[bool]:
     """Per step: whether it depends on the batch (an input, or a value made from one), so runs
-    once per micro-batch; the others run once."""
+    once per micro-batch; the others run once.  With ``values``, an input without the batch
+    dim (a table, a hyperparameter) is the same for every micro-batch."""
     mb_vals: set[int] = set()
     out = []
     for s in steps:
-        out.append(s.kind == "input" or any(v in mb_vals for v in s.ins))
+        batch_input = s.kind == "input" and (values is None or BATCH in values[s.outs[0]].shape.names)
+        out.append(batch_input or any(v in mb_vals for v in s.ins))
         if out[-1]:
             mb_vals.update(s.outs)
     return out
+
+
+def _same(ctx, attrs, x):
+    return x
+
+
+def _own_carry(steps, values, pipelined) -> list:
+    """``steps`` with the pipelined repeat's first carry a value of its own, when the value it
+    reads is read by other steps too (or is an input): later stages receive their carry into
+    that value, which must not overwrite the input a step after the layers reads (the loss's
+    ``x``).  The new value is the old one's tensor, handed on by a step on stage 0."""
+    at = next((i for i, s in enumerate(steps) if pipelined(s) and not s.args["backward"]), None)
+    if at is None:
+        return steps
+    v0 = steps[at].ins[0]
+    if not any(v0 in s.ins for i, s in enumerate(steps) if i != at) and \
+            not any(v0 in s.outs for s in steps if s.kind in ("param", "input")):
+        return steps
+    own = max(values) + 1
+    values[own] = Value(own, values[v0].shape, values[v0].dtype, values[v0].sharding)
+    f = steps[at]
+    copy = Step("local", f.node, "carry", f"{f.label}: its first carry", f.phase, (v0,), (own,), (),
+                step_args("local", {"fn": _same, "attrs": {}, "compute": values[v0].sharding.split,
+                                    "sizes": {d.name: d.size for d in values[v0].shape}}))
+    return [*steps[:at], copy, dataclasses.replace(f, ins=(own, *f.ins[1:])), *steps[at + 1:]]
+
+
+def _may_move(seg_from: str, seg_to: str, src: int, dst: int) -> bool:
+    """Whether a value made in segment ``seg_from`` on stage ``src`` can reach a reader in
+    ``seg_to`` on stage ``dst``: after the micro-batches, or with the carry (forward, to a
+    later stage; backward, to an earlier one), or from a forward to a backward."""
+    return (seg_to == "final" or (seg_from, seg_to) == ("forward", "backward")
+            or (seg_from == seg_to == "forward" and src < dst) or (seg_from == seg_to == "backward" and src > dst))
 
 
 def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0):
@@ -86,11 +133,12 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     """
     mesh, ax, p, layer = spec.mesh, spec.axis, spec.num_stages, spec.layer
     ALL = frozenset(range(p))
-    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
 
     def pipelined(s):
         return (s.kind == "repeat" and len(s.ins) > 1
                 and values[s.ins[1]].sharding.axes_of(layer) == (ax,))
+    steps = _own_carry(steps, values, pipelined)
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     fwd = [i for i, s in enumerate(steps) if pipelined(s) and not s.args["backward"]]
     bwd = [i for i, s in enumerate(steps) if pipelined(s) and s.args["backward"]]
     assert len(fwd) == 1, "a pipelined repeat lowers to one forward step"
@@ -101,7 +149,9 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     dy_pos = 1 + len(steps[F].args["names"])
     leaf = [s.kind in ("param", "input") for s in steps]
 
-    per_mb = varies_per_microbatch(steps)
+    per_mb = varies_per_microbatch(steps, values)
+    # the gradients of activations the pipelined layers read from outside: summed down the stages
+    sums = chained_stage_sums(steps, ax, B, per_mb, producer)
 
     # Stages: values anchored by the repeat's ends flow forward; the rest is placed by demand.
     held: dict[int, frozenset] = {}
@@ -111,16 +161,28 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
             stages[i] = ALL
             held[s.outs[0]] = frozenset({p - 1}) if i == F else frozenset({0})
             held.update((v, ALL) for v in s.outs[1:])
+        elif i in sums:
+            stages[i] = frozenset({0})
+            held.update((v, stages[i]) for v in s.outs)
         elif not leaf[i]:
             anchored = [held[v] for v in s.ins if v in held]
             if anchored:
                 stages[i] = frozenset().union(*anchored)
                 held.update((v, stages[i]) for v in s.outs)
     demand: dict[int, frozenset] = {v: ALL for v in outputs.values()}
+    spread: set[int] = set()  # per micro-batch steps each stage runs on its own part (split over the stages)
     for i in reversed(range(len(steps))):
         s = steps[i]
         if stages[i] is None:
-            stages[i] = frozenset().union(*(demand.get(v, frozenset()) for v in s.outs)) or frozenset({0})
+            want = frozenset().union(*(demand.get(v, frozenset()) for v in s.outs))
+            if per_mb[i] and not leaf[i] and s.phase == "forward" and len(want) > 1:
+                if any(ax in values[v].sharding.used_axes for v in s.outs):
+                    spread.add(i)
+                else:
+                    # made once per micro-batch, on the first stage that reads it (an encoder's output read
+                    # by every pipelined layer: stage 0), and sent on to the later ones with the carry
+                    want = frozenset({min(want)})
+            stages[i] = want or frozenset({0})
             held.update((v, stages[i]) for v in s.outs)
         for j, v in enumerate(s.ins):
             want = {0} if (i == F and j == 0) else {p - 1} if (i == B and j == dy_pos) else stages[i]
@@ -131,7 +193,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     for i, s in enumerate(steps):
         if leaf[i] or i in (F, B) or not per_mb[i]:
             continue
-        if ((s.is_collective and MB_AXIS in s.axes) or len(stages[i]) > 1
+        if ((s.is_collective and MB_AXIS in s.axes) or (len(stages[i]) > 1 and i not in spread)
                 or any(producer.get(v) in final for v in s.ins)):
             final.add(i)
     for blk in (F, B):
@@ -139,6 +201,12 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
             for v in steps[blk].ins:
                 if producer.get(v) in final:
                     c = _whole_batch_cause(steps, producer, final, producer[v])
+                    if c is None:
+                        u = steps[producer[v]]
+                        raise _error(f"'{u.op}' ({u.label}) is read by the pipelined repeat, but runs after the "
+                                     "micro-batches.", spec, [f"'{u.op}' runs on stages {sorted(stages[producer[v]])}"],
+                                     "what feeds the pipelined layers runs one micro-batch at a time, on one stage",
+                                     "compute it from the batch before the stack, or from params and tables only")
                     src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
                     raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
                                  "the result before the pipelined repeat.", spec,
@@ -168,7 +236,6 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
 
     # Transfers for values read on a stage that does not hold them.
     lists: dict[str, list] = {k: [] for k in SEGMENTS}
-    after_send: dict[int, list] = {}
     tag = GRAD_TAG
     moved: set = set()
     for i, s in enumerate(steps):
@@ -184,8 +251,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
                 moved.add((v, t))
                 src = min(held[v], key=lambda h: abs(h - t))
                 pj = producer[v]
-                ok = segment[i] == "final" or (segment[pj] == "forward" and segment[i] == "backward")
-                if not ok:
+                if not _may_move(segment[pj], segment[i], src, t):
                     raise _error(f"'{s.op}' on stage {t} reads '{steps[pj].op}' of stage {src} in the same pass.",
                                  spec, [f"{steps[pj].label} -> {s.label}"],
                                  "within a micro-batch, values move forward with the carry and back with its "
@@ -197,11 +263,14 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
                 if segment[i] == "final":
                     before += [snd, rcv]
                 else:
-                    after_send.setdefault(pj, []).append(snd)
+                    lists[segment[pj]].append(snd)  # after its producer (already placed), in its segment
                     before.append(rcv)
         seg = lists[segment[i]]
         seg.extend(before)
-        if i in (F, B):
+        if i in sums:
+            moves, tag = expand_stage_sum(s, values, mesh, ax, p, tag)
+            seg.extend(moves)
+        elif i in (F, B):
             carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == F else (s.ins[dy_pos], -1, GRAD_TAG)
             first, last = frozenset(range(p - 1)), frozenset(range(1, p))  # stages with a next / a previous
             seg.append((_transfer("recv", carry, values, mesh, ax, off, tg, s.phase, "carry"),
@@ -211,7 +280,6 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
                         first if i == F else last))
         else:
             seg.append((s, stages[i]))
-        seg.extend(after_send.pop(i, []))
         for v in s.outs:
             held[v] = held.get(v, stages[i])
         for v, t in moved:
@@ -236,6 +304,20 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
         st = held.get(v, demand.get(v, ALL))
         holders[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in st)
     return leaves + [pipe], holders
+
+
+def pipelined_repeats(step: Step) -> tuple[frozenset, int]:
+    """The pipelined repeat's steps in a ``pipeline`` (or ``accumulate``) step: their (segment,
+    position) pairs, the segments counted as in ``step.subplans``, and its layers per stage.
+
+    They are the repeats every stage runs; another stack (an encoder's, before the pipelined
+    layers) runs on one stage.  A stage's kernels salt by the global layer index, so the runtime
+    offsets the pipelined layers of stage ``s`` by ``s`` times the layers per stage.
+    """
+    stacks = frozenset((g, j) for g in (1, 2) for j, (s, st) in enumerate(zip(step.subplans[g].steps,
+                                                                             step.args["stages"][g]))
+                       if s.kind == "repeat" and len(st) == step.args["num_stages"])
+    return stacks, next((step.subplans[1].steps[j].times for g, j in sorted(stacks) if g == 1), 0)
 
 
 def with_schedule(plan: Plan, schedule: str) -> Plan:

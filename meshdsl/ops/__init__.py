@@ -5,10 +5,12 @@ import sys as _sys
 from ..core.graph import set_operators as _set_operators
 from .attention import attention
 from .einsum import einsum
-from .elementwise import (add, cast, constant, div, equal, exp, gelu, greater, greater_equal, less,
+from .constant import constant
+from .conv import conv
+from .elementwise import (add, cast, cos, div, equal, exp, gelu, greater, greater_equal, less,
                           less_equal, log, logical_not, maximum, minimum, mul, neg, not_equal, pow,
-                          relu, rsqrt, sigmoid, silu, sqrt, stop_gradient, sub, tanh, where)
-from .embed import causal_mask, gather, iota, one_hot
+                          relu, rsqrt, sigmoid, silu, sin, sqrt, stop_gradient, sub, tanh, where)
+from .embed import arange, causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)
 from .nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax

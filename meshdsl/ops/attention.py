@@ -95,8 +95,9 @@ def _cuda_fused(q4, mask) -> bool:
 
 
 def _forward(q4, k4, v4, causal: bool, mask, scale):
-    if q4.device.type == "cpu":
+    if q4.device.type == "cpu":  # the CPU kernel takes fewer key/value heads than query heads
         return _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=scale)
+    k4, v4 = _expand_kv(k4, q4), _expand_kv(v4, q4)
     if _cuda_fused(q4, mask):
         key = q4.shape[-1]
         try:
@@ -112,6 +113,11 @@ def _forward(q4, k4, v4, causal: bool, mask, scale):
 def _backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
     if q4.device.type == "cpu":
         return _BWD(g4, q4, k4, v4, out4, lse4, 0.0, causal, attn_mask=mask, scale=scale)
+    dq, dk, dv = _backward_expanded(g4, q4, _expand_kv(k4, q4), _expand_kv(v4, q4), out4, lse4, causal, mask, scale)
+    return dq, _sum_groups(dk, k4), _sum_groups(dv, v4)
+
+
+def _backward_expanded(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
     if _cuda_fused(q4, mask) and _CUDA_FUSED.get(q4.shape[-1]):
         pad = (-lse4.shape[-1]) % _LSE_ALIGN
         lse = torch.nn.functional.pad(lse4, (0, pad)) if pad else lse4
@@ -126,27 +132,57 @@ def _backward(g4, q4, k4, v4, out4, lse4, causal: bool, mask, scale):
     return math_backward(g4, q4, k4, v4, out4, lse4, causal, mask, scale)
 
 
-def _layout(attrs: dict, q: Tensor, k: Tensor) -> None:
-    """Fill ``attrs`` with the permutations to and from the kernel's [batch, heads, seq, feature] form."""
+def _layout(attrs: dict, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Fill ``attrs`` with the permutations to and from the kernel's [batch, heads, seq, feature] form.
+
+    ``batch`` lists q's batch dims, those k and v share first, then the ones they lack
+    (grouped-query attention's ``group``): folded last into the kernel's heads, so that q's
+    head ``n * G + g`` reads k's head ``n``, the grouping torch's kernels take."""
     qd, kd, fd = attrs["query_dim"], attrs["key_dim"], attrs["feature_dim"]
-    batch = [n for n in q.shape.names if n not in (qd, fd)]
-    attrs["batch"] = tuple(batch)
+    shared = [n for n in q.shape.names if n not in (qd, fd) and n in k.shape]
+    batch = shared + [n for n in q.shape.names if n not in (qd, fd) and n not in k.shape]
+    attrs["batch"], attrs["shared"] = tuple(batch), len(shared)
     attrs["q_perm"] = tuple(q.shape.index(n) for n in (*batch, qd, fd))
-    attrs["k_perm"] = tuple(k.shape.index(n) for n in (*batch, kd, fd))
+    attrs["k_perm"] = tuple(k.shape.index(n) for n in (*shared, kd, fd))
     attrs["q_back"] = tuple(attrs["q_perm"].index(i) for i in range(len(q.shape)))
     attrs["k_back"] = tuple(attrs["k_perm"].index(i) for i in range(len(k.shape)))
+    # v shares k's dims but may list them in another order.
+    attrs["v_perm"] = tuple(v.shape.index(n) for n in (*shared, kd, fd))
+    attrs["v_back"] = tuple(attrs["v_perm"].index(i) for i in range(len(v.shape)))
 
 
-def _to4(x: torch.Tensor, perm, nb: int) -> torch.Tensor:
-    """``x`` permuted to (batch..., seq, feature) and folded to the kernel's 4 dims."""
+def _to4(x: torch.Tensor, perm, nb: int, lead: int) -> torch.Tensor:
+    """``x`` permuted to (batch..., seq, feature) and folded to the kernel's 4 dims: its first
+    ``lead`` batch dims into the kernel's batch, the other ``nb - lead`` into its heads."""
     x = x.permute(perm)
     if x.stride(-1) != 1:  # the kernel reads each row of features as one contiguous run
         x = x.contiguous()
-    if nb == 2:
+    if nb == 2 and lead == 1:
         return x
-    if nb < 2:
-        return x.reshape((1,) * (2 - nb) + tuple(x.shape))
-    return x.reshape(-1, *x.shape[nb - 1:])  # fold the leading batch dims (a copy if they do not merge)
+    s = x.shape  # a reshape folds the batch dims (a copy if they do not merge)
+    return x.reshape(math.prod(s[:lead]), math.prod(s[lead:nb]), *s[nb:])
+
+
+def _q4(x, attrs):
+    """q (or a tensor of q's dims in q's order: the output, its gradient) in the kernel's form."""
+    return _to4(x, attrs["q_perm"], len(attrs["batch"]), max(attrs["shared"] - 1, 0))
+
+
+def _kv4(x, attrs, perm):
+    """k or v in the kernel's form: heads are their last shared batch dim."""
+    return _to4(x, perm, attrs["shared"], max(attrs["shared"] - 1, 0))
+
+
+def _expand_kv(k4, q4):
+    """k4 repeated over each key/value head's group, for kernels that take equal head counts."""
+    return k4 if k4.shape[1] == q4.shape[1] else k4.repeat_interleave(q4.shape[1] // k4.shape[1], dim=1)
+
+
+def _sum_groups(dk4, k4):
+    """The gradient of :func:`_expand_kv`: each group's heads summed into their key/value head."""
+    if dk4.shape[1] == k4.shape[1]:
+        return dk4
+    return dk4.unflatten(1, (k4.shape[1], dk4.shape[1] // k4.shape[1])).sum(2)
 
 
 def _from4(x4: torch.Tensor, batch_sizes, back) -> torch.Tensor:
@@ -170,9 +206,11 @@ def _spec(attrs: dict, q: Tensor, k: Tensor, backward: bool = False) -> ComputeS
     dims = {d.name: d.size for d in q.shape}
     dims[attrs["key_dim"]] = k.shape.get(attrs["key_dim"]).size
     fixed = {attrs["key_dim"], attrs["feature_dim"]}
-    # dk and dv sum over every query: a split query dim leaves them partial sums over its
-    # axes (reduced, or reduce-scattered, where they are read); dq keeps the query dim, split.
-    reduce = {attrs["query_dim"]: "sum"} if backward else {}
+    # dk and dv sum over every query, and over the query heads of their group: a split query
+    # or group dim leaves them partial sums over its axes (reduced, or reduce-scattered, where
+    # they are read); dq keeps those dims, split.
+    groups = attrs["batch"][attrs["shared"]:]
+    reduce = {n: "sum" for n in (attrs["query_dim"], *groups)} if backward else {}
     return ComputeSpec(dims, fixed=frozenset(fixed), reduce=reduce)
 
 
@@ -189,17 +227,16 @@ class Attention(Op):
 
     def infer(self, inputs, attrs):
         q, k, v = inputs
-        _layout(attrs, q, k)
+        _layout(attrs, q, k, v)
         lse = Shape([q.shape.get(n) for n in attrs["batch"]] + [q.shape.get(attrs["query_dim"])])
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return [(q.shape, q.dtype), (lse, lse_dtype)]
 
     def compute(self, ctx, attrs, q, k, v):
-        nb = len(attrs["batch"])
-        q4, k4, v4 = _to4(q, attrs["q_perm"], nb), _to4(k, attrs["k_perm"], nb), _to4(v, attrs["k_perm"], nb)
+        q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
         out4, lse4 = _forward(q4, k4, v4, causal, mask, attrs["scale"])
-        bs = [q.shape[i] for i in attrs["q_perm"][:nb]]
+        bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
         return _from4(out4, bs, attrs["q_back"]), lse4.reshape(*bs, lse4.shape[-1])
 
     def spec(self, node):
@@ -234,14 +271,13 @@ class AttentionBackward(Op):
         return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
 
     def compute(self, ctx, attrs, g, q, k, v, out, lse):
-        nb = len(attrs["batch"])
-        qp, kp = attrs["q_perm"], attrs["k_perm"]
-        q4, k4, v4 = _to4(q, qp, nb), _to4(k, kp, nb), _to4(v, kp, nb)
+        q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
         lse4 = lse.reshape(q4.shape[:-1])
-        dq, dk, dv = _backward(_to4(g, qp, nb), q4, k4, v4, _to4(out, qp, nb), lse4, causal, mask, attrs["scale"])
-        bs = [q.shape[i] for i in qp[:nb]]
-        return _from4(dq, bs, attrs["q_back"]), _from4(dk, bs, attrs["k_back"]), _from4(dv, bs, attrs["k_back"])
+        dq, dk, dv = _backward(_q4(g, attrs), q4, k4, v4, _q4(out, attrs), lse4, causal, mask, attrs["scale"])
+        bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
+        kbs = [k.shape[i] for i in attrs["k_perm"][:attrs["shared"]]]
+        return _from4(dq, bs, attrs["q_back"]), _from4(dk, kbs, attrs["k_back"]), _from4(dv, kbs, attrs["v_back"])
 
     def spec(self, node):
         return _spec(node.attrs, *node.inputs[1:3], backward=True)
@@ -256,15 +292,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
 
     ``out[.., query, feature] = sum_key softmax_key(q . k * scale) v``, where ``q . k``
     sums over ``feature_dim`` and every other dim of ``q`` (batch, heads) is a batch
-    dim that ``k`` and ``v`` share.  With ``causal`` a query attends to the keys at or
+    dim.  ``k`` and ``v`` have the batch dims of ``q`` or some of them: a dim they lack is
+    broadcast, which is grouped-query attention (q ``[batch, seq, kv_heads, group,
+    d_head]`` against k, v ``[batch, key_seq, kv_heads, d_head]``: each key/value head
+    serves the ``group`` query heads of its own, with no copy of k or v on the CPU kernel).
+    With ``causal`` a query attends to the keys at or
     before its own position, the mask of ``causal_mask(query_dim, key_dim)``.  The
     composite ``softmax(where(causal_mask(..), einsum(..) * scale, -1e9)) . v`` gives
     the same values; use it when the probabilities need dropout.
 
     Args:
       q: [batch dims..., query_dim, feature_dim] in any dim order.
-      k: [the same batch dims, key_dim, feature_dim], any order.
-      v: like ``k``.
+      k: [q's batch dims or some of them, key_dim, feature_dim], any order.
+      v: the dims of ``k``.
       query_dim, key_dim, feature_dim: the dim names (a name or a Dim).
       causal: mask the keys after each query.
       scale: the factor on ``q . k``; default ``1 / sqrt(size of feature_dim)``.
@@ -275,9 +315,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
     Raises:
       ShapeError: if the dims do not line up as above.
 
-    Layouts may split the batch dims (``"batch:data; heads:model"``) with no
-    communication; a split query dim stays split in the forward and is gathered for
-    the backward; the key and feature dims are gathered when split.
+    Layouts may split the batch dims (``"batch:data; heads:model"``, ``kv_heads:model``)
+    with no communication (a split ``group`` leaves the gradients of k and v partial sums);
+    a split query dim stays split in the forward and is gathered for the backward; the key
+    and feature dims are gathered when split.
     """
     qd, kd, fd = (d.name if isinstance(d, Dim) else d for d in (query_dim, key_dim, feature_dim))
     bad = next((x for x in (q, k, v) if not isinstance(x, Tensor)), None)
@@ -285,7 +326,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
         raise ShapeError(message(f"attention: {bad!r} ({type(bad).__name__}) is not a Tensor.",
                                  rule="attention takes meshdsl Tensors q, k, v", fix="pass Tensors built by ops"))
     batch = [n for n in q.shape.names if n not in (qd, fd)]
-    want = {"q": (q, [*batch, qd, fd]), "k": (k, [*batch, kd, fd]), "v": (v, [*batch, kd, fd])}
+    kv = [n for n in batch if n in k.shape]   # the batch dims k shares; the others are broadcast
+    want = {"q": (q, [*batch, qd, fd]), "k": (k, [*kv, kd, fd]), "v": (v, [*kv, kd, fd])}
     bullets = [f"{name} {x.shape} should have the dims {sorted(dims)}" for name, (x, dims) in want.items()
                if sorted(x.shape.names) != sorted(dims)]
     if not bullets:
@@ -301,7 +343,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
         raise ShapeError(message(
             f"attention(q, k, v, query_dim='{qd}', key_dim='{kd}', feature_dim='{fd}'): the operands do not line up.",
             inputs=[f"q: {q.shape}", f"k: {k.shape}", f"v: {v.shape}"], bullets=bullets,
-            rule="q is [batch..., query, feature]; k and v are [the same batch..., key, feature]",
+            rule="q is [batch..., query, feature]; k and v are [the same batch... or some of them "
+                 "(grouped-query attention), key, feature]",
             fix="rename the dims (meshdsl.rename) so that they match"))
     if scale is None:
         scale = q.shape.get(fd).size ** -0.5

@@ -12,8 +12,9 @@ import string
 import torch
 
 from ..core.graph import Tensor
+from ..core.origin import dim_joined
 from ..core.shape import Shape
-from ..errors import ShapeError, message
+from ..errors import ShapeError, Span, message
 from .matmul_form import MatmulForm
 from .registry import ComputeSpec, Op, apply, register
 
@@ -74,6 +75,29 @@ def _einsum_named(xs: list[Tensor], out: list[str]) -> Tensor:
     return apply("einsum", xs, {"in": tuple(x.shape.names for x in xs), "out": tuple(out)})
 
 
+def _broadcast_joins(x: Tensor, extra: list[str], listed: list[str]) -> dict | None:
+    """The bullets, rule and fix of an operand that carries ``extra`` dims an earlier op
+    broadcast into it (None when no op did: the dims were the tensor's from the start)."""
+    joins = {d: dim_joined(x, d, listed) for d in extra}
+    joins = {d: j for d, j in joins.items() if j is not None}
+    if not joins:
+        return None
+    bullets = [f"dim '{d}' entered at {j.node.op.name} '{j.node.name}', which broadcast "
+               f"{j.carrier.name} {j.carrier.shape} over {j.stream.name} {j.stream.shape}"
+               for d, j in joins.items()]
+    d, j = next(iter(joins.items()))
+    size = j.carrier.shape.get(d).size
+    same = [n.name for n in j.stream.shape if n.size == size and n.name not in j.carrier.shape]
+    how = (f"e.g. md.rename({j.carrier.name}, {d}='{same[0]}') if they index the same positions"
+           if same else f"slice, reduce or rename '{d}' first")
+    return {"bullets": bullets,
+            "rule": "ops broadcast by dim name: a result has every dim of its operands, so a dim an "
+                    "operand should not have spreads to everything computed from it",
+            "fix": f"fix {j.node.op.name} '{j.node.name}': give {j.carrier.name} {j.carrier.shape} dims that "
+                   f"match {j.stream.name} {j.stream.shape} ({how}), so its result keeps "
+                   f"[{', '.join(j.stream.shape.names)}]"}
+
+
 def einsum(equation: str, *xs: Tensor) -> Tensor:
     """Einstein summation over dim names.
 
@@ -110,6 +134,10 @@ def einsum(equation: str, *xs: Tensor) -> Tensor:
             bad = next((n for n in names if n.name not in x.shape), None)
             what = (f"names '{bad.name}', which tensor {k} {x.shape} lacks" if bad is not None else
                     f"omits dim(s) {missing} of tensor {k} {x.shape}")
+            joined = _broadcast_joins(x, missing, got) if bad is None else None
+            if joined:
+                span = Span(names[0].span.start, names[-1].span.end) if names and names[0].span else None
+                raise ShapeError(message(f"einsum: operand {k} {what}.", source=equation, span=span, **joined))
             raise ShapeError(message(
                 f"einsum: operand {k} {what}.", source=equation, span=bad.span if bad is not None else None,
                 rule="each operand lists exactly its tensor's dim names (in any order)",

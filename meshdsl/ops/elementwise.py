@@ -7,15 +7,15 @@ the generic lowering rule takes care of.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
-from ..core.graph import Tensor, graph_of
+from ..core.graph import Tensor
 from ..core.shape import Shape, broadcast_shapes
 from ..errors import ShapeError, message
-from .registry import DENSE_CTX, Op, apply, register, run_device
+from .constant import constant
+from .registry import DENSE_CTX, Op, apply, register
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -39,59 +39,34 @@ def align(x, plan):
     return x
 
 
-def constant(value, dtype=torch.float32, like: Tensor | None = None) -> Tensor:
-    """A scalar constant node (shape ``[]``)."""
-    g = graph_of(like) if like is not None else None
-    if g is not None:
-        from ..core.graph import _current
-        _current.append(g)
-        try:
-            return apply("constant", [], {"value": value, "dtype": dtype})
-        finally:
-            _current.pop()
-    return apply("constant", [], {"value": value, "dtype": dtype})
+#: ops whose result is bool whatever their operands: any scalar compares with any tensor.
+_COMPARISONS = ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")
 
 
-def _lift(xs):
-    """Turn Python scalars into constants with the dtype of the first tensor operand."""
+def _lift(xs, name: str = "where"):
+    """Turn Python scalars into constants with the dtype of the first tensor operand.
+
+    An integer tensor takes integral scalars only (``1 - mask``), except in comparisons:
+    ``ids * 0.5`` would be a float result, which the op's integer dtype would misstate."""
     like = next((x for x in xs if isinstance(x, Tensor)), None)
     if like is None:
         raise ShapeError(message("elementwise op: at least one operand must be a meshdsl Tensor.",
                                  inputs=[f"operands: {xs!r}"], rule="scalars broadcast against tensors",
                                  fix="make one operand a Tensor"))
-    dtype = like.dtype if like.dtype.is_floating_point else torch.float32
-    return [x if isinstance(x, Tensor) else constant(float(x), dtype, like) for x in xs]
-
-
-#: (id of a constant's CPU tensor, device) -> (that tensor, its copy on the device)
-_ON_DEVICE: dict = {}
-
-
-@register
-class Constant(Op):
-    name = "constant"
-    differentiable = False
-
-    def infer(self, inputs, attrs):
-        attrs["tensor"] = torch.tensor(attrs["value"], dtype=attrs["dtype"])
-        return [(Shape(), attrs["dtype"])]
-
-    def compute(self, ctx, attrs):
-        t, dev = attrs["tensor"], run_device()
-        if dev is None or dev == t.device:
-            return t
-        key = (id(t), dev)   # the constant, once per device it runs on (t kept alive: ids stay unique)
-        got = _ON_DEVICE.get(key)
-        if got is None:
-            got = _ON_DEVICE[key] = (t, t.to(dev))
-        return got[1]
-
-    def spec(self, node):
-        from .registry import ComputeSpec
-        return ComputeSpec({})
-
-    def grad(self, node, douts):
-        return []
+    if like.dtype.is_floating_point or name in _COMPARISONS:
+        dtype = like.dtype if like.dtype.is_floating_point else torch.float32
+        return [x if isinstance(x, Tensor) else constant(float(x), dtype, like) for x in xs]
+    out = []
+    for x in xs:
+        if not isinstance(x, Tensor):
+            if like.dtype == torch.bool or isinstance(x, bool) or not float(x).is_integer():
+                raise ShapeError(message(f"{name}: scalar {x!r} with {like!r}, which is {like.dtype}.",
+                                         rule="an integer or bool tensor takes integral scalars in arithmetic "
+                                              "(no silent promotion to float)",
+                                         fix=f"cast the tensor first: meshdsl.cast({like.name}, torch.float32)"))
+            x = constant(int(x), like.dtype, like)
+        out.append(x)
+    return out
 
 
 # ----------------------------------------------------------------------------- unary
@@ -119,30 +94,26 @@ def _unary(name, fn, grad=None, linear=False):
     return register(cls)
 
 
-def _gelu_grad(x):
-    cdf = 0.5 * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
-    pdf = torch.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
-    return cdf + x * pdf
-
-
 _unary("neg", torch.neg, lambda x, y, g: -g, linear=True)
 _unary("exp", torch.exp, lambda x, y, g: g * y)
 _unary("log", torch.log, lambda x, y, g: g / x)
 _unary("sqrt", torch.sqrt, lambda x, y, g: g * 0.5 / y)
 _unary("rsqrt", torch.rsqrt, lambda x, y, g: g * (-0.5) * y / x)
 _unary("tanh", torch.tanh, lambda x, y, g: g * (1.0 - y * y))
+_unary("sin", torch.sin, lambda x, y, g: g * cos(x))
+_unary("cos", torch.cos, lambda x, y, g: -(g * sin(x)))
 _unary("relu", torch.relu, lambda x, y, g: apply("relu_backward", [g, x]))
 _unary("sigmoid", torch.sigmoid, lambda x, y, g: g * y * (1.0 - y))
-_unary("gelu_grad", _gelu_grad)
 _unary("gelu", F.gelu, lambda x, y, g: apply("gelu_backward", [g, x]))
-_unary("silu", F.silu, lambda x, y, g: g * (lambda s: s * (1.0 + x * (1.0 - s)))(sigmoid(x)))
-_unary("logical_not", torch.logical_not)
+_unary("silu", F.silu, lambda x, y, g: apply("silu_backward", [g, x]))
+_unary("logical_not", torch.logical_not).differentiable = False  # bool in, bool out
 
 
 @register
 class StopGradient(Unary):
     name = "stop_gradient"
     linear = True
+    blocks_gradient = True
 
     def compute(self, ctx, attrs, x):
         return x
@@ -183,6 +154,10 @@ class Pow(Unary):
 # ----------------------------------------------------------------------------- n-ary
 
 
+def _scalar_constant(x: Tensor) -> bool:
+    return x.node.op.name == "constant" and not x.shape
+
+
 class Nary(Op):
     out_dtype = None  # None: same as inputs
 
@@ -192,14 +167,21 @@ class Nary(Op):
 
     def infer(self, inputs, attrs):
         shape = self.out_shape(inputs)
-        dtypes = {x.dtype for x in inputs if x.node.op.name != "constant"} or {inputs[0].dtype}
+        # A scalar constant takes the others' dtype (torch promotes a 0-d tensor no further);
+        # a tensor constant is an operand like any other.
+        dtypes = {x.dtype for x in inputs if not _scalar_constant(x)} or {inputs[0].dtype}
         data = [x for x in inputs if self.name != "where" or x is not inputs[0]]
-        ddt = {x.dtype for x in data if x.node.op.name != "constant"} or {data[0].dtype}
+        ddt = {x.dtype for x in data if not _scalar_constant(x)} or {data[0].dtype}
         if len(ddt) > 1:
             raise ShapeError(message(f"{self.name}: operands have different dtypes {sorted(map(str, dtypes))}.",
                                      inputs=[f"operands: {', '.join(map(repr, inputs))}"],
                                      rule="elementwise operands share one dtype (no silent promotion)",
                                      fix="cast one operand with meshdsl.cast(x, dtype)"))
+        if self.name == "div" and not next(iter(ddt)).is_floating_point:
+            raise ShapeError(message(f"div: operands are {next(iter(ddt))}.",
+                                     inputs=[f"operands: {', '.join(map(repr, inputs))}"],
+                                     rule="div is true division: its result is floating point",
+                                     fix="cast the operands first: meshdsl.cast(x, torch.float32)"))
         attrs["align"] = tuple(_align_plan(x.shape, shape) for x in inputs)
         return [(shape, self.out_dtype or next(iter(ddt)))]
 
@@ -242,11 +224,19 @@ _binary("add", torch.add, lambda a, b, y, g: (g, g), linear=True)
 _binary("sub", torch.sub, lambda a, b, y, g: (g, -g), linear=True)
 _binary("mul", torch.mul, lambda a, b, y, g: (g * b, g * a), linear_args=(0, 1))
 _binary("div", torch.div, lambda a, b, y, g: (g / b, -(g * y) / b), linear_args=(0,))
-_binary("maximum", torch.maximum, lambda a, b, y, g: (g * _mask(a >= b, g), g * _mask(a < b, g)))
-_binary("minimum", torch.minimum, lambda a, b, y, g: (g * _mask(a <= b, g), g * _mask(a > b, g)))
+
+
+def _pick(wins, ties, g):
+    """``g`` where an operand wins, half of it where the two tie (torch's convention)."""
+    return g * (_mask(wins, g) + _mask(ties, g) * 0.5)
+
+
+_binary("maximum", torch.maximum, lambda a, b, y, g: (_pick(a > b, equal(a, b), g), _pick(a < b, equal(a, b), g)))
+_binary("minimum", torch.minimum, lambda a, b, y, g: (_pick(a < b, equal(a, b), g), _pick(a > b, equal(a, b), g)))
 # Fused gradients of activations (one kernel each, as torch's autograd uses); linear in g.
 _binary("relu_backward", lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.0), linear_args=(0,))
 _binary("gelu_backward", lambda g, x: torch.ops.aten.gelu_backward(g, x), linear_args=(0,))
+_binary("silu_backward", lambda g, x: torch.ops.aten.silu_backward(g, x), linear_args=(0,))
 for _n, _f in (("less", torch.lt), ("less_equal", torch.le), ("greater", torch.gt),
                ("greater_equal", torch.ge), ("equal", torch.eq), ("not_equal", torch.ne)):
     _binary(_n, _f, out_dtype=torch.bool)
@@ -283,7 +273,7 @@ class Where(Nary):
 
 def _bin(name):
     def f(a, b):
-        return apply(name, _lift([a, b]))
+        return apply(name, _lift([a, b], name))
     f.__name__ = name
     f.__doc__ = f"Elementwise ``{name}`` with broadcasting by dim name."
     return f
@@ -306,6 +296,37 @@ def _un(name):
 neg, exp, log, sqrt, rsqrt = _un("neg"), _un("exp"), _un("log"), _un("sqrt"), _un("rsqrt")
 tanh, relu, gelu, silu, sigmoid = _un("tanh"), _un("relu"), _un("gelu"), _un("silu"), _un("sigmoid")
 stop_gradient, logical_not = _un("stop_gradient"), _un("logical_not")
+
+
+def sin(x: Tensor) -> Tensor:
+    """Elementwise sine, e.g. a rotary embedding's table from its angles.
+
+    Args:
+      x: a floating-point Tensor of angles in radians.
+
+    Returns:
+      ``sin(x)``, dims and dtype of ``x``.  Its gradient is ``g * cos(x)``; under bf16
+      it computes in its input's dtype, as ``exp`` and ``tanh`` do.
+
+    Raises:
+      ShapeError: ``x`` is not floating point.
+    """
+    return apply("sin", [x])
+
+
+def cos(x: Tensor) -> Tensor:
+    """Elementwise cosine (see :func:`sin`); its gradient is ``-g * sin(x)``.
+
+    Args:
+      x: a floating-point Tensor of angles in radians.
+
+    Returns:
+      ``cos(x)``, dims and dtype of ``x``.
+
+    Raises:
+      ShapeError: ``x`` is not floating point.
+    """
+    return apply("cos", [x])
 
 
 def pow(x: Tensor, exponent: float) -> Tensor:  # noqa: A001 - mirrors torch.pow
@@ -337,6 +358,6 @@ def where(cond: Tensor, a, b) -> Tensor:
 
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal", "greater",
-           "greater_equal", "equal", "not_equal", "neg", "exp", "log", "sqrt", "rsqrt", "tanh",
+           "greater_equal", "equal", "not_equal", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos",
            "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "pow", "cast",
            "where", "constant", "align", "DENSE_CTX"]

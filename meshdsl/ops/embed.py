@@ -150,6 +150,28 @@ def iota(dim: Dim, dtype=torch.int64) -> Tensor:
     return apply("iota", [], {"dim": dim, "dtype": dtype})
 
 
+def arange(dim: Dim, dtype=torch.int64) -> Tensor:
+    """Position ids ``[0, 1, ..., dim.size-1]`` along ``dim`` (the same op as :func:`iota`).
+
+    Each rank counts from its slice's offset, so positions stay global on a split dim.
+
+    Args:
+      dim: the Dim to count along, e.g. ``Dim("seq", 128)``.
+      dtype: the result's dtype; ``torch.float32`` gives positions ready to scale
+        (a rotary embedding's angles: ``md.arange(seq, torch.float32) * inv_freq``).
+
+    Returns:
+      A Tensor with the single dim ``dim``.
+
+    Raises:
+      ShapeError: ``dim`` is not a Dim.
+    """
+    if not isinstance(dim, Dim):
+        raise ShapeError(message(f"arange: {dim!r} is not a Dim.", rule="arange counts along a Dim",
+                                 fix="pass meshdsl.Dim(name, size), e.g. md.arange(md.Dim('seq', 128))"))
+    return iota(dim, dtype)
+
+
 def one_hot(ids: Tensor, dim: Dim, dtype=torch.float32) -> Tensor:
     """One-hot encode integer ``ids`` along new dim ``dim``."""
     return apply("one_hot", [ids], {"dim": dim, "dtype": dtype})
@@ -175,4 +197,4 @@ def causal_mask(q: Dim, k: Dim) -> Tensor:
     return greater_equal(iota(q), iota(k))
 
 
-__all__ = ["iota", "one_hot", "gather", "causal_mask"]
+__all__ = ["iota", "arange", "one_hot", "gather", "causal_mask"]

@@ -19,7 +19,8 @@ from .elementwise import align
 
 #: Ops whose kernels return new storage, never a view of an input (a 2-operand einsum
 #: is a matmul, see :func:`makes_fresh`).
-FRESH_OPS = frozenset({"add", "sub", "mul", "gelu_backward", "softmax_backward", "normalize_backward",
+FRESH_OPS = frozenset({"add", "sub", "mul", "gelu_backward", "silu_backward", "softmax_backward",
+                       "normalize_backward",
                        "layer_norm", "layer_norm_backward",
                        "attention_backward"})
 

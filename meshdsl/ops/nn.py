@@ -253,6 +253,16 @@ def _hash_uniform(shape_full, ctx, local_shape, names, seed: int, device=None) -
     return h.to(torch.float64).div_(4294967296.0).to(torch.float32)
 
 
+#: the kernel salt of one training step spans this many layer salts (layer ``l`` of a
+#: repeat adds ``l + 1``), so every (step, layer) pair draws its own dropout mask.
+STEP_SALT = 1 << 20
+
+
+def step_salt(step: int) -> int:
+    """The salt a training step's run passes to its kernels (see :data:`STEP_SALT`)."""
+    return step * STEP_SALT
+
+
 @register
 class Dropout(Op):
     name = "dropout"

@@ -23,7 +23,10 @@ import torch
 
 from ..core.shape import Shape
 from ..errors import ShapeError, message
+from .elementwise import constant, exp, log, sqrt
+from .reduce import reduce_sum
 from .registry import ComputeSpec, Op, register
+from .shape_ops import broadcast_to
 
 
 def _check(what: str, p, tensors, scalars) -> None:
@@ -56,9 +59,6 @@ class _Update(Op):
     def spec(self, node):
         return ComputeSpec({d.name: d.size for d in node.inputs[0].shape})
 
-    def grad(self, node, douts):
-        return [None] * len(node.inputs)
-
     def flops(self, node, local):
         n = 1
         for d in node.inputs[0].shape:
@@ -81,6 +81,23 @@ class SgdStep(_Update):
     def compute_inplace(self, ctx, attrs, p, g, *rest):
         """The same update written into ``p`` (the executor donates the old param)."""
         return _sgd(p, g, rest, attrs["momentum"], inplace=True)
+
+    def grad(self, node, douts):
+        """Reverse mode through ``step = momentum * buf + scale * g + wd * p``, ``p - lr * step``:
+        every tensor and hyperparameter input gets its gradient."""
+        p, g, *rest = node.inputs
+        buf = rest[0] if node.attrs["momentum"] else None
+        lr, mom, wd, scale = rest[-4:]
+        d_new = _zero_if_none(douts[0], p)
+        d_step = d_new * -lr
+        if buf is not None:
+            d_step = d_step + _zero_if_none(douts[1], p)
+        step = node.outputs[1] if buf is not None else g * scale + wd * p
+        grads = [d_new + d_step * wd, d_step * scale]
+        if buf is not None:
+            grads.append(d_step * mom)
+        return grads + [reduce_sum(-(d_new * step)), reduce_sum(d_step * buf) if buf is not None else None,
+                        reduce_sum(d_step * p), reduce_sum(d_step * g)]
 
 
 def _sgd(p, g, rest, momentum: bool, inplace: bool):
@@ -110,6 +127,9 @@ class AdamwUpdate(_Update):
         """The same update written into ``p``, ``m`` and ``v`` (the executor donates all three)."""
         return _adamw(p, g, m, v, hyper)
 
+    def grad(self, node, douts):
+        return _adamw_grad(node.inputs, node.outputs, [_zero_if_none(d, node.inputs[0]) for d in douts])
+
 
 def _adamw(p, g, m, v, hyper):
     """One AdamW step, in place into ``p``, ``m``, ``v``; ``hyper`` is (lr, beta1, beta2, eps,
@@ -122,7 +142,8 @@ def _adamw(p, g, m, v, hyper):
     # The fused kernel reads its tensors as dense memory, ignoring strides: a gradient can be a
     # strided view (a layer loop's gradients live in their buckets, exec/loop.py).
     g = g.contiguous()
-    if _FUSED_ADAMW is not None and p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) \
+    # float64 takes the separate kernels: the fused one reads the step count in float32.
+    if _FUSED_ADAMW is not None and p.dtype in (torch.float32, torch.bfloat16, torch.float16) \
             and p.is_contiguous() and m.is_contiguous() and v.is_contiguous():
         _FUSED_ADAMW([p], [g], [m], [v], [], [torch.full((), t, device=p.device)], lr=lr, beta1=b1, beta2=b2,
                      weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
@@ -137,6 +158,38 @@ def _adamw(p, g, m, v, hyper):
 
 
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
+
+
+def _zero_if_none(d, like):
+    return d if d is not None else broadcast_to(constant(0.0, like.dtype, like), like.shape)
+
+
+def _adamw_grad(inputs, outputs, douts):
+    """Reverse mode through AdamW's step, term by term (see :func:`_adamw` for the forward):
+    ``m' = b1 m + (1 - b1) s g``, ``v' = b2 v + (1 - b2) (s g)^2``,
+    ``p' = p (1 - lr wd) - lr / c1 * m' / (sqrt(v') / sqrt(c2) + eps)`` with ``c = 1 - b ** t``."""
+    p, g, m, v, lr, b1, b2, eps, wd, t, scale = inputs
+    _, m2, v2 = outputs
+    d_new, d_m2, d_v2 = douts
+    b1t, b2t = exp(t * log(b1)), exp(t * log(b2))
+    c1, c2 = 1.0 - b1t, 1.0 - b2t
+    root_v, root_c2 = sqrt(v2), sqrt(c2)
+    denom = root_v / root_c2 + eps
+    step = m2 / denom                                # p' = p (1 - lr wd) - lr / c1 * step
+    d_step = d_new * -(lr / c1)
+    d_denom = -(d_step * step) / denom
+    d_m2 = d_m2 + d_step / denom
+    d_v2 = d_v2 + d_denom / (root_v * root_c2 * 2.0)
+    gs = g * scale
+    d_gs = d_m2 * (1.0 - b1) + d_v2 * (1.0 - b2) * (gs + gs)
+    d_c1 = reduce_sum(d_new * lr * step) / (c1 * c1)
+    d_c2 = reduce_sum(-(d_denom * root_v)) / (root_c2 * c2 * 2.0)
+    return [d_new * (1.0 - lr * wd), d_gs * scale, d_m2 * b1, d_v2 * b2,
+            reduce_sum(-(d_new * (p * wd + step / c1))),
+            reduce_sum(d_m2 * (m - gs)) - d_c1 * t * b1t / b1,
+            reduce_sum(d_v2 * (v - gs * gs)) - d_c2 * t * b2t / b2,
+            reduce_sum(d_denom), reduce_sum(-(d_new * p * lr)),
+            -(d_c1 * b1t * log(b1)) - d_c2 * b2t * log(b2), reduce_sum(d_gs * g)]
 
 
 @register

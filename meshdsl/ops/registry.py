@@ -109,6 +109,8 @@ class Op(ABC):
     linear_args: tuple[int, ...] = ()
     #: ops whose outputs carry no gradient (integer or boolean results).
     differentiable = True
+    #: ops that cut reverse mode (stop_gradient): nothing behind them is differentiated.
+    blocks_gradient = False
     #: ``compute_inplace(ctx, attrs, *xs)``: the kernel, writing its result into
     #: ``xs[0]``; an executor that may donate that input uses it.  None: no such variant.
     compute_inplace = None
@@ -155,6 +157,13 @@ class Op(ABC):
         for d in node.outputs[0].shape:
             n *= local.get(d.name, d.size)
         return n
+
+
+def has_gradient(op: Op) -> bool:
+    """Whether reverse mode passes through ``op``: it is differentiable and has a rule of its
+    own.  Every other op with a floating-point input is an error for ``vjp`` to cross
+    (the backward kernels: a second-order gradient), never a gradient silently dropped."""
+    return op.differentiable and type(op).grad is not Op.grad
 
 
 def apply(op_name: str, inputs, attrs: dict | None = None, name: str | None = None):

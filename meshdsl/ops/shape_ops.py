@@ -84,7 +84,9 @@ class Rename(Op):
 
 @register
 class Reshape(Op):
-    """Row-major reshape; dims after the common leading prefix must be whole."""
+    """Row-major reshape.  Its lowering (``meshdsl/lowering/reshape.py``) keeps a mesh split
+    across a merge or a split of dims where row-major order allows; ``spec`` (every dim
+    after the common leading prefix whole) is the plain form, and its checks."""
 
     name = "reshape"
     linear = True
@@ -257,10 +259,17 @@ def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
     fwd = f"{' '.join(left_tokens)} -> {' '.join(right_tokens)}"
     back_kw = {n: part_sizes[n] for item in spec.right if isinstance(item, Group) for n in [i.name for i in item.names][1:]}
     back_shape = x.shape
+    # The parts of each input dim (left) and of each output dim (right), for the lowering
+    # (meshdsl/lowering/reshape.py: a split survives where the parts' order allows).
+    left = tuple(tuple(n.name for n in item.names) if isinstance(item, Group) else (item.name,)
+                 for item in spec.left)
+    right = tuple(tuple(n.name for n in item.names) if isinstance(item, Group) else (item.name,)
+                  for item in spec.right)
     attrs = {"pattern": fwd, "sizes": kw, "shape": shape, "fixed": tuple(sorted(fixed)),
-             "parts": {n: s for n, s in part_sizes.items()}}
+             "parts": {n: s for n, s in part_sizes.items()}, "left": left, "right": right}
     attrs["back"] = {"pattern": f"{' '.join(right_tokens)} -> {' '.join(left_tokens)}", "sizes": back_kw,
-                     "shape": back_shape, "fixed": attrs["fixed"], "parts": attrs["parts"]}
+                     "shape": back_shape, "fixed": attrs["fixed"], "parts": attrs["parts"],
+                     "left": right, "right": left}
     attrs["back"]["back"] = {k: v for k, v in attrs.items() if k != "back"}
     return apply("rearrange", [x], attrs)
 

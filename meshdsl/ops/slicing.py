@@ -1,9 +1,10 @@
 """Ops along one dim: slice, pad, concat, and shift/roll.
 
-slice, pad and concat need their dim whole on each rank (the compiler gathers
-it when it is split, and says so in the plan).  shift and roll work on a split
-dim too: each rank trades a boundary strip with its neighbour along the axes
-that split the dim (a collective permute).
+concat needs its dim whole on each rank (the compiler gathers it when it is
+split).  slice, pad, shift and roll read a window of their dim: on a split dim
+each rank trades a halo with its neighbours along the axes that split it (two
+collective permutes, shared by every such reader of one tensor; see
+:mod:`meshdsl.lowering.halo`), and gathers the dim only where no such exchange reaches.
 """
 from __future__ import annotations
 

@@ -180,13 +180,24 @@ def load(backend: str = "gloo") -> Calibration:
 
 
 def save(cal: Calibration) -> str:
-    """Write ``cal`` to its cache file; returns the path."""
+    """Write ``cal`` to its cache file; returns the path.
+
+    The JSON goes into a new file beside it, named by ``tempfile`` (created ``O_EXCL``: never an
+    existing file, nor through a link placed at a name one could guess), renamed over it whole.
+    """
+    import tempfile
+
     path = cache_path(cal.backend, cal.host)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(cal.to_json(), f, indent=1)
-    os.replace(tmp, path)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(cal.to_json(), f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return path
 
 

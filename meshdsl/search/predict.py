@@ -26,6 +26,12 @@ more processes than cores kernels also slow by processes per core, and a
 pipeline is charged instead the larger of its
 makespan and its stages' busy time over the cores, as a stage in its bubble leaves
 its core to the others.
+The step time splits into terms that add up to it (:meth:`Prediction.terms`): the
+compute on the critical path (without a pipeline, every kernel; with one, the
+busiest stage's kernels and those outside the pipeline's stages), the
+communication that path waits on, the pipeline bubble, and the time an
+oversubscribed pipeline's stages wait for a core.  Kernel time summed over every
+stage (:attr:`Prediction.compute_s`) is larger than a pipeline's step and is no term.
 Memory per rank is :func:`meshdsl.lowering.memory.memory_report`.
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ..lowering.fuse import IDENTITY
 from ..lowering.memory import memory_report
 from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..lowering.plan import Plan, Step
-from ..lowering.schedule import split_backward
+from ..lowering.schedule import BUSY, split_backward
 from ..lowering.timeline import simulate
 from .calibrate import Calibration
 
@@ -53,11 +59,16 @@ ASYNC_KINDS = frozenset(k for k, c in COLLECTIVES.items() if c.start is not None
 class Prediction:
     """What a plan is predicted to cost per step on one rank.
 
+    ``step_s`` is the sum of :meth:`terms`: ``path_compute_s + exposed_comm_s + bubble_s +
+    shared_cores_s``.
+
     Attributes:
       step_s: predicted wall time of one step.
-      compute_s: kernel time summed (what the step would take with free communication).
+      compute_s: kernel time summed over every stage (without a pipeline, what the step
+        would take with free communication).
       comm_s: collective time summed (exposed or hidden).
-      exposed_comm_s: the part of the step spent waiting on communication.
+      exposed_comm_s: the part of the step spent waiting on communication (the step time
+        the other terms leave).
       bubble_s: pipeline idle time on the busiest stage (0 without a pipeline).
       memory: :func:`~meshdsl.lowering.memory.memory_report` of the plan (bytes per rank).
       comm_bytes: bytes per rank sent by collectives between processes per step (:func:`process_totals`).
@@ -75,10 +86,20 @@ class Prediction:
     comm_bytes: int
     by_op: list = field(default_factory=list)
     kernel_calls: int = 0
+    #: kernel time on the critical path: every kernel without a pipeline; with one, the
+    #: busiest stage's and those outside the stages (prologue, final segment)
+    path_compute_s: float = 0.0
+    #: an oversubscribed pipeline: the time its stages' work over the cores exceeds its makespan
+    shared_cores_s: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
         return sum(self.memory[k] for k in ("params", "grads", "optimizer", "activations_peak"))
+
+    def terms(self) -> list[tuple[str, float]]:
+        """``(name, seconds)`` parts of :attr:`step_s`, in order; they sum to it."""
+        return [("compute", self.path_compute_s), ("exposed communication", self.exposed_comm_s),
+                ("pipeline bubble", self.bubble_s), ("stages waiting for a core", self.shared_cores_s)]
 
 
 def process_axes(axes) -> tuple[str, ...]:
@@ -145,6 +166,11 @@ class _Walk:
         self.kernel_calls = 0               # local steps run, loops and micro-batches counted
         self.rows: list[tuple[str, str, float, float]] = []
         self.compute = self.comm = self.bubble = 0.0
+        # The step's terms beside the bubble: kernels on the critical path, and the time an
+        # oversubscribed pipeline's stages wait for a core; inside a pipeline's stage segments
+        # kernels count per stage (:meth:`_segment`), and only the busiest stage's go on the path.
+        self.path = self.shared = 0.0
+        self.in_stages = False
         self.computed = False  # a kernel ran since the last collective: the ranks drifted apart
         # A pipeline B's weight-gradient matmuls the runtime puts off to its W (exec/sink.py):
         # ids of those steps, their seconds per run, and the runs of the loops around them.
@@ -183,6 +209,8 @@ class _Walk:
                         self.computed = True
                         self.kernel_calls += mult
                         self.compute += mult * dur
+                        if not self.in_stages:
+                            self.path += mult * dur
                         self.rows.append((s.label, s.op, mult * dur, 0.0))
                     if id(s) in self.later:   # runs in the W, after the B's send: off this path
                         self.w += self.w_scale * dur
@@ -214,17 +242,20 @@ class _Walk:
         # runtime's cost per step (its per-action bookkeeping).
         self.sharing, overlap, self.overlap = 1, self.overlap, True
         self.dispatch = self.cal.pipeline_dispatch_s or None
-        fwd_t = [self.plan_time(fwd, mult * m, stages[1], st) for st in range(p)]
+        self.in_stages = True
+        fwd_t, fwd_c = zip(*(self._segment(fwd, mult * m, stages[1], st) for st in range(p)))
         # A B that sends its input gradient upstream leaves its weight gradients to a W
         # (lowering/schedule.py split_backward), as the runtime does.
         later = _put_off(s)
         sends = {a.stage for row in sched.actions for a in row if a.kind == "send_grad"}
-        bwd_t, w_t = [], []
+        bwd_t, bwd_c, w_t = [], [], []
         for st in range(p):
             self.later, self.w = (later if st in sends else frozenset()), 0.0
-            bwd_t.append(self.plan_time(bwd, mult * m, stages[2], st))
+            t, c = self._segment(bwd, mult * m, stages[2], st)
+            bwd_t.append(t)
+            bwd_c.append(c - self.w)   # the W's matmuls are its own action's compute
             w_t.append(self.w)
-        self.later = frozenset()
+        self.later, self.in_stages = frozenset(), False
         self.sharing, self.overlap, self.dispatch = None, overlap, None
         t_fin = self.plan_time(fin, mult)
         if any(w_t):
@@ -233,13 +264,25 @@ class _Walk:
         cost = {"F": fwd_t, "B": bwd_t, "W": w_t}
         stats = simulate(sched, lambda a: cost[a.kind][a.stage] if a.kind in cost else 0.0)
         makespan = float(stats.makespan)
-        busy = max(float(r.busy) for r in stats.ranks)
+        busiest = max(range(len(stats.ranks)), key=lambda r: float(stats.ranks[r].busy))
+        busy = float(stats.ranks[busiest].busy)
         self.bubble += mult * (makespan - busy)
+        # The critical path runs through the busiest rank: its kernels are the step's compute,
+        # the rest of its busy time the collectives and transfers it waits on.
+        compute = {"F": fwd_c, "B": bwd_c, "W": w_t}
+        self.path += mult * sum(compute[a.kind][a.stage] for a in sched.actions[busiest] if a.kind in BUSY)
         # All processes' busy time (kernels and the collectives they wait on inside F and B)
         # over the cores: a stage in its bubble leaves its core to the others, so an
         # oversubscribed pipeline is slowed by its work, not by its process count.
         demand = sum(float(r.busy) for r in stats.ranks) * (self.nproc // p) / self.cal.cores
+        self.shared += mult * max(0.0, demand - makespan)
         return t_pro + max(makespan, demand) + t_fin
+
+    def _segment(self, plan: Plan, mult: int, stages, stage: int) -> tuple[float, float]:
+        """Wall time of one run of a stage's segment, and the kernel seconds of one run."""
+        before = self.compute
+        t = self.plan_time(plan, mult, stages, stage)
+        return t, (self.compute - before) / mult
 
 
 def _put_off(step: Step) -> frozenset:
@@ -274,9 +317,11 @@ def predict(plan: Plan, cal: Calibration) -> Prediction:
     segmented = any(s.kind in ("pipeline", "accumulate") for s in plan.steps)
     total = w.plan_time(plan, 1, serial=1 if segmented else mb)
     comm_bytes = sum(t["bytes"] for t in process_totals(plan).values())
-    exposed = max(0.0, total - w.compute - w.bubble)
-    return Prediction(total, w.compute, w.comm, min(exposed, w.comm), w.bubble, memory_report(plan), comm_bytes,
-                      w.rows, w.kernel_calls)
+    # What the compute on the critical path, the bubble and the wait for cores leave is waiting
+    # on communication (max: a float's rounding below zero).
+    exposed = max(0.0, total - w.path - w.bubble - w.shared)
+    return Prediction(total, w.compute, w.comm, exposed, w.bubble, memory_report(plan), comm_bytes,
+                      w.rows, w.kernel_calls, w.path, w.shared)
 
 
 def by_op_table(pred: Prediction, top: int | None = None) -> list[tuple[str, str, float, float]]:

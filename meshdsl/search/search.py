@@ -1,9 +1,10 @@
 """Rank the candidates of :mod:`.space` by predicted step time.
 
-Each candidate is compiled (one training step) and priced by
-:func:`.predict.predict`; one that does not compile is invalid, one whose
-memory per rank exceeds the limit is infeasible, and both are counted (not
-ranked).  A space of at most :data:`EXHAUSTIVE_LIMIT` candidates is searched
+The space holds every dim of the model; the options a cheap estimate prunes
+(:mod:`.dims`) are counted, not compiled.  Each other candidate is compiled (one
+training step) and priced by :func:`.predict.predict`; one that does not compile
+is invalid, one whose memory per rank exceeds the limit is infeasible, and both
+are counted (not ranked).  A space of at most :data:`EXHAUSTIVE_LIMIT` candidates is searched
 exhaustively.  A larger one is searched coarse to fine, a beam over meshes:
 each mesh is first priced by its cheapest few *skeletons* (the first option
 of each role: plain DP, Megatron TP, the fewest micro-batches), the
@@ -15,12 +16,13 @@ beam safe.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import MeshDSLError
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.partition import with_schedule
 from .calibrate import Calibration
+from .dims import Splits
 from .predict import Prediction, predict
 from .space import Candidate, candidates
 
@@ -59,10 +61,13 @@ class SearchResult:
       ranked: the feasible candidates by predicted step time.
       num_candidates: the size of the space.
       num_evaluated: candidates compiled and priced.
-      invalid: ``(candidate, reason)`` of those that do not compile.
+      invalid: ``(candidate, reason)`` of those that do not compile (a dim the axis does not
+        divide, one dim on two axes, the compiler's refusal).
       infeasible: ranked entries over the memory limit.
       strategy: ``"exhaustive"`` or ``"beam"``.
       seconds: wall time of the search.
+      by_cost: ``(candidate, reason)`` of those with an option pruned by cost (not compiled).
+      splits: the options per axis role and the verdict on each dim (:class:`~.dims.Splits`).
     """
 
     ranked: list[Ranked]
@@ -72,6 +77,8 @@ class SearchResult:
     infeasible: list[Ranked]
     strategy: str
     seconds: float
+    by_cost: list = field(default_factory=list)
+    splits: Splits | None = None
 
 
 def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None = None) -> Ranked:
@@ -96,7 +103,7 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
             plan = None      # compile, for the compiler's own error
     if plan is None:
         plan = compile_plan(outputs, cand.mesh, cand.layout, microbatches=cand.microbatches, schedule=cand.schedule)
-        if compiled is not None and "layer:" in cand.layout:
+        if compiled is not None and cand.staged:
             compiled[key] = plan
             while len(compiled) > KEEP_PLANS:
                 compiled.pop(next(iter(compiled)))
@@ -104,25 +111,33 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
 
 
 def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | None = None,
-           exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam: int = BEAM) -> SearchResult:
+           exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam: int = BEAM, split_dims=(), no_split=()) -> SearchResult:
     """Rank every layout of ``model`` on ``nproc`` processes by predicted step time.
 
     Args:
-      model: the loaded model (its dims define the space).
+      model: the loaded model (the dims of its graph define the space).
       outputs: the training step's outputs (loss, new params, optimizer state).
       nproc: processes (mesh devices).
       cal: the calibration to price with.
       memory_limit: bytes per rank a candidate may need at most (None: no limit).
       exhaustive_limit: the largest space searched exhaustively.
       beam: meshes kept by the coarse pass of a larger space.
+      split_dims: dims the search always considers splitting, whatever their estimated cost,
+        e.g. ``("kv_heads", "d_ff")``.
+      no_split: dims the search never splits (on any axis, in any scope).
 
     Returns:
       A :class:`SearchResult`; ``ranked`` is empty when nothing is valid and fits.
+
+    Raises:
+      LayoutError: ``split_dims`` or ``no_split`` names a dim the model does not have.
     """
     t0 = time.perf_counter()
     stateful = any(k.startswith("opt/") for k in model.graph.params)
+    splits = Splits.of(model, outputs, cal, nproc, stateful, split_dims, no_split)
     pruned: list = []
-    space = list(candidates(model, nproc, stateful, pruned))
+    by_cost: list = []
+    space = list(candidates(model, nproc, stateful, pruned, splits, by_cost))
     seen: dict[Candidate, Ranked | str] = {}
     compiled: dict = {}
 
@@ -164,8 +179,8 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
     ok = sorted((r for r in ranked if _fits(r, memory_limit)), key=lambda r: (r.prediction.step_s, r.candidate))
     over = [r for r in ranked if not _fits(r, memory_limit)]
     invalid = pruned + [(c, r) for c, r in seen.items() if isinstance(r, str)]
-    return SearchResult(ok, len(space) + len(pruned), len(seen), invalid, over, strategy,
-                        time.perf_counter() - t0)
+    return SearchResult(ok, len(space) + len(pruned) + len(by_cost), len(seen), invalid, over, strategy,
+                        time.perf_counter() - t0, by_cost, splits)
 
 
 def _fits(r: Ranked, limit: float | None) -> bool:

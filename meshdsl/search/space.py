@@ -4,32 +4,36 @@ A mesh gives each of its axes one role, and the axis is named after it:
 ``pipe`` (major), ``data``, ``model`` (minor, so tensor-parallel groups are
 neighbouring ranks, as Megatron places them).  Every ordered factorisation of
 N into factors >= 2 over a subset of the roles is a mesh.  Each role then has
-a few layout options, built from the dims the model has:
+layout options built from every dim of the model's graph (:mod:`.dims`: which
+dims, ranked how, and why):
 
 * ``data``: ``batch`` over it (data parallel); with optimizer state, ZeRO-1
-  (``opt.d_model``) and ZeRO-2 (``opt.`` and ``grads.d_model``); FSDP
-  (``params.d_model``, or ``params.d_ff``); with ``experts``, expert parallelism over the same axis;
-* ``model``: Megatron (``heads`` and ``d_ff``), ``d_ff`` alone, ``heads``
-  alone, ``vocab``, ``experts``, ``seq``, ``d_model``, each where the model has the dims;
-* ``pipe``: ``layer`` over it, with a micro-batch count (2, 4, 8: the ones the
-  batch allows) and a schedule (gpipe, 1f1b, zbh1).
+  (``opt.X``) and ZeRO-2 (``opt.`` and ``grads.X``); FSDP (``params.X``) over the
+  param dims that shard the most bytes (``d_model`` always); with ``experts``,
+  expert parallelism over the same axis;
+* ``model``: Megatron (``heads`` and ``d_ff``), then any other dim alone or two
+  that no tensor holds together, the best few by a cheap estimate (``seq`` and
+  ``experts`` always);
+* ``pipe``: the dim a ``repeat`` scans over, with a micro-batch count (2, 4, 8:
+  the ones the batch allows) and a schedule (gpipe, 1f1b, zbh1).
 
 A candidate is one option per role, and on a mesh without a pipeline also a
 gradient accumulation count (:data:`ACCUMULATION`: fewer activations held, more
-kernels).  :func:`candidates` yields the strings;
-whether a candidate compiles (a dim the axis does not divide, a schedule the
-layer count does not allow) is settled by compiling it, in :mod:`.search`.
+kernels).  :func:`candidates` yields the strings; one with an option pruned by
+cost, a dim the axis does not divide or one dim on two axes is dropped with its
+reason; whether the rest compiles is settled by compiling it, in :mod:`.search`.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
+from .calibrate import Calibration
+from .dims import Option, Splits
+
 ROLES = ("pipe", "data", "model")
-MICROBATCHES = (2, 4, 8)
 #: Gradient accumulation without a pipeline: micro-batch counts offered on meshes with no ``pipe`` axis.
 ACCUMULATION = (2,)
-SCHEDULES = ("gpipe", "1f1b", "zbh1")
 
 
 @dataclass(frozen=True, order=True)
@@ -51,8 +55,14 @@ class Candidate:
     family: str = ""
 
     @property
+    def staged(self) -> bool:
+        """The layout pipelines a repeat: a rule puts its layer dim over the ``pipe`` axis."""
+        return any(axis == "pipe" for _, axis in _rules(self.layout))
+
+    @property
     def pipelined(self) -> bool:
-        return self.microbatches > 1 or "layer:" in self.layout
+        """Micro-batched: a pipeline or a gradient accumulation (``run`` needs the flags)."""
+        return self.microbatches > 1 or self.staged
 
 
 def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -78,50 +88,17 @@ def meshes(n: int) -> list[tuple[tuple[str, int], ...]]:
     return out
 
 
-def role_options(role: str, size: int, dims: dict[str, int], stateful: bool,
-                 batch_per_replica: int) -> list[tuple[str, str, int, str]]:
-    """``(rules, name, microbatches, schedule)`` options of one axis of ``size`` in ``role``."""
-    ax = role
-    if role == "data":
-        opts = [(f"batch:{ax}", "DP", 1, "")]
-        if "d_model" in dims:
-            if stateful:
-                opts.append((f"batch:{ax}; opt.d_model:{ax}", "ZeRO-1", 1, ""))
-                opts.append((f"batch:{ax}; opt.d_model:{ax}; grads.d_model:{ax}", "ZeRO-2", 1, ""))
-            opts.append((f"batch:{ax}; params.d_model:{ax}", "FSDP", 1, ""))
-        if "d_ff" in dims:
-            opts.append((f"batch:{ax}; params.d_ff:{ax}", "FSDP(d_ff)", 1, ""))
-        if "experts" in dims:
-            opts.append((f"batch:{ax}; experts:{ax}", "DP+EP", 1, ""))
-        return opts
-    if role == "model":
-        opts = []
-        if "heads" in dims and "d_ff" in dims:
-            opts.append((f"heads:{ax}; d_ff:{ax}", "TP(megatron)", 1, ""))
-        for d in ("d_ff", "heads", "vocab", "experts", "seq", "d_model"):
-            if d in dims:
-                opts.append((f"{d}:{ax}", f"TP({d})", 1, ""))
-        return opts
-    opts = []
-    if "layer" in dims:
-        for m in MICROBATCHES:
-            if batch_per_replica % m == 0:
-                for sched in SCHEDULES:
-                    opts.append((f"layer:{ax}", f"PP(m={m},{sched})", m, sched))
-    return opts
+def _rules(layout: str) -> list[tuple[str, str]]:
+    return [tuple(rule.split(":")) for rule in filter(None, layout.split("; "))]
 
 
-def model_dims(model) -> dict[str, int]:
-    """Dim name -> size over the model's params and inputs."""
-    feeds = {}
-    for t in list(model.params.values()) + _inputs(model):
-        for d in t.shape:
-            feeds[d.name] = d.size
-    return feeds
-
-
-def _inputs(model) -> list:
-    return [n.outputs[0] for n in model.graph.nodes if n.op.name == "input"]
+def twice(c: Candidate) -> str | None:
+    """Why ``c``'s rules contradict each other (one dim, in one scope, on two axes), or None."""
+    seen: dict[str, str] = {}
+    for target, axis in _rules(c.layout):
+        if seen.setdefault(target, axis) != axis:
+            return f"dim '{target}' split over both '{seen[target]}' and '{axis}'"
+    return None
 
 
 def indivisible(c: Candidate, dims: dict[str, int]) -> str | None:
@@ -132,8 +109,7 @@ def indivisible(c: Candidate, dims: dict[str, int]) -> str | None:
     """
     sizes = dict((name, int(size)) for name, size in (a.split(":") for a in c.mesh.split("; ")))
     split: dict[str, int] = {}
-    for rule in filter(None, c.layout.split("; ")):
-        target, axis = rule.split(":")
+    for target, axis in _rules(c.layout):
         dim = target.rsplit(".", 1)[-1]
         split[dim] = max(split.get(dim, 1), sizes[axis])
     if c.microbatches > 1:
@@ -144,33 +120,46 @@ def indivisible(c: Candidate, dims: dict[str, int]) -> str | None:
     return None
 
 
-def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = None):
-    """Yield every :class:`Candidate` for ``model`` on ``nproc`` processes whose dims divide
-    (see :func:`indivisible`; not yet compiled).
+def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = None,
+               splits: Splits | None = None, by_cost: list | None = None):
+    """Yield every :class:`Candidate` for ``model`` on ``nproc`` processes whose options are kept,
+    whose dims divide (see :func:`indivisible`) and whose rules agree (:func:`twice`); not yet
+    compiled.
 
     Args:
       model: a loaded :class:`~meshdsl.train.model.Model`.
       nproc: processes (mesh devices).
       stateful: the optimizer keeps state (ZeRO options make sense).
-      pruned: a list that receives ``(candidate, reason)`` for each candidate dropped.
+      pruned: a list that receives ``(candidate, reason)`` for each candidate dropped as invalid.
+      splits: the options per role (:class:`~.dims.Splits`); default: every dim of the model's
+        SGD training step, ranked with the default calibration.
+      by_cost: a list that receives ``(candidate, reason)`` for each candidate with an option
+        pruned by cost.
     """
-    dims = model_dims(model)
+    if splits is None:
+        splits = Splits.of(model, model.train_step(), Calibration.defaults(), nproc, stateful)
+    dims = splits.dims
     batch = dims.get("batch", 1)
     for mesh in meshes(nproc):
         sizes = dict(mesh)
         per_replica = batch // sizes.get("data", 1) if batch % sizes.get("data", 1) == 0 else 0
-        per_role = [role_options(role, size, dims, stateful, per_replica) if size > 1 else
-                    [(f"batch:{role}" if role == "data" else "", "single", 1, "")] for role, size in mesh]
+        per_role = [splits.options(role, size, per_replica) if size > 1 else
+                    [Option(f"batch:{role}" if role == "data" else "", "single", "")] for role, size in mesh]
         text = "; ".join(f"{r}:{s}" for r, s in mesh)
         accum = (1,) if "pipe" in sizes else (1,) + ACCUMULATION
         for combo, k in itertools.product(itertools.product(*per_role), accum):
-            rules = "; ".join(r for r, _, _, _ in combo if r)
-            m = max(c[2] for c in combo) * k
-            sched = next((c[3] for c in combo if c[3]), "gpipe")
-            family = "+".join(name for _, name, _, _ in combo) + (f"+accum{k}" if k > 1 else "")
+            rules = "; ".join(o.rules for o in combo if o.rules)
+            m = max(o.microbatches for o in combo) * k
+            sched = next((o.schedule for o in combo if o.schedule), "gpipe")
+            family = "+".join(o.name for o in combo) + (f"+accum{k}" if k > 1 else "")
             c = Candidate(text, rules, m, sched, family)
-            why = indivisible(c, dims)
-            if why is None:
+            cost = next((o.pruned for o in combo if o.pruned), None)
+            why = twice(c) or indivisible(c, dims)
+            if why is not None:
+                if pruned is not None:
+                    pruned.append((c, why))
+            elif cost is not None:
+                if by_cost is not None:
+                    by_cost.append((c, cost))
+            else:
                 yield c
-            elif pruned is not None:
-                pruned.append((c, why))

@@ -29,6 +29,7 @@ import torch
 from ..errors import MeshDSLError, message
 from ..exec.dense import run_dense
 from ..exec.executor import Executor
+from ..exec.failures import RankInternalError
 from ..exec.launch import in_torchrun
 from ..exec.malloc import tune_malloc
 from ..exec.simulated import SimulatedComm, run_simulated
@@ -38,9 +39,10 @@ from ..lowering.memory import memory_report
 from ..lowering.schedule import has_placed_w
 from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
-from .dist_cli import add_run, bucket_arg, device_arg, dist_args, is_rank0, local_device
+from .dist_cli import add_run, bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device
 from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
-from .preflight import SEED_MAX, UsageError, check_simulated_memory, float_in, int_in, resolve_auto_layout
+from .preflight import (SEED_MAX, UsageError, check_simulated_memory, float_in, int_in, memory_warning,
+                        resolve_auto_layout)
 from .pipe_report import run_figures, schedule_summary, user_mesh_layout
 from .compare import report_check
 from .report import plan_report, print_report
@@ -53,8 +55,9 @@ EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3
 EXIT_CODES = """exit codes:
   0    success
   1    `check` found an output over tolerance (only `check` returns 1)
-  2    user error: bad flag, mesh, layout or model file; a failed rank (one message, no traceback)
-  3    internal error in meshdsl (printed with its traceback; please report it)
+  2    user error: bad flag, mesh, layout, model file, feed, data or checkpoint, also when a rank
+       raised it; a rank that died or hung (one message, no traceback)
+  3    internal error in meshdsl, also in a rank (printed with its traceback; please report it)
   130  interrupted (Ctrl-C); every rank was stopped"""
 
 # fp32 outputs of a split program differ from the dense one only by rounding:
@@ -162,6 +165,10 @@ def cmd_plan(args) -> int:
     report = plan_report(plan)
     report["optimizer"] = describe(*optimizer_from_args(args))
     report["memory"] = memory_report(plan)
+    gpu = torch.cuda.is_available()  # as `run` would go: nccl, a GPU per rank; else every rank in this RAM
+    warning = memory_warning(plan, gpu, 1 if gpu else Mesh.parse(args.mesh).size)
+    if warning is not None:
+        print(f"meshdsl plan: {warning}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(report))
         return EXIT_OK
@@ -254,6 +261,7 @@ def cmd_check(args) -> int:
                         bucket_mb=args.bucket_mb)
     if not distributed:
         check_simulated_memory(plan)
+    check_job_memory(args, plan, "check", None if distributed else device)
     args.preflight_done = True
     feeds = {**model.feeds(args.seed), **hyper}
     want = run_dense(outputs, feeds, seed=args.seed)
@@ -316,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tune_malloc()  # this process is meshdsl's: keep its steps' memory (exec/malloc.py)
         code = args.run(args)
+    except RankInternalError as e:  # a rank's bug: its traceback is in the message
+        _say(args, f"meshdsl {args.command}: internal error, please report it with the command line and this "
+                   f"traceback:\n{e}")
+        code = EXIT_INTERNAL
     except MeshDSLError as e:
         _say(args, f"meshdsl {args.command}: error: {e}")
         code = EXIT_USAGE

@@ -20,7 +20,7 @@ from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
 from .pipe_report import figures_table, run_figures, schedule_summary
-from .preflight import check_output_path, check_processes, float_in, int_in
+from .preflight import check_memory, check_output_path, check_processes, float_in, int_in
 from .timeline_png import bar_counts, check_timeline, draw, median_step, timeline_arg
 
 
@@ -95,6 +95,18 @@ def preflight_processes(args, mesh: Mesh) -> None:
         nproc = mesh.size if args.nproc is None else args.nproc
         resolve_backend(args.backend, nproc)
         check_processes(mesh, nproc, args.max_procs)
+
+
+def check_job_memory(args, plan, command: str, device=None) -> None:
+    """Refuse a job whose predicted memory does not fit here (:func:`~.preflight.check_memory`),
+    before anything is allocated: its ranks in this process on ``device`` (the simulated mesh),
+    or on processes, each on a GPU of its own (nccl) or all sharing this machine's RAM."""
+    if device is not None:
+        check_memory(plan, command, gpu=device.type == "cuda", ranks_here=Mesh.parse(args.mesh).size)
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if in_torchrun() else (args.nproc or Mesh.parse(args.mesh).size)
+    gpu = resolve_backend(args.backend, local) == "nccl"
+    check_memory(plan, command, gpu=gpu, ranks_here=1 if gpu else local)
 
 
 def _launch(args, fn, fn_args):
@@ -175,6 +187,7 @@ def cmd_run(args) -> int:
     # Layout, micro-batch and schedule errors surface here, once, before any process starts.
     plan = compile_plan(train_outputs(model, args)[0], mesh, args.layout, microbatches=args.microbatches,
                         schedule=args.schedule, bucket_mb=args.bucket_mb)
+    check_job_memory(args, plan, "run")
     summary = schedule_summary(plan)
     check_timeline(args, summary)
     args.preflight_done = True

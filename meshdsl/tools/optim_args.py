@@ -43,8 +43,8 @@ def add_optimizer_args(p) -> None:
                    help="AdamW moment decay rates (default 0.9,0.95)")
     p.add_argument("--weight-decay", type=float_in(0.0, fix="pass e.g. --weight-decay 0.1"), default=None,
                    help="weight decay (AdamW/Adafactor: decoupled; SGD: added to the gradient)")
-    p.add_argument("--clip-norm", type=float_in(0.0, lo_open=True, fix="pass e.g. --clip-norm 1.0"), default=None,
-                   help="clip the global gradient norm (exact under any layout) to this")
+    p.add_argument("--clip-norm", type=float_in(0.0, fix="pass e.g. --clip-norm 1.0, or 0 for none"), default=None,
+                   help="clip the global gradient norm (exact under any layout) to this (0: no clipping)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32 (default) or bf16: bfloat16 matmuls with fp32 master weights, optimizer "
                         "state, loss and gradient sums")
@@ -58,10 +58,25 @@ def optimizer_from_args(args) -> tuple[Optimizer | None, float | None]:
     """
     name = args.optimizer
     given = {k: getattr(args, k) for k in READERS if getattr(args, k) is not None}
-    if name is None and not given and args.clip_norm is None:
+    clip = args.clip_norm or None     # 0: no clipping
+    if name is None and not given and clip is None:
         return None, None
     if name is None:
         name = "sgd" if "betas" not in given else "adamw"
+    check_readers(name, given)
+    kw = {"lr": args.lr, **given}
+    try:
+        return OPTIMIZERS[name](**kw), clip
+    except TypeError as e:  # an internal mismatch between READERS and the classes
+        raise MeshDSLError(f"--optimizer {name}: {e}") from None
+
+
+def check_readers(name: str, given) -> None:
+    """Refuse an optimizer flag (a name in :data:`READERS`) that optimizer ``name`` does not read.
+
+    Raises:
+      UsageError: naming the flags.
+    """
     bad = [k for k in given if name not in READERS[k]]
     if bad:
         flags = ", ".join("--" + k.replace("_", "-") for k in bad)
@@ -69,11 +84,6 @@ def optimizer_from_args(args) -> tuple[Optimizer | None, float | None]:
                                  rule="--momentum is SGD's, --betas AdamW's; --weight-decay and --clip-norm "
                                       "work with every optimizer",
                                  fix=f"drop {flags}, or pick the optimizer that reads it"))
-    kw = {"lr": args.lr, **given}
-    try:
-        return OPTIMIZERS[name](**kw), args.clip_norm
-    except TypeError as e:  # an internal mismatch between READERS and the classes
-        raise MeshDSLError(f"--optimizer {name}: {e}") from None
 
 
 def describe(opt: Optimizer | None, clip: float | None) -> str:

@@ -8,7 +8,13 @@ second or two, rather than ten seconds later as one rank's traceback:
 * :func:`check_processes` refuses more local processes than the machine can
   reasonably run, and a backend it cannot run (``nccl`` without CUDA);
 * :func:`check_simulated_memory` refuses a simulated run whose values cannot
-  fit in the memory available.
+  fit in the memory available;
+* :func:`check_memory` refuses a job whose predicted memory per rank (the plan's
+  params, gradients, optimizer state and peak activations:
+  :func:`meshdsl.lowering.memory.memory_report`) exceeds what the machine has
+  (its RAM, shared by its local ranks, or each rank's GPU), before anything is
+  allocated; ``plan`` prints :func:`memory_warning` instead.
+  ``MESHDSL_MEMORY_CHECK=0`` turns the refusal into that warning.
 """
 from __future__ import annotations
 
@@ -151,7 +157,7 @@ def available_bytes() -> int | None:
 
 
 def _gib(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
@@ -183,6 +189,131 @@ def check_simulated_memory(plan: Plan, available: int | None = None) -> None:
         fix="use --tiny, a smaller mesh, or --nproc N to run the ranks as separate processes"))
 
 
+MEMORY_CHECK_ENV = "MESHDSL_MEMORY_CHECK"  # "0": warn instead of refusing (check_memory)
+
+
+def total_memory_bytes() -> tuple[int | None, str]:
+    """This machine's RAM and where the figure comes from: ``MemTotal`` (/proc/meminfo, else
+    ``os.sysconf``), or the cgroup's ``memory.max`` when a container sets a lower one; None if
+    unknown."""
+    total, source = None, "MemTotal"
+    try:
+        with open("/proc/meminfo") as f:
+            total = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")), None)
+    except OSError:
+        pass
+    if total is None:
+        try:
+            total, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "sysconf"
+        except (ValueError, OSError, AttributeError):
+            pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        if cap.isdigit() and (total is None or int(cap) < total):
+            total, source = int(cap), "cgroup memory.max"
+    except OSError:
+        pass
+    return total, source
+
+
+def _memory_limit(gpu: bool) -> tuple[int | None, str]:
+    """Bytes of the memory the ranks here share, and what it is: this machine's RAM, or (``gpu``)
+    the smallest GPU's."""
+    if gpu:
+        import torch
+        if not torch.cuda.is_available():
+            return None, ""
+        size = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        return size, f"the GPU's memory, {_gib(size)} (torch.cuda)"
+    total, source = total_memory_bytes()
+    return total, f"this machine's memory, {_gib(total or 0)} ({source})"
+
+
+def predicted_bytes(plan: Plan, ranks_here: int = 1) -> tuple[int, int, str]:
+    """What the plan's tensors need (params + gradients + optimizer state + peak activations):
+    ``(bytes for the ranks_here ranks that share one memory, bytes of the largest rank, that
+    rank's four figures in words)``.  All the mesh's ranks: their figures summed; fewer (a
+    torchrun host's): the largest rank's times their count.  A rank is a process: the
+    micro-batch ranks it holds (``_mb``, minor) count as the largest of them."""
+    from ..lowering.memory import KEYS, memory_report
+    from ..lowering.pipeline import MB_AXIS
+    virtual = memory_report(plan, per_rank=True)["ranks"]
+    mb = plan.mesh.sizes.get(MB_AXIS, 1)
+    ranks = [max(virtual[r:r + mb], key=lambda x: sum(x.values())) for r in range(0, len(virtual), mb)]
+    totals = [sum(r[k] for k in KEYS) for r in ranks]
+    big = ranks[totals.index(max(totals))]
+    words = f"params {_gib(big['params'])}, grads {_gib(big['grads'])}, optimizer state " \
+            f"{_gib(big['optimizer'])}, peak activations {_gib(big['activations_peak'])}"
+    here = sum(totals) if ranks_here >= len(ranks) else max(totals) * ranks_here
+    return here, max(totals), words
+
+
+def _over(plan: Plan, gpu: bool, ranks_here: int):
+    """``(need, per_rank, words, limit, where)`` when the plan does not fit here, else None."""
+    limit, where = _memory_limit(gpu)
+    need, per_rank, words = predicted_bytes(plan, ranks_here)
+    if limit is None or need <= limit:
+        return None
+    return need, per_rank, words, limit, where
+
+
+def _need_words(need: int, per_rank: int, ranks_here: int, gpu: bool) -> str:
+    if ranks_here == 1:
+        return f"{_gib(need)} per rank"
+    return f"{_gib(need)} for the {ranks_here} ranks on this {'GPU' if gpu else 'machine'} " \
+           f"(up to {_gib(per_rank)} per rank)"
+
+
+def memory_warning(plan: Plan, gpu: bool = False, ranks_here: int = 1) -> str | None:
+    """One line when the plan's predicted memory exceeds this machine's (see
+    :func:`check_memory`); None when it fits or the machine's memory is unknown."""
+    over = _over(plan, gpu, ranks_here)
+    if over is None:
+        return None
+    need, per_rank, _, _, where = over
+    return (f"warning: predicted memory {_need_words(need, per_rank, ranks_here, gpu)} exceeds {where}: "
+            f"run, check and train refuse this job here")
+
+
+def check_memory(plan: Plan, command: str, gpu: bool = False, ranks_here: int = 1) -> None:
+    """Refuse a job whose predicted memory exceeds what this machine has, before anything is
+    allocated.
+
+    The prediction is :func:`~meshdsl.lowering.memory.memory_report`'s (``meshdsl plan``'s
+    memory line), read off the plan: what the plan's own tensors need.  A process needs
+    more (the interpreter, torch), so a job refused here could never run.
+
+    Args:
+      command: ``run``, ``check`` or ``train``, for the warning (``MESHDSL_MEMORY_CHECK=0``).
+      gpu: the ranks' tensors live on GPUs (their memory is the limit), not in RAM.
+      ranks_here: ranks that share the memory checked: every local process (RAM), the
+        simulated ranks on one GPU, or 1 (a GPU of its own per rank).
+
+    Raises:
+      UsageError: the prediction, the limit and the fix; unless ``MESHDSL_MEMORY_CHECK=0``,
+        which prints :func:`memory_warning` and goes on.
+    """
+    from .pipe_report import user_mesh_layout
+    over = _over(plan, gpu, ranks_here)
+    if over is None:
+        return
+    need, per_rank, words, _, where = over
+    if os.environ.get(MEMORY_CHECK_ENV, "").strip() == "0":
+        import sys
+        print(f"meshdsl {command}: {memory_warning(plan, gpu, ranks_here)}; {MEMORY_CHECK_ENV}=0: running anyway",
+              file=sys.stderr, flush=True)
+        return
+    raise UsageError(message(
+        f"the predicted memory, {_need_words(need, per_rank, ranks_here, gpu)}, exceeds {where}",
+        inputs=[f"mesh: {user_mesh_layout(plan)[0]}", f"the largest rank: {words}"],
+        rule="a job runs only where its plan's tensors fit (the prediction is `meshdsl plan`'s memory line: "
+             "the plan's own tensors, without the interpreter and torch)",
+        fix=f"use a smaller --config (or --tiny), shard params and optimizer state over devices that have "
+            f"memory of their own (e.g. 'params.d_model:data' over GPUs or machines), or run where there is "
+            f"more memory; {MEMORY_CHECK_ENV}=0 runs it anyway"))
+
+
 def resolve_auto_layout(args, default_nproc: int | None = None, model=None) -> None:
     """``--layout auto`` (and ``--mesh auto``): replace them by the search's best layout (printed)."""
     if getattr(args, "layout", None) == "auto" or getattr(args, "mesh", None) == "auto":
@@ -191,4 +322,5 @@ def resolve_auto_layout(args, default_nproc: int | None = None, model=None) -> N
 
 
 __all__ = ["resolve_auto_layout", "UsageError", "int_in", "float_in", "check_processes", "check_simulated_memory",
+           "check_memory", "memory_warning", "predicted_bytes", "total_memory_bytes", "MEMORY_CHECK_ENV",
            "plan_bytes", "dense_bytes", "available_bytes", "max_local_procs"]

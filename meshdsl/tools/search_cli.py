@@ -17,9 +17,10 @@ import statistics
 from ..errors import message
 from ..search.calibrate import Calibration, cache_path, calibrate, load, summary_lines
 from ..search.sweep import num_collective_samples, num_kernel_samples
-from ..search.predict import Prediction, by_op_table, predict
+from ..search.predict import by_op_table, predict
 from ..search.search import Ranked, SearchResult, search
 from .preflight import UsageError, float_in, int_in
+from .search_explain import explain, terms_text
 
 GB = 1e9
 
@@ -104,9 +105,10 @@ def add_search(sub) -> None:
 
     p = sub.add_parser("search", help="rank meshes and layouts of MODEL on N processes by predicted step time",
                        description="Enumerate the meshes for N processes and the layouts over them (data, "
-                                   "tensor, FSDP, ZeRO, expert and pipeline parallelism), drop those that do "
-                                   "not compile or do not fit --memory-limit, and rank the rest by the step "
-                                   "time the calibrated cost model predicts (`meshdsl calibrate`).",
+                                   "tensor, FSDP, ZeRO, expert and pipeline parallelism over any dim of the "
+                                   "model: the costly splits are pruned by a cheap estimate first), drop those "
+                                   "that do not compile or do not fit --memory-limit, and rank the rest by the "
+                                   "step time the calibrated cost model predicts (`meshdsl calibrate`).",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL", help="a shipped model's name (e.g. 'transformer') or a model .py file")
     p.add_argument("--tiny", action="store_true", help="build the model's Config.tiny()")
@@ -124,10 +126,25 @@ def add_search(sub) -> None:
     p.add_argument("--plot", default="search-scatter.png", metavar="FILE.png",
                    help="with --measure: where to write the predicted-vs-measured scatter plot (default "
                         "search-scatter.png)")
-    p.add_argument("--explain", action="store_true", help="say why the winner wins over the runner-up")
+    p.add_argument("--split-dims", type=_dim_list, default=(), metavar="DIM,...",
+                   help="dims the search always considers splitting, whatever their estimated cost (it "
+                        "considers every dim of the model and prunes the costly ones), alone and two "
+                        "together on the model axis, e.g. kv_heads,d_ff")
+    p.add_argument("--no-split", type=_dim_list, default=(), metavar="DIM,...",
+                   help="dims the search never splits, on any axis and in any scope (params., opt., grads.)")
+    p.add_argument("--explain", action="store_true",
+                   help="say why the winner wins over the runner-up (the terms of its predicted time) and "
+                        "why each dim was or was not split (kept, pruned by cost with its estimate, not "
+                        "divisible, in conflict)")
     p.add_argument("--json", action="store_true", help="print the ranked candidates as a JSON list")
     lr_arg(p, 0.01)
     p.set_defaults(run=cmd_search)
+
+
+def _dim_list(text: str) -> tuple[str, ...]:
+    """``--split-dims`` / ``--no-split``: comma-separated dim names (checked against the model's
+    dims by the search)."""
+    return tuple(d.strip() for d in text.split(",") if d.strip())
 
 
 def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
@@ -138,7 +155,8 @@ def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
     model = model or load_configured(args)
     outputs, _ = train_outputs(model, args)
     limit = None if getattr(args, "memory_limit", None) is None else args.memory_limit * GB
-    result = search(model, outputs, nproc, load(), limit)
+    result = search(model, outputs, nproc, load(), limit, split_dims=getattr(args, "split_dims", ()),
+                    no_split=getattr(args, "no_split", ()))
     if not result.ranked:
         smallest = min((r.prediction.memory_bytes for r in result.infeasible), default=None)
         raise UsageError(message(
@@ -180,7 +198,7 @@ def cmd_search(args) -> int:
     console = _console()
     print_ranking(result, rows[:args.top], measured, console)
     if args.explain and len(result.ranked) > 0:
-        for line in explain(result.ranked):
+        for line in explain(result):
             console.print(line, highlight=False, soft_wrap=True, markup=False)
     if measured is not None:
         console.print(f"predicted vs measured: {args.plot}", highlight=False)
@@ -192,7 +210,8 @@ def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -
 
     cal = load()
     t = Table(title=f"{result.num_candidates} candidates ({result.strategy} search, {result.num_evaluated} "
-                    f"compiled, {len(result.invalid)} invalid, {len(result.infeasible)} over the memory limit) "
+                    f"compiled, {len(result.by_cost)} pruned by cost, {len(result.invalid)} invalid, "
+                    f"{len(result.infeasible)} over the memory limit) "
                     f"in {result.seconds:.1f} s; cost model: {cal.source} figures of {cal.host}",
               title_justify="left")
     for col in ("#", "mesh", "layout", "pipeline", "predicted ms", "memory/rank", "comm/step") + \
@@ -207,38 +226,15 @@ def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -
     console.print(t)
     best = rows[0].candidate
     flags = (f" --microbatches {best.microbatches}" if best.microbatches > 1 else "") + \
-        (f" --schedule {best.schedule}" if "layer:" in best.layout else "")
+        (f" --schedule {best.schedule}" if best.staged else "")
     console.print(f"best: --mesh '{best.mesh}' --layout '{best.layout}'{flags}", highlight=False, soft_wrap=True)
 
 
 def _pipeline_cell(c) -> str:
     """The table's pipeline column: micro-batches and schedule, or a gradient accumulation."""
-    if "layer:" in c.layout:
+    if c.staged:
         return f"m={c.microbatches} {c.schedule}"
     return f"accum {c.microbatches}" if c.microbatches > 1 else ""
-
-
-def explain(ranked: list[Ranked]) -> list[str]:
-    """Why the first of ``ranked`` wins: where its time goes and what the runner-up pays for."""
-    def parts(p: Prediction) -> str:
-        return (f"{p.compute_s * 1e3:.2f} ms compute, {p.exposed_comm_s * 1e3:.2f} ms exposed communication "
-                f"(of {p.comm_s * 1e3:.2f} ms), {p.bubble_s * 1e3:.2f} ms pipeline bubble")
-
-    win = ranked[0]
-    lines = [f"winner {win.candidate.family} on '{win.candidate.mesh}': {win.prediction.step_s * 1e3:.2f} ms = "
-             + parts(win.prediction) + f"; sends {_mb(win.prediction.comm_bytes)} per step"]
-    top = by_op_table(win.prediction, 3)
-    lines.append("  its costliest ops: " + ", ".join(f"{l} [{k}] ({(c + m) * 1e3:.2f} ms)" for l, k, c, m in top))
-    if len(ranked) > 1:
-        run = ranked[1]
-        w, r = win.prediction, run.prediction
-        diffs = [("compute", r.compute_s - w.compute_s), ("exposed communication", r.exposed_comm_s - w.exposed_comm_s),
-                 ("bubble", r.bubble_s - w.bubble_s)]
-        worst = max(diffs, key=lambda d: d[1])
-        lines.append(f"runner-up {run.candidate.family} on '{run.candidate.mesh}' ('{run.candidate.layout}'): "
-                     f"{r.step_s * 1e3:.2f} ms = " + parts(r) + f"; it pays most for {worst[0]} "
-                     f"(+{worst[1] * 1e3:.2f} ms) and sends {_mb(r.comm_bytes)} per step")
-    return lines
 
 
 def measure(args, rows: list[Ranked]) -> dict[int, float]:
@@ -299,9 +295,8 @@ def print_prediction(plan, console, top: int = 15) -> None:
     for label, op, comp, comm in by_op_table(p, top):
         t.add_row(label, op, f"{comp * 1e3:.3f}", f"{comm * 1e3:.3f}")
     console.print(t)
-    console.print(f"predicted step {p.step_s * 1e3:.2f} ms: compute {p.compute_s * 1e3:.2f} ms, communication "
-                  f"{p.comm_s * 1e3:.2f} ms ({p.exposed_comm_s * 1e3:.2f} ms exposed), pipeline bubble "
-                  f"{p.bubble_s * 1e3:.2f} ms; memory per rank {_mb(p.memory_bytes)}; sends "
+    console.print(f"predicted step {p.step_s * 1e3:.2f} ms = {terms_text(p)}; communication "
+                  f"{p.comm_s * 1e3:.2f} ms in all; memory per rank {_mb(p.memory_bytes)}; sends "
                   f"{_mb(p.comm_bytes)} per step", highlight=False, soft_wrap=True)
 
 

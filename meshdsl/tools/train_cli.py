@@ -1,7 +1,8 @@
 """``meshdsl train``: train a model on real text and show that it learned.
 
 With no arguments it trains ``models/transformer.py`` (sized by
-:data:`TRAIN_DEFAULTS`) on the default corpus, with a mesh and layout picked
+:data:`~.train_run.TRAIN_DEFAULTS`) on the default corpus with AdamW, warmup, cosine
+decay and clipping (:data:`~.train_run.RECIPES`), with a mesh and layout picked
 for this machine (:func:`auto_mesh`).  Everything is validated in this process
 first (flags, ``--config``, mesh, model, layout, data, the checkpoint to resume
 from); then the job runs in this process (one device) or on N processes
@@ -11,34 +12,25 @@ bar and, at the end, a summary; outputs go to ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import time
 
 from ..exec.launch import in_torchrun
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
-from ..train.config import parse_config
 from ..train.data import TokenData
-from ..train.feeder import TokenFeeder
-from ..train.model import find_model_file, load_model, load_module
+from ..train.feeder import BatchFeeder, TokenFeeder
+from ..train.lr_schedule import SCHEDULES
+from ..train.model import load_model
+from ..train.resume import resume_from, resume_spec
+from ..train.run_outputs import check_out_dir
 from ..train.step import training_outputs
-from ..train.trainer import TrainSpec, reads_text, resume_from, run_rank
-from .dist_cli import bucket_arg, device_arg, dist_args, is_rank0, local_device, preflight_processes
-from .optim_args import add_optimizer_args, optimizer_from_args
+from ..train.trainer import RUN_THREADS, TrainSpec, run_rank, torch_threads
+from .dist_cli import bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device, preflight_processes
+from .optim_args import READERS, add_optimizer_args, check_readers
 from .preflight import float_in, int_in
-
-#: Config defaults of ``meshdsl train`` per shipped model (``--config`` overrides them): a
-#: transformer that learns the default corpus's byte statistics within the default steps, and
-#: an MoE of the same width (4 experts of d_ff 128) that does too, in about a minute on one core.
-TRAIN_DEFAULTS = {"transformer": "d_model=64,heads=4,d_head=16,d_ff=256,layers=2,seq=32,batch=32",
-                  "moe": "d_model=64,heads=4,d_head=16,d_ff=128,layers=2,seq=32,batch=32,experts=4"}
-DEFAULT_STEPS, DEFAULT_LR = 1200, 1.0
-
-
-def config_overrides(model: str, text: str, base: str = "") -> dict:
-    """``--config`` parsed against the model file's Config (``base`` first, ``text`` over it)."""
-    cls = load_module(find_model_file(model)).Config
-    return {**parse_config(base, cls), **parse_config(text, cls)}
+from .train_run import (DEFAULT_STEPS, RECIPES, TRAIN_DEFAULTS, asked_spec, check_schedule, config_overrides,
+                        describe_optimizer, spelling, step_outputs, train_model)
 
 
 def load_configured(args):
@@ -83,7 +75,9 @@ def add_train(sub) -> None:
     p = sub.add_parser("train", help="train MODEL on text and report train/eval loss (default: the "
                                      "transformer on the standard library's source)",
                        description="Train MODEL (default: transformer) on a text corpus (default: this "
-                                   "Python's standard library sources, byte-tokenized) for S steps on a mesh, "
+                                   "Python's standard library sources, byte-tokenized), or a model that makes "
+                                   "its own batches (Model.batches: generated images, ...) on those, for S steps on a "
+                                   "mesh, each rank building its own rows, "
                                    "with eval loss, checkpoints and resume, and write metrics.jsonl, loss.png, "
                                    "samples.txt and config.json to --out.",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,21 +90,27 @@ def add_train(sub) -> None:
     p.add_argument("--config", default="", metavar="K=V,...",
                    help="override Config fields, e.g. d_model=128,layers=8,seq=128 (over the train "
                         f"defaults: {TRAIN_DEFAULTS['transformer']} for the transformer)")
-    p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 100"), default=DEFAULT_STEPS,
+    p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 100"), default=None,
                    help=f"total steps of the run; a resumed run goes on up to it (default {DEFAULT_STEPS})")
     p.add_argument("--batch", type=int_in(1, fix="e.g. --batch 16"), default=None,
                    help="global batch rows (the Config's 'batch' field)")
-    p.add_argument("--lr", type=float_in(0.0, lo_open=True, fix="e.g. --lr 0.5"), default=DEFAULT_LR,
-                   help=f"learning rate, the peak one with --warmup-steps (default {DEFAULT_LR:g})")
+    p.add_argument("--lr", type=float_in(0.0, lo_open=True, fix="e.g. --lr 0.5"), default=None,
+                   help="learning rate, the schedule's peak (default: " + ", ".join(
+                       f"{k} {v['lr']:g}" for k, v in RECIPES.items()) + ")")
     add_optimizer_args(p)
     p.add_argument("--warmup-steps", type=int_in(0, fix="e.g. --warmup-steps 100"), default=None,
-                   help="linear warmup over this many steps, then a cosine decay to lr/10 at the last "
-                        "step (default: a constant learning rate)")
+                   help="linear warmup over this many steps (default: min(100, steps/10) with AdamW, else 0)")
+    p.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
+                   help="after the warmup: constant, or a cosine decay to lr/10 at --decay-steps (default: "
+                        "cosine with AdamW or --warmup-steps, else constant)")
+    p.add_argument("--decay-steps", type=int_in(1, fix="e.g. --decay-steps 1000"), default=None,
+                   help="the step where the cosine reaches lr/10 and stays (default: --steps; a resume "
+                        "keeps the saved one)")
     p.add_argument("--accum", type=int_in(1, fix="e.g. --accum 4"), default=None,
                    help="gradient accumulation: cut each batch into k micro-batches (same step result)")
     p.add_argument("--microbatches", type=int_in(1, fix="e.g. --microbatches 4"), default=None,
                    help="micro-batches of a pipelined layout (with --schedule)")
-    p.add_argument("--schedule", default="gpipe", help="pipeline schedule (default gpipe)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule (default gpipe)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a UTF-8 text file to train on (default: the standard library's .py sources)")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save checkpoints into DIR")
@@ -118,91 +118,111 @@ def add_train(sub) -> None:
                    help="save every K steps (and at the end; needs --checkpoint)")
     p.add_argument("--keep", type=int_in(1, fix="e.g. --keep 3"), default=None,
                    help="keep the newest N checkpoints (default: all)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint "
-                                                         "(on any mesh, layout or process count)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint (on any mesh, layout or process "
+                        "count) with the run's saved settings; a flag that differs is applied with a line "
+                        "saying so, or refused when the saved state cannot continue under it")
+    p.add_argument("--resume-from", default=None, metavar="STEP|PATH",
+                   help="resume from this checkpoint rather than the latest: a step of --checkpoint, or a "
+                        "checkpoint folder's path (implies --resume)")
+    p.add_argument("--verify", choices=("sha256", "size"), default="sha256",
+                   help="how a resume checks the checkpoint's files before any rank starts: sha256 (default: "
+                        "hash every shard) or size (sizes and headers only, the fast path)")
+    p.add_argument("--reset-optimizer", action="store_true",
+                   help="with --resume: load the params only and start the optimizer (the flags', or a new "
+                        "run's) afresh, e.g. another --optimizer")
     p.add_argument("--eval-every", type=int_in(1, fix="e.g. --eval-every 50"), default=None,
                    help="eval loss every K steps (default: steps/10; always at the end)")
+    p.add_argument("--eval-batches", type=int_in(1, fix="e.g. --eval-batches 8"), default=None,
+                   help="batches each eval averages over (default 4; text: at most what the held-out split holds)")
     seed_arg(p)
+    p.add_argument("--threads", type=int_in(1, fix="e.g. --threads 2"), default=None,
+                   help=f"torch threads of a run in this process (default {RUN_THREADS}, as each spawned rank)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default runs/<timestamp>/)")
     p.add_argument("--samples", type=int_in(0, 3, fix="e.g. --samples 3"), default=3,
                    help="texts generated into samples.txt at the end (0..3, default 3)")
     bucket_arg(p)
     dist_args(p)
     device_arg(p, "auto")
-    p.set_defaults(run=cmd_train)
+    # Unset unless given, so that a resume can tell a flag from a default (train/resume.py).
+    p.set_defaults(run=cmd_train, seed=None, precision=None)
 
 
 def make_spec(args):
     """Validate everything in this process; returns the run's spec, its first printed lines and its plan."""
     if args.accum and args.microbatches:
         raise _usage("--accum and --microbatches both cut the batch", "pass one of them")
-    opt, _ = optimizer_from_args(args)     # refuses a flag the optimizer does not read
-    opt_name = args.optimizer or ("sgd" if opt is None else type(opt).__name__.lower())
-    opt_args = {k: getattr(args, k) for k in ("momentum", "betas", "weight_decay") if getattr(args, k) is not None}
-    if args.warmup_steps is not None and args.warmup_steps > args.steps:
-        raise _usage(f"--warmup-steps {args.warmup_steps} is more than --steps {args.steps}",
-                     "warm up over fewer steps than the run has")
     if args.save_every and not args.checkpoint:
         raise _usage("--save-every needs --checkpoint DIR", "add --checkpoint DIR")
-    shipped_default = "" if args.tiny else TRAIN_DEFAULTS.get(args.model, "")
-    overrides = config_overrides(args.model, args.config, shipped_default)
-    cls_fields = load_module(find_model_file(args.model)).Config.__dataclass_fields__
-    lines = []
-    if "vocab" in cls_fields and "vocab" not in overrides:
-        overrides["vocab"] = 256  # byte tokens
-    if args.batch is not None:
-        overrides["batch"] = args.batch
-    model = load_model(args.model, tiny=args.tiny, **overrides)
-    batch = getattr(model.config, "batch", 1)
+    if args.reset_optimizer and not (args.resume or args.resume_from):
+        raise _usage("--reset-optimizer needs --resume", "add --resume, or drop --reset-optimizer")
+    if args.out is not None:
+        check_out_dir(args.out)
+    model, overrides, text = train_model(args)
+    spec, given = asked_spec(args, overrides, text)
+    path = resume_from(spec, model)     # the checkpoint, checked to be this model's
+    spec, notes = resume_spec(spec, path, given, spelling(args))
+    check_readers(spec.optimizer, [k for k in READERS if getattr(args, k) is not None])
+    check_schedule(spec)
+    spec, why = _pick_mesh(args, spec, model)
+    mesh = Mesh.parse(spec.mesh)
+    preflight_processes(args, mesh)
+    plan = compile_plan(step_outputs(model, spec), mesh, spec.layout, microbatches=spec.microbatches,
+                        schedule=spec.schedule, bucket_mb=spec.bucket_mb)
+    in_process = mesh.size == 1 and not in_torchrun()  # as cmd_train runs it
+    check_job_memory(args, plan, "train", local_device(args, "train") if in_process else None)
+    data = TokenData.load(spec.data, seed=spec.seed) if spec.data is not None or text else None
+    if data is not None:
+        TokenFeeder(data, plan, [0], getattr(model.config, "vocab", None))
+    elif model.batches is not None:     # rank 0's rows of step 1: batches that break the protocol stop here
+        BatchFeeder(model.batches, plan, [0], spec.seed).train(1)
+    nproc = int(os.environ.get("WORLD_SIZE", mesh.size)) if in_torchrun() else (args.nproc or mesh.size)
+    size = ", ".join(f"{k}={v}" for k, v in vars(model.config).items()) if model.config is not None else "-"
+    lines = [f"meshdsl train {args.model}: mesh '{spec.mesh}', layout '{spec.layout}' on {nproc} process(es)"
+             + ("" if why == "given" else f"  [auto: {why}]"),
+             f"  config: {size}",
+             (f"  data: {data.source} ({len(data.tokens):,} byte tokens, {len(data.eval_tokens):,} held out); "
+              f"unigram entropy {data.unigram_entropy():.3f} nats/token" if data is not None else
+              _own_data(model, spec)),
+             f"  steps {spec.steps}" + (f" (resuming from {path.name})" if path else "")
+             + f", {describe_optimizer(spec)}, out {spec.out}"]
+    return spec, lines + [f"  {line}" for line in notes], plan
+
+
+def _own_data(model, spec) -> str:
+    """The header line of a run on the model's own data."""
+    evals = f"eval: {spec.eval_batches} batches of seeds no step uses" + \
+        (f", with {', '.join(model.metrics)}" if model.metrics else "")
+    if model.batches is not None:
+        return f"  data: the model's own batches (seed + step; each rank builds its rows); {evals}"
+    return f"  data: the model's own feeds (make_feeds(seed + step)); {evals}"
+
+
+def _pick_mesh(args, spec, model) -> tuple[TrainSpec, str]:
+    """``(spec on its mesh and layout, why)``: given, searched (``--layout auto``) or :func:`auto_mesh`."""
     why = "given"
     if args.layout == "auto":
         from .preflight import resolve_auto_layout
-        resolve_auto_layout(args, default_nproc=None, model=model)
-        why = "searched"
+        search = argparse.Namespace(**{**vars(args), "lr": spec.lr, "optimizer": spec.optimizer,
+                                       "precision": spec.precision, "clip_norm": spec.clip_norm,
+                                       **{k: spec.optimizer_args.get(k) if spec.optimizer in READERS[k] else None
+                                          for k in READERS}})
+        resolve_auto_layout(search, default_nproc=None, model=model)
+        args.mesh, args.layout, why = search.mesh, search.layout, "searched"
+        if search.microbatches != args.microbatches:
+            spec = dataclasses.replace(spec, microbatches=search.microbatches, schedule=search.schedule)
     args.auto = args.mesh is None
     if args.auto:
         nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
         # Under torchrun the process count is given: go data parallel over it.
         flops = DP_MIN_FLOPS if in_torchrun() else \
-            compile_plan(training_outputs(model.loss, model.params, args.lr), "data:1", "").flops()
-        args.mesh, layout, why = auto_mesh(batch, flops, nproc)
+            compile_plan(training_outputs(model.loss, model.params, spec.lr), "data:1", "").flops()
+        args.mesh, layout, why = auto_mesh(getattr(model.config, "batch", 1), flops, nproc)
         if in_torchrun():
             why = f"torchrun started {nproc} processes: data parallel over them"
         args.layout = layout if args.layout is None else args.layout
     args.layout = args.layout or ""
-    mesh = Mesh.parse(args.mesh)
-    preflight_processes(args, mesh)
-    micro = args.accum or args.microbatches or 1
-    plan = compile_plan(training_outputs(model.loss, model.params, args.lr), mesh, args.layout,
-                        microbatches=micro, schedule=args.schedule, bucket_mb=args.bucket_mb)
-    steps = args.steps
-    spec = TrainSpec(model=args.model, tiny=args.tiny, config=overrides, mesh=args.mesh, layout=args.layout,
-                     steps=steps, lr=args.lr, optimizer=opt_name, optimizer_args=opt_args, clip_norm=args.clip_norm,
-                     warmup_steps=args.warmup_steps, seed=args.seed, data=args.data,
-                     microbatches=micro, schedule=args.schedule, precision=args.precision,
-                     bucket_mb=args.bucket_mb,
-                     checkpoint=args.checkpoint,
-                     save_every=args.save_every or 0, keep=args.keep, resume=args.resume,
-                     eval_every=args.eval_every or max(1, steps // 10),
-                     out=args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")),
-                     samples=args.samples, progress=True)
-    text = args.data is not None or reads_text(model)
-    data = TokenData.load(args.data, seed=args.seed) if text else None
-    if text:
-        TokenFeeder(data, plan, [0], getattr(model.config, "vocab", None))
-    path = resume_from(spec, model)
-    nproc = int(os.environ.get("WORLD_SIZE", mesh.size)) if in_torchrun() else (args.nproc or mesh.size)
-    size = ", ".join(f"{k}={v}" for k, v in vars(model.config).items()) if model.config is not None else "-"
-    lines += [f"meshdsl train {args.model}: mesh '{args.mesh}', layout '{args.layout}' on {nproc} process(es)"
-              + ("" if why == "given" else f"  [auto: {why}]"),
-              f"  config: {size}",
-              (f"  data: {data.source} ({len(data.tokens):,} byte tokens, {len(data.eval_tokens):,} held out); "
-               f"unigram entropy {data.unigram_entropy():.3f} nats/token" if data is not None else
-               "  data: the model's own feeds (make_feeds(seed + step)); it reads no 'ids'/'labels' text"),
-              f"  steps {steps}" + (f" (resuming from {path.name})" if path else "")
-              + f", {opt_name} lr {args.lr:g}" + (f" (warmup {args.warmup_steps}, cosine)" if args.warmup_steps
-                                                  is not None else "") + f", out {spec.out}"]
-    return spec, lines, plan
+    return dataclasses.replace(spec, mesh=args.mesh, layout=args.layout), why
 
 
 def _usage(what: str, fix: str):
@@ -228,9 +248,8 @@ def cmd_train(args) -> int:
         import torch
 
         from ..exec.simulated import SimulatedComm
-        if args.auto:
-            torch.set_num_threads(1)   # see auto_mesh
-        result = run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec)
+        with torch_threads(args.threads or RUN_THREADS):   # as each spawned rank (see auto_mesh)
+            result = run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec)
     else:
         from ..train.trainer import _rank_job
         from .dist_cli import _launch
@@ -254,9 +273,12 @@ def print_summary(console, spec: TrainSpec, r, memory_per_rank: int) -> None:
     t = Table(title=f"meshdsl train: steps {r.start_step + 1}-{spec.steps}", title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
-    t.add_row("final train loss (mean of the last 10 steps)", f"{r.final_loss:.4f} nats/token")
+    unit = " nats/token" if r.unigram_entropy is not None else ""   # a loss on text is per token
+    t.add_row("final train loss (mean of the last 10 steps)", f"{r.final_loss:.4f}{unit}")
     if r.final_eval_loss is not None:
-        t.add_row("final eval loss (held-out text)", f"{r.final_eval_loss:.4f} nats/token")
+        t.add_row(f"final eval loss ({r.eval_data})", f"{r.final_eval_loss:.4f}{unit}")
+    for k, v in r.final_eval_metrics.items():
+        t.add_row(f"final eval {k}", f"{v:.4f}")
     if r.unigram_entropy is not None:
         t.add_row("unigram (byte-frequency) entropy of the corpus", f"{r.unigram_entropy:.4f} nats/token")
         if r.final_eval_loss is not None:
@@ -270,7 +292,8 @@ def print_summary(console, spec: TrainSpec, r, memory_per_rank: int) -> None:
     t.add_row("time in collectives per step (median)", f"{r.comm_ms_per_step:.2f} ms")
     t.add_row("memory per rank (plan values, upper bound)", _bytes(memory_per_rank))
     if r.out:
-        t.add_row("outputs", f"{r.out}/{{metrics.jsonl, loss.png, samples.txt, config.json}}")
+        files = "metrics.jsonl, loss.png" + (", samples.txt" if r.samples else "") + ", config.json"
+        t.add_row("outputs", f"{r.out}/{{{files}}}")
     if spec.checkpoint:
         t.add_row("checkpoints", spec.checkpoint)
     console.print(t)

@@ -21,6 +21,14 @@ only synchronisation, and the process holding rank 0 is the committer:
 
 A crash before the rename leaves only a ``.tmp-`` directory, which readers
 ignore: the previous checkpoint stays the latest.  One save at a time per root.
+Every file is created new (``O_EXCL``: never through a link or over a file) inside
+the save's own directory, or, for the ``latest`` pointer, as a ``tempfile`` in the root.
+
+Fault injection, for tests only: with ``MESHDSL_CHECKPOINT_KILL_AT=<point>`` set, a
+process SIGKILLs itself when its save reaches ``<point>``, one of :data:`KILL_POINTS`
+(``:R`` names the rank whose shard it is; ``<point>@N`` only in the save of step N),
+so a test can stop the protocol anywhere and check that the previous checkpoint
+still loads.  Unset, a point costs one environment lookup.
 """
 from __future__ import annotations
 
@@ -28,6 +36,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import save as safetensors_bytes
@@ -35,9 +45,36 @@ from safetensors.torch import save as safetensors_bytes
 from ..errors import message
 from ..layout.mesh import Mesh
 from .checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, TMP_PREFIX, VERSION, CheckpointError,
-                                committed_steps, dtype_name, latest_checkpoint, read_metadata,
+                                committed_steps, content_digest, dtype_name, latest_checkpoint, read_metadata,
                                 shard_file_name, step_dir_name, tensor_spec)
 from .checkpoint_load import load_checkpoint
+from .checkpoint_verify import choose_checkpoint, verify_checkpoint
+
+KILL_ENV = "MESHDSL_CHECKPOINT_KILL_AT"
+#: The points of the protocol where :data:`KILL_ENV` can stop a save, in order.
+KILL_POINTS = (
+    "begin",            # nothing done yet
+    "prepared",         # the committer made .tmp-step-N (leftovers removed)
+    "before-shard:R",   # rank R's shard is about to be written
+    "mid-shard:R",      # half of rank R's shard is written
+    "after-shard:R",    # rank R's shard is written and fsynced, not yet agreed
+    "written",          # checkpoint.json is written and fsynced: the rename is next
+    "renamed",          # the rename (the commit) is done: the folder is not yet fsynced, latest not updated
+    "latest-written",   # the new latest pointer is written beside the old one, not yet replaced
+    "latest-replaced",  # latest names the new checkpoint; old ones beyond keep not yet deleted
+    "mid-delete",       # an old checkpoint is renamed .tmp-del-..., not yet removed
+)
+
+
+def _armed(point: str, step: int) -> bool:
+    """True when a test asked this process to die at ``point`` of the save of ``step``."""
+    return os.environ.get(KILL_ENV) in (point, f"{point}@{step}")
+
+
+def _reached(point: str, step: int) -> None:
+    """Die here if a test asked to (see :data:`KILL_POINTS`)."""
+    if _armed(point, step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _slices(shape, sharding, mesh: Mesh) -> dict[int, tuple[slice, ...]]:
@@ -57,9 +94,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the one place a shard reaches the disk)."""
-    with open(path, "wb") as f:
+def _write_file(path: Path, data: bytes, die_midway: bool = False) -> None:
+    """Write ``data`` into the new file ``path`` and fsync it (``die_midway``: SIGKILL after half of it)."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+        if die_midway:
+            f.write(data[:len(data) // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -143,6 +184,7 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
     tmp = root / f"{TMP_PREFIX}{final.name}"
     meta = {} if meta is None else meta
     err, plan = None, None
+    _reached("begin", step)
     try:
         plan = _check_inputs(step, tensors, comm, meta, keep)
         if committer:
@@ -152,8 +194,12 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
                                               rule="a committed checkpoint is never overwritten",
                                               fix="delete it first, or save into another folder"))
             for old in root.glob(f"{TMP_PREFIX}*"):     # unfinished saves and deletes, a stale pointer
-                shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
-            tmp.mkdir()
+                if old.is_dir() and not old.is_symlink():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
+            tmp.mkdir()     # exclusive, as O_EXCL: fails on anything there, a link included
+            _reached("prepared", step)
     except Exception as e:     # every process must reach the agreement below, whatever went wrong
         err = e if not isinstance(e, OSError) else CheckpointError(message(
             f"save_checkpoint: cannot prepare {str(tmp)!r}: {e}.", fix="check the folder's permissions"))
@@ -165,7 +211,9 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
             owned = {n: p[4][i].detach().contiguous().to("cpu", copy=True) for n, p in plan.items() if r in p[3]}
             if owned:
                 data = safetensors_bytes(owned, metadata={"format": FORMAT, "rank": str(r)})
-                _write_file(tmp / shard_file_name(r), data)
+                _reached(f"before-shard:{r}", step)
+                _write_file(tmp / shard_file_name(r), data, die_midway=_armed(f"mid-shard:{r}", step))
+                _reached(f"after-shard:{r}", step)
                 files[shard_file_name(r)] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     except Exception as e:     # reported to every process below, so none waits for this one
         err = CheckpointError(message(f"save_checkpoint: writing into {str(tmp)!r} failed: {e}.",
@@ -199,15 +247,24 @@ def _commit(root, tmp, final, step, plan, mesh, model, meta, reports, keep) -> N
                         "sizes": [s.stop - s.start for s in idx]} for r, idx in sorted(owned.items())]}
     missing = sorted({s["file"] for t in doc["tensors"].values() for s in t["slices"]} - set(files))
     assert not missing, f"no process reported writing {missing}"
+    doc["digest"] = content_digest(doc)
     _write_file(tmp / META_FILE, json.dumps(doc, indent=1).encode("utf-8"))
     _fsync_dir(tmp)
+    _reached("written", step)
     os.rename(tmp, final)      # the commit: atomic on one filesystem
+    _reached("renamed", step)
     _fsync_dir(root)
-    pointer = root / f"{TMP_PREFIX}{LATEST_FILE}"
-    # The newest committed step, which is what latest_checkpoint returns too.
-    _write_file(pointer, (committed_steps(root)[-1][1].name + "\n").encode())
+    fd, pointer = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{LATEST_FILE}-", dir=root)
+    with os.fdopen(fd, "wb") as f:
+        # The newest committed step, which is what latest_checkpoint returns too.
+        f.write((committed_steps(root)[-1][1].name + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(pointer, 0o644)   # mkstemp makes it 0600; latest is for people and tools
+    _reached("latest-written", step)
     os.replace(pointer, root / LATEST_FILE)
     _fsync_dir(root)
+    _reached("latest-replaced", step)
     if keep is not None:
         # The new checkpoint always stays, with the newest keep - 1 others.
         others = [p for _, p in committed_steps(root) if p != final]
@@ -215,7 +272,9 @@ def _commit(root, tmp, final, step, plan, mesh, model, meta, reports, keep) -> N
             # Renamed first, so a crash mid-delete leaves a .tmp- folder, not a broken checkpoint.
             doomed = root / f"{TMP_PREFIX}del-{old.name}"
             os.rename(old, doomed)
+            _reached("mid-delete", step)
             shutil.rmtree(doomed, ignore_errors=True)
 
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "read_metadata", "save_checkpoint"]
+__all__ = ["CheckpointError", "KILL_ENV", "KILL_POINTS", "choose_checkpoint", "latest_checkpoint", "load_checkpoint",
+           "read_metadata", "save_checkpoint", "verify_checkpoint"]

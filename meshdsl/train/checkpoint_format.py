@@ -11,14 +11,17 @@ safetensors file per writing rank (``rank-00003.safetensors``) and
                        "sharding": "{d_ff:model}",
                        "slices": [{"file": "rank-00000.safetensors", "key": "w",
                                    "offsets": [0, 0], "sizes": [8, 8]}, ...]}},
-     "files": {"rank-00000.safetensors": {"bytes": 1234, "sha256": "..."}}}
+     "files": {"rank-00000.safetensors": {"bytes": 1234, "sha256": "..."}},
+     "digest": "..."}                  # sha256 of the rest: see content_digest
 
-Each tensor's slices tile it exactly (checked on read).  Directories whose name
+Each tensor's slices tile it exactly (checked on read), and ``digest`` catches an
+edit of the file after the save (a file without one, from before it existed, is read unchecked).  Directories whose name
 starts with ``.tmp-`` are unfinished saves: never read, removed by the next save.
 Only JSON and safetensors are ever parsed; nothing is unpickled.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -40,7 +43,26 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 
 class CheckpointError(MeshDSLError):
-    """A checkpoint cannot be saved, or cannot be loaded whole into what was asked for."""
+    """A checkpoint cannot be saved, or cannot be loaded whole into what was asked for.
+
+    ``problems``: one line per damaged item (a file and what differs) when the
+    checkpoint on disk is at fault; empty for other errors.
+    """
+
+    def __init__(self, text: str = "", problems=()):
+        super().__init__(text)
+        self.problems = list(problems)
+
+
+def content_digest(doc: dict) -> str:
+    """The sha256 of ``doc`` without its ``digest`` field, as canonical JSON (sorted keys, no spaces).
+
+    JSON's numbers and strings read back to the same values, so a file that was not
+    edited hashes to the digest it holds whatever its indentation.
+    """
+    rest = {k: v for k, v in doc.items() if k != "digest"}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def step_dir_name(step: int) -> str:
@@ -96,7 +118,8 @@ class CheckpointMeta:
 
 def _bad(path: Path, what: str, fix: str = "save the checkpoint again, or load an older one") -> CheckpointError:
     return CheckpointError(message(f"checkpoint {str(path)!r}: {what}",
-                                   rule=f"{META_FILE} is the JSON that save_checkpoint wrote", fix=fix))
+                                   rule=f"{META_FILE} is the JSON that save_checkpoint wrote", fix=fix),
+                           problems=[what if what.startswith(META_FILE) else f"{META_FILE}: {what}"])
 
 
 def _ints(x, n: int | None = None) -> tuple[int, ...]:
@@ -168,8 +191,14 @@ def read_metadata(path: "str | Path") -> CheckpointMeta:
     if doc.get("version") != VERSION:
         raise _bad(path, f"format version {doc.get('version')!r}; this meshdsl reads version {VERSION}.",
                    fix="load it with the meshdsl version that saved it")
+    if "digest" in doc and doc["digest"] != (got := content_digest(doc)):
+        raise _bad(path, f"{META_FILE} was changed after the save: its content hashes to {got}, "
+                         f"its digest field records {doc['digest']}.")
     try:
         files = {str(f): {"bytes": int(v["bytes"]), "sha256": str(v["sha256"])} for f, v in doc["files"].items()}
+        outside = [f for f in files if Path(f).name != f or f in (".", "..")]
+        if outside:
+            raise ValueError(f"file {outside[0]!r} is not a name inside the checkpoint's folder")
         tensors = {str(n): _tensor(n, t, files) for n, t in doc["tensors"].items()}
         step = doc["step"]
         if not isinstance(step, int) or isinstance(step, bool):
@@ -181,16 +210,22 @@ def read_metadata(path: "str | Path") -> CheckpointMeta:
     return out
 
 
-def committed_steps(root: "str | Path") -> list[tuple[int, Path]]:
-    """``(step, dir)`` of every committed checkpoint under ``root``, oldest first."""
+def step_dirs(root: "str | Path") -> list[tuple[int, Path]]:
+    """``(step, dir)`` of every ``step-N`` folder under ``root``, oldest first (committed or damaged)."""
     root = Path(root)
     out = []
     if root.is_dir():
         for p in root.iterdir():
             tail = p.name.removeprefix(_STEP_PREFIX)
-            if p.name.startswith(_STEP_PREFIX) and tail.isdigit() and (p / META_FILE).is_file():
+            if p.name.startswith(_STEP_PREFIX) and tail.isdigit() and p.is_dir():
                 out.append((int(tail), p))
     return sorted(out)
+
+
+def committed_steps(root: "str | Path") -> list[tuple[int, Path]]:
+    """``(step, dir)`` of every committed checkpoint under ``root`` (a step folder with its
+    ``checkpoint.json``), oldest first."""
+    return [(s, p) for s, p in step_dirs(root) if (p / META_FILE).is_file()]
 
 
 def latest_checkpoint(root: "str | Path") -> Path | None:
@@ -204,5 +239,5 @@ def latest_checkpoint(root: "str | Path") -> Path | None:
     return steps[-1][1] if steps else None
 
 
-__all__ = ["CheckpointError", "CheckpointMeta", "SavedSlice", "SavedTensor", "committed_steps",
-           "latest_checkpoint", "read_metadata", "tensor_spec"]
+__all__ = ["CheckpointError", "CheckpointMeta", "SavedSlice", "SavedTensor", "committed_steps", "content_digest",
+           "latest_checkpoint", "read_metadata", "step_dirs", "tensor_spec"]

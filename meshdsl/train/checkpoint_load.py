@@ -3,12 +3,12 @@
 For each wanted local slice, the saved slices that overlap it are found by
 interval arithmetic over every dim, and only those regions are read, through
 safetensors' lazy ``get_slice`` (memory-mapped: untouched bytes are never read).
-Every check runs before the first tensor byte is read, so a load is whole or
-an error.  Nothing is unpickled.
+Every check runs before the first tensor byte is read (:mod:`.checkpoint_verify`:
+sizes, safetensors headers, sha256), so a load is whole or an error.  Nothing is
+unpickled.
 """
 from __future__ import annotations
 
-import hashlib
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,11 +18,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import message
 from ..layout.mesh import Mesh
 from .checkpoint_format import CheckpointError, dtype_name, read_metadata, tensor_spec
-
-# torch dtype -> the dtype string in a safetensors header.
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+from .checkpoint_verify import check_verify_mode, shard_problems
 
 
 def _overlap(region, sl):
@@ -64,26 +60,8 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(f"{d}:{s}" for d, s in shape) + "]"
 
 
-def _check_files(info, names, verify: str, opened) -> list[str]:
-    bad = []
-    for f in sorted({s.file for n in names for s in info.tensors[n].slices}):
-        p, rec = info.path / f, info.files[f]
-        if not p.is_file():
-            bad.append(f"{f}: missing")
-        elif p.stat().st_size != rec["bytes"]:
-            bad.append(f"{f}: {p.stat().st_size} bytes, {rec['bytes']} were written (truncated or replaced)")
-        elif verify == "sha256" and f in opened:
-            h = hashlib.sha256()
-            with open(p, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            if h.hexdigest() != rec["sha256"]:
-                bad.append(f"{f}: sha256 differs from the one written (corrupted)")
-    return bad
-
-
 def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: str | None = None,
-                    verify: str = "size", strict: bool = True) -> dict[str, list[torch.Tensor]]:
+                    verify: str = "sha256", strict: bool = True) -> dict[str, list[torch.Tensor]]:
     """Load ``want``'s tensors from the committed checkpoint ``path``, resharded to ``mesh``.
 
     Everything is checked before any tensor data is read (names, shapes, dtypes,
@@ -96,8 +74,8 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
       mesh: the mesh to load onto (a Mesh or mesh string).
       ranks: the ranks this process holds (default: all of ``mesh``).
       model: when given, the model id the checkpoint must have been saved with.
-      verify: ``"size"`` (every shard file's size) or ``"sha256"`` (also hash the
-        files this load opens, reading them whole).
+      verify: ``"sha256"`` (the default: also hash the files this load opens,
+        reading them whole) or ``"size"`` (every shard file's size and header only).
       strict: a saved tensor that is not wanted is an error (another model?);
         ``False`` loads a subset, e.g. the params without the optimizer state.
 
@@ -109,11 +87,9 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
     """
     mesh = Mesh.parse(mesh)
     ranks = tuple(range(mesh.size)) if ranks is None else tuple(ranks)
+    check_verify_mode(verify, "load_checkpoint")
     info = read_metadata(path)
     path = info.path
-    if verify not in ("size", "sha256"):
-        raise CheckpointError(message(f"load_checkpoint: verify={verify!r}.", rule='verify is "size" or "sha256"',
-                                      fix='pass verify="sha256" to hash every shard file read'))
     bad = _check_wanted(info, want, mesh, model, strict)
     if bad:
         raise _load_error(path, info, mesh, bad)
@@ -125,29 +101,18 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
             hits = [(sl, ov) for sl in info.tensors[name].slices if (ov := _overlap(region, sl))]
             reads[name, r] = (tuple(s.stop - s.start for s in region), hits)
             opened.update({sl.file: None for sl, _ in hits})
-    bad = _check_files(info, want, verify, opened)
+    needed = {s.file for n in want for s in info.tensors[n].slices}
+    # Every file the wanted tensors live in is checked; the ones this load reads are hashed too.
+    bad = shard_problems(info, opened, verify) + shard_problems(info, needed - set(opened), "size")
     if bad:
-        raise _load_error(path, info, mesh, bad)
+        raise _load_error(path, info, mesh, bad, damaged=True)
     with ExitStack() as stack:
         handles = {}
         for f in opened:
             try:
-                h = handles[f] = stack.enter_context(safe_open(str(path / f), framework="pt"))
-                keys = set(h.keys())
+                handles[f] = stack.enter_context(safe_open(str(path / f), framework="pt"))
             except (SafetensorError, OSError) as e:
-                raise _load_error(path, info, mesh, [f"{f}: not a readable safetensors file ({e})"]) from None
-            for name in want:
-                saved = info.tensors[name]
-                for sl in saved.slices:
-                    if sl.file != f:
-                        continue
-                    got = h.get_slice(sl.key) if sl.key in keys else None
-                    if got is None or tuple(got.get_shape()) != sl.sizes or \
-                            got.get_dtype() != _SAFETENSORS_DTYPES[saved.dtype]:
-                        bad.append(f"{f}: tensor {sl.key!r} missing or not {dtype_name(saved.dtype)} "
-                                   f"of shape {list(sl.sizes)}")
-        if bad:
-            raise _load_error(path, info, mesh, bad)
+                raise _load_error(path, info, mesh, [f"{f}: not a readable safetensors file ({e})"], True) from None
         out = {}
         for name, spec in want.items():
             dtype = tensor_spec(name, spec)[1]
@@ -161,8 +126,8 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
     return out
 
 
-def _load_error(path, info, mesh, bad) -> CheckpointError:
-    return CheckpointError(message(
+def _load_error(path, info, mesh, bad, damaged: bool = False) -> CheckpointError:
+    return CheckpointError(problems=bad if damaged else (), text=message(
         f"load_checkpoint({str(path)!r}): the checkpoint cannot be loaded whole; nothing was loaded.",
         inputs=[f"saved: step {info.step}, mesh {info.mesh}, model {info.model!r}", f"loading onto mesh: {mesh}"],
         bullets=bad, rule="a load matches the saved model's names, shapes and dtypes, and every shard file is intact",

@@ -10,7 +10,8 @@ Batches are pure functions of ``(seed, step, row)``: the start offset of row ``r
 at step ``t`` is a 64-bit hash of the three, so the global batch is the same
 whatever the mesh, layout or process count, and a data rank builds only its own
 rows (``rows=slice(a, b)``) without computing the others.  The step and seed are
-therefore the whole data position a checkpoint needs.
+therefore the whole data position a checkpoint needs.  :func:`row_generator` gives a
+model's own generated batches the same property (one random stream per row).
 """
 from __future__ import annotations
 
@@ -177,6 +178,18 @@ def row_offset(seed: int, step: int, row: int, num_starts: int) -> int:
     h = _mix64(h ^ (step & _MASK64))
     h = _mix64(h ^ (row & _MASK64) ^ 0xD1B54A32D192ED03)
     return h % num_starts
+
+
+def row_generator(seed: int, row: int) -> torch.Generator:
+    """A random stream of its own for ``row`` of the batch drawn from ``seed``: a generator seeded by
+    a 64-bit hash of the two, so a rank that builds rows ``a:b`` draws exactly their numbers of the
+    whole batch (a model's ``batches``, :class:`meshdsl.Model`).
+
+    Example::
+
+        x = torch.stack([torch.randn(16, generator=row_generator(seed, r)) for r in range(4, 8)])
+    """
+    return torch.Generator().manual_seed(_mix64(_mix64((seed & _MASK64) ^ 0x2545F4914F6CDD1D) ^ (row & _MASK64)))
 
 
 def _rows(rows: "slice | None", batch_size: int, called: str) -> range:
@@ -348,4 +361,4 @@ class TokenData:
 
 
 __all__ = ["DEFAULT_CORPUS_BYTES", "DEFAULT_EVAL_FRACTION", "ByteTokenizer", "DataError", "TokenData",
-           "default_corpus_text", "load_text", "row_offset", "stdlib_sources", "token_digest"]
+           "default_corpus_text", "load_text", "row_generator", "row_offset", "stdlib_sources", "token_digest"]

@@ -1,23 +1,87 @@
 """Per-step feeds for a compiled training plan: each rank builds only its own rows.
 
-:class:`TokenFeeder` feeds a language model's ``ids`` and ``labels`` inputs
-(``[batch, seq]``) from a :class:`~meshdsl.train.data.TokenData`.  For every
-rank this process holds, the input's sharding gives the rank's slice of the
-batch dim (its rows, first dim of the input) and of the other dims; the rank
-asks the data for those rows only and cuts the rest, so a data-parallel rank
-never builds the other ranks' rows.  The global batch is the same on every
-mesh and layout (batches are pure functions of ``(seed, step, row)``).
+Three sources of batches, one feeder each:
 
-:class:`CallableFeeder` wraps a user's ``step -> {input: full tensor}``
-function; the executor slices those full tensors.
+* :class:`TokenFeeder`: a language model's ``ids`` and ``labels`` (``[batch, seq]``)
+  from a :class:`~meshdsl.train.data.TokenData`;
+* :class:`BatchFeeder`: a model's own ``batches(seed, rows)`` (:class:`~.model.Model`):
+  generated images, masks, tables, any inputs; step ``t`` of a run with seed ``s`` reads
+  seed ``s + t`` (:func:`train_seed`), eval batch ``b`` seed ``2**62 + s + b``
+  (:func:`eval_seed`), which no step reaches;
+* :class:`CallableFeeder`: a user's ``step -> {input: full tensor}`` function, or a
+  model's ``make_feeds`` (whole inputs): the executor slices those full tensors.
+
+The first two ask their source for a rank's rows only (:class:`InputSlices`): for
+every rank this process holds, an input's sharding gives the rank's slice of the
+``batch`` dim (its rows) and of the other dims; the source builds those rows once
+per process and the rest is cut from them, so a data-parallel rank never builds the
+other ranks' rows.  The global batch is the same on every mesh and layout (batches are
+pure functions of ``(seed, step, row)``), so the step is the whole data position a
+checkpoint needs.  :func:`make_feeder` picks a training run's feeder.
 """
 from __future__ import annotations
 
-from ..errors import message
+import traceback
+
+from ..errors import MeshDSLError, message
 from ..exec.executor import PerRank
 from .data import ByteTokenizer, DataError, TokenData
 
 IDS, LABELS = "ids", "labels"
+#: The dim whose rows a data rank builds (the one ``batch:data`` splits).
+BATCH = "batch"
+#: Eval batches read seeds from here on; a run would need 2**62 steps to reach them.
+EVAL_SEED = 2**62
+
+
+def train_seed(seed: int, step: int) -> int:
+    """The data seed of 1-based training ``step`` of a run with seed ``seed``."""
+    return seed + step
+
+
+def eval_seed(seed: int, batch: int) -> int:
+    """The data seed of eval batch ``batch`` (0-based): one no training step reads."""
+    return EVAL_SEED + seed + batch
+
+
+class InputSlices:
+    """Where each held rank's slice of some inputs of a plan lies: the rows it builds, the cut of the rest.
+
+    Args:
+      plan: the compiled plan.
+      row_dims: input name -> the position of its rows dim, or None for an input that has none
+        (it is built whole, the same for any rows).
+      ranks: the ranks this process holds (``executor.comm.ranks``).
+    """
+
+    def __init__(self, plan, row_dims: dict, ranks):
+        self.values = {k: plan.values[plan.inputs[k]] for k in row_dims}
+        self.row_dims = row_dims
+        # A pipeline holds an input on some stages only: there every held rank gets the full batch.
+        self.full = any(v.id in plan.holders for v in self.values.values())
+        self.idx = {k: [v.sharding.slice_index(v.shape, plan.mesh, r) for r in ranks]
+                    for k, v in self.values.items()}
+        self.num_ranks = len(ranks)
+
+    def feeds(self, make) -> dict:
+        """``{input: PerRank slices}`` (full tensors in a pipeline) from ``make(rows) -> {input: those
+        rows}``, called once per distinct ``rows`` (a ``slice``; None: every row)."""
+        if self.full:
+            whole = make(None)
+            return {k: whole[k] for k in self.values}
+        out, made = {k: PerRank() for k in self.values}, {}
+        for i in range(self.num_ranks):
+            rows = {k: idx[i][self.row_dims[k]] for k, idx in self.idx.items() if self.row_dims[k] is not None}
+            first = next(iter(rows.values()), None)   # an input without rows comes with any rows
+            for k, idx in self.idx.items():
+                r = rows.get(k, first)
+                key = None if r is None else (r.start, r.stop)
+                if key not in made:
+                    made[key] = make(r)
+                pos = self.row_dims[k]
+                cut = tuple(slice(None) if j == pos else s for j, s in enumerate(idx[i]))
+                out[k].append(made[key][k][cut].contiguous())
+        return out
 
 
 class TokenFeeder:
@@ -43,11 +107,11 @@ class TokenFeeder:
                      "(the next token of each id)",
                 fix="name the model's inputs 'ids' and 'labels', or train it from Python with "
                     "data=a function step -> feeds"))
-        self.values = {k: plan.values[plan.inputs[k]] for k in (IDS, LABELS)}
-        shapes = {k: tuple(d.size for d in v.shape) for k, v in self.values.items()}
+        values = {k: plan.values[plan.inputs[k]] for k in (IDS, LABELS)}
+        shapes = {k: tuple(d.size for d in v.shape) for k, v in values.items()}
         if len(set(shapes.values())) != 1 or len(shapes[IDS]) != 2:
             raise DataError(message("training on text: ids and labels must both be [batch, seq].",
-                                    inputs=[f"{k}: {v.shape}" for k, v in self.values.items()],
+                                    inputs=[f"{k}: {v.shape}" for k, v in values.items()],
                                     fix="give both inputs the dims [batch, seq]"))
         if vocab is not None and vocab < ByteTokenizer.vocab_size:
             raise DataError(message(f"training on text: the model's vocab is {vocab}, smaller than the "
@@ -55,10 +119,7 @@ class TokenFeeder:
                                     rule="text is byte-tokenized: ids 0..255",
                                     fix="--config vocab=256"))
         self.data, self.batch_size, self.seq = data, *shapes[IDS]
-        # A pipeline holds an input on some stages only: there every held rank gets the full batch.
-        self.full = any(v.id in plan.holders for v in self.values.values())
-        self.idx = {k: [v.sharding.slice_index(v.shape, plan.mesh, r) for r in ranks]
-                    for k, v in self.values.items()}
+        self.slices = InputSlices(plan, {IDS: 0, LABELS: 0}, ranks)   # rows: the first dim, whatever its name
 
     @property
     def tokens_per_step(self) -> int:
@@ -66,19 +127,7 @@ class TokenFeeder:
         return self.batch_size * self.seq
 
     def _feeds(self, make) -> dict:
-        if self.full:
-            ids, labels = make(None)
-            return {IDS: ids, LABELS: labels}
-        out = {IDS: PerRank(), LABELS: PerRank()}
-        for i in range(len(self.idx[IDS])):
-            cache = {}
-            for k in (IDS, LABELS):
-                rows, cols = self.idx[k][i]
-                key = (rows.start, rows.stop)
-                if key not in cache:
-                    cache[key] = make(rows)
-                out[k].append(cache[key][0 if k == IDS else 1][:, cols].contiguous())
-        return out
+        return self.slices.feeds(lambda rows: dict(zip((IDS, LABELS), make(rows))))
 
     def train(self, step: int) -> dict:
         """The feeds of training step ``step`` for the held ranks."""
@@ -92,6 +141,95 @@ class TokenFeeder:
             out.append(self._feeds(lambda rows, b=b: self.data.eval_batches(
                 self.batch_size, self.seq, num_batches=b + 1, rows=rows)[b]))
         return out
+
+
+class BatchFeeder:
+    """Feeds a model's own ``batches(seed, rows)``: each held rank's rows of the ``batch`` dim.
+
+    Args:
+      batches: the model's ``batches`` (:class:`~.model.Model`).
+      plan: the training step's plan.
+      ranks: the ranks this process holds.
+      seed: the run's seed (:func:`train_seed`, :func:`eval_seed`).
+      eval_plan: the eval's forward plan (a metric may read an input the loss does not), default ``plan``.
+
+    Raises:
+      DataError: (at a call) ``batches`` gives no tensor for an input of the plan, or one whose
+        shape or dtype is not the rows asked for.
+    """
+
+    def __init__(self, batches, plan, ranks, seed: int, eval_plan=None):
+        self.batches, self.seed = batches, seed
+        self.train_slices = self._slices(plan, ranks)
+        self.eval_slices = self._slices(eval_plan or plan, ranks)
+
+    #: Throughput is counted in tokens, which a model's own batches need not have.
+    tokens_per_step = None
+
+    @staticmethod
+    def _slices(plan, ranks) -> InputSlices:
+        names = data_inputs(plan)
+        return InputSlices(plan, {k: _row_dim(plan.values[plan.inputs[k]].shape) for k in names}, ranks)
+
+    def _make(self, slices: InputSlices, seed: int, what: str):
+        def make(rows):
+            called = f"the model's batches(seed={seed}, rows={_fmt(rows)}) of {what}"
+            try:
+                got = self.batches(seed, rows)
+            except MeshDSLError:
+                raise
+            except Exception as e:  # noqa: BLE001 - an error in the user's batches is the user's to fix
+                at = traceback.extract_tb(e.__traceback__)[-1]
+                raise DataError(message(f"{called} raised {type(e).__name__}: {e}",
+                                        inputs=[f"{at.filename}, line {at.lineno}: {at.line}"],
+                                        fix="fix the model's batches at the line shown")) from None
+            for k, v in slices.values.items():
+                _check_rows(called, k, v, got, rows, slices.row_dims[k])
+            return got
+        return slices.feeds(make)
+
+    def train(self, step: int) -> dict:
+        """The feeds of 1-based training ``step`` for the held ranks."""
+        return self._make(self.train_slices, train_seed(self.seed, step), f"step {step}")
+
+    def eval(self, num_batches: int) -> list[dict]:
+        """The feeds of eval batches ``0 .. num_batches - 1``."""
+        return [self._make(self.eval_slices, eval_seed(self.seed, b), f"eval batch {b}") for b in range(num_batches)]
+
+
+def data_inputs(plan) -> list[str]:
+    """The plan's inputs a batch feeds: all but the optimizer's hyperparameters (``opt/<name>``,
+    which :class:`~.step.TrainStep` feeds itself)."""
+    return [k for k in plan.inputs if not k.startswith("opt/")]
+
+
+def _row_dim(shape) -> int | None:
+    return shape.names.index(BATCH) if BATCH in shape.names else None
+
+
+def _fmt(rows) -> str:
+    return "None" if rows is None else f"slice({rows.start}, {rows.stop})"
+
+
+def _check_rows(called: str, name: str, value, got: dict, rows, pos: int | None) -> None:
+    """Refuse a tensor of ``batches(seed, rows)`` (``called``) that is missing or is not the rows asked for."""
+    if name not in got:
+        raise DataError(message(f"{called} gives no input {name!r}.", inputs=[f"it gives: {sorted(got)}"],
+                                rule="batches returns a tensor for every input of the model",
+                                fix=f"add {name!r} to what batches returns"))
+    want = [d.size for d in value.shape]
+    if pos is not None and rows is not None:
+        want[pos] = len(range(want[pos])[rows])
+    x = got[name]
+    if tuple(getattr(x, "shape", ())) != tuple(want) or getattr(x, "dtype", None) != value.dtype:
+        what = f"shape {tuple(x.shape)}, {x.dtype}" if hasattr(x, "shape") else f"a {type(x).__name__}"
+        raise DataError(message(
+            f"{called}: input {name!r} is {what}; {tuple(want)}, {value.dtype} was asked for.",
+            inputs=[f"{name}: {value.shape}"],
+            rule="each input with a 'batch' dim comes with the rows asked for only (all of them for rows=None), "
+                 "any other input whole",
+            fix="return rows range(batch)[rows] of the batch only (every row for rows=None), each "
+                "e.g. from md.row_generator(seed, row); cast to the input's dtype"))
 
 
 class CallableFeeder:
@@ -111,4 +249,38 @@ class CallableFeeder:
         return self.eval_feeds[:num_batches]
 
 
-__all__ = ["CallableFeeder", "IDS", "LABELS", "TokenFeeder"]
+# ----------------------------------------------------------------- a training run's feeder
+
+def reads_text(model) -> bool:
+    """True when the model trains on text: it reads token ids and next-token labels (``ids`` and
+    ``labels``) and makes no batches of its own (``Model.batches``)."""
+    names = {n.name for n in model.graph.nodes if n.op.name == "input"}
+    return {IDS, LABELS} <= names and model.batches is None
+
+
+def make_feeder(model, step, spec, data=None, eval_data=None, eval_plan=None):
+    """``(TokenData or None, feeder)`` for the run.
+
+    ``data`` None and no text file (``spec.data``): a model with ``batches`` trains on them,
+    each rank building its rows (:class:`BatchFeeder`; ``eval_plan``: the eval's forward plan);
+    one that reads ``ids``/``labels`` on the default corpus; any other on its own
+    ``make_feeds``.  Both kinds of own data take one seed per step and evaluate on
+    ``spec.eval_batches`` seeds no step uses (:func:`train_seed`, :func:`eval_seed`).
+    """
+    if data is None and spec.data is None and not reads_text(model):
+        if model.batches is not None:
+            ranks = step.executor.comm.ranks
+            return None, BatchFeeder(model.batches, step.plan, ranks, spec.seed, eval_plan)
+        evals = [model.feeds(eval_seed(spec.seed, b)) for b in range(spec.eval_batches)]
+        return None, CallableFeeder(lambda t: model.feeds(train_seed(spec.seed, t)), evals)
+    tokens = data if isinstance(data, TokenData) else None
+    if data is None:
+        tokens = TokenData.load(spec.data, seed=spec.seed)
+    if tokens is not None:
+        vocab = getattr(model.config, "vocab", None)
+        return tokens, TokenFeeder(tokens, step.plan, step.executor.comm.ranks, vocab)
+    return None, CallableFeeder(data, eval_data)
+
+
+__all__ = ["BATCH", "BatchFeeder", "CallableFeeder", "EVAL_SEED", "IDS", "InputSlices", "LABELS", "TokenFeeder",
+           "data_inputs", "eval_seed", "make_feeder", "reads_text", "train_seed"]

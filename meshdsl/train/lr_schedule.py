@@ -2,6 +2,8 @@
 
 A schedule's value is fed to the training step as a runtime input
 (``TrainStep(...)(feeds, lr=sched(step))``), so changing it never recompiles.
+:func:`make_schedule` builds the ones a training run names (``constant``, ``cosine``), and
+:func:`run_schedule` a run's own from its settings.
 """
 from __future__ import annotations
 
@@ -48,3 +50,34 @@ def cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int, min_lr:
         return min_lr + (peak_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * done))
 
     return lr_at
+
+
+#: The schedules a training run can name (``--lr-schedule``).
+SCHEDULES = ("constant", "cosine")
+
+
+def make_schedule(kind: str, peak_lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0):
+    """The schedule ``kind``: ``"cosine"`` (:func:`cosine_schedule`) or ``"constant"`` (a linear
+    warmup over ``warmup_steps``, then ``peak_lr``; ``total_steps`` and ``min_lr`` unused).
+
+    Raises:
+      MeshDSLError: an unknown kind, or arguments :func:`cosine_schedule` refuses.
+    """
+    if kind not in SCHEDULES:
+        raise MeshDSLError(message(f"learning-rate schedule {kind!r} is unknown.",
+                                   rule=f"a schedule is one of {', '.join(SCHEDULES)}",
+                                   fix="pass e.g. lr_schedule='cosine' (--lr-schedule cosine)"))
+    if kind == "cosine":
+        return cosine_schedule(peak_lr, warmup_steps, total_steps, min_lr)
+    if warmup_steps < 0:
+        raise MeshDSLError(message(f"constant schedule: warmup_steps={warmup_steps}.",
+                                   rule="a warmup is 0 or more steps", fix="pass warmup_steps=0 for none"))
+    return lambda step: peak_lr * (step + 1) / warmup_steps if step < warmup_steps else peak_lr
+
+
+def run_schedule(spec):
+    """The schedule of a training run (a :class:`~meshdsl.train.trainer.TrainSpec`): its
+    ``lr_schedule`` peaking at ``lr`` after ``warmup_steps``; a cosine reaches ``lr / 10`` at
+    ``decay_steps`` (default: the run's ``steps``) and stays there."""
+    total = spec.decay_steps if spec.decay_steps is not None else spec.steps
+    return make_schedule(spec.lr_schedule, spec.lr, spec.warmup_steps, total, spec.lr / 10)

@@ -4,7 +4,8 @@ A model file is plain Python, nanoGPT-style, that exposes two names:
 
 * ``Config``: a dataclass of sizes, with a ``tiny()`` classmethod giving a
   config small enough for tests;
-* ``build(cfg) -> Model``: builds the graph and returns a :class:`Model`.
+* ``build(cfg) -> Model``: builds the graph and returns a :class:`Model`, which makes its
+  inputs whole (``make_feeds(seed)``) or by rows (``batches(seed, rows)``: each rank builds its own).
 
 :func:`load_model` accepts a *path* to such a file (``./my_model.py``,
 ``path/to/model.py``) or the *name* of a model shipped with meshdsl
@@ -40,33 +41,78 @@ class ModelError(MeshDSLError):
 
 @dataclass(eq=False)
 class Model:
-    """A built model: what the tools need to compile, run and check it.
+    """A built model: what the tools need to compile, run, check and train it.
 
     Attributes:
       graph: the graph the model was built in.
       loss: the scalar training loss.
       params: param name -> param Tensor (the trainable state).
-      make_feeds: ``seed -> {input name: torch.Tensor}``, synthetic data of the
-        right shapes and dtypes.
+      make_feeds: ``seed -> {input name: torch.Tensor}``, whole inputs of the right shapes
+        and dtypes, deterministic in ``seed``.  Give it or ``batches``.
       config: the Config the model was built from.
       outputs: other tensors the model exposes by name, outside the loss (``models/moe.py``:
         its balance loss and dropped-token counts); compile them with the loss to read them.
       logits: optional next-token logits ``[batch, seq, vocab]`` (dims named ``vocab`` last
         among them), for a language model; :func:`meshdsl.generate` samples text from it.
         ``None`` (the default) for a model that is not one.
+      batches: the model's own data, built by rows (instead of ``make_feeds``):
+        ``batches(seed, rows) -> {input name: torch.Tensor}``, where ``rows`` is
+        ``slice(start, stop)`` of the ``batch`` dim, or None for every row.  Each input with
+        a ``batch`` dim comes back with those rows only, any other input whole.  It must be a
+        pure function: rows ``a:b`` of ``batches(s, rows)`` are rows ``a:b`` of
+        ``batches(s, None)``, in any process (:func:`meshdsl.train.data.row_generator` gives
+        each row its own random stream).  Training (``md.fit``, ``meshdsl train``) then asks
+        each rank for its own rows of the layout's split of ``batch``: step ``t`` of a run
+        with seed ``s`` reads seed ``s + t``, eval batch ``b`` seed ``2**62 + s + b``, which
+        no step reaches (:mod:`meshdsl.train.feeder`).  ``feeds(seed)`` is ``batches(seed, None)``.
+      metrics: scalar tensors the eval reports beside the loss, by name (``{"accuracy": acc}``):
+        each is computed on every eval batch, averaged over them, and written as
+        ``eval_<name>`` in the run's rows and its summary.
+
+    Raises:
+      ModelError: neither ``make_feeds`` nor ``batches`` is given, or both; a metric is not
+        a scalar tensor or is named ``loss``.
+
+    Example::
+
+        def batches(seed, rows=None):
+            idx = range(cfg.batch)[rows or slice(None)]
+            gens = [md.row_generator(seed, r) for r in idx]     # row r's numbers depend on (seed, r) only
+            return {"x": torch.stack([torch.randn(cfg.d, generator=g) for g in gens]), ...}
+
+        return md.Model(g, loss, params, batches=batches, config=cfg, metrics={"accuracy": acc})
     """
 
     graph: Graph
     loss: Tensor
     params: dict[str, Tensor]
-    make_feeds: Callable[[int], dict[str, torch.Tensor]]
+    make_feeds: Callable[[int], dict[str, torch.Tensor]] | None = None
     config: Any = None
     outputs: dict[str, Tensor] = field(default_factory=dict)
     logits: Tensor | None = None
+    batches: Callable[[int, "slice | None"], dict[str, torch.Tensor]] | None = None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if (self.make_feeds is None) == (self.batches is None):
+            both = self.make_feeds is not None
+            raise ModelError(message(
+                f"Model: {'both make_feeds and batches are' if both else 'neither make_feeds nor batches is'} given.",
+                rule="a model makes its inputs one way: make_feeds(seed) (whole inputs) or batches(seed, rows) "
+                     "(the rows of the batch dim asked for, so each rank builds only its own)",
+                fix="keep batches and drop make_feeds (feeds(seed) is batches(seed, None))" if both else
+                    "pass make_feeds=lambda seed: {...} or batches=lambda seed, rows: {...}"))
+        bad = [f"{k}: {t!r}" if isinstance(t, Tensor) else f"{k}: a {type(t).__name__}, not a Tensor"
+               for k, t in self.metrics.items() if not isinstance(t, Tensor) or len(t.shape) or k == "loss"]
+        if bad:
+            raise ModelError(message("Model: metrics must be scalar tensors, not named 'loss'.",
+                                     bullets=bad, rule="a metric is one number per eval batch, like the loss",
+                                     fix="reduce it to a scalar, e.g. md.reduce_mean(correct), and name it "
+                                         "e.g. 'accuracy'"))
 
     def feeds(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Synthetic inputs, deterministic in ``seed``."""
-        return self.make_feeds(seed)
+        """Whole inputs, deterministic in ``seed``: ``make_feeds(seed)`` or ``batches(seed, None)``."""
+        return self.make_feeds(seed) if self.make_feeds is not None else self.batches(seed, None)
 
     def train_step(self, lr: float = DEFAULT_LR) -> dict[str, Tensor]:
         """Outputs of one SGD step: ``loss``, ``grad/NAME`` and ``new/NAME`` for every param.

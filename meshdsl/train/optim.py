@@ -35,7 +35,8 @@ class SgdUpdate(Op):
         return p.add_(g, alpha=-attrs["lr"])
 
     def grad(self, node, douts):
-        return [None, None]
+        d = douts[0]
+        return [None, None] if d is None else [d, d * -node.attrs["lr"]]
 
 
 def sgd(params: dict[str, Tensor], grads: dict[str, Tensor], lr: float) -> dict[str, Tensor]:

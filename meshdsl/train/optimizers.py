@@ -13,6 +13,7 @@ then a global one.  ``"batch:data; opt.d_model:data"`` is ZeRO-1.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -85,6 +86,16 @@ class Optimizer(ABC):
         """What the update graph depends on (hyperparameters fed at run time do not count)."""
         return (self.name,)
 
+    def state_key(self) -> tuple:
+        """What the set of state tensors depends on: a checkpoint's state continues only
+        under an optimizer with the same key."""
+        return (self.name,)
+
+    def settings(self) -> dict:
+        """The hyperparameters other than ``lr``, as JSON (what a checkpoint records)."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self) if f.name != "lr"}
+
     @abstractmethod
     def hparams(self) -> tuple[str, ...]:
         """Names of the scalar hyperparameter inputs the update reads."""
@@ -139,6 +150,9 @@ class SGD(Optimizer):
 
     def graph_key(self):
         return (self.name, bool(self.momentum))
+
+    def state_key(self):
+        return self.graph_key()    # a momentum buffer only with momentum
 
     def hparams(self):
         return ("lr", "momentum", "weight_decay")

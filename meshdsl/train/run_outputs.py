@@ -13,11 +13,47 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+
+from ..errors import MeshDSLError, message
 
 METRICS_FILE, LOSS_PLOT, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "loss.png", "samples.txt", "config.json"
 #: The keys every line of metrics.jsonl has.
 METRIC_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "ms", "comm_ms")
+
+
+class OutputError(MeshDSLError):
+    """The output folder of a run (``--out``, ``out=``) cannot be made or written."""
+
+
+def check_out_dir(out: "str | Path", flag: str = "--out") -> None:
+    """Refuse an output folder that cannot hold the run's files, before any work starts: a
+    path that is a file or goes through one, or a read-only folder.
+
+    Raises:
+      OutputError: naming the path, what is in the way, and the fix.
+    """
+    path = Path(out)
+    there = path
+    while not there.exists() and there != there.parent:  # the deepest part of the path that exists
+        there = there.parent
+    if there.is_dir() and os.access(there, os.W_OK | os.X_OK):
+        return
+    if there.is_dir():
+        why, rule = f"its folder '{there}' is read-only", "the run creates its files in the folder"
+    elif there == path:
+        why, rule = "it is a file, not a folder", f"{flag} names a folder (new or existing) for the run's files"
+    else:
+        why, rule = f"'{there}' on its path is a file, not a folder", "every part of the path is a folder"
+    raise _out_error(out, flag, why, rule)
+
+
+def _out_error(out, flag: str, why: str, rule: str) -> OutputError:
+    example = "out='runs/my-run'" if flag == "out" else f"{flag} runs/my-run"
+    return OutputError(message(f"{flag} {out}: the run cannot write its outputs there: {why}.",
+                               inputs=[f"outputs: {METRICS_FILE}, {LOSS_PLOT}, {SAMPLES_FILE}, {CONFIG_FILE}"],
+                               rule=rule, fix=f"name a new folder, e.g. {example}"))
 
 
 def _json_float(x):
@@ -29,7 +65,11 @@ class MetricsWriter:
     """Appends one line per step to ``out/metrics.jsonl`` and flushes it at once."""
 
     def __init__(self, out: Path):
-        out.mkdir(parents=True, exist_ok=True)
+        check_out_dir(out, "out")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # made a file, or read-only, since the check
+            raise _out_error(out, "out", e.strerror or str(e), "the run creates its files in the folder") from None
         self.path = out / METRICS_FILE
         self._f = open(self.path, "a", encoding="utf-8")
 
@@ -98,5 +138,5 @@ def write_config(out: Path, resolved: dict) -> Path:
     return path
 
 
-__all__ = ["CONFIG_FILE", "LOSS_PLOT", "METRICS_FILE", "METRIC_KEYS", "MetricsWriter", "SAMPLES_FILE",
-           "plot_loss", "read_metrics", "write_config", "write_samples"]
+__all__ = ["CONFIG_FILE", "LOSS_PLOT", "METRICS_FILE", "METRIC_KEYS", "MetricsWriter", "OutputError", "SAMPLES_FILE",
+           "check_out_dir", "plot_loss", "read_metrics", "write_config", "write_samples"]

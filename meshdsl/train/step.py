@@ -20,6 +20,7 @@ from ..exec.executor import Executor
 from ..exec.fold import for_plan
 from ..ir.autodiff import grad
 from ..ir.precision import mixed_precision
+from ..ops.nn import step_salt
 from ..ops.precision import check_precision
 from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile
@@ -201,7 +202,9 @@ class TrainStep:
         stats = {} if timed else None
         flight0 = _in_flight(self.executor.comm) if timed else 0.0
         t0 = time.perf_counter()
-        outs = self.executor.run({**feeds, **self.hyper_feeds(lr)}, self.params, stats=stats)
+        # Each step draws its own dropout masks (the same on every layout and on resume).
+        outs = self.executor.run({**feeds, **self.hyper_feeds(lr)}, self.params, salt=step_salt(self.step_count),
+                                 stats=stats)
         for k in self.carried:
             self.params[k] = outs[f"new/{k}"]
         self.step_count += 1

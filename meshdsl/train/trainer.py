@@ -4,10 +4,12 @@
 Each rank runs :func:`run_rank`: it builds the model, the step
 (:func:`build_step`), its own rows of each batch (:mod:`.feeder`), restores a
 checkpoint when resuming (any mesh, layout or process count: the load
-reshards), and loops over the steps; rank 0 writes ``--out`` (:mod:`.run_outputs`).
+reshards), and loops over the steps, with eval on held-out batches (the loss and the
+model's metrics, :mod:`.evaluate`); rank 0 writes ``--out`` (:mod:`.run_outputs`).
 
 The optimizer and everything a checkpoint holds live in two functions only,
-:func:`build_step` and :func:`train_state`.
+:func:`build_step` and :func:`train_state`; the run's settings a checkpoint keeps, and
+what a resume may change of them, in :mod:`.resume`.
 """
 from __future__ import annotations
 
@@ -15,21 +17,22 @@ import dataclasses
 import math
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MeshDSLError, message
-from ..exec.executor import Executor
-from ..exec.fold import for_plan
 from ..exec.simulated import SimulatedComm
 from ..layout.mesh import Mesh
 from ..lowering.bucket import DEFAULT_BUCKET_MB
-from ..lowering.compiler import compile as compile_plan
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_metadata, save_checkpoint
+from .checkpoint import load_checkpoint, read_metadata, save_checkpoint
 from .config import config_dict
-from .data import TokenData
-from .feeder import IDS, LABELS, CallableFeeder, TokenFeeder
+from .evaluate import Evaluator, agree_held
+from .feeder import make_feeder, reads_text
+from .lr_schedule import run_schedule
 from .model import Model, load_model
+from .resume import (RUN_KEYS, model_id, resolve_resume, resume_from, resume_path, resume_spec, run_settings,
+                     saved_run)
 from .step import TrainStep
 
 #: Prompts of samples.txt for the default corpus (Python source).
@@ -45,7 +48,14 @@ class TrainSpec:
     """Everything a rank needs to train (picklable, so spawned ranks get it whole).
 
     ``model`` is a shipped model's name or a path; ``config`` holds Config overrides.
-    ``data`` is a text file's path, or None for the default corpus.
+    ``data`` is a text file's path, or None for the default corpus.  ``lr_schedule`` is
+    ``"constant"`` or ``"cosine"`` (None: cosine with ``warmup_steps``, else constant);
+    a cosine decays to ``lr / 10`` at ``decay_steps`` (None: ``steps``).
+    ``reset_optimizer``: a resume loads the params only (:mod:`.resume`).  ``resume_from``:
+    resume from this checkpoint (a step of ``checkpoint``, or a path) rather than the latest;
+    ``verify``: ``"sha256"`` or ``"size"``, how its files are checked before use
+    (:mod:`.checkpoint_verify`; the process that resolves a resume hashes them once, and hands
+    the ranks its path with ``"size"``).
     """
 
     model: str = "transformer"
@@ -59,6 +69,8 @@ class TrainSpec:
     optimizer_args: dict = field(default_factory=dict)
     clip_norm: float | None = None
     warmup_steps: int | None = None
+    lr_schedule: str | None = None
+    decay_steps: int | None = None
     seed: int = 0
     data: str | None = None
     microbatches: int = 1
@@ -69,6 +81,9 @@ class TrainSpec:
     save_every: int = 0
     keep: int | None = None
     resume: bool = False
+    resume_from: int | str | None = None
+    verify: str = "sha256"
+    reset_optimizer: bool = False
     eval_every: int = 0
     eval_batches: int = 4
     out: str | None = None
@@ -76,10 +91,19 @@ class TrainSpec:
     sample_tokens: int = 200
     progress: bool = False
 
+    def __post_init__(self):
+        if self.lr_schedule is None:
+            self.lr_schedule = "constant" if self.warmup_steps is None else "cosine"
+        self.warmup_steps = self.warmup_steps or 0
+
 
 @dataclass
 class TrainResult:
-    """What a run did: per-step metrics, final numbers, and (in-process) the trained step."""
+    """What a run did: per-step metrics, final numbers, and (in-process) the trained step.
+
+    ``final_eval_metrics``: the model's metrics (``Model.metrics``) at the last eval, by name,
+    e.g. ``{"accuracy": 0.97}``; each row with an eval has them as ``eval_<name>``.
+    """
 
     rows: list[dict]
     start_step: int
@@ -91,32 +115,33 @@ class TrainResult:
     collectives_per_step: dict
     samples: list[str]
     out: str | None
+    eval_data: str = ""
     step: TrainStep | None = None
     model: Model | None = None
+    final_eval_metrics: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------- optimizer and state
 
 def lr_at(spec: TrainSpec, t: int) -> float:
-    """The learning rate of 1-based step ``t``: constant, or with ``warmup_steps`` a linear
-    warmup then a cosine decay to a tenth of ``lr`` at the last step."""
-    if spec.warmup_steps is None:
-        return spec.lr
-    from .lr_schedule import cosine_schedule
-    return cosine_schedule(spec.lr, spec.warmup_steps, spec.steps, spec.lr / 10)(t - 1)
+    """The learning rate of 1-based step ``t`` (:func:`.lr_schedule.run_schedule`)."""
+    return run_schedule(spec)(t - 1)
+
+
+def make_optimizer(spec: TrainSpec):
+    """``spec``'s optimizer, or None for plain SGD at a constant rate with nothing else asked
+    (momentum, decay, clipping, a schedule), which keeps the fused gradient-update kernel."""
+    from .optimizers import OPTIMIZERS
+
+    plain = spec.optimizer == "sgd" and not any(spec.optimizer_args.values()) and spec.clip_norm is None \
+        and spec.lr_schedule == "constant" and not spec.warmup_steps
+    return None if plain else OPTIMIZERS[spec.optimizer](lr=spec.lr, **spec.optimizer_args)
 
 
 def build_step(model: Model, spec: TrainSpec, comm) -> TrainStep:
-    """The compiled training step of ``model`` with ``spec``'s optimizer on ``comm``'s ranks.
-
-    Plain SGD at a constant rate, with nothing else asked, keeps the fused gradient-update
-    kernel; anything else builds ``spec.optimizer`` (its learning rate fed each step).
-    """
-    from .optimizers import OPTIMIZERS
-
-    plain = spec.optimizer == "sgd" and not spec.optimizer_args and spec.clip_norm is None \
-        and spec.warmup_steps is None
-    opt = None if plain else OPTIMIZERS[spec.optimizer](lr=spec.lr, **spec.optimizer_args)
+    """The compiled training step of ``model`` with ``spec``'s optimizer (:func:`make_optimizer`;
+    its learning rate fed each step) on ``comm``'s ranks."""
+    opt = make_optimizer(spec)
     return TrainStep(model.loss, model.params, spec.mesh, spec.layout, comm, optimizer=opt,
                      clip_norm=spec.clip_norm, lr=spec.lr, seed=spec.seed, microbatches=spec.microbatches,
                      schedule=spec.schedule, precision=spec.precision,
@@ -136,84 +161,18 @@ def train_state(step: TrainStep) -> dict:
     return step.state()
 
 
-def load_train_state(step: TrainStep, path: Path, model_id: str) -> None:
-    """Restore :func:`train_state` from checkpoint ``path``, resharded to this step's mesh and layout."""
-    want = {k: spec for k, (spec, _) in train_state(step).items()}
-    step.load_state(load_checkpoint(path, want, step.plan.mesh, step.executor.comm.ranks, model=model_id))
-
-
-# ----------------------------------------------------------------- resume checks
-
-def model_id(model: Model) -> str:
-    """The id a checkpoint records: the model graph's name."""
-    return model.graph.name
-
-
-def resume_from(spec: TrainSpec, model: Model) -> Path | None:
-    """The checkpoint to resume from, after checking it is this model's (None when not resuming).
-
-    Raises:
-      CheckpointError: no checkpoint to resume from, or it belongs to another model or Config.
-    """
-    if not spec.resume:
-        return None
-    root = spec.checkpoint
-    path = latest_checkpoint(root) if root else None
-    if path is None:
-        raise CheckpointError(message(
-            f"--resume: no committed checkpoint in {root!r}." if root else "--resume needs --checkpoint DIR.",
-            rule="--resume continues from the latest checkpoint in --checkpoint DIR",
-            fix="drop --resume to start afresh, or pass the folder a run saved into with --checkpoint"))
-    info = read_metadata(path)
-    saved, now = info.meta.get("config"), config_dict(model.config)
-    diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in (now or {}).items()
-            if saved is not None and saved.get(k) != v]
-    if info.model != model_id(model) or diff:
-        raise CheckpointError(message(
-            f"--resume: checkpoint {str(path)!r} is of another model.",
-            inputs=[f"saved model: {info.model!r}, this model: {model_id(model)!r}"], bullets=diff,
-            rule="a run resumes from a checkpoint of the same model and Config",
-            fix="resume with the model and --config it was saved with, or use another --checkpoint folder"))
-    if info.step >= spec.steps:
-        raise CheckpointError(message(
-            f"--resume: the checkpoint is at step {info.step}, and --steps is {spec.steps}.",
-            rule="--steps is the run's total step count: resuming at step N runs steps N+1..S",
-            fix=f"pass --steps greater than {info.step}"))
-    return path
+def load_train_state(step: TrainStep, path: Path, model_id: str, params_only: bool = False) -> None:
+    """Restore :func:`train_state` from checkpoint ``path``, resharded to this step's mesh and
+    layout (``params_only``: the params; the optimizer keeps its fresh state).  Sizes and headers
+    are checked again; the hashes were, once, when the resume chose ``path`` (:mod:`.resume`)."""
+    state = train_state(step)
+    want = {k: spec for k, (spec, _) in state.items() if not params_only or k.startswith("param/")}
+    got = load_checkpoint(path, want, step.plan.mesh, step.executor.comm.ranks, model=model_id,
+                          strict=not params_only, verify="size")
+    step.load_state({**{k: xs for k, (_, xs) in state.items()}, **got})
 
 
 # ----------------------------------------------------------------- the loop
-
-def _eval_fn(model: Model, step: TrainStep, spec: TrainSpec, comm):
-    """A function ``feeds_list -> mean eval loss`` over the step's current params."""
-    plan = compile_plan({"loss": model.loss}, spec.mesh, spec.layout, microbatches=spec.microbatches,
-                        schedule=spec.schedule)
-    ex = Executor(plan, for_plan(comm, plan))
-    same = all(plan.values[v].sharding == step.plan.values[step.plan.params[k]].sharding for k, v in plan.params.items())
-
-    def evaluate(feeds_list) -> float | None:
-        params = step.params
-        if not same:  # the forward plan shards a param otherwise: hand it its own slices
-            full = step.full_params()
-            params = {k: ex.local_slices(plan.values[plan.params[k]], full[k]) for k in plan.params}
-        losses = []
-        for feeds in feeds_list:
-            held = [x for x in ex.run(feeds, params)["loss"] if x is not None]
-            losses.append(float(held[0]) if held else float("nan"))
-        return _agree_loss(comm, plan, statistics.fmean(losses)) if losses else None
-
-    return evaluate
-
-
-def _agree_loss(comm, plan, loss: float) -> float:
-    """A pipeline holds the loss on its last stage: every rank takes that one."""
-    if plan.outputs["loss"] not in plan.holders or len(getattr(comm, "ranks", ())) == comm.mesh.size:
-        return loss
-    for text in comm.agree(repr(loss)):
-        if text != "nan":
-            return float(text)
-    return loss
-
 
 def _progress(spec: TrainSpec, total: int, start: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -222,41 +181,6 @@ def _progress(spec: TrainSpec, total: int, start: int):
                  TimeElapsedColumn(), transient=False)
     p.start()
     return p, p.add_task("train", total=total, completed=start, info="")
-
-
-def reads_text(model: Model) -> bool:
-    """True when the model reads token ids and next-token labels (``ids`` and ``labels``)."""
-    names = {n.name for n in model.graph.nodes if n.op.name == "input"}
-    return {IDS, LABELS} <= names
-
-
-def make_feeder(model: Model, step: TrainStep, spec: TrainSpec, data=None, eval_data=None):
-    """``(TokenData or None, feeder)`` for the run.
-
-    ``data`` None: the text of ``spec.data`` (default corpus) for a model that reads
-    ``ids``/``labels``; any other model (given no text file) trains on its own
-    ``make_feeds``, one seed per step, and evaluates on a seed no step uses.
-    """
-    if data is None and spec.data is None and not reads_text(model):
-        fn = _OwnFeeds(model, spec.seed)
-        return None, CallableFeeder(fn, [model.feeds(fn.eval_seed)])
-    tokens = data if isinstance(data, TokenData) else None
-    if data is None:
-        tokens = TokenData.load(spec.data, seed=spec.seed)
-    if tokens is not None:
-        vocab = getattr(model.config, "vocab", None)
-        return tokens, TokenFeeder(tokens, step.plan, step.executor.comm.ranks, vocab)
-    return None, CallableFeeder(data, eval_data)
-
-
-class _OwnFeeds:
-    """A model's own synthetic batches, ``make_feeds(seed + step)``; eval on a seed steps never reach."""
-
-    def __init__(self, model: Model, seed: int):
-        self.model, self.seed, self.eval_seed = model, seed, 2**62 + seed
-
-    def __call__(self, step: int) -> dict:
-        return self.model.feeds(self.seed + step)
 
 
 def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_data=None) -> TrainResult | None:
@@ -273,29 +197,31 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
 
     if model is None:
         model = load_model(spec.model, tiny=spec.tiny, **spec.config)
+    path = resume_from(spec, model)
+    if path is not None:   # fit and the CLI resolved the spec; refuse any other that breaks the saved run
+        info = read_metadata(path)
+        spec = resolve_resume(spec, saved_run(info.meta), None, info.step)[0]
     step = build_step(model, spec, comm)
     if not isinstance(comm, SimulatedComm):
         from .jobs import agree_plan
         agree_plan(comm, step.plan)
-    tokens, feeder = make_feeder(model, step, spec, data, eval_data)
+    evaluate = Evaluator(model, step, spec, comm)
+    tokens, feeder = make_feeder(model, step, spec, data, eval_data, evaluate.plan)
     start = 0
-    path = resume_from(spec, model)
     if path is not None:
-        info = read_metadata(path)
         start = tokens.check_state(info.meta["data"]) if tokens is not None else info.step
-        load_train_state(step, path, model_id(model))
+        load_train_state(step, path, model_id(model), params_only=spec.reset_optimizer)
     lead = 0 in step.executor.comm.ranks
     out = Path(spec.out) if spec.out and lead else None
     writer = MetricsWriter(out) if out else None
-    evaluate = _eval_fn(model, step, spec, comm)
     eval_feeds = feeder.eval(spec.eval_batches)
     bar = _progress(spec, spec.steps, start) if spec.progress and lead else None
-    rows = []
+    rows, metrics = [], [f"eval_{k}" for k in model.metrics]
     try:
         for t in range(start + 1, spec.steps + 1):
             t0 = time.perf_counter()
             loss, stats, lr, gnorm = run_step(step, feeder.train(t), spec, t)
-            loss = _agree_loss(comm, step.plan, loss)
+            loss = agree_held(comm, step.plan, {"loss": loss})["loss"]
             if not math.isfinite(loss):
                 raise TrainingError(message(
                     f"train: the loss is {loss} at step {t}: training diverged.",
@@ -306,11 +232,10 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
             row = {"step": t, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "ms": ms,
                    "comm_ms": stats.comm * 1e3}
             if eval_feeds and ((spec.eval_every and t % spec.eval_every == 0) or t == spec.steps):
-                row["eval_loss"] = evaluate(eval_feeds)
+                row.update({f"eval_{k}": v for k, v in evaluate(eval_feeds).items()})
             if spec.checkpoint and ((spec.save_every and t % spec.save_every == 0) or t == spec.steps):
                 meta = {"mesh": spec.mesh, "layout": spec.layout, "config": config_dict(model.config),
-                        "data": tokens.state(t) if tokens is not None else {"step": t}, "lr": spec.lr,
-                        "optimizer": spec.optimizer, "optimizer_args": spec.optimizer_args}
+                        "data": tokens.state(t) if tokens is not None else {"step": t}, "run": run_settings(spec)}
                 save_checkpoint(spec.checkpoint, t, train_state(step), step.executor.comm, model=model_id(model),
                                 meta=meta, keep=spec.keep)
             rows.append(row)
@@ -318,8 +243,9 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
                 writer.write(row)
             if bar:
                 info = f"loss {loss:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + \
-                    f"  comm {stats.comm * 1e3:.1f} ms" + (f"  eval {row['eval_loss']:.4f}"
-                                                           if row.get("eval_loss") is not None else "")
+                    f"  comm {stats.comm * 1e3:.1f} ms" + "".join(f"  {'eval' if k == 'eval_loss' else k[5:]} "
+                                                                  f"{row[k]:.4f}" for k in ["eval_loss", *metrics]
+                                                                  if k in row)
                 bar[0].update(bar[1], completed=t, info=info)
     finally:
         if bar:
@@ -337,15 +263,18 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
     if not lead:
         return None
     last = [r["loss"] for r in rows[-10:]]
-    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    evals = [r for r in rows if r.get("eval_loss") is not None]
     times = [r["tokens_per_s"] for r in rows[1:] or rows if r["tokens_per_s"]]
     res = TrainResult(rows=rows, start_step=start, final_loss=statistics.fmean(last) if last else float("nan"),
-                      final_eval_loss=evals[-1] if evals else None,
+                      final_eval_loss=evals[-1]["eval_loss"] if evals else None,
+                      final_eval_metrics={k[5:]: evals[-1][k] for k in metrics} if evals else {},
                       unigram_entropy=tokens.unigram_entropy() if tokens is not None else None,
                       tokens_per_s=statistics.median(times) if times else None,
                       comm_ms_per_step=statistics.median(r["comm_ms"] for r in rows) if rows else 0.0,
                       collectives_per_step=step.plan.totals(),
-                      samples=texts, out=str(out) if out else None)
+                      samples=texts, out=str(out) if out else None,
+                      eval_data="held-out text" if tokens is not None else "the eval_data given" if data else
+                      f"the model's own {'batches' if model.batches else 'feeds'}, seeds no step uses")
     if out:
         title = f"{spec.model}: mesh '{spec.mesh}', layout '{spec.layout}'"
         plot_loss(out, rows, title, res.unigram_entropy)
@@ -358,8 +287,8 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
     return res
 
 
-def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, data=None, eval_data=None,
-          nproc: int | None = None, device=None, **options) -> TrainResult:
+def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = None, data=None, eval_data=None,
+        nproc: int | None = None, device=None, threads: int | None = None, **options) -> TrainResult:
     """Train ``model`` and return a :class:`TrainResult`.
 
     Args:
@@ -367,34 +296,79 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int = 100, data
         or a shipped model's name / a model file's path (trained on ``nproc`` processes
         when ``nproc > 1``).
       mesh, layout: e.g. ``"data:2"`` and ``"batch:data"``.
-      steps: the total step count (a resumed run continues up to it).
-      data: None (the default corpus), a text file's path, a :class:`TokenData`, or a
-        function ``step -> {input name: full tensor}`` (the user's own batches).
+      steps: the run's total step count (default 100; a resumed run continues up to it).
+      data: None, a text file's path, a :class:`TokenData`, or a function
+        ``step -> {input name: full tensor}`` (the user's own batches).  None: a model with
+        ``batches`` trains on them (each rank builds its own rows; eval on seeds no step
+        reads, with the model's ``metrics``), one that reads ``ids``/``labels`` on the
+        default corpus, any other on its ``make_feeds`` (:mod:`.feeder`).
       eval_data: with a function ``data``, a list of eval feeds.
       nproc: processes for a model given by name or path.
       device: where a run in this process keeps its values (default the CPU; ``"cuda"``).
+      threads: torch threads of a run in this process (default 1, as each spawned rank and
+        ``meshdsl train`` have; the count before is restored at the end).
       options: any other :class:`TrainSpec` field: ``lr``, ``seed``, ``checkpoint``,
         ``save_every``, ``keep``, ``resume``, ``eval_every``, ``out``, ``config``, ``tiny``, ...
+        With ``resume=True`` every run setting not given (``steps`` included) is the
+        checkpoint's, and a given one that differs is applied with a printed line or
+        refused (:mod:`.resume`; ``reset_optimizer=True`` starts the optimizer afresh).
+        ``resume_from=STEP`` or a checkpoint's path resumes from that one; ``verify="size"``
+        skips hashing the checkpoint's files (checked before any rank starts).
+
+    Raises:
+      ResumeError: a resume asks for a setting the saved run cannot continue under.
 
     Example::
 
         result = md.fit(build(Config()), mesh="data:2", layout="batch:data", steps=50,
                           data=lambda step: my_batch(step), lr=0.05, checkpoint="ckpt", save_every=10)
     """
-    given = isinstance(model, Model)
+    own = isinstance(model, Model)
     if isinstance(data, (str, Path)):
         options["data"], data = str(data), None
-    spec = TrainSpec(model="model" if given else str(model), mesh=str(mesh), layout=layout, steps=steps, **options)
-    if given or (nproc or 1) == 1:
-        return run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec, model if given else None, data, eval_data)
-    from ..exec.launch import launch
-    results = launch(_rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data))
-    return results[0]
+    given = {k for k in RUN_KEYS if k in options} | ({"steps"} if steps is not None else set())
+    spec = TrainSpec(model="model" if own else str(model), mesh=str(mesh), layout=layout,
+                     steps=100 if steps is None else steps, **options)
+    spec, lines = resume_spec(spec, resume_path(spec), given)
+    lr_at(spec, 1)    # a bad schedule fails here, not in a rank
+    in_process = own or (nproc or 1) == 1
+    if in_process:
+        n = RUN_THREADS if threads is None else threads
+        lines.append(f"md.fit: {n} torch thread(s) in this process " + (
+            f"(threads={threads})" if threads is not None else "(as each spawned rank; threads=N sets another)"))
+    for line in lines:
+        print(line, flush=True)
+    if not in_process:
+        from ..exec.launch import launch
+        return launch(_rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data))[0]
+    with torch_threads(n):
+        return run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec, model if own else None, data,
+                        eval_data)
+
+
+#: Torch threads of a run in this process: one, as each spawned rank has (exec/launch.py)
+#: and ``meshdsl train`` sets.  Measured under load (issue 36): md.fit's median step with
+#: torch's default threads ranged 24-574 ms over three runs, against 23 ms with one.
+RUN_THREADS = 1
+
+
+@contextmanager
+def torch_threads(n: int):
+    """Run the block with ``n`` torch threads, then restore the count before."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _rank_job(comm, spec: TrainSpec, data=None, eval_data=None):
     return run_rank(comm, spec, None, data, eval_data)
 
 
-__all__ = ["TrainingError", "TrainResult", "TrainSpec", "build_step", "load_train_state", "model_id", "resume_from", "run_rank",
-           "lr_at", "make_feeder", "reads_text", "run_step", "fit", "train_state"]
+__all__ = ["RUN_THREADS", "TrainingError", "TrainResult", "TrainSpec", "build_step", "fit", "load_train_state", "lr_at",
+           "make_feeder", "make_optimizer", "model_id", "reads_text", "resume_from", "run_rank", "run_step",
+           "torch_threads", "train_state"]

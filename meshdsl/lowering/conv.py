@@ -1,0 +1,113 @@
+"""Lowering of conv and its weight gradient: batch and channels split freely, spatial dims by halos.
+
+The compute sharding follows the input ``x``: its batch, spatial and input channel
+splits stay where they are (a split input channel leaves the result a partial sum, as
+an einsum's contraction does); the output channel takes the axes the layout wants for
+the output, else the other operand's, when no dim of ``x`` uses them.  A split spatial
+dim whose output keeps the split trades a halo of ``taps - 1`` rows with the neighbours
+(:func:`~.halo.extend`, shared with every other reader of ``x`` there: the weight
+gradient reuses the forward's); otherwise it is gathered.  The taps are whole.
+"""
+from __future__ import annotations
+
+from ..layout.sharding import Sharding
+from ..ops.conv import conv_valid, weight_grad_valid
+from .halo import Reach, extend, reads, take_window, window_attrs
+from .relayout import keep_microbatches
+from .rules import lowering
+
+
+@reads("conv", "conv_weight_grad")
+def conv_reach(node, slot: int, dim: str) -> Reach | None:
+    """Where output position i of a spatial dim reads x: ``i - before .. i - before + taps - 1``."""
+    if slot:
+        return None
+    for d, _, k, before, _ in node.attrs["spatial"]:
+        if d == dim:
+            ref = node.outputs[0] if node.op.name == "conv" else node.inputs[1]
+            return Reach(before, ref.shape.get(d).size, k - 1)
+    return None
+
+
+def _windows(ctx, attrs, x):
+    for w in attrs["windows"]:
+        x = take_window(ctx, w, x)
+    return x
+
+
+def _conv(ctx, attrs, x, w):
+    return conv_valid(attrs["conv"], _windows(ctx, attrs, x), w)
+
+
+def _weight_grad(ctx, attrs, x, dy):
+    return weight_grad_valid(attrs["conv"], _windows(ctx, attrs, x), dy)
+
+
+def _compute_split(lw, node, xv) -> dict:
+    """Compute dim -> axes: ``x``'s splits, the output channel's where free (see the module docstring)."""
+    a, mesh = node.attrs, lw.mesh
+    x, other = node.inputs
+    split = dict(lw.sharding(xv).split)
+    used = {ax for axes in split.values() for ax in axes}
+    out_dim = a["out_dim"]
+    size = other.shape.get(out_dim).size
+    cands = [lw.target(node.outputs[0]).axes_of(out_dim), lw.sharding(lw.value(other)).axes_of(out_dim)]
+    for axes in cands:
+        if axes and not used & set(axes) and size % mesh.axis_size(axes) == 0:
+            split[out_dim] = axes
+            break
+    return split
+
+
+def _halos(lw, node, xv, split: dict):
+    """``x``'s value with the halos of its split spatial dims glued on, and each spatial dim's
+    window; a spatial dim no exchange serves is gathered (dropped from ``split``)."""
+    mesh, x = lw.mesh, node.inputs[0]
+    for d, *_ in node.attrs["spatial"]:
+        axes = split.get(d, ())
+        if axes and conv_reach(node, 0, d).widths(x.shape.get(d).size, mesh.axis_size(axes)) is None:
+            lw.note(f"{node.name}: no exchange with the neighbours gives the taps' window on '{d}'; "
+                    "the dim is gathered")
+            del split[d]
+    xv = lw.relayout(xv, Sharding.of(x.shape, split), node, f"input 0 of {node.op.name}")
+    windows = []
+    for d, *_ in node.attrs["spatial"]:
+        reach, n, p = conv_reach(node, 0, d), x.shape.get(d).size, mesh.axis_size(split.get(d, ()))
+        hl = 0
+        if p > 1:
+            hl, xv = extend(lw, node, x, xv, d, reach, reach.widths(n, p))
+        windows.append(window_attrs(reach, d, x.shape.index(d), n, p, hl))
+    return xv, tuple(windows)
+
+
+@lowering("conv", "conv_weight_grad")
+def lower_conv(lw, node) -> None:
+    """Lower a conv or its weight gradient; see the module docstring."""
+    mesh, a, out = lw.mesh, node.attrs, node.outputs[0]
+    x, other = node.inputs
+    weight_grad = node.op.name == "conv_weight_grad"
+    xv = lw.reduced(lw.value(x))
+    split = _compute_split(lw, node, xv)
+    xv, windows = _halos(lw, node, xv, split)
+    # The other operand (w, or the weight gradient's dy) is split as the compute is.  The dims
+    # the kernel sums over leave a partial sum: conv's input channel, the weight gradient's
+    # batch and spatial dims.
+    summed = [d for d in x.shape.names if d != a["in_dim"]] if weight_grad else [a["in_dim"]]
+    want = Sharding.of(other.shape, {d: ax for d, ax in split.items() if d in other.shape})
+    ov = lw.relayout(lw.reduced(lw.value(other)), want, node, f"input 1 of {node.op.name}")
+    partial = tuple(ax for ax in mesh.names if any(ax in split.get(d, ()) for d in summed))
+    out_sh = Sharding.of(out.shape, {d: ax for d, ax in split.items() if d in out.shape and d not in summed},
+                         partial)
+    res = lw.new_value(out.shape, out.dtype, out_sh)
+    local = {}
+    for t in (x, other, out):   # the output's spatial sizes last: a valid conv's are smaller
+        local.update({d.name: d.size // mesh.axis_size(split.get(d.name, ())) for d in t.shape})
+    lw.emit("local", node, [xv, ov], [res],
+            args={"fn": _weight_grad if weight_grad else _conv, "attrs": {"conv": a, "windows": windows},
+                  "compute": {d: ax for d, ax in split.items() if d in x.shape},
+                  "sizes": {d.name: d.size for d in x.shape}},
+            flops=node.op.flops(node, local))
+    tgt = lw.target(out)
+    lazy = keep_microbatches(tgt.with_partial(tuple(ax for ax in partial if ax not in tgt.used_axes)),
+                             out_sh, out.shape, mesh)
+    lw.bind(out, lw.relayout(res, lazy, node, f"output of {node.op.name} to its layout"))

@@ -1,0 +1,226 @@
+"""Lowering of ``reshape`` and ``rearrange``: a mesh split survives a merge or a split of dims
+wherever row-major order allows, so no data moves (Mesh-TF's reshape rule).
+
+A reshape regroups dims: each group of consecutive input dims becomes a group of
+consecutive output dims with the same number of elements (a rearrange splits
+each input dim into parts, moves parts, and merges parts into output dims: two
+regroupings with a transpose between them).  A rank's slice of a group is one
+contiguous run of its row-major elements when the group's split dims come first
+(the outermost dims of size > 1, each split whole but the last) and the rest are
+whole.  Its axes, in that order, cut the run into blocks; the same axes split
+the output group from its outer end, an axis at a time, where each axis's size
+divides what is left of the dim it lands on.  Then the local reshape of the
+local slice *is* the output's local slice, and no data moves:
+
+* ``[height, width] -> [(height width)]`` with ``height:data`` may give the
+  merged dim split over ``data``; ``width:data`` may not (a rank's slice is not one
+  run), so the split moves first.
+* ``height -> [hp, ph]`` with ``height:data`` may give ``hp:data`` (``hp`` the
+  outer part, when ``data``'s size divides it); with ``height:(x,y)``, ``x``
+  and ``y`` may land on ``hp`` and ``ph`` in turn.
+
+The rule tries the input's own sharding, that sharding moved onto the outer
+dims of its groups, the input shardings that give each of the output's layout
+targets exactly, and the mixes of them that the generic rule would try, and
+takes the cheapest.  The output's dims follow their
+layout rules, as every tensor's do (Mesh-TF): the merged dim stays split when
+the layout splits it too (``height:data; patches:data``), or when no rule names
+it and the compiler implies the split (:mod:`.implied`); a split that must move
+to another dim moves in one alltoall (a re-layout, :mod:`.relayout`), before the
+reshape or after it, never through an allgather.  Partial sums pass through (the
+op is linear).  The gradient of a reshape is a reshape back, so the backward
+follows the same rule.
+"""
+from __future__ import annotations
+
+import itertools
+
+from ..layout.sharding import Sharding
+from .generic import _price_output, op_flops
+from .relayout import relayout_cost
+from .rules import lowering
+
+
+def carry(mesh, ins, outs) -> list[tuple[str, ...]] | None:
+    """The axes splitting each output dim of one group when the input's split carries over.
+
+    Args:
+      mesh: the mesh (for axis sizes).
+      ins: ``(size, axes)`` per input dim of the group, outer first.
+      outs: the sizes of the group's output dims, outer first (same product).
+
+    Returns:
+      The axes of each output dim, or None when the local slices would not
+      stay contiguous (no split of the output holds the same elements).
+    """
+    seq: list[str] = []
+    open_ = True   # every dim so far is split whole (one element per rank): the next may be split
+    for size, axes in ins:
+        if axes and not open_:
+            return None
+        seq.extend(axes)
+        if mesh.axis_size(axes) < size:
+            open_ = False
+    return place(mesh, seq, outs)
+
+
+def place(mesh, seq, sizes) -> list[tuple[str, ...]] | None:
+    """Axes ``seq`` (major first) split dims of ``sizes`` from the outer end, each axis on the
+    dim it lands on; None where an axis's size does not divide what is left of that dim."""
+    out: list[list[str]] = [[] for _ in sizes]
+    j, left = 0, sizes[0] if sizes else 1
+    for a in seq:
+        z = mesh.sizes[a]
+        while left == 1 and j + 1 < len(sizes):
+            j += 1
+            left = sizes[j]
+        if left % z:
+            return None
+        out[j].append(a)
+        left //= z
+    return [tuple(x) for x in out]
+
+
+class Regroup:
+    """A reshape or a rearrange as stages of groups: ``stages[k]`` lists ``(ins, outs)``,
+    each a tuple of ``(name, size)``; stage k's output names are stage k+1's input names
+    (a rearrange's transpose is free: a dim's split goes with its name)."""
+
+    def __init__(self, stages):
+        self.stages = stages
+
+    @staticmethod
+    def of(node) -> "Regroup":
+        x, y = node.inputs[0].shape, node.outputs[0].shape
+        if node.op.name == "rearrange":
+            parts = node.attrs["parts"]
+            left = [(((d.name, d.size),), tuple((p, parts[p]) for p in g)) for d, g in zip(x, node.attrs["left"])]
+            right = [(tuple((p, parts[p]) for p in g), ((d.name, d.size),)) for d, g in zip(y, node.attrs["right"])]
+            return Regroup([left, right])
+        return Regroup([_groups(x, y)])
+
+    def inverse(self) -> "Regroup":
+        return Regroup([[(o, i) for i, o in st] for st in reversed(self.stages)])
+
+    def map(self, mesh, split: dict, mode: str = "strict") -> list[dict] | None:
+        """The split after each stage, given the input's ``split`` (dim -> axes).
+
+        Where a group's split does not carry over, ``mode`` says what happens:
+        "strict": the answer is None; "drop": that group's output is whole;
+        "move": its axes, in order, split its output from the outer end (the split
+        the output would have, had the input's split sat on the group's outer dims).
+        The last two are suggestions only.
+        """
+        out = []
+        for st in self.stages:
+            nxt = {}
+            for ins, outs in st:
+                got = carry(mesh, [(s, split.get(n, ())) for n, s in ins], [s for _, s in outs])
+                if got is None and mode == "move":
+                    got = place(mesh, [a for n, _ in ins for a in split.get(n, ())], [s for _, s in outs])
+                if got is None:
+                    if mode == "strict":
+                        return None
+                    continue
+                nxt.update({n: a for (n, _), a in zip(outs, got) if a})
+            out.append(nxt)
+            split = nxt
+        return out
+
+
+def _groups(x, y) -> list:
+    """The groups of a row-major reshape from shape ``x`` to ``y``: runs of consecutive dims
+    with equal products, as small as possible."""
+    groups, i, j = [], 0, 0
+    while i < len(x) or j < len(y):
+        gi, gj, pa, pb = [], [], 1, 1
+        if i < len(x):
+            gi.append(x[i])
+            pa, i = pa * x[i].size, i + 1
+        if j < len(y):
+            gj.append(y[j])
+            pb, j = pb * y[j].size, j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(x[i])
+                pa, i = pa * x[i].size, i + 1
+            else:
+                gj.append(y[j])
+                pb, j = pb * y[j].size, j + 1
+        groups.append((tuple((d.name, d.size) for d in gi), tuple((d.name, d.size) for d in gj)))
+    return groups
+
+
+@lowering("reshape", "rearrange")
+def lower_reshape(lw, node) -> None:
+    """Lower a reshape or rearrange; see the module docstring."""
+    node.op.spec(node)   # its checks (a dim that changes size but keeps its name)
+    mesh, (t,), out = lw.mesh, node.inputs, node.outputs[0]
+    rg = Regroup.of(node)
+    vid = lw.reduced(lw.value(t))
+    cur = lw.sharding(vid)
+    # A partial sum passes through lazily when this is its only reader (see generic.py).
+    P = cur.partial if lw.num_uses(t) == 1 else ()
+    tl = tuple(lw.targets(out))
+    # Where the input's split could go: as it is, onto the outer dims of its groups (one
+    # alltoall), or where each of the output's targets comes out of the reshape exactly.
+    back = rg.inverse()
+    sources = [dict(cur.split), back.map(mesh, rg.map(mesh, dict(cur.split), "move")[-1], "drop")[-1]]
+    for tgt, _ in tl:
+        sources.append(back.map(mesh, dict(tgt.split), "drop")[-1])
+    free = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
+    options = [[None] + [d.name for d in t.shape if any(a in s.get(d.name, ()) for s in sources)] for a in free]
+
+    def order_key(d, a):
+        for i, s in enumerate(sources):
+            if a in s.get(d, ()):
+                return (i, s[d].index(a))
+        return (len(sources), mesh.names.index(a))
+
+    itemsize = t.dtype.itemsize
+    best = None
+    for choice in itertools.product(*options):
+        C: dict[str, list[str]] = {}
+        for a, d in zip(free, choice):
+            if d is not None:
+                C.setdefault(d, []).append(a)
+        C = {d: tuple(sorted(ax, key=lambda a: order_key(d, a))) for d, ax in C.items()}
+        if any(t.shape.get(d).size % mesh.axis_size(ax) for d, ax in C.items()):
+            continue
+        stages = rg.map(mesh, C)
+        if stages is None:
+            continue
+        c_in = Sharding.of(t.shape, C, P)
+        c_out = Sharding.of(out.shape, stages[-1], P)
+        c_move, lazy, note = _price_output(out.shape, out.dtype.itemsize, tl, c_out, (), mesh, lw.cost)
+        cost = relayout_cost(t.shape, cur, c_in, mesh, itemsize, lw.cost) + c_move
+        moves = (c_in != cur) + (lazy != c_out)
+        if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and moves < best[1]):
+            best = (cost, moves, C, stages, c_in, c_out, lazy, note)
+    assert best is not None, node   # the whole tensor always regroups
+    _, _, C, stages, c_in, c_out, lazy, note = best
+    vid = lw.relayout(vid, c_in, node, f"input of {node.op.name}")
+    res = lw.new_value(out.shape, out.dtype, c_out)
+    # The note says where a split crossed a merge or a split of dims without moving.
+    ins_split = [C] + stages[:-1]
+    kept = any(len(ins) > 1 or len(outs) > 1 for st, sp in zip(rg.stages, ins_split) for ins, outs in st
+               if any(sp.get(n) for n, _ in ins))
+    local = dict(zip(out.shape.names, c_out.local_shape(out.shape, mesh)))
+    lw.emit("local", node, [vid], [res],
+            args={"fn": node.op.compute, "inplace": None, "attrs": _local_attrs(node, mesh, stages, c_out),
+                  "compute": {}, "sizes": {}},
+            flops=op_flops(node, local), note=f"keeps the split: {c_in} -> {c_out}" if kept else "")
+    if note:
+        lw.note(f"{node.name}: {note}")
+    lw.bind(out, lw.relayout(res, lazy, node, f"output of {node.op.name} to its layout"))
+
+
+def _local_attrs(node, mesh, stages, c_out) -> dict:
+    """The attrs of the op's own kernel on a rank's slice: local sizes instead of global ones."""
+    if node.op.name == "rearrange":
+        parts = node.attrs["parts"]
+        split = stages[0]
+        return {**node.attrs, "sizes": {n: parts[n] // mesh.axis_size(split.get(n, ()))
+                                        for n in node.attrs["sizes"]}}
+    out = node.outputs[0].shape
+    return {"prefix": (), "rest": c_out.local_shape(out, mesh)}

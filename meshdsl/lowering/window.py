@@ -1,0 +1,75 @@
+"""Lowering of pad, slice and shift/roll: a window of their dim, by a halo exchange when it is split.
+
+Each op reads a window of its input along its dim (:class:`~.halo.Reach`).  Computed in
+its input's sharding: where the dim is split and the output keeps the split, the ranks
+trade halos with their neighbours (:func:`~.halo.extend`: one exchange per value and dim,
+shared by every reader) and each takes its window locally; where no such exchange
+reaches, or the cost model finds gathering the dim cheaper (the layout wants the output
+whole anyway), the dim is gathered first, as any op that needs it whole.  A pad read
+only through slices, pads or shifts is not materialised (:func:`~.halo.is_virtual`).
+"""
+from __future__ import annotations
+
+from ..layout.sharding import Sharding
+from .halo import extend, gathered, is_virtual, take_window, through, window_attrs, window_reach
+from .relayout import keep_microbatches, relayout_cost
+from .rules import lowering
+
+
+def _halo_cost(lw, src, comp, dim, widths) -> float:
+    """Seconds the two permutes of a halo exchange of ``widths`` rows take (0 once exchanged)."""
+    mesh = lw.mesh
+    axes = comp.axes_of(dim)
+    n = src.shape.get(dim).size
+    row = comp.local_numel(src.shape, mesh) // (n // mesh.axis_size(axes)) * src.dtype.itemsize
+    return sum(lw.cost.collective("permute", w * row, mesh.axis_size(axes)) for w in widths if w)
+
+
+@lowering("pad", "slice", "shift")
+def lower_window(lw, node) -> None:
+    """Lower a pad, slice, shift or roll; see the module docstring."""
+    mesh, out, dim = lw.mesh, node.outputs[0], node.attrs["dim"]
+    if is_virtual(lw, node):
+        lw.memo[("virtual", id(out))] = True   # its readers read through it: nothing to compute
+        return
+    src, reach = through(lw, node.inputs[0], window_reach(node, 0, dim))
+    vid = lw.reduced(lw.value(src))
+    cur = lw.sharding(vid)
+    # A partial sum passes through lazily where the window is linear (zero fill) and it is the
+    # input's only reader, as the generic rule does for linear ops; otherwise it is reduced.
+    lazy = src is node.inputs[0] and reach.fill == 0.0 and lw.num_uses(src) == 1
+    comp = cur if lazy else Sharding(cur.dims)
+    axes = comp.axes_of(dim)
+    n, size = src.shape.get(dim).size, src.dtype.itemsize
+    tgt = lw.target(out)
+    tgt = keep_microbatches(tgt.with_partial(tuple(a for a in comp.partial if a not in tgt.used_axes)),
+                            comp, out.shape, mesh)
+    if axes:
+        widths = reach.widths(n, mesh.axis_size(axes))
+        whole = gathered(comp, src.shape, dim)
+        out_sh = Sharding.of(out.shape, comp.split, comp.partial)
+        # Where the layout keeps the output split as the input is, the halo is all that moves;
+        # else the cost model weighs it against gathering the input.
+        if widths is not None and tgt.axes_of(dim) != axes:
+            gather = relayout_cost(src.shape, comp, whole, mesh, size, lw.cost) + relayout_cost(
+                out.shape, Sharding.of(out.shape, whole.split, whole.partial), tgt, mesh, size, lw.cost)
+            halo = _halo_cost(lw, src, comp, dim, widths) + relayout_cost(out.shape, out_sh, tgt, mesh,
+                                                                            size, lw.cost)
+            widths = None if gather < halo - 1e-12 else widths
+        elif widths is None:
+            what = f"shift by {reach.s} exceeds the local slice" if node.op.name == "shift" else \
+                "no exchange with the neighbours gives its window"
+            lw.note(f"{node.name}: {what} of '{dim}'; the dim is gathered")
+        if widths is None:
+            comp, axes = whole, ()
+    vid = lw.relayout(vid, comp, node, f"input of {node.op.name}")
+    hl = 0
+    if axes:
+        hl, vid = extend(lw, node, src, vid, dim, reach, widths)
+    out_sh = Sharding.of(out.shape, comp.split, comp.partial)
+    res = lw.new_value(out.shape, out.dtype, out_sh)
+    attrs = window_attrs(reach, dim, src.shape.index(dim), n, mesh.axis_size(axes), hl)
+    lw.emit("local", node, [vid], [res], args={"fn": take_window, "attrs": attrs, "compute": comp.split,
+                                               "sizes": {d.name: d.size for d in src.shape}},
+            flops=out_sh.local_numel(out.shape, mesh))
+    lw.bind(out, lw.relayout(res, tgt, node, f"output of {node.op.name}"))

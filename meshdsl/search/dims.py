@@ -1,0 +1,293 @@
+"""Which dims the layout search splits over each axis role, and why.
+
+Every dim of the training step's graph is a candidate (params, inputs, activations,
+the dims inside ``repeat`` blocks), none by its name alone:
+
+* ``data`` axis: ``batch`` (data parallel), and the params' storage split along one of
+  their dims (FSDP ``params.X``; ZeRO-1/2 ``opt.X``, ``grads.X`` with optimizer state),
+  ranked by the share of the param bytes they shard; ``experts`` with ``batch`` (expert
+  parallel) where the model has it;
+* ``model`` axis: any other dim, alone, or two that no tensor holds together (a
+  Megatron-style pair), ranked by :func:`.estimate.estimate` (kernels and bytes moved
+  with that split alone); not ``batch`` nor a dim renamed from it (the micro-batches
+  split those);
+* ``pipe`` axis: the dim a ``repeat`` scans over.
+
+Per axis size the best :data:`MODEL_KEEP` dims, :data:`PAIR_KEEP` pairs (that
+estimate no worse than those dims alone) and :data:`FSDP_KEEP` param dims are kept,
+with the seeds (the families known to work: DP, Megatron on ``heads`` and ``d_ff``,
+FSDP on ``d_model``, ``seq``, ``experts``, the pipeline) and the dims the caller
+names (``split_dims``, and their pairs); the others are pruned by cost, a dim the
+axis does not divide stays in the space (its candidates are invalid), and a dim in
+``no_split`` is never split.  Each choice is a :class:`Verdict` with its
+figure, for ``meshdsl search --explain``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ..errors import LayoutError, did_you_mean, message
+from .calibrate import Calibration
+from .estimate import Estimate, Profile, estimate, profile
+
+MICROBATCHES = (2, 4, 8)
+SCHEDULES = ("gpipe", "1f1b", "zbh1")
+#: Best single dims kept per model axis size, beside the seeds.
+MODEL_KEEP = 3
+#: Best pairs of dims kept per model axis size, beside Megatron's and the named ones (a pair is
+#: kept only if its estimate is no worse than the worst dim kept alone).
+PAIR_KEEP = 1
+#: Param dims FSDP keeps per data axis size (the ones that shard the most bytes).
+FSDP_KEEP = 2
+MEGATRON = ("heads", "d_ff")
+#: Dims always offered on a model axis (sequence and expert parallelism).
+MODEL_SEEDS = ("seq", "experts")
+#: The name a layout rule reserves for a pipeline (``lowering/pipeline.py``).
+LAYER = "layer"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout option of an axis: its rules, a family name, and what it splits.
+
+    ``pruned`` says why the search does not compile it (by cost); None: it is kept.
+    """
+
+    rules: str
+    name: str
+    split: str
+    microbatches: int = 1
+    schedule: str = ""
+    pruned: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the search made of splitting ``split`` (``"kv_heads"``, ``"heads+d_ff"``,
+    ``"params.d_model"``) over an axis of ``size`` in ``role``: kept or not, and why."""
+
+    role: str
+    size: int
+    split: str
+    kept: bool
+    why: str
+    rules: str = ""
+
+
+class Splits:
+    """The options of each axis role for one model and job, with the verdicts behind them.
+
+    Build with :meth:`of`.  ``options(role, size, per_replica)`` lists an axis's options
+    (pruned ones too, marked); ``verdicts(role, size)`` says why each dim was or was not kept.
+    """
+
+    def __init__(self, prof: Profile, param_bytes: dict[str, int], total_param_bytes: int, cal: Calibration,
+                 job: int, stateful: bool, split_dims: tuple[str, ...] = (), no_split: tuple[str, ...] = ()):
+        self.prof, self.cal, self.job, self.stateful = prof, cal, job, stateful
+        self.dims = prof.dims
+        self.forced, self.banned = tuple(split_dims), frozenset(no_split)
+        self.param_bytes = param_bytes   # dim -> bytes of the params that hold it
+        self.total_param_bytes = max(1, total_param_bytes)
+        self._memo: dict = {}
+
+    @classmethod
+    def of(cls, model, outputs, cal: Calibration, job: int, stateful: bool,
+           split_dims=(), no_split=()) -> "Splits":
+        """The splits of ``model``'s training step ``outputs`` on ``job`` processes.
+
+        Raises:
+          LayoutError: ``split_dims`` or ``no_split`` names a dim the model does not have, or
+            the same dim twice.
+        """
+        prof = profile(outputs)
+        split_dims, no_split = tuple(split_dims or ()), tuple(no_split or ())
+        _check_names(prof.dims, split_dims, no_split)
+        param_bytes: dict[str, int] = {}
+        sizes = [(p.shape.names, p.shape.numel * p.dtype.itemsize) for p in model.params.values()]
+        for names, nbytes in sizes:
+            for d in names:
+                param_bytes[d] = param_bytes.get(d, 0) + nbytes
+        return cls(prof, param_bytes, sum(b for _, b in sizes), cal, job, stateful, split_dims, no_split)
+
+    def estimate(self, split: tuple[str, ...], k: int) -> Estimate:
+        key = ("est", split, k)
+        if key not in self._memo:
+            self._memo[key] = estimate(self.prof, split, k, self.cal, self.job)
+        return self._memo[key]
+
+    def options(self, role: str, size: int, per_replica: int = 1) -> list[Option]:
+        """The options of an axis of ``size`` in ``role`` (the pipe role's depend on the batch
+        per data replica, ``per_replica``, which its micro-batches must divide)."""
+        if role == "pipe":
+            return self._pipe(size, per_replica)[0]
+        return self._role(role, size)[0]
+
+    def verdicts(self, role: str, size: int) -> list[Verdict]:
+        """Why each dim was or was not kept on an axis of ``size`` in ``role``."""
+        return self._pipe(size, 0)[1] if role == "pipe" else self._role(role, size)[1]
+
+    def _role(self, role: str, size: int):
+        key = (role, size)
+        if key not in self._memo:
+            self._memo[key] = self._data(size) if role == "data" else self._model(size)
+        return self._memo[key]
+
+    # ------------------------------------------------------------------ roles
+
+    def _eligible(self, d: str) -> bool:
+        return d in self.dims and d not in self.banned and self.dims[d] > 1
+
+    def _divides(self, d: str, k: int) -> bool:
+        return self.dims[d] % k == 0
+
+    def _data(self, k: int):
+        """DP, ZeRO-1/2 and FSDP over the param dims sharding the most bytes, expert parallel."""
+        if not self._eligible("batch"):
+            why = "not a dim of the model" if "batch" not in self.dims else "excluded (no_split)"
+            return [], [Verdict("data", k, "batch", False, why)]
+        opts = [Option("batch:data", "DP", "batch")]
+        verdicts = [Verdict("data", k, "batch", True, "seed: data parallel", "batch:data")]
+        reserved = {"batch", LAYER, *self.prof.layer_dims}
+        dims = sorted((d for d in self.param_bytes if self._eligible(d) and d not in reserved),
+                      key=lambda d: (-self.param_bytes[d], d))
+        ranked = [d for d in dims if self._divides(d, k)]
+        best = ranked[:FSDP_KEEP]
+        fsdp = []
+        for d in dims:
+            share = f"shards {self.param_bytes[d] / self.total_param_bytes:.0%} of the param bytes"
+            name, rules = ("FSDP" if d == "d_model" else f"FSDP({d})"), f"batch:data; params.{d}:data"
+            pruned = None
+            if not self._divides(d, k):
+                why = f"not divisible: size {self.dims[d]} by {k}"
+            elif d == "d_model":
+                why = f"seed: FSDP, {share}"
+            elif d in self.forced:
+                why = f"named by split_dims, {share}"
+            elif d in best:
+                why = f"kept: {share}, among the {FSDP_KEEP} that shard the most"
+            else:
+                floor = self.param_bytes[best[-1]] / self.total_param_bytes
+                why = pruned = (f"pruned by cost: {share}; FSDP keeps the {FSDP_KEEP} that shard the most "
+                                f"(at least {floor:.0%})")
+            fsdp.append(Option(rules, name, f"params.{d}", pruned=pruned))
+            verdicts.append(Verdict("data", k, f"params.{d}", pruned is None and self._divides(d, k), why, rules))
+        zero = "d_model" if "d_model" in dims else next(iter(ranked), None)
+        if self.stateful and zero is not None:
+            tag = "" if zero == "d_model" else f"({zero})"
+            for name, rules in ((f"ZeRO-1{tag}", f"batch:data; opt.{zero}:data"),
+                                (f"ZeRO-2{tag}", f"batch:data; opt.{zero}:data; grads.{zero}:data")):
+                opts.append(Option(rules, name, rules.rsplit("; ", 1)[-1].split(":")[0]))
+                verdicts.insert(len(opts) - 1, Verdict("data", k, opts[-1].split, self._divides(zero, k),
+                                        f"seed: {name}" if self._divides(zero, k) else
+                                        f"not divisible: size {self.dims[zero]} by {k}", rules))
+        opts += fsdp
+        if self._eligible("experts"):
+            opts.append(Option("batch:data; experts:data", "DP+EP", "experts"))
+            verdicts.append(Verdict("data", k, "experts", True, "seed: expert parallel", "batch:data; experts:data"))
+        return opts, verdicts
+
+    def _model(self, k: int):
+        """Megatron, then every other dim alone or in a pair, best estimate first."""
+        reserved = {LAYER, *self.prof.layer_dims, *self.prof.batch_like}
+        singles = [d for d in self.dims if self._eligible(d) and d not in reserved]
+        kept, bar, scored, cut, tail = self._singles(singles, k)
+        head: list[tuple[Option, Verdict]] = []
+        if all(self._eligible(d) for d in MEGATRON):
+            rules, split = "; ".join(f"{d}:model" for d in MEGATRON), "+".join(MEGATRON)
+            why = "seed: Megatron" + (f", {self.estimate(MEGATRON, k).describe()}"
+                                      if all(self._divides(d, k) for d in MEGATRON) else "")
+            head.append((Option(rules, "TP(megatron)", split), Verdict("model", k, split, True, why, rules)))
+        conflicts = self._pairs(kept, k, bar, scored, cut)
+        scored.sort(key=lambda s: (s[0], s[1].rules))
+        cut.sort(key=lambda s: (s[0], s[1].rules))
+        ordered = head + [(o, v) for _, o, v in scored + cut] + tail
+        return [o for o, _ in ordered if o is not None], [v for _, v in ordered] + conflicts
+
+    def _singles(self, singles: list[str], k: int):
+        """The dims kept alone on a model axis of ``k`` (seeds, named, the best few), the worst
+        estimate kept by rank (the bar a pair must meet), and the scored, cut and indivisible options."""
+        fits = sorted((d for d in singles if self._divides(d, k)), key=lambda d: (self.estimate((d,), k).total_s, d))
+        seeded = set(MODEL_SEEDS) | set(self.forced)
+        kept = [d for d in fits if d in seeded] + [d for d in fits if d not in seeded][:MODEL_KEEP]
+        ranked = [self.estimate((d,), k).total_s for d in kept if d not in seeded]
+        bar = max(ranked or [self.estimate((d,), k).total_s for d in kept] or [0.0])
+        scored, cut = [], []
+        tail = [(None, Verdict("model", k, d, False, "excluded (no_split)")) for d in sorted(self.banned)]
+        for d in singles:
+            rules, name = f"{d}:model", f"TP({d})"
+            if not self._divides(d, k):
+                why = f"not divisible: size {self.dims[d]} by {k}"
+                tail.append((Option(rules, name, d), Verdict("model", k, d, False, why, rules)))
+                continue
+            est = self.estimate((d,), k)
+            if d in kept:
+                why = ("seed" if d in MODEL_SEEDS else "named by split_dims" if d in self.forced else "kept") + \
+                    f": {est.describe()}"
+                scored.append((est.total_s, Option(rules, name, d), Verdict("model", k, d, True, why, rules)))
+            else:
+                why = f"pruned by cost: {est.describe()}, over {bar * 1e3:.2f} ms (the worst of the {MODEL_KEEP} dims kept)"
+                cut.append((est.total_s, Option(rules, name, d, pruned=why), Verdict("model", k, d, False, why, rules)))
+        return kept, bar, scored, cut, tail
+
+    def _pairs(self, kept: list[str], k: int, bar: float, scored: list, cut: list) -> list[Verdict]:
+        """Score the pairs of kept dims that no tensor holds together into ``scored`` / ``cut``:
+        a pair of dims named by split_dims is kept; else the best :data:`PAIR_KEEP` whose estimate
+        is at most ``bar`` (a pair must compete with the dims kept alone).  Returns the conflicts."""
+        pairs, conflicts = [], []
+        for a, b in itertools.combinations(kept, 2):
+            if {a, b} == set(MEGATRON):
+                continue
+            where = self.prof.together(a, b)
+            if where is not None:
+                conflicts.append(Verdict("model", k, f"{a}+{b}", False, f"conflict: tensor {where} holds both"))
+            else:
+                pairs.append(((a, b), self.estimate((a, b), k)))
+        pairs.sort(key=lambda p: (p[1].total_s, p[0]))
+        ranked = 0
+        for (a, b), est in pairs:
+            rules, split = f"{a}:model; {b}:model", f"{a}+{b}"
+            named = a in self.forced and b in self.forced
+            if named or (ranked < PAIR_KEEP and est.total_s <= bar):
+                ranked += 0 if named else 1
+                why = ("named by split_dims" if named else "kept") + f": {est.describe()}"
+                scored.append((est.total_s, Option(rules, f"TP({split})", split),
+                               Verdict("model", k, split, True, why, rules)))
+                continue
+            why = (f"pruned by cost: {est.describe()}, over " +
+                   (f"{bar * 1e3:.2f} ms (the worst dim kept alone)" if est.total_s > bar else
+                    f"the {PAIR_KEEP} better pair{'s' if PAIR_KEEP > 1 else ''} kept"))
+            cut.append((est.total_s, Option(rules, f"TP({split})", split, pruned=why),
+                        Verdict("model", k, split, False, why, rules)))
+        return conflicts
+
+    def _pipe(self, k: int, per_replica: int):
+        key = ("pipe", k, per_replica)
+        if key not in self._memo:
+            opts, verdicts = [], []
+            for layer in self.prof.layer_dims:
+                if layer in self.banned:
+                    verdicts.append(Verdict("pipe", k, layer, False, "excluded (no_split)"))
+                    continue
+                verdicts.append(Verdict("pipe", k, layer, True, "seed: pipeline", f"{layer}:pipe"))
+                tag = "" if layer == LAYER else f"{layer},"
+                for m in MICROBATCHES:
+                    if per_replica % m == 0:
+                        for sched in SCHEDULES:
+                            opts.append(Option(f"{layer}:pipe", f"PP({tag}m={m},{sched})", layer, m, sched))
+            self._memo[key] = opts, verdicts
+        return self._memo[key]
+
+
+def _check_names(dims: dict, split_dims: tuple, no_split: tuple) -> None:
+    bad = [f"'{d}' is not a dim of the model.{did_you_mean(d, dims)}" for d in (*split_dims, *no_split)
+           if d not in dims]
+    both = sorted(set(split_dims) & set(no_split))
+    bad += [f"'{d}' is both in split_dims and in no_split" for d in both]
+    if bad:
+        raise LayoutError(message(
+            "search: split_dims / no_split (--split-dims / --no-split) name dims the search cannot use.",
+            inputs=[f"split_dims: {list(split_dims)}", f"no_split: {list(no_split)}",
+                    f"the model's dims: {', '.join(sorted(dims))}"],
+            bullets=bad, rule="name dims of the model's graph, each in one list at most",
+            fix="name dims from the list above, each once"))

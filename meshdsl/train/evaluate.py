@@ -1,0 +1,83 @@
+"""Eval during training: the loss and the model's metrics on held-out batches.
+
+:class:`Evaluator` compiles the forward plan of the loss and of the model's
+``metrics`` (:class:`~.model.Model`: ``{"accuracy": acc}``, scalars) on the run's
+mesh and layout once, and runs it on the training step's current params for each
+eval batch; each number is the mean over the batches.  A pipeline holds its outputs
+on its last stage only: :func:`agree_held` hands every rank that stage's numbers,
+for the training loss as for the eval.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+from ..exec.executor import Executor
+from ..exec.fold import for_plan
+from ..lowering.compiler import compile as compile_plan
+
+
+class Evaluator:
+    """``evaluator(feeds_list) -> {"loss": mean, <metric>: mean, ...}`` on ``step``'s current params.
+
+    Args:
+      model: the :class:`~.model.Model` (its ``loss`` and ``metrics``).
+      step: the run's :class:`~.step.TrainStep` (its params are read at each call).
+      spec: the run (its ``mesh``, ``layout``, ``microbatches`` and ``schedule``).
+      comm: the communicator of this process's ranks.
+
+    Attributes:
+      plan: the forward plan; its inputs' shardings say which slice of an eval batch each rank reads.
+    """
+
+    def __init__(self, model, step, spec, comm):
+        self.plan = compile_plan({"loss": model.loss, **model.metrics}, spec.mesh, spec.layout,
+                                 microbatches=spec.microbatches, schedule=spec.schedule)
+        self.executor = Executor(self.plan, for_plan(comm, self.plan))
+        self.step, self.comm = step, comm
+        # The forward plan may shard a param otherwise than the training step: then it gets its own slices.
+        train = step.plan
+        self.same = all(self.plan.values[v].sharding == train.values[train.params[k]].sharding
+                        for k, v in self.plan.params.items())
+
+    @property
+    def names(self) -> list[str]:
+        """What a call returns: ``loss``, then each metric."""
+        return list(self.plan.outputs)
+
+    def __call__(self, feeds_list) -> dict[str, float] | None:
+        """The mean of each output over ``feeds_list`` (None for no batch)."""
+        if not feeds_list:
+            return None
+        params = self.step.params
+        if not self.same:
+            full = self.step.full_params()
+            params = {k: self.executor.local_slices(self.plan.values[self.plan.params[k]], full[k])
+                      for k in self.plan.params}
+        got: dict[str, list[float]] = {k: [] for k in self.names}
+        for feeds in feeds_list:
+            outs = self.executor.run(feeds, params)
+            for k in self.names:
+                held = [x for x in outs[k] if x is not None]
+                got[k].append(float(held[0]) if held else float("nan"))
+        return agree_held(self.comm, self.plan, {k: statistics.fmean(v) for k, v in got.items()})
+
+
+def agree_held(comm, plan, values: dict[str, float]) -> dict[str, float]:
+    """``values`` (plan output name -> number) as the ranks that hold those outputs see them.
+
+    A pipeline holds its loss on its last stage; the other stages have NaN.  Every rank takes
+    the numbers of the first rank whose first value is not NaN (a collective when some output
+    is held by some ranks only and this process lacks some ranks; otherwise ``values`` as given).
+    """
+    held_somewhere = any(plan.outputs[k] in plan.holders for k in values)
+    if not held_somewhere or len(getattr(comm, "ranks", ())) == comm.mesh.size:
+        return values
+    for text in comm.agree(" ".join(repr(float(v)) for v in values.values())):
+        nums = [float(x) for x in text.split()]
+        if not math.isnan(nums[0]):
+            return dict(zip(values, nums))
+    return values
+
+
+__all__ = ["Evaluator", "agree_held"]

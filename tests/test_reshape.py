@@ -1,0 +1,285 @@
+"""Reshapes that keep their splits (meshdsl/lowering/reshape.py): which plans they make.
+
+Each case is a reshape or rearrange of a param ``x`` into ``y``, and ``loss =
+sum(y * w)`` with a param ``w`` of ``y``'s dims, so the whole plan is known: the
+loss's allreduce of a scalar plus what the reshape and its gradient (a reshape
+back) move.  Every plan also runs on the simulated mesh against the dense program
+(loss and both gradients).  Meshes ``x:2`` and ``x:2; y:2``.  Layouts name the new
+dims (Mesh-TF's way), or leave them to the rules the reshapes imply
+(meshdsl/lowering/implied.py).
+
+Legend: b batch 2, h height 8, w width 4, c channels 3; hw the merged (height width).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.layout.mesh import Mesh
+from meshdsl.lowering.reshape import carry
+
+B, H, W, C = md.Dim("batch", 2), md.Dim("height", 8), md.Dim("width", 4), md.Dim("channels", 3)
+HW = md.Dim("hw", 32)
+
+
+def _case(make):
+    """(outputs, dense reference) of ``loss = sum(make(x) * w)`` and its gradients."""
+    torch.manual_seed(0)
+    with md.Graph():
+        x = md.param("x", [B, H, W, C], scale=1.0)
+        y = make(x)
+        w = md.param("w", y.shape, scale=1.0)
+        loss = md.reduce_sum(y * w)
+        gx, gw = md.grad(loss, [x, w])
+        outs = {"loss": loss, "grad_x": gx, "grad_w": gw}
+    return outs, md.run_dense(outs, {})
+
+
+def _plan(make, mesh, layout):
+    """The plan's collectives as (op, kind, axes, phase), checked against the dense program."""
+    outs, ref = _case(make)
+    plan = md.compile(outs, mesh, layout, bucket_mb=0)
+    got = md.run_simulated(plan, {})
+    for k, want in ref.items():
+        # fp32 values of O(1): a reshape moves values without arithmetic, only the loss's and the
+        # gradients' sums are split over ranks (another summation order than the dense program).
+        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+    return [(s.op, s.kind, s.axes, s.phase) for s in plan.steps if s.is_collective], plan
+
+
+def _merge(x):
+    return md.reshape(x, [B, HW, C])
+
+
+def _merge_rearrange(x):
+    return md.rearrange(x, "batch height width channels -> batch (height width) channels")
+
+
+def _split(x):
+    return md.reshape(x, [B, md.Dim("hp", 2), md.Dim("ph", 4), W, C])
+
+
+def _split_rearrange(x):
+    return md.rearrange(x, "batch (hp ph) width channels -> batch hp ph width channels", ph=4)
+
+
+def _loss(axes):
+    return [("reduce_sum", "allreduce", axes, "forward")]   # the loss, a partial sum over the axes that split y
+
+
+# (id, make, mesh, layout, the plan's collectives)
+CASES = [
+    # merge: the split dim is the outer part of the merged dim: it stays split
+    ("merge", _merge, "x:2", "height:x; hw:x", _loss(("x",))),
+    ("merge_rearrange", _merge_rearrange, "x:2", "height:x; height_width:x", _loss(("x",))),
+    ("merge_2x2", _merge, "x:2; y:2", "batch:y; height:x; hw:x", _loss(("x", "y"))),
+    ("merge_nested", _merge, "x:2; y:2", "height:(x,y); hw:(x,y)", _loss(("x", "y"))),
+    # split: the split lands on the outer factor (and, nested, on the next one)
+    ("split", _split, "x:2", "height:x; hp:x", _loss(("x",))),
+    ("split_rearrange", _split_rearrange, "x:2", "height:x; hp:x", _loss(("x",))),
+    ("split_nested", _split, "x:2; y:2", "height:(x,y); hp:x; ph:y", _loss(("x", "y"))),
+    ("split_2x2", _split, "x:2; y:2", "width:y; height:x; hp:x", _loss(("x", "y"))),
+    # the split must move to another dim: one alltoall each way, never an allgather
+    ("merge_moves", _merge, "x:2", "width:x; hw:x",
+     [("reshape", "alltoall", ("x",), "forward")] + _loss(("x",)) + [("reshape", "alltoall", ("x",), "backward")]),
+    ("merge_moves_rearrange", _merge_rearrange, "x:2", "width:x; height_width:x",
+     [("rearrange", "alltoall", ("x",), "forward")] + _loss(("x",))
+     + [("rearrange", "alltoall", ("x",), "backward")]),
+    ("merge_moves_2x2", _merge, "x:2; y:2", "batch:y; width:x; hw:x",
+     [("reshape", "alltoall", ("x",), "forward")] + _loss(("x", "y")) + [("reshape", "alltoall", ("x",), "backward")]),
+    ("split_moves", _split, "x:2", "height:x; ph:x",
+     [("reshape", "alltoall", ("x",), "forward")] + _loss(("x",)) + [("reshape", "alltoall", ("x",), "backward")]),
+]
+
+
+@pytest.mark.parametrize("make, mesh, layout, want", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_minimal_collectives(make, mesh, layout, want):
+    got, _ = _plan(make, mesh, layout)
+    assert got == want
+
+
+def test_plan_says_the_split_is_kept():
+    _, plan = _plan(_merge, "x:2", "height:x; hw:x")
+    (fwd,) = [s for s in plan.steps if s.op == "reshape" and s.phase == "forward"]
+    assert fwd.note == "keeps the split: {height:x} -> {hw:x}"
+    assert plan.values[fwd.outs[0]].local_shape(plan.mesh) == (2, 16, 3)
+
+
+def _chain(x):
+    return md.reshape(_merge(x), [B, md.Dim("hq", 4), md.Dim("hr", 8), C])
+
+
+# A dim a reshape makes, which no rule names, inherits the split its reshape carries over
+# (meshdsl/lowering/implied.py): the layout names the source dim only, and no data move.
+# (id, make, mesh, layout, the implied rules)
+IMPLIED = [
+    ("merge", _merge, "x:2", "height:x", ["hw:x"]),
+    ("merge_rearrange", _merge_rearrange, "x:2", "height:x", ["height_width:x"]),
+    ("merge_nested", _merge, "x:2; y:2", "height:(x,y)", ["hw:(x,y)"]),
+    ("split", _split, "x:2", "height:x", ["hp:x"]),
+    ("split_rearrange", _split_rearrange, "x:2", "height:x", ["hp:x"]),
+    ("split_nested", _split, "x:2; y:2", "height:(x,y)", ["hp:x", "ph:y"]),
+    ("chain", _chain, "x:2", "height:x", ["hw:x", "hq:x"]),   # hq is the outer part of hw
+]
+
+
+@pytest.mark.parametrize("make, mesh, layout, rules", [c[1:] for c in IMPLIED], ids=[c[0] for c in IMPLIED])
+def test_implied_split_moves_nothing(make, mesh, layout, rules):
+    """Forward and backward: only the loss's scalar allreduce (the gradient of ``w``, split like
+    ``y``, needs none), and the plan's notes name each implied rule."""
+    got, plan = _plan(make, mesh, layout)
+    axes = tuple(a for a in ("x", "y") if a in mesh)
+    assert got == _loss(axes)
+    assert [str(r) for r, _ in plan.layout.implied] == rules
+    assert str(plan.layout) == layout   # the written layout, as the report prints it
+    assert plan.notes[:len(rules)] == tuple(why for _, why in plan.layout.implied)
+
+
+def test_implied_rule_note():
+    _, plan = _plan(_merge, "x:2", "height:x")
+    assert "implied by reshape: hw:x (from height)" in plan.notes
+
+
+@pytest.mark.parametrize("make, mesh, layout, want", [
+    # the split on the inner part of the merge carries nothing: hw stays whole (gathered once)
+    (_merge, "x:2", "width:x", [("reshape", "allgather", ("x",), "forward")]),
+    # a written rule wins: hp:y, not the implied hp:x
+    (_split, "x:2; y:2", "height:x; hp:y",
+     [("reshape", "allgather", ("x",), "forward"), ("reduce_sum", "allreduce", ("y",), "forward"),
+      ("reshape", "allgather", ("y",), "backward")]),
+    # hw:x would put w's batch and hw on x (w.batch:x): no rule is implied
+    (_merge, "x:2", "x.height:x; w.batch:x",
+     [("reshape", "allgather", ("x",), "forward"), ("mul", "allgather", ("x",), "forward"),
+      ("mul", "allgather", ("x",), "backward")]),
+], ids=["inner_part", "written_rule_wins", "param_conflict"])
+def test_nothing_implied(make, mesh, layout, want):
+    got, plan = _plan(make, mesh, layout)
+    assert plan.layout.implied == ()
+    assert got == want
+
+
+def test_scoped_rule_wins_for_its_tensor():
+    """``w.hw:y`` places w's hw; the implied global ``hw:x`` places every other tensor's."""
+    got, plan = _plan(_merge, "x:2; y:2", "height:x; w.hw:y")
+    assert [str(r) for r, _ in plan.layout.implied] == ["hw:x"]
+    assert plan.values[plan.params["w"]].sharding.split == {"hw": ("y",)}
+    assert ("reshape", "allgather", ("x",), "forward") not in got
+
+
+def test_implied_inside_a_repeat():
+    """A block's reshapes imply rules too: merged and split back in every layer, with the
+    stacked param over the merged dim, ``height:x`` alone moves nothing in either loop."""
+    layer = md.Dim("layer", 2)
+    torch.manual_seed(0)
+    with md.Graph():
+        x = md.param("x", [B, H, W], scale=1.0)
+        w = md.param("w", [layer, HW], scale=1.0)
+        y = md.repeat(lambda h, p: md.reshape(md.tanh(md.reshape(h, [B, HW]) * p["w"]), [B, H, W]),
+                      x, {"w": w}, layer)
+        gx, gw = md.grad(md.reduce_sum(y * y), [x, w])
+        outs = {"y": y, "grad_x": gx, "grad_w": gw}
+    plan = md.compile(outs, "x:2", "height:x", bucket_mb=0)
+    got, want = md.run_simulated(plan, {}), md.run_dense(outs, {})
+    for k in want:
+        # fp32 of O(1): elementwise per layer; only grad_w sums over the batch, in the same order
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+    assert plan.notes == ("implied by reshape: hw:x (from height)",)
+    assert [s for s in plan.steps if s.is_collective] == []
+    assert [t for s in plan.steps for sub in s.subplans for t in sub.steps if t.is_collective] == []
+
+
+def test_rename_passes_on_implied_rules_only():
+    """A rename of a dim the user split moves that split (Mesh-TF); one of a dim whose rule is
+    implied passes the rule on (see the patchify below)."""
+    def make(x):
+        return md.rename(_merge(x), batch="b2")
+    _, plan = _plan(make, "x:2; y:2", "batch:x; height:y")
+    assert [str(r) for r, _ in plan.layout.implied] == ["hw:y"]
+
+
+def test_patchify_moves_no_image_data():
+    """A ViT's patchify (tests/patchify_tiny.py) split over height: the only collectives are the
+    pooled activations' sum and the embedding's gradient, none for the images (it allgathered
+    them before), with the patch dims written or implied by ``height:...`` alone."""
+    from patchify_tiny import Config, build
+    model = build(Config.tiny())
+    (g_embed, g_head) = md.grad(model.loss, [model.params["w_embed"], model.params["w_head"]])
+    outs = {"loss": model.loss, "grad/w_embed": g_embed, "grad/w_head": g_head}
+    feeds = model.feeds(0)
+    ref = md.run_dense(outs, feeds)
+    # the rearrange's merged dim (hp wp) is named hp_wp; the model renames it to patches
+    for mesh, layout in [("data:2", "height:data; hp_wp:data; patches:data"), ("data:2", "height:data"),
+                         ("data:2; sp:2", "batch:data; height:sp; hp_wp:sp; patches:sp"),
+                         ("x:2; y:2", "height:(x,y)")]:
+        plan = md.compile(outs, mesh, layout, bucket_mb=0)
+        got = md.run_simulated(plan, feeds)
+        for k, want in ref.items():
+            # fp32 of O(1): the patch sums are split over ranks, another summation order
+            torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+        # only sums: the head's input (a mean over split patches), the loss, the gradients
+        assert {s.kind for s in plan.steps if s.is_collective} == {"allreduce"}, layout
+        coll = [(s.axes, s.label) for s in plan.steps if s.is_collective]
+        if "sp" not in mesh:
+            axes = ("data",) if mesh == "data:2" else ("x", "y")
+            assert coll == [(axes, "einsum_1"), (axes, "grad/w_embed")], layout
+
+
+def test_merged_batch_keeps_its_microbatches():
+    """Merging batch into tokens keeps the micro-batch split (the batch's outer part), so a
+    token-wise model accumulates gradients over micro-batches; it was refused before."""
+    seq, d, f = md.Dim("seq", 4), md.Dim("d_model", 8), md.Dim("d_ff", 4)
+    batch, tokens = md.Dim("batch", 8), md.Dim("tokens", 32)
+    torch.manual_seed(0)
+    with md.Graph():
+        x = md.input("x", [batch, seq, d])
+        w = md.param("w", [d, f], scale=1.0)
+        y = md.einsum("tokens d_model, d_model d_ff -> tokens d_ff", md.reshape(x, [tokens, d]), w)
+        loss = md.reduce_mean(md.reshape(md.tanh(y), [batch, seq, f]) ** 2)
+        outs = {"loss": loss, "grad_w": md.grad(loss, [w])[0]}
+    feeds = {"x": torch.randn(8, 4, 8, generator=torch.Generator().manual_seed(1))}
+    ref = md.run_dense(outs, feeds)
+    for layout in ("batch:data; tokens:data", "batch:data"):   # tokens:data written, or implied
+        plan = md.compile(outs, "data:2", layout, microbatches=2)
+        got = md.run_simulated(plan, feeds)
+        for k, want in ref.items():
+            # fp32 of O(1): sums over tokens split by ranks and micro-batches, another order
+            torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+        assert set(plan.totals()) == {"allreduce"}, layout   # the loss and the gradient, nothing for the reshapes
+        # the implied rule survives the micro-batch axis's layout
+        assert [str(r) for r, _ in plan.layout.implied] == ([] if "tokens" in layout else ["tokens:data"])
+
+
+def test_predicted_cost():
+    """The layout search's price: a kept split costs no communication, and a split that moves
+    costs one alltoall, less than the allgather of the same bytes that reshapes made before."""
+    from meshdsl.search.calibrate import Calibration
+    from meshdsl.search.predict import predict
+    cal = Calibration.defaults()
+    _, kept = _plan(_merge, "x:2", "height:x; hw:x")
+    # by_op rows: (label, op or collective kind, compute seconds, communication seconds)
+    assert [r for r in predict(kept, cal).by_op if r[0].endswith("reshape") and r[3]] == []
+    _, moved = _plan(_merge, "x:2", "width:x; hw:x")
+    rows = [r for r in predict(moved, cal).by_op if r[0].endswith("reshape") and r[3]]
+    (a2a,) = [s for s in moved.steps if s.kind == "alltoall" and s.phase == "forward"]
+    assert [r[1] for r in rows] == ["alltoall", "alltoall"]   # the forward's and the gradient's
+    assert rows[0][3] == pytest.approx(cal.collective("alltoall", a2a.bytes, 2, 2))
+    assert rows[0][3] < cal.collective("allgather", a2a.bytes, 2, 2)
+
+
+MESH = Mesh.parse("x:2; y:2; z:4")
+
+
+@pytest.mark.parametrize("ins, outs, want", [
+    ([(8, ("x",)), (4, ())], [32], [("x",)]),                  # merge, the outer dim split
+    ([(8, ()), (4, ("x",))], [32], None),                      # merge, the inner dim split: not one run
+    ([(8, ("x", "y"))], [2, 4], [("x",), ("y",)]),             # split over two axes, one per part
+    ([(8, ("z",))], [2, 4], None),                             # z:4 does not divide hp:2
+    ([(2, ("x",)), (4, ("z",))], [8], [("x", "z")]),           # nested: the outer dim split whole
+    ([(2, ()), (4, ("z",))], [8], None),                       # the outer dim whole, the inner split
+    ([(1, ()), (8, ("x",))], [1, 2, 4], [(), ("x",), ()]),     # dims of size 1 are skipped
+    ([(6, ("x",)), (10, ())], [4, 15], [("x",), ()]),          # regrouped: each half is rows 0-1 / 2-3 of [4, 15]
+    ([(6, ("x",)), (10, ())], [3, 20], None),                  # x:2 does not divide 3
+])
+def test_carry(ins, outs, want):
+    assert carry(MESH, ins, outs) == want
