@@ -314,3 +314,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- the command line in-process
+
+
+def run_cli(capsys, argv):
+    """``cli.main(argv)`` -> (exit code, stdout, stderr); argparse's exits are caught too."""
+    try:
+        from meshdsl.tools import cli
+        rc = cli.main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail the test if a process would be started."""
+    def spawn(*a, **k):
+        raise AssertionError("spawn was called for an invalid job")
+    from meshdsl.exec import launch
+    monkeypatch.setattr(launch, "spawn", spawn)

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import time_limit
-from meshdsl.exec import launch
+from conftest import run_cli, time_limit
 from meshdsl.tools import cli, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,22 +32,6 @@ MLP = ["mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:data"]
 PIPE = ["transformer", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage"]  # tiny batch: 4
 
 
-def run_cli(capsys, argv):
-    """``cli.main(argv)`` -> (exit code, stdout, stderr); argparse's exits are caught too."""
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    """Fail the test if a process would be started."""
-    def spawn(*a, **k):
-        raise AssertionError("spawn was called for an invalid job")
-    monkeypatch.setattr(launch, "spawn", spawn)
 
 
 def _syntax_error(tmp: Path) -> str:

@@ -48,6 +48,13 @@ def test_kv_heads_is_split_on_four_processes_and_the_split_matches_dense(capsys)
     assert main(argv) == 0, capsys.readouterr()
 
 
+def test_the_llama_search_lists_kv_heads_splits(capsys):
+    """The issue's check as a user types it: --json lists every ranked candidate."""
+    assert main(["search", "llama", "--nproc", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) > 10 and any("kv_heads:model" in _rules(r["layout"]) for r in rows)
+
+
 def test_the_dims_come_from_the_graph_and_its_repeat_blocks():
     model = md.load_model(GQA)
     prof = profile(model.train_step(0.01))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import time_limit
-from meshdsl.errors import DistributedError, GraphError, MeshDSLError
+from meshdsl.errors import DistributedError, GraphError
 from meshdsl.exec.failures import Raised, RankInternalError, failure_error, user_error
 from meshdsl.tools import cli
 from meshdsl.train.checkpoint_format import CheckpointError

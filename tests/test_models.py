@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,10 +147,21 @@ def test_llama_learns_below_the_unigram_entropy():
     assert r.final_eval_loss < data.unigram_entropy() - 0.5, (r.final_eval_loss, data.unigram_entropy())
 
 
-def test_llama_pipeline_on_processes(capsys):
+# One layout family each on gloo processes (with the vit's data-parallel training run below,
+# every family of the new models has run on real processes).
+ON_PROCESSES = {
+    "llama-pipeline": ["llama", "--mesh", "stage:2", "--layout", "layer:stage", "--microbatches", "2",
+                       "--schedule", "1f1b"],
+    "llama-megatron": ["llama", "--mesh", "model:2", "--layout", "kv_heads:model; d_ff:model"],
+    "vit-fsdp": ["vit", "--mesh", "data:2", "--layout", "batch:data; params.d_model:data"],
+}
+
+
+@pytest.mark.parametrize("job", list(ON_PROCESSES))
+def test_new_models_on_processes(job, capsys):
     from meshdsl.tools import cli
-    rc = cli.main(["check", "llama", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage", "--microbatches", "2",
-                   "--schedule", "1f1b", "--nproc", "2"])
+    name, *rest = ON_PROCESSES[job]
+    rc = cli.main(["check", name, "--tiny", *rest, "--nproc", "2"])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "2 processes" in out and "OK: " in out
@@ -270,3 +283,35 @@ def test_transformer_labels_are_next_tokens():
     model, *_ = _reference("transformer")
     f = model.feeds(3)
     assert torch.equal(f["ids"][:, 1:], f["labels"][:, :-1])
+
+
+# ----------------------------------------------------------------------------- the README's model table
+
+_HEADER_MESH = {"DP": "data:2", "Megatron": "model:2", "FSDP": "data:2", "pipeline": "stage:2", "also": "data:2"}
+
+
+def _readme_cells():
+    """(model, family, mesh, layout) for every layout cell of README.md's model table."""
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| model | DP"))
+    families = [c.strip().split(" ")[0] for c in lines[start].strip("|").split("|")][1:]
+    cells = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        name, *row = [c.strip() for c in ln.strip("|").split("|")]
+        for family, cell in zip(families, row):
+            code = re.findall(r"`([^`]*)`", cell)
+            if code and ":" in code[0]:
+                given = [c for c in code[1:] if re.fullmatch(r"\w+:\d+(; \w+:\d+)*", c)]
+                mesh = given[0] if given else _HEADER_MESH[family]
+                cells.append((name, family, mesh, code[0]))
+    return cells
+
+
+@pytest.mark.parametrize("name, family, mesh, layout", _readme_cells())
+def test_every_layout_of_the_readme_model_table_matches_dense(name, family, mesh, layout):
+    _, outs, feeds, want = _reference(name)
+    m = 2 if family == "pipeline" else 1
+    plan = md.compile(outs, mesh, layout, microbatches=m, schedule="1f1b")
+    _assert_matches(md.run_simulated(plan, feeds), want, f"{name} {family} {mesh} {layout}")

@@ -25,7 +25,6 @@ e (4) the attention feature dim.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest

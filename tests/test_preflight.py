@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import meshdsl as md
-from conftest import time_limit
-from meshdsl.exec import launch
+from conftest import run_cli, time_limit
 from meshdsl.lowering.memory import memory_report
 from meshdsl.tools import cli, preflight
 from meshdsl.train.model import load_model
@@ -30,24 +29,10 @@ BIG = "d_model=100000,d_ff=10000000"
 FAST_S = 3.0  # a refusal comes before any process or tensor: well under a second on an idle machine
 
 
-def _cli(capsys, argv):
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    def spawn(*a, **k):
-        raise AssertionError("spawn was called for a job that should have been refused")
-    monkeypatch.setattr(launch, "spawn", spawn)
 
 
 def test_plan_warns_with_the_figure_and_still_prints_the_plan(capsys):
-    rc, out, err = _cli(capsys, ["plan", "mlp", "--mesh", "data:1", "--config", BIG, "--totals"])
+    rc, out, err = run_cli(capsys, ["plan", "mlp", "--mesh", "data:1", "--config", BIG, "--totals"])
     assert rc == 0 and "FLOPs per rank per step" in out
     assert err.startswith("meshdsl plan: warning: predicted memory ") and "TiB per rank exceeds" in err
     assert "(MemTotal)" in err or "(cgroup memory.max)" in err
@@ -60,7 +45,7 @@ def test_plan_warns_with_the_figure_and_still_prints_the_plan(capsys):
 ], ids=["run", "check --nproc", "train"])
 def test_a_config_beyond_memory_is_refused_before_anything_runs(capsys, no_spawn, argv, words):
     start = time.monotonic()
-    rc, _, err = _cli(capsys, [*argv, "--config", BIG])
+    rc, _, err = run_cli(capsys, [*argv, "--config", BIG])
     assert rc == cli.EXIT_USAGE, err
     assert "Traceback" not in err
     assert "error: the predicted memory, " in err and words in err and "exceeds this machine's memory" in err
@@ -73,10 +58,10 @@ def test_a_config_beyond_memory_is_refused_before_anything_runs(capsys, no_spawn
 def test_the_escape_hatch_runs_it_with_a_warning(capsys, monkeypatch):
     monkeypatch.setattr(preflight, "total_memory_bytes", lambda: (2**10, "MemTotal"))  # a 1 KiB machine
     argv = ["check", "mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:data"]
-    rc, _, err = _cli(capsys, argv)
+    rc, _, err = run_cli(capsys, argv)
     assert rc == cli.EXIT_USAGE and "exceeds this machine's memory, 1.0 KiB (MemTotal)" in err
     monkeypatch.setenv(preflight.MEMORY_CHECK_ENV, "0")
-    rc, out, err = _cli(capsys, argv)
+    rc, out, err = run_cli(capsys, argv)
     assert rc == 0 and "OK" in out
     assert "meshdsl check: warning: predicted memory" in err and "MESHDSL_MEMORY_CHECK=0: running anyway" in err
 
@@ -108,10 +93,10 @@ def test_on_gpus_the_limit_is_a_gpu_memory(monkeypatch):
 def test_out_naming_a_file_is_a_clean_error(capsys, no_spawn, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
-    rc, _, err = _cli(capsys, ["train", "mlp", "--tiny", "--steps", "1", "--out", str(afile)])
+    rc, _, err = run_cli(capsys, ["train", "mlp", "--tiny", "--steps", "1", "--out", str(afile)])
     assert rc == cli.EXIT_USAGE and "Traceback" not in err
     assert f"--out {afile}: the run cannot write its outputs there: it is a file, not a folder." in err
-    rc, _, err = _cli(capsys, ["train", "mlp", "--tiny", "--steps", "1", "--out", str(afile / "run")])
+    rc, _, err = run_cli(capsys, ["train", "mlp", "--tiny", "--steps", "1", "--out", str(afile / "run")])
     assert rc == cli.EXIT_USAGE and f"'{afile}' on its path is a file, not a folder" in err
 
 

@@ -117,8 +117,9 @@ def add_search(sub) -> None:
                    help="processes (mesh devices) to plan for")
     p.add_argument("--memory-limit", type=float_in(0.0, lo_open=True, fix="e.g. --memory-limit 2"), default=None,
                    metavar="GB", help="most memory per rank a layout may need, in GB (10^9 bytes)")
-    p.add_argument("--top", type=int_in(1, fix="e.g. --top 5"), default=10,
-                   help="rows to show, and with --measure the layouts to run (default 10)")
+    p.add_argument("--top", type=int_in(1, fix="e.g. --top 5"), default=None,
+                   help="rows to show, and with --measure the layouts to run (default 10; --json: every "
+                        "ranked candidate)")
     p.add_argument("--measure", action="store_true",
                    help="run the top K on real processes for a few steps each and re-rank by measured time")
     p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 3"), default=3,
@@ -182,13 +183,14 @@ def cmd_search(args) -> int:
                                      fix="pass e.g. --plot search-scatter.png"))
     result, _ = run_search(args, args.nproc)
     rows = result.ranked
-    measured = measure(args, rows[:args.top]) if args.measure else None
+    top = args.top or (len(rows) if args.json and not args.measure else 10)
+    measured = measure(args, rows[:top]) if args.measure else None
     if measured is not None:
-        rows = sorted(rows[:args.top], key=lambda r: measured[id(r)])
+        rows = sorted(rows[:top], key=lambda r: measured[id(r)])
         scatter(rows, measured, args.plot)
     if args.json:
         out = []
-        for r in rows[:args.top]:
+        for r in rows[:top]:
             d = r.to_json()
             if measured is not None:
                 d["measured_ms"] = measured[id(r)] * 1e3
@@ -196,7 +198,7 @@ def cmd_search(args) -> int:
         print(json.dumps(out))
         return 0
     console = _console()
-    print_ranking(result, rows[:args.top], measured, console)
+    print_ranking(result, rows[:top], measured, console)
     if args.explain and len(result.ranked) > 0:
         for line in explain(result):
             console.print(line, highlight=False, soft_wrap=True, markup=False)
