@@ -45,7 +45,6 @@ import torch
 
 import meshdsl as md
 from meshdsl import Model
-from meshdsl.errors import message
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def block(x_bsd, p, rope, cfg: Config):
 def build(cfg: Config = Config()) -> Model:
     """Build the model and its next-token cross-entropy loss."""
     if cfg.d_head % 2:
-        raise md.GraphError(message(f"llama: Config.d_head is {cfg.d_head}, an odd number.",
+        raise md.GraphError(md.errors.message(f"llama: Config.d_head is {cfg.d_head}, an odd number.",
                                     rule="the rotary embedding turns d_head's two halves into each other",
                                     fix=f"give an even d_head, e.g. --config d_head={cfg.d_head + 1}"))
     b, s, d = md.Dim("batch", cfg.batch), md.Dim("seq", cfg.seq), md.Dim("d_model", cfg.d_model)

@@ -185,7 +185,8 @@ def cmd_run(args) -> int:
     model = load_configured(args)
     opt, clip = optimizer_from_args(args)
     # Layout, micro-batch and schedule errors surface here, once, before any process starts.
-    plan = compile_plan(train_outputs(model, args)[0], mesh, args.layout, microbatches=args.microbatches,
+    plan = compile_plan(train_outputs(model, args, with_grads=False)[0], mesh, args.layout,
+                        microbatches=args.microbatches,
                         schedule=args.schedule, bucket_mb=args.bucket_mb)
     check_job_memory(args, plan, "run")
     summary = schedule_summary(plan)

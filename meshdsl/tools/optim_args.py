@@ -93,17 +93,20 @@ def describe(opt: Optimizer | None, clip: float | None) -> str:
     return f"{opt!r}" + (f", clip_norm={clip:g}" if clip is not None else "")
 
 
-def train_outputs(model, args) -> tuple[dict, dict]:
-    """The training step's outputs for ``plan``/``check`` and the hyperparameter feeds they read."""
+def train_outputs(model, args, with_grads: bool = True) -> tuple[dict, dict]:
+    """The training step's outputs for ``plan``/``check`` and the hyperparameter feeds they read.
+
+    ``with_grads=False``: the outputs a rank's ``TrainStep`` runs (``run``'s memory figures
+    are those of that plan, which keeps no gradient as an output)."""
     from ..ir.precision import mixed_precision
     from ..train.step import optimizer_outputs, training_outputs
 
     opt, clip = optimizer_from_args(args)
     loss = mixed_precision(model.loss, getattr(args, "precision", "fp32"))
     if opt is None:
-        if loss is model.loss:
+        if loss is model.loss and with_grads:
             return model.train_step(args.lr), {}
-        return training_outputs(loss, model.params, args.lr, with_grads=True), {}
+        return training_outputs(loss, model.params, args.lr, with_grads=with_grads), {}
     outs = optimizer_outputs(loss, model.params, opt, clip is not None)
     feeds = opt.feeds(0)
     if clip is not None:
