@@ -1,10 +1,15 @@
-"""Code the distributed benchmarks share: the torch sides of the transformer, as one place.
+"""Code the benchmarks share: the machine they ran on, and the torch sides of the transformer.
 
+* :func:`machine_start` / :func:`machine_end`: every bench prints the machine (cores, CPU,
+  torch version, device, torch threads) and its load average when it starts and when it ends,
+  and keeps both in its JSON: on a shared machine a figure means little without the load;
 * :func:`setup`: a meshdsl model, its feeds and its initial weights as full tensors (every
   variant of every bench starts from them, so step-0 losses can be compared);
-* :func:`sgd`: the manual SGD update the torch variants use (``p - g * lr``, meshdsl's rounding);
+* :func:`sgd_optimizer`: ``torch.optim.SGD`` as a careful torch engineer sets it up (the fused
+  kernel, or foreach where the params are DTensors, which the fused kernel does not shard);
 * :func:`paired_ratio`: two variants' per-turn samples compared turn by turn;
-* :func:`torch_step`: plain torch on one process (``dense_vs_torch.TorchGPT``);
+* :func:`torch_step`: plain torch on one process (``dense_vs_torch.TorchGPT``), eager or
+  through ``torch.compile``;
 * :class:`First` / :class:`Last` and :func:`torch_pipe_step`: the transformer cut into two
   ``torch.distributed.pipelining`` stages, optionally with each stage's module wrapped
   (DDP over a data-parallel group, for pipeline + data parallelism).
@@ -14,6 +19,8 @@ The timing harness itself (turns, rounds, CPU ticks) is ``distributed_mlp._inter
 from __future__ import annotations
 
 import math
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -24,10 +31,61 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from dense_vs_torch import TorchGPT  # noqa: E402  (the torch twin of models/transformer.py)
 
 GPT = str(ROOT / "models" / "transformer.py")
 
+
+# ----------------------------------------------------------------------------- the machine
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_start(device: str = "cpu", say=print, threads: int | None = None) -> dict:
+    """Print the machine and its load now; return both as a dict for the bench's JSON (pass it
+    to :func:`machine_end` when the bench is done).
+
+    Args:
+      device: where the bench runs its torch work (``cpu``, ``cuda``, ``cuda:1``).
+      say: how to print a line (``print``, or a rich console's ``print``).
+      threads: torch threads per process of the bench's work, where that is not this process
+        (spawned ranks); default this process's ``torch.get_num_threads()``.
+    """
+    dev = torch.device(device)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {"cores": os.cpu_count(), "usable_cores": usable, "cpu": _cpu_model(), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": f"cuda ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else dev.type,
+            "torch_threads": torch.get_num_threads() if threads is None else threads, "load_start": _load()}
+    say(f"machine: {info['cores']} cores ({usable} usable), {info['cpu']}; torch {info['torch']}, "
+        f"device {info['device']}, {info['torch_threads']} torch thread(s) per process")
+    say(f"load average at start: {_load_text(info['load_start'])}")
+    return info
+
+
+def machine_end(info: dict, say=print) -> dict:
+    """Print the load average now and add it to ``info`` (as ``load_end``); returns ``info``."""
+    info["load_end"] = _load()
+    say(f"load average at end: {_load_text(info['load_end'])} (at start: {_load_text(info['load_start'])}; "
+        f"{info['cores']} cores)")
+    return info
+
+
+def _load_text(load: list[float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in load) + " (1 / 5 / 15 min)"
+
+
+# ----------------------------------------------------------------------------- torch sides
 
 def setup(seed: int, model_file: str = GPT, **config):
     """(meshdsl model, feeds, initial weights by name as full tensors); ``config``: load_model's
@@ -38,13 +96,19 @@ def setup(seed: int, model_file: str = GPT, **config):
     return model, model.feeds(seed), {k: init_value(t, seed) for k, t in model.params.items()}
 
 
-def sgd(params, lr):
-    """``p -= g * lr`` for every param with a gradient, then drop the gradients."""
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.sub_(p.grad * lr)
-                p.grad = None
+def sgd_optimizer(params, lr: float) -> torch.optim.SGD:
+    """Plain SGD (``p -= lr * g``) in one kernel call over all params: ``fused=True``, or
+    ``foreach=True`` where some params are DTensors (FSDP2, tensor parallelism), for which torch
+    registers no sharding rule of the fused kernel.  DTensors and plain tensors (tensor
+    parallelism splits the blocks only) go in two param groups: one foreach call never mixes them."""
+    from torch.distributed.tensor import DTensor
+    params = list(params)
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return torch.optim.SGD(params, lr=lr, fused=True)
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return torch.optim.SGD([g for g in ({"params": plain}, {"params": sharded}) if g["params"]], lr=lr,
+                           foreach=True)
 
 
 def paired_ratio(a: list[float], b: list[float]) -> dict:
@@ -59,21 +123,26 @@ def paired_ratio(a: list[float], b: list[float]) -> dict:
     return {"median": statistics.median(r), "p10": lo, "p90": hi, "turns": len(r)}
 
 
-def torch_step(cfg, w, feeds, lr, m: int = 1):
-    """Plain torch on one process: TorchGPT, autograd, manual SGD; with ``m`` > 1 the batch goes
-    through in ``m`` micro-batches whose gradients accumulate (each loss scaled by 1/m), as a
-    pipeline stage runs it, on one process: what cutting the batch alone costs."""
+def torch_step(cfg, w, feeds, lr, m: int = 1, compile: bool = False):
+    """Plain torch on one process: TorchGPT (SDPA attention), autograd, fused SGD; with
+    ``compile`` the module goes through ``torch.compile`` (inductor; the first step compiles).
+    With ``m`` > 1 the batch goes through in ``m`` micro-batches whose gradients accumulate (each
+    loss scaled by 1/m), as a pipeline stage runs it, on one process: what cutting the batch
+    alone costs."""
+    from dense_vs_torch import TorchGPT
     net = TorchGPT(cfg, w)
-    params = list(net.parameters())
+    model = torch.compile(net) if compile else net
+    opt = sgd_optimizer(net.parameters(), lr)
     chunks = list(zip(feeds["ids"].chunk(m), feeds["labels"].chunk(m)))
 
     def step():
         total = 0.0
         for ids, labels in chunks:
-            loss = net(ids, labels)
+            loss = model(ids, labels)
             (loss / m if m > 1 else loss).backward()
             total += loss.item()
-        sgd(params, lr)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return total / m
     return step
 
@@ -81,7 +150,7 @@ def torch_step(cfg, w, feeds, lr, m: int = 1):
 class First(nn.Module):
     """Stage 0: token + position embedding, blocks 0 .. L/2-1."""
 
-    def __init__(self, net: TorchGPT):
+    def __init__(self, net: nn.Module):
         super().__init__()
         self.wte, self.wpe = net.wte, net.wpe
         self.blocks = nn.ModuleList(net.blocks[: len(net.blocks) // 2])
@@ -96,7 +165,7 @@ class First(nn.Module):
 class Last(nn.Module):
     """Stage 1: blocks L/2 .., the final norm and the LM head (logits)."""
 
-    def __init__(self, net: TorchGPT):
+    def __init__(self, net: nn.Module):
         super().__init__()
         self.cfg = net.cfg
         self.blocks = nn.ModuleList(net.blocks[len(net.blocks) // 2:])
@@ -121,6 +190,8 @@ def torch_pipe_step(cfg, w, feeds, lr, schedule: str, m: int, stage_index: int |
         torch's stages run the backward of all but the last micro-batch under ``no_sync``.
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from dense_vs_torch import TorchGPT
     stage_index = dist.get_rank() if stage_index is None else stage_index
     net = TorchGPT(cfg, w)
     module = First(net) if stage_index == 0 else Last(net)
@@ -133,7 +204,7 @@ def torch_pipe_step(cfg, w, feeds, lr, schedule: str, m: int, stage_index: int |
         return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
     # scale_grads (the default) divides the summed micro-batch gradients by m: the full batch's mean.
     sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
-    params = list(module.parameters())
+    opt = sgd_optimizer(module.parameters(), lr)
 
     def step(ids=feeds["ids"], labels=feeds["labels"]):
         if stage_index == 0:
@@ -143,6 +214,7 @@ def torch_pipe_step(cfg, w, feeds, lr, schedule: str, m: int, stage_index: int |
             losses: list = []
             sched.step(target=labels, losses=losses)
             loss = torch.stack(losses).mean().item()
-        sgd(params, lr)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss
     return step

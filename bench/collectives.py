@@ -6,7 +6,7 @@ barrier, then ``--reps`` back-to-back calls whose mean is the turn's sample, the
 rank's.  Per kind and size it reports the median over turns of each transport's time and
 busy CPU time per call (the process's, gloo's thread included), and their ratio.  The sizes
 are the bytes each rank sends in: 64 KiB, 1 MiB, 4 MiB (one shared-memory slot) and 16 MiB
-(in pieces of a slot).  ``sendrecv`` is a pipeline's transfer (exec/shm_pipe.py against gloo's
+(in pieces of a slot).  ``sendrecv`` is a pipeline's transfer (comm/shm_pipe.py against gloo's
 ``isend``/``irecv``): ranks 2i and 2i+1 bounce the tensor, and a call is one round trip (a
 send each way).
 
@@ -84,8 +84,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from rich.console import Console
     from rich.table import Table
-    from meshdsl.exec import shm
-    from meshdsl.exec.launch import spawn
+    from meshdsl.comm import shm
+    from meshdsl.processes.launcher import spawn
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import machine_end, machine_start
+    machine = machine_start(threads=1)
     if not shm.supported():
         print("shared-memory collectives need x86-64 Linux with /dev/shm", file=sys.stderr)
         return 2
@@ -111,9 +114,10 @@ def main(argv=None) -> int:
                           f"{fig['shm'][0] / fig['gloo'][0]:.2f}", f"{fig['shm'][1]:.3f}", f"{fig['gloo'][1]:.3f}")
     Console(width=max(Console().width, 110)).print(table)
     print(f"shared-memory slot: {shm.SLOT_BYTES >> 20} MiB (a larger tensor goes in pieces of a slot)")
+    machine_end(machine)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"nproc": args.nproc, "turns": args.turns, "reps": args.reps, "rows": rows},
-                                  indent=1))
+    RESULTS.write_text(json.dumps({"nproc": args.nproc, "turns": args.turns, "reps": args.reps, "rows": rows,
+                                   "machine": machine}, indent=1))
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 

@@ -4,17 +4,28 @@ Workload: models/transformer.py at its default Config (vocab 256, d_model 256, 8
 4 layers, seq 64, batch 16, fp32), one step = forward + backward + SGD, 1 torch thread per process.
 
   procs  torch                                       meshdsl (mesh / layout)
-  1      plain torch (TorchGPT, autograd, SGD)       data:1 / ""
+  1      plain torch (TorchGPT: SDPA attention,      data:1 / ""
+         autograd, fused SGD); and through
+         torch.compile ("torch compiled")
   2      bound: plain torch on each rank's half of   (none: the ceiling of every 2-process variant
          the batch, no communication at all           on this machine, not a training step)
-  2      DDP (each rank B/2)                         data:2 / batch:data
+  2      DDP (each rank B/2); and torch.compile      data:2 / batch:data
+         of the DDP module ("DDP compiled")
   2      DTensor Megatron TP (q,k,v,fc colwise;      model:2 / heads:model; d_ff:model
          o,proj rowwise)
   2      torch.distributed.pipelining Schedule1F1B,  stage:2 / layer:stage, 1f1b, m=8
          m=8 (embedding + blocks 0-1 | 2-3 + head)    and stage:2 / layer:stage, zbh1, m=8 (ZB-H1)
-  2      FSDP2 (fully_shard per block, then root)    data:2 / batch:data; params.d_model:data
+  2      FSDP2 (fully_shard per block, then root);   data:2 / batch:data; params.d_model:data
+         and each block through torch.compile
+         before it is sharded ("FSDP2 compiled")
   4      DTensor TP on a 2x2 device mesh + DP        data:2; model:2 / batch:data; heads:model; d_ff:model
   4      pipelining 1F1B m=8 + DDP per stage         stage:2; data:2 / layer:stage; batch:data, 1f1b, m=8
+
+Every torch side is written as a careful torch engineer would: ``F.scaled_dot_product_attention``
+(causal flag, no mask tensor), ``torch.optim.SGD`` fused (foreach over DTensor params, which the
+fused kernel does not shard), device meshes built on the CPU explicitly under gloo (so the bench
+runs on a host with a GPU too).  The compiled rows compile on their first step, which is untimed
+(compile time is not in their figures); their memory jobs are left out (compiling's own memory).
 
 The 4-process torch counterparts: DDP cannot wrap a module whose params are DTensors, and
 FSDP2 + TP would change the comparison (sharded params); so "torch DP+TP" runs DTensor TP on
@@ -23,7 +34,7 @@ buffer per step, which is what DDP does with one bucket.  "torch PP+DP" wraps ea
 module in DDP over its data-parallel group; torch's pipeline stage runs the backward of all
 but the last micro-batch under ``no_sync``, so DDP reduces once per step.
 
-Harness (bench/distributed_mlp.py's): every variant runs under meshdsl.exec.launch.spawn;
+Harness (bench/distributed_mlp.py's): every variant runs under meshdsl.processes.launcher.spawn;
 a round is one 1-process, one 2-process and one 4-process job; inside a job the variants
 take rotating turns (one untimed step, a barrier, ``block - 1`` steps back to back; the
 turn's sample is their mean, the slowest rank's).  Busy CPU time is the process's
@@ -67,7 +78,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import paired_ratio, setup, sgd, torch_pipe_step, torch_step  # noqa: E402
+from _common import (machine_end, machine_start, paired_ratio, setup, sgd_optimizer,  # noqa: E402
+                     torch_pipe_step, torch_step)
 from dense_vs_torch import TorchGPT  # noqa: E402
 from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the shared harness)
 
@@ -80,9 +92,9 @@ LOSS_RTOL = 1e-4
 #: Each rank steps plain torch on its half of the batch and never communicates: no variant on two
 #: processes can beat it on this machine (its step-0 loss, the mean of the halves', is the batch's).
 BOUND = "bound (no comm)"
-JOBS = {1: ("torch", "meshdsl 1p"),
-        2: (BOUND, "DDP", "meshdsl DP", "DTensor TP", "meshdsl TP", "torch 1F1B", "meshdsl 1F1B", "meshdsl ZB-H1",
-            "FSDP2", "meshdsl FSDP"),
+JOBS = {1: ("torch", "torch compiled", "meshdsl 1p"),
+        2: (BOUND, "DDP", "DDP compiled", "meshdsl DP", "DTensor TP", "meshdsl TP", "torch 1F1B", "meshdsl 1F1B",
+            "meshdsl ZB-H1", "FSDP2", "FSDP2 compiled", "meshdsl FSDP"),
         4: ("torch DP+TP", "meshdsl DP+TP", "torch PP+DP", "meshdsl PP+DP")}
 VARIANTS = tuple(k for names in JOBS.values() for k in names)
 NPROC = {k: n for n, names in JOBS.items() for k in names}
@@ -92,13 +104,20 @@ MESHDSL = {"meshdsl 1p": ("data:1", "", 1), "meshdsl DP": ("data:2", "batch:data
            "meshdsl FSDP": ("data:2", "batch:data; params.d_model:data", 1),
            "meshdsl DP+TP": ("data:2; model:2", "batch:data; heads:model; d_ff:model", 1),
            "meshdsl PP+DP": ("stage:2; data:2", "layer:stage; batch:data", M)}
+# ---- meshdsl --compile (issue 37, item 2): its variants ("meshdsl 1p compiled", "meshdsl DP compiled",
+# "meshdsl FSDP compiled", set beside the torch compiled rows in PEERS) go here once the executor can
+# compile a plan; until then there are none (none is faked).
+#: torch variants that go through torch.compile: no memory job (compiling's own memory would count)
+COMPILED = ("torch compiled", "DDP compiled", "FSDP2 compiled")
 #: the pipeline schedule of a pipelined meshdsl variant (1f1b unless named here)
 SCHEDULE = {"meshdsl ZB-H1": "zbh1"}
-#: meshdsl variant -> its torch counterpart (the ratios the issue asks for; torch's zero-bubble
-#: schedules need several stages per rank, so ZB-H1 is set beside torch's 1F1B)
-PEERS = {"meshdsl 1p": "torch", "meshdsl DP": "DDP", "meshdsl TP": "DTensor TP", "meshdsl 1F1B": "torch 1F1B",
-         "meshdsl ZB-H1": "torch 1F1B",
-         "meshdsl FSDP": "FSDP2", "meshdsl DP+TP": "torch DP+TP", "meshdsl PP+DP": "torch PP+DP"}
+#: (meshdsl variant, its torch counterpart): the ratios the issue asks for; torch's zero-bubble
+#: schedules need several stages per rank, so ZB-H1 is set beside torch's 1F1B.  Eager meshdsl
+#: beside compiled torch too: what a user who compiles torch would compare against.
+PEERS = (("meshdsl 1p", "torch"), ("meshdsl 1p", "torch compiled"), ("meshdsl DP", "DDP"),
+         ("meshdsl DP", "DDP compiled"), ("meshdsl TP", "DTensor TP"), ("meshdsl 1F1B", "torch 1F1B"),
+         ("meshdsl ZB-H1", "torch 1F1B"), ("meshdsl FSDP", "FSDP2"), ("meshdsl FSDP", "FSDP2 compiled"),
+         ("meshdsl DP+TP", "torch DP+TP"), ("meshdsl PP+DP", "torch PP+DP"))
 
 
 def _device() -> torch.device:
@@ -137,15 +156,14 @@ class LinearBlock(nn.Module):
         self.q, self.k, self.v = (_linear(w[n].reshape(d, he)) for n in ("wq", "wk", "wv"))
         self.o = _linear(w["wo"].reshape(he, d))
         self.fc, self.proj = _linear(w["w_fc"]), _linear(w["w_proj"])
-        self.register_buffer("causal", torch.tril(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool)))
 
     def forward(self, x):
         B, S, D = x.shape
         E = self.cfg.d_head
         h = F.layer_norm(x, (D,), self.ln1_w, self.ln1_b, eps=1e-5)
         q, k, v = (lin(h).view(B, S, -1, E).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        att = ((q @ k.transpose(-2, -1)) * E ** -0.5).masked_fill(~self.causal, -1e9).softmax(-1)
-        x = x + self.o((att @ v).transpose(1, 2).reshape(B, S, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # this rank's heads under TP
+        x = x + self.o(y.transpose(1, 2).reshape(B, S, -1))
         h = F.layer_norm(x, (D,), self.ln2_w, self.ln2_b, eps=1e-5)
         return x + self.proj(F.gelu(self.fc(h)))
 
@@ -172,15 +190,17 @@ def _tensor_parallel(cfg, w, tp_mesh) -> LinearGPT:
 
 
 def module_step(net, ids, labels, lr, after_backward=None):
-    """One SGD step of ``net`` (plain, DDP, DTensor or FSDP2); returns this rank's loss."""
-    params = list(net.parameters())
+    """One SGD step of ``net`` (plain, DDP, DTensor or FSDP2, eager or compiled); returns this
+    rank's loss."""
+    opt = sgd_optimizer(net.parameters(), lr)
 
     def step():
         loss = net(ids, labels)
         loss.backward()
         if after_backward is not None:
             after_backward()
-        sgd(params, lr)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss.item()
     return step
 
@@ -203,24 +223,30 @@ def torch_variant(name, cfg, w, feeds, lr):
     dev = _device()
     w, feeds = _on(w, dev), _on(feeds, dev)
     ids, labels = feeds["ids"], feeds["labels"]
-    if name == "torch":
-        return torch_step(cfg, w, feeds, lr)
+    if name in ("torch", "torch compiled"):
+        return torch_step(cfg, w, feeds, lr, compile=name == "torch compiled")
     rank, world = (dist.get_rank(), dist.get_world_size())
     if name == BOUND:
         return torch_step(cfg, w, {"ids": _rows(ids, rank, world), "labels": _rows(labels, rank, world)}, lr)
-    if name == "DDP":
+    if name in ("DDP", "DDP compiled"):
         net = nn.parallel.DistributedDataParallel(TorchGPT(cfg, w).to(dev))
+        net = torch.compile(net) if name == "DDP compiled" else net   # graph split at DDP's buckets
         return module_step(net, _rows(ids, rank, world), _rows(labels, rank, world), lr)
     if name == "DTensor TP":
         return module_step(_tensor_parallel(cfg, w, init_device_mesh(dev.type, (world,))), ids, labels, lr)
     if name == "torch 1F1B":
         return torch_pipe_step(cfg, w, feeds, lr, "1f1b", M)
-    if name == "FSDP2":
+    if name in ("FSDP2", "FSDP2 compiled"):
         from torch.distributed.fsdp import fully_shard
         net = TorchGPT(cfg, w)
+        if name == "FSDP2 compiled":  # torchtitan's order: compile each block, then shard it
+            net.blocks = nn.ModuleList(torch.compile(b) for b in net.blocks)
+        # The mesh on this process's device type, explicitly: fully_shard's default mesh is on
+        # CUDA whenever a GPU is visible, even under gloo.
+        mesh = init_device_mesh(dev.type, (world,))
         for b in net.blocks:
-            fully_shard(b)
-        fully_shard(net)
+            fully_shard(b, mesh=mesh)
+        fully_shard(net, mesh=mesh)
         return module_step(net, _rows(ids, rank, world), _rows(labels, rank, world), lr)
     if name == "torch DP+TP":
         mesh2 = init_device_mesh(dev.type, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -244,7 +270,7 @@ def torch_variant(name, cfg, w, feeds, lr):
 
 def meshdsl_variant(name, model, feeds, lr, seed, stats):
     """A meshdsl TrainStep of variant ``name``; appends each timed step's split to ``stats``."""
-    from meshdsl.exec.distributed import TorchComm
+    from meshdsl.comm.distributed import TorchComm
     from meshdsl.train.jobs import agree_plan
     from meshdsl.train.step import TrainStep
     mesh, layout, m = MESHDSL[name]
@@ -306,7 +332,7 @@ def _loss(values) -> float:
 
 
 def bench(args) -> int:
-    from meshdsl.exec.launch import spawn
+    from meshdsl.processes.launcher import spawn
     names = args.only or VARIANTS
     gpus = torch.cuda.device_count() if args.backend == "nccl" else None
     skipped = [k for k in names if gpus is not None and NPROC[k] > gpus]
@@ -314,7 +340,8 @@ def bench(args) -> int:
     jobs = {n: [k for k in ks if k in names] for n, ks in JOBS.items()}
     jobs = {n: ks for n, ks in jobs.items() if ks}
     reps, rounds = (2, 1) if args.quick else (args.reps, args.rounds)
-    t0, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
+    machine = machine_start("cpu" if args.backend == "gloo" else "cuda", threads=1)
+    t0, ticks0 = time.perf_counter(), _cpu_ticks()
     times = {k: [] for k in names}
     cpu = {k: [] for k in names}
     per_round = {k: [] for k in names}
@@ -336,18 +363,20 @@ def bench(args) -> int:
                     last[k] = _loss([r["last"][k] for r in res])
     memory = {}
     if not args.quick and not args.no_memory:
-        for k in (k for k in names if k != BOUND):
+        for k in (k for k in names if k != BOUND and k not in COMPILED):
             res = spawn(memory_job, NPROC[k], args=(k, args.lr, args.seed), mesh=f"data:{NPROC[k]}",
                         backend=args.backend, timeout=600)
             memory[k] = {"peak_mib": [r["peak"] / 2 ** 20 for r in res],
                          "added_mib": [(r["peak"] - r["base"]) / 2 ** 20 for r in res]}
-    wall_s, ticks1, load1 = time.perf_counter() - t0, _cpu_ticks(), os.getloadavg()
+    wall_s, ticks1 = time.perf_counter() - t0, _cpu_ticks()
+    machine_end(machine)
     steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
     out = summarise(args, names, times, cpu, per_round, split, loss0, last, memory)
     out["run"] = {"rounds": rounds, "reps": reps, "block": args.block, "warmup": args.warmup, "quick": args.quick,
-                  "backend": args.backend, "skipped": skipped, "wall_s": wall_s, "loadavg_start": load0,
-                  "loadavg_end": load1, "steal_fraction": steal, "torch": torch.__version__,
-                  "python": platform.python_version(), "cpus": os.cpu_count()}
+                  "backend": args.backend, "skipped": skipped, "wall_s": wall_s, "machine": machine,
+                  "loadavg_start": machine["load_start"], "loadavg_end": machine["load_end"],
+                  "steal_fraction": steal, "torch": torch.__version__, "python": platform.python_version(),
+                  "cpus": os.cpu_count()}
     print_tables(out)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1))
@@ -377,8 +406,8 @@ def summarise(args, names, times, cpu, per_round, split, loss0, last, memory) ->
                          "memory": memory.get(k),
                          **({"mesh": MESHDSL[k][0], "layout": MESHDSL[k][1]} if k in MESHDSL else {})}
                      for k in names},
-        "ratios": {f"{k} / {p}": med[k] / med[p] for k, p in PEERS.items() if k in med and p in med},
-        "paired_ratios": {f"{k} / {p}": paired_ratio(times[k], times[p]) for k, p in PEERS.items()
+        "ratios": {f"{k} / {p}": med[k] / med[p] for k, p in PEERS if k in med and p in med},
+        "paired_ratios": {f"{k} / {p}": paired_ratio(times[k], times[p]) for k, p in PEERS
                           if k in med and p in med},
         "loss_step0_ok": {k: abs(v - base_loss) <= LOSS_RTOL * abs(base_loss) for k, v in loss0.items()},
         "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},

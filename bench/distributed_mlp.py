@@ -1,18 +1,20 @@
 """MLP training step on 2 gloo processes: meshdsl DP and Megatron TP vs DDP and DTensor.
 
 Workload: models/mlp.py (B=64, d_model=512, d_ff=2048, fp32, MSE), one step =
-forward + backward + SGD update, every process on 1 torch thread.  Seven variants:
+forward + backward + SGD update, every process on 1 torch thread.  Nine variants:
 
-  1 proc    plain torch (two matmuls + relu + MSE, autograd, manual SGD): the baseline
+  1 proc    plain torch (two matmuls + relu + F.mse_loss, autograd, fused SGD): the baseline
+  1 proc    torch compiled: the same module through torch.compile (compiles on its first,
+            untimed step)
   1 proc    meshdsl, mesh "data:1", layout ""   (framework overhead reference)
-  2 procs   DDP, each rank B/2
+  2 procs   DDP, each rank B/2; and DDP compiled: torch.compile of the DDP module
   2 procs   meshdsl DP, mesh "data:2", layout "batch:data"
   2 procs   DTensor Megatron TP (ColwiseParallel w1, RowwiseParallel w2)
   2 procs   hand-written Megatron TP in plain torch (local matmuls, one all_reduce,
             manual backward, addmm_ updates): what this machine allows, no framework
   2 procs   meshdsl Megatron TP, mesh "model:2", layout "d_ff:model"
 
-Every variant runs under meshdsl.exec.launch.spawn (the same harness: spawned
+Every variant runs under meshdsl.processes.launcher.spawn (the same harness: spawned
 processes, 1 thread, gloo on 127.0.0.1).  A round is one 1-process job that
 interleaves the two 1-process variants, then one 2-process job that
 interleaves the five 2-process variants.  Variants take turns (rotating their
@@ -47,10 +49,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import machine_end, machine_start, paired_ratio, sgd_optimizer  # noqa: E402
+
 MODEL = str(ROOT / "models" / "mlp.py")
 RESULTS = ROOT / "bench" / "results" / "distributed_mlp.json"
 # Goals from the issue: meshdsl DP no slower than DDP; meshdsl TP >= 1.6x one process.
@@ -60,8 +66,8 @@ DP_GOAL, TP_GOAL = 1.0, 1.6
 # wrong init or wrong math still fails it, because either moves the loss by O(1).
 LOSS_RTOL = 1e-4
 
-SINGLE = ("torch", "meshdsl 1p")
-PAIR = ("DDP", "meshdsl DP", "DTensor TP", "hand TP", "meshdsl TP")
+SINGLE = ("torch", "torch compiled", "meshdsl 1p")
+PAIR = ("DDP", "DDP compiled", "meshdsl DP", "DTensor TP", "hand TP", "meshdsl TP")
 MESHDSL = {"meshdsl 1p": ("data:1", ""), "meshdsl DP": ("data:2", "batch:data"),
            "meshdsl TP": ("model:2", "d_ff:model")}
 
@@ -104,25 +110,11 @@ class LinearMLP(nn.Module):
         return self.w2(torch.relu(self.w1(x)))
 
 
-def _sgd(params, lr):
-    with torch.no_grad():
-        for p in params:
-            p.sub_(p.grad * lr)  # p - g * lr, the same rounding as meshdsl's update
-            p.grad = None
-
-
-def torch_step(w, feeds, lr):
-    """Plain torch on one process: raw tensors, autograd, manual SGD."""
-    w1 = w["w1"].clone().requires_grad_()
-    w2 = w["w2"].clone().requires_grad_()
-    x, t = feeds["x"], feeds["target"]
-
-    def step():
-        loss = ((torch.relu(x @ w1) @ w2 - t) ** 2).mean()
-        loss.backward()
-        _sgd((w1, w2), lr)
-        return loss.item()
-    return step
+def torch_step(w, feeds, lr, compile=False):
+    """Plain torch on one process: the module (through torch.compile with ``compile``),
+    autograd, fused SGD."""
+    net = TwoMatmul(w["w1"], w["w2"])
+    return module_step(torch.compile(net) if compile else net, feeds["x"], feeds["target"], lr)
 
 
 def hand_tp_step(w, x, t, lr):
@@ -148,13 +140,15 @@ def hand_tp_step(w, x, t, lr):
 
 
 def module_step(module, x, t, lr):
-    """One SGD step of ``module`` (plain, DDP or DTensor-parallelised); returns this rank's loss."""
-    params = list(module.parameters())
+    """One SGD step of ``module`` (plain, DDP or DTensor-parallelised, eager or compiled); returns
+    this rank's loss."""
+    opt = sgd_optimizer(module.parameters(), lr)
 
     def step():
-        loss = ((module(x) - t) ** 2).mean()
+        loss = F.mse_loss(module(x), t)
         loss.backward()
-        _sgd(params, lr)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss.item()
     return step
 
@@ -227,7 +221,7 @@ def single_job(comm, warmup, reps, block, lr, seed, step_barrier=False):
     """1 process: plain torch and meshdsl on mesh data:1, interleaved."""
     model, feeds, w = _setup(seed)
     stats = {"meshdsl 1p": []}
-    steps = {"torch": torch_step(w, feeds, lr),
+    steps = {"torch": torch_step(w, feeds, lr), "torch compiled": torch_step(w, feeds, lr, compile=True),
              "meshdsl 1p": meshdsl_step(model, feeds, comm, "meshdsl 1p", lr, seed, stats["meshdsl 1p"])}
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, timed_arg=("meshdsl 1p",),
                                           step_barrier=step_barrier)
@@ -239,7 +233,7 @@ def pair_job(comm, warmup, reps, block, lr, seed, step_barrier=False, profile=Fa
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from meshdsl.exec.distributed import TorchComm
+    from meshdsl.comm.distributed import TorchComm
     rank, world = dist.get_rank(), dist.get_world_size()
     model, feeds, w = _setup(seed)
     x, t = feeds["x"], feeds["target"]
@@ -247,11 +241,12 @@ def pair_job(comm, warmup, reps, block, lr, seed, step_barrier=False, profile=Fa
     x_r, t_r = x[rank * half:(rank + 1) * half].contiguous(), t[rank * half:(rank + 1) * half].contiguous()
 
     ddp = nn.parallel.DistributedDataParallel(TwoMatmul(w["w1"], w["w2"]))
+    ddp_compiled = torch.compile(nn.parallel.DistributedDataParallel(TwoMatmul(w["w1"], w["w2"])))
     tp = parallelize_module(LinearMLP(w["w1"], w["w2"]), init_device_mesh("cpu", (world,)),
                             {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     model_comm = TorchComm(f"model:{world}")  # comm (from spawn) is on data:2
     stats = {"meshdsl DP": [], "meshdsl TP": []}
-    steps = {"DDP": module_step(ddp, x_r, t_r, lr),
+    steps = {"DDP": module_step(ddp, x_r, t_r, lr), "DDP compiled": module_step(ddp_compiled, x_r, t_r, lr),
              "meshdsl DP": meshdsl_step(model, feeds, comm, "meshdsl DP", lr, seed, stats["meshdsl DP"]),
              "DTensor TP": module_step(tp, x, t, lr),
              "hand TP": hand_tp_step(w, x, t, lr),
@@ -261,9 +256,10 @@ def pair_job(comm, warmup, reps, block, lr, seed, step_barrier=False, profile=Fa
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
                                           timed_arg=("meshdsl DP", "meshdsl TP"), step_barrier=step_barrier)
     # DDP's loss is this rank's half batch; the batch loss is the mean over ranks.
-    ddp_loss = torch.tensor([loss0["DDP"], last["DDP"]], dtype=torch.float64)
-    dist.all_reduce(ddp_loss)
-    loss0["DDP"], last["DDP"] = (ddp_loss / world).tolist()
+    for k in ("DDP", "DDP compiled"):
+        ddp_loss = torch.tensor([loss0[k], last[k]], dtype=torch.float64)
+        dist.all_reduce(ddp_loss)
+        loss0[k], last[k] = (ddp_loss / world).tolist()
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu, "stats": stats}
 
 
@@ -317,8 +313,9 @@ def _cpu_ticks():
 
 
 def bench(args) -> int:
-    from meshdsl.exec.launch import spawn
+    from meshdsl.processes.launcher import spawn
     console = Console(width=max(Console().width, 150))
+    machine = machine_start(threads=1)
     t_start, ticks0 = time.perf_counter(), _cpu_ticks()
     if args.profile:
         text = spawn(pair_job, 2, args=(args.warmup, 0, 2, args.lr, args.seed, False, True), mesh="data:2")[0]
@@ -352,11 +349,12 @@ def bench(args) -> int:
             last = {**one["last"], **two[0]["last"]}
     wall_s, ticks1 = time.perf_counter() - t_start, _cpu_ticks()
     steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
-    report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, steal)
+    machine_end(machine)
+    report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, steal, machine)
     return 0 if all(abs(v - loss0["torch"]) <= LOSS_RTOL * abs(loss0["torch"]) for v in loss0.values()) else 1
 
 
-def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, steal) -> None:
+def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, steal, machine) -> None:
     """Print the tables and write the JSON."""
     base_loss = loss0["torch"]
     loss_ok = {k: abs(v - base_loss) <= LOSS_RTOL * abs(base_loss) for k, v in loss0.items()}
@@ -366,9 +364,9 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
     speedup = {k: med["torch"] / v for k, v in med.items()}
     p10_speedup = {k: p10["torch"] / v for k, v in p10.items()}
     cpu_speedup = {k: med_cpu["torch"] / v for k, v in med_cpu.items()}
-    from _common import paired_ratio  # the bench folder is this script's own
-    pairs = {"meshdsl DP / DDP": ("meshdsl DP", "DDP"), "meshdsl TP / DTensor TP": ("meshdsl TP", "DTensor TP"),
-             "meshdsl TP / hand TP": ("meshdsl TP", "hand TP"), "meshdsl 1p / torch": ("meshdsl 1p", "torch")}
+    pairs = {f"{a} / {b}": (a, b) for a, b in (
+        ("meshdsl DP", "DDP"), ("meshdsl DP", "DDP compiled"), ("meshdsl TP", "DTensor TP"),
+        ("meshdsl TP", "hand TP"), ("meshdsl 1p", "torch"), ("meshdsl 1p", "torch compiled"))}
     ratios = {name: med[a] / med[b] for name, (a, b) in pairs.items()}
     paired = {name: paired_ratio(times[a], times[b]) for name, (a, b) in pairs.items()}
     split = {}
@@ -438,7 +436,7 @@ def report(args, console, times, cpu, per_round, stats, loss0, last, wall_s, ste
         "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block,
                 "step_barrier": args.step_barrier, "warmup": args.warmup, "wall_s": wall_s,
                 "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "loadavg_end": load, "steal_fraction": steal},
+                "loadavg_end": load, "steal_fraction": steal, "machine": machine},
         "median_ms": med, "round_median_ms": per_round, "min_ms": {k: min(v) * 1e3 for k, v in times.items()},
         "p10_ms": p10, "cpu_median_ms": med_cpu, "speedup_vs_torch": speedup,
         "p10_speedup_vs_torch": p10_speedup, "cpu_speedup_vs_torch": cpu_speedup,

@@ -4,7 +4,7 @@ Workload: models/transformer.py at its default Config (4 layers, batch 16, seq 6
 d_model 256, fp32), one step = forward + backward + SGD, 1 torch thread per process.
 Variants:
 
-  1 proc    plain torch (bench/dense_vs_torch.py's TorchGPT, autograd, manual SGD): the baseline
+  1 proc    plain torch (bench/dense_vs_torch.py's TorchGPT, autograd, fused SGD): the baseline
   1 proc    meshdsl, mesh "data:1", layout ""
   2 procs   meshdsl, mesh "stage:2", layout "layer:stage", --microbatches m, schedule gpipe / 1f1b / zbh1
   2 procs   torch.distributed.pipelining ScheduleGPipe / Schedule1F1B, the same split
@@ -55,7 +55,8 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import setup, torch_pipe_step, torch_step  # noqa: E402  (the torch sides, shared)
+from _common import (machine_end, machine_start, setup, torch_pipe_step,  # noqa: E402  (the torch sides, shared)
+                     torch_step)
 from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the shared harness)
 
 MODEL = str(ROOT / "models" / "transformer.py")
@@ -184,7 +185,7 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
     """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved; and plain
     torch in max(ms) micro-batches on both processes at once (no communication: what sharing the
     machine costs)."""
-    from meshdsl.exec.distributed import TorchComm
+    from meshdsl.comm.distributed import TorchComm
     from meshdsl.train.jobs import gather_timelines
     from meshdsl.tools.pipe_report import schedule_summary
     model, feeds, w = _setup(seed, tiny)
@@ -246,7 +247,9 @@ def _profile(step, warmup, num_steps=10):
 # ----------------------------------------------------------------------------- report
 
 def bench(args) -> int:
-    from meshdsl.exec.launch import spawn
+    from meshdsl.processes.launcher import spawn
+    from meshdsl.lowering.pipeline_program import PipelineProgram
+    from meshdsl.lowering.schedule_gen import named_schedule
     from meshdsl.tools.pipe_report import run_figures
     console = Console(width=max(Console().width, 200))
     if args.profile:
@@ -255,7 +258,8 @@ def bench(args) -> int:
         for text in texts:
             console.print(text, markup=False, highlight=False)
         return 0
-    t_start, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
+    machine = machine_start(threads=1)
+    t_start, ticks0 = time.perf_counter(), _cpu_ticks()
     floor1, floor2 = _floor_names(args.ms)
     single, pair = ("torch 1p", floor1, "meshdsl 1p"), [floor2, *_names(args.ms, args.gloo_sends)]
     times = {k: [] for k in (*single, *pair)}
@@ -287,9 +291,13 @@ def bench(args) -> int:
         if rnd == 0:
             loss0 = {**one["loss0"], **two[0]["loss0"]}
             last = {**one["last"], **two[0]["last"]}
-    wall_s, ticks1, load1 = time.perf_counter() - t_start, _cpu_ticks(), os.getloadavg()
+    wall_s, ticks1 = time.perf_counter() - t_start, _cpu_ticks()
+    load0, load1 = machine["load_start"], machine_end(machine)["load_end"]
     steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
-    figures = {k: run_figures(summaries[k], tl) for k, tl in timelines.items()}
+    # the summaries came from the ranks' processes: each figure replays its schedule, rebuilt by name
+    figures = {k: run_figures(PipelineProgram.of_schedule(named_schedule(
+        summaries[k]["schedule"], summaries[k]["stages"], summaries[k]["microbatches"])), tl)
+        for k, tl in timelines.items()}
     med = {k: _ms(v) for k, v in times.items()}
     cpu_med = {k: _ms(v) for k, v in cpu.items()}
     speedup = {k: med["torch 1p"] / v for k, v in med.items()}
@@ -386,7 +394,8 @@ def bench(args) -> int:
                      "lr": args.lr, "threads_per_process": 1},
         "run": {"rounds": args.rounds, "reps": args.reps, "block": args.block, "warmup": args.warmup,
                 "wall_s": wall_s, "torch": torch.__version__, "python": platform.python_version(),
-                "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal},
+                "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal,
+                "machine": machine},
         "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
         "pipeline": figures, "actions_ms_per_step": act_ms,
         "ceiling_speedup": {"microbatches": m, "speedup": ceiling, "one_process_ms": med[floor1],

@@ -37,11 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import meshdsl as md  # noqa: E402
-from meshdsl.exec.launch import spawn  # noqa: E402
+from meshdsl.processes.launcher import spawn  # noqa: E402
 from meshdsl.search.calibrate import load  # noqa: E402
 from meshdsl.search.search import search  # noqa: E402
 from meshdsl.train.jobs import train_job  # noqa: E402
 from meshdsl.train.step import optimizer_outputs  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import machine_end, machine_start  # noqa: E402
 
 CASES = [("mlp", {}, 2), ("mlp", {}, 4), ("transformer", {}, 2), ("transformer", {}, 4)]
 MIN_LAYOUTS = 12
@@ -155,10 +158,11 @@ def main() -> None:
                          "medians (default 3)")
     ap.add_argument("--cases", nargs="*", default=None, help="e.g. mlp:2 transformer:4 (default: all four)")
     args = ap.parse_args()
+    machine = machine_start(threads=1)
     cal = load()
     cases = CASES if not args.cases else [(c.split(":")[0], {}, int(c.split(":")[1])) for c in args.cases]
     print(f"calibration: {cal.source} figures of {cal.host}; load {os.getloadavg()[0]:.1f}", flush=True)
-    out = {"calibration": cal.source, "load_before": os.getloadavg(), "cases": []}
+    out = {"calibration": cal.source, "load_before": os.getloadavg(), "machine": machine, "cases": []}
     t0 = time.time()
     for name, config, nproc in cases:
         print(f"{name} on {nproc} processes:", flush=True)
@@ -170,7 +174,7 @@ def main() -> None:
               f"{res['pick_measured_ms']:.2f} ms = {res['pick_over_best']:.2f}x the best "
               f"({res['best_measured']}, {res['best_measured_ms']:.2f} ms)", flush=True)
     out["seconds"] = time.time() - t0
-    out["load_after"] = os.getloadavg()
+    out["load_after"] = machine_end(machine)["load_end"]
     path = ROOT / "bench" / "results" / "search.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

@@ -7,8 +7,10 @@ data-parallel layouts DP, ZeRO-1, ZeRO-2 and FSDP (the fastest is reported as "b
 baseline is the same model written in plain torch (``TorchGPT`` of bench/dense_vs_torch.py),
 holding meshdsl's initial weights, fed the same batches (``TokenData.batch(step, ...)`` of the
 default corpus), with ``torch.optim.AdamW(fused=True)`` (the kernel meshdsl's update runs too)
-and ``clip_grad_norm_`` at the same hyperparameters; both run with one torch thread.  Their loss curves are compared, so both sides train the same
-model on the same data.
+and ``clip_grad_norm_`` at the same hyperparameters; both run with one torch thread.  Their loss
+curves are compared, so both sides train the same model on the same data.  The torch loop runs
+twice per round: eager, and with the module through ``torch.compile`` (its first steps, which
+compile, are among the untimed ones).
 
 Memory: each rank of each multi-process run reports its peak resident set (VmHWM, reset after
 the corpus is loaded, so it covers building, compiling and training), next to what
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import resource
 import statistics
@@ -46,9 +47,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dense_vs_torch import TorchGPT  # noqa: E402  (the torch twin of models/transformer.py)
 from distributed_mlp import _cpu_ticks  # noqa: E402  (steal ticks from /proc/stat)
+from _common import machine_end, machine_start  # noqa: E402
 
 import meshdsl as md  # noqa: E402
-from meshdsl.exec.launch import spawn  # noqa: E402
+from meshdsl.processes.launcher import spawn  # noqa: E402
 from meshdsl.train.config import parse_config  # noqa: E402
 from meshdsl.train.data import TokenData  # noqa: E402
 from meshdsl.train.model import load_model  # noqa: E402
@@ -121,12 +123,14 @@ def meshdsl_rank(comm, spec: TrainSpec, tokens: TokenData | None = None) -> dict
     return out
 
 
-def torch_run(config: dict, tokens: TokenData, steps: int) -> dict:
-    """The plain-torch loop: same model, init, batches, AdamW and clipping; per-step loss and ms."""
+def torch_run(config: dict, tokens: TokenData, steps: int, compile: bool = False) -> dict:
+    """The plain-torch loop: same model, init, batches, AdamW and clipping; per-step loss and ms.
+    With ``compile`` the module goes through ``torch.compile`` (the first step compiles)."""
     torch.set_num_threads(1)
     model = load_model("transformer", **config)
     cfg = model.config
     net = TorchGPT(cfg, md.DenseProgram(dict(model.params)).init_params(0))
+    fn = torch.compile(net) if compile else net
     opt = torch.optim.AdamW(net.parameters(), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
                             weight_decay=HP["weight_decay"], fused=True)
     losses, ms = [], []
@@ -134,7 +138,7 @@ def torch_run(config: dict, tokens: TokenData, steps: int) -> dict:
         t0 = time.perf_counter()
         ids, labels = tokens.batch(t, cfg.batch, cfg.seq)
         opt.zero_grad(set_to_none=True)
-        loss = net(ids, labels)
+        loss = fn(ids, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), HP["clip"])
         opt.step()
@@ -228,13 +232,15 @@ def bench(args) -> int:
     cfg = load_model("transformer", **config).config
     tokens_per_step = cfg.batch * cfg.seq
     steps = WARMUP + args.steps
-    t_start, ticks0, load0 = time.perf_counter(), _cpu_ticks(), os.getloadavg()
+    machine = machine_start(threads=1, say=lambda s: console.print(s, highlight=False))
+    t_start, ticks0 = time.perf_counter(), _cpu_ticks()
     tokens = TokenData.load(None)
-    runs: dict[str, list] = {"torch": [], "meshdsl/1": [], **{f"{k}/2": [] for k in LAYOUTS}}
+    runs: dict[str, list] = {"torch": [], "torch compiled": [], "meshdsl/1": [], **{f"{k}/2": [] for k in LAYOUTS}}
     mem: dict[str, list] = {}
     for rnd in range(args.rounds):
         console.print(f"round {rnd + 1}/{args.rounds}: plain torch, meshdsl 1 process", style="dim")
         runs["torch"].append(torch_run(config, tokens, steps))
+        runs["torch compiled"].append(torch_run(config, tokens, steps, compile=True))
         runs["meshdsl/1"].append(meshdsl_rank(md.SimulatedComm(md.Mesh.parse("data:1")),
                                               make_spec(config, "data:1", "", steps), tokens))
         for nproc in (2, 4):
@@ -269,6 +275,9 @@ def bench(args) -> int:
         t.add_column(col, justify="left" if col == "variant" else "right")
     t.add_row("plain torch (torch.optim.AdamW)", "1", f"{base:,.0f}",
               f"{min(per['torch']):,.0f}-{max(per['torch']):,.0f}", "1.00", "")
+    t.add_row("plain torch, torch.compile (the same loop)", "1", f"{statistics.median(per['torch compiled']):,.0f}",
+              f"{min(per['torch compiled']):,.0f}-{max(per['torch compiled']):,.0f}",
+              f"{ratio['torch compiled']:.2f}", "")
     goal = f">= {GOAL_1}: " + ("met" if ratio["meshdsl/1"] >= GOAL_1 else "MISSED")
     t.add_row("meshdsl (md.fit)", "1", f"{statistics.median(per['meshdsl/1']):,.0f}",
               f"{min(per['meshdsl/1']):,.0f}-{max(per['meshdsl/1']):,.0f}", f"{ratio['meshdsl/1']:.2f}", goal)
@@ -313,8 +322,8 @@ def bench(args) -> int:
     console.print(c)
     ticks1 = _cpu_ticks()
     steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
-    console.print(f"load average at start {load0[0]:.2f}, at end {os.getloadavg()[0]:.2f}; "
-                  + (f"CPU stolen by the hypervisor {steal:.1%}; " if steal is not None else "")
+    machine_end(machine, say=lambda s: console.print(s, highlight=False))
+    console.print((f"CPU stolen by the hypervisor {steal:.1%}; " if steal is not None else "")
                   + f"{time.perf_counter() - t_start:.0f} s in all")
 
     out = ROOT / "bench" / "results" / "train.json"
@@ -324,7 +333,8 @@ def bench(args) -> int:
         "tokens_per_step": tokens_per_step, "tokens_per_s": per, "ratio_to_torch": ratio, "best_2proc": best2,
         "goals": {"1proc": GOAL_1, "2proc": GOAL_2}, "loss_max_rel_diff": drift,
         "runs": {k: [{"losses": r["losses"], "ms": r["ms"]} for r in v] for k, v in runs.items()},
-        "memory_bytes": memory, "cpu_ms_per_step": cpu, "load_average": [load0[0], os.getloadavg()[0]], "steal": steal,
+        "memory_bytes": memory, "cpu_ms_per_step": cpu, "load_average": [machine["load_start"][0], machine["load_end"][0]],
+        "machine": machine, "steal": steal,
         "python": platform.python_version(), "torch": torch.__version__}, indent=1))
     console.print(f"wrote {out.relative_to(ROOT)}")
     return 0

@@ -35,12 +35,13 @@ _EXPORTS = {
     **{n: (".core.shape", n) for n in ("Dim", "Shape")},
     **{n: (".errors", n) for n in ("DistributedError", "GraphError", "LayoutError", "MeshDSLError",
                                     "MeshError", "ParseError", "ShapeError")},
-    "run_dense": (".exec.dense", "run_dense"),
-    "TorchComm": (".exec.distributed", "TorchComm"),
-    **{n: (".exec.executor", n) for n in ("Executor", "PerRank")},
-    **{n: (".exec.launch", n) for n in ("launch", "spawn")},
-    "tune_malloc": (".exec.malloc", "tune_malloc"),
-    **{n: (".exec.simulated", n) for n in ("SimulatedComm", "run_simulated")},
+    "run_dense": (".runtime.dense", "run_dense"),
+    "TorchComm": (".comm.distributed", "TorchComm"),
+    **{n: (".runtime.executor", n) for n in ("Executor", "PerRank")},
+    **{n: (".processes.launcher", n) for n in ("launch", "spawn")},
+    "tune_malloc": (".processes.malloc", "tune_malloc"),
+    "SimulatedComm": (".comm.simulated", "SimulatedComm"),
+    "run_simulated": (".runtime.simulated", "run_simulated"),
     **{n: (".ir.autodiff", n) for n in ("grad", "vjp")},
     "DenseProgram": (".ir.interpret", "DenseProgram"),
     "mixed_precision": (".ir.precision", "mixed_precision"),
@@ -60,13 +61,13 @@ _EXPORTS = {
     "TrainStep": (".train.step", "TrainStep"),
     "draw_timeline": (".tools.timeline_png", "draw_timeline"),
     **{n: (".train.trainer", n) for n in ("TrainResult", "fit")},
-    "calibrate": (".search.calibrate", "calibrate"),
+    "calibrate": (".search.measure", "calibrate"),
     "load_calibration": (".search.calibrate", "load"),
     "predict": (".search.predict", "predict"),
     "search_layouts": (".search.search", "search"),
 }
-_ROOMS = ("errors", "core", "ops", "ir", "layout", "collectives", "lowering", "exec", "train", "search",
-          "tools")
+_ROOMS = ("errors", "core", "ops", "ir", "layout", "collectives", "lowering", "comm", "runtime", "processes",
+          "train", "search", "tools")
 
 __version__ = "0.1.0"
 

@@ -46,9 +46,10 @@ their sequence, so with ``top_k=2`` a position's output can depend on later posi
 (as in Switch/GShard with per-group capacity): the samples read the padding after the
 prompt through the second choices' capacity.
 
-The layers are unrolled in Python over slices of the stacked params: a block
-of ``md.repeat`` returns only its carry, and the router's per-layer aux loss
-(which needs a gradient) and drop counts are per-layer outputs besides it.
+The blocks run in one ``md.repeat`` over the stacked params (so ``layer:<axis>``
+pipelines them): each block returns, besides its carry, its balance loss and its drop
+count, which the repeat stacks over ``layer``; the loss sums the stacked balance losses,
+and their gradient flows back into each layer's router.
 """
 from __future__ import annotations
 
@@ -172,13 +173,14 @@ def moe_mlp(z_bsd, p, cfg: Config):
 
 
 def block(x_bsd, p, cfg: Config):
-    """One pre-norm block: ``(x_bsd, aux, dropped)``; ``p`` holds this layer's params."""
+    """One pre-norm block: ``(x_bsd, {"aux": balance loss, "dropped": drop count})``;
+    ``p`` holds this layer's params."""
     g = x_bsd.graph
     with g.scope("attn"):
         x_bsd = x_bsd + attention(md.layer_norm(x_bsd, "d_model", p["ln1"], p["ln1_b"]), p, cfg)
     with g.scope("moe"):
         y_bsd, aux, dropped = moe_mlp(md.layer_norm(x_bsd, "d_model", p["ln2"], p["ln2_b"]), p, cfg)
-    return x_bsd + y_bsd, aux, dropped
+    return x_bsd + y_bsd, {"aux": aux, "dropped": dropped}
 
 
 def build(cfg: Config = Config()) -> Model:
@@ -217,15 +219,15 @@ def build(cfg: Config = Config()) -> Model:
         lm_head_vd = md.param("lm_head", [v, d], fan_out=[v])
 
         x_bsd = md.gather(wte_vd, ids_bs, "vocab") + wpe_sd
-        aux_total = dropped_total = None
-        outputs = {}
-        for i in range(cfg.layers):
-            p = {k: md.squeeze(md.slice_(w, "layer", i, i + 1), "layer") for k, w in blocks.items()}
-            with graph.scope(f"layer{i}"):
-                x_bsd, aux, dropped = block(x_bsd, p, cfg)
-            outputs[f"moe/dropped/{i}"] = dropped
-            aux_total = aux if aux_total is None else aux_total + aux
-            dropped_total = dropped if dropped_total is None else dropped_total + dropped
+        x_bsd, per_layer = md.repeat(lambda x, p: block(x, p, cfg), x_bsd, blocks, l)
+        aux_total = md.reduce_sum(per_layer["aux"], "layer")
+        dropped_l = per_layer["dropped"]
+        # Layer i's count picked by a mask over 'layer' (not a slice): a sum over a pipeline's
+        # stages, wherever layer i runs.
+        layer_l = md.iota(l)
+        outputs = {"moe/aux_loss": aux_total, "moe/dropped": md.reduce_sum(dropped_l, "layer"),
+                   **{f"moe/dropped/{i}": md.reduce_sum(dropped_l * md.cast(md.equal(layer_l, i), torch.int64))
+                      for i in range(cfg.layers)}}
         x_bsd = md.layer_norm(x_bsd, "d_model", lnf, lnf_b)
         logits_bsv = md.einsum("batch seq d_model, vocab d_model -> batch seq vocab", x_bsd, lm_head_vd)
         loss = md.reduce_mean(md.cross_entropy(logits_bsv, labels_bs, "vocab")) + cfg.aux_loss_weight * aux_total
@@ -238,5 +240,4 @@ def build(cfg: Config = Config()) -> Model:
         tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
         return {"ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
-    outputs = {"moe/aux_loss": aux_total, "moe/dropped": dropped_total, **outputs}
     return Model(graph, loss, params, feeds, cfg, outputs=outputs, logits=logits_bsv)

@@ -36,7 +36,7 @@ MESHES = {"2": "x:2", "4": "x:4", "2x2": "x:2; y:2", "2x2x2": "x:2; y:2; z:2"}
 RTOL = ATOL = 1e-5
 
 
-#: The one multiplier of every wall-clock bound a test asserts (README, "Run the tests").
+#: The one multiplier of every wall-clock bound a test asserts (docs/guide/testing.md).
 TIME_SCALE_ENV = "MESHDSL_TEST_TIME_SCALE"
 
 
@@ -335,5 +335,5 @@ def no_spawn(monkeypatch):
     """Fail the test if a process would be started."""
     def spawn(*a, **k):
         raise AssertionError("spawn was called for an invalid job")
-    from meshdsl.exec import launch
+    from meshdsl.processes import launcher as launch
     monkeypatch.setattr(launch, "spawn", spawn)

@@ -14,7 +14,7 @@ Legend: b batch, s seq, c channels, t tap (the conv's window, ``taps`` wide).
 
 All three compute the same function of the same params (``w1``..``w3`` are ``[tap, c_in,
 c_out]``).  Split over ``seq`` (``seq:data``) every form trades halos of ``taps - 1`` rows with
-its neighbours (see meshdsl/lowering/halo.py).  Used by tests/test_halo.py and by the README's
+its neighbours (see meshdsl/lowering/halo.py).  Used by tests/test_halo.py and by docs/guide/cookbook.md,
 "Spatial splits" (``meshdsl plan tests/conv_tiny.py ...``).
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ and ``patch_feat = (ph pw channels)``; d d_model, k classes.
 
 A spatial split ``height:data`` moves no image data: ``hp`` is the outer part of ``height`` and of
 ``patches``, so the patch dims inherit the split (see meshdsl/lowering/reshape.py and implied.py).  Used by
-tests/test_reshape.py and by the README's "How reshapes lower" (``meshdsl plan
+tests/test_reshape.py and by docs/guide/cookbook.md, "How reshapes lower" (``meshdsl plan
 tests/patchify_tiny.py ...``).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Gradient accumulation without a pipeline runs one micro-batch at a time
-(meshdsl/lowering/accumulate.py, run by meshdsl/exec/pipeline.py).
+(meshdsl/lowering/accumulate.py, run by meshdsl/runtime/pipeline.py).
 
 Pinned: a micro-batched plan with no pipeline axis is the leaves plus one ``accumulate``
 step whose segments hold what they should (the forward pass, the backward, the sums over
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import meshdsl as md
 from conftest import assert_matches_scaled
-from meshdsl.exec import pipeline_store
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.runtime import pipeline_store
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.lowering.accumulate import segments
 from meshdsl.lowering.memory import memory_report
 from meshdsl.lowering.pipeline import MB_AXIS
@@ -60,7 +60,7 @@ def test_the_plan_is_one_accumulate_step_of_four_segments():
     step = _accumulate_step(plan)
     prologue, forward, backward, final = step.subplans
     assert step.sub_times == (1, 4, 4, 1) and step.args["num_stages"] == 1 and step.args["axis"] is None
-    assert [(a.kind, a.microbatch) for a in step.args["schedule"].actions[0]] == \
+    assert [(a.kind, a.microbatch) for a in step.args["program"].schedule.actions[0]] == \
         [(k, mb) for mb in range(4) for k in ("F", "B")]
     assert all(s.phase == "forward" for s in forward.steps)
     assert {s.kind for s in forward.steps} >= {"repeat"} and {s.op for s in backward.steps} >= {"repeat_grad"}

@@ -1,4 +1,4 @@
-"""Gradient bucketing (lowering/bucket.py, exec/bucket.py): fewer collectives, the same numbers.
+"""Gradient bucketing (lowering/bucket.py, runtime/steps.py): fewer collectives, the same numbers.
 
 The plan of a data-parallel step reduces its gradients in fewer collectives than
 with bucketing off, and only gradients (never an activation's reduction) go into
@@ -15,8 +15,8 @@ import torch
 
 import meshdsl as md
 from meshdsl.errors import MeshDSLError
-from meshdsl.exec import launch
-from meshdsl.exec.distributed import TorchComm
+from meshdsl.processes import launcher as launch
+from meshdsl.comm.distributed import TorchComm
 from models.transformer import Config, build
 
 CFG = dataclasses.replace(Config.tiny(), layers=2, batch=4)
@@ -159,7 +159,7 @@ def test_buckets_follow_the_backward(model):
 
 @pytest.mark.parametrize("size", [25, 1e-3])
 def test_buckets_start_at_their_last_gradient_and_are_read_late(model, size):
-    from meshdsl.exec.executor import issue_order
+    from meshdsl.runtime.executor import issue_order
     plan = md.compile(model.train_step(0.1), "data:2", "batch:data", bucket_mb=size)
     order = issue_order(plan, TorchComm.async_kinds)
     at = {i: k for k, i in enumerate(order)}
@@ -192,7 +192,7 @@ def _pipe_step(model, bucket_mb, microbatches=2):
 
 def _final(plan):
     pipe = next(s for s in plan.steps if s.kind == "pipeline")
-    return list(zip(pipe.subplans[3].steps, pipe.args["stages"][3]))
+    return list(zip(pipe.subplans[3].steps, pipe.args["program"].stages[3]))
 
 
 def test_a_pipelines_final_gradient_reductions_are_bucketed_per_stage(model):

@@ -3,7 +3,7 @@
 Each case asserts the exit code, that no traceback is printed, and a key phrase
 of the message.  Most run in-process through :func:`meshdsl.tools.cli.main`
 (fast); a few run ``python -m meshdsl`` (and torchrun) as a real subprocess.
-Cases that would start processes spy on :func:`meshdsl.exec.launch.spawn` to
+Cases that would start processes spy on :func:`meshdsl.processes.launcher.spawn` to
 show that an invalid job never starts one, and are timed.
 """
 from __future__ import annotations

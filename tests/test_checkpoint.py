@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 import meshdsl.train.checkpoint_load as checkpoint_load
 from meshdsl.core.shape import Dim, Shape
 from meshdsl.errors import DistributedError, MeshDSLError
-from meshdsl.exec.launch import spawn
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.processes.launcher import spawn
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
 from meshdsl.layout.sharding import Sharding
 from meshdsl.train.checkpoint import (KILL_ENV, KILL_POINTS, CheckpointError, choose_checkpoint, latest_checkpoint,

@@ -105,7 +105,7 @@ def test_bad_layout_is_a_clean_error(capsys):
 
 
 def test_indivisible_layout_is_a_clean_error(capsys):
-    rc, _, err = run(capsys, "plan", "mlp", "--tiny", "--mesh", "data:3", "--layout", "batch:data")
+    rc, _, err = run(capsys, "plan", "mlp", "--tiny", "--mesh", "data:3", "--layout", "batch:data", "--strict-splits")
     assert rc == 2
     assert "not divisible" in err and "Traceback" not in err
 
@@ -251,3 +251,14 @@ def test_shipped_models_use_only_the_public_api():
     assert md.Model is load_model("mlp", tiny=True).__class__
     for name in ("Model", "TrainStep", "SimulatedComm", "TorchComm", "launch", "spawn", "load_model"):
         assert hasattr(md, name), name
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``meshdsl plan --json | true``: the pipe closes under the writer; the command ends quietly."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "meshdsl", "plan", "transformer", "--tiny", "--mesh", "data:2",
+                             "--layout", "batch:data", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()   # the reader goes away before the writer starts: its first write finds the pipe closed
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err and b"internal error" not in err, err.decode()

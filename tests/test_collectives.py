@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 import meshdsl as md
 from meshdsl.collectives import COLLECTIVES, Collective, register
-from meshdsl.exec.distributed import TorchComm
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.comm.distributed import TorchComm
+from meshdsl.comm.torch_collectives import TORCH
+from meshdsl.runtime.executor import Executor
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.layout import Layout
 from meshdsl.layout.mesh import Mesh
 from meshdsl.lowering.compiler import Lowerer
@@ -33,9 +34,10 @@ def test_table_holds_every_kind_the_compiler_emits():
 def test_every_kind_is_complete(kind):
     c = COLLECTIVES[kind]
     assert c.name == kind
-    assert callable(c.simulated) and callable(c.distributed)
+    run, start = TORCH[kind]   # how it runs on torch.distributed
+    assert callable(c.simulated) and callable(run) and (start is not None) == c.asynchronous
     assert list(inspect.signature(c.simulated).parameters) == ["xs", "groups", "args"]
-    assert list(inspect.signature(c.distributed).parameters) == ["comm", "x", "group", "args"]
+    assert list(inspect.signature(run).parameters) == ["comm", "x", "group", "args"]
     for n in (2, 3, 4, 8):
         assert c.fraction(n) > 0, (kind, n)
         # Sending to more peers never gets cheaper per byte.
@@ -45,7 +47,7 @@ def test_every_kind_is_complete(kind):
 
 
 def test_async_kinds_come_from_the_table():
-    assert TorchComm.async_kinds == {k for k, c in COLLECTIVES.items() if c.start is not None}
+    assert TorchComm.async_kinds == {k for k, c in COLLECTIVES.items() if c.asynchronous}
     assert {"allreduce", "allgather"} <= TorchComm.async_kinds
 
 
@@ -85,11 +87,12 @@ def _dist_broadcast(comm, x, group, args):
 
 @pytest.fixture
 def broadcast_kind():
-    """A 'broadcast' kind in the table for one test, removed afterwards."""
+    """A 'broadcast' kind in the tables (the kinds' and torch.distributed's) for one test, removed afterwards."""
     assert "broadcast" not in COLLECTIVES
-    register(Collective("broadcast", ("root",), lambda n: 1.0, _sim_broadcast, _dist_broadcast))
+    register(Collective("broadcast", ("root",), lambda n: 1.0, _sim_broadcast))
+    TORCH["broadcast"] = (_dist_broadcast, None)   # how torch.distributed runs it
     yield COLLECTIVES["broadcast"]
-    del COLLECTIVES["broadcast"]
+    del COLLECTIVES["broadcast"], TORCH["broadcast"]
 
 
 def _broadcast_plan(mesh: Mesh):

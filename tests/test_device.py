@@ -16,9 +16,10 @@ import torch
 
 import meshdsl as md
 from meshdsl.errors import DistributedError, MeshDSLError
-from meshdsl.exec import distributed
-from meshdsl.exec.comm import as_device
-from meshdsl.exec.simulated import SimulatedComm, run_simulated
+from meshdsl.comm import distributed
+from meshdsl.comm.communicator import as_device
+from meshdsl.comm.simulated import SimulatedComm
+from meshdsl.runtime.simulated import run_simulated
 from meshdsl.layout.mesh import Mesh
 from meshdsl.tools import cli
 from meshdsl.tools.compare import allowed_diff
@@ -38,6 +39,9 @@ CASES = [
     ("transformer", {}, "data:2", "batch:data; params.d_model:data", 1, "adamw", "fp32"),
     ("moe", {}, "data:2", "batch:data; experts:data", 1, "adamw", "fp32"),
     ("mlp", {}, "model:2", "d_ff:model", 1, "sgd", "fp32"),
+    # uneven splits (vocab 17, heads 6, batch 10 on 2 x 2): their collectives pad and trim parts
+    ("transformer", {"vocab": 17, "heads": 6, "batch": 10}, "data:2; model:2",
+     "batch:(data,model); vocab:model; heads:(model,data)", 1, "adamw", "fp32"),
 ]
 OPTIMIZERS = {None: None, "sgd": lambda: SGD(lr=0.1), "adamw": lambda: AdamW(lr=1e-3),
               "adafactor": lambda: Adafactor(lr=1e-3)}

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from meshdsl.errors import DistributedError, MeshError
-from meshdsl.exec import distributed, launch
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.comm import distributed
+from meshdsl.processes import launcher as launch
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
 
 MESHES = ["x:2", "x:4", "data:2; model:2", "a:2; b:2; c:2"]
@@ -195,7 +196,7 @@ def test_verbose_env_logs_each_collective(one_process_group, monkeypatch, capsys
     assert comm.all_reduce([x], ("data",), "sum")[0] is x  # a group of one moves nothing
     assert "allreduce axes=('data',) group=(0,) bytes=16" in capsys.readouterr().err
     assert comm.stats["allreduce"]["count"] == 1 and comm.stats["allreduce"]["bytes"] == 16
-    comm.reset_stats()
+    comm.stats.clear()
     assert comm.stats == {}
     assert comm.agree("µ") == ["µ"]
 

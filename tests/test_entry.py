@@ -41,7 +41,7 @@ def _fresh(code: str) -> str:
 
 
 def test_the_package_and_the_entry_import_no_torch():
-    out = _fresh("import sys, meshdsl, meshdsl.tools.entry, meshdsl.exec.start\n"
+    out = _fresh("import sys, meshdsl, meshdsl.tools.entry, meshdsl.processes.start\n"
                  "print('torch' in sys.modules)")
     assert out == "False"
 

@@ -85,12 +85,13 @@ CASES = [
      ["unknown mesh axis 'dta'", "Did you mean 'data'?", "mesh: data:2; model:2", "Fix:"]),
     ("layout_unknown_axis_in_tuple", lambda: md.compile(mlp().loss, MESH, "d_ff:(data,modle)"), LayoutError,
      ["unknown mesh axis 'modle'", "Did you mean 'model'?"]),
-    ("layout_not_divisible", lambda: md.compile(mlp().loss, "data:3", "batch:data"), LayoutError,
+    ("layout_not_divisible", lambda: md.compile(mlp().loss, "data:3", "batch:data", strict_splits=True), LayoutError,
      ["dim 'batch' of size 8", "not divisible", "data:3", "tensor shape: [batch:8, d_model:4]", "Rule:"]),
-    ("layout_not_divisible_multi_axis", lambda: md.compile(mlp().loss, "data:2; model:3", "batch:(data,model)"),
+    ("layout_not_divisible_multi_axis",
+     lambda: md.compile(mlp().loss, "data:2; model:3", "batch:(data,model)", strict_splits=True),
      LayoutError, ["dim 'batch' of size 8", "data:2 x model:3 (= 6)"]),
     ("layout_not_divisible_intermediate",
-     lambda: md.compile(md.slice_(mlp().x, "batch", 0, 3), MESH, "batch:data"), LayoutError,
+     lambda: md.compile(md.slice_(mlp().x, "batch", 0, 3), MESH, "batch:data", strict_splits=True), LayoutError,
      ["Tensor 'slice'", "dim 'batch' of size 3", "not divisible"]),
     ("param_two_dims_one_axis", lambda: md.compile(mlp().loss, MESH, "d_model:data; d_ff:data"), LayoutError,
      ["Tensor 'w1'", "mesh axis 'data' is used by dims ['d_model', 'd_ff']", "w1.d_ff:OTHER_AXIS", "Rule:"]),
@@ -295,7 +296,7 @@ def test_caret_points_at_the_culprit(layout, under):
 def test_non_divisible_caret_and_numbers():
     layout = "d_model:data; batch:(data,model)"
     with pytest.raises(LayoutError) as info:
-        md.compile(mlp().loss, "data:2; model:3", layout)
+        md.compile(mlp().loss, "data:2; model:3", layout, strict_splits=True)
     msg = str(info.value)
     assert "dim 'batch' of size 8" in msg and "data:2 x model:3 (= 6)" in msg
     assert _caret_target(msg, layout) == "batch:(data,model)"

@@ -1,4 +1,4 @@
-"""The plan executor (:mod:`meshdsl.exec.executor`) and its entry points: a feed that no
+"""The plan executor (:mod:`meshdsl.runtime.executor`) and its entry points: a feed that no
 input reads is an error in every executor, and every step kind has a rule."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 
 import meshdsl as md
 from meshdsl.collectives import COLLECTIVES
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.simulated import SimulatedComm
-from meshdsl.exec.steps import STEP_RULES
+from meshdsl.runtime.executor import Executor
+from meshdsl.comm.simulated import SimulatedComm
+from meshdsl.runtime.steps import STEP_RULES
 from meshdsl.lowering.plan import STEP_KINDS
 
 B, D = md.Dim("batch", 8), md.Dim("d_model", 4)
@@ -62,5 +62,5 @@ def test_run_simulated_and_executor_reject_extra_feeds():
 
 def test_every_step_kind_has_a_rule():
     assert set(STEP_KINDS) <= set(STEP_RULES)
-    assert "repeat" in STEP_RULES  # registered by meshdsl.exec.loop when meshdsl.exec is imported
+    assert "repeat" in STEP_RULES  # registered by meshdsl.runtime.layers when meshdsl.exec is imported
     assert not set(COLLECTIVES) & set(STEP_RULES)  # collectives share one rule, driven by the table

@@ -1,4 +1,4 @@
-"""The plan executor's in-place adds and value freeing (meshdsl/exec/steps.py, executor.py).
+"""The plan executor's in-place adds and value freeing (meshdsl/runtime/steps.py, executor.py).
 
 An add step writes into an operand only when a local kernel made it as new storage
 and nothing else (another step, a collective, a loop, the outputs) reads it: the same
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 import meshdsl as md
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.runtime.executor import Executor
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.ops import inplace
 
 B, D, E = md.Dim("batch", 4), md.Dim("d_model", 4), md.Dim("e", 4)

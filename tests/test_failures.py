@@ -1,4 +1,4 @@
-"""What the launcher reports when ranks raise (exec/failures.py).
+"""What the launcher reports when ranks raise (processes/failures.py).
 
 A meshdsl error meant for users comes back from the ranks as its one message, naming the
 rank(s) (once when several raised the same), with no traceback, and the CLI exits with 2;
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import time_limit
 from meshdsl.errors import DistributedError, GraphError
-from meshdsl.exec.failures import Raised, RankInternalError, failure_error, user_error
+from meshdsl.processes.failures import Raised, RankInternalError, failure_error, user_error
 from meshdsl.tools import cli
 from meshdsl.train.checkpoint_format import CheckpointError
 

@@ -60,7 +60,7 @@ def test_each_rank_gets_its_slice_of_the_global_batch_built_from_its_rows_only()
     for name, xs in feeds.items():
         v = plan.values[plan.inputs[name]]
         for r, x in enumerate(xs):
-            assert torch.equal(x, v.sharding.slice_of(whole[name], v.shape, plan.mesh, r)), (name, r)
+            assert torch.equal(x, whole[name][v.sharding.slice_index(v.shape, plan.mesh, r)]), (name, r)
     calls.clear()
     feeder.eval(2)
     assert sorted({s for s, _ in calls}) == [EVAL_SEED + 1, EVAL_SEED + 2]   # seeds no training step reads
@@ -134,7 +134,7 @@ def build(cfg=Config()):
 def test_a_batches_that_raises_stops_the_cli_before_any_process_starts(capsys, tmp_path, monkeypatch):
     def spawn(*a, **k):
         raise AssertionError("spawn was called for an invalid job")
-    monkeypatch.setattr(md.exec.launch, "spawn", spawn)
+    monkeypatch.setattr(md.processes.launcher, "spawn", spawn)
     (tmp_path / "raising.py").write_text(RAISING)
     rc = cli.main(["train", str(tmp_path / "raising.py"), "--nproc", "2", "--mesh", "data:2", "--layout", "batch:data"])
     err = capsys.readouterr().err

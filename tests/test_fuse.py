@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.runtime.executor import Executor
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
 from meshdsl.train.model import load_model
 from meshdsl.train.step import TrainStep, training_outputs

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec.distributed import TorchComm
-from meshdsl.exec.launch import spawn
+from meshdsl.comm.distributed import TorchComm
+from meshdsl.processes.launcher import spawn
 from meshdsl.lowering.halo import Reach
 from meshdsl.tools.report import plan_report
 from meshdsl.train.jobs import check_job

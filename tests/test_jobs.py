@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec.distributed import TorchComm
-from meshdsl.exec.launch import spawn
+from meshdsl.comm.distributed import TorchComm
+from meshdsl.processes.launcher import spawn
 from meshdsl.train.model import load_model
 from meshdsl.train.jobs import agree_plan, train_job
 from meshdsl.train.step import TrainStep

@@ -16,7 +16,7 @@ import torch
 
 from conftest import time_limit
 from meshdsl.errors import DistributedError, MeshError
-from meshdsl.exec import launch
+from meshdsl.processes import launcher as launch
 
 COLLECTIVE_TIMEOUT_S = 60.0  # failures must be reported far sooner than this
 NOTICE_S = 10.0  # from a rank failing to spawn raising (scaled); about 1 s on an idle machine
@@ -286,7 +286,7 @@ def test_children_die_with_the_launcher(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from meshdsl.exec.launch import spawn
+        from meshdsl.processes.launcher import spawn
         import test_launch
         if __name__ == "__main__":
             spawn(test_launch._sleep_forever, 2, args=({str(tmp_path)!r},))

@@ -1,5 +1,5 @@
 """Gradient reductions that start inside the layer loop's backward (lowering/bucket.py
-``stream_loop_grads``, exec/loop.py).
+``stream_loop_grads``, runtime/layers.py).
 
 The plan moves the reduction of a ``repeat``'s stacked gradients into the backward
 block, one bucket per layer; the loop starts each layer's bucket right after that
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec.comm import Pending
+from meshdsl.comm.communicator import Pending
 from models.transformer import Config, build
 
 CFG = dataclasses.replace(Config.tiny(), layers=3, batch=4)

@@ -1,4 +1,4 @@
-"""A layer loop's per-layer param slices (exec/loop.py ``_LayerParams``) and its body's feeds.
+"""A layer loop's per-layer param slices (runtime/layers.py ``_LayerParams``) and its body's feeds.
 
 A pipeline stage runs its layers once per micro-batch and every step with the same
 stacked params: the slices are made once and reused while the stacked tensors are the
@@ -12,8 +12,8 @@ import dataclasses
 import torch
 
 import meshdsl as md
-from meshdsl.exec.loop import _LayerParams
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.runtime.layers import _LayerParams
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.train.step import training_outputs
 from models.transformer import Config, build
 

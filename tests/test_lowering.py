@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec.executor import run_collective
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.runtime.executor import run_collective
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.sharding import Sharding
 from meshdsl.lowering.relayout import plan_moves
 
@@ -250,7 +250,7 @@ def _contributions(full, a: Sharding, mesh, shape, gen):
     out = []
     for r in range(mesh.size):
         c = mesh.index_along(r, a.partial) if a.partial else 0
-        out.append(a.slice_of(parts[c], shape, mesh, r).contiguous())
+        out.append(parts[c][a.slice_index(shape, mesh, r)].contiguous())
     return out
 
 
@@ -268,7 +268,7 @@ def _check_moves_numerically(a, b, mesh, shape, seed):
     if b.partial:  # still partial sums there: their total must be b's slice
         xs = comm.all_reduce(xs, b.partial, "sum")
     for r in range(mesh.size):
-        torch.testing.assert_close(xs[r], b.slice_of(full, shape, mesh, r), rtol=0, atol=0)
+        torch.testing.assert_close(xs[r], full[b.slice_index(shape, mesh, r)], rtol=0, atol=0)
 
 
 def _all_shardings(mesh, shape, partial=True):

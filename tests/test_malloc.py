@@ -1,4 +1,4 @@
-"""exec/malloc.py: meshdsl's processes keep a step's memory instead of faulting it in again."""
+"""processes/malloc.py: meshdsl's processes keep a step's memory instead of faulting it in again."""
 from __future__ import annotations
 
 import multiprocessing
@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from meshdsl.errors import DistributedError
-from meshdsl.exec import launch, malloc
+from meshdsl.processes import launcher as launch
+from meshdsl.processes import malloc
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -19,7 +20,7 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 # own, which glibc hands back to the kernel on free (and the next step faults in again).
 _WHERE = """
 import ctypes
-from meshdsl.exec.malloc import tune_malloc
+from meshdsl.processes.malloc import tune_malloc
 tuned = tune_malloc()
 libc = ctypes.CDLL("libc.so.6")
 libc.sbrk.restype = libc.malloc.restype = ctypes.c_void_p

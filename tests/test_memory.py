@@ -53,7 +53,8 @@ def _run_by(plan, schedule: Schedule):
     """``plan`` with its micro-batch step run by ``schedule`` (the segments stay as compiled)."""
     step = _micro_batch_step(plan)
     validate(schedule)
-    new = dataclasses.replace(step, args=step_args(step.kind, {**step.args, "schedule": schedule}))
+    program = step.args["program"].with_schedule(schedule)
+    new = dataclasses.replace(step, args=step_args(step.kind, {**step.args, "program": program}))
     return dataclasses.replace(plan, steps=tuple(new if s is step else s for s in plan.steps))
 
 

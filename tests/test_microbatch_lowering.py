@@ -2,7 +2,7 @@
 
 With ``microbatches=m`` the compiler lowers on the mesh plus the virtual axis ``_mb``;
 on torch.distributed a process holds all ``m`` of its micro-batches and can fold them
-by sums only (``exec/fold.py``).  These tests pin that, over the layout search's whole
+by sums only (``comm/microbatch.py``).  These tests pin that, over the layout search's whole
 space (every model in models/, 2 and 4 processes), a micro-batched plan has no
 collective over ``_mb`` other than an allreduce, that micro-batching never makes a
 layout fail to compile, that the compiler refuses such a move outright, and that a
@@ -19,8 +19,8 @@ import torch
 
 import meshdsl as md
 from meshdsl.errors import LayoutError, MeshDSLError
-from meshdsl.exec.distributed import TorchComm
-from meshdsl.exec.launch import spawn
+from meshdsl.comm.distributed import TorchComm
+from meshdsl.processes.launcher import spawn
 from meshdsl.layout.sharding import Sharding
 from meshdsl.lowering.compiler import Lowerer, compile as compile_plan
 from meshdsl.lowering.pipeline import MB_AXIS

@@ -1,4 +1,4 @@
-"""Steps that do not vary per micro-batch run once per process (meshdsl/exec/steps.py: twins),
+"""Steps that do not vary per micro-batch run once per process (meshdsl/runtime/steps.py: twins),
 and an optimizer update overwrites its param and state when the executor may donate them.
 
 With ``microbatches=m`` a process holds m virtual ranks.  A step none of whose values is
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 import meshdsl as md
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.runtime.executor import Executor
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.lowering.compiler import compile as compile_plan
 from meshdsl.ops import optim
 from meshdsl.search.calibrate import Calibration
@@ -70,12 +70,12 @@ def test_update_runs_once_per_process_under_accumulation(monkeypatch):
 def test_steps_that_vary_per_microbatch_still_run_per_microbatch(monkeypatch):
     _, plan = _train_plan("data:2", "batch:data", 4)
     ex = Executor(plan, SimulatedComm(plan.mesh))
-    from meshdsl.exec.steps import twins
+    from meshdsl.runtime.steps import representatives
     steps = [s for s, _ in plan.walk()]   # inside the accumulate step (lowering/accumulate.py)
     per_mb = [s for s in steps if s.kind == "local" and s.op == "einsum" and s.phase == "forward"]
-    assert per_mb and all(twins(ex, s) is None for s in per_mb), "a forward einsum reads its micro-batch"
+    assert per_mb and all(representatives(ex.plan, ex.comm, s) is None for s in per_mb), "a forward einsum reads its micro-batch"
     update = [s for s in steps if s.op == "adamw_update"]
-    reps, of = twins(ex, update[0])
+    reps, of = representatives(ex.plan, ex.comm, update[0])
     assert len(reps) == 2 and of == (0, 0, 0, 0, 1, 1, 1, 1)
 
 
@@ -95,7 +95,7 @@ def test_donated_update_under_accumulation_gives_the_same_steps():
     model, plan = _train_plan("data:1", "", 2)
     assert plan.mesh.size == 2  # the virtual micro-batch axis
     exs = [Executor(plan, SimulatedComm(plan.mesh), donate_params=d) for d in (True, False)]
-    # The update runs in the accumulate step's final segment, which donates it (exec/pipeline.py).
+    # The update runs in the accumulate step's final segment, which donates it (runtime/pipeline.py).
     assert [s.kind for s in plan.steps if s.kind not in ("param", "input")] == ["accumulate"]
     assert exs[0].donates and not exs[1].donates
     carried = [k for k in plan.params if f"new/{k}" in plan.outputs]

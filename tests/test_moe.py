@@ -10,7 +10,10 @@
 * the plan: dispatch and combine are alltoalls over the experts' axis, and the gate
   tensors move no data;
 * SGD steps under expert parallelism follow the dense loss curve, on the simulated mesh
-  and on 2 and 4 gloo processes.
+  and on 2 and 4 gloo processes;
+* the blocks stacked in one repeat (the balance loss and drop counts its per-layer outputs)
+  pipelined 1F1B over ``stage:2``, with the experts split over ``data`` too, against the
+  dense program, simulated and on four gloo processes.
 
 Legend: the tiny config, batch 4, seq 8, d_model 8, heads 2, d_head 4, d_ff 8, vocab 16,
 2 layers, experts 4; capacity ceil(1.25 * 8 * k / 4) = 3 (top-1) or 5 (top-2).
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 
 import meshdsl as md
 from conftest import ATOL, RTOL
-from meshdsl.exec.launch import spawn
+from meshdsl.processes.launcher import spawn
 from meshdsl.train.jobs import train_job
 from meshdsl.train.model import find_model_file, load_module
 
@@ -204,14 +207,66 @@ def test_layouts_match_the_dense_program(top_k):
                                        msg=lambda s, k=k: f"mesh='{mesh}' layout='{layout}' {k}: {s}")
 
 
+# ----------------------------------------------------------------------------- pipelined
+
+PIPELINES = [("stage:2", "layer:stage"), ("stage:2; data:2", "layer:stage; batch:data; experts:data")]
+
+
+@pytest.mark.parametrize("mesh, layout", PIPELINES)
+def test_pipelined_blocks_match_the_dense_program(mesh, layout):
+    """The blocks in one repeat, pipelined 1F1B over 'stage' (experts split over 'data' too):
+    loss, balance loss, drop counts and every gradient as the dense program's."""
+    m = _model()
+    outs, feeds = _outputs(m), m.feeds(1)
+    want = md.run_dense(outs, feeds)
+    plan = md.compile(outs, mesh, layout, microbatches=2, schedule="1f1b")
+    assert any(s.kind == "pipeline" for s in plan.steps)
+    got = md.run_simulated(plan, feeds)
+    for k in want:
+        # fp32; the micro-batches and split reductions sum in another order than the dense program.
+        torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=lambda s, k=k: f"{layout} {k}: {s}")
+
+
+def _pipelined_on_ranks(comm, mesh, layout):
+    """Child of the gloo test: the pipelined model's outputs, in full on rank 0."""
+    from meshdsl.comm.microbatch import for_plan
+    from meshdsl.runtime.pipeline import outputs_to_first_rank
+    torch.set_num_threads(1)
+    m = _model()
+    plan = md.compile(_outputs(m), mesh, layout, microbatches=2, schedule="1f1b")
+    ex = md.Executor(plan, for_plan(comm, plan))
+    full = outputs_to_first_rank(comm, plan, ex.full_outputs(ex.run(m.feeds(1), ex.init_params(0))))
+    return {k: v.detach() for k, v in full.items()} if comm.ranks[0] == 0 else None
+
+
+def test_pipelined_with_expert_parallelism_on_four_gloo_processes():
+    mesh, layout = PIPELINES[1]
+    got = spawn(_pipelined_on_ranks, 4, args=(mesh, layout), mesh=mesh, timeout=240)[0]
+    m = _model()
+    want = md.run_dense(_outputs(m), m.feeds(1))
+    assert set(got) == set(want) and torch.equal(got["moe/dropped"], want["moe/dropped"])
+    for k in want:
+        # gloo sums in its own order: fp32 rounding only.
+        torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=lambda s, k=k: f"{k}: {s}")
+
+
 # ----------------------------------------------------------------------------- the plan
+
+
+def _collectives(plan, mult=1):
+    """Every collective of ``plan`` and its sub-plans (the blocks' layers), once per run: (step, input shape)."""
+    for s in plan.steps:
+        for k, sub in enumerate(s.subplans):
+            yield from _collectives(sub, mult * s.runs(k))
+        if s.is_collective:
+            yield from [(s, plan.values[s.ins[0]].shape)] * mult
 
 
 def test_expert_parallel_dispatch_and_combine_are_alltoalls():
     m = _model()
     cfg = m.config
     plan = md.compile(m.train_step(), "data:2", EP, bucket_mb=0)  # one allreduce per gradient, named below
-    coll = [(s, plan.values[s.ins[0]].shape) for s, _ in plan.collectives()]
+    coll = list(_collectives(plan))
     # Per layer: dispatch and combine forward, their transposes backward, over 'data'.
     a2a = [(s, shape) for s, shape in coll if s.kind == "alltoall"]
     assert [s.phase for s, _ in a2a].count("forward") == 2 * cfg.layers
@@ -234,7 +289,7 @@ def test_experts_split_alone_needs_no_alltoall():
     # With the batch whole, the rename onto 'experts' is a local slice; only the combine gathers.
     m = _model()
     plan = md.compile(m.train_step(), "model:2", "experts:model")
-    kinds = [s.kind for s, _ in plan.collectives()]
+    kinds = [s.kind for s, _ in _collectives(plan)]
     assert "alltoall" not in kinds and kinds.count("allgather") == 2 * m.config.layers
 
 

@@ -17,7 +17,7 @@ import torch
 
 import meshdsl as md
 from conftest import adamw_dense_curve
-from meshdsl.exec.launch import spawn
+from meshdsl.processes.launcher import spawn
 
 STEPS = 20
 CLIP = 0.5  # the tiny MoE's first gradient norm is above it (asserted), so clipping is active

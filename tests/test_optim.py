@@ -123,7 +123,7 @@ def test_adamw_matches_reference(mesh, layout):
 
 
 def test_adamw_kernel_reads_a_strided_gradient_by_its_strides():
-    # a layer loop's gradients can be views into their buckets (exec/loop.py); torch's fused
+    # a layer loop's gradients can be views into their buckets (runtime/layers.py); torch's fused
     # AdamW kernel reads its tensors as dense memory, so the kernel must not hand it one
     from meshdsl.ops.optim import _adamw
     flat = torch.randn(4, 20)

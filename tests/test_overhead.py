@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import time_limit
-from meshdsl.search import overhead
+from meshdsl.search import sweep
 from meshdsl.search.calibrate import Calibration
-from meshdsl.search.overhead import dispatch_seconds, median_time, pipeline_dispatch_seconds
+from meshdsl.search.overhead import dispatch_seconds, pipeline_dispatch_seconds
+from meshdsl.search.sweep import median_time
 
 
 class _Clock:
@@ -28,7 +29,7 @@ class _Clock:
 ])
 def test_median_time_is_the_middle_call(monkeypatch, durations, middle):
     clock = _Clock()
-    monkeypatch.setattr(overhead, "time", clock)
+    monkeypatch.setattr(sweep, "time", clock)
     calls = iter(durations)
 
     def call():

@@ -17,6 +17,7 @@ import torch
 from conftest import sgd_dense_losses
 from meshdsl.lowering.compiler import compile as compile_plan
 from meshdsl.lowering.memory import memory_report
+from meshdsl.lowering.pipeline_program import PipelineProgram
 from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
 from meshdsl.lowering.schedule import theory_cost
 from meshdsl.lowering.timeline import simulate, theory_bubble
@@ -49,45 +50,40 @@ def _rows(stats):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 8), (4, 4)])
 def test_run_figures_of_the_unit_cost_simulation_are_the_theory(schedule, p, m):
-    plan_like = {"axis": "stage", "stages": p, "microbatches": m, "schedule": schedule,
-                 "bubble_theory": float(bubble_theory(p, m)),
-                 "peak_theory": [peak_theory(schedule, p, m, r) for r in range(p)]}
-    stats = simulate(make_schedule(schedule, p, m))
-    fig = run_figures(plan_like, [_rows(stats)] * 3)
+    program = PipelineProgram.of_schedule(make_schedule(schedule, p, m))
+    stats = simulate(program.schedule)
+    fig = run_figures(program, [_rows(stats)] * 3)
     # Unit costs in floats: exact up to the float conversion of a Fraction.
     assert fig["bubble_measured"] == pytest.approx([float(bubble_theory(p, m))] * p, rel=1e-12)
     assert fig["bubble_at_costs"] == pytest.approx([float(bubble_theory(p, m))] * p, rel=1e-12)
-    assert fig["peak_activations"] == plan_like["peak_theory"]
+    assert fig["bubble_theory"] == pytest.approx(float(bubble_theory(p, m)), rel=1e-12)
+    assert fig["peak_activations"] == fig["peak_theory"] == [peak_theory(schedule, p, m, r) for r in range(p)]
     assert fig["busy_ms"] == pytest.approx([2 * m * 1e3] * p)
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (3, 4)])
 def test_run_figures_of_zbh1_at_the_theory_costs(p, m):
     sched = make_schedule("zbh1", p, m)
-    summary = {"axis": "stage", "stages": p, "microbatches": m, "schedule": "zbh1",
-               "bubble_theory": float(theory_bubble(sched)), "peak_theory": [peak_theory("zbh1", p, m, r) for r in range(p)]}
-    fig = run_figures(summary, [_rows(simulate(sched, theory_cost(sched)))] * 3)
+    fig = run_figures(PipelineProgram.of_schedule(sched), [_rows(simulate(sched, theory_cost(sched)))] * 3)
     assert fig["bubble_measured"] == pytest.approx([(p - 1) / (3 * m + p - 1)] * p, rel=1e-12)
     assert fig["bubble_at_costs"] == pytest.approx(fig["bubble_measured"], rel=1e-12)
     assert fig["peak_activations"] == [min(p, m)] * p
-    assert summary["bubble_theory"] == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert fig["bubble_theory"] == float(theory_bubble(sched)) == pytest.approx((p - 1) / (3 * m + p - 1))
 
 
 def _gpipe_2x4_with_stage_1_slowed():
     """GPipe on 2 stages, 4 micro-batches: the unit-cost timeline, the same with every time on
-    stage 1 doubled, and the plan summary."""
+    stage 1 doubled, and the schedule's program."""
     gpipe = _rows(simulate(make_schedule("gpipe", 2, 4)))
     slow = [[(k, mb, s, peer, t0 * (2 if s == 1 else 1), t1 * (2 if s == 1 else 1))
              for k, mb, s, peer, t0, t1 in row] for row in gpipe]
-    summary = {"axis": "stage", "stages": 2, "microbatches": 4, "schedule": "gpipe",
-               "bubble_theory": 0.2, "peak_theory": [4, 4]}
-    return gpipe, slow, summary
+    return gpipe, slow, PipelineProgram.of_schedule(make_schedule("gpipe", 2, 4))
 
 
 def test_run_figures_takes_the_median_step_and_the_largest_peak():
     # A step twice as slow on stage 1 only: its makespan grows, stage 0 idles more.
-    gpipe, slow, summary = _gpipe_2x4_with_stage_1_slowed()
-    fig = run_figures(summary, [gpipe, gpipe, slow])
+    gpipe, slow, program = _gpipe_2x4_with_stage_1_slowed()
+    fig = run_figures(program, [gpipe, gpipe, slow])
     assert fig["bubble_measured"] == pytest.approx([0.2, 0.2])  # the median: the two unit-cost steps
     assert fig["peak_activations"] == [4, 4]
 
@@ -97,13 +93,13 @@ def test_bubble_at_costs_is_the_schedule_run_with_the_measured_stage_costs():
     # allows: stage 1's F0 starts before stage 0's F0 ends).  Replayed with F = B = 1 on
     # stage 0 and 2 on stage 1: stage 0 runs F0-F3 in 0-4, stage 1 F0-F3 in 1-9 and B0-B3 in
     # 9-17, stage 0 each B right after its gradient, B3 in 17-18; busy 8 and 16 of 18.
-    _, slow, summary = _gpipe_2x4_with_stage_1_slowed()
-    assert bubble_at_costs(summary, [slow]) == pytest.approx([10 / 18, 2 / 18])
+    _, slow, program = _gpipe_2x4_with_stage_1_slowed()
+    assert bubble_at_costs(program, [slow]) == pytest.approx([10 / 18, 2 / 18])
     # Idle time the runtime adds (each stage-1 action waits 1 before it starts) shows in the
     # measured bubble, not in the one at the measured costs.
     late = [[(k, mb, s, peer, t0 + (mb + 1 if s == 1 else 0), t1 + (mb + 1 if s == 1 else 0))
              for k, mb, s, peer, t0, t1 in row] for row in slow]
-    fig = run_figures(summary, [late])
+    fig = run_figures(program, [late])
     assert fig["bubble_at_costs"] == pytest.approx([10 / 18, 2 / 18])
     assert fig["bubble_measured"][1] > 2 / 18
 
@@ -241,7 +237,7 @@ def test_run_report_without_pipeline_has_no_pipeline_keys(capsys, tmp_path):
 
 
 def test_gather_timelines_puts_every_rank_on_one_clock():
-    from meshdsl.exec.simulated import SimulatedComm
+    from meshdsl.comm.simulated import SimulatedComm
     from meshdsl.layout.mesh import Mesh
     from meshdsl.lowering.schedule import Action
     from meshdsl.train.jobs import gather_timelines

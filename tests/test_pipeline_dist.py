@@ -4,7 +4,7 @@ One spawn per process count runs every case in turn (process start-up dominates)
 Each rank checks the plan signature with the others, runs its own stage's actions
 (send/recv between stages, isend never blocking), and returns the full outputs it
 holds and its measured peak of held activations; the parent compares every rank's
-outputs with the dense program (the carry goes through shared memory, exec/shm_pipe.py,
+outputs with the dense program (the carry goes through shared memory, comm/shm_pipe.py,
 where the machine has it).  A rank killed mid-pipeline brings the job down fast,
 naming it.
 """
@@ -22,10 +22,11 @@ import torch
 
 import meshdsl as md
 from meshdsl.errors import DistributedError
-from meshdsl.exec import launch, shm
-from meshdsl.exec.distributed import TorchComm
-from meshdsl.exec.fold import for_plan
-from meshdsl.lowering.schedule_gen import peak_theory
+from meshdsl.processes import launcher as launch
+from meshdsl.comm import shm
+from meshdsl.comm.distributed import TorchComm
+from meshdsl.comm.microbatch import for_plan
+from meshdsl.lowering.schedule_gen import parse_schedule, peak_theory
 from meshdsl.lowering.timeline import bubble_from_timeline
 from meshdsl.train.jobs import agree_plan
 from meshdsl.train.step import training_outputs
@@ -39,8 +40,9 @@ CFG = dataclasses.replace(Config.tiny(), layers=4, batch=8)
 # (config overrides, mesh, layout, micro-batches, schedule)
 CASES = {
     2: [({}, "stage:2", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)]
-       + [({}, "stage:2", "layer:stage", 4, "zbh1")],
+       + [({}, "stage:2", "layer:stage", 4, "zbh1"), ({}, "stage:2", "layer:stage", 2, "interleaved:2")],
     4: [({}, "stage:4", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 4)]
+       + [({"layers": 8}, "stage:4", "layer:stage", 4, "interleaved:2")]
        + [({}, "stage:2; data:2", "layer:stage; batch:data", 2, "1f1b"),
           ({}, "stage:2; model:2", "layer:stage; heads:model; d_ff:model", 2, "gpipe"),
           ({"tied": True}, "stage:2; data:2", "layer:stage; batch:data", 2, "1f1b")],
@@ -83,7 +85,8 @@ def test_pipelines_match_dense(nproc):
         for rank in range(nproc):
             got, stage, peak, pipes = results[rank][c]
             what = f"{mesh} / {layout} m={m} {schedule} rank {rank}"
-            assert peak == peak_theory(schedule, p, m, stage), what
+            name, chunks = parse_schedule(schedule)
+            assert peak == peak_theory(name, p, m, stage, chunks), what
             assert pipes == [shm.supported()], what
             for k, v in got.items():
                 scale = want[k].abs().max().item()
@@ -218,7 +221,7 @@ def test_pipelined_updates_overwrite_the_params_and_train_as_dense():
     (l0, kept0, held0), (l1, kept1, held1) = launch.spawn(_donated_steps, 2, mesh="stage:2", timeout=100)
     assert kept0 and kept1
     assert "wte" in held0 and "lm_head" in held1 and "wq" in held0 and "wq" in held1
-    from meshdsl.exec.simulated import SimulatedComm
+    from meshdsl.comm.simulated import SimulatedComm
     from meshdsl.train.step import TrainStep
     model = build(CFG)
     dense = TrainStep(model.loss, model.params, "data:1", "", SimulatedComm(md.Mesh.parse("data:1")), lr=0.1)

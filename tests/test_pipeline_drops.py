@@ -1,5 +1,6 @@
 """A pipeline stage drops a micro-batch's values inside its F or B action, right after
-their last reader (meshdsl/exec/pipeline.py, ``_action_drops``).
+their last reader (the program's ``drops``: meshdsl/lowering/pipeline_program.py; run by
+meshdsl/runtime/pipeline.py).
 
 Pinned: a dropped value is made by that segment on that stage and read only by that
 segment's compute steps there (never by a send, the other segment, the final segment
@@ -13,8 +14,9 @@ import dataclasses
 import torch
 
 import meshdsl as md
-from meshdsl.exec import pipeline
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.lowering.pipeline_program import Segment
+from meshdsl.runtime import pipeline
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.train.step import training_outputs
 from models.transformer import Config, build
 
@@ -31,12 +33,14 @@ def _plan(m=4):
 def test_drops_are_values_only_their_action_reads():
     plan, _, _ = _plan()
     step = next(s for s in plan.steps if s.kind == "pipeline")
-    segments = [(p.steps, st) for p, st in zip(step.subplans, step.args["stages"])]
+    program = step.args["program"]
+    segments = [(p.steps, st) for p, st in zip(step.subplans, program.stages)]
     kept = {v for s in step.subplans[3].steps for v in s.ins} | set(step.outs)
+    assert kept <= program.kept
     total = 0
-    for seg in (1, 2):
+    for seg in (Segment.FORWARD, Segment.BACKWARD):
         for stage in (0, 1):
-            for j, values in pipeline._action_drops(segments, seg, stage, kept).items():
+            for j, values in program.drops(seg, stage).items():
                 for v in values:
                     total += 1
                     assert v not in kept and v not in plan.outputs.values()

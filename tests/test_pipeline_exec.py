@@ -15,7 +15,7 @@ import torch
 
 import meshdsl as md
 from conftest import assert_matches_scaled
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.lowering.schedule_gen import peak_theory
 from meshdsl.lowering.timeline import bubble_from_timeline
 from meshdsl.train.step import TrainStep, training_outputs
@@ -68,7 +68,7 @@ def test_transformer_matches_dense(p, schedule, m):
 def test_zbh1_runs_its_ws_where_the_schedule_places_them(p, m):
     _, outs, feeds, _ = _reference()
     _, ex, plan = _run(outs, feeds, f"stage:{p}", "layer:stage", m, "zbh1")
-    sched = next(s for s in plan.steps if s.kind == "pipeline").args["schedule"]
+    sched = next(s for s in plan.steps if s.kind == "pipeline").args["program"].schedule
     for rank, recorded in enumerate(ex.last_timeline):
         want = [(a.kind, a.microbatch) for a in sched.actions[rank] if a.kind in ("F", "B", "W")]
         if rank == 0:   # a W right after its own B is that B's tail: not split off
@@ -199,14 +199,14 @@ def test_microbatch_sums_accumulate_locally(mesh, layout, others):
 def test_the_final_segment_may_overwrite_every_params_update():
     """Under donation (one real rank per process) each SGD update of the final segment is its
     param's last reader, so the pipeline lets it write in place; nothing else is donated."""
-    from meshdsl.exec.pipeline import _final_donations
+    from meshdsl.runtime.pipeline import _final_donations
     model = build(CFG)
     plan = md.compile(training_outputs(model.loss, model.params, 0.1), "stage:2", "layer:stage", microbatches=2,
                       schedule="1f1b")
     ex = md.Executor(plan, SimulatedComm(plan.mesh))
     step = next(s for s in plan.steps if s.kind == "pipeline")
     final = step.subplans[3].steps
-    got = {final[j].outs[0] for j in _final_donations(ex, step)}
+    got = {final[j].outs[0] for j in _final_donations(ex.plan, step)}
     updates = {s.outs[0] for s in final if s.kind == "local" and s.args.get("inplace") is not None}
     assert got == updates and len(updates) == len(model.params)
     assert not ex.donates   # the simulated mesh holds both stages: it never overwrites

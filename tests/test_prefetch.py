@@ -1,4 +1,4 @@
-"""Prefetch in the repeat loop (exec/prefetch.py): FSDP's gathers for layer l+1 start before layer l runs.
+"""Prefetch in the repeat loop (runtime/prefetch.py): FSDP's gathers for layer l+1 start before layer l runs.
 
 On a simulated mesh whose communicator starts all-gathers "asynchronously" (and
 records when), every layer after the first of each loop receives gathers that
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec.comm import Done
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.prefetch import prefetchable
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.comm.communicator import Done
+from meshdsl.runtime.executor import Executor
+from meshdsl.runtime.prefetch import prefetchable
+from meshdsl.comm.simulated import SimulatedComm
 from models.transformer import Config, build
 
 CFG = dataclasses.replace(Config.tiny(), layers=3, batch=4)

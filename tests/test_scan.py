@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import meshdsl as md
 from conftest import ATOL, MESHES, RTOL, axis_tuples, build_case, check_layouts, check_plan, layout_string
 from meshdsl.errors import ShapeError
-from meshdsl.exec.launch import spawn
+from meshdsl.processes.launcher import spawn
 
 B, S, F2 = md.Dim("batch", 4), md.Dim("seq", 8), md.Dim("feat", 2)
 MODES = {"inc": {}, "exc": {"exclusive": True}, "rev": {"reverse": True},

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import meshdsl as md
 from conftest import time_limit
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.runtime.executor import Executor
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.lowering.compiler import compile as compile_plan
 from meshdsl.search.calibrate import Calibration
 from meshdsl.search.predict import predict, process_axes, process_totals
@@ -357,7 +357,7 @@ def test_a_plan_with_its_schedule_swapped_is_the_plan_compiled_for_it():
     for sched in ("1f1b", "zbh1", "gpipe"):
         swapped = with_schedule(base, sched)
         fresh = compile_plan(model.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule=sched)
-        (a,), (b,) = ([s.args["schedule"] for s in p.steps if s.kind == "pipeline"] for p in (swapped, fresh))
+        (a,), (b,) = ([s.args["program"].schedule for s in p.steps if s.kind == "pipeline"] for p in (swapped, fresh))
         assert a.name == b.name == sched and a.actions == b.actions
         pa, pb = predict(swapped, cal), predict(fresh, cal)
         assert (pa.step_s, pa.bubble_s, pa.memory_bytes, pa.comm_bytes) == \

@@ -13,8 +13,8 @@ import torch
 
 from meshdsl.collectives import COLLECTIVES
 from meshdsl.errors import GraphError
-from meshdsl.exec import launch
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.processes import launcher as launch
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
 
 

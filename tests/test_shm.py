@@ -1,4 +1,4 @@
-"""Collectives through shared memory (exec/shm.py) among the gloo ranks of one host.
+"""Collectives through shared memory (comm/shm.py) among the gloo ranks of one host.
 
 The shared-memory path folds each chunk in group order, as the simulated mesh does, so
 its results are bitwise the simulated mesh's for every kind, op and dtype, including
@@ -21,9 +21,10 @@ import torch
 
 from conftest import time_limit
 from meshdsl.errors import DistributedError
-from meshdsl.exec import launch, shm
-from meshdsl.exec.distributed import TorchComm
-from meshdsl.exec.simulated import SimulatedComm
+from meshdsl.processes import launcher as launch
+from meshdsl.comm import shm
+from meshdsl.comm.distributed import TorchComm
+from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives need x86-64 Linux")

@@ -1,4 +1,4 @@
-"""Pipeline transfers through shared memory (exec/shm_pipe.py) between the gloo ranks of one host.
+"""Pipeline transfers through shared memory (comm/shm_pipe.py) between the gloo ranks of one host.
 
 What is sent arrives bitwise, for every dtype and size (a 0-dim tensor, a message cut into
 pieces, more than a ring holds: the helper thread writes the rest), in either direction at
@@ -21,8 +21,10 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import time_limit
 from meshdsl.errors import DistributedError
-from meshdsl.exec import launch, shm, shm_pipe
-from meshdsl.exec.distributed import TorchComm
+from meshdsl.processes import launcher as launch
+from meshdsl.comm import shm
+from meshdsl.comm import shm_pipe
+from meshdsl.comm.distributed import TorchComm
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transfers need x86-64 Linux")
 

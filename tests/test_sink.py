@@ -1,5 +1,5 @@
 """Gradients written by their matmul into the loop's stacked buffer, or added into a pipeline's sum
-(exec/sink.py, exec/loop.py, exec/pipeline_store.Accumulator.into).
+(runtime/deferred.py, runtime/layers.py, runtime/pipeline_store.Accumulator.into).
 
 A repeat's backward loop used to copy each layer's weight gradients into its stacked
 buffer, and a pipeline then added each micro-batch's stacked gradients into a running
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec.executor import Executor
-from meshdsl.exec.loop import _split_tail
-from meshdsl.exec.simulated import SimulatedComm
-from meshdsl.exec.sink import Sink, install
+from meshdsl.runtime.executor import Executor
+from meshdsl.runtime.layers import _split_tail
+from meshdsl.comm.simulated import SimulatedComm
+from meshdsl.runtime.deferred import Sink, install
 from meshdsl.ops.matmul_form import MatmulForm
 from meshdsl.train.step import training_outputs
 from models.transformer import Config, build
@@ -153,7 +153,7 @@ def test_a_stage_that_sends_a_gradient_runs_its_weight_gradients_after_the_send(
 def test_a_matmul_outside_the_repeat_adds_later_micro_batches_into_its_sum(calls, mesh, layout):
     """The MLP's two weight gradients are einsums outside any loop: under accumulation the
     first micro-batch's product becomes the running sum, and the three later ones add into it
-    (exec/sink.py product_sums), on every rank."""
+    (runtime/deferred.py product_sums), on every rank."""
     model = md.load_model("mlp", tiny=True)
     outs = training_outputs(model.loss, model.params, 0.1, with_grads=True)
     feeds = model.feeds(0)

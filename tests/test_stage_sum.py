@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.exec import launch
-from meshdsl.exec.fold import for_plan
+from meshdsl.processes import launcher as launch
+from meshdsl.comm.microbatch import for_plan
 from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
@@ -81,7 +81,7 @@ def test_side_inputs_reach_the_stages_that_read_them(model):
     sends = [s for s in backward.steps if s.kind == "send"]
     assert sorted(s.bytes for s in sends) == sorted([enc_bytes, CFG.batch // m * CFG.tgt_seq * CFG.d_model * 4])
     assert all(s.args["offset"] == -1 for s in sends)
-    adds = [(s, st) for s, st in zip(backward.steps, pipe.args["stages"][2]) if "sum over the stages" in s.label]
+    adds = [(s, st) for s, st in zip(backward.steps, pipe.args["program"].stages[2]) if "sum over the stages" in s.label]
     assert len(adds) == 1 and adds[0][1] == (0,)
     # after the micro-batches: the shared gate's gradient, summed over the stages and micro-batches
     over_stage = [s for s in final.steps if "stage" in s.axes and s.kind not in ("send", "recv")]

@@ -1,4 +1,4 @@
-"""How ranks start (meshdsl/exec/start.py): from the forkserver by default, with the
+"""How ranks start (meshdsl/processes/start.py): from the forkserver by default, with the
 launcher's environment, working directory and stdout/stderr as they are at launch."""
 import multiprocessing
 import os
@@ -12,7 +12,8 @@ import pytest
 
 from conftest import time_limit
 from meshdsl.errors import DistributedError
-from meshdsl.exec import launch, start
+from meshdsl.processes import launcher as launch
+from meshdsl.processes import start
 
 
 def _what_the_rank_sees(rank, key):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshdsl.lowering.pipeline_program import PipelineProgram
 from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule
 from meshdsl.tools import cli
 from meshdsl.tools.timeline_png import draw, median_step, simulated_rows
@@ -20,7 +21,7 @@ PIPE = ["transformer", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage"]
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 2)])
 def test_the_unit_cost_schedule_is_drawn_bar_for_bar(tmp_path, schedule, p, m):
     path = tmp_path / "t.png"
-    got = draw(simulated_rows(make_schedule(schedule, p, m)), str(path), "t", unit="F times", scale=1.0)
+    got = draw(simulated_rows(PipelineProgram.of_schedule(make_schedule(schedule, p, m))), str(path), "t", unit="F times", scale=1.0)
     assert path.read_bytes()[:8] == PNG
     assert got["bars"] == {"F": p * m, "B": p * m}
     assert got["span"] == 2 * (m + p - 1)
@@ -68,7 +69,7 @@ def test_an_unwritable_timeline_is_refused_before_any_work(capsys, tmp_path):
 def test_draw_timeline_from_python(tmp_path):
     """``md.draw_timeline``: a plan's schedule, or an executor's recorded actions after a step."""
     import meshdsl as md
-    from meshdsl.exec.simulated import SimulatedComm
+    from meshdsl.comm.simulated import SimulatedComm
     from meshdsl.train.step import TrainStep
     from models.transformer import Config, build
 

@@ -18,8 +18,8 @@ import torch
 
 import meshdsl as md
 from conftest import adamw_dense_curve
-from meshdsl.exec import launch
-from meshdsl.exec.distributed import TorchComm
+from meshdsl.processes import launcher as launch
+from meshdsl.comm.distributed import TorchComm
 from meshdsl.train.jobs import agree_plan
 from models.transformer import Config, build
 

@@ -13,6 +13,7 @@ from ..errors import GraphError, message
 from ..ops import elementwise as ew
 from ..ops.registry import Op, apply
 from ..ops.shape_ops import broadcast_to, transpose
+from .remat import parse_remat, remat_for_all
 
 
 #: The nodes that depend on a ``wrt`` tensor of the vjp being built (None outside one).
@@ -115,12 +116,15 @@ def _backward(nodes, live: set[int], grads: dict, outputs, cotangents, graph) ->
                     _accumulate(grads, inp, g)
 
 
-def grad(loss: Tensor, wrt=None) -> list[Tensor]:
+def grad(loss: Tensor, wrt=None, remat=None) -> list[Tensor]:
     """Gradients of scalar ``loss`` w.r.t. ``wrt`` (default: every param it depends on).
 
     Args:
       loss: a Tensor with no dims.
       wrt: a list of Tensors (usually params), a dict name -> Tensor, or None.
+      remat: the activation-checkpointing policy of every repeat the gradient crosses
+        (``"none"``, ``"full"``, ``"selective"``, ``"save:OP,..."``; see
+        :mod:`meshdsl.ir.remat`); None: each repeat's own (``repeat(..., remat=)``).
 
     Returns:
       A list of gradient Tensors shaped like ``wrt`` (a dict if ``wrt`` was a dict).
@@ -132,8 +136,9 @@ def grad(loss: Tensor, wrt=None) -> list[Tensor]:
       rule, such as a fused backward kernel, is then a clear error).
 
     Raises:
-      GraphError: if ``loss`` is not a scalar.
+      GraphError: if ``loss`` is not a scalar, or ``remat`` is no policy.
     """
+    policy = None if remat is None else parse_remat(remat, "grad(remat=...)")
     if not isinstance(loss, Tensor):
         raise GraphError(message(f"grad: loss is {loss!r} ({type(loss).__name__}), not a Tensor.",
                                  rule="grad differentiates a scalar Tensor of a graph",
@@ -158,7 +163,8 @@ def grad(loss: Tensor, wrt=None) -> list[Tensor]:
     g = loss.graph
     with g.in_phase("backward"):
         seed = ew.constant(1.0, loss.dtype, loss)
-        raw = vjp([loss], [seed], items)
+        with remat_for_all(policy):
+            raw = vjp([loss], [seed], items)
         out = []
         for p, d in zip(items, raw):
             if d is None:

@@ -1,7 +1,7 @@
 """The graph interpreter: a graph's outputs flattened into a list of kernel calls.
 
 :class:`DenseProgram` evaluates whole tensors on one device.  It is the dense
-oracle every layout is compared to (:func:`meshdsl.exec.dense.run_dense`), and
+oracle every layout is compared to (:func:`meshdsl.runtime.dense.run_dense`), and
 the way an op that holds a sub-graph (a repeat's block) computes it densely.
 """
 from __future__ import annotations

@@ -128,10 +128,11 @@ def _replay_repeat(n, ins: list[Tensor], low: torch.dtype) -> tuple:
     def block(carry, params):
         env = {id(blk.carry): carry, **{id(blk.params[k]): params[k] for k in blk.params},
                **{id(ph): t for ph, t in zip(blk.closed.values(), closed)}}
-        _replay(topo_nodes([blk.out]), env, low)
+        _replay(topo_nodes([blk.out, *(blk.ys or {}).values()]), env, low)
         out = env[id(blk.out)]
         # the carry keeps one dtype from layer to layer
-        return out if out.dtype == carry.dtype else cast(out, carry.dtype)
+        out = out if out.dtype == carry.dtype else cast(out, carry.dtype)
+        return out if blk.ys is None else (out, {k: env[id(y)] for k, y in blk.ys.items()})
 
-    x = repeat(block, ins[0], dict(zip(stacked, ins[1:1 + len(stacked)])), n.attrs["layer"])
-    return x.node.outputs
+    x = repeat(block, ins[0], dict(zip(stacked, ins[1:1 + len(stacked)])), n.attrs["layer"], n.attrs.get("remat"))
+    return (x if blk.ys is None else x[0]).node.outputs

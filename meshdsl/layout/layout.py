@@ -170,18 +170,42 @@ class Layout:
         self._targets[key] = tuple(out)
         return out
 
+    def check_even(self, shape: Shape, scopes: tuple[str, ...], mesh: Mesh, what: str) -> None:
+        """Refuse a dim of tensor ``what`` that its rule's axes do not divide (strict splits).
+
+        Without strict splits such a dim is split unevenly (see :mod:`.sharding`).
+
+        Raises:
+          LayoutError: naming the tensor, the dim, its size and the axes' sizes, with a caret
+            under the rule.
+        """
+        for name, r in self.wanted(shape, scopes).items():
+            size = shape.get(name).size
+            n = mesh.axis_size(r.axis_names)
+            if size % n:
+                raise self._err(
+                    f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes "
+                    f"{_axes_text(mesh, r.axis_names)} (= {n}).",
+                    r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
+                    bullets=[f"parts: {_parts_text(size, n)} (strict splits refuse an uneven split)"],
+                    rule="with strict splits, a split dim's size is a multiple of the product of its axes' sizes",
+                    fix=f"make '{name}' a multiple of {n} (pad it), map it to other axes, or split it "
+                        "unevenly: leave out --strict-splits (strict_splits=True)")
+
     def _targets_of(self, shape, scopes, mesh, what, strict) -> list[tuple[Sharding, str]]:
         wanted = self.wanted(shape, scopes)
         for name, r in wanted.items():
             size = shape.get(name).size
             n = mesh.axis_size(r.axis_names)
-            if size % n:
-                axes = " x ".join(f"{a}:{mesh.sizes[a]}" for a in r.axis_names)
+            if size < n:
                 raise self._err(
-                    f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes {axes} (= {n}).",
+                    f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes "
+                    f"{_axes_text(mesh, r.axis_names)} (= {n}), and too small to split unevenly: "
+                    "some ranks would hold none of it.",
                     r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
-                    rule="a split dim's size must be a multiple of the product of its axes' sizes",
-                    fix=f"make '{name}' a multiple of {n} (pad it), or map it to smaller axes")
+                    rule="a split dim has at least one element per part (an uneven split is allowed, "
+                         "an empty part is not)",
+                    fix=f"map '{name}' to smaller axes, or leave it whole")
         axes_of = {n: tuple(a for a in r.axis_names if mesh.sizes[a] > 1) for n, r in wanted.items()}
         users: dict[str, list[str]] = {}
         for name, axes in axes_of.items():
@@ -212,6 +236,16 @@ class Layout:
             out.append((key, Sharding.of(shape, split), "axis conflict resolved: " + why))
         out.sort(key=lambda t: t[0])
         return [(s, note) for _, s, note in out]
+
+
+def _axes_text(mesh: Mesh, axes) -> str:
+    return " x ".join(f"{a}:{mesh.sizes[a]}" for a in axes)
+
+
+def _parts_text(size: int, n: int) -> str:
+    """How ``torch.tensor_split`` cuts ``size`` into ``n`` parts, e.g. ``'65 x 1, 64 x 3'``."""
+    q, r = divmod(size, n)
+    return ", ".join(f"{k} x {c}" for k, c in ((q + 1, r), (q, n - r)) if c)
 
 
 def _dict_rule(layout: dict, key, value) -> Rule:

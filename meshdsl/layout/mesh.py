@@ -11,11 +11,8 @@ from functools import cached_property
 
 from ..core.names import NAME_RULE, is_name
 from ..errors import MeshError, clip, did_you_mean, message
+from .specs import SIZE_RULE, UNIQUE_RULE
 
-SIZE_RULE = "mesh sizes are positive integers (an int >= 1; not a bool, float or str)."
-UNIQUE_RULE = "each mesh axis has a unique name."
-EMPTY_RULE = ("a mesh string names at least one axis; a mesh with no axes (one device) is "
-              "asked for explicitly from Python, Mesh(()).")
 _FORMS = ("a mesh string such as \"data:2; model:2\", a dict {axis: size} such as "
           "{\"data\": 2, \"model\": 2}, or a Mesh")
 

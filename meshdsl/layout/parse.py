@@ -15,8 +15,7 @@ from lark import Transformer, v_args
 
 from ..core.grammar import Language, check_parens, check_str, error, name_of, parse
 from ..errors import LINE_BREAKS, Span, clip
-from .mesh import EMPTY_RULE, SIZE_RULE, UNIQUE_RULE
-from .specs import AxisSpec, LayoutSpec, MeshSpec, Rule
+from .specs import EMPTY_RULE, SIZE_RULE, UNIQUE_RULE, AxisSpec, LayoutSpec, MeshSpec, Rule
 
 MESH = Language(
     "mesh",

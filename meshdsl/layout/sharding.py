@@ -3,6 +3,15 @@
 A :class:`Sharding` maps every dim of a tensor (by name) to the tuple of mesh
 axes that split it, first axis major, plus the axes over which the local
 values are still *partial sums* (Mesh-TF's lazy allreduce).
+
+A dim its axes do not divide is split unevenly, as ``torch.tensor_split`` cuts:
+each axis, first to last, cuts the part the axes before it left into parts whose
+sizes differ by at most one, the first ``size % n`` of them one longer
+(:func:`chunk`).  Cutting axis by axis keeps every re-layout exact: a re-layout
+only adds or removes axes at a dim's minor end, so the parts a collective joins
+or cuts are always the parts of one axis's cut.  Every part has ``floor`` or
+``ceil`` of ``size / n`` elements (``n`` the axes' product), so the largest local
+shape (:meth:`Sharding.local_shape` without a rank) is the ceiling on every dim.
 """
 from __future__ import annotations
 
@@ -12,6 +21,34 @@ from functools import cached_property
 
 from ..core.shape import Shape
 from .mesh import Mesh
+
+
+def chunk(size: int, mesh: Mesh, rank: int, axes) -> tuple[int, int]:
+    """``(offset, length)`` of ``rank``'s part of a dim of ``size`` split over ``axes``.
+
+    Each axis, first (major) to last, cuts the part left so far into
+    ``mesh.sizes[axis]`` parts as ``torch.tensor_split`` does; with every axis
+    dividing what it cuts, this is ``index * size // n``, the even split.
+    """
+    off, n = 0, size
+    if axes:
+        coords = mesh.coords(rank)
+        for a in axes:
+            q, r = divmod(n, mesh.sizes[a])
+            i = coords[a]
+            off += i * q + min(i, r)
+            n = q + (i < r)
+    return off, n
+
+
+def part_sizes(size: int, mesh: Mesh, members, axes) -> tuple[int, ...]:
+    """The length of each member's part of a dim of ``size`` split over ``axes`` (see :func:`chunk`)."""
+    return tuple(chunk(size, mesh, r, axes)[1] for r in members)
+
+
+def is_even(size: int, mesh: Mesh, axes) -> bool:
+    """Whether ``axes`` split a dim of ``size`` into parts of one length."""
+    return size % mesh.axis_size(tuple(axes)) == 0
 
 
 @dataclass(frozen=True)
@@ -43,32 +80,22 @@ class Sharding:
     def with_partial(self, partial) -> "Sharding":
         return Sharding(self.dims, tuple(partial))
 
-    def local_shape(self, shape: Shape, mesh: Mesh) -> tuple[int, ...]:
-        return tuple(d.size // mesh.axis_size(self.axes_of(d.name)) for d in shape)
+    def local_shape(self, shape: Shape, mesh: Mesh, rank: int | None = None) -> tuple[int, ...]:
+        """``rank``'s local shape; without a rank the largest one (every rank's when the split is even)."""
+        if rank is not None:
+            return tuple(chunk(d.size, mesh, rank, self.axes_of(d.name))[1] for d in shape)
+        return tuple(-(-d.size // mesh.axis_size(self.axes_of(d.name))) for d in shape)
 
     def offsets(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[int, ...]:
-        out = []
-        for d in shape:
-            axes = self.axes_of(d.name)
-            if axes:
-                out.append(mesh.index_along(rank, axes) * (d.size // mesh.axis_size(axes)))
-            else:
-                out.append(0)
-        return tuple(out)
+        return tuple(chunk(d.size, mesh, rank, self.axes_of(d.name))[0] for d in shape)
 
     def slice_index(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[slice, ...]:
         """The index of this rank's slice in the full tensor (dims in ``shape`` order)."""
-        idx = []
-        for d, off in zip(shape, self.offsets(shape, mesh, rank)):
-            n = d.size // mesh.axis_size(self.axes_of(d.name))
-            idx.append(slice(off, off + n))
-        return tuple(idx)
-
-    def slice_of(self, full, shape: Shape, mesh: Mesh, rank: int):
-        """This rank's slice of the full tensor ``full`` (dims in ``shape`` order)."""
-        return full[self.slice_index(shape, mesh, rank)]
+        return tuple(slice(off, off + n) for off, n in
+                     (chunk(d.size, mesh, rank, self.axes_of(d.name)) for d in shape))
 
     def local_numel(self, shape: Shape, mesh: Mesh) -> int:
+        """Elements of the largest local slice (what costs and memory reports count)."""
         return math.prod(self.local_shape(shape, mesh))
 
     def __str__(self) -> str:

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from ..core.names import Name
 from ..errors import Span
 
+# The rules a mesh obeys, shared by the mesh string's parser and Mesh's own checks.
+SIZE_RULE = "mesh sizes are positive integers (an int >= 1; not a bool, float or str)."
+UNIQUE_RULE = "each mesh axis has a unique name."
+EMPTY_RULE = ("a mesh string names at least one axis; a mesh with no axes (one device) is "
+              "asked for explicitly from Python, Mesh(()).")
+
 
 @dataclass(frozen=True)
 class AxisSpec:

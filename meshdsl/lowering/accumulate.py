@@ -17,7 +17,7 @@ segments of a pipeline step with one stage (:mod:`.partition`), an ``accumulate`
 
 The schedule is one stage's 1F1B, ``F0 B0 F1 B1 ...``: a micro-batch's activations are
 dropped once its backward is done, and its gradients are added in place into one running
-sum per gradient (the pipeline runtime's accumulator, :mod:`meshdsl.exec.pipeline`).  What
+sum per gradient (the pipeline runtime's accumulator, :mod:`meshdsl.runtime.pipeline`).  What
 does not vary per micro-batch (FSDP's gathered params) is made once, in the prologue, and
 held for the whole step: one gather per step, not one per micro-batch.  The executor, the
 cost model and the memory report read the step as they read a pipeline.
@@ -25,9 +25,10 @@ cost model and the memory report read the step as they read a pipeline.
 from __future__ import annotations
 
 from .bucket import bucket_final
-from .partition import ACT_TAG, FIELDS, GRAD_TAG, SEGMENTS, varies_per_microbatch
+from .partition import FIELDS, pipeline_step, varies_per_microbatch
 from .pipeline import MB_AXIS
-from .plan import Plan, Step, register_step_kind, step_args
+from .pipeline_program import Segment
+from .plan import Step, register_step_kind
 from .schedule_gen import make_schedule
 
 register_step_kind("accumulate", FIELDS)   # the pipeline step's fields: axis None, one stage
@@ -35,43 +36,36 @@ register_step_kind("accumulate", FIELDS)   # the pipeline step's fields: axis No
 ONE = frozenset({0})
 
 
-def segments(steps) -> list[str | None]:
-    """Per step: its segment (a name of :data:`~.partition.SEGMENTS`), None for params and inputs."""
+def segments(steps) -> list[Segment | None]:
+    """Per step: its :class:`~.pipeline_program.Segment`, None for params and inputs."""
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     per_mb = varies_per_microbatch(steps)
-    out: list[str | None] = []
+    out: list[Segment | None] = []
     for i, s in enumerate(steps):
         came_from = {out[producer[v]] for v in s.ins if v in producer}
         if s.kind in ("param", "input"):
             out.append(None)
         elif not per_mb[i]:
-            out.append("prologue")
-        elif (s.is_collective and MB_AXIS in s.axes) or "final" in came_from:
-            out.append("final")
-        elif s.phase != "forward" or "backward" in came_from:
-            out.append("backward")
+            out.append(Segment.PROLOGUE)
+        elif (s.is_collective and MB_AXIS in s.axes) or Segment.FINAL in came_from:
+            out.append(Segment.FINAL)
+        elif s.phase != "forward" or Segment.BACKWARD in came_from:
+            out.append(Segment.BACKWARD)
         else:
-            out.append("forward")
+            out.append(Segment.FORWARD)
     return out
 
 
 def accumulate(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0) -> list[Step]:
     """``steps`` (lowered with the micro-batch axis, no pipeline) as the leaves plus one
     ``accumulate`` step; the final segment's gradient allreduces are bucketed as a pipeline's."""
-    mesh, m = spec.mesh, spec.num_microbatches
+    m = spec.num_microbatches
     seg = segments(steps)
-    lists = {k: [(s, ONE) for s, g in zip(steps, seg) if g == k] for k in SEGMENTS}
-    in_actions = {v for k in ("forward", "backward") for s, _ in lists[k] for v in s.outs}
-    lists["final"] = bucket_final(lists["final"], values, outputs, bucket_mb, in_actions)
+    lists = {k: [(s, ONE) for s, g in zip(steps, seg) if g == k] for k in Segment}
+    in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
+    lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
     leaves = [s for s, g in zip(steps, seg) if g is None]
     made = {v for s, g in zip(steps, seg) if g is not None for v in s.outs}
-    sched = make_schedule("1f1b", 1, m)
-    step = Step("accumulate", -1, "accumulate", f"accumulate ({m} micro-batches)", "forward",
-                tuple(v for s in leaves for v in s.outs), tuple(sorted(set(outputs.values()) & made)), (),
-                step_args("accumulate", {
-                    "axis": None, "num_stages": 1, "microbatches": m, "mb_axis": MB_AXIS, "schedule": sched,
-                    "stages": tuple(tuple((0,) for _ in lists[k]) for k in SEGMENTS),
-                    "carry_tags": (ACT_TAG, GRAD_TAG)}),
-                subplans=tuple(Plan(mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in SEGMENTS),
-                sub_times=(1, m, m, 1))
+    step = pipeline_step("accumulate", f"accumulate ({m} micro-batches)", lists, spec, make_schedule("1f1b", 1, m),
+                         [v for s in leaves for v in s.outs], sorted(set(outputs.values()) & made), values)
     return leaves + [step]

@@ -15,14 +15,14 @@ megabytes each:
   holds ``bucket_mb``;
 * the bucket step stands right after the step that makes its last gradient,
   and the executor starts it as soon as that gradient exists; the executor's issue order
-  (:func:`meshdsl.exec.executor.issue_order`) waits on it only when an update
+  (:func:`meshdsl.runtime.executor.issue_order`) waits on it only when an update
   reads one of its members.
 
 A layer loop's stacked gradients are not left to one reduction after the loop:
 :func:`stream_loop_grads` moves the reduction of each stacked gradient that only a
 gradient reduction reads into the backward block's sub-plan, one reduction of
 the layer's slice per layer (packed into one bucket per layer), so the loop
-(:mod:`meshdsl.exec.loop`) starts it as soon as that layer's gradient exists,
+(:mod:`meshdsl.runtime.layers`) starts it as soon as that layer's gradient exists,
 while the layers below are still differentiated, as DDP's per-layer hooks do.
 
 Collectives over the micro-batch axis (gradient accumulation) stay as they
@@ -49,12 +49,14 @@ def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[i
     # backward: plain SGD reduces each gradient as it is made; update: an optimizer with a
     # global norm reduces the scaled gradients (the norm itself is summed from partials).
     # ``folded``: a pipeline's final segment, whose allreduces over the micro-batch axis add
-    # the micro-batches up locally first (exec/pipeline.py), then reduce over the other axes.
+    # the micro-batches up locally first (runtime/pipeline.py), then reduce over the other axes.
     if s.kind not in BUCKET_KIND or s.phase not in ("backward", "update"):
         return False
     if MB_AXIS in s.axes and not (folded and s.kind == "allreduce" and set(s.axes) - {MB_AXIS}):
         return False
     if s.op == "scalar_sum":  # the global gradient norm: every clipped update waits for it
+        return False
+    if s.args.get("uneven"):  # parts of unequal length: a flat buffer's equal chunks would not fit them
         return False
     out = s.outs[0]
     users = readers.get(out, ())

@@ -25,6 +25,7 @@ from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
+from .uneven import find as find_uneven
 
 
 class Lowerer:
@@ -64,15 +65,17 @@ class Lowerer:
                                      rule="a plan is built from one graph's nodes",
                                      fix="do not mix tensors from different graphs or blocks")) from None
 
-    def count_readers(self, outputs) -> None:
-        """Count, for :meth:`num_uses`, the readers among the nodes ``outputs`` need.
+    def count_readers(self, outputs, kept=()) -> None:
+        """Count, for :meth:`num_uses`, the readers among the nodes ``outputs`` and ``kept`` need.
 
         Called once per lowerer with everything it will be asked to lower (a
         repeat's body lowers its outputs in two calls of :func:`lower_into`).
+        ``kept``: values handed on as they are made, not read (activations a repeat
+        saves for its backward to recompute from): they do not count as a reader.
         """
         outputs = list(outputs)
         self.counted = True
-        for n in topo_nodes(outputs, self.env):  # values already bound are not recomputed
+        for n in topo_nodes(outputs + list(kept), self.env):  # values already bound are not recomputed
             for x in n.inputs:
                 self._uses[id(x)] = self._uses.get(id(x), 0) + 1
         for t in outputs:
@@ -115,7 +118,7 @@ class Lowerer:
 
         Raises:
           LayoutError: a collective over the micro-batch axis other than an allreduce: a
-            process folds its micro-batches by sums only (``exec/fold.py``), and the
+            process folds its micro-batches by sums only (``comm/microbatch.py``), and the
             lowering rules price every other move over it at infinity, so only an op
             with no other lowering gets here.
         """
@@ -146,7 +149,7 @@ class Lowerer:
         if key in self._relaid:
             return self._relaid[key]
         for m in plan_moves(v.shape, v.sharding, to, self.mesh):
-            args = move_args(m, v.shape)
+            args = move_args(m, v.shape, self.mesh)
             out = self.new_value(v.shape, v.dtype, m.after)
             self.emit(m.kind, node, [vid], [out], m.axes, args,
                       move_bytes(m, v.shape, self.mesh, v.dtype.itemsize),
@@ -263,7 +266,8 @@ def _check_outputs(outputs: dict) -> None:
 
 
 def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = True,  # noqa: A001
-            microbatches: int = 1, schedule: str = "gpipe", bucket_mb: float = DEFAULT_BUCKET_MB) -> Plan:
+            microbatches: int = 1, schedule: str = "gpipe", bucket_mb: float = DEFAULT_BUCKET_MB,
+            strict_splits: bool = False) -> Plan:
     """Lower the graph behind ``outputs`` into an SPMD plan.
 
     Args:
@@ -276,18 +280,23 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
       microbatches: cut the ``batch`` dim into this many micro-batches; gradients
         accumulate over them (see :mod:`.pipeline`).
       schedule: the pipeline schedule when the layout splits a repeat's layer dim
-        over a mesh axis (``"layer:stage"``): ``"gpipe"``, ``"1f1b"`` or ``"zbh1"``
+        over a mesh axis (``"layer:stage"``): ``"gpipe"``, ``"1f1b"``, ``"zbh1"`` or
+        ``"interleaved:v"`` (v chunks of layers per rank, :mod:`.interleave`)
         (see :mod:`.schedule_gen`).
       bucket_mb: reduce gradients in buckets of about this many MB (see :mod:`.bucket`);
         0 keeps one collective per gradient.  A pipeline buckets its final segment's
         gradient reductions (per stage).
+      strict_splits: refuse a dim its axes do not divide; by default it is split
+        unevenly, as ``torch.tensor_split`` cuts (see :mod:`.uneven`), and the plan's
+        notes say so with each part's size.
 
     Returns:
       The :class:`Plan`: steps, values, outputs, params, inputs, notes.
 
     Raises:
-      ParseError, LayoutError, MeshError: on bad mesh or layout strings, or a bad
-        pipeline (layer split over two axes, a batch the micro-batches do not divide, ...).
+      ParseError, LayoutError, MeshError: on bad mesh or layout strings, a bad
+        pipeline (layer split over two axes, a batch the micro-batches do not divide, ...),
+        a split dim smaller than its axes, or an uneven split with ``strict_splits``.
       ScheduleError: an unknown schedule.
     """
     if isinstance(outputs, Tensor):
@@ -308,14 +317,27 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     layout = Layout.parse(layout)
     g = next(iter(outputs.values())).graph
     key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost, fuse,
-           microbatches, schedule, bucket_mb)
+           microbatches, schedule, bucket_mb, bool(strict_splits))
     hit = _CACHE.get(key)
     if hit is not None and hit[1] is g:
         _CACHE.move_to_end(key)
         return hit[0]
+    plan = _lower(outputs, mesh, layout, cost, fuse, microbatches, schedule, bucket_mb, strict_splits)
+    _CACHE[key] = (plan, g)
+    if len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return plan
+
+
+def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: bool, microbatches: int,
+           schedule: str, bucket_mb: float, strict_splits: bool) -> Plan:
+    """:func:`compile`'s work once its arguments are checked and the cache missed: the layout
+    checked against the graph, the lowering, fusion, then the pipeline's partition, gradient
+    accumulation's segments or the gradient buckets."""
     nodes = topo_nodes(list(outputs.values()))
     dims, names = _graph_dims(nodes)
     layout.validate(mesh, dims, names)
+    uneven = find_uneven(nodes, mesh, layout, bool(strict_splits))
     layout = implied_layout(nodes, mesh, layout)   # the splits reshapes carry over to new dims
     spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule)
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
@@ -323,6 +345,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     lw = Lowerer(mesh, layout, cost)
     for _, why in layout.implied:
         lw.note(why)
+    for u in uneven:
+        lw.note(u.note(mesh))
     lw.pipeline_axis = spec.axis if spec else None
     outs = lower_into(lw, outputs)
     steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
@@ -333,8 +357,4 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
         steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
     else:
         steps = bucket_steps(steps, lw.values, outs, bucket_mb)
-    plan = Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)
-    _CACHE[key] = (plan, g)
-    if len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return plan
+    return Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)

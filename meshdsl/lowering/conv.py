@@ -101,7 +101,7 @@ def lower_conv(lw, node) -> None:
     res = lw.new_value(out.shape, out.dtype, out_sh)
     local = {}
     for t in (x, other, out):   # the output's spatial sizes last: a valid conv's are smaller
-        local.update({d.name: d.size // mesh.axis_size(split.get(d.name, ())) for d in t.shape})
+        local.update({d.name: -(-d.size // mesh.axis_size(split.get(d.name, ()))) for d in t.shape})  # the largest part
     lw.emit("local", node, [xv, ov], [res],
             args={"fn": _weight_grad if weight_grad else _conv, "attrs": {"conv": a, "windows": windows},
                   "compute": {d: ax for d, ax in split.items() if d in x.shape},

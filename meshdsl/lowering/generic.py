@@ -85,6 +85,7 @@ def lower_generic(lw, node) -> None:
         for sh, _ in tl:
             sources.append({comp[n]: axes for n, axes in sh.split.items()})
     splittable = [d for d in spec.dims if d not in spec.fixed]
+    uneven = _uneven_sources(mesh, node, shs, targets, comp)
 
     def order_key(d, a):
         for i, src in enumerate(sources):
@@ -113,7 +114,7 @@ def lower_generic(lw, node) -> None:
                 if d is not None:
                     split.setdefault(d, []).append(a)
             C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
-            if any(spec.dims[d] % mesh.axis_size(ax) for d, ax in C.items()):
+            if not all(_splits(spec.dims[d], mesh.axis_size(ax), (d, ax) in uneven) for d, ax in C.items()):
                 continue
             cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo)
             # On a tie in time, the lowering that moves fewer values wins: doing nothing.
@@ -122,6 +123,24 @@ def lower_generic(lw, node) -> None:
                 best = (cost, moves, C, plan, P, scale)
     assert best is not None, node
     _emit(lw, node, spec, ins, *best[2:])
+
+
+def _splits(size: int, n: int, uneven_ok: bool) -> bool:
+    """Whether ``n`` parts of a compute dim of ``size`` may run: equal ones, or unequal ones (none
+    empty) where an operand or target is already split so."""
+    return size % n == 0 or (uneven_ok and size >= n)
+
+
+def _uneven_sources(mesh, node, shs, targets, comp) -> set[tuple[str, tuple[str, ...]]]:
+    """The ``(compute dim, axes)`` splits an input or an output's layout target already makes
+    unevenly: the only uneven compute splits worth trying (an even layout's plans never try one)."""
+    out = set()
+    for t, s in zip(node.inputs, shs):
+        out.update((d, ax) for d, ax in s.split.items() if t.shape.get(d).size % mesh.axis_size(ax))
+    for t, tl in zip(node.outputs, targets):
+        for sh, _ in tl:
+            out.update((comp[d], ax) for d, ax in sh.split.items() if t.shape.get(d).size % mesh.axis_size(ax))
+    return out
 
 
 def _price(lw, node, spec, C, shs, P, keep, outs_info, memo):
@@ -140,7 +159,7 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo):
             hit = memo[key] = (r, relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model))
         req.append(hit[0])
         cost += hit[1]
-    local = {d: size // mesh.axis_size(C.get(d, ())) for d, size in spec.dims.items()}
+    local = {d: -(-size // mesh.axis_size(C.get(d, ()))) for d, size in spec.dims.items()}   # the largest part
     cost += model.compute(op_flops(node, local))
     ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
     outs = []

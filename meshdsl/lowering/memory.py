@@ -15,8 +15,8 @@ flight: m under GPipe, p - rank under 1F1B, one when accumulating.
 from __future__ import annotations
 
 from ..layout.sharding import Sharding
+from .pipeline_program import Segment
 from .plan import Plan
-from .timeline import simulate
 
 KEYS = ("params", "grads", "optimizer", "activations_peak")
 
@@ -25,7 +25,10 @@ def _grad_scopes(scopes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(x for s in scopes for x in (("grads", s) if s == "params" else (s,)))
 
 
-def _activation_peak(plan: Plan, skip: set[int]) -> int:
+def activation_peak(plan: Plan, skip: frozenset[int] | set[int] = frozenset()) -> int:
+    """The most bytes of activations ``plan`` holds at once on one rank, running its steps in
+    order: a value is live from its step to its last reader (``skip``: values not counted,
+    such as the params); a step's sub-plans add their own peak to what is live around them."""
     mesh = plan.mesh
     last: dict[int, int] = {}
     for i, s in enumerate(plan.steps):
@@ -36,7 +39,7 @@ def _activation_peak(plan: Plan, skip: set[int]) -> int:
         if s.kind in ("pipeline", "accumulate"):
             inner = _pipeline_peak(s, mesh)
         else:
-            inner = max((_activation_peak(sub, set()) for sub in s.subplans), default=0)
+            inner = max((activation_peak(sub, set()) for sub in s.subplans), default=0)
         for v in s.outs:
             if v not in skip and s.kind not in ("param", "input"):
                 live += plan.values[v].local_bytes(mesh)
@@ -48,26 +51,30 @@ def _activation_peak(plan: Plan, skip: set[int]) -> int:
 
 
 def _pipeline_peak(step, mesh) -> int:
-    """A pipeline's (or an accumulate step's) activations at their peak, on its busiest stage:
+    """A pipeline's (or an accumulate step's) activations at their peak, on its busiest rank:
     the larger of its segments' own peaks (one micro-batch's), plus, for each further
     micro-batch its schedule holds at once (GPipe: all m, 1F1B: p - rank), what that
-    micro-batch's forward keeps for its backward there."""
-    held = [r.peak_activations for r in simulate(step.args["schedule"]).ranks]
-    own = max(_activation_peak(sub, set()) for sub in step.subplans)
-    return own + max((h - 1) * b for h, b in zip(held, saved_bytes(step, mesh)))
+    micro-batch's forward keeps for its backward there (with virtual stages, on the rank's
+    stage that keeps the most)."""
+    prog = step.args["program"]
+    held = [r.peak_activations for r in prog.timeline.ranks]
+    own = max(activation_peak(sub, set()) for sub in step.subplans)
+    per_stage = saved_bytes(step, mesh)
+    per_rank = [max(b for s, b in enumerate(per_stage) if prog.rank_of(s) == r) for r in range(prog.num_ranks)]
+    return own + max((h - 1) * b for h, b in zip(held, per_rank))
 
 
 def saved_bytes(step, mesh) -> list[int]:
     """Per stage of a pipeline (or accumulate) step, the bytes one micro-batch's forward keeps
     for its backward there: values the forward segment makes on that stage and the backward reads."""
-    _, forward, backward, _ = step.subplans
-    read_back = {v for s in backward.steps for v in s.ins}
-    out = [0] * step.args["num_stages"]
-    for s, stages in zip(forward.steps, step.args["stages"][1]):
+    prog = step.args["program"]
+    read_back = {v for s in prog.segments[Segment.BACKWARD].steps for v in s.ins}
+    out = [0] * prog.num_stages
+    for s, stages in prog.steps(Segment.FORWARD):
         for v in s.outs:
             if v in read_back:
                 for k in stages:
-                    out[k] += forward.values[v].local_bytes(mesh)
+                    out[k] += prog.segments[Segment.FORWARD].values[v].local_bytes(mesh)
     return out
 
 
@@ -106,13 +113,37 @@ def memory_report(plan: Plan, per_rank: bool = False) -> dict:
         for r in holders:
             ranks[r][kind] += local
             ranks[r]["grads"] += grad
-    act = _activation_peak(plan, skip)
+    act = activation_peak(plan, skip)
     for r in ranks:
         r["activations_peak"] = act
     out = {k: max(r[k] for r in ranks) for k in KEYS}
+    out["saved_per_layer"] = max((r["input"] + r["activations"] for r in saved_per_layer(plan)), default=0)
     if per_rank:
         out["ranks"] = ranks
     return out
+
+
+def saved_per_layer(plan: Plan) -> list[dict]:
+    """What one layer of each repeat keeps for its backward on one rank (activation
+    checkpointing shows here: ``full`` keeps its input only).
+
+    Returns:
+      Per forward repeat step (in a pipeline's or an accumulation's segments too), in plan
+      order: ``{"label", "layers" (run per stage), "input" (bytes of the layer's input),
+      "activations" (bytes of the saved activations), "saved" (how many)}``.
+    """
+    rows = []
+    for s in plan.steps:
+        for sub in s.subplans:
+            if s.kind != "repeat":
+                rows.extend(saved_per_layer(sub))
+        if s.kind != "repeat" or s.args["backward"]:
+            continue
+        n_ys, n_saved = len(s.args.get("ys", ())), len(s.args["saved"])
+        per = [plan.values[v].local_bytes(plan.mesh) // s.times for v in s.outs]
+        rows.append({"label": s.label, "layers": s.times, "input": per[1],
+                     "activations": sum(per[2 + n_ys:2 + n_ys + n_saved]), "saved": n_saved})
+    return rows
 
 
 def _leaf_steps(plan: Plan):

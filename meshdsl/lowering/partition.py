@@ -1,8 +1,9 @@
 """Partition a lowered plan into a pipeline: which stage runs each step, and when.
 
 The plan is first lowered as a whole (on the mesh with the micro-batch axis, see
-:mod:`.pipeline`); here its steps are cut into four segments of one ``pipeline``
-step, and each step gets the set of stages that run it:
+:mod:`.pipeline`); here its steps are cut into the four segments of one ``pipeline``
+step (:class:`~.pipeline_program.Segment`), and each step gets the set of stages that
+run it:
 
 * **prologue** (once, before the schedule): steps that depend on no input, e.g.
   param re-layouts.  They run on the stages that read their results.
@@ -31,48 +32,37 @@ layers (an encoder's output) is made on the first stage that reads it and sent o
 the carry.  Its gradient, each stage's sum over its own layers, travels back down the
 stages to stage 0 with the carry's gradient (:mod:`.stage_sum`); a param's is summed
 over the stages after the micro-batches, as the global norm's sums are.
+
+The passes, in order: :func:`assign_stages`, :func:`assign_segments`,
+:func:`insert_transfers`; then :func:`_pipeline_step` makes the step and its
+:class:`~.pipeline_program.PipelineProgram`.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 
 from ..errors import LayoutError, message
 from .bucket import bucket_final
 from .pipeline import BATCH, MB_AXIS
+from .interleave import interleave
+from .pipeline_program import PipelineProgram, Segment, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
 from .plan import Plan, Step, Value, step_args, register_step_kind
-from .schedule_gen import SCHEDULES, make_schedule
+from .schedule_gen import named_schedule, parse_schedule, user_name
 
-# axis: the stage axis; num_stages, microbatches; mb_axis: the virtual micro-batch axis (None for m = 1);
-# schedule: a lowering.schedule.Schedule; stages: per segment (prologue, forward, backward, final), per
-# step, the stages running it; carry_tags: tags of the carry's (activation, gradient) transfers.
-FIELDS = ("axis", "num_stages", "microbatches", "mb_axis", "schedule", "stages", "carry_tags")
+# axis: the stage axis; num_stages: its size p; microbatches; mb_axis: the virtual micro-batch axis
+# (None for m = 1); program: the lowering.pipeline_program.PipelineProgram the runtime runs.
+FIELDS = ("axis", "num_stages", "microbatches", "mb_axis", "program")
 register_step_kind("pipeline", FIELDS)
 
 ACT_TAG, GRAD_TAG = 0, 1
-SEGMENTS = ("prologue", "forward", "backward", "final")
-
-
-def _transfer(kind, v, values, mesh, axis, offset, tag, phase, what) -> Step:
-    ins, outs = ((v,), ()) if kind == "send" else ((), (v,))
-    return Step(kind, -1, kind, f"{kind} {what}", phase, ins, outs, (axis,),
-                step_args(kind, {"offset": offset, "tag": tag}), values[v].local_bytes(mesh))
 
 
 def _error(what, spec, bullets, rule, fix):
     return LayoutError(message(f"compile (pipeline over '{spec.axis}'): {what}", bullets=bullets,
                                inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}",
                                        f"micro-batches: {spec.num_microbatches}"], rule=rule, fix=fix))
-
-
-def _whole_batch_cause(steps, producer, final, i):
-    """The collective over the micro-batch axis that put step ``i`` in the final segment, or
-    None when the step is there for another reason (it runs on several stages)."""
-    while not (steps[i].is_collective and MB_AXIS in steps[i].axes):
-        i = next((producer[v] for v in steps[i].ins if producer.get(v) in final), None)
-        if i is None:
-            return None
-    return steps[i]
 
 
 def varies_per_microbatch(steps, values=None) -> list[bool]:
@@ -114,25 +104,58 @@ def _own_carry(steps, values, pipelined) -> list:
     return [*steps[:at], copy, dataclasses.replace(f, ins=(own, *f.ins[1:])), *steps[at + 1:]]
 
 
-def _may_move(seg_from: str, seg_to: str, src: int, dst: int) -> bool:
+def _may_move(seg_from: Segment, seg_to: Segment, src: int, dst: int) -> bool:
     """Whether a value made in segment ``seg_from`` on stage ``src`` can reach a reader in
     ``seg_to`` on stage ``dst``: after the micro-batches, or with the carry (forward, to a
     later stage; backward, to an earlier one), or from a forward to a backward."""
-    return (seg_to == "final" or (seg_from, seg_to) == ("forward", "backward")
-            or (seg_from == seg_to == "forward" and src < dst) or (seg_from == seg_to == "backward" and src > dst))
+    F, B = Segment.FORWARD, Segment.BACKWARD
+    return (seg_to == Segment.FINAL or (seg_from, seg_to) == (F, B)
+            or (seg_from == seg_to == F and src < dst) or (seg_from == seg_to == B and src > dst))
 
 
-def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0):
-    """Cut ``steps`` into a ``pipeline`` step; returns (top-level steps, holders).
+@dataclass
+class _Cut:
+    """One partition in the making: the lowered steps and what the passes find out about them.
 
-    The final segment's gradient allreduces are packed into buckets of about ``bucket_mb``
-    MB (:func:`~.bucket.bucket_final`; 0: one per gradient).
+    ``F`` and ``B`` are the positions of the pipelined repeat's forward and backward steps;
+    ``dy_pos`` the position of the carry gradient among ``B``'s inputs.  :func:`assign_stages`
+    fills ``stages`` (per step, the stages running it), ``held`` (value -> stages holding it)
+    and ``demand`` (value -> stages reading it); :func:`assign_segments` fills ``segment``."""
 
-    ``holders`` maps each param, input and output value id to the mesh ranks that
-    hold it (the ranks of the stages reading or producing it).
-    """
-    mesh, ax, p, layer = spec.mesh, spec.axis, spec.num_stages, spec.layer
-    ALL = frozenset(range(p))
+    steps: list
+    values: dict
+    outputs: dict
+    spec: object
+    F: int
+    B: int | None
+    dy_pos: int
+    producer: dict
+    leaf: list
+    per_mb: list
+    sums: set          # positions of the stage sums made by transfers (:mod:`.stage_sum`)
+    stages: list = field(default_factory=list)
+    held: dict = field(default_factory=dict)
+    demand: dict = field(default_factory=dict)
+    spread: set = field(default_factory=set)
+    segment: list = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return self.spec.num_stages
+
+    @property
+    def every_stage(self) -> frozenset:
+        return frozenset(range(self.spec.num_stages))
+
+    def is_carry_in(self, i: int, j: int) -> bool:
+        """Whether input ``j`` of step ``i`` is the carry (or its gradient) the stages pass on."""
+        return (i == self.F and j == 0) or (i == self.B and j == self.dy_pos)
+
+
+def _cut(steps, values, outputs, spec) -> _Cut:
+    """The pipelined repeat's steps found (one forward, at most one backward) and the facts
+    every pass reads: producers, leaves, what varies per micro-batch, the chained stage sums."""
+    ax, layer = spec.axis, spec.layer
 
     def pipelined(s):
         return (s.kind == "repeat" and len(s.ins) > 1
@@ -146,38 +169,40 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
         raise _error("the pipelined repeat is differentiated more than once.", spec, [],
                      "a pipeline runs one forward and one backward per micro-batch", "take one gradient")
     F, B = fwd[0], (bwd[0] if bwd else None)
-    dy_pos = 1 + len(steps[F].args["names"])
-    leaf = [s.kind in ("param", "input") for s in steps]
-
     per_mb = varies_per_microbatch(steps, values)
-    # the gradients of activations the pipelined layers read from outside: summed down the stages
-    sums = chained_stage_sums(steps, ax, B, per_mb, producer)
+    return _Cut(steps, values, outputs, spec, F, B, 1 + len(steps[F].args["names"]), producer,
+                [s.kind in ("param", "input") for s in steps], per_mb,
+                chained_stage_sums(steps, ax, B, per_mb, producer))
 
-    # Stages: values anchored by the repeat's ends flow forward; the rest is placed by demand.
-    held: dict[int, frozenset] = {}
-    stages: list = [None] * len(steps)
+
+def assign_stages(cut: _Cut) -> None:
+    """Pass 1: the stages of every step.  Values anchored by the repeat's ends (its output carry
+    on the last stage, its input gradient on stage 0) flow forward to their readers; the rest is
+    placed by demand, where its results are read."""
+    p, ALL, steps = cut.num_stages, cut.every_stage, cut.steps
+    held, stages = cut.held, [None] * len(steps)
     for i, s in enumerate(steps):
-        if i in (F, B):
+        if i in (cut.F, cut.B):
             stages[i] = ALL
-            held[s.outs[0]] = frozenset({p - 1}) if i == F else frozenset({0})
+            held[s.outs[0]] = frozenset({p - 1}) if i == cut.F else frozenset({0})
             held.update((v, ALL) for v in s.outs[1:])
-        elif i in sums:
+        elif i in cut.sums:
             stages[i] = frozenset({0})
             held.update((v, stages[i]) for v in s.outs)
-        elif not leaf[i]:
+        elif not cut.leaf[i]:
             anchored = [held[v] for v in s.ins if v in held]
             if anchored:
                 stages[i] = frozenset().union(*anchored)
                 held.update((v, stages[i]) for v in s.outs)
-    demand: dict[int, frozenset] = {v: ALL for v in outputs.values()}
-    spread: set[int] = set()  # per micro-batch steps each stage runs on its own part (split over the stages)
+    demand = cut.demand
+    demand.update((v, ALL) for v in cut.outputs.values())
     for i in reversed(range(len(steps))):
         s = steps[i]
         if stages[i] is None:
             want = frozenset().union(*(demand.get(v, frozenset()) for v in s.outs))
-            if per_mb[i] and not leaf[i] and s.phase == "forward" and len(want) > 1:
-                if any(ax in values[v].sharding.used_axes for v in s.outs):
-                    spread.add(i)
+            if cut.per_mb[i] and not cut.leaf[i] and s.phase == "forward" and len(want) > 1:
+                if any(cut.spec.axis in cut.values[v].sharding.used_axes for v in s.outs):
+                    cut.spread.add(i)   # each stage runs it on its own part (split over the stages)
                 else:
                     # made once per micro-batch, on the first stage that reads it (an encoder's output read
                     # by every pipelined layer: stage 0), and sent on to the later ones with the carry
@@ -185,139 +210,197 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
             stages[i] = want or frozenset({0})
             held.update((v, stages[i]) for v in s.outs)
         for j, v in enumerate(s.ins):
-            want = {0} if (i == F and j == 0) else {p - 1} if (i == B and j == dy_pos) else stages[i]
+            want = {0} if (i == cut.F and j == 0) else {p - 1} if (i == cut.B and j == cut.dy_pos) else stages[i]
             demand[v] = demand.get(v, frozenset()) | want
+    cut.stages = stages
 
-    # Segments.
+
+def assign_segments(cut: _Cut) -> None:
+    """Pass 2: the segment of every step (None for params and inputs).  A collective over the
+    micro-batch axis, a step run on several stages (but its own part on each) and all that reads
+    their results run once, after the micro-batches; of the rest, what varies per micro-batch
+    runs in the F (before the pipelined backward) or the B actions, and what does not, once before."""
+    steps, F, B = cut.steps, cut.F, cut.B
     final: set[int] = set()
     for i, s in enumerate(steps):
-        if leaf[i] or i in (F, B) or not per_mb[i]:
+        if cut.leaf[i] or i in (F, B) or not cut.per_mb[i]:
             continue
-        if ((s.is_collective and MB_AXIS in s.axes) or (len(stages[i]) > 1 and i not in spread)
-                or any(producer.get(v) in final for v in s.ins)):
+        if ((s.is_collective and MB_AXIS in s.axes) or (len(cut.stages[i]) > 1 and i not in cut.spread)
+                or any(cut.producer.get(v) in final for v in s.ins)):
             final.add(i)
-    for blk in (F, B):
-        if blk is not None:
-            for v in steps[blk].ins:
-                if producer.get(v) in final:
-                    c = _whole_batch_cause(steps, producer, final, producer[v])
-                    if c is None:
-                        u = steps[producer[v]]
-                        raise _error(f"'{u.op}' ({u.label}) is read by the pipelined repeat, but runs after the "
-                                     "micro-batches.", spec, [f"'{u.op}' runs on stages {sorted(stages[producer[v]])}"],
-                                     "what feeds the pipelined layers runs one micro-batch at a time, on one stage",
-                                     "compute it from the batch before the stack, or from params and tables only")
-                    src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
-                    raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
-                                 "the result before the pipelined repeat.", spec,
-                                 [f"{c.kind} over {c.axes} for '{c.op}' joins the micro-batches"],
-                                 "what feeds or follows the pipelined layers runs one micro-batch at a time",
-                                 "keep ops that reduce over the batch after the loss, or use microbatches=1")
+    _check_what_feeds_the_layers(cut, final)
     after_b: set[int] = set(steps[B].outs) if B is not None else set()
-    phase = {}
+    in_b = set()
     for i, s in enumerate(steps):
         if any(v in after_b for v in s.ins):
             after_b.update(s.outs)
-            phase[i] = "B"
-    segment = []
-    for i, s in enumerate(steps):
-        if leaf[i]:
-            segment.append(None)
-        elif i in final:
-            segment.append("final")
-        elif i == F:
-            segment.append("forward")
-        elif i == B:
-            segment.append("backward")
-        elif not per_mb[i]:
-            segment.append("prologue")
-        else:
-            segment.append("backward" if phase.get(i) == "B" else "forward")
+            in_b.add(i)
+    order = {F: Segment.FORWARD, B: Segment.BACKWARD}
+    cut.segment = [None if cut.leaf[i] else Segment.FINAL if i in final else order[i] if i in order
+                   else Segment.PROLOGUE if not cut.per_mb[i]
+                   else Segment.BACKWARD if i in in_b else Segment.FORWARD for i in range(len(steps))]
 
-    # Transfers for values read on a stage that does not hold them.
-    lists: dict[str, list] = {k: [] for k in SEGMENTS}
-    tag = GRAD_TAG
-    moved: set = set()
-    for i, s in enumerate(steps):
-        if leaf[i]:
-            continue
-        before = []
-        for j, v in enumerate(s.ins):
-            if (i == F and j == 0) or (i == B and j == dy_pos):
+
+def _whole_batch_cause(steps, producer, final, i):
+    """The collective over the micro-batch axis that put step ``i`` in the final segment, or
+    None when the step is there for another reason (it runs on several stages)."""
+    while not (steps[i].is_collective and MB_AXIS in steps[i].axes):
+        i = next((producer[v] for v in steps[i].ins if producer.get(v) in final), None)
+        if i is None:
+            return None
+    return steps[i]
+
+
+def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
+    """Refuse a pipelined repeat that reads a value made after the micro-batches."""
+    steps, producer, spec = cut.steps, cut.producer, cut.spec
+    for blk in (cut.F, cut.B):
+        for v in (steps[blk].ins if blk is not None else ()):
+            if producer.get(v) not in final:
                 continue
-            for t in sorted(stages[i] - held.get(v, ALL)):
-                if (v, t) in moved:
-                    continue
-                moved.add((v, t))
-                src = min(held[v], key=lambda h: abs(h - t))
-                pj = producer[v]
-                if not _may_move(segment[pj], segment[i], src, t):
-                    raise _error(f"'{s.op}' on stage {t} reads '{steps[pj].op}' of stage {src} in the same pass.",
-                                 spec, [f"{steps[pj].label} -> {s.label}"],
-                                 "within a micro-batch, values move forward with the carry and back with its "
-                                 "gradient", "restructure the model so each stage reads its own values")
-                tag += 1
-                what = f"{steps[pj].label} to stage {t}"
-                snd = (_transfer("send", v, values, mesh, ax, t - src, tag, s.phase, what), frozenset({src}))
-                rcv = (_transfer("recv", v, values, mesh, ax, t - src, tag, s.phase, what), frozenset({t}))
-                if segment[i] == "final":
-                    before += [snd, rcv]
-                else:
-                    lists[segment[pj]].append(snd)  # after its producer (already placed), in its segment
-                    before.append(rcv)
-        seg = lists[segment[i]]
+            c = _whole_batch_cause(steps, producer, final, producer[v])
+            if c is None:
+                u = steps[producer[v]]
+                raise _error(f"'{u.op}' ({u.label}) is read by the pipelined repeat, but runs after the "
+                             "micro-batches.", spec, [f"'{u.op}' runs on stages {sorted(cut.stages[producer[v]])}"],
+                             "what feeds the pipelined layers runs one micro-batch at a time, on one stage",
+                             "compute it from the batch before the stack, or from params and tables only")
+            src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
+            raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
+                         "the result before the pipelined repeat.", spec,
+                         [f"{c.kind} over {c.axes} for '{c.op}' joins the micro-batches"],
+                         "what feeds or follows the pipelined layers runs one micro-batch at a time",
+                         "keep ops that reduce over the batch after the loss, or use microbatches=1")
+
+
+def insert_transfers(cut: _Cut) -> dict:
+    """Pass 3: per segment, the ``(step, stages)`` list with a ``send``/``recv`` pair for each
+    value read on a stage that does not hold it, the carry's transfers around the pipelined
+    repeat's steps, and the chained stage sums expanded into transfers and adds."""
+    lists: dict = {k: [] for k in Segment}
+    tag, moved = GRAD_TAG, set()
+    for i, s in enumerate(cut.steps):
+        if cut.leaf[i]:
+            continue
+        before, tag = _moves_into(cut, i, lists, moved, tag)
+        seg = lists[cut.segment[i]]
         seg.extend(before)
-        if i in sums:
-            moves, tag = expand_stage_sum(s, values, mesh, ax, p, tag)
+        if i in cut.sums:
+            moves, tag = expand_stage_sum(s, cut.values, cut.spec.mesh, cut.spec.axis, cut.num_stages, tag)
             seg.extend(moves)
-        elif i in (F, B):
-            carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == F else (s.ins[dy_pos], -1, GRAD_TAG)
-            first, last = frozenset(range(p - 1)), frozenset(range(1, p))  # stages with a next / a previous
-            seg.append((_transfer("recv", carry, values, mesh, ax, off, tg, s.phase, "carry"),
-                        last if i == F else first))
-            seg.append((s, ALL))
-            seg.append((_transfer("send", s.outs[0], values, mesh, ax, off, tg, s.phase, "carry"),
-                        first if i == F else last))
+        elif i in (cut.F, cut.B):
+            seg.extend(_carried(cut, i))
         else:
-            seg.append((s, stages[i]))
+            seg.append((s, cut.stages[i]))
         for v in s.outs:
-            held[v] = held.get(v, stages[i])
+            cut.held[v] = cut.held.get(v, cut.stages[i])
         for v, t in moved:
-            held[v] = held[v] | {t}
-
-    in_actions = {v for k in ("forward", "backward") for s, _ in lists[k] for v in s.outs}
-    lists["final"] = bucket_final(lists["final"], values, outputs, bucket_mb, in_actions)
-    sub = {k: Plan(mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in SEGMENTS}
-    m = spec.num_microbatches
-    leaves = [s for i, s in enumerate(steps) if leaf[i]]
-    made = {v for i, s in enumerate(steps) if not leaf[i] for v in s.outs}
-    pipe = Step("pipeline", -1, "pipeline", _label(ax, spec.schedule), "forward",
-                tuple(v for s in leaves for v in s.outs), tuple(sorted(set(outputs.values()) & made)), (ax,),
-                step_args("pipeline", {
-                    "axis": ax, "num_stages": p, "microbatches": m,
-                    "mb_axis": MB_AXIS if m > 1 else None, "schedule": spec.schedule,
-                    "stages": tuple(tuple(tuple(sorted(st)) for _, st in lists[k]) for k in SEGMENTS),
-                    "carry_tags": (ACT_TAG, GRAD_TAG)}),
-                subplans=tuple(sub[k] for k in SEGMENTS), sub_times=(1, m, m, 1))
-    holders = {}
-    for v in [v for s in leaves for v in s.outs] + list(outputs.values()):
-        st = held.get(v, demand.get(v, ALL))
-        holders[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in st)
-    return leaves + [pipe], holders
+            cut.held[v] = cut.held[v] | {t}
+    return lists
 
 
-def pipelined_repeats(step: Step) -> tuple[frozenset, int]:
-    """The pipelined repeat's steps in a ``pipeline`` (or ``accumulate``) step: their (segment,
-    position) pairs, the segments counted as in ``step.subplans``, and its layers per stage.
+def _moves_into(cut: _Cut, i: int, lists: dict, moved: set, tag: int) -> tuple[list, int]:
+    """The transfers step ``i`` needs of values held elsewhere: the sends go after their
+    producer (in its segment, or just before the reader in the final one), the receives
+    (returned) right before it.  Returns them and the last tag used."""
+    s, spec, values = cut.steps[i], cut.spec, cut.values
+    before = []
+    for j, v in enumerate(s.ins):
+        if cut.is_carry_in(i, j):
+            continue
+        for t in sorted(cut.stages[i] - cut.held.get(v, cut.every_stage)):
+            if (v, t) in moved:
+                continue
+            moved.add((v, t))
+            src = min(cut.held[v], key=lambda h: abs(h - t))
+            pj = cut.producer[v]
+            if not _may_move(cut.segment[pj], cut.segment[i], src, t):
+                raise _error(f"'{s.op}' on stage {t} reads '{cut.steps[pj].op}' of stage {src} in the same pass.",
+                             spec, [f"{cut.steps[pj].label} -> {s.label}"],
+                             "within a micro-batch, values move forward with the carry and back with its "
+                             "gradient", "restructure the model so each stage reads its own values")
+            tag += 1
+            what = f"{cut.steps[pj].label} to stage {t}"
+            snd = (transfer_step("send", v, values, spec.mesh, spec.axis, t - src, tag, s.phase, what),
+                   frozenset({src}))
+            rcv = (transfer_step("recv", v, values, spec.mesh, spec.axis, t - src, tag, s.phase, what),
+                   frozenset({t}))
+            if cut.segment[i] == Segment.FINAL:
+                before += [snd, rcv]
+            else:
+                lists[cut.segment[pj]].append(snd)  # after its producer (already placed), in its segment
+                before.append(rcv)
+    return before, tag
 
-    They are the repeats every stage runs; another stack (an encoder's, before the pipelined
-    layers) runs on one stage.  A stage's kernels salt by the global layer index, so the runtime
-    offsets the pipelined layers of stage ``s`` by ``s`` times the layers per stage.
+
+def _carried(cut: _Cut, i: int) -> list:
+    """The pipelined repeat's step ``i`` (forward or backward) between the receive of its carry
+    from the stage before it (after it, for the backward) and the send of its result on."""
+    s, p, spec = cut.steps[i], cut.num_stages, cut.spec
+    carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == cut.F else (s.ins[cut.dy_pos], -1, GRAD_TAG)
+    first, last = frozenset(range(p - 1)), frozenset(range(1, p))  # stages with a next / a previous
+    return [(transfer_step("recv", carry, cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
+             last if i == cut.F else first),
+            (s, cut.every_stage),
+            (transfer_step("send", s.outs[0], cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
+             first if i == cut.F else last)]
+
+
+def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0):
+    """Cut ``steps`` into a ``pipeline`` step; returns (top-level steps, holders).
+
+    The final segment's gradient allreduces are packed into buckets of about ``bucket_mb``
+    MB (:func:`~.bucket.bucket_final`; 0: one per gradient).
+
+    ``holders`` maps each param, input and output value id to the mesh ranks that
+    hold it (the ranks of the stages reading or producing it).
     """
-    stacks = frozenset((g, j) for g in (1, 2) for j, (s, st) in enumerate(zip(step.subplans[g].steps,
-                                                                             step.args["stages"][g]))
-                       if s.kind == "repeat" and len(st) == step.args["num_stages"])
-    return stacks, next((step.subplans[1].steps[j].times for g, j in sorted(stacks) if g == 1), 0)
+    cut = _cut(steps, values, outputs, spec)
+    assign_stages(cut)
+    assign_segments(cut)
+    lists = insert_transfers(cut)
+    if spec.schedule.num_chunks > 1:
+        lists = interleave(cut, lists, spec.schedule.num_chunks)
+    in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
+    lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
+    leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]
+    return leaves + [_pipeline_step(cut, lists)], _holders(cut, leaves)
+
+
+def _holders(cut: _Cut, leaves) -> dict:
+    """Each param's, input's and output's mesh ranks: those of the stages holding it."""
+    mesh, ax = cut.spec.mesh, cut.spec.axis
+    out = {}
+    for v in [v for s in leaves for v in s.outs] + list(cut.outputs.values()):
+        st = cut.held.get(v, cut.demand.get(v, cut.every_stage))
+        out[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in st)
+    return out
+
+
+def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs, values) -> Step:
+    """The ``pipeline`` (or ``accumulate``) step running the segment lists ``lists`` (segment ->
+    ``(step, stages)`` pairs) by ``schedule``, with its :class:`~.pipeline_program.PipelineProgram`."""
+    m, p = spec.num_microbatches, spec.num_stages
+    mb_axis = MB_AXIS if m > 1 else None
+    subplans = tuple(Plan(spec.mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in Segment)
+    stages = tuple(tuple(tuple(sorted(st)) for _, st in lists[k]) for k in Segment)
+    program = PipelineProgram(spec.axis, p, m, mb_axis, schedule, subplans, stages, (ACT_TAG, GRAD_TAG), tuple(outs))
+    return Step(kind, -1, kind, label, "forward", tuple(ins), tuple(outs), (spec.axis,) if spec.axis else (),
+                step_args(kind, {"axis": spec.axis, "num_stages": p, "microbatches": m, "mb_axis": mb_axis,
+                                 "program": program}),
+                subplans=subplans, sub_times=(1, m, m, 1))
+
+
+def _pipeline_step(cut: _Cut, lists: dict) -> Step:
+    leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]
+    made = {v for i, s in enumerate(cut.steps) if not cut.leaf[i] for v in s.outs}
+    return pipeline_step("pipeline", _label(cut.spec.axis, cut.spec.schedule), lists, cut.spec, cut.spec.schedule,
+                         [v for s in leaves for v in s.outs], sorted(set(cut.outputs.values()) & made), cut.values)
+
+
+def program_of(step: Step) -> PipelineProgram:
+    """The :class:`~.pipeline_program.PipelineProgram` a ``pipeline`` or ``accumulate`` step runs."""
+    return step.args["program"]
 
 
 def with_schedule(plan: Plan, schedule: str) -> Plan:
@@ -333,18 +416,22 @@ def with_schedule(plan: Plan, schedule: str) -> Plan:
       ScheduleError: what :func:`.schedule_gen.make_schedule` raises for ``schedule``.
       ValueError: ``schedule`` runs several stages per rank (it needs its own compilation).
     """
-    if SCHEDULES.get(schedule) is not None and SCHEDULES[schedule].chunked:
+    if parse_schedule(schedule)[1] > 1:
         raise ValueError(f"with_schedule: '{schedule}' runs several stages per rank; compile for it")
     steps = []
     for s in plan.steps:
         if s.kind == "pipeline":
-            sched = make_schedule(schedule, s.args["num_stages"], s.args["microbatches"])
+            if program_of(s).schedule.num_chunks > 1:
+                raise ValueError(f"with_schedule: the plan's pipeline runs several stages per rank; compile for "
+                                 f"'{schedule}'")
+            sched = named_schedule(schedule, s.args["num_stages"], s.args["microbatches"])
+            program = program_of(s).with_schedule(sched)
             s = dataclasses.replace(s, label=_label(s.args["axis"], sched),
-                                    args=step_args("pipeline", {**s.args, "schedule": sched}))
+                                    args=step_args("pipeline", {**s.args, "program": program}))
         steps.append(s)
     return dataclasses.replace(plan, steps=tuple(steps))
 
 
 def _label(axis: str, schedule) -> str:
     """The pipeline step's label: its axis and schedule."""
-    return f"pipeline over '{axis}' ({schedule.name})"
+    return f"pipeline over '{axis}' ({user_name(schedule)})"

@@ -22,8 +22,8 @@ from ..errors import LayoutError, MeshError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.specs import Rule
-from .schedule_gen import SCHEDULES, make_schedule
-from .schedule import Schedule
+from .schedule_gen import named_schedule, parse_schedule
+from .schedule import Schedule, ScheduleError
 
 #: The virtual micro-batch axis (a leading underscore keeps it apart from user axes).
 MB_AXIS = "_mb"
@@ -61,7 +61,7 @@ def per_microbatch(step, values) -> bool:
     """Whether plan step ``step`` computes something else for each micro-batch: one of its
     values is split or partial along :data:`MB_AXIS`, or it moves one micro-batch's carry
     (``send``/``recv``).  Otherwise a process runs it once for all its micro-batches
-    (``exec/steps.py`` ``twins``; the cost model prices it so)."""
+    (``runtime/steps.py`` ``representatives``; the cost model prices it so)."""
     return step.kind in ("send", "recv") or any(
         MB_AXIS in values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in values)
 
@@ -81,19 +81,45 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
            schedule: str = "gpipe") -> PipeSpec | None:
     """The pipeline a layout asks for, or None for a plain program.
 
+    ``schedule`` names a generator of :mod:`.schedule_gen`; ``"interleaved:v"`` runs v virtual
+    stages per rank (:mod:`.interleave`).
+
     Raises:
       LayoutError: ``layer`` split over two axes, stacked params of one repeat split
         differently, two pipelined repeats, a pipeline axis that also splits another
         dim, a ``layer`` rule with no repeat scanning that dim, a batch that the
-        micro-batches (times the batch's axes) do not divide.
-      ScheduleError: an unknown schedule.
+        micro-batches (times the batch's axes) do not divide, virtual stages that do not
+        divide the layers of a rank.
+      ScheduleError: an unknown schedule, or sizes its generator refuses.
     """
     _check_count("microbatches", microbatches)
     if MB_AXIS in mesh.sizes:
         raise MeshError(message(f"compile: mesh axis '{MB_AXIS}' is reserved.", inputs=[f"mesh: {mesh}"],
                                 rule=f"'{MB_AXIS}' is the virtual micro-batch axis", fix="rename that axis"))
-    found = []   # (node, axes)
-    scanned = set()
+    found, scanned = _pipelined_repeats(nodes, mesh, layout)
+    _check_layer_rules(mesh, layout, found, scanned)
+    node, axis = found[0] if found else (None, None)
+    # A layer dim split over axes of size 1 is whole: a pipeline of one stage is no pipeline.
+    trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
+    if trivial:
+        layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
+    if axis is None and microbatches == 1:
+        return PipeSpec(None, 1, 1, -1, "", None, mesh, layout, (mesh, layout)) if trivial else None
+    chunks = parse_schedule(schedule)[1]
+    p = mesh.sizes[axis] if axis else 1
+    mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches)
+    sched = None
+    if axis:
+        _check_chunks(node, p, chunks, mesh, layout)
+        sched = named_schedule(schedule, p, microbatches)
+    return PipeSpec(axis, p, microbatches, node.id if node else -1,
+                    node.attrs["layer"].name if node else "", sched, mesh2, layout2, (mesh, layout))
+
+
+def _pipelined_repeats(nodes, mesh: Mesh, layout: Layout) -> tuple[list, set]:
+    """The repeats whose stacked params split their layer dim over one mesh axis of size > 1,
+    as ``(node, axis)``, and the layer dims of every repeat."""
+    found, scanned = [], set()
     for n in nodes:
         if n.op.name != "repeat":
             continue
@@ -116,6 +142,12 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
                        fix=f"map '{layer}' to one axis, e.g. '{layer}:{axes[0]}'")
         if axes and mesh.axis_size(axes) > 1:
             found.append((n, axes[0]))
+    return found, scanned
+
+
+def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) -> None:
+    """Refuse a ``layer`` rule no repeat scans, a second pipelined repeat, and a pipeline axis
+    that splits another dim."""
     for r in layout.rules:
         dim = r.key[1]
         if dim == "layer" and dim not in scanned and r.axis_names:
@@ -126,46 +158,46 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
         raise _err("more than one repeat is pipelined.", mesh=mesh, layout=layout,
                    bullets=[f"repeat '{n.name}' over '{a}'" for n, a in found],
                    rule="one repeat per graph runs as a pipeline", fix="pipeline one of them only")
-    node, axis = found[0] if found else (None, None)
-    if axis is not None:
+    if found:
+        node, axis = found[0]
         layer = node.attrs["layer"].name
         for r in layout.rules:
             if axis in r.axis_names and r.key[1] != layer:
                 raise _err(f"layout rule '{r}' uses the pipeline axis '{axis}'.", mesh=mesh, layout=layout,
                            rule=f"a pipeline axis splits only the layer dim ('{layer}')",
                            fix=f"map '{r.key[1]}' to another axis")
-    # A layer dim split over axes of size 1 is whole: a pipeline of one stage is no pipeline.
-    trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
-    if trivial:
-        layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
-    if axis is None and microbatches == 1:
-        return PipeSpec(None, 1, 1, -1, "", None, mesh, layout, (mesh, layout)) if trivial else None
-    if schedule not in SCHEDULES:
-        make_schedule(schedule, 1, 1)  # the unknown-name error, with its did-you-mean
-    if SCHEDULES[schedule].chunked:
-        raise _err(f"schedule '{schedule}' runs several stages per rank.", mesh=mesh, layout=layout,
-                   rule="pipelined plans run one stage per rank of the pipeline axis",
-                   fix="use 'gpipe', '1f1b' or 'zbh1'")
-    p = mesh.sizes[axis] if axis else 1
-    mesh2, layout2 = mesh, layout
-    if microbatches > 1:
-        if BATCH not in dims:
-            raise _err(f"{microbatches} micro-batches, but no tensor has a '{BATCH}' dim.", mesh=mesh,
-                       layout=layout, rule=f"micro-batches cut the '{BATCH}' dim", fix="use microbatches=1")
-        rule = layout.rule_for(BATCH, ())
-        axes = rule.axis_names if rule else ()
-        n = microbatches * mesh.axis_size(axes)
-        if dims[BATCH] % n:
-            raise _err(f"batch {dims[BATCH]} is not divisible by {microbatches} micro-batches "
-                       f"x {mesh.axis_size(axes)} (the batch's mesh axes {axes or '(none)'}).", mesh=mesh,
-                       layout=layout, rule="each micro-batch takes an equal share of the batch on every rank",
-                       fix=f"use a batch that is a multiple of {n}, or fewer micro-batches")
-        mesh2 = Mesh(mesh.axes + ((MB_AXIS, microbatches),))
-        rules = [Rule(r.scope, r.dim, (Name(MB_AXIS, None),) + r.axes, r.span) if r.key[1] == BATCH else r
-                 for r in layout.rules]
-        if rule is None:
-            rules.append(Rule(None, Name(BATCH, None), (Name(MB_AXIS, None),)))
-        layout2 = Layout(tuple(rules), source=layout.source)
-    sched = make_schedule(schedule, p, microbatches) if axis else None
-    return PipeSpec(axis, p, microbatches, node.id if node else -1,
-                    node.attrs["layer"].name if node else "", sched, mesh2, layout2, (mesh, layout))
+
+
+def _check_chunks(node, p: int, chunks: int, mesh: Mesh, layout: Layout) -> None:
+    """Refuse virtual stages that do not divide the layers each rank holds."""
+    layers = node.attrs["layer"].size
+    if chunks > 1 and (layers // p) % chunks:
+        raise _err(f"{chunks} virtual stages per rank do not divide the {layers // p} layers of each of the "
+                   f"{p} ranks of the pipeline ({layers} layers).", mesh=mesh, layout=layout, cls=ScheduleError,
+                   rule="each rank runs its layers in equal chunks, one per virtual stage",
+                   fix=f"use a number of virtual stages that divides {layers // p}, or a multiple of "
+                       f"{p * chunks} layers")
+
+
+def _with_microbatches(mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int):
+    """The mesh and layout a plan with ``microbatches`` is lowered on: the mesh with
+    :data:`MB_AXIS` (minor), the ``batch`` dim split over it first."""
+    if microbatches == 1:
+        return mesh, layout
+    if BATCH not in dims:
+        raise _err(f"{microbatches} micro-batches, but no tensor has a '{BATCH}' dim.", mesh=mesh,
+                   layout=layout, rule=f"micro-batches cut the '{BATCH}' dim", fix="use microbatches=1")
+    rule = layout.rule_for(BATCH, ())
+    axes = rule.axis_names if rule else ()
+    n = microbatches * mesh.axis_size(axes)
+    if dims[BATCH] % n:
+        raise _err(f"batch {dims[BATCH]} is not divisible by {microbatches} micro-batches "
+                   f"x {mesh.axis_size(axes)} (the batch's mesh axes {axes or '(none)'}).", mesh=mesh,
+                   layout=layout, rule="each micro-batch takes an equal share of the batch on every rank",
+                   fix=f"use a batch that is a multiple of {n}, or fewer micro-batches")
+    mesh2 = Mesh(mesh.axes + ((MB_AXIS, microbatches),))
+    rules = [Rule(r.scope, r.dim, (Name(MB_AXIS, None),) + r.axes, r.span) if r.key[1] == BATCH else r
+             for r in layout.rules]
+    if rule is None:
+        rules.append(Rule(None, Name(BATCH, None), (Name(MB_AXIS, None),)))
+    return mesh2, Layout(tuple(rules), source=layout.source)

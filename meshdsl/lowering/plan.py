@@ -64,10 +64,12 @@ class Value:
     dtype: torch.dtype
     sharding: Sharding
 
-    def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
-        return self.sharding.local_shape(self.shape, mesh)
+    def local_shape(self, mesh: Mesh, rank: int | None = None) -> tuple[int, ...]:
+        """``rank``'s local shape; without a rank the largest (an uneven split's first part)."""
+        return self.sharding.local_shape(self.shape, mesh, rank)
 
     def local_bytes(self, mesh: Mesh) -> int:
+        """Bytes of the largest local slice (every rank's when the split is even)."""
         n = 1
         for s in self.local_shape(mesh):
             n *= s

@@ -28,6 +28,7 @@ from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
 from .cost import DEFAULT, CostModel
 from .pipeline import MB_AXIS
+from .uneven import uneven_arg
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,20 @@ class Move:
     after: Sharding
 
 
-def move_args(m, shape) -> dict:
-    """The step args of re-layout move ``m`` on a tensor of ``shape`` (dims by position)."""
+def move_args(m, shape, mesh: Mesh) -> dict:
+    """The step args of re-layout move ``m`` on a tensor of ``shape`` (dims by position); a move
+    that joins or cuts parts of unequal length carries them (:func:`.uneven.uneven_arg`)."""
     pos = shape.index(m.dim) if m.dim else None
-    if m.kind == "alltoall":
-        return {"concat_dim": pos, "split_dim": shape.index(m.dim2)}
     if m.kind == "allreduce":
         return {"op": "sum"}
-    if m.kind == "reduce_scatter":
-        return {"dim": pos, "op": "sum"}
-    return {"dim": pos}  # allgather, split
+    if m.kind == "alltoall":
+        args = {"concat_dim": pos, "split_dim": shape.index(m.dim2)}
+    elif m.kind == "reduce_scatter":
+        args = {"dim": pos, "op": "sum"}
+    else:
+        args = {"dim": pos}  # allgather, split
+    uneven = uneven_arg(shape, m.before, m.after, mesh, m.axes) if m.kind != "split" else None
+    return {**args, "uneven": uneven} if uneven else args
 
 
 def _mk(dims: dict[str, list[str]], order, partial) -> Sharding:
@@ -74,22 +79,46 @@ def plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> tuple[Move
 def _plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> list[Move]:
     if a == b:
         return []
-    order = shape.names
-    cur = {n: list(a.axes_of(n)) for n in order}
-    partial = [x for x in a.partial]
-    moves: list[Move] = []
+    st = _Relayout(shape, a)
+    _reduce_partials(st, b)
+    for n in st.order:
+        _take_off(st, n, b)
+    _split_locally(st, a, b)
+    # Partial axes b keeps but a lacked cannot be created (a bug upstream).
+    assert set(st.partial) == set(b.partial), (a, b, st.partial)
+    return st.moves
 
-    def snap():
-        return _mk(cur, order, partial)
 
-    # 1. Partial sums that b does not keep: reduce_scatter the axes that extend a
-    #    dim's split in b's order (one collective per dim, over all such axes at
-    #    once), allreduce the rest.
-    pending = [x for x in partial if x not in b.partial]
+class _Relayout:
+    """A re-layout under way: each dim's mesh axes and the partial axes as the moves so far
+    leave them, and those moves."""
+
+    __slots__ = ("order", "cur", "partial", "moves")
+
+    def __init__(self, shape: Shape, a: Sharding):
+        self.order = shape.names
+        self.cur = {n: list(a.axes_of(n)) for n in self.order}
+        self.partial = list(a.partial)
+        self.moves: list[Move] = []
+
+    def snap(self) -> Sharding:
+        return _mk(self.cur, self.order, self.partial)
+
+    def record(self, kind: str, axes: tuple[str, ...], dim: str | None, dim2: str | None,
+               before: Sharding) -> None:
+        """Append the move that led from ``before`` to the sharding now."""
+        self.moves.append(Move(kind, axes, dim, dim2, before, self.snap()))
+
+
+def _reduce_partials(st: _Relayout, b: Sharding) -> None:
+    """Pass 1. Partial sums that ``b`` does not keep: reduce_scatter the axes that extend a
+    dim's split in b's order (one collective per dim, over all such axes at once),
+    allreduce the rest."""
+    pending = [x for x in st.partial if x not in b.partial]
     scatter: list[tuple[str, tuple[str, ...]]] = []
-    for d in order:
-        want, have = b.axes_of(d), len(cur[d])
-        if tuple(cur[d]) != want[:have]:
+    for d in st.order:
+        want, have = b.axes_of(d), len(st.cur[d])
+        if tuple(st.cur[d]) != want[:have]:
             continue
         run: list[str] = []
         for x in want[have:]:
@@ -101,65 +130,68 @@ def _plan_moves(shape: Shape, a: Sharding, b: Sharding, mesh: Mesh) -> list[Move
     scattered = {x for _, axes in scatter for x in axes}
     reduce_all = [x for x in pending if x not in scattered]
     if reduce_all:
-        before = snap()
-        partial = [x for x in partial if x not in reduce_all]
-        moves.append(Move("allreduce", tuple(reduce_all), None, None, before, snap()))
+        before = st.snap()
+        st.partial = [x for x in st.partial if x not in reduce_all]
+        st.record("allreduce", tuple(reduce_all), None, None, before)
     for d, axes in scatter:
-        before = snap()
-        partial = [x for x in partial if x not in axes]
-        cur[d].extend(axes)
-        moves.append(Move("reduce_scatter", axes, d, None, before, snap()))
+        before = st.snap()
+        st.partial = [x for x in st.partial if x not in axes]
+        st.cur[d].extend(axes)
+        st.record("reduce_scatter", axes, d, None, before)
 
-    # 2. Axes to take off each dim, minor end first: alltoall when the axis goes
-    #    straight onto the minor end of another dim, else allgather.
-    for n in order:
-        want = b.axes_of(n)
-        k = 0
-        while k < len(cur[n]) and k < len(want) and cur[n][k] == want[k]:
-            k += 1
-        gather: list[str] = []  # popped from the minor end, minor first
 
-        def flush():
-            if gather:
-                before = _mk({**cur, n: cur[n] + list(reversed(gather))}, order, partial)
-                moves.append(Move("allgather", tuple(reversed(gather)), n, None, before, snap()))
-                gather.clear()
+def _take_off(st: _Relayout, n: str, b: Sharding) -> None:
+    """Pass 2, for dim ``n``: the axes to take off it, minor end first: alltoall when the
+    axis goes straight onto the minor end of another dim, else allgather."""
+    want = b.axes_of(n)
+    k = 0
+    while k < len(st.cur[n]) and k < len(want) and st.cur[n][k] == want[k]:
+        k += 1
+    gather: list[str] = []  # popped from the minor end, minor first
 
-        while len(cur[n]) > k:
-            # The longest minor-end run of n's axes that goes, in order, onto the
-            # minor end of one other dim moves in one alltoall over the run.
-            hit = None
-            for j in range(k, len(cur[n])):
-                run = tuple(cur[n][j:])
-                d2 = next((m for m in order if m != n and run[0] in b.axes_of(m)), None)
-                if d2 is not None and tuple(cur[d2]) + run == b.axes_of(d2)[:len(cur[d2]) + len(run)]:
-                    hit = (j, d2, run)
-                    break
-            if hit is None:
-                gather.append(cur[n].pop())
-                continue
-            flush()
-            j, d2, run = hit
-            before = snap()
-            del cur[n][j:]
-            cur[d2].extend(run)
-            moves.append(Move("alltoall", run, n, d2, before, snap()))
+    def flush():
+        if gather:
+            before = _mk({**st.cur, n: st.cur[n] + list(reversed(gather))}, st.order, st.partial)
+            st.record("allgather", tuple(reversed(gather)), n, None, before)
+            gather.clear()
+
+    while len(st.cur[n]) > k:
+        hit = _alltoall_run(st, n, k, b)
+        if hit is None:
+            gather.append(st.cur[n].pop())
+            continue
         flush()
+        j, d2, run = hit
+        before = st.snap()
+        del st.cur[n][j:]
+        st.cur[d2].extend(run)
+        st.record("alltoall", run, n, d2, before)
+    flush()
 
-    # 3. Local splits for what b adds.
-    for n in order:
+
+def _alltoall_run(st: _Relayout, n: str, k: int, b: Sharding):
+    """The longest minor-end run of ``n``'s axes (from position ``k`` on) that goes, in order,
+    onto the minor end of one other dim, which moves in one alltoall over the run:
+    ``(start, that dim, run)``, or None."""
+    for j in range(k, len(st.cur[n])):
+        run = tuple(st.cur[n][j:])
+        d2 = next((m for m in st.order if m != n and run[0] in b.axes_of(m)), None)
+        if d2 is not None and tuple(st.cur[d2]) + run == b.axes_of(d2)[:len(st.cur[d2]) + len(run)]:
+            return j, d2, run
+    return None
+
+
+def _split_locally(st: _Relayout, a: Sharding, b: Sharding) -> None:
+    """Pass 3. Local splits for what ``b`` adds."""
+    for n in st.order:
         want = b.axes_of(n)
-        if tuple(cur[n]) != want[:len(cur[n])]:
-            raise AssertionError(f"relayout {a} -> {b}: dim {n} at {cur[n]}")
-        extra = list(want[len(cur[n]):])
+        if tuple(st.cur[n]) != want[:len(st.cur[n])]:
+            raise AssertionError(f"relayout {a} -> {b}: dim {n} at {st.cur[n]}")
+        extra = list(want[len(st.cur[n]):])
         if extra:
-            before = snap()
-            cur[n].extend(extra)
-            moves.append(Move("split", tuple(extra), n, None, before, snap()))
-
-    # 4. Partial axes b keeps but a lacked cannot be created (a bug upstream).
-    assert set(partial) == set(b.partial), (a, b, partial)
-    return moves
+            before = st.snap()
+            st.cur[n].extend(extra)
+            st.record("split", tuple(extra), n, None, before)
 
 
 def blocked(m: Move) -> bool:

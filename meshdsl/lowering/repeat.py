@@ -7,10 +7,19 @@ layers, and the stacked carries, activations and gradients stay split like the
 params.  In the backward block, parameter gradients may stay lazy partial sums,
 so they are reduced once, stacked, after the loop.
 
-The forward sub-plan also outputs the activations the backward block reads
-(``attrs["saved"]``, only those this plan uses), each in the sharding the forward
-produced it in (reduced if partial); they are stacked over ``layer`` and the
-backward sub-plan takes them as inputs instead of recomputing the forward.
+The forward sub-plan also outputs the activations the remat policy saves for the
+backward block (``attrs["saved"]``, only those this plan uses, :mod:`meshdsl.ir.remat`),
+each in the sharding the forward produced it in; they are stacked over ``layer`` and the
+backward sub-plan takes them as inputs.  What it needs of the forward besides them it
+recomputes from them and from the layer's input: those steps have phase ``recompute``
+(``meshdsl plan`` shows them and their FLOPs).  An activation the backward reads itself is
+saved reduced; one it only recomputes from is saved as the forward made it (a partial sum
+too), so the recompute repeats the forward's kernels and collectives exactly.
+
+The block's per-layer outputs (``(carry, {name: tensor})``) leave the forward sub-plan as
+its rules leave them (``y/<name>``, partial sums kept) and are stacked over ``layer``; the
+backward sub-plan takes one layer's slice of each one's stacked gradient
+(``cotangent/<name>``).
 
 Tensors the block reads from outside (:mod:`meshdsl.ir.closure`) are fed to every
 layer in their own layout, reduced; the backward sub-plan outputs each one's gradient as
@@ -19,7 +28,7 @@ layers are pipelined: one allreduce over the stage axis, made transfers by
 :mod:`.partition`).
 
 The plan step is data: kind ``repeat``, the block's sub-plan in ``subplans``,
-the layer count in ``times``; :mod:`meshdsl.exec.loop` runs it.
+the layer count in ``times``; :mod:`meshdsl.runtime.layers` runs it.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from ..core.graph import topo_nodes
 from ..core.shape import Shape
 from ..errors import LayoutError, message
 from ..layout.sharding import Sharding
+from .block_order import order_block
 from .compiler import Lowerer, lower_into
 from .pipeline import MB_AXIS
 from .plan import Plan, register_step_kind
@@ -37,13 +47,19 @@ from .rules import lowering, rule_for
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
 # (forward) or takes (backward).
+# ys: the block's per-layer outputs the sub-plan outputs as "y/<name>" (forward: the step outputs
+# them stacked over layer after the layer inputs, before the saved activations), or whose
+# cotangents it takes as "cotangent/<name>" (backward: stacked inputs after the carry gradient).
 # streamed: (backward) names whose gradient the sub-plan reduces per layer (lowering/bucket.py,
 # stream_loop_grads): the loop starts those reductions as each layer's gradient is made.
 # closed: (only when the block reads tensors from outside) their sub-plan input names, fed after the
 # stacked params (forward) or the saved activations (backward); a backward step outputs, after the
 # stacked gradients, the gradient of each one the block differentiates (sub-plan output "d/<name>"),
 # summed over the layers.
-register_step_kind("repeat", ("names", "pos", "backward", "saved", "streamed", "closed"))
+register_step_kind("repeat", ("names", "pos", "backward", "saved", "ys", "streamed", "closed"))
+
+#: The phase of a backward block's steps that recompute the forward (remat, and values of params only).
+RECOMPUTE = "recompute"
 
 
 def _slice_sharding(stacked: Sharding, layer: str) -> Sharding:
@@ -57,147 +73,211 @@ def _stack_sharding(sub: Sharding, shape, layer: str, layer_axes=()) -> Sharding
 
 
 @dataclass
-class _Operands:
-    """A repeat node's (or repeat_grad node's) inputs by role."""
+class _Loop:
+    """A repeat (or repeat_grad) node as its lowering sees it: its inputs by role, and what
+    the step it lowers to feeds and outputs."""
 
+    node: object
+    backward: bool
     carry: object            # the carry (forward), or the stacked layer inputs (backward)
     stacked: list
     dy: object = None        # the carry gradient (backward)
+    dys: list = field(default_factory=list)     # the per-layer outputs' stacked gradients (backward)
     saved: list = field(default_factory=list)   # the saved activations (backward)
     closed: list = field(default_factory=list)  # the tensors the block reads from outside
+    ys: list = field(default_factory=list)      # names of the per-layer outputs (forward: those used)
+    want: list = field(default_factory=list)    # forward: indices of the saved activations used
+    layer_axes: tuple = ()   # the axes splitting the layer dim (the pipeline axis, or none)
+
+    @property
+    def blk(self):
+        return self.node.attrs["block"]
+
+    @property
+    def layer(self) -> str:
+        return self.node.attrs["layer"].name
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.blk.params)
+
+    @property
+    def carry_shape(self):
+        return self.dy.shape if self.backward else self.carry.shape
 
 
-def _operands(node, backward: bool) -> _Operands:
+def _loop(lw: Lowerer, node) -> _Loop:
+    from ..ir.repeat import num_fixed_outputs
+    from ..ir.repeat_grad import split_inputs
+
     blk = node.attrs["block"]
-    n, ins = len(blk.params), node.inputs
-    closed = list(ins[len(ins) - len(blk.closed):])
-    if not backward:
-        return _Operands(ins[0], list(ins[1:1 + n]), closed=closed)
-    given = blk.extra.get("given", {})
-    ops = _Operands(ins[0], list(ins[1:1 + n]), ins[1 + n], list(ins[2 + n:2 + n + len(given)]), closed)
-    assert len(ins) == 2 + n + len(given) + len(closed), "repeat_grad: saved activations do not match its block"
-    return ops
+    if node.op.name == "repeat_grad":
+        carries, stacked, dy, dys, saved, closed = split_inputs(blk, len(blk.params), node.inputs)
+        return _Loop(node, True, carries, list(stacked), dy, list(dys), list(saved), list(closed),
+                     ys=list(blk.extra["dys"]))
+    n = len(blk.params)
+    closed = list(node.inputs[len(node.inputs) - len(blk.closed):])
+    base = num_fixed_outputs(blk)
+    ys = [k for i, k in enumerate(blk.y_names) if id(node.outputs[2 + i]) in lw.used]
+    want = [i for i in range(len(node.attrs.get("saved", []))) if id(node.outputs[base + i]) in lw.used]
+    return _Loop(node, False, node.inputs[0], list(node.inputs[1:1 + n]), closed=closed, ys=ys, want=want)
 
 
 @lowering("repeat", "repeat_grad")
 def lower_repeat(lw: Lowerer, node) -> None:
     """Lower a repeat (or its gradient) to one step that runs the block's sub-plan per layer."""
-    backward = node.op.name == "repeat_grad"
-    mesh = lw.mesh
-    blk = node.attrs["block"]
-    layer = node.attrs["layer"].name
-    stacked = node.attrs["stacked"]
-    names = list(blk.params)
-    ops = _operands(node, backward)
-    saved_names: list[str] = []
-    if backward:
-        carry_shape = ops.dy.shape
-        given = blk.extra.get("given", {})
-        saved_names = list(given)  # sub-plan inputs, in the order of the saved inputs
+    loop = _loop(lw, node)
+    carry_sh = lw.layout.targets(loop.carry_shape, (), lw.mesh, "carry", False)[0][0]
+    ins, feeds = _lower_operands(lw, loop, carry_sh)
+    plan, saved_names = _lower_block(lw, loop, feeds, ins)
+    # The stage axis when the layers are pipelined: each stage sums its own layers' gradients
+    # of a closed-over tensor, so the step's sum is partial over it.
+    stage = loop.layer_axes if lw.mesh.axis_size(loop.layer_axes) > 1 else ()
+    out_vids = _step_outputs(lw, loop, plan, carry_sh, stage)
+    args = {"names": tuple(loop.names), "pos": dict(node.attrs["pos"]), "backward": loop.backward,
+            "saved": tuple(saved_names)}
+    if loop.ys:
+        args["ys"] = tuple(loop.ys)
+    if loop.blk.closed:
+        args["closed"] = tuple(loop.blk.closed)
+    num_local = node.attrs["layer"].size // lw.mesh.axis_size(loop.layer_axes)  # layers per stage
+    lw.emit("repeat", node, ins, out_vids, args=args, subplans=(plan,), times=num_local)
+    _bind_outputs(lw, loop, out_vids, stage)
+
+
+def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list, dict]:
+    """The step's inputs, each brought to the layout the loop reads it in, and the sharding of
+    each sub-plan input (the carry, one layer's slice of each stacked param, the cotangents,
+    the closed-over tensors) by name; sets ``loop.layer_axes``."""
+    node, mesh, layer = loop.node, lw.mesh, loop.layer
+    stacked_shape = Shape([node.attrs["layer"]] + list(loop.carry_shape))
+    ins, feeds = [], {"carry": carry_sh}
+    if loop.backward:
+        names = loop.names
+        la = lw.targets(node.attrs["stacked"][names[0]], strict=True)[0][0].axes_of(layer) if names else ()
+        ins.append(lw.relayout(lw.value(loop.carry), _stack_sharding(carry_sh, stacked_shape, layer, la), node,
+                               "saved layer inputs"))
     else:
-        carry_shape = ops.carry.shape
-        saved = node.attrs.get("saved", [])
-        want = [i for i in range(len(saved)) if id(node.outputs[2 + i]) in lw.used]
-    carry_sh = lw.layout.targets(carry_shape, (), mesh, "carry", False)[0][0]
-    ins = []
-    if backward:
-        la = lw.targets(stacked[names[0]], strict=True)[0][0].axes_of(layer) if names else ()
-        ins.append(lw.relayout(lw.value(ops.carry), _stack_sharding(
-            carry_sh, Shape([node.attrs["layer"]] + list(carry_shape)), layer, la), node, "saved layer inputs"))
-    else:
-        ins.append(lw.relayout(lw.value(ops.carry), carry_sh, node, "carry"))
-    slice_sh = {}
-    layer_axes: tuple[str, ...] = ()
-    for k, t in zip(names, ops.stacked):
-        tgt = lw.targets(stacked[k], strict=True)[0][0]
-        layer_axes = tgt.axes_of(layer)
-        if mesh.axis_size(layer_axes) > 1 and layer_axes != (lw.pipeline_axis,):
+        ins.append(lw.relayout(lw.value(loop.carry), carry_sh, node, "carry"))
+    for k, t in zip(loop.names, loop.stacked):
+        tgt = lw.targets(node.attrs["stacked"][k], strict=True)[0][0]
+        loop.layer_axes = tgt.axes_of(layer)
+        if mesh.axis_size(loop.layer_axes) > 1 and loop.layer_axes != (lw.pipeline_axis,):
             raise LayoutError(message(
                 f"repeat '{node.name}': stacked param '{k}' splits dim '{layer}' over mesh axes "
                 f"{tgt.axes_of(layer)}.", inputs=[f"layout: {lw.layout}", f"mesh: {mesh}"],
                 rule="a repeat inside a block runs its layers in sequence on every rank, so 'layer' must be whole",
                 fix=f"remove the '{layer}:...' rule; only the outermost repeat can be a pipeline"))
         ins.append(lw.relayout(lw.value(t), tgt, node, f"stacked param '{k}'"))
-        slice_sh[k] = _slice_sharding(tgt, layer)
-    if backward:
-        ins.append(lw.relayout(lw.value(ops.dy), carry_sh, node, "carry gradient"))
-        for t in ops.saved:  # as the forward saved them: no re-layout
+        feeds[k] = _slice_sharding(tgt, layer)
+    if loop.backward:
+        ins.append(lw.relayout(lw.value(loop.dy), carry_sh, node, "carry gradient"))
+        feeds["cotangent"] = carry_sh
+        for k, t in zip(loop.ys, loop.dys):  # whole sums, one layer's slice per layer
+            ph = loop.blk.extra["dys"][k]
+            sh = lw.layout.targets(ph.shape, (), mesh, "cotangent", False)[0][0]
+            ins.append(lw.relayout(lw.reduced(lw.value(t)), _stack_sharding(sh, t.shape, layer, loop.layer_axes),
+                                   node, f"gradient of per-layer output '{k}'"))
+            feeds[ph.node.name] = sh
+        for t in loop.saved:  # as the forward saved them: no re-layout
             ins.append(lw.value(t))
-            assert not lw.sharding(ins[-1]).partial and mesh.axis_size(lw.sharding(ins[-1]).axes_of(layer)) \
-                == mesh.axis_size(layer_axes)
-    closed_sh = {}
-    for k, t in zip(blk.closed, ops.closed):  # in its own layout, whole sums: every layer reads it
+            assert mesh.axis_size(lw.sharding(ins[-1]).axes_of(layer)) == mesh.axis_size(loop.layer_axes)
+    for k, t in zip(loop.blk.closed, loop.closed):  # in its own layout, whole sums: every layer reads it
         why = f"'{t.name}', read by every layer"
         ins.append(lw.relayout(lw.reduced(lw.value(t)), lw.target(t).with_partial(()), node, why))
-        closed_sh[k] = lw.sharding(ins[-1])
+        feeds[k] = lw.sharding(ins[-1])
+    return ins, feeds
 
-    sub = Lowerer(mesh, lw.layout, lw.cost)
-    feeds = {"carry": carry_sh, **slice_sh}
-    if backward:
-        feeds["cotangent"] = carry_sh
-    feeds.update(closed_sh)
+
+def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list) -> tuple[Plan, list[str]]:
+    """The block's sub-plan (one layer), and the names of the saved activations it outputs
+    (forward) or takes (backward)."""
+    blk, node = loop.blk, loop.node
+    sub = Lowerer(lw.mesh, lw.layout, lw.cost)
     for name, sh in feeds.items():
         t = blk.graph.inputs[name]
         vid = sub.new_value(t.shape, t.dtype, sh)
         sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t})
         sub.inputs[name] = vid
         sub.bind(t, vid)
-    if backward:  # the saved activations are given: lower_into does not lower what they need
-        for (name, t), vid_out in zip(given.items(), ins[len(ins) - len(ops.closed) - len(ops.saved):]):
-            vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), layer))
+    if loop.backward:  # the saved activations are given: lower_into does not lower what they need
+        given = blk.extra.get("given", {})
+        for (name, t), vid_out in zip(given.items(), ins[len(ins) - len(loop.closed) - len(loop.saved):]):
+            vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), loop.layer))
             sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t}, op="saved",
                      label=f"saved {t.name}")
             sub.inputs[name] = vid
             sub.bind(t, vid)
-        ids = _lower_backward_block(sub, blk)
+        ids, saved_names = _lower_backward_block(sub, blk), list(given)
     else:
-        sub.count_readers([blk.out, *(saved[i] for i in want)])
-        ids = lower_into(sub, {"out": blk.out})
-        _lower_values(sub, [saved[i] for i in want])
-        for i in want:
-            f = saved[i]
-            vid = sub.reduced(sub.value(f))
-            if sub.sharding(vid).partial:
-                vid = sub.relayout(vid, sub.sharding(vid).with_partial(()), f.node, "saved activation")
-            saved_names.append(f"saved/{i}")
-            ids[saved_names[-1]] = vid
+        ids, saved_names = _lower_forward_block(sub, loop)
     _check_no_microbatch_sums(lw, node, sub.steps)
-    steps = [replace(s, phase=node.phase) for s in sub.steps]  # the block runs in its node's phase
-    plan = Plan(mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
+    num_forward = blk.extra.get("num_forward", 0) if loop.backward else 0
+    # the block runs in its node's phase; a backward block's forward nodes recompute
+    steps = [replace(s, phase=RECOMPUTE if s.kind != "input" and 0 <= s.node < num_forward else node.phase)
+             for s in sub.steps]
     for n in sub.notes:
         lw.note(f"{node.name} block: {n}")
+    plan = Plan(lw.mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
+    if loop.backward:  # cotangents and recomputed values freed early (:mod:`.block_order`)
+        plan = order_block(plan, lambda s: s.phase == RECOMPUTE)
+    return plan, saved_names
 
-    # The stage axis when the layers are pipelined: each stage sums its own layers' gradients
-    # of a closed-over tensor, so the step's sum is partial over it.
-    stage = layer_axes if mesh.axis_size(layer_axes) > 1 else ()
-    L = node.attrs["layer"].size // mesh.axis_size(layer_axes)  # layers per stage
-    out_vids = []
-    if backward:
-        out_vids.append(lw.new_value(carry_shape, ops.dy.dtype, carry_sh))
-        for k, t in zip(names, ops.stacked):
-            out_vids.append(lw.new_value(t.shape, t.dtype, _stack_sharding(plan.values[ids[f"d/{k}"]].sharding,
-                                                                            t.shape, layer, layer_axes)))
-        for k, t in zip(blk.closed, ops.closed):
-            if k in blk.extra["dclosed"]:
+
+def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], list[str]]:
+    """The forward block's outputs: the next carry in the carry's layout; each per-layer
+    output as its rules leave it (partial sums kept: stacked, they stay sums over the same
+    axes, reduced where the loss reads them); each saved activation.
+
+    A saved activation the backward reads is reduced.  One it only recomputes from (remat)
+    is handed on as the forward made it, a partial sum too, and is no extra reader: the
+    forward lowers as it would without saving it, and the backward's recompute of its
+    readers repeats the forward's kernels and collectives, so it makes the same numbers.
+    """
+    blk = loop.blk
+    saved, read = loop.node.attrs.get("saved", []), loop.node.attrs.get("saved_read", [])
+    ys = {f"y/{k}": blk.ys[k] for k in loop.ys}
+    sub.count_readers([blk.out, *ys.values(), *(saved[i] for i in loop.want if read[i])],
+                      kept=[saved[i] for i in loop.want if not read[i]])
+    ids = lower_into(sub, {"out": blk.out})
+    _lower_values(sub, [*ys.values(), *(saved[i] for i in loop.want)])
+    ids.update((k, sub.value(y)) for k, y in ys.items())
+    names = []
+    for i in loop.want:
+        f = saved[i]
+        vid = sub.reduced(sub.value(f))
+        if read[i] and sub.sharding(vid).partial:
+            vid = sub.relayout(vid, sub.sharding(vid).with_partial(()), f.node, "saved activation")
+        names.append(f"saved/{i}")
+        ids[names[-1]] = vid
+    return ids, names
+
+
+def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: Sharding, stage: tuple) -> list[int]:
+    """The step's output values: forward, the carry, the stacked layer inputs, per-layer outputs
+    and saved activations; backward, the carry gradient, the stacked gradients and those of the
+    closed-over tensors.  Stacked values are split over the layer axes like the params."""
+    node, layer, la = loop.node, loop.layer, loop.layer_axes
+    ids = plan.outputs
+
+    def stacked(t, name) -> int:
+        return lw.new_value(t.shape, t.dtype, _stack_sharding(plan.values[ids[name]].sharding, t.shape, layer, la))
+
+    if loop.backward:
+        out = [lw.new_value(loop.carry_shape, loop.dy.dtype, carry_sh)]
+        out += [stacked(t, f"d/{k}") for k, t in zip(loop.names, loop.stacked)]
+        for k, t in zip(loop.blk.closed, loop.closed):
+            if k in loop.blk.extra["dclosed"]:
                 sh = plan.values[ids[f"d/{k}"]].sharding
-                out_vids.append(lw.new_value(t.shape, t.dtype, sh.with_partial(sh.partial + stage)))
-    else:
-        out_vids.append(lw.new_value(carry_shape, ops.carry.dtype, carry_sh))
-        cs = node.outputs[1].shape
-        out_vids.append(lw.new_value(cs, ops.carry.dtype, _stack_sharding(carry_sh, cs, layer, layer_axes)))
-        for i in want:
-            t = node.outputs[2 + i]
-            out_vids.append(lw.new_value(t.shape, t.dtype, _stack_sharding(
-                plan.values[ids[f"saved/{i}"]].sharding, t.shape, layer, layer_axes)))
-    pos = node.attrs["pos"]
-    args = {"names": tuple(names), "pos": dict(pos), "backward": backward, "saved": tuple(saved_names)}
-    if blk.closed:
-        args["closed"] = tuple(blk.closed)
-    lw.emit("repeat", node, ins, out_vids, args=args, subplans=(plan,), times=L)
-    _bind_outputs(lw, node, backward, out_vids, len(names), stage)
-    if not backward:  # saved activations stay as the forward sub-plan made them
-        for i, vid in zip(want, out_vids[2:]):
-            lw.bind(node.outputs[2 + i], vid)
+                out.append(lw.new_value(t.shape, t.dtype, sh.with_partial(sh.partial + stage)))
+        return out
+    cs = node.outputs[1].shape
+    out = [lw.new_value(loop.carry_shape, loop.carry.dtype, carry_sh),
+           lw.new_value(cs, loop.carry.dtype, _stack_sharding(carry_sh, cs, layer, la))]
+    names = loop.blk.y_names
+    out += [stacked(node.outputs[2 + names.index(k)], f"y/{k}") for k in loop.ys]
+    base = 2 + len(names)
+    return out + [stacked(node.outputs[base + i], f"saved/{i}") for i in loop.want]
 
 
 def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
@@ -240,7 +320,7 @@ def _lower_backward_block(sub: Lowerer, blk) -> dict[str, int]:
     return ids
 
 
-def _bind_outputs(lw: Lowerer, node, backward: bool, out_vids: list, num_stacked: int, stage: tuple) -> None:
+def _bind_outputs(lw: Lowerer, loop: _Loop, out_vids: list, stage: tuple) -> None:
     """Bind the step's outputs to the node's.
 
     The carry (and its gradient) take the carry's layout.  The stacked parameter gradients stay
@@ -250,9 +330,11 @@ def _bind_outputs(lw: Lowerer, node, backward: bool, out_vids: list, num_stacked
     the gradients of closed-over tensors, but in a pipeline their sums over the stages are
     made at once, with their sums over the micro-batches (one allreduce; over the stage axis
     alone, for a tensor made per micro-batch, the partition turns it into transfers between
-    stages, :mod:`.stage_sum`).
+    stages, :mod:`.stage_sum`).  The per-layer outputs and saved activations stay as the
+    forward sub-plan made them.
     """
-    if backward:
+    node, num_stacked = loop.node, len(loop.names)
+    if loop.backward:
         for t, vid in zip(node.outputs[1:1 + num_stacked], out_vids[1:1 + num_stacked]):
             lw.bind(t, vid)
         for t, vid in zip(node.outputs[1 + num_stacked:], out_vids[1 + num_stacked:]):
@@ -262,7 +344,12 @@ def _bind_outputs(lw: Lowerer, node, backward: bool, out_vids: list, num_stacked
                 vid = lw.relayout(vid, sh.with_partial(tuple(a for a in sh.partial if a not in axes)), node,
                                   f"gradient of '{t.name}', summed over the stages")
             lw.bind(t, vid)
-    n_main = 1 if backward else 2
+    else:
+        names, base = loop.blk.y_names, 2 + len(loop.blk.y_names)
+        rest = [node.outputs[2 + names.index(k)] for k in loop.ys] + [node.outputs[base + i] for i in loop.want]
+        for t, vid in zip(rest, out_vids[2:]):
+            lw.bind(t, vid)
+    n_main = 1 if loop.backward else 2
     for t, vid in zip(node.outputs[:n_main], out_vids):
         lw.bind(t, lw.relayout(vid, lw.target(t).with_partial(
             tuple(a for a in lw.sharding(vid).partial if a not in lw.target(t).used_axes)), node,

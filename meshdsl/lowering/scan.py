@@ -16,7 +16,7 @@ dim costs the totals' allgather, gathering it first costs the whole tensor.
 from __future__ import annotations
 
 from ..core.shape import Dim, Shape
-from ..layout.sharding import Sharding
+from ..layout.sharding import Sharding, is_even
 from ..ops.scan import exclusive_of, scan_local
 from .pipeline import MB_AXIS
 from .relayout import relayout_cost
@@ -76,8 +76,10 @@ def lower_cumsum(lw, node) -> None:
     best = None
     targets = lw.targets(out)
     for comp in _candidates(t.shape, name, cur, targets):
-        cost = relayout_cost(t.shape, cur, comp, mesh, item, model)
         axes = comp.axes_of(name)
+        if not is_even(t.shape.get(name).size, mesh, axes):
+            continue   # a rank finds its slice's place among the totals from its offset: equal slices only
+        cost = relayout_cost(t.shape, cur, comp, mesh, item, model)
         if MB_AXIS in axes:  # its totals would be gathered over micro-batches: a blocked move
             cost = float("inf")
         if mesh.axis_size(axes) > 1:

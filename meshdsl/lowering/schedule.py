@@ -33,7 +33,7 @@ class ScheduleError(MeshDSLError):
 
 COMPUTE = ("F", "B")
 # What a recorded timeline counts as busy: the schedule's computes, and "W", the
-# weight-gradient part of a B that the runtime runs after the B's send (exec/pipeline).
+# weight-gradient part of a B that the runtime runs after the B's send (runtime/pipeline).
 BUSY = COMPUTE + ("W",)
 # The transfer each compute kind sends and receives, and which way its data flows:
 # an F sends activations downstream, a B sends gradients upstream.  A split backward
@@ -134,16 +134,6 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         return stage % self.num_ranks
-
-    def to_dict(self) -> dict:
-        """JSON-ready form; :meth:`from_dict` reads it back."""
-        return {"name": self.name, "num_ranks": self.num_ranks, "num_microbatches": self.num_microbatches,
-                "num_chunks": self.num_chunks, "actions": [[str(a) for a in row] for row in self.actions]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Schedule":
-        return cls.from_rows(d["name"], [" ".join(row) for row in d["actions"]], d["num_microbatches"],
-                             d.get("num_chunks", 1))
 
     @classmethod
     def from_rows(cls, name: str, rows: Sequence[str], num_microbatches: int, num_chunks: int = 1) -> "Schedule":

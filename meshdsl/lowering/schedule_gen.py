@@ -146,6 +146,49 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: 
     return schedule
 
 
+def parse_schedule(text: str) -> tuple[str, int]:
+    """A schedule as a user names it: a generator's name, and for one with virtual stages their
+    number per rank after a colon.
+
+    Example:
+        >>> parse_schedule("1f1b"), parse_schedule("interleaved:2")
+        (('1f1b', 1), ('interleaved', 2))
+
+    Raises:
+      ScheduleError: an unknown name (with a did-you-mean), a schedule with virtual stages
+        named without their number, a number for one without, or a number below 1.
+    """
+    name, colon, count = str(text).partition(":")
+    if name not in SCHEDULES:
+        raise ScheduleError(message(f"schedule {text!r}: unknown schedule.",
+                                    inputs=[f"known: {', '.join(sorted(schedule_names()))}"],
+                                    fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
+    chunked = SCHEDULES[name].chunked
+    if chunked != bool(colon) or (colon and not (count.isdigit() and int(count) >= 1)):
+        raise ScheduleError(message(
+            f"schedule {text!r}: " + ("name its virtual stages per rank." if chunked else "it has no virtual stages."),
+            rule=f"'{name}' runs v stages per rank, written {name}:v (v >= 1)" if chunked
+            else f"'{name}' runs one stage per rank; virtual stages are written interleaved:v",
+            fix=f"write e.g. {name}:2" if chunked else f"write {name}, or interleaved:2"))
+    return name, int(count) if colon else 1
+
+
+def named_schedule(text: str, num_ranks: int, num_microbatches: int) -> Schedule:
+    """The validated schedule a user names (:func:`parse_schedule`), e.g. ``"interleaved:2"``."""
+    name, chunks = parse_schedule(text)
+    return make_schedule(name, num_ranks, num_microbatches, chunks)
+
+
+def user_name(schedule: Schedule) -> str:
+    """How a user names ``schedule``: its generator's name, with its virtual stages per rank."""
+    return f"{schedule.name}:{schedule.num_chunks}" if SCHEDULES[schedule.name].chunked else schedule.name
+
+
+def schedule_names() -> list[str]:
+    """The schedules a user may name, as :func:`parse_schedule` reads them (``interleaved:v``)."""
+    return [f"{n}:v" if g.chunked else n for n, g in SCHEDULES.items()]
+
+
 def peak_theory(name: str, num_ranks: int, num_microbatches: int, rank: int = 0, num_chunks: int = 1) -> int:
     """Activations ``rank`` holds at once in theory: m for GPipe, min(p - rank, m) for 1F1B."""
     return SCHEDULES[name].peak(num_ranks, num_microbatches, num_chunks, rank)

@@ -127,12 +127,13 @@ def theory_bubble(s: Schedule) -> Fraction:
 
 # ----------------------------------------------------------------------------- printing
 
-def format_table(s: Schedule, transfers: bool = False) -> str:
+def format_table(s: Schedule, transfers: bool = False, stats: PipelineStats | None = None) -> str:
     """A per-rank table.
 
     By default one column per time step of the unit-cost simulation, so the
     bubble shows as ``.`` (F = B = 1; a schedule that places its Ws: F = B = W = 1); with
-    ``transfers=True`` the full action lists, in order.
+    ``transfers=True`` the full action lists, in order.  ``stats``: that simulation, when the
+    caller has it (a pipeline program's :attr:`~.pipeline_program.PipelineProgram.picture`).
 
     Example:
         >>> from meshdsl.lowering.schedule_gen import make_schedule
@@ -147,7 +148,7 @@ def format_table(s: Schedule, transfers: bool = False) -> str:
         head = "actions in run order (sF3>1: send micro-batch 3's activations to stage 1; rB3<2: receive its gradient)"
     else:
         w = has_placed_w(s)
-        stats = simulate(s, picture_cost(s))
+        stats = stats if stats is not None else simulate(s, picture_cost(s))
         rows = [["."] * int(stats.makespan) for _ in s.actions]
         for r, row in enumerate(stats.timeline):
             for a, t0, _ in row:

@@ -14,29 +14,11 @@ import torch.nn.functional as F
 from ..core.graph import Tensor
 from ..core.shape import Shape, broadcast_shapes
 from ..errors import ShapeError, message
+from .broadcasting import align, align_plan, sum_to
 from .constant import constant
 from .registry import DENSE_CTX, Op, apply, register
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _align_plan(src: Shape, dst: Shape):
-    """Index recipe turning a tensor with dims ``src`` into one broadcastable to ``dst``."""
-    names = [n for n in dst.names if n in src]
-    perm = tuple(src.index(n) for n in names)
-    perm = None if perm == tuple(range(len(perm))) else perm
-    idx = tuple(slice(None) if n in src else None for n in dst.names)
-    idx = None if all(i is not None for i in idx) else idx
-    return perm, idx
-
-
-def align(x, plan):
-    perm, idx = plan
-    if perm is not None:
-        x = x.permute(perm)
-    if idx is not None:
-        x = x[idx]
-    return x
 
 
 #: ops whose result is bool whatever their operands: any scalar compares with any tensor.
@@ -182,24 +164,11 @@ class Nary(Op):
                                      inputs=[f"operands: {', '.join(map(repr, inputs))}"],
                                      rule="div is true division: its result is floating point",
                                      fix="cast the operands first: meshdsl.cast(x, torch.float32)"))
-        attrs["align"] = tuple(_align_plan(x.shape, shape) for x in inputs)
+        attrs["align"] = tuple(align_plan(x.shape, shape) for x in inputs)
         return [(shape, self.out_dtype or next(iter(ddt)))]
 
     def compute(self, ctx, attrs, *xs):
         return type(self).fn(*(align(x, p) for x, p in zip(xs, attrs["align"])))
-
-
-def _sum_to(g: Tensor, like: Tensor) -> Tensor:
-    """Sum ``g`` over dims ``like`` lacks, and order its dims like ``like``."""
-    from .reduce import reduce_sum
-    from .shape_ops import transpose
-
-    extra = [n for n in g.shape.names if n not in like.shape]
-    if extra:
-        g = reduce_sum(g, extra)
-    if g.shape.names != like.shape.names:
-        g = transpose(g, like.shape.names)
-    return g
 
 
 def _binary(name, fn, grad=None, linear=False, out_dtype=None, linear_args=()):
@@ -209,7 +178,7 @@ def _binary(name, fn, grad=None, linear=False, out_dtype=None, linear_args=()):
         def g(self, node, douts):
             a, b = node.inputs
             ga, gb = grad(a, b, node.outputs[0], douts[0])
-            return [None if x is None else _sum_to(x, like) for x, like in ((ga, a), (gb, b))]
+            return [None if x is None else sum_to(x, like) for x, like in ((ga, a), (gb, b))]
         cls.grad = g
     else:
         cls.differentiable = False
@@ -265,7 +234,7 @@ class Where(Nary):
         c, a, b = node.inputs
         g = douts[0]
         # A scalar zero (as torch's masked_fill backward): no second full-size tensor.
-        return [None, _sum_to(where(c, g, 0.0), a), _sum_to(where(c, 0.0, g), b)]
+        return [None, sum_to(where(c, g, 0.0), a), sum_to(where(c, 0.0, g), b)]
 
 
 # ----------------------------------------------------------------------------- public API

@@ -1,6 +1,6 @@
 """When an ``add`` may write its sum into one of its operands: the one rule both
 program runners use (the dense interpreter :mod:`meshdsl.ir.interpret` and the
-plan executor :mod:`meshdsl.exec.executor`).
+plan executor :mod:`meshdsl.runtime.executor`).
 
 Autograd sums the gradients of a value read twice in place; a careful torch
 programmer adds a residual into the block's fresh output.  An ``add`` may do
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .elementwise import align
+from .broadcasting import align
 
 #: Ops whose kernels return new storage, never a view of an input (a 2-operand einsum
 #: is a matmul, see :func:`makes_fresh`).

@@ -22,7 +22,7 @@ from ..core.shape import Dim
 from ..errors import ShapeError, message
 import torch.nn.functional as F
 
-from .reduce import _dims_arg, logsumexp
+from .reduce import reduced_dims, logsumexp
 from .registry import ComputeSpec, Op, apply, register
 from .layernorm import _last, fused_layer_norm
 from .xent import fused_cross_entropy
@@ -33,7 +33,7 @@ def _name(dim) -> str:
 
 
 def _one_dim(x: Tensor, dim, what: str) -> str:
-    (d,) = _dims_arg(x, [dim], what)
+    (d,) = reduced_dims(x, [dim], what)
     return d
 
 

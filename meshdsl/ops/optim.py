@@ -140,7 +140,7 @@ def _adamw(p, g, m, v, hyper):
     if scale != 1.0:
         g = g * scale
     # The fused kernel reads its tensors as dense memory, ignoring strides: a gradient can be a
-    # strided view (a layer loop's gradients live in their buckets, exec/loop.py).
+    # strided view (a layer loop's gradients live in their buckets, runtime/layers.py).
     g = g.contiguous()
     # float64 takes the separate kernels: the fused one reads the step count in float32.
     if _FUSED_ADAMW is not None and p.dtype in (torch.float32, torch.bfloat16, torch.float16) \

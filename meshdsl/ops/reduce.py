@@ -13,7 +13,8 @@ from ..errors import ShapeError, message
 from .registry import ComputeSpec, Op, apply, register
 
 
-def _dims_arg(x: Tensor, dims, what: str) -> tuple[str, ...]:
+def reduced_dims(x: Tensor, dims, what: str) -> tuple[str, ...]:
+    """The dim names a reduction of ``x`` over ``dims`` reduces (all when None), checked for ``what``."""
     if dims is None:
         return x.shape.names
     if isinstance(dims, (str, Dim)):
@@ -96,12 +97,12 @@ class ReduceMin(_Extreme):
 
 def reduce_sum(x: Tensor, dims=None) -> Tensor:
     """Sum over ``dims`` (names or Dims; all dims when None)."""
-    return apply("reduce_sum", [x], {"dims": _dims_arg(x, dims, "reduce_sum")})
+    return apply("reduce_sum", [x], {"dims": reduced_dims(x, dims, "reduce_sum")})
 
 
 def reduce_mean(x: Tensor, dims=None) -> Tensor:
     """Mean over ``dims``."""
-    names = _dims_arg(x, dims, "reduce_mean")
+    names = reduced_dims(x, dims, "reduce_mean")
     n = 1
     for d in names:
         n *= x.shape.get(d).size
@@ -110,18 +111,18 @@ def reduce_mean(x: Tensor, dims=None) -> Tensor:
 
 def reduce_max(x: Tensor, dims=None) -> Tensor:
     """Maximum over ``dims``."""
-    return apply("reduce_max", [x], {"dims": _dims_arg(x, dims, "reduce_max")})
+    return apply("reduce_max", [x], {"dims": reduced_dims(x, dims, "reduce_max")})
 
 
 def reduce_min(x: Tensor, dims=None) -> Tensor:
     """Minimum over ``dims``."""
-    return apply("reduce_min", [x], {"dims": _dims_arg(x, dims, "reduce_min")})
+    return apply("reduce_min", [x], {"dims": reduced_dims(x, dims, "reduce_min")})
 
 
 def logsumexp(x: Tensor, dims=None) -> Tensor:
     """``log(sum(exp(x)))`` over ``dims``, stabilised by the (gradient-free) max."""
     from .elementwise import exp, log, stop_gradient
-    names = _dims_arg(x, dims, "logsumexp")
+    names = reduced_dims(x, dims, "logsumexp")
     m = stop_gradient(reduce_max(x, names))
     return log(reduce_sum(exp(x - m), names)) + m
 

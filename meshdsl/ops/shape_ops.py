@@ -14,7 +14,7 @@ import einops
 from ..core.graph import Tensor
 from ..core.shape import Dim, Shape, as_shape
 from ..errors import ShapeError, did_you_mean, message
-from .elementwise import _align_plan, align
+from .broadcasting import align, align_plan, sum_to
 from .registry import ComputeSpec, Op, apply, register
 
 
@@ -44,7 +44,7 @@ class BroadcastTo(Op):
     def infer(self, inputs, attrs):
         (x,) = inputs
         shape = attrs["shape"]
-        attrs["align"] = _align_plan(x.shape, shape)
+        attrs["align"] = align_plan(x.shape, shape)
         attrs["full"] = tuple((d.name, d.size) for d in shape)
         return [(shape, x.dtype)]
 
@@ -54,8 +54,7 @@ class BroadcastTo(Op):
         return align(x, attrs["align"]).expand(*(ctx.size(n, s) for n, s in attrs["full"]))
 
     def grad(self, node, douts):
-        from .elementwise import _sum_to
-        return [_sum_to(douts[0], node.inputs[0])]
+        return [sum_to(douts[0], node.inputs[0])]
 
 
 @register

@@ -1,8 +1,9 @@
-"""Calibration: measure this machine's collectives and kernels, fit a few figures, cache them.
+"""Calibration: this machine's measured collectives and kernels, fitted, priced and cached.
 
-``meshdsl calibrate`` runs the two sweeps of :mod:`.sweep` and fits them:
+``meshdsl calibrate`` (:func:`meshdsl.search.measure.calibrate`) runs the two sweeps of
+:mod:`.sweep` and fits them here:
 
-* collectives, on real processes (:func:`meshdsl.exec.launch.spawn`, one torch
+* collectives, on real processes (:func:`meshdsl.processes.launcher.spawn`, one torch
   thread per rank), per job size: for each kind and group size, seconds against
   message size, and what a collective reached from compute costs on top.  The
   samples are kept and a collective is priced by interpolating between them
@@ -16,7 +17,7 @@
   and elementwise/reduction seconds against bytes touched, each
   ``overhead + amount / rate``, the overhead timed on a kernel with almost no work;
 * the executor's own cost per step (dispatch, bookkeeping): a small training
-  step is run by :class:`~meshdsl.exec.executor.Executor` and the part of its
+  step is run by :class:`~meshdsl.runtime.executor.Executor` and the part of its
   time the kernel lines do not explain is spread over its steps.
 
 The result is a :class:`Calibration` saved as JSON in
@@ -33,8 +34,7 @@ from dataclasses import dataclass, field
 
 from ..collectives import COLLECTIVES
 from ..lowering.cost import DEFAULT as DEFAULT_COST
-from .overhead import dispatch_seconds, pipeline_dispatch_seconds
-from .sweep import KINDS, sweep_collectives, sweep_kernels
+from .sweep import KINDS
 
 #: Kinds priced with another's measurements: a bucket is its member kind over one buffer.
 PRICED_AS = {"recv": "send", "permute": "send", "bucket_allreduce": "allreduce",
@@ -273,55 +273,3 @@ def fit(collective_samples: dict, kernel_samples: dict, backend: str = "gloo",
     return Calibration(coll, fit_line([f for f, _ in mm], [t for _, t in mm], fixed.get("matmul")),
                        fit_line([b for b, _ in ew], [t for _, t in ew], fixed.get("elementwise")),
                        backend=backend, samples=samples, after_compute_s=dict(after_compute or {}))
-
-
-def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, advance=lambda k: None,
-              timeout: float = 120.0) -> Calibration:
-    """Run both sweeps on this machine, fit them, save the result and return it.
-
-    Args:
-      nproc: processes of the collective sweep; a power of two measures groups of 2, 4, ... nproc.
-      backend: the torch.distributed backend to measure.
-      quick: fewer sizes and repetitions (a few seconds; for tests).
-      advance: called with the number of samples just finished (drives a progress bar).
-      timeout: seconds the collective sweep may take before its processes are killed.
-
-    Returns:
-      The saved :class:`Calibration` (see :func:`cache_path`).
-    """
-    import tempfile
-    import threading
-
-    kernels = sweep_kernels(quick, tick=lambda: advance(1))
-    with tempfile.TemporaryDirectory() as tmp:
-        progress = os.path.join(tmp, "done")
-        box: dict = {}
-
-        def work():
-            try:
-                box["samples"] = sweep_collectives(nproc, backend, quick, progress, timeout)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
-                box["error"] = e
-
-        t = threading.Thread(target=work, daemon=True)
-        t.start()
-        seen = 0
-        while t.is_alive():
-            t.join(0.2)
-            try:
-                with open(progress) as f:
-                    now = int(f.read() or 0)
-            except (OSError, ValueError):
-                continue
-            if now > seen:
-                advance(now - seen)
-                seen = now
-        if "error" in box:
-            raise box["error"]
-    samples, after = box["samples"]
-    cal = fit(samples, kernels, backend, after)
-    cal.dispatch_s = dispatch_seconds(cal, 5 if quick else 20)
-    cal.pipeline_dispatch_s = pipeline_dispatch_seconds(cal, 3 if quick else 10)
-    advance(1)
-    save(cal)
-    return cal

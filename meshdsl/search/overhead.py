@@ -9,24 +9,10 @@ backward steps with it.
 """
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .calibrate import Calibration
-
-
-def median_time(fn, reps: int) -> float:
-    """Median seconds of ``reps`` calls of ``fn`` (after one untimed call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2]
+from .calibrate import Calibration
+from .sweep import median_time
 
 
 def dispatch_seconds(cal: Calibration, reps: int) -> float:
@@ -48,8 +34,8 @@ def _runtime_seconds(cal: Calibration, reps: int, mesh: str, layout: str, **comp
     process on the simulated mesh, takes beyond its kernels' calibrated time."""
     from dataclasses import replace
 
-    from ..exec.executor import Executor
-    from ..exec.simulated import SimulatedComm
+    from ..runtime.executor import Executor
+    from ..comm.simulated import SimulatedComm
     from ..lowering.compiler import compile as compile_plan
     from ..train.model import load_model
     from .predict import predict

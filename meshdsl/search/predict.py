@@ -8,17 +8,17 @@ collective after local compute adds what the calibration measured such a
 collective to cost beyond the sweep's (the ranks come to it apart, and a waiting
 one is woken late); collectives back to back do not.
 The step time then replays the executor's own issue order
-(:func:`meshdsl.exec.executor.issue_order` with the kinds torch.distributed
+(:func:`meshdsl.runtime.executor.issue_order` with the kinds torch.distributed
 runs asynchronously): an asynchronous collective occupies the link from its
 issue (or when the link frees) and only the step that reads its result
 waits, so the prediction overlaps exactly what the runtime overlaps.  A loop
 runs its body ``times`` over; a pipeline prices each stage's forward and
-backward segment and runs its schedule through
-:func:`meshdsl.lowering.timeline.simulate`, so the bubble is the schedule's; a
+backward segment and simulates its program's schedule at those costs
+(:meth:`meshdsl.lowering.pipeline_program.PipelineProgram.simulate`), so the bubble is the schedule's; a
 B that sends a gradient upstream is split as the runtime splits it, its loops'
 weight-gradient matmuls priced as a W after the send.
 A process runs its micro-batches one after another, and once what does not vary
-per micro-batch (:func:`meshdsl.exec.steps.twins`).
+per micro-batch (:func:`meshdsl.runtime.steps.representatives`).
 
 Without a spare core per process nothing overlaps (gloo moves and reduces bytes
 on the CPU: a collective in flight has no core while its process computes); with
@@ -39,20 +39,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..collectives import COLLECTIVES
-from ..exec.executor import issue_order
-from ..exec.sink import matmul_producer
+from ..runtime.executor import issue_order
+from ..runtime.deferred import matmul_producer
 from ..lowering.fuse import IDENTITY
 from ..lowering.memory import memory_report
 from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..lowering.plan import Plan, Step
-from ..lowering.schedule import BUSY, split_backward
-from ..lowering.timeline import simulate
+from ..lowering.schedule import BUSY
 from .calibrate import Calibration
 
 #: Ops priced by FLOPs (the rest by bytes touched).
 MATMUL_OPS = frozenset({"einsum", "gather", "scatter_add", "matmul", "bmm"})
 #: Kinds torch.distributed starts asynchronously (the executor issues them early).
-ASYNC_KINDS = frozenset(k for k, c in COLLECTIVES.items() if c.start is not None)
+ASYNC_KINDS = frozenset(k for k, c in COLLECTIVES.items() if c.asynchronous)
 
 
 @dataclass
@@ -104,7 +103,7 @@ class Prediction:
 
 def process_axes(axes) -> tuple[str, ...]:
     """The axes of a collective that cross processes: all but the virtual micro-batch axis, whose
-    members one process holds and folds locally (``exec/fold.py``, the pipeline's accumulator)."""
+    members one process holds and folds locally (``comm/microbatch.py``, the pipeline's accumulator)."""
     return tuple(a for a in axes if a != MB_AXIS)
 
 
@@ -132,7 +131,7 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, shar
     mesh = plan.mesh
     nproc = mesh.axis_size(process_axes(mesh.names)) if sharing is None else sharing
     if serial > 1 and not per_microbatch(step, plan.values):
-        serial = 1  # the executor runs it on one micro-batch rank (exec/steps.py: twins)
+        serial = 1  # the executor runs it on one micro-batch rank (runtime/steps.py: representatives)
     if step.is_collective:
         real = process_axes(step.axes)
         adds = cal.kernel(False, 0, 2 * step.bytes, nproc) * (serial - 1)
@@ -172,7 +171,7 @@ class _Walk:
         self.path = self.shared = 0.0
         self.in_stages = False
         self.computed = False  # a kernel ran since the last collective: the ranks drifted apart
-        # A pipeline B's weight-gradient matmuls the runtime puts off to its W (exec/sink.py):
+        # A pipeline B's weight-gradient matmuls the runtime puts off to its W (runtime/deferred.py):
         # ids of those steps, their seconds per run, and the runs of the loops around them.
         self.later: frozenset = frozenset()
         self.w, self.w_scale = 0.0, 1
@@ -232,8 +231,8 @@ class _Walk:
         return total
 
     def pipeline_time(self, s: Step, mult: int) -> float:
-        sched, p = s.args["schedule"], s.args["num_stages"]
-        stages = s.args["stages"]
+        prog = s.args["program"]
+        p, stages = prog.num_stages, prog.stages
         pro, fwd, bwd, fin = s.subplans
         m = s.runs(1)
         t_pro = self.plan_time(pro, mult)
@@ -245,9 +244,9 @@ class _Walk:
         self.in_stages = True
         fwd_t, fwd_c = zip(*(self._segment(fwd, mult * m, stages[1], st) for st in range(p)))
         # A B that sends its input gradient upstream leaves its weight gradients to a W
-        # (lowering/schedule.py split_backward), as the runtime does.
+        # (the program's split schedule), as the runtime does.
         later = _put_off(s)
-        sends = {a.stage for row in sched.actions for a in row if a.kind == "send_grad"}
+        sends = {a.stage for row in prog.schedule.actions for a in row if a.kind == "send_grad"}
         bwd_t, bwd_c, w_t = [], [], []
         for st in range(p):
             self.later, self.w = (later if st in sends else frozenset()), 0.0
@@ -258,11 +257,10 @@ class _Walk:
         self.later, self.in_stages = frozenset(), False
         self.sharing, self.overlap, self.dispatch = None, overlap, None
         t_fin = self.plan_time(fin, mult)
-        if any(w_t):
-            sched = split_backward(sched)
+        sched = prog.run_schedule(defer=any(w_t))
         # Each stage's segment time already holds its transfers; the schedule adds the waiting.
         cost = {"F": fwd_t, "B": bwd_t, "W": w_t}
-        stats = simulate(sched, lambda a: cost[a.kind][a.stage] if a.kind in cost else 0.0)
+        stats = prog.simulate(lambda a: cost[a.kind][a.stage] if a.kind in cost else 0.0, defer=any(w_t))
         makespan = float(stats.makespan)
         busiest = max(range(len(stats.ranks)), key=lambda r: float(stats.ranks[r].busy))
         busy = float(stats.ranks[busiest].busy)
@@ -274,7 +272,7 @@ class _Walk:
         # All processes' busy time (kernels and the collectives they wait on inside F and B)
         # over the cores: a stage in its bubble leaves its core to the others, so an
         # oversubscribed pipeline is slowed by its work, not by its process count.
-        demand = sum(float(r.busy) for r in stats.ranks) * (self.nproc // p) / self.cal.cores
+        demand = sum(float(r.busy) for r in stats.ranks) * (self.nproc // prog.num_ranks) / self.cal.cores
         self.shared += mult * max(0.0, demand - makespan)
         return t_pro + max(makespan, demand) + t_fin
 
@@ -287,9 +285,8 @@ class _Walk:
 
 def _put_off(step: Step) -> frozenset:
     """Ids of the weight-gradient matmuls in a pipeline's backward loops that a B puts off
-    to its W: those of the stacked gradients only the final segment reads (exec/pipeline.py)."""
-    bwd = step.subplans[2]
-    read = {v for sub in step.subplans[:3] for s in sub.steps for v in s.ins}
+    to its W: those of the stacked gradients only the final segment reads (runtime/pipeline.py)."""
+    bwd, read = step.subplans[2], step.args["program"].read_in_schedule
     out = set()
     for s in bwd.steps:
         if s.kind == "repeat" and s.args["backward"]:

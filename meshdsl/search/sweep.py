@@ -12,8 +12,6 @@ import time
 
 import torch
 
-from .overhead import median_time
-
 #: The collective kinds the sweep measures (``send`` stands for the send/recv pair, timed on the
 #: path a pipeline's transfers take: shared memory among the ranks of one host, where it can).
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "send")
@@ -28,6 +26,18 @@ MATMUL_SIDES = (32, 64, 128, 256, 384)
 ELEMENTWISE_NUMELS = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
 #: Seconds of compute before each collective that :func:`_after_compute` times.
 BURST_S = 1e-3
+
+
+def median_time(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]
+
 
 def _time(fn, reps: int) -> float:
     fn()
@@ -175,7 +185,7 @@ def sweep_collectives(nproc: int, backend: str = "gloo", quick: bool = False, pr
     """Run :func:`_collective_job` on 2, 4, ... ``nproc`` fresh processes (one job per size);
     returns job size -> kind -> group size -> samples, and job size -> group size -> the
     extra seconds of a collective reached from compute (:func:`_after_compute`)."""
-    from ..exec.launch import spawn
+    from ..processes.launcher import spawn
 
     out, after, done = {}, {}, 0
     for job in job_sizes(nproc):

@@ -20,45 +20,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import traceback
 
 import torch
 
 from ..errors import MeshDSLError, message
-from ..exec.dense import run_dense
-from ..exec.executor import Executor
-from ..exec.failures import RankInternalError
-from ..exec.launch import in_torchrun
-from ..exec.malloc import tune_malloc
-from ..exec.simulated import SimulatedComm, run_simulated
+from ..runtime.dense import run_dense
+from ..runtime.executor import Executor
+from ..processes.failures import RankInternalError
+from ..processes.launcher import in_torchrun
+from ..processes.malloc import tune_malloc
+from ..comm.simulated import SimulatedComm
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.memory import memory_report
 from ..lowering.schedule import has_placed_w
-from ..lowering.schedule_gen import SCHEDULES
 from ..train.model import DEFAULT_LR
 from .dist_cli import add_run, bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device
-from .optim_args import add_optimizer_args, describe, optimizer_from_args, train_outputs
-from .preflight import (SEED_MAX, UsageError, check_simulated_memory, float_in, int_in, memory_warning,
-                        resolve_auto_layout)
-from .pipe_report import run_figures, schedule_summary, user_mesh_layout
+from .optim_args import describe, optimizer_from_args, train_outputs
+from .preflight import UsageError, check_simulated_memory, float_in, memory_warning
+from .pipe_report import pipeline_program, run_figures, schedule_summary, user_mesh_layout
 from .compare import report_check
 from .report import plan_report, print_report
-from .search_cli import add_calibrate, add_search, print_prediction
+from .search_cli import add_calibrate, add_search, print_prediction, resolve_auto_layout
 from .timeline_png import bar_counts, check_timeline, draw, simulated_rows, timeline_arg
-from .train_cli import add_train, load_configured
-
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-EXIT_CODES = """exit codes:
-  0    success
-  1    `check` found an output over tolerance (only `check` returns 1)
-  2    user error: bad flag, mesh, layout, model file, feed, data or checkpoint, also when a rank
-       raised it; a rank that died or hung (one message, no traceback)
-  3    internal error in meshdsl, also in a rank (printed with its traceback; please report it)
-  130  interrupted (Ctrl-C); every rank was stopped"""
+from .train_cli import add_train
+from .cli_common import (EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE,  # noqa: F401
+                         load_configured, lr_arg, make_console, model_args, pipe_args, remat_arg, seed_arg,
+                         compile_arg, compile_setting)
 
 # fp32 outputs of a split program differ from the dense one only by rounding:
 # a split contraction adds its partial sums in another order.  That error is
@@ -66,16 +56,6 @@ EXIT_CODES = """exit codes:
 # 1e-4 covers n up to ~1e3 (every model here); a layout bug (a missing or
 # doubled reduction, a wrong slice) is off by O(1) of the magnitude.
 DEFAULT_TOL = 1e-4
-
-#: Schedules a plan can run: one stage per rank of the pipeline axis (no virtual stages).
-PIPE_SCHEDULES = tuple(n for n, g in SCHEDULES.items() if not g.chunked)
-
-
-def _console():
-    from rich.console import Console
-
-    # Pipes get a wide console rather than rich's 80 columns, so rows stay on one line.
-    return Console(width=shutil.get_terminal_size((160, 24)).columns)
 
 
 class Parser(argparse.ArgumentParser):
@@ -87,45 +67,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    """Arguments every model subcommand shares: MODEL, --mesh, --layout, --tiny."""
-    p.add_argument("model", metavar="MODEL",
-                   help="the name of a model shipped with meshdsl (e.g. 'transformer'), or a path "
-                        "to a model .py file (e.g. ./my_model.py); a bare name never runs a file "
-                        "from the current directory")
-    p.add_argument("--mesh", required=True, help='mesh axes and sizes, e.g. "data:2; model:2"; "auto" with '
-                                                 '--layout auto: the search picks it')
-    p.add_argument("--layout", default="",
-                   help='layout rules, e.g. "batch:data; heads:model; params.d_model:data"; "auto": the best '
-                        'layout `meshdsl search` finds (printed)')
-    p.add_argument("--tiny", action="store_true", help="build the model's Config.tiny() (for quick checks)")
-    p.add_argument("--config", default="", metavar="K=V,...",
-                   help="override fields of the model's Config, e.g. d_model=128,layers=8,seq=128")
-
-
-def lr_arg(p, default: float) -> None:
-    p.add_argument("--lr", type=float_in(fix="pass a finite learning rate, e.g. --lr 0.1"),
-                   default=default, help=f"learning rate (default {default:g})")
-    add_optimizer_args(p)
-
-
-def pipe_args(p) -> None:
-    """``--microbatches`` and ``--schedule``: how a pipelined layout (``layer:<axis>``) runs."""
-    p.add_argument("--microbatches", type=int_in(1, fix="pass a micro-batch count, e.g. --microbatches 4"),
-                   default=1, help="cut the batch into M micro-batches and accumulate their gradients; "
-                                   "a pipeline ('layer:<axis>' in --layout) runs them through its stages "
-                                   "(default 1)")
-    p.add_argument("--schedule", choices=PIPE_SCHEDULES, default="gpipe",
-                   help="pipeline schedule: gpipe (every forward, then every backward), 1f1b (same "
-                        "bubble, at most p activations held per stage) or zbh1 (1f1b with each "
-                        "backward's weight gradients delayed into the bubble, at most p held) (default gpipe)")
-
-
-def seed_arg(p) -> None:
-    p.add_argument("--seed", type=int_in(0, SEED_MAX, fix="pass a seed such as --seed 0"), default=0,
-                   help="seed of the synthetic data and the param init (0 .. 2**63-1)")
-
-
 # ----------------------------------------------------------------------------- plan
 
 def add_plan(sub) -> None:
@@ -135,7 +76,7 @@ def add_plan(sub) -> None:
                                    "and the memory per rank (params, grads, optimizer state, peak "
                                    "activations).",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(p)
+    model_args(p)
     form = p.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="print one JSON object with 'ops' and 'totals' "
                                                           "(the whole report; not with --totals/--only-comm)")
@@ -145,8 +86,10 @@ def add_plan(sub) -> None:
                                                           "(from `meshdsl calibrate`)")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
+    remat_arg(p)
     timeline_arg(p)
     bucket_arg(p)
+    compile_arg(p)
     p.set_defaults(run=cmd_plan)
 
 
@@ -159,12 +102,14 @@ def cmd_plan(args) -> int:
     model = load_configured(args)
     outputs, _ = train_outputs(model, args)
     plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
-                        bucket_mb=args.bucket_mb)
+                        bucket_mb=args.bucket_mb, strict_splits=args.strict_splits)
     pipe = schedule_summary(plan)
     check_timeline(args, pipe)
     report = plan_report(plan)
     report["optimizer"] = describe(*optimizer_from_args(args))
     report["memory"] = memory_report(plan)
+    if args.compile:
+        report["compile"] = compile_summary(plan, compile_setting(args))
     gpu = torch.cuda.is_available()  # as `run` would go: nccl, a GPU per rank; else every rank in this RAM
     warning = memory_warning(plan, gpu, 1 if gpu else Mesh.parse(args.mesh).size)
     if warning is not None:
@@ -172,7 +117,7 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(report))
         return EXIT_OK
-    console = _console()
+    console = make_console()
     print_report(report, console, only_comm=args.only_comm, totals_only=args.totals)
     if pipe is not None:
         console.print(f"pipeline over '{pipe['axis']}': {pipe['stages']} stages, {pipe['microbatches']} "
@@ -181,16 +126,29 @@ def cmd_plan(args) -> int:
                       highlight=False, soft_wrap=True)
         console.print(pipe["table"], highlight=False, markup=False)
     if args.timeline is not None:
-        step = next(s for s in plan.steps if s.kind == "pipeline")
-        got = draw(simulated_rows(step.args["schedule"]), args.timeline,
+        program = pipeline_program(plan)
+        got = draw(simulated_rows(program), args.timeline,
                    f"{args.model}: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} micro-batches "
-                   f"(F = B{' = W' if has_placed_w(step.args['schedule']) else ''} = 1, transfers free)",
+                   f"(F = B{' = W' if has_placed_w(program.schedule) else ''} = 1, transfers free)",
                    unit="F times", scale=1.0)
         console.print(f"timeline: {args.timeline} ({bar_counts(got['bars'])}, span {got['span']:g} "
                       f"F times)", highlight=False, soft_wrap=True)
     if args.predict:
         print_prediction(plan, console)
+    if args.compile:
+        c = report["compile"]
+        console.print(f"--compile: each rank runs {c['segments']} compiled segment(s) holding {c['compiled_steps']} of "
+                      f"its {c['local_steps']} local kernels (a loop's body once, for all its layers); collectives, "
+                      f"loops and pipeline actions between them run as they are"
+                      + (f"; left eager: {', '.join(c['eager_ops'])}" if c["eager_ops"] else ""),
+                      highlight=False, soft_wrap=True)
     return EXIT_OK
+
+
+def compile_summary(plan, backend: str) -> dict:
+    """``plan --compile``: what compiling makes of ``plan`` (:func:`meshdsl.runtime.compiled.plan_summary`)."""
+    from ..runtime.compiled import plan_summary
+    return plan_summary(Executor(plan, SimulatedComm(plan.mesh), compile=backend))
 
 
 # ----------------------------------------------------------------------------- check
@@ -202,7 +160,7 @@ def add_check(sub) -> None:
                                    "per output and fail (exit 1) if any exceeds its allowance (see "
                                    "--tol).",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(p)
+    model_args(p)
     seed_arg(p)
     p.add_argument("--tol", type=float_in(0.0, fix="pass a small tolerance such as --tol 1e-4"),
                    default=DEFAULT_TOL,
@@ -214,12 +172,14 @@ def add_check(sub) -> None:
     bucket_arg(p)
     dist_args(p)
     device_arg(p, "cpu")
+    compile_arg(p)
     p.set_defaults(run=cmd_check)
 
 
-def run_on_simulated_mesh(plan, feeds, seed: int, device=None) -> tuple[dict[str, torch.Tensor], dict | None]:
+def run_on_simulated_mesh(plan, feeds, seed: int, device=None, compile=False) -> tuple[dict[str, torch.Tensor], dict | None]:
     """The executor of ``check``: every rank of the mesh simulated in this process, its
-    values on ``device`` (default the CPU).
+    values on ``device`` (default the CPU), its local steps compiled with ``compile``
+    (``--compile``: a backend's name; the time it took is printed).
 
     Returns:
       The full outputs, and for a pipelined plan its per-stage figures
@@ -230,12 +190,14 @@ def run_on_simulated_mesh(plan, feeds, seed: int, device=None) -> tuple[dict[str
       (``meshdsl run`` measures that).
     """
     summary = schedule_summary(plan)
-    if summary is None:
-        return run_simulated(plan, feeds, seed=seed, device=device), None
-    ex = Executor(plan, SimulatedComm(plan.mesh, device=device))
+    ex = Executor(plan, SimulatedComm(plan.mesh, device=device), compile=compile)
     out = ex.full_outputs(ex.run(feeds, ex.init_params(seed)))
+    if ex.compiling is not None:
+        print(f"check: --compile: {ex.compiling.stats.summary()}", file=sys.stderr, flush=True)
+    if summary is None:
+        return out, None
     rows = [[(a.kind, a.microbatch, a.stage, a.peer, t0, t1) for a, t0, t1 in row] for row in ex.last_timeline]
-    return out, run_figures(summary, [rows])
+    return out, run_figures(pipeline_program(plan), [rows])
 
 
 def cmd_check(args) -> int:
@@ -258,7 +220,7 @@ def cmd_check(args) -> int:
     else:  # one optimizer step: loss, global norm, new params and state
         outputs, hyper = train_outputs(model, args)
     plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
-                        bucket_mb=args.bucket_mb)
+                        bucket_mb=args.bucket_mb, strict_splits=args.strict_splits)
     if not distributed:
         check_simulated_memory(plan)
     check_job_memory(args, plan, "check", None if distributed else device)
@@ -268,14 +230,14 @@ def cmd_check(args) -> int:
     if distributed:
         from .dist_cli import check_distributed
         return check_distributed(args, want, report_check)
-    got, figures = run_on_simulated_mesh(plan, feeds, args.seed, device)
+    got, figures = run_on_simulated_mesh(plan, feeds, args.seed, device, compile_setting(args))
     user_mesh, user_layout = user_mesh_layout(plan)
     where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan)
     if device.type != "cpu":
         where += f", simulated on {device}"
     code = report_check(want, got, args.tol, where)
     if figures is not None:
-        _console().print(
+        make_console().print(
             "pipeline on the simulated mesh (every stage in this process, in the unit-cost simulation's order: "
             "timings of that order, not of a parallel run; `meshdsl run` measures one): bubble per stage "
             + ", ".join(f"{b:.0%}" for b in figures["bubble_measured"])
@@ -322,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        tune_malloc()  # this process is meshdsl's: keep its steps' memory (exec/malloc.py)
+        tune_malloc()  # this process is meshdsl's: keep its steps' memory (processes/malloc.py)
         code = args.run(args)
     except RankInternalError as e:  # a rank's bug: its traceback is in the message
         _say(args, f"meshdsl {args.command}: internal error, please report it with the command line and this "
@@ -331,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     except MeshDSLError as e:
         _say(args, f"meshdsl {args.command}: error: {e}")
         code = EXIT_USAGE
+    except BrokenPipeError:  # the reader went away (``meshdsl plan --json | head``): nothing left to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        code = 0
     except KeyboardInterrupt:
         n = getattr(args, "num_procs", None)
         _say(args, f"meshdsl {args.command}: interrupted" +

@@ -1,6 +1,8 @@
 """How ``meshdsl check`` compares a layout's outputs with the dense program's: per-output allowances and the table."""
 from __future__ import annotations
 
+from .cli_common import EXIT_MISMATCH, EXIT_OK, make_console
+
 # An output that is zero in exact math (a bias gradient cancelled by a following
 # norm) comes out as rounding noise on both sides, so a tolerance relative to its
 # own magnitude fails it.  Its rounding error scales with the magnitudes summed
@@ -49,9 +51,7 @@ def report_check(want: dict, got: dict, tol: float, where: str) -> int:
             bad.append(k)
         t.add_row(k, str(tuple(ref.shape)), f"{scale:.3e}", f"{diff:.3e}", f"{allowed[k]:.1e}",
                   "ok" if ok else "[bold red]FAIL[/]")
-    from .cli import EXIT_MISMATCH, EXIT_OK, _console
-
-    console = _console()
+    console = make_console()
     console.print(t)
     if bad:
         console.print(f"[bold red]FAIL[/]: {len(bad)} of {len(want)} outputs over tolerance "

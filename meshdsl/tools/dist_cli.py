@@ -1,7 +1,7 @@
 """The multi-process side of the command line: ``meshdsl run`` and ``check --nproc``.
 
 Both start N local gloo processes (or NCCL ones with CUDA) through
-:func:`meshdsl.exec.launch.launch`, or join a torchrun job when the torchrun
+:func:`meshdsl.processes.launcher.launch`, or join a torchrun job when the torchrun
 environment is set, so ``torchrun --nproc-per-node N -m meshdsl run ...``
 works unchanged across machines.  Before any process starts, the parent
 checks the flags, the mesh, the model and the layout (one compile), the
@@ -13,14 +13,19 @@ import argparse
 import os
 import statistics
 
-from ..exec.distributed import resolve_backend
-from ..exec.launch import in_torchrun, launch
+from ..comm.distributed import resolve_backend
+from ..processes.launcher import in_torchrun, launch
 from ..layout.mesh import Mesh
 from ..lowering.bucket import DEFAULT_BUCKET_MB
+from ..lowering.compiler import compile as compile_plan
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
-from .pipe_report import figures_table, run_figures, schedule_summary
-from .preflight import check_memory, check_output_path, check_processes, float_in, int_in
+from .cli_common import (EXIT_CODES, compile_arg, compile_setting, load_configured, lr_arg, make_console, model_args,
+                         pipe_args, remat_arg, seed_arg)
+from .optim_args import optimizer_from_args, train_outputs
+from .pipe_report import figures_table, pipeline_program, run_figures, schedule_summary
+from .preflight import UsageError, check_memory, check_output_path, check_processes, float_in, int_in
+from .search_cli import resolve_auto_layout
 from .timeline_png import bar_counts, check_timeline, draw, median_step, timeline_arg
 
 
@@ -42,7 +47,7 @@ def dist_args(p) -> None:
     p.add_argument("--rdzv-host", default="127.0.0.1", metavar="ADDR",
                    help="address the local rendezvous listens on (default 127.0.0.1, this machine "
                         "only); another address lets any host that reaches it join the job: see "
-                        "README, 'Running on real processes'")
+                        "docs/guide/processes.md")
     p.add_argument("--verbose", action="store_true",
                    help="log every collective (kind, axes, group, bytes, time) per rank to stderr")
     p.add_argument("--no-shm", action="store_true",
@@ -68,8 +73,7 @@ def local_device(args, command: str):
     import torch
 
     from ..errors import message
-    from ..exec.comm import as_device
-    from .preflight import UsageError
+    from ..comm.communicator import as_device
     if (args.nproc is not None or in_torchrun()) and args.device not in ("auto", "cpu"):
         raise UsageError(message(f"{command} --device {args.device} with processes: each process's device comes "
                                  "from the backend.", rule="--device places a run in this process (no --nproc)",
@@ -109,7 +113,9 @@ def check_job_memory(args, plan, command: str, device=None) -> None:
     check_memory(plan, command, gpu=gpu, ranks_here=1 if gpu else local)
 
 
-def _launch(args, fn, fn_args):
+def launch_job(args, fn, fn_args):
+    """Run ``fn(comm, *fn_args)`` on the job's processes (``--nproc``, or torchrun's) with the
+    flags' backend, timeouts and rendezvous; returns each rank's result (see ``launch``)."""
     if args.verbose:
         os.environ["MESHDSL_VERBOSE"] = "1"
     if args.no_shm:
@@ -128,12 +134,11 @@ def is_rank0() -> bool:
 
 def check_distributed(args, want: dict, report) -> int:
     """``check --nproc``: loss and gradients on processes, compared with ``want`` (dense)."""
-    from .optim_args import optimizer_from_args
-
     opt, clip = optimizer_from_args(args)
-    results = _launch(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed,
+    results = launch_job(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed,
                                         args.microbatches, args.schedule, opt, clip,
-                                        getattr(args, "config_overrides", None), args.bucket_mb))
+                                        getattr(args, "config_overrides", None), args.bucket_mb,
+                                        compile_setting(args)))
     got = results[0]
     if got is None:  # a torchrun rank other than 0
         return 0
@@ -145,15 +150,13 @@ def check_distributed(args, want: dict, report) -> int:
 
 
 def add_run(sub) -> None:
-    from .cli import EXIT_CODES, _model_args, lr_arg, pipe_args, seed_arg
-
     p = sub.add_parser("run", help="train MODEL for S steps on N processes (torch.distributed)",
                        description="Spawn N local processes (or join a torchrun job), run S forward+"
                                    "backward+optimizer steps of MODEL on synthetic data (plain SGD, or "
                                    "--optimizer), and print the loss, "
                                    "the step time, and where the time went.",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(p)
+    model_args(p)
     dist_args(p)
     p.add_argument("--steps", type=int_in(1, fix="pass at least one step, e.g. --steps 10"), default=10,
                    help="timed steps (default 10)")
@@ -162,7 +165,9 @@ def add_run(sub) -> None:
     lr_arg(p, 0.01)
     seed_arg(p)
     pipe_args(p)
+    remat_arg(p)
     bucket_arg(p)
+    compile_arg(p)
     p.add_argument("--report", metavar="FILE.json", default=None,
                    help="also write the figures to FILE.json: step_ms and per step the compute / comm / "
                         "overhead split; with a pipeline, the per-stage bubble and peak activations")
@@ -171,15 +176,9 @@ def add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from ..lowering.compiler import compile as compile_plan
-    from .preflight import resolve_auto_layout
-    from .train_cli import load_configured
-
     resolve_auto_layout(args)
     mesh = Mesh.parse(args.mesh)
     preflight_processes(args, mesh)
-    from .optim_args import optimizer_from_args, train_outputs
-
     if args.report is not None:
         check_report_path(args.report)
     model = load_configured(args)
@@ -187,30 +186,29 @@ def cmd_run(args) -> int:
     # Layout, micro-batch and schedule errors surface here, once, before any process starts.
     plan = compile_plan(train_outputs(model, args, with_grads=False)[0], mesh, args.layout,
                         microbatches=args.microbatches,
-                        schedule=args.schedule, bucket_mb=args.bucket_mb)
+                        schedule=args.schedule, bucket_mb=args.bucket_mb, strict_splits=args.strict_splits)
     check_job_memory(args, plan, "run")
     summary = schedule_summary(plan)
     check_timeline(args, summary)
     args.preflight_done = True
-    results = _launch(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
+    results = launch_job(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
                                         args.lr, args.seed, args.warmup, args.microbatches, args.schedule,
                                         opt, clip, args.config_overrides, True, args.precision,
-                                        args.bucket_mb))
+                                        args.bucket_mb, args.remat, compile_setting(args)))
     if not is_rank0():
         return 0
     steps, timelines = results[0]
     _print_steps(args, steps, [r[0] for r in results if r is not None])
-    figures = run_figures(summary, timelines) if summary is not None and timelines else None
+    figures = run_figures(pipeline_program(plan), timelines) if summary is not None and timelines else None
     if figures is not None:
-        from .cli import _console
-        console = _console()
+        console = make_console()
         console.print(figures_table(figures, f"pipeline over '{summary['axis']}': {figures['stages']} stages, "
                                              f"{figures['microbatches']} micro-batches, {figures['schedule']}"))
         console.print("per stage, medians over the timed steps: busy = time in F, B and W actions (W: a B's "
                       "weight gradients, run after it sends its input gradient); bubble = idle fraction of the "
                       "span from the step's first F to its last action, over all ranks; "
-                      "theory: bubble (p-1)/(m+p-1) with F = 1 and B = 2 (zbh1: F = B = W = 1, less), activations "
-                      "held m (gpipe), p - stage (1f1b) or p (zbh1)",
+                      "theory: bubble (p-1)/(m+p-1) with F = 1 and B = 2 (zbh1: F = B = W = 1, less; interleaved:V: "
+                      "(p-1)/(Vm+p-1)), activations held m (gpipe), p - stage (1f1b) or p (zbh1)",
                       highlight=False, soft_wrap=True)
     if args.timeline is not None and timelines:
         got = draw(median_step(timelines), args.timeline,
@@ -267,9 +265,7 @@ def write_report(args, per_rank: list, figures, plan) -> None:
 def _print_steps(args, steps, per_rank: list) -> None:
     from rich.table import Table
 
-    from .cli import _console
-
-    console = _console()
+    console = make_console()
     pipe = f", {args.microbatches} micro-batches, {args.schedule}" if args.microbatches > 1 else ""
     console.print(f"meshdsl run {args.model}: mesh '{args.mesh}', layout '{args.layout}'{pipe}", highlight=False,
                   soft_wrap=True)

@@ -3,7 +3,7 @@ early, then run the command line.
 
 A command that will start local ranks (``run``, ``train`` or ``check`` on a mesh of
 several devices or with ``--nproc N``, ``calibrate``, ``search --measure``) has the
-forkserver (:mod:`meshdsl.exec.start`) import torch in its own process while this
+forkserver (:mod:`meshdsl.processes.start`) import torch in its own process while this
 one imports torch and validates the job, instead of after: the ranks' start then
 costs nothing on top of the command's own start.  This module imports no torch
 before that; ``meshdsl`` itself loads its names on first use.
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not starts_ranks(argv):
         from .cli import main as cli_main
         return cli_main(argv)
-    from ..exec.start import prestart, stop_forkserver
+    from ..processes.start import prestart, stop_forkserver
     prestart()
     try:
         from .cli import main as cli_main

@@ -103,11 +103,12 @@ def train_outputs(model, args, with_grads: bool = True) -> tuple[dict, dict]:
 
     opt, clip = optimizer_from_args(args)
     loss = mixed_precision(model.loss, getattr(args, "precision", "fp32"))
+    remat = getattr(args, "remat", None)
     if opt is None:
-        if loss is model.loss and with_grads:
+        if loss is model.loss and with_grads and remat is None:
             return model.train_step(args.lr), {}
-        return training_outputs(loss, model.params, args.lr, with_grads=with_grads), {}
-    outs = optimizer_outputs(loss, model.params, opt, clip is not None)
+        return training_outputs(loss, model.params, args.lr, with_grads=with_grads, remat=remat), {}
+    outs = optimizer_outputs(loss, model.params, opt, clip is not None, remat=remat)
     feeds = opt.feeds(0)
     if clip is not None:
         import torch

@@ -110,7 +110,7 @@ def check_processes(mesh: Mesh, nproc: int, max_procs: int | None) -> None:
       MeshError: ``nproc`` is not the mesh size.
       UsageError: ``nproc`` is over the limit.
     """
-    from ..exec.distributed import check_world_size
+    from ..comm.distributed import check_world_size
 
     check_world_size(mesh, nproc)
     limit = max_local_procs() if max_procs is None else max_procs
@@ -314,13 +314,6 @@ def check_memory(plan: Plan, command: str, gpu: bool = False, ranks_here: int = 
             f"more memory; {MEMORY_CHECK_ENV}=0 runs it anyway"))
 
 
-def resolve_auto_layout(args, default_nproc: int | None = None, model=None) -> None:
-    """``--layout auto`` (and ``--mesh auto``): replace them by the search's best layout (printed)."""
-    if getattr(args, "layout", None) == "auto" or getattr(args, "mesh", None) == "auto":
-        from .search_cli import auto_layout
-        auto_layout(args, default_nproc, model)
-
-
-__all__ = ["resolve_auto_layout", "UsageError", "int_in", "float_in", "check_processes", "check_simulated_memory",
+__all__ = ["UsageError", "int_in", "float_in", "check_processes", "check_simulated_memory",
            "check_memory", "memory_warning", "predicted_bytes", "total_memory_bytes", "MEMORY_CHECK_ENV",
            "plan_bytes", "dense_bytes", "available_bytes", "max_local_procs"]

@@ -3,7 +3,9 @@
 :func:`plan_report` turns a :class:`~meshdsl.lowering.plan.Plan` into plain
 JSON-able data; :func:`print_report` renders that data as rich tables.  The
 steps of a step's sub-plans (a ``repeat``'s block) are listed after it, labelled
-``<step label>/<op label>`` and counted ``times`` over (the layer count) in every total.
+``<step label>/<op label>`` and counted ``times`` over (the layer count) in every total; a
+backward block's steps that recompute its forward (activation checkpointing) have phase
+``recompute``.
 """
 from __future__ import annotations
 
@@ -69,6 +71,8 @@ def plan_report(plan: Plan) -> dict[str, Any]:
       ``mesh`` and ``layout`` are the user's (without the virtual micro-batch axis),
       ``microbatches`` is m and ``pipeline`` the schedule (see
       :func:`~.pipe_report.schedule_summary`); local shapes are one micro-batch's.
+      ``recompute_flops``: the part of ``flops`` that a repeat's backward spends recomputing
+      its forward (steps of phase ``recompute``; activation checkpointing, ``--remat``).
     """
     from .pipe_report import num_microbatches, schedule_summary, user_mesh_layout
 
@@ -83,6 +87,8 @@ def plan_report(plan: Plan) -> dict[str, Any]:
         "totals_by_axis": [{"kind": k, "axes": list(axes), **v}
                            for (k, axes), v in sorted(plan.totals_by_axis().items())],
         "flops": plan.flops(),
+        # what the backward blocks run again of their forward (remat, and what params alone make)
+        "recompute_flops": sum(s.flops * mult for s, mult in plan.walk() if s.phase == "recompute"),
         "notes": list(plan.notes),
     }
 
@@ -129,7 +135,9 @@ def print_report(report: dict[str, Any], console=None, only_comm: bool = False,
     if not totals_only:
         console.print(ops_table(report, only_comm))
     console.print(totals_table(report))
-    console.print(f"FLOPs per rank per step: {human_count(report['flops'])}")
+    rec = report.get("recompute_flops", 0)
+    console.print(f"FLOPs per rank per step: {human_count(report['flops'])}" + (
+        f" (recompute {human_count(rec)}, {rec / report['flops']:.0%})" if rec and report["flops"] else ""))
     if "optimizer" in report:
         console.print(f"optimizer: {report['optimizer']}")
     mem = report.get("memory")
@@ -137,7 +145,7 @@ def print_report(report: dict[str, Any], console=None, only_comm: bool = False,
         console.print("memory per rank: " + ", ".join(
             f"{label} {human_bytes(mem[k])}" for k, label in
             (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer state"),
-             ("activations_peak", "peak activations"))))
+             ("activations_peak", "peak activations"), ("saved_per_layer", "saved per layer")) if k in mem))
     for n in report["notes"]:
         console.print(f"note: {n}", style="dim")
 

@@ -5,7 +5,7 @@ caches the fit; ``search`` ranks the layouts of a model on N processes by the
 cost model (:mod:`meshdsl.search.search`), optionally re-ranks the top K by
 measured step time on real processes and plots predicted against measured;
 ``--layout auto`` in ``run``, ``check`` and ``train`` runs the search and uses
-its winner (:func:`auto_layout`, called from :mod:`.preflight`).
+its winner (:func:`resolve_auto_layout`).
 """
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ import os
 import statistics
 
 from ..errors import message
-from ..search.calibrate import Calibration, cache_path, calibrate, load, summary_lines
+from ..search.calibrate import Calibration, cache_path, load, summary_lines
+from ..search.measure import calibrate
 from ..search.sweep import num_collective_samples, num_kernel_samples
 from ..search.predict import by_op_table, predict
 from ..search.search import Ranked, SearchResult, search
+from .cli_common import EXIT_CODES, load_configured, lr_arg, make_console
+from .optim_args import optimizer_from_args, train_outputs
 from .preflight import UsageError, float_in, int_in
 from .search_explain import explain, terms_text
 
@@ -39,8 +42,6 @@ def _mb(n: float) -> str:
 # ----------------------------------------------------------------------------- calibrate
 
 def add_calibrate(sub) -> None:
-    from .cli import EXIT_CODES
-
     p = sub.add_parser("calibrate", help="measure this machine's collectives and kernels for the cost model",
                        description="Time every collective kind over groups of 2 .. N real processes and a "
                                    "sweep of message sizes, and matmul/elementwise kernels over a sweep of "
@@ -59,11 +60,10 @@ def add_calibrate(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from ..exec.distributed import resolve_backend
-    from .cli import _console
+    from ..comm.distributed import resolve_backend
 
     resolve_backend(args.backend, args.nproc)
-    console = _console()
+    console = make_console()
     total = num_kernel_samples(args.quick) + num_collective_samples(args.nproc, args.quick)
     with _bar(console) as bar:
         task = bar.add_task(f"calibrating ({args.nproc} processes, {args.backend})", total=total)
@@ -101,8 +101,6 @@ def print_calibration(cal: Calibration, console) -> None:
 # ----------------------------------------------------------------------------- search
 
 def add_search(sub) -> None:
-    from .cli import EXIT_CODES, lr_arg
-
     p = sub.add_parser("search", help="rank meshes and layouts of MODEL on N processes by predicted step time",
                        description="Enumerate the meshes for N processes and the layouts over them (data, "
                                    "tensor, FSDP, ZeRO, expert and pipeline parallelism over any dim of the "
@@ -150,9 +148,6 @@ def _dim_list(text: str) -> tuple[str, ...]:
 
 def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
     """Load the model of ``args`` and search ``nproc`` processes; refuse a search with no result."""
-    from .optim_args import train_outputs
-    from .train_cli import load_configured
-
     model = model or load_configured(args)
     outputs, _ = train_outputs(model, args)
     limit = None if getattr(args, "memory_limit", None) is None else args.memory_limit * GB
@@ -172,8 +167,6 @@ def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
 
 
 def cmd_search(args) -> int:
-    from .cli import _console
-
     if args.measure:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.plot):
@@ -197,7 +190,7 @@ def cmd_search(args) -> int:
             out.append(d)
         print(json.dumps(out))
         return 0
-    console = _console()
+    console = make_console()
     print_ranking(result, rows[:top], measured, console)
     if args.explain and len(result.ranked) > 0:
         for line in explain(result):
@@ -242,14 +235,12 @@ def _pipeline_cell(c) -> str:
 def measure(args, rows: list[Ranked]) -> dict[int, float]:
     """Median measured step seconds of each row, ``steps`` timed steps on real processes each
     (after two warmup steps); a step takes as long as its slowest rank."""
-    from ..exec.launch import launch
+    from ..processes.launcher import launch
     from ..train.jobs import train_job
-    from .cli import _console
-    from .optim_args import optimizer_from_args
 
     opt, clip = optimizer_from_args(args)
     out = {}
-    with _bar(_console()) as bar:
+    with _bar(make_console()) as bar:
         task = bar.add_task("measuring", total=len(rows))
         for r in rows:
             c = r.candidate
@@ -332,3 +323,9 @@ def auto_layout(args, default_nproc: int | None = None, model=None) -> None:
           + (f", {best.microbatches} micro-batches, {best.schedule}" if best.pipelined else "")
           + f" (predicted {rows[0].prediction.step_s * 1e3:.2f} ms per step, best of {len(result.ranked)})",
           flush=True)
+
+
+def resolve_auto_layout(args, default_nproc: int | None = None, model=None) -> None:
+    """``--layout auto`` (and ``--mesh auto``): replace them by the search's best layout (printed)."""
+    if getattr(args, "layout", None) == "auto" or getattr(args, "mesh", None) == "auto":
+        auto_layout(args, default_nproc, model)

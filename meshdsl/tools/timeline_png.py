@@ -15,18 +15,18 @@ import statistics
 
 from ..errors import message
 from ..lowering.schedule import BUSY, COMPUTE, Action
-from ..lowering.timeline import bubble_from_timeline, picture_cost, simulate
+from ..lowering.timeline import bubble_from_timeline
 from .preflight import UsageError, check_output_path
 
 #: action kind -> bar colour
 COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:red"}
 
 
-def simulated_rows(schedule) -> list[list[tuple]]:
-    """The unit-cost run of ``schedule`` (:func:`~meshdsl.lowering.timeline.picture_cost`) as rows of
-    ``(kind, microbatch, stage, peer, start, end)``."""
+def simulated_rows(program) -> list[list[tuple]]:
+    """A pipeline program's unit-cost run (its :attr:`~meshdsl.lowering.pipeline_program.PipelineProgram.picture`)
+    as rows of ``(kind, microbatch, stage, peer, start, end)``."""
     return [[(a.kind, a.microbatch, a.stage, a.peer, float(t0), float(t1)) for a, t0, t1 in row]
-            for row in simulate(schedule, picture_cost(schedule)).timeline]
+            for row in program.picture.timeline]
 
 
 def median_step(timelines: list) -> list:
@@ -131,7 +131,7 @@ def draw_timeline(source, path: str, title: str = "") -> dict:
                                      rule="a timeline shows a pipeline's F and B actions per stage; "
                                           "'layer:<axis>' in the layout makes one",
                                      fix="compile with a pipelined layout, e.g. mesh 'stage:2', layout 'layer:stage'"))
-        return draw(simulated_rows(step.args["schedule"]), path, title, unit="F times", scale=1.0)
+        return draw(simulated_rows(step.args["program"]), path, title, unit="F times", scale=1.0)
     rows = [[(a.kind, a.microbatch, a.stage, a.peer, *rest) if isinstance(a, Action) else (a, *rest)
              for a, *rest in row] for row in (source or ())]
     if not any(rows):

@@ -6,7 +6,7 @@ decay and clipping (:data:`~.train_run.RECIPES`), with a mesh and layout picked
 for this machine (:func:`auto_mesh`).  Everything is validated in this process
 first (flags, ``--config``, mesh, model, layout, data, the checkpoint to resume
 from); then the job runs in this process (one device) or on N processes
-(:func:`meshdsl.exec.launch.launch`, torchrun-aware).  Rank 0 shows a progress
+(:func:`meshdsl.processes.launcher.launch`, torchrun-aware).  Rank 0 shows a progress
 bar and, at the end, a summary; outputs go to ``--out``.
 """
 from __future__ import annotations
@@ -15,32 +15,28 @@ import argparse
 import dataclasses
 import os
 
-from ..exec.launch import in_torchrun
+from ..processes.launcher import in_torchrun
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
 from ..train.data import TokenData
 from ..train.feeder import BatchFeeder, TokenFeeder
 from ..train.lr_schedule import SCHEDULES
-from ..train.model import load_model
 from ..train.resume import resume_from, resume_spec
 from ..train.run_outputs import check_out_dir
 from ..train.step import training_outputs
-from ..train.trainer import RUN_THREADS, TrainSpec, run_rank, torch_threads
-from .dist_cli import bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device, preflight_processes
+from ..train.trainer import RUN_THREADS, TrainSpec, rank_job, run_rank, torch_threads
+from .cli_common import EXIT_CODES, compile_arg, make_console, remat_arg, seed_arg, strict_splits_arg
+from .dist_cli import (bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, launch_job, local_device,
+                       preflight_processes)
 from .optim_args import READERS, add_optimizer_args, check_readers
-from .preflight import float_in, int_in
+from .preflight import UsageError, float_in, int_in, plan_bytes
+from .search_cli import resolve_auto_layout
 from .train_run import (DEFAULT_STEPS, RECIPES, TRAIN_DEFAULTS, asked_spec, check_schedule, config_overrides,
                         describe_optimizer, spelling, step_outputs, train_model)
 
 
-def load_configured(args):
-    """Load ``args.model`` with ``--tiny`` and ``--config`` (parsed into ``args.config_overrides``)."""
-    args.config_overrides = config_overrides(args.model, args.config or "")
-    return load_model(args.model, tiny=args.tiny, **args.config_overrides)
-
-
 #: FLOPs of one step above which the auto mesh goes data parallel.  Measured on a 2-core machine
-#: (README, "Training"): a 2-process gloo allreduce of a step's gradients costs 10-20 ms; the
+#: (docs/benchmarks.md, "Training runs"): a 2-process gloo allreduce of a step's gradients costs 10-20 ms; the
 #: default model (0.8 GFLOP per step, ~35 ms on one core) trained 300 steps in 11-15 s as one
 #: one-thread process and in 19-26 s as 2 data-parallel processes.  At 5 GFLOP a step is ~200 ms
 #: of compute, so halving it pays for the allreduce many times over.
@@ -70,8 +66,6 @@ def auto_mesh(batch: int, flops: float, cores: int | None = None) -> tuple[str, 
 
 
 def add_train(sub) -> None:
-    from .cli import EXIT_CODES, seed_arg
-
     p = sub.add_parser("train", help="train MODEL on text and report train/eval loss (default: the "
                                      "transformer on the standard library's source)",
                        description="Train MODEL (default: transformer) on a text corpus (default: this "
@@ -87,6 +81,7 @@ def add_train(sub) -> None:
                                                'machine, printed with the reason)')
     p.add_argument("--layout", default=None, help='layout, e.g. "batch:data; d_ff:model"')
     p.add_argument("--tiny", action="store_true", help="start from the model's Config.tiny()")
+    strict_splits_arg(p)
     p.add_argument("--config", default="", metavar="K=V,...",
                    help="override Config fields, e.g. d_model=128,layers=8,seq=128 (over the train "
                         f"defaults: {TRAIN_DEFAULTS['transformer']} for the transformer)")
@@ -142,6 +137,8 @@ def add_train(sub) -> None:
     p.add_argument("--samples", type=int_in(0, 3, fix="e.g. --samples 3"), default=3,
                    help="texts generated into samples.txt at the end (0..3, default 3)")
     bucket_arg(p)
+    remat_arg(p)
+    compile_arg(p)
     dist_args(p)
     device_arg(p, "auto")
     # Unset unless given, so that a resume can tell a flag from a default (train/resume.py).
@@ -168,7 +165,7 @@ def make_spec(args):
     mesh = Mesh.parse(spec.mesh)
     preflight_processes(args, mesh)
     plan = compile_plan(step_outputs(model, spec), mesh, spec.layout, microbatches=spec.microbatches,
-                        schedule=spec.schedule, bucket_mb=spec.bucket_mb)
+                        schedule=spec.schedule, bucket_mb=spec.bucket_mb, strict_splits=args.strict_splits)
     in_process = mesh.size == 1 and not in_torchrun()  # as cmd_train runs it
     check_job_memory(args, plan, "train", local_device(args, "train") if in_process else None)
     data = TokenData.load(spec.data, seed=spec.seed) if spec.data is not None or text else None
@@ -202,7 +199,6 @@ def _pick_mesh(args, spec, model) -> tuple[TrainSpec, str]:
     """``(spec on its mesh and layout, why)``: given, searched (``--layout auto``) or :func:`auto_mesh`."""
     why = "given"
     if args.layout == "auto":
-        from .preflight import resolve_auto_layout
         search = argparse.Namespace(**{**vars(args), "lr": spec.lr, "optimizer": spec.optimizer,
                                        "precision": spec.precision, "clip_norm": spec.clip_norm,
                                        **{k: spec.optimizer_args.get(k) if spec.optimizer in READERS[k] else None
@@ -226,13 +222,10 @@ def _pick_mesh(args, spec, model) -> tuple[TrainSpec, str]:
 
 
 def _usage(what: str, fix: str):
-    from .preflight import UsageError
     return UsageError(f"{what}.\nFix: {fix}")
 
 
 def cmd_train(args) -> int:
-    from .cli import _console
-    from .preflight import plan_bytes
     spec, lines, plan = make_spec(args)
     in_process = Mesh.parse(spec.mesh).size == 1 and not in_torchrun()
     device = local_device(args, "train")
@@ -240,20 +233,18 @@ def cmd_train(args) -> int:
         import torch
         lines.append(f"  device: {device} ({torch.cuda.get_device_name(device)})")
     args.preflight_done = True
-    console = _console()
+    console = make_console()
     if is_rank0():
         for line in lines:
             console.print(line, highlight=False, markup=False)
     if in_process:
         import torch
 
-        from ..exec.simulated import SimulatedComm
+        from ..comm.simulated import SimulatedComm
         with torch_threads(args.threads or RUN_THREADS):   # as each spawned rank (see auto_mesh)
             result = run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec)
     else:
-        from ..train.trainer import _rank_job
-        from .dist_cli import _launch
-        result = _launch(args, _rank_job, (spec,))[0]
+        result = launch_job(args, rank_job, (spec,))[0]
     if result is not None and is_rank0():
         print_summary(console, spec, result, plan_bytes(plan))
     return 0
@@ -301,5 +292,5 @@ def print_summary(console, spec: TrainSpec, r, memory_per_rank: int) -> None:
         console.print(f"sample: {r.samples[0][:160]!r}", highlight=False)
 
 
-__all__ = ["TRAIN_DEFAULTS", "add_train", "auto_mesh", "cmd_train", "config_overrides", "load_configured",
+__all__ = ["TRAIN_DEFAULTS", "add_train", "auto_mesh", "cmd_train", "config_overrides",
            "make_spec", "print_summary", "DP_MIN_FLOPS"]

@@ -34,7 +34,7 @@ DEFAULT_STEPS = 1200
 #: with nanoGPT's recipe (a linear warmup over min(100, steps/10) steps, a cosine decay to lr/10,
 #: the global gradient norm clipped at 1).  The default run, measured beside SGD at lr 1 (the old
 #: default) in the same wall time, ended at an eval loss of 1.94 against 2.32; lr 3e-3, 6e-3, 0.01
-#: and 0.02 ended at 2.00, 1.96, 1.94, 1.97 (README, quick start).  Other models get plain SGD.
+#: and 0.02 ended at 2.00, 1.96, 1.94, 1.97 (docs/benchmarks.md, training runs).  Other models get plain SGD.
 #: ``--optimizer`` picks the row.  A shipped model in :data:`ADAMW_MODELS` gets AdamW too, text or not.
 RECIPES = {"adamw": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 100, "clip_norm": 1.0},
            "sgd": {"lr": 1.0, "lr_schedule": "constant", "warmup_steps": 0, "clip_norm": None},
@@ -88,7 +88,8 @@ def asked_spec(args, overrides: dict, text: bool) -> tuple[TrainSpec, set]:
     run = {k: flags[k] if k in given else new_run[k] for k in flags}
     run["clip_norm"] = run["clip_norm"] or None     # --clip-norm 0: no clipping
     spec = TrainSpec(model=args.model, tiny=args.tiny, config=overrides, mesh=args.mesh or "data:1",
-                     layout=args.layout or "", optimizer_args=opt_args, bucket_mb=args.bucket_mb,
+                     layout=args.layout or "", optimizer_args=opt_args, bucket_mb=args.bucket_mb, remat=args.remat,
+                     compile=args.compile_backend if args.compile else False,   # as cli_common.compile_setting
                      checkpoint=args.checkpoint, resume=args.resume, reset_optimizer=args.reset_optimizer,
                      resume_from=args.resume_from, verify=args.verify,
                      out=args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")),
@@ -133,8 +134,8 @@ def step_outputs(model, spec) -> dict:
 
     opt, loss = make_optimizer(spec), mixed_precision(model.loss, spec.precision)
     if opt is None:
-        return training_outputs(loss, model.params, spec.lr)
-    return optimizer_outputs(loss, model.params, opt, spec.clip_norm is not None)
+        return training_outputs(loss, model.params, spec.lr, remat=spec.remat)
+    return optimizer_outputs(loss, model.params, opt, spec.clip_norm is not None, remat=spec.remat)
 
 
 __all__ = ["ADAMW_MODELS", "DEFAULT_STEPS", "RECIPES", "TRAIN_DEFAULTS", "asked_spec", "check_schedule",

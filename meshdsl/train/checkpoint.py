@@ -139,14 +139,15 @@ def _check_inputs(step, tensors, comm, meta, keep) -> dict:
     for name, (spec, xs) in tensors.items():
         shape, dtype, sharding = tensor_spec(name, spec)
         dtype_name(dtype)
-        want = sharding.local_shape(shape, comm.mesh)
         if sharding.partial:
             bad.append(f"{name}: partial over {sharding.partial}; reduce it before saving")
         elif len(xs) != len(comm.ranks):
             bad.append(f"{name}: {len(xs)} local tensor(s) for {len(comm.ranks)} held rank(s)")
         else:
-            bad += [f"{name} on rank {r}: local {tuple(x.shape)} {x.dtype}, expected {want} {dtype}"
-                    for r, x in zip(comm.ranks, xs) if tuple(x.shape) != want or x.dtype != dtype]
+            for r, x in zip(comm.ranks, xs):
+                want = sharding.local_shape(shape, comm.mesh, r)   # an uneven split differs by rank
+                if tuple(x.shape) != want or x.dtype != dtype:
+                    bad.append(f"{name} on rank {r}: local {tuple(x.shape)} {x.dtype}, expected {want} {dtype}")
         out[name] = (shape, dtype, sharding, _slices(shape, sharding, comm.mesh), xs)
     if bad:
         raise CheckpointError(message(f"save_checkpoint(step={step}): local tensors do not match their specs.",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..exec.executor import Executor
-from ..exec.fold import for_plan
+from ..runtime.executor import Executor
+from ..comm.microbatch import for_plan
 from ..lowering.compiler import compile as compile_plan
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import traceback
 
 from ..errors import MeshDSLError, message
-from ..exec.executor import PerRank
+from ..runtime.executor import PerRank
 from .data import ByteTokenizer, DataError, TokenData
 
 IDS, LABELS = "ids", "labels"

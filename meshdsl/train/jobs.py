@@ -3,20 +3,21 @@
 These functions are module-level so the spawn launcher can pickle them; each
 rank rebuilds the model from its file, compiles the same plan, cross-checks
 the plan's signature with every other rank (a mismatch is an error, not a
-deadlock), and runs it on its :class:`~meshdsl.exec.distributed.TorchComm`.
+deadlock), and runs it on its :class:`~meshdsl.comm.distributed.TorchComm`.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 
 from ..errors import DistributedError, message
-from ..exec.comm import Communicator
-from ..exec.executor import Executor
-from ..exec.fold import for_plan
-from ..exec.pipeline import outputs_to_first_rank
+from ..comm.communicator import Communicator
+from ..runtime.executor import Executor
+from ..comm.microbatch import for_plan
+from ..runtime.pipeline import outputs_to_first_rank
 from ..lowering.bucket import DEFAULT_BUCKET_MB
-from ..lowering.compiler import compile
+from ..lowering.compiler import compile as compile_plan
 from ..lowering.plan import Plan
 from .step import TrainStep, optimizer_outputs
 
@@ -43,12 +44,13 @@ def _load(model_ref: str, tiny: bool, config: dict | None = None):
 
 def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0,
               microbatches: int = 1, schedule: str = "gpipe", optimizer=None, clip_norm: float | None = None,
-              config: dict | None = None, bucket_mb: float = DEFAULT_BUCKET_MB):
+              config: dict | None = None, bucket_mb: float = DEFAULT_BUCKET_MB, compile=False):
     """Loss and gradients of the model on this job's ranks; rank 0 returns them in full.
 
     With an ``optimizer``: loss, global gradient norm, and the new params and
     optimizer state after one step (``clip_norm`` clips the norm).  ``config`` holds
-    overrides of the model's Config fields (``--config``); ``bucket_mb`` sizes the gradient buckets.
+    overrides of the model's Config fields (``--config``); ``bucket_mb`` sizes the gradient buckets;
+    ``compile``: the executor's (``Executor(..., compile=)``).
     """
     model = _load(model_ref, tiny, config)
     hyper = {}
@@ -57,10 +59,11 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     else:
         outs = optimizer_outputs(model.loss, model.params, optimizer, clip_norm is not None)
         hyper = TrainStep.hyper_values(optimizer, clip_norm, 0)
-    plan = compile(outs, mesh, layout, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb)
+    plan = compile_plan(outs, mesh, layout, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb)
     agree_plan(comm, plan)
-    ex = Executor(plan, for_plan(comm, plan))
+    ex = Executor(plan, for_plan(comm, plan), compile=compile)
     res = ex.run({**model.feeds(seed), **hyper}, ex.init_params(seed))
+    report_compile(comm, ex, "check")
     full = outputs_to_first_rank(comm, plan, ex.full_outputs(res))
     return {k: v.detach().cpu() for k, v in full.items()} if comm.ranks[0] == 0 else None
 
@@ -68,9 +71,11 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
 def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, steps: int,
               lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
               optimizer=None, clip_norm: float | None = None, config: dict | None = None,
-              with_timeline: bool = False, precision: str = "fp32", bucket_mb: float = DEFAULT_BUCKET_MB):
+              with_timeline: bool = False, precision: str = "fp32", bucket_mb: float = DEFAULT_BUCKET_MB,
+              remat: str | None = None, compile=False):
     """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``) in
-    ``precision``; returns per-step (loss, StepStats, seconds) of the timed steps.
+    ``precision``, every repeat checkpointed by ``remat`` (None: its own policy); returns
+    per-step (loss, StepStats, seconds) of the timed steps.
 
     With a pipeline, the loss is that of the ranks that hold it (the last stage; NaN elsewhere).
     ``config`` holds overrides of the model's Config fields (``--config``); ``bucket_mb`` sizes
@@ -80,11 +85,13 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     model = _load(model_ref, tiny, config)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
                      microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm,
-                     precision=precision, bucket_mb=bucket_mb)
+                     precision=precision, bucket_mb=bucket_mb, remat=remat, compile=compile)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
-    for _ in range(warmup):
+    for n in range(warmup):
         step(feeds)
+        if n == 0:
+            report_compile(comm, step.executor, "run")
     comm.barrier()
     origin = time.perf_counter()  # every rank leaves the barrier at about the same moment
     out, rows = [], []
@@ -100,6 +107,12 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     if not with_timeline:
         return out
     return out, (gather_timelines(comm, rows, origin) if rows[0] is not None else None)
+
+
+def report_compile(comm: Communicator, ex: Executor, command: str) -> None:
+    """Rank 0 prints what compiling cost (``--compile``), after the first run."""
+    if ex.compiling is not None and comm.ranks[0] == 0:
+        print(f"{command}: --compile: rank 0: {ex.compiling.stats.summary()}", file=sys.stderr, flush=True)
 
 
 def gather_timelines(comm: Communicator, rows: list, origin: float) -> list:

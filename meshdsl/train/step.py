@@ -15,15 +15,16 @@ import torch
 
 from ..collectives import COLLECTIVES
 from ..core.graph import Tensor
-from ..exec.comm import Communicator
-from ..exec.executor import Executor
-from ..exec.fold import for_plan
+from ..comm.communicator import Communicator
+from ..runtime.executor import Executor
+from ..comm.microbatch import for_plan
 from ..ir.autodiff import grad
 from ..ir.precision import mixed_precision
+from ..ir.remat import parse_remat
 from ..ops.nn import step_salt
 from ..ops.precision import check_precision
 from ..lowering.bucket import DEFAULT_BUCKET_MB
-from ..lowering.compiler import compile
+from ..lowering.compiler import compile as compile_plan
 from ..layout.sharding import Sharding
 from ..lowering.plan import Value
 from ..core.shape import Shape
@@ -39,18 +40,20 @@ _TRAIN_OUTPUTS: OrderedDict = OrderedDict()
 _TRAIN_OUTPUTS_SIZE = 64
 
 
-def training_outputs(loss: Tensor, params: dict[str, Tensor], lr: float, with_grads: bool = False):
+def training_outputs(loss: Tensor, params: dict[str, Tensor], lr: float, with_grads: bool = False,
+                     remat=None):
     """Graph outputs of one SGD step: ``loss`` and ``new/<param>`` (cached per loss and lr).
 
-    Built once per (loss, lr): a second call returns the same tensors, so the compile
-    cache sees the same outputs and the graph does not grow a second update.
+    Built once per (loss, lr, remat): a second call returns the same tensors, so the compile
+    cache sees the same outputs and the graph does not grow a second update.  ``remat``:
+    every repeat's activation-checkpointing policy (:mod:`meshdsl.ir.remat`; None: its own).
     """
-    key = (loss.graph.uid, id(loss), lr, with_grads)
+    key = (loss.graph.uid, id(loss), lr, with_grads, str(remat))
     hit = _TRAIN_OUTPUTS.get(key)
     if hit is not None and hit[0] is loss:
         _TRAIN_OUTPUTS.move_to_end(key)
         return hit[1]
-    grads = grad(loss, params)
+    grads = grad(loss, params, remat=remat)
     new = sgd(params, grads, lr)
     outs = {"loss": loss, **{f"new/{k}": v for k, v in new.items()}}
     if with_grads:
@@ -65,19 +68,20 @@ def _remember(key, loss, outs) -> None:
         _TRAIN_OUTPUTS.popitem(last=False)
 
 
-def optimizer_outputs(loss: Tensor, params: dict[str, Tensor], optimizer: Optimizer, clip: bool) -> dict:
+def optimizer_outputs(loss: Tensor, params: dict[str, Tensor], optimizer: Optimizer, clip: bool,
+                      remat=None) -> dict:
     """Graph outputs of one optimizer step: ``loss``, ``grad_norm``, ``new/<param>`` and
     ``new/opt/<param>/<slot>`` (cached per loss, optimizer kind and clipping).
 
     With ``clip`` the gradients are scaled by ``min(1, c / norm)``, ``c`` being the
     scalar input ``opt/clip_norm``.
     """
-    key = (loss.graph.uid, id(loss), optimizer.graph_key(), clip, tuple(params))
+    key = (loss.graph.uid, id(loss), optimizer.graph_key(), clip, tuple(params), str(remat))
     hit = _TRAIN_OUTPUTS.get(key)
     if hit is not None and hit[0] is loss:
         _TRAIN_OUTPUTS.move_to_end(key)
         return hit[1]
-    grads = grad(loss, params)
+    grads = grad(loss, params, remat=remat)
     g = loss.graph
     with g.in_phase("update"):
         norm = global_norm(grads)
@@ -142,15 +146,22 @@ class TrainStep:
         sums; the per-op rules are in :mod:`meshdsl.ops.precision`.
       bucket_mb: reduce gradients in buckets of about this many MB (default 25, as DDP);
         0: one collective per gradient (see :mod:`meshdsl.lowering.bucket`).
+      remat: what each repeat's layers save for the backward (activation checkpointing):
+        ``"none"``, ``"full"``, ``"selective"`` or ``"save:OP,..."`` (:mod:`meshdsl.ir.remat`);
+        None: each repeat's own policy (``md.repeat(..., remat=)``, default none).  The
+        numbers are the same whatever it is.
+      compile: run each rank's local steps compiled by ``torch.compile`` (True: inductor, or a
+        backend name such as ``"aot_eager"``; :mod:`meshdsl.runtime.compiled`); the first step
+        compiles, and ``executor.compiling.stats`` says what it cost.
 
     Raises:
-      GraphError: a bad ``clip_norm`` or an unknown ``precision``.
+      GraphError: a bad ``clip_norm``, an unknown ``precision`` or remat policy.
     """
 
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
                  optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
                  schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32",
-                 bucket_mb: float = DEFAULT_BUCKET_MB):
+                 bucket_mb: float = DEFAULT_BUCKET_MB, remat=None, compile=False):
         if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
             raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
                                      rule="the global gradient norm is clipped to a positive bound",
@@ -162,14 +173,16 @@ class TrainStep:
         #: "fp32" or "bf16"
         self.precision = check_precision(precision, "TrainStep")
         loss = mixed_precision(loss, precision)
+        #: the remat policy every repeat is differentiated with (None: each its own)
+        self.remat = None if remat is None else parse_remat(remat, "TrainStep(remat=...)")
         if optimizer is None:
-            self.outputs = training_outputs(loss, params, lr)
+            self.outputs = training_outputs(loss, params, lr, remat=self.remat)
         else:
-            self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None)
-        self.plan = compile(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
+            self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None, remat=self.remat)
+        self.plan = compile_plan(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
                             bucket_mb=bucket_mb)
         # a plan with the virtual micro-batch axis runs on a communicator of its own mesh
-        self.executor = Executor(self.plan, for_plan(comm, self.plan), donate_params=True)
+        self.executor = Executor(self.plan, for_plan(comm, self.plan), donate_params=True, compile=compile)
         self.params = self.executor.init_params(seed)
         self.names = list(params)
         #: names of the carried tensors: the params, then the optimizer state

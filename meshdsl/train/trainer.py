@@ -16,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MeshDSLError, message
-from ..exec.simulated import SimulatedComm
+from ..comm.simulated import SimulatedComm
+from ..ir.remat import parse_remat
 from ..layout.mesh import Mesh
 from ..lowering.bucket import DEFAULT_BUCKET_MB
 from .checkpoint import load_checkpoint, read_metadata, save_checkpoint
@@ -77,6 +79,8 @@ class TrainSpec:
     schedule: str = "gpipe"
     precision: str = "fp32"
     bucket_mb: float = DEFAULT_BUCKET_MB
+    remat: str | None = None    # activation checkpointing of every repeat (meshdsl/ir/remat.py); None: its own
+    compile: bool | str = False   # torch.compile each rank's local steps (meshdsl/runtime/compiled.py)
     checkpoint: str | None = None
     save_every: int = 0
     keep: int | None = None
@@ -145,7 +149,7 @@ def build_step(model: Model, spec: TrainSpec, comm) -> TrainStep:
     return TrainStep(model.loss, model.params, spec.mesh, spec.layout, comm, optimizer=opt,
                      clip_norm=spec.clip_norm, lr=spec.lr, seed=spec.seed, microbatches=spec.microbatches,
                      schedule=spec.schedule, precision=spec.precision,
-                     bucket_mb=spec.bucket_mb)
+                     bucket_mb=spec.bucket_mb, remat=spec.remat, compile=spec.compile)
 
 
 def run_step(step: TrainStep, feeds: dict, spec: TrainSpec, t: int):
@@ -193,8 +197,37 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
       data: a :class:`TokenData`, a function ``step -> feeds``, or None (``spec.data`` as text).
       eval_data: with a function ``data``, a list of eval feeds.
     """
-    from .run_outputs import MetricsWriter, plot_loss, write_config, write_samples
+    run = _start_run(comm, spec, model, data, eval_data)
+    rows = _train_steps(run)
+    prompts, texts = _samples(run)
+    if not run.lead:
+        return None
+    res = _result(run, rows, texts, data)
+    if run.out:
+        _write_outputs(run, rows, res, prompts, texts)
+    if isinstance(comm, SimulatedComm):
+        res.step, res.model = run.step, run.model
+    return res
 
+
+@dataclass
+class _Run:
+    """One rank's run as :func:`_start_run` set it up: what each step and the run's end read."""
+
+    spec: TrainSpec          # resolved against the checkpoint it resumes from
+    model: Model
+    comm: object
+    step: TrainStep
+    evaluate: Evaluator
+    tokens: object           # the TokenData of a run on text, else None
+    feeder: object           # this rank's rows of each train and eval batch
+    start: int               # the step the run resumes after (0: a new run)
+    lead: bool               # this process holds rank 0: it writes, shows progress and returns
+    out: Path | None         # the output folder, on the lead process only
+
+
+def _start_run(comm, spec: TrainSpec, model: Model | None, data, eval_data) -> _Run:
+    """Load the model, resolve the resume, build the step and the feeder, restore the checkpoint."""
     if model is None:
         model = load_model(spec.model, tiny=spec.tiny, **spec.config)
     path = resume_from(spec, model)
@@ -213,78 +246,116 @@ def run_rank(comm, spec: TrainSpec, model: Model | None = None, data=None, eval_
         load_train_state(step, path, model_id(model), params_only=spec.reset_optimizer)
     lead = 0 in step.executor.comm.ranks
     out = Path(spec.out) if spec.out and lead else None
-    writer = MetricsWriter(out) if out else None
-    eval_feeds = feeder.eval(spec.eval_batches)
-    bar = _progress(spec, spec.steps, start) if spec.progress and lead else None
-    rows, metrics = [], [f"eval_{k}" for k in model.metrics]
+    return _Run(spec, model, comm, step, evaluate, tokens, feeder, start, lead, out)
+
+
+def _train_steps(run: _Run) -> list[dict]:
+    """Steps ``start + 1 .. spec.steps``: one metrics row each, written to metrics.jsonl and
+    shown on the progress bar by the lead process."""
+    from .run_outputs import MetricsWriter
+
+    spec = run.spec
+    writer = MetricsWriter(run.out) if run.out else None
+    eval_feeds = run.feeder.eval(spec.eval_batches)
+    bar = _progress(spec, spec.steps, run.start) if spec.progress and run.lead else None
+    rows = []
     try:
-        for t in range(start + 1, spec.steps + 1):
-            t0 = time.perf_counter()
-            loss, stats, lr, gnorm = run_step(step, feeder.train(t), spec, t)
-            loss = agree_held(comm, step.plan, {"loss": loss})["loss"]
-            if not math.isfinite(loss):
-                raise TrainingError(message(
-                    f"train: the loss is {loss} at step {t}: training diverged.",
-                    inputs=[f"optimizer {spec.optimizer}, lr {spec.lr:g}", f"mesh '{spec.mesh}', layout '{spec.layout}'"],
-                    rule="each step's loss is finite", fix=f"lower the learning rate, e.g. --lr {spec.lr / 4:g}"))
-            ms = (time.perf_counter() - t0) * 1e3
-            tps = feeder.tokens_per_step / ms * 1e3 if feeder.tokens_per_step else None
-            row = {"step": t, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "ms": ms,
-                   "comm_ms": stats.comm * 1e3}
-            if eval_feeds and ((spec.eval_every and t % spec.eval_every == 0) or t == spec.steps):
-                row.update({f"eval_{k}": v for k, v in evaluate(eval_feeds).items()})
-            if spec.checkpoint and ((spec.save_every and t % spec.save_every == 0) or t == spec.steps):
-                meta = {"mesh": spec.mesh, "layout": spec.layout, "config": config_dict(model.config),
-                        "data": tokens.state(t) if tokens is not None else {"step": t}, "run": run_settings(spec)}
-                save_checkpoint(spec.checkpoint, t, train_state(step), step.executor.comm, model=model_id(model),
-                                meta=meta, keep=spec.keep)
+        for t in range(run.start + 1, spec.steps + 1):
+            row = _train_step(run, t, eval_feeds)
             rows.append(row)
             if writer:
                 writer.write(row)
             if bar:
-                info = f"loss {loss:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + \
-                    f"  comm {stats.comm * 1e3:.1f} ms" + "".join(f"  {'eval' if k == 'eval_loss' else k[5:]} "
-                                                                  f"{row[k]:.4f}" for k in ["eval_loss", *metrics]
-                                                                  if k in row)
-                bar[0].update(bar[1], completed=t, info=info)
+                bar[0].update(bar[1], completed=t, info=_progress_info(row, run.model))
     finally:
         if bar:
             bar[0].stop()
         if writer:
             writer.close()
-    prompts = list(PYTHON_PROMPTS if tokens is not None and tokens.source == "stdlib" else [""] * 3)
-    prompts = prompts[:spec.samples]
+    return rows
+
+
+def _train_step(run: _Run, t: int, eval_feeds) -> dict:
+    """Step ``t``, its eval and its checkpoint when due; returns its metrics row."""
+    spec, step = run.spec, run.step
+    t0 = time.perf_counter()
+    loss, stats, lr, gnorm = run_step(step, run.feeder.train(t), spec, t)
+    loss = agree_held(run.comm, step.plan, {"loss": loss})["loss"]
+    if not math.isfinite(loss):
+        raise TrainingError(message(
+            f"train: the loss is {loss} at step {t}: training diverged.",
+            inputs=[f"optimizer {spec.optimizer}, lr {spec.lr:g}", f"mesh '{spec.mesh}', layout '{spec.layout}'"],
+            rule="each step's loss is finite", fix=f"lower the learning rate, e.g. --lr {spec.lr / 4:g}"))
+    ms = (time.perf_counter() - t0) * 1e3
+    if t == run.start + 1 and step.executor.compiling is not None and run.lead:
+        print(f"train: --compile: {step.executor.compiling.stats.summary()} (step {t} took {ms / 1e3:.1f} s)",
+              file=sys.stderr, flush=True)
+    tps = run.feeder.tokens_per_step / ms * 1e3 if run.feeder.tokens_per_step else None
+    row = {"step": t, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "ms": ms,
+           "comm_ms": stats.comm * 1e3}
+    if eval_feeds and ((spec.eval_every and t % spec.eval_every == 0) or t == spec.steps):
+        row.update({f"eval_{k}": v for k, v in run.evaluate(eval_feeds).items()})
+    if spec.checkpoint and ((spec.save_every and t % spec.save_every == 0) or t == spec.steps):
+        meta = {"mesh": spec.mesh, "layout": spec.layout, "config": config_dict(run.model.config),
+                "data": run.tokens.state(t) if run.tokens is not None else {"step": t}, "run": run_settings(spec)}
+        save_checkpoint(spec.checkpoint, t, train_state(step), step.executor.comm, model=model_id(run.model),
+                        meta=meta, keep=spec.keep)
+    return row
+
+
+def _progress_info(row: dict, model: Model) -> str:
+    """The progress bar's text after a step: loss, speed, communication and the last eval."""
+    tps = row["tokens_per_s"]
+    metrics = [f"eval_{k}" for k in model.metrics]
+    return f"loss {row['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + \
+        f"  comm {row['comm_ms']:.1f} ms" + "".join(f"  {'eval' if k == 'eval_loss' else k[5:]} "
+                                                    f"{row[k]:.4f}" for k in ["eval_loss", *metrics] if k in row)
+
+
+def _samples(run: _Run) -> tuple[list[str], list[str]]:
+    """``(prompts, texts)`` of samples.txt: texts generated on the lead process (empty elsewhere).
+    Every process takes part in gathering the params."""
+    prompts = list(PYTHON_PROMPTS if run.tokens is not None and run.tokens.source == "stdlib" else [""] * 3)
+    prompts = prompts[:run.spec.samples]
     texts = []
-    if prompts and model.logits is not None:
-        full = step.full_params()  # a collective: every rank takes part
-        if lead:
+    if prompts and run.model.logits is not None:
+        full = run.step.full_params()  # a collective: every rank takes part
+        if run.lead:
             from .generate import generate_many
-            texts = generate_many(model, full, prompts, spec.sample_tokens, seed=spec.seed)
-    if not lead:
-        return None
+            texts = generate_many(run.model, full, prompts, run.spec.sample_tokens, seed=run.spec.seed)
+    return prompts, texts
+
+
+def _result(run: _Run, rows: list[dict], texts: list[str], data) -> TrainResult:
+    """The run's :class:`TrainResult` from its rows (the final loss: the mean of the last 10)."""
+    metrics = [f"eval_{k}" for k in run.model.metrics]
+    tokens = run.tokens
     last = [r["loss"] for r in rows[-10:]]
     evals = [r for r in rows if r.get("eval_loss") is not None]
     times = [r["tokens_per_s"] for r in rows[1:] or rows if r["tokens_per_s"]]
-    res = TrainResult(rows=rows, start_step=start, final_loss=statistics.fmean(last) if last else float("nan"),
-                      final_eval_loss=evals[-1]["eval_loss"] if evals else None,
-                      final_eval_metrics={k[5:]: evals[-1][k] for k in metrics} if evals else {},
-                      unigram_entropy=tokens.unigram_entropy() if tokens is not None else None,
-                      tokens_per_s=statistics.median(times) if times else None,
-                      comm_ms_per_step=statistics.median(r["comm_ms"] for r in rows) if rows else 0.0,
-                      collectives_per_step=step.plan.totals(),
-                      samples=texts, out=str(out) if out else None,
-                      eval_data="held-out text" if tokens is not None else "the eval_data given" if data else
-                      f"the model's own {'batches' if model.batches else 'feeds'}, seeds no step uses")
-    if out:
-        title = f"{spec.model}: mesh '{spec.mesh}', layout '{spec.layout}'"
-        plot_loss(out, rows, title, res.unigram_entropy)
-        if texts:
-            write_samples(out, prompts, texts)
-        write_config(out, {**dataclasses.asdict(spec), "resolved_config": config_dict(model.config),
-                           "model_id": model_id(model), "data": tokens.fingerprint() if tokens else None})
-    if isinstance(comm, SimulatedComm):
-        res.step, res.model = step, model
-    return res
+    return TrainResult(rows=rows, start_step=run.start, final_loss=statistics.fmean(last) if last else float("nan"),
+                       final_eval_loss=evals[-1]["eval_loss"] if evals else None,
+                       final_eval_metrics={k[5:]: evals[-1][k] for k in metrics} if evals else {},
+                       unigram_entropy=tokens.unigram_entropy() if tokens is not None else None,
+                       tokens_per_s=statistics.median(times) if times else None,
+                       comm_ms_per_step=statistics.median(r["comm_ms"] for r in rows) if rows else 0.0,
+                       collectives_per_step=run.step.plan.totals(),
+                       samples=texts, out=str(run.out) if run.out else None,
+                       eval_data="held-out text" if tokens is not None else "the eval_data given" if data else
+                       f"the model's own {'batches' if run.model.batches else 'feeds'}, seeds no step uses")
+
+
+def _write_outputs(run: _Run, rows: list[dict], res: TrainResult, prompts: list[str], texts: list[str]) -> None:
+    """loss.png, samples.txt and config.json into the output folder (metrics.jsonl is written per step)."""
+    from .run_outputs import plot_loss, write_config, write_samples
+
+    spec, tokens = run.spec, run.tokens
+    title = f"{spec.model}: mesh '{spec.mesh}', layout '{spec.layout}'"
+    plot_loss(run.out, rows, title, res.unigram_entropy)
+    if texts:
+        write_samples(run.out, prompts, texts)
+    write_config(run.out, {**dataclasses.asdict(spec), "resolved_config": config_dict(run.model.config),
+                           "model_id": model_id(run.model), "data": tokens.fingerprint() if tokens else None})
 
 
 def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = None, data=None, eval_data=None,
@@ -331,6 +402,7 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
                      steps=100 if steps is None else steps, **options)
     spec, lines = resume_spec(spec, resume_path(spec), given)
     lr_at(spec, 1)    # a bad schedule fails here, not in a rank
+    parse_remat(spec.remat, "fit(remat=...)")    # and so does a bad remat policy
     in_process = own or (nproc or 1) == 1
     if in_process:
         n = RUN_THREADS if threads is None else threads
@@ -339,14 +411,14 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
     for line in lines:
         print(line, flush=True)
     if not in_process:
-        from ..exec.launch import launch
-        return launch(_rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data))[0]
+        from ..processes.launcher import launch
+        return launch(rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data))[0]
     with torch_threads(n):
         return run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec, model if own else None, data,
                         eval_data)
 
 
-#: Torch threads of a run in this process: one, as each spawned rank has (exec/launch.py)
+#: Torch threads of a run in this process: one, as each spawned rank has (processes/launcher.py)
 #: and ``meshdsl train`` sets.  Measured under load (issue 36): md.fit's median step with
 #: torch's default threads ranged 24-574 ms over three runs, against 23 ms with one.
 RUN_THREADS = 1
@@ -365,10 +437,11 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _rank_job(comm, spec: TrainSpec, data=None, eval_data=None):
+def rank_job(comm, spec: TrainSpec, data=None, eval_data=None):
+    """One spawned rank's job: :func:`run_rank` with the model loaded from ``spec`` in the rank."""
     return run_rank(comm, spec, None, data, eval_data)
 
 
 __all__ = ["RUN_THREADS", "TrainingError", "TrainResult", "TrainSpec", "build_step", "fit", "load_train_state", "lr_at",
-           "make_feeder", "make_optimizer", "model_id", "reads_text", "resume_from", "run_rank", "run_step",
+           "make_feeder", "make_optimizer", "model_id", "rank_job", "reads_text", "resume_from", "run_rank", "run_step",
            "torch_threads", "train_state"]

@@ -1,0 +1,85 @@
+"""Running a gradient bucket: several values reduced in one flat buffer.
+
+A ``bucket_allreduce`` or ``bucket_reduce_scatter`` step (made by
+:mod:`meshdsl.lowering.bucket`) has one input and one output per member; the
+collective rule of :mod:`.steps` hands such steps to :func:`prepare_bucket`.
+Per held rank the rule packs the members into one 1-D buffer, starts the
+collective on it (asynchronously where the communicator can), and gives each
+output a handle that unpacks its piece when first read, so a reader waits for
+the bucket no earlier than it needs one of its members.
+"""
+from __future__ import annotations
+
+import torch
+
+from .communicator import Pending
+
+
+def unpack(flat: torch.Tensor, numels, shapes) -> list[torch.Tensor]:
+    """``flat`` cut into pieces of ``numels`` elements, viewed as ``shapes`` (no copy)."""
+    return [p.view(shape) for p, shape in zip(torch.split(flat.reshape(-1), numels), shapes)]
+
+
+class _Unpacked:
+    """The bucket's result, cut into the members' tensors on first use; ``layouts``: per held
+    rank, its members' ``(numels, shapes)``."""
+
+    __slots__ = ("pending", "layouts", "parts")
+
+    def __init__(self, pending, layouts):
+        self.pending, self.layouts, self.parts = pending, layouts, None
+
+    def part(self, k: int) -> list:
+        if self.parts is None:
+            flats = self.pending.wait()
+            self.pending = None
+            self.parts = [unpack(flat, numels, shapes) for flat, (numels, shapes) in zip(flats, self.layouts)]
+        return [parts[k] for parts in self.parts]
+
+
+class _Member(Pending):
+    """Member ``k`` of a bucket in flight."""
+
+    __slots__ = ("whole", "k")
+
+    def __init__(self, whole: _Unpacked, k: int):
+        self.whole, self.k = whole, k
+
+    def wait(self):
+        return self.whole.part(self.k)
+
+
+def pack(xs) -> torch.Tensor:
+    """``xs`` flattened into one 1-D buffer, in order."""
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def pack_allreduce(xs, num_chunks, dims):
+    return pack(xs)
+
+
+def pack_reduce_scatter(xs, num_chunks, dims):
+    # chunk-major: every member's chunk 0, then every member's chunk 1, ...
+    chunks = [x.chunk(num_chunks, d) for x, d in zip(xs, dims)]
+    return torch.cat([c[j].reshape(-1) for j in range(num_chunks) for c in chunks])
+
+
+def start_packed(comm, s, flats, numels, shapes) -> list[Pending]:
+    """Start bucket step ``s`` on ``flats`` (one packed 1-D buffer per held rank); a handle per
+    member.  An allreduce bucket reduces the buffers in place where the communicator can."""
+    return start_packed_each(comm, s, flats, [(numels, shapes)] * len(flats))
+
+
+def start_packed_each(comm, s, flats, layouts) -> list[Pending]:
+    """:func:`start_packed` with each held rank's own ``(numels, shapes)`` in ``layouts``: a
+    member split unevenly has another local shape on another group of ranks."""
+    whole = _Unpacked(comm.start(s.kind, flats, s.axes, s.args), layouts)
+    return [_Member(whole, k) for k in range(len(s.outs))]
+
+
+def bucket_members(plan, s, rank: int | None = None) -> tuple[list[int], list]:
+    """The element counts and local shapes of bucket step ``s``'s members on ``rank``, in order
+    (without a rank: the largest local shapes, every rank's when no member is split unevenly)."""
+    mesh = plan.mesh
+    shapes = [plan.values[v].local_shape(mesh, rank) for v in s.outs]
+    return [int(torch.Size(shape).numel()) for shape in shapes], shapes

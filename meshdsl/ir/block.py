@@ -1,0 +1,151 @@
+"""A repeat's block: ``fn(carry, params)`` traced once into a sub-graph of its own.
+
+The block returns the next carry, or ``(carry, {name: tensor})``: per-layer outputs
+besides the carry (an auxiliary loss, router statistics), which the repeat stacks
+over the layer dim.  :func:`trace` builds a :class:`Block` (and checks what the
+function returned); :func:`run_layers` is the layer loop every repeat runs through,
+the dense op and the plan executor alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..core.graph import Graph, Tensor
+from ..errors import ShapeError, did_you_mean, message
+from ..ops.leaf import placeholder
+from .closure import Closure
+from .interpret import DenseProgram
+
+_RETURNS = "block(carry, params) returns the new carry, or (carry, {name: per-layer tensor})"
+
+
+@dataclass(eq=False)
+class Block:
+    """A traced block: ``out = fn(carry, params)`` in its own graph.
+
+    ``ys`` holds the per-layer outputs besides the carry, by name (None: the block
+    returns only its carry, and so does the repeat).
+    """
+
+    fn: Callable
+    graph: Graph
+    carry: Tensor
+    params: dict[str, Tensor]
+    out: Tensor
+    closed: dict[str, Tensor] = field(default_factory=dict)  # placeholders of the tensors read from outside
+    outer: list = field(default_factory=list)  # those tensors (of the graph that calls repeat), in that order
+    ys: dict | None = None
+    extra: dict = field(default_factory=dict)  # cotangent placeholders, grads, given (for grad blocks)
+    _dense: dict = field(default_factory=dict)
+
+    @property
+    def y_names(self) -> list[str]:
+        return list(self.ys or {})
+
+    def dense(self, outputs: dict, given: dict | None = None) -> DenseProgram:
+        """The block's dense program for ``outputs`` (built once per set of outputs)."""
+        key = (tuple((k, id(t)) for k, t in outputs.items()), tuple((k, id(t)) for k, t in (given or {}).items()))
+        prog = self._dense.get(key)
+        if prog is None:
+            prog = self._dense[key] = DenseProgram(outputs, given=given)
+        return prog
+
+
+class _LayerParams(dict):
+    """The per-layer params a block sees; asking for one that was not passed is a user error."""
+
+    def __missing__(self, key):
+        raise ShapeError(message(
+            f"repeat: the block reads param {key!r}, which was not passed to repeat."
+            f"{did_you_mean(str(key), list(self))}", inputs=[f"params passed: {sorted(self)}"],
+            rule="the block sees exactly the stacked params given to repeat(block, x, params, dim), by name",
+            fix=f"add {key!r} to the params dict, or use one of {sorted(self)}"))
+
+
+class LayerStack(list):
+    """Per-layer tensors standing for a value stacked over ``layer`` (layer-major).
+
+    The layer inputs and activations a repeat saves are read back one layer at a
+    time by its gradient and by nothing else, so they are kept as a list: stacking
+    them would copy every activation once more per step.
+    """
+
+    def tensor(self) -> torch.Tensor:
+        """The layers stacked into one tensor, layer dim first."""
+        return torch.stack(list(self), 0)
+
+
+def run_layers(num_layers: int, layer: Callable, carry, backward: bool = False):
+    """The layer loop of every repeat: ``layer(l, carry) -> (carry, kept)`` for each layer.
+
+    Layers run in order, or in reverse for a backward pass.  The dense op and the
+    plan executor both run their layers through here; they differ only in what a
+    carry is (a tensor, or one local tensor per rank) and in how one layer runs.
+
+    Args:
+      num_layers: the layer count.
+      layer: runs layer ``l`` on ``carry``; returns the next carry and what to keep of it.
+      carry: the carry into the first layer run.
+      backward: run layers ``num_layers - 1`` down to 0.
+
+    Returns:
+      The last carry, and the kept values in layer order (``kept[l]`` from layer ``l``).
+    """
+    kept: list = [None] * num_layers
+    for l in (reversed(range(num_layers)) if backward else range(num_layers)):
+        carry, kept[l] = layer(l, carry)
+    return carry, kept
+
+
+def trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str, outer: Graph) -> Block:
+    """Trace ``fn`` on a carry placeholder shaped like ``x`` and per-layer params.
+
+    Raises:
+      ShapeError: the block returned something else than a carry shaped like ``x``
+        (and optionally a dict of per-layer tensors of the block).
+    """
+    g = Graph(f"{outer.name}/{name}")
+    g.outer = outer
+    g.capture = closure = Closure(g)
+    try:
+        with g:
+            c = placeholder("carry", x.shape, x.dtype)
+            ps = _LayerParams({k: placeholder(k, p.shape.without([layer]), p.dtype, p.scopes)
+                               for k, p in stacked.items()})
+            got = fn(c, ps)
+    finally:
+        closure.open = False
+    y, ys = _split_return(got, g, layer)
+    if sorted(y.shape.names) != sorted(x.shape.names) or set(y.shape) != set(x.shape):
+        raise ShapeError(message(f"repeat: the block maps carry {x.shape} to {y.shape}.",
+                                 rule="the carry keeps its dims and sizes from layer to layer",
+                                 fix="make the block return a tensor shaped like its input"))
+    if y.shape.names != x.shape.names:
+        from ..ops.shape_ops import transpose
+        with g:
+            y = transpose(y, x.shape.names)
+    return Block(fn, g, c, ps, y, closure.inner, closure.outer, ys)
+
+
+def _split_return(got, g: Graph, layer: str) -> tuple[Tensor, dict | None]:
+    """The carry and the per-layer outputs (None if the block returned a carry alone)."""
+    ys = None
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
+        got, ys = got
+    if not isinstance(got, Tensor) or got.graph is not g:
+        raise ShapeError(message(f"repeat: the block returned {got!r}, not a Tensor built from its inputs.",
+                                 rule=_RETURNS, fix="return a Tensor computed from the carry"))
+    for k, t in (ys or {}).items():
+        if not isinstance(k, str) or not k or "/" in k or not isinstance(t, Tensor) or t.graph is not g:
+            raise ShapeError(message(f"repeat: the block's per-layer output {k!r} is {t!r}.",
+                                     rule=_RETURNS + "; names are non-empty strings without '/', values "
+                                                     "Tensors the block computed",
+                                     fix="return (carry, {'aux': tensor_of_this_layer})"))
+        if layer in t.shape.names:
+            raise ShapeError(message(f"repeat: the block's per-layer output '{k}' {t.shape} has a '{layer}' dim.",
+                                     rule="the repeat stacks each per-layer output over a new leading layer dim",
+                                     fix="return the tensor of this layer alone"))
+    return got, (dict(ys) if ys is not None else None)

@@ -1,0 +1,200 @@
+"""The gradient of a repeat: its backward block, and what the forward saves for it.
+
+The backward block re-traces the forward block and differentiates it with respect to
+the carry, the layer's params and the closed-over tensors the loss's gradient flows
+into, given the carry's cotangent and those of the per-layer outputs the loss reads.
+Of the forward activations its backward part reads, the remat policy
+(:mod:`.remat`) picks those the forward saves: they become extra stacked outputs of
+the repeat node (``node.attrs["saved"]``, added when a gradient is first built) and
+are given values in the backward block; the rest is recomputed there from them and
+from the layer's input, which the repeat always keeps.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.graph import Tensor, topo_nodes
+from ..core.shape import Shape
+from ..errors import ShapeError
+from ..ops.leaf import placeholder
+from ..ops.registry import Op, apply, register
+from .block import Block, run_layers, trace
+from .closure import activations
+from .remat import check_names_something, chosen, policy_of
+
+
+def _zeros(t: Tensor) -> Tensor:
+    from ..ops.elementwise import constant
+    from ..ops.shape_ops import broadcast_to
+    return broadcast_to(constant(0.0, t.dtype, t), t.shape)
+
+
+def repeat_vjp(node, dy, dys: list) -> list:
+    """The gradients of repeat ``node``'s inputs, given the cotangents of its carry (``dy``)
+    and of its stacked per-layer outputs (``dys``, None where the loss does not read one)."""
+    from .autodiff import wants_grad
+    blk: Block = node.attrs["block"]
+    with_dy = tuple(k for k, d in zip(blk.y_names, dys) if d is not None)
+    if dy is None and not with_dy:
+        return [None] * len(node.inputs)
+    if dy is None:  # the loss reads the per-layer outputs only
+        dy = _zeros(node.outputs[0])
+    num_stacked = len(blk.params)
+    stacked_t, closed_t = node.inputs[1:1 + num_stacked], node.inputs[1 + num_stacked:]
+    # the closed-over tensors the loss's gradient flows into: the block is differentiated
+    # with respect to those only (a constant table or an input gets no gradient)
+    want = tuple(wants_grad(t) for t in closed_t)
+    policy = policy_of(node)
+    key = (want, with_dy, policy.text)
+    built = node.attrs.setdefault("grad_blocks", {})
+    if key not in built:  # built once per key; later grads reuse it and its saved outputs
+        layer = node.attrs["layer"]
+        gblk, pairs = grad_block(blk, node.attrs["stacked"], layer.name, node, want, with_dy, policy)
+        base = len(node.outputs)
+        node.outputs = node.outputs + tuple(
+            Tensor(node, base + i, Shape([layer] + list(f.shape)), f.dtype) for i, (_, f) in enumerate(pairs))
+        node.attrs["saved"] = node.attrs.get("saved", []) + [f for _, f in pairs]
+        read = gblk.extra["read_back"]
+        node.attrs["saved_read"] = node.attrs.get("saved_read", []) + [id(t) in read for t, _ in pairs]
+        built[key] = (gblk, base, len(node.outputs))
+    gblk, lo, hi = built[key]
+    given_dys = [d for d in dys if d is not None]
+    outs = apply("repeat_grad", [node.outputs[1], *stacked_t, dy, *given_dys, *node.outputs[lo:hi], *closed_t],
+                 {"block": gblk, "layer": node.attrs["layer"], "pos": node.attrs["pos"],
+                  "stacked": node.attrs["stacked"]})
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    dclosed = iter(outs[1 + num_stacked:])
+    return outs[:1 + num_stacked] + [next(dclosed) if w else None for w in want]
+
+
+def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tensor]]:
+    """The forward activations the backward part of grad block ``b`` is given, by ``policy``;
+    sets ``b.extra["read_back"]``, the ids of the tensors of ``b`` the backward part reads
+    itself (the others given are read only by the forward nodes it recomputes).
+
+    Returns (tensor of ``b``, the same tensor of the forward block ``blk``) pairs: the
+    first ``n_fwd`` nodes of ``b`` re-trace ``blk`` node for node.  Placeholders are fed
+    anyway; values that do not depend on the carry or on a closed-over activation
+    (constants, functions of the layer's params or of tables) are cheap to recompute
+    and are never saved.
+    """
+    outs = [b.extra["dcarry"], *b.extra["dparams"].values(), *b.extra["dclosed"].values()]
+    fwd = b.graph.nodes[:n_fwd]
+    # nodes whose outputs depend on the carry or on a closed-over activation
+    act: set[int] = {id(b.carry.node), *(id(t.node) for t in activations(b.closed, b.outer))}
+    for n in fwd:
+        if any(id(t.node) in act for t in n.inputs):
+            act.add(id(n))
+    reads = [t for n in topo_nodes(outs) if n.id >= n_fwd for t in n.inputs if t.node.id < n_fwd]
+    b.extra["read_back"] = {id(t) for t in reads}
+    # a nested repeat's saved activations exist in this re-trace only: they are recomputed
+    def savable(t) -> bool:
+        return t.index < len(blk.graph.nodes[t.node.id].outputs)
+
+    pairs = []
+    for t in chosen(reads, {id(n) for n in fwd}, act, policy, savable):
+        src = t.node
+        f = blk.graph.nodes[src.id]
+        if f.op is not src.op:
+            raise ShapeError(f"repeat: the block traced differently twice ({f!r} vs {src!r}); "
+                             "blocks must be deterministic functions of (carry, params)")
+        pairs.append((t, f.outputs[t.index]))
+    return pairs
+
+
+def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: tuple[bool, ...],
+               with_dy: tuple[str, ...], policy):
+    """The backward block, and the (grad-block tensor, forward-block tensor) pairs it is given.
+
+    ``want``: per closed-over tensor, whether the backward block outputs its gradient
+    (``extra["dclosed"]``, by placeholder name); ``with_dy``: the per-layer outputs whose
+    cotangents it reads (placeholders ``cotangent/<name>``, ``extra["dys"]``).
+    """
+    from .autodiff import vjp
+
+    b = trace(blk.fn, blk.carry, stacked, layer, "block_grad", node.graph)
+    n_fwd = len(b.graph.nodes)
+    if n_fwd != len(blk.graph.nodes) or [id(t) for t in b.outer] != [id(t) for t in blk.outer]:
+        raise ShapeError(f"repeat: the block traced differently twice ({len(blk.graph.nodes)} vs {n_fwd} nodes, "
+                         f"reading {[t.name for t in blk.outer]} vs {[t.name for t in b.outer]} from outside); "
+                         "blocks must be deterministic functions of (carry, params)")
+    check_names_something(policy, blk.graph.nodes, f"repeat '{node.name}'")
+    closed = [k for k, w in zip(b.closed, want) if w]
+    with b.graph:
+        dy = placeholder("cotangent", b.out.shape, b.out.dtype)
+        dys = {k: placeholder(f"cotangent/{k}", b.ys[k].shape, b.ys[k].dtype) for k in with_dy}
+        wrt = [b.carry] + list(b.params.values()) + [b.closed[k] for k in closed]
+        grads = vjp([b.out, *(b.ys[k] for k in with_dy)], [dy, *dys.values()], wrt)
+        fixed = []
+        for t, g in zip(wrt, grads):
+            if g is None:
+                g = _zeros(t)
+            g = apply("stop_gradient", [g], name=f"grad/{t.name}")
+            g.scopes = t.scopes
+            fixed.append(g)
+    n = 1 + len(b.params)
+    b.extra = {"cotangent": dy, "dys": dys, "dcarry": fixed[0], "dparams": dict(zip(b.params, fixed[1:n])),
+               "dclosed": dict(zip(closed, fixed[n:])), "num_forward": n_fwd, "remat": policy}
+    pairs = _saved(b, n_fwd, blk, policy)
+    b.extra["given"] = {f"saved/{i}": t for i, (t, _) in enumerate(pairs)}
+    return b, pairs
+
+
+def split_inputs(blk: Block, num_stacked: int, ins) -> tuple:
+    """A repeat_grad's inputs by role: ``(carries, stacked, dy, dys, saved, closed)``."""
+    n_dys, n_saved = len(blk.extra["dys"]), len(blk.extra.get("given", {}))
+    at = 1 + num_stacked
+    dys = ins[at + 1:at + 1 + n_dys]
+    saved = ins[at + 1 + n_dys:at + 1 + n_dys + n_saved]
+    closed = ins[at + 1 + n_dys + n_saved:]
+    assert len(closed) == len(blk.closed), "repeat_grad: inputs do not match its block"
+    return ins[0], ins[1:at], ins[at], dys, saved, closed
+
+
+@register
+class RepeatGrad(Op):
+    name = "repeat_grad"
+
+    # inputs: saved layer inputs, stacked params, carry gradient, the per-layer outputs' stacked
+    # gradients (block.extra["dys"]), saved activations (block.extra["given"]), closed-over tensors
+    # (block.closed); outputs: carry gradient, stacked gradients, and the gradient of each
+    # closed-over tensor in block.extra["dclosed"], summed over the layers
+
+    def infer(self, inputs, attrs):
+        blk: Block = attrs["block"]
+        _, stacked, dy, _, _, closed = split_inputs(blk, len(attrs["stacked"]), inputs)
+        closed = dict(zip(blk.closed, closed))
+        return [(dy.shape, dy.dtype)] + [(p.shape, p.dtype) for p in stacked] + \
+            [(closed[k].shape, closed[k].dtype) for k in blk.extra["dclosed"]]
+
+    def compute(self, ctx, attrs, *ins):
+        blk: Block = attrs["block"]
+        carries, stacked, dy, dys, saved, closed = split_inputs(blk, len(attrs["stacked"]), ins)
+        given = blk.extra.get("given", {})
+        closed = dict(zip(blk.closed, closed))
+        outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()},
+                **{f"d/{k}": g for k, g in blk.extra["dclosed"].items()}}
+        prog = blk.dense(outs, given)
+        names, pos = list(blk.params), attrs["pos"]
+        # each layer's gradients go straight into their slice of the stacked result (no stack at the end)
+        grads = [torch.empty_like(p) for p in stacked]
+        sums = {k: torch.zeros_like(closed[k]) for k in blk.extra["dclosed"]}  # a closed-over tensor's: all layers'
+
+        def layer(l, dy):
+            feeds = {"carry": carries[l], "cotangent": dy,
+                     **{k: p.select(pos[k], l) for k, p in zip(names, stacked)},
+                     **{ph.node.name: d[l] for ph, d in zip(blk.extra["dys"].values(), dys)},
+                     **{k: s[l] for k, s in zip(given, saved)}, **closed}
+            r = prog(feeds, salt=ctx.salt + l + 1)
+            for k, g in zip(names, grads):
+                g.select(pos[k], l).copy_(r[f"d/{k}"])
+            for k, g in sums.items():
+                g.add_(r[f"d/{k}"])
+            return r["dcarry"], None
+
+        dy, _ = run_layers(attrs["layer"].size, layer, dy, backward=True)
+        return (dy, *grads, *sums.values())
+
+    def subgraphs(self, node):
+        blk: Block = node.attrs["block"]
+        return ((blk.graph, tuple(blk.params)),)

@@ -1,0 +1,286 @@
+"""Virtual stages: a pipeline whose ranks each run several chunks of the layers (interleaved 1F1B).
+
+With ``schedule="interleaved:v"`` a pipeline axis of size p runs ``p * v`` logical stages:
+the layers are cut into ``p * v`` chunks of ``k = layers / (p * v)``, and rank r runs chunks
+r, r + p, r + 2p, ... (logical stage ``s`` on rank ``s % p``), in the order of Megatron's
+interleaved 1F1B (:func:`~.schedule_gen.interleaved_1f1b`), which cuts the bubble from
+(p-1)/(m+p-1) to (p-1)/(vm+p-1).
+
+:mod:`.partition` cuts the plan as for one stage per rank; :func:`interleave` then turns that
+cut into ``v`` chunks, as a pass on the segment lists:
+
+* the pipelined repeat's forward and backward steps become one step per chunk, each over
+  ``k`` layers, with values of their own for the carry between chunks and for what a chunk's
+  forward keeps for its backward (so two chunks of one rank never share a buffer);
+* the carry travels from stage s to s + 1 (rank r to r + 1, or from the last rank back to
+  the first between chunks) and its gradient back;
+* what feeds the layers runs on stage 0 and what follows them on the last stage ``p v - 1``
+  (both on the ranks they ran on before);
+* the stacked params stay stored as the layout splits them (rank r holds layers
+  ``r L / p ..``, so checkpoints, optimizer state and updates are unchanged): the prologue
+  hands each chunk to the rank that runs it, and the final segment hands each chunk's
+  gradient, summed over the micro-batches and the data axes, back to the rank that stores
+  the param, which joins them for the update.  That costs a transfer of the stacked params
+  and of their gradients per step (on real processes, one per micro-batch rank a process
+  holds), where Megatron stores each rank's chunks in place;
+* tables every layer reads (rotary embeddings' sines and cosines) are read by every chunk.
+
+Refused, with the reason (:func:`check`): a block that reads a tensor made per micro-batch
+or differentiates one it reads from outside, layers that return stacked outputs besides the
+carry, values other than the carry moving between stages per micro-batch, and a stacked
+gradient read other than by its sum over the micro-batches (a reduce-scatter, FSDP's).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..core.shape import Dim, Shape
+from ..errors import LayoutError, message
+from .pipeline_program import Segment, transfer_step
+from .plan import Step, Value, step_args
+
+
+def _narrow(ctx, attrs, x):
+    """One chunk of a stacked tensor's local layers."""
+    return x.narrow(attrs["dim"], attrs["start"], attrs["length"])
+
+
+def _join(ctx, attrs, *parts):
+    """A rank's chunks of a stacked tensor, in layer order."""
+    return torch.cat(parts, attrs["dim"])
+
+
+class _Chunks:
+    """New values and tags for one interleaving: chunk values have the layer dim cut by ``v``."""
+
+    def __init__(self, cut, lists, v: int):
+        self.cut, self.v, self.p = cut, v, cut.num_stages
+        self.values, self.layer, self.spec = cut.values, cut.spec.layer, cut.spec
+        self.tag = max((s.args["tag"] for pairs in lists.values() for s, _ in pairs if s.kind in ("send", "recv")),
+                       default=1)
+
+    def like(self, vid: int, chunked: bool = True) -> int:
+        """A new value like ``vid``; with ``chunked``, its layer dim holds one chunk of layers."""
+        old = self.values[vid]
+        shape = Shape(Dim(d.name, d.size // self.v) if d.name == self.layer and chunked else d for d in old.shape)
+        new = max(self.values) + 1
+        self.values[new] = Value(new, shape, old.dtype, old.sharding)
+        return new
+
+    def next_tag(self) -> int:
+        self.tag += 1
+        return self.tag
+
+    def transfer(self, kind: str, vid: int, offset: int, tag: int, stage: int, what: str):
+        spec = self.spec
+        return (transfer_step(kind, vid, self.values, spec.mesh, spec.axis, offset, tag, "forward", what),
+                frozenset({stage}))
+
+    def local(self, op: str, fn, ins, out: int, attrs: dict, stage: int, label: str, phase: str = "forward"):
+        v = self.values[out]
+        args = step_args("local", {"fn": fn, "attrs": attrs, "compute": v.sharding.split,
+                                   "sizes": {d.name: d.size for d in v.shape}})
+        return Step("local", -1, op, label, phase, tuple(ins), (out,), (), args), frozenset({stage})
+
+    def stacked_dim(self, vid: int) -> int:
+        return self.values[vid].shape.names.index(self.layer)
+
+
+def check(cut, lists, v: int) -> None:
+    """Refuse what the interleaving pass cannot cut into chunks, with the reason."""
+    why = _unsupported(cut, lists)
+    if why is not None:
+        spec = cut.spec
+        raise LayoutError(message(
+            f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why}.",
+            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: interleaved:{v}"],
+            rule="virtual stages cut the pipelined layers into chunks that pass only the carry between them "
+                 "and read the same tables",
+            fix="use one stage per rank (--schedule 1f1b or zbh1)"))
+
+
+def _unsupported(cut, lists) -> str | None:
+    """Why the cut's pipelined layers cannot be cut into chunks, or None."""
+    F, B = cut.steps[cut.F], (cut.steps[cut.B] if cut.B is not None else None)
+    n = len(F.args["names"])
+    closed = F.ins[1 + n:]
+    if any(cut.per_mb[cut.producer[x]] for x in closed if x in cut.producer) or (B is not None and len(B.outs) > 1 + n):
+        return "its block reads tensors from outside the repeat that are made per micro-batch or differentiated"
+    per_mb = [s for seg in (Segment.FORWARD, Segment.BACKWARD) for s, st in lists[seg]
+              if s not in (F, B) and not _is_carry(s) and (len(st) > 1 or s.kind in ("send", "recv"))]
+    if per_mb:
+        return f"'{per_mb[0].label}' runs on several stages or moves between them besides the carry"
+    readers = [s for pairs in lists.values() for s, _ in pairs if s is not B and set(F.outs[1:]) & set(s.ins)]
+    known = set(F.outs[1:]) | set(F.ins[1:]) | (set(B.ins[1:2 + n]) if B is not None else set())
+    if readers or (B is not None and not set(B.ins) <= known):
+        return "its layers return stacked outputs besides the carry"
+    grads = set(B.outs[1:]) if B is not None else set()
+    if any(grads & set(s.ins) and (seg != Segment.FINAL or s.kind != "allreduce" or len(s.ins) > 1)
+           for seg, pairs in lists.items() for s, _ in pairs) or grads & set(cut.outputs.values()):
+        return "a stacked gradient is read other than by its sum over the micro-batches"
+    return None
+
+
+def _is_carry(s: Step) -> bool:
+    """The carry's transfers (tags 0 and 1: :data:`~.partition.ACT_TAG`, ``GRAD_TAG``), made per chunk here."""
+    return s.kind in ("send", "recv") and s.args["tag"] in (0, 1)
+
+
+def interleave(cut, lists: dict, v: int) -> dict:
+    """The segment lists of a one-stage-per-rank cut (``lists``), as ``v`` chunks per rank.
+
+    Stages in the result are logical (stage ``s`` on rank ``s % p``); the prologue and the
+    final segment keep rank r's steps on stage r."""
+    check(cut, lists, v)
+    ch = _Chunks(cut, lists, v)
+    F = cut.steps[cut.F]
+    B = cut.steps[cut.B] if cut.B is not None else None
+    n = len(F.args["names"])
+    params = dict.fromkeys(F.ins[1:1 + n] + (B.ins[1:1 + n] if B is not None else ()))
+    chunk_params = {s: [ch.like(s) for _ in range(v)] for s in params}
+    fwd, bwd = _chunked_blocks(ch, F, B, chunk_params)
+    out = {Segment.PROLOGUE: list(lists[Segment.PROLOGUE]) + _hand_out(ch, chunk_params),
+           Segment.FORWARD: _relabel(ch, lists[Segment.FORWARD], F, fwd, last_after=True),
+           Segment.BACKWARD: _relabel(ch, lists[Segment.BACKWARD], B, bwd, last_after=False),
+           Segment.FINAL: _gather_grads(ch, lists[Segment.FINAL], B, bwd) if B is not None
+           else list(lists[Segment.FINAL])}
+    return out
+
+
+def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict) -> tuple[list, list]:
+    """The pipelined repeat's forward (and backward) step per chunk, with their carry transfers:
+    ``(step, stages)`` pairs in run order (the backward's from the last chunk down)."""
+    p, v, k = ch.p, ch.v, F.times // ch.v
+    n = len(F.args["names"])
+    x = [F.ins[0]] + [ch.like(F.ins[0], False) for _ in range(v - 1)]           # each chunk's input carry
+    y = [ch.like(F.outs[0], False) for _ in range(v - 1)] + [F.outs[0]]        # and its output
+    kept = [[ch.like(o) for o in F.outs[1:]] for _ in range(v)]                 # stacked inputs, saved
+    fwd, forwards = [], []
+    for c in range(v):
+        params = tuple(chunk_params[s][c] for s in F.ins[1:1 + n])   # then the tables every layer reads
+        step = dataclasses.replace(F, ins=(x[c], *params, *F.ins[1 + n:]), outs=(y[c], *kept[c]), times=k,
+                                   label=f"{F.label} (chunk {c})")
+        forwards.append(step)
+        fwd += _carry(ch, c, x[c], y[c], step, +1, 0)
+    if B is None:
+        return fwd, []
+    dy = [ch.like(B.ins[1 + n], False) for _ in range(v - 1)] + [B.ins[1 + n]]
+    dx = [B.outs[0]] + [ch.like(B.outs[0], False) for _ in range(v - 1)]
+    bwd = []
+    for c in reversed(range(v)):
+        # the backward reads the forward's stacked outputs, the params and the carry's gradient
+        own = {**{x: x for x in F.ins[1 + n:]}, **dict(zip(F.outs[1:], kept[c])),
+               **{s: chunks[c] for s, chunks in chunk_params.items()}, B.ins[1 + n]: dy[c]}
+        step = dataclasses.replace(B, ins=tuple(own[x] for x in B.ins), outs=(dx[c], *[ch.like(o) for o in B.outs[1:]]),
+                                   times=k, label=f"{B.label} (chunk {c})")
+        bwd += _carry(ch, c, dy[c], dx[c], step, -1, 1)
+    return fwd, bwd
+
+
+def _carry(ch: _Chunks, c: int, into: int, out: int, step: Step, way: int, tag: int) -> list:
+    """Chunk ``c``'s step on its p stages between the receive of its carry (``into``) and the
+    send of its result (``out``): from stage s to s + ``way``, the last rank handing on to the
+    first between chunks (and back for gradients)."""
+    p, last = ch.p, ch.p * ch.v - 1
+    stages = [c * p + r for r in range(p)]
+    recv = [s for s in stages if 0 <= s - way <= last]
+    send = [s for s in stages if 0 <= s + way <= last]
+    out_pairs = []
+    for offset in sorted({(s % p) - ((s - way) % p) for s in recv}):
+        at = frozenset(s for s in recv if (s % p) - ((s - way) % p) == offset)
+        out_pairs.append((transfer_step("recv", into, ch.values, ch.spec.mesh, ch.spec.axis, offset, tag,
+                                        step.phase, f"carry (chunk {c})"), at))
+    out_pairs.append((step, frozenset(stages)))
+    for offset in sorted({((s + way) % p) - (s % p) for s in send}):
+        at = frozenset(s for s in send if ((s + way) % p) - (s % p) == offset)
+        out_pairs.append((transfer_step("send", out, ch.values, ch.spec.mesh, ch.spec.axis, offset, tag,
+                                        step.phase, f"carry (chunk {c})"), at))
+    return out_pairs
+
+
+def _relabel(ch: _Chunks, pairs: list, block: Step | None, chunked: list, last_after: bool) -> list:
+    """A per-micro-batch segment with its pipelined step replaced by the chunks' steps, and the
+    other steps on logical stages: before the layers (forward) or after them (backward) on the
+    first chunk of their rank, the others on its last chunk."""
+    if block is None:
+        return list(pairs)
+    p, v = ch.p, ch.v
+    after, out = set(block.outs), []
+    for s, st in pairs:
+        if s is block:
+            out += chunked
+            continue
+        if _is_carry(s):   # made per chunk
+            continue
+        downstream = any(x in after for x in s.ins)
+        if downstream:
+            after.update(s.outs)
+        late = downstream if last_after else not downstream
+        out.append((s, frozenset(r + (v - 1) * p if late else r for r in st)))
+    return out
+
+
+def _hand_out(ch: _Chunks, chunk_params: dict) -> list:
+    """Prologue steps giving each rank its chunks of each stacked param: chunk ``c`` of rank r is
+    the stored layers ``(c p + r) k ..``, which rank ``(c p + r) // v`` holds."""
+    p, v, out = ch.p, ch.v, []
+    for s, chunks in chunk_params.items():
+        dim, k = ch.stacked_dim(s), ch.values[s].local_shape(ch.spec.mesh)[ch.stacked_dim(s)] // v
+        for c, vid in enumerate(chunks):
+            for r in range(p):
+                src, at = divmod(c * p + r, v)
+                attrs = {"dim": dim, "start": at * k, "length": k}
+                what = f"layers of stage {c * p + r}"
+                if src == r:
+                    out.append(ch.local("narrow", _narrow, (s,), vid, attrs, r, what))
+                    continue
+                tmp, tag = ch.like(s), ch.next_tag()
+                out += [ch.local("narrow", _narrow, (s,), tmp, attrs, src, what),
+                        ch.transfer("send", tmp, r - src, tag, src, f"{what} to rank {r}"),
+                        ch.transfer("recv", vid, r - src, tag, r, f"{what} from rank {src}")]
+    return out
+
+
+def _gather_grads(ch: _Chunks, pairs: list, B: Step, bwd: list) -> list:
+    """The final segment with each stacked gradient's sum over the micro-batches made per chunk,
+    then handed back to the rank storing the param and joined there into the sum the rest reads."""
+    p, v = ch.p, ch.v
+    steps = [s for s, _ in bwd if s.kind == "repeat"]           # chunks v-1 .. 0
+    per_chunk = {g: [None] * v for g in B.outs[1:]}
+    for c, step in zip(reversed(range(v)), steps):
+        for g, gc in zip(B.outs[1:], step.outs[1:]):
+            per_chunk[g][c] = gc
+    out = []
+    for s, st in pairs:
+        if s.kind != "allreduce" or s.ins[0] not in per_chunk:
+            out.append((s, st))
+            continue
+        sums = [ch.like(s.outs[0]) for _ in range(v)]
+        for c in range(v):
+            out.append((dataclasses.replace(s, ins=(per_chunk[s.ins[0]][c],), outs=(sums[c],), bytes=s.bytes // v,
+                                            label=f"{s.label} (chunk {c})"), st))
+        out += _join_chunks(ch, s.outs[0], sums, s.phase)
+    return out
+
+
+def _join_chunks(ch: _Chunks, whole: int, sums: list, phase: str) -> list:
+    """Each rank's stored layers of ``whole`` from the chunks' sums: chunk ``j`` of the stack (rank
+    ``j // v``, position ``j % v``) is chunk ``j // p`` of rank ``j % p``."""
+    p, v, out = ch.p, ch.v, []
+    dim = ch.stacked_dim(whole)
+    for r in range(p):
+        parts = []
+        for at in range(v):
+            c, holder = divmod(r * v + at, p)
+            if holder == r:
+                parts.append(sums[c])
+                continue
+            tmp, tag = ch.like(whole), ch.next_tag()
+            what = f"gradient of stage {c * p + holder}"
+            out += [ch.transfer("send", sums[c], r - holder, tag, holder, f"{what} to rank {r}"),
+                    ch.transfer("recv", tmp, r - holder, tag, r, f"{what} from rank {holder}")]
+            parts.append(tmp)
+        out.append(ch.local("join", _join, parts, whole, {"dim": dim}, r, "stacked gradient: the rank's chunks", phase))
+    return out

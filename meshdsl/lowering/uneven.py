@@ -1,0 +1,119 @@
+"""Uneven splits: the dims a layout splits over axes that do not divide them.
+
+By default such a dim is split as ``torch.tensor_split`` cuts it (see
+:mod:`meshdsl.layout.sharding`): the first ``size % n`` parts one longer.  Local
+sums, maxima and the softmax family over a split dim stay exact without masking
+(every element is in exactly one part), and the collectives that join or cut
+parts of unequal length carry their lengths (:func:`uneven_arg`).  With strict
+splits (``compile(..., strict_splits=True)``, ``--strict-splits``) such a layout
+is refused as before.
+
+:func:`find` lists a graph's uneven splits before lowering; the compiler notes
+them in the plan (``meshdsl plan`` prints notes) and refuses them when strict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.graph import Node
+from ..errors import LayoutError, message
+from ..layout.layout import Layout
+from ..layout.mesh import Mesh
+from ..layout.sharding import Sharding, is_even, part_sizes
+
+
+#: The ops whose tensors a note names (the user's params and inputs); the others it counts.
+LEAVES = ("param", "input")
+
+
+@dataclass(frozen=True)
+class UnevenSplit:
+    """A dim of ``size`` that a layout rule splits over ``axes``, which do not divide it."""
+
+    dim: str
+    size: int
+    axes: tuple[str, ...]
+    leaves: tuple[str, ...]   # the params and inputs split so
+    others: int               # how many other tensors are
+
+    def note(self, mesh: Mesh) -> str:
+        """The plan note: the dim, its size, the axes and each rank's part, e.g. for
+        vocab 257 on ``model:4``: ``... parts 65, 64, 64, 64 ...``."""
+        axes = " x ".join(f"{a}:{mesh.sizes[a]}" for a in self.axes)
+        parts = part_sizes(self.size, mesh, mesh.group(0, self.axes), self.axes)
+        which = [", ".join(self.leaves)] if self.leaves else []
+        which += [f"{self.others} other tensor{'s' * (self.others != 1)}"] if self.others else []
+        return (f"uneven split: '{self.dim}' ({self.size}) over {axes}: parts {', '.join(map(str, parts))} "
+                f"({' and '.join(which)})")
+
+
+def _nodes(nodes):
+    """``nodes`` and the nodes of their sub-graphs (a repeat's block)."""
+    for n in nodes:
+        yield n
+        for graph, _ in n.op.subgraphs(n):
+            yield from _nodes(graph.nodes)
+
+
+def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool) -> list[UnevenSplit]:
+    """The uneven splits the layout's rules make on the tensors of ``nodes``.
+
+    Raises:
+      LayoutError: with ``strict``, at the first uneven split (see :meth:`Layout.check_even`);
+        always, for a repeat's layer dim split unevenly (its layers run in equal runs per rank).
+    """
+    found: dict[tuple, list] = {}   # (dim, size, axes) -> the tensors split so
+    layers = {}   # a repeat's layer dim -> the repeat
+    for t in (t for n in _nodes(nodes) for t in n.outputs):
+        if t.node.op.name == "repeat":
+            layers[t.node.attrs["layer"].name] = t.node.name
+        if strict:
+            layout.check_even(t.shape, t.scopes, mesh, t.name)
+            continue
+        for name, rule in layout.wanted(t.shape, t.scopes).items():
+            axes = tuple(a for a in rule.axis_names if mesh.sizes[a] > 1)
+            size = t.shape.get(name).size
+            # (a part with nothing in it is Layout.targets' refusal, with the tensor that has it)
+            if not is_even(size, mesh, axes) and size >= mesh.axis_size(axes):
+                found.setdefault((name, size, axes), []).append(t)
+    out = []
+    for (d, size, axes), ts in found.items():
+        if d in layers:
+            _refuse_layers(layout, mesh, d, size, axes, layers[d])
+        leaves = tuple(dict.fromkeys(t.name for t in ts if t.node.op.name in LEAVES))
+        out.append(UnevenSplit(d, size, axes, leaves, sum(t.node.op.name not in LEAVES for t in ts)))
+    return out
+
+
+def _refuse_layers(layout: Layout, mesh: Mesh, dim: str, size: int, axes, repeat: str):
+    """Raise: the layer dim of a repeat split unevenly (a stage or loop runs whole layers, as many on each rank)."""
+    rule = next((r for r in layout.rules if r.key[1] == dim), None)
+    raise LayoutError(message(
+        f"compile: repeat '{repeat}' has {size} layers (dim '{dim}'), which mesh axes "
+        f"{' x '.join(f'{a}:{mesh.sizes[a]}' for a in axes)} (= {mesh.axis_size(axes)}) do not divide.",
+        source=layout.source if rule else None, span=rule.span if rule else None, inputs=[f"mesh: {mesh}"],
+        rule="a repeat's layers are split into equal runs of whole layers (pipeline stages): uneven "
+             "splits are for other dims",
+        fix=f"use a layer count that is a multiple of {mesh.axis_size(axes)}, or other axes"))
+
+
+def uneven_arg(shape, before: Sharding, after: Sharding, mesh: Mesh, axes) -> tuple | None:
+    """The ``uneven`` arg of a collective over ``axes`` from ``before`` to ``after``, or None.
+
+    For each dim whose parts differ in length across a group over ``axes`` (a dim
+    split over ``axes`` at its minor end, before or after), ``(position, size,
+    above)``: its global size and the axes that split it above ``axes``.  A
+    communicator works out each member's length from them
+    (:func:`meshdsl.collectives.parts_of`).
+    """
+    if not axes:
+        return None
+    out = []
+    for pos, d in enumerate(shape):
+        for sh in (before, after):
+            split = sh.axes_of(d.name)
+            k = len(split) - len(axes)
+            if k >= 0 and split[k:] == tuple(axes) and not is_even(d.size, mesh, split):
+                out.append((pos, d.size, split[:k]))
+                break
+    return tuple(out) or None

@@ -1,0 +1,330 @@
+"""Running a ``repeat`` step: its sub-plan once per layer, forward or backward.
+
+The step is data (:mod:`meshdsl.lowering.repeat` builds it): the block's
+sub-plan in ``step.subplans``, the layer count in ``step.times``.  The layer
+loop itself is :func:`meshdsl.ir.repeat.run_layers`, shared with the dense op;
+here a carry is one local tensor per held rank and a layer is one run of the
+sub-plan's executor, built once per outer executor, fed each stacked param's layer
+slice (made once per layer while the stacked tensors stay the same objects: a pipeline
+stage runs its layers every micro-batch and step with the same params; a param changed
+in place shows through its slices, a new tensor gets new ones).  Before a layer runs, the
+collectives of the next layer that read only its params (FSDP's gathers) are
+started (:mod:`.prefetch`).
+
+A backward loop writes each layer's parameter gradients into preallocated
+stacked buffers as the layer finishes: the matmul that makes a gradient writes
+into its layer slice itself where it can (:mod:`.deferred`), otherwise the result is
+copied there.  A pipeline that sums micro-batches hands the loop its running sums
+(``run.into``): the loop then adds each layer's gradient into them instead; a
+pipeline stage that sends a gradient upstream may also have it put those matmuls
+off until the send has gone (``run.defer``, :class:`~.deferred.Deferred`).  The gradients its step names
+``streamed`` (:func:`meshdsl.lowering.bucket.stream_loop_grads`) are reduced by
+the sub-plan's trailing collectives, one per layer (or one bucket): the loop
+runs the sub-plan without them and starts them itself right after the layer,
+so they are in flight while the layers below are differentiated; the stacked
+result is handed on as a :class:`~.comm.Pending` that waits for every layer
+when a reader (the optimizer update) first needs it.  A bucket allreduce of
+such gradients is not packed: its members' stacked buffers are views into one
+``[layers, bucket]`` buffer (:func:`_packed_rows`), the layer's row is the packed
+bucket, and the reduction lands in the stacked buffers in place, as DDP's
+gradients are views into its buckets.
+
+A forward loop stacks the block's per-layer outputs (the step's ``ys``) over the layer dim
+as the loss reads them whole; a backward loop feeds each layer its slice of their stacked
+gradients.
+
+Tensors the block reads from outside (the step's ``closed`` inputs, after the others) are
+fed to every layer as they are; a backward loop adds up the layers' gradients of each
+(its outputs after the stacked gradients) in a buffer of its own, or into the pipeline's
+running sum when ``run.into`` holds one.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..ir.repeat import LayerStack, run_layers
+from ..lowering.plan import Plan
+from ..comm.bucket import bucket_members, start_packed_each
+from ..comm.communicator import Pending
+from .executor import Executor, PerRank
+from .prefetch import prefetchable, start
+from .deferred import install
+from .steps import rule_for, step_rule
+
+
+@step_rule("repeat")
+def _prepare_repeat(ctx, i, step):
+    (plan,) = step.subplans
+    a = step.args
+    names, pos, saved, num_layers = a["names"], a["pos"], a["saved"], step.times
+    ys = a.get("ys", ())
+    closed = a.get("closed", ())
+    held = range(len(ctx.comm.ranks))
+    if a["backward"]:
+        body, tail = _split_tail(plan, a.get("streamed", ()))
+        sub = Executor(body, ctx.comm, compile=ctx.compile)
+        tail = [(s, rule_for(s.kind)(sub.ctx, -1, s)) for s in tail]
+        grads = step.outs[1:1 + len(names)]   # the stacked gradients; those of the closed-over tensors follow
+        # each held rank's local shape (a split the axes do not divide differs by rank), and the dtype
+        shapes = [([ctx.plan.values[v].local_shape(ctx.plan.mesh, r) for r in ctx.comm.ranks], ctx.plan.values[v].dtype)
+                  for v in grads]
+        sinks = [install(sub, body.outputs[f"d/{k}"]) for k in names]
+        run_fn = _backward_fn(tail, shapes, sinks, grads,
+                              _ClosedSums([k for k in closed if f"d/{k}" in plan.outputs], step.outs[1 + len(names):]))
+    else:
+        sub, run_fn = Executor(plan, ctx.comm, compile=ctx.compile), _forward
+    sub.check_feeds = False   # the loop feeds its body the outer plan's own tensors
+    # A pipeline stage runs layers layer_offset.. of the whole stack: kernels (dropout) salt
+    # by the global layer index, as the dense op does.
+    first = ctx.layer_offset + 1
+
+    layer_params = _LayerParams(names, pos, held)
+
+    def call(env, get, run):
+        ins = [get(v) for v in step.ins]
+        layer_params.fixed = {k: PerRank(x) for k, x in zip(closed, ins[len(ins) - len(closed):])}
+        outs = run_fn(sub, ins[:len(ins) - len(closed)], names, pos, (saved, ys), num_layers, held, run.stats,
+                      run.salt + first, run.into, run.defer, layer_params)
+        for vid, x in zip(step.outs, outs):
+            env[vid] = x
+    return call
+
+
+class _LayerParams:
+    """Layer ``l``'s slice of each stacked param, as the body's feeds, with the feeds every
+    layer reads (``fixed``: the tensors the block reads from outside, set per run).
+
+    The slices of one layer are made once and reused while the stacked tensors are the
+    same objects: a pipeline stage runs its layers once per micro-batch, with the same
+    params.  An update in place keeps them right (they are views); a new stacked tensor
+    makes new ones.  The cache holds the stacked tensors, so their ids stay theirs.
+    """
+
+    def __init__(self, names, pos, held):
+        self.names, self.pos, self.held, self.made = names, pos, held, {}
+        self.fixed: dict = {}
+
+    def __call__(self, stacked, l: int) -> dict:
+        key = [p[j] for p in stacked for j in self.held]
+        hit = self.made.get(l)
+        if hit is not None and all(a is b for a, b in zip(hit[0], key)):
+            return {**hit[1], **self.fixed} if self.fixed else hit[1]
+        params = {k: PerRank([p[j].select(self.pos[k], l) for j in self.held]) for k, p in zip(self.names, stacked)}
+        self.made[l] = (key, params)
+        return {**params, **self.fixed} if self.fixed else params
+
+
+class _Ahead:
+    """One loop's prefetch: the collectives started for the layer that runs next."""
+
+    def __init__(self, sub, names, num_layers, stats):
+        self.sub, self.names, self.num_layers, self.stats = sub, frozenset(names), num_layers, stats
+        self.on = bool(prefetchable(sub))
+        self.next: tuple[int, dict] | None = None
+
+    def __call__(self, l: int, nxt: int, params: dict, params_of) -> dict | None:
+        """Handles for layer ``l`` (started now if no earlier call did); starts layer ``nxt``'s."""
+        if not self.on:
+            return None
+        if self.next is not None and self.next[0] == l:
+            now = self.next[1]
+        else:
+            now = start(self.sub, params, self.names, self.stats)
+        self.next = (nxt, start(self.sub, params_of(nxt), self.names, self.stats)) \
+            if 0 <= nxt < self.num_layers else None
+        return now
+
+
+def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params):
+    x, *stacked = ins
+    saved, ys = kept_names
+    ahead = _Ahead(sub, names, num_layers, stats)
+
+    def params_of(l):
+        return layer_params(stacked, l)
+
+    def layer(l, x):
+        params = params_of(l)
+        pre = ahead(l, l + 1, params, params_of)
+        r = sub.run({"carry": PerRank(x), **params}, {}, salt=first + l, stats=stats, prefetched=pre)
+        return r["out"], (x, *[r[f"y/{k}"] for k in ys], *[r[k] for k in saved])
+
+    x, kept = run_layers(num_layers, layer, x)
+    # Per held rank: the layer inputs, the per-layer outputs stacked over the layer dim (the
+    # loss reads them whole), the saved activations as LayerStacks (read back layer by layer).
+    n_ys = len(ys)
+    inputs = [LayerStack(k[0][j] for k in kept) for j in held]
+    stacked_ys = [[torch.stack([k[1 + n][j] for k in kept], 0) for j in held] for n in range(n_ys)]
+    return [x, inputs, *stacked_ys,
+            *[[LayerStack(k[1 + n_ys + n][j] for k in kept) for j in held] for n in range(len(saved))]]
+
+
+def _split_tail(plan: Plan, streamed) -> tuple[Plan, list]:
+    """``plan`` without the collectives that reduce the ``streamed`` gradients, and those steps.
+
+    The trimmed plan outputs each such gradient unreduced (the collective's input).
+    """
+    want = {plan.outputs[f"d/{n}"] for n in streamed}
+    tail = [i for i, s in enumerate(plan.steps) if s.is_collective and want & set(s.outs)]
+    if not tail:
+        return plan, []
+    src = {o: v for i in tail for v, o in zip(plan.steps[i].ins, plan.steps[i].outs)}
+    outputs = {k: src.get(v, v) for k, v in plan.outputs.items()}
+    assert set(src) <= set(plan.outputs.values()), "a streamed reduction's result is read inside the block"
+    steps = [s for i, s in enumerate(plan.steps) if i not in set(tail)]
+    body = Plan(plan.mesh, plan.layout, steps, plan.values, outputs, plan.params, plan.inputs, plan.notes,
+                plan.holders)
+    return body, [plan.steps[i] for i in tail]
+
+
+class _Layers(Pending):
+    """Stacked gradients reduced layer by layer: waits each layer's collective, fills the buffer."""
+
+    __slots__ = ("pending", "bufs", "pos")
+
+    def __init__(self, pending: list, bufs: list, pos: int):
+        self.pending, self.bufs, self.pos = pending, bufs, pos
+
+    def wait(self):
+        for l in reversed(range(len(self.pending))):   # in the order the layers started them
+            x = self.pending[l]
+            for buf, g in zip(self.bufs, x.wait() if isinstance(x, Pending) else x):
+                dst = buf.select(self.pos, l)
+                if g.data_ptr() != dst.data_ptr() or g.stride() != dst.stride():  # not reduced in place
+                    dst.copy_(g)
+        self.pending = None
+        return self.bufs
+
+
+class _ClosedSums:
+    """A backward loop's sums over the layers of the gradients of the tensors the block reads
+    from outside: sub-plan outputs ``d/<name>`` for ``names``, step outputs ``outs``."""
+
+    def __init__(self, names, outs):
+        self.names, self.outs = names, outs
+
+    def start(self, into: dict, held) -> list:
+        """One sum per gradient: the pipeline's running sums (``into``) where it holds them
+        (added into), else None per held rank (the first layer's gradient is copied)."""
+        return [list(into[v]) if v in into else [None for _ in held] for v in self.outs]
+
+    def add(self, sums: list, r: dict) -> None:
+        """Add one layer's gradients (``r``: the sub-plan's results) into ``sums``."""
+        for acc, k in zip(sums, self.names):
+            for j, g in enumerate(r[f"d/{k}"]):
+                if acc[j] is None:
+                    acc[j] = g.clone()  # the sub-plan may hand on a tensor it still uses (the cotangent)
+                else:
+                    acc[j].add_(g)
+
+
+def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _ClosedSums):
+    """The backward loop for a sub-plan whose ``tail`` collectives the loop starts itself.
+
+    ``shapes``: the (local shape per held rank, dtype) of each stacked gradient the step outputs (value
+    ids ``outs``); ``sinks``: per gradient, its producer's :class:`~.sink.Sink` or None.
+    A call's ``into`` maps some of ``outs`` to running sums (one tensor per held rank):
+    those gradients are added into them, which the call then returns.  With ``defer`` (a
+    :class:`~.deferred.Deferred`), the matmuls of the gradients it names are put off into it:
+    the returned buffers hold those gradients once it has run.  ``closed``: the gradients of
+    tensors read from outside the block, summed over the layers after the stacked ones.
+    """
+    def backward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params):
+        carries, *rest = ins
+        saved, ys = kept_names
+        stacked, dy = rest[:len(names)], rest[len(names)]
+        dys, saved_in = rest[len(names) + 1:len(names) + 1 + len(ys)], rest[len(names) + 1 + len(ys):]
+        ahead = _Ahead(sub, names, num_layers, stats)
+        outv = [sub.plan.outputs[f"d/{k}"] for k in names]
+        late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
+        pending = {n: [None] * num_layers for n in late}
+        into = into or {}
+        closed_sums = closed.start(into, held)
+        adds = [n not in late and outs[n] in into for n in range(len(names))]
+        later = [defer.work if defer is not None and outs[n] in defer.values and n not in late else None
+                 for n in range(len(names))]
+        packed, rows = _packed_rows(sub, tail, outv, shapes, [pos[k] for k in names], num_layers, dy)
+        bufs = [packed[n] if n in packed else into[outs[n]] if adds[n] else
+                [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, dy)]
+                for n, (each, dtype) in enumerate(shapes)]
+        direct = [n not in late or n in packed for n in range(len(names))]  # the layer's grad goes to bufs
+
+        def params_of(l):
+            return layer_params(stacked, l)
+
+        def layer(l, dy):
+            params = params_of(l)
+            pre = ahead(l, l - 1, params, params_of)
+            feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy), **params,
+                     **{f"cotangent/{k}": PerRank([d[j][l] for j in held]) for k, d in zip(ys, dys)},
+                     **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
+            dsts = [[buf.select(pos[k], l) for buf in bufs[n]] for n, k in enumerate(names)]
+            for n, sink in enumerate(sinks):
+                if sink is not None and direct[n]:
+                    sink.dst, sink.accumulate, sink.later = dsts[n], adds[n], later[n]
+            try:
+                r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
+            finally:
+                for sink in sinks:
+                    if sink is not None:
+                        sink.dst = sink.later = None
+            for n, k in enumerate(names):
+                if direct[n]:
+                    for dst, g in zip(dsts[n], r[f"d/{k}"]):
+                        if g is not dst:  # its matmul could not write there itself
+                            dst.add_(g) if adds[n] else dst.copy_(g)
+            closed.add(closed_sums, r)
+            env = {v: r[f"d/{k}"] for v, k in zip(outv, names)}
+            for t, (s, call) in enumerate(tail):
+                t0 = time.perf_counter()
+                if t in rows:
+                    env.update(zip(s.outs, start_packed_each(sub.comm, s, [f[l] for f in rows[t][0]], rows[t][1])))
+                else:
+                    call(env, env.__getitem__, None)
+                if stats is not None:
+                    stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
+            for n in late:
+                pending[n][l] = env[_reduced_out(tail, outv[n])]
+            return r["dcarry"], ()
+
+        dy, _ = run_layers(num_layers, layer, dy, backward=True)
+        return [dy] + [_Layers(pending[n], bufs[n], pos[k]) if n in late else bufs[n]
+                       for n, k in enumerate(names)] + closed_sums
+    return backward
+
+
+def _packed_rows(sub, tail, outv, shapes, pos, num_layers, xs):
+    """The stacked gradients that ``tail``'s bucket allreduces reduce, laid out as their buckets.
+
+    For each bucket allreduce whose members are all loop gradients (``outv``): one
+    ``[num_layers, bucket elements]`` buffer per held rank (like ``xs``), row ``l`` being
+    layer ``l``'s bucket, packed in member order; each member's stacked gradient (``shapes``:
+    local shapes and dtype, layer dim at ``pos``) is a view into it.
+
+    Returns:
+      ``({gradient index: [view per held rank]}, {tail index: (buffers, [(numels, shapes) per held rank])})``.
+    """
+    where = {v: n for n, v in enumerate(outv)}
+    packed, rows = {}, {}
+    for t, (s, _) in enumerate(tail):
+        if s.kind != "bucket_allreduce" or not all(v in where for v in s.ins):
+            continue
+        members = [where[v] for v in s.ins]
+        layouts = [bucket_members(sub.plan, s, r) for r in sub.comm.ranks]   # (numels, shapes) per held rank
+        flats = [torch.empty(num_layers, sum(numels), dtype=shapes[members[0]][1], device=x.device)
+                 for (numels, _), x in zip(layouts, xs)]
+        for i, n in enumerate(members):
+            packed[n] = [f[:, sum(numels[:i]):sum(numels[:i + 1])].view(num_layers, *layer_shapes[i]).movedim(0, pos[n])
+                         for f, (numels, layer_shapes) in zip(flats, layouts)]
+        rows[t] = (flats, layouts)
+    return packed, rows
+
+
+def _reduced_out(tail: list, v: int) -> int | None:
+    """The value a ``tail`` collective makes from ``v`` (None if none reduces it)."""
+    for s, _ in tail:
+        if v in s.ins:
+            return s.outs[s.ins.index(v)]
+    return None

@@ -1,0 +1,342 @@
+"""Running a ``pipeline`` step: the schedule's actions over stage views of the communicator.
+
+The step carries a :class:`~meshdsl.lowering.pipeline_program.PipelineProgram` (lowering
+builds it: :mod:`meshdsl.lowering.partition`): four segments (prologue, forward, backward,
+final), each step with the stages that run it, and per stage its ordered actions, with the
+values each one frees.  Here that program is run:
+
+* the prologue runs once, each step on the ranks of its stages;
+* each schedule action runs on a *view*: the ranks of one stage and one
+  micro-batch (the virtual micro-batch ranks, see :mod:`meshdsl.lowering.pipeline`).
+  ``F`` runs the forward segment's steps of that stage, ``B`` the backward
+  segment's; ``send_*``/``recv_*`` move the carry (or its gradient) to the next
+  stage (or the previous one) by ``send``/``recv``.  A B that sends a gradient
+  upstream puts its loop's weight-gradient matmuls off until the send has gone
+  (:class:`~.deferred.Deferred`): they run as a ``W`` entry right after it, so the
+  stage upstream starts its backward while this one finishes the weight gradients;
+* the final segment runs once after all micro-batches (gradient accumulation,
+  updates), and the sends still in flight are waited for.
+
+A micro-batch's activations are dropped from a stage after its last action there,
+and its partial sums over the micro-batches (gradients, the loss) are added in
+place into one buffer per value (:class:`~.pipeline_store.Accumulator`); the final segment's
+allreduce over the micro-batch axis then reduces only that buffer over its other
+axes.  On real processes a stage posts the receive of its next carry (or carry
+gradient) as soon as it has taken the previous one, so the message arrives while
+it computes; sends are asynchronous and waited for at the end of the step.  The carry's
+transfers ask for the communicator's pipeline path (``Communicator.open_pipe``, made at
+the first run: shared memory between the processes of one host, :mod:`.shm_pipe`).  All
+of this is prepared once per plan: a run walks a list of ready calls.
+
+Values live in one store, per value and rank, so a view reads and writes only its
+own ranks.  The simulated mesh holds every stage: it runs all ranks' actions in one
+order that respects their dependencies (the unit-cost simulation's); a
+torch.distributed process runs its own stage's list.  Each action's wall-clock
+start and end are recorded per stage in :attr:`Executor.last_timeline`, ready for
+:func:`meshdsl.lowering.timeline.bubble_from_timeline`.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..lowering.pipeline_program import PipelineProgram, Segment, StageAction
+from ..lowering.schedule import COMPUTE
+from .executor import donatable_params, donating_steps
+from .pipeline_store import Accumulator, ViewEnv
+from .deferred import Deferred, adding_into_sum, product_sums
+from .context import StepContext
+from .steps import representatives, rule_for, step_rule
+
+
+def _view(comm, ranks):
+    ranks = tuple(ranks)
+    return comm if ranks == tuple(comm.ranks) else comm.view(ranks)
+
+
+@step_rule("pipeline")
+@step_rule("accumulate")
+def _prepare_pipeline(ctx, i, step):
+    return _Runner(ctx, step).call
+
+
+class _Runner:
+    """A pipeline step prepared once for the ranks ``ctx.comm`` holds: its program's actions
+    as ready calls, run by :meth:`call`."""
+
+    def __init__(self, ctx, step):
+        prog: PipelineProgram = step.args["program"]
+        self.ctx, self.step, self.prog = ctx, step, prog
+        self.plan, self.comm, mesh = ctx.plan, ctx.comm, ctx.plan.mesh
+        self.coords = {r: mesh.coords(r) for r in self.comm.ranks}  # an accumulate step: one stage, no axis
+        self.rank_of = {r: c[prog.axis] if prog.axis is not None else 0 for r, c in self.coords.items()}
+        held = set(self.rank_of.values())
+        self.held_ranks = sorted(held)
+        self.held_stages = [s for s in range(prog.num_stages) if prog.rank_of(s) in held]
+        mb_axis = prog.mb_axis
+        # Each held rank's micro-batch-0 twin: the rank a micro-batch sum accumulates on.
+        base = {r: r if mb_axis is None else mesh.rank({**c, mb_axis: 0}) for r, c in self.coords.items()}
+        self.store: dict = {}   # value id -> {rank: tensor}, for one run
+        # The products of matmuls that only the final segment's sums read, and the backward loops'
+        # stacked gradients: later micro-batches add into the first one's (Accumulator.into).
+        self.sums = product_sums(prog.segments[Segment.BACKWARD], prog.read_in_schedule)
+        self.acc = Accumulator(self.store, base, mb_axis, prog.folded, prog.loop_grads | set(self.sums))
+        made = {stage: prog.made(Segment.BACKWARD, stage) for stage in self.held_stages}
+        # Per stage: the loops' gradients (they may wait for a W), and the sums added into.
+        self.later = {stage: tuple(v for v in vs if v in prog.loop_grads) for stage, vs in made.items()}
+        self.summed = {stage: tuple(v for v in vs if v in self.acc.fresh) for stage, vs in made.items()}
+        self.views: dict = {}
+        self.donations = _final_donations(self.plan, step) if ctx.donates else set()
+        # Receives of the carry are posted ahead on real processes: the next one of each kind as
+        # soon as the previous one is taken, so the message lands while the stage computes.
+        self.early = len(self.held_ranks) == 1 and "recv" in self.comm.async_kinds
+        self.deferred: dict = {}   # (stage, micro-batch) -> its B's Deferred
+        self.posted: dict = {}     # carry kind -> receives of that kind, in run order
+        self.actions = [self._action(a) for a in self._order()]
+        for rs in self.posted.values():  # taking one posts the next
+            for r, nxt in zip(rs, rs[1:]):
+                r.then = nxt.post
+        self.first_posts = [rs[0].post for rs in self.posted.values()]
+        self.head, self.tail = self._once(Segment.PROLOGUE), self._once(Segment.FINAL)
+        self.opened = False
+
+    def _order(self) -> tuple[StageAction, ...]:
+        """The actions to run: one rank's list, or every rank's in the program's order."""
+        defer = self.ctx.defer_weight_grads
+        if len(self.held_ranks) == 1:
+            return self.prog.actions(defer)[self.held_ranks[0]]
+        return self.prog.order(defer)
+
+    def view_of(self, stages: frozenset, mb=None):
+        """The communicator's view of the ranks running ``stages`` (for micro-batch ``mb``)."""
+        key = (stages, mb)
+        if key not in self.views:
+            mb_axis, ranks_of = self.prog.mb_axis, {self.prog.rank_of(s) for s in stages}
+            ranks = tuple(r for r in self.comm.ranks if self.rank_of[r] in ranks_of
+                          and (mb is None or mb_axis is None or self.coords[r][mb_axis] == mb))
+            self.views[key] = _view(self.comm, ranks) if ranks else None
+        return self.views[key]
+
+    def prepared(self, seg: Segment, j: int, stages: tuple, view):
+        """Step ``j`` of segment ``seg`` on ``view``, prepared once: a function of the run."""
+        s, prog, store = self.prog.segments[seg].steps[j], self.prog, self.store
+        if s.kind in ("allreduce", "bucket_allreduce") and all(v in self.acc.ops for v in s.ins):
+            go = self.acc.reduce_step(s, view, self.view_of(frozenset(stages), 0))
+        elif s.kind == "recv":
+            go = _Recv(s, store, view, self.plan, prog.is_carry(s)).run
+        elif s.kind == "send":
+            env, (src,), axes = ViewEnv(store, view.ranks), s.ins, s.axes
+            args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": prog.is_carry(s)}
+            go = lambda run: view.collective("send", env.get(src), axes, args)  # noqa: E731
+        else:
+            env = ViewEnv(store, view.ranks)
+            offset = prog.layer_offset(seg, j, stages[0]) if len(stages) == 1 else 0
+            # Segments share values across actions (a forward's result is read by the backward):
+            # their adds stay out of place (no add_into).
+            sx = StepContext(self.plan, view, layer_offset=offset, defer_weight_grads=self.ctx.defer_weight_grads,
+                             compile=self.ctx.compile)   # a loop's body compiles (--compile); other steps stay eager
+            if seg == Segment.FINAL and j in self.donations and (
+                    len(view.ranks) == 1 or representatives(self.plan, view, s) is not None):
+                sx.donated = frozenset({j})   # the update overwrites its param (see Executor.donated)
+            call, get = rule_for(s.kind)(sx, j, s), env.get
+            if seg == Segment.BACKWARD and s.outs and self.sums.get(s.outs[0]) == j:
+                call = adding_into_sum(call, s)
+            go = lambda run: call(env, get, run)  # noqa: E731
+        return go if s.subplans else _timed(s.kind, go)  # a repeat times its own steps
+
+    def _once(self, seg: Segment) -> list:
+        """The calls of a segment run once per step (the prologue, the final segment)."""
+        return [self.prepared(seg, j, st, self.view_of(frozenset(st))) for j, st in enumerate(self.prog.stages[seg])
+                if self.view_of(frozenset(st)) is not None]
+
+    def _action(self, sa: StageAction) -> tuple:
+        """``(rank, action, calls, finished)`` of one entry of a rank's list; ``finished``: the
+        ranks, the values to drop and the sums to take when the entry ends its micro-batch on
+        its stage, else None."""
+        act, seg, stage = sa.action, sa.segment, sa.action.stage
+        key, rank = (stage, act.microbatch), self.prog.rank_of(stage)
+        view = self.view_of(frozenset({stage}), act.microbatch)
+        finished = None if sa.finishes is None else (view.ranks, sa.finishes, sa.accumulates)
+        if act.kind == "W":   # the put-off weight-gradient matmuls of its B (see .deferred)
+            return rank, act, [_timed("local", _flushing(self.deferred[key]))], finished
+        summed, frees, calls = self.summed[stage] if act.kind == "B" else (), dict(sa.frees), []
+        if summed:
+            calls.append(_adding_into(self.acc, view.ranks, summed))
+        for j in sa.steps:
+            if act.kind in COMPUTE:
+                calls.append(self.prepared(seg, j, (stage,), view))
+                if j in frees:
+                    calls.append(_dropper(self.store, view.ranks, frees[j]))
+            elif act.is_recv and self.early:
+                r = _Recv(self.prog.segments[seg].steps[j], self.store, view, self.plan, pipe=True)
+                self.posted.setdefault(act.kind, []).append(r)
+                calls.append(_timed("recv", r.take))
+            else:
+                calls.append(self.prepared(seg, j, (stage,), view))
+        if summed:
+            calls.append(_done)
+        if sa.defers:   # the B's weight-gradient matmuls wait for its W, after the send
+            self.deferred[key] = Deferred(self.later[stage])
+            calls = [_deferring(self.deferred[key]), *calls, _done]
+        return rank, act, calls, finished
+
+    def call(self, env, get, run):
+        comm, store, acc, step = self.comm, self.store, self.acc, self.step
+        # The carry's transfers may take a faster path than the communicator's plain send and
+        # receive (shared memory between processes of one host: .shm_pipe); made at the first run,
+        # where every rank runs this step.
+        if self.prog.carry_offsets and not self.opened:
+            comm.open_pipe((self.prog.axis,), list(self.prog.carry_offsets))
+            self.opened = True
+        store.clear()
+        acc.clear()
+        for v in step.ins:
+            store[v] = {r: x for r, x in zip(comm.ranks, get(v)) if x is not None}
+        for go in self.head:
+            go(run)
+        for post in self.first_posts:
+            post()
+        timeline = {r: [] for r in self.held_ranks}
+        clock = time.perf_counter
+        for rank, act, calls, finished in self.actions:
+            t0 = clock()
+            for go in calls:
+                go(run)
+            timeline[rank].append((act, t0, clock()))
+            if finished is not None:  # the micro-batch is done on this stage
+                ranks, dropped, sums = finished
+                for v in dropped:
+                    slot = store.get(v)
+                    if slot:
+                        for r in ranks:
+                            slot.pop(r, None)
+                acc.add(ranks, sums)
+        for go in self.tail:
+            go(run)
+        comm.drain()
+        for v in step.outs:
+            slot = store.get(v, {})
+            env[v] = [slot.get(r) for r in comm.ranks]
+        store.clear()
+        acc.clear()
+        self.ctx.timeline = tuple(tuple(timeline[r]) for r in self.held_ranks)
+
+
+def _final_donations(plan, step) -> set[int]:
+    """Positions in the final segment of the updates that may overwrite their params: every
+    action has run by then, so the rule is the executor's over all the pipeline's steps."""
+    top = [s for s in plan.steps if s is not step]   # the pipeline step itself reads every param
+    inner = [s for sub in step.subplans for s in sub.steps]
+    params = donatable_params(top + inner, {s.outs[0] for s in top if s.kind == "param"},
+                              set(plan.outputs.values()))
+    final = step.subplans[3].steps
+    last_use = {v: j for j, s in enumerate(final) for v in s.ins}
+    return donating_steps(final, params, last_use)
+
+
+def _adding_into(acc, ranks, values):
+    """Sets ``run.into`` for a B action: the running sums its loop adds ``values`` into."""
+    def go(run):
+        run.into = acc.into(ranks, values)
+    return go
+
+
+def _deferring(deferred):
+    """Sets ``run.defer`` for a B action whose weight-gradient matmuls wait for its send."""
+    def go(run):
+        run.defer = deferred
+    return go
+
+
+def _done(run):
+    """Clears ``run.into`` and ``run.defer`` after a B action."""
+    run.into = run.defer = None
+
+
+def _flushing(deferred):
+    """The W entry after a B's send: its put-off weight-gradient matmuls."""
+    def go(run):
+        deferred.run()
+    return go
+
+
+def _dropper(store, ranks, values):
+    def drop(run):
+        for v in values:
+            for r in ranks:
+                store.get(v, {}).pop(r, None)
+    return drop
+
+
+def _timed(kind, go):
+    """``go``, adding its seconds to the run's stats under ``kind`` when the run is timed."""
+    def timed(run):
+        if run.stats is None:
+            return go(run)
+        t0 = time.perf_counter()
+        go(run)
+        run.stats[kind] = run.stats.get(kind, 0.0) + time.perf_counter() - t0
+    return timed
+
+
+class _Recv:
+    """A carry receive on one view: posted (``post``), then taken (``take``, the schedule's action).
+
+    Posted ahead, the transfer runs while the stage computes; ``then`` posts the next
+    receive of the same kind once this one is taken.  ``run`` receives at once (the
+    simulated mesh, where the message is already in the mailbox).  ``pipe``: the transfer
+    may take the communicator's pipeline path (see ``Communicator.open_pipe``).
+    """
+
+    def __init__(self, s, store, view, plan, pipe: bool):
+        v = plan.values[s.outs[0]]
+        self.env, self.out, self.view = ViewEnv(store, view.ranks), s.outs[0], view
+        self.templates = [torch.empty(v.local_shape(plan.mesh, r), dtype=v.dtype, device=view.device)
+                          for r in view.ranks]   # each rank's own shape: an uneven split differs by rank
+        self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
+        self.pending, self.then = None, None
+
+    def post(self) -> None:
+        self.pending = self.view.start("recv", self.templates, self.axes, self.args)
+
+    def take(self, run) -> None:
+        self.env[self.out] = self.pending
+        self.pending = None
+        if self.then is not None:
+            self.then()
+
+    def run(self, run) -> None:
+        self.env[self.out] = self.view.collective("recv", self.templates, self.axes, self.args)
+
+
+def outputs_to_first_rank(comm, plan, full: dict) -> dict:
+    """``full`` (name -> full tensor or None) completed on rank 0 of a torch.distributed job.
+
+    A pipeline keeps outputs on the stages that make them (the loss on the last);
+    each one rank 0 lacks is sent to it, over the stage axis, by the rank of its first
+    holding stage with all other coordinates 0.  Every rank calls this, in the same
+    order; a communicator holding every rank (the simulated mesh) has them all already.
+
+    Returns:
+      ``full`` with rank 0's missing outputs filled in (other ranks: unchanged).
+    """
+    pipe = next((s for s in plan.steps if s.kind == "pipeline"), None)
+    real = getattr(comm, "real", comm)  # the process's own rank (micro-batches folded)
+    if pipe is None or len(real.ranks) != 1:
+        return full
+    ax, mesh, me = pipe.args["axis"], real.mesh, real.ranks[0]
+    out = dict(full)
+    for tag, (name, vid) in enumerate(plan.outputs.items()):
+        holders = plan.holders.get(vid)
+        if holders is None or 0 in holders:  # virtual rank 0 is real rank 0's first micro-batch
+            continue
+        stage = min(plan.mesh.coords(r)[ax] for r in holders)
+        src = mesh.rank({a: (stage if a == ax else 0) for a in mesh.names})
+        v = plan.values[vid]
+        if me == src:
+            real.send([out[name]], (ax,), -stage, tag)
+            real.drain()
+        elif me == 0:
+            out[name] = real.recv([torch.empty(v.shape.sizes, dtype=v.dtype, device=real.device)], (ax,), -stage, tag)[0]
+    return out

@@ -1,0 +1,135 @@
+"""Interleaved virtual stages: ``schedule="interleaved:v"`` (lowering/interleave.py).
+
+The schedule's own properties at chunk costs (F and B of a chunk take 1/v of a whole
+stage's): a valid, deadlock-free order whose bubble is (p-1)/(v m+p-1).  The lowered
+program: rank r runs chunks r, r+p, ..., each chunk's layers salted by their global index.
+The plan gives the dense program's numbers on the simulated mesh (one gloo case lives in
+tests/test_pipeline_dist.py), its measured peaks are the theory's, ``plan`` prints its table,
+and v not dividing a rank's layers exits 2 with the reason.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.comm.simulated import SimulatedComm
+from meshdsl.lowering.pipeline_program import Segment
+from meshdsl.lowering.schedule import validate
+from meshdsl.lowering.schedule_gen import named_schedule, parse_schedule, peak_theory
+from meshdsl.lowering.timeline import bubble_from_timeline, costs, simulate
+from meshdsl.train.step import training_outputs
+
+from conftest import run_cli
+
+REL = 1e-5  # as tests/test_pipeline_exec.py: micro-batch sums in another order, fp32 rounding only
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_schedule_at_chunk_costs_has_the_interleaved_bubble(p, v, k):
+    m = k * p
+    s = named_schedule(f"interleaved:{v}", p, m)
+    validate(s)   # every action on its rank, in a valid order, and no deadlock
+    assert (s.num_chunks, s.num_stages) == (v, p * v)
+    assert all({a.stage for a in row} == set(range(r, p * v, p)) for r, row in enumerate(s.actions))
+    # A whole stage's F = 1 and B = 2: a chunk's take 1/v of that.
+    stats = simulate(s, costs(Fraction(1, v), Fraction(2, v)))
+    assert stats.makespan == Fraction(3 * (v * m + p - 1), v)
+    for r in stats.ranks:
+        assert r.busy == 3 * m   # the same work as one stage per rank
+        assert r.idle_fraction == Fraction(p - 1, v * m + p - 1)
+
+
+def test_schedule_names():
+    assert parse_schedule("interleaved:3") == ("interleaved", 3) and parse_schedule("zbh1") == ("zbh1", 1)
+    for bad, words in (("interleaved", "name its virtual stages"), ("1f1b:2", "no virtual stages"),
+                       ("interleaved:0", "name its virtual stages"), ("interleaved:x", "name its virtual stages")):
+        with pytest.raises(md.MeshDSLError, match=words):
+            parse_schedule(bad)
+
+
+def _outputs(layers, name="transformer", **kw):
+    model = md.load_model(name, tiny=True, layers=layers, batch=8, **kw)
+    return model, training_outputs(model.loss, model.params, 0.1, with_grads=True)
+
+
+@pytest.mark.parametrize("name,layers,mesh,layout,m,v,kw", [
+    ("transformer", 4, "stage:2", "layer:stage", 2, 2, {}),
+    ("transformer", 6, "stage:2", "layer:stage", 4, 3, {}),
+    ("transformer", 8, "stage:4", "layer:stage", 4, 2, {"dropout": 0.25}),   # each chunk salts by its layers
+    ("llama", 4, "stage:2; data:2", "layer:stage; batch:data", 2, 2, {}),    # every chunk reads the rotary tables
+])
+def test_interleaved_matches_dense_on_the_simulated_mesh(name, layers, mesh, layout, m, v, kw):
+    model, outs = _outputs(layers, name, **kw)
+    plan = md.compile(outs, mesh, layout, microbatches=m, schedule=f"interleaved:{v}")
+    ex = md.Executor(plan, SimulatedComm(plan.mesh))
+    got = ex.full_outputs(ex.run(model.feeds(0)))
+    want = md.run_dense(outs, model.feeds(0))
+    assert set(got) == set(want)
+    for k, ref in want.items():
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(got[k], ref, rtol=REL, atol=REL * scale, msg=lambda e, k=k: f"'{k}': {e}")
+    # Measured like the other schedules: per rank, the activations held at once are the theory's.
+    p = md.Mesh.parse(mesh).sizes["stage"]
+    stats = bubble_from_timeline(ex.last_timeline)
+    assert [r.peak_activations for r in stats.ranks] == [peak_theory("interleaved", p, m, r, v) for r in range(p)]
+
+
+def test_each_rank_runs_its_chunks_of_layers():
+    """Rank r runs the layer chunks r, r+p, ...: chunk c's forward runs on stages c p .. c p + p - 1,
+    k layers each, and stage s's kernels salt from layer s k on."""
+    p, v, layers = 2, 2, 8
+    _, outs = _outputs(layers)
+    plan = md.compile(outs, f"stage:{p}", "layer:stage", microbatches=2, schedule=f"interleaved:{v}")
+    prog = next(s for s in plan.steps if s.kind == "pipeline").args["program"]
+    assert (prog.num_ranks, prog.num_stages) == (p, p * v)
+    k = layers // (p * v)
+    chunks = [(j, s, st) for j, (s, st) in enumerate(prog.steps(Segment.FORWARD)) if s.kind == "repeat"]
+    assert [st for _, _, st in chunks] == [tuple(range(c * p, c * p + p)) for c in range(v)]
+    for j, s, st in chunks:
+        assert s.times == k
+        assert [prog.layer_offset(Segment.FORWARD, j, stage) for stage in st] == [stage * k for stage in st]
+    for r, row in enumerate(prog.actions()):
+        assert {a.action.stage for a in row} == set(range(r, p * v, p))
+    # the stacked params stay stored as the layout splits them: rank r's own layers
+    wq = plan.params["wq"]
+    assert plan.values[wq].local_shape(plan.mesh)[0] == layers // p
+
+
+def test_plan_prints_the_interleaved_table(capsys):
+    rc, out, err = run_cli(capsys, ["plan", "transformer", "--tiny", "--config", "layers=4", "--mesh", "stage:2",
+                                    "--layout", "layer:stage", "--microbatches", "4", "--schedule", "interleaved:2",
+                                    "--totals"])
+    assert rc == 0, err
+    flat = " ".join(out.split())
+    assert "pipeline over 'stage': 2 stages, 4 micro-batches, schedule interleaved:2; in theory: bubble 11.1%" in flat
+    assert "interleaved: 2 ranks, 4 micro-batches, 2 stages per rank" in out
+    assert "rank 0 | F0@0 F1@0 F0@2 F1@2 F2@0 B0@2" in out
+
+
+def test_a_block_reading_tensors_from_outside_is_refused():
+    import t5_tiny as t5   # its decoder layers read the encoder's output
+
+    outs, _ = t5.build(t5.Config())
+    with pytest.raises(md.LayoutError, match="reads tensors from outside the repeat") as e:
+        md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2")
+    assert "Fix: use one stage per rank" in str(e.value)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--config", "layers=4", "--schedule", "interleaved:4"],
+     ["4 virtual stages per rank do not divide the 2 layers of each of the 2 ranks", "Fix:"]),
+    (["--config", "layers=4", "--schedule", "interleaved"], ["--schedule: invalid choice: 'interleaved'",
+                                                              "write interleaved:V"]),
+    (["--schedule", "1f1b:2"], ["--schedule: invalid choice: '1f1b:2', 1f1b has no virtual stages"]),
+])
+def test_bad_virtual_stages_exit_2(capsys, argv, words):
+    rc, out, err = run_cli(capsys, ["plan", "transformer", "--tiny", "--mesh", "stage:2", "--layout", "layer:stage",
+                                    "--microbatches", "2", *argv])
+    assert rc == 2 and "Traceback" not in err, err
+    for w in words:
+        assert w in " ".join(err.split()), err
