@@ -13,6 +13,8 @@
 * :class:`First` / :class:`Last` and :func:`torch_pipe_step`: the transformer cut into two
   ``torch.distributed.pipelining`` stages, optionally with each stage's module wrapped
   (DDP over a data-parallel group, for pipeline + data parallelism).
+* :class:`Chunk` and :func:`torch_interleaved_step`: the transformer cut into ``p * v``
+  chunks, rank r holding chunks r, r + p, ..., run by ``ScheduleInterleaved1F1B``.
 
 The timing harness itself (turns, rounds, CPU ticks) is ``distributed_mlp._interleave``.
 """
@@ -218,3 +220,78 @@ def torch_pipe_step(cfg, w, feeds, lr, schedule: str, m: int, stage_index: int |
         opt.zero_grad(set_to_none=True)
         return loss
     return step
+
+
+class Chunk(nn.Module):
+    """Logical stage ``index`` of ``num_stages``: its ``layers / num_stages`` blocks, with the
+    embedding before them on the first and the final norm and the LM head after them on the last."""
+
+    def __init__(self, net: nn.Module, index: int, num_stages: int):
+        super().__init__()
+        self.cfg, self.first, self.last = net.cfg, index == 0, index == num_stages - 1
+        k = len(net.blocks) // num_stages
+        self.blocks = nn.ModuleList(net.blocks[index * k:(index + 1) * k])
+        if self.first:
+            self.wte, self.wpe = net.wte, net.wpe
+        if self.last:
+            self.lnf, self.lnf_b, self.lm_head = net.lnf, net.lnf_b, net.lm_head
+
+    def forward(self, x):
+        if self.first:
+            x = F.embedding(x, self.wte) + self.wpe
+        for b in self.blocks:
+            x = b(x)
+        if self.last:
+            x = F.layer_norm(x, (self.cfg.d_model,), self.lnf, self.lnf_b, eps=1e-5)
+            x = x @ self.lm_head.t()
+        return x
+
+
+def torch_interleaved_step(cfg, w, feeds, lr, m: int, v: int = 2):
+    """torch.distributed.pipelining's ``ScheduleInterleaved1F1B`` over the world's p ranks, each
+    holding ``v`` chunks (rank r: chunks r, r + p, ..., as Megatron places them, the same split
+    as meshdsl's ``interleaved:v``); returns the step's loss on the rank with the last chunk
+    (NaN elsewhere)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    from dense_vs_torch import TorchGPT
+    p, rank = dist.get_world_size(), dist.get_rank()
+    n = p * v
+    if cfg.layers % n:
+        raise ValueError(f"{cfg.layers} layers do not cut into {n} chunks of equal size")
+    net = TorchGPT(cfg, w)
+    chunks = [Chunk(net, c, n) for c in range(rank, n, p)]
+    stages = [PipelineStage(c, i, n, torch.device("cpu")) for c, i in zip(chunks, range(rank, n, p))]
+    vocab = cfg.vocab
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
+    # scale_grads (the default) divides the summed micro-batch gradients by m, as torch_pipe_step's.
+    sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    opt = sgd_optimizer([q for c in chunks for q in c.parameters()], lr)
+    first, last = rank == 0, rank == (n - 1) % p
+
+    def step(ids=feeds["ids"], labels=feeds["labels"]):
+        losses: list = []
+        kwargs = {"target": labels, "losses": losses} if last else {}
+        sched.step(*((ids,) if first else ()), **kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().item() if last else math.nan
+    return step
+
+
+def stacked_block_grads(blocks, d: int, h: int, e: int) -> dict:
+    """The gradients of a torch twin's blocks (packed ``w_qkv``, ``wo``, norms, MLP) stacked over
+    the layers in meshdsl's param shapes: ``wq``/``wk``/``wv`` ``[layer, d, h, e]``, ``wo``
+    ``[layer, h, e, d]``, the rest as they are."""
+    import torch
+    per_layer: dict[str, list] = {k: [] for k in ("ln1", "ln1_b", "wq", "wk", "wv", "wo", "ln2", "ln2_b",
+                                                   "w_fc", "w_proj")}
+    for b in blocks:
+        for k, g in zip(("wq", "wk", "wv"), b.w_qkv.grad.split(h * e, dim=1)):
+            per_layer[k].append(g.reshape(d, h, e))
+        per_layer["wo"].append(b.wo.grad.reshape(h, e, d))
+        for k in ("ln1", "ln1_b", "ln2", "ln2_b", "w_fc", "w_proj"):
+            per_layer[k].append(getattr(b, k).grad)
+    return {k: torch.stack(v) for k, v in per_layer.items()}

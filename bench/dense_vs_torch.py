@@ -55,7 +55,7 @@ from meshdsl.train.step import training_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import machine_end, machine_start  # noqa: E402
+from _common import machine_end, machine_start, stacked_block_grads  # noqa: E402
 
 TARGET = 1.05
 RESULTS = ROOT / "bench" / "results"
@@ -129,15 +129,7 @@ class TorchGPT(nn.Module):
         cfg = self.cfg
         d, h, e = cfg.d_model, cfg.heads, cfg.d_head
         out = {k: getattr(self, k).grad for k in ("wte", "wpe", "lnf", "lnf_b", "lm_head")}
-        per_layer: dict[str, list] = {k: [] for k in ("ln1", "ln1_b", "wq", "wk", "wv", "wo", "ln2", "ln2_b",
-                                                       "w_fc", "w_proj")}
-        for b in self.blocks:
-            for k, g in zip(("wq", "wk", "wv"), b.w_qkv.grad.split(h * e, dim=1)):
-                per_layer[k].append(g.reshape(d, h, e))
-            per_layer["wo"].append(b.wo.grad.reshape(h, e, d))
-            for k in ("ln1", "ln1_b", "ln2", "ln2_b", "w_fc", "w_proj"):
-                per_layer[k].append(getattr(b, k).grad)
-        return {**out, **{k: torch.stack(v) for k, v in per_layer.items()}}
+        return {**out, **stacked_block_grads(self.blocks, d, h, e)}
 
 
 # ----------------------------------------------------------------------------- steps

@@ -1,4 +1,4 @@
-"""Pipeline training step on 2 gloo processes: meshdsl GPipe, 1F1B and ZB-H1 vs torch.distributed.pipelining.
+"""Pipeline step on 2 gloo processes: meshdsl GPipe, 1F1B, ZB-H1, interleaved vs torch.distributed.pipelining.
 
 Workload: models/transformer.py at its default Config (4 layers, batch 16, seq 64,
 d_model 256, fp32), one step = forward + backward + SGD, 1 torch thread per process.
@@ -7,9 +7,13 @@ Variants:
   1 proc    plain torch (bench/dense_vs_torch.py's TorchGPT, autograd, fused SGD): the baseline
   1 proc    meshdsl, mesh "data:1", layout ""
   2 procs   meshdsl, mesh "stage:2", layout "layer:stage", --microbatches m, schedule gpipe / 1f1b / zbh1
+            / interleaved:2 (v = 2 virtual stages: rank r runs layer chunks r and r + 2)
   2 procs   torch.distributed.pipelining ScheduleGPipe / Schedule1F1B, the same split
             (embedding + blocks 0-1 | blocks 2-3 + final norm + head) and the same m
-            (torch's zero-bubble schedules need several stages per rank: no ZB-H1 counterpart)
+            (torch's zero-bubble schedules need several stages per rank: no ZB-H1 counterpart),
+            and ScheduleInterleaved1F1B with 2 chunks per rank, the same split as meshdsl's
+            interleaved:2 (rank 0: embedding + block 0, block 2 | rank 1: block 1, block 3 + head);
+            both interleaved schedules need m to be a multiple of 2
   2 procs   with --gloo-sends, meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets
             (TorchComm(shm=False)) beside the default shared-memory ones: the transport's share
   floor     plain torch with the batch in max(m) micro-batches (gradients accumulated), on one
@@ -30,8 +34,10 @@ by wrapping them (compute against compute, waiting left out).
 
     python bench/pipeline.py                    # 3 rounds
     python bench/pipeline.py --quick            # 1 round, 2 turns, m in {4, 8}: the goals' cases
+    python bench/pipeline.py --ms 8             # 3 rounds at m = 8 alone (interleaved's goals)
     python bench/pipeline.py --rounds 1 --reps 2 --ms 1 4
     python bench/pipeline.py --profile          # cProfile of meshdsl 1f1b at the largest m, per rank
+    python bench/pipeline.py --profile --profile-schedule interleaved:2 --ms 8
     python bench/pipeline.py --gloo-sends       # also 1F1B with its transfers on gloo (not shared memory)
     python bench/pipeline.py --tiny             # the tiny transformer: the runtime and transfers alone
 
@@ -55,20 +61,22 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import (machine_end, machine_start, setup, torch_pipe_step,  # noqa: E402  (the torch sides, shared)
-                     torch_step)
+from _common import (machine_end, machine_start, setup, torch_interleaved_step,  # noqa: E402  (the torch sides,
+                     torch_pipe_step, torch_step)                             # shared)
 from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the shared harness)
 
 MODEL = str(ROOT / "models" / "transformer.py")
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
-SCHEDULES = ("gpipe", "1f1b", "zbh1")
-TORCH_SCHEDULES = ("gpipe", "1f1b")   # torch's zero-bubble schedules need several stages per rank
+INTERLEAVED = "interleaved:2"   # v = 2 virtual stages per rank
+SCHEDULES = ("gpipe", "1f1b", "zbh1", INTERLEAVED)
+TORCH_SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)   # torch's zero-bubble schedules need several stages per rank
 GLOO = "1f1b(gloo)"   # --gloo-sends: meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets
 # Step-0 losses agree up to fp32 summation order (micro-batch sums, other kernels): a wrong
 # split or a missing micro-batch moves the loss by O(1) of itself, far above 1e-4.
 LOSS_RTOL = 1e-4
-# Goals from the issue.
-BUBBLE_RTOL, SPEEDUP_GOAL = 0.10, 1.5
+# Goals from the issues: one-stage-per-rank schedules within 10% of (p-1)/(m+p-1); interleaved at
+# m = 8 at most 1.2x (p-1)/(vm+p-1) and not slower than torch's ScheduleInterleaved1F1B.
+BUBBLE_RTOL, SPEEDUP_GOAL, INTERLEAVED_BUBBLE_GOAL = 0.10, 1.5, 1.2
 
 
 #: --tiny: the tiny transformer with 4 layers and batch 16 (every m divides it), whose kernels cost
@@ -82,8 +90,10 @@ def _setup(seed: int, tiny: bool = False):
 
 # ----------------------------------------------------------------------------- meshdsl variants
 
-def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpipe", rows=None):
-    """A meshdsl TrainStep; with ``rows``, appends each timed step's pipeline timeline to it."""
+def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpipe", rows=None, outside=None):
+    """A meshdsl TrainStep; with ``rows``, appends each timed step's pipeline timeline to it, and
+    to ``outside`` the seconds this rank's step spent before its first schedule action and after
+    its last (the steps around the pipeline, its prologue and its final segment)."""
     from meshdsl.train.jobs import agree_plan
     from meshdsl.train.step import TrainStep
     ts = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed, microbatches=m,
@@ -93,19 +103,46 @@ def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpip
     def step(timed=False):
         # Per-kind stats (TrainStep's timed=True) time every kernel: overhead nothing here reads.
         # The pipeline's action timeline is recorded on every step anyway.
+        t0 = time.perf_counter()
         loss, _ = ts(feeds)
+        t1 = time.perf_counter()
         if timed and rows is not None:
-            rows.append(ts.executor.last_timeline)
+            timeline = ts.executor.last_timeline
+            rows.append(timeline)
+            if outside is not None:
+                first = min(a[1] for row in timeline for a in row)
+                last = max(a[2] for row in timeline for a in row)
+                outside.append((first - t0, t1 - last))
         return loss
     step.plan = ts.plan
     return step
 
 
 def _activation_bytes(plan) -> list[int]:
-    """Per stage, bytes of one micro-batch's activations: what its forward makes and its backward
-    reads (values made by the forward segment's steps of that stage, read by the backward's)."""
+    """Per logical stage, bytes of one micro-batch's activations: what its forward makes and its
+    backward reads (values made by the forward segment's steps of that stage, read by the backward's)."""
     from meshdsl.lowering.memory import saved_bytes
     return saved_bytes(next(s for s in plan.steps if s.kind == "pipeline"), plan.mesh)
+
+
+def _once_transfer_bytes(plan, num_processes: int) -> dict:
+    """Per rank of the stage axis (= process), bytes it sends per step in the pipeline's prologue
+    and final segment (run once per step, outside the schedule): with virtual stages, the stacked
+    params handed to the rank that runs each chunk and their gradients handed back.  A process
+    holds ``mesh.size / num_processes`` ranks of the plan's mesh (its m micro-batch ranks): a
+    transfer whose value varies by micro-batch is sent once per held rank, any other once
+    (``runtime/pipeline.py``: its representatives send it)."""
+    from meshdsl.lowering.pipeline import varies_by_microbatch
+    from meshdsl.lowering.pipeline_program import Segment
+    from meshdsl.tools.pipe_report import pipeline_program
+    prog, held = pipeline_program(plan), plan.mesh.size // num_processes
+    out = {seg.name.lower(): [0] * prog.num_ranks for seg in (Segment.PROLOGUE, Segment.FINAL)}
+    for seg in (Segment.PROLOGUE, Segment.FINAL):
+        for s, stages in prog.steps(seg):
+            if s.kind == "send":
+                for r in {prog.rank_of(st) for st in stages}:
+                    out[seg.name.lower()][r] += s.bytes * (held if varies_by_microbatch(s, plan.values) or prog.is_carry(s) else 1)
+    return out
 
 
 def _floor_names(ms) -> tuple[str, str]:
@@ -124,10 +161,18 @@ def single_job(comm, ms, warmup, reps, block, lr, seed, tiny=False):
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu}
 
 
+def _runs(who: str, schedule: str, m: int) -> bool:
+    """Whether ``who`` runs ``schedule`` with m micro-batches on 2 stages: torch's Schedule1F1B
+    refuses fewer micro-batches than stages (m=1), and both interleaved schedules want whole
+    groups of p = 2 micro-batches."""
+    if schedule == INTERLEAVED:
+        return m % 2 == 0
+    return who == "meshdsl" or (schedule in TORCH_SCHEDULES and not (schedule == "1f1b" and m < 2))
+
+
 def _names(ms, gloo=False):
-    # torch's Schedule1F1B refuses fewer micro-batches than stages (m=1 on 2 stages).
     return [f"{who} {s} m={m}" for m in ms for s in SCHEDULES + (GLOO,) * gloo for who in ("meshdsl", "torch")
-            if who == "meshdsl" or (s in TORCH_SCHEDULES and not (s == "1f1b" and m < 2))]
+            if _runs(who, s, m)]
 
 
 class _TorchActions:
@@ -182,14 +227,14 @@ def _meshdsl_actions_ms(rows: list) -> dict:
 
 
 def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False, tiny=False):
-    """2 processes: meshdsl and torch pipelining, GPipe and 1F1B, every m, interleaved; and plain
+    """2 processes: meshdsl and torch pipelining, every schedule and m, interleaved; and plain
     torch in max(ms) micro-batches on both processes at once (no communication: what sharing the
     machine costs)."""
     from meshdsl.comm.distributed import TorchComm
     from meshdsl.train.jobs import gather_timelines
     from meshdsl.tools.pipe_report import schedule_summary
     model, feeds, w = _setup(seed, tiny)
-    rows = {}
+    rows, outside = {}, {}
     steps = {}
     actions = _TorchActions()
     plain = TorchComm("stage:2", shm=False) if gloo else None   # every rank makes its groups, in order
@@ -197,15 +242,18 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
     steps[both] = torch_step(model.config, w, feeds, lr, max(ms))
     for m in ms:
         for s in SCHEDULES + (GLOO,) * gloo:
-            rows[f"meshdsl {s} m={m}"] = []
-            steps[f"meshdsl {s} m={m}"] = meshdsl_step(model, feeds, plain if s == GLOO else comm, "stage:2",
-                                                       "layer:stage", lr, seed, m, "1f1b" if s == GLOO else s,
-                                                       rows[f"meshdsl {s} m={m}"])
+            if not _runs("meshdsl", s, m):
+                continue
+            k = f"meshdsl {s} m={m}"
+            rows[k], outside[k] = [], []
+            steps[k] = meshdsl_step(model, feeds, plain if s == GLOO else comm, "stage:2", "layer:stage", lr,
+                                    seed, m, "1f1b" if s == GLOO else s, rows[k], outside[k])
             if f"torch {s} m={m}" in _names(ms):
                 name = f"torch {s} m={m}"
-                steps[name] = actions.wrap(name, torch_pipe_step(model.config, w, feeds, lr, s, m))
-    if profile:
-        return _profile(steps[f"meshdsl 1f1b m={max(ms)}"], warmup)
+                steps[name] = actions.wrap(name, torch_interleaved_step(model.config, w, feeds, lr, m)
+                                           if s == INTERLEAVED else torch_pipe_step(model.config, w, feeds, lr, s, m))
+    if profile:   # the schedule to profile
+        return _profile(steps[f"meshdsl {profile} m={max(ms)}"], warmup)
     dist.barrier()
     origin = time.perf_counter()
     loss0, last, times, cpu = _interleave(steps, warmup, reps, block, sync=dist.barrier,
@@ -220,8 +268,10 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
     summaries = {k: schedule_summary(steps[k].plan) for k in rows}
     act_bytes = {k: _activation_bytes(steps[k].plan) for k in rows}
     compute = {**actions.per_step_ms(), **{k: _meshdsl_actions_ms(r) for k, r in rows.items()}}
+    once_bytes = {k: _once_transfer_bytes(steps[k].plan, dist.get_world_size()) for k in rows}
     return {"loss0": loss0, "last": last, "times": times, "cpu": cpu, "timelines": timelines,
-            "summaries": summaries, "act_bytes": act_bytes, "actions_ms": compute}
+            "summaries": summaries, "act_bytes": act_bytes, "actions_ms": compute, "outside": outside,
+            "once_bytes": once_bytes}
 
 
 def _profile(step, warmup, num_steps=10):
@@ -246,6 +296,49 @@ def _profile(step, warmup, num_steps=10):
 
 # ----------------------------------------------------------------------------- report
 
+def _peak_bytes(peak: list[int], per_stage: list[int]) -> list[float]:
+    """Per rank, peak activations held x the bytes of one: with v virtual stages a rank holds
+    chunk activations of its v logical stages (rank r: r, r + p, ...), priced at their mean."""
+    p = len(peak)
+    return [n * statistics.fmean(per_stage[r::p]) for r, n in enumerate(peak)]
+
+
+def _interleaved_report(console, ms, figures, med, per_round, outside, once_bytes) -> dict:
+    """Prints interleaved's bubble against (p-1)/(vm+p-1) and its step against torch's, and the
+    time each rank's step spends outside the schedule beside 1F1B's: with virtual stages, the
+    prologue's hand-out of the stacked params and the final segment's hand-back of their
+    gradients (bytes from the plan).  Returns those figures by variant."""
+    out = {}
+    for m in (m for m in ms if f"meshdsl {INTERLEAVED} m={m}" in figures):
+        k, ref = f"meshdsl {INTERLEAVED} m={m}", f"meshdsl 1f1b m={m}"
+        fig, p = figures[k], figures[k]["stages"]
+        v = 2
+        th = (p - 1) / (v * m + p - 1)
+        console.print(f"{INTERLEAVED} m={m}: bubble formula (p-1)/(v*m+p-1) = {p - 1}/{v * m + p - 1} = {th:.1%}; "
+                      f"measured (stage 0, 1) " + " ".join(f"{b:.1%} ({b / th:.2f}x)" for b in fig["bubble_measured"])
+                      + "; step meshdsl " + _ms_range(med, per_round, k) + ", torch "
+                      + _ms_range(med, per_round, f"torch {INTERLEAVED} m={m}"), markup=False, highlight=False)
+        out[k] = {}
+        for name in (k, ref):
+            spans = [[statistics.median(x[i] for x in outside[name][r]) * 1e3 for i in (0, 1)] for r in range(2)]
+            sent = once_bytes[name]
+            out[k][name] = {"before_after_ms": spans, "prologue_bytes": sent["prologue"], "final_bytes": sent["final"]}
+            console.print(f"  {name}: outside the schedule per step, ms before / after (rank 0 | rank 1): "
+                          + " | ".join(f"{a:.1f} / {b:.1f}" for a, b in spans) + f" of {med[name]:.1f}; sent once "
+                          "per step, prologue / final (rank 0 | rank 1): "
+                          + " | ".join(f"{_size(a)} / {_size(b)}" for a, b in zip(sent["prologue"], sent["final"])),
+                          markup=False, highlight=False)
+    return out
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.1f} KiB"
+
+
+def _ms_range(med, per_round, k) -> str:
+    return f"{med[k]:.1f} ms ({min(per_round[k]):.1f}-{max(per_round[k]):.1f})" if k in med else "-"
+
+
 def bench(args) -> int:
     from meshdsl.processes.launcher import spawn
     from meshdsl.lowering.pipeline_program import PipelineProgram
@@ -253,7 +346,7 @@ def bench(args) -> int:
     from meshdsl.tools.pipe_report import run_figures
     console = Console(width=max(Console().width, 200))
     if args.profile:
-        texts = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, True),
+        texts = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, 0, 2, args.lr, args.seed, args.profile_schedule),
                       mesh="stage:2", timeout=1800)
         for text in texts:
             console.print(text, markup=False, highlight=False)
@@ -267,7 +360,8 @@ def bench(args) -> int:
     per_round = {k: [] for k in times}
     timelines = {k: [] for k in pair if k.startswith("meshdsl")}
     actions = {k: [[] for _ in range(2)] for k in pair}   # per stage (= rank): per round {"F", "B"} ms per step
-    loss0, last, summaries, act_bytes = {}, {}, {}, {}
+    outside = {k: [[] for _ in range(2)] for k in timelines}   # per rank: (before, after) the schedule, s
+    loss0, last, summaries, act_bytes, once_bytes = {}, {}, {}, {}, {}
     for rnd in range(args.rounds):
         one = spawn(single_job, 1, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed, args.tiny),
                     mesh="data:1", timeout=1800)[0]
@@ -287,7 +381,9 @@ def bench(args) -> int:
         for stage, r in enumerate(two):
             for k, spent in r["actions_ms"].items():
                 actions[k][stage].append(spent)
-        summaries, act_bytes = two[0]["summaries"], two[0]["act_bytes"]
+            for k, spans in r["outside"].items():
+                outside[k][stage] += spans
+        summaries, act_bytes, once_bytes = two[0]["summaries"], two[0]["act_bytes"], two[0]["once_bytes"]
         if rnd == 0:
             loss0 = {**one["loss0"], **two[0]["loss0"]}
             last = {**one["last"], **two[0]["last"]}
@@ -351,23 +447,32 @@ def bench(args) -> int:
     peak_mem = {}
     for s in SCHEDULES:
         k = f"meshdsl {s} m={max(args.ms)}"
-        peak_mem[s] = [n * b for n, b in zip(figures[k]["peak_activations"], act_bytes[k])]
-        mem.add_row(s, *(f"{x / 2**20:.1f} MiB" for x in peak_mem[s]))
+        if k in figures:
+            peak_mem[s] = _peak_bytes(figures[k]["peak_activations"], act_bytes[k])
+            mem.add_row(s, *(f"{x / 2**20:.1f} MiB" for x in peak_mem[s]))
     console.print(mem)
     console.print("peak micro-batches held (measured) x the bytes of one micro-batch's forward outputs that "
-                  "its backward reads, per stage")
+                  "its backward reads, per stage; interleaved: peak chunk activations held x the mean over "
+                  "the rank's chunks")
+
+    handout = _interleaved_report(console, args.ms, figures, med, per_round, outside, once_bytes)
 
     goals = {}
     for k, fig in figures.items():
-        if int(k.rsplit("=", 1)[1]) >= 4 and k.split()[1] in TORCH_SCHEDULES:   # the theory (p-1)/(m+p-1)
+        if int(k.rsplit("=", 1)[1]) >= 4 and k.split()[1] in ("gpipe", "1f1b"):   # the theory (p-1)/(m+p-1)
             th = fig["bubble_theory"]
             goals[f"bubble within {BUBBLE_RTOL:.0%} of theory: {k}"] = all(
                 abs(b - th) <= BUBBLE_RTOL * th for b in fig["bubble_measured"])
     for m in (m for m in args.ms if f"torch 1f1b m={m}" in med):
         goals[f"meshdsl 1f1b m={m} not slower than torch 1f1b"] = med[f"meshdsl 1f1b m={m}"] <= med[f"torch 1f1b m={m}"]
     if 8 in args.ms:
-        for s in SCHEDULES:
+        for s in ("gpipe", "1f1b", "zbh1"):
             goals[f"meshdsl {s} m=8 >= {SPEEDUP_GOAL}x one process"] = speedup[f"meshdsl {s} m=8"] >= SPEEDUP_GOAL
+        fig = figures[f"meshdsl {INTERLEAVED} m=8"]
+        goals[f"meshdsl {INTERLEAVED} m=8 bubble <= {INTERLEAVED_BUBBLE_GOAL}x (p-1)/(vm+p-1)"] = all(
+            b <= INTERLEAVED_BUBBLE_GOAL * fig["bubble_theory"] for b in fig["bubble_measured"])
+        goals[f"meshdsl {INTERLEAVED} m=8 not slower than torch {INTERLEAVED}"] = (
+            med[f"meshdsl {INTERLEAVED} m=8"] <= med[f"torch {INTERLEAVED} m=8"])
     for name, ok in goals.items():
         console.print(f"goal {name}: [bold {'green' if ok else 'red'}]{'met' if ok else 'missed'}[/]")
     m = max(args.ms)
@@ -397,7 +502,7 @@ def bench(args) -> int:
                 "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal,
                 "machine": machine},
         "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
-        "pipeline": figures, "actions_ms_per_step": act_ms,
+        "pipeline": figures, "actions_ms_per_step": act_ms, "outside_schedule": handout,
         "ceiling_speedup": {"microbatches": m, "speedup": ceiling, "one_process_ms": med[floor1],
                             "both_processes_ms": med[floor2]}, "peak_activation_bytes": peak_mem, "goals": goals,
         "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,
@@ -420,6 +525,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="1 round, 2 turns, m in {4, 8} (the goals' cases); overrides --rounds, --reps, --ms")
     p.add_argument("--profile", action="store_true", help="cProfile meshdsl 1f1b at the largest m, per rank")
+    p.add_argument("--profile-schedule", default="1f1b", choices=SCHEDULES,
+                   help="the schedule --profile profiles (default 1f1b)")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny transformer (4 layers, batch 16), whose kernels cost almost nothing: "
                         "what the runtime and the transfers cost")

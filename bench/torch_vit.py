@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import stacked_block_grads
 
 BLOCK_PARAMS = ("ln1", "ln1_b", "wq", "wk", "wv", "wo", "ln2", "ln2_b", "w_fc", "w_proj")
 
@@ -74,11 +75,4 @@ class TorchViT(nn.Module):
         d, h, e = cfg.d_model, cfg.heads, cfg.d_head
         out = {k: getattr(self, k).grad for k in ("b_patch", "pos", "lnf", "lnf_b", "w_head")}
         out["w_patch"] = self.w_patch.grad.t()
-        per_layer = {k: [] for k in BLOCK_PARAMS}
-        for blk in self.blocks:
-            for k, gr in zip(("wq", "wk", "wv"), blk.w_qkv.grad.split(h * e, dim=1)):
-                per_layer[k].append(gr.reshape(d, h, e))
-            per_layer["wo"].append(blk.wo.grad.reshape(h, e, d))
-            for k in ("ln1", "ln1_b", "ln2", "ln2_b", "w_fc", "w_proj"):
-                per_layer[k].append(getattr(blk, k).grad)
-        return {**out, **{k: torch.stack(v) for k, v in per_layer.items()}}
+        return {**out, **stacked_block_grads(self.blocks, d, h, e)}

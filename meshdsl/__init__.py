@@ -64,6 +64,7 @@ _EXPORTS = {
     "calibrate": (".search.measure", "calibrate"),
     "load_calibration": (".search.calibrate", "load"),
     "predict": (".search.predict", "predict"),
+    "balance_stages": (".search.stage_balance", "balance_stages"),
     "search_layouts": (".search.search", "search"),
 }
 _ROOMS = ("errors", "core", "ops", "ir", "layout", "collectives", "lowering", "comm", "runtime", "processes",

@@ -11,6 +11,8 @@ segment cache, so the matrix costs little more than its distinct segments.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -176,3 +178,42 @@ def test_two_gloo_processes_compiled_match_dense():
         # fp32; gloo sums in another order than the dense kernels, and the values are O(1):
         # 1e-5 absolute leaves room for that rounding only (as tests/test_multiprocess.py)
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda s: f"{k}: {s}")
+
+
+# ----------------------------------------------------------------------------- the command line and fit
+
+def test_check_compile_matches_dense_and_prints_what_compiling_cost(capsys):
+    from meshdsl.tools import cli
+    rc = cli.main(["check", "transformer", "--tiny", "--mesh", "data:2", "--layout", FSDP,
+                   "--compile", "--compile-backend", "aot_eager"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert "OK:" in out
+    assert "check: --compile:" in err and "segment(s) of" in err and "compiled in" in err
+
+
+def test_plan_compile_shows_the_segments_without_compiling(capsys):
+    from meshdsl.tools import cli
+    from meshdsl.runtime import compiled
+    before = dict(compiled._COMPILED)
+    rc = cli.main(["plan", "transformer", "--tiny", "--mesh", "data:2", "--layout", FSDP, "--compile", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    report = json.loads(out)["compile"]
+    assert 0 < report["compiled_steps"] <= report["local_steps"] and report["segments"] > 0
+    assert "gather" in report["eager_ops"]   # it checks its ids on the host
+    assert compiled._COMPILED.keys() == before.keys()   # nothing was traced
+    cli.main(["plan", "transformer", "--tiny", "--mesh", "data:2", "--layout", FSDP, "--compile"])
+    assert "--compile: each rank runs" in capsys.readouterr().out
+
+
+def test_fit_compile_follows_the_eager_run(tmp_path):
+    runs = [md.fit("mlp", tiny=True, mesh="data:2", layout="batch:data", steps=3, compile=c,
+                   out=str(tmp_path / str(c))) for c in (False, "aot_eager")]
+    assert [r["loss"] for r in runs[0].rows] == [r["loss"] for r in runs[1].rows]
+
+
+def test_an_unknown_backend_is_a_clear_error():
+    _, plan = _grads_plan("mlp", "data:1", "")
+    with pytest.raises(md.GraphError, match="unknown backend"):
+        md.Executor(plan, md.SimulatedComm(plan.mesh), compile="inducter")

@@ -79,6 +79,38 @@ def test_interleaved_matches_dense_on_the_simulated_mesh(name, layers, mesh, lay
     assert [r.peak_activations for r in stats.ranks] == [peak_theory("interleaved", p, m, r, v) for r in range(p)]
 
 
+
+class _SendLog(SimulatedComm):
+    """The simulated mesh, recording for each send how many ranks it runs on and whether it carries."""
+
+    def __init__(self, mesh, ranks=None, sends=None, **kw):
+        super().__init__(mesh, ranks, **kw)
+        self.sends = [] if sends is None else sends
+
+    def view(self, ranks):
+        return _SendLog(self.mesh, ranks, self.sends, mailbox=self.mailbox, log=self.log, device=self.device)
+
+    def collective(self, kind, xs, axes, args):
+        if kind == "send":
+            self.sends.append((len(xs), bool(args.get("pipe"))))
+        return super().collective(kind, xs, axes, args)
+
+
+def test_a_chunks_params_move_once_per_process_not_once_per_microbatch():
+    """The prologue hands each chunk's params to the rank that runs it, the final segment its summed
+    gradients back: the same on every micro-batch, so each moves once per real rank (its
+    representative sends it), while the carry moves once per micro-batch."""
+    p, m = 2, 4
+    model, outs = _outputs(4)
+    plan = md.compile(outs, f"stage:{p}", "layer:stage", microbatches=m, schedule="interleaved:2")
+    comm = _SendLog(plan.mesh)
+    got = md.Executor(plan, comm).run(model.feeds(0))
+    assert got
+    handed = [n for n, carry in comm.sends if not carry]
+    assert handed and all(n <= p for n in handed), comm.sends   # one sender per stage rank, not p * m
+    assert all(n == 1 for n, carry in comm.sends if carry)   # a carry: one micro-batch's sender at a time
+
+
 def test_each_rank_runs_its_chunks_of_layers():
     """Rank r runs the layer chunks r, r+p, ...: chunk c's forward runs on stages c p .. c p + p - 1,
     k layers each, and stage s's kernels salt from layer s k on."""

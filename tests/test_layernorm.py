@@ -79,6 +79,53 @@ def test_the_affine_is_in_the_one_op_and_its_gradient_in_one_backward():
         assert y.node.op.name == "mul"
 
 
+@pytest.mark.parametrize("mesh, layout", [("", ""), ("model:2", "d_model:model"), ("data:2", "batch:data")])
+def test_the_backward_reads_the_forward_statistics(mesh, layout):
+    """The forward's mean and rstd (one per row) feed the backward, which recomputes nothing:
+    one layer_norm step in the plan, also where the normalised dim is split (then gathered, so
+    the statistics are the whole rows')."""
+    with md.Graph():
+        x = md.param("x", [B, S, D])
+        s, b = md.param("scale", [D]), md.param("bias", [D])
+        y = md.layer_norm(x, "d_model", s, b)
+        ln = y.node
+        loss = md.reduce_sum(y * y)
+        grads = md.grad(loss, [x, s, b])
+        (bwd,) = {g.node.inputs[0].node for g in grads}
+        assert all(a is b for a, b in zip(bwd.inputs[2:4], ln.outputs[1:], strict=True))
+        assert [t.shape.names for t in ln.outputs[1:]] == [("batch", "seq")] * 2
+        params = _params(True, True)
+        got = md.run_dense({"mean": ln.outputs[1], "rstd": ln.outputs[2]}, {}, params)
+        if mesh:
+            plan = md.compile({"loss": loss, "dx": grads[0]}, mesh, layout)
+            assert [st.op for st in plan.steps if st.kind == "local"].count("layer_norm") == 1
+    x0 = params["x"]
+    torch.testing.assert_close(got["mean"], x0.mean(-1), **TOL)
+    torch.testing.assert_close(got["rstd"], (x0.var(-1, unbiased=False) + 1e-5).rsqrt(), **TOL)
+
+
+def test_bf16_activations_match_torch_autograd_in_bf16():
+    """A bf16 x (the saved statistics kept in fp32 in the graph, handed to the CPU kernel in
+    bf16, as its forward computes them): the gradients of torch's own bf16 layer norm.
+    Tolerance 1e-2: bf16 has 8 significant bits (ulp 2^-8 relative), and the two sides round
+    the input gradient's sums in different orders."""
+    with md.Graph():
+        x = md.param("x", [B, S, D])
+        s, b = md.param("scale", [D]), md.param("bias", [D])
+        y = md.layer_norm(md.cast(x, torch.bfloat16), "d_model", md.cast(s, torch.bfloat16),
+                          md.cast(b, torch.bfloat16))
+        assert y.node.op.name == "layer_norm" and y.node.outputs[1].dtype == torch.float32
+        loss = md.reduce_sum(md.cast(y, torch.float32) * md.cast(y, torch.float32))
+        grads = md.grad(loss, {"x": x, "scale": s, "bias": b})
+        params = _params(True, True)
+        got = md.run_dense({f"d{k}": g for k, g in grads.items()}, {}, params)
+    t = {k: v.clone().requires_grad_() for k, v in params.items()}
+    ty = F.layer_norm(t["x"].bfloat16(), (8,), t["scale"].bfloat16(), t["bias"].bfloat16(), 1e-5).float()
+    (ty * ty).sum().backward()
+    for k in ("x", "scale", "bias"):
+        torch.testing.assert_close(got[f"d{k}"], t[k].grad, rtol=1e-2, atol=1e-2, msg=lambda m: f"d{k}: {m}")
+
+
 LAYOUTS = [("data:2", "batch:data"), ("data:2", "seq:data"), ("model:2", "d_model:model"),
            ("data:2", "batch:data; scale.d_model:data; bias.d_model:data"), ("data:2; model:2", "batch:data; seq:model")]
 

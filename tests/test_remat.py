@@ -10,6 +10,12 @@
   have phase ``recompute`` with their FLOPs, ``selective`` recomputes no einsum, nothing is
   added to the forward (a partial sum the backward only recomputes from is saved as it is),
   and the memory report's peak falls at a size where activations dominate.
+* What ``selective`` saves is a minimum cut: a cheap op's output the backward reads is saved
+  in place of the einsum output it is made from when it is no larger, not when it is larger.
+* The backward block's steps run in the order that frees early (:mod:`meshdsl.lowering.block_order`):
+  its peak falls, and not one number changes.
+* ``meshdsl check --remat`` compares the checkpointed program on the mesh with the dense one
+  that saves everything.
 * Refusals: a policy that names nothing, an unknown word or op, a ``save:`` list the block
   does not compute; from the command line, exit 2.
 """
@@ -189,6 +195,72 @@ def test_peak_activations_fall_where_activations_dominate():
             for p in ("none", "selective", "full")}
     assert peak["full"] < peak["selective"] < peak["none"]
     assert peak["none"] > 3 * peak["full"]
+
+
+def _chain(policy, widen: bool):
+    """A block whose second einsum reads a cheap function of the first one's output: the same
+    size (``widen=False``), or broadcast over a new dim of 4 (larger).  The block's saved ops
+    and, for ``x``, the loss and gradients."""
+    b, d, l, e = md.Dim("batch", 4), md.Dim("d", 3), md.Dim("layer", 2), md.Dim("e", 4)
+    gen = torch.Generator().manual_seed(1)
+    params = {"w1": torch.randn(2, 3, 3, generator=gen), "w2": torch.randn(2, 3, 3, generator=gen)}
+    with md.Graph("chain"):
+        x = md.input("x", [b, d])
+        w1, w2 = md.param("w1", [l, d, md.Dim("f", 3)]), md.param("w2", [l, md.Dim("f", 3), d])
+
+        def block(h, p):
+            q = md.einsum("batch d, d f -> batch f", h, p["w1"])
+            if widen:   # [batch, f, e]: 4x the bytes of q
+                r = md.broadcast_to(q, md.Shape([b, md.Dim("f", 3), e])) * 0.5
+                return h + md.einsum("batch f e, f d -> batch d", r, p["w2"])
+            return h + md.einsum("batch f, f d -> batch d", q * 0.5, p["w2"])
+        y = md.repeat(block, x, {"w1": w1, "w2": w2}, l)
+        loss = md.reduce_sum(y * y)
+        grads = md.grad(loss, {"w1": w1, "w2": w2}, remat=policy)
+        (node,) = [n for n in loss.graph.nodes if n.op.name == "repeat"]
+        saved = [t.node.op.name for t in node.attrs["saved"]]
+    return saved, md.run_dense({"loss": loss, **grads}, {"x": torch.randn(4, 3, generator=gen)}, params)
+
+
+def test_selective_saves_the_fewest_bytes_and_recomputes_the_least():
+    same, got = _chain("selective", widen=False)
+    # q * 0.5 is what the second einsum's gradient reads and no larger than q: saved instead of q
+    assert same == ["mul"]
+    _equal(got, _chain("none", widen=False)[1], "selective, same size")
+    wide, got = _chain("selective", widen=True)
+    # the broadcast is 4x q's bytes: q is saved and the broadcast recomputed from it
+    assert wide == ["einsum"]
+    _equal(got, _chain("none", widen=True)[1], "selective, wider")
+
+
+def test_the_backward_block_frees_early_and_changes_no_number(monkeypatch):
+    """The backward block's steps reordered (:mod:`meshdsl.lowering.block_order`) against the
+    order lowering made them in, on a tensor-parallel mesh (its recompute reduces partial sums
+    again): every output bitwise the same, a lower peak."""
+    import meshdsl.lowering.repeat as lowering_repeat
+    feeds = build(CFG).feeds(2)
+    got, peaks = {}, {}
+    for reorder in (True, False):
+        if not reorder:
+            monkeypatch.setattr(lowering_repeat, "order_block", lambda plan, recomputes: plan)
+        for policy in POLICIES:
+            m = build(CFG)   # a graph of its own: the compile cache keeps the plans apart
+            plan = md.compile(_outputs(m, policy), "model:2", "heads:model; d_ff:model")
+            got[policy, reorder] = md.run_simulated(plan, feeds)
+            peaks[policy, reorder] = md.memory_report(plan)["activations_peak"]
+    for policy in POLICIES:
+        _equal(got[policy, True], got[policy, False], f"{policy} reordered")
+        assert peaks[policy, True] < peaks[policy, False], policy
+
+
+def test_check_compares_a_checkpointed_mesh_with_the_dense_program(capsys):
+    from conftest import run_cli
+    rc, out, _ = run_cli(capsys, ["check", "llama", "--tiny", "--mesh", "data:2; model:2", "--layout",
+                                  "batch:data; kv_heads:model; d_ff:model", "--remat", "selective"])
+    assert rc == 0 and "remat selective (dense: none)" in out and "match the dense program" in out
+    rc, _, err = run_cli(capsys, ["check", "transformer", "--tiny", "--mesh", "data:2", "--layout", "batch:data",
+                                  "--remat", "save:softmax"])
+    assert rc == 2 and "names nothing this block computes" in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- policies and refusals

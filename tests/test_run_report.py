@@ -47,8 +47,10 @@ def test_run_report_splits_every_step_and_measures_memory_per_rank(capsys, tmp_p
     # optimizer state (plain SGD), and the activation peak read off the same plan
     plan = md.compile(training_outputs(model.loss, model.params, 0.01), "data:2", "batch:data")
     full = sum(t.shape.numel * 4 for t in model.params.values())
+    want = memory_report(plan)
     assert r["memory_plan"] == {"params": full, "grads": full, "optimizer": 0,
-                                "activations_peak": memory_report(plan)["activations_peak"]}
+                                "activations_peak": want["activations_peak"],
+                                "saved_per_layer": want["saved_per_layer"]}
     timed = ("step_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "comm_in_flight_ms", "overhead_ms")
     assert all(r[k] == r["ranks"][0][k] for k in timed)  # the top-level lists are rank 0's
     for src in r["ranks"]:

@@ -9,10 +9,14 @@ the backward block from what is saved.  A policy picks:
   recomputed but what depends on params and constants only.
 * ``full``: save nothing but each layer's input (always kept): the backward block
   recomputes the layer's forward.
-* ``selective``: save the outputs of the costly ops (``einsum``, ``attention``,
-  ``conv``) and recompute the cheap ones between them (norms, activations,
-  softmax, masks), which read what is saved.
-* ``save:OP,OP,...``: the same with the listed ops, e.g. ``save:attention``.
+* ``selective``: recompute only the cheap ops (norms, activations, rotations, softmax,
+  masks), never the costly ones (``einsum``, ``attention``, ``conv``): the outputs of
+  the costly ops the backward needs are saved, or, where a cheap op makes a value the
+  backward reads from them that is no larger (llama's rotated q and k, the residual sum
+  after attention), that value instead, which saves as many bytes and recomputes less
+  (:func:`chosen`).  For llama that is q, k, v, attention's output, the residual and the
+  SwiGLU gate and up projections: 11 of none's 21 [batch, seq, d_model] per layer.
+* ``save:OP,OP,...``: the same with the listed ops as the costly ones, e.g. ``save:attention``.
 
 The policy is given per repeat (``md.repeat(..., remat="selective")``), or for every
 repeat of a gradient at once (``md.grad(loss, remat="full")``, which ``TrainStep``,
@@ -27,11 +31,11 @@ from dataclasses import dataclass
 
 from ..errors import GraphError, did_you_mean, message
 
-#: The ops whose outputs ``selective`` saves: matmul-like and fused attention kernels.
+#: The ops ``selective`` never recomputes: matmul-like and fused attention kernels.
 SELECTIVE_OPS = ("einsum", "attention", "conv")
 PRESETS = ("none", "full", "selective")
-_RULE = ("a remat policy is 'none', 'full', 'selective' or 'save:OP,OP,...' (the ops whose outputs "
-         "each layer saves; the others are recomputed in the backward)")
+_RULE = ("a remat policy is 'none', 'full', 'selective' or 'save:OP,OP,...' (the ops each layer never "
+         "recomputes: what its backward needs of them is saved; the others are recomputed in the backward)")
 
 
 @dataclass(frozen=True)
@@ -120,26 +124,84 @@ def check_names_something(policy: Remat, block_nodes, where: str) -> None:
 
 
 def chosen(reads, forward: set[int], act: set[int], policy: Remat, savable=lambda t: True) -> list:
-    """The forward tensors to save, of those the backward reads (``reads``, in order).
+    """The forward tensors to save so that the backward has what it reads (``reads``).
 
     ``forward``: ids of the forward part's nodes; ``act``: ids of those whose outputs depend on
-    the carry or on an activation read from outside (the rest is recomputed whatever the
-    policy: it costs no activation memory).  A tensor the policy does not save is recomputed
-    from its node's inputs, which are then needed in turn; the walk stops at the carry (each
-    layer's input is always kept) and at tensors the policy saves.  A tensor that is not
-    ``savable`` is recomputed whatever the policy (a nested repeat's saved activations,
-    which only the backward's re-trace of the block outputs).
+    the carry or on an activation read from outside (the rest, and placeholders such as the
+    carry, which each layer keeps anyway, cost no activation memory and are recomputed
+    whatever the policy).  A tensor is either saved or recomputed in the backward from what
+    is saved; the policy says which ops may not be recomputed (``none``: every op; ``full``:
+    none; otherwise the ops it saves, einsums and attention for ``selective``).  Of the
+    choices that recompute no such op, the one that saves the fewest bytes is taken (a
+    minimum cut, :func:`_min_cut`), and of those the one that recomputes least: a cheap op's
+    output the backward reads (a rotated q, a residual sum) is saved in place of the einsum
+    output it is made from when it is no larger.  A tensor that is not ``savable`` (a nested
+    repeat's saved activations, which only the backward's re-trace of the block outputs) is
+    recomputed whatever the policy.
     """
-    out, seen = [], set()
-    todo = list(reversed(list(reads)))
-    while todo:
+    def free(t) -> bool:
+        return id(t.node) not in forward or t.node.op.name == "placeholder" or id(t.node) not in act
+
+    tensors, todo = {}, [t for t in reads if not free(t)]
+    while todo:   # the tensors the reads are made from, back to free ones
         t = todo.pop()
-        src = t.node
-        if id(t) in seen or id(src) not in forward or src.op.name == "placeholder" or id(src) not in act:
-            continue
-        seen.add(id(t))
-        if (policy.save is None or src.op.name in policy.save) and savable(t):
-            out.append(t)
-        else:
-            todo.extend(reversed(src.inputs))
-    return out
+        if id(t) not in tensors:
+            tensors[id(t)] = t
+            todo.extend(u for u in t.node.inputs if not free(u))
+    infinite = 1 + sum(_bytes(t) for t in tensors.values())
+    edges: dict = {}
+    for key, t in tensors.items():
+        edges[("in", key), ("out", key)] = _bytes(t) if savable(t) else infinite   # saving t
+        if (policy.save is None or t.node.op.name in policy.save) and savable(t):
+            edges["source", ("in", key)] = infinite    # not recomputed: made by the forward
+        for u in t.node.inputs:
+            if id(u) in tensors:
+                edges[("out", id(u)), ("in", key)] = infinite
+    for t in reads:
+        if id(t) in tensors:
+            edges[("out", id(t)), "sink"] = infinite
+    sink_side = _min_cut(edges)
+    cut = [t for key, t in tensors.items() if ("in", key) not in sink_side and ("out", key) in sink_side]
+    return sorted(cut, key=lambda t: (t.node.id, t.index))
+
+
+def _bytes(t) -> int:
+    return t.shape.numel * t.dtype.itemsize
+
+
+def _min_cut(capacity: dict) -> set:
+    """The sink's side of the minimum ``source``-``sink`` cut of a graph given as
+    ``{(a, b): capacity}``: the vertices that still reach ``sink`` once a maximum flow is
+    pushed (Edmonds-Karp), so the cut lies as near the sink as a minimum cut can."""
+    residual: dict = {}
+    for (a, b), c in capacity.items():
+        residual.setdefault(a, {})[b] = residual.get(a, {}).get(b, 0) + c
+        residual.setdefault(b, {}).setdefault(a, 0)
+    while True:   # shortest augmenting paths until none is left
+        parent, frontier = {"source": None}, ["source"]
+        while frontier and "sink" not in parent:
+            nxt = []
+            for a in frontier:
+                for b, c in residual.get(a, {}).items():
+                    if c > 0 and b not in parent:
+                        parent[b] = a
+                        nxt.append(b)
+            frontier = nxt
+        if "sink" not in parent:
+            break
+        path, b = [], "sink"
+        while parent[b] is not None:
+            path.append((parent[b], b))
+            b = parent[b]
+        push = min(residual[a][b] for a, b in path)
+        for a, b in path:
+            residual[a][b] -= push
+            residual[b][a] += push
+    reach, todo = {"sink"}, ["sink"]
+    while todo:   # walk back from the sink along edges with room left
+        b = todo.pop()
+        for a in residual.get(b, {}):
+            if a not in reach and residual[a][b] > 0:
+                reach.add(a)
+                todo.append(a)
+    return reach

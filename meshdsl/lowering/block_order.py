@@ -4,17 +4,19 @@ A repeat's backward block (:mod:`.repeat`) is lowered in two passes, the carry's
 first and the params' gradients after it, and its recompute steps (remat, and values of
 the params only) come in the forward's order, before every backward step.  Run in that
 order, a layer's backward holds each cotangent a weight gradient reads until the block's
-end, and each recomputed activation from its start: llama's layer (d_ff 3 * d_model) then
-needs 13 [batch, seq, d_model]-sized buffers at its peak where 9 do, and 22 where 13 do
-when ``selective`` remat recomputes its norms and SwiGLU products.
+end, and each recomputed activation from its start.  llama's layer (d_ff = 3 d_model)
+then needs 13 [batch, seq, d_model]-sized buffers at its peak where 9.2 do, 22 where 9.4
+do under ``selective`` remat, which recomputes its norms and SwiGLU products, and 27
+where 23 do under ``full``.
 
-:func:`order_block` lists the steps again.  A backward step runs once what it reads is
-made, the one that frees the most first (a weight gradient frees the cotangent and the
-activation it reads); a recompute step runs just before the first backward step that
-needs it, as part of that step's turn.  The new order is kept only where the block's
-peak (:func:`.memory.activation_peak`) falls.  Each step runs the same kernel on the same
-values, so every number stays the same; every rank lists the same order, so collectives
-stay matched.
+:func:`order_block` lists the steps again, turn by turn: a backward step whose inputs
+are made runs with the recompute steps it needs that have not run (so a recompute step
+runs just before its first reader), the turn that adds the least memory first (a weight
+gradient frees the cotangent and the activation it reads), or the one that frees the
+most: each rule gives an order, and the one with the lowest peak
+(:func:`.memory.activation_peak`) is kept, if it is lower than the block's own.  Each
+step runs the same kernel on the same values, so every number stays the same; every
+rank lists the same order, so collectives stay matched.
 """
 from __future__ import annotations
 
@@ -102,8 +104,10 @@ def _greedy(plan: Plan, recomputes, key) -> list[int]:
     st.run([i for i, s in enumerate(plan.steps) if s.kind == "input"], order)
     waiting = [i for i in range(len(plan.steps)) if not st.done[i] and not st.late[i]]
     while waiting:
-        turns = [(i, st.turn(i)) for i in waiting]
-        i, unit = min(((i, u) for i, u in turns if u is not None), key=lambda t: (*key(*st.made_freed(t[1])), t[0]))
+        turns = [(i, u) for i in waiting if (u := st.turn(i)) is not None]
+        if not turns:   # a recompute step reads a backward step's value: keep the plan's order
+            return list(range(len(plan.steps)))
+        i, unit = min(turns, key=lambda t: (*key(*st.made_freed(t[1])), t[0]))
         st.run(unit, order)
         waiting.remove(i)
     # recompute steps no backward step reads (none should be left), in plan order

@@ -267,7 +267,7 @@ def _check_outputs(outputs: dict) -> None:
 
 def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = True,  # noqa: A001
             microbatches: int = 1, schedule: str = "gpipe", bucket_mb: float = DEFAULT_BUCKET_MB,
-            strict_splits: bool = False) -> Plan:
+            strict_splits: bool = False, stage_layers=None) -> Plan:
     """Lower the graph behind ``outputs`` into an SPMD plan.
 
     Args:
@@ -289,6 +289,8 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
       strict_splits: refuse a dim its axes do not divide; by default it is split
         unevenly, as ``torch.tensor_split`` cuts (see :mod:`.uneven`), and the plan's
         notes say so with each part's size.
+      stage_layers: the pipelined repeat's layers per stage, e.g. ``(3, 5)`` on ``stage:2``
+        (see :mod:`.stage_layers`); None splits them evenly.
 
     Returns:
       The :class:`Plan`: steps, values, outputs, params, inputs, notes.
@@ -316,13 +318,15 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     mesh = Mesh.parse(mesh)
     layout = Layout.parse(layout)
     g = next(iter(outputs.values())).graph
+    if stage_layers is not None and not isinstance(stage_layers, str):
+        stage_layers = tuple(stage_layers)
     key = (g.uid, len(g.nodes), tuple((k, id(t)) for k, t in outputs.items()), mesh, str(layout), cost, fuse,
-           microbatches, schedule, bucket_mb, bool(strict_splits))
+           microbatches, schedule, bucket_mb, bool(strict_splits), stage_layers)
     hit = _CACHE.get(key)
     if hit is not None and hit[1] is g:
         _CACHE.move_to_end(key)
         return hit[0]
-    plan = _lower(outputs, mesh, layout, cost, fuse, microbatches, schedule, bucket_mb, strict_splits)
+    plan = _lower(outputs, mesh, layout, cost, fuse, microbatches, schedule, bucket_mb, strict_splits, stage_layers)
     _CACHE[key] = (plan, g)
     if len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -330,16 +334,16 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
 
 
 def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: bool, microbatches: int,
-           schedule: str, bucket_mb: float, strict_splits: bool) -> Plan:
+           schedule: str, bucket_mb: float, strict_splits: bool, stage_layers=None) -> Plan:
     """:func:`compile`'s work once its arguments are checked and the cache missed: the layout
     checked against the graph, the lowering, fusion, then the pipeline's partition, gradient
     accumulation's segments or the gradient buckets."""
     nodes = topo_nodes(list(outputs.values()))
     dims, names = _graph_dims(nodes)
     layout.validate(mesh, dims, names)
-    uneven = find_uneven(nodes, mesh, layout, bool(strict_splits))
+    uneven = find_uneven(nodes, mesh, layout, bool(strict_splits), stage_layers)
     layout = implied_layout(nodes, mesh, layout)   # the splits reshapes carry over to new dims
-    spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule)
+    spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule, stage_layers)
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
         mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied)
     lw = Lowerer(mesh, layout, cost)

@@ -152,7 +152,7 @@ def interleave(cut, lists: dict, v: int) -> dict:
 def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict) -> tuple[list, list]:
     """The pipelined repeat's forward (and backward) step per chunk, with their carry transfers:
     ``(step, stages)`` pairs in run order (the backward's from the last chunk down)."""
-    p, v, k = ch.p, ch.v, F.times // ch.v
+    v, k = ch.v, F.times // ch.v
     n = len(F.args["names"])
     x = [F.ins[0]] + [ch.like(F.ins[0], False) for _ in range(v - 1)]           # each chunk's input carry
     y = [ch.like(F.outs[0], False) for _ in range(v - 1)] + [F.outs[0]]        # and its output
@@ -246,7 +246,7 @@ def _hand_out(ch: _Chunks, chunk_params: dict) -> list:
 def _gather_grads(ch: _Chunks, pairs: list, B: Step, bwd: list) -> list:
     """The final segment with each stacked gradient's sum over the micro-batches made per chunk,
     then handed back to the rank storing the param and joined there into the sum the rest reads."""
-    p, v = ch.p, ch.v
+    v = ch.v
     steps = [s for s, _ in bwd if s.kind == "repeat"]           # chunks v-1 .. 0
     per_chunk = {g: [None] * v for g in B.outs[1:]}
     for c, step in zip(reversed(range(v)), steps):

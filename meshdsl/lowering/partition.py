@@ -46,6 +46,7 @@ from ..errors import LayoutError, message
 from .bucket import bucket_final
 from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
+from .stage_layers import split_stages
 from .pipeline_program import PipelineProgram, Segment, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
 from .plan import Plan, Step, Value, step_args, register_step_kind
@@ -361,6 +362,8 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     lists = insert_transfers(cut)
     if spec.schedule.num_chunks > 1:
         lists = interleave(cut, lists, spec.schedule.num_chunks)
+    elif spec.stage_layers:
+        lists = split_stages(cut, lists, spec.stage_layers)
     in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
     lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]

@@ -24,6 +24,7 @@ from ..layout.mesh import Mesh
 from ..layout.specs import Rule
 from .schedule_gen import named_schedule, parse_schedule
 from .schedule import Schedule, ScheduleError
+from .stage_layers import check_counts
 
 #: The virtual micro-batch axis (a leading underscore keeps it apart from user axes).
 MB_AXIS = "_mb"
@@ -44,6 +45,7 @@ class PipeSpec:
       schedule: the validated schedule (None without a pipeline).
       mesh, layout: what the plan is lowered on (with :data:`MB_AXIS` when m > 1).
       given: the user's (mesh, layout), for messages.
+      stage_layers: layers per stage when not equal (:mod:`.stage_layers`), else ().
     """
 
     axis: str | None
@@ -55,6 +57,7 @@ class PipeSpec:
     mesh: Mesh
     layout: Layout
     given: tuple = ()
+    stage_layers: tuple = ()
 
 
 def per_microbatch(step, values) -> bool:
@@ -62,8 +65,12 @@ def per_microbatch(step, values) -> bool:
     values is split or partial along :data:`MB_AXIS`, or it moves one micro-batch's carry
     (``send``/``recv``).  Otherwise a process runs it once for all its micro-batches
     (``runtime/steps.py`` ``representatives``; the cost model prices it so)."""
-    return step.kind in ("send", "recv") or any(
-        MB_AXIS in values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in values)
+    return step.kind in ("send", "recv") or varies_by_microbatch(step, values)
+
+
+def varies_by_microbatch(step, values) -> bool:
+    """Whether one of plan step ``step``'s values is split or partial along :data:`MB_AXIS`."""
+    return any(MB_AXIS in values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in values)
 
 
 def _err(what, *, mesh, layout, rule, fix, bullets=None, cls=LayoutError):
@@ -78,11 +85,12 @@ def _check_count(what: str, n) -> None:
 
 
 def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int = 1,
-           schedule: str = "gpipe") -> PipeSpec | None:
+           schedule: str = "gpipe", stage_layers=None) -> PipeSpec | None:
     """The pipeline a layout asks for, or None for a plain program.
 
     ``schedule`` names a generator of :mod:`.schedule_gen`; ``"interleaved:v"`` runs v virtual
-    stages per rank (:mod:`.interleave`).
+    stages per rank (:mod:`.interleave`).  ``stage_layers`` gives each stage's layer count
+    (:mod:`.stage_layers`); None splits the layers evenly.
 
     Raises:
       LayoutError: ``layer`` split over two axes, stacked params of one repeat split
@@ -103,6 +111,8 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
     if trivial:
         layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
+    if axis is None and stage_layers is not None:
+        _stage_layers(stage_layers, None, 1, 1, mesh, layout)   # refused: no pipeline
     if axis is None and microbatches == 1:
         return PipeSpec(None, 1, 1, -1, "", None, mesh, layout, (mesh, layout)) if trivial else None
     chunks = parse_schedule(schedule)[1]
@@ -112,8 +122,30 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     if axis:
         _check_chunks(node, p, chunks, mesh, layout)
         sched = named_schedule(schedule, p, microbatches)
+    counts = _stage_layers(stage_layers, node, p, chunks, mesh, layout)
     return PipeSpec(axis, p, microbatches, node.id if node else -1,
-                    node.attrs["layer"].name if node else "", sched, mesh2, layout2, (mesh, layout))
+                    node.attrs["layer"].name if node else "", sched, mesh2, layout2, (mesh, layout), counts)
+
+
+def _stage_layers(stage_layers, node, p: int, chunks: int, mesh: Mesh, layout: Layout) -> tuple:
+    """The checked per-stage layer counts, or () for equal stages."""
+    if stage_layers is None:
+        return ()
+    if isinstance(stage_layers, str):
+        raise _err(f"stage_layers={stage_layers!r} is a string.", mesh=mesh, layout=layout,
+                   rule="compile takes one layer count per stage; the cost model's balanced split is "
+                        "md.balance_stages (--stage-layers auto)",
+                   fix="pass e.g. stage_layers=(3, 5), or stage_layers=md.balance_stages(outputs, mesh, layout, "
+                       "microbatches=..., schedule=...)")
+    if node is None or p == 1:
+        raise _err(f"stage_layers={stage_layers!r} given, but no repeat is pipelined.", mesh=mesh, layout=layout,
+                   rule="stage_layers cuts a pipelined repeat's layers into stages",
+                   fix="split the layer dim over a stage axis ('layer:stage'), or leave out stage_layers")
+    if chunks > 1:
+        raise _err("stage_layers with virtual stages (interleaved schedule).", mesh=mesh, layout=layout,
+                   rule="unequal stages run one chunk of layers per rank", fix="use --schedule 1f1b, gpipe or zbh1")
+    counts = check_counts(stage_layers, node.attrs["layer"].size, p, mesh, layout)
+    return () if len(set(counts)) == 1 else counts
 
 
 def _pipelined_repeats(nodes, mesh: Mesh, layout: Layout) -> tuple[list, set]:

@@ -177,7 +177,13 @@ class PipelineProgram:
         stages, one chunk of layers each (another stack, such as an encoder's before the layers,
         runs on one)."""
         return frozenset((seg, j) for seg in PER_MICROBATCH for j, (s, st) in enumerate(self.steps(seg))
-                         if s.kind == "repeat" and len(st) > 1)
+                         if s.kind == "repeat" and (len(st) > 1 or self._split_over_stages(seg, s)))
+
+    def _split_over_stages(self, seg: Segment, s) -> bool:
+        """Whether repeat ``s`` reads a stacked param split over the stage axis (unequal stages
+        run one such repeat each, :mod:`.stage_layers`)."""
+        values = self.segments[seg].values
+        return len(s.ins) > 1 and s.ins[1] in values and self.axis in values[s.ins[1]].sharding.used_axes
 
     @cached_property
     def layers_per_stage(self) -> int:
@@ -187,9 +193,14 @@ class PipelineProgram:
 
     def layer_offset(self, segment: Segment, position: int, stage: int) -> int:
         """The global index of the first layer step ``position`` of ``segment`` runs on
-        ``stage`` (stage s runs layers ``s k ..``, k layers per stage): a stage's kernels salt by
-        it (0 for a step outside the pipelined layers)."""
-        return self.layers_per_stage * stage if (segment, position) in self.pipelined else 0
+        ``stage``: the layers the pipelined forward steps run on the stages before it (stage s
+        runs layers ``s k ..`` with k layers per stage); a stage's kernels salt by it (0 for a
+        step outside the pipelined layers)."""
+        if (segment, position) not in self.pipelined:
+            return 0
+        fwd = self.segments[Segment.FORWARD].steps
+        return sum(fwd[j].times * sum(1 for t in self.stages[Segment.FORWARD][j] if t < stage)
+                   for seg, j in self.pipelined if seg == Segment.FORWARD)
 
     # --------------------------------------------------------------------------- values
 

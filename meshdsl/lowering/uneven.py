@@ -55,12 +55,13 @@ def _nodes(nodes):
             yield from _nodes(graph.nodes)
 
 
-def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool) -> list[UnevenSplit]:
+def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_layers=None) -> list[UnevenSplit]:
     """The uneven splits the layout's rules make on the tensors of ``nodes``.
 
     Raises:
       LayoutError: with ``strict``, at the first uneven split (see :meth:`Layout.check_even`);
-        always, for a repeat's layer dim split unevenly (its layers run in equal runs per rank).
+        for a repeat's layer dim split unevenly (its layers run in equal runs per rank), unless
+        ``stage_layers`` gives each pipeline stage its layers (:mod:`.stage_layers`).
     """
     found: dict[tuple, list] = {}   # (dim, size, axes) -> the tensors split so
     layers = {}   # a repeat's layer dim -> the repeat
@@ -78,7 +79,7 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool) -> list[Un
                 found.setdefault((name, size, axes), []).append(t)
     out = []
     for (d, size, axes), ts in found.items():
-        if d in layers:
+        if d in layers and stage_layers is None:
             _refuse_layers(layout, mesh, d, size, axes, layers[d])
         leaves = tuple(dict.fromkeys(t.name for t in ts if t.node.op.name in LEAVES))
         out.append(UnevenSplit(d, size, axes, leaves, sum(t.node.op.name not in LEAVES for t in ts)))
@@ -94,7 +95,8 @@ def _refuse_layers(layout: Layout, mesh: Mesh, dim: str, size: int, axes, repeat
         source=layout.source if rule else None, span=rule.span if rule else None, inputs=[f"mesh: {mesh}"],
         rule="a repeat's layers are split into equal runs of whole layers (pipeline stages): uneven "
              "splits are for other dims",
-        fix=f"use a layer count that is a multiple of {mesh.axis_size(axes)}, or other axes"))
+        fix=f"use a layer count that is a multiple of {mesh.axis_size(axes)}, or other axes; a pipeline "
+            f"can take each stage's layers instead (stage_layers=, --stage-layers N,N,.. or auto)"))
 
 
 def uneven_arg(shape, before: Sharding, after: Sharding, mesh: Mesh, axes) -> tuple | None:

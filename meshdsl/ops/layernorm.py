@@ -4,12 +4,19 @@
 As the three ops it costs three passes over the activation forward and five
 backward (the normalisation's, then ``g * scale``, ``sum(g)`` and ``sum(g * x̂)``
 for the two parameter gradients), and the backward reads the saved ``x̂``.  As one
-op it runs ``F.layer_norm`` with the affine forward and ``native_layer_norm_backward``
-backward, which returns the input gradient and both parameter gradients at once
-from ``x`` alone, as torch's autograd does.
+op it runs ``native_layer_norm`` forward, which also returns each row's mean and
+rstd (two extra outputs, read only by the gradient rule), and
+``native_layer_norm_backward`` backward, which reads those statistics and returns the
+input gradient and both parameter gradients at once, as torch's autograd does: the
+backward never recomputes the forward's statistics.  The statistics are one value per
+row (``x``'s shape without ``dim``), so inside a repeat block saving them costs
+``1/size(dim)`` of saving ``x``; a remat policy that recomputes the layer norm
+recomputes them with it.
 
 Lowering is the generic rule's: ``dim`` is ``fixed`` (gathered where a layout
-splits it, with the scale and bias whole along it), and the backward's parameter
+splits it, with the scale and bias whole along it: the kernel always sees whole
+rows, so the statistics it saves are those of the whole row under every layout),
+and the backward's parameter
 gradients reduce over every other dim (``reduce``), so a batch or sequence dim
 split over a mesh axis leaves them partial sums over that axis, reduced once where
 they are read, exactly as the composite's ``reduce_sum`` did.
@@ -19,9 +26,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..core.graph import Tensor
+from ..errors import ShapeError
 from .registry import ComputeSpec, Op, apply, register
 
 
@@ -34,6 +41,20 @@ def _last(fn, pos: int, *xs):
     if isinstance(out, tuple):
         return (out[0].movedim(-1, pos), *out[1:])
     return out.movedim(-1, pos)
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the saved mean and rstd: fp32 (fp64 for an fp64 ``x``), as torch's GPU kernel
+    keeps them for a low-precision ``x``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kernel_stats(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Saved statistic ``s`` ([rows]) as ``native_layer_norm_backward`` reads it for ``x`` (with
+    the normalised dim last): [rows, 1], in ``x``'s dtype on the CPU (whose forward computes
+    them in it), in fp32 for a low-precision ``x`` elsewhere."""
+    s = s.unsqueeze(-1)
+    return s.to(x.dtype) if x.device.type == "cpu" else s
 
 
 def _spec(node, x: Tensor, reduce: bool) -> ComputeSpec:
@@ -53,19 +74,26 @@ def _affine(attrs, params):
 
 @register
 class LayerNorm(Op):
-    """(x, [scale], [bias]) -> y; attrs ``dim``, ``pos``, ``eps``, ``scale``, ``bias`` (which inputs follow x)."""
+    """(x, [scale], [bias]) -> (y, mean, rstd); attrs ``dim``, ``pos``, ``eps``, ``scale``, ``bias``
+    (which inputs follow x).  ``mean`` and ``rstd`` (``x``'s dims but ``dim``) are for the
+    backward kernel only."""
 
     name = "layer_norm"
 
     def infer(self, inputs, attrs):
         x = inputs[0]
         attrs["pos"] = x.shape.index(attrs["dim"])
-        return [(x.shape, x.dtype)]
+        stats = (x.shape.without([attrs["dim"]]), _stats_dtype(x.dtype))
+        return [(x.shape, x.dtype), stats, stats]
 
     def compute(self, ctx, attrs, x, *params):
         scale, bias = _affine(attrs, params)
-        eps = attrs["eps"]
-        return _last(lambda v: F.layer_norm(v, (v.shape[-1],), scale, bias, eps), attrs["pos"], x)
+        eps, dtype = attrs["eps"], _stats_dtype(x.dtype)
+
+        def fwd(v):
+            y, mean, rstd = torch.ops.aten.native_layer_norm(v, [v.shape[-1]], scale, bias, eps)
+            return y, mean.squeeze(-1).to(dtype), rstd.squeeze(-1).to(dtype)
+        return _last(fwd, attrs["pos"], x)
 
     def spec(self, node):
         return _spec(node, node.inputs[0], reduce=False)
@@ -74,7 +102,10 @@ class LayerNorm(Op):
         return 8 * math.prod(local.get(n, s) for n, s in self.spec(node).dims.items())
 
     def grad(self, node, douts):
-        (g,) = douts
+        g, *g_stats = douts
+        if any(d is not None for d in g_stats):
+            raise ShapeError("layer_norm: the mean and rstd outputs are for the backward kernel only; "
+                             "they have no gradient")
         if g is None:
             return [None] * len(node.inputs)
         x = node.inputs[0]
@@ -82,13 +113,14 @@ class LayerNorm(Op):
             from .shape_ops import transpose
             g = transpose(g, x.shape.names)
         scale = [node.inputs[1]] if node.attrs["scale"] else []
-        outs = apply("layer_norm_backward", [g, x, *scale], dict(node.attrs))
+        outs = apply("layer_norm_backward", [g, x, *node.outputs[1:], *scale], dict(node.attrs))
         return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
 @register
 class LayerNormBackward(Op):
-    """(g, x, [scale]) -> (dx, [d_scale], [d_bias]): linear in ``g``; no second-order gradient."""
+    """(g, x, mean, rstd, [scale]) -> (dx, [d_scale], [d_bias]): linear in ``g``; no second-order
+    gradient.  ``mean`` and ``rstd`` are the forward's saved statistics."""
 
     name = "layer_norm_backward"
     linear_args = (0,)
@@ -99,16 +131,16 @@ class LayerNormBackward(Op):
         d = x.shape.without([n for n in x.shape.names if n != attrs["dim"]])
         return [(x.shape, x.dtype)] + [(d, x.dtype)] * (int(attrs["scale"]) + int(attrs["bias"]))
 
-    def compute(self, ctx, attrs, g, x, *params):
+    def compute(self, ctx, attrs, g, x, mean, rstd, *params):
         scale = params[0] if attrs["scale"] else None
-        eps, mask = attrs["eps"], [True, bool(attrs["scale"]), bool(attrs["bias"])]
+        mask = [True, bool(attrs["scale"]), bool(attrs["bias"])]
 
-        def bwd(g, x):
+        def bwd(g, x):   # mean and rstd lack the moved dim: their dims are x's others, in order
             n = x.shape[-1]
-            _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], None, None, eps)
             # the kernel shapes the bias gradient like the bias, whose values it never reads
             bias = x.new_empty(n) if attrs["bias"] else None
-            return torch.ops.aten.native_layer_norm_backward(g, x, [n], mean, rstd, scale, bias, mask)
+            return torch.ops.aten.native_layer_norm_backward(g, x, [n], _kernel_stats(mean, x),
+                                                             _kernel_stats(rstd, x), scale, bias, mask)
         dx, dscale, dbias = _last(bwd, attrs["pos"], g, x)
         return (dx,) + ((dscale,) if attrs["scale"] else ()) + ((dbias,) if attrs["bias"] else ())
 
@@ -122,5 +154,6 @@ class LayerNormBackward(Op):
 def fused_layer_norm(x: Tensor, dim: str, scale: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
     """The fused op; ``scale`` and ``bias`` (if given) have the single dim ``dim``."""
     ins = [x] + [t for t in (scale, bias) if t is not None]
-    return apply("layer_norm", ins, {"dim": dim, "eps": float(eps), "scale": scale is not None,
-                                     "bias": bias is not None})
+    y, _, _ = apply("layer_norm", ins, {"dim": dim, "eps": float(eps), "scale": scale is not None,
+                                        "bias": bias is not None})
+    return y

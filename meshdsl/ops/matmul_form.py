@@ -74,22 +74,43 @@ class MatmulForm:
         object.__setattr__(self, "_permute_b", not ident(self.perm_b))
         object.__setattr__(self, "_flat_a", nb <= 1 and self.nm == 1 and self.nk == 1)
         object.__setattr__(self, "_flat_b", nb <= 1 and self.nk == 1 and nn == 1)
+        # (A's shape, B's shape) -> their matrix shapes and the product's: a plan calls a kernel
+        # with the same shapes every step, so the sizes are worked out once per shape
+        object.__setattr__(self, "_sizes", {})
+
+    def _matrix_shapes(self, sa, sb):
+        """(A's matrix shape or None (no reshape), B's, the product's shape) for operand shapes
+        ``sa`` and ``sb`` (before the permutes)."""
+        sa, sb = [sa[i] for i in self.perm_a], [sb[i] for i in self.perm_b]
+        nb, nm, nk = self.nb, self.nm, self.nk
+        bs, ms, ks, ns = sa[:nb], sa[nb:nb + nm], sa[nb + nm:], sb[nb + nk:]
+        out = (*bs, *ms, *ns)
+        if self._flat_a and self._flat_b:
+            return None, None, out
+        sizes = (math.prod(bs), math.prod(ms), math.prod(ks), math.prod(ns))
+        if nb:
+            return sizes[:3], (sizes[0], sizes[2], sizes[3]), out
+        return sizes[1:3], sizes[2:], out
 
     def _operands(self, x: torch.Tensor, y: torch.Tensor):
         a, b = (y, x) if self.swap else (x, y)
+        if _compiling():   # traced (--compile): no cache for the tracer to guard on
+            ma, mb, out = self._matrix_shapes(a.shape, b.shape)
+        else:
+            key = (a.shape, b.shape)
+            got = self._sizes.get(key)
+            if got is None:
+                if len(self._sizes) > 64:
+                    self._sizes.clear()
+                got = self._sizes[key] = self._matrix_shapes(a.shape, b.shape)
+            ma, mb, out = got
         if self._permute_a:
             a = a.permute(self.perm_a)
         if self._permute_b:
             b = b.permute(self.perm_b)
-        nb, nm, nk = self.nb, self.nm, self.nk
-        bs, ms, ks, ns = a.shape[:nb], a.shape[nb:nb + nm], a.shape[nb + nm:], b.shape[nb + nk:]
-        if not (self._flat_a and self._flat_b):
-            sizes = (math.prod(bs), math.prod(ms), math.prod(ks), math.prod(ns))
-            if nb:
-                a, b = a.reshape(sizes[:3]), b.reshape(sizes[0], sizes[2], sizes[3])
-            else:
-                a, b = a.reshape(sizes[1:3]), b.reshape(sizes[2:])
-        return _blas(a), _blas(b), (*bs, *ms, *ns)
+        if ma is not None:
+            a, b = a.reshape(ma), b.reshape(mb)
+        return _blas(a), _blas(b), out
 
     def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``einsum(x, y)`` with the output's dims in order."""
@@ -109,18 +130,19 @@ class MatmulForm:
         run: ``out`` is returned unwritten, and holds the product once that callable has run."""
         assert self.out_perm is None, "matmul_into needs the product in the output's order"
         a, b, shape = self._operands(x, y)
-        if (tuple(out.shape) != shape or out.dtype != a.dtype or b.dtype != a.dtype or out.device != a.device
+        if (out.shape != shape or out.dtype != a.dtype or b.dtype != a.dtype or out.device != a.device
                 or not out.is_contiguous()):
             return (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
         q = out.view(*a.shape[:-1], b.shape[-1])
-        if accumulate:
-            call = functools.partial(q.baddbmm_ if self.nb else q.addmm_, a, b)
+        if later is None:   # (a loop calls this per layer and weight: no partial to make)
+            if accumulate:
+                (q.baddbmm_ if self.nb else q.addmm_)(a, b)
+            else:
+                (torch.bmm if self.nb else torch.mm)(a, b, out=q)
+        elif accumulate:
+            later.append(functools.partial(q.baddbmm_ if self.nb else q.addmm_, a, b))
         else:
-            call = functools.partial(torch.bmm if self.nb else torch.mm, a, b, out=q)
-        if later is None:
-            call()
-        else:
-            later.append(call)
+            later.append(functools.partial(torch.bmm if self.nb else torch.mm, a, b, out=q))
         return out
 
     def add_matmul(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor, alpha: float,
@@ -135,6 +157,9 @@ class MatmulForm:
             (q.baddbmm_ if self.nb else q.addmm_)(a, b, alpha=alpha)
             return p
         return (torch.baddbmm if self.nb else torch.addmm)(p.reshape(mat), a, b, alpha=alpha).view(shape)
+
+
+_compiling = torch.compiler.is_compiling
 
 
 def _blas(x: torch.Tensor) -> torch.Tensor:

@@ -267,7 +267,7 @@ def step_salt(step: int) -> int:
 class Dropout(Op):
     name = "dropout"
     linear = True
-    salted = True
+    reads_salt = True
 
     def infer(self, inputs, attrs):
         (x,) = inputs

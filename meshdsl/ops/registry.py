@@ -115,7 +115,7 @@ class Op(ABC):
     #: ``xs[0]``; an executor that may donate that input uses it.  None: no such variant.
     compute_inplace = None
     #: whether ``compute`` reads ``ctx.salt`` (the layer index in a loop: a random op's stream)
-    salted = False
+    reads_salt = False
     #: the input positions ``compute_inplace`` writes into (all donated, or it is not used).
     donates: tuple[int, ...] = (0,)
 

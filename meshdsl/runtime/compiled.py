@@ -33,7 +33,7 @@ from typing import Callable
 
 from ..errors import GraphError, message
 from .program import ALIASES, Unit, units_of
-from .steps import local_kernel, salted_op
+from .steps import local_kernel, reads_salt
 
 #: the ``torch.compile`` backends a user may name (``compile=True`` means inductor)
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -118,7 +118,7 @@ def segments_of(ex, units: list[Unit], settings: CompileSettings) -> list[Unit]:
         if u.kind == "local" and not steps[u.steps[0]].ins:
             out.append(u)   # a constant (made where the run is: a context dynamo cannot read) goes first
             continue
-        if u.kind == "local" and not salted_op(steps[u.steps[0]].op) and steps[u.steps[0]].op not in EAGER_OPS:
+        if u.kind == "local" and not reads_salt(steps[u.steps[0]].op) and steps[u.steps[0]].op not in EAGER_OPS:
             ins = steps[u.steps[0]].ins
             if run and any(v in from_rule and v not in read for v in ins):
                 close()
@@ -133,8 +133,8 @@ def segments_of(ex, units: list[Unit], settings: CompileSettings) -> list[Unit]:
     return out
 
 
-#: segment source (and backend) -> its compiled function, shared by every executor
-_COMPILED: dict[tuple[str, str], Callable] = {}
+#: (segment source, backend, input shapes) -> its compiled function, shared by every executor
+_COMPILED: dict[tuple, Callable] = {}
 
 
 def segment_source(ex, steps: list[int], ins: list[int], outs: list[int]) -> tuple[str, tuple, tuple, tuple]:
@@ -169,29 +169,40 @@ def segment_source(ex, steps: list[int], ins: list[int], outs: list[int]) -> tup
 
 class Segment:
     """One compiled segment, called by the program once per held rank: ``segment(j, *inputs)``
-    with rank position ``j``'s inputs, returning its outputs.  Its function is made when the
-    program is written (:meth:`bind`); each rank's first call compiles it (dynamo recompiles only
-    where a kernel reads a context that differs between ranks), or it stays eager with a notice."""
+    with rank position ``j``'s inputs, returning its outputs.  Its source is written with the
+    program (:meth:`bind`); the first call finds or makes its compiled function, and each rank's
+    first call compiles it (dynamo recompiles only where a kernel reads a context that differs
+    between ranks), or it stays eager with a notice."""
 
     def __init__(self, ex, steps: list[int], settings: CompileSettings):
         self.ex, self.steps, self.settings = ex, steps, settings
+        self.source = None
         self.fn = self.eager = None
         self.kernels = self.attrs = self.contexts = ()
         self.first = set(range(len(ex.comm.ranks)))   # rank positions not yet called
-        self.fresh = False   # whether bind made the compiled function (else another segment did)
+        self.fresh = False   # whether this segment made its compiled function (else another one did)
 
     def bind(self, ins: list[int], outs: list[int]) -> None:
-        source, self.kernels, self.attrs, self.contexts = segment_source(self.ex, self.steps, ins, outs)
-        key = (source, self.settings.backend)
-        compiled = _COMPILED.get(key)
+        self.source, self.kernels, self.attrs, self.contexts = segment_source(self.ex, self.steps, ins, outs)
+        self.eager = self._function()
+
+    def _function(self):
         namespace: dict = {}
-        exec(compile(source, f"<meshdsl segment of {len(self.steps)} steps>", "exec"), namespace)
-        self.eager = namespace["segment"]
+        exec(compile(self.source, f"<meshdsl segment of {len(self.steps)} steps>", "exec"), namespace)
+        return namespace["segment"]
+
+    def _compiled(self, xs):
+        """The compiled function for this source and these inputs' shapes: one per (source,
+        shapes), so that dynamo's recompile limit per function is never what decides."""
+        key = (self.source, repr(self.settings.backend),
+               tuple((tuple(x.shape), x.dtype, x.device) if hasattr(x, "shape") else type(x) for x in xs))
+        compiled = _COMPILED.get(key)
         if compiled is None:
             import torch
-            compiled = _COMPILED[key] = torch.compile(self.eager, backend=self.settings.backend, dynamic=False)
+            compiled = _COMPILED[key] = torch.compile(self._function(), backend=self.settings.backend,
+                                                      dynamic=False)
             self.fresh = True
-        self.fn = compiled
+        return compiled
 
     def label(self) -> str:
         ops = sorted({self.ex.plan.steps[i].op for i in self.steps})
@@ -214,6 +225,8 @@ class Segment:
         self.first.discard(j)
         stats, t0 = self.settings.stats, time.perf_counter()
         try:
+            if self.fn is None:
+                self.fn = self._compiled(xs)
             out = self.fn(self.kernels, self.attrs, self.contexts[j], *xs)
         except Exception as e:  # noqa: BLE001  (whatever the backend raises, the run goes on eagerly)
             return self._fall_back(e, j, xs)

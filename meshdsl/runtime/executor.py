@@ -327,11 +327,9 @@ class Executor:
             return x
 
         if run_device() is self.device:   # a loop's body, run inside its plan's run
-            program(env, get, run)
-        else:
-            with running_on(self.device):  # where kernels with no tensor inputs allocate
-                program(env, get, run)
-        return {name: get(vid) for name, vid in self.plan.outputs.items()}
+            return program(env, get, run)
+        with running_on(self.device):  # where kernels with no tensor inputs allocate
+            return program(env, get, run)
 
     # -- assembling full tensors
     def to_full(self, vid: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -41,13 +41,14 @@ import time
 
 import torch
 
+from ..lowering.pipeline import varies_by_microbatch
 from ..lowering.pipeline_program import PipelineProgram, Segment, StageAction
 from ..lowering.schedule import COMPUTE
 from .executor import donatable_params, donating_steps
 from .pipeline_store import Accumulator, ViewEnv
 from .deferred import Deferred, adding_into_sum, product_sums
 from .context import StepContext
-from .steps import representatives, rule_for, step_rule
+from .steps import one_per_real_rank, representatives, rule_for, step_rule
 
 
 def _view(comm, ranks):
@@ -118,17 +119,34 @@ class _Runner:
             self.views[key] = _view(self.comm, ranks) if ranks else None
         return self.views[key]
 
+    def _transfer(self, s, view):
+        """A send or receive of ``view``.  One whose value does not vary by micro-batch (a chunk's
+        params handed out in the prologue, its summed gradients handed back in the final
+        segment) moves once per real rank: its representatives send, receive, and share."""
+        same = not (self.prog.is_carry(s) or varies_by_microbatch(s, self.plan.values))
+        tw = one_per_real_rank(self.plan.mesh, view.ranks) if same else None
+        reps = view if tw is None else _view(view, [view.ranks[k] for k in tw[0]])
+        if s.kind == "recv":
+            recv = _Recv(s, self.store, reps, self.plan, self.prog.is_carry(s))
+            if tw is None:
+                return recv.run
+            env, out = ViewEnv(self.store, view.ranks), s.outs[0]
+
+            def shared(run):
+                got = recv.view.collective("recv", recv.templates, recv.axes, recv.args)
+                env[out] = [got[k] for k in tw[1]]
+            return shared
+        env, (src,), axes = ViewEnv(self.store, reps.ranks), s.ins, s.axes
+        args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": self.prog.is_carry(s)}
+        return lambda run: reps.collective("send", env.get(src), axes, args)  # noqa: E731
+
     def prepared(self, seg: Segment, j: int, stages: tuple, view):
         """Step ``j`` of segment ``seg`` on ``view``, prepared once: a function of the run."""
         s, prog, store = self.prog.segments[seg].steps[j], self.prog, self.store
         if s.kind in ("allreduce", "bucket_allreduce") and all(v in self.acc.ops for v in s.ins):
             go = self.acc.reduce_step(s, view, self.view_of(frozenset(stages), 0))
-        elif s.kind == "recv":
-            go = _Recv(s, store, view, self.plan, prog.is_carry(s)).run
-        elif s.kind == "send":
-            env, (src,), axes = ViewEnv(store, view.ranks), s.ins, s.axes
-            args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": prog.is_carry(s)}
-            go = lambda run: view.collective("send", env.get(src), axes, args)  # noqa: E731
+        elif s.kind in ("send", "recv"):
+            go = self._transfer(s, view)
         else:
             env = ViewEnv(store, view.ranks)
             offset = prog.layer_offset(seg, j, stages[0]) if len(stages) == 1 else 0

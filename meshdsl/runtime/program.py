@@ -87,6 +87,13 @@ class _Writer:
                 for v in self.steps[i].ins:
                     self.last[v] = u_pos
 
+    def name_of(self, text: str) -> str:
+        """The constant that holds a feed's, param's or output's name: names are the user's strings,
+        so the source refers to them and never spells them."""
+        key = f"N{len(self.consts)}"
+        self.consts[key] = text
+        return key
+
     def names(self, v: int) -> list[str]:
         return [f"v{v}_{j}" for j in range(self.num_ranks)]
 
@@ -136,7 +143,7 @@ class _Writer:
         self.consts[f"K{i}"], self.consts[f"A{i}"] = k.fn, k.attrs
         for r, (j, c) in enumerate(zip(k.reps, k.ctxs)):
             self.consts[f"C{i}_{j}"] = c
-            ctx = f"(C{i}_{j}.with_salt(S) if S else C{i}_{j})" if k.salted else f"C{i}_{j}"
+            ctx = f"(C{i}_{j}.with_salt(S) if S else C{i}_{j})" if k.reads_salt else f"C{i}_{j}"
             call = f"K{i}({ctx}, A{i}, {', '.join(x[j] for x in ins)})"
             if len(s.outs) == 1:
                 self.emit(f"{outs[0][j]} = {call}")
@@ -153,15 +160,15 @@ class _Writer:
 
     def leaf(self, i: int) -> list[int]:
         s, (o,) = self.steps[i], self.steps[i].outs
-        names, name = self.names(o), s.args["name"]
+        names, name = self.names(o), self.name_of(s.args["name"])
         self.bound[o] = names
         if s.kind == "param":
-            self.emit(f"{', '.join(names)}, = P[{name!r}]")
+            self.emit(f"{', '.join(names)}, = P[{name}]")
         elif not self.ex.check_feeds and self.ex.device.type == "cpu":  # a loop's body, fed its own tensors
-            self.emit(f"x_ = F[{name!r}]")
-            self.emit(f"{', '.join(names)}, = x_ if type(x_) is PerRank else FEED({name!r}, {o}, x_)")
+            self.emit(f"x_ = F[{name}]")
+            self.emit(f"{', '.join(names)}, = x_ if type(x_) is PerRank else FEED({name}, {o}, x_)")
         else:
-            self.emit(f"{', '.join(names)}, = FEED({name!r}, {o}, F[{name!r}])")
+            self.emit(f"{', '.join(names)}, = FEED({name}, {o}, F[{name}])")
         return [o]
 
     def call(self, i: int) -> list[int]:
@@ -215,14 +222,16 @@ def source_of(ex, units: list[Unit], timed: bool = False) -> tuple[str, dict]:
             kind = "local" if u.kind == "segment" else s.kind
             w.lines[start:start] = ['    t_, w_ = clock(), ST.get("wait", 0.0)']
             w.emit(f'ST[{kind!r}] = ST.get({kind!r}, 0.0) + clock() - t_ - (ST.get("wait", 0.0) - w_)')
-    for v in ex.plan.outputs.values():
-        if v in w.bound:
-            w.flush(v)
+    # the outputs, each held rank's tensors (read through get where a rule made them: it waits)
+    outs = ", ".join(f"{w.name_of(name)}: [{', '.join(w.bound[v])}]" if v in w.bound else f"{w.name_of(name)}: get({v})"
+                     for name, v in ex.plan.outputs.items())
+    w.emit(f"return {{{outs}}}")
     return "def program(env, get, run):\n" + "\n".join(w.lines) + "\n", w.consts
 
 
 def build(ex, units: list[Unit], timed: bool = False):
-    """``program(env, get, run)``: ``units`` as one compiled Python function (see :func:`source_of`)."""
+    """``program(env, get, run) -> {output name: [tensor per held rank]}``: ``units`` as one compiled
+    Python function (see :func:`source_of`)."""
     source, consts = source_of(ex, units, timed)
     namespace = dict(consts)
     exec(compile(source, f"<meshdsl program of {len(ex.plan.steps)} steps>", "exec"), namespace)

@@ -68,8 +68,15 @@ def representatives(plan, comm, s) -> tuple[tuple[int, ...], tuple[int, ...]] | 
       and for each held rank the index in ``reps`` of its own; ``None`` when the
       step varies along the micro-batch axis or every held rank is its own.
     """
-    mesh, ranks = plan.mesh, comm.ranks
-    if MB_AXIS not in mesh.sizes or len(ranks) == 1 or per_microbatch(s, plan.values):
+    if per_microbatch(s, plan.values):
+        return None
+    return one_per_real_rank(plan.mesh, comm.ranks)
+
+
+def one_per_real_rank(mesh, ranks) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(reps, of)`` as :func:`representatives` gives them for held ``ranks``: the first held
+    rank of each real rank; ``None`` when every held rank is a real rank of its own."""
+    if MB_AXIS not in mesh.sizes or len(ranks) == 1:
         return None
     first: dict[int, int] = {}
     reps: list[int] = []
@@ -144,7 +151,7 @@ def inplace_adds(plan) -> dict[int, Callable]:
 class LocalKernel(NamedTuple):
     """How local step ``i`` runs (:func:`local_kernel`): ``fn(ctx, attrs, *xs)`` on the held ranks at
     positions ``reps`` (each with its context in ``ctxs``), ``of`` spreading their results as
-    :func:`representatives` says (None: every held rank computes its own); ``salted``: the kernel
+    :func:`representatives` says (None: every held rank computes its own); ``reads_salt``: the kernel
     reads the run's salt (``ctx.with_salt``)."""
 
     fn: Callable
@@ -152,14 +159,14 @@ class LocalKernel(NamedTuple):
     reps: tuple
     of: tuple | None
     ctxs: tuple
-    salted: bool
+    reads_salt: bool
 
 
-def salted_op(op_name: str) -> bool:
+def reads_salt(op_name: str) -> bool:
     """Whether the kernel of local op ``op_name`` may read the salt: its op says so; a fused
     kernel (``einsum+sgd_update``, no op of its own) does when one of its parts does."""
     parts = [OPS.get(p) for p in op_name.split("+")]
-    return any(op is None or op.salted for op in parts)
+    return any(op is None or op.reads_salt for op in parts)
 
 
 def local_kernel(ctx, i, s, plain: bool = False) -> LocalKernel:
@@ -169,7 +176,7 @@ def local_kernel(ctx, i, s, plain: bool = False) -> LocalKernel:
     reps, of = representatives(ctx.plan, ctx.comm, s) or (tuple(range(len(ctx.comm.ranks))), None)
     ctxs = tuple(_ctx(ctx.plan.mesh, ctx.comm.ranks[j], s.args["compute"], s.args["sizes"]) for j in reps)
     fn = s.args["fn"] if plain else s.args["inplace"] if i in ctx.donated else ctx.add_into.get(i, s.args["fn"])
-    return LocalKernel(fn, s.args["attrs"], tuple(reps), of, ctxs, salted_op(s.op))
+    return LocalKernel(fn, s.args["attrs"], tuple(reps), of, ctxs, reads_salt(s.op))
 
 
 @step_rule("local")

@@ -44,6 +44,7 @@ from ..runtime.deferred import matmul_producer
 from ..lowering.fuse import IDENTITY
 from ..lowering.memory import memory_report
 from ..lowering.pipeline import MB_AXIS, per_microbatch
+from ..lowering.pipeline_program import Segment
 from ..lowering.plan import Plan, Step
 from ..lowering.schedule import BUSY
 from .calibrate import Calibration
@@ -90,6 +91,8 @@ class Prediction:
     path_compute_s: float = 0.0
     #: an oversubscribed pipeline: the time its stages' work over the cores exceeds its makespan
     shared_cores_s: float = 0.0
+    #: a pipeline's stages, in order: each one's :class:`StageCost`
+    stages: tuple = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -99,6 +102,26 @@ class Prediction:
         """``(name, seconds)`` parts of :attr:`step_s`, in order; they sum to it."""
         return [("compute", self.path_compute_s), ("exposed communication", self.exposed_comm_s),
                 ("pipeline bubble", self.bubble_s), ("stages waiting for a core", self.shared_cores_s)]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One pipeline stage's predicted work per micro-batch (its F, B and W segments).
+
+    Attributes:
+      layers: layers of the pipelined repeat it runs.
+      seconds: its F, B and W time per micro-batch, transfers included.
+      layers_s: the part of ``seconds`` its layers take (the rest: what feeds or follows the
+        layers there, the embedding on the first stage and the head and loss on the last).
+    """
+
+    layers: int
+    seconds: float
+    layers_s: float
+
+    @property
+    def other_s(self) -> float:
+        return self.seconds - self.layers_s
 
 
 def process_axes(axes) -> tuple[str, ...]:
@@ -175,6 +198,8 @@ class _Walk:
         # ids of those steps, their seconds per run, and the runs of the loops around them.
         self.later: frozenset = frozenset()
         self.w, self.w_scale = 0.0, 1
+        self.loop_s: dict[int, float] = {}   # in a pipeline's segments: a loop's seconds per run, by id
+        self.stages: tuple = ()
 
     def plan_time(self, plan: Plan, mult: int, stages=None, stage=None, serial: int = 1) -> float:
         """Wall time of one run of ``plan`` (only the steps of ``stage`` when given)."""
@@ -187,7 +212,10 @@ class _Walk:
                 continue
             start = max([cpu] + [ready[v] for v in s.ins if v in ready])
             if s.subplans:
+                w_before = self.w
                 dur = self.sub_time(s, plan, mult, serial)
+                if self.in_stages:   # with the weight-gradient matmuls it puts off to a W
+                    self.loop_s[id(s)] = dur + self.w - w_before
                 end = cpu = start + dur
             else:
                 dur = step_seconds(s, plan, self.cal, serial, self.sharing, self.dispatch)
@@ -255,6 +283,7 @@ class _Walk:
             bwd_c.append(c - self.w)   # the W's matmuls are its own action's compute
             w_t.append(self.w)
         self.later, self.in_stages = frozenset(), False
+        self.stages = _stage_costs(prog, [f + b + w for f, b, w in zip(fwd_t, bwd_t, w_t)], self.loop_s)
         self.sharing, self.overlap, self.dispatch = None, overlap, None
         t_fin = self.plan_time(fin, mult)
         sched = prog.run_schedule(defer=any(w_t))
@@ -281,6 +310,20 @@ class _Walk:
         before = self.compute
         t = self.plan_time(plan, mult, stages, stage)
         return t, (self.compute - before) / mult
+
+
+def _stage_costs(prog, seconds: list, loop_s: dict) -> tuple:
+    """Each stage's :class:`StageCost` from its F + B + W seconds and the loops' seconds."""
+    out = []
+    for st, total in enumerate(seconds):
+        layers = layers_s = 0.0
+        for seg, j in prog.pipelined:
+            step = prog.segments[seg].steps[j]
+            if st in prog.stages[seg][j]:
+                layers_s += loop_s.get(id(step), 0.0)
+                layers += step.times if seg == Segment.FORWARD else 0
+        out.append(StageCost(int(layers), total, layers_s))
+    return tuple(out)
 
 
 def _put_off(step: Step) -> frozenset:
@@ -318,7 +361,7 @@ def predict(plan: Plan, cal: Calibration) -> Prediction:
     # on communication (max: a float's rounding below zero).
     exposed = max(0.0, total - w.path - w.bubble - w.shared)
     return Prediction(total, w.compute, w.comm, exposed, w.bubble, memory_report(plan), comm_bytes,
-                      w.rows, w.kernel_calls, w.path, w.shared)
+                      w.rows, w.kernel_calls, w.path, w.shared, w.stages)
 
 
 def by_op_table(pred: Prediction, top: int | None = None) -> list[tuple[str, str, float, float]]:

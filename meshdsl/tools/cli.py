@@ -37,6 +37,7 @@ from ..lowering.compiler import compile as compile_plan
 from ..lowering.memory import memory_report
 from ..lowering.schedule import has_placed_w
 from ..train.model import DEFAULT_LR
+from ..train.step import training_outputs
 from .dist_cli import add_run, bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device
 from .optim_args import describe, optimizer_from_args, train_outputs
 from .preflight import UsageError, check_simulated_memory, float_in, memory_warning
@@ -46,6 +47,7 @@ from .report import plan_report, print_report
 from .search_cli import add_calibrate, add_search, print_prediction, resolve_auto_layout
 from .timeline_png import bar_counts, check_timeline, draw, simulated_rows, timeline_arg
 from .train_cli import add_train
+from .stage_args import resolve_stage_layers, stage_lines
 from .cli_common import (EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE,  # noqa: F401
                          load_configured, lr_arg, make_console, model_args, pipe_args, remat_arg, seed_arg,
                          compile_arg, compile_setting)
@@ -102,7 +104,8 @@ def cmd_plan(args) -> int:
     model = load_configured(args)
     outputs, _ = train_outputs(model, args)
     plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
-                        bucket_mb=args.bucket_mb, strict_splits=args.strict_splits)
+                        bucket_mb=args.bucket_mb, strict_splits=args.strict_splits,
+                        stage_layers=resolve_stage_layers(args, outputs))
     pipe = schedule_summary(plan)
     check_timeline(args, pipe)
     report = plan_report(plan)
@@ -125,6 +128,8 @@ def cmd_plan(args) -> int:
                       f"{pipe['bubble_theory']:.1%}, activations held per stage {pipe['peak_theory']}",
                       highlight=False, soft_wrap=True)
         console.print(pipe["table"], highlight=False, markup=False)
+        for line in (stage_lines(plan) if args.stage_layers is not None else ()):
+            console.print(line, highlight=False, soft_wrap=True)
     if args.timeline is not None:
         program = pipeline_program(plan)
         got = draw(simulated_rows(program), args.timeline,
@@ -169,11 +174,21 @@ def add_check(sub) -> None:
                         f"re-ordered sums, far below what a wrong layout produces)")
     lr_arg(p, DEFAULT_LR)
     pipe_args(p)
+    remat_arg(p, "; the dense program it is checked against saves every activation (none)")
     bucket_arg(p)
     dist_args(p)
     device_arg(p, "cpu")
     compile_arg(p)
     p.set_defaults(run=cmd_check)
+
+
+def check_outputs(model, args, remat) -> tuple[dict, dict]:
+    """What ``check`` compares, every repeat checkpointed by ``remat`` (None: its own policy):
+    loss and gradients, or one optimizer step (``--optimizer``); and the hyperparameter feeds."""
+    if optimizer_from_args(args)[0] is None:
+        outs = training_outputs(model.loss, model.params, DEFAULT_LR, with_grads=True, remat=remat)
+        return {"loss": model.loss, **{f"grad/{k}": outs[f"grad/{k}"] for k in model.params}}, {}
+    return train_outputs(model, argparse.Namespace(**{**vars(args), "remat": remat}))
 
 
 def run_on_simulated_mesh(plan, feeds, seed: int, device=None, compile=False) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -214,25 +229,24 @@ def cmd_check(args) -> int:
         from .dist_cli import preflight_processes
         preflight_processes(args, mesh)
     model = load_configured(args)
-    opt, _ = optimizer_from_args(args)
-    if opt is None:  # loss and gradients
-        outputs, hyper = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}, {}
-    else:  # one optimizer step: loss, global norm, new params and state
-        outputs, hyper = train_outputs(model, args)
+    outputs, hyper = check_outputs(model, args, args.remat)
+    # With --remat the oracle is the program that saves every activation: remat changes no number.
+    dense = outputs if args.remat is None else check_outputs(model, args, "none")[0]
     plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
-                        bucket_mb=args.bucket_mb, strict_splits=args.strict_splits)
+                        bucket_mb=args.bucket_mb, strict_splits=args.strict_splits,
+                        stage_layers=resolve_stage_layers(args, outputs))
     if not distributed:
         check_simulated_memory(plan)
     check_job_memory(args, plan, "check", None if distributed else device)
     args.preflight_done = True
     feeds = {**model.feeds(args.seed), **hyper}
-    want = run_dense(outputs, feeds, seed=args.seed)
+    want = run_dense(dense, feeds, seed=args.seed)
     if distributed:
         from .dist_cli import check_distributed
         return check_distributed(args, want, report_check)
     got, figures = run_on_simulated_mesh(plan, feeds, args.seed, device, compile_setting(args))
     user_mesh, user_layout = user_mesh_layout(plan)
-    where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan)
+    where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan) + remat_words(args)
     if device.type != "cpu":
         where += f", simulated on {device}"
     code = report_check(want, got, args.tol, where)
@@ -244,6 +258,11 @@ def cmd_check(args) -> int:
             + f" (theory for a parallel run {figures['bubble_theory']:.0%}); activations held "
             + f"{figures['peak_activations']} (theory {figures['peak_theory']})", highlight=False, soft_wrap=True)
     return code
+
+
+def remat_words(args) -> str:
+    """``, remat full (dense: none)`` when ``--remat`` was given; empty otherwise."""
+    return f", remat {args.remat} (dense: none)" if args.remat is not None else ""
 
 
 def _pipe_words(args, plan) -> str:

@@ -20,6 +20,7 @@ from ..lowering.schedule_gen import SCHEDULES, parse_schedule
 from ..train.model import load_model
 from .optim_args import add_optimizer_args
 from .preflight import SEED_MAX, float_in, int_in
+from .stage_args import stage_layers_arg
 from .train_run import config_overrides
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -106,6 +107,7 @@ def pipe_args(p) -> None:
                         "backward's weight gradients delayed into the bubble, at most p held) or "
                         "interleaved:V (1f1b over V chunks of layers per rank: rank r runs chunks r, r+p, ...; "
                         "bubble (p-1)/(V m+p-1)) (default gpipe)")
+    stage_layers_arg(p)
 
 
 def _remat_policy(text: str) -> str:
@@ -117,13 +119,14 @@ def _remat_policy(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--remat: ")) from None
 
 
-def remat_arg(p) -> None:
-    """``--remat``: what each layer of a repeat saves for its backward (:mod:`meshdsl.ir.remat`)."""
+def remat_arg(p, more: str = "") -> None:
+    """``--remat``: what each layer of a repeat saves for its backward (:mod:`meshdsl.ir.remat`);
+    ``more`` ends its help (what the command does with it)."""
     p.add_argument("--remat", type=_remat_policy, default=None, metavar="POLICY",
                    help="activation checkpointing of every repeat: none (save what the backward reads), full "
                         "(save each layer's input, recompute the layer in the backward), selective (save "
                         "einsum and attention outputs, recompute the cheap ops) or save:OP,OP (default: "
-                        "the model's own, none)")
+                        "the model's own, none)" + more)
 
 
 #: ``--compile-backend`` choices: meshdsl.runtime.compiled.BACKENDS (named here: building the parser loads no torch)

@@ -26,6 +26,7 @@ from .optim_args import optimizer_from_args, train_outputs
 from .pipe_report import figures_table, pipeline_program, run_figures, schedule_summary
 from .preflight import UsageError, check_memory, check_output_path, check_processes, float_in, int_in
 from .search_cli import resolve_auto_layout
+from .stage_args import resolve_stage_layers
 from .timeline_png import bar_counts, check_timeline, draw, median_step, timeline_arg
 
 
@@ -138,7 +139,7 @@ def check_distributed(args, want: dict, report) -> int:
     results = launch_job(args, check_job, (args.model, args.tiny, args.mesh, args.layout, args.seed,
                                         args.microbatches, args.schedule, opt, clip,
                                         getattr(args, "config_overrides", None), args.bucket_mb,
-                                        compile_setting(args)))
+                                        compile_setting(args), args.remat, args.stage_layers))
     got = results[0]
     if got is None:  # a torchrun rank other than 0
         return 0
@@ -146,6 +147,8 @@ def check_distributed(args, want: dict, report) -> int:
             f"mesh '{args.mesh}', layout '{args.layout}'"
     if args.microbatches > 1:
         where += f", {args.microbatches} micro-batches, schedule {args.schedule}"
+    if args.remat is not None:
+        where += f", remat {args.remat} (dense: none)"
     return report(want, got, args.tol, where)
 
 
@@ -184,9 +187,10 @@ def cmd_run(args) -> int:
     model = load_configured(args)
     opt, clip = optimizer_from_args(args)
     # Layout, micro-batch and schedule errors surface here, once, before any process starts.
-    plan = compile_plan(train_outputs(model, args, with_grads=False)[0], mesh, args.layout,
-                        microbatches=args.microbatches,
-                        schedule=args.schedule, bucket_mb=args.bucket_mb, strict_splits=args.strict_splits)
+    outputs = train_outputs(model, args, with_grads=False)[0]
+    plan = compile_plan(outputs, mesh, args.layout, microbatches=args.microbatches,
+                        schedule=args.schedule, bucket_mb=args.bucket_mb, strict_splits=args.strict_splits,
+                        stage_layers=resolve_stage_layers(args, outputs))
     check_job_memory(args, plan, "run")
     summary = schedule_summary(plan)
     check_timeline(args, summary)
@@ -194,7 +198,7 @@ def cmd_run(args) -> int:
     results = launch_job(args, train_job, (args.model, args.tiny, args.mesh, args.layout, args.steps,
                                         args.lr, args.seed, args.warmup, args.microbatches, args.schedule,
                                         opt, clip, args.config_overrides, True, args.precision,
-                                        args.bucket_mb, args.remat, compile_setting(args)))
+                                        args.bucket_mb, args.remat, compile_setting(args), args.stage_layers))
     if not is_rank0():
         return 0
     steps, timelines = results[0]

@@ -31,6 +31,7 @@ from .dist_cli import (bucket_arg, check_job_memory, device_arg, dist_args, is_r
 from .optim_args import READERS, add_optimizer_args, check_readers
 from .preflight import UsageError, float_in, int_in, plan_bytes
 from .search_cli import resolve_auto_layout
+from .stage_args import stage_layers_arg, with_stage_layers
 from .train_run import (DEFAULT_STEPS, RECIPES, TRAIN_DEFAULTS, asked_spec, check_schedule, config_overrides,
                         describe_optimizer, spelling, step_outputs, train_model)
 
@@ -106,6 +107,7 @@ def add_train(sub) -> None:
     p.add_argument("--microbatches", type=int_in(1, fix="e.g. --microbatches 4"), default=None,
                    help="micro-batches of a pipelined layout (with --schedule)")
     p.add_argument("--schedule", default=None, help="pipeline schedule (default gpipe)")
+    stage_layers_arg(p)
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a UTF-8 text file to train on (default: the standard library's .py sources)")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save checkpoints into DIR")
@@ -164,8 +166,10 @@ def make_spec(args):
     spec, why = _pick_mesh(args, spec, model)
     mesh = Mesh.parse(spec.mesh)
     preflight_processes(args, mesh)
+    spec = with_stage_layers(args, spec, step_outputs(model, spec))
     plan = compile_plan(step_outputs(model, spec), mesh, spec.layout, microbatches=spec.microbatches,
-                        schedule=spec.schedule, bucket_mb=spec.bucket_mb, strict_splits=args.strict_splits)
+                        schedule=spec.schedule, bucket_mb=spec.bucket_mb, strict_splits=args.strict_splits,
+                        stage_layers=spec.stage_layers)
     in_process = mesh.size == 1 and not in_torchrun()  # as cmd_train runs it
     check_job_memory(args, plan, "train", local_device(args, "train") if in_process else None)
     data = TokenData.load(spec.data, seed=spec.seed) if spec.data is not None or text else None

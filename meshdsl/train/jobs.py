@@ -19,7 +19,8 @@ from ..runtime.pipeline import outputs_to_first_rank
 from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.plan import Plan
-from .step import TrainStep, optimizer_outputs
+from .model import DEFAULT_LR
+from .step import TrainStep, optimizer_outputs, training_outputs
 
 
 def agree_plan(comm: Communicator, plan: Plan) -> None:
@@ -44,22 +45,26 @@ def _load(model_ref: str, tiny: bool, config: dict | None = None):
 
 def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout: str, seed: int = 0,
               microbatches: int = 1, schedule: str = "gpipe", optimizer=None, clip_norm: float | None = None,
-              config: dict | None = None, bucket_mb: float = DEFAULT_BUCKET_MB, compile=False):
+              config: dict | None = None, bucket_mb: float = DEFAULT_BUCKET_MB, compile=False,
+              remat: str | None = None, stage_layers=None):
     """Loss and gradients of the model on this job's ranks; rank 0 returns them in full.
 
     With an ``optimizer``: loss, global gradient norm, and the new params and
     optimizer state after one step (``clip_norm`` clips the norm).  ``config`` holds
     overrides of the model's Config fields (``--config``); ``bucket_mb`` sizes the gradient buckets;
-    ``compile``: the executor's (``Executor(..., compile=)``).
+    ``compile``: the executor's (``Executor(..., compile=)``); ``remat``: every repeat's
+    activation checkpointing (None: its own policy).
     """
     model = _load(model_ref, tiny, config)
     hyper = {}
     if optimizer is None:
-        outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
+        step = training_outputs(model.loss, model.params, DEFAULT_LR, with_grads=True, remat=remat)
+        outs = {"loss": model.loss, **{f"grad/{k}": step[f"grad/{k}"] for k in model.params}}
     else:
-        outs = optimizer_outputs(model.loss, model.params, optimizer, clip_norm is not None)
+        outs = optimizer_outputs(model.loss, model.params, optimizer, clip_norm is not None, remat=remat)
         hyper = TrainStep.hyper_values(optimizer, clip_norm, 0)
-    plan = compile_plan(outs, mesh, layout, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb)
+    plan = compile_plan(outs, mesh, layout, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
+                        stage_layers=stage_layers)   # layers per stage (None: equal)
     agree_plan(comm, plan)
     ex = Executor(plan, for_plan(comm, plan), compile=compile)
     res = ex.run({**model.feeds(seed), **hyper}, ex.init_params(seed))
@@ -72,7 +77,7 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
               lr: float, seed: int = 0, warmup: int = 1, microbatches: int = 1, schedule: str = "gpipe",
               optimizer=None, clip_norm: float | None = None, config: dict | None = None,
               with_timeline: bool = False, precision: str = "fp32", bucket_mb: float = DEFAULT_BUCKET_MB,
-              remat: str | None = None, compile=False):
+              remat: str | None = None, compile=False, stage_layers=None):
     """Run ``warmup + steps`` training steps (plain SGD of ``lr``, or ``optimizer``) in
     ``precision``, every repeat checkpointed by ``remat`` (None: its own policy); returns
     per-step (loss, StepStats, seconds) of the timed steps.
@@ -85,7 +90,8 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     model = _load(model_ref, tiny, config)
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
                      microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm,
-                     precision=precision, bucket_mb=bucket_mb, remat=remat, compile=compile)
+                     precision=precision, bucket_mb=bucket_mb, remat=remat, compile=compile,
+                     stage_layers=stage_layers)   # layers per stage (None: equal)
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for n in range(warmup):

@@ -139,6 +139,8 @@ class TrainStep:
       microbatches: cut the batch into this many micro-batches and accumulate their
         gradients (one step still equals one full-batch step).
       schedule: the pipeline schedule when the layout pipelines a repeat (``"layer:stage"``).
+      stage_layers: the pipelined repeat's layers per stage, e.g. ``(3, 5)`` (None: equal;
+        :func:`meshdsl.balance_stages` balances them by the cost model).
       seed: param init seed (same values for every layout).
       lr: the learning rate of the plain SGD (``optimizer=None``).
       precision: ``"fp32"`` (the default: every op in fp32, exactly the dense program) or
@@ -161,7 +163,7 @@ class TrainStep:
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
                  optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
                  schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32",
-                 bucket_mb: float = DEFAULT_BUCKET_MB, remat=None, compile=False):
+                 bucket_mb: float = DEFAULT_BUCKET_MB, remat=None, compile=False, stage_layers=None):
         if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
             raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
                                      rule="the global gradient norm is clipped to a positive bound",
@@ -180,7 +182,7 @@ class TrainStep:
         else:
             self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None, remat=self.remat)
         self.plan = compile_plan(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
-                            bucket_mb=bucket_mb)
+                            bucket_mb=bucket_mb, stage_layers=stage_layers)
         # a plan with the virtual micro-batch axis runs on a communicator of its own mesh
         self.executor = Executor(self.plan, for_plan(comm, self.plan), donate_params=True, compile=compile)
         self.params = self.executor.init_params(seed)

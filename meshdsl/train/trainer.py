@@ -77,6 +77,7 @@ class TrainSpec:
     data: str | None = None
     microbatches: int = 1
     schedule: str = "gpipe"
+    stage_layers: tuple | None = None   # the pipelined repeat's layers per stage (None: equal)
     precision: str = "fp32"
     bucket_mb: float = DEFAULT_BUCKET_MB
     remat: str | None = None    # activation checkpointing of every repeat (meshdsl/ir/remat.py); None: its own
@@ -149,7 +150,8 @@ def build_step(model: Model, spec: TrainSpec, comm) -> TrainStep:
     return TrainStep(model.loss, model.params, spec.mesh, spec.layout, comm, optimizer=opt,
                      clip_norm=spec.clip_norm, lr=spec.lr, seed=spec.seed, microbatches=spec.microbatches,
                      schedule=spec.schedule, precision=spec.precision,
-                     bucket_mb=spec.bucket_mb, remat=spec.remat, compile=spec.compile)
+                     bucket_mb=spec.bucket_mb, remat=spec.remat, compile=spec.compile,
+                     stage_layers=spec.stage_layers)
 
 
 def run_step(step: TrainStep, feeds: dict, spec: TrainSpec, t: int):

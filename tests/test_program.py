@@ -1,0 +1,81 @@
+"""The executor's straight-line program (meshdsl/runtime/program.py): the interpreted loop's
+numbers, its timings when asked, its errors, and its frees."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.ops.registry import OPS
+from meshdsl.runtime import program
+from meshdsl.train.model import load_model
+
+
+def _executor(mesh="data:2", layout="batch:data"):
+    model = load_model("transformer", tiny=True)
+    outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
+    plan = md.compile(outs, mesh, layout)
+    return model, md.Executor(plan, md.SimulatedComm(plan.mesh))
+
+
+def _interpreted(ex, feeds, params):
+    """The step-by-step loop, as a run missing a feed takes it (every name given: it runs through)."""
+    saved = ex._needs
+    ex._needs = (frozenset({"no such input"}), frozenset())
+    try:
+        return ex.run(feeds, params)
+    finally:
+        ex._needs = saved
+
+
+def test_the_program_gives_the_interpreted_loops_numbers_timed_or_not():
+    model, ex = _executor()
+    params = ex.init_params(0)
+    want = _interpreted(ex, model.feeds(0), params)
+    stats = {}
+    for got in (ex.run(model.feeds(0), params), ex.run(model.feeds(0), params, stats=stats)):
+        for k in want:
+            for g, w in zip(got[k], want[k]):
+                # the same kernels on the same tensors in the same order: bitwise equal
+                torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda s: f"{k}: {s}")
+    assert stats["local"] > 0 and stats["allreduce"] + stats.get("bucket_allreduce", 0.0) > 0
+
+
+def test_a_missing_feed_or_param_is_the_steps_error():
+    model, ex = _executor()
+    params = ex.init_params(0)
+    with pytest.raises(md.GraphError, match="no value fed for input 'labels'"):
+        ex.run({"ids": model.feeds(0)["ids"]}, params)
+    del params["wte"]
+    with pytest.raises(md.GraphError, match="no value for param 'wte'"):
+        ex.run(model.feeds(0), params)
+
+
+def test_aliases_bind_the_same_tensor_and_their_kernels_return_their_input():
+    x = torch.randn(3)
+    for op in program.ALIASES:   # the program binds instead of calling: the kernel must agree
+        assert OPS[op].compute(None, {"mapping": {}}, x) is x
+    model, ex = _executor("data:1", "")
+    ex.run(model.feeds(0), ex.init_params(0))
+    src = ex._programs[0].source
+    assert "K" in src and "R" in src   # kernels inline, the loops through their rules
+
+
+def test_env_keeps_only_what_rules_still_read_and_the_outputs():
+    model, ex = _executor()
+    seen = {}
+    rules = list(ex.calls)
+
+    def spy(i, call):
+        def wrapped(env, get, run):
+            seen[i] = set(env)
+            return call(env, get, run)
+        return wrapped
+    # the program reads calls when it is written, at the first run
+    ex.calls[:] = [spy(i, c) if ex.plan.steps[i].kind == "repeat" else c for i, c in enumerate(rules)]
+    ex.rules = tuple(ex.calls)
+    ex.run(model.feeds(0), ex.init_params(0))
+    later = {i: {v for j in ex.order[ex.order.index(i):] for v in ex.plan.steps[j].ins} for i in seen}
+    for i, names in seen.items():
+        # a value in env when a loop starts is one the loop or a later step reads, or an output
+        assert names <= later[i] | set(ex.plan.outputs.values()), i
