@@ -54,8 +54,8 @@ def make_console():
     """A rich console as wide as the terminal (160 columns when printing to a pipe or a file)."""
     from rich.console import Console
 
-    # Pipes get a wide console rather than rich's 80 columns, so rows stay on one line.
-    return Console(width=shutil.get_terminal_size((160, 24)).columns)
+    # Pipes get a wide console rather than rich's 80 columns, so rows stay on one line; no ":name:" emoji codes.
+    return Console(width=shutil.get_terminal_size((160, 24)).columns, emoji=False)  # "interleaved:V:" is text
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
