@@ -54,7 +54,8 @@ class CompileStats:
 
     segments: int = 0         # segments compiled (their first calls)
     steps: int = 0            # local kernels in them (an alias is none)
-    shared: int = 0           # segments that run a function another one compiled (same source)
+    shared: int = 0           # segments that run a function another one of this run compiled (same source)
+    keys: set = field(default_factory=set)   # the (source, shapes) this run's segments compiled
     seconds: float = 0.0      # the first calls' wall time (tracing, compiling, one run)
     fallbacks: list = field(default_factory=list)   # one line per segment left eager
 
@@ -180,7 +181,7 @@ class Segment:
         self.fn = self.eager = None
         self.kernels = self.attrs = self.contexts = ()
         self.first = set(range(len(ex.comm.ranks)))   # rank positions not yet called
-        self.fresh = False   # whether this segment made its compiled function (else another one did)
+        self.fresh = False   # whether this segment made its compiled function (else another segment of this run did)
 
     def bind(self, ins: list[int], outs: list[int]) -> None:
         self.source, self.kernels, self.attrs, self.contexts = segment_source(self.ex, self.steps, ins, outs)
@@ -197,11 +198,14 @@ class Segment:
         key = (self.source, repr(self.settings.backend),
                tuple((tuple(x.shape), x.dtype, x.device) if hasattr(x, "shape") else type(x) for x in xs))
         compiled = _COMPILED.get(key)
-        if compiled is None:
+        if compiled is None:   # the process's first: compiled here (an earlier run's is reused)
             import torch
             compiled = _COMPILED[key] = torch.compile(self._function(), backend=self.settings.backend,
                                                       dynamic=False)
-            self.fresh = True
+        # Counted as this run's own the first time this run meets it, whatever ran before in the
+        # process, so the summary reads the same in a fresh process and in a test session.
+        self.fresh = key not in self.settings.stats.keys
+        self.settings.stats.keys.add(key)
         return compiled
 
     def label(self) -> str:
