@@ -103,9 +103,9 @@ def test_remat_keeps_the_numbers():
     ("model:2", "d_ff:model", 1, "gpipe"),
     ("data:2; model:2", "batch:data; d_ff:model; params.d_model:data", 1, "gpipe"),
     ("data:2", "batch:data", 2, "gpipe"),
-    # a pipeline: the loss reads the per-layer outputs linearly (their cotangents are made from
-    # constants, before the micro-batches; a cotangent made from a stage's own outputs is not
-    # placed by the partition yet)
+    # a pipeline: the loss reads the per-layer outputs linearly here (their cotangents are made
+    # from constants, before the micro-batches); tests/test_pipeline_stacked_loss.py reads them
+    # non-linearly (a cotangent each stage makes from its own outputs)
     ("stage:2", "layer:stage", 2, "1f1b"),
     ("stage:2; data:2", "layer:stage; batch:data", 2, "1f1b"),
 ])

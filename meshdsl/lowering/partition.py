@@ -222,6 +222,7 @@ def assign_segments(cut: _Cut) -> None:
     their results run once, after the micro-batches; of the rest, what varies per micro-batch
     runs in the F (before the pipelined backward) or the B actions, and what does not, once before."""
     steps, F, B = cut.steps, cut.F, cut.B
+    cut.spread |= _own_parts(cut)
     final: set[int] = set()
     for i, s in enumerate(steps):
         if cut.leaf[i] or i in (F, B) or not cut.per_mb[i]:
@@ -240,6 +241,25 @@ def assign_segments(cut: _Cut) -> None:
     cut.segment = [None if cut.leaf[i] else Segment.FINAL if i in final else order[i] if i in order
                    else Segment.PROLOGUE if not cut.per_mb[i]
                    else Segment.BACKWARD if i in in_b else Segment.FORWARD for i in range(len(steps))]
+
+
+def _own_parts(cut: _Cut) -> set[int]:
+    """The steps every stage runs per micro-batch on its own part of values split over the stage
+    axis with the layers: what a loss makes of the pipelined repeat's per-layer outputs layer by
+    layer (``reduce_sum(f(y))`` for an elementwise ``f``), and the cotangent of those outputs
+    the backward reads.  They run in the stage's F actions, as the SPMD program runs them on each
+    rank's part, not after the micro-batches; a step that reads a value other stages lack, or
+    moves values over the stage or micro-batch axis, is not one of them."""
+    ax, every = cut.spec.axis, cut.every_stage
+    out = set()
+    for i, s in enumerate(cut.steps):
+        if (cut.leaf[i] or not cut.per_mb[i] or i in (cut.F, cut.B) or cut.stages[i] != every
+                or (s.is_collective and {ax, MB_AXIS} & set(s.axes))):
+            continue
+        split = [any(ax in axes for axes in cut.values[v].sharding.split.values()) for v in s.outs]
+        if split and all(split) and all(cut.held.get(v, every) == every for v in s.ins):
+            out.add(i)
+    return out
 
 
 def _whole_batch_cause(steps, producer, final, i):
@@ -261,6 +281,7 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                 continue
             c = _whole_batch_cause(steps, producer, final, producer[v])
             if c is None:
+                _check_per_layer_outputs(cut, producer[v])
                 u = steps[producer[v]]
                 raise _error(f"'{u.op}' ({u.label}) is read by the pipelined repeat, but runs after the "
                              "micro-batches.", spec, [f"'{u.op}' runs on stages {sorted(cut.stages[producer[v]])}"],
@@ -272,6 +293,38 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                          [f"{c.kind} over {c.axes} for '{c.op}' joins the micro-batches"],
                          "what feeds or follows the pipelined layers runs one micro-batch at a time",
                          "keep ops that reduce over the batch after the loss, or use microbatches=1")
+
+
+def _check_per_layer_outputs(cut: _Cut, i: int) -> None:
+    """Refuse, saying why, a value the pipelined backward reads (made by step ``i`` after the
+    micro-batches) that the loss made from the repeat's per-layer outputs across layers."""
+    F = cut.steps[cut.F]
+    names = F.args.get("ys", ())
+    ys = dict(zip(F.outs[2:2 + len(names)], names))
+    seen, todo, read, joins = set(), [i], [], None
+    while todo:
+        j = todo.pop()
+        if j in seen:
+            continue
+        seen.add(j)
+        s = cut.steps[j]
+        if s.is_collective and cut.spec.axis in s.axes and joins is None:
+            joins = s
+        read += [ys[v] for v in s.ins if v in ys]
+        todo += [cut.producer[v] for v in s.ins if v in cut.producer and cut.producer[v] != cut.F]
+    if not read:
+        return
+    how = (f"{joins.kind} over {joins.axes} for '{joins.op}' ({joins.label}) joins the layers of every stage"
+           if joins is not None else f"'{cut.steps[i].op}' ({cut.steps[i].label}) reads them on every stage")
+    raise _error(f"the loss reads the pipelined repeat's per-layer outputs {sorted(set(read))} across layers: "
+                 f"their gradient, which the pipelined backward reads, needs the layers of every stage of a "
+                 f"micro-batch at once.", cut.spec, [how],
+                 "in a pipeline a loss reads a repeat's per-layer outputs layer by layer: a sum over the layer "
+                 "dim of any elementwise function of them (reduce_sum(y), reduce_sum(y * y), reduce_sum(exp(y))), "
+                 "which each stage differentiates on its own layers",
+                 "write the term as a sum over layers of a per-layer function (computed in the block, or "
+                 "after it), carry what spans layers (a running total) in the repeat's carry, or do not "
+                 "pipeline this repeat (a layout without its layer dim on the stage axis)")
 
 
 def insert_transfers(cut: _Cut) -> dict:

@@ -17,10 +17,13 @@ Per axis size the best :data:`MODEL_KEEP` dims, :data:`PAIR_KEEP` pairs (that
 estimate no worse than those dims alone) and :data:`FSDP_KEEP` param dims are kept,
 with the seeds (the families known to work: DP, Megatron on ``heads`` and ``d_ff``,
 FSDP on ``d_model``, ``seq``, ``experts``, the pipeline) and the dims the caller
-names (``split_dims``, and their pairs); the others are pruned by cost, a dim the
-axis does not divide stays in the space (its candidates are invalid), and a dim in
-``no_split`` is never split.  Each choice is a :class:`Verdict` with its
-figure, for ``meshdsl search --explain``.
+names (``split_dims``, and their pairs); the others are pruned by cost, and a dim in
+``no_split`` is never split.  A dim the axis does not divide is split unevenly
+(:mod:`meshdsl.lowering.uneven`: the first ``size % k`` parts one longer), ranked by the same
+estimate, which prices its largest part (the others idle that long: the waste); with strict
+splits (``strict=True``, ``--strict-splits``), or where a part would be empty, it stays in
+the space as "not divisible" (its candidates are invalid).  Each choice is a :class:`Verdict`
+with its figure, for ``meshdsl search --explain``.
 """
 from __future__ import annotations
 
@@ -83,8 +86,11 @@ class Splits:
     """
 
     def __init__(self, prof: Profile, param_bytes: dict[str, int], total_param_bytes: int, cal: Calibration,
-                 job: int, stateful: bool, split_dims: tuple[str, ...] = (), no_split: tuple[str, ...] = ()):
+                 job: int, stateful: bool, split_dims: tuple[str, ...] = (), no_split: tuple[str, ...] = (),
+                 strict: bool = False):
         self.prof, self.cal, self.job, self.stateful = prof, cal, job, stateful
+        #: refuse uneven splits (a dim an axis does not divide), as ``compile(strict_splits=True)``
+        self.strict = bool(strict)
         self.dims = prof.dims
         self.forced, self.banned = tuple(split_dims), frozenset(no_split)
         self.param_bytes = param_bytes   # dim -> bytes of the params that hold it
@@ -93,8 +99,9 @@ class Splits:
 
     @classmethod
     def of(cls, model, outputs, cal: Calibration, job: int, stateful: bool,
-           split_dims=(), no_split=()) -> "Splits":
-        """The splits of ``model``'s training step ``outputs`` on ``job`` processes.
+           split_dims=(), no_split=(), strict: bool = False) -> "Splits":
+        """The splits of ``model``'s training step ``outputs`` on ``job`` processes (``strict``:
+        without uneven splits).
 
         Raises:
           LayoutError: ``split_dims`` or ``no_split`` names a dim the model does not have, or
@@ -108,7 +115,7 @@ class Splits:
         for names, nbytes in sizes:
             for d in names:
                 param_bytes[d] = param_bytes.get(d, 0) + nbytes
-        return cls(prof, param_bytes, sum(b for _, b in sizes), cal, job, stateful, split_dims, no_split)
+        return cls(prof, param_bytes, sum(b for _, b in sizes), cal, job, stateful, split_dims, no_split, strict)
 
     def estimate(self, split: tuple[str, ...], k: int) -> Estimate:
         key = ("est", split, k)
@@ -139,7 +146,18 @@ class Splits:
         return d in self.dims and d not in self.banned and self.dims[d] > 1
 
     def _divides(self, d: str, k: int) -> bool:
-        return self.dims[d] % k == 0
+        """``d`` can be split ``k`` ways: evenly, or unevenly (without strict splits) with no part empty."""
+        n = self.dims[d]
+        return n % k == 0 or (not self.strict and n >= k)
+
+    def _indivisible(self, d: str, k: int) -> str:
+        """Why ``d`` cannot be split ``k`` ways (``_divides`` is False)."""
+        n = self.dims[d]
+        return f"not divisible: size {n} by {k}" + (" (strict splits: no uneven split)" if n >= k else "")
+
+    def uneven(self, d: str, k: int) -> str:
+        """What splitting ``d`` unevenly ``k`` ways wastes, for a verdict (``""`` when ``k`` divides it)."""
+        return uneven_note(self.dims[d], k) if self.dims[d] % k else ""
 
     def _data(self, k: int):
         """DP, ZeRO-1/2 and FSDP over the param dims sharding the most bytes, expert parallel."""
@@ -147,7 +165,9 @@ class Splits:
             why = "not a dim of the model" if "batch" not in self.dims else "excluded (no_split)"
             return [], [Verdict("data", k, "batch", False, why)]
         opts = [Option("batch:data", "DP", "batch")]
-        verdicts = [Verdict("data", k, "batch", True, "seed: data parallel", "batch:data")]
+        verdicts = [Verdict("data", k, "batch", self._divides("batch", k),
+                            f"seed: data parallel{_with(self.uneven('batch', k))}" if self._divides("batch", k)
+                            else self._indivisible("batch", k), "batch:data")]
         reserved = {"batch", LAYER, *self.prof.layer_dims}
         dims = sorted((d for d in self.param_bytes if self._eligible(d) and d not in reserved),
                       key=lambda d: (-self.param_bytes[d], d))
@@ -158,8 +178,9 @@ class Splits:
             share = f"shards {self.param_bytes[d] / self.total_param_bytes:.0%} of the param bytes"
             name, rules = ("FSDP" if d == "d_model" else f"FSDP({d})"), f"batch:data; params.{d}:data"
             pruned = None
+            share += _with(self.uneven(d, k)) if self._divides(d, k) else ""
             if not self._divides(d, k):
-                why = f"not divisible: size {self.dims[d]} by {k}"
+                why = self._indivisible(d, k)
             elif d == "d_model":
                 why = f"seed: FSDP, {share}"
             elif d in self.forced:
@@ -179,8 +200,8 @@ class Splits:
                                 (f"ZeRO-2{tag}", f"batch:data; opt.{zero}:data; grads.{zero}:data")):
                 opts.append(Option(rules, name, rules.rsplit("; ", 1)[-1].split(":")[0]))
                 verdicts.insert(len(opts) - 1, Verdict("data", k, opts[-1].split, self._divides(zero, k),
-                                        f"seed: {name}" if self._divides(zero, k) else
-                                        f"not divisible: size {self.dims[zero]} by {k}", rules))
+                                        f"seed: {name}{_with(self.uneven(zero, k))}" if self._divides(zero, k) else
+                                        self._indivisible(zero, k), rules))
         opts += fsdp
         if self._eligible("experts"):
             opts.append(Option("batch:data; experts:data", "DP+EP", "experts"))
@@ -195,8 +216,11 @@ class Splits:
         head: list[tuple[Option, Verdict]] = []
         if all(self._eligible(d) for d in MEGATRON):
             rules, split = "; ".join(f"{d}:model" for d in MEGATRON), "+".join(MEGATRON)
-            why = "seed: Megatron" + (f", {self.estimate(MEGATRON, k).describe()}"
-                                      if all(self._divides(d, k) for d in MEGATRON) else "")
+            fits = all(self._divides(d, k) for d in MEGATRON)
+            uneven = "; ".join(filter(None, (self.uneven(d, k) for d in MEGATRON))) if fits else ""
+            why = "seed: Megatron" + (f", {uneven}" if uneven else "") + \
+                (f", {self.estimate(MEGATRON, k).describe()}" if fits else
+                 ", " + "; ".join(self._indivisible(d, k) for d in MEGATRON if not self._divides(d, k)))
             head.append((Option(rules, "TP(megatron)", split), Verdict("model", k, split, True, why, rules)))
         conflicts = self._pairs(kept, k, bar, scored, cut)
         scored.sort(key=lambda s: (s[0], s[1].rules))
@@ -217,16 +241,17 @@ class Splits:
         for d in singles:
             rules, name = f"{d}:model", f"TP({d})"
             if not self._divides(d, k):
-                why = f"not divisible: size {self.dims[d]} by {k}"
+                why = self._indivisible(d, k)
                 tail.append((Option(rules, name, d), Verdict("model", k, d, False, why, rules)))
                 continue
-            est = self.estimate((d,), k)
+            est, uneven = self.estimate((d,), k), _with(self.uneven(d, k))
             if d in kept:
                 why = ("seed" if d in MODEL_SEEDS else "named by split_dims" if d in self.forced else "kept") + \
-                    f": {est.describe()}"
+                    f"{uneven}: {est.describe()}"
                 scored.append((est.total_s, Option(rules, name, d), Verdict("model", k, d, True, why, rules)))
             else:
-                why = f"pruned by cost: {est.describe()}, over {bar * 1e3:.2f} ms (the worst of the {MODEL_KEEP} dims kept)"
+                why = (f"pruned by cost{uneven}: {est.describe()}, over {bar * 1e3:.2f} ms (the worst of the "
+                       f"{MODEL_KEEP} dims kept)")
                 cut.append((est.total_s, Option(rules, name, d, pruned=why), Verdict("model", k, d, False, why, rules)))
         return kept, bar, scored, cut, tail
 
@@ -248,13 +273,15 @@ class Splits:
         for (a, b), est in pairs:
             rules, split = f"{a}:model; {b}:model", f"{a}+{b}"
             named = a in self.forced and b in self.forced
+            uneven = "; ".join(filter(None, (self.uneven(d, k) for d in (a, b))))
+            uneven = f" ({uneven})" if uneven else ""
             if named or (ranked < PAIR_KEEP and est.total_s <= bar):
                 ranked += 0 if named else 1
-                why = ("named by split_dims" if named else "kept") + f": {est.describe()}"
+                why = ("named by split_dims" if named else "kept") + f"{uneven}: {est.describe()}"
                 scored.append((est.total_s, Option(rules, f"TP({split})", split),
                                Verdict("model", k, split, True, why, rules)))
                 continue
-            why = (f"pruned by cost: {est.describe()}, over " +
+            why = (f"pruned by cost{uneven}: {est.describe()}, over " +
                    (f"{bar * 1e3:.2f} ms (the worst dim kept alone)" if est.total_s > bar else
                     f"the {PAIR_KEEP} better pair{'s' if PAIR_KEEP > 1 else ''} kept"))
             cut.append((est.total_s, Option(rules, f"TP({split})", split, pruned=why),
@@ -277,6 +304,18 @@ class Splits:
                             opts.append(Option(f"{layer}:pipe", f"PP({tag}m={m},{sched})", layer, m, sched))
             self._memo[key] = opts, verdicts
         return self._memo[key]
+
+
+def uneven_note(n: int, k: int) -> str:
+    """A dim of size ``n`` split unevenly ``k`` ways, and its waste: e.g. for 257 over 4,
+    ``"uneven split 257/4: parts of 65 and 64, the largest 1.2% over an even share"``.  Every
+    rank runs as long as the largest part (and holds that much), so the waste is its excess."""
+    hi, lo = -(-n // k), n // k
+    return f"uneven split {n}/{k}: parts of {hi} and {lo}, the largest {hi * k / n - 1:.1%} over an even share"
+
+
+def _with(note: str) -> str:
+    return f" ({note})" if note else ""
 
 
 def _check_names(dims: dict, split_dims: tuple, no_split: tuple) -> None:

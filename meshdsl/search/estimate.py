@@ -10,7 +10,8 @@ prices a set of dims split ``k`` ways the way the generic lowering rule would mo
 them, without compiling:
 
 * a node computes split along the first split dim it may split (not ``fixed``): its
-  kernel does ``1/k`` of the work, else all of it;
+  kernel does ``1/k`` of the work (the largest part's share, ``ceil(n/k)/n``, where ``k``
+  does not divide the dim's size ``n``: an uneven split), else all of it;
 * an input stored split along a dim the node does not compute split along is
   allgathered first (a ``fixed`` dim: layer norm's features, attention's keys);
 * a split dim the node sums or maximises over leaves an allreduce of each output;
@@ -184,7 +185,8 @@ def estimate(prof: Profile, split: tuple[str, ...], k: int, cal: Calibration, jo
                 stored = next((d for d in split if d in names), None)
                 if made is not None and made != stored:
                     sends.append(("allgather" if stored is None else "alltoall", nbytes // k))
-        share = k if c is not None else 1
+        # An uneven split (k not dividing the dim) runs its largest part on every rank: the others wait.
+        share = prof.dims.get(c, k) / -(-prof.dims.get(c, k) // k) if c is not None else 1
         if w.matmul:
             compute += w.runs * w.flops / share / cal.matmul.rate
         else:

@@ -81,8 +81,9 @@ class SearchResult:
     splits: Splits | None = None
 
 
-def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None = None) -> Ranked:
-    """Compile ``cand`` and predict it.
+def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None = None,
+             strict_splits: bool = False) -> Ranked:
+    """Compile ``cand`` and predict it (``strict_splits``: refuse an uneven split, as the compiler does).
 
     ``compiled``, when given, keeps the last few pipelined plans by (mesh, layout,
     micro-batches): a candidate that differs from one of them only in its schedule takes that
@@ -102,7 +103,8 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
         except (MeshDSLError, ValueError):
             plan = None      # compile, for the compiler's own error
     if plan is None:
-        plan = compile_plan(outputs, cand.mesh, cand.layout, microbatches=cand.microbatches, schedule=cand.schedule)
+        plan = compile_plan(outputs, cand.mesh, cand.layout, microbatches=cand.microbatches, schedule=cand.schedule,
+                            strict_splits=strict_splits)
         if compiled is not None and cand.staged:
             compiled[key] = plan
             while len(compiled) > KEEP_PLANS:
@@ -111,7 +113,8 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
 
 
 def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | None = None,
-           exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam: int = BEAM, split_dims=(), no_split=()) -> SearchResult:
+           exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam: int = BEAM, split_dims=(), no_split=(),
+           strict_splits: bool = False) -> SearchResult:
     """Rank every layout of ``model`` on ``nproc`` processes by predicted step time.
 
     Args:
@@ -125,6 +128,8 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
       split_dims: dims the search always considers splitting, whatever their estimated cost,
         e.g. ``("kv_heads", "d_ff")``.
       no_split: dims the search never splits (on any axis, in any scope).
+      strict_splits: no uneven split (a dim its mesh axes do not divide, which by default is
+        split into parts the first ``size % n`` of which are one longer, priced by its largest part).
 
     Returns:
       A :class:`SearchResult`; ``ranked`` is empty when nothing is valid and fits.
@@ -134,7 +139,7 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
     """
     t0 = time.perf_counter()
     stateful = any(k.startswith("opt/") for k in model.graph.params)
-    splits = Splits.of(model, outputs, cal, nproc, stateful, split_dims, no_split)
+    splits = Splits.of(model, outputs, cal, nproc, stateful, split_dims, no_split, strict_splits)
     pruned: list = []
     by_cost: list = []
     space = list(candidates(model, nproc, stateful, pruned, splits, by_cost))
@@ -144,7 +149,7 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
     def price(c: Candidate):
         if c not in seen:
             try:
-                seen[c] = evaluate(outputs, c, cal, compiled)
+                seen[c] = evaluate(outputs, c, cal, compiled, strict_splits)
             except MeshDSLError as e:
                 seen[c] = str(e).splitlines()[0]
         return seen[c]

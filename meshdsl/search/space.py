@@ -20,8 +20,10 @@ dims, ranked how, and why):
 A candidate is one option per role, and on a mesh without a pipeline also a
 gradient accumulation count (:data:`ACCUMULATION`: fewer activations held, more
 kernels).  :func:`candidates` yields the strings; one with an option pruned by
-cost, a dim the axis does not divide or one dim on two axes is dropped with its
+cost, a dim the axis cannot split or one dim on two axes is dropped with its
 reason; whether the rest compiles is settled by compiling it, in :mod:`.search`.
+A dim an axis does not divide is split unevenly (padded shards: :mod:`meshdsl.lowering.uneven`)
+unless the search is strict; a repeat's layers and a micro-batched batch are never.
 """
 from __future__ import annotations
 
@@ -101,11 +103,13 @@ def twice(c: Candidate) -> str | None:
     return None
 
 
-def indivisible(c: Candidate, dims: dict[str, int]) -> str | None:
+def indivisible(c: Candidate, dims: dict[str, int], strict: bool = False, layers=()) -> str | None:
     """Why ``c`` cannot compile for lack of divisibility (a quick test before compiling), or None.
 
-    Every rule's dim must be divisible by the size of the axes it is split over, and the
-    batch by the data axis times the micro-batches.
+    A rule's dim that the size of the axes it is split over does not divide is split unevenly,
+    unless ``strict`` (the compiler's ``strict_splits``), a part would be empty, it is a repeat's
+    layer dim (``layers``: its stages run whole layers, as many each) or it is the batch of a
+    micro-batched candidate (divided by the data axis times the micro-batches).
     """
     sizes = dict((name, int(size)) for name, size in (a.split(":") for a in c.mesh.split("; ")))
     split: dict[str, int] = {}
@@ -115,15 +119,16 @@ def indivisible(c: Candidate, dims: dict[str, int]) -> str | None:
     if c.microbatches > 1:
         split["batch"] = split.get("batch", 1) * c.microbatches
     for dim, k in split.items():
-        if dims.get(dim, k) % k:
+        n = dims.get(dim, k)
+        if n % k and (strict or n < k or dim in layers or (dim == "batch" and c.microbatches > 1)):
             return f"dim '{dim}' of size {dims[dim]} is not divisible by {k}"
     return None
 
 
 def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = None,
-               splits: Splits | None = None, by_cost: list | None = None):
+               splits: Splits | None = None, by_cost: list | None = None, strict: bool = False):
     """Yield every :class:`Candidate` for ``model`` on ``nproc`` processes whose options are kept,
-    whose dims divide (see :func:`indivisible`) and whose rules agree (:func:`twice`); not yet
+    whose dims split (see :func:`indivisible`) and whose rules agree (:func:`twice`); not yet
     compiled.
 
     Args:
@@ -135,10 +140,12 @@ def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = 
         SGD training step, ranked with the default calibration.
       by_cost: a list that receives ``(candidate, reason)`` for each candidate with an option
         pruned by cost.
+      strict: no uneven split (a dim its axes do not divide), when ``splits`` is not given
+        (else ``splits.strict`` says).
     """
     if splits is None:
-        splits = Splits.of(model, model.train_step(), Calibration.defaults(), nproc, stateful)
-    dims = splits.dims
+        splits = Splits.of(model, model.train_step(), Calibration.defaults(), nproc, stateful, strict=strict)
+    dims, strict, layers = splits.dims, splits.strict, splits.prof.layer_dims
     batch = dims.get("batch", 1)
     for mesh in meshes(nproc):
         sizes = dict(mesh)
@@ -154,7 +161,7 @@ def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = 
             family = "+".join(o.name for o in combo) + (f"+accum{k}" if k > 1 else "")
             c = Candidate(text, rules, m, sched, family)
             cost = next((o.pruned for o in combo if o.pruned), None)
-            why = twice(c) or indivisible(c, dims)
+            why = twice(c) or indivisible(c, dims, strict, layers)
             if why is not None:
                 if pruned is not None:
                     pruned.append((c, why))

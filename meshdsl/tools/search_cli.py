@@ -133,9 +133,12 @@ def add_search(sub) -> None:
                    help="dims the search never splits, on any axis and in any scope (params., opt., grads.)")
     p.add_argument("--explain", action="store_true",
                    help="say why the winner wins over the runner-up (the terms of its predicted time) and "
-                        "why each dim was or was not split (kept, pruned by cost with its estimate, not "
-                        "divisible, in conflict)")
+                        "why each dim was or was not split (kept, pruned by cost with its estimate, "
+                        "split unevenly with its waste, not divisible, in conflict)")
     p.add_argument("--json", action="store_true", help="print the ranked candidates as a JSON list")
+    p.add_argument("--strict-splits", action="store_true",
+                   help="propose no uneven split (a dim over mesh axes that do not divide it; by default "
+                        "the search considers them, priced by their largest part)")
     lr_arg(p, 0.01)
     p.set_defaults(run=cmd_search)
 
@@ -152,7 +155,7 @@ def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
     outputs, _ = train_outputs(model, args)
     limit = None if getattr(args, "memory_limit", None) is None else args.memory_limit * GB
     result = search(model, outputs, nproc, load(), limit, split_dims=getattr(args, "split_dims", ()),
-                    no_split=getattr(args, "no_split", ()))
+                    no_split=getattr(args, "no_split", ()), strict_splits=getattr(args, "strict_splits", False))
     if not result.ranked:
         smallest = min((r.prediction.memory_bytes for r in result.infeasible), default=None)
         raise UsageError(message(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -45,8 +46,8 @@ from safetensors.torch import save as safetensors_bytes
 from ..errors import message
 from ..layout.mesh import Mesh
 from .checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, TMP_PREFIX, VERSION, CheckpointError,
-                                committed_steps, content_digest, dtype_name, latest_checkpoint, read_metadata,
-                                shard_file_name, step_dir_name, tensor_spec)
+                                committed_steps, content_digest, dtype_name, holders_of, latest_checkpoint,
+                                read_metadata, shard_file_name, step_dir_name, tensor_spec)
 from .checkpoint_load import load_checkpoint
 from .checkpoint_verify import choose_checkpoint, verify_checkpoint
 
@@ -77,10 +78,11 @@ def _reached(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _slices(shape, sharding, mesh: Mesh) -> dict[int, tuple[slice, ...]]:
-    """Owner rank -> the distinct slice it owns: the lowest rank holding each slice."""
+def _slices(shape, sharding, mesh: Mesh, holders=None) -> dict[int, tuple[slice, ...]]:
+    """Owner rank -> the distinct slice it owns: the lowest rank holding each slice (of
+    ``holders``, the ranks that hold the tensor at all; None: every rank)."""
     owners: dict[tuple, int] = {}
-    for r in range(mesh.size):
+    for r in range(mesh.size) if holders is None else sorted(holders):
         idx = sharding.slice_index(shape, mesh, r)
         owners.setdefault(tuple((s.start, s.stop) for s in idx), r)
     return {r: tuple(slice(a, b) for a, b in key) for key, r in owners.items()}
@@ -144,17 +146,35 @@ def _check_inputs(step, tensors, comm, meta, keep) -> dict:
         elif len(xs) != len(comm.ranks):
             bad.append(f"{name}: {len(xs)} local tensor(s) for {len(comm.ranks)} held rank(s)")
         else:
-            for r, x in zip(comm.ranks, xs):
-                want = sharding.local_shape(shape, comm.mesh, r)   # an uneven split differs by rank
-                if tuple(x.shape) != want or x.dtype != dtype:
-                    bad.append(f"{name} on rank {r}: local {tuple(x.shape)} {x.dtype}, expected {want} {dtype}")
-        out[name] = (shape, dtype, sharding, _slices(shape, sharding, comm.mesh), xs)
+            bad += _local_problems(name, shape, dtype, sharding, holders_of(spec), comm, xs)
+        owned = _slices(shape, sharding, comm.mesh, holders_of(spec))
+        if sum(math.prod(b.stop - b.start for b in idx) for idx in owned.values()) != math.prod(shape.sizes):
+            bad.append(f"{name}: its holders {sorted(holders_of(spec))} hold only part of it")
+        out[name] = (shape, dtype, sharding, owned, xs)
     if bad:
         raise CheckpointError(message(f"save_checkpoint(step={step}): local tensors do not match their specs.",
                                       inputs=[f"mesh: {comm.mesh}", f"ranks held: {list(comm.ranks)}"],
                                       bullets=bad, rule="each held rank gives its local slice: shape and dtype "
                                       "as the sharding gives them", fix="pass the executor's per-rank params"))
     return out
+
+
+def _local_problems(name, shape, dtype, sharding, holders, comm, xs) -> list[str]:
+    """What is wrong with the held ranks' local tensors ``xs`` of one tensor: each rank that
+    holds it (``holders``; None: every rank) gives its slice, the others ``None``."""
+    bad = []
+    for r, x in zip(comm.ranks, xs):
+        if holders is not None and r not in holders:
+            if x is not None:
+                bad.append(f"{name} on rank {r}: a tensor where the rank does not hold it (give None)")
+            continue
+        want = sharding.local_shape(shape, comm.mesh, r)   # an uneven split differs by rank
+        if x is None:
+            bad.append(f"{name} on rank {r}: None, expected its local slice {want} {dtype}"
+                       + ("" if holders is None else f" (held by ranks {sorted(holders)})"))
+        elif tuple(x.shape) != want or x.dtype != dtype:
+            bad.append(f"{name} on rank {r}: local {tuple(x.shape)} {x.dtype}, expected {want} {dtype}")
+    return bad
 
 
 def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model: str | None = None,
@@ -168,7 +188,8 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
       root: the checkpoint folder (created if missing).
       step: the training step (the directory name and ``checkpoint.json``'s ``step``).
       tensors: name -> ``(spec, [local tensor per held rank])``; a spec is a Plan
-        ``Value`` or ``(Shape, dtype, Sharding)``.  Optimizer state goes here too.
+        ``Value`` or ``(Shape, dtype, Sharding)``, or a :class:`HeldSpec` for a tensor only some
+        ranks hold (a pipeline stage's params: the others give ``None``).  Optimizer state goes here too.
       comm: the communicator: ``mesh``, ``ranks`` held, and ``agree`` (a SimulatedComm or TorchComm).
       model: an id of the model; :func:`load_checkpoint` refuses another.
       meta: JSON-able: layout string, config, data position, RNG seeds, ...

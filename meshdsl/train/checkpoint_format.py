@@ -157,8 +157,29 @@ def _check_tiling(name: str, sizes, slices) -> None:
         raise ValueError(f"tensor {name!r}: its slices do not cover its shape {list(sizes)}")
 
 
+@dataclass(frozen=True)
+class HeldSpec:
+    """The spec of a tensor only some ranks hold (a pipeline stage's params and their optimizer
+    state: :attr:`Plan.holders <meshdsl.lowering.plan.Plan.holders>`).
+
+    Saving, the other ranks give ``None`` and the slices are written by the holders; loading,
+    the other ranks get ``None``.  The holders' slices must tile the whole tensor.
+    """
+
+    shape: object           # Shape
+    dtype: torch.dtype
+    sharding: object        # Sharding
+    holders: tuple[int, ...]
+
+
+def holders_of(spec) -> frozenset[int] | None:
+    """The ranks that hold a tensor of ``spec`` (None: every rank)."""
+    held = getattr(spec, "holders", None)
+    return None if held is None else frozenset(held)
+
+
 def tensor_spec(name: str, spec):
-    """``(shape, dtype, sharding)`` of a Plan ``Value``-like object or a 3-tuple."""
+    """``(shape, dtype, sharding)`` of a Plan ``Value``-like object (a :class:`HeldSpec` too) or a 3-tuple."""
     if all(hasattr(spec, a) for a in ("shape", "dtype", "sharding")):
         return spec.shape, spec.dtype, spec.sharding
     if isinstance(spec, tuple) and len(spec) == 3:
@@ -239,5 +260,5 @@ def latest_checkpoint(root: "str | Path") -> Path | None:
     return steps[-1][1] if steps else None
 
 
-__all__ = ["CheckpointError", "CheckpointMeta", "SavedSlice", "SavedTensor", "committed_steps", "content_digest",
-           "latest_checkpoint", "read_metadata", "step_dirs", "tensor_spec"]
+__all__ = ["CheckpointError", "CheckpointMeta", "HeldSpec", "SavedSlice", "SavedTensor", "committed_steps", "content_digest",
+           "holders_of", "latest_checkpoint", "read_metadata", "step_dirs", "tensor_spec"]

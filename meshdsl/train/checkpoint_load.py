@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import message
 from ..layout.mesh import Mesh
-from .checkpoint_format import CheckpointError, dtype_name, read_metadata, tensor_spec
+from .checkpoint_format import CheckpointError, dtype_name, holders_of, read_metadata, tensor_spec
 from .checkpoint_verify import check_verify_mode, shard_problems
 
 
@@ -70,7 +70,8 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
 
     Args:
       path: a committed directory, e.g. ``latest_checkpoint(root)``.
-      want: name -> the spec to load into, as for :func:`save_checkpoint` (any mesh or layout).
+      want: name -> the spec to load into, as for :func:`save_checkpoint` (any mesh or layout);
+        a :class:`~.checkpoint_format.HeldSpec`'s non-holding ranks get ``None``.
       mesh: the mesh to load onto (a Mesh or mesh string).
       ranks: the ranks this process holds (default: all of ``mesh``).
       model: when given, the model id the checkpoint must have been saved with.
@@ -80,7 +81,7 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
         ``False`` loads a subset, e.g. the params without the optimizer state.
 
     Returns:
-      name -> one local tensor per held rank.
+      name -> one local tensor (or ``None``, see ``want``) per held rank.
 
     Raises:
       CheckpointError: naming the file and what is wrong.
@@ -96,7 +97,10 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
     reads, opened = {}, {}
     for name, spec in want.items():
         shape, _, sharding = tensor_spec(name, spec)
+        held = holders_of(spec)
         for r in ranks:
+            if held is not None and r not in held:
+                continue
             region = sharding.slice_index(shape, mesh, r)
             hits = [(sl, ov) for sl in info.tensors[name].slices if (ov := _overlap(region, sl))]
             reads[name, r] = (tuple(s.stop - s.start for s in region), hits)
@@ -118,6 +122,9 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
             dtype = tensor_spec(name, spec)[1]
             out[name] = []
             for r in ranks:
+                if (name, r) not in reads:     # a rank that does not hold it (HeldSpec)
+                    out[name].append(None)
+                    continue
                 local_shape, hits = reads[name, r]
                 x = torch.empty(local_shape, dtype=dtype)
                 for sl, (src, dst) in hits:

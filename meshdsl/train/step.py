@@ -29,6 +29,7 @@ from ..layout.sharding import Sharding
 from ..lowering.plan import Value
 from ..core.shape import Shape
 from ..errors import GraphError, message
+from .checkpoint_format import HeldSpec
 from .optim import sgd
 from .optimizers import Optimizer, clip_scale, global_norm, hyper
 
@@ -242,12 +243,17 @@ class TrainStep:
         """Every carried tensor's value spec and local slices (one per held rank).
 
         Names: ``param/<k>`` for params, ``opt/<k>/<slot>`` for optimizer state, and
-        ``opt/step`` (a replicated int64 scalar) for the step counter.
+        ``opt/step`` (a replicated int64 scalar) for the step counter.  A tensor only some ranks
+        hold (a pipeline stage's params and their optimizer state) has a
+        :class:`~meshdsl.train.checkpoint_format.HeldSpec` and ``None`` on the other ranks.
         """
         out = {}
         for k in self.carried:
             name = k if k.startswith("opt/") else f"param/{k}"
-            out[name] = (self.plan.values[self.plan.params[k]], list(self.params[k]))
+            v = self.plan.values[self.plan.params[k]]
+            held = self.plan.holders.get(v.id)
+            spec = v if held is None else HeldSpec(v.shape, v.dtype, v.sharding, tuple(held))
+            out[name] = (spec, list(self.params[k]))
         shape = Shape()
         step = Value(-1, shape, torch.int64, Sharding.replicated(shape))
         out["opt/step"] = (step, [torch.tensor(self.step_count) for _ in self.executor.comm.ranks])
@@ -283,7 +289,9 @@ class TrainStep:
                 self.step_count = int(next(x for x in got if x is not None))
             else:
                 key = name[len("param/"):] if name.startswith("param/") else name
-                self.params[key] = [None if x is None else x.to(self.executor.device, copy=True) for x in got]
+                # a rank that does not hold it (None in state()) keeps None whatever was given
+                self.params[key] = [None if x is None or mine is None else x.to(self.executor.device, copy=True)
+                                    for x, mine in zip(got, want[name][1])]
 
 
 def _in_flight(comm) -> float:
