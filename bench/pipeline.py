@@ -20,6 +20,11 @@ Variants:
             process and on both at once with no communication: what cutting the batch and sharing
             the machine cost any pipeline; the bench prints the speedup two equal stages with the
             theory bubble could reach from them
+  2 procs   balanced stages (unless --no-balanced): the transformer with a large vocabulary
+            (vocab 8192, 8 layers: the head's matmul alone costs about two layers), meshdsl 1F1B at
+            m = max(m) with the layer-count split (4,4) beside the split --stage-layers auto picks
+            (md.balance_stages on this host's calibration), in the same job: the bubble the stages'
+            imbalance leaves before and after, side by side
 
 for m in {1, 2, 4, 8}.  The harness is bench/distributed_mlp.py's: spawned processes,
 turns that rotate the variants (one untimed step, a barrier, then ``block - 1`` steps
@@ -40,6 +45,7 @@ by wrapping them (compute against compute, waiting left out).
     python bench/pipeline.py --profile --profile-schedule interleaved:2 --ms 8
     python bench/pipeline.py --gloo-sends       # also 1F1B with its transfers on gloo (not shared memory)
     python bench/pipeline.py --tiny             # the tiny transformer: the runtime and transfers alone
+    python bench/pipeline.py --ms 8 --no-balanced   # without the balanced-stages rows
 
 Results go to bench/results/pipeline.json.
 """
@@ -61,8 +67,8 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import (machine_end, machine_start, setup, torch_interleaved_step,  # noqa: E402  (the torch sides,
-                     torch_pipe_step, torch_step)                             # shared)
+from _common import (machine_end, machine_start, paired_ratio, setup,  # noqa: E402  (the torch sides, shared)
+                     torch_interleaved_step, torch_pipe_step, torch_step)
 from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the shared harness)
 
 MODEL = str(ROOT / "models" / "transformer.py")
@@ -77,6 +83,10 @@ LOSS_RTOL = 1e-4
 # Goals from the issues: one-stage-per-rank schedules within 10% of (p-1)/(m+p-1); interleaved at
 # m = 8 at most 1.2x (p-1)/(vm+p-1) and not slower than torch's ScheduleInterleaved1F1B.
 BUBBLE_RTOL, SPEEDUP_GOAL, INTERLEAVED_BUBBLE_GOAL = 0.10, 1.5, 1.2
+#: The balanced-stages rows' model: a vocabulary large enough that the last stage's head and loss
+#: (a d_model x vocab matmul per token, forward and backward) weigh about two layers.
+BALANCED = {"vocab": 8192, "layers": 8}
+BALANCED_SCHEDULE = "1f1b"
 
 
 #: --tiny: the tiny transformer with 4 layers and batch 16 (every m divides it), whose kernels cost
@@ -90,14 +100,15 @@ def _setup(seed: int, tiny: bool = False):
 
 # ----------------------------------------------------------------------------- meshdsl variants
 
-def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpipe", rows=None, outside=None):
+def meshdsl_step(model, feeds, comm, mesh, layout, lr, seed, m=1, schedule="gpipe", rows=None, outside=None,
+                 stage_layers=None):
     """A meshdsl TrainStep; with ``rows``, appends each timed step's pipeline timeline to it, and
     to ``outside`` the seconds this rank's step spent before its first schedule action and after
     its last (the steps around the pipeline, its prologue and its final segment)."""
     from meshdsl.train.jobs import agree_plan
     from meshdsl.train.step import TrainStep
     ts = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed, microbatches=m,
-                   schedule=schedule)
+                   schedule=schedule, stage_layers=stage_layers)
     agree_plan(comm, ts.plan)
 
     def step(timed=False):
@@ -175,6 +186,25 @@ def _names(ms, gloo=False):
             if _runs(who, s, m)]
 
 
+def _balanced_name(m: int, counts) -> str:
+    """The balanced-stages variant of layers per stage ``counts`` (the large-vocabulary model)."""
+    return f"meshdsl {BALANCED_SCHEDULE} m={m} vocab {BALANCED['vocab']} split {','.join(map(str, counts))}"
+
+
+def balanced_splits(m: int, lr: float, seed: int) -> list[tuple[int, ...]]:
+    """The balanced-stages rows' splits: the layer-count one, and the one ``--stage-layers auto``
+    picks (:func:`meshdsl.search.stage_balance.balance_stages`, on this host's calibration; priced
+    once here, so both ranks run the same split)."""
+    from meshdsl.search.stage_balance import balance_stages
+    from meshdsl.train.step import training_outputs
+    model, _, _ = setup(seed, MODEL, **BALANCED)
+    layers = BALANCED["layers"]
+    even = (layers // 2, layers - layers // 2)
+    auto = tuple(balance_stages(training_outputs(model.loss, model.params, lr), "stage:2", "layer:stage",
+                                microbatches=m, schedule=BALANCED_SCHEDULE))
+    return [even] if auto == even else [even, auto]
+
+
 class _TorchActions:
     """Seconds torch pipelining spends in each stage's forward and backward of a micro-batch
     (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``, timed by wrapping them), per
@@ -226,10 +256,10 @@ def _meshdsl_actions_ms(rows: list) -> dict:
     return {k: v * 1e3 / max(1, len(rows)) for k, v in spent.items()}
 
 
-def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False, tiny=False):
-    """2 processes: meshdsl and torch pipelining, every schedule and m, interleaved; and plain
-    torch in max(ms) micro-batches on both processes at once (no communication: what sharing the
-    machine costs)."""
+def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False, tiny=False, splits=()):
+    """2 processes: meshdsl and torch pipelining, every schedule and m, interleaved; plain torch
+    in max(ms) micro-batches on both processes at once (no communication: what sharing the
+    machine costs); and the large-vocabulary model's 1F1B at max(ms) with each of ``splits``."""
     from meshdsl.comm.distributed import TorchComm
     from meshdsl.train.jobs import gather_timelines
     from meshdsl.tools.pipe_report import schedule_summary
@@ -252,6 +282,13 @@ def pair_job(comm, ms, warmup, reps, block, lr, seed, profile=False, gloo=False,
                 name = f"torch {s} m={m}"
                 steps[name] = actions.wrap(name, torch_interleaved_step(model.config, w, feeds, lr, m)
                                            if s == INTERLEAVED else torch_pipe_step(model.config, w, feeds, lr, s, m))
+    if splits:
+        big, big_feeds, _ = setup(seed, MODEL, **BALANCED)
+        for i, counts in enumerate(splits):   # the first: the default split (no stage_layers)
+            k = _balanced_name(max(ms), counts)
+            rows[k], outside[k] = [], []
+            steps[k] = meshdsl_step(big, big_feeds, comm, "stage:2", "layer:stage", lr, seed, max(ms),
+                                    BALANCED_SCHEDULE, rows[k], outside[k], stage_layers=counts if i else None)
     if profile:   # the schedule to profile
         return _profile(steps[f"meshdsl {profile} m={max(ms)}"], warmup)
     dist.barrier()
@@ -331,6 +368,39 @@ def _interleaved_report(console, ms, figures, med, per_round, outside, once_byte
     return out
 
 
+def _balanced_report(console, names, figures, med, per_round, act_ms, times) -> dict:
+    """Prints the balanced-stages rows (the layer-count split, then --stage-layers auto's): the
+    measured bubble, the bubble the stages' measured costs leave, F+B per stage and the step,
+    with the paired ratio of their step times.  Returns those figures by variant."""
+    if not names:
+        return {}
+    t = Table(title=f"balanced stages: transformer vocab {BALANCED['vocab']}, {BALANCED['layers']} layers, "
+                    f"{BALANCED_SCHEDULE}; layer-count split vs --stage-layers auto", title_justify="left")
+    for col in ("variant", "median ms", "round medians", "bubble measured (stage 0, 1)", "at measured costs",
+                "bubble theory", "F+B stage 0 ms", "F+B stage 1 ms"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    out = {}
+    for k in names:
+        fig, busy = figures[k], [x["F"] + x["B"] if x else float("nan") for x in act_ms.get(k, [None, None])]
+        t.add_row(k, f"{med[k]:.1f}", f"{min(per_round[k]):.1f}-{max(per_round[k]):.1f}",
+                  " ".join(f"{b:.1%}" for b in fig["bubble_measured"]),
+                  " ".join(f"{b:.1%}" for b in fig["bubble_at_costs"]), f"{fig['bubble_theory']:.1%}",
+                  *(f"{x:.1f}" for x in busy))
+        out[k] = {"median_ms": med[k], "bubble_measured": fig["bubble_measured"],
+                  "bubble_at_costs": fig["bubble_at_costs"], "f_plus_b_ms": busy}
+    console.print(t)
+    if len(names) > 1:
+        ratio = paired_ratio(times[names[1]], times[names[0]])
+        out["step_ratio_auto_vs_even"] = ratio
+        console.print(f"step time, auto split / layer-count split, paired by turn: {ratio['median']:.3f} "
+                      f"(p10-p90 {ratio['p10']:.3f}-{ratio['p90']:.3f}, {ratio['turns']} turns)",
+                      markup=False, highlight=False)
+    else:
+        console.print("--stage-layers auto picked the layer-count split itself on this host's calibration",
+                      markup=False, highlight=False)
+    return out
+
+
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.1f} KiB"
 
@@ -354,7 +424,9 @@ def bench(args) -> int:
     machine = machine_start(threads=1)
     t_start, ticks0 = time.perf_counter(), _cpu_ticks()
     floor1, floor2 = _floor_names(args.ms)
-    single, pair = ("torch 1p", floor1, "meshdsl 1p"), [floor2, *_names(args.ms, args.gloo_sends)]
+    splits = [] if args.no_balanced else balanced_splits(max(args.ms), args.lr, args.seed)
+    balanced = [_balanced_name(max(args.ms), c) for c in splits]
+    single, pair = ("torch 1p", floor1, "meshdsl 1p"), [floor2, *_names(args.ms, args.gloo_sends), *balanced]
     times = {k: [] for k in (*single, *pair)}
     cpu = {k: [] for k in times}
     per_round = {k: [] for k in times}
@@ -366,7 +438,8 @@ def bench(args) -> int:
         one = spawn(single_job, 1, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed, args.tiny),
                     mesh="data:1", timeout=1800)[0]
         two = spawn(pair_job, 2, args=(tuple(args.ms), args.warmup, args.reps, args.block, args.lr, args.seed,
-                                       False, args.gloo_sends, args.tiny), mesh="stage:2", timeout=3600)
+                                       False, args.gloo_sends, args.tiny, tuple(splits)), mesh="stage:2",
+                    timeout=3600)
         for k in single:
             times[k] += one["times"][k]
             cpu[k] += one["cpu"][k]
@@ -398,7 +471,9 @@ def bench(args) -> int:
     cpu_med = {k: _ms(v) for k, v in cpu.items()}
     speedup = {k: med["torch 1p"] / v for k, v in med.items()}
     base = loss0["torch 1p"]
-    loss_ok = {k: abs(v - base) <= LOSS_RTOL * abs(base) for k, v in loss0.items()}
+    loss_ok = {k: abs(v - base) <= LOSS_RTOL * abs(base) for k, v in loss0.items() if k not in balanced}
+    # the large-vocabulary model's splits: each against the layer-count split's loss
+    loss_ok.update({k: abs(loss0[k] - loss0[balanced[0]]) <= LOSS_RTOL * abs(loss0[balanced[0]]) for k in balanced})
 
     workload = ("tiny transformer (4 layers, batch 16, seq 8, d_model 8)" if args.tiny else
                 "transformer training step (4 layers, batch 16, seq 64, d_model 256, fp32)")
@@ -458,8 +533,9 @@ def bench(args) -> int:
     handout = _interleaved_report(console, args.ms, figures, med, per_round, outside, once_bytes)
 
     goals = {}
+    balance = _balanced_report(console, balanced, figures, med, per_round, act_ms, times)
     for k, fig in figures.items():
-        if int(k.rsplit("=", 1)[1]) >= 4 and k.split()[1] in ("gpipe", "1f1b"):   # the theory (p-1)/(m+p-1)
+        if k not in balanced and int(k.rsplit("=", 1)[1]) >= 4 and k.split()[1] in ("gpipe", "1f1b"):
             th = fig["bubble_theory"]
             goals[f"bubble within {BUBBLE_RTOL:.0%} of theory: {k}"] = all(
                 abs(b - th) <= BUBBLE_RTOL * th for b in fig["bubble_measured"])
@@ -487,7 +563,8 @@ def bench(args) -> int:
     bad = [k for k, ok in loss_ok.items() if not ok]
     console.print(f"step-0 losses vs torch 1p (rtol {LOSS_RTOL:g}): "
                   + ("all equal" if not bad else f"[red]MISMATCH in {', '.join(bad)}[/]")
-                  + f"; max |diff| = {max(abs(v - base) for v in loss0.values()):.2e}")
+                  + f"; max |diff| = {max(abs(v - base) for k, v in loss0.items() if k not in balanced):.2e}"
+                  + ("; the large-vocabulary splits against the layer-count split's" if balanced else ""))
     console.print(f"wall time {wall_s:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} "
                   f"(1 min) on {os.cpu_count()} cores"
                   + (f"; CPU time stolen by the hypervisor during the run: {steal:.1%}" if steal is not None else ""))
@@ -503,6 +580,7 @@ def bench(args) -> int:
                 "machine": machine},
         "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
         "pipeline": figures, "actions_ms_per_step": act_ms, "outside_schedule": handout,
+        "balanced_stages": balance,
         "ceiling_speedup": {"microbatches": m, "speedup": ceiling, "one_process_ms": med[floor1],
                             "both_processes_ms": med[floor2]}, "peak_activation_bytes": peak_mem, "goals": goals,
         "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,
@@ -530,6 +608,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="the tiny transformer (4 layers, batch 16), whose kernels cost almost nothing: "
                         "what the runtime and the transfers cost")
+    p.add_argument("--no-balanced", action="store_true",
+                   help="leave out the balanced-stages rows (the large-vocabulary model, layer-count split "
+                        "vs --stage-layers auto)")
     p.add_argument("--gloo-sends", action="store_true",
                    help=f"also run meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets "
                         f"(variant '{GLOO}'; by default they go through shared memory)")

@@ -81,10 +81,15 @@ def register(c: Collective) -> Collective:
 
 def parts_of(args, mesh: Mesh, members, axes) -> dict[int, tuple[int, ...]]:
     """Dim position -> each member's length along it, for a step over ``axes`` whose
-    ``uneven`` arg names dims of unequal parts; ``{}`` for an even step."""
+    ``uneven`` arg names dims of unequal parts; ``{}`` for an even step.  An entry
+    ``(position, size, above, lengths)`` gives the parts' lengths by the index along the one
+    axis that splits the dim (a sharding's given parts, ``Sharding.parts``)."""
     axes = tuple(axes)
-    return {pos: part_sizes(size, mesh, members, tuple(above) + axes)
-            for pos, size, above in args.get("uneven") or ()}
+    out = {}
+    for pos, size, above, *given in args.get("uneven") or ():
+        out[pos] = (tuple(given[0][mesh.coords(r)[axes[-1]]] for r in members) if given
+                    else part_sizes(size, mesh, members, tuple(above) + axes))
+    return out
 
 
 def cut(x, n: int, dim: int, lengths=None):

@@ -5,8 +5,9 @@ The plan gives the dense program's numbers on the simulated mesh for gpipe, 1f1b
 (dropout salted by each layer's global index) and on 2 gloo processes; a bad split is a
 clear error (exit 2 from the CLI); the balanced split gives the last stage, which also runs
 the head and the loss, fewer layers when the head costs about a layer or more; the stacked
-params stay stored as the layout splits them, so a checkpoint saved under unequal stages
-loads on another mesh.
+params (and their gradients and optimizer state) are stored on the stage that runs them, so no
+param or gradient moves between stages, and a checkpoint saved under unequal stages is in the
+global layer order and loads on another mesh.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _assert_matches(got, want, what=""):
     ("transformer", 4, "stage:2", "layer:stage", 2, "gpipe", (1, 3), {}),
     ("transformer", 4, "stage:2", "layer:stage", 4, "1f1b", (3, 1), {"dropout": 0.25}),  # salted by global layer
     ("transformer", 6, "stage:3", "layer:stage", 2, "zbh1", (1, 3, 2), {}),
-    ("transformer", 7, "stage:2", "layer:stage", 2, "zbh1", (5, 2), {}),   # stored 4 + 3, as tensor_split cuts
+    ("transformer", 7, "stage:2", "layer:stage", 2, "zbh1", (5, 2), {}),   # stored 5 + 2, where they run
     ("llama", 4, "stage:2; data:2", "layer:stage; batch:data", 2, "1f1b", (1, 3), {}),  # rotary tables per stage
 ])
 def test_unequal_stages_match_dense_on_the_simulated_mesh(name, layers, mesh, layout, m, schedule, counts, kw):
@@ -87,6 +88,19 @@ def test_a_split_without_a_pipeline_or_with_virtual_stages_is_refused():
         md.compile(outs, "stage:2", "layer:stage", microbatches=2, stage_layers="auto")
     with pytest.raises(md.MeshDSLError, match="pipelines no repeat"):
         balance_stages(outs, "data:2", "batch:data", cal=Calibration.defaults())
+
+
+@pytest.mark.parametrize("counts", [(3, 1), (1, 3)])
+def test_unequal_stages_move_no_param_or_gradient_between_stages(counts):
+    model, outs = _outputs(4)
+    plan = md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="1f1b", stage_layers=counts)
+    prog = next(s for s in plan.steps if s.kind == "pipeline").args["program"]
+    assert [t for t in prog.transfers if not t.carry] == []   # the carry (and its gradient) alone
+    stacked = [plan.values[plan.params[k]] for k in model.params if "layer" in model.params[k].shape.names]
+    assert stacked
+    for v in stacked:   # each stage stores the layers it runs
+        at = v.shape.names.index("layer")
+        assert [v.local_shape(plan.mesh, r)[at] for r in plan.mesh.group(0, ("stage",))] == list(counts)
 
 
 def test_equal_counts_are_the_plain_pipeline():
@@ -163,8 +177,9 @@ def test_stacked_params_saved_under_unequal_stages_load_on_another_mesh(tmp_path
                          optimizer=md.AdamW(lr=0.01))
     feeds = model.feeds(0)
     torch.testing.assert_close(step(feeds)[0], dense(feeds)[0], rtol=REL, atol=REL)
-    # The stacked params and their AdamW state, stored as the layout splits them (2 layers per rank,
-    # whatever each stage runs).  (A pipeline's other params are held by one stage only.)
+    # The stacked params and their AdamW state, stored where the stages run them (3 layers on rank
+    # 0, 1 on rank 1), saved in the global layer order.  (A pipeline's other params are held by one
+    # stage only.)
     stacked = {k: v for k, v in step.state().items() if "layer" in v[0].shape.names}
     assert len(stacked) > 10
     save_checkpoint(tmp_path, 1, stacked, step.executor.comm)

@@ -92,7 +92,7 @@ class _SendLog(SimulatedComm):
 
     def collective(self, kind, xs, axes, args):
         if kind == "send":
-            self.sends.append((len(xs), bool(args.get("pipe"))))
+            self.sends.append((len(xs), args["tag"]))
         return super().collective(kind, xs, axes, args)
 
 
@@ -106,9 +106,27 @@ def test_a_chunks_params_move_once_per_process_not_once_per_microbatch():
     comm = _SendLog(plan.mesh)
     got = md.Executor(plan, comm).run(model.feeds(0))
     assert got
-    handed = [n for n, carry in comm.sends if not carry]
+    carry = next(s for s in plan.steps if s.kind == "pipeline").args["program"].carry_tags
+    handed = [n for n, tag in comm.sends if tag not in carry]
     assert handed and all(n <= p for n in handed), comm.sends   # one sender per stage rank, not p * m
-    assert all(n == 1 for n, carry in comm.sends if carry)   # a carry: one micro-batch's sender at a time
+    assert all(n == 1 for n, tag in comm.sends if tag in carry)   # a carry: one micro-batch's sender at a time
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_what_one_rank_hands_another_is_one_message(p):
+    """The prologue's hand-out of every stacked param's chunks and the final segment's hand-back
+    of their gradients go as one packed message per pair of ranks (not one per param)."""
+    model, outs = _outputs(2 * p)
+    plan = md.compile(outs, f"stage:{p}", "layer:stage", microbatches=p, schedule="interleaved:2")
+    prog = next(s for s in plan.steps if s.kind == "pipeline").args["program"]
+    stacked = [k for k, t in model.params.items() if "layer" in t.shape.names]
+    assert len(stacked) > 4
+    for seg in (Segment.PROLOGUE, Segment.FINAL):
+        pairs = [(st, s.args["offset"]) for s, st in prog.steps(seg) if s.kind == "send"]
+        assert pairs and len(pairs) == len(set(pairs)), pairs   # each (sender, receiver) once
+        # chunk c of rank r is stored on rank (c p + r) // v: with v = 2 every rank but the first
+        # and the last hands two others
+        assert len(pairs) == 2 * (p - 1)
 
 
 def test_each_rank_runs_its_chunks_of_layers():

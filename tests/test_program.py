@@ -79,3 +79,26 @@ def test_env_keeps_only_what_rules_still_read_and_the_outputs():
     for i, names in seen.items():
         # a value in env when a loop starts is one the loop or a later step reads, or an output
         assert names <= later[i] | set(ex.plan.outputs.values()), i
+
+
+@pytest.mark.parametrize("mesh, layout", [("data:2", "batch:data"), ("data:1; model:2", "heads:model; d_ff:model")])
+def test_a_loops_body_program_gives_the_per_layer_runs_numbers(mesh, layout, monkeypatch):
+    """A layer loop runs its body as a program with positional feeds and a tuple of outputs
+    (layers._Body); the numbers are bitwise those of ``Executor.run`` per layer, timed or not."""
+    from meshdsl.runtime import layers
+    model, ex = _executor(mesh, layout)
+    params = ex.init_params(0)
+    calls, body = [], layers._Body.__call__
+    monkeypatch.setattr(layers._Body, "__call__", lambda self, *a: calls.append(1) or body(self, *a))
+    stats = {}
+    got = [ex.run(model.feeds(0), params), ex.run(model.feeds(0), params, stats=stats)]
+    # two runs, each a forward and a backward loop over every layer
+    assert len(calls) == 2 * 2 * model.config.layers and stats["local"] > 0
+    monkeypatch.setattr(layers._Body, "of", classmethod(lambda cls, sub, ins, outs: None))   # Executor.run per layer
+    _, plain = _executor(mesh, layout)
+    want = plain.run(model.feeds(0), params)
+    for run in got:
+        for k in want:
+            for g, w in zip(run[k], want[k]):
+                # the same kernels on the same tensors in the same order: bitwise equal
+                torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda s: f"{k}: {s}")

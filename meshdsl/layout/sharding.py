@@ -12,6 +12,11 @@ only adds or removes axes at a dim's minor end, so the parts a collective joins
 or cuts are always the parts of one axis's cut.  Every part has ``floor`` or
 ``ceil`` of ``size / n`` elements (``n`` the axes' product), so the largest local
 shape (:meth:`Sharding.local_shape` without a rank) is the ceiling on every dim.
+
+A dim split over one axis may instead have given part lengths (``Sharding.parts``): a
+pipeline whose stages run unequal numbers of layers stores each stage's layers where it
+runs them (``lowering/stage_layers.py``).  Collectives that join or cut such a dim carry
+the lengths (``collectives.parts_of``).
 """
 from __future__ import annotations
 
@@ -57,6 +62,9 @@ class Sharding:
 
     dims: tuple[tuple[str, tuple[str, ...]], ...]
     partial: tuple[str, ...] = ()
+    #: ((dim_name, lengths), ...): given part lengths of dims split over one axis, by the axis's
+    #: index (the other dims are cut as :func:`chunk` does)
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @staticmethod
     def replicated(shape: Shape) -> "Sharding":
@@ -78,28 +86,51 @@ class Sharding:
         return frozenset(a for _, axes in self.dims for a in axes) | frozenset(self.partial)
 
     def with_partial(self, partial) -> "Sharding":
-        return Sharding(self.dims, tuple(partial))
+        return Sharding(self.dims, tuple(partial), self.parts)
+
+    @cached_property
+    def given_parts(self) -> dict[str, tuple[int, ...]]:
+        """Dim name -> its given part lengths (see :attr:`parts`)."""
+        return dict(self.parts)
+
+    def with_parts(self, name: str, lengths) -> "Sharding":
+        """This sharding with dim ``name`` (split over one axis) cut into parts of ``lengths``."""
+        assert len(self.axes_of(name)) == 1, f"given parts of '{name}' need one axis, not {self.axes_of(name)}"
+        return Sharding(self.dims, self.partial,
+                        tuple((n, p) for n, p in self.parts if n != name) + ((name, tuple(lengths)),))
+
+    def _chunk(self, size: int, name: str, mesh: Mesh, rank: int) -> tuple[int, int]:
+        """``(offset, length)`` of ``rank``'s part of dim ``name`` (see :func:`chunk`)."""
+        lengths = self.given_parts.get(name) if self.parts else None
+        if lengths is None:
+            return chunk(size, mesh, rank, self.axes_of(name))
+        i = mesh.coords(rank)[self.axes_of(name)[0]]
+        return sum(lengths[:i]), lengths[i]
 
     def local_shape(self, shape: Shape, mesh: Mesh, rank: int | None = None) -> tuple[int, ...]:
         """``rank``'s local shape; without a rank the largest one (every rank's when the split is even)."""
         if rank is not None:
-            return tuple(chunk(d.size, mesh, rank, self.axes_of(d.name))[1] for d in shape)
-        return tuple(-(-d.size // mesh.axis_size(self.axes_of(d.name))) for d in shape)
+            return tuple(self._chunk(d.size, d.name, mesh, rank)[1] for d in shape)
+        given = self.given_parts if self.parts else {}
+        return tuple(max(given[d.name]) if d.name in given else -(-d.size // mesh.axis_size(self.axes_of(d.name)))
+                     for d in shape)
 
     def offsets(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[int, ...]:
-        return tuple(chunk(d.size, mesh, rank, self.axes_of(d.name))[0] for d in shape)
+        return tuple(self._chunk(d.size, d.name, mesh, rank)[0] for d in shape)
 
     def slice_index(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[slice, ...]:
         """The index of this rank's slice in the full tensor (dims in ``shape`` order)."""
         return tuple(slice(off, off + n) for off, n in
-                     (chunk(d.size, mesh, rank, self.axes_of(d.name)) for d in shape))
+                     (self._chunk(d.size, d.name, mesh, rank) for d in shape))
 
     def local_numel(self, shape: Shape, mesh: Mesh) -> int:
         """Elements of the largest local slice (what costs and memory reports count)."""
         return math.prod(self.local_shape(shape, mesh))
 
     def __str__(self) -> str:
-        parts = [f"{n}:{'(' + ','.join(a) + ')' if len(a) > 1 else a[0]}" for n, a in self.dims if a]
+        given = self.given_parts if self.parts else {}
+        parts = [f"{n}:{'(' + ','.join(a) + ')' if len(a) > 1 else a[0]}"
+                 + (f"[{','.join(map(str, given[n]))}]" if n in given else "") for n, a in self.dims if a]
         s = "{" + ", ".join(parts) + "}"
         if self.partial:
             s += f" partial({','.join(self.partial)})"

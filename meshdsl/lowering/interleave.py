@@ -21,8 +21,11 @@ cut into ``v`` chunks, as a pass on the segment lists:
   hands each chunk to the rank that runs it, and the final segment hands each chunk's
   gradient, summed over the micro-batches and the data axes, back to the rank that stores
   the param, which joins them for the update.  That costs a transfer of the stacked params
-  and of their gradients per step (on real processes, one per micro-batch rank a process
-  holds), where Megatron stores each rank's chunks in place;
+  and of their gradients per step (once per process: the same on every micro-batch rank it
+  holds), where Megatron stores each rank's chunks in place: a rank's chunks are not one
+  contiguous run of layers, which a sharding (and so a checkpoint) describes.  Every param's
+  chunks going from one rank to another travel as one packed message (one in the prologue,
+  one in the final segment, per pair of ranks);
 * tables every layer reads (rotary embeddings' sines and cosines) are read by every chunk.
 
 Refused, with the reason (:func:`check`): a block that reads a tensor made per micro-batch
@@ -33,11 +36,13 @@ gradient read other than by its sum over the micro-batches (a reduce-scatter, FS
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
+from ..layout.sharding import Sharding
 from .pipeline_program import Segment, transfer_step
 from .plan import Step, Value, step_args
 
@@ -50,6 +55,17 @@ def _narrow(ctx, attrs, x):
 def _join(ctx, attrs, *parts):
     """A rank's chunks of a stacked tensor, in layer order."""
     return torch.cat(parts, attrs["dim"])
+
+
+def _pack(ctx, attrs, *xs):
+    """Pieces of tensors (a narrow of each, where ``attrs["parts"]`` gives one), flattened into
+    one buffer: one message between two ranks."""
+    return torch.cat([(x if part is None else x.narrow(*part)).reshape(-1) for x, part in zip(xs, attrs["parts"])])
+
+
+def _unpack(ctx, attrs, buf):
+    """One piece of a packed buffer (see :func:`_pack`)."""
+    return buf.narrow(0, attrs["start"], attrs["numel"]).view(attrs["shape"])
 
 
 class _Chunks:
@@ -73,9 +89,9 @@ class _Chunks:
         self.tag += 1
         return self.tag
 
-    def transfer(self, kind: str, vid: int, offset: int, tag: int, stage: int, what: str):
+    def transfer(self, kind: str, vid: int, offset: int, tag: int, stage: int, what: str, phase: str = "forward"):
         spec = self.spec
-        return (transfer_step(kind, vid, self.values, spec.mesh, spec.axis, offset, tag, "forward", what),
+        return (transfer_step(kind, vid, self.values, spec.mesh, spec.axis, offset, tag, phase, what),
                 frozenset({stage}))
 
     def local(self, op: str, fn, ins, out: int, attrs: dict, stage: int, label: str, phase: str = "forward"):
@@ -86,6 +102,55 @@ class _Chunks:
 
     def stacked_dim(self, vid: int) -> int:
         return self.values[vid].shape.names.index(self.layer)
+
+    def even(self, vid: int) -> bool:
+        """Whether every rank's local slice of ``vid`` has one shape (a packed message's pieces
+        are cut by it)."""
+        v, mesh = self.values[vid], self.spec.mesh
+        return all(v.local_shape(mesh, r) == v.local_shape(mesh) for r in range(mesh.size))
+
+    def moved(self, items: list, src: int, dst: int, phase: str, what: str) -> list:
+        """Steps moving ``items``, ``(value, narrow or None, into)``, from rank ``src`` to rank ``dst``:
+        each ``value`` (narrowed) on ``src`` lands in ``into`` on ``dst``; one packed message
+        where every piece has one local shape on every rank, else one message each."""
+        if not all(self.even(into) for _, _, into in items) or len({self.values[x].dtype for x, _, _ in items}) > 1:
+            out = []
+            for x, part, into in items:
+                tag = self.next_tag()
+                if part is not None:   # the piece, narrowed on its own first
+                    x = self.local_narrow(x, into, part, src, what, phase, out)
+                out += [self.transfer("send", x, dst - src, tag, src, f"{what} to rank {dst}", phase),
+                        self.transfer("recv", into, dst - src, tag, dst, f"{what} from rank {src}", phase)]
+            return out
+        shapes = [self.values[into].local_shape(self.spec.mesh) for _, _, into in items]
+        sizes = [math.prod(sh) for sh in shapes]
+        sent, got = (self.buffer(sum(sizes), self.values[items[0][0]].dtype) for _ in range(2))
+        tag = self.next_tag()
+        out = [self.local("pack", _pack, tuple(x for x, _, _ in items), sent, {"parts": tuple(p for _, p, _ in items)},
+                          src, f"{what} for rank {dst}, packed", phase),
+               self.transfer("send", sent, dst - src, tag, src, f"{what} to rank {dst}", phase),
+               self.transfer("recv", got, dst - src, tag, dst, f"{what} from rank {src}", phase)]
+        start = 0
+        for (_, _, into), shape, n in zip(items, shapes, sizes):
+            out.append(self.local("unpack", _unpack, (got,), into, {"start": start, "numel": n, "shape": shape},
+                                  dst, what, phase))
+            start += n
+        return out
+
+    def local_narrow(self, x: int, like: int, part: tuple, stage: int, what: str, phase: str, out: list) -> int:
+        """A new value like ``like``: ``x`` narrowed by ``part`` on ``stage`` (the step goes on ``out``)."""
+        tmp = self.like(like, False)
+        dim, start, length = part
+        out.append(self.local("narrow", _narrow, (x,), tmp, {"dim": dim, "start": start, "length": length}, stage,
+                              what, phase))
+        return tmp
+
+    def buffer(self, numel: int, dtype) -> int:
+        """A new flat value of ``numel`` elements, the same on every rank (a packed message)."""
+        shape = Shape((Dim("packed", numel),))
+        new = max(self.values) + 1
+        self.values[new] = Value(new, shape, dtype, Sharding.replicated(shape))
+        return new
 
 
 def check(cut, lists, v: int) -> None:
@@ -224,63 +289,68 @@ def _relabel(ch: _Chunks, pairs: list, block: Step | None, chunked: list, last_a
 
 def _hand_out(ch: _Chunks, chunk_params: dict) -> list:
     """Prologue steps giving each rank its chunks of each stacked param: chunk ``c`` of rank r is
-    the stored layers ``(c p + r) k ..``, which rank ``(c p + r) // v`` holds."""
-    p, v, out = ch.p, ch.v, []
+    the stored layers ``(c p + r) k ..``, which rank ``(c p + r) // v`` holds.  What one rank
+    hands another goes as one message (:meth:`_Chunks.moved`)."""
+    p, v, out, moves = ch.p, ch.v, [], {}
     for s, chunks in chunk_params.items():
         dim, k = ch.stacked_dim(s), ch.values[s].local_shape(ch.spec.mesh)[ch.stacked_dim(s)] // v
         for c, vid in enumerate(chunks):
             for r in range(p):
                 src, at = divmod(c * p + r, v)
-                attrs = {"dim": dim, "start": at * k, "length": k}
-                what = f"layers of stage {c * p + r}"
                 if src == r:
-                    out.append(ch.local("narrow", _narrow, (s,), vid, attrs, r, what))
-                    continue
-                tmp, tag = ch.like(s), ch.next_tag()
-                out += [ch.local("narrow", _narrow, (s,), tmp, attrs, src, what),
-                        ch.transfer("send", tmp, r - src, tag, src, f"{what} to rank {r}"),
-                        ch.transfer("recv", vid, r - src, tag, r, f"{what} from rank {src}")]
+                    out.append(ch.local("narrow", _narrow, (s,), vid, {"dim": dim, "start": at * k, "length": k}, r,
+                                        f"layers of stage {c * p + r}"))
+                else:
+                    moves.setdefault((src, r), []).append((s, (dim, at * k, k), vid))
+    for (src, r), items in moves.items():
+        out += ch.moved(items, src, r, "forward", "stacked params' layers")
     return out
 
 
 def _gather_grads(ch: _Chunks, pairs: list, B: Step, bwd: list) -> list:
     """The final segment with each stacked gradient's sum over the micro-batches made per chunk,
-    then handed back to the rank storing the param and joined there into the sum the rest reads."""
+    then handed back to the rank storing the param and joined there into the sum the rest reads.
+
+    The sums (they read only the backward's per-chunk gradients) come first, then what each
+    rank hands another as one message, the joins, and the segment's other steps in order."""
     v = ch.v
     steps = [s for s, _ in bwd if s.kind == "repeat"]           # chunks v-1 .. 0
     per_chunk = {g: [None] * v for g in B.outs[1:]}
     for c, step in zip(reversed(range(v)), steps):
         for g, gc in zip(B.outs[1:], step.outs[1:]):
             per_chunk[g][c] = gc
-    out = []
+    sums_first, rest, joined = [], [], []
     for s, st in pairs:
         if s.kind != "allreduce" or s.ins[0] not in per_chunk:
-            out.append((s, st))
+            rest.append((s, st))
             continue
         sums = [ch.like(s.outs[0]) for _ in range(v)]
         for c in range(v):
-            out.append((dataclasses.replace(s, ins=(per_chunk[s.ins[0]][c],), outs=(sums[c],), bytes=s.bytes // v,
-                                            label=f"{s.label} (chunk {c})"), st))
-        out += _join_chunks(ch, s.outs[0], sums, s.phase)
-    return out
+            sums_first.append((dataclasses.replace(s, ins=(per_chunk[s.ins[0]][c],), outs=(sums[c],),
+                                                   bytes=s.bytes // v, label=f"{s.label} (chunk {c})"), st))
+        joined.append((s.outs[0], sums, s.phase))
+    return sums_first + _join_chunks(ch, joined) + rest
 
 
-def _join_chunks(ch: _Chunks, whole: int, sums: list, phase: str) -> list:
-    """Each rank's stored layers of ``whole`` from the chunks' sums: chunk ``j`` of the stack (rank
-    ``j // v``, position ``j % v``) is chunk ``j // p`` of rank ``j % p``."""
-    p, v, out = ch.p, ch.v, []
-    dim = ch.stacked_dim(whole)
-    for r in range(p):
-        parts = []
-        for at in range(v):
-            c, holder = divmod(r * v + at, p)
-            if holder == r:
-                parts.append(sums[c])
-                continue
-            tmp, tag = ch.like(whole), ch.next_tag()
-            what = f"gradient of stage {c * p + holder}"
-            out += [ch.transfer("send", sums[c], r - holder, tag, holder, f"{what} to rank {r}"),
-                    ch.transfer("recv", tmp, r - holder, tag, r, f"{what} from rank {holder}")]
-            parts.append(tmp)
-        out.append(ch.local("join", _join, parts, whole, {"dim": dim}, r, "stacked gradient: the rank's chunks", phase))
-    return out
+def _join_chunks(ch: _Chunks, joined: list) -> list:
+    """Each rank's stored layers of each ``(whole, sums, phase)`` of ``joined`` from the chunks'
+    sums: chunk ``j`` of the stack (rank ``j // v``, position ``j % v``) is chunk ``j // p`` of
+    rank ``j % p``."""
+    p, v, moves, joins = ch.p, ch.v, {}, []
+    for whole, sums, phase in joined:
+        for r in range(p):
+            parts = []
+            for at in range(v):
+                c, holder = divmod(r * v + at, p)
+                if holder == r:
+                    parts.append(sums[c])
+                    continue
+                tmp = ch.like(whole)
+                moves.setdefault((holder, r, phase), []).append((sums[c], None, tmp))
+                parts.append(tmp)
+            joins.append(ch.local("join", _join, parts, whole, {"dim": ch.stacked_dim(whole)}, r,
+                                  "stacked gradient: the rank's chunks", phase))
+    out = []
+    for (holder, r, phase), items in moves.items():
+        out += ch.moved(items, holder, r, phase, "stacked gradients of chunks")
+    return out + joins

@@ -248,18 +248,35 @@ def _own_parts(cut: _Cut) -> set[int]:
     axis with the layers: what a loss makes of the pipelined repeat's per-layer outputs layer by
     layer (``reduce_sum(f(y))`` for an elementwise ``f``), and the cotangent of those outputs
     the backward reads.  They run in the stage's F actions, as the SPMD program runs them on each
-    rank's part, not after the micro-batches; a step that reads a value other stages lack, or
-    moves values over the stage or micro-batch axis, is not one of them."""
+    rank's part, not after the micro-batches; a step that reads a value other stages lack, moves
+    values over the stage or micro-batch axis, does not descend from the per-layer outputs, or
+    reads what the pipelined backward made (the stacked gradients, the update), is not one of them."""
     ax, every = cut.spec.axis, cut.every_stage
+    names = cut.steps[cut.F].args.get("ys", ())
+    if not names:
+        return set()
+    from_ys = _downstream(cut, cut.steps[cut.F].outs[2:2 + len(names)])
+    from_b = _downstream(cut, cut.steps[cut.B].outs) if cut.B is not None else set()
     out = set()
     for i, s in enumerate(cut.steps):
-        if (cut.leaf[i] or not cut.per_mb[i] or i in (cut.F, cut.B) or cut.stages[i] != every
+        if (i not in from_ys or i in from_b or cut.leaf[i] or not cut.per_mb[i] or i in (cut.F, cut.B)
+                or cut.stages[i] != every
                 or (s.is_collective and {ax, MB_AXIS} & set(s.axes))):
             continue
         split = [any(ax in axes for axes in cut.values[v].sharding.split.values()) for v in s.outs]
         if split and all(split) and all(cut.held.get(v, every) == every for v in s.ins):
             out.add(i)
     return out
+
+
+def _downstream(cut: _Cut, values) -> set[int]:
+    """The positions of the steps that read ``values``, directly or through other steps."""
+    seen, live = set(), set(values)
+    for i, s in enumerate(cut.steps):
+        if any(v in live for v in s.ins):
+            seen.add(i)
+            live.update(s.outs)
+    return seen
 
 
 def _whole_batch_cause(steps, producer, final, i):

@@ -81,6 +81,8 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
     for (d, size, axes), ts in found.items():
         if d in layers and stage_layers is None:
             _refuse_layers(layout, mesh, d, size, axes, layers[d])
+        if d in layers:   # cut at the stages' layer counts instead (lowering/stage_layers.py)
+            continue
         leaves = tuple(dict.fromkeys(t.name for t in ts if t.node.op.name in LEAVES))
         out.append(UnevenSplit(d, size, axes, leaves, sum(t.node.op.name not in LEAVES for t in ts)))
     return out

@@ -163,6 +163,11 @@ def _to4(x: torch.Tensor, perm, nb: int, lead: int) -> torch.Tensor:
     return x.reshape(math.prod(s[:lead]), math.prod(s[lead:nb]), *s[nb:])
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last dim contiguous (the kernel reads each row of features as one run)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _q4(x, attrs):
     """q (or a tensor of q's dims in q's order: the output, its gradient) in the kernel's form."""
     return _to4(x, attrs["q_perm"], len(attrs["batch"]), max(attrs["shared"] - 1, 0))
@@ -186,6 +191,8 @@ def _sum_groups(dk4, k4):
 
 
 def _from4(x4: torch.Tensor, batch_sizes, back) -> torch.Tensor:
+    if len(batch_sizes) == 2 and x4.shape[0] == batch_sizes[0]:   # _to4 folded nothing: no reshape
+        return x4.permute(back)
     return x4.reshape(*batch_sizes, *x4.shape[-2:]).permute(back)
 
 
@@ -233,11 +240,19 @@ class Attention(Op):
         return [(q.shape, q.dtype), (lse, lse_dtype)]
 
     def compute(self, ctx, attrs, q, k, v):
+        if attrs["shared"] == 2 == len(attrs["batch"]) and q.device.type == "cpu":
+            # [batch, heads, seq, feature] by one permute each (the usual case): no folds, no reshapes
+            q4, k4, v4 = _rows(q.permute(attrs["q_perm"])), _rows(k.permute(attrs["k_perm"])), \
+                _rows(v.permute(attrs["v_perm"]))
+            causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+            out4, lse4 = _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=attrs["scale"])
+            return out4.permute(attrs["q_back"]), lse4
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
         out4, lse4 = _forward(q4, k4, v4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
-        return _from4(out4, bs, attrs["q_back"]), lse4.reshape(*bs, lse4.shape[-1])
+        lse = lse4 if lse4.dim() == len(bs) + 1 and lse4.shape[0] == bs[0] else lse4.reshape(*bs, lse4.shape[-1])
+        return _from4(out4, bs, attrs["q_back"]), lse
 
     def spec(self, node):
         return _spec(node.attrs, *node.inputs[:2])
@@ -271,9 +286,17 @@ class AttentionBackward(Op):
         return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
 
     def compute(self, ctx, attrs, g, q, k, v, out, lse):
+        if attrs["shared"] == 2 == len(attrs["batch"]) and q.device.type == "cpu":   # as Attention.compute
+            qp = attrs["q_perm"]
+            q4, k4, v4 = _rows(q.permute(qp)), _rows(k.permute(attrs["k_perm"])), _rows(v.permute(attrs["v_perm"]))
+            causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+            lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])
+            dq, dk, dv = _BWD(_rows(g.permute(qp)), q4, k4, v4, _rows(out.permute(qp)), lse4, 0.0, causal,
+                              attn_mask=mask, scale=attrs["scale"])
+            return dq.permute(attrs["q_back"]), dk.permute(attrs["k_back"]), dv.permute(attrs["v_back"])
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
-        lse4 = lse.reshape(q4.shape[:-1])
+        lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])
         dq, dk, dv = _backward(_q4(g, attrs), q4, k4, v4, _q4(out, attrs), lse4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
         kbs = [k.shape[i] for i in attrs["k_perm"][:attrs["shared"]]]

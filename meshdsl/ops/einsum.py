@@ -43,6 +43,10 @@ class Einsum(Op):
         form = attrs.get("form")
         return form.matmul(*xs) if form is not None else torch.einsum(attrs["eq"], *xs)
 
+    def direct(self, attrs):
+        form = attrs.get("form")
+        return form.matmul if form is not None else None
+
     def spec(self, node):
         dims = {d.name: d.size for x in node.inputs for d in x.shape}
         out = set(node.attrs["out"])

@@ -68,6 +68,9 @@ class Unary(Op):
     def compute(self, ctx, attrs, x):
         return type(self).fn(x)
 
+    def direct(self, attrs):
+        return type(self).fn if type(self).compute is Unary.compute else None
+
 
 def _unary(name, fn, grad=None, linear=False):
     cls = type(name.title(), (Unary,), {"name": name, "fn": staticmethod(fn), "linear": linear})
@@ -169,6 +172,11 @@ class Nary(Op):
 
     def compute(self, ctx, attrs, *xs):
         return type(self).fn(*(align(x, p) for x, p in zip(xs, attrs["align"])))
+
+    def direct(self, attrs):
+        # operands already in the result's dims (no permute, no new axis): the torch function itself
+        plain = type(self).compute is Nary.compute and all(p == (None, None) for p in attrs["align"])
+        return type(self).fn if plain else None
 
 
 def _binary(name, fn, grad=None, linear=False, out_dtype=None, linear_args=()):

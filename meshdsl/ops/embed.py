@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ..core.graph import Graph, Tensor
 from ..core.shape import Dim, Shape
@@ -79,17 +80,26 @@ class Gather(Op):
 
     def compute(self, ctx, attrs, ids, table):
         name, pos = attrs["dim"], attrs["pos"]
-        # One reduction and one read back (on a GPU, one wait for the device) per lookup.
-        lo, hi = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() else (0, 0)
-        if lo < 0 or hi >= attrs["size"]:
-            # Each rank sees global ids, so every layout raises alike (dense indexing would too).
-            raise GraphError(message(
-                f"gather: ids range over [{lo}, {hi}], outside dim '{name}' of size "
-                f"{attrs['size']}.", rule=f"ids index the table along '{name}': 0 <= id < {attrs['size']}",
-                fix="check the fed ids (e.g. the vocabulary size) or clamp them"))
+        # The ids' bounds are checked (_check_ids), not while --compile traces a whole step
+        # (runtime/whole.py): the compiled indexing checks its bounds, and a compiled step that
+        # raises runs again eagerly, which raises here.
+        traced = get_proxy_mode() is not None
         n = table.shape[pos]
+        whole = n == attrs["size"] and ctx.offset(name) == 0
+        if whole and ids.device.type == "cpu" and not traced:
+            # the whole table on the CPU: index_select checks the bounds itself (no reduction first)
+            try:
+                out, err = table.index_select(pos, ids.reshape(-1)), None
+            except (IndexError, RuntimeError) as e:
+                err = e
+            if err is not None:   # the GraphError is raised outside the except (no chained context)
+                _check_ids(ids, name, attrs["size"])
+                raise err
+            return out.movedim(pos, 0).reshape(*ids.shape, *[s for i, s in enumerate(table.shape) if i != pos])
+        if ids.numel() and not traced:
+            _check_ids(ids, name, attrs["size"])
         local = ids - ctx.offset(name)
-        if n == attrs["size"] and ctx.offset(name) == 0:
+        if whole:
             out = table.index_select(pos, ids.reshape(-1))
             mask = None
         else:
@@ -107,6 +117,17 @@ class Gather(Op):
         ids, table = node.inputs
         return [None, apply("scatter_add", [ids, douts[0]], {"dim": table.shape.get(node.attrs["dim"]),
                                                              "table": table.shape})]
+
+
+def _check_ids(ids: torch.Tensor, name: str, size: int) -> None:
+    """Raise a GraphError if an id is outside ``[0, size)`` (one reduction and one read back: on a
+    GPU, one wait for the device).  Each rank sees global ids, so every layout raises alike."""
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+    if lo < 0 or hi >= size:
+        raise GraphError(message(
+            f"gather: ids range over [{lo}, {hi}], outside dim '{name}' of size "
+            f"{size}.", rule=f"ids index the table along '{name}': 0 <= id < {size}",
+            fix="check the fed ids (e.g. the vocabulary size) or clamp them"))
 
 
 @register
@@ -128,12 +149,16 @@ class ScatterAdd(Op):
     def compute(self, ctx, attrs, ids, src):
         d, table = attrs["dim"], attrs["table"]
         n = ctx.size(d.name, d.size)
-        local = ids.reshape(-1) - ctx.offset(d.name)
+        local = ids.reshape(-1)
         rest = [ctx.size(t.name, t.size) for t in table if t.name != d.name]
         rows = src.reshape(local.numel(), *rest)
-        mask = (local >= 0) & (local < n)
         out = torch.zeros(n, *rest, dtype=src.dtype, device=src.device)
-        out.index_add_(0, torch.where(mask, local, 0), rows * mask.reshape(-1, *([1] * len(rest))).to(src.dtype))
+        if n == d.size:   # the whole table here: every id is a row of it (gather checked them)
+            out.index_add_(0, local, rows)
+        else:
+            local = local - ctx.offset(d.name)
+            mask = (local >= 0) & (local < n)
+            out.index_add_(0, torch.where(mask, local, 0), rows * mask.reshape(-1, *([1] * len(rest))).to(src.dtype))
         pos = table.index(d.name)
         return out.movedim(0, pos)
 

@@ -49,12 +49,16 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: dtypes whose saved statistics are kept in their own dtype (:func:`_stats_dtype`)
+_OWN_STATS = frozenset({torch.float32, torch.float64})
+
+
 def _kernel_stats(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Saved statistic ``s`` ([rows]) as ``native_layer_norm_backward`` reads it for ``x`` (with
     the normalised dim last): [rows, 1], in ``x``'s dtype on the CPU (whose forward computes
     them in it), in fp32 for a low-precision ``x`` elsewhere."""
     s = s.unsqueeze(-1)
-    return s.to(x.dtype) if x.device.type == "cpu" else s
+    return s.to(x.dtype) if s.dtype != x.dtype and x.device.type == "cpu" else s
 
 
 def _spec(node, x: Tensor, reduce: bool) -> ComputeSpec:
@@ -87,11 +91,20 @@ class LayerNorm(Op):
         return [(x.shape, x.dtype), stats, stats]
 
     def compute(self, ctx, attrs, x, *params):
+        if attrs["pos"] == x.dim() - 1:   # the normalised dim last (the usual case): no moves
+            y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], params[0] if attrs["scale"] else None,
+                                                    params[-1] if attrs["bias"] else None, attrs["eps"])
+            if mean.dtype == x.dtype and x.dtype in _OWN_STATS:   # (no conversion to call)
+                return y, mean.squeeze(-1), rstd.squeeze(-1)
+            dtype = _stats_dtype(x.dtype)
+            return y, mean.squeeze(-1).to(dtype), rstd.squeeze(-1).to(dtype)
         scale, bias = _affine(attrs, params)
         eps, dtype = attrs["eps"], _stats_dtype(x.dtype)
 
         def fwd(v):
             y, mean, rstd = torch.ops.aten.native_layer_norm(v, [v.shape[-1]], scale, bias, eps)
+            if mean.dtype == dtype:   # (fp32 stats of an fp32 x: no conversion to call)
+                return y, mean.squeeze(-1), rstd.squeeze(-1)
             return y, mean.squeeze(-1).to(dtype), rstd.squeeze(-1).to(dtype)
         return _last(fwd, attrs["pos"], x)
 
@@ -117,6 +130,9 @@ class LayerNorm(Op):
         return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
+_LN_BWD = torch.ops.aten.native_layer_norm_backward.default
+
+
 @register
 class LayerNormBackward(Op):
     """(g, x, mean, rstd, [scale]) -> (dx, [d_scale], [d_bias]): linear in ``g``; no second-order
@@ -134,11 +150,24 @@ class LayerNormBackward(Op):
     def compute(self, ctx, attrs, g, x, mean, rstd, *params):
         scale = params[0] if attrs["scale"] else None
         mask = [True, bool(attrs["scale"]), bool(attrs["bias"])]
+        if attrs["pos"] == x.dim() - 1 and x.dtype == mean.dtype and x.device.type == "cpu":
+            # the normalised dim last, fp32 or fp64 on the CPU (the usual case): no moves, no conversions
+            bias = (scale if scale is not None and scale.dtype == x.dtype and scale.is_contiguous()
+                    else x.new_empty(x.shape[-1])) \
+                if attrs["bias"] else None   # (only its shape is read: see bwd below)
+            dx, dscale, dbias = _LN_BWD(g, x, x.shape[-1:], mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, bias, mask)
+            return (dx,) + ((dscale,) if attrs["scale"] else ()) + ((dbias,) if attrs["bias"] else ())
 
         def bwd(g, x):   # mean and rstd lack the moved dim: their dims are x's others, in order
             n = x.shape[-1]
-            # the kernel shapes the bias gradient like the bias, whose values it never reads
-            bias = x.new_empty(n) if attrs["bias"] else None
+            # the kernel shapes the bias gradient like the bias, whose values it never reads (the
+            # scale, where it has the dtype and a plain layout, stands in for it)
+            if not attrs["bias"]:
+                bias = None
+            elif scale is not None and scale.dtype == x.dtype and scale.is_contiguous():
+                bias = scale
+            else:
+                bias = x.new_empty(n)
             return torch.ops.aten.native_layer_norm_backward(g, x, [n], _kernel_stats(mean, x),
                                                              _kernel_stats(rstd, x), scale, bias, mask)
         dx, dscale, dbias = _last(bwd, attrs["pos"], g, x)

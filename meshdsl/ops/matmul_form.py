@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class MatmulForm:
         object.__setattr__(self, "_permute_b", not ident(self.perm_b))
         object.__setattr__(self, "_flat_a", nb <= 1 and self.nm == 1 and self.nk == 1)
         object.__setattr__(self, "_flat_b", nb <= 1 and self.nk == 1 and nn == 1)
+        # B lists its n dims, then its k dims (a weight [out, in]): B's transpose is B itself viewed
+        # as (N, K), which ``F.linear`` takes as it is (no batch dims)
+        object.__setattr__(self, "_linear", not nb and nn >= 1 and self.nk >= 1
+                           and self.perm_b == (*range(nn, nn + self.nk), *range(nn)))
         # (A's shape, B's shape) -> their matrix shapes and the product's: a plan calls a kernel
         # with the same shapes every step, so the sizes are worked out once per shape
         object.__setattr__(self, "_sizes", {})
@@ -92,30 +97,92 @@ class MatmulForm:
             return sizes[:3], (sizes[0], sizes[2], sizes[3]), out
         return sizes[1:3], sizes[2:], out
 
-    def _operands(self, x: torch.Tensor, y: torch.Tensor):
-        a, b = (y, x) if self.swap else (x, y)
-        if _compiling():   # traced (--compile): no cache for the tracer to guard on
-            ma, mb, out = self._matrix_shapes(a.shape, b.shape)
+    def _recipe(self, sa, sb) -> tuple:
+        """How a call with operand shapes ``sa``, ``sb`` (A's and B's, before the permutes) runs:
+        ``(perm_a or None, A's shape or None, perm_b or None, B's shape or None, product shape or
+        None, fold, shape, linear)``.  A permute in dim order and a reshape to the shape an operand
+        has are left out (None); ``fold``: A (no batch dims, one k dim, not permuted) goes to
+        ``torch.matmul`` as it is, which folds its m dims into the rows in C++; the product is then
+        viewed to ``shape`` only where it does not come out in it (the product shape entry).
+        ``linear``: for a B laid out (n dims, k dims), B's (N, K) shape (``()``: it has it), which
+        :meth:`matmul` hands to ``F.linear`` unpermuted (perm_b and B's shape are for ``mm``)."""
+        ma, mb, shape = self._matrix_shapes(sa, sb)
+        pa = self.perm_a if self._permute_a else None
+        pb = self.perm_b if self._permute_b else None
+        fold = not self.nb and self.nk == 1 and pa is None and len(sa) > 1
+        if fold:
+            ma = None
+        if ma is not None and tuple(ma) == tuple(sa[i] for i in self.perm_a):
+            ma = None
+        if mb is not None and tuple(mb) == tuple(sb[i] for i in self.perm_b):
+            mb = None
+        if fold:
+            made = (*sa[:-1], mb[-1] if mb is not None else sb[self.perm_b[-1]])
+        elif ma is None and mb is None:
+            made = shape
         else:
-            key = (a.shape, b.shape)
-            got = self._sizes.get(key)
-            if got is None:
-                if len(self._sizes) > 64:
-                    self._sizes.clear()
-                got = self._sizes[key] = self._matrix_shapes(a.shape, b.shape)
-            ma, mb, out = got
-        if self._permute_a:
-            a = a.permute(self.perm_a)
-        if self._permute_b:
-            b = b.permute(self.perm_b)
-        if ma is not None:
-            a, b = a.reshape(ma), b.reshape(mb)
-        return _blas(a), _blas(b), out
+            made = (*(ma if ma is not None else [sa[i] for i in self.perm_a])[:-1],
+                    (mb if mb is not None else [sb[i] for i in self.perm_b])[-1])
+        view = None if tuple(made) == tuple(shape) else shape
+        linear = None
+        if self._linear:   # B as (N, K), not permuted (no reshape: ()): F.linear multiplies by its transpose
+            nn = len(sb) - self.nk
+            linear = () if len(sb) == 2 else (math.prod(sb[:nn]), math.prod(sb[nn:]))
+        return pa, ma, pb, mb, view, fold, shape, linear
+
+    def _cached(self, a: torch.Tensor, b: torch.Tensor) -> tuple:
+        """:meth:`_recipe` of ``a``'s and ``b``'s shapes: worked out once per shape (a plan calls a
+        kernel with the same shapes every step); not cached while traced (``--compile``)."""
+        if _compiling():   # traced (--compile): no cache for the tracer to guard on
+            return self._recipe(a.shape, b.shape)
+        key = (a.shape, b.shape)
+        got = self._sizes.get(key)
+        if got is None:
+            if len(self._sizes) > 64:
+                self._sizes.clear()
+            got = self._sizes[key] = self._recipe(a.shape, b.shape)
+        return got
+
+    def _operands(self, x: torch.Tensor, y: torch.Tensor):
+        """A and B as the matrices (batch of matrices) the BLAS call multiplies, the product's
+        shape, and whether the BLAS call's product has another shape (its matrix shape)."""
+        a, b = (y, x) if self.swap else (x, y)
+        pa, ma, pb, mb, view, fold, shape, _ = self._cached(a, b)
+        if pa is not None:
+            a = a.permute(pa)
+        if pb is not None:
+            b = b.permute(pb)
+        if fold and a.dim() > 2:
+            a = a.reshape(-1, a.shape[-1])
+        elif ma is not None:
+            a = a.reshape(ma)
+        if mb is not None:
+            b = b.reshape(mb)
+        other = view is not None or (fold and len(shape) > 2)
+        if self.nb:   # mm copies an operand BLAS cannot take itself; bmm would copy it one matrix at a time
+            return _blas(a), _blas(b), shape, other
+        return a, b, shape, other
 
     def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``einsum(x, y)`` with the output's dims in order."""
-        a, b, shape = self._operands(x, y)
-        out = (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
+        a, b = (y, x) if self.swap else (x, y)
+        pa, ma, pb, mb, view, fold, _, linear = self._cached(a, b)
+        if pa is not None:
+            a = a.permute(pa)
+        if ma is not None:
+            a = a.reshape(ma)
+        if linear is not None:   # a @ B.T with B as (N, K): the BLAS call mm makes of B's transposed view
+            out = F.linear(a, b.reshape(linear) if linear else b)
+        else:
+            if pb is not None:
+                b = b.permute(pb)
+            if mb is not None:
+                b = b.reshape(mb)
+            # (mm, or matmul folding A's rows, copies an operand BLAS cannot take itself; bmm would
+            # copy it one matrix at a time)
+            out = torch.bmm(_blas(a), _blas(b)) if self.nb else torch.matmul(a, b) if fold else torch.mm(a, b)
+        if view is not None:
+            out = out.view(view)
         # A permuted product is laid out in the output's order once, here: its readers
         # (attention's projections read q, k, v's gradients twice) would each copy it.
         return out if self.out_perm is None else out.permute(self.out_perm).contiguous()
@@ -129,11 +196,11 @@ class MatmulForm:
         With ``later`` (a list), the BLAS call is appended to it as a ready callable instead of
         run: ``out`` is returned unwritten, and holds the product once that callable has run."""
         assert self.out_perm is None, "matmul_into needs the product in the output's order"
-        a, b, shape = self._operands(x, y)
-        if (out.shape != shape or out.dtype != a.dtype or b.dtype != a.dtype or out.device != a.device
-                or not out.is_contiguous()):
+        a, b, shape, other = self._operands(x, y)
+        if (out.shape != shape or out.dtype is not a.dtype or b.dtype is not a.dtype
+                or out.get_device() != a.get_device() or not out.is_contiguous()):
             return (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
-        q = out.view(*a.shape[:-1], b.shape[-1])
+        q = out.view(*a.shape[:-1], b.shape[-1]) if other else out
         if later is None:   # (a loop calls this per layer and weight: no partial to make)
             if accumulate:
                 (q.baddbmm_ if self.nb else q.addmm_)(a, b)
@@ -150,7 +217,7 @@ class MatmulForm:
         """``p + alpha * einsum(x, y)`` in one BLAS call; into ``p`` itself when ``inplace``.
         Only for forms :attr:`in_order`."""
         assert self.out_perm is None, "add_matmul needs the product in the output's order"
-        a, b, shape = self._operands(x, y)
+        a, b, shape, _ = self._operands(x, y)
         mat = (*a.shape[:-1], b.shape[-1])  # the product's (batch, M, N) or (M, N)
         if inplace and p.is_contiguous():
             q = p.view(mat)

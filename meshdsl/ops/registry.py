@@ -127,6 +127,11 @@ class Op(ABC):
     def compute(self, ctx: LocalCtx, attrs: dict, *xs):
         """Local torch kernel on (slices of) the inputs."""
 
+    def direct(self, attrs: dict):
+        """``compute`` with ``attrs`` bound, as ``fn(*xs)`` for a kernel that reads no ``ctx`` (the
+        executor's straight-line program calls it without the op's frame), or None."""
+        return None
+
     def grad(self, node, douts):
         raise GraphError(message(
             f"grad: op '{self.name}' ({node.name}) has no gradient rule.",

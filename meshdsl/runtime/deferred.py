@@ -116,6 +116,14 @@ def install(ex, vid: int) -> Sink | None:
         acc, later = sink.accumulate, sink.later
         env[vid] = [form.matmul(x, y) if d is None else form.matmul_into(x, y, d, acc, later)
                     for x, y, d in zip(get(a), get(b), dst)]
+
+    def per_rank(j: int, x, y):
+        """Held rank ``j``'s product, as ``call`` makes it: the straight-line program calls this
+        inline, on its locals (:mod:`.program`)."""
+        dst = sink.dst
+        d = None if dst is None else dst[j]
+        return form.matmul(x, y) if d is None else form.matmul_into(x, y, d, sink.accumulate, sink.later)
+    call.per_rank = per_rank
     ex.calls[i] = call
     return sink
 

@@ -13,6 +13,7 @@ communication overlaps compute without changing any step's result.
 from __future__ import annotations
 
 import time
+from types import EllipsisType
 
 import torch
 
@@ -26,7 +27,7 @@ from ..comm.communicator import Communicator, Pending
 from .dense import check_no_extra_feeds
 from ..comm.microbatch import real_rank
 from .context import PerRank, StepContext
-from .compiled import segments_of, settings_of
+from .compiled import segments_of, settings_of, whole_step
 from .program import build, units_of
 from .steps import inplace_adds, representatives, rule_for, split_local
 
@@ -48,6 +49,11 @@ class _Run:
     def __init__(self, feeds, params, salt, stats):
         self.feeds, self.params, self.salt, self.stats = feeds, params, salt, stats
         self.into = self.defer = None
+
+
+def _whole_or(index: tuple[slice, ...], sizes) -> tuple[slice, ...] | EllipsisType:
+    """``...`` where slice ``index`` is the whole of a tensor of ``sizes`` (no indexing needed), else ``index``."""
+    return ... if all(i.start == 0 and i.stop == n for i, n in zip(index, sizes)) else index
 
 
 def issue_order(plan: Plan, async_kinds=frozenset()) -> list[int]:
@@ -182,6 +188,7 @@ class Executor:
         #: each step's call as its rule made it (a loop may replace some of ``calls``: .deferred)
         self.rules = tuple(self.calls)
         self._programs = [None, None]   # the straight-line program (.program), untimed and timed
+        self.whole = None   # --compile: the run as one compiled graph (.whole), False where it cannot be
         self._needs = (frozenset(s.args["name"] for s in steps if s.kind == "input"),
                        frozenset(s.args["name"] for s in steps if s.kind == "param"))
         # Steps with sub-plans are timed by their sub-plans' own steps.
@@ -210,9 +217,9 @@ class Executor:
         if idx is None:
             holders = self.plan.holders.get(value.id)
             idx = self._slice_idx[value.id] = [
-                value.sharding.slice_index(value.shape, self.plan.mesh, r)
+                _whole_or(value.sharding.slice_index(value.shape, self.plan.mesh, r), value.shape.sizes)
                 if holders is None or r in holders else None for r in self.comm.ranks]
-        return [None if i is None else full[i].contiguous() for i in idx]
+        return [None if i is None else full.contiguous() if i is ... else full[i].contiguous() for i in idx]
 
     def init_params(self, seed: int = 0) -> dict[str, list[torch.Tensor]]:
         """Every param's local slices, from the layout-independent init."""
@@ -273,7 +280,9 @@ class Executor:
         env: dict[int, list] = dict(prefetched) if prefetched else {}
         run = _Run(feeds, params, salt, stats)
         if self._needs[0] <= feeds.keys() and self._needs[1] <= params.keys():
-            return self._run_program(env, run)
+            whole = whole_step(self) if self.compiling is not None and stats is None and not prefetched else None
+            out = whole(feeds, params) if whole is not None else None   # --compile: one graph (.whole)
+            return out if out is not None else self._run_program(env, run)
         # A feed or param is missing: the step-by-step loop raises its step's error.
         clock = time.perf_counter if stats is not None else None
 
@@ -337,7 +346,7 @@ class Executor:
         v = self.plan.values[vid]
         rep = Sharding.replicated(v.shape)
         for m in plan_moves(v.shape, v.sharding, rep, self.plan.mesh):
-            xs = run_collective(self.comm, m.kind, xs, m.axes, move_args(m, v.shape, self.plan.mesh))
+            xs = run_collective(self.comm, m.kind, xs, m.axes, _gather_args(m, v, self.plan.mesh))
         return xs
 
     def full_outputs(self, outs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -360,5 +369,15 @@ class Executor:
         comm = self.comm.view(ranks)
         part = [xs[j] for j in pos]
         for m in plan_moves(v.shape, v.sharding, Sharding.replicated(v.shape), self.plan.mesh):
-            part = run_collective(comm, m.kind, part, m.axes, move_args(m, v.shape, self.plan.mesh))
+            part = run_collective(comm, m.kind, part, m.axes, _gather_args(m, v, self.plan.mesh))
         return part[0]
+
+
+def _gather_args(m, v: Value, mesh) -> dict:
+    """The args of move ``m`` gathering value ``v``: a dim with given part lengths (a pipeline's
+    layers stored where its unequal stages run them, ``Sharding.parts``) carries them."""
+    args = move_args(m, v.shape, mesh)
+    given = v.sharding.given_parts.get(m.dim) if m.kind == "allgather" and v.sharding.parts else None
+    if given:
+        args = {**args, "uneven": ((v.shape.index(m.dim), v.shape.get(m.dim).size, (), given),)}
+    return args

@@ -1,32 +1,32 @@
 """Running a ``repeat`` step: its sub-plan once per layer, forward or backward.
 
-The step is data (:mod:`meshdsl.lowering.repeat` builds it): the block's
-sub-plan in ``step.subplans``, the layer count in ``step.times``.  The layer
-loop itself is :func:`meshdsl.ir.repeat.run_layers`, shared with the dense op;
-here a carry is one local tensor per held rank and a layer is one run of the
-sub-plan's executor, built once per outer executor, fed each stacked param's layer
-slice (made once per layer while the stacked tensors stay the same objects: a pipeline
-stage runs its layers every micro-batch and step with the same params; a param changed
-in place shows through its slices, a new tensor gets new ones).  Before a layer runs, the
-collectives of the next layer that read only its params (FSDP's gathers) are
-started (:mod:`.prefetch`).
+The step is data (:mod:`meshdsl.lowering.repeat` builds it): the block's sub-plan in
+``step.subplans``, the layer count in ``step.times``.  The layer loop itself is
+:func:`meshdsl.ir.repeat.run_layers`, shared with the dense op; here a carry is one local
+tensor per held rank and a layer is one run of the sub-plan's executor, built once per outer
+executor: its straight-line program with the feeds as arguments and the outputs as a tuple
+(:class:`_Body`; ``Executor.run`` with ``--compile``), fed each stacked param's layer slice
+(made once per layer while the stacked tensors stay the same objects: a pipeline stage runs
+its layers every micro-batch and step with the same params; a param changed in place shows
+through its slices, a new tensor gets new ones).  Before a layer runs, the collectives of the
+next layer that read only its params (FSDP's gathers) are started (:mod:`.prefetch`).
 
-A backward loop writes each layer's parameter gradients into preallocated
-stacked buffers as the layer finishes: the matmul that makes a gradient writes
-into its layer slice itself where it can (:mod:`.deferred`), otherwise the result is
-copied there.  A pipeline that sums micro-batches hands the loop its running sums
-(``run.into``): the loop then adds each layer's gradient into them instead; a
-pipeline stage that sends a gradient upstream may also have it put those matmuls
-off until the send has gone (``run.defer``, :class:`~.deferred.Deferred`).  The gradients its step names
-``streamed`` (:func:`meshdsl.lowering.bucket.stream_loop_grads`) are reduced by
-the sub-plan's trailing collectives, one per layer (or one bucket): the loop
-runs the sub-plan without them and starts them itself right after the layer,
-so they are in flight while the layers below are differentiated; the stacked
-result is handed on as a :class:`~.comm.Pending` that waits for every layer
-when a reader (the optimizer update) first needs it.  A bucket allreduce of
-such gradients is not packed: its members' stacked buffers are views into one
-``[layers, bucket]`` buffer (:func:`_packed_rows`), the layer's row is the packed
-bucket, and the reduction lands in the stacked buffers in place, as DDP's
+A backward loop writes each layer's parameter gradients into preallocated stacked buffers as
+the layer finishes: the matmul that makes a gradient writes into its layer slice itself
+where it can (:mod:`.deferred`), otherwise the result is copied there (a gradient no matmul
+makes, a layer norm's gain, is kept per layer and stacked once after the last layer, unless
+it goes into a running sum).  A pipeline that sums micro-batches hands the loop its running
+sums (``run.into``): the loop then adds each layer's gradient into them instead; a pipeline
+stage that sends a gradient upstream may also have it put those matmuls off until the send
+has gone (``run.defer``, :class:`~.deferred.Deferred`).  The gradients its step names
+``streamed`` (:func:`meshdsl.lowering.bucket.stream_loop_grads`) are reduced by the
+sub-plan's trailing collectives, one per layer (or one bucket): the loop runs the sub-plan
+without them and starts them itself right after the layer, so they are in flight while the
+layers below are differentiated; the stacked result is handed on as a
+:class:`~.comm.Pending` that waits for every layer when a reader (the optimizer update)
+first needs it.  A bucket allreduce of such gradients is not packed: its members' stacked
+buffers are views into one ``[layers, bucket]`` buffer (:func:`_packed_rows`), the layer's
+row is the packed bucket, and the reduction lands in the stacked buffers in place, as DDP's
 gradients are views into its buckets.
 
 A forward loop stacks the block's per-layer outputs (the step's ``ys``) over the layer dim
@@ -40,6 +40,7 @@ running sum when ``run.into`` holds one.
 """
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -48,9 +49,11 @@ from ..ir.repeat import LayerStack, run_layers
 from ..lowering.plan import Plan
 from ..comm.bucket import bucket_members, start_packed_each
 from ..comm.communicator import Pending
-from .executor import Executor, PerRank
+from ..ops.registry import run_device, running_on
+from .executor import Executor, PerRank, _Run
 from .prefetch import prefetchable, start
 from .deferred import install
+from .program import build, units_of
 from .steps import rule_for, step_rule
 
 
@@ -71,11 +74,17 @@ def _prepare_repeat(ctx, i, step):
         shapes = [([ctx.plan.values[v].local_shape(ctx.plan.mesh, r) for r in ctx.comm.ranks], ctx.plan.values[v].dtype)
                   for v in grads]
         sinks = [install(sub, body.outputs[f"d/{k}"]) for k in names]
-        run_fn = _backward_fn(tail, shapes, sinks, grads,
-                              _ClosedSums([k for k in closed if f"d/{k}" in plan.outputs], step.outs[1 + len(names):]))
+        closed_sums = _ClosedSums([k for k in closed if f"d/{k}" in plan.outputs], step.outs[1 + len(names):])
+        run_fn = _backward_fn(tail, shapes, sinks, grads, closed_sums)
     else:
         sub, run_fn = Executor(plan, ctx.comm, compile=ctx.compile), _forward
     sub.check_feeds = False   # the loop feeds its body the outer plan's own tensors
+    if a["backward"]:
+        ins = ("carry", "cotangent", *names, *[f"cotangent/{k}" for k in ys], *saved, *closed)
+        outs = ("dcarry", *[f"d/{k}" for k in names], *[f"d/{k}" for k in closed_sums.names])
+    else:
+        ins, outs = ("carry", *names, *closed), ("out", *[f"y/{k}" for k in ys], *saved)
+    runner = _Body.of(sub, ins, outs)
     # A pipeline stage runs layers layer_offset.. of the whole stack: kernels (dropout) salt
     # by the global layer index, as the dense op does.
     first = ctx.layer_offset + 1
@@ -86,7 +95,7 @@ def _prepare_repeat(ctx, i, step):
         ins = [get(v) for v in step.ins]
         layer_params.fixed = {k: PerRank(x) for k, x in zip(closed, ins[len(ins) - len(closed):])}
         outs = run_fn(sub, ins[:len(ins) - len(closed)], names, pos, (saved, ys), num_layers, held, run.stats,
-                      run.salt + first, run.into, run.defer, layer_params)
+                      run.salt + first, run.into, run.defer, layer_params, runner)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
     return call
@@ -107,13 +116,69 @@ class _LayerParams:
         self.fixed: dict = {}
 
     def __call__(self, stacked, l: int) -> dict:
+        params = self._made(stacked, l)[1]
+        return {**params, **self.fixed} if self.fixed else params
+
+    def slices(self, stacked, l: int) -> tuple:
+        """Layer ``l``'s slices as a :class:`_Body`'s arguments: one list per stacked param, in
+        ``names`` order."""
+        return self._made(stacked, l)[2]
+
+    def _made(self, stacked, l: int) -> tuple:
         key = [p[j] for p in stacked for j in self.held]
         hit = self.made.get(l)
-        if hit is not None and all(a is b for a, b in zip(hit[0], key)):
-            return {**hit[1], **self.fixed} if self.fixed else hit[1]
+        if hit is not None and all(map(operator.is_, hit[0], key)):
+            return hit
         params = {k: PerRank([p[j].select(self.pos[k], l) for j in self.held]) for k, p in zip(self.names, stacked)}
-        self.made[l] = (key, params)
-        return {**params, **self.fixed} if self.fixed else params
+        hit = self.made[l] = (key, params, tuple(params.values()))
+        return hit
+
+
+class _Body:
+    """A loop's body run as its executor's straight-line program (:mod:`.program`) with the feeds as
+    arguments and the outputs as a tuple, in the orders ``ins`` and ``outs``: no feed or output dict
+    per layer.  Eager executors only (``--compile`` runs the body through ``Executor.run``), and only
+    where ``ins`` holds every input the body reads and it reads no param (:meth:`of` says None)."""
+
+    def __init__(self, sub: Executor, ins: tuple, outs: tuple):
+        self.sub, self.ins, self.outs = sub, ins, outs
+        self.programs = [None, None]   # untimed and timed, built at the first run (a loop may
+        # have replaced some of the body's calls by then: .deferred)
+
+    @classmethod
+    def of(cls, sub: Executor, ins: tuple, outs: tuple) -> "_Body | None":
+        plan = sub.plan
+        if (sub.compiling is not None or not set(plan.inputs) <= set(ins) or not set(outs) <= set(plan.outputs)
+                or any(s.kind == "param" for s in plan.steps)):
+            return None
+        return cls(sub, ins, outs)
+
+    def __call__(self, salt: int, stats: dict | None, prefetched: dict | None, *args) -> tuple:
+        """Run one layer: ``args`` per ``ins`` (one list of held ranks' tensors each); returns the
+        ``outs``, one list each.  ``prefetched`` as for ``Executor.run``."""
+        program = self.programs[stats is not None]
+        if program is None:
+            program = self.programs[stats is not None] = build(self.sub, units_of(self.sub), stats is not None,
+                                                               self.ins, self.outs)
+        env = dict(prefetched) if prefetched else {}
+
+        def get(v):
+            x = env[v]
+            if isinstance(x, Pending):
+                if stats is None:
+                    x = env[v] = x.wait()
+                else:
+                    t0 = time.perf_counter()
+                    x = env[v] = x.wait()
+                    stats["wait"] = stats.get("wait", 0.0) + time.perf_counter() - t0
+            return x
+
+        run = _Run(None, None, salt, stats)
+        device = self.sub.device
+        if run_device() is device:   # inside its plan's run, as a loop's body is
+            return program(env, get, run, *args)
+        with running_on(device):
+            return program(env, get, run, *args)
 
 
 class _Ahead:
@@ -137,7 +202,7 @@ class _Ahead:
         return now
 
 
-def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params):
+def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner):
     x, *stacked = ins
     saved, ys = kept_names
     ahead = _Ahead(sub, names, num_layers, stats)
@@ -146,19 +211,22 @@ def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, i
         return layer_params(stacked, l)
 
     def layer(l, x):
-        params = params_of(l)
-        pre = ahead(l, l + 1, params, params_of)
-        r = sub.run({"carry": PerRank(x), **params}, {}, salt=first + l, stats=stats, prefetched=pre)
+        pre = ahead(l, l + 1, params_of(l), params_of) if ahead.on else None
+        if runner is not None:
+            r = runner(first + l, stats, pre, x, *layer_params.slices(stacked, l), *layer_params.fixed.values())
+            return r[0], (x, *r[1:])
+        r = sub.run({"carry": PerRank(x), **params_of(l)}, {}, salt=first + l, stats=stats, prefetched=pre)
         return r["out"], (x, *[r[f"y/{k}"] for k in ys], *[r[k] for k in saved])
 
     x, kept = run_layers(num_layers, layer, x)
     # Per held rank: the layer inputs, the per-layer outputs stacked over the layer dim (the
     # loss reads them whole), the saved activations as LayerStacks (read back layer by layer).
     n_ys = len(ys)
-    inputs = [LayerStack(k[0][j] for k in kept) for j in held]
-    stacked_ys = [[torch.stack([k[1 + n][j] for k in kept], 0) for j in held] for n in range(n_ys)]
-    return [x, inputs, *stacked_ys,
-            *[[LayerStack(k[1 + n_ys + n][j] for k in kept) for j in held] for n in range(len(saved))]]
+    cols = list(zip(*kept)) or [()] * (1 + n_ys + len(saved))   # per kept value, its per-rank lists by layer
+    inputs, ys_cols, saved_cols = cols[0], cols[1:1 + n_ys], cols[1 + n_ys:]
+    return [x, [LayerStack([c[j] for c in inputs]) for j in held],
+            *[[torch.stack([c[j] for c in col], 0) for j in held] for col in ys_cols],
+            *[[LayerStack([c[j] for c in col]) for j in held] for col in saved_cols]]
 
 
 def _split_tail(plan: Plan, streamed) -> tuple[Plan, list]:
@@ -210,10 +278,10 @@ class _ClosedSums:
         (added into), else None per held rank (the first layer's gradient is copied)."""
         return [list(into[v]) if v in into else [None for _ in held] for v in self.outs]
 
-    def add(self, sums: list, r: dict) -> None:
-        """Add one layer's gradients (``r``: the sub-plan's results) into ``sums``."""
-        for acc, k in zip(sums, self.names):
-            for j, g in enumerate(r[f"d/{k}"]):
+    def add(self, sums: list, grads) -> None:
+        """Add one layer's gradients (per name of ``names``, each held rank's) into ``sums``."""
+        for acc, each in zip(sums, grads):
+            for j, g in enumerate(each):
                 if acc[j] is None:
                     acc[j] = g.clone()  # the sub-plan may hand on a tensor it still uses (the cotangent)
                 else:
@@ -231,14 +299,18 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
     the returned buffers hold those gradients once it has run.  ``closed``: the gradients of
     tensors read from outside the block, summed over the layers after the stacked ones.
     """
-    def backward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params):
+    static: list = []   # what depends on the body's plan only: worked out at the first call
+
+    def backward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner):
         carries, *rest = ins
         saved, ys = kept_names
         stacked, dy = rest[:len(names)], rest[len(names)]
         dys, saved_in = rest[len(names) + 1:len(names) + 1 + len(ys)], rest[len(names) + 1 + len(ys):]
         ahead = _Ahead(sub, names, num_layers, stats)
-        outv = [sub.plan.outputs[f"d/{k}"] for k in names]
-        late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
+        if not static:
+            outv = [sub.plan.outputs[f"d/{k}"] for k in names]
+            static.extend((outv, {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}))
+        outv, late = static
         pending = {n: [None] * num_layers for n in late}
         into = into or {}
         closed_sums = closed.start(into, held)
@@ -246,37 +318,58 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
         later = [defer.work if defer is not None and outs[n] in defer.values and n not in late else None
                  for n in range(len(names))]
         packed, rows = _packed_rows(sub, tail, outv, shapes, [pos[k] for k in names], num_layers, dy)
-        bufs = [packed[n] if n in packed else into[outs[n]] if adds[n] else
+        direct = [n not in late or n in packed for n in range(len(names))]  # the layer's grad goes to bufs
+        # a gradient no matmul writes into its layer slice (a layer norm's gain) and that is not
+        # summed into a running sum: each layer's is kept, and stacked once after the last layer
+        stack = [num_layers > 0 and direct[n] and sinks[n] is None and not adds[n] and n not in packed
+                 for n in range(len(names))]
+        kept = {n: [None] * num_layers for n in range(len(names)) if stack[n]}
+        bufs = [packed[n] if n in packed else into[outs[n]] if adds[n] else None if stack[n] else
                 [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, dy)]
                 for n, (each, dtype) in enumerate(shapes)]
-        direct = [n not in late or n in packed for n in range(len(names))]  # the layer's grad goes to bufs
 
         def params_of(l):
             return layer_params(stacked, l)
 
+        # each stacked gradient's layer slices, per held rank: one unbind per buffer and step
+        views = [[buf.unbind(pos[k]) for buf in bufs[n]] if direct[n] and not stack[n] else None
+                 for n, k in enumerate(names)]
+        sinking = [(sink, n) for n, sink in enumerate(sinks) if sink is not None and direct[n]]
+        n_names = len(names)
+
         def layer(l, dy):
-            params = params_of(l)
-            pre = ahead(l, l - 1, params, params_of)
-            feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy), **params,
-                     **{f"cotangent/{k}": PerRank([d[j][l] for j in held]) for k, d in zip(ys, dys)},
-                     **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
-            dsts = [[buf.select(pos[k], l) for buf in bufs[n]] for n, k in enumerate(names)]
-            for n, sink in enumerate(sinks):
-                if sink is not None and direct[n]:
-                    sink.dst, sink.accumulate, sink.later = dsts[n], adds[n], later[n]
+            pre = ahead(l, l - 1, params_of(l), params_of) if ahead.on else None
+            dsts = [None if v is None else [x[l] for x in v] for v in views]
+            for sink, n in sinking:
+                sink.dst, sink.accumulate, sink.later = dsts[n], adds[n], later[n]
             try:
-                r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
+                if runner is not None:
+                    r = runner(first + l, stats, pre, [x[l] for x in carries], dy, *layer_params.slices(stacked, l),
+                               *[[x[l] for x in d] for d in dys], *[[x[l] for x in s] for s in saved_in],
+                               *layer_params.fixed.values())
+                    dcarry, grads, closed_grads = r[0], r[1:1 + n_names], r[1 + n_names:]
+                else:
+                    feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy), **params_of(l),
+                             **{f"cotangent/{k}": PerRank([d[j][l] for j in held]) for k, d in zip(ys, dys)},
+                             **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
+                    r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
+                    dcarry, grads = r["dcarry"], [r[f"d/{k}"] for k in names]
+                    closed_grads = [r[f"d/{k}"] for k in closed.names]
             finally:
-                for sink in sinks:
-                    if sink is not None:
-                        sink.dst = sink.later = None
-            for n, k in enumerate(names):
-                if direct[n]:
-                    for dst, g in zip(dsts[n], r[f"d/{k}"]):
+                for sink, _ in sinking:
+                    sink.dst = sink.later = None
+            for n, dst_n in enumerate(dsts):
+                if dst_n is not None:
+                    for dst, g in zip(dst_n, grads[n]):
                         if g is not dst:  # its matmul could not write there itself
                             dst.add_(g) if adds[n] else dst.copy_(g)
-            closed.add(closed_sums, r)
-            env = {v: r[f"d/{k}"] for v, k in zip(outv, names)}
+            for n, each in kept.items():
+                each[l] = grads[n]
+            if closed_grads:
+                closed.add(closed_sums, closed_grads)
+            if not tail:
+                return dcarry, ()
+            env = dict(zip(outv, grads))
             for t, (s, call) in enumerate(tail):
                 t0 = time.perf_counter()
                 if t in rows:
@@ -287,9 +380,11 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
                     stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
             for n in late:
                 pending[n][l] = env[_reduced_out(tail, outv[n])]
-            return r["dcarry"], ()
+            return dcarry, ()
 
         dy, _ = run_layers(num_layers, layer, dy, backward=True)
+        for n, each in kept.items():
+            bufs[n] = [torch.stack([g[j] for g in each], pos[names[n]]) for j in held]
         return [dy] + [_Layers(pending[n], bufs[n], pos[k]) if n in late else bufs[n]
                        for n, k in enumerate(names)] + closed_sums
     return backward

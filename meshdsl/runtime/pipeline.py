@@ -126,8 +126,11 @@ class _Runner:
         same = not (self.prog.is_carry(s) or varies_by_microbatch(s, self.plan.values))
         tw = one_per_real_rank(self.plan.mesh, view.ranks) if same else None
         reps = view if tw is None else _view(view, [view.ranks[k] for k in tw[0]])
+        # The carry's path (shared memory between the processes of a host) takes any transfer
+        # between stages its channels connect: the hand-out of chunks' params too.
+        pipe = s.args["offset"] in self.prog.carry_offsets
         if s.kind == "recv":
-            recv = _Recv(s, self.store, reps, self.plan, self.prog.is_carry(s))
+            recv = _Recv(s, self.store, reps, self.plan, pipe)
             if tw is None:
                 return recv.run
             env, out = ViewEnv(self.store, view.ranks), s.outs[0]
@@ -137,7 +140,7 @@ class _Runner:
                 env[out] = [got[k] for k in tw[1]]
             return shared
         env, (src,), axes = ViewEnv(self.store, reps.ranks), s.ins, s.axes
-        args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": self.prog.is_carry(s)}
+        args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
         return lambda run: reps.collective("send", env.get(src), axes, args)  # noqa: E731
 
     def prepared(self, seg: Segment, j: int, stages: tuple, view):
@@ -164,9 +167,30 @@ class _Runner:
         return go if s.subplans else _timed(s.kind, go)  # a repeat times its own steps
 
     def _once(self, seg: Segment) -> list:
-        """The calls of a segment run once per step (the prologue, the final segment)."""
-        return [self.prepared(seg, j, st, self.view_of(frozenset(st))) for j, st in enumerate(self.prog.stages[seg])
-                if self.view_of(frozenset(st)) is not None]
+        """The calls of a segment run once per step (the prologue, the final segment); a value
+        only a send of it reads (a packed message, :mod:`~meshdsl.lowering.interleave`) is
+        dropped once sent."""
+        sent_only = self._sent_only(seg)
+        out = []
+        for j, st in enumerate(self.prog.stages[seg]):
+            view = self.view_of(frozenset(st))
+            if view is not None:
+                out.append(self.prepared(seg, j, st, view))
+                if j in sent_only:
+                    out.append(_dropper(self.store, view.ranks, sent_only[j]))
+        return out
+
+    def _sent_only(self, seg: Segment) -> dict[int, tuple[int, ...]]:
+        """Position of a send in ``seg`` -> the value it sends, where that send is its one reader
+        (in every segment) and it is no output of the step."""
+        readers: dict = {}
+        for g in Segment:
+            for j, s in enumerate(self.prog.segments[g].steps):
+                for v in s.ins:
+                    readers.setdefault(v, []).append((g, j))
+        keep = set(self.prog.outputs) | set(self.step.outs)
+        return {j: (s.ins[0],) for j, s in enumerate(self.prog.segments[seg].steps)
+                if s.kind == "send" and readers[s.ins[0]] == [(seg, j)] and s.ins[0] not in keep}
 
     def _action(self, sa: StageAction) -> tuple:
         """``(rank, action, calls, finished)`` of one entry of a rank's list; ``finished``: the

@@ -6,12 +6,16 @@ once per executor from the plan (from step indices and value ids only, never fro
 string) and compiled with Python's ``compile()``:
 
 * a local step is one kernel call on Python locals, one per held rank
-  (``v12_0 = K3(C3_0, A3, v10_0, v11_0)``); an identity kernel (``stop_gradient``, ``rename``)
-  is an alias; params and feeds are read straight from the run's dicts;
-* every other step (collectives, loops, pipelines, a call a loop replaced: :func:`.deferred.install`)
-  calls its prepared rule with the ``env`` dict: the locals it reads are written to ``env`` just
-  before, and what it makes is read back (waiting, if it is in flight) just before its first local
-  reader, so communication still overlaps the compute the issue order put before that read;
+  (``v12_0 = K3(C3_0, A3, v10_0, v11_0)``, or ``K3(v10_0, v11_0)`` where the op's kernel reads
+  no context: ``Op.direct``, an einsum's matmul, an elementwise op's torch function); an
+  identity kernel (``stop_gradient``, ``rename``) is an alias; params and feeds are read
+  straight from the run's dicts;
+* a local step whose call a loop replaced (a gradient's matmul writing into the loop's stacked
+  buffer: :func:`.deferred.install`) calls the per-rank kernel the new call carries, inline too;
+* every other step (collectives, loops, pipelines) calls its prepared rule with the ``env``
+  dict: the locals it reads are written to ``env`` just before, and what it makes is read back
+  (waiting, if it is in flight) just before its first local reader, so communication still
+  overlaps the compute the issue order put before that read;
 * each value is dropped after its last reader, as the interpreted loop does.
 
 With ``--compile`` (:mod:`.compiled`), runs of consecutive local steps become segments: each one
@@ -37,11 +41,17 @@ _LEAVES = frozenset({"input", "param"})
 class Unit:
     """One line group of the program: ``kind`` 'local' (an inline kernel, ``steps == [i]``),
     'segment' (local steps run as one compiled function, ``run``), 'leaf' (a param or input
-    read from the run's dicts) or 'call' (step ``i``'s prepared rule on ``env``)."""
+    read from the run's dicts), 'rank' (a local step whose call a loop replaced by one with a
+    per-rank kernel, inline like 'local') or 'call' (step ``i``'s prepared rule on ``env``)."""
 
     kind: str
     steps: list
     run: object = None
+
+
+def _per_rank(call):
+    """A replaced call's per-rank kernel ``fn(j, *xs)`` (a loop's sink: :func:`.deferred.install`), or None."""
+    return getattr(call, "per_rank", None)
 
 
 def units_of(ex) -> list[Unit]:
@@ -52,6 +62,8 @@ def units_of(ex) -> list[Unit]:
         s = steps[i]
         if s.kind == "local" and ex.calls[i] is rules[i]:
             out.append(Unit("local", [i]))
+        elif s.kind == "local" and len(s.outs) == 1 and _per_rank(ex.calls[i]) is not None:
+            out.append(Unit("rank", [i]))
         elif s.kind in _LEAVES:
             out.append(Unit("leaf", [i]))
         else:
@@ -69,8 +81,9 @@ def drop(env: dict, v: int) -> None:
 class _Writer:
     """Writes the program's lines, tracking which values are bound to locals and which are in ``env``."""
 
-    def __init__(self, ex, units: list[Unit]):
+    def __init__(self, ex, units: list[Unit], ins: tuple = ()):
         self.ex, self.units = ex, units
+        self.ins = {name: k for k, name in enumerate(ins)}   # inputs passed as arguments I0, I1, ...
         self.steps = ex.plan.steps
         self.num_ranks = len(ex.comm.ranks)
         self.lines: list[str] = []
@@ -124,8 +137,8 @@ class _Writer:
             names = self.bound.pop(v, None)
             if names:
                 self.emit(f"del {', '.join(names)}")
-            if v in self.in_env:
-                self.emit(f"drop(env, {v})" if v in self.from_rule else f"del env[{v}]")
+            if v in self.in_env:   # (a rule's result read through get is no longer in flight)
+                self.emit(f"drop(env, {v})" if v in self.from_rule and not names else f"del env[{v}]")
                 self.in_env.discard(v)
 
     # -- units
@@ -140,11 +153,15 @@ class _Writer:
                 self.emit(f"{outs[0][j]} = {ins[0][j]}")
             return list(s.outs)
         k = local_kernel(self.ex.ctx, i, s)
-        self.consts[f"K{i}"], self.consts[f"A{i}"] = k.fn, k.attrs
+        op = OPS.get(s.op)
+        # the op's plain kernel with its attrs bound, where it reads no ctx: called without its frame
+        direct = op.direct(k.attrs) if op is not None and k.fn == op.compute and not k.reads_salt else None
+        self.consts[f"K{i}"], self.consts[f"A{i}"] = direct or k.fn, k.attrs
         for r, (j, c) in enumerate(zip(k.reps, k.ctxs)):
             self.consts[f"C{i}_{j}"] = c
             ctx = f"(C{i}_{j}.with_salt(S) if S else C{i}_{j})" if k.reads_salt else f"C{i}_{j}"
-            call = f"K{i}({ctx}, A{i}, {', '.join(x[j] for x in ins)})"
+            args = ", ".join(x[j] for x in ins)
+            call = f"K{i}({args})" if direct else f"K{i}({ctx}, A{i}, {args})"
             if len(s.outs) == 1:
                 self.emit(f"{outs[0][j]} = {call}")
             else:
@@ -158,12 +175,24 @@ class _Writer:
                         self.emit(f"{names[j]} = {names[k.reps[r]]}")
         return list(s.outs)
 
+    def rank(self, i: int) -> list[int]:
+        """A replaced local call run inline, one call per held rank: ``v_j = PR(j, ins_j...)``."""
+        s = self.steps[i]
+        ins = [self.bind(v) for v in s.ins]
+        outs = self.bound[s.outs[0]] = self.names(s.outs[0])
+        self.consts[f"PR{i}"] = _per_rank(self.ex.calls[i])
+        for j in range(self.num_ranks):
+            self.emit(f"{outs[j]} = PR{i}({j}, {', '.join(x[j] for x in ins)})")
+        return list(s.outs)
+
     def leaf(self, i: int) -> list[int]:
         s, (o,) = self.steps[i], self.steps[i].outs
         names, name = self.names(o), self.name_of(s.args["name"])
         self.bound[o] = names
         if s.kind == "param":
             self.emit(f"{', '.join(names)}, = P[{name}]")
+        elif s.args["name"] in self.ins:   # a loop's body, handed each held rank's tensor (see source_of)
+            self.emit(f"{', '.join(names)}, = I{self.ins[s.args['name']]}")
         elif not self.ex.check_feeds and self.ex.device.type == "cpu":  # a loop's body, fed its own tensors
             self.emit(f"x_ = F[{name}]")
             self.emit(f"{', '.join(names)}, = x_ if type(x_) is PerRank else FEED({name}, {o}, x_)")
@@ -204,11 +233,17 @@ class _Writer:
             self.emit(f"{''.join(self.bound[o][j] + ', ' for o in outs)}= {call}" if outs else call)
         return sorted(made)
 
-def source_of(ex, units: list[Unit], timed: bool = False) -> tuple[str, dict]:
+def source_of(ex, units: list[Unit], timed: bool = False, ins: tuple = (),
+              outs: tuple | None = None) -> tuple[str, dict]:
     """The program's source text and the constants its lines name.  ``timed``: each unit adds its
     seconds to ``run.stats`` under its step kind, less what it waited for (``stats['wait']``,
-    which ``get`` adds to), as the interpreted loop does; a loop or pipeline times its own steps."""
-    w = _Writer(ex, units)
+    which ``get`` adds to), as the interpreted loop does; a loop or pipeline times its own steps.
+
+    ``ins``: input names whose held ranks' tensors (one list each, already on the executor's
+    device, unchecked: a loop's body fed its plan's own tensors) are the arguments after ``run``,
+    in this order; ``outs``: output names, returned as a tuple of per-rank lists in this order
+    instead of a dict (:class:`.layers` runs a block's layers this way)."""
+    w = _Writer(ex, units, ins)
     w.emit("S, F, P = run.salt, run.feeds, run.params")
     if timed:
         w.consts["clock"] = time.perf_counter
@@ -223,16 +258,21 @@ def source_of(ex, units: list[Unit], timed: bool = False) -> tuple[str, dict]:
             w.lines[start:start] = ['    t_, w_ = clock(), ST.get("wait", 0.0)']
             w.emit(f'ST[{kind!r}] = ST.get({kind!r}, 0.0) + clock() - t_ - (ST.get("wait", 0.0) - w_)')
     # the outputs, each held rank's tensors (read through get where a rule made them: it waits)
-    outs = ", ".join(f"{w.name_of(name)}: [{', '.join(w.bound[v])}]" if v in w.bound else f"{w.name_of(name)}: get({v})"
-                     for name, v in ex.plan.outputs.items())
-    w.emit(f"return {{{outs}}}")
-    return "def program(env, get, run):\n" + "\n".join(w.lines) + "\n", w.consts
+    def read(v):
+        return f"[{', '.join(w.bound[v])}]" if v in w.bound else f"get({v})"
+    if outs is None:
+        w.emit(f"return {{{', '.join(f'{w.name_of(name)}: {read(v)}' for name, v in ex.plan.outputs.items())}}}")
+    else:
+        w.emit(f"return ({''.join(read(ex.plan.outputs[name]) + ', ' for name in outs)})")
+    args = "".join(f", I{k}" for k in range(len(ins)))
+    return f"def program(env, get, run{args}):\n" + "\n".join(w.lines) + "\n", w.consts
 
 
-def build(ex, units: list[Unit], timed: bool = False):
+def build(ex, units: list[Unit], timed: bool = False, ins: tuple = (), outs: tuple | None = None):
     """``program(env, get, run) -> {output name: [tensor per held rank]}``: ``units`` as one compiled
-    Python function (see :func:`source_of`)."""
-    source, consts = source_of(ex, units, timed)
+    Python function (see :func:`source_of`); with ``ins``, ``program(env, get, run, *per-rank lists)``,
+    with ``outs``, the outputs as a tuple."""
+    source, consts = source_of(ex, units, timed, ins, outs)
     namespace = dict(consts)
     exec(compile(source, f"<meshdsl program of {len(ex.plan.steps)} steps>", "exec"), namespace)
     program = namespace["program"]
