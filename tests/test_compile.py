@@ -76,8 +76,10 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 @pytest.mark.parametrize("name,mesh,layout,microbatches", CASES, ids=lambda x: str(x))
 def test_compiled_segments_give_the_eager_numbers(name, mesh, layout, microbatches):
+    # segments everywhere (the simulated mesh would run the plans without a pipeline as one
+    # graph: tests/test_compile_whole.py)
     model, plan = _grads_plan(name, mesh, layout, microbatches)
-    want, got, ex = _both(plan, model.feeds(0))
+    want, got, ex = _both(plan, model.feeds(0), settings=CompileSettings("aot_eager", whole=False))
     _assert_same(got, want, f"{name} on {mesh} / {layout}")
     stats = ex.compiling.stats
     assert stats.segments + stats.shared > 0 and not stats.fallbacks, stats.summary()
@@ -109,6 +111,7 @@ def test_dropout_stays_eager_and_draws_the_eager_masks():
     for salt in (1, 2):
         _assert_same(compiled.run(model.feeds(0), params, salt=salt), eager.run(model.feeds(0), params, salt=salt),
                      f"dropout, salt {salt}")
+    assert compiled.whole is False and not compiled.compiling.stats.fallbacks   # no whole step (runtime/whole.py)
 
 
 def _failing_backend(gm, example_inputs):
@@ -118,7 +121,7 @@ def _failing_backend(gm, example_inputs):
 def test_a_segment_the_backend_rejects_runs_eagerly_with_a_one_line_notice():
     model, plan = _grads_plan("mlp", "data:2", "batch:data")
     lines = []
-    settings = CompileSettings(_failing_backend, notice=lines.append)
+    settings = CompileSettings(_failing_backend, notice=lines.append, whole=False)
     want, got, ex = _both(plan, model.feeds(0), settings=settings)
     _assert_same(got, want, "fallback")
     assert lines and len(lines) == len(settings.stats.fallbacks)
@@ -138,8 +141,9 @@ def test_training_steps_compile_once_and_follow_eager_training():
         (a, _), (b, _) = (s(model.feeds(n)) for s in steps)
         assert a == b, f"step {n}: eager loss {a}, compiled {b}"
         if n == 0:
-            first = steps[1].executor.compiling.stats.segments
-    assert steps[1].executor.compiling.stats.segments == first > 0   # nothing recompiled after step 1
+            stats = steps[1].executor.compiling.stats
+            first = stats.whole + stats.segments
+    assert stats.whole + stats.segments == first > 0   # nothing recompiled after step 1
 
 
 @pytest.mark.slow   # inductor's C++ compile: about 20 s on a 2-core machine with a cold cache

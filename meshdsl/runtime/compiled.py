@@ -9,7 +9,9 @@ elementwise chains between matmuls fuse and the per-step Python disappears.  Col
 stay outside, run by the communicator as in the eager executor, so every communicator
 (simulated, gloo, shared memory) and the issue order's overlap work unchanged.  A loop's
 body is a plan of its own with its own segments: compiled once, run for every layer
-(regional compilation).  See docs/design/compile.md.
+(regional compilation).  Where every rank is in this process, the whole run is one graph
+instead (:mod:`.whole`, :func:`whole_step`); segments run what it cannot hold.  See
+docs/design/compile.md.
 
 * Kernels, their attrs and their per-rank contexts are the segment function's arguments,
   not baked in: two executors whose segments have the same source share one compiled
@@ -34,6 +36,7 @@ from typing import Callable
 from ..errors import GraphError, message
 from .program import ALIASES, Unit, units_of
 from .steps import local_kernel, reads_salt
+from .whole import WholeStep, why_not
 
 #: the ``torch.compile`` backends a user may name (``compile=True`` means inductor)
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -52,6 +55,7 @@ def _stderr_notice(line: str) -> None:
 class CompileStats:
     """What compiling cost, shared by an executor and its loops' bodies."""
 
+    whole: int = 0            # whole steps compiled as one graph each (:mod:`.whole`)
     segments: int = 0         # segments compiled (their first calls)
     steps: int = 0            # local kernels in them (an alias is none)
     shared: int = 0           # segments that run a function another one of this run compiled (same source)
@@ -62,8 +66,10 @@ class CompileStats:
     def summary(self) -> str:
         shared = f" (and {self.shared} more sharing them)" if self.shared else ""
         eager = f"; {len(self.fallbacks)} left eager" if self.fallbacks else ""
-        return (f"{self.segments} segment(s) of {self.steps} local kernels{shared} compiled in "
-                f"{self.seconds:.1f} s{eager}")
+        what = (f"the whole step as {self.whole} graph(s)" if self.whole else "") + \
+            (" and " if self.whole and self.segments else "") + \
+            (f"{self.segments} segment(s)" if self.segments or not self.whole else "")
+        return f"{what} of {self.steps} local kernels{shared} compiled in {self.seconds:.1f} s{eager}"
 
 
 @dataclass(eq=False)
@@ -73,6 +79,8 @@ class CompileSettings:
     backend: str = "inductor"
     stats: CompileStats = field(default_factory=CompileStats)
     notice: Callable[[str], None] = _stderr_notice
+    #: whether a plan that can be one graph compiles as one (:mod:`.whole`); False: segments always
+    whole: bool = True
 
 
 def settings_of(compile) -> CompileSettings | None:
@@ -93,6 +101,18 @@ def settings_of(compile) -> CompileSettings | None:
                                  rule="compile is True (inductor), False, or a torch.compile backend named above",
                                  fix="pass compile=True"))
     return CompileSettings(backend)
+
+
+def whole_step(ex) -> WholeStep | None:
+    """Executor ``ex``'s :class:`~.whole.WholeStep` (made at its first run), or None where its runs
+    take the segments: whole steps turned off, a loop's body (its loop runs it), a plan that
+    cannot be one graph (:func:`.whole.why_not`), or a whole step that failed."""
+    settings = ex.compiling
+    if not settings.whole or not ex.check_feeds:
+        return None
+    if ex.whole is None:
+        ex.whole = WholeStep(ex, settings) if why_not(ex) is None else False
+    return ex.whole if ex.whole and not ex.whole.off else None
 
 
 def segments_of(ex, units: list[Unit], settings: CompileSettings) -> list[Unit]:
@@ -277,4 +297,6 @@ def plan_summary(ex) -> dict:
 
     walk(ex.plan, True)
     out["eager_ops"] = sorted(out["eager_ops"])
+    why = why_not(ex)   # on the simulated mesh, the whole step as one graph instead (.whole)
+    out["whole_step"] = {"simulated": why is None, "why_not": why}
     return out

@@ -1,0 +1,165 @@
+"""``--compile``'s whole step (meshdsl/runtime/whole.py): a plan whose ranks all run in this
+process, traced once as one graph, gives the eager executor's numbers.
+
+As in tests/test_compile.py the cases compile with ``aot_eager``: the traced graph runs torch's
+own kernels in the eager executor's order, so the numbers are bitwise the eager executor's and a
+value lost in the trace (a write into a buffer, a layer's slice) cannot hide in rounding.
+Inductor is checked within ``check``'s tolerance under ``-m slow``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.runtime.compiled import CompileSettings
+from meshdsl.runtime.whole import MAX_LAYERS, why_not
+from meshdsl.tools.compare import allowed_diff
+from meshdsl.train.model import load_model
+
+FSDP = "batch:data; params.d_model:data"
+
+
+def _grads_plan(name: str, mesh: str, layout: str, microbatches: int = 1, **config):
+    model = load_model(name, tiny=True, **config)
+    outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in model.grads().items()}}
+    plan = md.compile(outs, mesh, layout, microbatches=microbatches, schedule="1f1b" if microbatches > 1 else "gpipe")
+    return model, plan
+
+
+def _executors(plan, settings):
+    comm = md.SimulatedComm(plan.mesh)
+    return md.Executor(plan, comm), md.Executor(plan, comm, compile=settings)
+
+
+_TRACED: dict = {}
+
+
+def _traced_pair(name: str, mesh: str, layout: str):
+    """(model, eager executor, ``aot_eager`` executor) of a tiny model's gradients, made once per
+    test session: tracing a whole step costs seconds, and two tests read the same one."""
+    key = (name, mesh, layout)
+    if key not in _TRACED:
+        model, plan = _grads_plan(name, mesh, layout)
+        _TRACED[key] = (model, *_executors(plan, "aot_eager"))
+    return _TRACED[key]
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        for j, (g, w) in enumerate(zip(got[k], want[k])):
+            # aot_eager runs torch's own kernels, in the eager executor's order: bitwise equal
+            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda s: f"{what}, {k} (rank {j}): {s}")
+
+
+@pytest.mark.parametrize("name,mesh,layout", [
+    ("transformer", "data:1", ""),                          # loops unrolled, forward and backward
+    ("mlp", "model:2", "d_ff:model"),                       # the simulated mesh's collectives in the graph
+    ("mlp", "data:2", FSDP),                                # gathers and reduce-scatters of sharded params
+], ids=str)
+def test_the_whole_step_is_one_graph_with_the_eager_numbers(name, mesh, layout):
+    model, eager, compiled = _traced_pair(name, mesh, layout)
+    assert why_not(eager) is None
+    for seed in (0, 1):   # new params and feeds: the same graph, no new trace
+        params = eager.init_params(seed)
+        _assert_same(compiled.run(model.feeds(seed), params), eager.run(model.feeds(seed), params),
+                     f"{name} on {mesh} / {layout}, seed {seed}")
+    stats = compiled.compiling.stats
+    assert (stats.whole, stats.segments, stats.fallbacks) == (1, 0, []), stats.summary()
+    assert "the whole step as 1 graph(s)" in stats.summary()
+
+
+def test_what_cannot_be_one_graph_runs_the_segments():
+    cases = {"pipeline": _grads_plan("transformer", "stage:2", "layer:stage", 2)[1],
+             "salt": _grads_plan("transformer", "data:1", "", dropout=0.25)[1],
+             "layer by layer": _grads_plan("transformer", "data:2", "batch:data")[1],
+             f"at most {MAX_LAYERS}": _grads_plan("transformer", "data:1", "", layers=MAX_LAYERS + 1)[1]}
+    for words, plan in cases.items():
+        why = why_not(md.Executor(plan, md.SimulatedComm(plan.mesh)))
+        assert why is not None and words in why, (words, why)
+    # such a plan runs its segments, silently: tests/test_compile.py's dropout case
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend rejects every graph\nsecond line")
+
+
+def test_a_whole_step_the_backend_rejects_runs_the_segments_after_a_one_line_notice():
+    model, plan = _grads_plan("mlp", "data:2", "batch:data")
+    lines = []
+    eager, compiled = _executors(plan, CompileSettings(_failing_backend, notice=lines.append))
+    params = eager.init_params(0)
+    _assert_same(compiled.run(model.feeds(0), params), eager.run(model.feeds(0), params), "fallback")
+    # the whole step's line first, then each segment's (the same backend rejects them too)
+    assert lines[0].startswith("--compile: the whole step could not be compiled, segments run instead: "
+                               "RuntimeError: this backend rejects every graph")
+    assert all("\n" not in x for x in lines) and len(lines) > 1
+    n = len(lines)
+    _assert_same(compiled.run(model.feeds(0), params), eager.run(model.feeds(0), params), "second run")
+    assert len(lines) == n and compiled.compiling.stats.whole == 0
+
+
+def test_user_errors_stay_the_eager_errors():
+    model, eager, compiled = _traced_pair("transformer", "data:1", "")
+    params = eager.init_params(0)
+    feeds = model.feeds(0)
+    _assert_same(compiled.run(feeds, params), eager.run(feeds, params), "first run")
+    # an id outside the vocabulary: the compiled lookup raises, the step runs again eagerly and
+    # raises the gather's own error; the whole step stays on for the next run
+    bad = {**feeds, "ids": feeds["ids"].clone().fill_(model.config.vocab)}
+    with pytest.raises(md.GraphError, match="gather: ids range over"):
+        compiled.run(bad, params)
+    assert not compiled.compiling.stats.fallbacks and compiled.whole and not compiled.whole.off
+    # a feed of the wrong shape: a new trace, whose feed check raises the eager error
+    with pytest.raises(md.GraphError, match="feed 'ids'"):
+        compiled.run({**feeds, "ids": feeds["ids"][:1]}, params)
+    _assert_same(compiled.run(feeds, params), eager.run(feeds, params), "after the errors")
+    assert compiled.compiling.stats.whole == 1
+
+
+@pytest.mark.slow   # inductor's C++ compile of the unrolled step: about 15-30 s on a loaded 2-core machine
+@pytest.mark.parametrize("name", ["transformer", "llama"])   # llama: rope tables folded into constants
+def test_inductor_whole_step_matches_eager_within_check_tolerance(name):
+    model, plan = _grads_plan(name, "data:1", "")
+    eager, compiled = _executors(plan, "inductor")
+    params = eager.init_params(0)
+    want, got = eager.run(model.feeds(0), params), compiled.run(model.feeds(0), params)
+    stats = compiled.compiling.stats
+    assert stats.whole == 1 and not stats.fallbacks, stats.summary()
+    # inductor fuses and reorders fp32 sums: rounding, 10x inside check's 1e-4
+    allowed = allowed_diff({k: v[0] for k, v in want.items()}, 1e-5)
+    for k, w in want.items():
+        assert (got[k][0] - w[0]).abs().max().item() <= allowed[k], k
+    # inductor's lookup checks its bounds: an id outside the vocabulary is the gather's own error
+    bad = {**model.feeds(0), "ids": model.feeds(0)["ids"].clone().fill_(model.config.vocab)}
+    with pytest.raises(md.GraphError, match="gather: ids range over"):
+        compiled.run(bad, params)
+
+
+def test_inputs_with_other_strides_trace_again():
+    # the key is all a call checks: a feed laid out otherwise is another graph, not a wrong read
+    model, eager, compiled = _traced_pair("mlp", "data:2", FSDP)
+    params, feeds = eager.init_params(0), model.feeds(0)
+    before = compiled.compiling.stats.whole
+    compiled.run(feeds, params)
+    strided = {**feeds, "x": feeds["x"].t().contiguous().t()}   # the same values, column-major
+    _assert_same(compiled.run(strided, params), eager.run(feeds, params), "column-major feed")
+    assert compiled.compiling.stats.whole == max(before, 1) + 1
+
+
+def test_what_no_input_reaches_is_folded_into_constants():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from meshdsl.runtime.whole import _fold_constants
+
+    def f(x):   # a rope-like table made from nothing but sizes, and a large one left alone
+        return x * torch.arange(8.0).cos(), torch.zeros(1 << 17).add(1.0) + x.sum()
+
+    x = torch.randn(8)
+    gm = make_fx(f)(x)
+    _fold_constants(gm)
+    ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not any("arange" in o or "cos" in o for o in ops), ops
+    assert any("zeros" in o for o in ops), ops   # above MAX_FOLDED: computed in the graph
+    for got, want in zip(gm(x), f(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)   # the same kernels ran, once: bitwise
