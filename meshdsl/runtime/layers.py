@@ -302,92 +302,117 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
     static: list = []   # what depends on the body's plan only: worked out at the first call
 
     def backward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner):
-        carries, *rest = ins
-        saved, ys = kept_names
-        stacked, dy = rest[:len(names)], rest[len(names)]
-        dys, saved_in = rest[len(names) + 1:len(names) + 1 + len(ys)], rest[len(names) + 1 + len(ys):]
-        ahead = _Ahead(sub, names, num_layers, stats)
         if not static:
             outv = [sub.plan.outputs[f"d/{k}"] for k in names]
             static.extend((outv, {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}))
-        outv, late = static
-        pending = {n: [None] * num_layers for n in late}
-        into = into or {}
-        closed_sums = closed.start(into, held)
-        adds = [n not in late and outs[n] in into for n in range(len(names))]
-        later = [defer.work if defer is not None and outs[n] in defer.values and n not in late else None
-                 for n in range(len(names))]
-        packed, rows = _packed_rows(sub, tail, outv, shapes, [pos[k] for k in names], num_layers, dy)
-        direct = [n not in late or n in packed for n in range(len(names))]  # the layer's grad goes to bufs
+        loop = _BackwardLoop((tail, shapes, sinks, outs, closed, *static), sub, ins, names, pos, kept_names,
+                             num_layers, held, stats, first, into or {}, defer, layer_params, runner)
+        dy, _ = run_layers(num_layers, loop.layer, loop.dy, backward=True)
+        return loop.results(dy)
+    return backward
+
+
+class _BackwardLoop:
+    """One call of a backward loop: the buffers its layers write into, and the layer function."""
+
+    def __init__(self, fixed, sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer,
+                 layer_params, runner):
+        tail, shapes, sinks, outs, closed, self.outv, late = fixed
+        self.tail, self.closed, self.late = tail, closed, late
+        self.sub, self.names, self.pos, self.held, self.stats, self.first = sub, names, pos, held, stats, first
+        self.layer_params, self.runner = layer_params, runner
+        carries, *rest = ins
+        self.saved, self.ys = kept_names
+        self.carries, self.stacked, self.dy = carries, rest[:len(names)], rest[len(names)]
+        self.dys = rest[len(names) + 1:len(names) + 1 + len(self.ys)]
+        self.saved_in = rest[len(names) + 1 + len(self.ys):]
+        self.ahead = _Ahead(sub, names, num_layers, stats)
+        self.pending = {n: [None] * num_layers for n in late}
+        self.closed_sums = closed.start(into, held)
+        self.adds = [n not in late and outs[n] in into for n in range(len(names))]
+        self.later = [defer.work if defer is not None and outs[n] in defer.values and n not in late else None
+                      for n in range(len(names))]
+        self.packed, self.rows = _packed_rows(sub, tail, self.outv, shapes, [pos[k] for k in names], num_layers,
+                                              self.dy)
+        direct = [n not in late or n in self.packed for n in range(len(names))]  # the layer's grad goes to bufs
         # a gradient no matmul writes into its layer slice (a layer norm's gain) and that is not
         # summed into a running sum: each layer's is kept, and stacked once after the last layer
-        stack = [num_layers > 0 and direct[n] and sinks[n] is None and not adds[n] and n not in packed
+        stack = [num_layers > 0 and direct[n] and sinks[n] is None and not self.adds[n] and n not in self.packed
                  for n in range(len(names))]
-        kept = {n: [None] * num_layers for n in range(len(names)) if stack[n]}
-        bufs = [packed[n] if n in packed else into[outs[n]] if adds[n] else None if stack[n] else
-                [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, dy)]
-                for n, (each, dtype) in enumerate(shapes)]
-
-        def params_of(l):
-            return layer_params(stacked, l)
-
+        self.kept = {n: [None] * num_layers for n in range(len(names)) if stack[n]}
+        self.bufs = [self.packed[n] if n in self.packed else into[outs[n]] if self.adds[n] else None if stack[n]
+                     else [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, self.dy)]
+                     for n, (each, dtype) in enumerate(shapes)]
         # each stacked gradient's layer slices, per held rank: one unbind per buffer and step
-        views = [[buf.unbind(pos[k]) for buf in bufs[n]] if direct[n] and not stack[n] else None
-                 for n, k in enumerate(names)]
-        sinking = [(sink, n) for n, sink in enumerate(sinks) if sink is not None and direct[n]]
-        n_names = len(names)
+        self.views = [[buf.unbind(pos[k]) for buf in self.bufs[n]] if direct[n] and not stack[n] else None
+                      for n, k in enumerate(names)]
+        self.sinking = [(sink, n) for n, sink in enumerate(sinks) if sink is not None and direct[n]]
 
-        def layer(l, dy):
-            pre = ahead(l, l - 1, params_of(l), params_of) if ahead.on else None
-            dsts = [None if v is None else [x[l] for x in v] for v in views]
-            for sink, n in sinking:
-                sink.dst, sink.accumulate, sink.later = dsts[n], adds[n], later[n]
-            try:
-                if runner is not None:
-                    r = runner(first + l, stats, pre, [x[l] for x in carries], dy, *layer_params.slices(stacked, l),
-                               *[[x[l] for x in d] for d in dys], *[[x[l] for x in s] for s in saved_in],
-                               *layer_params.fixed.values())
-                    dcarry, grads, closed_grads = r[0], r[1:1 + n_names], r[1 + n_names:]
-                else:
-                    feeds = {"carry": PerRank([carries[j][l] for j in held]), "cotangent": PerRank(dy), **params_of(l),
-                             **{f"cotangent/{k}": PerRank([d[j][l] for j in held]) for k, d in zip(ys, dys)},
-                             **{k: PerRank([s[j][l] for j in held]) for k, s in zip(saved, saved_in)}}
-                    r = sub.run(feeds, {}, salt=first + l, stats=stats, prefetched=pre)
-                    dcarry, grads = r["dcarry"], [r[f"d/{k}"] for k in names]
-                    closed_grads = [r[f"d/{k}"] for k in closed.names]
-            finally:
-                for sink, _ in sinking:
-                    sink.dst = sink.later = None
-            for n, dst_n in enumerate(dsts):
-                if dst_n is not None:
-                    for dst, g in zip(dst_n, grads[n]):
-                        if g is not dst:  # its matmul could not write there itself
-                            dst.add_(g) if adds[n] else dst.copy_(g)
-            for n, each in kept.items():
-                each[l] = grads[n]
-            if closed_grads:
-                closed.add(closed_sums, closed_grads)
-            if not tail:
-                return dcarry, ()
-            env = dict(zip(outv, grads))
-            for t, (s, call) in enumerate(tail):
-                t0 = time.perf_counter()
-                if t in rows:
-                    env.update(zip(s.outs, start_packed_each(sub.comm, s, [f[l] for f in rows[t][0]], rows[t][1])))
-                else:
-                    call(env, env.__getitem__, None)
-                if stats is not None:
-                    stats[s.kind] = stats.get(s.kind, 0.0) + time.perf_counter() - t0
-            for n in late:
-                pending[n][l] = env[_reduced_out(tail, outv[n])]
-            return dcarry, ()
+    def _params_of(self, l):
+        return self.layer_params(self.stacked, l)
 
-        dy, _ = run_layers(num_layers, layer, dy, backward=True)
-        for n, each in kept.items():
-            bufs[n] = [torch.stack([g[j] for g in each], pos[names[n]]) for j in held]
-        return [dy] + [_Layers(pending[n], bufs[n], pos[k]) if n in late else bufs[n]
-                       for n, k in enumerate(names)] + closed_sums
-    return backward
+    def _body(self, l, dy, dsts):
+        """Layer ``l``'s backward: (carry gradient, its stacked params' gradients, the closed ones')."""
+        pre = self.ahead(l, l - 1, self._params_of(l), self._params_of) if self.ahead.on else None
+        for sink, n in self.sinking:
+            sink.dst, sink.accumulate, sink.later = dsts[n], self.adds[n], self.later[n]
+        try:
+            if self.runner is not None:
+                r = self.runner(self.first + l, self.stats, pre, [x[l] for x in self.carries], dy,
+                                *self.layer_params.slices(self.stacked, l),
+                                *[[x[l] for x in d] for d in self.dys], *[[x[l] for x in s] for s in self.saved_in],
+                                *self.layer_params.fixed.values())
+                n = len(self.names)
+                return r[0], r[1:1 + n], r[1 + n:]
+            held = self.held
+            feeds = {"carry": PerRank([self.carries[j][l] for j in held]), "cotangent": PerRank(dy),
+                     **self._params_of(l),
+                     **{f"cotangent/{k}": PerRank([d[j][l] for j in held]) for k, d in zip(self.ys, self.dys)},
+                     **{k: PerRank([s[j][l] for j in held]) for k, s in zip(self.saved, self.saved_in)}}
+            r = self.sub.run(feeds, {}, salt=self.first + l, stats=self.stats, prefetched=pre)
+            return r["dcarry"], [r[f"d/{k}"] for k in self.names], [r[f"d/{k}"] for k in self.closed.names]
+        finally:
+            for sink, _ in self.sinking:
+                sink.dst = sink.later = None
+
+    def layer(self, l, dy):
+        dsts = [None if v is None else [x[l] for x in v] for v in self.views]
+        dcarry, grads, closed_grads = self._body(l, dy, dsts)
+        for n, dst_n in enumerate(dsts):
+            if dst_n is not None:
+                for dst, g in zip(dst_n, grads[n]):
+                    if g is not dst:  # its matmul could not write there itself
+                        dst.add_(g) if self.adds[n] else dst.copy_(g)
+        for n, each in self.kept.items():
+            each[l] = grads[n]
+        if closed_grads:
+            self.closed.add(self.closed_sums, closed_grads)
+        if self.tail:
+            self._start_tail(l, grads)
+        return dcarry, ()
+
+    def _start_tail(self, l, grads):
+        """Start the trailing collectives that reduce layer ``l``'s gradients."""
+        env = dict(zip(self.outv, grads))
+        for t, (s, call) in enumerate(self.tail):
+            t0 = time.perf_counter()
+            if t in self.rows:
+                rows, how = self.rows[t]
+                env.update(zip(s.outs, start_packed_each(self.sub.comm, s, [f[l] for f in rows], how)))
+            else:
+                call(env, env.__getitem__, None)
+            if self.stats is not None:
+                self.stats[s.kind] = self.stats.get(s.kind, 0.0) + time.perf_counter() - t0
+        for n in self.late:
+            self.pending[n][l] = env[_reduced_out(self.tail, self.outv[n])]
+
+    def results(self, dy):
+        """The loop's outputs: the carry gradient, the stacked gradients, the closed-over ones."""
+        pos, names, bufs = self.pos, self.names, self.bufs
+        for n, each in self.kept.items():
+            bufs[n] = [torch.stack([g[j] for g in each], pos[names[n]]) for j in self.held]
+        return [dy] + [_Layers(self.pending[n], bufs[n], pos[k]) if n in self.late else bufs[n]
+                       for n, k in enumerate(names)] + self.closed_sums
 
 
 def _packed_rows(sub, tail, outv, shapes, pos, num_layers, xs):
