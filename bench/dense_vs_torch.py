@@ -57,7 +57,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from _common import machine_end, machine_start, stacked_block_grads  # noqa: E402
 
-TARGET = 1.05
+TARGET = 1.05          # meshdsl eager / torch eager at a model's default size (issues 33, 37)
+TINY_TARGET = 1.25     # the same at the tiny config, where per-op overhead dominates (issue 37)
+COMPILED_TARGET = 1.0  # meshdsl --compile / torch.compile (issue 37)
+
+
+def _targets(args) -> dict:
+    """The goal for each ratio the run reports (keys as in ``ratios``)."""
+    tiny = "tiny" in [x.strip() for x in args.config.split(",")]
+    return {BASELINE: TINY_TARGET if tiny else TARGET, "torch.compile, meshdsl --compile": COMPILED_TARGET}
 RESULTS = ROOT / "bench" / "results"
 BASELINE = "torch"   # the side the target ratio is taken against
 HAND = "torch hand attention"
@@ -323,7 +331,7 @@ def bench(args) -> int:
     out.write_text(json.dumps({
         "model": args.model, "what": _what(args), "device": args.device, "machine": info,
         "runner": "plan executor, data:1" if args.plan else "dense interpreter", "config": str(cfg),
-        "threads": torch.get_num_threads(), "reps": args.reps, "rounds": args.rounds, "target": TARGET,
+        "threads": torch.get_num_threads(), "reps": args.reps, "rounds": args.rounds, "target": _targets(args)[BASELINE],
         "sides": list(steps), "baseline": BASELINE,
         "wall_ratio": ratios[BASELINE][0], "cpu_ratio": ratios[BASELINE][1],
         "ratios": {(" / ".join(k.split(", ")[::-1]) if ", " in k else f"meshdsl / {k}"): {"wall": w, "cpu": c}
@@ -359,10 +367,11 @@ def report(args, console, cfg, rounds, ratios, first) -> None:
     console.print("first step: the side's first call, timed alone (a compiled side compiles in it); "
                   "ratios: meshdsl / side within each round (medians), median [min, max] over the rounds",
                   highlight=False, markup=False)
+    goals = _targets(args)
     for k, (wall, cpu) in ratios.items():
         target = ""
-        if k == BASELINE:
-            target = f"  (target <= {TARGET}: {'met' if statistics.median(wall) <= TARGET else 'missed'})"
+        if k in goals:
+            target = f"  (target <= {goals[k]}: {'met' if statistics.median(wall) <= goals[k] else 'missed'})"
         side, mine = k.split(", ") if ", " in k else (k, "meshdsl")
         console.print(f"{mine} / {side}: wall {_range(wall)}, CPU {_range(cpu)}{target}", highlight=False,
                       markup=False)
