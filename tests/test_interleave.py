@@ -2,7 +2,8 @@
 
 The schedule's own properties at chunk costs (F and B of a chunk take 1/v of a whole
 stage's): a valid, deadlock-free order whose bubble is (p-1)/(v m+p-1).  The lowered
-program: rank r runs chunks r, r+p, ..., each chunk's layers salted by their global index.
+program: rank r runs chunks r, r+p, ..., stored in place (no param or gradient moves between
+ranks), each chunk's layers salted by their global index.
 The plan gives the dense program's numbers on the simulated mesh (one gloo case lives in
 tests/test_pipeline_dist.py), its measured peaks are the theory's, ``plan`` prints its table,
 and v not dividing a rank's layers exits 2 with the reason.
@@ -16,6 +17,8 @@ import torch
 
 import meshdsl as md
 from meshdsl.comm.simulated import SimulatedComm
+from meshdsl.core.shape import Dim, Shape
+from meshdsl.layout.sharding import Sharding, cyclic_order
 from meshdsl.lowering.pipeline_program import Segment
 from meshdsl.lowering.schedule import validate
 from meshdsl.lowering.schedule_gen import named_schedule, parse_schedule, peak_theory
@@ -61,6 +64,7 @@ def _outputs(layers, name="transformer", **kw):
     ("transformer", 4, "stage:2", "layer:stage", 2, 2, {}),
     ("transformer", 6, "stage:2", "layer:stage", 4, 3, {}),
     ("transformer", 8, "stage:4", "layer:stage", 4, 2, {"dropout": 0.25}),   # each chunk salts by its layers
+    ("transformer", 8, "stage:2; data:2", "layer:stage; batch:data", 2, 2, {}),
     ("llama", 4, "stage:2; data:2", "layer:stage; batch:data", 2, 2, {}),    # every chunk reads the rotary tables
 ])
 def test_interleaved_matches_dense_on_the_simulated_mesh(name, layers, mesh, layout, m, v, kw):
@@ -81,7 +85,7 @@ def test_interleaved_matches_dense_on_the_simulated_mesh(name, layers, mesh, lay
 
 
 class _SendLog(SimulatedComm):
-    """The simulated mesh, recording for each send how many ranks it runs on and whether it carries."""
+    """The simulated mesh, recording the tag of each send."""
 
     def __init__(self, mesh, ranks=None, sends=None, **kw):
         super().__init__(mesh, ranks, **kw)
@@ -92,41 +96,52 @@ class _SendLog(SimulatedComm):
 
     def collective(self, kind, xs, axes, args):
         if kind == "send":
-            self.sends.append((len(xs), args["tag"]))
+            self.sends.append(args["tag"])
         return super().collective(kind, xs, axes, args)
 
 
-def test_a_chunks_params_move_once_per_process_not_once_per_microbatch():
-    """The prologue hands each chunk's params to the rank that runs it, the final segment its summed
-    gradients back: the same on every micro-batch, so each moves once per real rank (its
-    representative sends it), while the carry moves once per micro-batch."""
-    p, m = 2, 4
-    model, outs = _outputs(4)
-    plan = md.compile(outs, f"stage:{p}", "layer:stage", microbatches=m, schedule="interleaved:2")
-    comm = _SendLog(plan.mesh)
-    got = md.Executor(plan, comm).run(model.feeds(0))
-    assert got
-    carry = next(s for s in plan.steps if s.kind == "pipeline").args["program"].carry_tags
-    handed = [n for n, tag in comm.sends if tag not in carry]
-    assert handed and all(n <= p for n in handed), comm.sends   # one sender per stage rank, not p * m
-    assert all(n == 1 for n, tag in comm.sends if tag in carry)   # a carry: one micro-batch's sender at a time
+def test_a_block_cyclic_split_tiles_the_dim_and_gathers_back_in_order():
+    """``layer:stage[cyclic 3]``: 2 stages x 3 blocks of 2 layers; stage i holds blocks i, i + 2,
+    i + 4 one after another, each a region of the full tensor; the parts joined stage by stage
+    are the full tensor once :func:`cyclic_order` puts the blocks back."""
+    mesh = md.Mesh.parse("stage:2; data:2")
+    shape = Shape([Dim("layer", 12), Dim("d", 4)])
+    sh = Sharding.of(shape, {"layer": ("stage",), "d": ("data",)}).with_cyclic("layer", 3)
+    assert str(sh) == "{layer:stage[cyclic 3], d:data}"
+    full, seen, parts = torch.arange(48.0).reshape(12, 4), torch.zeros(12, 4), {}
+    for r in range(mesh.size):
+        local = torch.full(sh.local_shape(shape, mesh, r), -1.0)
+        regions = sh.regions(shape, mesh, r)
+        assert [g[0] for g, _ in regions] == [slice(b * 2, b * 2 + 2) for b in range(mesh.coords(r)["stage"], 6, 2)]
+        for g, loc in regions:
+            local[loc] = full[g]
+            seen[g] += 1
+        assert (local >= 0).all()
+        parts.setdefault(mesh.coords(r)["data"], []).append(local)
+    assert (seen == 1).all()   # every element on one rank only
+    joined = torch.cat([torch.cat(parts[j], 0) for j in sorted(parts)], 1)
+    assert torch.equal(joined.index_select(0, torch.tensor(cyclic_order(12, 2, 3))), full)
 
 
-@pytest.mark.parametrize("p", [2, 4])
-def test_what_one_rank_hands_another_is_one_message(p):
-    """The prologue's hand-out of every stacked param's chunks and the final segment's hand-back
-    of their gradients go as one packed message per pair of ranks (not one per param)."""
-    model, outs = _outputs(2 * p)
-    plan = md.compile(outs, f"stage:{p}", "layer:stage", microbatches=p, schedule="interleaved:2")
+@pytest.mark.parametrize("layers,mesh,layout", [
+    (4, "stage:2", "layer:stage"), (8, "stage:2", "layer:stage"),
+    (8, "stage:2; data:2", "layer:stage; batch:data"), (8, "stage:4", "layer:stage")])
+def test_no_param_or_gradient_moves_between_stages(layers, mesh, layout):
+    """Each rank stores its chunks in place (``layer:stage[cyclic v]``): the program's only
+    transfers are the carry and its gradient, in the plan and in a run."""
+    model, outs = _outputs(layers)
+    p = md.Mesh.parse(mesh).sizes["stage"]
+    plan = md.compile(outs, mesh, layout, microbatches=p, schedule="interleaved:2")
     prog = next(s for s in plan.steps if s.kind == "pipeline").args["program"]
+    moves = [(seg, s) for seg in Segment for s, _ in prog.steps(seg) if s.kind in ("send", "recv")]
+    assert moves and all(s.args["tag"] in prog.carry_tags for _, s in moves), [(seg, s.label) for seg, s in moves]
+    assert {seg for seg, _ in moves} == {Segment.FORWARD, Segment.BACKWARD}
     stacked = [k for k, t in model.params.items() if "layer" in t.shape.names]
-    assert len(stacked) > 4
-    for seg in (Segment.PROLOGUE, Segment.FINAL):
-        pairs = [(st, s.args["offset"]) for s, st in prog.steps(seg) if s.kind == "send"]
-        assert pairs and len(pairs) == len(set(pairs)), pairs   # each (sender, receiver) once
-        # chunk c of rank r is stored on rank (c p + r) // v: with v = 2 every rank but the first
-        # and the last hands two others
-        assert len(pairs) == 2 * (p - 1)
+    assert stacked and all(str(plan.values[plan.params[k]].sharding).startswith("{layer:stage[cyclic 2]")
+                           for k in stacked)
+    comm = _SendLog(plan.mesh)
+    assert md.Executor(plan, comm).run(model.feeds(0))
+    assert comm.sends and set(comm.sends) <= set(prog.carry_tags)
 
 
 def test_each_rank_runs_its_chunks_of_layers():
@@ -145,9 +160,17 @@ def test_each_rank_runs_its_chunks_of_layers():
         assert [prog.layer_offset(Segment.FORWARD, j, stage) for stage in st] == [stage * k for stage in st]
     for r, row in enumerate(prog.actions()):
         assert {a.action.stage for a in row} == set(range(r, p * v, p))
-    # the stacked params stay stored as the layout splits them: rank r's own layers
-    wq = plan.params["wq"]
-    assert plan.values[wq].local_shape(plan.mesh)[0] == layers // p
+    # rank r stores its chunks' layers, one chunk after another: its local layers are the
+    # global layers of stages r, r + p, ...; init and gathers keep the global order
+    wq = plan.values[plan.params["wq"]]
+    assert wq.local_shape(plan.mesh)[0] == layers // p
+    ex = md.Executor(plan, SimulatedComm(plan.mesh))
+    full = torch.arange(float(wq.shape.numel)).reshape(wq.shape.sizes)
+    local = ex.local_slices(wq, full)
+    for r, x in zip(ex.comm.ranks, local):   # the plan's mesh adds a micro-batch axis
+        i = plan.mesh.coords(r)["stage"]
+        assert torch.equal(x, torch.cat([full[s * k:(s + 1) * k] for s in range(i, p * v, p)])), r
+    assert torch.equal(ex.to_full(wq.id, local)[0], full)
 
 
 def test_plan_prints_the_interleaved_table(capsys):
@@ -159,6 +182,8 @@ def test_plan_prints_the_interleaved_table(capsys):
     assert "pipeline over 'stage': 2 stages, 4 micro-batches, schedule interleaved:2; in theory: bubble 11.1%" in flat
     assert "interleaved: 2 ranks, 4 micro-batches, 2 stages per rank" in out
     assert "rank 0 | F0@0 F1@0 F0@2 F1@2 F2@0 B0@2" in out
+    assert ("layers stored where they run, layer:stage[cyclic 2] (no param or gradient moves): rank 0 holds "
+            "layers 0, 2 (stages 0, 2); rank 1 holds layers 1, 3 (stages 1, 3)") in flat
 
 
 def test_a_block_reading_tensors_from_outside_is_refused():

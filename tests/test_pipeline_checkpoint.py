@@ -8,6 +8,7 @@ same numbers.  A run resumed from such a checkpoint continues bit for bit on the
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -18,7 +19,7 @@ from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.core.shape import Shape
 from meshdsl.layout.sharding import Sharding
 from meshdsl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from meshdsl.train.checkpoint_format import CheckpointError, HeldSpec
+from meshdsl.train.checkpoint_format import META_FILE, CheckpointError, HeldSpec
 
 # Micro-batch sums fold in another order than the dense program's single batch: fp32 rounding
 # only (as tests/test_balanced_stages.py).
@@ -78,6 +79,32 @@ def test_a_pipelined_state_saves_and_loads_on_other_meshes(tmp_path, kind, one_t
     # The next step from the loaded state is the pipeline's next step (dense: sums in another order).
     want_loss = pipe(model.feeds(2))[0]
     torch.testing.assert_close(other(model.feeds(2))[0], want_loss, rtol=REL, atol=REL)
+
+
+def test_an_interleaved_state_is_saved_in_global_layer_order(tmp_path, one_torch_thread):
+    """Each rank stores its chunks in place (``layer:stage[cyclic 2]``): its part of a stacked
+    param is one block per chunk of the full tensor, written as one slice each, and a dense
+    step loads them in the global layer order and continues the run."""
+    model = md.load_model("transformer", tiny=True, layers=8, batch=8)
+    pipe = _step(model, "stage:2; data:2", "layer:stage; batch:data", microbatches=2, schedule="interleaved:2")
+    pipe(model.feeds(0))
+    path = save_checkpoint(tmp_path, 1, pipe.state(), pipe.executor.comm)
+    slices = json.loads((path / META_FILE).read_text())["tensors"]["param/wq"]["slices"]
+    by_file = {}
+    for sl in slices:
+        by_file.setdefault(sl["file"], []).append((sl["key"], sl["offsets"][0], sl["sizes"][0]))
+    # stage 0 holds layers 0-1 and 4-5 (chunks 0 and 2), stage 1 layers 2-3 and 6-7
+    assert sorted(by_file.values()) == [[("param/wq#0", 0, 2), ("param/wq#1", 4, 2)],
+                                        [("param/wq#0", 2, 2), ("param/wq#1", 6, 2)]]
+    dense = _step(model, md.Mesh(()), None)
+    _load_into(dense, path)
+    saved = _full_state(pipe)
+    # and an interleaved step on another mesh reads each of its chunks' blocks back
+    other = _step(model, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2")
+    _load_into(other, path)
+    for got in (_full_state(dense), _full_state(other)):
+        assert set(got) == set(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
+    torch.testing.assert_close(dense(model.feeds(1))[0], pipe(model.feeds(1))[0], rtol=REL, atol=REL)
 
 
 @pytest.mark.parametrize("kind", ["interleaved", "unequal"])

@@ -17,6 +17,12 @@ A dim split over one axis may instead have given part lengths (``Sharding.parts`
 pipeline whose stages run unequal numbers of layers stores each stage's layers where it
 runs them (``lowering/stage_layers.py``).  Collectives that join or cut such a dim carry
 the lengths (``collectives.parts_of``).
+
+A dim split over one axis of size p may instead be split block-cyclically (``Sharding.cyclic``):
+cut into ``p * v`` equal blocks, the rank at index i of the axis holds blocks i, i + p, ..,
+i + (v - 1) p, one after another.  An interleaved pipeline stores each rank's layer chunks so
+(``lowering/interleave.py``).  A rank's part is then ``v`` regions of the full tensor
+(:meth:`Sharding.regions`); gathers put the blocks back in order (:func:`cyclic_order`).
 """
 from __future__ import annotations
 
@@ -51,6 +57,13 @@ def part_sizes(size: int, mesh: Mesh, members, axes) -> tuple[int, ...]:
     return tuple(chunk(size, mesh, r, axes)[1] for r in members)
 
 
+def cyclic_order(size: int, p: int, v: int) -> list[int]:
+    """For a dim of ``size`` split block-cyclically over ``p`` ranks, ``v`` blocks each: the
+    position, in the ranks' local parts joined in rank order, of each global index."""
+    k = size // (p * v)
+    return [((b % p) * v + b // p) * k + g % k for g in range(size) for b in (g // k,)]
+
+
 def is_even(size: int, mesh: Mesh, axes) -> bool:
     """Whether ``axes`` split a dim of ``size`` into parts of one length."""
     return size % mesh.axis_size(tuple(axes)) == 0
@@ -65,6 +78,9 @@ class Sharding:
     #: ((dim_name, lengths), ...): given part lengths of dims split over one axis, by the axis's
     #: index (the other dims are cut as :func:`chunk` does)
     parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: ((dim_name, v), ...): dims split over one axis block-cyclically, ``v`` blocks per rank
+    #: (see the module docstring)
+    cyclic: tuple[tuple[str, int], ...] = ()
 
     @staticmethod
     def replicated(shape: Shape) -> "Sharding":
@@ -86,7 +102,7 @@ class Sharding:
         return frozenset(a for _, axes in self.dims for a in axes) | frozenset(self.partial)
 
     def with_partial(self, partial) -> "Sharding":
-        return Sharding(self.dims, tuple(partial), self.parts)
+        return Sharding(self.dims, tuple(partial), self.parts, self.cyclic)
 
     @cached_property
     def given_parts(self) -> dict[str, tuple[int, ...]]:
@@ -97,7 +113,38 @@ class Sharding:
         """This sharding with dim ``name`` (split over one axis) cut into parts of ``lengths``."""
         assert len(self.axes_of(name)) == 1, f"given parts of '{name}' need one axis, not {self.axes_of(name)}"
         return Sharding(self.dims, self.partial,
-                        tuple((n, p) for n, p in self.parts if n != name) + ((name, tuple(lengths)),))
+                        tuple((n, p) for n, p in self.parts if n != name) + ((name, tuple(lengths)),), self.cyclic)
+
+    @cached_property
+    def cyclic_blocks(self) -> dict[str, int]:
+        """Dim name -> its blocks per rank, where split block-cyclically (see :attr:`cyclic`)."""
+        return dict(self.cyclic)
+
+    def with_cyclic(self, name: str, v: int) -> "Sharding":
+        """This sharding with dim ``name`` (split over one axis) split block-cyclically, ``v``
+        blocks per rank; ``v = 1``: the even split."""
+        assert len(self.axes_of(name)) == 1 and name not in self.given_parts, name
+        rest = tuple((n, b) for n, b in self.cyclic if n != name)
+        return Sharding(self.dims, self.partial, self.parts, rest + (((name, v),) if v > 1 else ()))
+
+    def regions(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]:
+        """``rank``'s part of the full tensor as ``(index in the full tensor, index in the local
+        one)`` pairs: one pair, but one per block of a block-cyclic dim."""
+        if not self.cyclic:
+            idx = self.slice_index(shape, mesh, rank)
+            return ((idx, tuple(slice(0, s.stop - s.start) for s in idx)),)
+        out = [((), ())]
+        for d in shape:
+            v = self.cyclic_blocks.get(d.name)
+            if v is None:
+                off, n = self._chunk(d.size, d.name, mesh, rank)
+                cuts = [(slice(off, off + n), slice(0, n))]
+            else:
+                axis = self.axes_of(d.name)[0]
+                p, i, k = mesh.sizes[axis], mesh.coords(rank)[axis], d.size // (mesh.sizes[axis] * v)
+                cuts = [(slice((c * p + i) * k, (c * p + i + 1) * k), slice(c * k, (c + 1) * k)) for c in range(v)]
+            out = [(g + (cg,), loc + (cl,)) for g, loc in out for cg, cl in cuts]
+        return tuple(out)
 
     def _chunk(self, size: int, name: str, mesh: Mesh, rank: int) -> tuple[int, int]:
         """``(offset, length)`` of ``rank``'s part of dim ``name`` (see :func:`chunk`)."""
@@ -116,10 +163,13 @@ class Sharding:
                      for d in shape)
 
     def offsets(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[int, ...]:
+        assert not self.cyclic, f"{self}: a block-cyclic dim has several offsets per rank (Sharding.regions)"
         return tuple(self._chunk(d.size, d.name, mesh, rank)[0] for d in shape)
 
     def slice_index(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[slice, ...]:
-        """The index of this rank's slice in the full tensor (dims in ``shape`` order)."""
+        """The index of this rank's slice in the full tensor (dims in ``shape`` order); a
+        block-cyclic dim has several (:meth:`regions`)."""
+        assert not self.cyclic, f"{self}: a block-cyclic dim has several regions per rank (Sharding.regions)"
         return tuple(slice(off, off + n) for off, n in
                      (self._chunk(d.size, d.name, mesh, rank) for d in shape))
 
@@ -130,7 +180,9 @@ class Sharding:
     def __str__(self) -> str:
         given = self.given_parts if self.parts else {}
         parts = [f"{n}:{'(' + ','.join(a) + ')' if len(a) > 1 else a[0]}"
-                 + (f"[{','.join(map(str, given[n]))}]" if n in given else "") for n, a in self.dims if a]
+                 + (f"[{','.join(map(str, given[n]))}]" if n in given else "")
+                 + (f"[cyclic {self.cyclic_blocks[n]}]" if self.cyclic and n in self.cyclic_blocks else "")
+                 for n, a in self.dims if a]
         s = "{" + ", ".join(parts) + "}"
         if self.partial:
             s += f" partial({','.join(self.partial)})"

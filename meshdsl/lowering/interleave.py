@@ -16,16 +16,13 @@ cut into ``v`` chunks, as a pass on the segment lists:
   the first between chunks) and its gradient back;
 * what feeds the layers runs on stage 0 and what follows them on the last stage ``p v - 1``
   (both on the ranks they ran on before);
-* the stacked params stay stored as the layout splits them (rank r holds layers
-  ``r L / p ..``, so checkpoints, optimizer state and updates are unchanged): the prologue
-  hands each chunk to the rank that runs it, and the final segment hands each chunk's
-  gradient, summed over the micro-batches and the data axes, back to the rank that stores
-  the param, which joins them for the update.  That costs a transfer of the stacked params
-  and of their gradients per step (once per process: the same on every micro-batch rank it
-  holds), where Megatron stores each rank's chunks in place: a rank's chunks are not one
-  contiguous run of layers, which a sharding (and so a checkpoint) describes.  Every param's
-  chunks going from one rank to another travel as one packed message (one in the prologue,
-  one in the final segment, per pair of ranks);
+* every value whose layer dim the stage axis splits (the stacked params, their gradients
+  and optimizer state) is stored where its chunks run: its sharding splits the layer dim
+  block-cyclically (``Sharding.cyclic``), so rank r's local layers are its chunks r, r + p,
+  .. one after another, as Megatron stores them.  Init, gathers and checkpoints read the
+  sharding, so they stay in the global layer order; no param or gradient moves between
+  ranks: chunk c of a rank reads its local layers ``c k ..``, and each chunk's gradient,
+  summed over the micro-batches and the data axes, is joined into the rank's local stack;
 * tables every layer reads (rotary embeddings' sines and cosines) are read by every chunk.
 
 Refused, with the reason (:func:`check`): a block that reads a tensor made per micro-batch
@@ -36,13 +33,11 @@ gradient read other than by its sum over the micro-batches (a reduce-scatter, FS
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
-from ..layout.sharding import Sharding
 from .pipeline_program import Segment, transfer_step
 from .plan import Step, Value, step_args
 
@@ -53,104 +48,36 @@ def _narrow(ctx, attrs, x):
 
 
 def _join(ctx, attrs, *parts):
-    """A rank's chunks of a stacked tensor, in layer order."""
+    """A rank's chunks of a stacked tensor, one after another (its local order)."""
     return torch.cat(parts, attrs["dim"])
 
 
-def _pack(ctx, attrs, *xs):
-    """Pieces of tensors (a narrow of each, where ``attrs["parts"]`` gives one), flattened into
-    one buffer: one message between two ranks."""
-    return torch.cat([(x if part is None else x.narrow(*part)).reshape(-1) for x, part in zip(xs, attrs["parts"])])
-
-
-def _unpack(ctx, attrs, buf):
-    """One piece of a packed buffer (see :func:`_pack`)."""
-    return buf.narrow(0, attrs["start"], attrs["numel"]).view(attrs["shape"])
-
-
 class _Chunks:
-    """New values and tags for one interleaving: chunk values have the layer dim cut by ``v``."""
+    """New values and steps for one interleaving: chunk values have the layer dim cut by ``v``."""
 
-    def __init__(self, cut, lists, v: int):
+    def __init__(self, cut, v: int):
         self.cut, self.v, self.p = cut, v, cut.num_stages
         self.values, self.layer, self.spec = cut.values, cut.spec.layer, cut.spec
-        self.tag = max((s.args["tag"] for pairs in lists.values() for s, _ in pairs if s.kind in ("send", "recv")),
-                       default=1)
 
     def like(self, vid: int, chunked: bool = True) -> int:
         """A new value like ``vid``; with ``chunked``, its layer dim holds one chunk of layers."""
         old = self.values[vid]
         shape = Shape(Dim(d.name, d.size // self.v) if d.name == self.layer and chunked else d for d in old.shape)
+        sharding = old.sharding   # one chunk of the stack: each rank holds its one block (an even split)
+        if self.layer in sharding.cyclic_blocks:
+            sharding = sharding.with_cyclic(self.layer, 1)
         new = max(self.values) + 1
-        self.values[new] = Value(new, shape, old.dtype, old.sharding)
+        self.values[new] = Value(new, shape, old.dtype, sharding)
         return new
 
-    def next_tag(self) -> int:
-        self.tag += 1
-        return self.tag
-
-    def transfer(self, kind: str, vid: int, offset: int, tag: int, stage: int, what: str, phase: str = "forward"):
-        spec = self.spec
-        return (transfer_step(kind, vid, self.values, spec.mesh, spec.axis, offset, tag, phase, what),
-                frozenset({stage}))
-
-    def local(self, op: str, fn, ins, out: int, attrs: dict, stage: int, label: str, phase: str = "forward"):
+    def local(self, op: str, fn, ins, out: int, attrs: dict, stages, label: str, phase: str = "forward"):
         v = self.values[out]
         args = step_args("local", {"fn": fn, "attrs": attrs, "compute": v.sharding.split,
                                    "sizes": {d.name: d.size for d in v.shape}})
-        return Step("local", -1, op, label, phase, tuple(ins), (out,), (), args), frozenset({stage})
+        return Step("local", -1, op, label, phase, tuple(ins), (out,), (), args), frozenset(stages)
 
     def stacked_dim(self, vid: int) -> int:
         return self.values[vid].shape.names.index(self.layer)
-
-    def even(self, vid: int) -> bool:
-        """Whether every rank's local slice of ``vid`` has one shape (a packed message's pieces
-        are cut by it)."""
-        v, mesh = self.values[vid], self.spec.mesh
-        return all(v.local_shape(mesh, r) == v.local_shape(mesh) for r in range(mesh.size))
-
-    def moved(self, items: list, src: int, dst: int, phase: str, what: str) -> list:
-        """Steps moving ``items``, ``(value, narrow or None, into)``, from rank ``src`` to rank ``dst``:
-        each ``value`` (narrowed) on ``src`` lands in ``into`` on ``dst``; one packed message
-        where every piece has one local shape on every rank, else one message each."""
-        if not all(self.even(into) for _, _, into in items) or len({self.values[x].dtype for x, _, _ in items}) > 1:
-            out = []
-            for x, part, into in items:
-                tag = self.next_tag()
-                if part is not None:   # the piece, narrowed on its own first
-                    x = self.local_narrow(x, into, part, src, what, phase, out)
-                out += [self.transfer("send", x, dst - src, tag, src, f"{what} to rank {dst}", phase),
-                        self.transfer("recv", into, dst - src, tag, dst, f"{what} from rank {src}", phase)]
-            return out
-        shapes = [self.values[into].local_shape(self.spec.mesh) for _, _, into in items]
-        sizes = [math.prod(sh) for sh in shapes]
-        sent, got = (self.buffer(sum(sizes), self.values[items[0][0]].dtype) for _ in range(2))
-        tag = self.next_tag()
-        out = [self.local("pack", _pack, tuple(x for x, _, _ in items), sent, {"parts": tuple(p for _, p, _ in items)},
-                          src, f"{what} for rank {dst}, packed", phase),
-               self.transfer("send", sent, dst - src, tag, src, f"{what} to rank {dst}", phase),
-               self.transfer("recv", got, dst - src, tag, dst, f"{what} from rank {src}", phase)]
-        start = 0
-        for (_, _, into), shape, n in zip(items, shapes, sizes):
-            out.append(self.local("unpack", _unpack, (got,), into, {"start": start, "numel": n, "shape": shape},
-                                  dst, what, phase))
-            start += n
-        return out
-
-    def local_narrow(self, x: int, like: int, part: tuple, stage: int, what: str, phase: str, out: list) -> int:
-        """A new value like ``like``: ``x`` narrowed by ``part`` on ``stage`` (the step goes on ``out``)."""
-        tmp = self.like(like, False)
-        dim, start, length = part
-        out.append(self.local("narrow", _narrow, (x,), tmp, {"dim": dim, "start": start, "length": length}, stage,
-                              what, phase))
-        return tmp
-
-    def buffer(self, numel: int, dtype) -> int:
-        """A new flat value of ``numel`` elements, the same on every rank (a packed message)."""
-        shape = Shape((Dim("packed", numel),))
-        new = max(self.values) + 1
-        self.values[new] = Value(new, shape, dtype, Sharding.replicated(shape))
-        return new
 
 
 def check(cut, lists, v: int) -> None:
@@ -199,14 +126,15 @@ def interleave(cut, lists: dict, v: int) -> dict:
     Stages in the result are logical (stage ``s`` on rank ``s % p``); the prologue and the
     final segment keep rank r's steps on stage r."""
     check(cut, lists, v)
-    ch = _Chunks(cut, lists, v)
+    store_chunks_in_place(cut.values, cut.spec, v)
+    ch = _Chunks(cut, v)
     F = cut.steps[cut.F]
     B = cut.steps[cut.B] if cut.B is not None else None
     n = len(F.args["names"])
     params = dict.fromkeys(F.ins[1:1 + n] + (B.ins[1:1 + n] if B is not None else ()))
     chunk_params = {s: [ch.like(s) for _ in range(v)] for s in params}
     fwd, bwd = _chunked_blocks(ch, F, B, chunk_params)
-    out = {Segment.PROLOGUE: list(lists[Segment.PROLOGUE]) + _hand_out(ch, chunk_params),
+    out = {Segment.PROLOGUE: list(lists[Segment.PROLOGUE]) + _chunks_of_params(ch, chunk_params),
            Segment.FORWARD: _relabel(ch, lists[Segment.FORWARD], F, fwd, last_after=True),
            Segment.BACKWARD: _relabel(ch, lists[Segment.BACKWARD], B, bwd, last_after=False),
            Segment.FINAL: _gather_grads(ch, lists[Segment.FINAL], B, bwd) if B is not None
@@ -287,32 +215,33 @@ def _relabel(ch: _Chunks, pairs: list, block: Step | None, chunked: list, last_a
     return out
 
 
-def _hand_out(ch: _Chunks, chunk_params: dict) -> list:
-    """Prologue steps giving each rank its chunks of each stacked param: chunk ``c`` of rank r is
-    the stored layers ``(c p + r) k ..``, which rank ``(c p + r) // v`` holds.  What one rank
-    hands another goes as one message (:meth:`_Chunks.moved`)."""
-    p, v, out, moves = ch.p, ch.v, [], {}
+def store_chunks_in_place(values: dict, spec, v: int) -> None:
+    """Every value of ``values`` whose layer dim the stage axis alone splits, split
+    block-cyclically with ``v`` blocks per rank: rank r's local layers are its chunks r, r + p, ..."""
+    for vid, val in list(values.items()):
+        if val.sharding.axes_of(spec.layer) == (spec.axis,):
+            values[vid] = dataclasses.replace(val, sharding=val.sharding.with_cyclic(spec.layer, v))
+
+
+def _chunks_of_params(ch: _Chunks, chunk_params: dict) -> list:
+    """Prologue steps giving each chunk its layers of each stacked param: chunk c of every rank
+    is its local layers ``c k .. (c + 1) k`` (a view: nothing moves)."""
+    out, every = [], range(ch.p)
     for s, chunks in chunk_params.items():
-        dim, k = ch.stacked_dim(s), ch.values[s].local_shape(ch.spec.mesh)[ch.stacked_dim(s)] // v
+        dim = ch.stacked_dim(s)
+        k = ch.values[s].local_shape(ch.spec.mesh)[dim] // ch.v
         for c, vid in enumerate(chunks):
-            for r in range(p):
-                src, at = divmod(c * p + r, v)
-                if src == r:
-                    out.append(ch.local("narrow", _narrow, (s,), vid, {"dim": dim, "start": at * k, "length": k}, r,
-                                        f"layers of stage {c * p + r}"))
-                else:
-                    moves.setdefault((src, r), []).append((s, (dim, at * k, k), vid))
-    for (src, r), items in moves.items():
-        out += ch.moved(items, src, r, "forward", "stacked params' layers")
+            out.append(ch.local("narrow", _narrow, (s,), vid, {"dim": dim, "start": c * k, "length": k}, every,
+                                f"stacked params' layers of chunk {c}"))
     return out
 
 
 def _gather_grads(ch: _Chunks, pairs: list, B: Step, bwd: list) -> list:
     """The final segment with each stacked gradient's sum over the micro-batches made per chunk,
-    then handed back to the rank storing the param and joined there into the sum the rest reads.
+    then joined on each rank into the sum the rest reads.
 
-    The sums (they read only the backward's per-chunk gradients) come first, then what each
-    rank hands another as one message, the joins, and the segment's other steps in order."""
+    The sums (they read only the backward's per-chunk gradients) come first, then the joins,
+    and the segment's other steps in order."""
     v = ch.v
     steps = [s for s, _ in bwd if s.kind == "repeat"]           # chunks v-1 .. 0
     per_chunk = {g: [None] * v for g in B.outs[1:]}
@@ -333,24 +262,24 @@ def _gather_grads(ch: _Chunks, pairs: list, B: Step, bwd: list) -> list:
 
 
 def _join_chunks(ch: _Chunks, joined: list) -> list:
-    """Each rank's stored layers of each ``(whole, sums, phase)`` of ``joined`` from the chunks'
-    sums: chunk ``j`` of the stack (rank ``j // v``, position ``j % v``) is chunk ``j // p`` of
-    rank ``j % p``."""
-    p, v, moves, joins = ch.p, ch.v, {}, []
-    for whole, sums, phase in joined:
-        for r in range(p):
-            parts = []
-            for at in range(v):
-                c, holder = divmod(r * v + at, p)
-                if holder == r:
-                    parts.append(sums[c])
-                    continue
-                tmp = ch.like(whole)
-                moves.setdefault((holder, r, phase), []).append((sums[c], None, tmp))
-                parts.append(tmp)
-            joins.append(ch.local("join", _join, parts, whole, {"dim": ch.stacked_dim(whole)}, r,
-                                  "stacked gradient: the rank's chunks", phase))
-    out = []
-    for (holder, r, phase), items in moves.items():
-        out += ch.moved(items, holder, r, phase, "stacked gradients of chunks")
-    return out + joins
+    """Each rank's stored layers of each ``(whole, sums, phase)`` of ``joined``: its chunks'
+    sums one after another (the block-cyclic local order)."""
+    return [ch.local("join", _join, sums, whole, {"dim": ch.stacked_dim(whole)}, range(ch.p),
+                     "stacked gradient: the rank's chunks", phase) for whole, sums, phase in joined]
+
+
+def stored_layers(plan) -> str | None:
+    """``meshdsl plan``: where an interleaved pipeline stores its layers (each rank its chunks,
+    ``Sharding.cyclic``), or None for a plan storing none so."""
+    v = next((val for val in plan.values.values() if val.sharding.cyclic), None)
+    if v is None:
+        return None
+    (layer, blocks), = v.sharding.cyclic
+    axis = v.sharding.axes_of(layer)[0]
+    p = plan.mesh.sizes[axis]
+    k = v.shape.get(layer).size // (p * blocks)
+    span = (lambda s: f"{s * k}" if k == 1 else f"{s * k}-{s * k + k - 1}")
+    ranks = [f"rank {i} holds layers {', '.join(span(s) for s in range(i, p * blocks, p))} "
+             f"(stages {', '.join(str(s) for s in range(i, p * blocks, p))})" for i in range(p)]
+    return f"layers stored where they run, {layer}:{axis}[cyclic {blocks}] (no param or gradient moves): " \
+           + "; ".join(ranks)

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import GraphError, message
 from ..ir.interpret import check_feed
-from ..layout.sharding import Sharding
+from ..layout.sharding import Sharding, cyclic_order
 from ..lowering.plan import Plan, Value
 from ..lowering.relayout import move_args, plan_moves
 from ..ops.registry import run_device, running_on
@@ -49,6 +49,19 @@ class _Run:
     def __init__(self, feeds, params, salt, stats):
         self.feeds, self.params, self.salt, self.stats = feeds, params, salt, stats
         self.into = self.defer = None
+
+
+def _local_index(value: Value, mesh, rank: int):
+    """The index of ``rank``'s local slice of ``value`` in its full tensor: ``...`` (the whole),
+    slices, or for a block-cyclic dim (``Sharding.cyclic``) the list of its global positions."""
+    sh = value.sharding
+    if not sh.cyclic:
+        return _whole_or(sh.slice_index(value.shape, mesh, rank), value.shape.sizes)
+    assert len(sh.cyclic) == 1, f"{sh}: one block-cyclic dim"
+    regions = sorted(sh.regions(value.shape, mesh, rank), key=lambda r: [s.start for s in r[1]])
+    at = value.shape.index(sh.cyclic[0][0])
+    first = regions[0][0]
+    return first[:at] + ([i for g, _ in regions for i in range(g[at].start, g[at].stop)],) + first[at + 1:]
 
 
 def _whole_or(index: tuple[slice, ...], sizes) -> tuple[slice, ...] | EllipsisType:
@@ -217,8 +230,8 @@ class Executor:
         if idx is None:
             holders = self.plan.holders.get(value.id)
             idx = self._slice_idx[value.id] = [
-                _whole_or(value.sharding.slice_index(value.shape, self.plan.mesh, r), value.shape.sizes)
-                if holders is None or r in holders else None for r in self.comm.ranks]
+                _local_index(value, self.plan.mesh, r) if holders is None or r in holders else None
+                for r in self.comm.ranks]
         return [None if i is None else full.contiguous() if i is ... else full[i].contiguous() for i in idx]
 
     def init_params(self, seed: int = 0) -> dict[str, list[torch.Tensor]]:
@@ -347,7 +360,7 @@ class Executor:
         rep = Sharding.replicated(v.shape)
         for m in plan_moves(v.shape, v.sharding, rep, self.plan.mesh):
             xs = run_collective(self.comm, m.kind, xs, m.axes, _gather_args(m, v, self.plan.mesh))
-        return xs
+        return [_in_order(v, self.plan.mesh, x) for x in xs] if v.sharding.cyclic else xs
 
     def full_outputs(self, outs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Full output tensors (as seen by the first held rank that holds them)."""
@@ -370,7 +383,7 @@ class Executor:
         part = [xs[j] for j in pos]
         for m in plan_moves(v.shape, v.sharding, Sharding.replicated(v.shape), self.plan.mesh):
             part = run_collective(comm, m.kind, part, m.axes, _gather_args(m, v, self.plan.mesh))
-        return part[0]
+        return _in_order(v, self.plan.mesh, part[0]) if v.sharding.cyclic else part[0]
 
 
 def _gather_args(m, v: Value, mesh) -> dict:
@@ -381,3 +394,13 @@ def _gather_args(m, v: Value, mesh) -> dict:
     if given:
         args = {**args, "uneven": ((v.shape.index(m.dim), v.shape.get(m.dim).size, (), given),)}
     return args
+
+
+def _in_order(v: Value, mesh, x: torch.Tensor) -> torch.Tensor:
+    """A gathered ``x`` of value ``v`` with each block-cyclic dim's blocks (joined rank by rank)
+    put back in the global order (``Sharding.cyclic``)."""
+    for name, blocks in v.sharding.cyclic:
+        p = mesh.axis_size(v.sharding.axes_of(name))
+        order = cyclic_order(v.shape.get(name).size, p, blocks)
+        x = x.index_select(v.shape.index(name), torch.tensor(order, device=x.device))
+    return x

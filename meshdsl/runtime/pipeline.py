@@ -120,14 +120,14 @@ class _Runner:
         return self.views[key]
 
     def _transfer(self, s, view):
-        """A send or receive of ``view``.  One whose value does not vary by micro-batch (a chunk's
-        params handed out in the prologue, its summed gradients handed back in the final
-        segment) moves once per real rank: its representatives send, receive, and share."""
+        """A send or receive of ``view``.  One whose value does not vary by micro-batch (in the
+        prologue or the final segment) moves once per real rank: its representatives send,
+        receive, and share."""
         same = not (self.prog.is_carry(s) or varies_by_microbatch(s, self.plan.values))
         tw = one_per_real_rank(self.plan.mesh, view.ranks) if same else None
         reps = view if tw is None else _view(view, [view.ranks[k] for k in tw[0]])
         # The carry's path (shared memory between the processes of a host) takes any transfer
-        # between stages its channels connect: the hand-out of chunks' params too.
+        # between stages its channels connect, not the carry's only.
         pipe = s.args["offset"] in self.prog.carry_offsets
         if s.kind == "recv":
             recv = _Recv(s, self.store, reps, self.plan, pipe)
@@ -168,8 +168,7 @@ class _Runner:
 
     def _once(self, seg: Segment) -> list:
         """The calls of a segment run once per step (the prologue, the final segment); a value
-        only a send of it reads (a packed message, :mod:`~meshdsl.lowering.interleave`) is
-        dropped once sent."""
+        only a send of it reads is dropped once sent."""
         sent_only = self._sent_only(seg)
         out = []
         for j, st in enumerate(self.prog.stages[seg]):

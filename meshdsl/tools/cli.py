@@ -35,6 +35,7 @@ from ..comm.simulated import SimulatedComm
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.memory import memory_report
+from ..lowering.interleave import stored_layers
 from ..lowering.schedule import has_placed_w
 from ..train.model import DEFAULT_LR
 from ..train.step import training_outputs
@@ -128,6 +129,9 @@ def cmd_plan(args) -> int:
                       f"{pipe['bubble_theory']:.1%}, activations held per stage {pipe['peak_theory']}",
                       highlight=False, soft_wrap=True)
         console.print(pipe["table"], highlight=False, markup=False)
+        stored = stored_layers(plan)   # an interleaved pipeline's chunks, each on the rank that runs it
+        if stored is not None:
+            console.print(stored, highlight=False, markup=False, soft_wrap=True)
         for line in (stage_lines(plan) if args.stage_layers is not None else ()):
             console.print(line, highlight=False, soft_wrap=True)
     if args.timeline is not None:

@@ -3,6 +3,9 @@
 Saving (:func:`save_checkpoint`) writes safetensors files, one per rank that
 owns a slice (a replicated slice is owned by the lowest rank holding it, so it
 is written once), plus ``checkpoint.json`` (format: :mod:`.checkpoint_format`).
+A rank whose part is several regions of the full tensor (a block-cyclic dim, an
+interleaved pipeline's layer chunks: ``Sharding.regions``) writes one slice per
+region, keyed ``name#j``, so the saved slices are always in the global order.
 Loading (:func:`load_checkpoint`) reshards: for each wanted local slice it reads
 only the overlapping regions of the saved slices, through safetensors' lazy
 ``get_slice``, so a rank touches only the bytes it needs.  Nothing is unpickled.
@@ -78,14 +81,32 @@ def _reached(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _slices(shape, sharding, mesh: Mesh, holders=None) -> dict[int, tuple[slice, ...]]:
-    """Owner rank -> the distinct slice it owns: the lowest rank holding each slice (of
-    ``holders``, the ranks that hold the tensor at all; None: every rank)."""
+def _slices(shape, sharding, mesh: Mesh, holders=None) -> dict[int, tuple]:
+    """Owner rank -> the distinct part it owns, as ``(index in the full tensor, index in the
+    local one)`` regions (one, or one per block of a block-cyclic dim: ``Sharding.regions``):
+    the lowest rank holding each part (of ``holders``, the ranks that hold the tensor at all;
+    None: every rank)."""
     owners: dict[tuple, int] = {}
+    parts: dict[int, tuple] = {}
     for r in range(mesh.size) if holders is None else sorted(holders):
-        idx = sharding.slice_index(shape, mesh, r)
-        owners.setdefault(tuple((s.start, s.stop) for s in idx), r)
-    return {r: tuple(slice(a, b) for a, b in key) for key, r in owners.items()}
+        regions = sharding.regions(shape, mesh, r)
+        key = tuple((s.start, s.stop) for g, _ in regions for s in g)
+        if key not in owners:
+            owners[key] = r
+            parts[r] = regions
+    return parts
+
+
+def _keys(name: str, regions) -> list[str]:
+    """The shard file's key of each region of a tensor's part: its name, or one per block."""
+    return [name] if len(regions) == 1 else [f"{name}#{j}" for j in range(len(regions))]
+
+
+def _owned_tensors(plan: dict, i: int, r: int) -> dict:
+    """Shard file key -> the tensor held rank ``r`` (the ``i``-th this process holds) writes:
+    each region of each part it owns (see :func:`_slices`), on the CPU."""
+    return {key: p[4][i][local].detach().contiguous().to("cpu", copy=True) for n, p in plan.items() if r in p[3]
+            for key, (_, local) in zip(_keys(n, p[3][r]), p[3][r])}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -148,7 +169,8 @@ def _check_inputs(step, tensors, comm, meta, keep) -> dict:
         else:
             bad += _local_problems(name, shape, dtype, sharding, holders_of(spec), comm, xs)
         owned = _slices(shape, sharding, comm.mesh, holders_of(spec))
-        if sum(math.prod(b.stop - b.start for b in idx) for idx in owned.values()) != math.prod(shape.sizes):
+        if sum(math.prod(b.stop - b.start for b in g) for regions in owned.values() for g, _ in regions) \
+                != math.prod(shape.sizes):
             bad.append(f"{name}: its holders {sorted(holders_of(spec))} hold only part of it")
         out[name] = (shape, dtype, sharding, owned, xs)
     if bad:
@@ -230,7 +252,7 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
     files, err = {}, None
     try:
         for i, r in enumerate(comm.ranks):
-            owned = {n: p[4][i].detach().contiguous().to("cpu", copy=True) for n, p in plan.items() if r in p[3]}
+            owned = _owned_tensors(plan, i, r)
             if owned:
                 data = safetensors_bytes(owned, metadata={"format": FORMAT, "rank": str(r)})
                 _reached(f"before-shard:{r}", step)
@@ -265,8 +287,9 @@ def _commit(root, tmp, final, step, plan, mesh, model, meta, reports, keep) -> N
     for name, (shape, dtype, sharding, owned, _) in plan.items():
         doc["tensors"][name] = {
             "shape": [[d.name, d.size] for d in shape], "dtype": dtype_name(dtype), "sharding": str(sharding),
-            "slices": [{"file": shard_file_name(r), "key": name, "offsets": [s.start for s in idx],
-                        "sizes": [s.stop - s.start for s in idx]} for r, idx in sorted(owned.items())]}
+            "slices": [{"file": shard_file_name(r), "key": key, "offsets": [s.start for s in idx],
+                        "sizes": [s.stop - s.start for s in idx]}
+                       for r, regions in sorted(owned.items()) for key, (idx, _) in zip(_keys(name, regions), regions)]}
     missing = sorted({s["file"] for t in doc["tensors"].values() for s in t["slices"]} - set(files))
     assert not missing, f"no process reported writing {missing}"
     doc["digest"] = content_digest(doc)

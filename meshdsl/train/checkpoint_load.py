@@ -33,6 +33,12 @@ def _overlap(region, sl):
     return tuple(src), tuple(dst)
 
 
+def _within(local, dst):
+    """Index ``dst`` (into a region of a rank's part) as an index into the rank's local tensor,
+    the region being ``local`` there."""
+    return tuple(slice(w.start + d.start, w.start + d.stop) for w, d in zip(local, dst))
+
+
 def _check_wanted(info, want: dict, mesh: Mesh, model, strict: bool) -> list[str]:
     bad = []
     if model is not None and info.model != model:
@@ -101,10 +107,10 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
         for r in ranks:
             if held is not None and r not in held:
                 continue
-            region = sharding.slice_index(shape, mesh, r)
-            hits = [(sl, ov) for sl in info.tensors[name].slices if (ov := _overlap(region, sl))]
-            reads[name, r] = (tuple(s.stop - s.start for s in region), hits)
-            opened.update({sl.file: None for sl, _ in hits})
+            hits = [(sl, src, _within(local, dst)) for region, local in sharding.regions(shape, mesh, r)
+                    for sl in info.tensors[name].slices if (ov := _overlap(region, sl)) for src, dst in (ov,)]
+            reads[name, r] = (sharding.local_shape(shape, mesh, r), hits)
+            opened.update({sl.file: None for sl, _, _ in hits})
     needed = {s.file for n in want for s in info.tensors[n].slices}
     # Every file the wanted tensors live in is checked; the ones this load reads are hashed too.
     bad = shard_problems(info, opened, verify) + shard_problems(info, needed - set(opened), "size")
@@ -127,7 +133,7 @@ def load_checkpoint(path: "str | Path", want: dict, mesh, ranks=None, *, model: 
                     continue
                 local_shape, hits = reads[name, r]
                 x = torch.empty(local_shape, dtype=dtype)
-                for sl, (src, dst) in hits:
+                for sl, src, dst in hits:
                     x[dst] = handles[sl.file].get_slice(sl.key)[src]
                 out[name].append(x)
     return out
