@@ -138,8 +138,9 @@ def _activation_bytes(plan) -> list[int]:
 
 def _once_transfer_bytes(plan, num_processes: int) -> dict:
     """Per rank of the stage axis (= process), bytes it sends per step in the pipeline's prologue
-    and final segment (run once per step, outside the schedule): with virtual stages, the stacked
-    params handed to the rank that runs each chunk and their gradients handed back.  A process
+    and final segment (run once per step, outside the schedule).  Stages store the layers they run
+    (virtual stages too: ``layer:stage[cyclic v]``), so no param or gradient is handed out there;
+    the figure shows that it stays so.  A process
     holds ``mesh.size / num_processes`` ranks of the plan's mesh (its m micro-batch ranks): a
     transfer whose value varies by micro-batch is sent once per held rank, any other once
     (``runtime/pipeline.py``: its representatives send it)."""
@@ -342,9 +343,9 @@ def _peak_bytes(peak: list[int], per_stage: list[int]) -> list[float]:
 
 def _interleaved_report(console, ms, figures, med, per_round, outside, once_bytes) -> dict:
     """Prints interleaved's bubble against (p-1)/(vm+p-1) and its step against torch's, and the
-    time each rank's step spends outside the schedule beside 1F1B's: with virtual stages, the
-    prologue's hand-out of the stacked params and the final segment's hand-back of their
-    gradients (bytes from the plan).  Returns those figures by variant."""
+    time each rank's step spends outside the schedule beside 1F1B's (the prologue and the final
+    segment: the optimizer update, the loss's reductions), with the bytes sent there (from the
+    plan).  Returns those figures by variant."""
     out = {}
     for m in (m for m in ms if f"meshdsl {INTERLEAVED} m={m}" in figures):
         k, ref = f"meshdsl {INTERLEAVED} m={m}", f"meshdsl 1f1b m={m}"

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshdsl.ops import matmul_form
 from meshdsl.ops.matmul_form import ADD_MATMUL, MatmulForm
 
 SIZES = dict(zip(string.ascii_lowercase, (2, 3, 4, 5, 2, 3, 4, 5, 2, 3)))
@@ -150,3 +151,27 @@ def test_matmul_into_a_buffer_that_cannot_take_it_returns_the_product():
         got = form.matmul_into(x, y, buf, accumulate=True)
         assert got is not buf and torch.equal(buf, before)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("a, b, out", [
+    ("bsd", "dhe", "bshe"),   # q's projection: rows folded, the weight reshaped
+    ("bshe", "dhe", "bsd"),   # the output projection: F.linear on the weight as it is
+    ("bshe", "bsd", "dhe"),   # a weight gradient (swapped operands, A permuted)
+    ("hbd", "hdf", "hbf"),    # batched
+    ("bshd", "bthd", "stbh"), # a permuted output
+])
+def test_the_generated_call_is_the_traced_paths_numbers(a, b, out, monkeypatch):
+    """Eager calls run the form's generated function for their shapes; a traced call (--compile)
+    runs the generic steps: the same kernels on the same operands, so bitwise the same."""
+    form = MatmulForm.of(tuple(a), tuple(b), tuple(out))
+    x, y = _tensor(a, 1), _tensor(b, 2)
+    eager = form.matmul(x, y)
+    buf = torch.empty(eager.shape) if form.in_order else None
+    if buf is not None:
+        form.matmul_into(x, y, buf, accumulate=False)
+    monkeypatch.setattr(matmul_form, "_compiling", lambda: True)
+    torch.testing.assert_close(eager, form.matmul(x, y), rtol=0, atol=0)
+    if buf is not None:
+        traced = torch.empty(eager.shape)
+        form.matmul_into(x, y, traced, accumulate=False)
+        torch.testing.assert_close(buf, traced, rtol=0, atol=0)

@@ -102,3 +102,63 @@ def test_a_loops_body_program_gives_the_per_layer_runs_numbers(mesh, layout, mon
             for g, w in zip(run[k], want[k]):
                 # the same kernels on the same tensors in the same order: bitwise equal
                 torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda s: f"{k}: {s}")
+
+
+@pytest.mark.parametrize("pos, scale, bias", [(2, True, True), (2, True, False), (2, False, False), (1, True, True)])
+def test_layer_norms_direct_kernels_are_its_computes(pos, scale, bias):
+    """The program calls a layer norm's kernels without ctx (Op.direct): the same numbers, bitwise."""
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    n = x.shape[pos]
+    params = [torch.randn(n, generator=g) for on in (scale, bias) if on]
+    attrs = {"dim": "d", "eps": 1e-5, "scale": scale, "bias": bias, "pos": pos}
+    fwd, bwd = OPS["layer_norm"], OPS["layer_norm_backward"]
+    want = fwd.compute(None, attrs, x, *params)
+    got = fwd.direct(attrs)(x, *params)
+    for w, o in zip(want, got, strict=True):
+        torch.testing.assert_close(o, w, rtol=0, atol=0)
+    ins = (dy, x, want[1], want[2], *params[:1 if scale else 0])
+    for w, o in zip(bwd.compute(None, attrs, *ins), bwd.direct(attrs)(*ins), strict=True):
+        torch.testing.assert_close(o, w, rtol=0, atol=0)
+
+
+def test_an_add_into_an_operand_is_called_directly():
+    """An in-place add whose operands need no moves runs without ctx, into the same operand."""
+    from meshdsl.ops.inplace import add_into_first, add_into_second, direct_add
+    plain = {"align": ((None, None), (None, None))}
+    assert direct_add(add_into_first, {"align": ((1, 0), None)}) is None   # a moved operand: the kernel's own
+    for fn in (add_into_first, add_into_second):
+        x, y = torch.randn(4), torch.randn(4)
+        want = fn(None, plain, x.clone(), y.clone())
+        into = (x, y)[fn is add_into_second]
+        got = direct_add(fn, plain)(x, y)
+        assert got is into
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    b, d, e = md.Dim("batch", 4), md.Dim("d_model", 4), md.Dim("e", 4)
+    with md.Graph():
+        x, w, v = md.input("x", [b, d]), md.param("w", [d, e]), md.param("v", [d, e])
+        mm = "batch d_model, d_model e -> batch e"
+        out = {"s": md.einsum(mm, x, w) + md.einsum(mm, x, v)}   # a fresh product, read once: added into
+    plan = md.compile(out, "data:1", "")
+    ex = md.Executor(plan, md.SimulatedComm(plan.mesh))
+    xv, wv, vv = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    got = ex.run({"x": xv}, {"w": [wv], "v": [vv]})["s"][0]
+    torch.testing.assert_close(got, xv @ wv + xv @ vv, rtol=0, atol=0)   # the same add, in the same order
+    (i,) = ex.add_into
+    assert f"K{i}(v" in ex._programs[0].source, ex._programs[0].source
+
+
+@pytest.mark.parametrize("pos", [2, 0])
+def test_cross_entropys_direct_kernels_are_its_computes(pos):
+    """The program calls the fused cross-entropy's kernels without ctx: the same numbers, bitwise."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4, 5, generator=g).movedim(2, pos).contiguous()   # 5 classes at pos
+    labels = torch.randint(0, 5, (3, 4), generator=g)
+    d_loss = torch.randn(3, 4, generator=g)
+    attrs = {"dim": "vocab", "pos": pos}
+    fwd, bwd = OPS["cross_entropy"], OPS["cross_entropy_backward"]
+    want = fwd.compute(None, attrs, logits, labels)
+    for w, o in zip(want, fwd.direct(attrs)(logits, labels), strict=True):
+        torch.testing.assert_close(o, w, rtol=0, atol=0)
+    ins = (logits, labels, want[1], d_loss)
+    torch.testing.assert_close(bwd.direct(attrs)(*ins), bwd.compute(None, attrs, *ins), rtol=0, atol=0)

@@ -30,8 +30,9 @@ from ..core.shape import Dim, Shape
 from ..errors import GraphError, ShapeError, env_choice, message
 from .registry import ComputeSpec, Op, apply, register
 
-_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# (the overloads themselves: no overload to pick per call)
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def _scale(q4, scale) -> float:
@@ -242,11 +243,12 @@ class Attention(Op):
     def compute(self, ctx, attrs, q, k, v):
         if attrs["shared"] == 2 == len(attrs["batch"]) and q.device.type == "cpu":
             # [batch, heads, seq, feature] by one permute each (the usual case): no folds, no reshapes
-            q4, k4, v4 = _rows(q.permute(attrs["q_perm"])), _rows(k.permute(attrs["k_perm"])), \
-                _rows(v.permute(attrs["v_perm"]))
+            # (dims as separate arguments: torch parses them faster than a tuple)
+            q4, k4, v4 = _rows(q.permute(*attrs["q_perm"])), _rows(k.permute(*attrs["k_perm"])), \
+                _rows(v.permute(*attrs["v_perm"]))
             causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
             out4, lse4 = _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=attrs["scale"])
-            return out4.permute(attrs["q_back"]), lse4
+            return out4.permute(*attrs["q_back"]), lse4
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
         out4, lse4 = _forward(q4, k4, v4, causal, mask, attrs["scale"])
@@ -288,12 +290,12 @@ class AttentionBackward(Op):
     def compute(self, ctx, attrs, g, q, k, v, out, lse):
         if attrs["shared"] == 2 == len(attrs["batch"]) and q.device.type == "cpu":   # as Attention.compute
             qp = attrs["q_perm"]
-            q4, k4, v4 = _rows(q.permute(qp)), _rows(k.permute(attrs["k_perm"])), _rows(v.permute(attrs["v_perm"]))
+            q4, k4, v4 = _rows(q.permute(*qp)), _rows(k.permute(*attrs["k_perm"])), _rows(v.permute(*attrs["v_perm"]))
             causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
             lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])
-            dq, dk, dv = _BWD(_rows(g.permute(qp)), q4, k4, v4, _rows(out.permute(qp)), lse4, 0.0, causal,
+            dq, dk, dv = _BWD(_rows(g.permute(*qp)), q4, k4, v4, _rows(out.permute(*qp)), lse4, 0.0, causal,
                               attn_mask=mask, scale=attrs["scale"])
-            return dq.permute(attrs["q_back"]), dk.permute(attrs["k_back"]), dv.permute(attrs["v_back"])
+            return dq.permute(*attrs["q_back"]), dk.permute(*attrs["k_back"]), dv.permute(*attrs["v_back"])
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
         causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
         lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])

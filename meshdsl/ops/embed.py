@@ -95,7 +95,9 @@ class Gather(Op):
             if err is not None:   # the GraphError is raised outside the except (no chained context)
                 _check_ids(ids, name, attrs["size"])
                 raise err
-            return out.movedim(pos, 0).reshape(*ids.shape, *[s for i, s in enumerate(table.shape) if i != pos])
+            if pos:   # (the table's rows along its first dim, the usual case: no move)
+                out = out.movedim(pos, 0)
+            return out.reshape(*ids.shape, *[s for i, s in enumerate(table.shape) if i != pos])
         if ids.numel() and not traced:
             _check_ids(ids, name, attrs["size"])
         local = ids - ctx.offset(name)

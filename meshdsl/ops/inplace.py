@@ -21,7 +21,7 @@ from .broadcasting import align
 #: is a matmul, see :func:`makes_fresh`).
 FRESH_OPS = frozenset({"add", "sub", "mul", "gelu_backward", "silu_backward", "softmax_backward",
                        "normalize_backward",
-                       "layer_norm", "layer_norm_backward",
+                       "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward",
                        "attention_backward"})
 
 
@@ -62,6 +62,25 @@ def add_into_second(ctx, attrs, x, y):
     if y.requires_grad:
         return torch.add(align(x, attrs["align"][0]), y)
     return y.add_(align(x, attrs["align"][0]))
+
+
+def _plain_first(x, y):
+    """:func:`add_into_first` of operands already in the sum's dims, without ctx and attrs."""
+    return torch.add(x, y) if x.requires_grad else x.add_(y)
+
+
+def _plain_second(x, y):
+    """:func:`add_into_second` of operands already in the sum's dims, without ctx and attrs."""
+    return torch.add(x, y) if y.requires_grad else y.add_(x)
+
+
+def direct_add(fn, attrs):
+    """The in-place add kernel ``fn`` as ``fn(x, y)``, called without its ctx and attrs (the
+    straight-line program's direct call, as ``Op.direct``) where neither operand is moved
+    (no align), or None."""
+    if attrs.get("align") != ((None, None), (None, None)):
+        return None
+    return {add_into_first: _plain_first, add_into_second: _plain_second}.get(fn)
 
 
 def may_overwrite(attrs, i: int, a: Operand) -> bool:

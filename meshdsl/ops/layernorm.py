@@ -23,6 +23,7 @@ they are read, exactly as the composite's ``reduce_sum`` did.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -61,6 +62,59 @@ def _kernel_stats(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return s.to(x.dtype) if s.dtype != x.dtype and x.device.type == "cpu" else s
 
 
+def _forward(pos: int, eps: float, scale: bool, bias: bool, x, *params):
+    """The forward kernel: (y, mean, rstd) of ``x`` normalised along dim ``pos``; ``params``: the
+    scale and bias where ``scale`` and ``bias`` say they are given."""
+    if pos == x.dim() - 1:   # the normalised dim last (the usual case): no moves
+        y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], params[0] if scale else None,
+                                                params[-1] if bias else None, eps)
+        if mean.dtype is x.dtype and x.dtype in _OWN_STATS:   # (no conversion to call)
+            return y, mean.squeeze(-1), rstd.squeeze(-1)
+        dtype = _stats_dtype(x.dtype)
+        return y, mean.squeeze(-1).to(dtype), rstd.squeeze(-1).to(dtype)
+    w, b = _affine({"scale": scale, "bias": bias}, params)
+    dtype = _stats_dtype(x.dtype)
+
+    def fwd(v):
+        y, mean, rstd = torch.ops.aten.native_layer_norm(v, [v.shape[-1]], w, b, eps)
+        if mean.dtype == dtype:   # (fp32 stats of an fp32 x: no conversion to call)
+            return y, mean.squeeze(-1), rstd.squeeze(-1)
+        return y, mean.squeeze(-1).to(dtype), rstd.squeeze(-1).to(dtype)
+    return _last(fwd, pos, x)
+
+
+_LN_BWD = torch.ops.aten.native_layer_norm_backward.default
+
+
+def _backward(pos: int, has_scale: bool, has_bias: bool, g, x, mean, rstd, *params):
+    """The backward kernel: (dx, [d_scale], [d_bias]) from the forward's saved statistics."""
+    scale = params[0] if has_scale else None
+    mask = [True, bool(has_scale), bool(has_bias)]
+    if pos == x.dim() - 1 and x.dtype is mean.dtype and x.is_cpu:
+        # the normalised dim last, fp32 or fp64 on the CPU (the usual case): no moves, no conversions
+        bias = (scale if scale is not None and scale.dtype is x.dtype and scale.is_contiguous()
+                else x.new_empty(x.shape[-1])) if has_bias else None   # (only its shape is read: see bwd below)
+        out = _LN_BWD(g, x, x.shape[-1:], mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, bias, mask)
+        if has_scale and has_bias:
+            return out
+        return (out[0],) + ((out[1],) if has_scale else ()) + ((out[2],) if has_bias else ())
+
+    def bwd(g, x):   # mean and rstd lack the moved dim: their dims are x's others, in order
+        n = x.shape[-1]
+        # the kernel shapes the bias gradient like the bias, whose values it never reads (the
+        # scale, where it has the dtype and a plain layout, stands in for it)
+        if not has_bias:
+            bias = None
+        elif scale is not None and scale.dtype == x.dtype and scale.is_contiguous():
+            bias = scale
+        else:
+            bias = x.new_empty(n)
+        return torch.ops.aten.native_layer_norm_backward(g, x, [n], _kernel_stats(mean, x),
+                                                         _kernel_stats(rstd, x), scale, bias, mask)
+    dx, dscale, dbias = _last(bwd, pos, g, x)
+    return (dx,) + ((dscale,) if has_scale else ()) + ((dbias,) if has_bias else ())
+
+
 def _spec(node, x: Tensor, reduce: bool) -> ComputeSpec:
     d = node.attrs["dim"]
     dims = {t.name: t.size for t in x.shape}
@@ -91,22 +145,10 @@ class LayerNorm(Op):
         return [(x.shape, x.dtype), stats, stats]
 
     def compute(self, ctx, attrs, x, *params):
-        if attrs["pos"] == x.dim() - 1:   # the normalised dim last (the usual case): no moves
-            y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], params[0] if attrs["scale"] else None,
-                                                    params[-1] if attrs["bias"] else None, attrs["eps"])
-            if mean.dtype == x.dtype and x.dtype in _OWN_STATS:   # (no conversion to call)
-                return y, mean.squeeze(-1), rstd.squeeze(-1)
-            dtype = _stats_dtype(x.dtype)
-            return y, mean.squeeze(-1).to(dtype), rstd.squeeze(-1).to(dtype)
-        scale, bias = _affine(attrs, params)
-        eps, dtype = attrs["eps"], _stats_dtype(x.dtype)
+        return _forward(attrs["pos"], attrs["eps"], attrs["scale"], attrs["bias"], x, *params)
 
-        def fwd(v):
-            y, mean, rstd = torch.ops.aten.native_layer_norm(v, [v.shape[-1]], scale, bias, eps)
-            if mean.dtype == dtype:   # (fp32 stats of an fp32 x: no conversion to call)
-                return y, mean.squeeze(-1), rstd.squeeze(-1)
-            return y, mean.squeeze(-1).to(dtype), rstd.squeeze(-1).to(dtype)
-        return _last(fwd, attrs["pos"], x)
+    def direct(self, attrs):   # (reads no ctx)
+        return functools.partial(_forward, attrs["pos"], attrs["eps"], attrs["scale"], attrs["bias"])
 
     def spec(self, node):
         return _spec(node, node.inputs[0], reduce=False)
@@ -130,9 +172,6 @@ class LayerNorm(Op):
         return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
-_LN_BWD = torch.ops.aten.native_layer_norm_backward.default
-
-
 @register
 class LayerNormBackward(Op):
     """(g, x, mean, rstd, [scale]) -> (dx, [d_scale], [d_bias]): linear in ``g``; no second-order
@@ -148,30 +187,10 @@ class LayerNormBackward(Op):
         return [(x.shape, x.dtype)] + [(d, x.dtype)] * (int(attrs["scale"]) + int(attrs["bias"]))
 
     def compute(self, ctx, attrs, g, x, mean, rstd, *params):
-        scale = params[0] if attrs["scale"] else None
-        mask = [True, bool(attrs["scale"]), bool(attrs["bias"])]
-        if attrs["pos"] == x.dim() - 1 and x.dtype == mean.dtype and x.device.type == "cpu":
-            # the normalised dim last, fp32 or fp64 on the CPU (the usual case): no moves, no conversions
-            bias = (scale if scale is not None and scale.dtype == x.dtype and scale.is_contiguous()
-                    else x.new_empty(x.shape[-1])) \
-                if attrs["bias"] else None   # (only its shape is read: see bwd below)
-            dx, dscale, dbias = _LN_BWD(g, x, x.shape[-1:], mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, bias, mask)
-            return (dx,) + ((dscale,) if attrs["scale"] else ()) + ((dbias,) if attrs["bias"] else ())
+        return _backward(attrs["pos"], attrs["scale"], attrs["bias"], g, x, mean, rstd, *params)
 
-        def bwd(g, x):   # mean and rstd lack the moved dim: their dims are x's others, in order
-            n = x.shape[-1]
-            # the kernel shapes the bias gradient like the bias, whose values it never reads (the
-            # scale, where it has the dtype and a plain layout, stands in for it)
-            if not attrs["bias"]:
-                bias = None
-            elif scale is not None and scale.dtype == x.dtype and scale.is_contiguous():
-                bias = scale
-            else:
-                bias = x.new_empty(n)
-            return torch.ops.aten.native_layer_norm_backward(g, x, [n], _kernel_stats(mean, x),
-                                                             _kernel_stats(rstd, x), scale, bias, mask)
-        dx, dscale, dbias = _last(bwd, attrs["pos"], g, x)
-        return (dx,) + ((dscale,) if attrs["scale"] else ()) + ((dbias,) if attrs["bias"] else ())
+    def direct(self, attrs):   # (reads no ctx)
+        return functools.partial(_backward, attrs["pos"], attrs["scale"], attrs["bias"])
 
     def spec(self, node):
         return _spec(node, node.inputs[1], reduce=True)

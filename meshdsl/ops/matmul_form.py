@@ -79,8 +79,8 @@ class MatmulForm:
         # as (N, K), which ``F.linear`` takes as it is (no batch dims)
         object.__setattr__(self, "_linear", not nb and nn >= 1 and self.nk >= 1
                            and self.perm_b == (*range(nn, nn + self.nk), *range(nn)))
-        # (A's shape, B's shape) -> their matrix shapes and the product's: a plan calls a kernel
-        # with the same shapes every step, so the sizes are worked out once per shape
+        # (x's shape, y's shape) -> the calls generated for them (:meth:`_calls`): a plan calls a
+        # kernel with the same shapes every step, so the sizes are worked out once per shape
         object.__setattr__(self, "_sizes", {})
 
     def _matrix_shapes(self, sa, sb):
@@ -131,21 +131,56 @@ class MatmulForm:
         return pa, ma, pb, mb, view, fold, shape, linear
 
     def _cached(self, a: torch.Tensor, b: torch.Tensor) -> tuple:
-        """:meth:`_recipe` of ``a``'s and ``b``'s shapes: worked out once per shape (a plan calls a
-        kernel with the same shapes every step); not cached while traced (``--compile``)."""
-        if _compiling():   # traced (--compile): no cache for the tracer to guard on
-            return self._recipe(a.shape, b.shape)
-        key = (a.shape, b.shape)
+        """:meth:`_recipe` of ``a``'s and ``b``'s shapes (A's and B's), not cached: the traced path
+        (``--compile``), which has no cache for the tracer to guard on."""
+        return self._recipe(a.shape, b.shape)
+
+    def _calls(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """``(run, operands, shape, other)`` for operand shapes ``x.shape``, ``y.shape``: worked
+        out once per shape (a plan calls a kernel with the same shapes every step).  ``run(x, y)``
+        is :meth:`matmul`, ``operands(x, y)`` is :meth:`_operands`' ``(A, B)``, each one generated
+        function holding only the calls these shapes need, the recipe's sizes written into it."""
+        key = (x.shape, y.shape)
         got = self._sizes.get(key)
         if got is None:
             if len(self._sizes) > 64:
                 self._sizes.clear()
-            got = self._sizes[key] = self._recipe(a.shape, b.shape)
+            got = self._sizes[key] = self._generated(*((y, x) if self.swap else (x, y)))
         return got
+
+    def _generated(self, a: torch.Tensor, b: torch.Tensor) -> tuple:
+        """:meth:`_calls` for A and B (source built from ints and the recipe's tuples only; sizes as
+        separate arguments, which torch parses faster than a tuple)."""
+        pa, ma, pb, mb, view, fold, shape, linear = self._recipe(a.shape, b.shape)
+        ea, eb = ("y", "x") if self.swap else ("x", "y")
+        ea = _moved(ea, pa, ma)
+        if linear is not None:   # a @ B.T with B as (N, K): F.linear takes B's transposed view itself
+            product = f"linear({ea}, {_moved(eb, None, linear or None)})"
+        elif self.nb:   # (bmm would copy an operand BLAS cannot take one matrix at a time)
+            product = f"bmm(blas({ea}), blas({_moved(eb, pb, mb)}))"
+        else:           # (matmul folds A's rows in C++)
+            product = f"{'matmul' if fold else 'mm'}({ea}, {_moved(eb, pb, mb)})"
+        if view is not None:
+            product += f".view({_args(view)})"
+        if self.out_perm is not None:
+            product += f".permute({_args(self.out_perm)}).contiguous()"
+        # _operands: A and B as the BLAS call multiplies them (fold: A's rows folded here)
+        oa, ob = ("y", "x") if self.swap else ("x", "y")
+        oa, ob = _moved(oa, pa, (-1, a.shape[-1]) if fold and len(a.shape) > 2 else ma), _moved(ob, pb, mb)
+        if self.nb:
+            oa, ob = f"blas({oa})", f"blas({ob})"
+        other = view is not None or (fold and len(shape) > 2)
+        source = f"def run(x, y):\n    return {product}\ndef operands(x, y):\n    return {oa}, {ob}\n"
+        space = {"linear": F.linear, "mm": torch.mm, "bmm": torch.bmm, "matmul": torch.matmul, "blas": _blas}
+        exec(compile(source, "<meshdsl matmul form>", "exec"), space)
+        return space["run"], space["operands"], shape, other
 
     def _operands(self, x: torch.Tensor, y: torch.Tensor):
         """A and B as the matrices (batch of matrices) the BLAS call multiplies, the product's
         shape, and whether the BLAS call's product has another shape (its matrix shape)."""
+        if not _compiling():
+            _, operands, shape, other = self._calls(x, y)
+            return (*operands(x, y), shape, other)
         a, b = (y, x) if self.swap else (x, y)
         pa, ma, pb, mb, view, fold, shape, _ = self._cached(a, b)
         if pa is not None:
@@ -165,6 +200,8 @@ class MatmulForm:
 
     def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``einsum(x, y)`` with the output's dims in order."""
+        if not _compiling():   # the generated call for these shapes (the same steps as below)
+            return self._calls(x, y)[0](x, y)
         a, b = (y, x) if self.swap else (x, y)
         pa, ma, pb, mb, view, fold, _, linear = self._cached(a, b)
         if pa is not None:
@@ -196,7 +233,11 @@ class MatmulForm:
         With ``later`` (a list), the BLAS call is appended to it as a ready callable instead of
         run: ``out`` is returned unwritten, and holds the product once that callable has run."""
         assert self.out_perm is None, "matmul_into needs the product in the output's order"
-        a, b, shape, other = self._operands(x, y)
+        if _compiling():
+            a, b, shape, other = self._operands(x, y)
+        else:   # (a loop calls this per layer and weight: the generated operands, no frame between)
+            _, operands, shape, other = self._calls(x, y)
+            a, b = operands(x, y)
         if (out.shape != shape or out.dtype is not a.dtype or b.dtype is not a.dtype
                 or out.get_device() != a.get_device() or not out.is_contiguous()):
             return (torch.bmm(a, b) if self.nb else torch.mm(a, b)).view(shape)
@@ -227,6 +268,17 @@ class MatmulForm:
 
 
 _compiling = torch.compiler.is_compiling
+
+
+def _args(sizes: tuple) -> str:
+    """``sizes`` as a call's arguments in generated source: ``8, 8`` (``()`` for no dims)."""
+    return ", ".join(map(str, sizes)) if sizes else "()"
+
+
+def _moved(name: str, perm: tuple | None, shape: tuple | None) -> str:
+    """Source for operand ``name`` permuted by ``perm`` and reshaped to ``shape`` (None: not)."""
+    return (name + (f".permute({_args(perm)})" if perm is not None else "")
+            + (f".reshape({_args(shape)})" if shape is not None else ""))
 
 
 def _blas(x: torch.Tensor) -> torch.Tensor:

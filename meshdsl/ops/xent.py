@@ -14,6 +14,7 @@ max, sums and picked logits reduce over the split dim without gathering it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,8 +27,28 @@ from .registry import ComputeSpec, Op, apply, register
 
 def _rows(x: torch.Tensor, pos: int) -> torch.Tensor:
     """``x`` with the class dim last, as (examples, classes)."""
-    x = x.movedim(pos, -1)
+    if pos != x.dim() - 1:   # (the class dim last, the usual case: no move)
+        x = x.movedim(pos, -1)
     return x.reshape(-1, x.shape[-1])
+
+
+def _forward(pos: int, logits: torch.Tensor, labels: torch.Tensor):
+    """The forward kernel: (loss, lse) per example, the class dim at ``pos``."""
+    x = _rows(logits, pos)
+    ls = F.log_softmax(x, -1)        # one vectorised pass; lse = x - log_softmax(x), any column
+    loss = -ls.gather(1, labels.reshape(-1, 1)).squeeze(1)
+    lse = x.select(1, 0) - ls.select(1, 0)
+    return loss.view(*labels.shape), lse.view(*labels.shape)   # (sizes as arguments: parsed faster)
+
+
+def _backward(pos: int, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+    """The backward kernel: d_logits (``lse`` is for the composite's backward: unread here)."""
+    # torch's softmax kernel recomputes the probabilities faster than exp(logits - lse) here
+    last = pos == logits.dim() - 1   # the class dim last (the usual case): no moves
+    d = torch.softmax(logits if last else logits.movedim(pos, -1), -1)
+    d.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(labels, -1, dtype=d.dtype).unsqueeze(-1))
+    d.mul_(g.unsqueeze(-1))
+    return (d if last else d.movedim(-1, pos)).contiguous()
 
 
 def _spec(node) -> ComputeSpec:
@@ -46,11 +67,10 @@ class CrossEntropy(Op):
         return [(labels.shape, logits.dtype), (labels.shape, logits.dtype)]
 
     def compute(self, ctx, attrs, logits, labels):
-        x = _rows(logits, attrs["pos"])
-        ls = F.log_softmax(x, -1)        # one vectorised pass; lse = x - log_softmax(x), any column
-        loss = -ls.gather(1, labels.reshape(-1, 1)).squeeze(1)
-        lse = x[:, 0] - ls[:, 0]
-        return loss.view(labels.shape), lse.view(labels.shape)
+        return _forward(attrs["pos"], logits, labels)
+
+    def direct(self, attrs):   # (reads no ctx)
+        return functools.partial(_forward, attrs["pos"])
 
     def spec(self, node):
         return _spec(node)
@@ -81,12 +101,10 @@ class CrossEntropyBackward(Op):
         return [(logits.shape, logits.dtype)]
 
     def compute(self, ctx, attrs, logits, labels, lse, g):
-        # torch's softmax kernel recomputes the probabilities faster than exp(logits - lse) here
-        pos = attrs["pos"]
-        d = torch.softmax(logits.movedim(pos, -1), -1)
-        d.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(labels, -1, dtype=d.dtype).unsqueeze(-1))
-        d.mul_(g.unsqueeze(-1))
-        return d.movedim(-1, pos).contiguous()
+        return _backward(attrs["pos"], logits, labels, lse, g)
+
+    def direct(self, attrs):   # (reads no ctx)
+        return functools.partial(_backward, attrs["pos"])
 
     def spec(self, node):
         return _spec(node)

@@ -7,8 +7,8 @@ string) and compiled with Python's ``compile()``:
 
 * a local step is one kernel call on Python locals, one per held rank
   (``v12_0 = K3(C3_0, A3, v10_0, v11_0)``, or ``K3(v10_0, v11_0)`` where the op's kernel reads
-  no context: ``Op.direct``, an einsum's matmul, an elementwise op's torch function); an
-  identity kernel (``stop_gradient``, ``rename``) is an alias; params and feeds are read
+  no context: ``Op.direct``, an einsum's matmul, an elementwise op's torch function, an add into
+  one of its operands); an identity kernel (``stop_gradient``, ``rename``) is an alias; params and feeds are read
   straight from the run's dicts;
 * a local step whose call a loop replaced (a gradient's matmul writing into the loop's stacked
   buffer: :func:`.deferred.install`) calls the per-rank kernel the new call carries, inline too;
@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from ..comm.communicator import Pending
+from ..ops.inplace import direct_add
 from ..ops.registry import OPS
 from .context import PerRank
 from .steps import local_kernel
@@ -155,7 +156,8 @@ class _Writer:
         k = local_kernel(self.ex.ctx, i, s)
         op = OPS.get(s.op)
         # the op's plain kernel with its attrs bound, where it reads no ctx: called without its frame
-        direct = op.direct(k.attrs) if op is not None and k.fn == op.compute and not k.reads_salt else None
+        direct = None if op is None or k.reads_salt else op.direct(k.attrs) if k.fn == op.compute \
+            else direct_add(k.fn, k.attrs)   # (an add into one of its operands: ops/inplace.py)
         self.consts[f"K{i}"], self.consts[f"A{i}"] = direct or k.fn, k.attrs
         for r, (j, c) in enumerate(zip(k.reps, k.ctxs)):
             self.consts[f"C{i}_{j}"] = c
