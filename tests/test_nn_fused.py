@@ -1,4 +1,4 @@
-"""The fused softmax / normalize / rms_normalize primitives (and their backward ops)
+"""The fused softmax / normalize / rms_norm primitives (and their backward ops)
 against torch autograd on the same numbers, dense and on a simulated mesh.
 
 Tolerances are rtol = atol = 1e-5 in fp32: both sides run the same kind of fused
@@ -90,7 +90,7 @@ def test_fused_ops_are_single_primitives():
         y = md.softmax(x, "seq")
         assert y.node.op.name == "softmax"
         assert md.layer_norm(x, "feat").node.op.name == "normalize"
-        assert md.rms_norm(x, "feat").node.op.name == "rms_normalize"
+        assert md.rms_norm(x, "feat").node.op.name == "rms_norm"
         (dx,) = md.grad(md.reduce_sum(y * y), [x])
         seen, todo = set(), [dx.node]
         while todo:

@@ -220,6 +220,9 @@ case("layer_norm_scale_only")(lambda x: md.layer_norm(x("x", [A, B, C]), "b", sc
 case("layer_norm_inner_dim")(lambda x: md.layer_norm(x("x", [A, B, C]), "a", x("s", [A]), x("t", [A])))
 case("rms_norm_plain")(lambda x: md.rms_norm(x("x", [A, B, C]), "c"))
 case("rms_norm_scale")(lambda x: md.rms_norm(x("x", [A, B, C]), "b", x("s", [B])))
+case("rms_norm_scale_last")(lambda x: md.rms_norm(x("x", [A, B, C]), "c", x("s", [C])))
+case("rms_norm_scale_first")(lambda x: md.rms_norm(x("x", [A, B, C]), "a", x("s", [A])))
+case("rms_norm_wide_scale")(lambda x: md.rms_norm(x("x", [A, B, C]), "c", x("s", [B, C])))
 case("cross_entropy")(lambda x: md.cross_entropy(x("x", [A, B, C]) * 2.0, x("y", [A, B], dtype=torch.int64, high=5), "c"))
 case("cross_entropy_inner")(lambda x: md.cross_entropy(x("x", [A, C, B]), x("y", [A, B], dtype=torch.int64, high=5), "c"))
 case("gather")(lambda x: md.gather(x("t", [C, B]), x("i", [A, md.Dim("r", 6)], dtype=torch.int64, high=5), "c"))
@@ -454,7 +457,7 @@ def _twice(first):
 SECOND_ORDER = {
     "softmax_backward": _twice(lambda t, x: md.softmax(t, "c")),
     "normalize_backward": _twice(lambda t, x: md.layer_norm(t, "c")),
-    "rms_normalize_backward": _twice(lambda t, x: md.rms_norm(t, "c")),
+    "rms_norm_backward": _twice(lambda t, x: md.rms_norm(t, "c", x("s", [C]))),
     "layer_norm_backward": _twice(lambda t, x: md.layer_norm(t, "c", x("s", [C]), x("o", [C]))),
     "relu_backward": _twice(lambda t, x: md.relu(t)),
     "gelu_backward": _twice(lambda t, x: md.gelu(t)),

@@ -328,8 +328,13 @@ def _normalize():
 
 @case("rms_norm")
 def _rms_norm():
-    x = _x("x_bs", [B, S])
-    return md.rms_norm(x, "seq", _p("g_s", [S])), {}
+    # one op with its scale over its own dim ("scale", "plain": no scale), and over the first
+    # dim; a scale over more dims than its own (the op without it, then elementwise).  x is a
+    # full param where batch is normalised (as in "normalize" above).
+    x, x_bs = _x("x_bs", [B, S]), _p("p_bs", [B, S])
+    return {"scale": md.rms_norm(x, "seq", _p("g_s", [S])), "plain": md.rms_norm(x, "seq"),
+            "first_dim": md.rms_norm(x_bs, "batch", _p("g_b", [B])),
+            "wide": md.rms_norm(x_bs, "seq", _p("g_bs", [B, S]))}, {}
 
 
 def _labels(*shape, high=8):
@@ -562,16 +567,15 @@ EXERCISED_BY = {
     # backward ops: only a gradient makes them (build_case differentiates each case's loss)
     "softmax_backward": "softmax", "gelu_backward": "gelu", "relu_backward": "relu", "silu_backward": "silu",
     "cross_entropy_backward": "cross_entropy", "layer_norm_backward": "layer_norm",
-    "normalize_backward": "normalize", "rms_normalize_backward": "rms_norm",
+    "normalize_backward": "normalize", "rms_norm_backward": "rms_norm",
     "attention_backward": "attention", "repeat_grad": "repeat", "conv_weight_grad": "conv",
     # reached through another op or a function of another name
     "scatter_add": "gather",                          # the table's gradient
-    "rms_normalize": "rms_norm",                      # rms_norm's normalisation
     "sgd_update": "sgd",                              # md.sgd's fused update
 }
 
 #: Public functions composed of other ops (no registry entry of their own) that keep a case.
-COMPOSITES = ("reduce_mean", "logsumexp", "log_softmax", "rms_norm", "causal_mask", "roll", "unsqueeze",
+COMPOSITES = ("reduce_mean", "logsumexp", "log_softmax", "causal_mask", "roll", "unsqueeze",
               "vjp", "sgd")
 
 

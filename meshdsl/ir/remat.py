@@ -15,7 +15,8 @@ the backward block from what is saved.  A policy picks:
   backward reads from them that is no larger (llama's rotated q and k, the residual sum
   after attention), that value instead, which saves as many bytes and recomputes less
   (:func:`chosen`).  For llama that is q, k, v, attention's output, the residual and the
-  SwiGLU gate and up projections: 11 of none's 21 [batch, seq, d_model] per layer.
+  SwiGLU gate and up projections: 11 of none's 19 [batch, seq, d_model] per layer (the
+  RMS norms save one rstd per row, not their output: :mod:`meshdsl.ops.rmsnorm`).
 * ``save:OP,OP,...``: the same with the listed ops as the costly ones, e.g. ``save:attention``.
 
 The policy is given per repeat (``md.repeat(..., remat="selective")``), or for every

@@ -5,9 +5,9 @@
   uses).  Their reduced dim is ``fixed`` in the spec: it must be whole on a
   rank, so the compiler gathers it when it is split (correct, more traffic).
   ``layer_norm`` with a scale and/or bias over its dim alone is one op with its
-  affine (:mod:`.layernorm`); otherwise (and ``rms_norm``'s scale) the affine is
-  elementwise mul/add.  Either way the parameter gradients, which reduce over
-  the batch dims, lower generically.
+  affine (:mod:`.layernorm`), ``rms_norm`` one op with its scale over its dim
+  (:mod:`.rmsnorm`); otherwise the affine is elementwise mul/add.  Either way
+  the parameter gradients, which reduce over the batch dims, lower generically.
 * ``log_softmax`` and ``cross_entropy`` stay composites of primitives, so they
   lower on any layout without gathering, e.g. a vocab-split cross-entropy.
 * ``dropout`` is a primitive whose mask depends only on the global element
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .reduce import reduced_dims, logsumexp
 from .registry import ComputeSpec, Op, apply, register
 from .layernorm import _last, fused_layer_norm
+from .rmsnorm import fused_rms_norm
 from .xent import fused_cross_entropy
 
 
@@ -139,35 +140,6 @@ class NormalizeBackward(_Backward):
         return _last(bwd, attrs["pos"], g, x)
 
 
-@register
-class RmsNormalize(_AlongDim):
-    """``x * rsqrt(mean(x^2) + eps)`` over ``dim`` (RMS norm without scale)."""
-
-    name = "rms_normalize"
-    per_elem = 4
-
-    def compute(self, ctx, attrs, x):
-        eps = attrs["eps"]
-        return _last(lambda v: F.rms_norm(v, (v.shape[-1],), eps=eps), attrs["pos"], x)
-
-    def grad(self, node, douts):
-        x = node.inputs[0]
-        return [apply("rms_normalize_backward", [_like(douts[0], x), x], dict(node.attrs))]
-
-
-@register
-class RmsNormalizeBackward(_Backward):
-    name = "rms_normalize_backward"
-    per_elem = 6
-
-    def compute(self, ctx, attrs, g, x):
-        # y = x * r, r = rsqrt(mean(x^2) + eps)  =>  dx = r * (g - y * mean(g * y))
-        pos = attrs["pos"]
-        r = torch.rsqrt(x.square().mean(pos, keepdim=True).add_(attrs["eps"]))
-        y = x * r
-        return (g - y * (g * y).mean(pos, keepdim=True)).mul_(r)
-
-
 def softmax(x: Tensor, dim) -> Tensor:
     """Softmax along ``dim`` (one fused kernel; ``dim`` is gathered if it is split)."""
     _check_float("softmax", x)
@@ -213,9 +185,10 @@ def rms_norm(x: Tensor, dim, scale: Tensor | None = None, eps: float = 1e-6) -> 
     _check_affine("rms_norm", x, scale=scale)
     _check_float("rms_norm", x)
     d = _one_dim(x, dim, "rms_norm")
-    with x.graph.scope("rms_norm"):
-        y = apply("rms_normalize", [x], {"dim": d, "eps": float(eps)})
-        return y * scale if scale is not None else y
+    if scale is None or (scale.shape.names == (d,) and scale.dtype == x.dtype):
+        return fused_rms_norm(x, d, scale, eps)
+    with x.graph.scope("rms_norm"):   # a scale over other dims too: an elementwise product
+        return fused_rms_norm(x, d, None, eps) * scale
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:

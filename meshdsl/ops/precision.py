@@ -44,7 +44,7 @@ COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _MATMUL = ("einsum", "gather", "conv", "conv_weight_grad")
 _FP32 = ("softmax", "softmax_backward", "attention", "attention_backward", "cross_entropy",
          "cross_entropy_backward", "normalize", "normalize_backward", "layer_norm", "layer_norm_backward",
-         "rms_normalize", "rms_normalize_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
+         "rms_norm", "rms_norm_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
          "adamw_update")
 _FOLLOW = ("add", "sub", "mul", "div", "neg", "exp", "log", "pow", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid",
            "silu", "silu_backward", "relu", "relu_backward", "gelu", "gelu_backward", "maximum", "minimum",
