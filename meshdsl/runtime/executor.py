@@ -39,6 +39,22 @@ def run_collective(comm: Communicator, kind: str, xs, axes, args):
     return comm.collective(kind, xs, axes, args)
 
 
+def waiting_getter(env: dict, stats: dict | None):
+    """``get(v)``: value ``v`` of ``env``, a pending collective's result waited for (and kept) on
+    first read, the wait timed into ``stats['wait']`` when ``stats`` is given."""
+    def get(v):
+        x = env[v]
+        if isinstance(x, Pending):
+            if stats is None:
+                x = env[v] = x.wait()
+            else:
+                t0 = time.perf_counter()
+                x = env[v] = x.wait()
+                stats["wait"] = stats.get("wait", 0.0) + time.perf_counter() - t0
+        return x
+    return get
+
+
 class _Run:
     """What one run of a plan was given: feeds, params, the kernel salt, and the stats dict;
     ``into``: running sums a pipeline's backward loop adds its gradients into; ``defer``: the
@@ -337,17 +353,7 @@ class Executor:
                 units = segments_of(self, units, self.compiling)
             program = self._programs[stats is not None] = build(self, units, timed=stats is not None)
 
-        def get(v):
-            x = env[v]
-            if isinstance(x, Pending):
-                if stats is None:
-                    x = env[v] = x.wait()
-                else:
-                    t0 = time.perf_counter()
-                    x = env[v] = x.wait()
-                    stats["wait"] = stats.get("wait", 0.0) + time.perf_counter() - t0
-            return x
-
+        get = waiting_getter(env, stats)
         if run_device() is self.device:   # a loop's body, run inside its plan's run
             return program(env, get, run)
         with running_on(self.device):  # where kernels with no tensor inputs allocate

@@ -50,7 +50,7 @@ from ..lowering.plan import Plan
 from ..comm.bucket import bucket_members, start_packed_each
 from ..comm.communicator import Pending
 from ..ops.registry import run_device, running_on
-from .executor import Executor, PerRank, _Run
+from .executor import Executor, PerRank, _Run, waiting_getter
 from .prefetch import prefetchable, start
 from .deferred import install
 from .program import build, units_of
@@ -161,18 +161,7 @@ class _Body:
             program = self.programs[stats is not None] = build(self.sub, units_of(self.sub), stats is not None,
                                                                self.ins, self.outs)
         env = dict(prefetched) if prefetched else {}
-
-        def get(v):
-            x = env[v]
-            if isinstance(x, Pending):
-                if stats is None:
-                    x = env[v] = x.wait()
-                else:
-                    t0 = time.perf_counter()
-                    x = env[v] = x.wait()
-                    stats["wait"] = stats.get("wait", 0.0) + time.perf_counter() - t0
-            return x
-
+        get = waiting_getter(env, stats)
         run = _Run(None, None, salt, stats)
         device = self.sub.device
         if run_device() is device:   # inside its plan's run, as a loop's body is
