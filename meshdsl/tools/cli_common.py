@@ -134,12 +134,13 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def compile_arg(p) -> None:
-    """``--compile`` (and ``--compile-backend``): each rank's local steps run as segments compiled by
-    ``torch.compile`` (:mod:`meshdsl.runtime.compiled`)."""
+    """``--compile`` (and ``--compile-backend``): each rank's local steps compiled, as one traced graph
+    in one process (:mod:`meshdsl.runtime.whole`) or as segments (:mod:`meshdsl.runtime.compiled`)."""
     p.add_argument("--compile", action="store_true",
-                   help="run each rank's local steps as segments compiled by torch.compile (between "
-                        "collectives; a loop's body once for all its layers); the first step compiles and "
-                        "its time is printed; a segment the compiler rejects runs eagerly, with a notice")
+                   help="compile each rank's local steps: in one process the whole step as one graph, "
+                        "otherwise segments between collectives (a loop's body once for all its layers); "
+                        "the first step compiles and its time is printed; what the compiler rejects runs "
+                        "eagerly, with a notice")
     p.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
                    help="with --compile: the torch.compile backend (default inductor; aot_eager traces "
                         "without generating code, for debugging)")
