@@ -163,3 +163,23 @@ def test_what_no_input_reaches_is_folded_into_constants():
     assert any("zeros" in o for o in ops), ops   # above MAX_FOLDED: computed in the graph
     for got, want in zip(gm(x), f(x)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)   # the same kernels ran, once: bitwise
+
+
+def test_a_compiled_step_that_disagrees_with_eager_runs_eagerly():
+    """Before its first use, a compiled whole step's outputs are compared with the eager
+    executor's at ``check``'s tolerance; a backend that gets them wrong (here: a loss 1% off)
+    is not used: the step runs eagerly, with one notice that names the output."""
+    def wrong(gm, example):
+        def fn(*xs):
+            out = list(gm(*xs))
+            return [out[0] * 1.01] + out[1:]   # the first output is the loss
+        return fn
+
+    lines = []
+    model, plan = _grads_plan("mlp", "data:1", "")
+    eager, compiled = _executors(plan, CompileSettings(wrong, notice=lines.append))
+    for seed in (0, 1):
+        params = eager.init_params(seed)
+        _assert_same(compiled.run(model.feeds(seed), params), eager.run(model.feeds(seed), params), f"seed {seed}")
+    assert len(lines) == 1 and "differs from the eager executor's (loss by" in lines[0], lines
+    assert "the step runs eagerly" in lines[0]

@@ -19,6 +19,12 @@ from .registry import Op, apply, register, run_device
 _ON_DEVICE: dict = {}
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` was made under a trace (a functionalized or proxy-tracked value)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return torch._is_functional_tensor(t) or bool(_get_current_dispatch_mode_stack())
+
+
 @register
 class Constant(Op):
     name = "constant"
@@ -37,7 +43,9 @@ class Constant(Op):
             key = (id(t), dev)   # the constant, once per device it runs on (t kept alive: ids stay unique)
             got = _ON_DEVICE.get(key)
             if got is None:
-                got = _ON_DEVICE[key] = (t, t.to(dev))
+                got = (t, t.to(dev))
+                if not _traced(got[1]):   # a trace's copy (--compile) is no tensor the eager kernels may read
+                    _ON_DEVICE[key] = got
             t = got[1]
         for i, d in enumerate(attrs.get("shape", ())):  # this rank's slice of each split dim
             if d.name in ctx.offsets:

@@ -56,6 +56,7 @@ class CompileStats:
     """What compiling cost, shared by an executor and its loops' bodies."""
 
     whole: int = 0            # whole steps compiled as one graph each (:mod:`.whole`)
+    cuda_graphs: int = 0      # of them, captured as a CUDA graph (:mod:`.cuda_graph`)
     segments: int = 0         # segments compiled (their first calls)
     steps: int = 0            # local kernels in them (an alias is none)
     shared: int = 0           # segments that run a function another one of this run compiled (same source)
@@ -66,7 +67,8 @@ class CompileStats:
     def summary(self) -> str:
         shared = f" (and {self.shared} more sharing them)" if self.shared else ""
         eager = f"; {len(self.fallbacks)} left eager" if self.fallbacks else ""
-        what = (f"the whole step as {self.whole} graph(s)" if self.whole else "") + \
+        captured = f" ({self.cuda_graphs} captured as CUDA graphs)" if self.cuda_graphs else ""
+        what = (f"the whole step as {self.whole} graph(s){captured}" if self.whole else "") + \
             (" and " if self.whole and self.segments else "") + \
             (f"{self.segments} segment(s)" if self.segments or not self.whole else "")
         return f"{what} of {self.steps} local kernels{shared} compiled in {self.seconds:.1f} s{eager}"
@@ -81,6 +83,8 @@ class CompileSettings:
     notice: Callable[[str], None] = _stderr_notice
     #: whether a plan that can be one graph compiles as one (:mod:`.whole`); False: segments always
     whole: bool = True
+    #: whether a whole step on a CUDA device is captured as a CUDA graph (:mod:`.cuda_graph`)
+    cuda_graphs: bool = True
 
 
 def settings_of(compile) -> CompileSettings | None:

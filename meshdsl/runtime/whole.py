@@ -13,6 +13,10 @@ collectives between processes, pipelines, kernels that read the run's salt (drop
 * The compiled callable is keyed on its inputs' metadata (names, shapes, strides, dtypes,
   devices, the containers they came in, any non-tensor feed's value): a new key traces
   and compiles again; the key is all a call checks.
+* Before its first use a compiled step's outputs are compared with the eager executor's at
+  ``check``'s tolerance (:mod:`.agreement`): one that differs is replaced by the eager run,
+  with a one-line notice.  On a CUDA device the step is captured as a CUDA graph
+  (:mod:`.cuda_graph`).
 * The trace runs on copies of the inputs, and a graph that writes into its inputs (an
   eager run that donates its params) is refused: the compiled step makes new tensors.
 * A trace or compile the backend rejects turns the whole step off for this executor, with
@@ -29,7 +33,9 @@ import torch
 
 from ..comm.simulated import SimulatedComm
 from ..errors import MeshDSLError
+from .agreement import disagreement
 from .context import PerRank
+from .cuda_graph import Graphed, capturable
 from .steps import reads_salt
 
 #: the most layers (summed over a plan's loops) a whole step unrolls; above, segments
@@ -181,6 +187,18 @@ def _backend(backend):
     return lookup_backend(backend)
 
 
+class _EagerStep:
+    """A whole step's stand-in where its compiled form disagreed with the eager executor: the
+    eager ``twin`` run on the call's tensors, flattened as a compiled step returns them."""
+
+    def __init__(self, twin, feeds: dict, params: dict, names: list[str]):
+        self.twin, self.feeds, self.params, self.names = twin, feeds, params, names
+
+    def __call__(self, *tensors):
+        out = self.twin.run(*_unflat(list(tensors), self.feeds, self.params))
+        return [x for name in self.names for x in (out[name] or ())]
+
+
 class WholeStep:
     """Executor ``ex``'s runs as compiled whole steps (see the module docstring).  ``settings``:
     its :class:`~.compiled.CompileSettings` (backend, stats, notice)."""
@@ -234,21 +252,57 @@ class WholeStep:
             if _mutates_inputs(gm):
                 raise RuntimeError("the traced step writes into its inputs")
             fn = _backend(self.settings.backend)(gm, copies)
+            fn = self._captured(fn, copies)
         except MeshDSLError:
             raise   # the user's own error (a bad feed), as the eager run raises it
         except Exception as e:  # noqa: BLE001  (whatever tracing or the backend raises: segments instead)
             self._turn_off("could not be compiled", e)
             return None
-        traced = self.compiled[key] = _Traced(fn, names, list(counts))
+        traced = _Traced(fn, names, list(counts))
+        try:
+            off = self._disagreement(traced, tensors, feeds, params)
+        except MeshDSLError:
+            raise   # the user's own error (an id out of range), as the eager run raises it
+        except Exception as e:  # noqa: BLE001  (the compiled call raised: segments instead)
+            self._turn_off("its compiled call raised", e)
+            return None
+        if off is not None:
+            self._notice(f"differs from the eager executor's ({off}), so the step runs eagerly", None)
+            traced = _Traced(_EagerStep(twin, feeds, params, names), names, list(counts))
+        self.compiled[key] = traced
         stats.whole += 1
         stats.steps += num_kernels(self.ex.plan)
         stats.seconds += time.perf_counter() - t0
         return traced
 
+    def _disagreement(self, traced: _Traced, tensors: list, feeds: dict, params: dict) -> str | None:
+        """How the compiled step's first outputs differ from the eager twin's beyond what
+        ``check`` allows (:mod:`.agreement`); None where they agree.  Each side runs on copies."""
+        got = traced.outputs(traced.fn(*[x.clone() for x in tensors]))
+        want = self.twin.run(*_unflat([x.clone() for x in tensors], feeds, params))
+        return disagreement(got, {k: want[k] for k in traced.names})
+
+    def _captured(self, fn, example: list):
+        """``fn`` captured as a CUDA graph where the settings ask for it and the inputs allow it
+        (:mod:`.cuda_graph`); ``fn`` as it is otherwise, or where the capture fails (a notice)."""
+        if not self.settings.cuda_graphs or capturable(example) is not None:
+            return fn
+        try:
+            graphed = Graphed(fn, example)
+        except Exception as e:  # noqa: BLE001  (a kernel CUDA cannot capture: the compiled step, uncaptured)
+            self._notice("could not be captured as a CUDA graph, it runs compiled without one", e)
+            return fn
+        self.settings.stats.cuda_graphs += 1
+        return graphed
+
     def _turn_off(self, what: str, e: Exception) -> None:
-        e = getattr(e, "inner_exception", None) or e
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        line = f"--compile: the whole step {what}, segments run instead: {type(e).__name__}: {first}"
+        self._notice(f"{what}, segments run instead", e)
+        self.off = True
+
+    def _notice(self, what: str, e: Exception | None) -> None:
+        line = f"--compile: the whole step {what}"
+        if e is not None:
+            e = getattr(e, "inner_exception", None) or e
+            line += f": {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
         self.settings.stats.fallbacks.append(line)
         self.settings.notice(line)
-        self.off = True

@@ -1,30 +1,12 @@
 """How ``meshdsl check`` compares a layout's outputs with the dense program's: per-output allowances and the table."""
 from __future__ import annotations
 
+from ..runtime.agreement import allowed_diff
 from .cli_common import EXIT_MISMATCH, EXIT_OK, make_console
 
-# An output that is zero in exact math (a bias gradient cancelled by a following
-# norm) comes out as rounding noise on both sides, so a tolerance relative to its
-# own magnitude fails it.  Its rounding error scales with the magnitudes summed
-# into it, and the backward pass sums the same activation gradients into every
-# param gradient: so each output is allowed tol * max(its own magnitude, the
-# largest magnitude of its family), where a family is the outputs sharing a
-# prefix ("grad/*", "new/*"; "loss" is its own).  A wrong layout is off by O(1) of
-# an output's magnitude; in a gradient far smaller than its family's largest,
-# such an error is caught only above tol * that largest.
+__all__ = ["allowed_diff", "report_check"]
 
-
-def _family(name: str) -> str:
-    return name.split("/", 1)[0] if "/" in name else name
-
-
-def allowed_diff(want: dict, tol: float) -> dict[str, float]:
-    """Per output, the largest max-abs-difference ``check`` accepts (see the comment above)."""
-    mags = {k: (v.abs().max().item() if v.numel() else 0.0) for k, v in want.items()}
-    top: dict[str, float] = {}
-    for k, m in mags.items():
-        top[_family(k)] = max(top.get(_family(k), 0.0), m)
-    return {k: tol * max(m, top[_family(k)]) for k, m in mags.items()}
+# Each output's allowance: see meshdsl/runtime/agreement.py.
 
 
 def report_check(want: dict, got: dict, tol: float, where: str) -> int:
