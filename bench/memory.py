@@ -1,9 +1,10 @@
 """Peak memory and step time of activation checkpointing: ``--remat none | selective | full``.
 
 The llama model (``models/llama.py``) at a size where activations dominate: 32 layers, batch 8,
-seq 256, d_model 128 (24 MiB of params; without remat the forward keeps 21 MiB per layer for
-its backward, 673 MiB in all).  One plain-SGD training step (``md.TrainStep``, one rank, one
-torch thread) per policy.  From one run, per policy:
+seq 256, d_model 128 (24 MiB of params; without remat the forward keeps 19 MiB per layer for
+its backward, its input included, 610 MiB in all; ``selective`` 10 MiB, ``full`` 1 MiB).  One
+plain-SGD training step (``md.TrainStep``, one rank, one torch thread) per policy.  From one
+run, per policy:
 
 * **the plan** (``lowering/memory.py``): the bytes the forward saves for the backward (what
   one layer keeps, its input included, times the layers), and the peak of activations

@@ -9,14 +9,22 @@ the backward block from what is saved.  A policy picks:
   recomputed but what depends on params and constants only.
 * ``full``: save nothing but each layer's input (always kept): the backward block
   recomputes the layer's forward.
-* ``selective``: recompute only the cheap ops (norms, activations, rotations, softmax,
-  masks), never the costly ones (``einsum``, ``attention``, ``conv``): the outputs of
-  the costly ops the backward needs are saved, or, where a cheap op makes a value the
-  backward reads from them that is no larger (llama's rotated q and k, the residual sum
-  after attention), that value instead, which saves as many bytes and recomputes less
-  (:func:`chosen`).  For llama that is q, k, v, attention's output, the residual and the
-  SwiGLU gate and up projections: 11 of none's 19 [batch, seq, d_model] per layer (the
-  RMS norms save one rstd per row, not their output: :mod:`meshdsl.ops.rmsnorm`).
+* ``selective`` (Megatron's selective recompute): save what the linear layers make, recompute
+  the attention core and the cheap ops.  Never recomputed are the ``einsum`` and ``conv`` ops
+  (a projection, an MLP's matmuls; any product written as an einsum); the fused
+  ``attention`` kernel and the elementwise ops (norms, activations, rotations, softmax,
+  masks, dropout) are recomputed in the backward where it reads them.  The outputs of the
+  einsums the backward needs are saved, or, where a cheap op makes a value the backward
+  reads from them that is no larger (llama's rotated q and k, the residual sum after
+  attention), that value instead, which saves as many bytes and recomputes less
+  (:func:`chosen`).  Attention's backward reads its q, k and v, which are saved anyway,
+  and its output and logsumexp, which one more forward kernel makes again from them: so
+  its output is not kept.  For llama that is q, k, v, the residual and the SwiGLU gate and
+  up projections: 9 of none's 18 [batch, seq, d_model] per layer besides its input (the
+  RMS norms save one rstd per row, not their output: :mod:`meshdsl.ops.rmsnorm`).  An
+  attention written out as einsums (a dropout on its probabilities needs that) keeps its
+  [seq, key_seq] scores, an einsum's output.  ``save:einsum,attention,conv`` keeps the fused
+  kernel's output too.
 * ``save:OP,OP,...``: the same with the listed ops as the costly ones, e.g. ``save:attention``.
 
 The policy is given per repeat (``md.repeat(..., remat="selective")``), or for every
@@ -32,8 +40,9 @@ from dataclasses import dataclass
 
 from ..errors import GraphError, did_you_mean, message
 
-#: The ops ``selective`` never recomputes: matmul-like and fused attention kernels.
-SELECTIVE_OPS = ("einsum", "attention", "conv")
+#: The ops ``selective`` never recomputes: the linear layers' matmuls.  The fused attention
+#: kernel is not one of them: it is recomputed from the q, k and v its backward reads anyway.
+SELECTIVE_OPS = ("einsum", "conv")
 PRESETS = ("none", "full", "selective")
 _RULE = ("a remat policy is 'none', 'full', 'selective' or 'save:OP,OP,...' (the ops each layer never "
          "recomputes: what its backward needs of them is saved; the others are recomputed in the backward)")
@@ -132,7 +141,7 @@ def chosen(reads, forward: set[int], act: set[int], policy: Remat, savable=lambd
     carry, which each layer keeps anyway, cost no activation memory and are recomputed
     whatever the policy).  A tensor is either saved or recomputed in the backward from what
     is saved; the policy says which ops may not be recomputed (``none``: every op; ``full``:
-    none; otherwise the ops it saves, einsums and attention for ``selective``).  Of the
+    none; otherwise the ops it saves, einsums and convs for ``selective``).  Of the
     choices that recompute no such op, the one that saves the fewest bytes is taken (a
     minimum cut, :func:`_min_cut`), and of those the one that recomputes least: a cheap op's
     output the backward reads (a rotated q, a residual sum) is saved in place of the einsum

@@ -120,8 +120,8 @@ def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim, remat=Non
       dim: the layer Dim (or its name).
       remat: what each layer saves for its backward (:mod:`meshdsl.ir.remat`): ``"none"``
         (default: every activation its backward reads), ``"full"`` (only its input; the
-        backward recomputes the layer), ``"selective"`` (the outputs of einsums and
-        attention; the cheap ops between them are recomputed) or ``"save:OP,..."``.
+        backward recomputes the layer), ``"selective"`` (the outputs of the einsums; the
+        fused attention kernel and the cheap ops are recomputed) or ``"save:OP,..."``.
         ``md.grad(..., remat=)`` (``--remat``) overrides it.
 
     Returns:

@@ -125,7 +125,7 @@ def remat_arg(p, more: str = "") -> None:
     p.add_argument("--remat", type=_remat_policy, default=None, metavar="POLICY",
                    help="activation checkpointing of every repeat: none (save what the backward reads), full "
                         "(save each layer's input, recompute the layer in the backward), selective (save "
-                        "einsum and attention outputs, recompute the cheap ops) or save:OP,OP (default: "
+                        "einsum outputs, recompute attention and the cheap ops) or save:OP,OP (default: "
                         "the model's own, none)" + more)
 
 
