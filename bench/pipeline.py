@@ -37,6 +37,15 @@ Each stage's time in F and B per step is printed for both sides: meshdsl's recor
 actions, and torch's ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``, timed
 by wrapping them (compute against compute, waiting left out).
 
+The bubble is, per stage and step, 1 - (its F + B + W time) / makespan, the makespan running
+from the first F on any stage to the last action's end: its own sends and receives and the
+runtime's work between actions count as idle.  The formulas assume equal stage costs and free
+transfers (F = 1, B = 2).  So at the largest m each meshdsl schedule's idle time is also cut
+into parts (``idle_breakdown``: sends, receives after the message was sent, waits for a late
+sender, time between actions, fill and drain), beside the bubble the schedule leaves at the
+measured F, B and W alone ("at costs": the stages' imbalance) and with the ranks' own transfer
+and bookkeeping time too ("at own costs", ``bubble_at_own_costs``).
+
     python bench/pipeline.py                    # 3 rounds
     python bench/pipeline.py --quick            # 1 round, 2 turns, m in {4, 8}: the goals' cases
     python bench/pipeline.py --ms 8             # 3 rounds at m = 8 alone (interleaved's goals)
@@ -334,6 +343,144 @@ def _profile(step, warmup, num_steps=10):
 
 # ----------------------------------------------------------------------------- report
 
+#: The parts of a stage's idle time (:func:`idle_breakdown`), in the order printed: its own send
+#: actions; its receives after the message was sent (taking it in: copy and latency); its receives
+#: before that (the sender was late); the time between its actions (the runtime's bookkeeping:
+#: a finished micro-batch's activations dropped and its sums added); before its first action and
+#: after its last (the pipeline's fill and drain on this stage).
+IDLE_PARTS = ("send", "recv copy", "recv wait", "between", "fill+drain")
+
+
+def _aligned(rows) -> list:
+    """One step's rows (one per process) with each process's clock shifted onto the first's.
+
+    The barrier lines the clocks up to its skew only, and a receive's wait is taken against
+    its sender's clock.  Between two processes that transfer both ways, the shortest
+    receive-end-minus-send-start each way is taken to be the same: the offset is half their
+    difference (as NTP takes it), carried along the chain of neighbouring processes."""
+    def shortest(a: int, b: int):
+        starts = {(kind[5:], mb, stage, peer): t0 for kind, mb, stage, peer, t0, _ in rows[a]
+                  if kind.startswith("send")}
+        spans = [t1 - starts[(kind[5:], mb, peer, stage)] for kind, mb, stage, peer, _, t1 in rows[b]
+                 if kind.startswith("recv") and (kind[5:], mb, peer, stage) in starts]
+        return min(spans, default=None)
+    shift = [0.0] * len(rows)
+    for j in range(1, len(rows)):
+        there, back = shortest(j - 1, j), shortest(j, j - 1)
+        shift[j] = shift[j - 1] + ((there - back) / 2 if there is not None and back is not None else 0.0)
+    return [[(*a[:4], a[4] - d, a[5] - d) for a in row] for row, d in zip(rows, shift)]
+
+
+def _window(rows) -> tuple[float, float]:
+    """A step's makespan window, as :func:`meshdsl.lowering.timeline.bubble_from_timeline` takes
+    it: from the first F or B start over all ranks to the last action's end."""
+    first = min(t0 for row in rows for kind, *_, t0, _ in row if kind in ("F", "B"))
+    return first, max(t1 for row in rows for *_, t1 in row)
+
+
+def _row_parts(row, sends: dict, first: float, last: float) -> dict:
+    """One rank's row of one step cut into busy time and :data:`IDLE_PARTS` (seconds; they sum to
+    the makespan).  ``sends``: each send's end, by ``(kind, micro-batch, from stage, to stage)``."""
+    out = dict.fromkeys(("busy", *IDLE_PARTS), 0.0)
+    prev = first
+    for kind, mb, stage, peer, t0, t1 in sorted(row, key=lambda a: a[4]):
+        t0, t1 = max(t0, first), min(t1, last)
+        if t1 <= t0:
+            continue
+        out["between" if prev > first else "fill+drain"] += max(0.0, t0 - prev)
+        if kind in ("F", "B", "W"):
+            out["busy"] += t1 - t0
+        elif kind.startswith("send"):
+            out["send"] += t1 - t0
+        else:   # a receive: waiting until its sender's send ended, then taking the message in
+            sent = sends.get((kind[5:], mb, peer, stage), t0)
+            wait = min(max(0.0, sent - t0), t1 - t0)
+            out["recv wait"] += wait
+            out["recv copy"] += t1 - t0 - wait
+        prev = max(prev, t1)
+    out["fill+drain"] += last - prev
+    return out
+
+
+def idle_breakdown(timelines: list, num_ranks: int) -> list[dict]:
+    """Per rank of the stage axis, milliseconds per step (means over the steps, so the parts add up
+    to the makespan) of its busy time (F, B, W) and of each part of its idle time
+    (:data:`IDLE_PARTS`), with the makespan.
+
+    A receive's wait is taken against its sender's clock: the processes' clocks, lined up by a
+    barrier (:func:`meshdsl.train.jobs.gather_timelines`), are first lined up by the transfers
+    themselves (:func:`_aligned`).  A send's end is recorded once its call has returned, a little
+    after the receiver may already have the message, so "recv copy" leans low and "recv wait" high.
+
+    Args:
+      timelines: per step, every rank's rows of ``(kind, microbatch, stage, peer, start, end)``.
+      num_ranks: ranks of the stage axis (a row's rank is its stage modulo this).
+    """
+    per_step: list[list[dict]] = []
+    for rows in map(_aligned, timelines):
+        first, last = _window(rows)
+        sends = {(kind[5:], mb, stage, peer): t1 for row in rows for kind, mb, stage, peer, _, t1 in row
+                 if kind.startswith("send")}
+        by_rank: list[list[dict]] = [[] for _ in range(num_ranks)]
+        for row in rows:
+            parts = _row_parts(row, sends, first, last)
+            by_rank[row[0][2] % num_ranks].append({**parts, "makespan": last - first})
+        per_step.append([{k: statistics.fmean(p[k] for p in ps) for k in ps[0]} for ps in by_rank])
+    keys = ("makespan", "busy", *IDLE_PARTS)
+    return [{k: statistics.fmean(s[r][k] for s in per_step) * 1e3 for k in keys} for r in range(num_ranks)]
+
+
+def bubble_at_own_costs(program, timelines: list) -> list[float]:
+    """Per rank, the bubble the schedule leaves at the measured costs of what each rank does
+    itself: :func:`meshdsl.tools.pipe_report.bubble_at_costs`'s mean F, B and W per stage, plus each
+    send action's mean time, each receive's mean time after its message was sent (also the
+    latency a receive that waits pays), and the mean time between an action and the next one on its
+    rank (the runtime's bookkeeping after it), charged to that action.  Against the measured bubble:
+    what is left is waiting that the mean costs do not explain (variation, descheduling)."""
+    from meshdsl.lowering.timeline import simulate
+    spent: dict = {}
+    copies: list[float] = []
+    for rows in map(_aligned, timelines):
+        sends = {(kind[5:], mb, stage, peer): t1 for row in rows for kind, mb, stage, peer, _, t1 in row
+                 if kind.startswith("send")}
+        for row in rows:
+            ordered = sorted(row, key=lambda a: a[4])
+            for (kind, mb, stage, peer, t0, t1), nxt in zip(ordered, [*ordered[1:], None]):
+                own = t1 - t0
+                if kind.startswith("recv"):
+                    own = t1 - max(t0, min(t1, sends.get((kind[5:], mb, peer, stage), t0)))
+                    copies.append(own)
+                after = 0.0 if nxt is None else max(0.0, nxt[4] - t1)
+                spent.setdefault((kind, stage), []).append(own + after)
+    mean = {k: statistics.fmean(v) for k, v in spent.items()}
+    split = any(kind == "W" for kind, _ in mean)
+    latency = statistics.fmean(copies) if copies else 0.0
+    stats = simulate(program.run_schedule(split), lambda a: mean.get((a.kind, a.stage), 0.0), latency)
+    return [float(r.idle_fraction) for r in stats.ranks]
+
+
+def _idle_report(console, ms, figures, breakdown) -> None:
+    """Prints where each stage's idle time goes at the largest m (:func:`idle_breakdown`)."""
+    t = Table(title=f"where the idle time goes at m={max(ms)}: ms per step and stage (means over the timed steps)",
+              title_justify="left")
+    for col in ("variant", "stage", "makespan", "busy", *IDLE_PARTS, "bubble measured", "at costs",
+                "at own costs", "theory"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for k, per_rank in breakdown.items():
+        fig = figures[k]
+        for r, parts in enumerate(per_rank):
+            t.add_row(k if r == 0 else "", str(r), *(f"{parts[c]:.2f}" for c in ("makespan", "busy", *IDLE_PARTS)),
+                      f"{fig['bubble_measured'][r]:.1%}", f"{fig['bubble_at_costs'][r]:.1%}",
+                      f"{fig['bubble_at_own_costs'][r]:.1%}", f"{fig['bubble_theory']:.1%}")
+    console.print(t)
+    console.print("theory: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1): equal stage costs and free transfers.  "
+                  "At costs: the schedule replayed with each stage's mean F, B and W, transfers free "
+                  "(the stages' imbalance alone).  At own costs: also each send's and each receive's own time "
+                  "(after its message was sent) and the runtime's time between actions, at their means: "
+                  "what the ranks' own work explains.  recv copy: a receive's time after its sender's send "
+                  "ended; recv wait: before (the sender was late).", markup=False, highlight=False)
+
+
 def _peak_bytes(peak: list[int], per_stage: list[int]) -> list[float]:
     """Per rank, peak activations held x the bytes of one: with v virtual stages a rank holds
     chunk activations of its v logical stages (rank r: r, r + p, ...), priced at their mean."""
@@ -356,6 +503,11 @@ def _interleaved_report(console, ms, figures, med, per_round, outside, once_byte
                       f"measured (stage 0, 1) " + " ".join(f"{b:.1%} ({b / th:.2f}x)" for b in fig["bubble_measured"])
                       + "; step meshdsl " + _ms_range(med, per_round, k) + ", torch "
                       + _ms_range(med, per_round, f"torch {INTERLEAVED} m={m}"), markup=False, highlight=False)
+        parts = zip(fig["bubble_measured"], fig["bubble_at_costs"], fig["bubble_at_own_costs"])
+        console.print("  measured - formula, points per stage: " + " | ".join(
+            f"{b - th:+.1%} = imbalance {c - th:+.1%} + own transfers and bookkeeping {o - c:+.1%}"
+            f" + the rest {b - o:+.1%}" for b, c, o in parts)
+            + " (at costs - formula; at own costs - at costs; measured - at own costs)", markup=False, highlight=False)
         out[k] = {}
         for name in (k, ref):
             spans = [[statistics.median(x[i] for x in outside[name][r]) * 1e3 for i in (0, 1)] for r in range(2)]
@@ -465,9 +617,12 @@ def bench(args) -> int:
     load0, load1 = machine["load_start"], machine_end(machine)["load_end"]
     steal = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1]) if ticks0 and ticks1 else None
     # the summaries came from the ranks' processes: each figure replays its schedule, rebuilt by name
-    figures = {k: run_figures(PipelineProgram.of_schedule(named_schedule(
-        summaries[k]["schedule"], summaries[k]["stages"], summaries[k]["microbatches"])), tl)
-        for k, tl in timelines.items()}
+    programs = {k: PipelineProgram.of_schedule(named_schedule(
+        summaries[k]["schedule"], summaries[k]["stages"], summaries[k]["microbatches"])) for k in timelines}
+    figures = {k: {**run_figures(programs[k], tl), "bubble_at_own_costs": bubble_at_own_costs(programs[k], tl)}
+               for k, tl in timelines.items()}
+    breakdown = {k: idle_breakdown(timelines[k], programs[k].num_ranks) for k in timelines
+                 if k not in balanced and k.endswith(f"m={max(args.ms)}")}
     med = {k: _ms(v) for k, v in times.items()}
     cpu_med = {k: _ms(v) for k, v in cpu.items()}
     speedup = {k: med["torch 1p"] / v for k, v in med.items()}
@@ -531,6 +686,7 @@ def bench(args) -> int:
                   "its backward reads, per stage; interleaved: peak chunk activations held x the mean over "
                   "the rank's chunks")
 
+    _idle_report(console, args.ms, figures, breakdown)
     handout = _interleaved_report(console, args.ms, figures, med, per_round, outside, once_bytes)
 
     goals = {}
@@ -580,7 +736,7 @@ def bench(args) -> int:
                 "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "steal_fraction": steal,
                 "machine": machine},
         "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
-        "pipeline": figures, "actions_ms_per_step": act_ms, "outside_schedule": handout,
+        "pipeline": figures, "idle_ms_per_step": breakdown, "actions_ms_per_step": act_ms, "outside_schedule": handout,
         "balanced_stages": balance,
         "ceiling_speedup": {"microbatches": m, "speedup": ceiling, "one_process_ms": med[floor1],
                             "both_processes_ms": med[floor2]}, "peak_activation_bytes": peak_mem, "goals": goals,
