@@ -7,7 +7,9 @@ Variants:
   1 proc    plain torch (bench/dense_vs_torch.py's TorchGPT, autograd, fused SGD): the baseline
   1 proc    meshdsl, mesh "data:1", layout ""
   2 procs   meshdsl, mesh "stage:2", layout "layer:stage", --microbatches m, schedule gpipe / 1f1b / zbh1
-            / interleaved:2 (v = 2 virtual stages: rank r runs layer chunks r and r + 2)
+            / interleaved:2 (v = 2 virtual stages: rank r runs layer chunks r and r + 2) / interleaved-zb:2
+            (the same with its Ws placed for the zero-bubble split: the last rank runs its last Ws
+            after its last B; beside torch's ScheduleInterleaved1F1B too)
   2 procs   torch.distributed.pipelining ScheduleGPipe / Schedule1F1B, the same split
             (embedding + blocks 0-1 | blocks 2-3 + final norm + head) and the same m
             (torch's zero-bubble schedules need several stages per rank: no ZB-H1 counterpart),
@@ -83,7 +85,8 @@ from distributed_mlp import _cpu_ticks, _interleave, _ms  # noqa: E402  (the sha
 MODEL = str(ROOT / "models" / "transformer.py")
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
 INTERLEAVED = "interleaved:2"   # v = 2 virtual stages per rank
-SCHEDULES = ("gpipe", "1f1b", "zbh1", INTERLEAVED)
+INTERLEAVED_ZB = "interleaved-zb:2"   # the same with the zero-bubble split: some ranks' last Ws put off
+SCHEDULES = ("gpipe", "1f1b", "zbh1", INTERLEAVED, INTERLEAVED_ZB)
 TORCH_SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)   # torch's zero-bubble schedules need several stages per rank
 GLOO = "1f1b(gloo)"   # --gloo-sends: meshdsl 1F1B with its stage-to-stage transfers on gloo's sockets
 # Step-0 losses agree up to fp32 summation order (micro-batch sums, other kernels): a wrong
@@ -184,10 +187,10 @@ def single_job(comm, ms, warmup, reps, block, lr, seed, tiny=False):
 
 def _runs(who: str, schedule: str, m: int) -> bool:
     """Whether ``who`` runs ``schedule`` with m micro-batches on 2 stages: torch's Schedule1F1B
-    refuses fewer micro-batches than stages (m=1), and both interleaved schedules want whole
+    refuses fewer micro-batches than stages (m=1), and the interleaved schedules want whole
     groups of p = 2 micro-batches."""
-    if schedule == INTERLEAVED:
-        return m % 2 == 0
+    if schedule in (INTERLEAVED, INTERLEAVED_ZB):
+        return m % 2 == 0 and (who == "meshdsl" or schedule in TORCH_SCHEDULES)
     return who == "meshdsl" or (schedule in TORCH_SCHEDULES and not (schedule == "1f1b" and m < 2))
 
 
@@ -459,6 +462,32 @@ def bubble_at_own_costs(program, timelines: list) -> list[float]:
     return [float(r.idle_fraction) for r in stats.ranks]
 
 
+def placed_at_measured_costs(program, timelines: list) -> dict:
+    """interleaved-zb's Ws placed at a run's measured costs instead of F = B = W = 1
+    (:func:`meshdsl.lowering.schedule_gen.interleaved_zero_bubble_at`): each stage's mean F, B and
+    W (as :func:`meshdsl.tools.pipe_report.bubble_at_costs` takes them; stage 0's B holds its
+    weight gradients, it sends nothing), transfers free.  Returns, per rank, the Ws after
+    its last B (its own W among them: 1 puts nothing off) and the bubble at those costs, beside
+    the run's own (unplaced) schedule's."""
+    from meshdsl.lowering.schedule_gen import interleaved_zero_bubble_at
+    from meshdsl.lowering.timeline import simulate
+    spent: dict = {}
+    for rows in timelines:
+        for row in rows:
+            for kind, _, stage, _, t0, t1 in row:
+                if kind in ("F", "B", "W"):
+                    spent.setdefault((kind, stage), []).append(t1 - t0)
+    mean = {k: statistics.fmean(v) for k, v in spent.items()}
+    cost = lambda a: mean.get((a.kind, a.stage), 0.0)  # noqa: E731
+    s = program.schedule
+    placed = interleaved_zero_bubble_at(s.num_ranks, s.num_microbatches, s.num_chunks, cost)
+    after = [sum(a.kind == "W" for a in row[max(i for i, a in enumerate(row) if a.kind == "B"):])
+             for row in placed.actions]
+    return {"ws_after_last_b": after,
+            "bubble_run": [float(r.idle_fraction) for r in program.simulate(cost, defer=True).ranks],
+            "bubble_placed": [float(r.idle_fraction) for r in simulate(placed, cost).ranks]}
+
+
 def _idle_report(console, ms, figures, breakdown) -> None:
     """Prints where each stage's idle time goes at the largest m (:func:`idle_breakdown`)."""
     t = Table(title=f"where the idle time goes at m={max(ms)}: ms per step and stage (means over the timed steps)",
@@ -473,7 +502,8 @@ def _idle_report(console, ms, figures, breakdown) -> None:
                       f"{fig['bubble_measured'][r]:.1%}", f"{fig['bubble_at_costs'][r]:.1%}",
                       f"{fig['bubble_at_own_costs'][r]:.1%}", f"{fig['bubble_theory']:.1%}")
     console.print(t)
-    console.print("theory: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1): equal stage costs and free transfers.  "
+    console.print("theory: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1): equal stage costs and free transfers; "
+                  "zbh1 and interleaved-zb: their schedule at F = B = W = 1.  "
                   "At costs: the schedule replayed with each stage's mean F, B and W, transfers free "
                   "(the stages' imbalance alone).  At own costs: also each send's and each receive's own time "
                   "(after its message was sent) and the runtime's time between actions, at their means: "
@@ -494,12 +524,12 @@ def _interleaved_report(console, ms, figures, med, per_round, outside, once_byte
     segment: the optimizer update, the loss's reductions), with the bytes sent there (from the
     plan).  Returns those figures by variant."""
     out = {}
-    for m in (m for m in ms if f"meshdsl {INTERLEAVED} m={m}" in figures):
-        k, ref = f"meshdsl {INTERLEAVED} m={m}", f"meshdsl 1f1b m={m}"
+    for m, schedule in ((m, s) for m in ms for s in (INTERLEAVED, INTERLEAVED_ZB) if f"meshdsl {s} m={m}" in figures):
+        k, ref = f"meshdsl {schedule} m={m}", f"meshdsl 1f1b m={m}"
         fig, p = figures[k], figures[k]["stages"]
         v = 2
         th = (p - 1) / (v * m + p - 1)
-        console.print(f"{INTERLEAVED} m={m}: bubble formula (p-1)/(v*m+p-1) = {p - 1}/{v * m + p - 1} = {th:.1%}; "
+        console.print(f"{schedule} m={m}: bubble formula (p-1)/(v*m+p-1) = {p - 1}/{v * m + p - 1} = {th:.1%}; "
                       f"measured (stage 0, 1) " + " ".join(f"{b:.1%} ({b / th:.2f}x)" for b in fig["bubble_measured"])
                       + "; step meshdsl " + _ms_range(med, per_round, k) + ", torch "
                       + _ms_range(med, per_round, f"torch {INTERLEAVED} m={m}"), markup=False, highlight=False)
@@ -508,6 +538,22 @@ def _interleaved_report(console, ms, figures, med, per_round, outside, once_byte
             f"{b - th:+.1%} = imbalance {c - th:+.1%} + own transfers and bookkeeping {o - c:+.1%}"
             f" + the rest {b - o:+.1%}" for b, c, o in parts)
             + " (at costs - formula; at own costs - at costs; measured - at own costs)", markup=False, highlight=False)
+        if schedule == INTERLEAVED_ZB:   # its Ws placed: what that buys beside plain interleaved, same run
+            plain = figures.get(f"meshdsl {INTERLEAVED} m={m}")
+            if plain:
+                console.print("  beside interleaved:2, stage 0, 1: measured " + " ".join(
+                    f"{a:.1%} (was {b:.1%})" for a, b in zip(fig["bubble_measured"], plain["bubble_measured"]))
+                    + "; at costs " + " ".join(f"{a:.1%} (was {b:.1%})" for a, b in
+                                               zip(fig["bubble_at_costs"], plain["bubble_at_costs"]))
+                    + "; peak chunk activations " + " ".join(f"{a} (was {b})" for a, b in
+                                                             zip(fig["peak_activations"], plain["peak_activations"])),
+                    markup=False, highlight=False)
+                at = plain["zb_placed_at_costs"]
+                console.print(f"  its Ws placed at interleaved:2's measured costs instead of F = B = W = 1 (simulated): "
+                              f"Ws after the last B per rank {at['ws_after_last_b']}, bubble at those costs "
+                              + " ".join(f"{a:.1%} (interleaved:2 {b:.1%})" for a, b in
+                                         zip(at["bubble_placed"], at["bubble_run"])), markup=False, highlight=False)
+            continue
         out[k] = {}
         for name in (k, ref):
             spans = [[statistics.median(x[i] for x in outside[name][r]) * 1e3 for i in (0, 1)] for r in range(2)]
@@ -621,6 +667,8 @@ def bench(args) -> int:
         summaries[k]["schedule"], summaries[k]["stages"], summaries[k]["microbatches"])) for k in timelines}
     figures = {k: {**run_figures(programs[k], tl), "bubble_at_own_costs": bubble_at_own_costs(programs[k], tl)}
                for k, tl in timelines.items()}
+    for k in (k for k in figures if k.split()[1] == INTERLEAVED):   # interleaved-zb's Ws placed at these costs
+        figures[k]["zb_placed_at_costs"] = placed_at_measured_costs(programs[k], timelines[k])
     breakdown = {k: idle_breakdown(timelines[k], programs[k].num_ranks) for k in timelines
                  if k not in balanced and k.endswith(f"m={max(args.ms)}")}
     med = {k: _ms(v) for k, v in times.items()}
@@ -702,8 +750,10 @@ def bench(args) -> int:
         for s in ("gpipe", "1f1b", "zbh1"):
             goals[f"meshdsl {s} m=8 >= {SPEEDUP_GOAL}x one process"] = speedup[f"meshdsl {s} m=8"] >= SPEEDUP_GOAL
         fig = figures[f"meshdsl {INTERLEAVED} m=8"]
-        goals[f"meshdsl {INTERLEAVED} m=8 bubble <= {INTERLEAVED_BUBBLE_GOAL}x (p-1)/(vm+p-1)"] = all(
-            b <= INTERLEAVED_BUBBLE_GOAL * fig["bubble_theory"] for b in fig["bubble_measured"])
+        formula = fig["bubble_theory"]   # plain interleaved's theory: (p-1)/(vm+p-1)
+        for s in (INTERLEAVED, INTERLEAVED_ZB):
+            goals[f"meshdsl {s} m=8 bubble <= {INTERLEAVED_BUBBLE_GOAL}x (p-1)/(vm+p-1)"] = all(
+                b <= INTERLEAVED_BUBBLE_GOAL * formula for b in figures[f"meshdsl {s} m=8"]["bubble_measured"])
         goals[f"meshdsl {INTERLEAVED} m=8 not slower than torch {INTERLEAVED}"] = (
             med[f"meshdsl {INTERLEAVED} m=8"] <= med[f"torch {INTERLEAVED} m=8"])
     for name, ok in goals.items():

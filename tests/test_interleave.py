@@ -192,7 +192,10 @@ def test_a_block_reading_tensors_from_outside_is_refused():
     outs, _ = t5.build(t5.Config())
     with pytest.raises(md.LayoutError, match="reads tensors from outside the repeat") as e:
         md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2")
-    assert "Fix: use one stage per rank" in str(e.value)
+    assert "Fix: use one stage per rank" in str(e.value) and "schedule: interleaved:2" in str(e.value)
+    with pytest.raises(md.LayoutError, match="reads tensors from outside the repeat") as e:
+        md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved-zb:2")
+    assert "schedule: interleaved-zb:2" in str(e.value)
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -40,7 +40,8 @@ CFG = dataclasses.replace(Config.tiny(), layers=4, batch=8)
 # (config overrides, mesh, layout, micro-batches, schedule)
 CASES = {
     2: [({}, "stage:2", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)]
-       + [({}, "stage:2", "layer:stage", 4, "zbh1"), ({}, "stage:2", "layer:stage", 2, "interleaved:2")],
+       + [({}, "stage:2", "layer:stage", 4, "zbh1"), ({}, "stage:2", "layer:stage", 2, "interleaved:2"),
+          ({}, "stage:2", "layer:stage", 4, "interleaved-zb:2")],   # rank 1 runs its last Ws after its last B
     4: [({}, "stage:4", "layer:stage", m, s) for s in ("gpipe", "1f1b") for m in (1, 4)]
        + [({"layers": 8}, "stage:4", "layer:stage", 4, "interleaved:2")]
        + [({}, "stage:2; data:2", "layer:stage; batch:data", 2, "1f1b"),

@@ -21,6 +21,7 @@ from meshdsl.errors import MeshDSLError
 from meshdsl.lowering import schedule as sch
 from meshdsl.lowering import schedule_gen as gen
 from meshdsl.lowering import timeline as tl
+from meshdsl.lowering import w_placement as wp
 from meshdsl.lowering.schedule import Action, Schedule, ScheduleError, parse_action, split_backward, validate
 from meshdsl.lowering.schedule_gen import bubble_theory, make_schedule, peak_theory
 from meshdsl.lowering.timeline import bubble_from_timeline, costs, format_table, simulate, theory_bubble
@@ -28,7 +29,8 @@ from meshdsl.lowering.timeline import bubble_from_timeline, costs, format_table,
 GRID = [(name, p, m) for name in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in range(1, 9)]
 
 
-@pytest.mark.parametrize("module, allowed", [(sch, {"errors"}), (gen, {"errors", "schedule"}), (tl, {"schedule"})])
+@pytest.mark.parametrize("module, allowed", [(sch, {"errors"}), (gen, {"errors", "schedule", "timeline", "w_placement"}),
+                                             (tl, {"schedule"}), (wp, {"schedule", "timeline"})])
 def test_module_knows_nothing_about_torch(module, allowed):
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {n.name for node in ast.walk(tree) if isinstance(node, ast.Import) for n in node.names}
@@ -40,7 +42,7 @@ def test_module_knows_nothing_about_torch(module, allowed):
 
 
 def test_docstring_examples_run():
-    results = [doctest.testmod(m) for m in (sch, gen, tl)]
+    results = [doctest.testmod(m) for m in (sch, gen, tl, wp)]
     assert sum(r.failed for r in results) == 0 and sum(r.attempted for r in results) >= 7
 
 

@@ -39,6 +39,7 @@ import torch
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
 from .pipeline_program import Segment, transfer_step
+from .schedule_gen import user_name
 from .plan import Step, Value, step_args
 
 
@@ -87,7 +88,7 @@ def check(cut, lists, v: int) -> None:
         spec = cut.spec
         raise LayoutError(message(
             f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why}.",
-            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: interleaved:{v}"],
+            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: {user_name(spec.schedule)}"],
             rule="virtual stages cut the pipelined layers into chunks that pass only the carry between them "
                  "and read the same tables",
             fix="use one stage per rank (--schedule 1f1b or zbh1)"))

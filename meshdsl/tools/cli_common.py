@@ -33,12 +33,13 @@ EXIT_CODES = """exit codes:
   3    internal error in meshdsl, also in a rank (printed with its traceback; please report it)
   130  interrupted (Ctrl-C); every rank was stopped"""
 
-#: Schedules a plan can run: one stage per rank of the pipeline axis, or ``interleaved:V``.
+#: Schedules a plan can run: one stage per rank of the pipeline axis, or ``interleaved:V`` and
+#: ``interleaved-zb:V`` (V stages per rank).
 PIPE_SCHEDULES = tuple(f"{n}:V" if g.chunked else n for n, g in SCHEDULES.items())
 
 
 def schedule_arg(text: str) -> str:
-    """``--schedule``: a schedule's name, or ``interleaved:V`` (V virtual stages per rank)."""
+    """``--schedule``: a schedule's name, or ``interleaved:V`` / ``interleaved-zb:V`` (V virtual stages per rank)."""
     try:
         parse_schedule(text)
     except ScheduleError:
@@ -106,7 +107,9 @@ def pipe_args(p) -> None:
                         "bubble, at most p activations held per stage) or zbh1 (1f1b with each "
                         "backward's weight gradients delayed into the bubble, at most p held) or "
                         "interleaved:V (1f1b over V chunks of layers per rank: rank r runs chunks r, r+p, ...; "
-                        "bubble (p-1)/(V m+p-1)) (default gpipe)")
+                        "bubble (p-1)/(V m+p-1)) or interleaved-zb:V (interleaved:V split as zbh1: a rank runs "
+                        "its last weight gradients after its last backward where simulation says the step gets "
+                        "shorter; no rank holds more than interleaved's rank 0) (default gpipe)")
     stage_layers_arg(p)
 
 

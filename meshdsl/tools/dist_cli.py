@@ -212,7 +212,8 @@ def cmd_run(args) -> int:
                       "weight gradients, run after it sends its input gradient); bubble = idle fraction of the "
                       "span from the step's first F to its last action, over all ranks; "
                       "theory: bubble (p-1)/(m+p-1) with F = 1 and B = 2 (zbh1: F = B = W = 1, less; interleaved:V: "
-                      "(p-1)/(Vm+p-1)), activations held m (gpipe), p - stage (1f1b) or p (zbh1)",
+                      "(p-1)/(Vm+p-1); interleaved-zb:V: its schedule at F = B = W = 1), activations held m (gpipe), "
+                      "p - stage (1f1b) or p (zbh1)",
                       highlight=False, soft_wrap=True)
     if args.timeline is not None and timelines:
         got = draw(median_step(timelines), args.timeline,
