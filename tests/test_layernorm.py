@@ -180,3 +180,24 @@ def test_property_any_layout_matches_the_dense_oracle(layout, scale, bias, seed)
         got = md.run_simulated(md.compile(outs, "data:2", layout), feeds, params)
     for k in outs:
         torch.testing.assert_close(got[k], want[k], **TOL)
+
+
+class _Traced(torch.Tensor):
+    """A tensor subclass, as a tracer's tensors are (--compile's functional and fake tensors)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_eager_backward_reads_the_squeezed_statistics_as_a_tracer_reads_them_unsqueezed(dtype):
+    """On the CPU the eager backward hands the kernel the forward's statistics as they are (one
+    value per row, no unsqueeze); a tracer's tensors get them in the schema's [rows, 1] shape.
+    The same kernel on the same values: bitwise equal."""
+    from meshdsl.ops.layernorm import _backward, _forward
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(3, 4, 6, generator=g, dtype=dtype), torch.randn(3, 4, 6, generator=g, dtype=dtype)
+    w, b = torch.randn(6, generator=g, dtype=dtype), torch.randn(6, generator=g, dtype=dtype)
+    _, mean, rstd = _forward(2, 1e-5, True, True, x, w, b)
+    assert mean.shape == (3, 4)
+    eager = _backward(2, True, True, dy, x, mean, rstd, w)
+    traced = _backward(2, True, True, *(t.as_subclass(_Traced) for t in (dy, x, mean, rstd, w)))
+    for e, t in zip(eager, traced, strict=True):
+        torch.testing.assert_close(e, t.as_subclass(torch.Tensor), rtol=0, atol=0)

@@ -175,3 +175,11 @@ def test_the_generated_call_is_the_traced_paths_numbers(a, b, out, monkeypatch):
         traced = torch.empty(eager.shape)
         form.matmul_into(x, y, traced, accumulate=False)
         torch.testing.assert_close(buf, traced, rtol=0, atol=0)
+
+
+def test_calls_for_shapes_is_the_call_for_tensors_of_them():
+    """The program binds ``calls_for(shapes)`` per step: the very function a call with tensors of
+    those shapes looks up."""
+    form = MatmulForm.of(tuple("bsd"), tuple("dhe"), tuple("bshe"))
+    x, y = _tensor("bsd", 1), _tensor("dhe", 2)
+    assert form.calls_for(tuple(x.shape), tuple(y.shape)) is form._calls(x, y)

@@ -53,8 +53,8 @@ def calls(monkeypatch):
     seen = _Calls()
     real = MatmulForm.matmul_into
 
-    def spy(self, x, y, out, accumulate, later=None):
-        got = real(self, x, y, out, accumulate, later)
+    def spy(self, x, y, out, accumulate, later=None, calls=None):
+        got = real(self, x, y, out, accumulate, later, calls)
         seen.append((accumulate, got is out))
         seen.later.append(later is not None)
         return got

@@ -174,9 +174,20 @@ class Nary(Op):
         return type(self).fn(*(align(x, p) for x, p in zip(xs, attrs["align"])))
 
     def direct(self, attrs):
-        # operands already in the result's dims (no permute, no new axis): the torch function itself
-        plain = type(self).compute is Nary.compute and all(p == (None, None) for p in attrs["align"])
+        # operands in the result's dims but for leading ones they lack (no permute, no new axis
+        # after one they have): torch's broadcasting lines them up, the torch function itself
+        plain = type(self).compute is Nary.compute and all(map(_leading_only, attrs["align"]))
         return type(self).fn if plain else None
+
+
+def _leading_only(plan) -> bool:
+    """Whether ``align(x, plan)`` only puts new dims in front of ``x``'s, in order: what torch's
+    broadcasting does itself."""
+    perm, idx = plan
+    if perm is not None:
+        return False
+    lead = 0 if idx is None else next((k for k, i in enumerate(idx) if i is not None), len(idx))
+    return idx is None or all(i is not None for i in idx[lead:])
 
 
 def _binary(name, fn, grad=None, linear=False, out_dtype=None, linear_args=()):

@@ -8,6 +8,7 @@ vocab's axes (Megatron's vocab-parallel embedding).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -112,6 +113,12 @@ class Gather(Op):
             out = out * mask.reshape(*ids.shape, *([1] * (table.dim() - 1))).to(out.dtype)
         return out
 
+    def direct_for(self, attrs, ins, outs):
+        # the whole table with its rows first (the usual embedding): one index_select, one view
+        if attrs["pos"] or ins[1][0] != attrs["size"]:
+            return None
+        return functools.partial(_whole_rows, attrs["dim"], attrs["size"], outs[0])
+
     def flops(self, node, local):
         return math.prod(local.get(d.name, d.size) for d in node.outputs[0].shape)
 
@@ -119,6 +126,21 @@ class Gather(Op):
         ids, table = node.inputs
         return [None, apply("scatter_add", [ids, douts[0]], {"dim": table.shape.get(node.attrs["dim"]),
                                                              "table": table.shape})]
+
+
+def _whole_rows(name: str, size: int, shape: tuple, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """:meth:`Gather.compute` for the whole table with its rows first, the output's local ``shape``
+    given: the same checks (index_select's own on the CPU; before it elsewhere, unless traced)."""
+    if not ids.is_cpu and get_proxy_mode() is None:
+        _check_ids(ids, name, size)
+    try:
+        out, err = table.index_select(0, ids.reshape(-1)), None
+    except (IndexError, RuntimeError) as e:
+        err = e
+    if err is not None:   # the GraphError is raised outside the except (no chained context)
+        _check_ids(ids, name, size)
+        raise err
+    return out.view(shape)
 
 
 def _check_ids(ids: torch.Tensor, name: str, size: int) -> None:
@@ -164,8 +186,22 @@ class ScatterAdd(Op):
         pos = table.index(d.name)
         return out.movedim(0, pos)
 
+    def direct_for(self, attrs, ins, outs):
+        # the whole table with its rows first (gather's gradient of the usual embedding): the
+        # local sizes written in, the zeros made like ``src`` (its dtype and device)
+        d, (ids, _), (out,) = attrs["dim"], ins, outs
+        if attrs["table"].index(d.name) or out[0] != d.size:
+            return None
+        return functools.partial(_into_rows, out, (math.prod(ids), *out[1:]))
+
     def flops(self, node, local):
         return math.prod(local.get(d.name, d.size) for d in node.inputs[1].shape)
+
+
+def _into_rows(shape: tuple, rows: tuple, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """:meth:`ScatterAdd.compute` for the whole table with its rows first: ``src``'s rows (viewed
+    as ``rows``) summed into a zero table of ``shape`` at ``ids``."""
+    return src.new_zeros(shape).index_add_(0, ids.reshape(-1), src.reshape(rows))
 
 
 def iota(dim: Dim, dtype=torch.int64) -> Tensor:

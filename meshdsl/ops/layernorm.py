@@ -94,7 +94,13 @@ def _backward(pos: int, has_scale: bool, has_bias: bool, g, x, mean, rstd, *para
         # the normalised dim last, fp32 or fp64 on the CPU (the usual case): no moves, no conversions
         bias = (scale if scale is not None and scale.dtype is x.dtype and scale.is_contiguous()
                 else x.new_empty(x.shape[-1])) if has_bias else None   # (only its shape is read: see bwd below)
-        out = _LN_BWD(g, x, x.shape[-1:], mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, bias, mask)
+        if type(x) is torch.Tensor:
+            # eager: the CPU kernel reads the statistics as one value per row, whatever their shape
+            # (the forward's, squeezed: no unsqueeze to call); a tracer (a subclass: --compile's
+            # functional or fake tensors) gets them shaped as the op's schema and decompositions say
+            out = _LN_BWD(g, x, x.shape[-1:], mean, rstd, scale, bias, mask)
+        else:
+            out = _LN_BWD(g, x, x.shape[-1:], mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, bias, mask)
         if has_scale and has_bias:
             return out
         return (out[0],) + ((out[1],) if has_scale else ()) + ((out[2],) if has_bias else ())

@@ -136,22 +136,30 @@ class MatmulForm:
         return self._recipe(a.shape, b.shape)
 
     def _calls(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
-        """``(run, operands, shape, other)`` for operand shapes ``x.shape``, ``y.shape``: worked
+        """``(run, operands, shape, other, into)`` for operand shapes ``x.shape``, ``y.shape``: worked
         out once per shape (a plan calls a kernel with the same shapes every step).  ``run(x, y)``
-        is :meth:`matmul`, ``operands(x, y)`` is :meth:`_operands`' ``(A, B)``, each one generated
-        function holding only the calls these shapes need, the recipe's sizes written into it."""
-        key = (x.shape, y.shape)
+        is :meth:`matmul`, ``operands(x, y)`` is :meth:`_operands`' ``(A, B)``, ``into(x, y, out,
+        accumulate)`` is :meth:`matmul_into` run now (None for a form not in order), each one
+        generated function holding only the calls these shapes need, the recipe's sizes written into it."""
+        got = self._sizes.get((x.shape, y.shape))
+        return got if got is not None else self.calls_for(x.shape, y.shape)
+
+    def calls_for(self, x_shape: tuple, y_shape: tuple) -> tuple:
+        """:meth:`_calls` for operands of shapes ``x_shape`` and ``y_shape``.  The executor's program
+        binds ``run`` (``[0]``) per step from the plan's local shapes: no per-call lookup, eager only
+        (it holds no ``torch.compile`` check)."""
+        key = (x_shape, y_shape)
         got = self._sizes.get(key)
         if got is None:
             if len(self._sizes) > 64:
                 self._sizes.clear()
-            got = self._sizes[key] = self._generated(*((y, x) if self.swap else (x, y)))
+            got = self._sizes[key] = self._generated(*((y_shape, x_shape) if self.swap else (x_shape, y_shape)))
         return got
 
-    def _generated(self, a: torch.Tensor, b: torch.Tensor) -> tuple:
-        """:meth:`_calls` for A and B (source built from ints and the recipe's tuples only; sizes as
-        separate arguments, which torch parses faster than a tuple)."""
-        pa, ma, pb, mb, view, fold, shape, linear = self._recipe(a.shape, b.shape)
+    def _generated(self, sa: tuple, sb: tuple) -> tuple:
+        """:meth:`_calls` for A's and B's shapes (source built from ints and the recipe's tuples only;
+        sizes as separate arguments, which torch parses faster than a tuple)."""
+        pa, ma, pb, mb, view, fold, shape, linear = self._recipe(sa, sb)
         ea, eb = ("y", "x") if self.swap else ("x", "y")
         ea = _moved(ea, pa, ma)
         if linear is not None:   # a @ B.T with B as (N, K): F.linear takes B's transposed view itself
@@ -166,20 +174,33 @@ class MatmulForm:
             product += f".permute({_args(self.out_perm)}).contiguous()"
         # _operands: A and B as the BLAS call multiplies them (fold: A's rows folded here)
         oa, ob = ("y", "x") if self.swap else ("x", "y")
-        oa, ob = _moved(oa, pa, (-1, a.shape[-1]) if fold and len(a.shape) > 2 else ma), _moved(ob, pb, mb)
+        oa, ob = _moved(oa, pa, (-1, sa[-1]) if fold and len(sa) > 2 else ma), _moved(ob, pb, mb)
         if self.nb:
             oa, ob = f"blas({oa})", f"blas({ob})"
         other = view is not None or (fold and len(shape) > 2)
         source = f"def run(x, y):\n    return {product}\ndef operands(x, y):\n    return {oa}, {ob}\n"
-        space = {"linear": F.linear, "mm": torch.mm, "bmm": torch.bmm, "matmul": torch.matmul, "blas": _blas}
+        if self.out_perm is None:   # matmul_into's steps for these shapes (its docstring says what)
+            rows = (math.prod(sa[:-1]),) if fold and len(sa) > 2 else tuple(ma[:-1]) if ma is not None \
+                else tuple(sa[i] for i in self.perm_a)[:-1]
+            mat = (*rows, mb[-1] if mb is not None else sb[self.perm_b[-1]])   # the BLAS call's product
+            mm, addmm = ("bmm", "baddbmm_") if self.nb else ("mm", "addmm_")
+            source += (f"def into(x, y, out, acc):\n    a, b = {oa}, {ob}\n"
+                       f"    if (out.shape != SHAPE or out.dtype is not a.dtype or b.dtype is not a.dtype\n"
+                       f"            or out.get_device() != a.get_device() or not out.is_contiguous()):\n"
+                       f"        return {mm}(a, b).view({_args(shape)})\n"
+                       f"    q = out{f'.view({_args(mat)})' if other else ''}\n"
+                       f"    if acc:\n        q.{addmm}(a, b)\n    else:\n        {mm}(a, b, out=q)\n"
+                       f"    return out\n")
+        space = {"linear": F.linear, "mm": torch.mm, "bmm": torch.bmm, "matmul": torch.matmul, "blas": _blas,
+                 "SHAPE": tuple(shape)}
         exec(compile(source, "<meshdsl matmul form>", "exec"), space)
-        return space["run"], space["operands"], shape, other
+        return space["run"], space["operands"], shape, other, space.get("into")
 
     def _operands(self, x: torch.Tensor, y: torch.Tensor):
         """A and B as the matrices (batch of matrices) the BLAS call multiplies, the product's
         shape, and whether the BLAS call's product has another shape (its matrix shape)."""
         if not _compiling():
-            _, operands, shape, other = self._calls(x, y)
+            _, operands, shape, other, _ = self._calls(x, y)
             return (*operands(x, y), shape, other)
         a, b = (y, x) if self.swap else (x, y)
         pa, ma, pb, mb, view, fold, shape, _ = self._cached(a, b)
@@ -225,18 +246,21 @@ class MatmulForm:
         return out if self.out_perm is None else out.permute(self.out_perm).contiguous()
 
     def matmul_into(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, accumulate: bool,
-                    later: list | None = None) -> torch.Tensor:
+                    later: list | None = None, calls: tuple | None = None) -> torch.Tensor:
         """``einsum(x, y)`` written into ``out`` (``out + einsum(x, y)`` when ``accumulate``), in
         one BLAS call; returns ``out``.  Only for forms :attr:`in_order`.  When ``out`` cannot take
         it (another shape, dtype or device, not contiguous), the product is returned and ``out`` is untouched.
 
         With ``later`` (a list), the BLAS call is appended to it as a ready callable instead of
-        run: ``out`` is returned unwritten, and holds the product once that callable has run."""
+        run: ``out`` is returned unwritten, and holds the product once that callable has run.
+        ``calls``: :meth:`calls_for` of ``x``'s and ``y``'s shapes, where the caller bound it (eager)."""
         assert self.out_perm is None, "matmul_into needs the product in the output's order"
-        if _compiling():
+        if calls is None and _compiling():
             a, b, shape, other = self._operands(x, y)
-        else:   # (a loop calls this per layer and weight: the generated operands, no frame between)
-            _, operands, shape, other = self._calls(x, y)
+        else:   # (a loop calls this per layer and weight: the generated steps for these shapes)
+            _, operands, shape, other, into = calls or self._calls(x, y)
+            if later is None:
+                return into(x, y, out, accumulate)
             a, b = operands(x, y)
         if (out.shape != shape or out.dtype is not a.dtype or b.dtype is not a.dtype
                 or out.get_device() != a.get_device() or not out.is_contiguous()):

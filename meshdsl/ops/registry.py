@@ -14,7 +14,6 @@ communication of their own get a rule in :mod:`meshdsl.lowering.rules`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -87,14 +86,20 @@ def run_device():
     return _RUN_DEVICE.get()
 
 
-@contextmanager
-def running_on(device):
-    """Run the enclosed kernels' input-free allocations on ``device``."""
-    token = _RUN_DEVICE.set(device)
-    try:
-        yield
-    finally:
-        _RUN_DEVICE.reset(token)
+class running_on:
+    """``with running_on(device):`` runs the enclosed kernels' input-free allocations on ``device``
+    (a class, not a generator: entered once per step, it costs no generator frames)."""
+
+    __slots__ = ("device", "token")
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        self.token = _RUN_DEVICE.set(self.device)
+
+    def __exit__(self, *exc):
+        _RUN_DEVICE.reset(self.token)
 
 
 class Op(ABC):
@@ -131,6 +136,12 @@ class Op(ABC):
         """``compute`` with ``attrs`` bound, as ``fn(*xs)`` for a kernel that reads no ``ctx`` (the
         executor's straight-line program calls it without the op's frame), or None."""
         return None
+
+    def direct_for(self, attrs: dict, ins: tuple, outs: tuple):
+        """:meth:`direct` for inputs and outputs of these local shapes only (``ins``, ``outs``: one
+        tuple per tensor), or None: the executor's program binds it per step and rank, since a plan
+        runs each step on the same shapes every time.  By default :meth:`direct`."""
+        return self.direct(attrs)
 
     def grad(self, node, douts):
         raise GraphError(message(

@@ -117,12 +117,18 @@ def install(ex, vid: int) -> Sink | None:
         env[vid] = [form.matmul(x, y) if d is None else form.matmul_into(x, y, d, acc, later)
                     for x, y, d in zip(get(a), get(b), dst)]
 
+    # each held rank's generated calls for its operands' local shapes (the plan fixes them)
+    plan = ex.plan
+    shaped = [form.calls_for(plan.values[a].local_shape(plan.mesh, r), plan.values[b].local_shape(plan.mesh, r))
+              for r in ex.comm.ranks]
+
     def per_rank(j: int, x, y):
         """Held rank ``j``'s product, as ``call`` makes it: the straight-line program calls this
         inline, on its locals (:mod:`.program`)."""
         dst = sink.dst
-        d = None if dst is None else dst[j]
-        return form.matmul(x, y) if d is None else form.matmul_into(x, y, d, sink.accumulate, sink.later)
+        if dst is None:
+            return shaped[j][0](x, y)
+        return form.matmul_into(x, y, dst[j], sink.accumulate, sink.later, shaped[j])
     call.per_rank = per_rank
     ex.calls[i] = call
     return sink

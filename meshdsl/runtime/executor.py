@@ -212,6 +212,7 @@ class Executor:
         self._leaves = {s.outs[0]: s.args["tensor"] for s in steps if s.kind in ("input", "param")}
         self._slice_idx: dict[int, list[tuple]] = {}
         self._local_shape: dict[int, list[tuple[int, ...]]] = {}  # value id -> each held rank's
+        self._feed_want: dict[int, tuple] = {}   # input value id -> its full sizes and dtype
         # One prepared callable per step: the run loop dispatches by index, not by kind.
         self.calls = [rule_for(s.kind)(self.ctx, i, s) for i, s in enumerate(steps)]
         #: each step's call as its rule made it (a loop may replace some of ``calls``: .deferred)
@@ -280,8 +281,13 @@ class Executor:
                                              rule="a per-rank slice has the local shape the layout gives",
                                              fix=f"slice it to {want} or feed the full tensor"))
             return [x.to(self.device) for x in value]
-        check_feed(self.plan_tensor(name, vid), value)
-        return self.local_slices(v, value.to(self.device))
+        want = self._feed_want.get(vid)   # (the input's sizes and dtype, worked out once)
+        if want is None:
+            t = self.plan_tensor(name, vid)
+            want = self._feed_want[vid] = (t.shape.sizes, t.dtype)
+        if type(value) is not torch.Tensor or value.shape != want[0] or value.dtype is not want[1]:
+            check_feed(self.plan_tensor(name, vid), value)   # (raises the error, if any)
+        return self.local_slices(v, value if value.device == self.device else value.to(self.device))
 
     def plan_tensor(self, name, vid):
         try:

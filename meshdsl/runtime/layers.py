@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import operator
 import time
+from itertools import chain
+from typing import NamedTuple
 
 import torch
 
@@ -92,12 +94,16 @@ def _prepare_repeat(ctx, i, step):
     layer_params = _LayerParams(names, pos, held)
 
     def call(env, get, run):
-        ins = [get(v) for v in step.ins]
-        layer_params.fixed = {k: PerRank(x) for k, x in zip(closed, ins[len(ins) - len(closed):])}
+        ins = list(map(env.__getitem__, step.ins)) if type(env) is dict else None   # (a pipeline's: get)
+        if ins is None or any(issubclass(t, Pending) for t in set(map(type, ins))):   # (a result in flight)
+            ins = [get(v) for v in step.ins]
+        layer_params.fixed = {k: PerRank(x) for k, x in zip(closed, ins[len(ins) - len(closed):])} if closed else {}
         outs = run_fn(sub, ins[:len(ins) - len(closed)], names, pos, (saved, ys), num_layers, held, run.stats,
                       run.salt + first, run.into, run.defer, layer_params, runner)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
+    # what the loop hands on is never in flight, but for gradients it reduces layer by layer (_Layers)
+    call.settled = not (a["backward"] and tail)
     return call
 
 
@@ -213,6 +219,10 @@ def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, i
     n_ys = len(ys)
     cols = list(zip(*kept)) or [()] * (1 + n_ys + len(saved))   # per kept value, its per-rank lists by layer
     inputs, ys_cols, saved_cols = cols[0], cols[1:1 + n_ys], cols[1 + n_ys:]
+    if len(held) == 1:   # (every process's case: each layer's one-tensor lists chained, no loop per rank)
+        return [x, [LayerStack(chain.from_iterable(inputs))],
+                *[[torch.stack(list(chain.from_iterable(col)), 0)] for col in ys_cols],
+                *[[LayerStack(chain.from_iterable(col))] for col in saved_cols]]
     return [x, [LayerStack([c[j] for c in inputs]) for j in held],
             *[[torch.stack([c[j] for c in col], 0) for j in held] for col in ys_cols],
             *[[LayerStack([c[j] for c in col]) for j in held] for col in saved_cols]]
@@ -289,16 +299,66 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
     tensors read from outside the block, summed over the layers after the stacked ones.
     """
     static: list = []   # what depends on the body's plan only: worked out at the first call
+    layouts: dict = {}  # (the gradients summed into ``into``, those deferred) -> their _GradLayout
 
     def backward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner):
         if not static:
             outv = [sub.plan.outputs[f"d/{k}"] for k in names]
-            static.extend((outv, {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}))
-        loop = _BackwardLoop((tail, shapes, sinks, outs, closed, *static), sub, ins, names, pos, kept_names,
-                             num_layers, held, stats, first, into or {}, defer, layer_params, runner)
+            late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
+            # per gradient, whether its buffers may be allocated like the carry's gradient (its dtype
+            # and device): ``new_empty`` has no dtype or device to parse, every call
+            dy = ins[1 + len(names)]
+            like = [all(dtype is x.dtype for x in dy) for _, dtype in shapes]
+            static.extend((outv, late, _packed_members(tail, outv), like))
+        outv, late, packed, like = static
+        into = into or {}
+        key = (frozenset(v for v in outs if v in into) if into else frozenset(),
+               None if defer is None else defer.values)
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = _GradLayout.of(outs, sinks, late, packed, num_layers, *key)
+        loop = _BackwardLoop((tail, shapes, outs, closed, outv, late, layout, like), sub, ins, names, pos, kept_names,
+                             num_layers, held, stats, first, into, defer, layer_params, runner)
         dy, _ = run_layers(num_layers, loop.layer, loop.dy, backward=True)
         return loop.results(dy)
     return backward
+
+
+class _GradLayout(NamedTuple):
+    """Where a backward loop puts each stacked gradient ``n``, for one pattern of running sums
+    and deferred matmuls (worked out once per pattern, not per step).
+
+    ``adds``: added into the pipeline's running sum; ``later``: its matmuls go to the
+    :class:`~.deferred.Deferred`; ``stack``: each layer's kept and stacked after the last (no
+    matmul writes it into its layer slice, no running sum); ``views``: written into its
+    buffer's layer slices; ``fresh``: the gradients whose buffers are allocated per call;
+    ``sinking``: ``(sink, n)`` of the matmuls that write into the layer slice themselves."""
+
+    adds: tuple
+    later: tuple
+    stack: tuple
+    views: tuple
+    fresh: tuple
+    sinking: tuple
+
+    @classmethod
+    def of(cls, outs, sinks, late, packed, num_layers, summed, deferred) -> "_GradLayout":
+        num = range(len(outs))
+        adds = tuple(n not in late and outs[n] in summed for n in num)
+        later = tuple(deferred is not None and outs[n] in deferred and n not in late for n in num)
+        direct = [n not in late or n in packed for n in num]   # the layer's grad goes to bufs
+        stack = tuple(num_layers > 0 and direct[n] and sinks[n] is None and not adds[n] and n not in packed
+                      for n in num)
+        return cls(adds, later, stack, tuple(direct[n] and not stack[n] for n in num),
+                   tuple(n for n in num if n not in packed and not adds[n] and not stack[n]),
+                   tuple((sink, n) for n, sink in enumerate(sinks) if sink is not None and direct[n]))
+
+
+def _packed_members(tail, outv) -> frozenset:
+    """The gradients (positions in ``outv``) that :func:`_packed_rows` lays out as buckets."""
+    where = {v: n for n, v in enumerate(outv)}
+    return frozenset(where[v] for s, _ in tail if s.kind == "bucket_allreduce" and all(v in where for v in s.ins)
+                     for v in s.ins)
 
 
 class _BackwardLoop:
@@ -306,36 +366,41 @@ class _BackwardLoop:
 
     def __init__(self, fixed, sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer,
                  layer_params, runner):
-        tail, shapes, sinks, outs, closed, self.outv, late = fixed
+        tail, shapes, outs, closed, self.outv, late, layout, like = fixed
         self.tail, self.closed, self.late = tail, closed, late
         self.sub, self.names, self.pos, self.held, self.stats, self.first = sub, names, pos, held, stats, first
         self.layer_params, self.runner = layer_params, runner
         carries, *rest = ins
         self.saved, self.ys = kept_names
-        self.carries, self.stacked, self.dy = carries, rest[:len(names)], rest[len(names)]
-        self.dys = rest[len(names) + 1:len(names) + 1 + len(self.ys)]
-        self.saved_in = rest[len(names) + 1 + len(self.ys):]
+        n_names = len(names)
+        self.carries, self.stacked, self.dy = carries, rest[:n_names], rest[n_names]
+        self.dys = rest[n_names + 1:n_names + 1 + len(self.ys)]
+        self.saved_in = rest[n_names + 1 + len(self.ys):]
+        self.per_layer = self.dys + self.saved_in   # what each layer reads its slice of, after its params
         self.ahead = _Ahead(sub, names, num_layers, stats)
         self.pending = {n: [None] * num_layers for n in late}
         self.closed_sums = closed.start(into, held)
-        self.adds = [n not in late and outs[n] in into for n in range(len(names))]
-        self.later = [defer.work if defer is not None and outs[n] in defer.values and n not in late else None
-                      for n in range(len(names))]
+        self.adds = layout.adds
+        work = defer.work if defer is not None else None
+        self.later = [work if f else None for f in layout.later]
         self.packed, self.rows = _packed_rows(sub, tail, self.outv, shapes, [pos[k] for k in names], num_layers,
-                                              self.dy)
-        direct = [n not in late or n in self.packed for n in range(len(names))]  # the layer's grad goes to bufs
-        # a gradient no matmul writes into its layer slice (a layer norm's gain) and that is not
-        # summed into a running sum: each layer's is kept, and stacked once after the last layer
-        stack = [num_layers > 0 and direct[n] and sinks[n] is None and not self.adds[n] and n not in self.packed
-                 for n in range(len(names))]
-        self.kept = {n: [None] * num_layers for n in range(len(names)) if stack[n]}
-        self.bufs = [self.packed[n] if n in self.packed else into[outs[n]] if self.adds[n] else None if stack[n]
-                     else [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, self.dy)]
-                     for n, (each, dtype) in enumerate(shapes)]
+                                              self.dy) if tail else ({}, {})
+        self.kept = {n: [None] * num_layers for n, f in enumerate(layout.stack) if f}
+        bufs: list = [None] * n_names
+        for n in layout.fresh:
+            each, dtype = shapes[n]
+            bufs[n] = [x.new_empty(shape) for shape, x in zip(each, self.dy)] if like[n] else \
+                [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, self.dy)]
+        for n in self.packed:
+            bufs[n] = self.packed[n]
+        for n, f in enumerate(layout.adds):
+            if f and n not in self.packed:
+                bufs[n] = into[outs[n]]
+        self.bufs = bufs
         # each stacked gradient's layer slices, per held rank: one unbind per buffer and step
-        self.views = [[buf.unbind(pos[k]) for buf in self.bufs[n]] if direct[n] and not stack[n] else None
-                      for n, k in enumerate(names)]
-        self.sinking = [(sink, n) for n, sink in enumerate(sinks) if sink is not None and direct[n]]
+        self.views = [[buf.unbind(pos[k]) for buf in bufs[n]] if f else None
+                      for n, (k, f) in enumerate(zip(names, layout.views))]
+        self.sinking = layout.sinking
 
     def _params_of(self, l):
         return self.layer_params(self.stacked, l)
@@ -347,10 +412,12 @@ class _BackwardLoop:
             sink.dst, sink.accumulate, sink.later = dsts[n], self.adds[n], self.later[n]
         try:
             if self.runner is not None:
-                r = self.runner(self.first + l, self.stats, pre, [x[l] for x in self.carries], dy,
-                                *self.layer_params.slices(self.stacked, l),
-                                *[[x[l] for x in d] for d in self.dys], *[[x[l] for x in s] for s in self.saved_in],
-                                *self.layer_params.fixed.values())
+                if len(self.held) == 1:   # (every process's case: no loop over held ranks per value)
+                    carry, per_layer = [self.carries[0][l]], [[x[0][l]] for x in self.per_layer]
+                else:
+                    carry, per_layer = [x[l] for x in self.carries], [[x[l] for x in d] for d in self.per_layer]
+                r = self.runner(self.first + l, self.stats, pre, carry, dy, *self.layer_params.slices(self.stacked, l),
+                                *per_layer, *self.layer_params.fixed.values())
                 n = len(self.names)
                 return r[0], r[1:1 + n], r[1 + n:]
             held = self.held
@@ -365,7 +432,10 @@ class _BackwardLoop:
                 sink.dst = sink.later = None
 
     def layer(self, l, dy):
-        dsts = [None if v is None else [x[l] for x in v] for v in self.views]
+        if len(self.held) == 1:
+            dsts = [None if v is None else [v[0][l]] for v in self.views]
+        else:
+            dsts = [None if v is None else [x[l] for x in v] for v in self.views]
         dcarry, grads, closed_grads = self._body(l, dy, dsts)
         for n, dst_n in enumerate(dsts):
             if dst_n is not None:

@@ -7,15 +7,17 @@ string) and compiled with Python's ``compile()``:
 
 * a local step is one kernel call on Python locals, one per held rank
   (``v12_0 = K3(C3_0, A3, v10_0, v11_0)``, or ``K3(v10_0, v11_0)`` where the op's kernel reads
-  no context: ``Op.direct``, an einsum's matmul, an elementwise op's torch function, an add into
-  one of its operands); an identity kernel (``stop_gradient``, ``rename``) is an alias; params and feeds are read
+  no context: ``Op.direct_for``, bound to the rank's local shapes, which the plan fixes: an
+  einsum's matmul generated for them, an elementwise op's torch function, an add into one of
+  its operands); an identity kernel (``stop_gradient``, ``rename``) is an alias; params and feeds are read
   straight from the run's dicts;
 * a local step whose call a loop replaced (a gradient's matmul writing into the loop's stacked
   buffer: :func:`.deferred.install`) calls the per-rank kernel the new call carries, inline too;
 * every other step (collectives, loops, pipelines) calls its prepared rule with the ``env``
   dict: the locals it reads are written to ``env`` just before, and what it makes is read back
-  (waiting, if it is in flight) just before its first local reader, so communication still
-  overlaps the compute the issue order put before that read;
+  (waiting, if it is in flight, unless its call says its results never are: ``call.settled``)
+  just before its first local reader, so communication still overlaps the compute the issue
+  order put before that read;
 * each value is dropped after its last reader, as the interpreted loop does.
 
 With ``--compile`` (:mod:`.compiled`), runs of consecutive local steps become segments: each one
@@ -111,6 +113,11 @@ class _Writer:
     def names(self, v: int) -> list[str]:
         return [f"v{v}_{j}" for j in range(self.num_ranks)]
 
+    def local_shapes(self, vids, j: int) -> tuple:
+        """The local shapes of values ``vids`` on held rank ``j`` (the plan's: every run has them)."""
+        plan = self.ex.plan
+        return tuple(plan.values[v].local_shape(plan.mesh, self.ex.comm.ranks[j]) for v in vids)
+
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
 
@@ -155,15 +162,26 @@ class _Writer:
             return list(s.outs)
         k = local_kernel(self.ex.ctx, i, s)
         op = OPS.get(s.op)
-        # the op's plain kernel with its attrs bound, where it reads no ctx: called without its frame
-        direct = None if op is None or k.reads_salt else op.direct(k.attrs) if k.fn == op.compute \
-            else direct_add(k.fn, k.attrs)   # (an add into one of its operands: ops/inplace.py)
-        self.consts[f"K{i}"], self.consts[f"A{i}"] = direct or k.fn, k.attrs
+        # the op's plain kernel with its attrs bound, where it reads no ctx: called without its frame,
+        # bound per held rank to its inputs' local shapes (the plan fixes them: Op.direct_for)
+        if op is None or k.reads_salt:
+            direct = None
+        elif k.fn == op.compute:
+            direct = [op.direct_for(k.attrs, self.local_shapes(s.ins, j), self.local_shapes(s.outs, j))
+                      for j in k.reps]
+            direct = None if None in direct else direct
+        else:   # (an add into one of its operands: ops/inplace.py)
+            fn = direct_add(k.fn, k.attrs)
+            direct = None if fn is None else [fn] * len(k.reps)
+        self.consts[f"K{i}"], self.consts[f"A{i}"] = k.fn, k.attrs
         for r, (j, c) in enumerate(zip(k.reps, k.ctxs)):
             self.consts[f"C{i}_{j}"] = c
             ctx = f"(C{i}_{j}.with_salt(S) if S else C{i}_{j})" if k.reads_salt else f"C{i}_{j}"
             args = ", ".join(x[j] for x in ins)
-            call = f"K{i}({args})" if direct else f"K{i}({ctx}, A{i}, {args})"
+            if direct:
+                kernel = f"K{i}" if r == 0 or direct[r] is direct[0] else f"K{i}_{j}"
+                self.consts[kernel] = direct[r]
+            call = f"{kernel}({args})" if direct else f"K{i}({ctx}, A{i}, {args})"
             if len(s.outs) == 1:
                 self.emit(f"{outs[0][j]} = {call}")
             else:
@@ -212,9 +230,11 @@ class _Writer:
         if s.is_collective and len(s.ins) == 1 and self.producer.get(s.ins[0]) == "input":
             line = f"if {s.outs[0]} not in env: {line}"   # started ahead by a loop (prefetched)
         self.emit(line)
+        settled = getattr(self.ex.calls[i], "settled", False)   # (its results are never in flight)
         for o in s.outs:
             self.in_env.add(o)
-            self.from_rule.add(o)
+            if not settled:
+                self.from_rule.add(o)
         return list(s.outs)
 
     def segment(self, u: Unit) -> list[int]:
