@@ -49,7 +49,8 @@ On GPUs (``--backend nccl``) it is the bytes torch allocated on the GPU instead
 Step-0 losses are checked against plain torch's.  Each meshdsl/torch ratio is given twice:
 the ratio of the two medians, and turn by turn (each meshdsl turn over its torch peer's turn
 of the same job and round, which ran right beside it): the median and 10-90% range of those
-ratios, which the machine's drift from turn to turn does not move.
+ratios, which the machine's drift from turn to turn does not move.  Each 2-process variant's
+share of the bound (the bound's step over its step) is given turn by turn the same way.
 
     python bench/distributed_gpt.py                      # 3 rounds
     python bench/distributed_gpt.py --quick              # 1 round, 2 turns, no memory jobs
@@ -409,6 +410,10 @@ def summarise(args, names, times, cpu, per_round, split, loss0, last, memory) ->
         "ratios": {f"{k} / {p}": med[k] / med[p] for k, p in PEERS if k in med and p in med},
         "paired_ratios": {f"{k} / {p}": paired_ratio(times[k], times[p]) for k, p in PEERS
                           if k in med and p in med},
+        # bound / variant, turn by turn: the share of the no-communication bound a 2-process variant
+        # reaches (its turns ran beside the bound's, in the same job and round)
+        "share_of_bound": {k: paired_ratio(times[BOUND], times[k]) for k in names
+                           if BOUND in times and k != BOUND and NPROC[k] == 2},
         "loss_step0_ok": {k: abs(v - base_loss) <= LOSS_RTOL * abs(base_loss) for k, v in loss0.items()},
         "step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
     }
@@ -448,6 +453,9 @@ def print_tables(out) -> None:
         p = out["paired_ratios"][name]
         console.print(f"{name} = {r:.3f}; turn by turn: median {p['median']:.3f}, 10-90% {p['p10']:.3f}-"
                       f"{p['p90']:.3f} over {p['turns']} turns", highlight=False)
+    for name, p in out["share_of_bound"].items():
+        console.print(f"{name} reaches {p['median']:.1%} of the bound (no comm), turn by turn (10-90% "
+                      f"{p['p10']:.1%}-{p['p90']:.1%} over {p['turns']} turns)", highlight=False)
     console.print(f"wall {run['wall_s']:.0f} s; load average {run['loadavg_start'][0]:.2f} at start, "
                   f"{run['loadavg_end'][0]:.2f} at end, on {run['cpus']} cores"
                   + (f"; skipped (fewer GPUs than processes): {', '.join(run['skipped'])}" if run["skipped"] else ""),

@@ -2,8 +2,10 @@
 
 The shared-memory path folds each chunk in group order, as the simulated mesh does, so
 its results are bitwise the simulated mesh's for every kind, op and dtype, including
-tensors larger than one slot (they go in pieces).  A group whose ranks are on different hosts
-keeps gloo; a rank that never arrives is named once the collective timeout passes;
+tensors larger than one slot (they go in pieces), and so are allreduces in flight together
+(comm/shm_ring.py: started without waiting for the other ranks, more than its ring holds,
+waited for in any order, by the caller or by a helper thread).  A group whose ranks are on
+different hosts keeps gloo; a rank that never arrives is named once the collective timeout passes;
 nothing is left in /dev/shm, even when the member that makes a segment is killed the
 moment it exists (a segment has no name: its descriptor is handed to the others).
 """
@@ -13,6 +15,7 @@ import glob
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +25,8 @@ import torch
 from conftest import time_limit
 from meshdsl.errors import DistributedError
 from meshdsl.processes import launcher as launch
-from meshdsl.comm import shm
+from meshdsl.comm import shm, shm_ring
+from meshdsl.collectives import REDUCE
 from meshdsl.comm.distributed import TorchComm
 from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.layout.mesh import Mesh
@@ -85,6 +89,66 @@ def test_shared_memory_collectives_are_bitwise_the_simulated_mesh():
         assert used and all(used)  # every group of the mesh went through shared memory
         assert counts == {"allreduce": 24, "allgather": 8, "reduce_scatter": 8, "alltoall": 8}
     assert _shm_files() == before  # unlinked as soon as every member had it mapped
+
+
+RING_OPS = ["sum", "sum", "max", "sum", "min", "sum", "sum", "sum"]
+
+
+def _split_phase(start, rank: int, started: Path):
+    """Allreduces begun by ``start(x, op)`` together and waited for in reverse: rank 1 starts only
+    once rank 0 has started the first three (so starting never waits for the others while the
+    ring has room); the rest overflow the ring (rank 0 waits for rank 1 to read what it would
+    overwrite).  Returns the results and the inputs."""
+    g = torch.Generator().manual_seed(rank)
+    sizes = (5, 700_000, shm_ring.PIECE_BYTES // 4 + 1000, *[700_000] * 4)  # the third goes in 2 pieces
+    xs = [torch.randn(n, generator=g) for n in sizes] + [torch.randint(-5, 5, (9,), generator=g)]
+    assert sum(x.numel() * 4 for x in xs) > shm_ring.RING_BYTES  # the ring wraps
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert time.monotonic() < deadline, "rank 0's starts waited for rank 1"
+            time.sleep(0.01)
+    handles = []
+    for k, (x, op) in enumerate(zip(xs, RING_OPS)):
+        handles.append(start(x, op))
+        if k == 2 and rank == 0:
+            started.write_text("")
+    return [h.wait() for h in reversed(handles)][::-1], xs
+
+
+def _in_flight_together(comm, tmp: Path):
+    """:func:`_split_phase` through the communicator (its segment's allreduces run by the caller),
+    then through a second segment of the group whose helper thread runs them."""
+    shm.helper_for = lambda local_procs: False
+    comm.all_reduce([torch.ones(1)], ("x",), "sum")  # the group's segment is made here, by both
+    by_caller = _split_phase(lambda x, op: comm.start("allreduce", [x], ("x",), {"op": op}), comm.rank,
+                             tmp / "caller")
+    shm.helper_for = lambda local_procs: True
+    s = comm._slice(("x",))
+    grp = shm.ShmGroup.open(s.pg, 2, 20.0, "test", 2)
+
+    class Started:
+        def __init__(self, x, op):
+            self.y = x.clone()
+            self.work = grp.start_allreduce(self.y, REDUCE[op], s.me, s.members)
+
+        def wait(self):
+            self.work.wait()
+            return [self.y]
+    by_helper = _split_phase(Started, comm.rank, tmp / "helper")
+    return by_caller, by_helper, [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.timeout(60)
+def test_allreduces_in_flight_together_are_bitwise_the_simulated_mesh(tmp_path):
+    got = launch.spawn(_in_flight_together, 2, args=(tmp_path,), mesh="x:2", collective_timeout=20, timeout=50)
+    sim = SimulatedComm(Mesh.parse("x:2"))
+    for run in range(2):   # by the caller, by a helper thread
+        for k, op in enumerate(RING_OPS):
+            want = sim.all_reduce([got[0][run][1][k], got[1][run][1][k]], ("x",), op)
+            for r in range(2):
+                assert torch.equal(got[r][run][0][k][0], want[r]), (run, r, k)
+    assert all("meshdsl-shm-ring" in threads for *_, threads in got)
 
 
 def _on_other_hosts(comm):

@@ -254,7 +254,9 @@ class TorchComm(Communicator):
         if key not in self._shm:
             self._shm[key] = ShmGroup.open(s.pg, s.size, self._timeout, f"mesh: {self.mesh}", self._local_procs())
             if self.verbose:
-                how = ("shared memory" if self._shm[key] is not None else
+                grp = self._shm[key]
+                how = (("shared memory" + (", allreduces run by a helper thread" if grp.ring.helper else ""))
+                       if grp is not None else
                        "gloo (no shared segment: ranks on other hosts, or it could not be made or handed over)")
                 self._log(f"group {key}: collectives through {how}")
         return self._shm[key]

@@ -2,17 +2,17 @@
 
 gloo moves a CPU allreduce through TCP sockets on the loopback: every byte is copied
 into the kernel and out again, by a gloo thread that competes with the compute for
-the cores.  Ranks on one host can instead share a memory segment: each writes its
-tensor into its slot, each reduces its chunk of the slots into a result area, and
-each copies the result back; two barriers (on flags in the segment) keep the steps
-apart.  On this project's 2-core machine a 16 MiB allreduce takes about 5 ms this
-way and 15 ms through gloo (``bench/collectives.py``).
+the cores.  Ranks on one host can instead share a memory segment.  An allreduce is
+split in two (:mod:`.shm_ring`): started, each rank copies its tensor into its region
+of the segment's ring and goes on; waited for, it folds every rank's copy in group
+order, as the simulated mesh folds, so every rank gets the same bits and the result is
+bitwise the simulated mesh's.  On this project's 2-core machine a 16 MiB allreduce
+took about 5 ms through shared memory and 15 ms through gloo (``bench/collectives.py``).
 
-The chunk of each rank is folded in group order, as the simulated mesh folds, so
-every rank gets the same bits and the result is bitwise the simulated mesh's.  The
-allgather, the reduce-scatter and the all-to-all go the same way: each rank writes
-its tensor, or its chunks, into its slot and each reads what it needs from every
-slot, in pieces of a slot for larger tensors.
+The allgather, the reduce-scatter and the all-to-all run to the end when called: each
+rank writes its tensor, or its chunks, into its slot and each reads what it needs from
+every slot, in pieces of a slot for larger tensors; two barriers (on flags in the
+segment) keep the steps apart.
 
 A :class:`ShmGroup` is made collectively over a group's process group (when its
 first collective runs): the members check that they share a host (host name and
@@ -41,9 +41,9 @@ import time
 
 import torch
 
-from ..errors import DistributedError, message
+from .shm_ring import Ring, not_arrived, ring_bytes
 
-#: Bytes of one rank's slot (and of the result area); larger tensors go in pieces.
+#: Bytes of one rank's slot; larger tensors go in pieces.
 SLOT_BYTES = 4 << 20
 _FLAG_STRIDE = 8      # int64s between two ranks' flags: one 64-byte cache line each
 _NAME_BYTES = 64
@@ -79,20 +79,27 @@ def _host_key() -> int:
 
 
 class ShmGroup:
-    """A shared segment for one process group: a flag per member, a slot per member, a result area.
+    """A shared segment for one process group: a flag per member, a slot per member, and the
+    allreduces' ring (:class:`~.shm_ring.Ring`).
 
     Use :meth:`open` (collective over the group); then every member calls
-    :meth:`allreduce_`, :meth:`gather` and :meth:`exchange` in the same order, with
-    tensors of the same shapes.
+    :meth:`start_allreduce` (or :meth:`allreduce_`), :meth:`gather` and :meth:`exchange`
+    in the same order, with tensors of the same shapes.
     """
 
-    def __init__(self, buf: mmap.mmap, size: int, timeout: float, describe: str, spins: int = _SPINS):
+    def __init__(self, buf: mmap.mmap, size: int, timeout: float, describe: str, spins: int = _SPINS,
+                 helper: bool = False):
         self.buf, self.n, self.timeout, self.describe = buf, size, timeout, describe
         self.spins = spins
         self.flags = memoryview(buf).cast("q")
         self.data = _flag_bytes(size)  # byte offset of the slots
         self.seq = 0
         self._views: dict = {}
+        # the allreduces' ring, after the slots (see shm_ring.py); its helper thread naps
+        # between checks (a spinning thread would hold the GIL the caller's Python needs)
+        waiter = ((lambda ready, late: nap_until(ready, timeout, late)) if helper else
+                  (lambda ready, late: wait_until(ready, spins, timeout, late)))
+        self.ring = Ring(buf, self.data + size * SLOT_BYTES, size, timeout, describe, waiter, helper)
 
     # ------------------------------------------------------------- making one
     @classmethod
@@ -100,11 +107,12 @@ class ShmGroup:
         """Map one segment for the ``size`` members of process group ``pg`` (every member calls
         this at the same point); None (use gloo) where they do not share a host or one fails.
         With more ``local_procs`` (this host's processes of the job) than cores, a member that
-        waits yields its core at once instead of spinning first."""
-        buf = open_segment(pg, size, _flag_bytes(size) + (size + 1) * SLOT_BYTES, timeout)
+        waits yields its core at once instead of spinning first; with a core to spare per
+        process, a helper thread runs the allreduces (:func:`helper_for`)."""
+        buf = open_segment(pg, size, _flag_bytes(size) + size * SLOT_BYTES + ring_bytes(size), timeout)
         if buf is None:
             return None
-        return cls(buf, size, timeout, describe, spins_for(local_procs))
+        return cls(buf, size, timeout, describe, spins_for(local_procs), helper_for(local_procs))
 
     # ------------------------------------------------------------- running
     def _arrive_and_wait(self, me: int, members) -> None:
@@ -114,14 +122,8 @@ class ShmGroup:
         flags[me * _FLAG_STRIDE] = seq
 
         def late():
-            behind = [members[j] for j in range(n) if flags[j * _FLAG_STRIDE] < seq]
-            raise DistributedError(message(
-                f"shared-memory collective: rank(s) {behind} of group "
-                f"{tuple(members)} did not arrive within {self.timeout:.0f} s",
-                inputs=[self.describe],
-                rule="every member of a group runs the same collectives in the same order",
-                fix="look at the named ranks' output for their error; run with MESHDSL_SHM=0 to "
-                    "compare with gloo"))
+            raise not_arrived([members[j] for j in range(n) if flags[j * _FLAG_STRIDE] < seq], members,
+                              self.timeout, self.describe)
         wait_until(lambda: all(flags[j * _FLAG_STRIDE] >= seq for j in range(n)), self.spins, self.timeout, late)
 
     def _slots(self, dtype: torch.dtype):
@@ -129,27 +131,20 @@ class ShmGroup:
         if v is None:
             esz = torch.empty(0, dtype=dtype).element_size()
             per = SLOT_BYTES // esz
-            whole = torch.frombuffer(self.buf, dtype=dtype, count=per * (self.n + 1), offset=self.data)
-            v = self._views[dtype] = (whole[:per * self.n].view(self.n, per), whole[per * self.n:], per)
+            whole = torch.frombuffer(self.buf, dtype=dtype, count=per * self.n, offset=self.data)
+            v = self._views[dtype] = (whole.view(self.n, per), per)
         return v
 
+    def start_allreduce(self, x: torch.Tensor, fold, me: int, members):
+        """Begin reducing contiguous CPU ``x`` over the group in place with ``fold`` (``torch.add``,
+        ``torch.maximum``, ``torch.minimum``), members in ``members`` order (this one at ``me``);
+        the handle's ``wait()`` finishes it (:class:`~.shm_ring.Ring`: no member waits for
+        another before then)."""
+        return self.ring.start(x, fold, me, members)
+
     def allreduce_(self, x: torch.Tensor, fold, me: int, members) -> torch.Tensor:
-        """Reduce contiguous CPU ``x`` over the group in place with ``fold`` (``torch.add``,
-        ``torch.maximum``, ``torch.minimum``), members in ``members`` order (this one at ``me``)."""
-        slots, result, per = self._slots(x.dtype)
-        flat, n = x.view(-1), self.n
-        for lo in range(0, flat.numel(), per):
-            piece = flat[lo:lo + per]
-            k = piece.numel()
-            slots[me, :k].copy_(piece)
-            self._arrive_and_wait(me, members)
-            a, b = k * me // n, k * (me + 1) // n
-            out = result[a:b]
-            fold(slots[0, a:b], slots[1, a:b], out=out)
-            for j in range(2, n):
-                fold(out, slots[j, a:b], out=out)
-            self._arrive_and_wait(me, members)
-            piece.copy_(result[:k])
+        """:meth:`start_allreduce`, finished: ``x`` reduced in place."""
+        self.ring.start(x, fold, me, members).wait()
         return x
 
     def gather(self, x: torch.Tensor, me: int, members, combine):
@@ -158,7 +153,7 @@ class ShmGroup:
         A tensor that fits in a slot is handed over as views of the segment (valid only
         inside ``combine``); a larger one goes in pieces into a local ``[members, numel]``
         buffer first."""
-        slots, _, per = self._slots(x.dtype)
+        slots, per = self._slots(x.dtype)
         flat, n = x.reshape(-1), x.numel()
         if n <= per:
             slots[me, :n].copy_(flat)
@@ -179,7 +174,7 @@ class ShmGroup:
         """``combine(parts)``, ``parts[j]`` being member j's chunk ``me`` of its ``x`` along ``dim``
         (an all-to-all), handed over as :meth:`gather` hands its parts; None (the caller uses
         gloo, as every member does) when ``x`` does not cut into equal chunks."""
-        slots, _, per = self._slots(x.dtype)
+        slots, per = self._slots(x.dtype)
         chunks = x.chunk(self.n, dim)
         if len(chunks) != self.n or any(c.shape != chunks[0].shape for c in chunks):
             return None
@@ -223,12 +218,42 @@ def wait_until(ready, spins: int, timeout: float, late, yields: int = 4000) -> N
         os.sched_yield() if n < spins + yields else time.sleep(5e-5)
 
 
+def nap_until(ready, timeout: float, late, shortest: float = 5e-5, longest: float = 2e-4) -> None:
+    """Return once ``ready()``, sleeping between checks (the GIL free), the naps doubling from
+    ``shortest`` to ``longest`` seconds; past ``timeout`` seconds, call ``late()`` (which raises).
+    For a helper thread: at most ``longest`` late, and a few thousand checks a second at most."""
+    nap, deadline = shortest, None
+    while not ready():
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + timeout
+        elif now > deadline:
+            late()
+        time.sleep(nap)
+        nap = min(2 * nap, longest)
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def helper_for(local_procs: int) -> bool:
+    """Whether a helper thread should copy and fold this process's allreduces while it computes:
+    where this host has a core to spare for each of the job's ``local_procs`` processes beyond
+    their torch threads.  Otherwise the thread would take its own process's core, and the
+    process copies and folds them itself when it waits for them.  ``MESHDSL_SHM_HELPER=1``
+    (or ``0``) turns the thread on (or off) whatever the cores."""
+    forced = os.environ.get("MESHDSL_SHM_HELPER", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return _usable_cores() >= local_procs * (torch.get_num_threads() + 1)
+
+
 def spins_for(local_procs: int) -> int:
     """Busy checks before a waiting member yields: none when this host runs more of the
     job's processes than this process may use cores (a spinning waiter would take the core
     of the member it waits for)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return _SPINS if local_procs <= cores else 0
+    return _SPINS if local_procs <= _usable_cores() else 0
 
 
 def open_segment(pg, size: int, nbytes: int, timeout: float = _HANDOVER_S) -> mmap.mmap | None:

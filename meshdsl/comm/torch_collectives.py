@@ -37,9 +37,12 @@ class _Finished:
 
 def _all_reduce_(comm, out, group, op: str, async_op: bool):
     """Reduce ``out`` over ``group`` in place: through shared memory where the communicator
-    has a segment for the group (:mod:`meshdsl.comm.shm`, at once), else the backend's."""
+    has a segment for the group (:mod:`meshdsl.comm.shm`: started now, folded on ``wait``),
+    else the backend's."""
     shm = _shm(comm, group, out)
     if shm is not None:
+        if async_op:
+            return shm.start_allreduce(out, REDUCE[op], group.me, group.members)
         shm.allreduce_(out, REDUCE[op], group.me, group.members)
         return _Finished()
     return _dist().all_reduce(out, op=_reduce_op(op), group=group.pg, async_op=async_op)
