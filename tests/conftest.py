@@ -203,6 +203,20 @@ def build_case(fn, *, loss: bool = True, whole=(), seed: int = 0) -> Case:
     return case
 
 
+def load_bench(name: str):
+    """bench/NAME.py as a module of its own name (``bench_NAME``); bench/ leaves sys.path again
+    (its files' names, train.py and search.py among them, would shadow others' imports)."""
+    import importlib.util
+    path, saved = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py", list(sys.path)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
 def assert_matches_scaled(got: dict, want: dict, what: str, rel: float) -> None:
     """Every output of ``got`` equals ``want``'s within ``rel`` of that output's largest
     magnitude (a program that sums micro-batches or shards in another order than the dense

@@ -9,9 +9,6 @@ work explains.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,21 +16,10 @@ from meshdsl.lowering.pipeline_program import PipelineProgram
 from meshdsl.lowering.schedule_gen import make_schedule
 from meshdsl.lowering.timeline import simulate
 
-
-def _load_bench():
-    """bench/pipeline.py as a module of its own name; bench/ leaves sys.path again (its files'
-    names would shadow others' imports)."""
-    path, saved = Path(__file__).resolve().parents[1] / "bench" / "pipeline.py", list(sys.path)
-    spec = importlib.util.spec_from_file_location("bench_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+from conftest import load_bench
 
 
-bench = _load_bench()
+bench = load_bench("pipeline")
 
 # Binary fractions: every sum below is exact in floating point.
 COMPUTE = {"F": 2.0, "B": 3.0, "W": 1.5}

@@ -12,9 +12,6 @@ meshdsl/lowering/block_order.py), and ``bench/memory.py``'s summary and goal ver
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,21 +19,10 @@ import meshdsl as md
 from models.llama import Config as LlamaConfig, build as build_llama
 from models.transformer import Config, build
 
-
-def _load_bench():
-    """bench/memory.py as a module of its own name; bench/ leaves sys.path again (its files'
-    names, train.py and search.py among them, would shadow others' imports)."""
-    path, saved = Path(__file__).resolve().parents[1] / "bench" / "memory.py", list(sys.path)
-    spec = importlib.util.spec_from_file_location("bench_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+from conftest import load_bench
 
 
-bench = _load_bench()
+bench = load_bench("memory")
 
 MODELS = {
     # dropout on: its recompute must draw the forward's masks, with the step's salt
