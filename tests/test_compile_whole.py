@@ -183,3 +183,15 @@ def test_a_compiled_step_that_disagrees_with_eager_runs_eagerly():
         _assert_same(compiled.run(model.feeds(seed), params), eager.run(model.feeds(seed), params), f"seed {seed}")
     assert len(lines) == 1 and "differs from the eager executor's (loss by" in lines[0], lines
     assert "the step runs eagerly" in lines[0]
+
+
+def test_cuda_graphs_follow_the_environment(monkeypatch):
+    """``MESHDSL_CUDA_GRAPHS``: 1 (or unset) captures a whole step on a GPU, 0 leaves it out, any
+    other value is an error that names the variable."""
+    monkeypatch.delenv("MESHDSL_CUDA_GRAPHS", raising=False)
+    assert CompileSettings().cuda_graphs
+    monkeypatch.setenv("MESHDSL_CUDA_GRAPHS", "0")
+    assert not CompileSettings().cuda_graphs
+    monkeypatch.setenv("MESHDSL_CUDA_GRAPHS", "yes")
+    with pytest.raises(md.GraphError, match="MESHDSL_CUDA_GRAPHS='yes'"):
+        CompileSettings()

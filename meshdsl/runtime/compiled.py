@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import GraphError, message
+from ..errors import GraphError, env_choice, message
 from .program import ALIASES, Unit, units_of
 from .steps import local_kernel, reads_salt
 from .whole import WholeStep, why_not
@@ -74,6 +74,12 @@ class CompileStats:
         return f"{what} of {self.steps} local kernels{shared} compiled in {self.seconds:.1f} s{eager}"
 
 
+def cuda_graphs_wanted() -> bool:
+    """``$MESHDSL_CUDA_GRAPHS``, checked: whether ``--compile`` captures a whole step on a GPU as a CUDA graph."""
+    return env_choice("MESHDSL_CUDA_GRAPHS", ("1", "0"), "a CUDA-graph setting",
+                      "set it to 0 to run compiled steps without CUDA graphs", GraphError) == "1"
+
+
 @dataclass(eq=False)
 class CompileSettings:
     """How an executor compiles (``Executor(..., compile=...)``); its loops' bodies share it."""
@@ -83,8 +89,9 @@ class CompileSettings:
     notice: Callable[[str], None] = _stderr_notice
     #: whether a plan that can be one graph compiles as one (:mod:`.whole`); False: segments always
     whole: bool = True
-    #: whether a whole step on a CUDA device is captured as a CUDA graph (:mod:`.cuda_graph`)
-    cuda_graphs: bool = True
+    #: whether a whole step on a CUDA device is captured as a CUDA graph (:mod:`.cuda_graph`);
+    #: default: ``$MESHDSL_CUDA_GRAPHS`` (``1``, or ``0`` to leave them out)
+    cuda_graphs: bool = field(default_factory=lambda: cuda_graphs_wanted())
 
 
 def settings_of(compile) -> CompileSettings | None:
