@@ -55,6 +55,7 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 @pytest.mark.parametrize("name,mesh,layout", [
     ("transformer", "data:1", ""),                          # loops unrolled, forward and backward
+    ("llama", "data:1", ""),                                # rms norm, rotary tables, grouped-query attention
     ("mlp", "model:2", "d_ff:model"),                       # the simulated mesh's collectives in the graph
     ("mlp", "data:2", FSDP),                                # gathers and reduce-scatters of sharded params
 ], ids=str)
