@@ -130,11 +130,6 @@ class MatmulForm:
             linear = () if len(sb) == 2 else (math.prod(sb[:nn]), math.prod(sb[nn:]))
         return pa, ma, pb, mb, view, fold, shape, linear
 
-    def _cached(self, a: torch.Tensor, b: torch.Tensor) -> tuple:
-        """:meth:`_recipe` of ``a``'s and ``b``'s shapes (A's and B's), not cached: the traced path
-        (``--compile``), which has no cache for the tracer to guard on."""
-        return self._recipe(a.shape, b.shape)
-
     def _calls(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
         """``(run, operands, shape, other, into)`` for operand shapes ``x.shape``, ``y.shape``: worked
         out once per shape (a plan calls a kernel with the same shapes every step).  ``run(x, y)``
@@ -202,18 +197,10 @@ class MatmulForm:
         if not _compiling():
             _, operands, shape, other, _ = self._calls(x, y)
             return (*operands(x, y), shape, other)
-        a, b = (y, x) if self.swap else (x, y)
-        pa, ma, pb, mb, view, fold, shape, _ = self._cached(a, b)
-        if pa is not None:
-            a = a.permute(pa)
-        if pb is not None:
-            b = b.permute(pb)
-        if fold and a.dim() > 2:
-            a = a.reshape(-1, a.shape[-1])
-        elif ma is not None:
-            a = a.reshape(ma)
-        if mb is not None:
-            b = b.reshape(mb)
+        a, b = (y, x) if self.swap else (x, y)   # traced (--compile): no cache for the tracer to guard on
+        pa, ma, pb, mb, view, fold, shape, _ = self._recipe(a.shape, b.shape)
+        a = _moved_tensor(a, pa, (-1, a.shape[-1]) if fold and a.dim() > 2 else ma)
+        b = _moved_tensor(b, pb, mb)
         other = view is not None or (fold and len(shape) > 2)
         if self.nb:   # mm copies an operand BLAS cannot take itself; bmm would copy it one matrix at a time
             return _blas(a), _blas(b), shape, other
@@ -223,19 +210,13 @@ class MatmulForm:
         """``einsum(x, y)`` with the output's dims in order."""
         if not _compiling():   # the generated call for these shapes (the same steps as below)
             return self._calls(x, y)[0](x, y)
-        a, b = (y, x) if self.swap else (x, y)
-        pa, ma, pb, mb, view, fold, _, linear = self._cached(a, b)
-        if pa is not None:
-            a = a.permute(pa)
-        if ma is not None:
-            a = a.reshape(ma)
+        a, b = (y, x) if self.swap else (x, y)   # traced (--compile): no cache for the tracer to guard on
+        pa, ma, pb, mb, view, fold, _, linear = self._recipe(a.shape, b.shape)
+        a = _moved_tensor(a, pa, ma)
         if linear is not None:   # a @ B.T with B as (N, K): the BLAS call mm makes of B's transposed view
             out = F.linear(a, b.reshape(linear) if linear else b)
         else:
-            if pb is not None:
-                b = b.permute(pb)
-            if mb is not None:
-                b = b.reshape(mb)
+            b = _moved_tensor(b, pb, mb)
             # (mm, or matmul folding A's rows, copies an operand BLAS cannot take itself; bmm would
             # copy it one matrix at a time)
             out = torch.bmm(_blas(a), _blas(b)) if self.nb else torch.matmul(a, b) if fold else torch.mm(a, b)
@@ -297,6 +278,14 @@ _compiling = torch.compiler.is_compiling
 def _args(sizes: tuple) -> str:
     """``sizes`` as a call's arguments in generated source: ``8, 8`` (``()`` for no dims)."""
     return ", ".join(map(str, sizes)) if sizes else "()"
+
+
+def _moved_tensor(t: torch.Tensor, perm: tuple | None, shape: tuple | None) -> torch.Tensor:
+    """``t`` permuted by ``perm`` and reshaped to ``shape`` (None: that step left out), as
+    :func:`_moved` writes it into generated source."""
+    if perm is not None:
+        t = t.permute(perm)
+    return t if shape is None else t.reshape(shape)
 
 
 def _moved(name: str, perm: tuple | None, shape: tuple | None) -> str:
