@@ -7,7 +7,10 @@ clear error (exit 2 from the CLI); the balanced split gives the last stage, whic
 the head and the loss, fewer layers when the head costs about a layer or more; the stacked
 params (and their gradients and optimizer state) are stored on the stage that runs them, so no
 param or gradient moves between stages, and a checkpoint saved under unequal stages is in the
-global layer order and loads on another mesh.
+global layer order and loads on another mesh.  With virtual stages (``interleaved:v``) the split
+gives one count per virtual stage (tests/test_interleave.py runs them), and the balanced split
+is the cost model's fastest of the equal one, the smallest largest stage, and the one the
+schedule's simulation at the stages' costs finds.
 """
 from __future__ import annotations
 
@@ -78,12 +81,23 @@ def test_layers_the_stages_do_not_divide_need_a_split():
         md.compile(outs, "stage:2", "layer:stage", microbatches=2)
 
 
-def test_a_split_without_a_pipeline_or_with_virtual_stages_is_refused():
+@pytest.mark.parametrize("counts,words", [
+    ((1, 3), "2 entries for 4 virtual stages (2 ranks x 2 per rank)"),   # one per rank: per virtual stage instead
+    ((2, 0, 2, 1), "not positive integers"),
+    ((1, 1, 2, 2), "sum to 6, not the 5 layers"),
+])
+def test_a_bad_split_of_virtual_stages_is_refused(counts, words):
+    _, outs = _outputs(5)
+    with pytest.raises(md.LayoutError) as e:
+        md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2", stage_layers=counts)
+    text = " ".join(str(e.value).split())
+    assert words in text and "one per virtual stage, in layer order" in text and "Fix: give 4 counts summing to 5" in text
+
+
+def test_a_split_without_a_pipeline_is_refused():
     _, outs = _outputs(4)
     with pytest.raises(md.MeshDSLError, match="no repeat is pipelined"):
         md.compile(outs, "data:2", "batch:data", stage_layers=(2, 2))
-    with pytest.raises(md.MeshDSLError, match="virtual stages"):
-        md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2", stage_layers=(1, 3))
     with pytest.raises(md.MeshDSLError, match="md.balance_stages"):
         md.compile(outs, "stage:2", "layer:stage", microbatches=2, stage_layers="auto")
     with pytest.raises(md.MeshDSLError, match="pipelines no repeat"):
@@ -149,6 +163,44 @@ def test_balance_stages_gives_the_head_stage_fewer_layers(layers, equal):
     assert worst[1] < worst[0]
 
 
+def test_balance_stages_for_virtual_stages_beats_the_equal_split():
+    # The head and the loss cost more than a layer: the last virtual stage (rank 1's second
+    # chunk) takes fewer layers, and the cost model predicts a faster step than equal chunks.
+    model = md.load_model("transformer", tiny=True, layers=8, batch=8, vocab=4096)
+    outs = training_outputs(model.loss, model.params, 0.1, with_grads=True)
+    cal = Calibration.defaults()
+    counts = balance_stages(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2", cal=cal)
+    assert len(counts) == 4 and sum(counts) == 8 and min(counts) >= 1 and counts[3] < 2
+    step = [md.predict(md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2",
+                                  stage_layers=c), cal).step_s for c in ((2, 2, 2, 2), counts)]
+    assert step[1] < step[0]
+
+
+def test_the_split_by_schedule_shortens_the_simulated_interleaved_schedule():
+    """From the smallest-largest-stage split, a layer moves where the schedule runs faster:
+    on 2 ranks of 2 virtual stages, with a head of 3 layers' cost on the last, the stage before
+    it on rank 0 takes more (it runs while rank 1 runs the head)."""
+    from meshdsl.lowering.schedule_gen import named_schedule
+    from meshdsl.lowering.timeline import simulate
+    from meshdsl.search.stage_balance import split_by_schedule
+
+    others = (0.0, 0.0, 0.0, 3.0)
+    stages = [StageCost(3, o + 3, 3.0) for o in others]   # 12 layers of cost 1
+    sched = named_schedule("interleaved:2", 2, 4)
+
+    def makespan(c):
+        return simulate(sched, lambda a: (others[a.stage] + c[a.stage]) * {"F": 1, "B": 2}.get(a.kind, 0) / 3).makespan
+    by_cost, counts = split_by_cost(stages), split_by_schedule(stages, sched)
+    assert sum(counts) == 12 and min(counts) >= 1
+    assert makespan(counts) < makespan(by_cost) and makespan(counts) < makespan((3, 3, 3, 3))
+    # no single move of a layer shortens it further
+    for i in range(4):
+        for j in range(4):
+            if i != j and counts[i] > 1:
+                moved = tuple(n + (k == j) - (k == i) for k, n in enumerate(counts))
+                assert makespan(moved) >= makespan(counts), moved
+
+
 def test_cli_split_given_auto_and_refused(capsys):
     base = ["plan", "transformer", "--tiny", "--config", "layers=4", "--mesh", "stage:2", "--layout", "layer:stage",
             "--microbatches", "2", "--schedule", "1f1b"]
@@ -166,6 +218,16 @@ def test_cli_split_given_auto_and_refused(capsys):
     rc, out, _ = run_cli(capsys, ["check", "transformer", "--tiny", "--config", "layers=4", "--mesh", "stage:2",
                                   "--layout", "layer:stage", "--microbatches", "2", "--schedule", "zbh1",
                                   "--stage-layers", "3,1"])
+    assert rc == 0 and "OK" in out
+    virtual = base[:-1] + ["interleaved:2", "--config", "layers=5"]
+    for counts, words in (("1,3", "2 entries for 4 virtual stages"), ("1,0,2,2", "each stage runs at least one layer"),
+                          ("1,1,1,1", "sum to 4, not the 5 layers")):
+        rc, _, err = run_cli(capsys, virtual + ["--stage-layers", counts])
+        flat = " ".join(err.split())
+        assert rc == 2 and words in flat and "Traceback" not in err, (counts, err)
+    rc, out, err = run_cli(capsys, virtual + ["--stage-layers", "auto"])
+    assert rc == 0 and "[cyclic 2][blocks" in out, err
+    rc, out, _ = run_cli(capsys, ["check"] + virtual[1:] + ["--stage-layers", "1,2,1,1"])
     assert rc == 0 and "OK" in out
 
 
@@ -191,24 +253,32 @@ def test_stacked_params_saved_under_unequal_stages_load_on_another_mesh(tmp_path
                                    msg=k)
 
 
+# (layers, schedule, counts): one stage per rank, and virtual stages of unequal chunks, in one spawn
+GLOO_CASES = [(4, "1f1b", (3, 1)), (5, "interleaved:2", (1, 2, 1, 1))]
+
+
 def _gloo_case(rank):
-    comm = TorchComm("stage:2")
-    model, outs = _outputs(4)
-    plan = md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="1f1b", stage_layers=(3, 1))
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(model.feeds(0))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    out = []
+    for layers, schedule, counts in GLOO_CASES:
+        comm = TorchComm("stage:2")
+        model, outs = _outputs(layers)
+        plan = md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule=schedule, stage_layers=counts)
+        agree_plan(comm, plan)
+        ex = md.Executor(plan, for_plan(comm, plan))
+        res = ex.run(model.feeds(0))
+        full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
+        out.append({k: v for k, v in full.items() if v is not None})
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_unequal_stages_on_two_gloo_processes():
     results = launch.spawn(_gloo_case, 2, timeout=100)
     assert multiprocessing.active_children() == []
-    model, outs = _outputs(4)
-    want = md.run_dense(outs, model.feeds(0))
-    got = {}
-    for r in results:
-        got.update(r)
-    _assert_matches(got, want, "gloo")
+    for c, (layers, schedule, counts) in enumerate(GLOO_CASES):
+        model, outs = _outputs(layers)
+        want = md.run_dense(outs, model.feeds(0))
+        got = {}
+        for r in results:
+            got.update(r[c])
+        _assert_matches(got, want, f"gloo {schedule} {counts}")

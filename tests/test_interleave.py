@@ -6,7 +6,10 @@ program: rank r runs chunks r, r+p, ..., stored in place (no param or gradient m
 ranks), each chunk's layers salted by their global index.
 The plan gives the dense program's numbers on the simulated mesh (one gloo case lives in
 tests/test_pipeline_dist.py), its measured peaks are the theory's, ``plan`` prints its table,
-and v not dividing a rank's layers exits 2 with the reason.
+and v not dividing a rank's layers exits 2 with the reason.  With ``stage_layers`` (one count
+per virtual stage) the chunks are unequal: each virtual stage runs and stores its own layers
+(``layer:stage[cyclic v][blocks ..]``), with the same numbers and still no param moving
+(bad counts: tests/test_balanced_stages.py).
 """
 from __future__ import annotations
 
@@ -78,6 +81,52 @@ def test_interleaved_matches_dense_on_the_simulated_mesh(name, layers, mesh, lay
     assert [r.peak_activations for r in stats.ranks] == [peak_theory("interleaved", p, m, r, v) for r in range(p)]
 
 
+@pytest.mark.parametrize("layers,mesh,layout,m,schedule,counts,kw", [
+    (6, "stage:2", "layer:stage", 2, "interleaved:2", (1, 2, 2, 1), {"dropout": 0.25}),  # salted by global layer
+    (6, "stage:2; data:2", "layer:stage; batch:data", 2, "interleaved:2", (2, 1, 1, 2), {}),
+    (5, "stage:2", "layer:stage", 4, "interleaved-zb:2", (1, 1, 2, 1), {}),   # 5 layers: no even split exists
+])
+def test_unequal_virtual_stages_match_dense_on_the_simulated_mesh(layers, mesh, layout, m, schedule, counts, kw):
+    model, outs = _outputs(layers, **kw)
+    plan = md.compile(outs, mesh, layout, microbatches=m, schedule=schedule, stage_layers=counts)
+    prog = next(s for s in plan.steps if s.kind == "pipeline").args["program"]
+    name, v = parse_schedule(schedule)
+    p = md.Mesh.parse(mesh).sizes["stage"]
+    # each virtual stage runs its own layers, one step per stage, salted from its first global layer
+    fwd = [(j, s, st) for j, (s, st) in enumerate(prog.steps(Segment.FORWARD)) if s.kind == "repeat"]
+    assert [(st, s.times) for _, s, st in fwd] == [((t,), n) for t, n in enumerate(counts)]
+    assert [prog.layer_offset(Segment.FORWARD, j, st[0]) for j, _, st in fwd] == [sum(counts[:t]) for t in range(p * v)]
+    ex = md.Executor(plan, SimulatedComm(plan.mesh))
+    assert_matches_scaled(ex.full_outputs(ex.run(model.feeds(0))), md.run_dense(outs, model.feeds(0)), mesh, REL)
+    stats = bubble_from_timeline(ex.last_timeline)
+    assert [r.peak_activations for r in stats.ranks] == [peak_theory(name, p, m, r, v) for r in range(p)]
+
+
+def test_a_block_cyclic_split_of_given_block_lengths_tiles_the_dim():
+    """``layer:stage[cyclic 2][blocks 1,3,2,1]``: stage 0 holds blocks 0 and 2 (layers 0 and 4-5),
+    stage 1 blocks 1 and 3 (layers 1-3 and 6); the parts joined stage by stage are the full
+    tensor once :func:`cyclic_order` puts the blocks back."""
+    mesh = md.Mesh.parse("stage:2")
+    shape = Shape([Dim("layer", 7), Dim("d", 3)])
+    sh = Sharding.of(shape, {"layer": ("stage",)}).with_cyclic("layer", 2, (1, 3, 2, 1))
+    assert str(sh) == "{layer:stage[cyclic 2][blocks 1,3,2,1]}"
+    assert [sh.local_shape(shape, mesh, r) for r in range(2)] == [(3, 3), (4, 3)]
+    assert sh.local_shape(shape, mesh) == (4, 3)   # the largest
+    full, parts = torch.arange(21.0).reshape(7, 3), []
+    for r, want in ((0, [(0, 1), (4, 6)]), (1, [(1, 4), (6, 7)])):
+        regions = sh.regions(shape, mesh, r)
+        assert [(g[0].start, g[0].stop) for g, _ in regions] == want
+        local = torch.full(sh.local_shape(shape, mesh, r), -1.0)
+        for g, loc in regions:
+            local[loc] = full[g]
+        assert (local >= 0).all()
+        parts.append(local)
+    assert torch.equal(torch.cat(parts).index_select(0, torch.tensor(cyclic_order(7, 2, 2, (1, 3, 2, 1)))), full)
+    # one chunk of it (each rank's one block) is the given parts' split
+    one = sh.with_cyclic("layer", 1, (3, 1))
+    assert str(one) == "{layer:stage[3,1]}" and one.local_shape(shape, mesh, 1) == (1, 3)
+
+
 
 class _SendLog(SimulatedComm):
     """The simulated mesh, recording the tag of each send."""
@@ -118,15 +167,17 @@ def test_a_block_cyclic_split_tiles_the_dim_and_gathers_back_in_order():
     assert torch.equal(joined.index_select(0, torch.tensor(cyclic_order(12, 2, 3))), full)
 
 
-@pytest.mark.parametrize("layers,mesh,layout", [
-    (4, "stage:2", "layer:stage"), (8, "stage:2", "layer:stage"),
-    (8, "stage:2; data:2", "layer:stage; batch:data"), (8, "stage:4", "layer:stage")])
-def test_no_param_or_gradient_moves_between_stages(layers, mesh, layout):
-    """Each rank stores its chunks in place (``layer:stage[cyclic v]``): the program's only
-    transfers are the carry and its gradient, in the plan and in a run."""
+@pytest.mark.parametrize("layers,mesh,layout,counts", [
+    (4, "stage:2", "layer:stage", None), (8, "stage:2", "layer:stage", None),
+    (8, "stage:2; data:2", "layer:stage; batch:data", None), (8, "stage:4", "layer:stage", None),
+    (6, "stage:2", "layer:stage", (1, 2, 2, 1)), (6, "stage:2; data:2", "layer:stage; batch:data", (2, 1, 1, 2))])
+def test_no_param_or_gradient_moves_between_stages(layers, mesh, layout, counts):
+    """Each rank stores its chunks in place (``layer:stage[cyclic v]``, of the given layers per
+    virtual stage): the program's only transfers are the carry and its gradient, in the plan
+    and in a run."""
     model, outs = _outputs(layers)
     p = md.Mesh.parse(mesh).sizes["stage"]
-    plan = md.compile(outs, mesh, layout, microbatches=p, schedule="interleaved:2")
+    plan = md.compile(outs, mesh, layout, microbatches=p, schedule="interleaved:2", stage_layers=counts)
     prog = next(s for s in plan.steps if s.kind == "pipeline").args["program"]
     moves = [(seg, s) for seg in Segment for s, _ in prog.steps(seg) if s.kind in ("send", "recv")]
     assert moves and all(s.args["tag"] in prog.carry_tags for _, s in moves), [(seg, s.label) for seg, s in moves]
@@ -134,6 +185,12 @@ def test_no_param_or_gradient_moves_between_stages(layers, mesh, layout):
     stacked = [k for k, t in model.params.items() if "layer" in t.shape.names]
     assert stacked and all(str(plan.values[plan.params[k]].sharding).startswith("{layer:stage[cyclic 2]")
                            for k in stacked)
+    if counts is not None:   # rank r stores the layers of its virtual stages r and r + p
+        for k in stacked:
+            v = plan.values[plan.params[k]]
+            at = v.shape.names.index("layer")
+            assert [v.local_shape(plan.mesh, r)[at] for r in plan.mesh.group(0, ("stage",))] == \
+                   [counts[r] + counts[r + p] for r in range(p)], k
     comm = _SendLog(plan.mesh)
     assert md.Executor(plan, comm).run(model.feeds(0))
     assert comm.sends and set(comm.sends) <= set(prog.carry_tags)
@@ -179,6 +236,17 @@ def test_plan_prints_the_interleaved_table(capsys):
     assert "rank 0 | F0@0 F1@0 F0@2 F1@2 F2@0 B0@2" in out
     assert ("layers stored where they run, layer:stage[cyclic 2] (no param or gradient moves): rank 0 holds "
             "layers 0, 2 (stages 0, 2); rank 1 holds layers 1, 3 (stages 1, 3)") in flat
+
+
+def test_plan_prints_the_layers_each_rank_holds_for_unequal_virtual_stages(capsys):
+    rc, out, err = run_cli(capsys, ["plan", "transformer", "--tiny", "--config", "layers=6", "--mesh", "stage:2",
+                                    "--layout", "layer:stage", "--microbatches", "2", "--schedule", "interleaved:2",
+                                    "--stage-layers", "1,2,2,1", "--totals"])
+    assert rc == 0, err
+    flat = " ".join(out.split())
+    assert ("layers stored where they run, layer:stage[cyclic 2][blocks 1,2,2,1] (no param or gradient moves): "
+            "rank 0 holds layers 0, 3-4 (stages 0, 2); rank 1 holds layers 1-2, 5 (stages 1, 3)") in flat
+    assert "stage 0: 1 layers" in flat and "stage 2: 2 layers" in flat and "stage 3: 1 layers" in flat
 
 
 def test_a_block_reading_tensors_from_outside_is_refused():

@@ -81,21 +81,27 @@ def test_a_pipelined_state_saves_and_loads_on_other_meshes(tmp_path, kind, one_t
     torch.testing.assert_close(other(model.feeds(2))[0], want_loss, rtol=REL, atol=REL)
 
 
-def test_an_interleaved_state_is_saved_in_global_layer_order(tmp_path, one_torch_thread):
-    """Each rank stores its chunks in place (``layer:stage[cyclic 2]``): its part of a stacked
-    param is one block per chunk of the full tensor, written as one slice each, and a dense
-    step loads them in the global layer order and continues the run."""
+@pytest.mark.parametrize("counts", [None, (1, 3, 3, 1)])
+def test_an_interleaved_state_is_saved_in_global_layer_order(tmp_path, one_torch_thread, counts):
+    """Each rank stores its chunks in place (``layer:stage[cyclic 2]``, of the given layers per
+    virtual stage with ``counts``): its part of a stacked param is one block per chunk of the
+    full tensor, written as one slice each, and a dense step loads them in the global layer
+    order and continues the run; so does an interleaved step of equal chunks on another mesh."""
     model = md.load_model("transformer", tiny=True, layers=8, batch=8)
-    pipe = _step(model, "stage:2; data:2", "layer:stage; batch:data", microbatches=2, schedule="interleaved:2")
+    pipe = _step(model, "stage:2; data:2", "layer:stage; batch:data", microbatches=2, schedule="interleaved:2",
+                 stage_layers=counts)
     pipe(model.feeds(0))
     path = save_checkpoint(tmp_path, 1, pipe.state(), pipe.executor.comm)
     slices = json.loads((path / META_FILE).read_text())["tensors"]["param/wq"]["slices"]
     by_file = {}
     for sl in slices:
         by_file.setdefault(sl["file"], []).append((sl["key"], sl["offsets"][0], sl["sizes"][0]))
-    # stage 0 holds layers 0-1 and 4-5 (chunks 0 and 2), stage 1 layers 2-3 and 6-7
-    assert sorted(by_file.values()) == [[("param/wq#0", 0, 2), ("param/wq#1", 4, 2)],
-                                        [("param/wq#0", 2, 2), ("param/wq#1", 6, 2)]]
+    # equal: stage 0 holds layers 0-1 and 4-5 (chunks 0 and 2), stage 1 layers 2-3 and 6-7;
+    # (1, 3, 3, 1): stage 0 layers 0 and 4-6, stage 1 layers 1-3 and 7
+    want = ([[("param/wq#0", 0, 2), ("param/wq#1", 4, 2)], [("param/wq#0", 2, 2), ("param/wq#1", 6, 2)]]
+            if counts is None else
+            [[("param/wq#0", 0, 1), ("param/wq#1", 4, 3)], [("param/wq#0", 1, 3), ("param/wq#1", 7, 1)]])
+    assert sorted(by_file.values()) == want
     dense = _step(model, md.Mesh(()), None)
     _load_into(dense, path)
     saved = _full_state(pipe)

@@ -364,6 +364,72 @@ def test_a_plan_with_its_schedule_swapped_is_the_plan_compiled_for_it():
                (pb.step_s, pb.bubble_s, pb.memory_bytes, pb.comm_bytes)
     flat = compile_plan(model.train_step(0.01), "data:2", "batch:data")
     assert with_schedule(flat, "1f1b") == flat
+    # virtual stages: a plan cut into 2 chunks per rank swaps between the schedules that run 2
+    deep = md.load_model("transformer", tiny=True, layers=4, batch=8)
+    chunked = compile_plan(deep.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule="interleaved:2")
+    swapped = with_schedule(chunked, "interleaved-zb:2")
+    fresh = compile_plan(deep.train_step(0.01), "pipe:2", "layer:pipe", microbatches=4, schedule="interleaved-zb:2")
+    pa, pb = predict(swapped, cal), predict(fresh, cal)
+    assert (pa.step_s, pa.bubble_s, pa.memory_bytes, pa.comm_bytes) == (pb.step_s, pb.bubble_s, pb.memory_bytes,
+                                                                         pb.comm_bytes)
+    for other in ("1f1b", "interleaved:3"):
+        with pytest.raises(ValueError, match="compile for it"):
+            with_schedule(chunked, other)
+
+
+def test_the_search_offers_interleaved_zb_and_prices_it_from_its_simulated_schedule(monkeypatch):
+    """Where each rank's layers cut in two and the micro-batches come in groups of the pipe axis,
+    the pipe axis also gets interleaved:2 and interleaved-zb:2.  The search prices
+    interleaved-zb from its own schedule, the Ws placed by simulation (lowering/w_placement.py):
+    its bubble is the makespan of that schedule at the stages' costs less the busiest rank's
+    busy time, and its memory peak the plan's."""
+    from meshdsl.lowering.pipeline_program import PipelineProgram
+    from meshdsl.lowering.schedule_gen import interleaved_zero_bubble
+
+    model = md.load_model("transformer", tiny=True, layers=4, batch=8)
+    piped = [c for c in candidates(model, 2) if c.staged]
+    by_sched = {}
+    for c in piped:
+        by_sched.setdefault(c.schedule, set()).add(c.microbatches)
+    assert set(by_sched) == {"gpipe", "1f1b", "zbh1", "interleaved:2", "interleaved-zb:2"}
+    assert by_sched["interleaved-zb:2"] == by_sched["interleaved:2"] == {2, 4, 8}
+    assert by_sched["zbh1"] == {2, 4, 8}
+    # 2 layers: one per rank, no chunks to interleave
+    assert {c.schedule for c in candidates(md.load_model("transformer", tiny=True), 2) if c.staged} == \
+           {"gpipe", "1f1b", "zbh1"}
+
+    seen = []
+    real = PipelineProgram.simulate
+
+    def recording(self, cost=None, defer=False):
+        stats = real(self, cost, defer)
+        seen.append((self.run_schedule(defer), stats))
+        return stats
+    monkeypatch.setattr(PipelineProgram, "simulate", recording)
+    result = search(model, _outputs(model, False), 2, _with_cores(4))
+    ranked = {(r.candidate.schedule, r.candidate.microbatches): r for r in result.ranked if r.candidate.staged}
+    assert {s for s, _ in ranked} == {"gpipe", "1f1b", "zbh1", "interleaved:2", "interleaved-zb:2"}
+    zb, plain = ranked[("interleaved-zb:2", 4)], ranked[("interleaved:2", 4)]
+    sims = [(sched, stats) for sched, stats in seen if sched.name == "interleaved-zb" and sched.num_microbatches == 4]
+    assert sims, "the interleaved-zb candidate was priced from its schedule"
+    sched, stats = sims[-1]
+    def compute(s):
+        return [[(a.kind, a.microbatch, a.stage) for a in row if a.kind in ("F", "B", "W")] for row in s.actions]
+    assert compute(sched) == compute(interleaved_zero_bubble(2, 4, 2))   # w_placement.py's orders, Ws included
+    busy = max(float(r.busy) for r in stats.ranks)
+    assert zb.prediction.bubble_s == pytest.approx(float(stats.makespan) - busy, rel=1e-12)
+    # the same work as plain interleaved, at the same memory (no rank holds more than its peak)
+    assert zb.prediction.compute_s == pytest.approx(plain.prediction.compute_s)
+    assert zb.prediction.memory["activations_peak"] <= plain.prediction.memory["activations_peak"]
+
+
+def test_cli_search_explain_shows_each_schedule(capsys):
+    assert main(["search", "transformer", "--tiny", "--config", "layers=4,batch=8", "--nproc", "2", "--explain",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = {m.group(1): m for m in re.finditer(r"^ {6}(\S+) +#(\d+) 'pipe:2' 'layer:pipe' m=(\d+): ([\d.]+) ms, "
+                                              r"bubble ([\d.]+) ms, activations ([\d.]+) KiB$", out, re.M)}
+    assert set(rows) == {"gpipe", "1f1b", "zbh1", "interleaved:2", "interleaved-zb:2"}, out
 
 
 def test_the_search_ranks_as_if_every_candidate_were_compiled(monkeypatch):

@@ -22,7 +22,10 @@ A dim split over one axis of size p may instead be split block-cyclically (``Sha
 cut into ``p * v`` equal blocks, the rank at index i of the axis holds blocks i, i + p, ..,
 i + (v - 1) p, one after another.  An interleaved pipeline stores each rank's layer chunks so
 (``lowering/interleave.py``).  A rank's part is then ``v`` regions of the full tensor
-(:meth:`Sharding.regions`); gathers put the blocks back in order (:func:`cyclic_order`).
+(:meth:`Sharding.regions`); gathers put the blocks back in order (:func:`cyclic_order`).  The
+blocks may have given, unequal lengths (``Sharding.blocks``: an interleaved pipeline whose
+virtual stages run unequal numbers of layers); each rank's part length, the sum of its blocks,
+is then its given part (``Sharding.parts``), which collectives carry as for unequal stages.
 """
 from __future__ import annotations
 
@@ -57,11 +60,22 @@ def part_sizes(size: int, mesh: Mesh, members, axes) -> tuple[int, ...]:
     return tuple(chunk(size, mesh, r, axes)[1] for r in members)
 
 
-def cyclic_order(size: int, p: int, v: int) -> list[int]:
-    """For a dim of ``size`` split block-cyclically over ``p`` ranks, ``v`` blocks each: the
+def cyclic_order(size: int, p: int, v: int, lengths=None) -> list[int]:
+    """For a dim of ``size`` split block-cyclically over ``p`` ranks, ``v`` blocks each (of
+    ``lengths``, the ``p * v`` blocks' lengths in the dim's order, when not equal): the
     position, in the ranks' local parts joined in rank order, of each global index."""
-    k = size // (p * v)
-    return [((b % p) * v + b // p) * k + g % k for g in range(size) for b in (g // k,)]
+    lengths = block_lengths(size, p, v, lengths)
+    at, start = 0, [0] * (p * v)   # each block's position in the joined parts
+    for i in range(p):
+        for c in range(v):
+            start[c * p + i], at = at, at + lengths[c * p + i]
+    return [start[b] + j for b in range(p * v) for j in range(lengths[b])]
+
+
+def block_lengths(size: int, p: int, v: int, lengths=None) -> tuple[int, ...]:
+    """The lengths of the ``p * v`` blocks of a block-cyclic dim of ``size``: ``lengths`` when
+    given, else equal."""
+    return tuple(lengths) if lengths else (size // (p * v),) * (p * v)
 
 
 def is_even(size: int, mesh: Mesh, axes) -> bool:
@@ -81,6 +95,9 @@ class Sharding:
     #: ((dim_name, v), ...): dims split over one axis block-cyclically, ``v`` blocks per rank
     #: (see the module docstring)
     cyclic: tuple[tuple[str, int], ...] = ()
+    #: ((dim_name, lengths), ...): a block-cyclic dim's given block lengths, ``p * v`` of them in
+    #: the dim's order (its :attr:`parts` then hold each rank's total, the sum of its blocks)
+    blocks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @staticmethod
     def replicated(shape: Shape) -> "Sharding":
@@ -102,7 +119,7 @@ class Sharding:
         return frozenset(a for _, axes in self.dims for a in axes) | frozenset(self.partial)
 
     def with_partial(self, partial) -> "Sharding":
-        return Sharding(self.dims, tuple(partial), self.parts, self.cyclic)
+        return Sharding(self.dims, tuple(partial), self.parts, self.cyclic, self.blocks)
 
     @cached_property
     def given_parts(self) -> dict[str, tuple[int, ...]]:
@@ -112,20 +129,38 @@ class Sharding:
     def with_parts(self, name: str, lengths) -> "Sharding":
         """This sharding with dim ``name`` (split over one axis) cut into parts of ``lengths``."""
         assert len(self.axes_of(name)) == 1, f"given parts of '{name}' need one axis, not {self.axes_of(name)}"
+        assert name not in self.cyclic_blocks, f"'{name}' is block-cyclic: its blocks' lengths go to with_cyclic"
         return Sharding(self.dims, self.partial,
-                        tuple((n, p) for n, p in self.parts if n != name) + ((name, tuple(lengths)),), self.cyclic)
+                        tuple((n, p) for n, p in self.parts if n != name) + ((name, tuple(lengths)),), self.cyclic,
+                        self.blocks)
 
     @cached_property
     def cyclic_blocks(self) -> dict[str, int]:
         """Dim name -> its blocks per rank, where split block-cyclically (see :attr:`cyclic`)."""
         return dict(self.cyclic)
 
-    def with_cyclic(self, name: str, v: int) -> "Sharding":
+    @cached_property
+    def given_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Dim name -> its blocks' given lengths, where block-cyclic with unequal blocks (see :attr:`blocks`)."""
+        return dict(self.blocks)
+
+    def with_cyclic(self, name: str, v: int, lengths=None) -> "Sharding":
         """This sharding with dim ``name`` (split over one axis) split block-cyclically, ``v``
-        blocks per rank; ``v = 1``: the even split."""
-        assert len(self.axes_of(name)) == 1 and name not in self.given_parts, name
-        rest = tuple((n, b) for n, b in self.cyclic if n != name)
-        return Sharding(self.dims, self.partial, self.parts, rest + (((name, v),) if v > 1 else ()))
+        blocks per rank; ``v = 1``: one block per rank, the even split.
+
+        ``lengths``: the ``p * v`` blocks' lengths in the dim's order, when not equal (with
+        ``v = 1``: each rank's part, as :meth:`with_parts`)."""
+        assert len(self.axes_of(name)) == 1, name
+        cyclic = tuple((n, b) for n, b in self.cyclic if n != name) + (((name, v),) if v > 1 else ())
+        parts = tuple((n, p) for n, p in self.parts if n != name)
+        blocks = tuple((n, b) for n, b in self.blocks if n != name)
+        if lengths is not None:
+            lengths = tuple(lengths)
+            p = len(lengths) // v
+            assert p * v == len(lengths), f"{len(lengths)} block lengths for {v} blocks per rank"
+            parts += ((name, tuple(sum(lengths[c * p + i] for c in range(v)) for i in range(p))),)
+            blocks += ((name, lengths),) if v > 1 else ()
+        return Sharding(self.dims, self.partial, parts, cyclic, blocks)
 
     def regions(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]:
         """``rank``'s part of the full tensor as ``(index in the full tensor, index in the local
@@ -140,11 +175,22 @@ class Sharding:
                 off, n = self._chunk(d.size, d.name, mesh, rank)
                 cuts = [(slice(off, off + n), slice(0, n))]
             else:
-                axis = self.axes_of(d.name)[0]
-                p, i, k = mesh.sizes[axis], mesh.coords(rank)[axis], d.size // (mesh.sizes[axis] * v)
-                cuts = [(slice((c * p + i) * k, (c * p + i + 1) * k), slice(c * k, (c + 1) * k)) for c in range(v)]
+                cuts = self._blocks_of(d.size, d.name, v, mesh, rank)
             out = [(g + (cg,), loc + (cl,)) for g, loc in out for cg, cl in cuts]
         return tuple(out)
+
+    def _blocks_of(self, size: int, name: str, v: int, mesh: Mesh, rank: int) -> list[tuple[slice, slice]]:
+        """``rank``'s blocks of block-cyclic dim ``name``: ``(index in the full dim, in the local one)``."""
+        axis = self.axes_of(name)[0]
+        p, i = mesh.sizes[axis], mesh.coords(rank)[axis]
+        lengths = block_lengths(size, p, v, self.given_blocks.get(name) if self.blocks else None)
+        cuts, at = [], 0
+        for c in range(v):
+            b = c * p + i
+            start = sum(lengths[:b])
+            cuts.append((slice(start, start + lengths[b]), slice(at, at + lengths[b])))
+            at += lengths[b]
+        return cuts
 
     def _chunk(self, size: int, name: str, mesh: Mesh, rank: int) -> tuple[int, int]:
         """``(offset, length)`` of ``rank``'s part of dim ``name`` (see :func:`chunk`)."""
@@ -179,9 +225,11 @@ class Sharding:
 
     def __str__(self) -> str:
         given = self.given_parts if self.parts else {}
+        blocks = self.given_blocks if self.blocks else {}
         parts = [f"{n}:{'(' + ','.join(a) + ')' if len(a) > 1 else a[0]}"
-                 + (f"[{','.join(map(str, given[n]))}]" if n in given else "")
+                 + (f"[{','.join(map(str, given[n]))}]" if n in given and n not in blocks else "")
                  + (f"[cyclic {self.cyclic_blocks[n]}]" if self.cyclic and n in self.cyclic_blocks else "")
+                 + (f"[blocks {','.join(map(str, blocks[n]))}]" if n in blocks else "")
                  for n, a in self.dims if a]
         s = "{" + ", ".join(parts) + "}"
         if self.partial:

@@ -25,6 +25,11 @@ cut into ``v`` chunks, as a pass on the segment lists:
   summed over the micro-batches and the data axes, is joined into the rank's local stack;
 * tables every layer reads (rotary embeddings' sines and cosines) are read by every chunk.
 
+With ``stage_layers`` (``p * v`` counts, one per virtual stage in layer order) the chunks are
+unequal: virtual stage s runs ``n_s`` layers, so chunk c's step becomes one step per rank
+(``n_{c p + r}`` layers on stage ``c p + r``), each rank's chunk of a stacked param is its own
+slice of its local layers, and the stored blocks have the given lengths (``Sharding.blocks``).
+
 Refused, with the reason (:func:`check`): a block that reads a tensor made per micro-batch
 or differentiates one it reads from outside, layers that return stacked outputs besides the
 carry, values other than the carry moving between stages per micro-batch, and a stacked
@@ -38,6 +43,7 @@ import torch
 
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
+from ..layout.sharding import block_lengths
 from .pipeline_program import Segment, transfer_step
 from .schedule_gen import user_name
 from .plan import Step, Value, step_args
@@ -59,14 +65,23 @@ class _Chunks:
     def __init__(self, cut, v: int):
         self.cut, self.v, self.p = cut, v, cut.num_stages
         self.values, self.layer, self.spec = cut.values, cut.spec.layer, cut.spec
+        #: each virtual stage's layers when given (unequal chunks), else ()
+        self.counts = tuple(cut.spec.stage_layers)
 
-    def like(self, vid: int, chunked: bool = True) -> int:
-        """A new value like ``vid``; with ``chunked``, its layer dim holds one chunk of layers."""
+    def layers(self, c: int) -> list[int]:
+        """Layers of chunk ``c`` on each rank (virtual stages ``c p .. c p + p - 1``)."""
+        k = self.cut.steps[self.cut.F].times // self.v
+        return [self.counts[c * self.p + r] if self.counts else k for r in range(self.p)]
+
+    def like(self, vid: int, chunk: int | None = None) -> int:
+        """A new value like ``vid``; with a ``chunk``, its layer dim holds that chunk's layers."""
         old = self.values[vid]
-        shape = Shape(Dim(d.name, d.size // self.v) if d.name == self.layer and chunked else d for d in old.shape)
-        sharding = old.sharding   # one chunk of the stack: each rank holds its one block (an even split)
+        size = sum(self.layers(chunk)) if chunk is not None else 0
+        shape = Shape(Dim(d.name, size) if d.name == self.layer and chunk is not None else d for d in old.shape)
+        sharding = old.sharding   # one chunk of the stack: each rank holds its one block
         if self.layer in sharding.cyclic_blocks:
-            sharding = sharding.with_cyclic(self.layer, 1)
+            given = self.layers(chunk) if self.counts and chunk is not None else None
+            sharding = sharding.with_cyclic(self.layer, 1, given)
         new = max(self.values) + 1
         self.values[new] = Value(new, shape, old.dtype, sharding)
         return new
@@ -127,57 +142,69 @@ def interleave(cut, lists: dict, v: int) -> dict:
     Stages in the result are logical (stage ``s`` on rank ``s % p``); the prologue and the
     final segment keep rank r's steps on stage r."""
     check(cut, lists, v)
-    store_chunks_in_place(cut.values, cut.spec, v)
+    store_chunks_in_place(cut.values, cut.spec, v, cut.spec.stage_layers)
     ch = _Chunks(cut, v)
     F = cut.steps[cut.F]
     B = cut.steps[cut.B] if cut.B is not None else None
     n = len(F.args["names"])
     params = dict.fromkeys(F.ins[1:1 + n] + (B.ins[1:1 + n] if B is not None else ()))
-    chunk_params = {s: [ch.like(s) for _ in range(v)] for s in params}
-    fwd, bwd = _chunked_blocks(ch, F, B, chunk_params)
+    chunk_params = {s: [ch.like(s, c) for c in range(v)] for s in params}
+    fwd, bwd, grads = _chunked_blocks(ch, F, B, chunk_params)
     out = {Segment.PROLOGUE: list(lists[Segment.PROLOGUE]) + _chunks_of_params(ch, chunk_params),
            Segment.FORWARD: _relabel(ch, lists[Segment.FORWARD], F, fwd, last_after=True),
            Segment.BACKWARD: _relabel(ch, lists[Segment.BACKWARD], B, bwd, last_after=False),
-           Segment.FINAL: _gather_grads(ch, lists[Segment.FINAL], B, bwd) if B is not None
+           Segment.FINAL: _gather_grads(ch, lists[Segment.FINAL], B, grads) if B is not None
            else list(lists[Segment.FINAL])}
     return out
 
 
-def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict) -> tuple[list, list]:
+def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict) -> tuple[list, list, list]:
     """The pipelined repeat's forward (and backward) step per chunk, with their carry transfers:
-    ``(step, stages)`` pairs in run order (the backward's from the last chunk down)."""
-    v, k = ch.v, F.times // ch.v
+    ``(step, stages)`` pairs in run order (the backward's from the last chunk down), and each
+    chunk's stacked gradients (the backward's outputs besides the carry's gradient)."""
+    v = ch.v
     n = len(F.args["names"])
-    x = [F.ins[0]] + [ch.like(F.ins[0], False) for _ in range(v - 1)]           # each chunk's input carry
-    y = [ch.like(F.outs[0], False) for _ in range(v - 1)] + [F.outs[0]]        # and its output
-    kept = [[ch.like(o) for o in F.outs[1:]] for _ in range(v)]                 # stacked inputs, saved
-    fwd, forwards = [], []
+    x = [F.ins[0]] + [ch.like(F.ins[0]) for _ in range(v - 1)]           # each chunk's input carry
+    y = [ch.like(F.outs[0]) for _ in range(v - 1)] + [F.outs[0]]        # and its output
+    kept = [[ch.like(o, c) for o in F.outs[1:]] for c in range(v)]       # stacked inputs, saved
+    fwd = []
     for c in range(v):
         params = tuple(chunk_params[s][c] for s in F.ins[1:1 + n])   # then the tables every layer reads
-        step = dataclasses.replace(F, ins=(x[c], *params, *F.ins[1 + n:]), outs=(y[c], *kept[c]), times=k,
+        step = dataclasses.replace(F, ins=(x[c], *params, *F.ins[1 + n:]), outs=(y[c], *kept[c]),
                                    label=f"{F.label} (chunk {c})")
-        forwards.append(step)
-        fwd += _carry(ch, c, x[c], y[c], step, +1, 0)
+        fwd += _carry(ch, c, x[c], y[c], _per_rank(ch, c, step), +1, 0)
     if B is None:
-        return fwd, []
-    dy = [ch.like(B.ins[1 + n], False) for _ in range(v - 1)] + [B.ins[1 + n]]
-    dx = [B.outs[0]] + [ch.like(B.outs[0], False) for _ in range(v - 1)]
-    bwd = []
+        return fwd, [], []
+    dy = [ch.like(B.ins[1 + n]) for _ in range(v - 1)] + [B.ins[1 + n]]
+    dx = [B.outs[0]] + [ch.like(B.outs[0]) for _ in range(v - 1)]
+    bwd, grads = [], [()] * v
     for c in reversed(range(v)):
         # the backward reads the forward's stacked outputs, the params and the carry's gradient
         own = {**{x: x for x in F.ins[1 + n:]}, **dict(zip(F.outs[1:], kept[c])),
                **{s: chunks[c] for s, chunks in chunk_params.items()}, B.ins[1 + n]: dy[c]}
-        step = dataclasses.replace(B, ins=tuple(own[x] for x in B.ins), outs=(dx[c], *[ch.like(o) for o in B.outs[1:]]),
-                                   times=k, label=f"{B.label} (chunk {c})")
-        bwd += _carry(ch, c, dy[c], dx[c], step, -1, 1)
-    return fwd, bwd
+        grads[c] = tuple(ch.like(o, c) for o in B.outs[1:])
+        step = dataclasses.replace(B, ins=tuple(own[x] for x in B.ins), outs=(dx[c], *grads[c]),
+                                   label=f"{B.label} (chunk {c})")
+        bwd += _carry(ch, c, dy[c], dx[c], _per_rank(ch, c, step), -1, 1)
+    return fwd, bwd, grads
 
 
-def _carry(ch: _Chunks, c: int, into: int, out: int, step: Step, way: int, tag: int) -> list:
-    """Chunk ``c``'s step on its p stages between the receive of its carry (``into``) and the
-    send of its result (``out``): from stage s to s + ``way``, the last rank handing on to the
-    first between chunks (and back for gradients)."""
+def _per_rank(ch: _Chunks, c: int, step: Step) -> list:
+    """Chunk ``c``'s ``step`` on its stages as ``(step, stages)`` pairs: one step over the p
+    stages for equal chunks, else one per stage, each over its own layers."""
+    layers, stages = ch.layers(c), [c * ch.p + r for r in range(ch.p)]
+    if not ch.counts:
+        return [(dataclasses.replace(step, times=layers[0]), frozenset(stages))]
+    return [(dataclasses.replace(step, times=k, label=f"{step.label[:-1]}, stage {s})"), frozenset({s}))
+            for s, k in zip(stages, layers)]
+
+
+def _carry(ch: _Chunks, c: int, into: int, out: int, steps: list, way: int, tag: int) -> list:
+    """Chunk ``c``'s ``(step, stages)`` pairs on its p stages between the receive of its carry
+    (``into``) and the send of its result (``out``): from stage s to s + ``way``, the last rank
+    handing on to the first between chunks (and back for gradients)."""
     p, last = ch.p, ch.p * ch.v - 1
+    step = steps[0][0]
     stages = [c * p + r for r in range(p)]
     recv = [s for s in stages if 0 <= s - way <= last]
     send = [s for s in stages if 0 <= s + way <= last]
@@ -186,7 +213,7 @@ def _carry(ch: _Chunks, c: int, into: int, out: int, step: Step, way: int, tag: 
         at = frozenset(s for s in recv if (s % p) - ((s - way) % p) == offset)
         out_pairs.append((transfer_step("recv", into, ch.values, ch.spec.mesh, ch.spec.axis, offset, tag,
                                         step.phase, f"carry (chunk {c})"), at))
-    out_pairs.append((step, frozenset(stages)))
+    out_pairs += steps
     for offset in sorted({((s + way) % p) - (s % p) for s in send}):
         at = frozenset(s for s in send if ((s + way) % p) - (s % p) == offset)
         out_pairs.append((transfer_step("send", out, ch.values, ch.spec.mesh, ch.spec.axis, offset, tag,
@@ -216,48 +243,52 @@ def _relabel(ch: _Chunks, pairs: list, block: Step | None, chunked: list, last_a
     return out
 
 
-def store_chunks_in_place(values: dict, spec, v: int) -> None:
+def store_chunks_in_place(values: dict, spec, v: int, counts=()) -> None:
     """Every value of ``values`` whose layer dim the stage axis alone splits, split
-    block-cyclically with ``v`` blocks per rank: rank r's local layers are its chunks r, r + p, ..."""
+    block-cyclically with ``v`` blocks per rank (of ``counts`` layers, one per virtual stage,
+    when given): rank r's local layers are its chunks r, r + p, ..."""
     for vid, val in list(values.items()):
         if val.sharding.axes_of(spec.layer) == (spec.axis,):
-            values[vid] = dataclasses.replace(val, sharding=val.sharding.with_cyclic(spec.layer, v))
+            sharding = val.sharding.with_cyclic(spec.layer, v, tuple(counts) or None)
+            values[vid] = dataclasses.replace(val, sharding=sharding)
 
 
 def _chunks_of_params(ch: _Chunks, chunk_params: dict) -> list:
     """Prologue steps giving each chunk its layers of each stacked param: chunk c of every rank
-    is its local layers ``c k .. (c + 1) k`` (a view: nothing moves)."""
-    out, every = [], range(ch.p)
+    is its local layers ``c k .. (c + 1) k`` (a view: nothing moves); for unequal chunks each
+    rank's own slice (one step per rank)."""
+    out = []
+    every = [(r,) for r in range(ch.p)] if ch.counts else [tuple(range(ch.p))]
     for s, chunks in chunk_params.items():
         dim = ch.stacked_dim(s)
-        k = ch.values[s].local_shape(ch.spec.mesh)[dim] // ch.v
         for c, vid in enumerate(chunks):
-            out.append(ch.local("narrow", _narrow, (s,), vid, {"dim": dim, "start": c * k, "length": k}, every,
-                                f"stacked params' layers of chunk {c}"))
+            for ranks in every:
+                r = ranks[0]
+                start = sum(ch.layers(j)[r] for j in range(c))
+                out.append(ch.local("narrow", _narrow, (s,), vid, {"dim": dim, "start": start,
+                                                                   "length": ch.layers(c)[r]}, ranks,
+                                    f"stacked params' layers of chunk {c}" + (f" (rank {r})" if ch.counts else "")))
     return out
 
 
-def _gather_grads(ch: _Chunks, pairs: list, B: Step, bwd: list) -> list:
-    """The final segment with each stacked gradient's sum over the micro-batches made per chunk,
-    then joined on each rank into the sum the rest reads.
+def _gather_grads(ch: _Chunks, pairs: list, B: Step, grads: list) -> list:
+    """The final segment with each stacked gradient's sum over the micro-batches made per chunk
+    (``grads``: chunk c's stacked gradients), then joined on each rank into the sum the rest reads.
 
     The sums (they read only the backward's per-chunk gradients) come first, then the joins,
     and the segment's other steps in order."""
     v = ch.v
-    steps = [s for s, _ in bwd if s.kind == "repeat"]           # chunks v-1 .. 0
-    per_chunk = {g: [None] * v for g in B.outs[1:]}
-    for c, step in zip(reversed(range(v)), steps):
-        for g, gc in zip(B.outs[1:], step.outs[1:]):
-            per_chunk[g][c] = gc
+    per_chunk = {g: [grads[c][i] for c in range(v)] for i, g in enumerate(B.outs[1:])}
     sums_first, rest, joined = [], [], []
     for s, st in pairs:
         if s.kind != "allreduce" or s.ins[0] not in per_chunk:
             rest.append((s, st))
             continue
-        sums = [ch.like(s.outs[0]) for _ in range(v)]
+        sums = [ch.like(s.outs[0], c) for c in range(v)]
         for c in range(v):
+            size = ch.values[sums[c]].local_bytes(ch.spec.mesh) if ch.counts else s.bytes // v
             sums_first.append((dataclasses.replace(s, ins=(per_chunk[s.ins[0]][c],), outs=(sums[c],),
-                                                   bytes=s.bytes // v, label=f"{s.label} (chunk {c})"), st))
+                                                   bytes=size, label=f"{s.label} (chunk {c})"), st))
         joined.append((s.outs[0], sums, s.phase))
     return sums_first + _join_chunks(ch, joined) + rest
 
@@ -271,16 +302,19 @@ def _join_chunks(ch: _Chunks, joined: list) -> list:
 
 def stored_layers(plan) -> str | None:
     """``meshdsl plan``: where an interleaved pipeline stores its layers (each rank its chunks,
-    ``Sharding.cyclic``), or None for a plan storing none so."""
+    ``Sharding.cyclic``, of the virtual stages' given layer counts: ``Sharding.blocks``), or None
+    for a plan storing none so."""
     v = next((val for val in plan.values.values() if val.sharding.cyclic), None)
     if v is None:
         return None
     (layer, blocks), = v.sharding.cyclic
     axis = v.sharding.axes_of(layer)[0]
     p = plan.mesh.sizes[axis]
-    k = v.shape.get(layer).size // (p * blocks)
-    span = (lambda s: f"{s * k}" if k == 1 else f"{s * k}-{s * k + k - 1}")
+    lengths = block_lengths(v.shape.get(layer).size, p, blocks, v.sharding.given_blocks.get(layer))
+    start = [sum(lengths[:s]) for s in range(p * blocks)]
+    span = (lambda s: f"{start[s]}" if lengths[s] == 1 else f"{start[s]}-{start[s] + lengths[s] - 1}")
     ranks = [f"rank {i} holds layers {', '.join(span(s) for s in range(i, p * blocks, p))} "
              f"(stages {', '.join(str(s) for s in range(i, p * blocks, p))})" for i in range(p)]
-    return f"layers stored where they run, {layer}:{axis}[cyclic {blocks}] (no param or gradient moves): " \
-           + "; ".join(ranks)
+    where = f"{layer}:{axis}[cyclic {blocks}]" + (f"[blocks {','.join(map(str, lengths))}]"
+                                                  if layer in v.sharding.given_blocks else "")
+    return f"layers stored where they run, {where} (no param or gradient moves): " + "; ".join(ranks)

@@ -477,8 +477,8 @@ def program_of(step: Step) -> PipelineProgram:
 
 
 def with_schedule(plan: Plan, schedule: str) -> Plan:
-    """``plan`` with its pipeline run by ``schedule`` (one stage per rank) instead of the one it
-    was compiled with.
+    """``plan`` with its pipeline run by ``schedule`` instead of the one it was compiled with, which
+    runs as many stages per rank (``1f1b`` for ``gpipe``, ``interleaved-zb:2`` for ``interleaved:2``).
 
     The schedule is the only part of a compiled pipeline that depends on it (the segments, the
     stages and the transfers do not), so this equals compiling again with ``schedule``; the
@@ -487,16 +487,16 @@ def with_schedule(plan: Plan, schedule: str) -> Plan:
 
     Raises:
       ScheduleError: what :func:`.schedule_gen.make_schedule` raises for ``schedule``.
-      ValueError: ``schedule`` runs several stages per rank (it needs its own compilation).
+      ValueError: ``schedule`` runs another number of stages per rank than the plan (the chunks
+        are cut at compilation: it needs its own).
     """
-    if parse_schedule(schedule)[1] > 1:
-        raise ValueError(f"with_schedule: '{schedule}' runs several stages per rank; compile for it")
+    chunks = parse_schedule(schedule)[1]
     steps = []
     for s in plan.steps:
         if s.kind == "pipeline":
-            if program_of(s).schedule.num_chunks > 1:
-                raise ValueError(f"with_schedule: the plan's pipeline runs several stages per rank; compile for "
-                                 f"'{schedule}'")
+            if program_of(s).schedule.num_chunks != chunks:
+                raise ValueError(f"with_schedule: the plan's pipeline runs {program_of(s).schedule.num_chunks} "
+                                 f"stage(s) per rank, '{schedule}' {chunks}; compile for it")
             sched = named_schedule(schedule, s.args["num_stages"], s.args["microbatches"])
             program = program_of(s).with_schedule(sched)
             s = dataclasses.replace(s, label=_label(s.args["axis"], sched),

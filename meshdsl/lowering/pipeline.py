@@ -45,7 +45,9 @@ class PipeSpec:
       schedule: the validated schedule (None without a pipeline).
       mesh, layout: what the plan is lowered on (with :data:`MB_AXIS` when m > 1).
       given: the user's (mesh, layout), for messages.
-      stage_layers: layers per stage when not equal (:mod:`.stage_layers`), else ().
+      stage_layers: layers per stage when not equal (:mod:`.stage_layers`), else (); with virtual
+        stages, per virtual stage (``p * v`` counts in layer order: stage s is chunk ``s // p``
+        of rank ``s % p``).
     """
 
     axis: str | None
@@ -90,14 +92,16 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
 
     ``schedule`` names a generator of :mod:`.schedule_gen`; ``"interleaved:v"`` runs v virtual
     stages per rank (:mod:`.interleave`).  ``stage_layers`` gives each stage's layer count
-    (:mod:`.stage_layers`); None splits the layers evenly.
+    (:mod:`.stage_layers`; with ``interleaved:v``, each of the ``p * v`` virtual stages', in layer
+    order); None splits the layers evenly.
 
     Raises:
       LayoutError: ``layer`` split over two axes, stacked params of one repeat split
         differently, two pipelined repeats, a pipeline axis that also splits another
         dim, a ``layer`` rule with no repeat scanning that dim, a batch that the
         micro-batches (times the batch's axes) do not divide, virtual stages that do not
-        divide the layers of a rank.
+        divide the layers of a rank (without ``stage_layers``), bad ``stage_layers`` (a wrong
+        count of entries, one below 1, a sum other than the layers).
       ScheduleError: an unknown schedule, or sizes its generator refuses.
     """
     _check_count("microbatches", microbatches)
@@ -120,7 +124,8 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches)
     sched = None
     if axis:
-        _check_chunks(node, p, chunks, mesh, layout)
+        if stage_layers is None:   # given counts need not divide evenly
+            _check_chunks(node, p, chunks, mesh, layout)
         sched = named_schedule(schedule, p, microbatches)
     counts = _stage_layers(stage_layers, node, p, chunks, mesh, layout)
     return PipeSpec(axis, p, microbatches, node.id if node else -1,
@@ -141,10 +146,7 @@ def _stage_layers(stage_layers, node, p: int, chunks: int, mesh: Mesh, layout: L
         raise _err(f"stage_layers={stage_layers!r} given, but no repeat is pipelined.", mesh=mesh, layout=layout,
                    rule="stage_layers cuts a pipelined repeat's layers into stages",
                    fix="split the layer dim over a stage axis ('layer:stage'), or leave out stage_layers")
-    if chunks > 1:
-        raise _err("stage_layers with virtual stages (interleaved schedule).", mesh=mesh, layout=layout,
-                   rule="unequal stages run one chunk of layers per rank", fix="use --schedule 1f1b, gpipe or zbh1")
-    counts = check_counts(stage_layers, node.attrs["layer"].size, p, mesh, layout)
+    counts = check_counts(stage_layers, node.attrs["layer"].size, p, mesh, layout, chunks)
     return () if len(set(counts)) == 1 else counts
 
 
@@ -207,8 +209,9 @@ def _check_chunks(node, p: int, chunks: int, mesh: Mesh, layout: Layout) -> None
         raise _err(f"{chunks} virtual stages per rank do not divide the {layers // p} layers of each of the "
                    f"{p} ranks of the pipeline ({layers} layers).", mesh=mesh, layout=layout, cls=ScheduleError,
                    rule="each rank runs its layers in equal chunks, one per virtual stage",
-                   fix=f"use a number of virtual stages that divides {layers // p}, or a multiple of "
-                       f"{p * chunks} layers")
+                   fix=f"use a number of virtual stages that divides {layers // p}, a multiple of "
+                       f"{p * chunks} layers, or give each of the {p * chunks} virtual stages its layers "
+                       f"(--stage-layers N,N,.., stage_layers=)")
 
 
 def _with_microbatches(mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int):

@@ -16,7 +16,9 @@ cut into unequal ones, as a pass on the segment lists and the values:
   own layers (same values: each rank's local slice holds its stage's layers).
 
 What :mod:`.interleave` refuses, this pass refuses too (per-micro-batch values besides the
-carry, stacked gradients read other than by their sum over the micro-batches).
+carry, stacked gradients read other than by their sum over the micro-batches).  With virtual
+stages (``interleaved:v``) the counts are per virtual stage (``p * v``, checked by
+:func:`check_counts`) and :mod:`.interleave` cuts the chunks at them instead of this pass.
 """
 from __future__ import annotations
 
@@ -87,23 +89,30 @@ def _replace(pairs: list, block, per_stage: list) -> list:
     return out
 
 
-def check_counts(counts, layers: int, p: int, mesh, layout) -> tuple[int, ...]:
-    """``counts`` as a tuple, or a LayoutError saying what is wrong with it."""
+def check_counts(counts, layers: int, p: int, mesh, layout, v: int = 1) -> tuple[int, ...]:
+    """``counts`` as a tuple, or a LayoutError saying what is wrong with it; with ``v`` virtual
+    stages per rank (interleaved), one count per virtual stage, ``p * v`` in all."""
     counts = tuple(counts)
-    bad = []
-    if len(counts) != p:
-        bad.append(f"{len(counts)} entries for {p} stages")
+    bad, n = [], p * v
+    if len(counts) != n:
+        bad.append(f"{len(counts)} entries for {p} stages" if v == 1 else
+                   f"{len(counts)} entries for {n} virtual stages ({p} ranks x {v} per rank)")
     if any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts):
         bad.append(f"entries {[c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]} "
                    "are not positive integers")
     elif sum(counts) != layers:
         bad.append(f"they sum to {sum(counts)}, not the {layers} layers")
     if bad:
+        what = f"{p} stages" if v == 1 else f"{n} virtual stages"
+        rule = "one positive layer count per stage, summing to the pipelined repeat's layers"
+        if v > 1:
+            rule += (f"; with {v} virtual stages per rank one per virtual stage, in layer order (virtual stage s "
+                     f"is chunk s // {p} of rank s % {p}: rank 0 runs stages {', '.join(map(str, range(0, n, p)))})")
         raise LayoutError(message(
-            f"compile: stage_layers={','.join(map(str, counts))} does not split {layers} layers over {p} stages.",
-            inputs=[f"mesh: {mesh}", f"layout: {layout}"], bullets=bad,
-            rule="one positive layer count per stage, summing to the pipelined repeat's layers",
-            fix=f"give {p} counts summing to {layers}, e.g. {','.join(map(str, _even(layers, p)))}"))
+            f"compile: stage_layers={','.join(map(str, counts))} does not split {layers} layers over {what}.",
+            inputs=[f"mesh: {mesh}", f"layout: {layout}"], bullets=bad, rule=rule,
+            fix=f"give {n} counts summing to {layers}, e.g. {','.join(map(str, _even(layers, n)))}"
+                if layers >= n else f"use fewer stages than the {layers} layers"))
     return counts
 
 

@@ -410,9 +410,9 @@ def _gather_args(m, v: Value, mesh) -> dict:
 
 def _in_order(v: Value, mesh, x: torch.Tensor) -> torch.Tensor:
     """A gathered ``x`` of value ``v`` with each block-cyclic dim's blocks (joined rank by rank)
-    put back in the global order (``Sharding.cyclic``)."""
+    put back in the global order (``Sharding.cyclic``, of its given lengths: ``Sharding.blocks``)."""
     for name, blocks in v.sharding.cyclic:
         p = mesh.axis_size(v.sharding.axes_of(name))
-        order = cyclic_order(v.shape.get(name).size, p, blocks)
+        order = cyclic_order(v.shape.get(name).size, p, blocks, v.sharding.given_blocks.get(name))
         x = x.index_select(v.shape.index(name), torch.tensor(order, device=x.device))
     return x

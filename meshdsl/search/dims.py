@@ -11,7 +11,8 @@ the dims inside ``repeat`` blocks), none by its name alone:
   Megatron-style pair), ranked by :func:`.estimate.estimate` (kernels and bytes moved
   with that split alone); not ``batch`` nor a dim renamed from it (the micro-batches
   split those);
-* ``pipe`` axis: the dim a ``repeat`` scans over.
+* ``pipe`` axis: the dim a ``repeat`` scans over, with each schedule (:data:`SCHEDULES`, and
+  :data:`VIRTUAL_SCHEDULES` where they fit).
 
 Per axis size the best :data:`MODEL_KEEP` dims, :data:`PAIR_KEEP` pairs (that
 estimate no worse than those dims alone) and :data:`FSDP_KEEP` param dims are kept,
@@ -31,11 +32,16 @@ import itertools
 from dataclasses import dataclass
 
 from ..errors import LayoutError, did_you_mean, message
+from ..lowering.schedule_gen import parse_schedule
 from .calibrate import Calibration
 from .estimate import Estimate, Profile, estimate, profile
 
 MICROBATCHES = (2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b", "zbh1")
+#: Schedules with virtual stages, offered where each rank's layers cut into their chunks and the
+#: micro-batches come in whole groups of the pipe axis (interleaved 1F1B, and with its Ws placed
+#: by simulation, ``lowering/w_placement.py``).
+VIRTUAL_SCHEDULES = ("interleaved:2", "interleaved-zb:2")
 #: Best single dims kept per model axis size, beside the seeds.
 MODEL_KEEP = 3
 #: Best pairs of dims kept per model axis size, beside Megatron's and the named ones (a pair is
@@ -300,10 +306,16 @@ class Splits:
                 tag = "" if layer == LAYER else f"{layer},"
                 for m in MICROBATCHES:
                     if per_replica % m == 0:
-                        for sched in SCHEDULES:
+                        for sched in SCHEDULES + virtual_schedules(self.dims[layer], k, m):
                             opts.append(Option(f"{layer}:pipe", f"PP({tag}m={m},{sched})", layer, m, sched))
             self._memo[key] = opts, verdicts
         return self._memo[key]
+
+
+def virtual_schedules(layers: int, k: int, m: int) -> tuple[str, ...]:
+    """The schedules of :data:`VIRTUAL_SCHEDULES` that run ``layers`` on a pipe axis of ``k``
+    with ``m`` micro-batches: v chunks of equal layers per rank, micro-batches in groups of k."""
+    return tuple(s for s in VIRTUAL_SCHEDULES if layers % (k * parse_schedule(s)[1]) == 0 and m % k == 0)
 
 
 def uneven_note(n: int, k: int) -> str:

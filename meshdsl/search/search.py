@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..errors import MeshDSLError
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.partition import with_schedule
+from ..lowering.schedule_gen import parse_schedule
 from .calibrate import Calibration
 from .dims import Splits
 from .predict import Prediction, predict
@@ -86,7 +87,8 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
     """Compile ``cand`` and predict it (``strict_splits``: refuse an uneven split, as the compiler does).
 
     ``compiled``, when given, keeps the last few pipelined plans by (mesh, layout,
-    micro-batches): a candidate that differs from one of them only in its schedule takes that
+    micro-batches, virtual stages per rank): a candidate that differs from one of them only in
+    its schedule takes that
     plan with its schedule swapped (:func:`~meshdsl.lowering.partition.with_schedule`, the
     same plan a compilation would give) instead of compiling again.
 
@@ -95,7 +97,8 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
         returns is one real processes can run: it never moves micro-batches other than by
         summing them, see :meth:`~meshdsl.lowering.compiler.Lowerer.emit`.)
     """
-    key = (cand.mesh, cand.layout, cand.microbatches)
+    # Only plans with as many stages per rank swap schedules (the chunks are cut at compilation).
+    key = (cand.mesh, cand.layout, cand.microbatches, parse_schedule(cand.schedule)[1])
     plan = None
     if compiled is not None and key in compiled:
         try:

@@ -15,7 +15,8 @@ dims, ranked how, and why):
   that no tensor holds together, the best few by a cheap estimate (``seq`` and
   ``experts`` always);
 * ``pipe``: the dim a ``repeat`` scans over, with a micro-batch count (2, 4, 8:
-  the ones the batch allows) and a schedule (gpipe, 1f1b, zbh1).
+  the ones the batch allows) and a schedule (gpipe, 1f1b, zbh1, and where the layers and
+  micro-batches allow two virtual stages per rank, interleaved:2 and interleaved-zb:2).
 
 A candidate is one option per role, and on a mesh without a pipeline also a
 gradient accumulation count (:data:`ACCUMULATION`: fewer activations held, more

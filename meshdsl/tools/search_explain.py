@@ -6,7 +6,9 @@ exposed communication, the pipeline bubble, stages waiting for a core).  Then, p
 role, the search's verdict on every dim (:class:`~meshdsl.search.dims.Verdict`: kept as a
 seed or by its estimated cost, pruned by cost with its figure, not divisible, in conflict)
 and, for a kept one, where it ended: in the winner, the best candidate that splits it, or
-why none was ranked.
+why none was ranked.  On the pipe axis, each schedule priced (gpipe, 1f1b, zbh1,
+interleaved:2, interleaved-zb:2) with its best candidate: its step, its bubble (the schedule
+simulated at the stages' predicted costs) and its peak activations per rank (from the plan).
 """
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ from ..search.space import ROLES, Candidate
 
 def _mb(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def _bytes(n: float) -> str:
+    return _mb(n) if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def terms_text(p: Prediction) -> str:
@@ -75,6 +81,25 @@ def dim_lines(result: SearchResult) -> list[str]:
         for v in result.splits.verdicts(role, size):
             where = _where(result, role, size, _on(v.rules, role)) if v.kept else ""
             lines.append(f"    {v.split:<18} {v.why}{where}")
+        if role == "pipe":
+            lines += schedule_lines(result)
+    return lines
+
+
+def schedule_lines(result: SearchResult) -> list[str]:
+    """Each pipeline schedule the search ranked, with its best candidate: step, bubble, peak activations."""
+    best: dict[str, tuple[int, object]] = {}
+    for i, r in enumerate(result.ranked):
+        if r.candidate.staged:
+            best.setdefault(r.candidate.schedule, (i, r))
+    if not best:
+        return []
+    lines = ["    schedules (the best candidate of each: step, bubble simulated at its stages' costs, peak "
+             "activations per rank):"]
+    for name, (i, r) in sorted(best.items(), key=lambda kv: kv[1][0]):
+        p, c = r.prediction, r.candidate
+        lines.append(f"      {name:<18} #{i + 1} '{c.mesh}' '{c.layout}' m={c.microbatches}: {p.step_s * 1e3:.2f} ms, "
+                     f"bubble {p.bubble_s * 1e3:.2f} ms, activations {_bytes(p.memory['activations_peak'])}")
     return lines
 
 

@@ -22,8 +22,9 @@ def stage_layers_type(text: str):
 def stage_layers_arg(p) -> None:
     p.add_argument("--stage-layers", type=stage_layers_type, default=None, metavar="N,N,..|auto",
                    help="layers of the pipelined repeat per stage, e.g. 3,5 on 'stage:2' (each >= 1, summing "
-                        "to the layers), or auto: the split that balances the stages' predicted cost, the "
-                        "embedding on the first stage and the head and loss on the last included "
+                        "to the layers; with interleaved:V one per virtual stage in layer order, e.g. 1,2,2,1 "
+                        "on 'stage:2' with V = 2), or auto: the split that balances the stages' predicted "
+                        "cost, the embedding on the first stage and the head and loss on the last included "
                         "(default: equal)")
 
 
