@@ -349,7 +349,8 @@ def _profile(step, warmup, num_steps=10):
 #: The parts of a stage's idle time (:func:`idle_breakdown`), in the order printed: its own send
 #: actions; its receives after the message was sent (taking it in: copy and latency); its receives
 #: before that (the sender was late); the time between its actions (the runtime's bookkeeping:
-#: a finished micro-batch's activations dropped and its sums added); before its first action and
+#: a finished micro-batch's activations dropped; the gradients its last action made are added into
+#: the step's sums inside that action, as torch's backward accumulates them); before its first action and
 #: after its last (the pipeline's fill and drain on this stage).
 IDLE_PARTS = ("send", "recv copy", "recv wait", "between", "fill+drain")
 

@@ -119,12 +119,14 @@ def test_bucketed_steps_equal_unbucketed_on_the_simulated_mesh(model, name):
 def _gloo(rank, names):
     torch.set_num_threads(1)
     model = build(CFG)
-    out = {}
+    out, reserved = {}, {}
     for name in names:
         for size in SIZES:
-            step = _step(model, name, TorchComm(LAYOUTS[name][0]), bucket_mb=size)
-            out[(name, size)] = _curve(step, model)
-    return out
+            comm = TorchComm(LAYOUTS[name][0])
+            out[(name, size)] = _curve(_step(model, name, comm, bucket_mb=size), model)
+            # whether the layer loop's gradient rows went through the shared segment's reduce buffer
+            reserved[(name, size)] = any(g is not None and g.ring.floor > 0 for g in comm._shm.values())
+    return out, reserved
 
 
 @pytest.mark.timeout(300)
@@ -132,7 +134,9 @@ def test_bucketed_steps_equal_unbucketed_on_gloo(model):
     names = ("dp", "zero2", "fsdp")
     results = launch.spawn(_gloo, 2, args=(names,), timeout=280)
     assert multiprocessing.active_children() == []
-    for res in results:
+    for res, reserved in results:
+        # the DP step's bucketed layer gradients are reduced from the reduce buffer (comm/shm_ring.py)
+        assert reserved[("dp", 25)] and reserved[("dp", 1e-3)] and not reserved[("dp", 0)]
         for name in names:
             want_loss, want_params = res[(name, 0)]
             for size in SIZES[1:]:

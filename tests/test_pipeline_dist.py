@@ -165,7 +165,9 @@ def test_torchrun_pipelined_check(tmp_path):
 
 
 def _posts_and_actions(rank, m):
-    comm = TorchComm("stage:2")
+    # Through shared memory a carry's receive is bound once and needs no posting (its sender
+    # writes the message into the ring whenever it comes): posting is gloo's, tested there.
+    comm = TorchComm("stage:2", shm=False)
     model, outs = _outputs({})
     plan = md.compile(outs, "stage:2", "layer:stage", microbatches=m, schedule="1f1b")
     ex = md.Executor(plan, for_plan(comm, plan))
@@ -177,20 +179,41 @@ def _posts_and_actions(rank, m):
         return start(kind, xs, axes, args)
     comm.start = logged
     stats: dict = {}
-    ex.run(model.feeds(0), stats=stats)
+    out = ex.run(model.feeds(0), stats=stats)
     ((row),) = ex.last_timeline
-    return posts, [(a.kind, a.microbatch, t0) for a, t0, _ in row], stats.get("recv", 0.0)
+    return (posts, [(a.kind, a.microbatch, t0) for a, t0, _ in row], stats.get("recv", 0.0),
+            _bound_transfers(plan, model, out))
+
+
+def _bound_transfers(plan, model, gloo_out):
+    """The same plan with the carry through shared memory: its sends and receives go through
+    links bound at the first run, never through ``collective`` or ``start``, and are booked as
+    transfers; the outputs are the gloo run's."""
+    comm = TorchComm("stage:2")
+    calls = []
+    for name in ("collective", "start"):
+        plain = getattr(comm, name)
+        setattr(comm, name, lambda kind, *a, plain=plain: calls.append(kind) or plain(kind, *a))
+    out = md.Executor(plan, for_plan(comm, plan)).run(model.feeds(0))
+    same = out.keys() == gloo_out.keys() and all(
+        len(xs) == len(gloo_out[k]) and all((x is None) == (y is None) and (x is None or torch.equal(x, y))
+                                            for x, y in zip(xs, gloo_out[k]))
+        for k, xs in out.items())
+    return calls, {k: comm.stats.get(k, {}).get("count", 0) for k in ("send", "recv")}, same
 
 
 @pytest.mark.timeout(120)
 def test_carry_receives_are_posted_before_the_compute_they_overlap():
     """On real processes a stage posts the receive of micro-batch k's carry (or its gradient)
     before it starts computing micro-batch k-1, so the message lands meanwhile; only carries
-    are received that way (tag: carry tag * m + micro-batch).  Timed, the waits count as 'recv'."""
+    are received that way (tag: carry tag * m + micro-batch).  Timed, the waits count as 'recv'.
+    Through shared memory the carry's transfers are bound once instead (no posting)."""
     m = 4
     results = launch.spawn(_posts_and_actions, 2, args=(m,), mesh="stage:2", timeout=100)
     assert multiprocessing.active_children() == []
-    for rank, (posts, actions, recv_seconds) in enumerate(results):
+    for rank, (posts, actions, recv_seconds, (calls, counts, same)) in enumerate(results):
+        assert "send" not in calls and "recv" not in calls and counts == {"send": m, "recv": m}, (calls, counts)
+        assert same   # the carry's bytes arrive unchanged, whichever path: the outputs are bitwise gloo's
         assert recv_seconds > 0  # a timed run books the receives it took under 'recv'
         carry_tag, compute = (0, "F") if rank == 1 else (1, "B")
         assert [k for _, k, _ in posts] == ["recv"] * m

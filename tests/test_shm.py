@@ -4,7 +4,9 @@ The shared-memory path folds each chunk in group order, as the simulated mesh do
 its results are bitwise the simulated mesh's for every kind, op and dtype, including
 tensors larger than one slot (they go in pieces), and so are allreduces in flight together
 (comm/shm_ring.py: started without waiting for the other ranks, more than its ring holds,
-waited for in any order, by the caller or by a helper thread).  A group whose ranks are on
+waited for in any order, by the caller or by a helper thread), and so are rows of the reduce
+buffer (groups of 2 and 4, each member folding its chunk into the shared result rows; the
+results kept through later allreduces).  A group whose ranks are on
 different hosts keeps gloo; a rank that never arrives is named once the collective timeout passes;
 nothing is left in /dev/shm, even when the member that makes a segment is killed the
 moment it exists (a segment has no name: its descriptor is handed to the others).
@@ -59,7 +61,16 @@ def _collectives(comm):
             out.append(comm.all_gather([x.view(-1, 1)], axes, dim=1)[0])
             out.append(comm.reduce_scatter([x.reshape(-1)[:(x.numel() // 4) * 4]], axes, dim=0, op="sum")[0])
             out.append(comm.all_to_all([x.reshape(-1)[:(x.numel() // 4) * 4].view(4, -1)], axes, 0, 1)[0])
+    for axes in AXES:   # rows in the reduce buffer, reduced where they lie (groups of 2 and of 4)
+        rows = comm.reduce_buffer(axes, 2 * 1001, torch.float32, 2)[0].view(2, 1001)
+        rows.copy_(_rows(comm.rank))
+        handles = [comm.start("bucket_allreduce", [rows[l]], axes, {"op": op}) for l, op in ((1, "sum"), (0, "max"))]
+        out += [h.wait()[0].clone() for h in handles]
     return out, [g is not None for g in comm._shm.values()], {k: v["count"] for k, v in comm.stats.items()}
+
+
+def _rows(rank: int) -> torch.Tensor:
+    return torch.randn(2, 1001, generator=torch.Generator().manual_seed(20 + rank))
 
 
 def _same_on_the_simulated_mesh(sim, xs_of_rank, axes) -> list:
@@ -81,13 +92,15 @@ def test_shared_memory_collectives_are_bitwise_the_simulated_mesh():
     got = launch.spawn(_collectives, 4, mesh=MESH, timeout=100)
     sim = SimulatedComm(Mesh.parse(MESH))
     want = [w for axes in AXES for w in _same_on_the_simulated_mesh(sim, _inputs, axes)]
+    want += [sim.all_reduce([_rows(r)[l] for r in range(4)], axes, op)
+             for axes in AXES for l, op in ((1, "sum"), (0, "max"))]
     for r in range(4):
         assert len(got[r][0]) == len(want)
         for k, w in enumerate(want):
             assert torch.equal(got[r][0][k], w[r]), (r, k)
     for _, used, counts in got:
         assert used and all(used)  # every group of the mesh went through shared memory
-        assert counts == {"allreduce": 24, "allgather": 8, "reduce_scatter": 8, "alltoall": 8}
+        assert counts == {"allreduce": 24, "allgather": 8, "reduce_scatter": 8, "alltoall": 8, "bucket_allreduce": 8}
     assert _shm_files() == before  # unlinked as soon as every member had it mapped
 
 
@@ -100,7 +113,7 @@ def _split_phase(start, rank: int, started: Path):
     ring has room); the rest overflow the ring (rank 0 waits for rank 1 to read what it would
     overwrite).  Returns the results and the inputs."""
     g = torch.Generator().manual_seed(rank)
-    sizes = (5, 700_000, shm_ring.PIECE_BYTES // 4 + 1000, *[700_000] * 4)  # the third goes in 2 pieces
+    sizes = (5, 700_000, shm_ring.PIECE_BYTES // 4 + 1000, *[1_400_000] * 4)  # the third goes in 2 pieces
     xs = [torch.randn(n, generator=g) for n in sizes] + [torch.randint(-5, 5, (9,), generator=g)]
     assert sum(x.numel() * 4 for x in xs) > shm_ring.RING_BYTES  # the ring wraps
     if rank == 1:
@@ -116,13 +129,49 @@ def _split_phase(start, rank: int, started: Path):
     return [h.wait() for h in reversed(handles)][::-1], xs
 
 
+ROW = 1_000_003   # float32 elements of a reserved row: an odd count, cut into chunks off a line's end
+ROW_OPS = ("sum", "max", "sum")
+
+
+def _reserved_rounds(comm, rounds: int = 3):
+    """Three rounds of a data-parallel step's pattern: gradient rows in the reduce buffer, rows
+    started from the last (bucket allreduces, nothing copied in), an allreduce placed while they
+    are not all started, all waited for in start order, then allreduces of more than the ring
+    holds.  Each round's rows take the space of the last's.  Rank 1 starts all but the first
+    row late, as a rank still in its backward would (rank 0 waits for it).  Returns per round
+    the inputs, the results, whether each row's result is its span of the result rows and
+    whether those kept the results through the later allreduces (which go after the
+    reservation)."""
+    g = torch.Generator().manual_seed(10 + comm.rank)
+    out = []
+    for _ in range(rounds):
+        rows, reduced = (x.view(3, ROW) for x in comm.reduce_buffer(("x",), 3 * ROW, torch.float32, 3))
+        xs, other = torch.randn(3, ROW, generator=g), torch.randn(700_000, generator=g)
+        rows.copy_(xs)   # as the backward's matmuls write them
+        handles = [comm.start("bucket_allreduce", [rows[2]], ("x",), {"op": ROW_OPS[2]})]
+        if comm.rank == 1:
+            time.sleep(0.2)
+        handles += [comm.start("allreduce", [other], ("x",), {"op": "sum"}),
+                    *[comm.start("bucket_allreduce", [rows[l]], ("x",), {"op": ROW_OPS[l]}) for l in (1, 0)]]
+        ys = [h.wait()[0] for h in handles]
+        in_place = [ys[k].data_ptr() == reduced[l].data_ptr() for k, l in ((0, 2), (2, 1), (3, 0))]
+        ys = [y.clone() for y in ys]
+        for _ in range(5):
+            comm.all_reduce([torch.ones(1_400_000)], ("x",), "sum")
+        kept = torch.equal(reduced, torch.stack([ys[3], ys[2], ys[0]]))
+        out.append((xs, other, ys, in_place + [kept]))
+    return out
+
+
 def _in_flight_together(comm, tmp: Path):
     """:func:`_split_phase` through the communicator (its segment's allreduces run by the caller),
-    then through a second segment of the group whose helper thread runs them."""
+    then :func:`_reserved_rounds`, then :func:`_split_phase` through a second segment of the group
+    whose helper thread runs them."""
     shm.helper_for = lambda local_procs: False
     comm.all_reduce([torch.ones(1)], ("x",), "sum")  # the group's segment is made here, by both
     by_caller = _split_phase(lambda x, op: comm.start("allreduce", [x], ("x",), {"op": op}), comm.rank,
                              tmp / "caller")
+    reserved = _reserved_rounds(comm)
     shm.helper_for = lambda local_procs: True
     s = comm._slice(("x",))
     grp = shm.ShmGroup.open(s.pg, 2, 20.0, "test", 2)
@@ -136,7 +185,7 @@ def _in_flight_together(comm, tmp: Path):
             self.work.wait()
             return [self.y]
     by_helper = _split_phase(Started, comm.rank, tmp / "helper")
-    return by_caller, by_helper, [t.name for t in threading.enumerate()]
+    return by_caller, by_helper, [t.name for t in threading.enumerate()], reserved
 
 
 @pytest.mark.timeout(60)
@@ -148,7 +197,17 @@ def test_allreduces_in_flight_together_are_bitwise_the_simulated_mesh(tmp_path):
             want = sim.all_reduce([got[0][run][1][k], got[1][run][1][k]], ("x",), op)
             for r in range(2):
                 assert torch.equal(got[r][run][0][k][0], want[r]), (run, r, k)
-    assert all("meshdsl-shm-ring" in threads for *_, threads in got)
+    assert all("meshdsl-shm-ring" in threads for _, _, threads, _ in got)
+    # rows in the reduce buffer: each member folds its half into the result rows, bitwise the
+    # simulated mesh's fold on both ranks
+    for rnd, ((xs0, other0, _, _), (xs1, other1, _, _)) in enumerate(zip(got[0][3], got[1][3])):
+        want = [sim.all_reduce([xs0[2], xs1[2]], ("x",), ROW_OPS[2]), sim.all_reduce([other0, other1], ("x",), "sum"),
+                *[sim.all_reduce([xs0[l], xs1[l]], ("x",), ROW_OPS[l]) for l in (1, 0)]]
+        for r in range(2):
+            _, _, ys, in_place = got[r][3][rnd]
+            assert all(in_place), (rnd, r)
+            for k, w in enumerate(want):
+                assert torch.equal(ys[k], w[r]), (rnd, r, k)
 
 
 def _on_other_hosts(comm):

@@ -7,7 +7,8 @@ receive with no send names its peer once the collective timeout passes, as does 
 that is never taken; turned off, the
 transfers stay on gloo; only transfers that ask for the pipe use it.  A property test runs
 both ends of a channel in one process over an anonymous mapping: any sequence of messages,
-received in any order, arrives bitwise.
+received in any order, arrives bitwise; so do messages sent and received through bound links
+(``PipeLink``, a pipeline's carry) mixed with the general path, whatever the order.
 """
 from __future__ import annotations
 
@@ -200,6 +201,42 @@ def test_any_messages_in_any_receive_order_arrive_bitwise(messages, rnd):
         assert torch.equal(out, sent[tag]), tag
     pipe.drain()
     assert pipe.aside == {} and not any(pipe.queue.values())
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 3 * shm_pipe.SLOT_DATA // 2),
+                          st.booleans(), st.booleans()), min_size=1, max_size=12),
+       st.randoms(use_true_random=False))
+def test_links_and_the_general_path_carry_any_messages_in_any_order(messages, rnd):
+    """Each message goes through a link or ``send`` and comes out of a link or ``recv``: the
+    link's direct copy where the message fits a slot and comes next, the general path where it
+    is larger, queued behind a full ring, or another tag's message comes first."""
+    pairs = shm_pipe.pairs_for(2, [1])
+    pipe = shm_pipe.ShmPipe(mmap.mmap(-1, len(pairs) * shm_pipe._CHANNEL), pairs, (0, 1), timeout=10.0,
+                            describe="one process", spins=100)
+    g = torch.Generator().manual_seed(len(messages))
+    sent, booked = [], []
+    for tag, (dtype, nbytes, by_link, _) in enumerate(messages):
+        n = nbytes // torch.empty((), dtype=dtype).element_size()
+        x = (torch.randn(2, n, generator=g) * 100).to(dtype)[:, ::2]   # not contiguous
+        sent.append(x)
+        if by_link:
+            pipe.link(0, 1, tag, x, lambda nbytes, seconds: booked.append(nbytes)).send(x)
+        else:
+            pipe.send(x.contiguous(), 0, 1, tag)
+    order = list(range(len(sent)))
+    rnd.shuffle(order)
+    for tag in order:
+        x, by_link = sent[tag], messages[tag][3]
+        if by_link:
+            out = pipe.link(0, 1, tag, x).recv()
+        else:
+            out = torch.empty(x.shape, dtype=x.dtype)
+            assert pipe.recv(out, 0, 1, tag).wait()
+        assert out.shape == x.shape and torch.equal(out, x), tag
+    pipe.drain()
+    assert pipe.aside == {} and not any(pipe.queue.values())
+    assert booked == [x.numel() * x.element_size() for x, m in zip(sent, messages) if m[2]]
 
 
 def _verbose(comm, other_hosts):

@@ -77,6 +77,16 @@ class Communicator(ABC):
         """
         return Done(self.collective(kind, xs, axes, args))
 
+    def reduce_buffer(self, axes: tuple[str, ...], numel: int, dtype: torch.dtype, starts: int):
+        """``(buffer, result)``, 1-D tensors of ``numel`` elements (one held rank's; contents
+        undefined): ``starts`` later ``bucket_allreduce`` starts over ``axes``, each of a
+        contiguous span of ``buffer``, reduce it copying nothing in, and each one's result
+        (what its handle gives) is the same span of ``result``, valid until this rank asks
+        for the next such buffer over ``axes``.  None where the communicator has no such memory:
+        the caller allocates its own.  Every member of the group asks at the same point (a
+        shared segment may be made then)."""
+        return None
+
     # Named forms of the collectives the compiler emits today (tests and tools call them).
     def all_reduce(self, xs, axes, op: str):
         """Reduce with ``op`` in {"sum", "max", "min"} over each group; everyone gets the result."""
@@ -118,6 +128,13 @@ class Communicator(ABC):
         """Prepare a pipeline's transfers over ``axes`` at ``offsets`` (a faster path, where a
         communicator has one); every rank calls it at the same point.  Transfers use it when
         their ``args`` ask for ``"pipe"``."""
+
+    def pipe_link(self, kind: str, axes: tuple[str, ...], offset: int, tag: int, like: torch.Tensor):
+        """A ``send`` or ``recv`` (``kind``) of this communicator's one rank that a pipeline runs
+        every step, bound to :meth:`open_pipe`'s path once: an object whose ``send(x)`` /
+        ``recv()`` (a fresh tensor shaped as ``like``) run it; None where there is no such path
+        (the transfer goes through :meth:`collective` and :meth:`start`)."""
+        return None
 
     def hold(self, work, buffer) -> None:
         """Keep an asynchronous send (and its buffer) until :meth:`drain` (communicators that have them)."""

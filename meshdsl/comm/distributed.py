@@ -286,6 +286,27 @@ class TorchComm(Communicator):
         """The shared-memory channels :meth:`open_pipe` made for ``s``'s group, or None."""
         return self._pipes.get(s.members)
 
+    def pipe_link(self, kind, axes, offset, tag, like):
+        """See :meth:`Communicator.pipe_link`: a :class:`~.shm_pipe.PipeLink` on the channels
+        :meth:`open_pipe` made, booked in :attr:`stats` like any transfer; None where the
+        transfer stays on gloo (no channels, a CUDA tensor, no peer) or is logged (verbose)."""
+        s = self._slice(axes)
+        pipe = self._pipes.get(s.members)
+        peer = s.me + offset if kind == "send" else s.me - offset
+        if pipe is None or self.verbose or like.device.type != "cpu" or not 0 <= peer < s.size:
+            return None
+        src, dst = (s.me, peer) if kind == "send" else (peer, s.me)
+        what = f"{kind} over {tuple(axes)}"
+
+        def book(nbytes: int, seconds: float) -> None:
+            st = self.stats.get(kind) or self.stats.setdefault(kind, {"count": 0, "bytes": 0, "seconds": 0.0})
+            st["count"] += 1
+            st["bytes"] += nbytes
+            st["seconds"] += seconds
+            self.num_done += 1
+            self.last_done = what
+        return pipe.link(src, dst, tag, like, book)
+
     @staticmethod
     def check_op(op: str) -> str:
         """``op`` if it is a reduction torch.distributed knows, else a :class:`DistributedError`."""
@@ -329,6 +350,15 @@ class TorchComm(Communicator):
         (x,), t0 = xs, time.perf_counter()
         work, finish = begin(self, x, s, self._lengths(args, axes, s))
         return _InFlight(self, work, kind, finish, axes, s, x, t0)
+
+    def reduce_buffer(self, axes, numel: int, dtype: torch.dtype, starts: int):
+        """See :meth:`Communicator.reduce_buffer`: a span of this rank's region of the group's
+        shared segment and of its result area (:meth:`~.shm.ShmGroup.reserve`) where it has one."""
+        s = self._slice(axes)
+        if s.size < 2 or self.device.type != "cpu":
+            return None
+        grp = self.shm_group(s)
+        return None if grp is None else grp.reserve(numel, dtype, starts, s.me, s.members)
 
     def hold(self, work, buffer) -> None:
         """Keep an isend and its buffer (which must live until it completes) until :meth:`drain`."""

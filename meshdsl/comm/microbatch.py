@@ -107,6 +107,14 @@ class MicrobatchComm(Communicator):
     def open_pipe(self, axes, offsets) -> None:
         self.real.open_pipe(tuple(a for a in axes if a != MB_AXIS), offsets)
 
+    def pipe_link(self, kind, axes, offset, tag, like):
+        """See :meth:`Communicator.pipe_link`: for a view holding one micro-batch, the real
+        communicator's link, with the micro-batch in the tag as :meth:`start` puts it."""
+        if len(self.ranks) != 1:
+            return None
+        real_axes = tuple(a for a in axes if a != MB_AXIS)
+        return self.real.pipe_link(kind, real_axes, offset, tag * self.num_microbatches + self._mb(self.ranks[0]), like)
+
     def hold(self, work, buffer) -> None:
         self.real.hold(work, buffer)
 

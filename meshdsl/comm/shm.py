@@ -142,6 +142,12 @@ class ShmGroup:
         another before then)."""
         return self.ring.start(x, fold, me, members)
 
+    def reserve(self, numel: int, dtype: torch.dtype, starts: int, me: int, members):
+        """``(buffer, result)``: a tensor in this member's part of the segment that ``starts`` later
+        :meth:`start_allreduce` calls on spans of it reduce with nothing copied in, and where
+        their results appear (:meth:`~.shm_ring.Ring.reserve`); or None."""
+        return self.ring.reserve(numel, dtype, starts, me, members)
+
     def allreduce_(self, x: torch.Tensor, fold, me: int, members) -> torch.Tensor:
         """:meth:`start_allreduce`, finished: ``x`` reduced in place."""
         self.ring.start(x, fold, me, members).wait()

@@ -18,6 +18,10 @@ writes as the receiver frees slots, so two stages sending to each other cannot w
 on each other, as with gloo's ``isend``.  ``drain`` waits until every queued piece is in
 its ring.
 
+A transfer a pipeline runs every step (one channel, one tag, one shape) binds a
+:class:`PipeLink` once: its sends and receives skip the per-message lookups and copy
+straight between the tensor and its slot (a receive into the tensor the next action reads).
+
 Segments are made as :class:`~.shm.ShmGroup`'s are (:func:`~.shm.open_segment`,
 collective over the group): where that fails, the group keeps gloo, for every member
 alike.  Only the pipeline's own carry transfers use a pipe (their steps ask for it), so
@@ -26,6 +30,7 @@ both ends of a transfer always agree on how it travels.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import torch
@@ -87,6 +92,11 @@ class ShmPipe:
     def _slot(k: int, n: int) -> int:
         """Byte offset of the slot that piece ``n`` of channel ``k`` goes in."""
         return k * _CHANNEL + _COUNTERS + (n % NUM_SLOTS) * _SLOT
+
+    def link(self, src: int, dst: int, tag: int, like: torch.Tensor, book=None) -> "PipeLink":
+        """The transfers from member position ``src`` to ``dst`` with ``tag`` of tensors shaped as
+        ``like`` (CPU), bound once; ``book(nbytes, seconds)`` is called after each one."""
+        return PipeLink(self, src, dst, tag, like, book)
 
     # ------------------------------------------------------------- sending
     def send(self, x: torch.Tensor, src: int, dst: int, tag: int) -> None:
@@ -246,3 +256,72 @@ class _Receive:
             flat.copy_(data)
         self.done = True
         return True
+
+
+class PipeLink:
+    """One channel and tag of a :class:`ShmPipe`, for tensors of one shape and dtype: a
+    pipeline's carry transfer, bound once and run every step.
+
+    A message that fits a slot is copied straight from the sent tensor into its slot, and on
+    the other side straight out of the slot into the tensor the receiver reads (no
+    reshaping, no lookups per message: each slot's view is made here once).  Anything else
+    (a larger message, a ring full or with messages queued, a message of another tag first)
+    takes the pipe's general :meth:`ShmPipe.send` and :class:`_Receive`; the two paths write
+    and read the same pieces, so either end may take either.
+    """
+
+    __slots__ = ("pipe", "src", "dst", "tag", "k", "shape", "dtype", "nbytes", "views", "heads",
+                 "head_counter", "tail_counter", "book")
+
+    def __init__(self, pipe: ShmPipe, src: int, dst: int, tag: int, like: torch.Tensor, book=None):
+        self.pipe, self.src, self.dst, self.tag, self.book = pipe, src, dst, tag, book
+        self.k = k = pipe.channel[(src, dst)]
+        self.shape, self.dtype = like.shape, like.dtype
+        self.nbytes = like.numel() * like.element_size()
+        slots = [pipe._slot(k, n) for n in range(NUM_SLOTS)]
+        self.heads = [at // 8 for at in slots]
+        # each slot's data as a tensor of the message's shape (None: the message takes pieces)
+        self.views = [pipe.bytes[at + _HEAD:at + _HEAD + self.nbytes].view(self.dtype).view(self.shape)
+                      if self.nbytes <= SLOT_DATA else None for at in slots]
+        self.head_counter, self.tail_counter = pipe._counter(k, 0), pipe._counter(k, 1)
+
+    def send(self, x: torch.Tensor) -> None:
+        """Send ``x`` (CPU, the link's shape and dtype, any strides); returns at once."""
+        t0, pipe, k = time.perf_counter(), self.pipe, self.k
+        n = pipe.written[k]
+        ints = pipe.ints
+        # The helper thread writes a channel only while its queue holds something, and only the
+        # main thread adds to a queue: with this queue empty, no one else writes this channel.
+        if (pipe.queue[k] or pipe.failure is not None or n - ints[self.tail_counter] >= NUM_SLOTS
+                or self.views[0] is None or x.shape != self.shape or x.dtype != self.dtype):
+            pipe.send(x.contiguous(), self.src, self.dst, self.tag)
+        else:
+            slot = n % NUM_SLOTS
+            self.views[slot].copy_(x)
+            h = self.heads[slot]
+            ints[h], ints[h + 1], ints[h + 2], ints[h + 3] = self.tag, self.nbytes, 0, self.nbytes
+            pipe.written[k] = n + 1
+            ints[self.head_counter] = n + 1   # after the data: x86-64 keeps store order
+        if self.book is not None:
+            self.book(self.nbytes, time.perf_counter() - t0)
+
+    def recv(self) -> torch.Tensor:
+        """The next message of this link's tag, in a fresh tensor (waits for it)."""
+        t0, pipe, k = time.perf_counter(), self.pipe, self.k
+        n, ints = pipe.taken[k], pipe.ints
+        direct = not pipe.aside and self.views[0] is not None   # (else it may be aside already)
+        if direct:
+            if ints[self.head_counter] <= n:
+                pipe._wait_piece(k)
+            h = self.heads[n % NUM_SLOTS]
+            direct = ints[h] == self.tag and ints[h + 1] == self.nbytes and ints[h + 3] == self.nbytes
+        if direct:
+            out = self.views[n % NUM_SLOTS].clone()
+            pipe.taken[k] = n + 1
+            ints[self.tail_counter] = n + 1
+        else:   # another tag's message first, or in pieces: the general receive sorts it out
+            out = torch.empty(self.shape, dtype=self.dtype)
+            _Receive(pipe, out, k, self.tag).wait()
+        if self.book is not None:
+            self.book(self.nbytes, time.perf_counter() - t0)
+        return out

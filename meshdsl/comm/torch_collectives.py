@@ -132,10 +132,12 @@ def _start_reduce_scatter(comm, x, group, args):
 
 
 def _start_bucket_allreduce(comm, x, group, args):
-    # The packed buffer is this step's own: reduce it in place, no copy.
+    # The packed buffer is this step's own: reduce it in place, no copy (or, a span of the
+    # communicator's reduce buffer, into its result area: the handle's ``out``).
     op = comm.check_op(args.get("op", "sum"))
     out = comm.prep(x)
-    return _all_reduce_(comm, out, group, op, async_op=True), lambda: out
+    work = _all_reduce_(comm, out, group, op, async_op=True)
+    return work, lambda: getattr(work, "out", out)
 
 
 def _dist_permute(comm, x, group, args):

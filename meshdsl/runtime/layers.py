@@ -77,7 +77,7 @@ def _prepare_repeat(ctx, i, step):
                   for v in grads]
         sinks = [install(sub, body.outputs[f"d/{k}"]) for k in names]
         closed_sums = _ClosedSums([k for k in closed if f"d/{k}" in plan.outputs], step.outs[1 + len(names):])
-        run_fn = _backward_fn(tail, shapes, sinks, grads, closed_sums)
+        run_fn = _backward_fn(tail, shapes, sinks, grads, closed_sums, _shares_reduce_buffer(ctx.plan, step, grads))
     else:
         sub, run_fn = Executor(plan, ctx.comm, compile=ctx.compile), _forward
     sub.check_feeds = False   # the loop feeds its body the outer plan's own tensors
@@ -105,6 +105,18 @@ def _prepare_repeat(ctx, i, step):
     # what the loop hands on is never in flight, but for gradients it reduces layer by layer (_Layers)
     call.settled = not (a["backward"] and tail)
     return call
+
+
+def _shares_reduce_buffer(plan: Plan, step, grads) -> bool:
+    """Whether backward loop ``step`` of ``plan`` may put its gradient rows in the communicator's
+    reduce buffer (:func:`_packed_rows`), whose results last only until the next such request:
+    where no output of ``plan`` is one of its stacked gradients ``grads``, and no other loop
+    asks before the update has read them: ``step`` is ``plan``'s only backward loop that
+    reduces its gradients itself, runs no loop and is in no loop's body."""
+    loops = [s for s in plan.steps if s.kind == "repeat" and s.args["backward"] and s.args.get("streamed")]
+    return (len(loops) == 1 and loops[0] is step and "dcarry" not in plan.outputs
+            and not set(grads) & set(plan.outputs.values())
+            and not any(s.kind == "repeat" for s in step.subplans[0].steps))
 
 
 class _LayerParams:
@@ -287,7 +299,7 @@ class _ClosedSums:
                     acc[j].add_(g)
 
 
-def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _ClosedSums):
+def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _ClosedSums, shared: bool):
     """The backward loop for a sub-plan whose ``tail`` collectives the loop starts itself.
 
     ``shapes``: the (local shape per held rank, dtype) of each stacked gradient the step outputs (value
@@ -297,6 +309,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
     :class:`~.deferred.Deferred`), the matmuls of the gradients it names are put off into it:
     the returned buffers hold those gradients once it has run.  ``closed``: the gradients of
     tensors read from outside the block, summed over the layers after the stacked ones.
+    ``shared``: a bucket's gradient rows may go in the communicator's reduce buffer (:func:`_packed_rows`).
     """
     static: list = []   # what depends on the body's plan only: worked out at the first call
     layouts: dict = {}  # (the gradients summed into ``into``, those deferred) -> their _GradLayout
@@ -317,8 +330,8 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
         layout = layouts.get(key)
         if layout is None:
             layout = layouts[key] = _GradLayout.of(outs, sinks, late, packed, num_layers, *key)
-        loop = _BackwardLoop((tail, shapes, outs, closed, outv, late, layout, like), sub, ins, names, pos, kept_names,
-                             num_layers, held, stats, first, into, defer, layer_params, runner)
+        loop = _BackwardLoop((tail, shapes, outs, closed, outv, late, layout, like, shared), sub, ins, names, pos,
+                             kept_names, num_layers, held, stats, first, into, defer, layer_params, runner)
         dy, _ = run_layers(num_layers, loop.layer, loop.dy, backward=True)
         return loop.results(dy)
     return backward
@@ -366,7 +379,7 @@ class _BackwardLoop:
 
     def __init__(self, fixed, sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer,
                  layer_params, runner):
-        tail, shapes, outs, closed, self.outv, late, layout, like = fixed
+        tail, shapes, outs, closed, self.outv, late, layout, like, shared = fixed
         self.tail, self.closed, self.late = tail, closed, late
         self.sub, self.names, self.pos, self.held, self.stats, self.first = sub, names, pos, held, stats, first
         self.layer_params, self.runner = layer_params, runner
@@ -383,8 +396,8 @@ class _BackwardLoop:
         self.adds = layout.adds
         work = defer.work if defer is not None else None
         self.later = [work if f else None for f in layout.later]
-        self.packed, self.rows = _packed_rows(sub, tail, self.outv, shapes, [pos[k] for k in names], num_layers,
-                                              self.dy) if tail else ({}, {})
+        self.packed, self.reduced, self.rows = _packed_rows(sub, tail, self.outv, shapes, [pos[k] for k in names],
+                                                            num_layers, self.dy, shared) if tail else ({}, {}, {})
         self.kept = {n: [None] * num_layers for n, f in enumerate(layout.stack) if f}
         bufs: list = [None] * n_names
         for n in layout.fresh:
@@ -470,35 +483,59 @@ class _BackwardLoop:
         pos, names, bufs = self.pos, self.names, self.bufs
         for n, each in self.kept.items():
             bufs[n] = [torch.stack([g[j] for g in each], pos[names[n]]) for j in self.held]
-        return [dy] + [_Layers(self.pending[n], bufs[n], pos[k]) if n in self.late else bufs[n]
+        return [dy] + [_Layers(self.pending[n], self.reduced.get(n, bufs[n]), pos[k]) if n in self.late else bufs[n]
                        for n, k in enumerate(names)] + self.closed_sums
 
 
-def _packed_rows(sub, tail, outv, shapes, pos, num_layers, xs):
+def _packed_rows(sub, tail, outv, shapes, pos, num_layers, xs, shared: bool):
     """The stacked gradients that ``tail``'s bucket allreduces reduce, laid out as their buckets.
 
     For each bucket allreduce whose members are all loop gradients (``outv``): one
     ``[num_layers, bucket elements]`` buffer per held rank (like ``xs``), row ``l`` being
     layer ``l``'s bucket, packed in member order; each member's stacked gradient (``shapes``:
-    local shapes and dtype, layer dim at ``pos``) is a view into it.
+    local shapes and dtype, layer dim at ``pos``) is a view into it.  With ``shared`` and one
+    held rank, the buffer is the communicator's reduce buffer where it has one (a process's
+    region of its group's shared segment), which the layers' reductions read with nothing
+    copied in and reduce into its result rows (the segment's result area): the reduced
+    stacked gradients are views into those.
 
     Returns:
-      ``({gradient index: [view per held rank]}, {tail index: (buffers, [(numels, shapes) per held rank])})``.
+      ``({gradient index: [view per held rank]}, {gradient index: [reduced view per held rank]},
+      {tail index: (buffers, [(numels, shapes) per held rank])})``; the reduced views are the
+      first's where the reduction is in place.
     """
     where = {v: n for n, v in enumerate(outv)}
-    packed, rows = {}, {}
+    packed, reduced, rows = {}, {}, {}
     for t, (s, _) in enumerate(tail):
         if s.kind != "bucket_allreduce" or not all(v in where for v in s.ins):
             continue
         members = [where[v] for v in s.ins]
         layouts = [bucket_members(sub.plan, s, r) for r in sub.comm.ranks]   # (numels, shapes) per held rank
-        flats = [torch.empty(num_layers, sum(numels), dtype=shapes[members[0]][1], device=x.device)
-                 for (numels, _), x in zip(layouts, xs)]
+        dtype = shapes[members[0]][1]
+        flats, outs = zip(*[_rows_buffer(sub.comm, s.axes, num_layers, sum(numels), dtype, x.device,
+                                         shared and len(xs) == 1) for (numels, _), x in zip(layouts, xs)])
         for i, n in enumerate(members):
-            packed[n] = [f[:, sum(numels[:i]):sum(numels[:i + 1])].view(num_layers, *layer_shapes[i]).movedim(0, pos[n])
-                         for f, (numels, layer_shapes) in zip(flats, layouts)]
-        rows[t] = (flats, layouts)
-    return packed, rows
+            packed[n] = _member_views(flats, layouts, i, num_layers, pos[n])
+            reduced[n] = packed[n] if outs[0] is flats[0] else _member_views(outs, layouts, i, num_layers, pos[n])
+        rows[t] = (list(flats), layouts)
+    return packed, reduced, rows
+
+
+def _member_views(flats, layouts, i: int, num_layers: int, pos: int) -> list:
+    """Bucket member ``i``'s stacked gradient in each held rank's ``[num_layers, bucket]`` buffer."""
+    return [f[:, sum(numels[:i]):sum(numels[:i + 1])].view(num_layers, *layer_shapes[i]).movedim(0, pos)
+            for f, (numels, layer_shapes) in zip(flats, layouts)]
+
+
+def _rows_buffer(comm, axes, num_layers: int, numel: int, dtype, device, shared: bool):
+    """``(buffer, result)``, ``[num_layers, numel]`` each, whose rows ``axes``' bucket allreduces
+    reduce, one per layer: with ``shared``, ``comm``'s reduce buffer and its result rows where it
+    has them, else one fresh buffer as both (reduced in place)."""
+    got = comm.reduce_buffer(axes, num_layers * numel, dtype, num_layers) if shared else None
+    if got is None:
+        buf = torch.empty(num_layers, numel, dtype=dtype, device=device)
+        return buf, buf
+    return tuple(x.view(num_layers, numel) for x in got)
 
 
 def _reduced_out(tail: list, v: int) -> int | None:

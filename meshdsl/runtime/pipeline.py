@@ -21,12 +21,14 @@ A micro-batch's activations are dropped from a stage after its last action there
 and its partial sums over the micro-batches (gradients, the loss) are added in
 place into one buffer per value (:class:`~.pipeline_store.Accumulator`); the final segment's
 allreduce over the micro-batch axis then reduces only that buffer over its other
-axes.  On real processes a stage posts the receive of its next carry (or carry
-gradient) as soon as it has taken the previous one, so the message arrives while
-it computes; sends are asynchronous and waited for at the end of the step.  The carry's
-transfers ask for the communicator's pipeline path (``Communicator.open_pipe``, made at
-the first run: shared memory between the processes of one host, :mod:`.shm_pipe`).  All
-of this is prepared once per plan: a run walks a list of ready calls.
+axes.  On real processes the carry's transfers take the communicator's pipeline path
+(``Communicator.open_pipe``, made at the first run: shared memory between the processes
+of one host, :mod:`.shm_pipe`), each bound to it once (``Communicator.pipe_link``): a
+send copies the carry into its slot, a receive copies it out into the tensor the next
+action reads.  Where a transfer has no such path (gloo), a stage posts the receive of
+its next carry (or carry gradient) as soon as it has taken the previous one, so the
+message arrives while it computes; sends are asynchronous and waited for at the end of
+the step.  All of this is prepared once per plan: a run walks a list of ready calls.
 
 Values live in one store, per value and rank, so a view reads and writes only its
 own ranks.  The simulated mesh holds every stage: it runs all ranks' actions in one
@@ -94,11 +96,9 @@ class _Runner:
         self.early = len(self.held_ranks) == 1 and "recv" in self.comm.async_kinds
         self.deferred: dict = {}   # (stage, micro-batch) -> its B's Deferred
         self.posted: dict = {}     # carry kind -> receives of that kind, in run order
+        self.sends: list = []      # the carry's sends (real processes)
         self.actions = [self._action(a) for a in self._order()]
-        for rs in self.posted.values():  # taking one posts the next
-            for r, nxt in zip(rs, rs[1:]):
-                r.then = nxt.post
-        self.first_posts = [rs[0].post for rs in self.posted.values()]
+        self.first_posts: list = []
         self.head, self.tail = self._once(Segment.PROLOGUE), self._once(Segment.FINAL)
         self.opened = False
 
@@ -193,26 +193,33 @@ class _Runner:
 
     def _action(self, sa: StageAction) -> tuple:
         """``(rank, action, calls, finished)`` of one entry of a rank's list; ``finished``: the
-        ranks, the values to drop and the sums to take when the entry ends its micro-batch on
-        its stage, else None."""
+        ranks and the values to drop when the entry ends its micro-batch on its stage, else
+        None.  Such an entry's last call adds the gradients it made into the step's sums: that
+        addition is its backward's work (a loop's gradients are added in place by the loop itself)."""
         act, seg, stage = sa.action, sa.segment, sa.action.stage
         key, rank = (stage, act.microbatch), self.prog.rank_of(stage)
         view = self.view_of(frozenset({stage}), act.microbatch)
-        finished = None if sa.finishes is None else (view.ranks, sa.finishes, sa.accumulates)
+        finished = None if sa.finishes is None else (view.ranks, sa.finishes)
+        summing = [] if sa.finishes is None else [_summing(self.acc, view.ranks, sa.accumulates)]
         if act.kind == "W":   # the put-off weight-gradient matmuls of its B (see .deferred)
-            return rank, act, [_timed("local", _flushing(self.deferred[key]))], finished
+            return rank, act, [_timed("local", _flushing(self.deferred[key])), *summing], finished
         summed, frees, calls = self.summed[stage] if act.kind == "B" else (), dict(sa.frees), []
         if summed:
             calls.append(_adding_into(self.acc, view.ranks, summed))
+        steps = self.prog.segments[seg].steps
         for j in sa.steps:
             if act.kind in COMPUTE:
                 calls.append(self.prepared(seg, j, (stage,), view))
                 if j in frees:
                     calls.append(_dropper(self.store, view.ranks, frees[j]))
             elif act.is_recv and self.early:
-                r = _Recv(self.prog.segments[seg].steps[j], self.store, view, self.plan, pipe=True)
+                r = _Recv(steps[j], self.store, view, self.plan, pipe=True)
                 self.posted.setdefault(act.kind, []).append(r)
                 calls.append(_timed("recv", r.take))
+            elif act.is_send and self.early and self.prog.is_carry(steps[j]):
+                send = _Send(steps[j], self.store, view, self.plan, steps[j].args["offset"] in self.prog.carry_offsets)
+                self.sends.append(send)
+                calls.append(_timed("send", send.run))
             else:
                 calls.append(self.prepared(seg, j, (stage,), view))
         if summed:
@@ -220,15 +227,29 @@ class _Runner:
         if sa.defers:   # the B's weight-gradient matmuls wait for its W, after the send
             self.deferred[key] = Deferred(self.later[stage])
             calls = [_deferring(self.deferred[key]), *calls, _done]
-        return rank, act, calls, finished
+        return rank, act, [*calls, *summing], finished
+
+    def _bind(self) -> None:
+        """Bind the carry's transfers to the communicator's pipeline path (at the first run, once
+        it is open), and chain the receives that still go through ``start``: taking one posts
+        the next (a bound receive needs no posting: its sender writes the message into shared
+        memory, whenever it comes)."""
+        for t in (*self.sends, *(r for rs in self.posted.values() for r in rs)):
+            t.bind()
+        for rs in self.posted.values():
+            for r, nxt in zip(rs, rs[1:]):
+                r.then = nxt.post if nxt.link is None else None
+        self.first_posts = [rs[0].post for rs in self.posted.values() if rs[0].link is None]
 
     def call(self, env, get, run):
         comm, store, acc, step = self.comm, self.store, self.acc, self.step
         # The carry's transfers may take a faster path than the communicator's plain send and
         # receive (shared memory between processes of one host: .shm_pipe); made at the first run,
         # where every rank runs this step.
-        if self.prog.carry_offsets and not self.opened:
-            comm.open_pipe((self.prog.axis,), list(self.prog.carry_offsets))
+        if not self.opened:
+            if self.prog.carry_offsets:
+                comm.open_pipe((self.prog.axis,), list(self.prog.carry_offsets))
+            self._bind()
             self.opened = True
         store.clear()
         acc.clear()
@@ -246,13 +267,12 @@ class _Runner:
                 go(run)
             timeline[rank].append((act, t0, clock()))
             if finished is not None:  # the micro-batch is done on this stage
-                ranks, dropped, sums = finished
+                ranks, dropped = finished
                 for v in dropped:
                     slot = store.get(v)
                     if slot:
                         for r in ranks:
                             slot.pop(r, None)
-                acc.add(ranks, sums)
         for go in self.tail:
             go(run)
         comm.drain()
@@ -280,6 +300,14 @@ def _adding_into(acc, ranks, values):
     """Sets ``run.into`` for a B action: the running sums its loop adds ``values`` into."""
     def go(run):
         run.into = acc.into(ranks, values)
+    return go
+
+
+def _summing(acc, ranks, values):
+    """The last call of the entry that ends a micro-batch on its stage: the gradients (and the
+    loss) it made added into the step's running sums (:meth:`Accumulator.add`)."""
+    def go(run):
+        acc.add(ranks, values)
     return go
 
 
@@ -332,23 +360,55 @@ class _Recv:
 
     def __init__(self, s, store, view, plan, pipe: bool):
         v = plan.values[s.outs[0]]
-        self.env, self.out, self.view = ViewEnv(store, view.ranks), s.outs[0], view
+        self.env, self.out, self.view, self.store = ViewEnv(store, view.ranks), s.outs[0], view, store
         self.templates = [torch.empty(v.local_shape(plan.mesh, r), dtype=v.dtype, device=view.device)
                           for r in view.ranks]   # each rank's own shape: an uneven split differs by rank
         self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
-        self.pending, self.then = None, None
+        self.pending, self.then, self.link = None, None, None
+
+    def bind(self) -> None:
+        """Take the communicator's bound path (``Communicator.pipe_link``) where it has one."""
+        if self.args["pipe"] and len(self.view.ranks) == 1:
+            self.link = self.view.pipe_link("recv", self.axes, self.args["offset"], self.args["tag"],
+                                            self.templates[0])
 
     def post(self) -> None:
         self.pending = self.view.start("recv", self.templates, self.axes, self.args)
 
     def take(self, run) -> None:
-        self.env[self.out] = self.pending
-        self.pending = None
+        if self.link is not None:   # straight into the tensor the next action reads
+            self.store.setdefault(self.out, {})[self.view.ranks[0]] = self.link.recv()
+        else:
+            self.env[self.out] = self.pending
+            self.pending = None
         if self.then is not None:
             self.then()
 
     def run(self, run) -> None:
         self.env[self.out] = self.view.collective("recv", self.templates, self.axes, self.args)
+
+
+class _Send:
+    """A carry send of one view on real processes (the schedule's action): through the
+    communicator's bound path once :meth:`bind` found one, else its ``send`` collective."""
+
+    def __init__(self, s, store, view, plan, pipe: bool):
+        v = plan.values[s.ins[0]]
+        self.store, self.src, self.view = store, s.ins[0], view
+        self.like = torch.empty(v.local_shape(plan.mesh, view.ranks[0]), dtype=v.dtype, device=view.device)
+        self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
+        self.link = None
+
+    def bind(self) -> None:
+        if self.args["pipe"] and len(self.view.ranks) == 1:
+            self.link = self.view.pipe_link("send", self.axes, self.args["offset"], self.args["tag"], self.like)
+
+    def run(self, run) -> None:
+        if self.link is not None:
+            self.link.send(self.store[self.src][self.view.ranks[0]])
+        else:
+            xs = ViewEnv(self.store, self.view.ranks).get(self.src)
+            self.view.collective("send", xs, self.axes, self.args)
 
 
 def outputs_to_first_rank(comm, plan, full: dict) -> dict:
