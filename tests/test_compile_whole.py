@@ -196,3 +196,75 @@ def test_cuda_graphs_follow_the_environment(monkeypatch):
     monkeypatch.setenv("MESHDSL_CUDA_GRAPHS", "yes")
     with pytest.raises(md.GraphError, match="MESHDSL_CUDA_GRAPHS='yes'"):
         CompileSettings()
+
+
+def test_layer_slices_written_one_by_one_become_one_cat_the_matmuls_write_into():
+    """A loop's stacked weight gradient, written layer slice by layer slice (``mm(out=slice)``,
+    which functionalization turns into ``select_scatter``s: a copy of each product into the
+    buffer), is rewritten as one ``cat`` of the products themselves, which inductor lays out so
+    that each matmul writes its rows of the stacked buffer."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from meshdsl.runtime.whole import _stack_layer_writes
+
+    def f(x, w, layers: int):
+        buf = x.new_empty(3, 4, 2, 3)
+        for l, d in enumerate(buf.unbind(0)[:layers]):
+            torch.mm(x * (l + 1), w, out=d.view(8, 3))   # the slice seen as the product's matrix
+        return buf
+
+    x, w = torch.randn(8, 5), torch.randn(5, 3)
+    gm = make_fx(torch.func.functionalize(lambda x, w: f(x, w, 3), remove="mutations"))(x, w)
+    assert _stack_layer_writes(gm) == 1
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.select_scatter.default not in ops, ops
+    (cat,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default]
+    assert [a.target for a in cat.args[0]] == [torch.ops.aten.mm.default] * 3
+    torch.testing.assert_close(gm(x, w), f(x, w, 3), rtol=0, atol=0)   # the same products, moved: bitwise
+    # a slice never written: the buffer is left as the trace made it
+    part = make_fx(torch.func.functionalize(lambda x, w: f(x, w, 2), remove="mutations"))(x, w)
+    assert _stack_layer_writes(part) == 0
+    assert any(n.target is torch.ops.aten.select_scatter.default for n in part.graph.nodes)
+
+
+def test_matrix_vector_products_become_sums_inductor_fuses():
+    """Before inductor, an ``mm`` whose product is one column or one row (an RMS norm's backward
+    sums its rows by BLAS in eager torch) becomes a product and a sum."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from meshdsl.runtime.whole import _vector_products_as_sums
+
+    def f(a, col, row, b):
+        return a @ col, row @ a, a @ b   # the last is a matrix product: left to BLAS
+
+    args = (torch.randn(64, 32), torch.randn(32, 1), torch.randn(1, 64), torch.randn(32, 16))
+    gm = make_fx(f)(*args)
+    assert _vector_products_as_sums(gm) == 2
+    assert sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes) == 1
+    for got, want in zip(gm(*args), f(*args)):
+        # fp32 sums of 32 and 64 terms in another order than BLAS's: rounding only, well inside
+        # assert_close's fp32 default (rtol 1.3e-6, atol 1e-5) for values of size ~10
+        torch.testing.assert_close(got, want)
+
+
+def test_sums_read_again_are_written_out_and_activations_recomputed_per_reader():
+    """Before inductor: a sum with three or more readers (a residual stream's value, read by the
+    next sum, its norm and the backward's norm) goes through one op that makes inductor write it
+    out, and each reader of a SiLU past the first gets its own (the backward computes it again
+    from the input it reads anyway).  Neither changes a number."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from meshdsl.runtime.whole import SUM_READERS, _recompute_activations, _write_out_sums
+
+    def f(x, d, g):
+        s = x + d                          # read three times
+        a = torch.nn.functional.silu(s)    # read twice: the forward's product, the backward's
+        return (s + d) * s.sum(-1, keepdim=True) * a, g * a, x + g   # x + g: read once, left inline
+
+    args = [torch.randn(4, 8) for _ in range(3)]
+    gm = make_fx(f)(*args)
+    assert _recompute_activations(gm) == 1 and SUM_READERS == 3 and _write_out_sums(gm) == 1   # (inductor's order)
+    silus = [n for n in gm.graph.nodes if n.target is torch.ops.aten.silu.default]
+    assert len(silus) == 2 and all(len(n.users) == 1 for n in silus)
+    (s,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and len(n.users) == 1
+            and "force_stride_order" in str(next(iter(n.users)).target)]
+    assert len(next(iter(s.users)).users) == 4   # the sum, the row sum and the two SiLUs read what is written
+    for got, want in zip(gm(*args), f(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)   # the same kernels, run again: bitwise

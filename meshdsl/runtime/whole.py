@@ -19,6 +19,10 @@ collectives between processes, pipelines, kernels that read the run's salt (drop
   (:mod:`.cuda_graph`).
 * The trace runs on copies of the inputs, and a graph that writes into its inputs (an
   eager run that donates its params) is refused: the compiled step makes new tensors.
+* Before the backend, the graph is rewritten where inductor would move more memory than
+  ``torch.compile`` of a module does: a loop's stacked gradients as one ``cat`` its matmuls
+  write into (:func:`_stack_layer_writes`); for inductor, matrix-vector products as fused
+  sums, activations recomputed per reader, sums with many readers written out once.
 * A trace or compile the backend rejects turns the whole step off for this executor, with
   a one-line notice: the segments run instead.  A compiled call that raises (an index
   out of range, which the eager ``gather`` reports as the user's error) runs the step
@@ -162,6 +166,169 @@ def _fold_constants(gm) -> None:
     gm.recompile()
 
 
+_aten = torch.ops.aten
+#: ops that make a tensor whose contents are never read before being written (a loop's stacked buffer)
+_EMPTY = frozenset({_aten.new_empty.default, _aten.empty.memory_format, _aten.empty_strided.default,
+                    _aten.new_empty_strided.default})
+#: ops that give a contiguous tensor's elements another shape, in the same order
+_VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
+
+
+def _layer_writes(base) -> tuple[list, list] | None:
+    """(the ``select_scatter`` nodes that write every layer slice of the empty buffer ``base``
+    one after another along dim 0, each one's source in layer order), or None where the buffer
+    is not written that way (another dim, a slice written twice or not at all, a reader between
+    the writes)."""
+    chain, cur = [], base
+    while len(cur.users) == 1:
+        (nxt,) = cur.users
+        if nxt.target is not _aten.select_scatter.default or nxt.args[0] is not cur or nxt.args[2] != 0:
+            break
+        chain.append(nxt)
+        cur = nxt
+    whole = base.meta.get("val")
+    layers = whole.shape[0] if isinstance(whole, torch.Tensor) and whole.dim() else 0
+    src = {ss.args[3] % layers: ss.args[1] for ss in chain} if layers else {}
+    if not chain or len(chain) != layers or sorted(src) != list(range(layers)):
+        return None
+    return chain, [src[l] for l in range(layers)]
+
+
+def _contiguous_source(node):
+    """``node`` seen through views of contiguous tensors (their elements in the same order)."""
+    while (node.target in _VIEWS and isinstance(node.args[0], torch.fx.Node)
+           and isinstance(node.args[0].meta.get("val"), torch.Tensor) and node.args[0].meta["val"].is_contiguous()):
+        node = node.args[0]
+    return node
+
+
+def _like(t: torch.Tensor, shape) -> torch.Tensor:
+    """A new node's example value: ``t``'s dtype and ``shape`` on the meta device (no data: the
+    passes below read only shapes and dtypes, and inductor traces the graph again)."""
+    return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
+def _stack_layer_writes(gm) -> int:
+    """Rewrite each loop-stacked buffer of ``gm`` whose layer slices are written one by one
+    (``select_scatter`` on an empty buffer: what functionalization makes of the eager loop's
+    ``mm(out=layer slice)``) as one ``cat`` of the layers' results.  Inductor lowers each
+    ``select_scatter`` as a pass over the whole buffer (the layers' products copied in once
+    more); a ``cat`` of the products themselves is a buffer their matmuls write into directly,
+    so the weight gradients cost no copy.  Returns the number of buffers rewritten."""
+    graph, done = gm.graph, 0
+    graph.eliminate_dead_code()   # (the loop's unbinds of each buffer, read by nobody)
+    for base in [n for n in graph.nodes if n.op == "call_function" and n.target in _EMPTY]:
+        found = _layer_writes(base)
+        if found is None:
+            continue
+        chain, sources = found
+        whole = base.meta["val"]
+        mats = [_contiguous_source(s) for s in sources]
+        vals = [m.meta.get("val") for m in mats]
+        same = all(isinstance(v, torch.Tensor) and v.is_contiguous() and v.dim() >= 1
+                   and v.shape == vals[0].shape and v.dtype == whole.dtype for v in vals)
+        with graph.inserting_before(chain[-1]):   # (after every source: the last write reads the last one)
+            if same:   # rows of the products one after another: the stacked buffer's element order
+                cat = graph.call_function(_aten.cat.default, (mats, 0))
+                cat.meta["val"] = _like(whole, (len(vals) * vals[0].shape[0], *vals[0].shape[1:]))
+                new = graph.call_function(_aten.view.default, (cat, list(whole.shape)))
+            else:
+                new = graph.call_function(_aten.stack.default, (sources, 0))
+            new.meta["val"] = _like(whole, whole.shape)
+        chain[-1].replace_all_uses_with(new)
+        for ss in reversed(chain):
+            graph.erase_node(ss)
+        done += 1
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return done
+
+
+def _vector_products_as_sums(gm) -> int:
+    """Rewrite each ``mm`` of ``gm`` whose product is one row or one column (an RMS norm's
+    backward sums its rows that way: BLAS is the fastest sum in eager torch) as a product and a
+    sum, which inductor fuses into the kernel that makes the matrix operand, where a BLAS call
+    needs that operand written out first.  Returns the number rewritten."""
+    graph, done = gm.graph, 0
+    for mm in [n for n in graph.nodes if n.op == "call_function" and n.target is _aten.mm.default]:
+        a, b = mm.args
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)) or va.dtype != vb.dtype:
+            continue
+        (m, k), n = va.shape, vb.shape[1]
+        if n == 1:      # [M, K] @ [K, 1]: each row of A times B's column, summed over K
+            row, mat, dim = b, a, 1
+        elif m == 1:    # [1, K] @ [K, N]: each column of B times A's row, summed over K
+            row, mat, dim = a, b, 0
+        else:
+            continue
+        with graph.inserting_before(mm):
+            t = graph.call_function(_aten.t.default, (row,))
+            t.meta["val"] = _like(va, tuple(reversed(row.meta["val"].shape)))
+            prod = graph.call_function(_aten.mul.Tensor, (mat, t))
+            prod.meta["val"] = _like(va, mat.meta["val"].shape)
+            total = graph.call_function(_aten.sum.dim_IntList, (prod, [dim], True))
+            total.meta["val"] = _like(va, (m, n))
+        mm.replace_all_uses_with(total)
+        graph.erase_node(mm)
+        done += 1
+    gm.recompile()
+    return done
+
+
+#: activations whose every reader computes them again from their input, rather than one buffer
+#: written for all (see :func:`_recompute_activations`)
+_RECOMPUTED = frozenset({_aten.silu.default, _aten.sigmoid.default})
+
+
+def _recompute_activations(gm) -> int:
+    """Give each reader of a SiLU or sigmoid of ``gm`` past the first its own copy of the op.
+    Inductor writes out a pointwise result with an ``exp`` in it that has two readers (the
+    forward's product and the backward's, a whole step apart), a pass over memory each way;
+    with one reader each, both compute it from its input, which the backward reads anyway
+    (``silu_backward``), as torch.compile's partitioner chooses for a module's backward.
+    Returns the number of copies made."""
+    graph, done = gm.graph, 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _RECOMPUTED]:
+        for user in list(node.users)[1:]:
+            with graph.inserting_before(user):
+                again = graph.call_function(node.target, node.args, node.kwargs)
+            again.meta.update(node.meta)
+            user.replace_input_with(node, again)
+            done += 1
+    gm.recompile()
+    return done
+
+
+#: a sum with at least this many readers is written out once (see :func:`_write_out_sums`)
+SUM_READERS = 3
+
+
+def _write_out_sums(gm) -> int:
+    """Have inductor write out each ``add`` of ``gm`` with :data:`SUM_READERS` or more readers
+    (a residual stream's value: the next layer's sum, its norm, the backward's norm) as one
+    buffer its readers load.  Inductor otherwise inlines a sum into each reader until a chain
+    has read more than ``realize_reads_threshold`` buffers: every norm of the residual stream,
+    forward and backward, then adds up to that many addends again, where the twin's compiled
+    backward reads the one tensor its forward saved.  Returns the number of sums written out."""
+    from torch._inductor import inductor_prims
+    keep = getattr(inductor_prims, "force_stride_order", None)   # internal to torch: may go in a release
+    if keep is None:
+        return 0
+    graph, done = gm.graph, 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is _aten.add.Tensor]:
+        val = node.meta.get("val")
+        if len(node.users) < SUM_READERS or not isinstance(val, torch.Tensor) or not val.is_contiguous():
+            continue
+        with graph.inserting_after(node):
+            kept = graph.call_function(keep, (node, list(val.stride())))
+        kept.meta.update(node.meta)
+        node.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not kept)
+        done += 1
+    gm.recompile()
+    return done
+
+
 def _inductor(gm, example_inputs):
     """``compile_fx`` on fake example inputs with a shape env, as dynamo hands them: without one,
     inductor's FX graph cache passes the graph by, and every process would compile it again."""
@@ -169,6 +336,9 @@ def _inductor(gm, example_inputs):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     _fold_constants(gm)
+    _vector_products_as_sums(gm)
+    _recompute_activations(gm)
+    _write_out_sums(gm)
     mode = FakeTensorMode(shape_env=ShapeEnv())
     return compile_fx(gm, [mode.from_tensor(x, static_shapes=True) for x in example_inputs])
 
@@ -251,6 +421,7 @@ class WholeStep:
             gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
             if _mutates_inputs(gm):
                 raise RuntimeError("the traced step writes into its inputs")
+            _stack_layer_writes(gm)
             fn = _backend(self.settings.backend)(gm, copies)
             fn = self._captured(fn, copies)
         except MeshDSLError:
