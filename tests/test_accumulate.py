@@ -101,13 +101,15 @@ def test_a_process_holds_one_micro_batch_at_a_time(monkeypatch):
     kept = {v for s in step.subplans[3].steps for v in s.ins} | set(step.outs) | set(step.ins)
     kept |= {v for s in step.subplans[0].steps for v in s.outs}
     alive_most = []
-    real = pipeline_store.ViewEnv.__setitem__
 
-    def spy(self, vid, xs):
-        real(self, vid, xs)
-        alive = {r for v, slot in self.store.items() if v not in kept for r in slot}
-        alive_most.append(len(alive))
-    monkeypatch.setattr(pipeline_store.ViewEnv, "__setitem__", spy)
+    def spying(real):
+        def spy(self, vid, xs):
+            real(self, vid, xs)
+            alive = {r for v, slot in self.store.items() if v not in kept for r in slot}
+            alive_most.append(len(alive))
+        return spy
+    for env in (pipeline_store.ViewEnv, pipeline_store.OneRankEnv):   # a view of one rank has its own
+        monkeypatch.setattr(env, "__setitem__", spying(env.__setitem__))
     ex = md.Executor(plan, SimulatedComm(plan.mesh))
     got = ex.full_outputs(ex.run(feeds))
     _assert_matches(got, want, "data:1 m=4")

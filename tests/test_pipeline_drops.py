@@ -76,3 +76,26 @@ def test_drops_run_and_the_step_matches_dense(monkeypatch):
         # only (a few ulps of the largest magnitude); a dropped live value is off by O(1)
         scale = ref.abs().max().item()
         torch.testing.assert_close(got[k], ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_finished_activations_are_freed_before_the_next_compute(monkeypatch):
+    """What a micro-batch leaves on a stage when it finishes there leaves the store at once (as
+    test_accumulate.py pins); the runtime lets go of it (the memory given back, unless a live
+    value shares it) before the next F, B or W at the latest, after the transfers between
+    (a receive that would wait frees it sooner: test_shm_pipe.py's ``ready``)."""
+    held, finishing = [], []
+    real = pipeline._Runner._action
+
+    def spy(self, sa):
+        rank, act, calls, finished, compute = real(self, sa)
+        if finished is not None:
+            finishing.append(act)
+        if compute:
+            calls = [lambda run: held.append(len(self.garbage)), *calls]
+        return rank, act, calls, finished, compute
+    monkeypatch.setattr(pipeline._Runner, "_action", spy)
+    plan, _, feeds = _plan()
+    ex = md.Executor(plan, SimulatedComm(plan.mesh))
+    ex.run(feeds)
+    assert len(finishing) == 2 * 4   # each micro-batch once per stage
+    assert held and not any(held), "a finished micro-batch's values still held at a compute action"

@@ -239,6 +239,21 @@ def test_links_and_the_general_path_carry_any_messages_in_any_order(messages, rn
     assert booked == [x.numel() * x.element_size() for x, m in zip(sent, messages) if m[2]]
 
 
+def test_a_link_is_ready_once_a_piece_waits_in_its_channel():
+    """``ready()`` tells a receiver whether ``recv`` would wait (the pipeline frees finished
+    activations while it would): not before the send, yes after it, not once it is taken."""
+    pairs = shm_pipe.pairs_for(2, [1])
+    pipe = shm_pipe.ShmPipe(mmap.mmap(-1, len(pairs) * shm_pipe._CHANNEL), pairs, (0, 1), timeout=10.0,
+                            describe="one process", spins=100)
+    x = torch.arange(12.0).reshape(3, 4)
+    send, recv = pipe.link(0, 1, 7, x), pipe.link(0, 1, 7, x)
+    assert not recv.ready()
+    send.send(x)
+    assert recv.ready()
+    assert torch.equal(recv.recv(), x)
+    assert not recv.ready()
+
+
 def _verbose(comm, other_hosts):
     import contextlib
     import io

@@ -305,6 +305,10 @@ class PipeLink:
         if self.book is not None:
             self.book(self.nbytes, time.perf_counter() - t0)
 
+    def ready(self) -> bool:
+        """Whether a piece waits in this link's channel (a receive would not wait for it)."""
+        return self.pipe.ints[self.head_counter] > self.pipe.taken[self.k]
+
     def recv(self) -> torch.Tensor:
         """The next message of this link's tag, in a fresh tensor (waits for it)."""
         t0, pipe, k = time.perf_counter(), self.pipe, self.k

@@ -17,9 +17,11 @@ values each one frees.  Here that program is run:
 * the final segment runs once after all micro-batches (gradient accumulation,
   updates), and the sends still in flight are waited for.
 
-A micro-batch's activations are dropped from a stage after its last action there,
-and its partial sums over the micro-batches (gradients, the loss) are added in
-place into one buffer per value (:class:`~.pipeline_store.Accumulator`); the final segment's
+A micro-batch's activations are dropped from a stage after its last action there, and
+freed (their memory given back) before the stage's next F, B or W, or sooner while a
+receive waits for its message: the transfers after that action do not wait for the frees.
+Its partial sums over the micro-batches (gradients, the loss) are added in place into one
+buffer per value (:class:`~.pipeline_store.Accumulator`); the final segment's
 allreduce over the micro-batch axis then reduces only that buffer over its other
 axes.  On real processes the carry's transfers take the communicator's pipeline path
 (``Communicator.open_pipe``, made at the first run: shared memory between the processes
@@ -47,7 +49,7 @@ from ..lowering.pipeline import varies_by_microbatch
 from ..lowering.pipeline_program import PipelineProgram, Segment, StageAction
 from ..lowering.schedule import COMPUTE
 from .executor import donatable_params, donating_steps
-from .pipeline_store import Accumulator, ViewEnv
+from .pipeline_store import Accumulator, view_env
 from .deferred import Deferred, adding_into_sum, product_sums
 from .context import StepContext
 from .steps import one_per_real_rank, representatives, rule_for, step_rule
@@ -97,6 +99,7 @@ class _Runner:
         self.deferred: dict = {}   # (stage, micro-batch) -> its B's Deferred
         self.posted: dict = {}     # carry kind -> receives of that kind, in run order
         self.sends: list = []      # the carry's sends (real processes)
+        self.garbage: list = []    # finished micro-batches' activations, freed before the next compute
         self.actions = [self._action(a) for a in self._order()]
         self.first_posts: list = []
         self.head, self.tail = self._once(Segment.PROLOGUE), self._once(Segment.FINAL)
@@ -133,13 +136,13 @@ class _Runner:
             recv = _Recv(s, self.store, reps, self.plan, pipe)
             if tw is None:
                 return recv.run
-            env, out = ViewEnv(self.store, view.ranks), s.outs[0]
+            env, out = view_env(self.store, view.ranks), s.outs[0]
 
             def shared(run):
                 got = recv.view.collective("recv", recv.templates, recv.axes, recv.args)
                 env[out] = [got[k] for k in tw[1]]
             return shared
-        env, (src,), axes = ViewEnv(self.store, reps.ranks), s.ins, s.axes
+        env, (src,), axes = view_env(self.store, reps.ranks), s.ins, s.axes
         args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
         return lambda run: reps.collective("send", env.get(src), axes, args)  # noqa: E731
 
@@ -151,7 +154,7 @@ class _Runner:
         elif s.kind in ("send", "recv"):
             go = self._transfer(s, view)
         else:
-            env = ViewEnv(store, view.ranks)
+            env = view_env(store, view.ranks)
             offset = prog.layer_offset(seg, j, stages[0]) if len(stages) == 1 else 0
             # Segments share values across actions (a forward's result is read by the backward):
             # their adds stay out of place (no add_into).
@@ -160,11 +163,11 @@ class _Runner:
             if seg == Segment.FINAL and j in self.donations and (
                     len(view.ranks) == 1 or representatives(self.plan, view, s) is not None):
                 sx.donated = frozenset({j})   # the update overwrites its param (see Executor.donated)
-            call, get = rule_for(s.kind)(sx, j, s), env.get
+            call = rule_for(s.kind)(sx, j, s)
             if seg == Segment.BACKWARD and s.outs and self.sums.get(s.outs[0]) == j:
                 call = adding_into_sum(call, s)
-            go = lambda run: call(env, get, run)  # noqa: E731
-        return go if s.subplans else _timed(s.kind, go)  # a repeat times its own steps
+            return _bound(call, env, None if s.subplans else s.kind)   # a repeat times its own steps
+        return go if s.subplans else _timed(s.kind, go)
 
     def _once(self, seg: Segment) -> list:
         """The calls of a segment run once per step (the prologue, the final segment); a value
@@ -192,20 +195,22 @@ class _Runner:
                 if s.kind == "send" and readers[s.ins[0]] == [(seg, j)] and s.ins[0] not in keep}
 
     def _action(self, sa: StageAction) -> tuple:
-        """``(rank, action, calls, finished)`` of one entry of a rank's list; ``finished``: the
-        ranks and the values to drop when the entry ends its micro-batch on its stage, else
-        None.  Such an entry's last call adds the gradients it made into the step's sums: that
-        addition is its backward's work (a loop's gradients are added in place by the loop itself)."""
+        """``(rank, action, calls, finished, compute)`` of one entry of a rank's list; ``finished``:
+        the ranks and the values to drop when the entry ends its micro-batch on its stage, else
+        None; ``compute``: whether it is an F, B or W (what was dropped is freed before it runs).
+        An entry that finishes its micro-batch adds, as its last call, the gradients it made into
+        the step's sums: that addition is its backward's work (a loop's gradients are added in
+        place by the loop itself)."""
         act, seg, stage = sa.action, sa.segment, sa.action.stage
         key, rank = (stage, act.microbatch), self.prog.rank_of(stage)
         view = self.view_of(frozenset({stage}), act.microbatch)
         finished = None if sa.finishes is None else (view.ranks, sa.finishes)
-        summing = [] if sa.finishes is None else [_summing(self.acc, view.ranks, sa.accumulates)]
+        summing = [] if sa.finishes is None else [_summing(self.acc, self.acc.keyed(view.ranks, sa.accumulates))]
         if act.kind == "W":   # the put-off weight-gradient matmuls of its B (see .deferred)
-            return rank, act, [_timed("local", _flushing(self.deferred[key])), *summing], finished
+            return rank, act, [_timed("local", _flushing(self.deferred[key])), *summing], finished, True
         summed, frees, calls = self.summed[stage] if act.kind == "B" else (), dict(sa.frees), []
         if summed:
-            calls.append(_adding_into(self.acc, view.ranks, summed))
+            calls.append(_adding_into(self.acc, self.acc.keyed(view.ranks, summed)))
         steps = self.prog.segments[seg].steps
         for j in sa.steps:
             if act.kind in COMPUTE:
@@ -213,7 +218,7 @@ class _Runner:
                 if j in frees:
                     calls.append(_dropper(self.store, view.ranks, frees[j]))
             elif act.is_recv and self.early:
-                r = _Recv(steps[j], self.store, view, self.plan, pipe=True)
+                r = _Recv(steps[j], self.store, view, self.plan, pipe=True, garbage=self.garbage)
                 self.posted.setdefault(act.kind, []).append(r)
                 calls.append(_timed("recv", r.take))
             elif act.is_send and self.early and self.prog.is_carry(steps[j]):
@@ -227,7 +232,7 @@ class _Runner:
         if sa.defers:   # the B's weight-gradient matmuls wait for its W, after the send
             self.deferred[key] = Deferred(self.later[stage])
             calls = [_deferring(self.deferred[key]), *calls, _done]
-        return rank, act, [*calls, *summing], finished
+        return rank, act, [*calls, *summing], finished, act.kind in COMPUTE
 
     def _bind(self) -> None:
         """Bind the carry's transfers to the communicator's pipeline path (at the first run, once
@@ -253,6 +258,7 @@ class _Runner:
             self.opened = True
         store.clear()
         acc.clear()
+        self.garbage.clear()
         for v in step.ins:
             store[v] = {r: x for r, x in zip(comm.ranks, get(v)) if x is not None}
         for go in self.head:
@@ -260,19 +266,24 @@ class _Runner:
         for post in self.first_posts:
             post()
         timeline = {r: [] for r in self.held_ranks}
-        clock = time.perf_counter
-        for rank, act, calls, finished in self.actions:
+        clock, garbage = time.perf_counter, self.garbage
+        for rank, act, calls, finished, compute in self.actions:
+            if compute and garbage:   # what no receive's wait freed yet, before this one allocates
+                garbage.clear()
             t0 = clock()
             for go in calls:
                 go(run)
             timeline[rank].append((act, t0, clock()))
-            if finished is not None:  # the micro-batch is done on this stage
+            if finished is not None:  # the micro-batch is done on this stage: out of the store
                 ranks, dropped = finished
                 for v in dropped:
                     slot = store.get(v)
                     if slot:
                         for r in ranks:
-                            slot.pop(r, None)
+                            x = slot.pop(r, None)
+                            if x is not None:
+                                garbage.append(x)
+        garbage.clear()
         for go in self.tail:
             go(run)
         comm.drain()
@@ -296,18 +307,19 @@ def _final_donations(plan, step) -> set[int]:
     return donating_steps(final, params, last_use)
 
 
-def _adding_into(acc, ranks, values):
-    """Sets ``run.into`` for a B action: the running sums its loop adds ``values`` into."""
+def _adding_into(acc, keyed):
+    """Sets ``run.into`` for a B action: the running sums its loop adds the ``keyed`` values
+    into (:meth:`Accumulator.keyed`)."""
     def go(run):
-        run.into = acc.into(ranks, values)
+        run.into = acc.into(keyed)
     return go
 
 
-def _summing(acc, ranks, values):
+def _summing(acc, keyed):
     """The last call of the entry that ends a micro-batch on its stage: the gradients (and the
     loss) it made added into the step's running sums (:meth:`Accumulator.add`)."""
     def go(run):
-        acc.add(ranks, values)
+        acc.add(keyed)
     return go
 
 
@@ -338,6 +350,22 @@ def _dropper(store, ranks, values):
     return drop
 
 
+def _bound(call, env, kind):
+    """A step's prepared ``call`` on ``env``, as a function of the run; timed as :func:`_timed`
+    (one frame less per call: a step runs several per action) unless ``kind`` is None."""
+    get = env.get
+    if kind is None:
+        return lambda run: call(env, get, run)  # noqa: E731
+
+    def timed(run):
+        if run.stats is None:
+            return call(env, get, run)
+        t0 = time.perf_counter()
+        call(env, get, run)
+        run.stats[kind] = run.stats.get(kind, 0.0) + time.perf_counter() - t0
+    return timed
+
+
 def _timed(kind, go):
     """``go``, adding its seconds to the run's stats under ``kind`` when the run is timed."""
     def timed(run):
@@ -355,16 +383,17 @@ class _Recv:
     Posted ahead, the transfer runs while the stage computes; ``then`` posts the next
     receive of the same kind once this one is taken.  ``run`` receives at once (the
     simulated mesh, where the message is already in the mailbox).  ``pipe``: the transfer
-    may take the communicator's pipeline path (see ``Communicator.open_pipe``).
+    may take the communicator's pipeline path (see ``Communicator.open_pipe``).  ``garbage``:
+    finished activations that ``take`` frees when it would otherwise wait for the message.
     """
 
-    def __init__(self, s, store, view, plan, pipe: bool):
+    def __init__(self, s, store, view, plan, pipe: bool, garbage=None):
         v = plan.values[s.outs[0]]
-        self.env, self.out, self.view, self.store = ViewEnv(store, view.ranks), s.outs[0], view, store
+        self.env, self.out, self.view, self.store = view_env(store, view.ranks), s.outs[0], view, store
         self.templates = [torch.empty(v.local_shape(plan.mesh, r), dtype=v.dtype, device=view.device)
                           for r in view.ranks]   # each rank's own shape: an uneven split differs by rank
         self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
-        self.pending, self.then, self.link = None, None, None
+        self.pending, self.then, self.link, self.garbage = None, None, None, garbage
 
     def bind(self) -> None:
         """Take the communicator's bound path (``Communicator.pipe_link``) where it has one."""
@@ -376,6 +405,8 @@ class _Recv:
         self.pending = self.view.start("recv", self.templates, self.axes, self.args)
 
     def take(self, run) -> None:
+        if self.garbage and (self.link is None or not self.link.ready()):
+            self.garbage.clear()    # the message is not there yet: free while it comes
         if self.link is not None:   # straight into the tensor the next action reads
             self.store.setdefault(self.out, {})[self.view.ranks[0]] = self.link.recv()
         else:
@@ -407,7 +438,7 @@ class _Send:
         if self.link is not None:
             self.link.send(self.store[self.src][self.view.ranks[0]])
         else:
-            xs = ViewEnv(self.store, self.view.ranks).get(self.src)
+            xs = view_env(self.store, self.view.ranks).get(self.src)
             self.view.collective("send", xs, self.axes, self.args)
 
 

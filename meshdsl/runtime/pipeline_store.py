@@ -1,7 +1,8 @@
 """A pipeline's value store: what an action's steps write and read, and the micro-batch sums.
 
 Values live in one store, per value and rank (:mod:`.pipeline` runs the actions).
-:class:`ViewEnv` is the env a step call writes into, for the ranks of one view;
+:class:`ViewEnv` is the env a step call writes into, for the ranks of one view (:func:`view_env`
+makes one; a view of one rank, each action's on real processes, gets :class:`OneRankEnv`);
 :class:`Accumulator` takes the values the final segment only sums over the micro-batch axis
 (the program's :attr:`~meshdsl.lowering.pipeline_program.PipelineProgram.folded`): it adds
 each micro-batch's into one buffer as it finishes on a stage and reduces the buffer over the
@@ -39,6 +40,36 @@ class ViewEnv:
         return [slot.get(r) for r in self.ranks]
 
 
+class OneRankEnv(ViewEnv):
+    """A :class:`ViewEnv` of one rank (every action's view on real processes): the same
+    reads and writes without the loops over ranks, since each step call makes several."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, store, ranks):
+        super().__init__(store, ranks)
+        (self.rank,) = ranks
+
+    def __setitem__(self, vid, xs):
+        if isinstance(xs, Pending):
+            xs = xs.wait()
+        x = xs[0]
+        if x is not None:
+            slot = self.store.get(vid)
+            if slot is None:
+                self.store[vid] = {self.rank: x}
+            else:
+                slot[self.rank] = x
+
+    def get(self, vid):
+        return [self.store[vid].get(self.rank)]
+
+
+def view_env(store, ranks) -> ViewEnv:
+    """The env of a view of ``ranks`` on ``store``."""
+    return OneRankEnv(store, ranks) if len(ranks) == 1 else ViewEnv(store, ranks)
+
+
 class Accumulator:
     """Sums over the micro-batch axis (gradient accumulation, the loss), taken as each
     micro-batch finishes on a stage, in place into one buffer per value and base rank.
@@ -59,35 +90,38 @@ class Accumulator:
         self.sums.clear()
         self.owned.clear()
 
-    def into(self, ranks, values) -> dict:
-        """The running sums of ``values`` (of :attr:`fresh`) that ``ranks`` (one stage's ranks
-        for one micro-batch) may add into in place, as the backward loop's ``run.into``:
-        value id -> one tensor per rank, for values whose sum is started and ours on every rank."""
-        out = {}
-        for v in values:
-            keys = [(v, self.base[r]) for r in ranks]
-            if all(k in self.owned for k in keys):
-                out[v] = [self.sums[k] for k in keys]
+    def keyed(self, ranks, values=None) -> tuple:
+        """``values`` (of :attr:`ops`; default all) of ``ranks`` (one stage's ranks for one
+        micro-batch) as :meth:`into` and :meth:`add` take them, worked out once per action: per
+        value, ``(value id, its op, whether fresh, ((rank, key of its sum), ...))``."""
+        return tuple((v, self.ops[v], v in self.fresh, tuple((r, (v, self.base[r])) for r in ranks))
+                     for v in (self.ops if values is None else values))
+
+    def into(self, keyed) -> dict:
+        """The running sums of the :meth:`keyed` values (of :attr:`fresh`) that their ranks may
+        add into in place, as the backward loop's ``run.into``: value id -> one tensor per rank,
+        for values whose sum is started and ours on every rank."""
+        owned, sums, out = self.owned, self.sums, {}
+        for v, _, _, pairs in keyed:
+            if all(k in owned for _, k in pairs):
+                out[v] = [sums[k] for _, k in pairs]
         return out
 
-    def add(self, ranks, values=None) -> None:
-        """Fold the values of ``ranks`` (one stage's ranks for one micro-batch) into the sums:
-        ``values`` (of :attr:`ops`; default all)."""
-        sums, owned = self.sums, self.owned
-        for v in (self.ops if values is None else values):
-            op = self.ops[v]
-            slot = self.store.get(v)
+    def add(self, keyed) -> None:
+        """Fold the :meth:`keyed` values of their ranks into the sums."""
+        sums, owned, store = self.sums, self.owned, self.store
+        for v, op, fresh, pairs in keyed:
+            slot = store.get(v)
             if not slot:
                 continue
-            for r in ranks:
+            for r, key in pairs:
                 x = slot.pop(r, None)
                 if x is None:
                     continue
-                key = (v, self.base[r])
                 y = sums.get(key)
                 if y is None:
                     sums[key] = x      # may be shared (unless fresh): the next one allocates
-                    if v in self.fresh:
+                    if fresh:
                         owned.add(key)
                 elif x is y:           # added into the sum where it was made (:meth:`into`)
                     continue
@@ -101,7 +135,7 @@ class Accumulator:
         """The final segment's allreduce (or bucket of allreduces) ``s`` on ``view``: the sums
         of ``bases`` (the view's micro-batch-0 ranks) reduced over the remaining axes, on
         every rank; a bucket's in one flat buffer."""
-        env = ViewEnv(self.store, view.ranks)
+        env = view_env(self.store, view.ranks)
         axes, args = tuple(a for a in s.axes if a != self.mb_axis), {"op": s.args.get("op", "sum")}
 
         def go(run):
