@@ -236,14 +236,18 @@ class TorchComm(Communicator):
         if self.verbose and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        st = self.stats.setdefault(kind, {"count": 0, "bytes": 0, "seconds": 0.0})
-        st["count"] += 1
-        st["bytes"] += nbytes
-        st["seconds"] += dt
-        self.num_done += 1
-        self.last_done = f"{kind} over {tuple(axes)}"
+        self._book(kind, f"{kind} over {tuple(axes)}", nbytes, dt)
         if self.verbose:
             self._log(f"{kind} axes={tuple(axes)} group={s.members} bytes={nbytes} {dt * 1e3:.3f} ms")
+
+    def _book(self, kind: str, what: str, nbytes: int, seconds: float) -> None:
+        """Count one finished ``kind`` (``what``: it and its axes, for a dead-rank report) in :attr:`stats`."""
+        st = self.stats.get(kind) or self.stats.setdefault(kind, {"count": 0, "bytes": 0, "seconds": 0.0})
+        st["count"] += 1
+        st["bytes"] += nbytes
+        st["seconds"] += seconds
+        self.num_done += 1
+        self.last_done = what
 
     def shm_group(self, s: _Slice):
         """The shared-memory segment of ``s``'s group, made on first use (every member asks at
@@ -297,15 +301,7 @@ class TorchComm(Communicator):
             return None
         src, dst = (s.me, peer) if kind == "send" else (peer, s.me)
         what = f"{kind} over {tuple(axes)}"
-
-        def book(nbytes: int, seconds: float) -> None:
-            st = self.stats.get(kind) or self.stats.setdefault(kind, {"count": 0, "bytes": 0, "seconds": 0.0})
-            st["count"] += 1
-            st["bytes"] += nbytes
-            st["seconds"] += seconds
-            self.num_done += 1
-            self.last_done = what
-        return pipe.link(src, dst, tag, like, book)
+        return pipe.link(src, dst, tag, like, lambda nbytes, seconds: self._book(kind, what, nbytes, seconds))
 
     @staticmethod
     def check_op(op: str) -> str:

@@ -53,8 +53,12 @@ class MicrobatchComm(Communicator):
     def _mb(self, v: int) -> int:
         return v % self.num_microbatches
 
+    def _tag(self, v: int, tag: int) -> int:
+        """A transfer's ``tag`` with micro-batch ``v``'s in it: transfers of different micro-batches never match."""
+        return tag * self.num_microbatches + self._mb(v)
+
     def _tagged(self, v: int, args) -> dict:
-        return {**args, "tag": args["tag"] * self.num_microbatches + self._mb(v)}
+        return {**args, "tag": self._tag(v, args["tag"])}
 
     def start(self, kind, xs, axes, args):
         """See :meth:`Communicator.start`: what the real communicator runs asynchronously runs
@@ -64,7 +68,7 @@ class MicrobatchComm(Communicator):
         if kind not in self.async_kinds:
             return super().start(kind, xs, axes, args)
         axes = tuple(axes)
-        real_axes = tuple(a for a in axes if a != MB_AXIS)
+        real_axes = _real(axes)
         if kind in ("send", "recv"):
             return _PerRankResults([self.real.start(kind, [x], real_axes, self._tagged(v, args))
                          for v, x in zip(self.ranks, xs)])
@@ -78,7 +82,7 @@ class MicrobatchComm(Communicator):
     def collective(self, kind, xs, axes, args):
         """See :meth:`Communicator.collective`."""
         axes = tuple(axes)
-        real_axes = tuple(a for a in axes if a != MB_AXIS)
+        real_axes = _real(axes)
         if kind in ("send", "recv"):
             return [self.real.collective(kind, [x], real_axes, self._tagged(v, args))[0]
                     for v, x in zip(self.ranks, xs)]
@@ -105,15 +109,14 @@ class MicrobatchComm(Communicator):
         return acc
 
     def open_pipe(self, axes, offsets) -> None:
-        self.real.open_pipe(tuple(a for a in axes if a != MB_AXIS), offsets)
+        self.real.open_pipe(_real(axes), offsets)
 
     def pipe_link(self, kind, axes, offset, tag, like):
         """See :meth:`Communicator.pipe_link`: for a view holding one micro-batch, the real
         communicator's link, with the micro-batch in the tag as :meth:`start` puts it."""
         if len(self.ranks) != 1:
             return None
-        real_axes = tuple(a for a in axes if a != MB_AXIS)
-        return self.real.pipe_link(kind, real_axes, offset, tag * self.num_microbatches + self._mb(self.ranks[0]), like)
+        return self.real.pipe_link(kind, _real(axes), offset, self._tag(self.ranks[0], tag), like)
 
     def hold(self, work, buffer) -> None:
         self.real.hold(work, buffer)
@@ -163,3 +166,8 @@ def for_plan(comm: Communicator, plan) -> Communicator:
         if len(comm.ranks) == 1:
             return MicrobatchComm(comm, plan.mesh)
     return comm
+
+
+def _real(axes) -> tuple[str, ...]:
+    """``axes`` without the micro-batch axis: the real communicator's."""
+    return tuple(a for a in axes if a != MB_AXIS)
