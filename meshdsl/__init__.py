@@ -85,7 +85,10 @@ def __getattr__(name: str):
     else:
         ops = _importlib.import_module(".ops", __name__)  # every op of the DSL (meshdsl.ops)
         if name not in ops.__all__:
-            raise AttributeError(f"module 'meshdsl' has no attribute {name!r}")
+            if name.startswith("_"):  # a protocol probe (__path__, _fields, ...): the plain answer
+                raise AttributeError(f"module 'meshdsl' has no attribute {name!r}")
+            from .ops.arguments import unknown_name
+            raise unknown_name(name, set(_EXPORTS) | set(ops.__all__))
         value = getattr(ops, name)
     globals()[name] = value
     return value

@@ -71,7 +71,8 @@ def test_the_earliest_user_error_leads_and_other_ranks_get_a_line_each():
     lines = str(err).splitlines()
     assert lines[0] == "ranks 1, 2 of 5 raised the same exception: checkpoint step-10: rank-00001.safetensors " \
                        "is truncated"
-    assert lines[2:] == ["Other ranks:", "  * rank 0 also failed: RuntimeError: Connection closed by peer",
+    assert lines[2:] == ["Other ranks:", "  * rank 0 lost its connection when rank 1 stopped (a consequence): "
+                         "RuntimeError: Connection closed by peer",
                          "  * rank 3 also failed: another"]
     assert isinstance(err, CheckpointError) and "Traceback" not in str(err)
 

@@ -145,7 +145,7 @@ def test_mixed_precision_replays_the_outputs():
 @pytest.mark.parametrize("ret, words", [
     (lambda h, u: (h, {"aux": 1.0}), "per-layer output 'aux'"),
     (lambda h, u: (h, {"a/b": u}), "without '/'"),
-    (lambda h, u: (h, [u]), "not a Tensor"),
+    (lambda h, u: (h, [u]), "not a dict of per-layer outputs"),
 ])
 def test_bad_per_layer_outputs_are_refused(ret, words):
     with md.Graph():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 from ..collectives import COLLECTIVES, parts_of
-from ..errors import GraphError, message
+from ..errors import GraphError, MeshError, message
 from ..layout.mesh import Mesh
 from .communicator import Communicator, as_device
 
@@ -25,6 +25,12 @@ class SimulatedComm(Communicator):
 
     def __init__(self, mesh: Mesh, ranks=None, *, mailbox: dict | None = None, log: list | None = None,
                  device=None):
+        if isinstance(mesh, str):  # "data:2; model:2", as md.compile takes it
+            mesh = Mesh.parse(mesh)
+        if not isinstance(mesh, Mesh):
+            raise MeshError(message(f"SimulatedComm: mesh is {mesh!r} ({type(mesh).__name__}), not a Mesh.",
+                                    rule="a communicator holds the ranks of one mesh",
+                                    fix="pass plan.mesh, md.Mesh.parse('data:2') or the mesh string 'data:2'"))
         self.mesh = mesh
         self.device = as_device(device)
         self.ranks = tuple(range(mesh.size)) if ranks is None else tuple(ranks)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import GraphError, message
+from ..errors import GraphError, ShapeError, clip, message
 from .shape import Shape
 
 PHASES = ("forward", "backward", "update")
@@ -65,6 +65,110 @@ class Tensor:
     def __gt__(self, o): return self._ops().greater(self, o)
     def __ge__(self, o): return self._ops().greater_equal(self, o)
     __hash__ = object.__hash__
+
+    # Python and torch habits that have no meaning on a symbolic tensor: each names the
+    # meshdsl way instead of failing deep inside torch or silently (``if x > 0:``).
+    def __bool__(self):
+        raise _misuse(self, "has no truth value: it holds no numbers while the graph is built",
+                      "'if x > 0:' picks one branch for every element; choose per element with "
+                      "md.where(x > 0, a, b)")
+
+    def __matmul__(self, o):
+        raise _misuse(self, "has no '@': dims are matched by name, not by position",
+                      'contract named dims with md.einsum("batch d_model, d_model d_ff -> batch d_ff", x, w)')
+
+    __rmatmul__ = __matmul__
+
+    def __getitem__(self, key):
+        raise _misuse(self, f"cannot be indexed ([{key!r}]): dims are named, not positional",
+                      "take a range with md.slice_(x, 'dim', start, stop), rows with md.gather(table, ids, 'dim'), "
+                      "or a dim with x.shape.get('dim')")
+
+    def __iter__(self):
+        raise _misuse(self, "cannot be iterated: it holds no numbers while the graph is built",
+                      "split a dim with md.slice_ or md.rearrange; read values after running: md.run_dense(...)")
+
+    def __len__(self):
+        raise _misuse(self, "has no len(): its dims are named",
+                      "read a dim with x.shape.get('dim') (its .size), or every dim with x.shape")
+
+    def __float__(self):
+        raise _misuse(self, "has no Python value while the graph is built",
+                      "run the graph (md.run_dense, md.run_simulated, a TrainStep) and read the returned torch tensor")
+
+    __int__ = __index__ = __float__
+
+    def __getattr__(self, attr: str):
+        # Only reached for a name the class lacks.  Names Python and libraries probe (dunders, private
+        # names) keep the plain AttributeError, so hasattr() and copy/pickle protocols behave.
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        hint = _TORCH_METHODS.get(attr)
+        raise _MisuseAttribute(message(
+            f"meshdsl {self!r} has no attribute or method '{attr}'.",
+            rule="a meshdsl Tensor is symbolic (name, shape, dtype); ops are functions of the meshdsl module, "
+                 "not tensor methods",
+            fix=hint or "call the op as md.<op>(x, ...) (the list: docs/guide/api.md)"))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        hint = _TORCH_METHODS.get(name)
+        raise GraphError(message(
+            f"torch.{name} was called on a meshdsl Tensor.",
+            rule="torch functions compute on torch tensors; a meshdsl Tensor is symbolic (named dims, no values) "
+                 "and is computed with meshdsl ops, which the compiler can split over a mesh",
+            fix=hint or f"use the meshdsl op of the same name, md.{name}(...), if there is one "
+                        "(the list: docs/guide/api.md)"))
+
+
+#: torch names a newcomer reaches for, and the meshdsl way to say each.
+_TORCH_METHODS = {
+    "sum": "md.reduce_sum(x, 'dim')", "mean": "md.reduce_mean(x, 'dim')", "max": "md.reduce_max(x, 'dim')",
+    "min": "md.reduce_min(x, 'dim')", "matmul": "md.einsum('a b, b c -> a c', x, w)",
+    "mm": "md.einsum('a b, b c -> a c', x, w)", "bmm": "md.einsum('n a b, n b c -> n a c', x, w)",
+    "view": "md.reshape(x, [Dim(...), ...]) or md.rearrange(x, pattern)",
+    "reshape": "md.reshape(x, [Dim(...), ...]) or md.rearrange(x, pattern)",
+    "permute": "md.transpose(x, ['dim', ...])", "transpose": "md.transpose(x, ['dim', ...])",
+    "to": "md.cast(x, torch.bfloat16)", "float": "md.cast(x, torch.float32)", "half": "md.cast(x, torch.float16)",
+    "bfloat16": "md.cast(x, torch.bfloat16)", "softmax": "md.softmax(x, 'dim')",
+    "numpy": "run the graph first (md.run_dense(...)) and read the returned torch tensor",
+    "item": "run the graph first (md.run_dense(...)) and read the returned torch tensor",
+    "tolist": "run the graph first (md.run_dense(...)) and read the returned torch tensor",
+    "size": "x.shape (a named Shape; x.shape.get('dim').size)", "dim": "len(x.shape)",
+    "unsqueeze": "md.unsqueeze(x, 'dim')", "squeeze": "md.squeeze(x, 'dim')", "cat": "md.concat([x, y], 'dim')",
+    "split": "md.slice_(x, 'dim', start, stop)", "masked_fill": "md.where(mask, value, x)",
+}
+
+
+def not_a_tensor(what: str, arg: str, value) -> ShapeError:
+    """The error for ``value`` passed as ``arg`` of ``what`` where a meshdsl Tensor belongs."""
+    if isinstance(value, torch.Tensor):
+        shown = f"a torch.Tensor of shape {tuple(value.shape)}"
+        fix = ("declare it in the graph, md.input('x', [md.Dim(...), ...]), and feed the torch tensor when "
+               "running; or, for a fixed value, md.constant(value, [dims])")
+    elif isinstance(value, (bool, int, float)):
+        shown = f"the Python {type(value).__name__} {value!r}"
+        fix = ("make it a Tensor, md.constant(value) (a scalar) or md.constant(value, [dims]); "
+               "a number does combine with a Tensor by operators: x * 2.0")
+    else:
+        shown = f"{clip(repr(value), 60)} ({type(value).__name__})"
+        fix = "pass a Tensor made by md.input, md.param or an op"
+    return ShapeError(message(f"{what}: {arg} is {shown}, not a meshdsl Tensor.",
+                              rule="ops take meshdsl Tensors: symbolic values with named dims and a dtype",
+                              fix=fix))
+
+
+class _MisuseAttribute(GraphError, AttributeError):
+    """A missing Tensor attribute: a GraphError with the house message that still is an
+    AttributeError, so ``hasattr``/``getattr(x, name, default)`` keep working."""
+
+
+def _misuse(t: Tensor, what: str, fix: str) -> GraphError:
+    return GraphError(message(f"meshdsl {t!r} {what}.",
+                              rule="a meshdsl Tensor is symbolic: named dims and a dtype, no values until the "
+                                   "graph runs",
+                              fix=fix))
 
 
 #: The namespace the operator sugar calls into (``meshdsl.ops``); see :func:`set_operators`.

@@ -36,6 +36,15 @@ def _accumulate(grads: dict, t: Tensor, g: Tensor) -> None:
     grads[id(t)] = g if old is None else old + g
 
 
+def _around(g) -> list:
+    """The graphs that enclose ``g`` (a repeat block's), innermost first."""
+    out = []
+    while g.outer is not None:
+        g = g.outer
+        out.append(g)
+    return out
+
+
 def _check_tensors(what: str, role: str, items, graph, floating: bool = False) -> None:
     """Raise a GraphError unless every item is a Tensor of ``graph`` (floating point if asked)."""
     for i, t in enumerate(items):
@@ -44,11 +53,16 @@ def _check_tensors(what: str, role: str, items, graph, floating: bool = False) -
                                      rule=f"{role}s are meshdsl Tensors of the differentiated graph",
                                      fix="pass the Tensor objects returned by param(), input() or ops"))
         if t.graph is not graph:
+            inside = t.graph.outer is not None and graph in (t.graph.outer, *_around(t.graph.outer))
             raise GraphError(message(f"{what}: {role} {t!r} belongs to another graph than the loss.",
                                      inputs=[f"graph of the loss: '{graph.name}' (#{graph.uid})",
                                              f"graph of {t.name}: '{t.graph.name}' (#{t.graph.uid})"],
+                                     bullets=[f"'{t.name}' was made inside the repeat block '{t.graph.name}' (one "
+                                              "layer's value, or the block's own)"] if inside else None,
                                      rule="gradients are taken within one graph",
-                                     fix="build the model and take its gradients in one 'with Graph():' block"))
+                                     fix="take the gradient with respect to the stacked param passed to md.repeat "
+                                         "(its gradient has every layer's)" if inside else
+                                         "build the model and take its gradients in one 'with Graph():' block"))
         if floating and not t.dtype.is_floating_point:
             raise GraphError(message(f"{what}: {role} {t!r} is {t.dtype}; only floating-point tensors have gradients.",
                                      rule="grad differentiates with respect to floating-point tensors",

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..core.graph import Graph, Tensor
-from ..errors import ShapeError, did_you_mean, message
+from ..errors import ShapeError, clip, did_you_mean, message
 from ..ops.leaf import placeholder
 from .closure import Closure
 from .interpret import DenseProgram
@@ -123,11 +123,27 @@ def trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str, oute
         raise ShapeError(message(f"repeat: the block maps carry {x.shape} to {y.shape}.",
                                  rule="the carry keeps its dims and sizes from layer to layer",
                                  fix="make the block return a tensor shaped like its input"))
+    if y.dtype != x.dtype:
+        raise ShapeError(message(f"repeat: the block maps carry {x!r} to {y!r}: its dtype changes.",
+                                 rule="the carry keeps its dtype from layer to layer (the next layer reads it)",
+                                 fix=f"cast the block's result back: md.cast(y, {x.dtype}), or cast the carry "
+                                     "before the repeat"))
     if y.shape.names != x.shape.names:
         from ..ops.shape_ops import transpose
         with g:
             y = transpose(y, x.shape.names)
     return Block(fn, g, c, ps, y, closure.inner, closure.outer, ys)
+
+
+def _returned(got) -> str:
+    """What is wrong with a block's return value ``got``."""
+    if isinstance(got, tuple) and len(got) == 2:
+        return f"a pair whose second item is a {type(got[1]).__name__}, not a dict of per-layer outputs"
+    if isinstance(got, tuple):
+        return f"a tuple of {len(got)} items, not a carry or (carry, {{name: tensor}})"
+    if isinstance(got, Tensor):
+        return "a Tensor made outside the block (the carry must be computed by the block)"
+    return "not a Tensor built from its inputs"
 
 
 def _split_return(got, g: Graph, layer: str) -> tuple[Tensor, dict | None]:
@@ -136,11 +152,14 @@ def _split_return(got, g: Graph, layer: str) -> tuple[Tensor, dict | None]:
     if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
         got, ys = got
     if not isinstance(got, Tensor) or got.graph is not g:
-        raise ShapeError(message(f"repeat: the block returned {got!r}, not a Tensor built from its inputs.",
-                                 rule=_RETURNS, fix="return a Tensor computed from the carry"))
+        raise ShapeError(message(f"repeat: the block returned {clip(repr(got), 160)}, {_returned(got)}.",
+                                 rule=_RETURNS, fix="return a Tensor computed from the carry, or (carry, "
+                                                    "{'name': per-layer tensor}) with a dict"))
     for k, t in (ys or {}).items():
         if not isinstance(k, str) or not k or "/" in k or not isinstance(t, Tensor) or t.graph is not g:
-            raise ShapeError(message(f"repeat: the block's per-layer output {k!r} is {t!r}.",
+            why = " (a tensor made outside the block: not this layer's own)" if isinstance(t, Tensor) \
+                and t.graph is not g else ""
+            raise ShapeError(message(f"repeat: the block's per-layer output {k!r} is {t!r}{why}.",
                                      rule=_RETURNS + "; names are non-empty strings without '/', values "
                                                      "Tensors the block computed",
                                      fix="return (carry, {'aux': tensor_of_this_layer})"))

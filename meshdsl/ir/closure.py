@@ -54,9 +54,15 @@ class Closure:
                 return hit
         if not self.open:
             raise ShapeError(message(
-                f"repeat: block '{self.graph.name}' reads {t!r} from outside only when traced again.",
-                rule="blocks must be deterministic functions of (carry, params) and what they read from outside",
-                fix="read the same tensors every time the block function runs"))
+                f"repeat: an op was built into block '{self.graph.name}' after its trace ended, reading {t!r} "
+                "of the graph around it.",
+                bullets=["most often: a tensor made inside the block (kept in a list or a global while the block "
+                         "ran) is used after the repeat; it exists only inside the layer loop",
+                         "or: the block reads a tensor from outside only when it is traced again"],
+                rule="a block's tensors stay inside the block; what leaves a repeat is its carry and its per-layer "
+                     "outputs; blocks are deterministic functions of (carry, params) and what they read from outside",
+                fix="return the tensor as a per-layer output, block returns (carry, {'name': t}) and repeat returns "
+                    "(carry, {'name': stacked over the layers}); and read the same tensors every time the block runs"))
         with self.graph:
             ph = placeholder(PREFIX + t.name, t.shape, t.dtype, t.scopes)
         self.outer.append(t)

@@ -6,12 +6,13 @@ the way an op that holds a sub-graph (a repeat's block) computes it densely.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import chain
 
 import torch
 
 from ..core.graph import Tensor, topo_nodes
-from ..errors import GraphError, message
+from ..errors import GraphError, clip, message
 from ..ops.inplace import Operand, add_kernel
 from ..ops.leaf import init_value
 from ..ops.registry import DENSE_CTX, LocalCtx, run_device, running_on
@@ -30,6 +31,20 @@ def _as_dict(outputs):
     if isinstance(outputs, dict):
         return dict(outputs)
     return {f"out{i}": t for i, t in enumerate(outputs)}
+
+
+def feeds_dict(caller: str, feeds, what: str = "feeds") -> dict:
+    """``feeds`` (None: none) if it is a mapping {name: value}; else a GraphError.  ``what``:
+    ``"feeds"`` (keyed by md.input names) or ``"params"`` (by md.param names)."""
+    if feeds is None:
+        return {}
+    if not isinstance(feeds, Mapping):
+        leaf = "md.input" if what == "feeds" else "md.param"
+        raise GraphError(message(
+            f"{caller}: {what} is {clip(repr(feeds), 80)} ({type(feeds).__name__}), not a dict.",
+            rule=f"{what} map each {leaf[3:]}'s name to its value, e.g. {{'x': torch.randn(8, 4)}}",
+            fix=f"pass a dict keyed by the names given to {leaf}"))
+    return feeds
 
 
 def check_feed(t: Tensor, value, full: bool = True) -> None:
@@ -97,7 +112,7 @@ class DenseProgram:
 
     def __call__(self, feeds: dict | None = None, params: dict | None = None, seed: int = 0,
                  salt: int = 0) -> dict[str, torch.Tensor]:
-        feeds = feeds or {}
+        feeds = feeds_dict("run", feeds)
         env: list = [None] * len(self._slot)
         for k, t in self.inputs.items():
             if k not in feeds:

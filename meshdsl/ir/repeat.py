@@ -17,13 +17,15 @@ layers' gradients.
 """
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
 
-from ..core.graph import Graph, Tensor, graph_of
+from ..core.graph import Graph, Tensor, graph_of, not_a_tensor
 from ..core.shape import Dim, Shape
-from ..errors import ShapeError, message
+from ..errors import GraphError, ShapeError, clip, message
 from ..ops.registry import Op, apply, register
 from .block import Block, LayerStack, run_layers, trace
 from .remat import parse_remat
@@ -102,6 +104,37 @@ def _check_depth(graph: Graph, layer: Dim, params: dict) -> None:
                     f"Dim('dec_{layer.name}', {layer.size})"))
 
 
+_USAGE = "repeat(block, x, {name: stacked param}, 'layer'), block(carry, params) -> new carry"
+
+
+def _check_arguments(block, x, params, dim) -> None:
+    """repeat's arguments are of the kinds its signature names (before any is read)."""
+    if not callable(block):
+        raise GraphError(message(f"repeat: block is {block!r} ({type(block).__name__}), not a function.",
+                                 rule=_USAGE, fix="pass a function of (carry, params), e.g. def block(h, p): ..."))
+    try:
+        inspect.signature(block).bind(x, params)
+    except TypeError as e:
+        raise GraphError(message(f"repeat: the block cannot be called as block(carry, params): {e}.",
+                                 rule=_USAGE,
+                                 fix="give the block two parameters, the carry and the dict of this layer's "
+                                     "params (ignore the second if it reads none)")) from None
+    except ValueError:  # a callable whose signature Python cannot read (a builtin): let the call say
+        pass
+    if not isinstance(x, Tensor):
+        raise not_a_tensor("repeat", "the carry x", x)
+    if not isinstance(params, Mapping) or not all(isinstance(k, str) and isinstance(p, Tensor)
+                                                  for k, p in params.items()):
+        bad = params if not isinstance(params, Mapping) else {
+            k: p for k, p in params.items() if not (isinstance(k, str) and isinstance(p, Tensor))}
+        raise ShapeError(message(f"repeat: params must be a dict {{name: stacked param}}, got {clip(repr(bad), 80)}.",
+                                 rule=_USAGE + "; params[name] in the block is that param's slice for the layer",
+                                 fix="pass e.g. {'w': w} with w = md.param('w', [Dim('layer', N), ...])"))
+    if not isinstance(dim, (str, Dim)):
+        raise ShapeError(message(f"repeat: dim is {dim!r} ({type(dim).__name__}), not a dim name or Dim.",
+                                 rule=_USAGE, fix="pass the layer dim's name, e.g. 'layer'"))
+
+
 def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim, remat=None):
     """Apply ``block`` once per entry of ``dim`` with that entry's slice of each stacked param.
 
@@ -143,7 +176,14 @@ def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim, remat=Non
       GraphError: the block reads a tensor of a graph that does not enclose it; an unknown
         remat policy.
     """
+    _check_arguments(block, x, params, dim)
     name = dim.name if isinstance(dim, Dim) else dim
+    if name in x.shape:
+        raise ShapeError(message(f"repeat: the carry {x!r} has the layer dim '{name}'.",
+                                 rule="repeat loops over the layer dim: the stacked params have it, the carry "
+                                      "(what one layer hands the next) does not",
+                                 fix=f"pass a carry without '{name}' (slice or reduce it first), or loop over "
+                                     "another dim"))
     policy = parse_remat(remat, "repeat(remat=...)")
     for k, p in params.items():
         if name not in p.shape:

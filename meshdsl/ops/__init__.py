@@ -23,4 +23,8 @@ from .slicing import concat, pad, roll, shift, slice_
 from .topk import top_k
 
 __all__ = [n for n in dir() if not n.startswith("_")]
+# A number or a torch tensor where an op takes a Tensor: one clear error (ops/arguments.py).
+from .arguments import check_tensor_args as _check_tensor_args  # noqa: E402
+for _n in __all__:
+    globals()[_n] = _check_tensor_args(globals()[_n])
 _set_operators(_sys.modules[__name__])

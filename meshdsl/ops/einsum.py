@@ -135,6 +135,14 @@ def einsum(equation: str, *xs: Tensor) -> Tensor:
             f"einsum('{equation}'): the equation has {len(spec.inputs)} operand(s) but {len(xs)} tensor(s) were given.",
             inputs=[f"tensors: {', '.join(map(repr, xs))}"], rule="one equation operand per tensor",
             fix="add or remove operands in the equation"))
+    if len({x.dtype for x in xs}) > 1:
+        raise ShapeError(message(
+            f"einsum('{equation}'): the operands have different dtypes "
+            f"{[str(x.dtype).replace('torch.', '') for x in xs]}.",
+            inputs=[f"operands: {', '.join(map(repr, xs))}"],
+            rule="einsum's operands share one dtype (no silent promotion); for bf16 matmuls with fp32 weights "
+                 "cast both, or build the step with precision='bf16' (--precision bf16), which does it",
+            fix="cast one operand with md.cast(x, dtype)"))
     sizes = {}
     for k, (names, x) in enumerate(zip(spec.inputs, xs)):
         got = [n.name for n in names]

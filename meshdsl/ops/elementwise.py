@@ -7,11 +7,12 @@ the generic lowering rule takes care of.
 """
 from __future__ import annotations
 
+import numbers
 
 import torch
 import torch.nn.functional as F
 
-from ..core.graph import Tensor
+from ..core.graph import Tensor, not_a_tensor
 from ..core.shape import Shape, broadcast_shapes
 from ..errors import ShapeError, message
 from .broadcasting import align, align_plan, sum_to
@@ -31,6 +32,9 @@ def _lift(xs, name: str = "where"):
     An integer tensor takes integral scalars only (``1 - mask``), except in comparisons:
     ``ids * 0.5`` would be a float result, which the op's integer dtype would misstate."""
     like = next((x for x in xs if isinstance(x, Tensor)), None)
+    for i, x in enumerate(xs):   # a scalar: a number, or a one-element torch tensor
+        if not isinstance(x, (Tensor, numbers.Real)) and not (isinstance(x, torch.Tensor) and x.numel() == 1):
+            raise not_a_tensor(name, f"operand {i}", x)
     if like is None:
         raise ShapeError(message("elementwise op: at least one operand must be a meshdsl Tensor.",
                                  inputs=[f"operands: {xs!r}"], rule="scalars broadcast against tensors",

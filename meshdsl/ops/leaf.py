@@ -63,6 +63,34 @@ def init_value(t: Tensor, seed: int = 0) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") * scale).to(a["dtype"])
 
 
+def _check_leaf(what: str, name, dtype) -> None:
+    """A leaf's name is a non-empty str (feeds, checkpoints and layout scopes name it) and its
+    dtype a torch.dtype."""
+    if not isinstance(name, str) or not name:
+        raise GraphError(message(f"{what}({name!r}, ...): the name is {name!r} ({type(name).__name__}), "
+                                 "not a non-empty str.",
+                                 rule=f"a {what} is named by a str: feeds, checkpoints and layout scopes use it",
+                                 fix=f"write e.g. md.{what}('w1', [dims])"))
+    if not isinstance(dtype, torch.dtype):
+        raise GraphError(message(f"{what}('{name}'): dtype {dtype!r} ({type(dtype).__name__}) is not a torch.dtype.",
+                                 rule="dtypes are torch dtypes",
+                                 fix="write e.g. dtype=torch.float32 (torch.int64 for ids)"))
+
+
+def _check_outside_blocks(what: str, name: str, g: Graph) -> None:
+    """Params and inputs belong to the model's graph, never to a repeat block being traced."""
+    if g.outer is None:
+        return
+    article = "an input" if what == "input" else "a param"
+    raise GraphError(message(
+        f"{what}('{name}') is created inside the repeat block '{g.name}'.",
+        rule=f"params and inputs are made outside md.repeat: the block runs once per layer, and {article} made "
+             "there would be no param or input of the model (not trained, not fed, not checkpointed)",
+        fix=f"create it before the md.repeat call: the block may read it (every layer the same {what})"
+            + (", or stack it with Dim('layer', N) and pass it in the params dict (one per layer)"
+               if what == "param" else "")))
+
+
 def param(name: str, shape, init="normal", scale: float | None = None, dtype=torch.float32,
           fan_out=()) -> Tensor:
     """A trainable parameter.
@@ -75,7 +103,9 @@ def param(name: str, shape, init="normal", scale: float | None = None, dtype=tor
         is the product of the dims not listed in ``fan_out``.
       fan_out: dim names that are outputs (excluded from fan_in).
     """
+    _check_leaf("param", name, dtype)
     g = Graph.current()
+    _check_outside_blocks("param", name, g)
     if name in g.params or name in g.inputs:
         raise GraphError(message(f"param('{name}'): the name is already used in graph '{g.name}'.",
                                  rule="param and input names are unique", fix="pick another name"))
@@ -92,7 +122,9 @@ def param(name: str, shape, init="normal", scale: float | None = None, dtype=tor
 
 def input(name: str, shape, dtype=torch.float32) -> Tensor:  # noqa: A001 - the DSL's word
     """A value fed at run time (a full tensor, or per-rank slices)."""
+    _check_leaf("input", name, dtype)
     g = Graph.current()
+    _check_outside_blocks("input", name, g)
     if name in g.params or name in g.inputs:
         raise GraphError(message(f"input('{name}'): the name is already used in graph '{g.name}'.",
                                  rule="param and input names are unique", fix="pick another name"))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.graph import Tensor, graph_of
+from ..core.graph import Tensor, graph_of, not_a_tensor
 from ..errors import GraphError, message
 from ..core.shape import Shape
 
@@ -186,6 +186,9 @@ def apply(op_name: str, inputs, attrs: dict | None = None, name: str | None = No
     """Build a node of op ``op_name``; returns its output (or a tuple of outputs)."""
     op = OPS[op_name]
     attrs = attrs or {}
+    for i, x in enumerate(inputs):
+        if not isinstance(x, Tensor):
+            raise not_a_tensor(op_name, f"operand {i}" if len(inputs) > 1 else "its input", x)
     g = graph_of(*inputs)
     outs = op.infer(list(inputs), attrs)
     node = g.add_node(op, inputs, attrs, outs, name)

@@ -191,6 +191,13 @@ def rename(x: Tensor, mapping: dict | None = None, **kw) -> Tensor:
                                      rule="rename maps existing dim names to new ones",
                                      fix=f"use dims from {list(x.shape.names)}"))
     m = {k: v for k, v in m.items() if k != v}
+    after = [m.get(n, n) for n in x.shape.names]
+    twice = sorted({n for n in after if after.count(n) > 1})
+    if twice:
+        raise ShapeError(message(
+            f"rename {m} of {x!r}: dim name(s) {twice} would appear twice.",
+            rule="dim names within one tensor are unique: a new name must not be one the tensor keeps",
+            fix=f"pick a new name that is not among {list(x.shape.names)}, or rename the other dim too"))
     return apply("rename", [x], {"mapping": m}) if m else x
 
 

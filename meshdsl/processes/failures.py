@@ -162,7 +162,7 @@ def failure_error(procs, exited, results, errors: "dict[int, Raised]", bad, inpu
         if i == first:
             continue
         if i in errors:
-            bullets.append(f"rank {i} also failed: {_clip(errors[i].last_line)}")
+            bullets.append(_also_failed(i, errors[i], first))
         elif i in bad:
             bullets.append(f"rank {i} also failed: it {_how(q)}")
         elif i not in results:
@@ -194,13 +194,27 @@ def user_error(errors: "dict[int, Raised]", first: int, nproc: int) -> MeshDSLEr
     who = (f"rank {first} of {nproc} raised an exception" if len(same) == 1 else
            f"ranks {_ranges(same)} of {nproc} raised the same exception")
     text = f"{who}: {raised.text}"
-    others = [f"  * rank {i} also failed: {_clip(r.last_line)}" for i, r in sorted(errors.items()) if i not in same]
+    others = [f"  * {_also_failed(i, r, first)}" for i, r in sorted(errors.items()) if i not in same]
     if others:
         text += "\nOther ranks:\n" + "\n".join(others)
     try:
         return _as_raised_in_rank(raised.kind)(text)
     except TypeError:  # a class whose __init__ wants more than a message
         return DistributedError(text)
+
+
+#: What a rank's error says when a peer it was talking to went away (gloo, NCCL, sockets):
+#: a consequence of the first failure, not a second one.
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+              "socket closed", "ncclremoteerror")
+
+
+def _also_failed(i: int, raised: "Raised", first: int) -> str:
+    """A bullet for rank ``i``, which failed after rank ``first``: a lost connection says so."""
+    line = _clip(raised.last_line)
+    if any(k in line.lower() for k in _LOST_PEER):
+        return f"rank {i} lost its connection when rank {first} stopped (a consequence): {line}"
+    return f"rank {i} also failed: {line}"
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import GraphError, did_you_mean, message
-from ..ir.interpret import DenseProgram
+from ..core.graph import Tensor
+from ..errors import GraphError, clip, did_you_mean, message
+from ..ir.interpret import DenseProgram, feeds_dict
 
 
 def check_no_extra_feeds(caller: str, feeds: dict, inputs) -> None:
@@ -34,6 +35,32 @@ def run_dense(outputs, feeds: dict | None = None, params: dict | None = None,
     Raises:
       GraphError: a missing feed, a feed of the wrong shape or dtype, or a feed no input reads.
     """
+    _check_outputs(outputs)
     prog = DenseProgram(outputs)
-    check_no_extra_feeds("run_dense", feeds or {}, prog.inputs)
+    check_no_extra_feeds("run_dense", feeds_dict("run_dense", feeds), prog.inputs)
+    _check_params(prog, feeds_dict("run_dense", params, "params"))
     return prog(feeds, params, seed)
+
+
+def _check_outputs(outputs) -> None:
+    """run_dense's outputs: a Tensor, or a dict or sequence of Tensors."""
+    items = ({"out": outputs} if isinstance(outputs, Tensor) else dict(outputs) if isinstance(outputs, dict)
+             else {f"out{i}": t for i, t in enumerate(outputs)} if isinstance(outputs, (list, tuple)) else None)
+    bad = [(k, t) for k, t in (items or {"outputs": outputs}).items() if not isinstance(t, Tensor)]
+    if items is None or bad:
+        k, t = bad[0]
+        raise GraphError(message(f"run_dense: output '{k}' is {clip(repr(t), 80)} ({type(t).__name__}), not a Tensor.",
+                                 rule="outputs are a meshdsl Tensor, or a dict (or list) of them",
+                                 fix="pass the Tensors returned by ops, e.g. {'loss': loss}"))
+
+
+def _check_params(prog: DenseProgram, params: dict) -> None:
+    """Each given param the outputs read is a tensor of its declared shape (a param they do not
+    read is left alone, as a model's full set of params may be given for a part of it)."""
+    for k, v in params.items():
+        t = prog.params.get(k)
+        if t is not None and (not isinstance(v, torch.Tensor) or tuple(v.shape) != t.shape.sizes):
+            got = f"of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+            raise GraphError(message(f"run_dense: param '{k}' is {got}, not of shape {t.shape.sizes} ({t.shape}).",
+                                     rule="a full param has its declared shape, dims in order",
+                                     fix=f"pass a torch tensor of shape {t.shape.sizes}"))

@@ -17,8 +17,8 @@ from types import EllipsisType
 
 import torch
 
-from ..errors import GraphError, message
-from ..ir.interpret import check_feed
+from ..errors import GraphError, clip, message
+from ..ir.interpret import check_feed, feeds_dict
 from ..layout.sharding import Sharding, cyclic_order
 from ..lowering.plan import Plan, Value
 from ..lowering.relayout import move_args, plan_moves
@@ -154,6 +154,21 @@ def donating_steps(steps, params: set[int], last_use: dict[int, int]) -> set[int
             and all(s.ins[k] in params and last_use.get(s.ins[k]) == i for k in s.args.get("donates", (0,)))}
 
 
+def _check_arguments(plan, comm) -> None:
+    """Executor(plan, comm) is given a compiled Plan and a Communicator."""
+    if not isinstance(plan, Plan):
+        raise GraphError(message(
+            f"Executor: plan is {clip(repr(plan), 80)} ({type(plan).__name__}), not a Plan.",
+            rule="an executor runs a compiled plan on a communicator: Executor(plan, comm)",
+            fix="compile first: plan = md.compile(outputs, mesh, layout) (md.run_dense runs the graph itself)"))
+    if not isinstance(comm, Communicator):
+        raise GraphError(message(
+            f"Executor: comm is {clip(repr(comm), 80)} ({type(comm).__name__}), not a Communicator.",
+            rule="an executor runs a compiled plan on a communicator: Executor(plan, comm)",
+            fix=f"pass md.SimulatedComm(plan.mesh) (every rank in this process) or md.TorchComm(plan.mesh) "
+                "(one rank per process)"))
+
+
 class Executor:
     """Executes ``plan`` for the ranks ``comm`` holds.
 
@@ -173,6 +188,7 @@ class Executor:
     check_feeds = True
 
     def __init__(self, plan: Plan, comm: Communicator, donate_params: bool = False, compile=False):
+        _check_arguments(plan, comm)
         if comm.mesh.size != plan.mesh.size or comm.mesh.axes != plan.mesh.axes:
             raise GraphError(message(f"executor: plan mesh '{plan.mesh}' differs from communicator mesh '{comm.mesh}'.",
                                      rule="a plan runs on the mesh it was compiled for",
@@ -307,7 +323,7 @@ class Executor:
         Raises:
           GraphError: a missing feed or param, a bad feed, or a feed no input of the plan reads.
         """
-        feeds = feeds or {}
+        feeds = feeds_dict("Executor.run", feeds)
         if not feeds.keys() <= self.plan.inputs.keys():
             check_no_extra_feeds("Executor.run", feeds, self.plan.inputs)
         if params is None:

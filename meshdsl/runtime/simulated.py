@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..comm.simulated import SimulatedComm
-from ..errors import GraphError, did_you_mean, message
+from ..errors import GraphError, clip, did_you_mean, message
+from ..ir.interpret import feeds_dict
 from ..lowering.plan import Plan
 from .executor import Executor
 
@@ -24,9 +25,15 @@ def run_simulated(plan: Plan, feeds: dict | None = None, params: dict | None = N
     Raises:
       GraphError: a param or feed the plan does not have, or one of the wrong shape or dtype.
     """
+    if not isinstance(plan, Plan):
+        raise GraphError(message(
+            f"run_simulated: plan is {clip(repr(plan), 80)} ({type(plan).__name__}), not a Plan.",
+            rule="run_simulated runs a compiled plan: every rank of its mesh in this process",
+            fix="compile first, plan = md.compile(outputs, mesh, layout), then md.run_simulated(plan, feeds); "
+                "md.run_dense(outputs, feeds) runs the graph itself on one device"))
     ex = Executor(plan, SimulatedComm(plan.mesh, device=device), compile=compile)
     local = ex.init_params(seed)
-    for k, v in (params or {}).items():
+    for k, v in feeds_dict("run_simulated", params, "params").items():
         vid = plan.params.get(k)
         if vid is None:
             raise GraphError(message(f"run_simulated: the plan has no param '{k}'.{did_you_mean(k, plan.params)}",

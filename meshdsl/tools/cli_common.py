@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
+from ..errors import did_you_mean
 from ..lowering.schedule import ScheduleError
 from ..lowering.schedule_gen import SCHEDULES, parse_schedule
 from ..train.model import load_model
@@ -46,8 +47,9 @@ def schedule_arg(text: str) -> str:
         name = text.partition(":")[0]
         why = ("" if name not in SCHEDULES else f", {name} runs V >= 1 virtual stages per rank: write {name}:V"
                if SCHEDULES[name].chunked else f", {name} has no virtual stages")
+        close = "" if why else did_you_mean(text, [s.replace(":V", "") for s in PIPE_SCHEDULES])
         raise argparse.ArgumentTypeError(f"invalid choice: {text!r}{why} (choose from "
-                                         f"{', '.join(map(repr, PIPE_SCHEDULES))})")
+                                         f"{', '.join(map(repr, PIPE_SCHEDULES))})" + (f".{close}" if close else ""))
     return text
 
 

@@ -19,6 +19,7 @@ from ..comm.communicator import Communicator
 from ..runtime.executor import Executor
 from ..comm.microbatch import for_plan
 from ..ir.autodiff import grad
+from ..ir.interpret import feeds_dict
 from ..ir.precision import mixed_precision
 from ..ir.remat import parse_remat
 from ..ops.nn import step_salt
@@ -98,6 +99,24 @@ def ew_one(like: Tensor) -> Tensor:
     return constant(1.0, like.dtype, like)
 
 
+def _check_optimizer(optimizer) -> None:
+    """``optimizer`` is None or a meshdsl :class:`Optimizer` instance."""
+    if optimizer is None or isinstance(optimizer, Optimizer):
+        return
+    if isinstance(optimizer, type) and issubclass(optimizer, Optimizer):
+        fix = f"make one: optimizer=md.{optimizer.__name__}(lr=...)"
+    elif isinstance(optimizer, str):
+        known = {"sgd": "SGD", "adamw": "AdamW", "adafactor": "Adafactor"}
+        fix = f"pass an instance: optimizer=md.{known.get(optimizer.lower(), 'AdamW')}(lr=...)"
+    else:
+        fix = "pass md.SGD(lr=...), md.AdamW(lr=...) or md.Adafactor(lr=...)"
+    raise GraphError(message(
+        f"TrainStep: optimizer is {optimizer!r} ({type(optimizer).__name__}), not a meshdsl optimizer.",
+        rule="the optimizer update is part of the compiled step (graph ops on each param's shard), so it is one "
+             "of meshdsl's optimizers: md.SGD, md.AdamW, md.Adafactor (torch.optim optimizers do not apply)",
+        fix=fix))
+
+
 @dataclass
 class StepStats:
     """Seconds of one step: total, local compute, exposed communication, and per collective kind.
@@ -169,6 +188,7 @@ class TrainStep:
             raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
                                      rule="the global gradient norm is clipped to a positive bound",
                                      fix="pass e.g. clip_norm=1.0, or None for no clipping"))
+        _check_optimizer(optimizer)
         if clip_norm is not None and optimizer is None:
             from .optimizers import SGD
             optimizer = SGD(lr=lr)
@@ -219,7 +239,7 @@ class TrainStep:
         flight0 = _in_flight(self.executor.comm) if timed else 0.0
         t0 = time.perf_counter()
         # Each step draws its own dropout masks (the same on every layout and on resume).
-        outs = self.executor.run({**feeds, **self.hyper_feeds(lr)}, self.params, salt=step_salt(self.step_count),
+        outs = self.executor.run({**feeds_dict("TrainStep", feeds), **self.hyper_feeds(lr)}, self.params, salt=step_salt(self.step_count),
                                  stats=stats)
         for k in self.carried:
             self.params[k] = outs[f"new/{k}"]

@@ -31,6 +31,7 @@ from .checkpoint import load_checkpoint, read_metadata, save_checkpoint
 from .config import config_dict
 from .evaluate import Evaluator, agree_held
 from .feeder import make_feeder, reads_text
+from .fit_args import check_fit_arguments
 from .lr_schedule import run_schedule
 from .model import Model, load_model
 from .resume import (RUN_KEYS, model_id, resolve_resume, resume_from, resume_path, resume_spec, run_settings,
@@ -396,6 +397,7 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
         result = md.fit(build(Config()), mesh="data:2", layout="batch:data", steps=50,
                           data=lambda step: my_batch(step), lr=0.05, checkpoint="ckpt", save_every=10)
     """
+    check_fit_arguments(TrainSpec, model, steps, data, options)
     own = isinstance(model, Model)
     if isinstance(data, (str, Path)):
         options["data"], data = str(data), None

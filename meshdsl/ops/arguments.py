@@ -1,0 +1,94 @@
+"""Argument checks at the DSL's front door: an op's Tensor parameters get meshdsl Tensors.
+
+A public op whose signature annotates a parameter ``Tensor`` (or ``Tensor | None``) is
+wrapped once, when :mod:`meshdsl.ops` is imported, so that a Python number, a torch tensor
+or a list in that place is one clear error naming the op and the argument
+(:func:`meshdsl.core.graph.not_a_tensor`), before the op reads ``.shape`` or ``.dtype`` of it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+from ..core.graph import Tensor, not_a_tensor
+
+_TENSOR = ("Tensor", "Tensor | None")
+
+
+def _tensor_params(fn) -> list[tuple[int | None, str, bool]]:
+    """(position or None for keyword-only, name, None allowed) of each Tensor parameter of ``fn``."""
+    out = []
+    for i, p in enumerate(inspect.signature(fn).parameters.values()):
+        ann = p.annotation if isinstance(p.annotation, str) else ""
+        if ann not in _TENSOR or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue  # (einsum's *xs check their operands themselves, with the equation)
+        pos = i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
+        out.append((pos, p.name, ann.endswith("None")))
+    return out
+
+
+def check_tensor_args(fn):
+    """``fn``, checking its Tensor parameters on each call; ``fn`` itself when it has none."""
+    if not inspect.isfunction(fn):
+        return fn
+    checks = _tensor_params(fn)
+    if not checks:
+        return fn
+    what = fn.__name__
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        for pos, name, optional in checks:
+            if pos is not None and pos < len(args):
+                value = args[pos]
+            elif name in kwargs:
+                value = kwargs[name]
+            else:
+                continue
+            if not isinstance(value, Tensor) and not (optional and value is None):
+                raise not_a_tensor(what, f"argument '{name}'", value)
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+class UnknownNameError(AttributeError):
+    """``md.<name>`` for a name meshdsl lacks: an AttributeError (so ``hasattr`` is False)
+    whose message has the house structure."""
+
+
+#: What a torch or NumPy user reaches for, and the meshdsl way to say it.
+HINTS = {
+    "sum": "md.reduce_sum(x, 'dim')", "mean": "md.reduce_mean(x, 'dim')",
+    "max": "md.reduce_max(x, 'dim') (or md.maximum(a, b), elementwise)",
+    "min": "md.reduce_min(x, 'dim') (or md.minimum(a, b), elementwise)",
+    "matmul": "md.einsum('batch d_model, d_model d_ff -> batch d_ff', x, w)",
+    "mm": "md.einsum('a b, b c -> a c', x, w)", "bmm": "md.einsum('n a b, n b c -> n a c', x, w)",
+    "dot": "md.einsum('d, d ->', x, y)", "linear": "md.einsum with a md.param weight",
+    "zeros": "md.constant(0.0, [dims]) (torch.zeros(...) as its value) or a scalar md.constant(0.0)",
+    "ones": "md.constant(1.0, [dims]) (torch.ones(...) as its value) or a scalar md.constant(1.0)",
+    "full": "md.constant(value) (a scalar broadcasts by name)", "tensor": "md.constant(value, [dims]) or md.input",
+    "cat": "md.concat([x, y], 'dim')", "stack": "md.concat of tensors with the new dim added by md.unsqueeze",
+    "split": "md.slice_(x, 'dim', start, stop)", "chunk": "md.slice_(x, 'dim', start, stop)",
+    "view": "md.reshape(x, [Dim(...), ...]) or md.rearrange(x, pattern)",
+    "permute": "md.transpose(x, ['dim', ...])", "embedding": "md.gather(table, ids, 'vocab')",
+    "conv2d": "md.conv(x, w, taps)", "conv1d": "md.conv(x, w, taps)",
+    "Parameter": "md.param(name, [dims])", "Variable": "md.param(name, [dims])",
+    "scan": "md.repeat(block, carry, stacked_params, 'layer')",
+    "fori_loop": "md.repeat(block, carry, stacked_params, 'layer')",
+    "mse_loss": "md.reduce_mean((y - target) ** 2)", "abs": "md.maximum(x, -x)",
+    "clamp": "md.minimum(md.maximum(x, lo), hi)", "clip": "md.minimum(md.maximum(x, lo), hi)",
+}
+
+
+def unknown_name(name: str, names) -> UnknownNameError:
+    """The error for ``md.<name>`` when meshdsl has no such name (``names``: every public one)."""
+    from ..errors import did_you_mean, message
+
+    hint = HINTS.get(name)
+    close = "" if hint else did_you_mean(name, [n for n in names if not n.startswith("_")])
+    return UnknownNameError(message(
+        f"module 'meshdsl' has no attribute {name!r}: meshdsl has no op or name '{name}'.{close}",
+        rule="meshdsl's ops are the named-tensor ops listed in docs/guide/api.md (dir(meshdsl) lists every name)",
+        fix=f"write {hint}" if hint else "build it from the ops listed there, e.g. a composite of elementwise "
+                                         "ops, md.einsum and reductions"))

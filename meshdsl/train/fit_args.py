@@ -1,0 +1,95 @@
+"""``md.fit``'s arguments checked at the front door: each wrong one is one message naming the
+argument, what was given and what it takes, before a spec is built or a rank starts."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from pathlib import Path
+
+from ..errors import MeshDSLError, did_you_mean, message
+
+
+class FitArgumentError(MeshDSLError):
+    """An argument of ``md.fit`` of the wrong kind, or one fit does not take."""
+
+
+#: Arguments of fit itself (not TrainSpec fields passed through ``**options``).
+_OWN = ("model", "mesh", "layout", "steps", "data", "eval_data", "nproc", "device", "threads")
+#: Fields that take more than their annotation says, each checked where it is read
+#: (``stage_layers="auto"``, a remat policy, a compile backend's name, a Config's overrides).
+_OWN_CHECKS = ("stage_layers", "remat", "compile", "resume_from", "config", "optimizer_args")
+#: The kinds a TrainSpec field's annotation names, and what each accepts.
+_KINDS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, (str, Path)),
+    "dict": lambda v: isinstance(v, dict),
+    "tuple": lambda v: isinstance(v, (tuple, list)),
+    "None": lambda v: v is None,
+}
+_WORDS = {"int": "an int", "float": "a number", "bool": "True or False", "str": "a str", "dict": "a dict",
+          "tuple": "a tuple", "None": "None"}
+_EXAMPLES = {"int": 10, "float": 0.01, "bool": True, "str": "name", "dict": {}, "tuple": (1, 1)}
+#: Fields with a range beyond their kind: (test, what is allowed).
+_RANGES = {
+    "steps": (lambda v: v >= 1, "an int >= 1"),
+    "lr": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    "microbatches": (lambda v: v >= 1, "an int >= 1"),
+    "eval_batches": (lambda v: v >= 1, "an int >= 1"),
+    "save_every": (lambda v: v >= 0, "an int >= 0"),
+    "eval_every": (lambda v: v >= 0, "an int >= 0"),
+}
+
+
+def _fail(what: str, rule: str, fix: str) -> FitArgumentError:
+    return FitArgumentError(message(f"fit: {what}", rule=rule, fix=fix))
+
+
+def _check_value(name: str, value, annotation: str) -> None:
+    kinds = [k.strip() for k in annotation.split("|")]
+    if not any(_KINDS.get(k, lambda v: True)(value) for k in kinds):
+        words = " or ".join(_WORDS.get(k, k) for k in kinds)
+        raise _fail(f"{name}={value!r} ({type(value).__name__}) is not {words}.",
+                    rule=f"{name} is {words}", fix=f"pass {name} as {_WORDS.get(kinds[0], kinds[0])}, "
+                                                   f"e.g. {name}={_EXAMPLES.get(kinds[0])!r}")
+    test, allowed = _RANGES.get(name, (None, None))
+    if test is not None and value is not None and not test(value):
+        raise _fail(f"{name}={value!r} is out of range.", rule=f"{name} is {allowed}", fix=f"pass {name} as {allowed}")
+
+
+def check_fit_arguments(spec_cls, model, steps, data, options: dict) -> None:
+    """Raise a FitArgumentError for the first argument of ``fit`` that cannot be right."""
+    from .data import TokenData
+    from .model import Model
+    from .optimizers import OPTIMIZERS
+
+    fields = {f.name: f.type for f in dataclasses.fields(spec_cls)}
+    takes = sorted(set(fields) - {"model", "mesh", "layout", "steps"})
+    for k in options:
+        if k not in fields or k in _OWN:
+            raise _fail(f"it takes no argument '{k}'.{did_you_mean(k, takes + list(_OWN))}",
+                        rule=f"fit(model, mesh=, layout=, steps=, data=, eval_data=, nproc=, device=, threads=) "
+                             f"and any TrainSpec field: {', '.join(takes)}",
+                        fix="correct the name, or drop it")
+    if not isinstance(model, (Model, str, Path)):
+        raise _fail(f"model is {model!r} ({type(model).__name__}).",
+                    rule="model is an md.Model (a model file's build(...) result), a shipped model's name or a "
+                         "model file's path",
+                    fix="pass e.g. md.load_model('transformer', tiny=True), 'transformer' or './my_model.py'")
+    if steps is not None:
+        _check_value("steps", steps, "int")
+    if data is not None and not isinstance(data, (str, Path, TokenData)) and not callable(data):
+        raise _fail(f"data is {data!r} ({type(data).__name__}).",
+                    rule="data is None, a text file's path, an md.TokenData, or a function step -> {input name: "
+                         "full tensor}",
+                    fix="pass e.g. data=lambda step: {'x': torch.randn(8, 4)}")
+    for k, v in options.items():
+        if k not in _OWN_CHECKS:
+            _check_value(k, v, fields[k] if isinstance(fields[k], str) else "")
+    opt = options.get("optimizer")
+    if opt is not None and opt not in OPTIMIZERS:
+        raise _fail(f"optimizer={opt!r} is not one meshdsl has.{did_you_mean(str(opt), OPTIMIZERS)}",
+                    rule=f"optimizer is one of {', '.join(OPTIMIZERS)} (with lr=, optimizer_args=)",
+                    fix="pass e.g. optimizer='adamw', lr=3e-3")
