@@ -3,7 +3,8 @@
 Layer by layer (a sum over the layer dim of any function of each layer's value: squares,
 ``exp``), each stage computes its own layers' part of the loss and of the outputs' cotangent
 in its forward actions, where its backward reads the cotangent: the same numbers as the dense
-program on ``stage:2`` (simulated) for gpipe, 1F1B and ZB-H1, with remat and with a data axis.
+program on ``stage:2`` (simulated) for gpipe, 1F1B, ZB-H1 and interleaved virtual stages, with
+remat and with a data axis.
 Across layers (a function of the sum over layers, a softmax over them) the gradient needs every
 stage's layers of a micro-batch at once: refused with the reason and the fix, exit 2 from the CLI.
 """
@@ -97,6 +98,15 @@ def test_the_cli_refuses_it_with_exit_2(tmp_path, capsys):
     assert "per-layer outputs ['norm'] across layers" in err and "Traceback" not in err
 
 
-def test_virtual_stages_refuse_it_naming_the_schedules_that_take_it():
-    with pytest.raises(LayoutError, match=r"(?s)virtual stages.*Fix: use one stage per rank \(--schedule 1f1b"):
-        md.compile(_model("squares"), *PIPE, microbatches=2, schedule="interleaved:2")
+@pytest.mark.parametrize("extra, schedule", [("squares", "interleaved:2"), ("exp", "interleaved-zb:2")])
+def test_virtual_stages_make_each_chunks_part(extra, schedule):
+    """Under interleaved:V each chunk makes its layers' per-layer outputs, joined on its rank
+    where the loss's terms run (the rank's last chunk), and each chunk's backward reads its
+    layers of their cotangent, made there too (lowering/interleave.py; a value one virtual
+    stage makes for another of its rank is dropped after the last of them:
+    lowering/pipeline_program.py _finishing)."""
+    params, feeds = _inputs()
+    outs = _model(extra)
+    want = md.run_dense(outs, feeds, params)
+    plan = md.compile(outs, *PIPE, microbatches=2, schedule=schedule)
+    _close(md.run_simulated(plan, feeds, params), want, f"{extra} {schedule}")

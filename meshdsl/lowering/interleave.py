@@ -23,17 +23,24 @@ cut into ``v`` chunks, as a pass on the segment lists:
   sharding, so they stay in the global layer order; no param or gradient moves between
   ranks: chunk c of a rank reads its local layers ``c k ..``, and each chunk's gradient,
   summed over the micro-batches and the data axes, is joined into the rank's local stack;
-* tables every layer reads (rotary embeddings' sines and cosines) are read by every chunk.
+* tables every layer reads (rotary embeddings' sines and cosines) are read by every chunk, and so
+  is a tensor made per micro-batch before the layers (an encoder's output): it reaches each
+  rank's first chunk as it reached its stage, and the later chunks of the rank read it there;
+  each chunk's backward makes its own part of its gradient, and each rank adds its chunks'
+  after its first chunk's backward (the micro-batch's last there), before the stage sums
+  travel down the stages as without virtual stages;
+* per-layer outputs (``(carry, {name: tensor})``): each chunk makes its layers', joined on its
+  rank (its chunks one after another) in the rank's last chunk, where the loss's terms of
+  them run; each chunk's backward reads its layers of their cotangent.
 
 With ``stage_layers`` (``p * v`` counts, one per virtual stage in layer order) the chunks are
 unequal: virtual stage s runs ``n_s`` layers, so chunk c's step becomes one step per rank
 (``n_{c p + r}`` layers on stage ``c p + r``), each rank's chunk of a stacked param is its own
 slice of its local layers, and the stored blocks have the given lengths (``Sharding.blocks``).
 
-Refused, with the reason (:func:`check`): a block that reads a tensor made per micro-batch
-or differentiates one it reads from outside, layers that return stacked outputs besides the
-carry, values other than the carry moving between stages per micro-batch, and a stacked
-gradient read other than by its sum over the micro-batches (a reduce-scatter, FSDP's).
+Refused, with the reason (:func:`check`): the layers' stacked inputs or saved activations read
+outside the repeat, other values moving between stages per micro-batch, and a stacked gradient
+read other than by its sum over the micro-batches (a reduce-scatter, FSDP's).
 """
 from __future__ import annotations
 
@@ -52,6 +59,14 @@ from .plan import Step, Value, step_args
 def _narrow(ctx, attrs, x):
     """One chunk of a stacked tensor's local layers."""
     return x.narrow(attrs["dim"], attrs["start"], attrs["length"])
+
+
+def _add(ctx, attrs, *parts):
+    """The sum of a tensor's parts made by a rank's chunks."""
+    out = parts[0]
+    for x in parts[1:]:
+        out = out + x
+    return out
 
 
 def _join(ctx, attrs, *parts):
@@ -99,36 +114,91 @@ class _Chunks:
 def check(cut, lists, v: int) -> None:
     """Refuse what the interleaving pass cannot cut into chunks, with the reason."""
     why = _unsupported(cut, lists)
-    if why is not None:
+    uneven = _uneven_per_layer_outputs(cut)
+    if why is not None or uneven is not None:
         spec = cut.spec
         raise LayoutError(message(
-            f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why}.",
-            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: {user_name(spec.schedule)}"],
-            rule="virtual stages cut the pipelined layers into chunks that pass only the carry between them "
-                 "and read the same tables",
-            fix="use one stage per rank (--schedule 1f1b or zbh1)"))
+            f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why or uneven}.",
+            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: {user_name(spec.schedule)}",
+                    *([f"stage layers: {','.join(map(str, spec.stage_layers))}"] if spec.stage_layers else [])],
+            rule=UNEVEN_RULE if why is None else
+                 "virtual stages cut the pipelined layers into chunks that pass only the carry (and what the "
+                 "block reads from outside) between them",
+            fix="give every rank as many layers in --stage-layers (stage_layers=), or leave it out"
+                if why is None else "use one stage per rank (--schedule 1f1b or zbh1)"))
+
+
+UNEVEN_RULE = ("what a loss makes of a pipelined repeat's per-layer outputs runs on each rank's own layers, "
+               "so every rank holds as many of them")
+
+
+def _uneven_per_layer_outputs(cut) -> str | None:
+    """Why given stage layers cannot run this cut: its layers return per-layer outputs and the
+    ranks hold unequal numbers of layers (what the loss makes of them is lowered for equal parts)."""
+    counts, p = tuple(cut.spec.stage_layers), cut.num_stages
+    if not counts or not cut.steps[cut.F].args.get("ys"):
+        return None
+    per_rank = [sum(counts[r::p]) for r in range(p)]
+    if len(set(per_rank)) == 1:
+        return None
+    return (f"its layers return per-layer outputs ({', '.join(cut.steps[cut.F].args['ys'])}), and the ranks "
+            f"hold unequal numbers of layers ({', '.join(map(str, per_rank))})")
 
 
 def _unsupported(cut, lists) -> str | None:
     """Why the cut's pipelined layers cannot be cut into chunks, or None."""
     F, B = cut.steps[cut.F], (cut.steps[cut.B] if cut.B is not None else None)
     n = len(F.args["names"])
-    closed = F.ins[1 + n:]
-    if any(cut.per_mb[cut.producer[x]] for x in closed if x in cut.producer) or (B is not None and len(B.outs) > 1 + n):
-        return "its block reads tensors from outside the repeat that are made per micro-batch or differentiated"
+    closed = set(F.ins[1 + n:])
+    own_parts = {id(cut.steps[i]) for i in cut.spread}   # each rank's part of the per-layer outputs' terms
+    # what the block reads from outside travels up the first chunks' stages, and its gradient's
+    # stage sums back down them (:func:`_closed_transfer`)
+    after_b = _made_from(lists[Segment.BACKWARD], B.outs[1 + n:]) if B is not None else set()
     per_mb = [s for seg in (Segment.FORWARD, Segment.BACKWARD) for s, st in lists[seg]
-              if s not in (F, B) and not _is_carry(s) and (len(st) > 1 or s.kind in ("send", "recv"))]
+              if s not in (F, B) and not _is_carry(s) and id(s) not in own_parts
+              and (len(st) > 1 or s.kind in ("send", "recv"))
+              and not _closed_transfer(s, seg, closed, after_b)]
     if per_mb:
         return f"'{per_mb[0].label}' runs on several stages or moves between them besides the carry"
-    readers = [s for pairs in lists.values() for s, _ in pairs if s is not B and set(F.outs[1:]) & set(s.ins)]
-    known = set(F.outs[1:]) | set(F.ins[1:]) | (set(B.ins[1:2 + n]) if B is not None else set())
+    ys, dys = _per_layer_outputs(F, B, n)
+    readers = [s for pairs in lists.values() for s, _ in pairs
+               if s is not B and (set(F.outs[1:]) - set(ys)) & set(s.ins)]
+    known = set(F.outs[1:]) | set(F.ins[1:]) | (set(B.ins[1:2 + n]) | set(dys) if B is not None else set())
     if readers or (B is not None and not set(B.ins) <= known):
-        return "its layers return stacked outputs besides the carry"
-    grads = set(B.outs[1:]) if B is not None else set()
+        return "its layers' stacked inputs or saved activations are read outside the repeat"
+    grads = set(B.outs[1:1 + n]) if B is not None else set()
     if any(grads & set(s.ins) and (seg != Segment.FINAL or s.kind != "allreduce" or len(s.ins) > 1)
            for seg, pairs in lists.items() for s, _ in pairs) or grads & set(cut.outputs.values()):
         return "a stacked gradient is read other than by its sum over the micro-batches"
     return None
+
+
+def _made_from(pairs, values) -> set:
+    """The values the steps of ``pairs`` make from ``values``, directly or not (``values`` too),
+    and those added to them (a stage sum's received part)."""
+    live = set(values)
+    for s, _ in pairs:
+        if live & set(s.ins):
+            live.update(s.outs)
+    return live | {x for s, _ in pairs if s.op == "add" and live & set(s.ins) for x in s.ins}
+
+
+def _closed_transfer(s: Step, seg: Segment, closed: set, after_b: set) -> bool:
+    """Whether ``s`` moves, between the ranks' first chunks, a tensor the block reads from outside
+    (forward: an encoder's output made per micro-batch, sent up the stages with the carry) or
+    the stage sum of its gradient (backward: each rank's sum over its chunks, sent back down)."""
+    moved = set(s.ins) | set(s.outs)
+    if seg == Segment.FORWARD:
+        return s.kind in ("send", "recv") and bool(moved & closed)
+    return (s.kind in ("send", "recv") or s.op == "add") and bool(moved & after_b)
+
+
+def _per_layer_outputs(F: Step, B: Step | None, n: int) -> tuple[tuple, tuple]:
+    """The pipelined repeat's per-layer outputs (``F``'s outputs after the stacked layer inputs)
+    and their stacked gradients ``B`` reads (its inputs after the carry's gradient)."""
+    k = len(F.args.get("ys", ()))
+    dys = B.ins[2 + n:2 + n + len(B.args.get("ys", ()))] if B is not None else ()
+    return F.outs[2:2 + k], dys
 
 
 def _is_carry(s: Step) -> bool:
@@ -173,19 +243,35 @@ def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict) ->
         step = dataclasses.replace(F, ins=(x[c], *params, *F.ins[1 + n:]), outs=(y[c], *kept[c]),
                                    label=f"{F.label} (chunk {c})")
         fwd += _carry(ch, c, x[c], y[c], _per_rank(ch, c, step), +1, 0)
+    ys, dys = _per_layer_outputs(F, B, n)
+    # each per-layer output whole on its rank (its chunks one after another, the stored order),
+    # joined in the rank's last chunk, where what the loss makes of it runs (:func:`_relabel`)
+    last = [(v - 1) * ch.p + r for r in range(ch.p)]
+    fwd += [(step, frozenset(last)) for step, _ in
+            _join_chunks(ch, [(yv, [kept[c][1 + i] for c in range(v)], F.phase) for i, yv in enumerate(ys)],
+                         "per-layer output: the rank's chunks")]
     if B is None:
         return fwd, [], []
     dy = [ch.like(B.ins[1 + n]) for _ in range(v - 1)] + [B.ins[1 + n]]
     dx = [B.outs[0]] + [ch.like(B.outs[0]) for _ in range(v - 1)]
     bwd, grads = [], [()] * v
+    d_closed = [tuple(ch.like(o) for o in B.outs[1 + n:]) for _ in range(v)]   # per chunk, partial sums
     for c in reversed(range(v)):
         # the backward reads the forward's stacked outputs, the params and the carry's gradient
+        dys_c = {d: ch.like(d, c) for d in dys}   # chunk c's layers of the per-layer outputs' gradients
         own = {**{x: x for x in F.ins[1 + n:]}, **dict(zip(F.outs[1:], kept[c])),
-               **{s: chunks[c] for s, chunks in chunk_params.items()}, B.ins[1 + n]: dy[c]}
-        grads[c] = tuple(ch.like(o, c) for o in B.outs[1:])
-        step = dataclasses.replace(B, ins=tuple(own[x] for x in B.ins), outs=(dx[c], *grads[c]),
+               **{s: chunks[c] for s, chunks in chunk_params.items()}, B.ins[1 + n]: dy[c], **dys_c}
+        grads[c] = tuple(ch.like(o, c) for o in B.outs[1:1 + n])
+        step = dataclasses.replace(B, ins=tuple(own[x] for x in B.ins), outs=(dx[c], *grads[c], *d_closed[c]),
                                    label=f"{B.label} (chunk {c})")
-        bwd += _carry(ch, c, dy[c], dx[c], _per_rank(ch, c, step), -1, 1)
+        narrow = [(s, frozenset(c * ch.p + r for r in ranks))
+                  for d, dc in dys_c.items() for s, ranks in _chunk_of(ch, d, dc, c, "backward",
+                                                                       "per-layer output gradient")]
+        bwd += narrow + _carry(ch, c, dy[c], dx[c], _per_rank(ch, c, step), -1, 1)
+    # the gradients of what the block reads from outside: each rank's sum over its chunks, made
+    # after its first chunk's backward, its micro-batch's last (then summed over the stages as before)
+    bwd += [ch.local("add", _add, [d_closed[c][i] for c in range(v)], total, {}, range(ch.p),
+                     f"{B.label}: the sum over the rank's chunks", B.phase) for i, total in enumerate(B.outs[1 + n:])]
     return fwd, bwd, grads
 
 
@@ -238,7 +324,9 @@ def _relabel(ch: _Chunks, pairs: list, block: Step | None, chunked: list, last_a
         downstream = any(x in after for x in s.ins)
         if downstream:
             after.update(s.outs)
-        late = downstream if last_after else not downstream
+        # other transfers (what the block reads from outside, its gradient's stage sums) run on
+        # the ranks' first chunks, as they ran on their stages
+        late = False if s.kind in ("send", "recv") else downstream if last_after else not downstream
         out.append((s, frozenset(r + (v - 1) * p if late else r for r in st)))
     return out
 
@@ -257,17 +345,21 @@ def _chunks_of_params(ch: _Chunks, chunk_params: dict) -> list:
     """Prologue steps giving each chunk its layers of each stacked param: chunk c of every rank
     is its local layers ``c k .. (c + 1) k`` (a view: nothing moves); for unequal chunks each
     rank's own slice (one step per rank)."""
-    out = []
+    return [(step, frozenset(ranks)) for s, chunks in chunk_params.items() for c, vid in enumerate(chunks)
+            for step, ranks in _chunk_of(ch, s, vid, c, "forward", "stacked params'")]
+
+
+def _chunk_of(ch: _Chunks, whole: int, part: int, c: int, phase: str, what: str) -> list:
+    """The steps making ``part``, chunk ``c``'s layers of each rank's stacked ``whole``, as
+    ``(step, ranks)`` pairs: one step over every rank, or one per rank for unequal chunks."""
     every = [(r,) for r in range(ch.p)] if ch.counts else [tuple(range(ch.p))]
-    for s, chunks in chunk_params.items():
-        dim = ch.stacked_dim(s)
-        for c, vid in enumerate(chunks):
-            for ranks in every:
-                r = ranks[0]
-                start = sum(ch.layers(j)[r] for j in range(c))
-                out.append(ch.local("narrow", _narrow, (s,), vid, {"dim": dim, "start": start,
-                                                                   "length": ch.layers(c)[r]}, ranks,
-                                    f"stacked params' layers of chunk {c}" + (f" (rank {r})" if ch.counts else "")))
+    out = []
+    for ranks in every:
+        r = ranks[0]
+        start = sum(ch.layers(j)[r] for j in range(c))
+        attrs = {"dim": ch.stacked_dim(whole), "start": start, "length": ch.layers(c)[r]}
+        label = f"{what} layers of chunk {c}" + (f" (rank {r})" if ch.counts else "")
+        out.append((ch.local("narrow", _narrow, (whole,), part, attrs, ranks, label, phase)[0], ranks))
     return out
 
 
@@ -278,7 +370,7 @@ def _gather_grads(ch: _Chunks, pairs: list, B: Step, grads: list) -> list:
     The sums (they read only the backward's per-chunk gradients) come first, then the joins,
     and the segment's other steps in order."""
     v = ch.v
-    per_chunk = {g: [grads[c][i] for c in range(v)] for i, g in enumerate(B.outs[1:])}
+    per_chunk = {g: [grads[c][i] for c in range(v)] for i, g in enumerate(B.outs[1:1 + len(grads[0])])}
     sums_first, rest, joined = [], [], []
     for s, st in pairs:
         if s.kind != "allreduce" or s.ins[0] not in per_chunk:
@@ -293,11 +385,11 @@ def _gather_grads(ch: _Chunks, pairs: list, B: Step, grads: list) -> list:
     return sums_first + _join_chunks(ch, joined) + rest
 
 
-def _join_chunks(ch: _Chunks, joined: list) -> list:
-    """Each rank's stored layers of each ``(whole, sums, phase)`` of ``joined``: its chunks'
-    sums one after another (the block-cyclic local order)."""
-    return [ch.local("join", _join, sums, whole, {"dim": ch.stacked_dim(whole)}, range(ch.p),
-                     "stacked gradient: the rank's chunks", phase) for whole, sums, phase in joined]
+def _join_chunks(ch: _Chunks, joined: list, label: str = "stacked gradient: the rank's chunks") -> list:
+    """Each rank's stored layers of each ``(whole, parts, phase)`` of ``joined``: its chunks'
+    parts one after another (the block-cyclic local order)."""
+    return [ch.local("join", _join, parts, whole, {"dim": ch.stacked_dim(whole)}, range(ch.p), label, phase)
+            for whole, parts, phase in joined]
 
 
 def stored_layers(plan) -> str | None:

@@ -189,9 +189,19 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
                        layout=layout, rule="a 'layer:<axis>' rule makes a pipeline of a repeat over 'layer'",
                        fix="stack the blocks with md.repeat(..., 'layer'), or drop the rule")
     if len(found) > 1:
+        dims = sorted({n.attrs["layer"].name for n, _ in found})
+        shared = len(dims) < len(found)
         raise _err("more than one repeat is pipelined.", mesh=mesh, layout=layout,
-                   bullets=[f"repeat '{n.name}' over '{a}'" for n, a in found],
-                   rule="one repeat per graph runs as a pipeline", fix="pipeline one of them only")
+                   bullets=[f"repeat '{n.name}' over '{a}': its {n.attrs['layer'].size} layers scan dim "
+                            f"'{n.attrs['layer'].name}'" for n, a in found],
+                   rule="one repeat per graph runs as a pipeline (an encoder-decoder's two stacks cannot share "
+                        "one stage axis yet)",
+                   fix=("give each stack a layer dim of its own name (md.Dim('enc_layer', n) for the encoder's "
+                        f"params and its md.repeat) and split only one of them over the stage axis "
+                        f"('{dims[0]}:{found[0][1]}'); the other runs whole on the stages that hold its inputs")
+                   if shared else
+                   f"keep one of the rules {', '.join(repr(f'{d}:{found[0][1]}') for d in dims)} and leave the "
+                   "other stack's layer dim whole")
     if found:
         node, axis = found[0]
         layer = node.attrs["layer"].name

@@ -389,8 +389,23 @@ def _stage_action(prog: PipelineProgram, a: Action, defers: bool) -> StageAction
 
 
 def _finishing(prog: PipelineProgram, row: list) -> tuple[StageAction, ...]:
-    """``row`` (one rank's) with each micro-batch's last action on each stage marked with what it drops."""
+    """``row`` (one rank's) with each micro-batch's last action on each stage marked with what it drops.
+
+    A value one stage makes that another stage of the same rank reads in the same micro-batch
+    (a rank's chunks of virtual stages: what the last chunk makes for the backward of the
+    earlier ones) is dropped when the last of those stages finishes the micro-batch."""
     last = {(a.action.stage, a.action.microbatch): k for k, a in enumerate(row)}
-    return tuple(dataclasses.replace(a, finishes=prog.transient(a.action.stage),
+    mine = {stage for stage, _ in last}
+    users: dict[int, set] = {}   # value -> the stages of this rank whose per-micro-batch steps make or read it
+    for seg in PER_MICROBATCH:
+        for s, st in prog.steps(seg):
+            for v in (*s.ins, *s.outs):
+                users.setdefault(v, set()).update(mine.intersection(st))
+    transient = {stage: prog.transient(stage) for stage in mine}
+    drop_at: dict[int, list] = {}
+    for (stage, mb), k in last.items():
+        for v in transient[stage]:
+            drop_at.setdefault(max(last[(u, mb)] for u in users[v] | {stage}), []).append(v)
+    return tuple(dataclasses.replace(a, finishes=tuple(dict.fromkeys(drop_at.get(k, ()))),
                                      accumulates=prog.accumulated(a.action.stage))
                  if last[(a.action.stage, a.action.microbatch)] == k else a for k, a in enumerate(row))

@@ -291,7 +291,9 @@ def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
             rule="a repeat's layers run one micro-batch at a time, so a sum over the batch leaves the block "
                  "unreduced and is added up after the micro-batches",
             fix="compute what the op reads outside the block (a lookup into a table read from outside: before "
-                "the repeat) and read the result in the block, or use microbatches=1"))
+                "the repeat) and read the result in the block; a statistic of the whole batch that the layer "
+                "multiplies (a load-balancing loss's per-expert fractions and mean probabilities) per sequence "
+                "instead, averaged over the batch last, so the micro-batches add up; or use microbatches=1"))
 
 
 def _lower_values(sub: Lowerer, tensors) -> None:

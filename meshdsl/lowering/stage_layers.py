@@ -15,8 +15,10 @@ cut into unequal ones, as a pass on the segment lists and the values:
 * the pipelined repeat's forward and backward steps become one step per stage, over its
   own layers (same values: each rank's local slice holds its stage's layers).
 
-What :mod:`.interleave` refuses, this pass refuses too (per-micro-batch values besides the
-carry, stacked gradients read other than by their sum over the micro-batches).  With virtual
+What :mod:`.interleave` refuses, this pass refuses too (other per-micro-batch values moving
+between stages besides the carry and what the block reads from outside, stacked gradients read
+other than by their sum over the micro-batches), and per-layer outputs when the ranks hold
+unequal numbers of layers: what the loss makes of them is lowered for equal parts.  With virtual
 stages (``interleaved:v``) the counts are per virtual stage (``p * v``, checked by
 :func:`check_counts`) and :mod:`.interleave` cuts the chunks at them instead of this pass.
 """
@@ -26,7 +28,7 @@ import dataclasses
 
 from ..errors import LayoutError, message
 from ..layout.sharding import part_sizes
-from .interleave import _unsupported
+from .interleave import UNEVEN_RULE, _uneven_per_layer_outputs, _unsupported
 from .pipeline_program import Segment
 
 
@@ -41,12 +43,14 @@ def offsets(counts) -> list[int]:
 def check(cut, lists, counts) -> None:
     """Refuse what this pass cannot cut, with the reason."""
     why = _unsupported(cut, lists)
-    if why is not None:
+    uneven = _uneven_per_layer_outputs(cut)
+    if why is not None or uneven is not None:
         spec = cut.spec
         raise LayoutError(message(
-            f"compile (pipeline over '{spec.axis}', stage layers {','.join(map(str, counts))}): {why}.",
+            f"compile (pipeline over '{spec.axis}', stage layers {','.join(map(str, counts))}): {why or uneven}.",
             inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"],
-            rule="unequal stages run their layers where they are stored and pass only the carry between stages",
+            rule=UNEVEN_RULE if why is None else
+                 "unequal stages run their layers where they are stored and pass only the carry between stages",
             fix="leave out stage_layers (--stage-layers) for equal stages"))
 
 

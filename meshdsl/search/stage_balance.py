@@ -68,12 +68,21 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
             rule="stages are balanced on a pipeline ('layer:<axis>' over an axis of size > 1)",
             fix="split the layer dim over a stage axis, e.g. --layout 'layer:stage'"))
     sched = next(s.args["program"].schedule for s in plan.steps if s.kind == "pipeline")
+
+    def compiled(counts):
+        """The plan of ``counts``, or None where the compiler refuses them (per-layer outputs
+        need as many layers on every rank): the equal split then stays."""
+        try:
+            return compile_plan(outputs, mesh, layout, stage_layers=counts, **kw)
+        except LayoutError:
+            return None
     if sched.num_chunks == 1:
-        return split_by_cost(stages)
+        counts = split_by_cost(stages)
+        return counts if counts == first or compiled(counts) is not None else first
     step_s = {first: pred.step_s}
     for counts in (split_by_cost(stages), split_by_schedule(stages, sched)):
-        if counts not in step_s:
-            step_s[counts] = predict(compile_plan(outputs, mesh, layout, stage_layers=counts, **kw), cal).step_s
+        if counts not in step_s and (cand := compiled(counts)) is not None:
+            step_s[counts] = predict(cand, cal).step_s
     return min(step_s, key=lambda c: (step_s[c], c != first))   # ties: the equal split
 
 
