@@ -145,8 +145,16 @@ class Layout:
         return self._by_key.get((None, dim))
 
     def wanted(self, shape: Shape, scopes: tuple[str, ...]) -> dict[str, Rule]:
+        """The rule of each dim of ``shape`` that one applies to.
+
+        A dim of size 1 is never split (as an axis of size 1 splits nothing): the
+        ``seq:1`` of a class token or of ``slice_(h, "seq", 0, 1)`` stays whole under
+        ``seq:model`` while the sequence it joins or was cut from is split.
+        """
         out = {}
         for d in shape:
+            if d.size == 1:
+                continue
             r = self.rule_for(d.name, scopes)
             if r is not None:
                 out[d.name] = r

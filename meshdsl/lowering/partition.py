@@ -305,11 +305,24 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                              "what feeds the pipelined layers runs one micro-batch at a time, on one stage",
                              "compute it from the batch before the stack, or from params and tables only")
             src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
-            raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
-                         "the result before the pipelined repeat.", spec,
-                         [f"{c.kind} over {c.axes} for '{c.op}' joins the micro-batches"],
-                         "what feeds or follows the pipelined layers runs one micro-batch at a time",
-                         "keep ops that reduce over the batch after the loss, or use microbatches=1")
+            over = ", ".join("micro-batches" if a == MB_AXIS else a for a in c.axes)
+            joins = f"{c.kind} over {over} for '{c.op}' joins the micro-batches"
+            if blk == cut.F:
+                raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
+                             "the result before the pipelined repeat.", spec, [joins],
+                             "what feeds or follows the pipelined layers runs one micro-batch at a time",
+                             "keep ops that reduce over the batch after the loss, or use microbatches=1")
+            raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' after the "
+                         "pipelined repeat reads the result: the gradient the pipelined backward starts "
+                         "from depends on it (a loss divided by a count over the whole batch, such as "
+                         "the masked tokens of an MLM loss).", spec,
+                         [joins, f"'{steps[producer[v]].op}' ({steps[producer[v]].label}) is read by the "
+                                 "pipelined backward, which runs one micro-batch at a time"],
+                         "the loss's gradient at each micro-batch may depend on its own micro-batch and "
+                         "on values the same for every micro-batch only",
+                         "feed the whole batch's count as an input without the batch dim "
+                         "(md.input('count', []), the same for every micro-batch) and divide by it, "
+                         "normalise per micro-batch, or use microbatches=1")
 
 
 def _check_per_layer_outputs(cut: _Cut, i: int) -> None:
