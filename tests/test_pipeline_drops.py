@@ -86,8 +86,8 @@ def test_finished_activations_are_freed_before_the_next_compute(monkeypatch):
     held, finishing = [], []
     real = pipeline._Runner._action
 
-    def spy(self, sa):
-        rank, act, calls, finished, compute = real(self, sa)
+    def spy(self, k, sa):
+        rank, act, calls, finished, compute = real(self, k, sa)
         if finished is not None:
             finishing.append(act)
         if compute:

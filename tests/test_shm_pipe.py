@@ -8,7 +8,9 @@ that is never taken; turned off, the
 transfers stay on gloo; only transfers that ask for the pipe use it.  A property test runs
 both ends of a channel in one process over an anonymous mapping: any sequence of messages,
 received in any order, arrives bitwise; so do messages sent and received through bound links
-(``PipeLink``, a pipeline's carry) mixed with the general path, whatever the order.
+(``PipeLink``, a pipeline's carry) mixed with the general path, whatever the order.  A link's
+receive may hold its slot (the receiver computes from it): a held message stays intact until
+released, in any order, while its sender's later pieces wait for their slots.
 """
 from __future__ import annotations
 
@@ -272,3 +274,85 @@ def test_verbose_says_which_path_the_transfers_took(other_hosts, how):
     for rank, (text, y) in enumerate(launch.spawn(_verbose, 2, args=(other_hosts,), mesh="x:2", timeout=50)):
         assert text == f"[meshdsl rank {rank}] pipeline transfers over ('x',) (0, 1): {how}\n"
         assert torch.equal(y, torch.arange(6.0) + (1 - rank))
+
+
+def _one_process_pipe():
+    pairs = shm_pipe.pairs_for(2, [1])
+    return shm_pipe.ShmPipe(mmap.mmap(-1, len(pairs) * shm_pipe._CHANNEL), pairs, (0, 1), timeout=10.0,
+                            describe="one process", spins=100)
+
+
+def test_a_held_receive_reads_its_slot_until_released_and_its_sender_waits_meanwhile():
+    """``recv(hold=True)`` gives a view of the slot (no copy): while it is held the sender's
+    pieces one ring further on wait in its queue instead of overwriting it; released, they come."""
+    pipe, n = _one_process_pipe(), shm_pipe.NUM_SLOTS
+    xs = [torch.arange(12.0).reshape(3, 4) + 100 * i for i in range(n + 2)]
+    links = [pipe.link(0, 1, i, xs[i]) for i in range(n + 2)]
+    for link, x in zip(links, xs):
+        link.send(x)
+    assert len(pipe.queue[0]) == 2                          # the ring is full: two wait in its queue
+    held = links[0].recv(hold=True)
+    assert links[0].borrows(held) and torch.equal(held, xs[0])
+    copies = [link.recv() for link in links[1:n]]          # the ring's other pieces, copied out
+    assert not any(links[0].borrows(c) for c in copies)
+    time.sleep(0.05)                                        # the helper thread had its chance
+    assert torch.equal(held, xs[0])                         # piece n (slot 0) still waits
+    assert not links[n].ready()
+    links[0].release()
+    assert torch.equal(links[n].recv(), xs[n]) and torch.equal(links[n + 1].recv(), xs[n + 1])
+    pipe.drain()
+    assert pipe.held == [[]] and not any(pipe.queue.values())
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(1, 64), st.booleans()), min_size=1, max_size=30),
+       st.randoms(use_true_random=False))
+def test_held_receives_released_in_any_order_stay_intact(messages, rnd):
+    """Messages sent by links (strided tensors) and received held or copied, the held ones
+    released in any order (the oldest whenever the next receive would lie a ring beyond it,
+    as a pipeline's schedule guarantees): every message arrives bitwise, and a held one stays
+    bitwise what was sent until released, whatever its ring's sender writes meanwhile."""
+    pipe = _one_process_pipe()
+    g = torch.Generator().manual_seed(len(messages))
+    sent = [(torch.randn(2, 2 * n, generator=g) * 100).to(dtype)[:, ::2] for dtype, n, _ in messages]
+    links = [pipe.link(0, 1, tag, x) for tag, x in enumerate(sent)]
+    for link, x in zip(links, sent):
+        link.send(x)
+    held: dict[int, torch.Tensor] = {}
+    for tag, (link, x) in enumerate(zip(links, sent)):
+        while held and tag - min(held) >= shm_pipe.NUM_SLOTS:   # else it could not come
+            oldest = min(held)
+            links[oldest].release()
+            del held[oldest]
+        out = link.recv(hold=messages[tag][2])
+        assert out.shape == x.shape and torch.equal(out, x), tag
+        assert link.borrows(out) == messages[tag][2]
+        if messages[tag][2]:
+            held[tag] = out
+        for k in rnd.sample(sorted(held), rnd.randint(0, len(held))):   # some released, any order
+            assert torch.equal(held[k], sent[k]), k
+            links[k].release()
+            del held[k]
+    for k, out in held.items():
+        assert torch.equal(out, sent[k]), k
+        links[k].release()
+    pipe.drain()
+    assert pipe.held == [[]] and pipe.aside == {} and not any(pipe.queue.values())
+    assert pipe.ints[pipe._counter(0, 1)] == len(sent)   # every slot given back
+
+
+def test_a_held_slot_may_be_written_in_place_without_reaching_the_sender_or_the_next_message():
+    """A stage may write into what it received (an in-place op): a held slot is the stage's
+    until released, so that changes neither the sent tensor nor any later message."""
+    pipe = _one_process_pipe()
+    x = torch.arange(6.0)
+    a, b = pipe.link(0, 1, 1, x), pipe.link(0, 1, 2, x)
+    a.send(x)
+    b.send(x * 2)
+    got = a.recv(hold=True)
+    got.mul_(-1)
+    assert torch.equal(x, torch.arange(6.0)) and torch.equal(b.recv(hold=True), x * 2)
+    a.release()
+    b.release()
+    a.send(x + 1)
+    assert torch.equal(a.recv(), x + 1)

@@ -20,7 +20,13 @@ its ring.
 
 A transfer a pipeline runs every step (one channel, one tag, one shape) binds a
 :class:`PipeLink` once: its sends and receives skip the per-message lookups and copy
-straight between the tensor and its slot (a receive into the tensor the next action reads).
+straight between the tensor and its slot.  A receive may also *hold* its slot: the message
+stays where its sender wrote it and the receiver computes from it, until it releases the
+slot.  The counter a receiver raises for its sender is then the position of its oldest
+held piece, not of its last taken one, so a slot is written again only once every piece
+before it in its ring is released too; which receives may hold without stalling their
+sender for good is the receiver's to know (a pipeline works it out from its schedule:
+:func:`meshdsl.runtime.pipeline_store.slot_holds`).
 
 Segments are made as :class:`~.shm.ShmGroup`'s are (:func:`~.shm.open_segment`,
 collective over the group): where that fails, the group keeps gloo, for every member
@@ -66,6 +72,7 @@ class ShmPipe:
         self.bytes = torch.frombuffer(buf, dtype=torch.uint8)
         self.written = [0] * len(pairs)   # this side's count of pieces put in a channel (its sender's)
         self.taken = [0] * len(pairs)     # pieces taken out (its receiver's)
+        self.held: list[list[int]] = [[] for _ in pairs]   # positions taken but still read from, in order
         self.aside: dict = {}             # (channel, tag) -> messages received ahead of their receive
         self.queue: dict[int, deque] = {k: deque() for k in range(len(pairs))}
         self.lock = threading.Condition()
@@ -209,9 +216,17 @@ class ShmPipe:
                 buf[off:off + n].copy_(self.bytes[at + _HEAD:at + _HEAD + n])
             got += n
             self.taken[k] += 1
-            self.ints[self._counter(k, 1)] = self.taken[k]
+            if not self.held[k]:   # (else the counter stays at the oldest held piece)
+                self.ints[self._counter(k, 1)] = self.taken[k]
             if got >= total:
                 return first, buf
+
+    def release(self, k: int, n: int) -> None:
+        """Give piece ``n`` of channel ``k``, taken and held (:meth:`PipeLink.recv`), back to its
+        sender: its slot, and those after it, may be written again once older holds go too."""
+        held = self.held[k]
+        held.remove(n)
+        self.ints[self._counter(k, 1)] = held[0] if held else self.taken[k]
 
     def _wait_piece(self, k: int) -> None:
         i, target = self._counter(k, 0), self.taken[k]
@@ -263,15 +278,20 @@ class PipeLink:
     pipeline's carry transfer, bound once and run every step.
 
     A message that fits a slot is copied straight from the sent tensor into its slot, and on
-    the other side straight out of the slot into the tensor the receiver reads (no
-    reshaping, no lookups per message: each slot's view is made here once).  Anything else
-    (a larger message, a ring full or with messages queued, a message of another tag first)
-    takes the pipe's general :meth:`ShmPipe.send` and :class:`_Receive`; the two paths write
-    and read the same pieces, so either end may take either.
+    the other side read where it lies (``recv(hold=True)``: a view of the slot, until
+    :meth:`release`) or copied out of it into a fresh tensor (no reshaping, no lookups per
+    message: each slot's view is made here once).  Anything else (a larger message, a ring
+    full or with messages queued, a message of another tag first) takes the pipe's general
+    :meth:`ShmPipe.send` and :class:`_Receive`, which copy; the two paths write and read the
+    same pieces, so either end may take either.  A link carries one message at a time: a
+    held one is released before the link receives again.
     """
 
     __slots__ = ("pipe", "src", "dst", "tag", "k", "shape", "dtype", "nbytes", "views", "heads",
-                 "head_counter", "tail_counter", "book")
+                 "head_counter", "tail_counter", "book", "holding", "memory")
+
+    #: slots in the link's ring: a receiver holding piece n makes its sender wait before piece n + slots
+    slots = NUM_SLOTS
 
     def __init__(self, pipe: ShmPipe, src: int, dst: int, tag: int, like: torch.Tensor, book=None):
         self.pipe, self.src, self.dst, self.tag, self.book = pipe, src, dst, tag, book
@@ -284,6 +304,9 @@ class PipeLink:
         self.views = [pipe.bytes[at + _HEAD:at + _HEAD + self.nbytes].view(self.dtype).view(self.shape)
                       if self.nbytes <= SLOT_DATA else None for at in slots]
         self.head_counter, self.tail_counter = pipe._counter(k, 0), pipe._counter(k, 1)
+        self.holding: int | None = None    # the position of the piece a held receive reads from
+        start = pipe.bytes.data_ptr()
+        self.memory = range(start, start + pipe.bytes.numel())   # the shared segment's addresses
 
     def send(self, x: torch.Tensor) -> None:
         """Send ``x`` (CPU, the link's shape and dtype, any strides); returns at once."""
@@ -309,8 +332,10 @@ class PipeLink:
         """Whether a piece waits in this link's channel (a receive would not wait for it)."""
         return self.pipe.ints[self.head_counter] > self.pipe.taken[self.k]
 
-    def recv(self) -> torch.Tensor:
-        """The next message of this link's tag, in a fresh tensor (waits for it)."""
+    def recv(self, hold: bool = False) -> torch.Tensor:
+        """The next message of this link's tag (waits for it): with ``hold``, where it came by
+        the direct path, a view of its slot, valid until :meth:`release` (the slot is not
+        written again before); else in a fresh tensor."""
         t0, pipe, k = time.perf_counter(), self.pipe, self.k
         n, ints = pipe.taken[k], pipe.ints
         direct = not pipe.aside and self.views[0] is not None   # (else it may be aside already)
@@ -320,12 +345,30 @@ class PipeLink:
             h = self.heads[n % NUM_SLOTS]
             direct = ints[h] == self.tag and ints[h + 1] == self.nbytes and ints[h + 3] == self.nbytes
         if direct:
-            out = self.views[n % NUM_SLOTS].clone()
+            held = pipe.held[k]
+            if hold:
+                assert self.holding is None, "a link holds one message at a time"
+                out = self.views[n % NUM_SLOTS].detach()   # a tensor object of its own over the slot
+                self.holding = n
+                held.append(n)
+            else:
+                out = self.views[n % NUM_SLOTS].clone()
             pipe.taken[k] = n + 1
-            ints[self.tail_counter] = n + 1
+            if not held:    # (else the counter stays at the oldest held piece)
+                ints[self.tail_counter] = n + 1
         else:   # another tag's message first, or in pieces: the general receive sorts it out
             out = torch.empty(self.shape, dtype=self.dtype)
             _Receive(pipe, out, k, self.tag).wait()
         if self.book is not None:
             self.book(self.nbytes, time.perf_counter() - t0)
         return out
+
+    def release(self) -> None:
+        """Give the slot a held :meth:`recv` reads from back to the sender (nothing if none)."""
+        if self.holding is not None:
+            self.pipe.release(self.k, self.holding)
+            self.holding = None
+
+    def borrows(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` lies in this link's shared segment (a held message, or a view of one)."""
+        return x.data_ptr() in self.memory

@@ -26,8 +26,11 @@ allreduce over the micro-batch axis then reduces only that buffer over its other
 axes.  On real processes the carry's transfers take the communicator's pipeline path
 (``Communicator.open_pipe``, made at the first run: shared memory between the processes
 of one host, :mod:`.shm_pipe`), each bound to it once (``Communicator.pipe_link``): a
-send copies the carry into its slot, a receive copies it out into the tensor the next
-action reads.  Where a transfer has no such path (gloo), a stage posts the receive of
+send copies the carry into its slot, and a receive hands the next action a view of the
+slot, held until the micro-batch finishes on its stage, where the schedule lets its sender
+go on writing meanwhile (:func:`~.pipeline_store.slot_holds`; else it copies the message
+out).  What outlives the micro-batch (a running sum, a step output) is copied out of the
+slot before it is released.  Where a transfer has no such path (gloo), a stage posts the receive of
 its next carry (or carry gradient) as soon as it has taken the previous one, so the
 message arrives while it computes; sends are asynchronous and waited for at the end of
 the step.  All of this is prepared once per plan: a run walks a list of ready calls.
@@ -46,10 +49,10 @@ import time
 import torch
 
 from ..lowering.pipeline import varies_by_microbatch
-from ..lowering.pipeline_program import PipelineProgram, Segment, StageAction
+from ..lowering.pipeline_program import PER_MICROBATCH, PipelineProgram, Segment, StageAction
 from ..lowering.schedule import COMPUTE
 from .executor import donatable_params, donating_steps
-from .pipeline_store import Accumulator, view_env
+from .pipeline_store import Accumulator, slot_holds, view_env
 from .deferred import Deferred, adding_into_sum, product_sums
 from .context import StepContext
 from .steps import one_per_real_rank, representatives, rule_for, step_rule
@@ -100,7 +103,13 @@ class _Runner:
         self.posted: dict = {}     # carry kind -> receives of that kind, in run order
         self.sends: list = []      # the carry's sends (real processes)
         self.garbage: list = []    # finished micro-batches' activations, freed before the next compute
-        self.actions = [self._action(a) for a in self._order()]
+        self.receives: dict = {}   # position in the actions -> its carry receive (real processes)
+        self.actions = [self._action(k, a) for k, a in enumerate(self._order())]
+        self.releases: list = [()] * len(self.actions)   # per action: the receives whose slots it releases
+        # The values that outlive a micro-batch on this rank's stages besides its sums (a held
+        # receive's slot must not be one's memory once released).
+        self.outliving = tuple(dict.fromkeys(v for stage in self.held_stages for seg in PER_MICROBATCH
+                                             for v in prog.made(seg, stage) if v in prog.kept and v not in prog.folded))
         self.first_posts: list = []
         self.head, self.tail = self._once(Segment.PROLOGUE), self._once(Segment.FINAL)
         self.opened = False
@@ -194,8 +203,8 @@ class _Runner:
         return {j: (s.ins[0],) for j, s in enumerate(self.prog.segments[seg].steps)
                 if s.kind == "send" and readers[s.ins[0]] == [(seg, j)] and s.ins[0] not in keep}
 
-    def _action(self, sa: StageAction) -> tuple:
-        """``(rank, action, calls, finished, compute)`` of one entry of a rank's list; ``finished``:
+    def _action(self, k: int, sa: StageAction) -> tuple:
+        """``(rank, action, calls, finished, compute)`` of entry ``k`` of a rank's list; ``finished``:
         the ranks and the values to drop when the entry ends its micro-batch on its stage, else
         None; ``compute``: whether it is an F, B or W (what was dropped is freed before it runs).
         An entry that finishes its micro-batch adds, as its last call, the gradients it made into
@@ -220,6 +229,7 @@ class _Runner:
             elif act.is_recv and self.early:
                 r = _Recv(steps[j], self.store, view, self.plan, pipe=True, garbage=self.garbage)
                 self.posted.setdefault(act.kind, []).append(r)
+                self.receives[k] = r
                 calls.append(_timed("recv", r.take))
             elif act.is_send and self.early and self.prog.is_carry(steps[j]):
                 send = _Send(steps[j], self.store, view, self.plan, steps[j].args["offset"] in self.prog.carry_offsets)
@@ -241,10 +251,43 @@ class _Runner:
         memory, whenever it comes)."""
         for t in (*self.sends, *(r for rs in self.posted.values() for r in rs)):
             t.bind()
+        self._hold_slots()
         for rs in self.posted.values():
             for r, nxt in zip(rs, rs[1:]):
                 r.then = nxt.post if nxt.link is None else None
         self.first_posts = [rs[0].post for rs in self.posted.values() if rs[0].link is None]
+
+    def _hold_slots(self) -> None:
+        """Let the bound receives that the schedule allows read their messages in place (see
+        :func:`~.pipeline_store.slot_holds`), each released after the last action that drops what
+        its stage made for its micro-batch."""
+        links = [r.link for r in self.receives.values() if r.link is not None and hasattr(r.link, "release")]
+        if not links or len(self.held_ranks) != 1:
+            return
+        holds = slot_holds(self.prog, self.ctx.defer_weight_grads, self.held_ranks[0], links[0].slots)
+        releases: dict = {}
+        for k, end in holds.items():
+            r = self.receives[k]
+            if r.link is not None and hasattr(r.link, "release"):
+                r.hold = True
+                releases.setdefault(end, []).append(r)
+        for end, rs in releases.items():
+            self.releases[end] = (self.outliving, tuple(rs))
+        self.acc.borrowed = links[0].borrows
+
+    def _release(self, ranks, releasing) -> None:
+        """Give the slots of ``releasing``'s receives back (their micro-batch is done on the
+        stage), after copying out of them what outlives it there."""
+        outliving, receives = releasing
+        store, borrows = self.store, receives[0].link.borrows
+        for v in outliving:
+            slot = store.get(v)
+            for r in ranks:
+                x = None if slot is None else slot.get(r)
+                if x is not None and borrows(x):
+                    slot[r] = x.clone()
+        for r in receives:
+            r.link.release()
 
     def call(self, env, get, run):
         comm, store, acc, step = self.comm, self.store, self.acc, self.step
@@ -266,8 +309,8 @@ class _Runner:
         for post in self.first_posts:
             post()
         timeline = {r: [] for r in self.held_ranks}
-        clock, garbage = time.perf_counter, self.garbage
-        for rank, act, calls, finished, compute in self.actions:
+        clock, garbage, releases = time.perf_counter, self.garbage, self.releases
+        for k, (rank, act, calls, finished, compute) in enumerate(self.actions):
             if compute and garbage:   # what no receive's wait freed yet, before this one allocates
                 garbage.clear()
             t0 = clock()
@@ -283,6 +326,8 @@ class _Runner:
                             x = slot.pop(r, None)
                             if x is not None:
                                 garbage.append(x)
+                if releases[k]:
+                    self._release(ranks, releases[k])
         garbage.clear()
         for go in self.tail:
             go(run)
@@ -394,6 +439,7 @@ class _Recv:
                           for r in view.ranks]   # each rank's own shape: an uneven split differs by rank
         self.axes, self.args = s.axes, {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
         self.pending, self.then, self.link, self.garbage = None, None, None, garbage
+        self.hold = False   # read the message where it lies (its link's slot) until released
 
     def bind(self) -> None:
         """Take the communicator's bound path (``Communicator.pipe_link``) where it has one."""
@@ -407,8 +453,9 @@ class _Recv:
     def take(self, run) -> None:
         if self.garbage and (self.link is None or not self.link.ready()):
             self.garbage.clear()    # the message is not there yet: free while it comes
-        if self.link is not None:   # straight into the tensor the next action reads
-            self.store.setdefault(self.out, {})[self.view.ranks[0]] = self.link.recv()
+        if self.link is not None:   # the slot itself (held), or a copy of it: what the next action reads
+            got = self.link.recv(True) if self.hold else self.link.recv()
+            self.store.setdefault(self.out, {})[self.view.ranks[0]] = got
         else:
             self.env[self.out] = self.pending
             self.pending = None

@@ -9,12 +9,18 @@ each micro-batch's into one buffer as it finishes on a stage and reduces the buf
 other axes once (a bucket's in one flat buffer).  A backward
 loop's stacked gradients are added into that buffer by the loop itself (:meth:`Accumulator.into`):
 its matmuls accumulate there, so a micro-batch's gradients are never copied.
+:func:`slot_holds` says which received carries a stage may read where their sender wrote them
+(a shared-memory slot, :meth:`~meshdsl.comm.shm_pipe.PipeLink.recv`) until their micro-batch
+finishes there, without ever leaving a message its sender cannot write.
 """
 from __future__ import annotations
+
+from collections import deque
 
 from ..collectives import REDUCE
 from ..comm.bucket import pack, unpack
 from ..comm.communicator import Pending
+from ..lowering.timeline import simulate
 
 
 class ViewEnv:
@@ -84,6 +90,9 @@ class Accumulator:
         #: values made in a buffer of their own each time (a backward loop's stacked gradients)
         self.fresh = frozenset(v for v in fresh if ops.get(v) == "sum")
         self.sums: dict = {}    # (value id, base rank) -> running reduction
+        #: whether a tensor lies in memory that is not the step's to keep (a received message
+        #: read where it lies): a sum started with one starts with its copy
+        self.borrowed = None
         self.owned: set = set()  # keys whose buffer is ours to write into
 
     def clear(self) -> None:
@@ -120,6 +129,9 @@ class Accumulator:
                     continue
                 y = sums.get(key)
                 if y is None:
+                    if self.borrowed is not None and self.borrowed(x):
+                        x = x.clone()
+                        owned.add(key)
                     sums[key] = x      # may be shared (unless fresh): the next one allocates
                     if fresh:
                         owned.add(key)
@@ -149,3 +161,93 @@ class Accumulator:
             for k, out in enumerate(s.outs):
                 env[out] = [by_base[self.base[r]][k] for r in view.ranks]
         return go
+
+
+def slot_holds(prog, defer: bool, rank: int, slots: int, margin: int = 2) -> dict[int, int]:
+    """The carry receives of ``rank``'s list (``prog.actions(defer)[rank]``) that may read their
+    message where it lies in their channel's ring of ``slots`` until the last action that drops
+    what their stage made for their micro-batch: position of the receive -> position of that
+    action (its micro-batch's last on the stage, or later where another stage of the rank
+    reads what it made).
+
+    A ring's sender writes piece n only once its receiver released every piece before
+    n - slots + 1.  So a receive may hold its piece h only if every piece its rank reads from
+    that channel until the release lies before h + slots; else the rank could wait for a
+    piece its sender cannot write.  Pieces are numbered by the sender's list (a channel is
+    FIFO); the receiver's list says when it reads each (a receive reads up to its own piece,
+    keeping others' aside: those are copied, as is a piece that was read ahead).  Nor should
+    a hold make the sender find its ring full (its piece would wait for a helper thread): in
+    the schedule's unit-cost run, the sender's piece h + slots - ``margin`` (at least h + 1)
+    must not start before the release.
+    """
+    rows = prog.actions(defer)
+    row = rows[rank]
+    last = _last_drops(prog, row)
+    timeline = {a: (t0, t1) for r in simulate(prog.run_schedule(defer)).timeline for a, t0, t1 in r}
+    out: dict[int, int] = {}
+    for offset in prog.carry_offsets:
+        if not 0 <= rank - offset < prog.num_ranks:
+            continue
+        sender = rows[rank - offset]
+        sent = [(i, key) for i, key, _ in _transfers(prog, sender, "send", offset)]
+        for i, n in _direct_reads(prog, row, offset, sent, slots, last):
+            end = last.get((row[i].action.stage, row[i].action.microbatch))
+            late = max(n + 1, n + slots - margin)
+            if end is not None and (late >= len(sent) or
+                                    timeline[sender[sent[late][0]].action][0] >= timeline[row[end].action][1]):
+                out[i] = end
+    return out
+
+
+def _direct_reads(prog, row, offset: int, sent: list, slots: int, last: dict) -> list[tuple[int, int]]:
+    """``(position in row, piece)`` of the carry receives at ``offset`` that read their piece
+    straight from the ring (none read it ahead) and may hold it until their micro-batch's last
+    drop (``last``: :func:`_last_drops`): every piece ``row`` reads from that channel until
+    then lies before piece + ``slots``.  ``sent``: the sender's ``(position, (tag,
+    micro-batch))`` per piece, in order."""
+    where: dict = {}   # (tag, micro-batch) -> its pieces, in order
+    for n, (_, key) in enumerate(sent):
+        where.setdefault(key, deque()).append(n)
+    read, reach, direct = 0, [0] * len(row), []
+    for i, key, carry in _transfers(prog, row, "recv", offset):
+        if not where.get(key):
+            return []     # the lists do not pair up (never for a validated program): hold nothing
+        n = where[key].popleft()
+        if n >= read:
+            if carry and n == read and row[i].action.is_recv:
+                direct.append((i, n))
+            read = n + 1
+        reach[i] = read
+    for i in range(1, len(row)):
+        reach[i] = max(reach[i], reach[i - 1])
+    return [(i, n) for i, n in direct
+            if (row[i].action.stage, row[i].action.microbatch) in last
+            and reach[last[(row[i].action.stage, row[i].action.microbatch)]] <= n + slots]
+
+
+def _last_drops(prog, row) -> dict:
+    """``(stage, micro-batch)`` -> the position in ``row`` of the last action that drops a value
+    that stage makes for that micro-batch (its last action there, or later where another stage
+    of the rank reads the value): nothing made from a received message is read after it."""
+    made = {stage: set(prog.transient(stage)) for stage in {sa.action.stage for sa in row}}
+    out: dict = {}
+    for i, sa in enumerate(row):
+        if sa.finishes is not None:
+            dropped = set(sa.finishes)
+            for stage, values in made.items():
+                if stage == sa.action.stage or dropped & values:
+                    out[(stage, sa.action.microbatch)] = i
+    return out
+
+
+def _transfers(prog, row, kind: str, offset: int):
+    """``(position in row, (tag, micro-batch), carry)`` of each ``kind`` step at ``offset`` that
+    ``row``'s actions run, in order."""
+    for i, sa in enumerate(row):
+        if sa.segment is None:
+            continue
+        steps = prog.segments[sa.segment].steps
+        for j in sa.steps:
+            s = steps[j]
+            if s.kind == kind and s.args["offset"] == offset:
+                yield i, (s.args["tag"], sa.action.microbatch), prog.is_carry(s)
