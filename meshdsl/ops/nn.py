@@ -204,6 +204,10 @@ def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:
             f"cross_entropy: labels {labels.shape} must have the logits' dims minus '{d}' "
             f"({logits.shape.without([d])}).", rule="one label per example, indexing dim '" + d + "'",
             fix="rename or transpose the labels"))
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ShapeError(message(f"cross_entropy: labels {labels!r} are {labels.dtype}.",
+                                 rule="labels are integer class indices along '" + d + "'",
+                                 fix="make them torch.int64 (md.input(name, shape, dtype=torch.int64), or md.cast)"))
     return fused_cross_entropy(logits, labels, d)
 
 

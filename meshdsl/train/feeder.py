@@ -107,6 +107,15 @@ class TokenFeeder:
                      "(the next token of each id)",
                 fix="name the model's inputs 'ids' and 'labels', or train it from Python with "
                     "data=a function step -> feeds"))
+        others = [k for k in data_inputs(plan) if k not in (IDS, LABELS)]
+        if others:   # refused here, once, rather than by every rank's first step
+            raise DataError(message(
+                f"training on text: the model also reads input {others[0]!r}, which text does not make.",
+                inputs=[f"the model's inputs: {sorted(data_inputs(plan))}"],
+                rule="token data makes ids and labels only; every other input of the model needs a source",
+                fix=f"give md.Model batches=(seed, rows) -> every input, {others[0]!r} included (it then "
+                    f"trains on its own data), make {others[0]!r} in the graph from ids, or train from "
+                    f"Python with data=a function step -> feeds"))
         values = {k: plan.values[plan.inputs[k]] for k in (IDS, LABELS)}
         shapes = {k: tuple(d.size for d in v.shape) for k, v in values.items()}
         if len(set(shapes.values())) != 1 or len(shapes[IDS]) != 2:
