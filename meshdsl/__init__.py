@@ -9,6 +9,7 @@ Public API (everything else lives in subpackages and may change):
 * autodiff: :func:`grad`, :func:`vjp`; scan: :func:`repeat`
 * layout: :class:`Mesh`, :class:`Layout`; compile: :func:`compile` -> :class:`Plan`
 * execution: :func:`run_dense`, :func:`run_simulated`, :class:`Executor`, :class:`PerRank`;
+  :func:`check` (a layout's outputs against the dense program's, as ``meshdsl check``);
   communicators :class:`SimulatedComm` (every rank in one process) and
   :class:`TorchComm` (one rank per process); processes: :func:`launch`, :func:`spawn`;
   :func:`tune_malloc` (keep a training step's memory in this process, as meshdsl's own processes do)
@@ -42,6 +43,7 @@ _EXPORTS = {
     "tune_malloc": (".processes.malloc", "tune_malloc"),
     "SimulatedComm": (".comm.simulated", "SimulatedComm"),
     "run_simulated": (".runtime.simulated", "run_simulated"),
+    **{n: (".runtime.check", n) for n in ("check", "CheckResult")},
     **{n: (".ir.autodiff", n) for n in ("grad", "vjp")},
     "DenseProgram": (".ir.interpret", "DenseProgram"),
     "mixed_precision": (".ir.precision", "mixed_precision"),

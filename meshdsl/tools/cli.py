@@ -18,6 +18,7 @@ meshdsl: "internal error, please report" and the traceback),
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -195,6 +196,14 @@ def check_outputs(model, args, remat) -> tuple[dict, dict]:
     return train_outputs(model, argparse.Namespace(**{**vars(args), "remat": remat}))
 
 
+def dense_gradients(model, args) -> dict:
+    """The dense program's ``grad/NAME`` of every param: under ``--optimizer`` check compares
+    updated params, and where a gradient is rounding noise an update is not compared
+    (:func:`~.compare.report_check`)."""
+    outs = training_outputs(model.loss, model.params, DEFAULT_LR, with_grads=True)
+    return run_dense({f"grad/{k}": outs[f"grad/{k}"] for k in model.params}, model.feeds(args.seed), seed=args.seed)
+
+
 def run_on_simulated_mesh(plan, feeds, seed: int, device=None, compile=False) -> tuple[dict[str, torch.Tensor], dict | None]:
     """The executor of ``check``: every rank of the mesh simulated in this process, its
     values on ``device`` (default the CPU), its local steps compiled with ``compile``
@@ -245,15 +254,17 @@ def cmd_check(args) -> int:
     args.preflight_done = True
     feeds = {**model.feeds(args.seed), **hyper}
     want = run_dense(dense, feeds, seed=args.seed)
+    grads = None if any(k.startswith("grad/") for k in want) else dense_gradients(model, args)
+    compare = functools.partial(report_check, grads=grads, coupled=args.optimizer == "adafactor")
     if distributed:
         from .dist_cli import check_distributed
-        return check_distributed(args, want, report_check)
+        return check_distributed(args, want, compare)
     got, figures = run_on_simulated_mesh(plan, feeds, args.seed, device, compile_setting(args))
     user_mesh, user_layout = user_mesh_layout(plan)
     where = f"mesh '{user_mesh}', layout '{user_layout}'" + _pipe_words(args, plan) + remat_words(args)
     if device.type != "cpu":
         where += f", simulated on {device}"
-    code = report_check(want, got, args.tol, where)
+    code = compare(want, got, args.tol, where)
     if figures is not None:
         make_console().print(
             "pipeline on the simulated mesh (every stage in this process, in the unit-cost simulation's order: "
