@@ -16,6 +16,7 @@ import torch
 
 from ..errors import GraphError, ShapeError, clip, message
 from .shape import Shape
+from .torch_hints import TORCH_HINTS
 
 PHASES = ("forward", "backward", "update")
 
@@ -103,7 +104,7 @@ class Tensor:
         # names) keep the plain AttributeError, so hasattr() and copy/pickle protocols behave.
         if attr.startswith("_"):
             raise AttributeError(attr)
-        hint = _TORCH_METHODS.get(attr)
+        hint = TORCH_HINTS.get(attr)
         raise _MisuseAttribute(message(
             f"meshdsl {self!r} has no attribute or method '{attr}'.",
             rule="a meshdsl Tensor is symbolic (name, shape, dtype); ops are functions of the meshdsl module, "
@@ -113,7 +114,7 @@ class Tensor:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        hint = _TORCH_METHODS.get(name)
+        hint = TORCH_HINTS.get(name)
         raise GraphError(message(
             f"torch.{name} was called on a meshdsl Tensor.",
             rule="torch functions compute on torch tensors; a meshdsl Tensor is symbolic (named dims, no values) "
@@ -122,23 +123,6 @@ class Tensor:
                         "(the list: docs/guide/api.md)"))
 
 
-#: torch names a newcomer reaches for, and the meshdsl way to say each.
-_TORCH_METHODS = {
-    "sum": "md.reduce_sum(x, 'dim')", "mean": "md.reduce_mean(x, 'dim')", "max": "md.reduce_max(x, 'dim')",
-    "min": "md.reduce_min(x, 'dim')", "matmul": "md.einsum('a b, b c -> a c', x, w)",
-    "mm": "md.einsum('a b, b c -> a c', x, w)", "bmm": "md.einsum('n a b, n b c -> n a c', x, w)",
-    "view": "md.reshape(x, [Dim(...), ...]) or md.rearrange(x, pattern)",
-    "reshape": "md.reshape(x, [Dim(...), ...]) or md.rearrange(x, pattern)",
-    "permute": "md.transpose(x, ['dim', ...])", "transpose": "md.transpose(x, ['dim', ...])",
-    "to": "md.cast(x, torch.bfloat16)", "float": "md.cast(x, torch.float32)", "half": "md.cast(x, torch.float16)",
-    "bfloat16": "md.cast(x, torch.bfloat16)", "softmax": "md.softmax(x, 'dim')",
-    "numpy": "run the graph first (md.run_dense(...)) and read the returned torch tensor",
-    "item": "run the graph first (md.run_dense(...)) and read the returned torch tensor",
-    "tolist": "run the graph first (md.run_dense(...)) and read the returned torch tensor",
-    "size": "x.shape (a named Shape; x.shape.get('dim').size)", "dim": "len(x.shape)",
-    "unsqueeze": "md.unsqueeze(x, 'dim')", "squeeze": "md.squeeze(x, 'dim')", "cat": "md.concat([x, y], 'dim')",
-    "split": "md.slice_(x, 'dim', start, stop)", "masked_fill": "md.where(mask, value, x)",
-}
 
 
 def not_a_tensor(what: str, arg: str, value) -> ShapeError:

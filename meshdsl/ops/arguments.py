@@ -11,6 +11,7 @@ import functools
 import inspect
 
 from ..core.graph import Tensor, not_a_tensor
+from ..core.torch_hints import TORCH_HINTS
 
 _TENSOR = ("Tensor", "Tensor | None")
 
@@ -57,35 +58,13 @@ class UnknownNameError(AttributeError):
     whose message has the house structure."""
 
 
-#: What a torch or NumPy user reaches for, and the meshdsl way to say it.
-HINTS = {
-    "sum": "md.reduce_sum(x, 'dim')", "mean": "md.reduce_mean(x, 'dim')",
-    "max": "md.reduce_max(x, 'dim') (or md.maximum(a, b), elementwise)",
-    "min": "md.reduce_min(x, 'dim') (or md.minimum(a, b), elementwise)",
-    "matmul": "md.einsum('batch d_model, d_model d_ff -> batch d_ff', x, w)",
-    "mm": "md.einsum('a b, b c -> a c', x, w)", "bmm": "md.einsum('n a b, n b c -> n a c', x, w)",
-    "dot": "md.einsum('d, d ->', x, y)", "linear": "md.einsum with a md.param weight",
-    "zeros": "md.constant(0.0, [dims]) (torch.zeros(...) as its value) or a scalar md.constant(0.0)",
-    "ones": "md.constant(1.0, [dims]) (torch.ones(...) as its value) or a scalar md.constant(1.0)",
-    "full": "md.constant(value) (a scalar broadcasts by name)", "tensor": "md.constant(value, [dims]) or md.input",
-    "cat": "md.concat([x, y], 'dim')", "stack": "md.concat of tensors with the new dim added by md.unsqueeze",
-    "split": "md.slice_(x, 'dim', start, stop)", "chunk": "md.slice_(x, 'dim', start, stop)",
-    "view": "md.reshape(x, [Dim(...), ...]) or md.rearrange(x, pattern)",
-    "permute": "md.transpose(x, ['dim', ...])", "embedding": "md.gather(table, ids, 'vocab')",
-    "conv2d": "md.conv(x, w, taps)", "conv1d": "md.conv(x, w, taps)",
-    "Parameter": "md.param(name, [dims])", "Variable": "md.param(name, [dims])",
-    "scan": "md.repeat(block, carry, stacked_params, 'layer')",
-    "fori_loop": "md.repeat(block, carry, stacked_params, 'layer')",
-    "mse_loss": "md.reduce_mean((y - target) ** 2)", "abs": "md.maximum(x, -x)",
-    "clamp": "md.minimum(md.maximum(x, lo), hi)", "clip": "md.minimum(md.maximum(x, lo), hi)",
-}
 
 
 def unknown_name(name: str, names) -> UnknownNameError:
     """The error for ``md.<name>`` when meshdsl has no such name (``names``: every public one)."""
     from ..errors import did_you_mean, message
 
-    hint = HINTS.get(name)
+    hint = TORCH_HINTS.get(name)
     close = "" if hint else did_you_mean(name, [n for n in names if not n.startswith("_")])
     return UnknownNameError(message(
         f"module 'meshdsl' has no attribute {name!r}: meshdsl has no op or name '{name}'.{close}",
