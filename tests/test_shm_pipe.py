@@ -10,7 +10,9 @@ both ends of a channel in one process over an anonymous mapping: any sequence of
 received in any order, arrives bitwise; so do messages sent and received through bound links
 (``PipeLink``, a pipeline's carry) mixed with the general path, whatever the order.  A link's
 receive may hold its slot (the receiver computes from it): a held message stays intact until
-released, in any order, while its sender's later pieces wait for their slots.
+released, in any order, while its sender's later pieces wait for their slots.  A send may
+skip its copy: a message made in the slot ``reserve`` handed out is only published; no slot is
+reserved where the send would not take one (a full ring, queued pieces, a message in pieces).
 """
 from __future__ import annotations
 
@@ -356,3 +358,75 @@ def test_a_held_slot_may_be_written_in_place_without_reaching_the_sender_or_the_
     b.release()
     a.send(x + 1)
     assert torch.equal(a.recv(), x + 1)
+
+
+def test_a_message_made_in_its_reserved_slot_is_sent_without_a_copy(monkeypatch):
+    """``reserve`` hands out the slot the next send takes: a kernel writes the message there, and
+    the send only publishes it (no copy); the receiver reads it bitwise, and the next reservation
+    is the next slot.  A reservation left unused changes nothing: the next send copies as before."""
+    pipe = _one_process_pipe()
+    like = torch.zeros(3, 4)
+    link = pipe.link(0, 1, 5, like)
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    slot = link.reserve()
+    assert slot.shape == like.shape and link.borrows(slot) and link.reserve() is slot   # reserving changes nothing
+    made = torch.add(a, b, out=slot)
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda x, *args, **kw: copies.append(x) or real_copy(x, *args, **kw))
+    link.send(made)
+    assert copies == []
+    monkeypatch.undo()
+    assert torch.equal(link.recv(), a + b)                  # torch.add(out=) and a + b: the same kernel
+    unused = link.reserve()
+    assert unused is not None and unused.data_ptr() != slot.data_ptr()
+    link.send(a)                                            # not made in the slot: copied into it
+    assert torch.equal(link.recv(), a)
+
+
+def test_no_slot_is_reserved_where_the_next_send_would_not_take_one():
+    """A full ring (the receiver took nothing), pieces waiting in the queue, a message larger than
+    a slot: ``reserve`` says None, and the sends copy as before."""
+    pipe, n = _one_process_pipe(), shm_pipe.NUM_SLOTS
+    small = pipe.link(0, 1, 1, torch.zeros(4))
+    big = pipe.link(0, 1, 2, torch.zeros(shm_pipe.SLOT_DATA // 4 + 1))
+    assert big.reserve() is None
+    for i in range(n):
+        small.send(torch.full((4,), float(i)))
+    assert small.reserve() is None                          # the ring is full
+    small.send(torch.full((4,), float(n)))                  # waits in the queue
+    assert small.recv().eq(0).all() and small.reserve() is None   # a slot is free, but pieces are queued
+    for i in range(1, n + 1):
+        assert torch.equal(small.recv(), torch.full((4,), float(i)))
+    pipe.drain()
+    assert small.reserve() is not None
+
+
+def test_a_strided_view_of_its_own_slot_is_sent_as_that_view():
+    """A value lying in the reserved slot but not as the slot's tensor (a transposed view of it) is
+    copied out of the slot before the slot is written: what arrives is the view's values."""
+    pipe = _one_process_pipe()
+    link = pipe.link(0, 1, 3, torch.zeros(4, 4))
+    slot = link.reserve()
+    slot.copy_(torch.arange(16.0).reshape(4, 4))
+    link.send(slot.t())
+    assert torch.equal(link.recv(), torch.arange(16.0).reshape(4, 4).t())
+
+
+def test_a_message_in_the_segment_sent_through_the_queue_is_copied_first():
+    """A send that finds the ring full queues its message for the helper thread; a message lying in
+    the ring itself (a held message passed on) is copied first: the pieces the helper writes before
+    it, once the slot is released, cannot overwrite it before it is written."""
+    pipe, n = _one_process_pipe(), shm_pipe.NUM_SLOTS
+    link = pipe.link(0, 1, 1, torch.zeros(4))
+    for i in range(n):
+        link.send(torch.full((4,), float(i)))
+    first = link.recv(hold=True)                            # slot 0, held: the ring stays full
+    link.send(torch.full((4,), -1.0))                       # queued: it goes in slot 0 once released
+    link.send(first)                                        # queued behind it
+    rest = [link.recv() for _ in range(n - 1)]
+    assert [x[0].item() for x in rest] == [float(i) for i in range(1, n)]
+    link.release()
+    assert torch.equal(link.recv(), torch.full((4,), -1.0))
+    assert torch.equal(link.recv(), torch.zeros(4))        # what slot 0 held when it was sent
+    pipe.drain()

@@ -5,8 +5,8 @@ transfer's latency adds to the step.  Through gloo a transfer goes through a TCP
 on the loopback and a gloo thread on each side (about 120 us one way for 128 KiB on
 this project's 2-core machine, more when that thread waits for a core).  Ranks on one
 host can instead hand the tensor over in a shared segment: the sender copies it into
-a ring of slots and raises a counter; the receiver, spinning on that counter, copies
-it out and raises its own.
+a ring of slots (or makes it there: :meth:`PipeLink.reserve`) and raises a counter; the
+receiver, spinning on that counter, copies it out (or reads it in place) and raises its own.
 
 A :class:`ShmPipe` holds one ring (a *channel*) per ordered pair of members that
 transfers run between (member j to member j + offset, for the offsets a pipeline
@@ -285,6 +285,10 @@ class PipeLink:
     :meth:`ShmPipe.send` and :class:`_Receive`, which copy; the two paths write and read the
     same pieces, so either end may take either.  A link carries one message at a time: a
     held one is released before the link receives again.
+
+    The sender may also skip its copy: :meth:`reserve` hands out the slot its next send goes
+    in, for the kernel that makes the message to write into; sent from there, only the
+    slot's header is written.  Between the two, nothing else may send on the channel.
     """
 
     __slots__ = ("pipe", "src", "dst", "tag", "k", "shape", "dtype", "nbytes", "views", "heads",
@@ -308,8 +312,22 @@ class PipeLink:
         start = pipe.bytes.data_ptr()
         self.memory = range(start, start + pipe.bytes.numel())   # the shared segment's addresses
 
+    def reserve(self) -> torch.Tensor | None:
+        """The slot the next :meth:`send` writes, as a tensor of the link's shape and dtype for the
+        kernel that makes the message to write into (then sent from there, it is not copied); None
+        where that send would not take the slot (the ring full, pieces queued, a message in
+        pieces).  Asks nothing of the receiver and changes nothing: a reservation not sent from is
+        simply not used.  Until the send, nothing else may send on this link's channel."""
+        pipe, k = self.pipe, self.k
+        n = pipe.written[k]
+        if (pipe.queue[k] or pipe.failure is not None or n - pipe.ints[self.tail_counter] >= NUM_SLOTS
+                or self.views[0] is None):
+            return None
+        return self.views[n % NUM_SLOTS]
+
     def send(self, x: torch.Tensor) -> None:
-        """Send ``x`` (CPU, the link's shape and dtype, any strides); returns at once."""
+        """Send ``x`` (CPU, the link's shape and dtype, any strides); returns at once.  Where ``x``
+        is the slot :meth:`reserve` gave (written in place), only the header is written."""
         t0, pipe, k = time.perf_counter(), self.pipe, self.k
         n = pipe.written[k]
         ints = pipe.ints
@@ -317,10 +335,15 @@ class PipeLink:
         # main thread adds to a queue: with this queue empty, no one else writes this channel.
         if (pipe.queue[k] or pipe.failure is not None or n - ints[self.tail_counter] >= NUM_SLOTS
                 or self.views[0] is None or x.shape != self.shape or x.dtype != self.dtype):
-            pipe.send(x.contiguous(), self.src, self.dst, self.tag)
+            # a tensor in the segment (a slot of this ring) could be overwritten before it is written
+            flat = x.clone(memory_format=torch.contiguous_format) if self.borrows(x) else x.contiguous()
+            pipe.send(flat, self.src, self.dst, self.tag)
         else:
             slot = n % NUM_SLOTS
-            self.views[slot].copy_(x)
+            view = self.views[slot]
+            at = x.data_ptr() - view.data_ptr()
+            if at or x.stride() != view.stride():   # (else written in place: nothing to copy)
+                view.copy_(x.clone() if 0 <= at < self.nbytes else x)   # (a view into the slot itself)
             h = self.heads[slot]
             ints[h], ints[h + 1], ints[h + 2], ints[h + 3] = self.tag, self.nbytes, 0, self.nbytes
             pipe.written[k] = n + 1

@@ -55,6 +55,7 @@ from ..ops.registry import run_device, running_on
 from .executor import Executor, PerRank, _Run, waiting_getter
 from .prefetch import prefetchable, start
 from .deferred import install
+from .carry_out import CarrySlot
 from .program import build, units_of
 from .steps import rule_for, step_rule
 
@@ -87,6 +88,8 @@ def _prepare_repeat(ctx, i, step):
     else:
         ins, outs = ("carry", *names, *closed), ("out", *[f"y/{k}" for k in ys], *saved)
     runner = _Body.of(sub, ins, outs)
+    # the loop's result, made in a pipeline's send slot where the pipeline asks (.carry_out)
+    carry = CarrySlot(sub, sub.plan.outputs["dcarry" if a["backward"] else "out"])
     # A pipeline stage runs layers layer_offset.. of the whole stack: kernels (dropout) salt
     # by the global layer index, as the dense op does.
     first = ctx.layer_offset + 1
@@ -99,9 +102,10 @@ def _prepare_repeat(ctx, i, step):
             ins = [get(v) for v in step.ins]
         layer_params.fixed = {k: PerRank(x) for k, x in zip(closed, ins[len(ins) - len(closed):])} if closed else {}
         outs = run_fn(sub, ins[:len(ins) - len(closed)], names, pos, (saved, ys), num_layers, held, run.stats,
-                      run.salt + first, run.into, run.defer, layer_params, runner)
+                      run.salt + first, run.into, run.defer, layer_params, runner, carry)
         for vid, x in zip(step.outs, outs):
             env[vid] = x
+    call.carry_out = carry.install
     # what the loop hands on is never in flight, but for gradients it reduces layer by layer (_Layers)
     call.settled = not (a["backward"] and tail)
     return call
@@ -209,7 +213,8 @@ class _Ahead:
         return now
 
 
-def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner):
+def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner,
+             carry):
     x, *stacked = ins
     saved, ys = kept_names
     ahead = _Ahead(sub, names, num_layers, stats)
@@ -225,7 +230,7 @@ def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, i
         r = sub.run({"carry": PerRank(x), **params_of(l)}, {}, salt=first + l, stats=stats, prefetched=pre)
         return r["out"], (x, *[r[f"y/{k}"] for k in ys], *[r[k] for k in saved])
 
-    x, kept = run_layers(num_layers, layer, x)
+    x, kept = run_layers(num_layers, carry.layer_fn(layer, num_layers - 1), x)
     # Per held rank: the layer inputs, the per-layer outputs stacked over the layer dim (the
     # loss reads them whole), the saved activations as LayerStacks (read back layer by layer).
     n_ys = len(ys)
@@ -314,7 +319,8 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
     static: list = []   # what depends on the body's plan only: worked out at the first call
     layouts: dict = {}  # (the gradients summed into ``into``, those deferred) -> their _GradLayout
 
-    def backward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner):
+    def backward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, into, defer, layer_params, runner,
+                 carry):
         if not static:
             outv = [sub.plan.outputs[f"d/{k}"] for k in names]
             late = {n for n in range(len(names)) if _reduced_out(tail, outv[n]) is not None}
@@ -332,7 +338,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
             layout = layouts[key] = _GradLayout.of(outs, sinks, late, packed, num_layers, *key)
         loop = _BackwardLoop((tail, shapes, outs, closed, outv, late, layout, like, shared), sub, ins, names, pos,
                              kept_names, num_layers, held, stats, first, into, defer, layer_params, runner)
-        dy, _ = run_layers(num_layers, loop.layer, loop.dy, backward=True)
+        dy, _ = run_layers(num_layers, carry.layer_fn(loop.layer, 0), loop.dy, backward=True)
         return loop.results(dy)
     return backward
 

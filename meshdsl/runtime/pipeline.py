@@ -25,9 +25,11 @@ buffer per value (:class:`~.pipeline_store.Accumulator`); the final segment's
 allreduce over the micro-batch axis then reduces only that buffer over its other
 axes.  On real processes the carry's transfers take the communicator's pipeline path
 (``Communicator.open_pipe``, made at the first run: shared memory between the processes
-of one host, :mod:`.shm_pipe`), each bound to it once (``Communicator.pipe_link``): a
-send copies the carry into its slot, and a receive hands the next action a view of the
-slot, held until the micro-batch finishes on its stage, where the schedule lets its sender
+of one host, :mod:`.shm_pipe`), each bound to it once (``Communicator.pipe_link``): the
+layer loop whose result a send takes next writes its last layer's sum straight into the
+slot that send then publishes (:mod:`.carry_out`; where nothing else on the rank reads the
+value and the ring has a free slot, else the send copies it there), and a receive hands
+the next action a view of the slot, held until the micro-batch finishes on its stage, where the schedule lets its sender
 go on writing meanwhile (:func:`~.pipeline_store.slot_holds`; else it copies the message
 out).  What outlives the micro-batch (a running sum, a step output) is copied out of the
 slot before it is released.  Where a transfer has no such path (gloo), a stage posts the receive of
@@ -104,6 +106,8 @@ class _Runner:
         self.sends: list = []      # the carry's sends (real processes)
         self.garbage: list = []    # finished micro-batches' activations, freed before the next compute
         self.receives: dict = {}   # position in the actions -> its carry receive (real processes)
+        self.loops: dict = {}      # position in the actions -> {value a loop step makes: its prepared call}
+        self.send_at: dict = {}    # position in the actions -> its carry send (real processes)
         self.actions = [self._action(k, a) for k, a in enumerate(self._order())]
         self.releases: list = [()] * len(self.actions)   # per action: the receives whose slots it releases
         # The values that outlive a micro-batch on this rank's stages besides its sums (a held
@@ -175,7 +179,9 @@ class _Runner:
             call = rule_for(s.kind)(sx, j, s)
             if seg == Segment.BACKWARD and s.outs and self.sums.get(s.outs[0]) == j:
                 call = adding_into_sum(call, s)
-            return _bound(call, env, None if s.subplans else s.kind)   # a repeat times its own steps
+            bound = _bound(call, env, None if s.subplans else s.kind)   # a repeat times its own steps
+            bound.carry_out = getattr(call, "carry_out", None)   # (a loop: its result made in a send's slot)
+            return bound
         return go if s.subplans else _timed(s.kind, go)
 
     def _once(self, seg: Segment) -> list:
@@ -224,6 +230,8 @@ class _Runner:
         for j in sa.steps:
             if act.kind in COMPUTE:
                 calls.append(self.prepared(seg, j, (stage,), view))
+                if getattr(calls[-1], "carry_out", None) is not None:
+                    self.loops.setdefault(k, {})[steps[j].outs[0]] = calls[-1]
                 if j in frees:
                     calls.append(_dropper(self.store, view.ranks, frees[j]))
             elif act.is_recv and self.early:
@@ -234,6 +242,7 @@ class _Runner:
             elif act.is_send and self.early and self.prog.is_carry(steps[j]):
                 send = _Send(steps[j], self.store, view, self.plan, steps[j].args["offset"] in self.prog.carry_offsets)
                 self.sends.append(send)
+                self.send_at[k] = send
                 calls.append(_timed("send", send.run))
             else:
                 calls.append(self.prepared(seg, j, (stage,), view))
@@ -252,10 +261,39 @@ class _Runner:
         for t in (*self.sends, *(r for rs in self.posted.values() for r in rs)):
             t.bind()
         self._hold_slots()
+        self._sends_in_place()
         for rs in self.posted.values():
             for r, nxt in zip(rs, rs[1:]):
                 r.then = nxt.post if nxt.link is None else None
         self.first_posts = [rs[0].post for rs in self.posted.values() if rs[0].link is None]
+
+    def _sends_in_place(self) -> None:
+        """Let each bound carry send whose value the loop of the action just before it makes (that
+        stage's and micro-batch's), and that nothing but sends reads, have the loop write that value
+        into the slot the send then publishes (:meth:`PipeLink.reserve`, :mod:`.carry_out`): asked
+        for right before the loop runs; nothing else sends between (the next entry is the send)."""
+        rows = [a for _, a, *_ in self.actions]
+        for k, send in self.send_at.items():
+            maker = self.loops.get(k - 1, {}).get(send.src)
+            if (maker is None or send.link is None or not hasattr(send.link, "reserve")
+                    or (rows[k - 1].stage, rows[k - 1].microbatch) != (rows[k].stage, rows[k].microbatch)
+                    or not self._only_sent(send.src, rows[k].stage)):
+                continue
+            carry = maker.carry_out()
+            if carry is not None:
+                calls = self.actions[k - 1][2]
+                calls.insert(calls.index(maker), _reserving(send.link, carry))
+
+    def _only_sent(self, v: int, stage: int) -> bool:
+        """Whether value ``v`` is read on ``stage``'s rank by sends only, one of them on ``stage``,
+        and outlives no micro-batch (no step output, no final-segment input, no sum): then it may
+        live in the slot its send hands to its receiver."""
+        prog = self.prog
+        rank = prog.rank_of(stage)
+        readers = [(s, stages) for seg in Segment for s, stages in zip(prog.segments[seg].steps, prog.stages[seg])
+                   if v in s.ins and any(prog.rank_of(t) == rank for t in stages)]
+        return (all(s.kind == "send" for s, _ in readers) and sum(stage in st for _, st in readers) == 1
+                and v not in prog.kept and v not in self.step.outs)
 
     def _hold_slots(self) -> None:
         """Let the bound receives that the schedule allows read their messages in place (see
@@ -372,6 +410,16 @@ def _deferring(deferred):
     """Sets ``run.defer`` for a B action whose weight-gradient matmuls wait for its send."""
     def go(run):
         run.defer = deferred
+    return go
+
+
+def _reserving(link, carry):
+    """Before a loop whose result ``link`` sends next: the slot that send will publish, for the
+    loop's last add to write into (:class:`~.carry_out.CarryOut`; none where the ring has no
+    free slot now: the send copies)."""
+    def go(run):
+        slot = link.reserve()
+        carry.want = None if slot is None else [slot]
     return go
 
 
