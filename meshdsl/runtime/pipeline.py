@@ -227,10 +227,13 @@ class _Runner:
         if summed:
             calls.append(_adding_into(self.acc, self.acc.keyed(view.ranks, summed)))
         steps = self.prog.segments[seg].steps
+        # a transfer inside a compute action (a tensor read from outside the layers, sent on with
+        # the carry) may take the ring's next slot: then no loop of it writes into a reserved one
+        transfers = any(steps[j].kind in ("send", "recv") for j in sa.steps) if act.kind in COMPUTE else True
         for j in sa.steps:
             if act.kind in COMPUTE:
                 calls.append(self.prepared(seg, j, (stage,), view))
-                if getattr(calls[-1], "carry_out", None) is not None:
+                if getattr(calls[-1], "carry_out", None) is not None and not transfers:
                     self.loops.setdefault(k, {})[steps[j].outs[0]] = calls[-1]
                 if j in frees:
                     calls.append(_dropper(self.store, view.ranks, frees[j]))
@@ -242,7 +245,8 @@ class _Runner:
             elif act.is_send and self.early and self.prog.is_carry(steps[j]):
                 send = _Send(steps[j], self.store, view, self.plan, steps[j].args["offset"] in self.prog.carry_offsets)
                 self.sends.append(send)
-                self.send_at[k] = send
+                if len(sa.steps) == 1:   # (several sends share the ring: the reserved slot could go to another)
+                    self.send_at[k] = send
                 calls.append(_timed("send", send.run))
             else:
                 calls.append(self.prepared(seg, j, (stage,), view))
