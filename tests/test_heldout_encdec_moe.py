@@ -7,8 +7,9 @@ balance loss returned from ``md.repeat``; a Switch-style top-1 variant with a ca
 written from the README and docs alone. Each layout below gives the dense program's loss,
 gradients and per-layer outputs on the simulated mesh: data, tensor, expert (also with experts
 the axis does not divide), FSDP, pipelines (1F1B, ZB-H1, interleaved virtual stages, with a data
-axis and split experts, with remat). Both stacks of the encoder-decoder on one stage axis are
-refused with the fix; the decoder stack alone pipelines, interleaved too.
+axis and split experts, with remat). Both stacks of the encoder-decoder on one stage axis while
+they scan one layer dim are refused with the fix; the decoder stack alone pipelines, interleaved
+too (both stacks with layer dims of their own: tests/test_two_stacks.py).
 """
 from __future__ import annotations
 

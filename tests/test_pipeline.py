@@ -131,12 +131,15 @@ def test_bad_configurations(make, mesh, layout, kw, err, parts):
 
 
 def test_whole_batch_op_before_the_pipeline_is_an_error():
-    """Centring by the batch mean before the layers needs every micro-batch at once."""
+    """Centring a value made from params by its batch mean before the layers needs every
+    micro-batch's forward at once (a mean of the inputs alone is made once before them:
+    tests/test_batch_stats.py)."""
     b, d, l = md.Dim("batch", 8), md.Dim("d_model", 4), md.Dim("layer", 2)
     with md.Graph():
         x = md.input("x", [b, d])
         w = md.param("w", [l, d])
-        h = x - md.reduce_mean(x, "batch")
+        u = x * md.param("w0", [d])
+        h = u - md.reduce_mean(u, "batch")
         y = md.repeat(lambda c, p: md.tanh(c * p["w"]), h, {"w": w}, "layer")
         loss = md.reduce_sum(y)
     md.compile(loss, "stage:2", "layer:stage", microbatches=1)  # one micro-batch: fine

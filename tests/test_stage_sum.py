@@ -123,11 +123,13 @@ def test_dropout_streams_of_pipelined_layers_after_an_encoder_of_another_depth()
 
 
 def test_a_batch_statistic_read_by_pipelined_layers_is_a_clear_error():
-    """Every micro-batch's layers would need the whole batch's mean: a compile error, not a crash."""
+    """Every micro-batch's layers would need the whole batch's mean of a value made from params
+    (so every micro-batch's forward first): a compile error, not a crash.  (A mean of the inputs
+    alone is made once before the micro-batches: tests/test_batch_stats.py.)"""
     b, d, l = md.Dim("batch", 8), md.Dim("d_model", 4), md.Dim("layer", 2)
     with md.Graph("stat"):
         x, w = md.input("x", [b, d]), md.param("w", [l, d])
-        mean = md.reduce_mean(x, "batch")
+        mean = md.reduce_mean(x * md.param("w0", [d]), "batch")
         loss = md.reduce_sum(md.repeat(lambda h, p: md.tanh(h * p["w"] + mean), x, {"w": w}, "layer"))
     md.compile(loss, "stage:2", "layer:stage")  # one micro-batch: fine
     with pytest.raises(md.LayoutError) as info:

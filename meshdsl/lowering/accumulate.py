@@ -7,7 +7,8 @@ ranks side by side: every kernel on all of them in turn, every activation ``m`` 
 over, and no memory saved by accumulating.  Here the steps are cut into the four
 segments of a pipeline step with one stage (:mod:`.partition`), an ``accumulate`` step:
 
-* **prologue** (once): steps that read no input (param re-layouts);
+* **prologue** (once): steps that read no input (param re-layouts), and the whole-batch
+  statistics of the inputs (a loss's token count, :mod:`.batch_stats`);
 * **forward** (per micro-batch): the forward pass up to the loss;
 * **backward** (per micro-batch): from the loss's gradient on, everything that still
   varies per micro-batch (a step in the backward or update phase, or one reading such a
@@ -24,6 +25,7 @@ cost model and the memory report read the step as they read a pipeline.
 """
 from __future__ import annotations
 
+from .batch_stats import made_once
 from .bucket import bucket_final
 from .partition import FIELDS, pipeline_step, varies_per_microbatch
 from .pipeline import MB_AXIS
@@ -39,7 +41,7 @@ ONE = frozenset({0})
 def segments(steps) -> list[Segment | None]:
     """Per step: its :class:`~.pipeline_program.Segment`, None for params and inputs."""
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
-    per_mb = varies_per_microbatch(steps)
+    per_mb = made_once(steps, varies_per_microbatch(steps))   # a whole-batch count of the inputs: once
     out: list[Segment | None] = []
     for i, s in enumerate(steps):
         came_from = {out[producer[v]] for v in s.ins if v in producer}

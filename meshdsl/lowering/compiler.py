@@ -21,6 +21,7 @@ from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
 from .implied import implied_layout
 from .partition import partition
+from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, step_args
 from .relayout import move_args, move_bytes, plan_moves
@@ -357,6 +358,8 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
     holders = {}
     if spec is not None and spec.axis is not None:
         steps, holders = partition(steps, lw.values, outs, spec, bucket_mb)
+        for line in stack_lines(spec):   # several stacks: the layers of each on each stage
+            lw.note(line)
     elif spec is not None and spec.num_microbatches > 1:  # gradient accumulation: one micro-batch at a time
         steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
     else:

@@ -146,20 +146,33 @@ def _uneven_per_layer_outputs(cut) -> str | None:
 
 
 def _unsupported(cut, lists) -> str | None:
-    """Why the cut's pipelined layers cannot be cut into chunks, or None."""
-    F, B = cut.steps[cut.F], (cut.steps[cut.B] if cut.B is not None else None)
-    n = len(F.args["names"])
-    closed = set(F.ins[1 + n:])
+    """Why the cut's pipelined layers (of each pipelined stack) cannot be cut into chunks, or None."""
+    blocks = [(cut.steps[st.F], cut.steps[st.B] if st.B is not None else None) for st in cut.stacks]
+    own = [x for pair in blocks for x in pair if x is not None]
     own_parts = {id(cut.steps[i]) for i in cut.spread}   # each rank's part of the per-layer outputs' terms
-    # what the block reads from outside travels up the first chunks' stages, and its gradient's
+    # what a block reads from outside travels up the first chunks' stages, and its gradient's
     # stage sums back down them (:func:`_closed_transfer`)
-    after_b = _made_from(lists[Segment.BACKWARD], B.outs[1 + n:]) if B is not None else set()
+    closed, after_b = set(), set()
+    for F, B in blocks:
+        n = len(F.args["names"])
+        closed |= set(F.ins[1 + n:])
+        after_b |= _made_from(lists[Segment.BACKWARD], B.outs[1 + n:]) if B is not None else set()
     per_mb = [s for seg in (Segment.FORWARD, Segment.BACKWARD) for s, st in lists[seg]
-              if s not in (F, B) and not _is_carry(s) and id(s) not in own_parts
+              if s not in own and not _is_carry(s) and id(s) not in own_parts
               and (len(st) > 1 or s.kind in ("send", "recv"))
               and not _closed_transfer(s, seg, closed, after_b)]
     if per_mb:
         return f"'{per_mb[0].label}' runs on several stages or moves between them besides the carry"
+    for F, B in blocks:
+        why = _unsupported_block(cut, lists, F, B)
+        if why is not None:
+            return why
+    return None
+
+
+def _unsupported_block(cut, lists, F: Step, B: Step | None) -> str | None:
+    """Why one pipelined repeat's layers (forward ``F``, backward ``B``) cannot be cut into chunks, or None."""
+    n = len(F.args["names"])
     ys, dys = _per_layer_outputs(F, B, n)
     readers = [s for pairs in lists.values() for s, _ in pairs
                if s is not B and (set(F.outs[1:]) - set(ys)) & set(s.ins)]
@@ -175,11 +188,13 @@ def _unsupported(cut, lists) -> str | None:
 
 def _made_from(pairs, values) -> set:
     """The values the steps of ``pairs`` make from ``values``, directly or not (``values`` too),
-    and those added to them (a stage sum's received part)."""
-    live = set(values)
+    those received where a step sends one, and those added to them (a stage sum's received part)."""
+    live, tags = set(values), set()
     for s, _ in pairs:
-        if live & set(s.ins):
+        if live & set(s.ins) or (s.kind == "recv" and s.args["tag"] in tags):   # a received one too
             live.update(s.outs)
+            if s.kind == "send":
+                tags.add(s.args["tag"])
     return live | {x for s, _ in pairs if s.op == "add" and live & set(s.ins) for x in s.ins}
 
 

@@ -6,7 +6,8 @@ step (:class:`~.pipeline_program.Segment`), and each step gets the set of stages
 run it:
 
 * **prologue** (once, before the schedule): steps that depend on no input, e.g.
-  param re-layouts.  They run on the stages that read their results.
+  param re-layouts, and the whole-batch statistics of the inputs (a loss's token count,
+  :mod:`.batch_stats`).  They run on the stages that read their results.
 * **forward** (per micro-batch, in the schedule's ``F`` actions): what feeds the
   pipelined repeat (stage 0), the repeat's local layers (every stage, the carry
   received from the stage before and sent to the next), and what follows it up to
@@ -33,6 +34,14 @@ the carry.  Its gradient, each stage's sum over its own layers, travels back dow
 stages to stage 0 with the carry's gradient (:mod:`.stage_sum`); a param's is summed
 over the stages after the micro-batches, as the global norm's sums are.
 
+Several stacks on the stage axis (an encoder-decoder with ``layer:stage; enc_layer:stage``):
+each stack runs on its own run of stages (the stages cut the stacks' layers one after another,
+:func:`.pipeline.stack_counts`), its output carry on its last stage and its input gradient on
+its first, and its carry passes only between its own stages, so one carry crosses each stage
+boundary.  What one stack makes per micro-batch and a later one reads (the encoder's output)
+goes up like any value read on a later stage, and its gradient's stage sum comes back down to
+the stage that made it.  :func:`.stage_layers.split_stacks` then gives each stage its loops.
+
 The passes, in order: :func:`assign_stages`, :func:`assign_segments`,
 :func:`insert_transfers`; then :func:`_pipeline_step` makes the step and its
 :class:`~.pipeline_program.PipelineProgram`.
@@ -42,11 +51,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import LayoutError, message
+from ..ops.registry import run_device
 from .bucket import bucket_final
+from .batch_stats import made_once, param_behind
 from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
-from .stage_layers import split_stages
+from .stage_layers import split_stacks, split_stages
 from .pipeline_program import PipelineProgram, Segment, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
 from .plan import Plan, Step, Value, step_args, register_step_kind
@@ -114,6 +127,24 @@ def _may_move(seg_from: Segment, seg_to: Segment, src: int, dst: int) -> bool:
             or (seg_from == seg_to == F and src < dst) or (seg_from == seg_to == B and src > dst))
 
 
+@dataclass(frozen=True)
+class _Stack:
+    """One pipelined repeat: the positions of its forward and backward steps, that of the carry
+    gradient among the backward's inputs, its layers on each stage (() for one stack over every
+    stage) and the first and last stage running them."""
+
+    F: int
+    B: int | None
+    dy_pos: int
+    counts: tuple
+    lo: int
+    hi: int
+
+    @property
+    def stages(self) -> frozenset:
+        return frozenset(range(self.lo, self.hi + 1))
+
+
 @dataclass
 class _Cut:
     """One partition in the making: the lowered steps and what the passes find out about them.
@@ -121,7 +152,11 @@ class _Cut:
     ``F`` and ``B`` are the positions of the pipelined repeat's forward and backward steps;
     ``dy_pos`` the position of the carry gradient among ``B``'s inputs.  :func:`assign_stages`
     fills ``stages`` (per step, the stages running it), ``held`` (value -> stages holding it)
-    and ``demand`` (value -> stages reading it); :func:`assign_segments` fills ``segment``."""
+    and ``demand`` (value -> stages reading it); :func:`assign_segments` fills ``segment``.
+    ``stacks`` holds every pipelined repeat (:class:`_Stack`, in graph order; ``F``, ``B`` and
+    ``dy_pos`` are the last one's), ``stack_at`` the stack of each of their steps' positions,
+    ``sum_of`` that of each stage sum's and the tensor whose gradient it sums, ``sum_to`` (filled by
+    :func:`assign_stages`) the stage each stage sum ends on."""
 
     steps: list
     values: dict
@@ -139,6 +174,10 @@ class _Cut:
     demand: dict = field(default_factory=dict)
     spread: set = field(default_factory=set)
     segment: list = field(default_factory=list)
+    stacks: list = field(default_factory=list)
+    stack_at: dict = field(default_factory=dict)
+    sum_of: dict = field(default_factory=dict)
+    sum_to: dict = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -150,45 +189,58 @@ class _Cut:
 
     def is_carry_in(self, i: int, j: int) -> bool:
         """Whether input ``j`` of step ``i`` is the carry (or its gradient) the stages pass on."""
-        return (i == self.F and j == 0) or (i == self.B and j == self.dy_pos)
+        st = self.stack_at.get(i)
+        return st is not None and ((i == st.F and j == 0) or (i == st.B and j == st.dy_pos))
 
 
 def _cut(steps, values, outputs, spec) -> _Cut:
-    """The pipelined repeat's steps found (one forward, at most one backward) and the facts
-    every pass reads: producers, leaves, what varies per micro-batch, the chained stage sums."""
-    ax, layer = spec.axis, spec.layer
+    """The pipelined repeats' steps found (per stack one forward, at most one backward) and the
+    facts every pass reads: producers, leaves, what varies per micro-batch, the chained stage sums."""
+    ax, p = spec.axis, spec.num_stages
+    layers = [(layer, counts) for _, layer, counts in spec.stacks] or [(spec.layer, ())]
 
-    def pipelined(s):
-        return (s.kind == "repeat" and len(s.ins) > 1
-                and values[s.ins[1]].sharding.axes_of(layer) == (ax,))
-    steps = _own_carry(steps, values, pipelined)
+    def over(layer):
+        return lambda s: (s.kind == "repeat" and len(s.ins) > 1
+                          and values[s.ins[1]].sharding.axes_of(layer) == (ax,))
+    for layer, _ in layers:
+        steps = _own_carry(steps, values, over(layer))
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
-    fwd = [i for i, s in enumerate(steps) if pipelined(s) and not s.args["backward"]]
-    bwd = [i for i, s in enumerate(steps) if pipelined(s) and s.args["backward"]]
-    assert len(fwd) == 1, "a pipelined repeat lowers to one forward step"
-    if len(bwd) > 1:
-        raise _error("the pipelined repeat is differentiated more than once.", spec, [],
-                     "a pipeline runs one forward and one backward per micro-batch", "take one gradient")
-    F, B = fwd[0], (bwd[0] if bwd else None)
-    per_mb = varies_per_microbatch(steps, values)
-    return _Cut(steps, values, outputs, spec, F, B, 1 + len(steps[F].args["names"]), producer,
-                [s.kind in ("param", "input") for s in steps], per_mb,
-                chained_stage_sums(steps, ax, B, per_mb, producer))
+    stacks = []
+    for layer, counts in layers:
+        fwd = [i for i, s in enumerate(steps) if over(layer)(s) and not s.args["backward"]]
+        bwd = [i for i, s in enumerate(steps) if over(layer)(s) and s.args["backward"]]
+        assert len(fwd) == 1, "a pipelined repeat lowers to one forward step"
+        if len(bwd) > 1:
+            raise _error("the pipelined repeat is differentiated more than once.", spec, [],
+                         "a pipeline runs one forward and one backward per micro-batch", "take one gradient")
+        run = [t for t, c in enumerate(counts) if c] or [0, p - 1]   # the stages running its layers
+        stacks.append(_Stack(fwd[0], bwd[0] if bwd else None, 1 + len(steps[fwd[0]].args["names"]),
+                             tuple(counts), run[0], run[-1]))
+    per_mb = made_once(steps, varies_per_microbatch(steps, values))   # a whole-batch count of the inputs: once
+    sums = {i: (st, c) for st in stacks for i, c in chained_stage_sums(steps, ax, st.B, per_mb, producer).items()}
+    last = stacks[-1]
+    return _Cut(steps, values, outputs, spec, last.F, last.B, last.dy_pos, producer,
+                [s.kind in ("param", "input") for s in steps], per_mb, set(sums), stacks=stacks,
+                stack_at={i: st for st in stacks for i in (st.F, st.B) if i is not None}, sum_of=sums)
 
 
 def assign_stages(cut: _Cut) -> None:
     """Pass 1: the stages of every step.  Values anchored by the repeat's ends (its output carry
     on the last stage, its input gradient on stage 0) flow forward to their readers; the rest is
     placed by demand, where its results are read."""
-    p, ALL, steps = cut.num_stages, cut.every_stage, cut.steps
+    ALL, steps = cut.every_stage, cut.steps
     held, stages = cut.held, [None] * len(steps)
     for i, s in enumerate(steps):
-        if i in (cut.F, cut.B):
-            stages[i] = ALL
-            held[s.outs[0]] = frozenset({p - 1}) if i == cut.F else frozenset({0})
-            held.update((v, ALL) for v in s.outs[1:])
-        elif i in cut.sums:
-            stages[i] = frozenset({0})
+        st = cut.stack_at.get(i)
+        if st is not None:   # a stack's output carry on its last stage, its input gradient on its first
+            stages[i] = st.stages
+            held[s.outs[0]] = frozenset({st.hi}) if i == st.F else frozenset({st.lo})
+            held.update((v, st.stages) for v in s.outs[1:])
+        elif i in cut.sums:   # ends where the tensor was made: the stack's first stage, or one before it
+            st, c = cut.sum_of[i]
+            made = held.get(c, frozenset())
+            cut.sum_to[i] = min(made) if len(made) == 1 and min(made) < st.lo else st.lo
+            stages[i] = frozenset({cut.sum_to[i]})
             held.update((v, stages[i]) for v in s.outs)
         elif not cut.leaf[i]:
             anchored = [held[v] for v in s.ins if v in held]
@@ -210,8 +262,10 @@ def assign_stages(cut: _Cut) -> None:
                     want = frozenset({min(want)})
             stages[i] = want or frozenset({0})
             held.update((v, stages[i]) for v in s.outs)
+        st = cut.stack_at.get(i)
         for j, v in enumerate(s.ins):
-            want = {0} if (i == cut.F and j == 0) else {p - 1} if (i == cut.B and j == cut.dy_pos) else stages[i]
+            want = ({st.lo} if (i == st.F and j == 0) else {st.hi} if (i == st.B and j == st.dy_pos)
+                    else stages[i]) if st is not None else stages[i]
             demand[v] = demand.get(v, frozenset()) | want
     cut.stages = stages
 
@@ -221,23 +275,23 @@ def assign_segments(cut: _Cut) -> None:
     micro-batch axis, a step run on several stages (but its own part on each) and all that reads
     their results run once, after the micro-batches; of the rest, what varies per micro-batch
     runs in the F (before the pipelined backward) or the B actions, and what does not, once before."""
-    steps, F, B = cut.steps, cut.F, cut.B
+    steps = cut.steps
     cut.spread |= _own_parts(cut)
     final: set[int] = set()
     for i, s in enumerate(steps):
-        if cut.leaf[i] or i in (F, B) or not cut.per_mb[i]:
+        if cut.leaf[i] or i in cut.stack_at or not cut.per_mb[i]:
             continue
         if ((s.is_collective and MB_AXIS in s.axes) or (len(cut.stages[i]) > 1 and i not in cut.spread)
                 or any(cut.producer.get(v) in final for v in s.ins)):
             final.add(i)
     _check_what_feeds_the_layers(cut, final)
-    after_b: set[int] = set(steps[B].outs) if B is not None else set()
+    after_b: set[int] = {v for st in cut.stacks if st.B is not None for v in steps[st.B].outs}
     in_b = set()
     for i, s in enumerate(steps):
         if any(v in after_b for v in s.ins):
             after_b.update(s.outs)
             in_b.add(i)
-    order = {F: Segment.FORWARD, B: Segment.BACKWARD}
+    order = {i: Segment.FORWARD if i == st.F else Segment.BACKWARD for i, st in cut.stack_at.items()}
     cut.segment = [None if cut.leaf[i] else Segment.FINAL if i in final else order[i] if i in order
                    else Segment.PROLOGUE if not cut.per_mb[i]
                    else Segment.BACKWARD if i in in_b else Segment.FORWARD for i in range(len(steps))]
@@ -292,8 +346,8 @@ def _whole_batch_cause(steps, producer, final, i):
 def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
     """Refuse a pipelined repeat that reads a value made after the micro-batches."""
     steps, producer, spec = cut.steps, cut.producer, cut.spec
-    for blk in (cut.F, cut.B):
-        for v in (steps[blk].ins if blk is not None else ()):
+    for blk in cut.stack_at:
+        for v in steps[blk].ins:
             if producer.get(v) not in final:
                 continue
             c = _whole_batch_cause(steps, producer, final, producer[v])
@@ -306,23 +360,27 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                              "compute it from the batch before the stack, or from params and tables only")
             src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
             over = ", ".join("micro-batches" if a == MB_AXIS else a for a in c.axes)
-            joins = f"{c.kind} over {over} for '{c.op}' joins the micro-batches"
-            if blk == cut.F:
+            joins = [f"{c.kind} over {over} for '{c.op}' joins the micro-batches"]
+            p = param_behind(steps, producer, c.ins[0])   # why it was not made once (.batch_stats)
+            joins += [f"what it sums is made from param '{p}', so it needs every micro-batch's forward"] if p else []
+            if blk == cut.stack_at[blk].F:
                 raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
-                             "the result before the pipelined repeat.", spec, [joins],
-                             "what feeds or follows the pipelined layers runs one micro-batch at a time",
-                             "keep ops that reduce over the batch after the loss, or use microbatches=1")
+                             "the result before the pipelined repeat.", spec, joins,
+                             "what feeds or follows the pipelined layers runs one micro-batch at a time; a "
+                             "whole-batch statistic of the inputs alone is made once, before them",
+                             "make the statistic from the inputs only, keep ops that reduce over the batch "
+                             "after the loss, or use microbatches=1")
             raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' after the "
                          "pipelined repeat reads the result: the gradient the pipelined backward starts "
-                         "from depends on it (a loss divided by a count over the whole batch, such as "
-                         "the masked tokens of an MLM loss).", spec,
-                         [joins, f"'{steps[producer[v]].op}' ({steps[producer[v]].label}) is read by the "
-                                 "pipelined backward, which runs one micro-batch at a time"],
-                         "the loss's gradient at each micro-batch may depend on its own micro-batch and "
-                         "on values the same for every micro-batch only",
-                         "feed the whole batch's count as an input without the batch dim "
-                         "(md.input('count', []), the same for every micro-batch) and divide by it, "
-                         "normalise per micro-batch, or use microbatches=1")
+                         "from depends on it.", spec,
+                         [*joins, f"'{steps[producer[v]].op}' ({steps[producer[v]].label}) is read by the "
+                                  "pipelined backward, which runs one micro-batch at a time"],
+                         "the loss's gradient at each micro-batch may depend on its own micro-batch, on "
+                         "values the same for every micro-batch, and on whole-batch statistics of the "
+                         "inputs alone (a count of masked tokens: made once, before the micro-batches)",
+                         "divide by a whole-batch value made from the inputs only (or fed as an input "
+                         "without the batch dim, md.input('count', [])), normalise per micro-batch, or "
+                         "use microbatches=1")
 
 
 def _check_per_layer_outputs(cut: _Cut, i: int) -> None:
@@ -370,9 +428,11 @@ def insert_transfers(cut: _Cut) -> dict:
         seg = lists[cut.segment[i]]
         seg.extend(before)
         if i in cut.sums:
-            moves, tag = expand_stage_sum(s, cut.values, cut.spec.mesh, cut.spec.axis, cut.num_stages, tag)
+            st = cut.sum_of[i][0]
+            moves, tag = expand_stage_sum(s, cut.values, cut.spec.mesh, cut.spec.axis, (st.lo, st.hi), tag,
+                                          cut.sum_to[i])
             seg.extend(moves)
-        elif i in (cut.F, cut.B):
+        elif i in cut.stack_at:
             seg.extend(_carried(cut, i))
         else:
             seg.append((s, cut.stages[i]))
@@ -396,6 +456,11 @@ def _moves_into(cut: _Cut, i: int, lists: dict, moved: set, tag: int) -> tuple[l
             if (v, t) in moved:
                 continue
             moved.add((v, t))
+            if spec.stacks and spec.axis in values[v].sharding.partial:
+                # a stage's part of a sum over the stages (a gradient's square norm) where it holds
+                # none of the stack that makes it: zero, not a copy of another stage's part
+                before.append((_zeros(v, values, spec.mesh, s.phase), frozenset({t})))
+                continue
             src = min(cut.held[v], key=lambda h: abs(h - t))
             pj = cut.producer[v]
             if not _may_move(cut.segment[pj], cut.segment[i], src, t):
@@ -417,17 +482,32 @@ def _moves_into(cut: _Cut, i: int, lists: dict, moved: set, tag: int) -> tuple[l
     return before, tag
 
 
+def _zero_part(ctx, attrs):
+    return torch.zeros(attrs["shape"], dtype=attrs["dtype"], device=run_device())
+
+
+def _zeros(v: int, values: dict, mesh, phase: str) -> Step:
+    """A step making value ``v`` zero (a stage's empty part of a sum over the stages)."""
+    val = values[v]
+    return Step("local", -1, "zeros", f"no part of {v} on this stage", phase, (), (v,), (),
+                step_args("local", {"fn": _zero_part, "attrs": {"shape": val.sharding.local_shape(val.shape, mesh),
+                                                                "dtype": val.dtype},
+                                    "compute": val.sharding.split, "sizes": {d.name: d.size for d in val.shape}}))
+
+
 def _carried(cut: _Cut, i: int) -> list:
     """The pipelined repeat's step ``i`` (forward or backward) between the receive of its carry
     from the stage before it (after it, for the backward) and the send of its result on."""
-    s, p, spec = cut.steps[i], cut.num_stages, cut.spec
-    carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == cut.F else (s.ins[cut.dy_pos], -1, GRAD_TAG)
-    first, last = frozenset(range(p - 1)), frozenset(range(1, p))  # stages with a next / a previous
-    return [(transfer_step("recv", carry, cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
-             last if i == cut.F else first),
-            (s, cut.every_stage),
-            (transfer_step("send", s.outs[0], cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
-             first if i == cut.F else last)]
+    s, spec, st = cut.steps[i], cut.spec, cut.stack_at[i]
+    carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == st.F else (s.ins[st.dy_pos], -1, GRAD_TAG)
+    # the stack's stages with a next one / a previous one
+    first, last = frozenset(range(st.lo, st.hi)), frozenset(range(st.lo + 1, st.hi + 1))
+    out = [(transfer_step("recv", carry, cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
+            last if i == st.F else first),
+           (s, st.stages),
+           (transfer_step("send", s.outs[0], cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
+            first if i == st.F else last)]
+    return [(x, where) for x, where in out if where]   # a stack on one stage passes no carry
 
 
 def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0.0):
@@ -443,7 +523,9 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     assign_stages(cut)
     assign_segments(cut)
     lists = insert_transfers(cut)
-    if spec.schedule.num_chunks > 1:
+    if spec.stacks:
+        lists = split_stacks(cut, lists)
+    elif spec.schedule.num_chunks > 1:
         lists = interleave(cut, lists, spec.schedule.num_chunks)
     elif spec.stage_layers:
         lists = split_stages(cut, lists, spec.stage_layers)
@@ -463,14 +545,17 @@ def _holders(cut: _Cut, leaves) -> dict:
     return out
 
 
-def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs, values) -> Step:
+def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs, values, loops=frozenset()) -> Step:
     """The ``pipeline`` (or ``accumulate``) step running the segment lists ``lists`` (segment ->
-    ``(step, stages)`` pairs) by ``schedule``, with its :class:`~.pipeline_program.PipelineProgram`."""
+    ``(step, stages)`` pairs) by ``schedule``, with its :class:`~.pipeline_program.PipelineProgram`;
+    ``loops``: the ids of the stacks' loop steps when several stacks share the stage axis."""
     m, p = spec.num_microbatches, spec.num_stages
     mb_axis = MB_AXIS if m > 1 else None
     subplans = tuple(Plan(spec.mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in Segment)
     stages = tuple(tuple(tuple(sorted(st)) for _, st in lists[k]) for k in Segment)
-    program = PipelineProgram(spec.axis, p, m, mb_axis, schedule, subplans, stages, (ACT_TAG, GRAD_TAG), tuple(outs))
+    stack_loops = frozenset((k, j) for k in Segment for j, (s, _) in enumerate(lists[k]) if id(s) in loops)
+    program = PipelineProgram(spec.axis, p, m, mb_axis, schedule, subplans, stages, (ACT_TAG, GRAD_TAG), tuple(outs),
+                              stack_loops)
     return Step(kind, -1, kind, label, "forward", tuple(ins), tuple(outs), (spec.axis,) if spec.axis else (),
                 step_args(kind, {"axis": spec.axis, "num_stages": p, "microbatches": m, "mb_axis": mb_axis,
                                  "program": program}),
@@ -480,8 +565,11 @@ def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs,
 def _pipeline_step(cut: _Cut, lists: dict) -> Step:
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]
     made = {v for i, s in enumerate(cut.steps) if not cut.leaf[i] for v in s.outs}
+    loops = {id(s) for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k]
+             if s.kind == "repeat" and s.node in {cut.steps[i].node for i in cut.stack_at}} if cut.spec.stacks else ()
     return pipeline_step("pipeline", _label(cut.spec.axis, cut.spec.schedule), lists, cut.spec, cut.spec.schedule,
-                         [v for s in leaves for v in s.outs], sorted(set(cut.outputs.values()) & made), cut.values)
+                         [v for s in leaves for v in s.outs], sorted(set(cut.outputs.values()) & made), cut.values,
+                         frozenset(loops))
 
 
 def program_of(step: Step) -> PipelineProgram:

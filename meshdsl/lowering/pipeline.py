@@ -2,7 +2,9 @@
 
 A layout rule ``layer:<axis>`` on the layer dim of a ``repeat`` makes ``<axis>`` a
 pipeline axis: each rank of it holds ``layers / p`` consecutive layers.  Nothing
-else may be split over that axis.
+else may be split over that axis.  Several stacks (an encoder-decoder's, each scanning a
+layer dim of its own name) may share it: the stages then cut the stacks' layers one after
+another (:func:`stack_counts`, :attr:`PipeSpec.stacks`).
 
 Micro-batches are a virtual mesh axis: the plan is lowered on the user's mesh plus
 an axis :data:`MB_AXIS` of size ``m`` (minor), with the ``batch`` dim split over it
@@ -48,6 +50,10 @@ class PipeSpec:
       stage_layers: layers per stage when not equal (:mod:`.stage_layers`), else (); with virtual
         stages, per virtual stage (``p * v`` counts in layer order: stage s is chunk ``s // p``
         of rank ``s % p``).
+      stacks: with more than one pipelined repeat (an encoder-decoder), each as ``(node id, layer dim
+        name, counts)`` in graph order, ``counts`` its layers on each stage (0 outside its run of
+        stages): the stages cut the stacks' layers one after another (:func:`stack_counts`); else ().
+        ``node`` and ``layer`` are then the first stack's, and ``stage_layers`` is ().
     """
 
     axis: str | None
@@ -60,6 +66,7 @@ class PipeSpec:
     layout: Layout
     given: tuple = ()
     stage_layers: tuple = ()
+    stacks: tuple = ()
 
 
 def per_microbatch(step, values) -> bool:
@@ -93,16 +100,19 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     ``schedule`` names a generator of :mod:`.schedule_gen`; ``"interleaved:v"`` runs v virtual
     stages per rank (:mod:`.interleave`).  ``stage_layers`` gives each stage's layer count
     (:mod:`.stage_layers`; with ``interleaved:v``, each of the ``p * v`` virtual stages', in layer
-    order); None splits the layers evenly.
+    order); None splits the layers evenly.  With several pipelined stacks (distinct layer dims on
+    one axis) ``stage_layers`` counts each stage's layers of the stacks joined in graph order.
 
     Raises:
       LayoutError: ``layer`` split over two axes, stacked params of one repeat split
-        differently, two pipelined repeats, a pipeline axis that also splits another
+        differently, two pipelined repeats over one layer dim or over two axes, a pipeline axis
+        that also splits another
         dim, a ``layer`` rule with no repeat scanning that dim, a batch that the
         micro-batches (times the batch's axes) do not divide, virtual stages that do not
         divide the layers of a rank (without ``stage_layers``), bad ``stage_layers`` (a wrong
         count of entries, one below 1, a sum other than the layers).
-      ScheduleError: an unknown schedule, or sizes its generator refuses.
+      ScheduleError: an unknown schedule, or sizes its generator refuses; virtual stages with
+        several pipelined stacks.
     """
     _check_count("microbatches", microbatches)
     if MB_AXIS in mesh.sizes:
@@ -115,6 +125,8 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
     if trivial:
         layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
+    if len(found) > 1:
+        return _several_stacks(found, mesh, layout, dims, microbatches, schedule, stage_layers)
     if axis is None and stage_layers is not None:
         _stage_layers(stage_layers, None, 1, 1, mesh, layout)   # refused: no pipeline
     if axis is None and microbatches == 1:
@@ -180,8 +192,8 @@ def _pipelined_repeats(nodes, mesh: Mesh, layout: Layout) -> tuple[list, set]:
 
 
 def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) -> None:
-    """Refuse a ``layer`` rule no repeat scans, a second pipelined repeat, and a pipeline axis
-    that splits another dim."""
+    """Refuse a ``layer`` rule no repeat scans, a second pipelined repeat over the same layer dim
+    or over another axis, and a pipeline axis that splits a dim other than the stacks' layer dims."""
     for r in layout.rules:
         dim = r.key[1]
         if dim == "layer" and dim not in scanned and r.axis_names:
@@ -190,26 +202,75 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
                        fix="stack the blocks with md.repeat(..., 'layer'), or drop the rule")
     if len(found) > 1:
         dims = sorted({n.attrs["layer"].name for n, _ in found})
-        shared = len(dims) < len(found)
-        raise _err("more than one repeat is pipelined.", mesh=mesh, layout=layout,
-                   bullets=[f"repeat '{n.name}' over '{a}': its {n.attrs['layer'].size} layers scan dim "
-                            f"'{n.attrs['layer'].name}'" for n, a in found],
-                   rule="one repeat per graph runs as a pipeline (an encoder-decoder's two stacks cannot share "
-                        "one stage axis yet)",
-                   fix=("give each stack a layer dim of its own name (md.Dim('enc_layer', n) for the encoder's "
-                        f"params and its md.repeat) and split only one of them over the stage axis "
-                        f"('{dims[0]}:{found[0][1]}'); the other runs whole on the stages that hold its inputs")
-                   if shared else
-                   f"keep one of the rules {', '.join(repr(f'{d}:{found[0][1]}') for d in dims)} and leave the "
-                   "other stack's layer dim whole")
+        axes = sorted({a for _, a in found})
+        if len(dims) < len(found) or len(axes) > 1:
+            raise _err("more than one repeat is pipelined" + (" over one layer dim." if len(axes) == 1 else
+                                                              f" over {len(axes)} mesh axes."),
+                       mesh=mesh, layout=layout,
+                       bullets=[f"repeat '{n.name}' over '{a}': its {n.attrs['layer'].size} layers scan dim "
+                                f"'{n.attrs['layer'].name}'" for n, a in found],
+                       rule="the stacks of a model (an encoder-decoder's) are pipelined on one stage axis, each "
+                            "scanning a layer dim of its own name",
+                       fix=("give each stack a layer dim of its own name (md.Dim('enc_layer', n) for the encoder's "
+                            "params and its md.repeat) and split both over the stage axis ('enc_layer:"
+                            f"{found[0][1]}; {dims[0]}:{found[0][1]}')") if len(dims) < len(found) else
+                           f"map every stack's layer dim to one axis, e.g. "
+                           f"'{'; '.join(f'{d}:{axes[0]}' for d in dims)}'")
     if found:
-        node, axis = found[0]
-        layer = node.attrs["layer"].name
+        axis = found[0][1]
+        layers = {n.attrs["layer"].name for n, _ in found}
         for r in layout.rules:
-            if axis in r.axis_names and r.key[1] != layer:
+            if axis in r.axis_names and r.key[1] not in layers:
                 raise _err(f"layout rule '{r}' uses the pipeline axis '{axis}'.", mesh=mesh, layout=layout,
-                           rule=f"a pipeline axis splits only the layer dim ('{layer}')",
+                           rule=f"a pipeline axis splits only the layer dim ({', '.join(map(repr, sorted(layers)))})",
                            fix=f"map '{r.key[1]}' to another axis")
+
+
+def _several_stacks(found: list, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int,
+                    schedule: str, stage_layers) -> PipeSpec:
+    """The pipeline of several stacks on one stage axis (:func:`stack_counts` cuts their layers)."""
+    axis = found[0][1]
+    p, chunks = mesh.sizes[axis], parse_schedule(schedule)[1]
+    if chunks > 1:
+        raise _err(f"{len(found)} stacks are pipelined, and schedule '{schedule}' runs {chunks} virtual stages "
+                   "per rank.", mesh=mesh, layout=layout, cls=ScheduleError,
+                   bullets=[f"repeat '{n.name}': {n.attrs['layer'].size} layers ('{n.attrs['layer'].name}')"
+                            for n, _ in found],
+                   rule="several stacks on one stage axis run one stage per rank (the stages cut the stacks' "
+                        "layers one after another)",
+                   fix="use --schedule gpipe, 1f1b or zbh1, or pipeline one stack only")
+    if isinstance(stage_layers, str):
+        _stage_layers(stage_layers, found[0][0], p, 1, mesh, layout)   # refused: a string
+    sizes = [n.attrs["layer"].size for n, _ in found]
+    counts = stack_counts(sizes, stage_layers, p, mesh, layout)
+    mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches)
+    node = found[0][0]
+    stacks = tuple((n.id, n.attrs["layer"].name, c) for (n, _), c in zip(found, counts))
+    return PipeSpec(axis, p, microbatches, node.id, node.attrs["layer"].name,
+                    named_schedule(schedule, p, microbatches), mesh2, layout2, (mesh, layout), (), stacks)
+
+
+def stack_counts(sizes, stage_layers, p: int, mesh: Mesh, layout: Layout) -> list[tuple[int, ...]]:
+    """Per stack (``sizes``: each one's layers, in graph order), its layers on each of the ``p``
+    stages: the stages cut the stacks' layers one after another, stage s taking ``stage_layers[s]``
+    of them (even counts when None), so a stage may hold the end of one stack and the start of
+    the next, and a stack none on the stages outside its run."""
+    total = sum(sizes)
+    given = _even_counts(total, p) if stage_layers is None else stage_layers
+    cut = check_counts(given, total, p, mesh, layout)
+    out, start = [], 0
+    for n in sizes:
+        per, off = [], 0
+        for c in cut:
+            per.append(max(0, min(off + c, start + n) - max(off, start)))
+            off += c
+        out.append(tuple(per))
+        start += n
+    return out
+
+
+def _even_counts(total: int, p: int) -> list[int]:
+    return [total // p + (i < total % p) for i in range(p)]
 
 
 def _check_chunks(node, p: int, chunks: int, mesh: Mesh, layout: Layout) -> None:

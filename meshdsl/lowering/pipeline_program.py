@@ -118,6 +118,9 @@ class PipelineProgram:
       stages: per segment, per step, the stages that run it.
       carry_tags: the tags of the carry's (activation, gradient) transfers.
       outputs: the pipeline step's outputs (kept past the schedule).
+      stack_loops: with several stacks on the stage axis (an encoder-decoder's), ``(segment,
+        position)`` of each stack's loop on each of its stages (:func:`.stage_layers.split_stacks`);
+        empty with one.
     """
 
     axis: str | None
@@ -129,6 +132,7 @@ class PipelineProgram:
     stages: tuple[tuple[tuple[int, ...], ...], ...]
     carry_tags: tuple[int, ...]
     outputs: tuple[int, ...]
+    stack_loops: frozenset = frozenset()
 
     @classmethod
     def of_schedule(cls, schedule: Schedule, axis: str = "stage") -> "PipelineProgram":
@@ -175,9 +179,10 @@ class PipelineProgram:
     def pipelined(self) -> frozenset:
         """``(segment, position)`` of the pipelined repeat's steps: the repeats that run on several
         stages, one chunk of layers each (another stack, such as an encoder's before the layers,
-        runs on one)."""
-        return frozenset((seg, j) for seg in PER_MICROBATCH for j, (s, st) in enumerate(self.steps(seg))
-                         if s.kind == "repeat" and (len(st) > 1 or self._split_over_stages(seg, s)))
+        runs on one), and with several stacks on the stage axis, every stack's loops."""
+        return self.stack_loops | frozenset(
+            (seg, j) for seg in PER_MICROBATCH for j, (s, st) in enumerate(self.steps(seg))
+            if s.kind == "repeat" and (len(st) > 1 or self._split_over_stages(seg, s)))
 
     def _split_over_stages(self, seg: Segment, s) -> bool:
         """Whether repeat ``s`` reads a stacked param split over the stage axis (unequal stages
@@ -199,8 +204,10 @@ class PipelineProgram:
         if (segment, position) not in self.pipelined:
             return 0
         fwd = self.segments[Segment.FORWARD].steps
+        # with several stacks, only the layers of this one (its loops read the same stacked params)
+        params = self.segments[segment].steps[position].ins[1] if self.stack_loops else None
         return sum(fwd[j].times * sum(1 for t in self.stages[Segment.FORWARD][j] if t < stage)
-                   for seg, j in self.pipelined if seg == Segment.FORWARD)
+                   for seg, j in self.pipelined if seg == Segment.FORWARD and params in (None, fwd[j].ins[1]))
 
     # --------------------------------------------------------------------------- values
 

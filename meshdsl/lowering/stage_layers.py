@@ -15,6 +15,10 @@ cut into unequal ones, as a pass on the segment lists and the values:
 * the pipelined repeat's forward and backward steps become one step per stage, over its
   own layers (same values: each rank's local slice holds its stage's layers).
 
+With several stacks on the stage axis, :func:`split_stacks` does the same for each stack, at
+its counts (:attr:`.pipeline.PipeSpec.stacks`); a stack on one stage keeps its layers whole
+there, and a sum over the stage axis that only that stage runs is summed over its other axes.
+
 What :mod:`.interleave` refuses, this pass refuses too (other per-micro-batch values moving
 between stages besides the carry and what the block reads from outside, stacked gradients read
 other than by their sum over the micro-batches), and per-layer outputs when the ranks hold
@@ -30,6 +34,7 @@ from ..errors import LayoutError, message
 from ..layout.sharding import part_sizes
 from .interleave import UNEVEN_RULE, _uneven_per_layer_outputs, _unsupported
 from .pipeline_program import Segment
+from .plan import Step, step_args
 
 
 def offsets(counts) -> list[int]:
@@ -69,11 +74,11 @@ def split_stages(cut, lists: dict, counts) -> dict:
     return out
 
 
-def store_where_run(values: dict, spec, counts) -> None:
-    """Every value of ``values`` whose layer dim the stage axis alone splits, with that dim cut
-    into ``counts`` (stage s holds its own layers); unchanged where the layout's even cut
-    already is ``counts``."""
-    mesh, axis, layer = spec.mesh, spec.axis, spec.layer
+def store_where_run(values: dict, spec, counts, layer: str | None = None) -> None:
+    """Every value of ``values`` whose layer dim (``layer``, the pipelined repeat's by default)
+    the stage axis alone splits, with that dim cut into ``counts`` (stage s holds its own
+    layers); unchanged where the layout's even cut already is ``counts``."""
+    mesh, axis, layer = spec.mesh, spec.axis, layer or spec.layer
     counts = tuple(counts)
     for vid, v in list(values.items()):
         sh = v.sharding
@@ -83,6 +88,98 @@ def store_where_run(values: dict, spec, counts) -> None:
         if part_sizes(size, mesh, mesh.group(0, (axis,)), (axis,)) == counts:
             continue
         values[vid] = dataclasses.replace(v, sharding=sh.with_parts(layer, counts))
+
+
+def split_stacks(cut, lists: dict) -> dict:
+    """The segment lists of a cut with several pipelined stacks (``spec.stacks``), each stack's
+    forward and backward step one step per stage of its run, over that stage's layers of it; the
+    stacks' layer-split values are stored so (in place): at the stages' counts for a stack on every
+    stage, whole for a stack on one (held there only)."""
+    spec = cut.spec
+    why = _unsupported(cut, lists)
+    if why is not None:
+        raise LayoutError(message(
+            f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): {why}.",
+            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"], bullets=stack_lines(spec),
+            rule="stacks sharing a stage axis run their layers where they are stored and pass only their "
+                 "carry, and what their blocks read from outside, between stages",
+            fix="pipeline one stack only (leave the other's layer dim whole)"))
+    p = spec.num_stages
+    partial = [(layer, st) for (_, layer, _), st in zip(spec.stacks, cut.stacks) if 1 < len(st.stages) < p]
+    if partial:
+        raise LayoutError(message(
+            f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): stack '{partial[0][0]}' runs on "
+            f"stages {partial[0][1].lo}..{partial[0][1].hi} of {p}.",
+            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"], bullets=stack_lines(spec),
+            rule="each stack sharing a stage axis runs on one stage or on all of them (a stack on some of "
+                 "several stages is not supported yet)",
+            fix="give the stages layer counts (--stage-layers N,N,..) that put each stack on one stage or on "
+                "every stage, or pipeline one stack only"))
+    out = dict(lists)
+    for (_, layer, counts), st in zip(spec.stacks, cut.stacks):
+        if st.lo == st.hi:   # on one stage: its layers are whole there, and held on that stage only
+            _store_whole(cut.values, spec.axis, layer)
+        else:
+            store_where_run(cut.values, spec, counts, layer)
+        for seg, pos in ((Segment.FORWARD, st.F), (Segment.BACKWARD, st.B)):
+            if pos is not None:
+                block = cut.steps[pos]
+                out[seg] = _replace(out[seg], block, [
+                    (dataclasses.replace(block, times=c, label=f"{block.label} (stage {t})"), frozenset({t}))
+                    for t, c in enumerate(counts) if c])
+    return {seg: _one_stage_sums(pairs, spec, cut.values) for seg, pairs in out.items()}
+
+
+def _one_stage_sums(pairs: list, spec, values) -> list:
+    """``pairs`` with each sum over the stage axis that one stage alone runs (a gradient of what a
+    stack on one stage reads from outside, such as a shared param) summed over the other axes only:
+    the other stages run none of that stack's layers, so have no part of it."""
+    out = []
+    for s, st in pairs:
+        if s.is_collective and s.kind not in ("send", "recv") and spec.axis in s.axes and len(st) < spec.num_stages:
+            if s.kind != "allreduce" or len(st) > 1:
+                raise LayoutError(message(
+                    f"compile (pipeline over '{spec.axis}', {len(spec.stacks)} stacks): {s.kind} over "
+                    f"{s.axes} for '{s.op}' ({s.label}) runs on stages {sorted(st)} only.",
+                    inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"], bullets=stack_lines(spec),
+                    rule="a collective over the stage axis runs on every stage",
+                    fix="pipeline one stack only (leave the other's layer dim whole)"))
+            axes = tuple(a for a in s.axes if a != spec.axis)
+            if axes:
+                s = dataclasses.replace(s, axes=axes)
+            else:
+                v = values[s.outs[0]]
+                s = Step("local", s.node, "copy", f"{s.label} (one stage's)", s.phase, s.ins, s.outs, (),
+                         step_args("local", {"fn": _same, "attrs": {}, "compute": v.sharding.split,
+                                             "sizes": {d.name: d.size for d in v.shape}}))
+        out.append((s, st))
+    return out
+
+
+def _same(ctx, attrs, x):
+    """A sum over one stage: its own part."""
+    return x
+
+
+def _store_whole(values: dict, axis: str, layer: str) -> None:
+    """Every value of ``values`` whose layer dim the stage axis alone splits, with that dim whole."""
+    for vid, v in list(values.items()):
+        sh = v.sharding
+        if sh.axes_of(layer) == (axis,):
+            dims = tuple((n, () if n == layer else a) for n, a in sh.dims)
+            values[vid] = dataclasses.replace(v, sharding=dataclasses.replace(
+                sh, dims=dims, parts=tuple((n, q) for n, q in sh.parts if n != layer)))
+
+
+def stack_lines(spec) -> list[str]:
+    """Per stack of several on the stage axis, the layers each stage holds (plan notes, messages)."""
+    out = []
+    for _, layer, counts in spec.stacks:
+        first = offsets(counts)
+        out.append(f"stack '{layer}' on '{spec.axis}': " + ", ".join(
+            f"stage {t} layers {first[t]}..{first[t] + c - 1}" if c > 1 else f"stage {t} layer {first[t]}"
+            for t, c in enumerate(counts) if c))
+    return out
 
 
 def _replace(pairs: list, block, per_stage: list) -> list:

@@ -92,11 +92,22 @@ def _equal_split(outputs, mesh, layout, v: int = 1) -> tuple[int, ...] | None:
     ts = outputs.values() if isinstance(outputs, dict) else outputs if isinstance(outputs, (list, tuple)) \
         else [outputs]
     mesh, layout = Mesh.parse(mesh), Layout.parse(layout)
+    found = []
     for n in topo_nodes(list(ts)):
         rule = layout.rule_for(n.attrs["layer"].name, ()) if n.op.name == "repeat" else None
         if rule is not None and rule.axis_names and mesh.axis_size(rule.axis_names) > 1:
-            layers, p = n.attrs["layer"].size, mesh.axis_size(rule.axis_names) * v
-            return tuple(layers // p + (i < layers % p) for i in range(p))
+            found.append((n.attrs["layer"], mesh.axis_size(rule.axis_names) * v))
+    if len(found) > 1:
+        raise LayoutError(message(
+            f"balance_stages: {len(found)} stacks are pipelined "
+            f"({', '.join(f'{d.name!r}: {d.size} layers' for d, _ in found)}).",
+            inputs=[f"mesh: {mesh}", f"layout: {layout}"],
+            rule="the automatic split balances the layers of one pipelined stack",
+            fix=f"give each stage its layers of the stacks joined in order (--stage-layers N,N,.., "
+                f"{found[0][1]} counts summing to {sum(d.size for d, _ in found)}), or leave it out for an even cut"))
+    if found:
+        (dim, p), = found
+        return tuple(dim.size // p + (i < dim.size % p) for i in range(p))
     return None
 
 

@@ -1,0 +1,178 @@
+"""Two pipelined stacks on one stage axis: an encoder-decoder with both layer dims on ``stage``.
+
+``layer:stage; enc_layer:stage`` pipelines both stacks of tests/t5_tiny.py (encoder: 2 layers
+over ``enc_layer``; decoder: 4 over ``layer``) and of tests/heldout_bart.py. The stages cut
+the two stacks' layers in order, encoder first (an even cut by default, or ``stage_layers``
+over the joined list). A stage can hold the end of the encoder and the start of the decoder.
+A stack on one stage keeps its layers whole there. The encoder's output goes up to the
+decoder's stages, and its gradient comes back down to the stage that made it
+(lowering/stage_layers.py ``split_stacks``, lowering/partition.py). Every output matches the
+dense program (simulated mesh; one case on two gloo processes).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import pathlib
+
+import pytest
+import torch
+
+import meshdsl as md
+from meshdsl.comm.microbatch import for_plan
+from meshdsl.errors import LayoutError
+from meshdsl.lowering.schedule import ScheduleError
+from meshdsl.processes import launcher as launch
+from meshdsl.train.jobs import agree_plan
+
+import t5_tiny as t5
+
+BART = str(pathlib.Path(__file__).parent / "heldout_bart.py")
+BOTH = "layer:stage; enc_layer:stage"
+# fp32 with O(1) values: only rounding differs. The stages and the micro-batches add the layers'
+# and the batch's parts in another order than the dense program (n * 2**-24 of the magnitudes
+# for n terms), far below 1e-5. A wrong cut, a lost transfer or a gradient summed on the wrong
+# stage is off by O(1).
+REL = 1e-5
+CFG = t5.Config()
+
+
+@pytest.fixture(scope="module")
+def t5_model():
+    outs, _ = t5.build(CFG)
+    feeds = t5.feeds(CFG)
+    return outs, feeds, md.run_dense(outs, feeds)
+
+
+def _close(got, want, what=""):
+    assert set(got) == set(want)
+    for k in want:
+        scale = want[k].abs().max().item()
+        torch.testing.assert_close(got[k], want[k], rtol=REL, atol=REL * scale, msg=lambda e, k=k: f"{what} {k}: {e}")
+
+
+def _stages(plan, vid):
+    return {plan.mesh.coords(r)["stage"] for r in plan.holders[vid]}
+
+
+@pytest.mark.parametrize("stage_layers, schedule, m", [
+    (None, "gpipe", 2),      # 3|3: the encoder whole on stage 0, the decoder's layers 0 | 1..3
+    (None, "1f1b", 4),
+    ((2, 4), "zbh1", 2),     # each stack whole on one stage (the decoder's shared gate on stage 1 only)
+    ((1, 5), "1f1b", 2),     # the encoder over both stages, the decoder whole on stage 1
+])
+def test_t5_with_both_stacks_pipelined_matches_dense(t5_model, stage_layers, schedule, m):
+    outs, feeds, want = t5_model
+    plan = md.compile(outs, "stage:2", BOTH, microbatches=m, schedule=schedule, stage_layers=stage_layers)
+    _close(md.run_simulated(plan, feeds), want, f"{stage_layers} {schedule} m={m}")
+
+
+def test_each_stage_holds_its_cut_of_the_joined_layers(t5_model):
+    outs, _, _ = t5_model
+    plan = md.compile(outs, "stage:2", BOTH, microbatches=2, schedule="1f1b", stage_layers=(1, 5))
+    # the encoder's 2 layers on stages 0 and 1, the decoder's 4 all on stage 1
+    assert _stages(plan, plan.params["enc_wq"]) == {0, 1}
+    assert _stages(plan, plan.params["dec_xq"]) == _stages(plan, plan.params["gate"]) == {1}
+    # split over the stages where a stack runs on both, whole where it runs on one
+    assert plan.values[plan.params["enc_wq"]].sharding.axes_of("enc_layer") == ("stage",)
+    assert plan.values[plan.params["dec_xq"]].sharding.axes_of("layer") == ()
+    assert "stack 'enc_layer' on 'stage': stage 0 layer 0, stage 1 layer 1" in plan.notes
+    assert "stack 'layer' on 'stage': stage 1 layers 0..3" in plan.notes
+    pipe = plan.steps[-1]
+    prog = pipe.args["program"]
+    _, forward, backward, _ = pipe.subplans
+    loops = {(s.label, s.times, prog.stages[1][j]) for j, s in enumerate(forward.steps) if s.kind == "repeat"}
+    assert sorted(t for _, t, _ in loops) == [1, 1, 4] and {st for *_, st in loops} == {(0,), (1,)}
+    # one carry per boundary (the encoder's); the encoder's output is made on stage 1 (its last
+    # layer's), where the decoder reads it, so nothing else goes up, and its gradient is summed there
+    sends = [s for s in forward.steps if s.kind == "send"]
+    assert [s.bytes for s in sends] == [CFG.batch // 2 * CFG.src_seq * CFG.d_model * 4]
+
+
+@pytest.mark.parametrize("stage_layers", [(2, 4), (1, 5), (3, 3)])
+def test_a_global_gradient_norm_counts_each_stage_once(t5_model, stage_layers):
+    """The sum of every gradient's squares (what a clip norm reads) adds each stage's part of a
+    stack once: a stage holding none of a stack adds zero for it, not a copy of another's."""
+    outs, feeds, _ = t5_model
+    grads = [g for k, g in outs.items() if k.startswith("grad/")]
+    norm2 = md.reduce_sum(grads[0] * grads[0])
+    for g in grads[1:]:
+        norm2 = norm2 + md.reduce_sum(g * g)
+    plan = md.compile({"norm2": norm2}, "stage:2", BOTH, microbatches=2, schedule="1f1b", stage_layers=stage_layers)
+    _close(md.run_simulated(plan, feeds), md.run_dense({"norm2": norm2}, feeds), f"{stage_layers}")
+
+
+def test_dropout_in_both_stacks_salts_each_layer_by_its_index_in_its_stack():
+    """Each layer of each stack salts its dropout by its index in its own stack, wherever the
+    cut puts it: the dense program's streams."""
+    b, d = md.Dim("batch", 4), md.Dim("d_model", 8)
+    le, ld = md.Dim("enc_layer", 3), md.Dim("layer", 4)
+    with md.Graph("salted2"):
+        x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])
+        enc = md.repeat(lambda h, p: md.dropout(md.tanh(h * p["w"]), 0.5, 3), x, {"w": we}, "enc_layer")
+        y = md.repeat(lambda h, p: md.dropout(md.tanh(h * p["w"] + enc), 0.5, 7), x, {"w": wd}, "layer")
+        loss = md.reduce_sum(y * y)
+        outs = {"loss": loss, **md.grad(loss, {"we": we, "wd": wd})}
+    feeds = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(0))}
+    want = md.run_dense(outs, feeds)
+    # 3 encoder layers do not split evenly: the stages' counts are given (4|3 is the even cut)
+    for counts in ((4, 3), (2, 5), (5, 2)):
+        plan = md.compile(outs, "stage:2", BOTH, microbatches=2, schedule="1f1b", stage_layers=counts)
+        _close(md.run_simulated(plan, feeds), want, f"stage_layers={counts}")
+
+
+def test_bart_with_both_stacks_pipelined_matches_dense():
+    m = md.load_model(BART, tiny=True, enc_layer="enc_layer")
+    outs = {"loss": m.loss, **{f"grad/{k}": g for k, g in md.grad(m.loss, m.params).items()}}
+    feeds = m.feeds(0)
+    want = md.run_dense(outs, feeds)
+    for counts, schedule in ((None, "1f1b"), ((1, 3), "gpipe"), ((3, 1), "1f1b")):
+        plan = md.compile(outs, "stage:2", BOTH, microbatches=2, schedule=schedule, stage_layers=counts)
+        _close(md.run_simulated(plan, feeds), want, f"{counts} {schedule}")
+
+
+def test_what_two_stacks_cannot_run_is_refused_with_the_fix(t5_model):
+    outs, _, _ = t5_model
+    with pytest.raises(ScheduleError, match=r"(?s)2 stacks are pipelined.*Fix: use --schedule gpipe"):
+        md.compile(outs, "stage:2", BOTH, microbatches=2, schedule="interleaved:2")
+    b, d, le, ld = md.Dim("batch", 6), md.Dim("d_model", 4), md.Dim("enc_layer", 3), md.Dim("layer", 3)
+    with md.Graph("three"):
+        x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])
+        enc = md.repeat(lambda h, p: md.tanh(h * p["w"]), x, {"w": we}, "enc_layer")
+        loss = md.reduce_sum(md.repeat(lambda h, p: md.tanh(h * p["w"] + enc), x, {"w": wd}, "layer"))
+    with pytest.raises(LayoutError, match=r"(?s)stack 'enc_layer' runs on stages 0\.\.1 of 3.*Fix: give the stages"):
+        md.compile(loss, "stage:3", BOTH, microbatches=3, stage_layers=(1, 3, 2))
+    # the encoder whole on stage 0, the decoder over all three stages: runs, the dense numbers
+    feeds = {"x": torch.randn(6, 4, generator=torch.Generator().manual_seed(1))}
+    outs3 = {"loss": loss, **md.grad(loss, {"we": we, "wd": wd})}
+    plan = md.compile(outs3, "stage:3", BOTH, microbatches=3, stage_layers=(4, 1, 1))
+    _close(md.run_simulated(plan, feeds), md.run_dense(outs3, feeds), "stage:3 (4, 1, 1)")
+    with pytest.raises(LayoutError, match=r"(?s)does not split 6 layers over 2 stages"):
+        md.compile(outs, "stage:2", BOTH, microbatches=2, stage_layers=(2, 2))
+    with pytest.raises(LayoutError, match=r"(?s)more than one repeat is pipelined over 2 mesh axes"):
+        md.compile(outs, "stage:2; pipe:2", "layer:stage; enc_layer:pipe", microbatches=2)
+    with pytest.raises(LayoutError, match=r"(?s)balance_stages: 2 stacks are pipelined.*Fix: give each stage"):
+        md.balance_stages(outs, "stage:2", BOTH, microbatches=2, schedule="1f1b")
+
+
+def _two_stack_t5(comm):
+    outs, _ = t5.build(CFG)
+    # the encoder over both stages (its carry crosses), the decoder on stage 1 (its shared gate's
+    # gradient summed there alone)
+    plan = md.compile(outs, "stage:2", BOTH, microbatches=2, schedule="1f1b", stage_layers=(1, 5))
+    agree_plan(comm, plan)
+    ex = md.Executor(plan, for_plan(comm, plan))
+    res = ex.run(t5.feeds(CFG))
+    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
+    return {k: v for k, v in full.items() if v is not None}
+
+
+@pytest.mark.timeout(200)
+def test_two_stacks_on_gloo_processes(t5_model):
+    _, _, want = t5_model
+    results = launch.spawn(_two_stack_t5, 2, mesh="stage:2", timeout=180)
+    assert multiprocessing.active_children() == []
+    seen: dict = {}
+    for rank, got in enumerate(results):
+        _close(got, {k: want[k] for k in got}, f"rank {rank}")
+        seen.update(got)
+    assert set(seen) == set(want)  # every output is held by some rank
