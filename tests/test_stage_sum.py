@@ -23,6 +23,7 @@ from meshdsl.comm.microbatch import for_plan
 from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
+from conftest import assert_matches_scaled
 
 # fp32 with O(1) values: rounding only, relative to each output's magnitude (the stages and
 # the micro-batches add the layers' and the batch's parts in other orders than the dense program)
@@ -38,10 +39,7 @@ def model():
 
 
 def _close(got, want, what=""):
-    assert set(got) == set(want)
-    for k in want:
-        scale = want[k].abs().max().item()
-        torch.testing.assert_close(got[k], want[k], rtol=REL, atol=REL * scale, msg=lambda e, k=k: f"{what} {k}: {e}")
+    assert_matches_scaled(got, want, what, REL)
 
 
 @pytest.mark.parametrize("mesh, layout, kw", [

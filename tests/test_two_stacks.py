@@ -25,6 +25,7 @@ from meshdsl.processes import launcher as launch
 from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
+from conftest import assert_matches_scaled
 
 BART = str(pathlib.Path(__file__).parent / "heldout_bart.py")
 BOTH = "layer:stage; enc_layer:stage"
@@ -44,10 +45,7 @@ def t5_model():
 
 
 def _close(got, want, what=""):
-    assert set(got) == set(want)
-    for k in want:
-        scale = want[k].abs().max().item()
-        torch.testing.assert_close(got[k], want[k], rtol=REL, atol=REL * scale, msg=lambda e, k=k: f"{what} {k}: {e}")
+    assert_matches_scaled(got, want, what, REL)
 
 
 def _stages(plan, vid):
