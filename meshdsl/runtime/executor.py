@@ -165,7 +165,7 @@ def _check_arguments(plan, comm) -> None:
         raise GraphError(message(
             f"Executor: comm is {clip(repr(comm), 80)} ({type(comm).__name__}), not a Communicator.",
             rule="an executor runs a compiled plan on a communicator: Executor(plan, comm)",
-            fix=f"pass md.SimulatedComm(plan.mesh) (every rank in this process) or md.TorchComm(plan.mesh) "
+            fix="pass md.SimulatedComm(plan.mesh) (every rank in this process) or md.TorchComm(plan.mesh) "
                 "(one rank per process)"))
 
 
