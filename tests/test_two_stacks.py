@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import multiprocessing
 import pathlib
+import re
 
 import pytest
 import torch
 
 import meshdsl as md
 from meshdsl.comm.microbatch import for_plan
+from meshdsl.search.calibrate import Calibration
+from meshdsl.search.predict import StageCost
+from meshdsl.search.stage_balance import split_by_cost
 from meshdsl.errors import LayoutError
 from meshdsl.lowering.schedule import ScheduleError
 from meshdsl.processes import launcher as launch
 from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
-from conftest import assert_matches_scaled
+from conftest import assert_matches_scaled, run_cli
 
 BART = str(pathlib.Path(__file__).parent / "heldout_bart.py")
 BOTH = "layer:stage; enc_layer:stage"
@@ -148,8 +152,107 @@ def test_what_two_stacks_cannot_run_is_refused_with_the_fix(t5_model):
         md.compile(outs, "stage:2", BOTH, microbatches=2, stage_layers=(2, 2))
     with pytest.raises(LayoutError, match=r"(?s)more than one repeat is pipelined over 2 mesh axes"):
         md.compile(outs, "stage:2; pipe:2", "layer:stage; enc_layer:pipe", microbatches=2)
-    with pytest.raises(LayoutError, match=r"(?s)balance_stages: 2 stacks are pipelined.*Fix: give each stage"):
-        md.balance_stages(outs, "stage:2", BOTH, microbatches=2, schedule="1f1b")
+
+
+def _cuts(total, p):
+    """Every cut of ``total`` joined layers into ``p`` stages of at least one."""
+    if p == 1:
+        yield (total,)
+        return
+    for first in range(1, total - p + 2):
+        for rest in _cuts(total - first, p - 1):
+            yield (first, *rest)
+
+
+def _bart_outputs():
+    m = md.load_model(BART, tiny=True, enc_layer="enc_layer")
+    return {"loss": m.loss, **{f"grad/{k}": g for k, g in md.grad(m.loss, m.params).items()}}, m.feeds(0)
+
+
+@pytest.mark.parametrize("model, schedule", [("t5", "gpipe"), ("t5", "1f1b"), ("bart", "1f1b"), ("bart", "zbh1")])
+def test_auto_stages_cut_both_stacks_where_the_cost_model_predicts_the_fastest_step(t5_model, model, schedule):
+    """balance_stages (--stage-layers auto) on both stacks: of every cut of the joined layers, the
+    one the cost model predicts fastest (a decoder layer, with its cross-attention, costs more
+    than an encoder layer), and it runs the dense numbers."""
+    if model == "t5":
+        outs, feeds, want = t5_model
+    else:
+        outs, feeds = _bart_outputs()
+        want = md.run_dense(outs, feeds)
+    cal = Calibration.defaults()
+    counts = md.balance_stages(outs, "stage:2", BOTH, microbatches=2, schedule=schedule, cal=cal)
+    plans = {c: md.compile(outs, "stage:2", BOTH, microbatches=2, schedule=schedule, stage_layers=c)
+             for c in _cuts(sum(counts), 2)}
+    step = {c: md.predict(plan, cal).step_s for c, plan in plans.items()}
+    assert step[counts] == min(step.values()), (counts, step)
+    _close(md.run_simulated(plans[counts], feeds), want, f"{model} {schedule} auto {counts}")
+
+
+def _stage_costs(cut, others, sizes, per_layer):
+    """StageCosts of ``cut`` (of stacks of ``sizes`` layers costing ``per_layer`` each)."""
+    out, start = [], 0
+    for o, n in zip(others, cut):
+        parts = []
+        for k, size in enumerate(sizes):
+            lo = sum(sizes[:k])
+            mine = max(0, min(start + n, lo + size) - max(start, lo))
+            parts.append((mine, mine * per_layer[k]))
+        layers_s = sum(x for _, x in parts)
+        out.append(StageCost(n, o + layers_s, layers_s, tuple(parts)))
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("others", [(0.0, 0.0), (2.0, 0.0), (0.5, 0.0, 3.0), (4.0, 0.0, 0.0), (0.0, 0.0, 0.0)])
+def test_the_split_by_cost_prices_each_stacks_layers_and_proposes_only_cuts_that_compile(others):
+    """Per-layer costs that differ by stack (3 encoder layers of cost 1, then 3 decoder layers of
+    cost 3): split_by_cost's largest stage is the smallest of every cut the compiler runs (on 3
+    stages each stack runs on one stage or on all), priced at each stack's own layer cost."""
+    p, sizes, per_layer = len(others), (3, 3), (1.0, 3.0)
+    costs = [1.0] * 3 + [3.0] * 3
+    stages = _stage_costs(next(_cuts(6, p)), others, sizes, per_layer)   # measured at any cut
+
+    def worst(c):
+        ends = [sum(c[:i + 1]) for i in range(p)]
+        return max(o + sum(costs[e - n:e]) for o, n, e in zip(others, c, ends))
+
+    def runs(c):   # each stack on one stage or on all (lowering/stage_layers.py split_stacks)
+        on = [{s for s in range(p) if sum(c[:s]) < hi and sum(c[:s + 1]) > lo} for lo, hi in ((0, 3), (3, 6))]
+        return all(len(st) in (1, p) for st in on)
+    valid = [c for c in _cuts(6, p) if runs(c)]
+    counts = split_by_cost(stages)
+    assert counts in valid and worst(counts) == min(map(worst, valid)), (counts, valid)
+
+
+def test_auto_stages_on_three_stages_propose_only_cuts_that_compile():
+    """On 3 stages only cuts with each stack on one stage or on all three run: balance_stages
+    proposes one of them (the even cut 2|2|2 would put the encoder on two of three)."""
+    b, d, le, ld = md.Dim("batch", 6), md.Dim("d_model", 4), md.Dim("enc_layer", 3), md.Dim("layer", 3)
+    with md.Graph("three_auto"):
+        x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])
+        encoded = md.repeat(lambda h, p: md.tanh(h * p["w"]), x, {"w": we}, "enc_layer")
+        loss = md.reduce_sum(md.repeat(lambda h, p: md.tanh(h * p["w"] + encoded), x, {"w": wd}, "layer"))
+        outs3 = {"loss": loss, **md.grad(loss, {"we": we, "wd": wd})}
+    cal = Calibration.defaults()
+    counts = md.balance_stages(outs3, "stage:3", BOTH, microbatches=3, cal=cal)
+    plans = {c: md.compile(outs3, "stage:3", BOTH, microbatches=3, stage_layers=c)
+             for c in ((1, 1, 4), (4, 1, 1))}   # the only cuts 3 stages run
+    step = {c: md.predict(plan, cal).step_s for c, plan in plans.items()}
+    assert counts in plans and step[counts] == min(step.values()), (counts, step)
+    feeds = {"x": torch.randn(6, 4, generator=torch.Generator().manual_seed(2))}
+    plan = plans[counts]
+    _close(md.run_simulated(plan, feeds), md.run_dense(outs3, feeds), f"stage:3 auto {counts}")
+
+
+def test_cli_plan_with_auto_stages_prints_the_cut_of_both_stacks(capsys):
+    rc, out, err = run_cli(capsys, ["plan", BART, "--tiny", "--config", "enc_layer=enc_layer", "--mesh", "stage:2",
+                                    "--layout", BOTH, "--microbatches", "2", "--schedule", "1f1b",
+                                    "--stage-layers", "auto"])
+    assert rc == 0, err
+    assert "note: stack 'enc_layer' on 'stage':" in out and "note: stack 'layer' on 'stage':" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("stages, predicted per micro-batch"))
+    layers = [int(w) for w in re.findall(r"stage \d: (\d+) layers", line)]
+    assert len(layers) == 2 and sum(layers) == 4, line
 
 
 def _two_stack_t5(comm):

@@ -118,10 +118,18 @@ class StageCost:
     layers: int
     seconds: float
     layers_s: float
+    #: with several pipelined stacks (an encoder-decoder's), each one's ``(layers, layers_s)``
+    #: on this stage, in graph order; () for one stack (then ``(layers, layers_s)`` itself)
+    stacks: tuple = ()
 
     @property
     def other_s(self) -> float:
         return self.seconds - self.layers_s
+
+    @property
+    def per_stack(self) -> tuple:
+        """``(layers, layers_s)`` of each pipelined stack on this stage, in graph order."""
+        return self.stacks or ((self.layers, self.layers_s),)
 
 
 def process_axes(axes) -> tuple[str, ...]:
@@ -313,16 +321,25 @@ class _Walk:
 
 
 def _stage_costs(prog, seconds: list, loop_s: dict) -> tuple:
-    """Each stage's :class:`StageCost` from its F + B + W seconds and the loops' seconds."""
+    """Each stage's :class:`StageCost` from its F + B + W seconds and the loops' seconds; with
+    several stacks, each one's part too (a stack's loops read its stacked params, ``ins[1]``, as
+    in :meth:`~meshdsl.lowering.pipeline_program.PipelineProgram.layer_offset`)."""
+    def stack(step) -> int:
+        return step.ins[1] if prog.stack_loops else 0
+    loops = sorted(prog.pipelined)   # the forward's first, in graph order (the encoder's first)
+    order = list(dict.fromkeys(stack(prog.segments[seg].steps[j]) for seg, j in loops))
     out = []
     for st, total in enumerate(seconds):
-        layers = layers_s = 0.0
-        for seg, j in prog.pipelined:
+        parts = {k: [0, 0.0] for k in order}
+        for seg, j in loops:
             step = prog.segments[seg].steps[j]
             if st in prog.stages[seg][j]:
-                layers_s += loop_s.get(id(step), 0.0)
-                layers += step.times if seg == Segment.FORWARD else 0
-        out.append(StageCost(int(layers), total, layers_s))
+                part = parts[stack(step)]
+                part[1] += loop_s.get(id(step), 0.0)
+                part[0] += step.times if seg == Segment.FORWARD else 0
+        per = tuple((n, s) for n, s in parts.values())
+        out.append(StageCost(sum(n for n, _ in per), total, sum(s for _, s in per),
+                             per if len(per) > 1 else ()))
     return tuple(out)
 
 

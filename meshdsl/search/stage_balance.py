@@ -4,9 +4,14 @@ The first stage also runs what feeds the layers (the embedding) and the last wha
 them (the head and the loss), so equal layer counts make unequal stages and the schedule
 waits on the slowest.  :func:`balance_stages` prices the even split with the cost model
 (:func:`~.predict.predict`: each stage's F, B and W seconds per micro-batch, and the part
-its layers take), then gives the layers one at a time to the stage that stays cheapest
-with one more: the split with the smallest predicted maximum stage cost, as every layer of
-a repeat costs the same.  ``compile(..., stage_layers=counts)`` runs it.
+its layers take), then cuts the layers where the predicted maximum stage cost is smallest
+(:func:`split_by_cost`; a layer costs its repeat's measured average).
+``compile(..., stage_layers=counts)`` runs it.
+
+An encoder-decoder with both stacks on the stage axis is cut as the stacks' layers joined in
+graph order (lowering/pipeline.py ``stack_counts``): a layer costs its own stack's average
+(:func:`layer_seconds`; a decoder layer's cross-attention makes it dearer), and only cuts the
+compiler runs are proposed (:func:`cut_regions`: each stack on one stage or on all of them).
 
 With virtual stages (``interleaved:v``, ``interleaved-zb:v``) the stages balanced are the
 ``p * v`` virtual ones, in layer order (stage s is chunk ``s // p`` of rank ``s % p``): the
@@ -16,7 +21,8 @@ So :func:`split_by_schedule` starts from the split above and moves one layer at 
 stage to another while that shortens the schedule simulated at the stages' predicted costs
 (:func:`~meshdsl.lowering.timeline.simulate`); of that split, :func:`split_by_cost`'s and the
 equal one, the cost model's fastest step is the answer (never slower than equal stages, as
-far as the cost model sees).
+far as the cost model sees).  Without virtual stages the answer is chosen so too (the slowest
+stage does not alone decide a gpipe step either).
 
 Example::
 
@@ -39,7 +45,8 @@ from .predict import StageCost, predict
 
 def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str = "gpipe",
                    cal: Calibration | None = None, **compile_kw) -> tuple[int, ...]:
-    """The layers per stage that minimise the predicted cost of the slowest stage.
+    """The layers per stage (of the stacks' layers joined, with several pipelined stacks) that
+    the cost model predicts make the fastest step.
 
     Args:
       outputs, mesh, layout, microbatches, schedule, compile_kw: as for
@@ -48,7 +55,8 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
 
     Returns:
       One layer count per stage, summing to the pipelined repeat's layers, e.g. ``(3, 5)``;
-      with ``v`` virtual stages per rank one per virtual stage (``p * v``), in layer order.
+      with ``v`` virtual stages per rank one per virtual stage (``p * v``), in layer order;
+      with several pipelined stacks, summing to their layers (encoder first).
 
     Raises:
       LayoutError: the layout pipelines no repeat (no ``layer:<axis>`` rule on a mesh axis
@@ -76,9 +84,6 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
             return compile_plan(outputs, mesh, layout, stage_layers=counts, **kw)
         except LayoutError:
             return None
-    if sched.num_chunks == 1:
-        counts = split_by_cost(stages)
-        return counts if counts == first or compiled(counts) is not None else first
     step_s = {first: pred.step_s}
     for counts in (split_by_cost(stages), split_by_schedule(stages, sched)):
         if counts not in step_s and (cand := compiled(counts)) is not None:
@@ -97,17 +102,13 @@ def _equal_split(outputs, mesh, layout, v: int = 1) -> tuple[int, ...] | None:
         rule = layout.rule_for(n.attrs["layer"].name, ()) if n.op.name == "repeat" else None
         if rule is not None and rule.axis_names and mesh.axis_size(rule.axis_names) > 1:
             found.append((n.attrs["layer"], mesh.axis_size(rule.axis_names) * v))
-    if len(found) > 1:
-        raise LayoutError(message(
-            f"balance_stages: {len(found)} stacks are pipelined "
-            f"({', '.join(f'{d.name!r}: {d.size} layers' for d, _ in found)}).",
-            inputs=[f"mesh: {mesh}", f"layout: {layout}"],
-            rule="the automatic split balances the layers of one pipelined stack",
-            fix=f"give each stage its layers of the stacks joined in order (--stage-layers N,N,.., "
-                f"{found[0][1]} counts summing to {sum(d.size for d, _ in found)}), or leave it out for an even cut"))
     if found:
-        (dim, p), = found
-        return tuple(dim.size // p + (i < dim.size % p) for i in range(p))
+        # several stacks on one stage axis (an encoder-decoder's) are cut as their layers joined
+        # in graph order (lowering/pipeline.py stack_counts), one stage per rank: of the cuts the
+        # compiler runs, the most even (one stack: the first stages one layer more)
+        sizes, p = [d.size for d, _ in found], found[0][1]
+        total = sum(sizes)   # fewer layers than stages: no cut, and the compiler refuses the even one
+        return _best_cut([0.0] * p, [1.0] * total, sizes) or tuple(total // p + (i < total % p) for i in range(p))
     return None
 
 
@@ -116,17 +117,89 @@ def plan_stage_count(plan) -> int:
     return next((s.args["program"].num_stages for s in plan.steps if s.kind == "pipeline"), 0)
 
 
+def layer_seconds(stages: list[StageCost]) -> list[float]:
+    """Each layer's seconds per micro-batch, the pipelined stacks' layers joined in graph order
+    (the encoder's first): a layer costs its stack's measured average (an encoder's and a
+    decoder's layer differ, the decoder's cross-attention)."""
+    out: list[float] = []
+    for parts in zip(*(c.per_stack for c in stages)):
+        n = sum(k for k, _ in parts)
+        out += [sum(sec for _, sec in parts) / n] * n
+    return out
+
+
+def stack_sizes(stages: list[StageCost]) -> list[int]:
+    """Layers of each pipelined stack, in graph order."""
+    return [sum(k for k, _ in parts) for parts in zip(*(c.per_stack for c in stages))]
+
+
+def cut_regions(sizes, p: int) -> list[tuple[int, ...]]:
+    """The sets of positions of the joined layer list (``sizes``: each stack's layers) where the
+    compiler lets the ``p`` stages' boundaries fall: each stack runs on one stage or on all of
+    them (lowering/stage_layers.py ``split_stacks``), so the p - 1 boundaries all fall inside one
+    stack, or all between stacks. (One stack: any position; two stages: any, as one boundary is
+    always one or the other.)"""
+    starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    inside = [tuple(range(a + 1, b)) for a, b in zip(starts, starts[1:])]
+    return inside + [tuple(starts[1:-1])] if p > 2 else [tuple(range(1, starts[-1]))]
+
+
 def split_by_cost(stages: list[StageCost]) -> tuple[int, ...]:
-    """Layers per stage minimising the largest ``other_s + layers * per_layer``: each stage
-    keeps what it holds besides its layers, and a layer costs the measured average."""
-    total = sum(c.layers for c in stages)
-    per_layer = sum(c.layers_s for c in stages) / total
-    counts = [1] * len(stages)
-    for _ in range(total - len(stages)):
-        # the stage that stays cheapest with one more layer (the first of equals)
-        s = min(range(len(stages)), key=lambda i: (stages[i].other_s + (counts[i] + 1) * per_layer, i))
-        counts[s] += 1
-    return tuple(counts)
+    """Layers per stage (a cut of the stacks' joined layers) minimising the largest
+    ``other_s + its layers' seconds`` (:func:`layer_seconds`): each stage keeps what it holds
+    besides its layers. Of the cuts as good, the most even (the smallest sum of the stages'
+    squared costs), then the one giving earlier stages more. Only cuts the compiler runs
+    (:func:`cut_regions`)."""
+    return _best_cut([c.other_s for c in stages], layer_seconds(stages), stack_sizes(stages))
+
+
+def _best_cut(other: list, costs: list, sizes) -> tuple[int, ...] | None:
+    """:func:`_min_max_cut`'s best over the :func:`cut_regions` of stacks of ``sizes`` (None:
+    no cut the compiler runs)."""
+    found = [c for region in cut_regions(sizes, len(other))
+             if (c := _min_max_cut(other, costs, region)) is not None]
+    return min(found, key=lambda f: (f[0], f[1], tuple(-n for n in f[2])))[2] if found else None
+
+
+def _min_max_cut(other: list, costs: list, allowed) -> tuple[float, float, tuple[int, ...]] | None:
+    """The cut of layers ``costs`` into ``len(other)`` stages of at least one layer, boundaries
+    at ``allowed`` positions, with the smallest largest stage cost (stage s costs ``other[s]``
+    plus its layers'), then the smallest sum of squares, then the most layers on earlier stages:
+    ``(largest, sum of squares, counts)``, or None when no such cut exists."""
+    p, n = len(other), len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    ends = [sorted(b for b in allowed if 0 < b < n)] * (p - 1) + [[n]]
+    inf = float("inf")
+    # worst[s][e]: the smallest largest cost of stages 0..s with stage s ending at e
+    worst = [{0: -inf}]
+    for s in range(p):
+        worst.append({e: min((max(w, other[s] + pre[e] - pre[b]) for b, w in worst[s].items() if b < e),
+                             default=inf) for e in ends[s]})
+    top = worst[p].get(n, inf)
+    if top == inf:
+        return None
+    cap = top + 1e-9 * abs(top)   # the stages may cost up to the least largest (rounding aside)
+    # squares[s][b]: the smallest sum of squares of stages s.. starting at b, each within cap
+    squares: list[dict] = [{} for _ in range(p)] + [{n: (0.0, ())}]
+    for s in reversed(range(p)):
+        for b in [0] if s == 0 else ends[s - 1]:
+            best = None
+            for e in reversed(ends[s]):   # more layers first: kept unless a cut is strictly better
+                cost = other[s] + pre[e] - pre[b]
+                if e <= b or cost > cap or e not in squares[s + 1]:
+                    continue
+                sq, rest = squares[s + 1][e]
+                cand = (cost * cost + sq, (e - b, *rest))
+                if best is None or cand[0] < best[0] - 1e-12 * abs(best[0]):
+                    best = cand
+            if best is not None:
+                squares[s][b] = best
+    if 0 not in squares[0]:
+        return None
+    sq, counts = squares[0][0]
+    return top, sq, counts
 
 
 def split_by_schedule(stages: list[StageCost], schedule: Schedule) -> tuple[int, ...]:
@@ -134,18 +207,18 @@ def split_by_schedule(stages: list[StageCost], schedule: Schedule) -> tuple[int,
     split, the best move of one layer from a stage to another while it shortens the schedule's
     makespan simulated at the stages' costs (ties: the smaller largest stage).
 
-    A stage of n layers costs ``other_s + n * per_layer`` per micro-batch (as in
+    A stage costs ``other_s`` plus its layers' :func:`layer_seconds` per micro-batch (as in
     :func:`split_by_cost`), its F a third of that and its B the rest (a matmul's backward is two
     of its forward's size), or with the weight gradients split off (``W`` actions) F, B and W a
     third each.
     """
-    total = sum(c.layers for c in stages)
-    per_layer = sum(c.layers_s for c in stages) / total
+    costs = layer_seconds(stages)
     has_w = any(a.kind == "W" for row in schedule.actions for a in row)
     share = {"F": 1 / 3, "B": 1 / 3, "W": 1 / 3} if has_w else {"F": 1 / 3, "B": 2 / 3}
 
     def key(counts) -> tuple[float, float]:
-        sec = [c.other_s + n * per_layer for c, n in zip(stages, counts)]
+        ends = [sum(counts[:i + 1]) for i in range(len(counts))]
+        sec = [c.other_s + sum(costs[e - n:e]) for c, n, e in zip(stages, counts, ends)]
         return float(simulate(schedule, lambda a: sec[a.stage] * share.get(a.kind, 0.0)).makespan), max(sec)
 
     counts = split_by_cost(stages)
