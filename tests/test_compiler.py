@@ -2,6 +2,8 @@
 the tensor names a layout error lists."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import meshdsl as md
@@ -61,3 +63,16 @@ def test_layout_errors_list_only_user_names():
     assert line.split("named tensors:")[1].strip() == "blocks_in, blocks_out, w_in, w_out, x"
     # Every name it lists is one a layout may scope.
     md.compile(outs, "data:2", "x.batch:data; blocks_in.d_ff:data; w_out.d_ff:data")
+
+
+@pytest.mark.parametrize("kw,said", [(dict(fuse="no"), "fuse='no' (str) is not True or False"),
+                                     (dict(strict_splits=1), "strict_splits=1 (int) is not True or False"),
+                                     (dict(schedule=3), "schedule=3 (int) is not a schedule name")])
+def test_compile_refuses_a_switch_that_is_not_a_bool(kw, said):
+    # "no" would pass as true: a switch given as anything but a bool is refused by name
+    B, D = md.Dim("batch", 8), md.Dim("d_model", 4)
+    with md.Graph():
+        x = md.input("x", [B, D])
+        loss = md.reduce_mean(x * x)
+    with pytest.raises(md.GraphError, match=re.escape(said)):
+        md.compile({"loss": loss}, "data:2", "batch:data", **kw)

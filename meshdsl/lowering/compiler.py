@@ -316,6 +316,7 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
         raise GraphError(message(f"compile: bucket_mb={bucket_mb!r} is not a size in MB.",
                                  rule="gradients are reduced in buckets of bucket_mb >= 0 megabytes (0: no buckets)",
                                  fix=f"pass e.g. bucket_mb={DEFAULT_BUCKET_MB:g}, or 0 to turn bucketing off"))
+    _check_options(fuse=fuse, strict_splits=strict_splits, schedule=schedule)
     mesh = Mesh.parse(mesh)
     layout = Layout.parse(layout)
     g = next(iter(outputs.values())).graph
@@ -332,6 +333,19 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     if len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return plan
+
+
+def _check_options(fuse, strict_splits, schedule) -> None:
+    """``compile``'s switches are bools and its schedule a name: a string such as ``"no"`` would
+    otherwise pass as true."""
+    for name, value in (("fuse", fuse), ("strict_splits", strict_splits)):
+        if not isinstance(value, bool):
+            raise GraphError(message(f"compile: {name}={value!r} ({type(value).__name__}) is not True or False.",
+                                     rule=f"{name} is a switch", fix=f"pass {name}=True or {name}=False"))
+    if not isinstance(schedule, str):
+        raise GraphError(message(f"compile: schedule={schedule!r} ({type(schedule).__name__}) is not a schedule name.",
+                                 rule="a pipeline schedule is named by a string",
+                                 fix="pass one of 'gpipe', '1f1b', 'zbh1', 'interleaved:V', 'interleaved-zb:V'"))
 
 
 def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: bool, microbatches: int,
