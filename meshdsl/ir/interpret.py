@@ -25,12 +25,15 @@ def _operand(n, i: int, readers: dict, kept: set) -> Operand:
                    a.dtype == n.outputs[0].dtype and a.shape == n.outputs[0].shape)
 
 
-def _as_dict(outputs):
-    if isinstance(outputs, Tensor):
-        return {"out": outputs}
+def outputs_dict(outputs) -> dict:
+    """Outputs as given to ``run_dense``, ``compile`` and ``DenseProgram`` by name: a Tensor is
+    ``{"out": t}``, a list or tuple ``{"out0": ..., "out1": ...}``, a dict itself (a copy);
+    anything else is ``{"out": outputs}``, for the caller's type check to name."""
     if isinstance(outputs, dict):
         return dict(outputs)
-    return {f"out{i}": t for i, t in enumerate(outputs)}
+    if isinstance(outputs, (list, tuple)):
+        return {f"out{i}": t for i, t in enumerate(outputs)}
+    return {"out": outputs}
 
 
 def feeds_dict(caller: str, feeds, what: str = "feeds") -> dict:
@@ -69,7 +72,7 @@ class DenseProgram:
     def __init__(self, outputs, ctx: LocalCtx = DENSE_CTX, given: dict | None = None):
         """``given`` maps feed names to inner tensors whose values are fed, not computed:
         the nodes only they need are left out."""
-        self.outputs = _as_dict(outputs)
+        self.outputs = outputs_dict(outputs)
         given = dict(given or {})
         self.nodes = topo_nodes(list(self.outputs.values()), {id(t) for t in given.values()})
         self.ctx = ctx

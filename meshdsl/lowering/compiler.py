@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..core.graph import Node, Tensor, topo_nodes
+from ..ir.interpret import outputs_dict
 from ..errors import GraphError, LayoutError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
@@ -302,12 +303,7 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
         a split dim smaller than its axes, or an uneven split with ``strict_splits``.
       ScheduleError: an unknown schedule.
     """
-    if isinstance(outputs, Tensor):
-        outputs = {"out": outputs}
-    elif isinstance(outputs, (list, tuple)):
-        outputs = {f"out{i}": t for i, t in enumerate(outputs)}
-    elif not isinstance(outputs, dict):
-        outputs = {"out": outputs}  # not a Tensor: _check_outputs says so
+    outputs = outputs_dict(outputs)   # (not a Tensor: _check_outputs says so)
     if not outputs:
         raise GraphError(message("compile: no outputs given.", rule="a plan computes at least one tensor",
                                  fix="pass the loss (and gradients) to compile"))

@@ -9,7 +9,7 @@ import torch
 
 from ..core.graph import Tensor
 from ..errors import GraphError, clip, did_you_mean, message
-from ..ir.interpret import DenseProgram, feeds_dict
+from ..ir.interpret import DenseProgram, feeds_dict, outputs_dict
 
 
 def check_no_extra_feeds(caller: str, feeds: dict, inputs) -> None:
@@ -44,10 +44,10 @@ def run_dense(outputs, feeds: dict | None = None, params: dict | None = None,
 
 def _check_outputs(outputs) -> None:
     """run_dense's outputs: a Tensor, or a dict or sequence of Tensors."""
-    items = ({"out": outputs} if isinstance(outputs, Tensor) else dict(outputs) if isinstance(outputs, dict)
-             else {f"out{i}": t for i, t in enumerate(outputs)} if isinstance(outputs, (list, tuple)) else None)
-    bad = [(k, t) for k, t in (items or {"outputs": outputs}).items() if not isinstance(t, Tensor)]
-    if items is None or bad:
+    known = isinstance(outputs, (Tensor, dict, list, tuple))
+    items = outputs_dict(outputs) if known else {"outputs": outputs}
+    bad = [(k, t) for k, t in items.items() if not isinstance(t, Tensor)]
+    if bad:
         k, t = bad[0]
         raise GraphError(message(f"run_dense: output '{k}' is {clip(repr(t), 80)} ({type(t).__name__}), not a Tensor.",
                                  rule="outputs are a meshdsl Tensor, or a dict (or list) of them",
