@@ -157,15 +157,14 @@ def test_a_whole_batch_balance_loss_under_microbatches_is_refused_with_the_fix()
         md.compile({"loss": m.loss}, "stage:2", "layer:stage", microbatches=2, schedule="1f1b")
 
 
-def test_per_layer_outputs_on_unequal_ranks_are_refused_and_auto_keeps_what_compiles():
-    """What the loss makes of per-layer outputs is lowered for each rank's equal part, so given
-    stage layers that give the ranks unequal counts are refused with the fix (they crashed in the
-    runtime once virtual stages took per-layer outputs), and ``balance_stages`` (``--stage-layers
-    auto``) returns only a split the compiler takes."""
+def test_per_layer_outputs_on_unequal_ranks_match_dense_and_auto_splits_them():
+    """What the loss makes of per-layer outputs runs on each rank's own, unequal number of layers
+    (lowering/local_parts.py; it was refused once), and ``balance_stages`` (``--stage-layers
+    auto``) returns a split the compiler takes."""
     for sched, counts in (("1f1b", (3, 1)), ("interleaved:2", (2, 1, 2, 1))):
-        outs = _outputs(md.load_model(MIXTRAL, tiny=True, layers=sum(counts), vocab=512))
-        with pytest.raises(LayoutError, match=r"(?s)per-layer outputs \(balance, dropped\).*unequal numbers of "
-                                              r"layers \(\d, \d\).*Fix: "):
-            md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule=sched, stage_layers=counts)
+        m = md.load_model(MIXTRAL, tiny=True, layers=sum(counts), vocab=512)
+        outs = _outputs(m)
+        _assert_matches_dense(outs, m.feeds(0), "stage:2", "layer:stage", microbatches=2, schedule=sched,
+                              stage_layers=counts)
         auto = md.balance_stages(outs, "stage:2", "layer:stage", microbatches=2, schedule=sched)
         md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule=sched, stage_layers=auto)

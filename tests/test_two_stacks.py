@@ -141,13 +141,13 @@ def test_what_two_stacks_cannot_run_is_refused_with_the_fix(t5_model):
         x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])
         enc = md.repeat(lambda h, p: md.tanh(h * p["w"]), x, {"w": we}, "enc_layer")
         loss = md.reduce_sum(md.repeat(lambda h, p: md.tanh(h * p["w"] + enc), x, {"w": wd}, "layer"))
-    with pytest.raises(LayoutError, match=r"(?s)stack 'enc_layer' runs on stages 0\.\.1 of 3.*Fix: give the stages"):
-        md.compile(loss, "stage:3", BOTH, microbatches=3, stage_layers=(1, 3, 2))
-    # the encoder whole on stage 0, the decoder over all three stages: runs, the dense numbers
+    # the encoder whole on stage 0, the decoder over all three stages; each stack on two of the
+    # three (tests/test_stack_subset.py has more): run, the dense numbers
     feeds = {"x": torch.randn(6, 4, generator=torch.Generator().manual_seed(1))}
     outs3 = {"loss": loss, **md.grad(loss, {"we": we, "wd": wd})}
-    plan = md.compile(outs3, "stage:3", BOTH, microbatches=3, stage_layers=(4, 1, 1))
-    _close(md.run_simulated(plan, feeds), md.run_dense(outs3, feeds), "stage:3 (4, 1, 1)")
+    for counts in ((4, 1, 1), (1, 3, 2)):
+        plan = md.compile(outs3, "stage:3", BOTH, microbatches=3, stage_layers=counts)
+        _close(md.run_simulated(plan, feeds), md.run_dense(outs3, feeds), f"stage:3 {counts}")
     with pytest.raises(LayoutError, match=r"(?s)does not split 6 layers over 2 stages"):
         md.compile(outs, "stage:2", BOTH, microbatches=2, stage_layers=(2, 2))
     with pytest.raises(LayoutError, match=r"(?s)more than one repeat is pipelined over 2 mesh axes"):
@@ -206,8 +206,8 @@ def _stage_costs(cut, others, sizes, per_layer):
 @pytest.mark.parametrize("others", [(0.0, 0.0), (2.0, 0.0), (0.5, 0.0, 3.0), (4.0, 0.0, 0.0), (0.0, 0.0, 0.0)])
 def test_the_split_by_cost_prices_each_stacks_layers_and_proposes_only_cuts_that_compile(others):
     """Per-layer costs that differ by stack (3 encoder layers of cost 1, then 3 decoder layers of
-    cost 3): split_by_cost's largest stage is the smallest of every cut the compiler runs (on 3
-    stages each stack runs on one stage or on all), priced at each stack's own layer cost."""
+    cost 3): split_by_cost's largest stage is the smallest of every cut (the compiler runs each:
+    a stack on one stage, on some or on all), priced at each stack's own layer cost."""
     p, sizes, per_layer = len(others), (3, 3), (1.0, 3.0)
     costs = [1.0] * 3 + [3.0] * 3
     stages = _stage_costs(next(_cuts(6, p)), others, sizes, per_layer)   # measured at any cut
@@ -216,17 +216,16 @@ def test_the_split_by_cost_prices_each_stacks_layers_and_proposes_only_cuts_that
         ends = [sum(c[:i + 1]) for i in range(p)]
         return max(o + sum(costs[e - n:e]) for o, n, e in zip(others, c, ends))
 
-    def runs(c):   # each stack on one stage or on all (lowering/stage_layers.py split_stacks)
-        on = [{s for s in range(p) if sum(c[:s]) < hi and sum(c[:s + 1]) > lo} for lo, hi in ((0, 3), (3, 6))]
-        return all(len(st) in (1, p) for st in on)
-    valid = [c for c in _cuts(6, p) if runs(c)]
+    valid = list(_cuts(6, p))
     counts = split_by_cost(stages)
     assert counts in valid and worst(counts) == min(map(worst, valid)), (counts, valid)
 
 
-def test_auto_stages_on_three_stages_propose_only_cuts_that_compile():
-    """On 3 stages only cuts with each stack on one stage or on all three run: balance_stages
-    proposes one of them (the even cut 2|2|2 would put the encoder on two of three)."""
+def test_auto_stages_on_three_stages_propose_a_cut_no_slower_than_the_even_one():
+    """On 3 stages every cut runs (a stack on one, two or three stages). balance_stages prices the
+    cuts it derives from the even cut's measured stage costs (what a stage holds besides its
+    layers moves with the cut, the encoder output's transfers, so it is not a search of every
+    cut): its answer is predicted no slower than the even cut, and runs the dense numbers."""
     b, d, le, ld = md.Dim("batch", 6), md.Dim("d_model", 4), md.Dim("enc_layer", 3), md.Dim("layer", 3)
     with md.Graph("three_auto"):
         x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])
@@ -235,10 +234,9 @@ def test_auto_stages_on_three_stages_propose_only_cuts_that_compile():
         outs3 = {"loss": loss, **md.grad(loss, {"we": we, "wd": wd})}
     cal = Calibration.defaults()
     counts = md.balance_stages(outs3, "stage:3", BOTH, microbatches=3, cal=cal)
-    plans = {c: md.compile(outs3, "stage:3", BOTH, microbatches=3, stage_layers=c)
-             for c in ((1, 1, 4), (4, 1, 1))}   # the only cuts 3 stages run
+    plans = {c: md.compile(outs3, "stage:3", BOTH, microbatches=3, stage_layers=c) for c in {counts, (2, 2, 2)}}
     step = {c: md.predict(plan, cal).step_s for c, plan in plans.items()}
-    assert counts in plans and step[counts] == min(step.values()), (counts, step)
+    assert step[counts] <= step[(2, 2, 2)], (counts, step)
     feeds = {"x": torch.randn(6, 4, generator=torch.Generator().manual_seed(2))}
     plan = plans[counts]
     _close(md.run_simulated(plan, feeds), md.run_dense(outs3, feeds), f"stage:3 auto {counts}")

@@ -37,9 +37,11 @@ class Layout:
     """
 
     def __init__(self, rules: tuple[Rule, ...] = (), source: str | None = None,
-                 implied: tuple[tuple[Rule, str], ...] = ()):
+                 implied: tuple[tuple[Rule, str], ...] = (), empty_ok: frozenset = frozenset()):
         self.rules = tuple(rules)
         self.source = source
+        #: dims whose split may leave a rank an empty part (see :meth:`with_empty_parts`)
+        self.empty_ok = frozenset(empty_ok)
         # (rule, where it comes from) for dims without a written global rule: see with_implied
         self.implied = tuple((r, why) for r, why in implied if all(w.key != r.key for w in self.rules))
         self._by_key: dict[tuple[str | None, str], Rule] = {}
@@ -101,7 +103,15 @@ class Layout:
         """
         if tuple(implied) == self.implied:
             return self
-        return Layout(self.rules, self.source, implied)
+        return Layout(self.rules, self.source, implied, self.empty_ok)
+
+    def with_empty_parts(self, dims) -> "Layout":
+        """This layout, with a split of dims ``dims`` allowed to leave some ranks an empty part
+        (a dim of another is refused where smaller than its axes).  The compiler asks it for the
+        layer dims of pipelined stacks sharing a stage axis: a stage outside a stack's run of
+        stages holds none of its layers (``lowering/stage_layers.py``)."""
+        dims = frozenset(dims) | self.empty_ok
+        return self if dims == self.empty_ok else Layout(self.rules, self.source, self.implied, dims)
 
     def __str__(self) -> str:
         return "; ".join(map(str, self.rules))
@@ -205,7 +215,7 @@ class Layout:
         for name, r in wanted.items():
             size = shape.get(name).size
             n = mesh.axis_size(r.axis_names)
-            if size < n:
+            if size < n and name not in self.empty_ok:
                 raise self._err(
                     f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes "
                     f"{_axes_text(mesh, r.axis_names)} (= {n}), and too small to split unevenly: "

@@ -114,7 +114,8 @@ def lower_generic(lw, node) -> None:
                 if d is not None:
                     split.setdefault(d, []).append(a)
             C = {d: tuple(sorted(axes, key=lambda a: order_key(d, a))) for d, axes in split.items()}
-            if not all(_splits(spec.dims[d], mesh.axis_size(ax), (d, ax) in uneven) for d, ax in C.items()):
+            if not all(_splits(spec.dims[d], mesh.axis_size(ax), (d, ax) in uneven, d in lw.layout.empty_ok)
+                       for d, ax in C.items()):
                 continue
             cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo)
             # On a tie in time, the lowering that moves fewer values wins: doing nothing.
@@ -125,10 +126,11 @@ def lower_generic(lw, node) -> None:
     _emit(lw, node, spec, ins, *best[2:])
 
 
-def _splits(size: int, n: int, uneven_ok: bool) -> bool:
-    """Whether ``n`` parts of a compute dim of ``size`` may run: equal ones, or unequal ones (none
-    empty) where an operand or target is already split so."""
-    return size % n == 0 or (uneven_ok and size >= n)
+def _splits(size: int, n: int, uneven_ok: bool, empty_ok: bool = False) -> bool:
+    """Whether ``n`` parts of a compute dim of ``size`` may run: equal ones, or unequal ones where
+    an operand or target is already split so, none empty unless ``empty_ok`` (a dim the layout
+    lets have empty parts, a pipelined stack's layer dim: :meth:`~meshdsl.layout.layout.Layout.with_empty_parts`)."""
+    return size % n == 0 or (uneven_ok and (size >= n or empty_ok))
 
 
 def _uneven_sources(mesh, node, shs, targets, comp) -> set[tuple[str, tuple[str, ...]]]:

@@ -31,7 +31,8 @@ cut into ``v`` chunks, as a pass on the segment lists:
   travel down the stages as without virtual stages;
 * per-layer outputs (``(carry, {name: tensor})``): each chunk makes its layers', joined on its
   rank (its chunks one after another) in the rank's last chunk, where the loss's terms of
-  them run; each chunk's backward reads its layers of their cotangent.
+  them run (at the rank's own layer count when the chunks are unequal, :mod:`.local_parts`);
+  each chunk's backward reads its layers of their cotangent.
 
 With ``stage_layers`` (``p * v`` counts, one per virtual stage in layer order) the chunks are
 unequal: virtual stage s runs ``n_s`` layers, so chunk c's step becomes one step per rank
@@ -114,35 +115,15 @@ class _Chunks:
 def check(cut, lists, v: int) -> None:
     """Refuse what the interleaving pass cannot cut into chunks, with the reason."""
     why = _unsupported(cut, lists)
-    uneven = _uneven_per_layer_outputs(cut)
-    if why is not None or uneven is not None:
+    if why is not None:
         spec = cut.spec
         raise LayoutError(message(
-            f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why or uneven}.",
+            f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why}.",
             inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: {user_name(spec.schedule)}",
                     *([f"stage layers: {','.join(map(str, spec.stage_layers))}"] if spec.stage_layers else [])],
-            rule=UNEVEN_RULE if why is None else
-                 "virtual stages cut the pipelined layers into chunks that pass only the carry (and what the "
+            rule="virtual stages cut the pipelined layers into chunks that pass only the carry (and what the "
                  "block reads from outside) between them",
-            fix="give every rank as many layers in --stage-layers (stage_layers=), or leave it out"
-                if why is None else "use one stage per rank (--schedule 1f1b or zbh1)"))
-
-
-UNEVEN_RULE = ("what a loss makes of a pipelined repeat's per-layer outputs runs on each rank's own layers, "
-               "so every rank holds as many of them")
-
-
-def _uneven_per_layer_outputs(cut) -> str | None:
-    """Why given stage layers cannot run this cut: its layers return per-layer outputs and the
-    ranks hold unequal numbers of layers (what the loss makes of them is lowered for equal parts)."""
-    counts, p = tuple(cut.spec.stage_layers), cut.num_stages
-    if not counts or not cut.steps[cut.F].args.get("ys"):
-        return None
-    per_rank = [sum(counts[r::p]) for r in range(p)]
-    if len(set(per_rank)) == 1:
-        return None
-    return (f"its layers return per-layer outputs ({', '.join(cut.steps[cut.F].args['ys'])}), and the ranks "
-            f"hold unequal numbers of layers ({', '.join(map(str, per_rank))})")
+            fix="use one stage per rank (--schedule 1f1b or zbh1)"))
 
 
 def _unsupported(cut, lists) -> str | None:

@@ -40,7 +40,10 @@ each stack runs on its own run of stages (the stages cut the stacks' layers one 
 its first, and its carry passes only between its own stages, so one carry crosses each stage
 boundary.  What one stack makes per micro-batch and a later one reads (the encoder's output)
 goes up like any value read on a later stage, and its gradient's stage sum comes back down to
-the stage that made it.  :func:`.stage_layers.split_stacks` then gives each stage its loops.
+the stage that made it.  A stack on some of the stages stores its layers at its counts, with an
+empty part on the others, where its params, per-layer outputs and summed gradients are held
+empty (:func:`_everywhere`), so what follows them runs on every stage as for a stack on all.
+:func:`.stage_layers.split_stacks` then gives each stage its loops.
 
 The passes, in order: :func:`assign_stages`, :func:`assign_segments`,
 :func:`insert_transfers`; then :func:`_pipeline_step` makes the step and its
@@ -51,15 +54,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import LayoutError, message
-from ..ops.registry import run_device
 from .bucket import bucket_final
 from .batch_stats import made_once, param_behind
 from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
-from .stage_layers import split_stacks, split_stages
+from .local_parts import with_given_parts
+from .stage_layers import split_stacks, split_stages, zeros_step
 from .pipeline_program import PipelineProgram, Segment, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
 from .plan import Plan, Step, Value, step_args, register_step_kind
@@ -144,6 +145,11 @@ class _Stack:
     def stages(self) -> frozenset:
         return frozenset(range(self.lo, self.hi + 1))
 
+    def on_some(self, p: int) -> bool:
+        """Whether it runs on several of the ``p`` stages but not on all: its layer-split values
+        are then stored at its counts, with an empty part on the stages outside its run."""
+        return self.lo < self.hi and self.hi - self.lo + 1 < p
+
 
 @dataclass
 class _Cut:
@@ -224,6 +230,23 @@ def _cut(steps, values, outputs, spec) -> _Cut:
                 stack_at={i: st for st in stacks for i in (st.F, st.B) if i is not None}, sum_of=sums)
 
 
+def _everywhere(cut: _Cut, st: _Stack, i: int) -> list[tuple[int, str | None]]:
+    """What the forward or backward step ``i`` of ``st`` (a stack on some of the stages) makes
+    that later steps read on every stage, each with the dim that is empty outside its run.  The
+    forward's per-layer outputs (their layer dim): what the loss makes of them, a sum over the
+    layers partial over the stages, then runs on every stage, each adding its own layers' part, as
+    without the cut.  The backward's stacked params' gradients (their layer dim), and the
+    gradients of what its block reads from outside that are summed over the stages after the
+    micro-batches (a shared param's; None: zero there), not down the stages (:mod:`.stage_sum`)."""
+    F, layer = cut.steps[st.F], cut.spec.stacks[cut.stacks.index(st)][1]
+    n = len(F.args["names"])
+    if i == st.F:
+        return [(v, layer) for v in F.outs[2:2 + len(F.args.get("ys", ()))]]
+    outs, chained = cut.steps[st.B].outs, {c for _, c in cut.sum_of.values()}
+    return [(v, layer) for v in outs[1:1 + n]] + [
+        (v, None) for v in outs[1 + n:] if v not in chained and cut.spec.axis in cut.values[v].sharding.partial]
+
+
 def assign_stages(cut: _Cut) -> None:
     """Pass 1: the stages of every step.  Values anchored by the repeat's ends (its output carry
     on the last stage, its input gradient on stage 0) flow forward to their readers; the rest is
@@ -236,6 +259,12 @@ def assign_stages(cut: _Cut) -> None:
             stages[i] = st.stages
             held[s.outs[0]] = frozenset({st.hi}) if i == st.F else frozenset({st.lo})
             held.update((v, st.stages) for v in s.outs[1:])
+            if st.on_some(cut.num_stages):
+                # its per-layer outputs and its gradients summed after the micro-batches are held on
+                # every stage, empty or zero outside its run (made there by insert_transfers), so what
+                # sums them and updates the params runs on every stage, the results (updated params,
+                # optimizer state) held there as the params are (_holders)
+                held.update((v, ALL) for v, _ in _everywhere(cut, st, i))
         elif i in cut.sums:   # ends where the tensor was made: the stack's first stage, or one before it
             st, c = cut.sum_of[i]
             made = held.get(c, frozenset())
@@ -434,6 +463,12 @@ def insert_transfers(cut: _Cut) -> dict:
             seg.extend(moves)
         elif i in cut.stack_at:
             seg.extend(_carried(cut, i))
+            st = cut.stack_at[i]
+            if st.on_some(cut.num_stages):
+                # their empty or zero parts on the other stages, made in their F or B actions (where
+                # the micro-batches' sums are taken, as on the stages that run its layers)
+                seg.extend((zeros_step(v, cut.values, s.phase, dim), frozenset({t}))
+                           for t in sorted(cut.every_stage - st.stages) for v, dim in _everywhere(cut, st, i))
         else:
             seg.append((s, cut.stages[i]))
         for v in s.outs:
@@ -459,7 +494,7 @@ def _moves_into(cut: _Cut, i: int, lists: dict, moved: set, tag: int) -> tuple[l
             if spec.stacks and spec.axis in values[v].sharding.partial:
                 # a stage's part of a sum over the stages (a gradient's square norm) where it holds
                 # none of the stack that makes it: zero, not a copy of another stage's part
-                before.append((_zeros(v, values, spec.mesh, s.phase), frozenset({t})))
+                before.append((zeros_step(v, values, s.phase), frozenset({t})))
                 continue
             src = min(cut.held[v], key=lambda h: abs(h - t))
             pj = cut.producer[v]
@@ -480,19 +515,6 @@ def _moves_into(cut: _Cut, i: int, lists: dict, moved: set, tag: int) -> tuple[l
                 lists[cut.segment[pj]].append(snd)  # after its producer (already placed), in its segment
                 before.append(rcv)
     return before, tag
-
-
-def _zero_part(ctx, attrs):
-    return torch.zeros(attrs["shape"], dtype=attrs["dtype"], device=run_device())
-
-
-def _zeros(v: int, values: dict, mesh, phase: str) -> Step:
-    """A step making value ``v`` zero (a stage's empty part of a sum over the stages)."""
-    val = values[v]
-    return Step("local", -1, "zeros", f"no part of {v} on this stage", phase, (), (v,), (),
-                step_args("local", {"fn": _zero_part, "attrs": {"shape": val.sharding.local_shape(val.shape, mesh),
-                                                                "dtype": val.dtype},
-                                    "compute": val.sharding.split, "sizes": {d.name: d.size for d in val.shape}}))
 
 
 def _carried(cut: _Cut, i: int) -> list:
@@ -529,6 +551,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
         lists = interleave(cut, lists, spec.schedule.num_chunks)
     elif spec.stage_layers:
         lists = split_stages(cut, lists, spec.stage_layers)
+    lists = with_given_parts(lists, cut.values)   # unequal stages: each rank's local steps over its own layers
     in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
     lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]
@@ -536,11 +559,16 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
 
 
 def _holders(cut: _Cut, leaves) -> dict:
-    """Each param's, input's and output's mesh ranks: those of the stages holding it."""
+    """Each param's, input's and output's mesh ranks: those of the stages holding it; a param of a
+    stack on some of the stages is held on every stage (empty outside its run), as its gradient
+    and updates are (:func:`assign_stages`), so that gathers and checkpoints run over the whole axis."""
     mesh, ax = cut.spec.mesh, cut.spec.axis
+    some = {layer for (_, layer, _), st in zip(cut.spec.stacks, cut.stacks) if st.on_some(cut.num_stages)}
     out = {}
     for v in [v for s in leaves for v in s.outs] + list(cut.outputs.values()):
         st = cut.held.get(v, cut.demand.get(v, cut.every_stage))
+        if some and any(cut.values[v].sharding.axes_of(d) == (ax,) for d in some):
+            st = cut.every_stage
         out[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in st)
     return out
 

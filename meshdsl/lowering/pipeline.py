@@ -118,13 +118,15 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     if MB_AXIS in mesh.sizes:
         raise MeshError(message(f"compile: mesh axis '{MB_AXIS}' is reserved.", inputs=[f"mesh: {mesh}"],
                                 rule=f"'{MB_AXIS}' is the virtual micro-batch axis", fix="rename that axis"))
+    layout = layout.with_empty_parts(_stack_dims(nodes, mesh, layout))
     found, scanned = _pipelined_repeats(nodes, mesh, layout)
     _check_layer_rules(mesh, layout, found, scanned)
     node, axis = found[0] if found else (None, None)
     # A layer dim split over axes of size 1 is whole: a pipeline of one stage is no pipeline.
     trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
     if trivial:
-        layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source)
+        layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source,
+                        empty_ok=layout.empty_ok)
     if len(found) > 1:
         return _several_stacks(found, mesh, layout, dims, microbatches, schedule, stage_layers)
     if axis is None and stage_layers is not None:
@@ -160,6 +162,21 @@ def _stage_layers(stage_layers, node, p: int, chunks: int, mesh: Mesh, layout: L
                    fix="split the layer dim over a stage axis ('layer:stage'), or leave out stage_layers")
     counts = check_counts(stage_layers, node.attrs["layer"].size, p, mesh, layout, chunks)
     return () if len(set(counts)) == 1 else counts
+
+
+def _stack_dims(nodes, mesh: Mesh, layout: Layout) -> frozenset:
+    """The layer dims of repeats whose rules put them on one mesh axis (of size > 1) with another
+    repeat's: several stacks on one stage axis, where a stage cut may leave a stack none of its
+    layers on some stages (a stack of fewer layers than stages), so their splits may have empty
+    parts there (:meth:`~meshdsl.layout.layout.Layout.with_empty_parts`)."""
+    on: dict[str, set] = {}
+    for n in nodes:
+        if n.op.name == "repeat":
+            r = layout.rule_for(n.attrs["layer"].name, ())
+            axes = tuple(a for a in r.axis_names if mesh.sizes.get(a, 1) > 1) if r is not None else ()
+            if len(axes) == 1:
+                on.setdefault(axes[0], set()).add(n.attrs["layer"].name)
+    return frozenset(d for dims in on.values() if len(dims) > 1 for d in dims)
 
 
 def _pipelined_repeats(nodes, mesh: Mesh, layout: Layout) -> tuple[list, set]:
@@ -306,4 +323,4 @@ def _with_microbatches(mesh: Mesh, layout: Layout, dims: dict[str, int], microba
              for r in layout.rules]
     if rule is None:
         rules.append(Rule(None, Name(BATCH, None), (Name(MB_AXIS, None),)))
-    return mesh2, Layout(tuple(rules), source=layout.source)
+    return mesh2, Layout(tuple(rules), source=layout.source, empty_ok=layout.empty_ok)

@@ -29,7 +29,8 @@ from ..layout.sharding import Sharding
 #: Step kind -> the args its steps carry (the schema :func:`step_args` checks).
 #: Collective kinds take theirs from :data:`meshdsl.collectives.COLLECTIVES`.
 STEP_KINDS: dict[str, frozenset[str]] = {
-    "local": frozenset({"fn", "inplace", "donates", "attrs", "compute", "sizes"}),
+    # parts: {dim: lengths} of dims cut at given lengths (lowering/local_parts.py)
+    "local": frozenset({"fn", "inplace", "donates", "attrs", "compute", "sizes", "parts"}),
     "split": frozenset({"dim"}),
     "param": frozenset({"name", "tensor"}),
     "input": frozenset({"name", "tensor"}),

@@ -16,23 +16,29 @@ cut into unequal ones, as a pass on the segment lists and the values:
   own layers (same values: each rank's local slice holds its stage's layers).
 
 With several stacks on the stage axis, :func:`split_stacks` does the same for each stack, at
-its counts (:attr:`.pipeline.PipeSpec.stacks`); a stack on one stage keeps its layers whole
-there, and a sum over the stage axis that only that stage runs is summed over its other axes.
+its counts (:attr:`.pipeline.PipeSpec.stacks`); a stack on some of the stages has an empty part
+on the others; a stack on one stage keeps its layers whole there, and a sum over the stage axis
+that only that stage runs is summed over its other axes.
 
-What :mod:`.interleave` refuses, this pass refuses too (other per-micro-batch values moving
-between stages besides the carry and what the block reads from outside, stacked gradients read
-other than by their sum over the micro-batches), and per-layer outputs when the ranks hold
-unequal numbers of layers: what the loss makes of them is lowered for equal parts.  With virtual
-stages (``interleaved:v``) the counts are per virtual stage (``p * v``, checked by
-:func:`check_counts`) and :mod:`.interleave` cuts the chunks at them instead of this pass.
+Per-layer outputs (``(carry, {name: tensor})``) are stored so too: what the loss makes of them
+(a sum or mean over the layers, elementwise ops on them) runs on each stage's own layers, its
+local steps at the stages' counts (:mod:`.local_parts`).  What :mod:`.interleave` refuses, this
+pass refuses too (other per-micro-batch values moving between stages besides the carry and what
+the block reads from outside, stacked gradients read other than by their sum over the
+micro-batches).  With virtual stages (``interleaved:v``) the counts are per virtual stage
+(``p * v``, checked by :func:`check_counts`) and :mod:`.interleave` cuts the chunks at them
+instead of this pass.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..errors import LayoutError, message
+from ..ops.registry import run_device
 from ..layout.sharding import part_sizes
-from .interleave import UNEVEN_RULE, _uneven_per_layer_outputs, _unsupported
+from .interleave import _unsupported
 from .pipeline_program import Segment
 from .plan import Step, step_args
 
@@ -48,14 +54,12 @@ def offsets(counts) -> list[int]:
 def check(cut, lists, counts) -> None:
     """Refuse what this pass cannot cut, with the reason."""
     why = _unsupported(cut, lists)
-    uneven = _uneven_per_layer_outputs(cut)
-    if why is not None or uneven is not None:
+    if why is not None:
         spec = cut.spec
         raise LayoutError(message(
-            f"compile (pipeline over '{spec.axis}', stage layers {','.join(map(str, counts))}): {why or uneven}.",
+            f"compile (pipeline over '{spec.axis}', stage layers {','.join(map(str, counts))}): {why}.",
             inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"],
-            rule=UNEVEN_RULE if why is None else
-                 "unequal stages run their layers where they are stored and pass only the carry between stages",
+            rule="unequal stages run their layers where they are stored and pass only the carry between stages",
             fix="leave out stage_layers (--stage-layers) for equal stages"))
 
 
@@ -93,8 +97,10 @@ def store_where_run(values: dict, spec, counts, layer: str | None = None) -> Non
 def split_stacks(cut, lists: dict) -> dict:
     """The segment lists of a cut with several pipelined stacks (``spec.stacks``), each stack's
     forward and backward step one step per stage of its run, over that stage's layers of it; the
-    stacks' layer-split values are stored so (in place): at the stages' counts for a stack on every
-    stage, whole for a stack on one (held there only)."""
+    stacks' layer-split values are stored so (in place): at the stages' counts for a stack on
+    several stages (a part of length 0 on the stages outside its run, where :mod:`.partition`
+    holds its params, gradients and updates empty, so gathers and checkpoints run over the whole
+    stage axis), whole for a stack on one (held there only)."""
     spec = cut.spec
     why = _unsupported(cut, lists)
     if why is not None:
@@ -104,17 +110,6 @@ def split_stacks(cut, lists: dict) -> dict:
             rule="stacks sharing a stage axis run their layers where they are stored and pass only their "
                  "carry, and what their blocks read from outside, between stages",
             fix="pipeline one stack only (leave the other's layer dim whole)"))
-    p = spec.num_stages
-    partial = [(layer, st) for (_, layer, _), st in zip(spec.stacks, cut.stacks) if 1 < len(st.stages) < p]
-    if partial:
-        raise LayoutError(message(
-            f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): stack '{partial[0][0]}' runs on "
-            f"stages {partial[0][1].lo}..{partial[0][1].hi} of {p}.",
-            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"], bullets=stack_lines(spec),
-            rule="each stack sharing a stage axis runs on one stage or on all of them (a stack on some of "
-                 "several stages is not supported yet)",
-            fix="give the stages layer counts (--stage-layers N,N,..) that put each stack on one stage or on "
-                "every stage, or pipeline one stack only"))
     out = dict(lists)
     for (_, layer, counts), st in zip(spec.stacks, cut.stacks):
         if st.lo == st.hi:   # on one stage: its layers are whole there, and held on that stage only
@@ -154,6 +149,24 @@ def _one_stage_sums(pairs: list, spec, values) -> list:
                                              "sizes": {d.name: d.size for d in v.shape}}))
         out.append((s, st))
     return out
+
+
+def _zero_part(ctx, attrs):
+    """Zeros of this rank's local shape (its slice of each split dim), with no ``empty`` dim."""
+    shape = tuple(0 if name == attrs["empty"] else ctx.size(name, full) for name, full in attrs["dims"])
+    return torch.zeros(shape, dtype=attrs["dtype"], device=run_device())
+
+
+def zeros_step(v: int, values: dict, phase: str, empty: str | None = None) -> Step:
+    """A step making value ``v`` zero on each rank that runs it, at its local shape (a stage's
+    part of a sum over the stages where it holds none of the stack that makes it); with an
+    ``empty`` dim, with none of that dim (a stack's layers on a stage outside its run)."""
+    val = values[v]
+    return Step("local", -1, "zeros", f"no part of {v} on this stage", phase, (), (v,), (),
+                step_args("local", {"fn": _zero_part,
+                                    "attrs": {"dims": tuple((d.name, d.size) for d in val.shape), "empty": empty,
+                                              "dtype": val.dtype},
+                                    "compute": val.sharding.split, "sizes": {d.name: d.size for d in val.shape}}))
 
 
 def _same(ctx, attrs, x):

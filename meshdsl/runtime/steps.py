@@ -107,11 +107,19 @@ class Spread(Pending):
         return _spread(self.pending.wait(), self.of)
 
 
-def _ctx(mesh, rank: int, compute: dict, sizes: dict) -> LocalCtx:
+def _ctx(mesh, rank: int, compute: dict, sizes: dict, parts=None) -> LocalCtx:
+    """``rank``'s slice of each dim a local step splits: cut as :func:`chunk` cuts, or at the
+    given lengths of ``parts`` (unequal pipeline stages, :mod:`meshdsl.lowering.local_parts`)."""
     offs, loc = {}, {}
     for d, axes in compute.items():
-        if axes:
+        if not axes:
+            continue
+        lengths = parts.get(d) if parts else None
+        if lengths is None:
             offs[d], loc[d] = chunk(sizes[d], mesh, rank, axes)
+        else:
+            i = mesh.coords(rank)[axes[0]]
+            offs[d], loc[d] = sum(lengths[:i]), lengths[i]
     return LocalCtx(offs, loc)
 
 
@@ -174,7 +182,8 @@ def local_kernel(ctx, i, s, plain: bool = False) -> LocalKernel:
     per process (representatives) whose result the others read.  Its kernel writes into an
     operand where ``ctx`` allows (a donated param, an add into a fresh operand), unless ``plain``."""
     reps, of = representatives(ctx.plan, ctx.comm, s) or (tuple(range(len(ctx.comm.ranks))), None)
-    ctxs = tuple(_ctx(ctx.plan.mesh, ctx.comm.ranks[j], s.args["compute"], s.args["sizes"]) for j in reps)
+    ctxs = tuple(_ctx(ctx.plan.mesh, ctx.comm.ranks[j], s.args["compute"], s.args["sizes"], s.args.get("parts"))
+                 for j in reps)
     fn = s.args["fn"] if plain else s.args["inplace"] if i in ctx.donated else ctx.add_into.get(i, s.args["fn"])
     return LocalKernel(fn, s.args["attrs"], tuple(reps), of, ctxs, reads_salt(s.op))
 

@@ -10,8 +10,9 @@ its layers take), then cuts the layers where the predicted maximum stage cost is
 
 An encoder-decoder with both stacks on the stage axis is cut as the stacks' layers joined in
 graph order (lowering/pipeline.py ``stack_counts``): a layer costs its own stack's average
-(:func:`layer_seconds`; a decoder layer's cross-attention makes it dearer), and only cuts the
-compiler runs are proposed (:func:`cut_regions`: each stack on one stage or on all of them).
+(:func:`layer_seconds`; a decoder layer's cross-attention makes it dearer), and any cut of the
+joined list may be proposed (:func:`cut_regions`: a stack may run on one stage, on some or on
+all of them).
 
 With virtual stages (``interleaved:v``, ``interleaved-zb:v``) the stages balanced are the
 ``p * v`` virtual ones, in layer order (stage s is chunk ``s // p`` of rank ``s % p``): the
@@ -78,8 +79,8 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
     sched = next(s.args["program"].schedule for s in plan.steps if s.kind == "pipeline")
 
     def compiled(counts):
-        """The plan of ``counts``, or None where the compiler refuses them (per-layer outputs
-        need as many layers on every rank): the equal split then stays."""
+        """The plan of ``counts``, or None where the compiler refuses them: the equal split
+        then stays."""
         try:
             return compile_plan(outputs, mesh, layout, stage_layers=counts, **kw)
         except LayoutError:
@@ -104,8 +105,8 @@ def _equal_split(outputs, mesh, layout, v: int = 1) -> tuple[int, ...] | None:
             found.append((n.attrs["layer"], mesh.axis_size(rule.axis_names) * v))
     if found:
         # several stacks on one stage axis (an encoder-decoder's) are cut as their layers joined
-        # in graph order (lowering/pipeline.py stack_counts), one stage per rank: of the cuts the
-        # compiler runs, the most even (one stack: the first stages one layer more)
+        # in graph order (lowering/pipeline.py stack_counts), one stage per rank: the most even
+        # cut (the first stages one layer more)
         sizes, p = [d.size for d, _ in found], found[0][1]
         total = sum(sizes)   # fewer layers than stages: no cut, and the compiler refuses the even one
         return _best_cut([0.0] * p, [1.0] * total, sizes) or tuple(total // p + (i < total % p) for i in range(p))
@@ -135,13 +136,10 @@ def stack_sizes(stages: list[StageCost]) -> list[int]:
 
 def cut_regions(sizes, p: int) -> list[tuple[int, ...]]:
     """The sets of positions of the joined layer list (``sizes``: each stack's layers) where the
-    compiler lets the ``p`` stages' boundaries fall: each stack runs on one stage or on all of
-    them (lowering/stage_layers.py ``split_stacks``), so the p - 1 boundaries all fall inside one
-    stack, or all between stacks. (One stack: any position; two stages: any, as one boundary is
-    always one or the other.)"""
-    starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    inside = [tuple(range(a + 1, b)) for a, b in zip(starts, starts[1:])]
-    return inside + [tuple(starts[1:-1])] if p > 2 else [tuple(range(1, starts[-1]))]
+    compiler lets the ``p`` stages' boundaries fall: anywhere, as a stack may run on one stage, on
+    some (with an empty part of its layers on the others) or on all of them
+    (lowering/stage_layers.py ``split_stacks``), so one set of every position."""
+    return [tuple(range(1, sum(sizes)))]
 
 
 def split_by_cost(stages: list[StageCost]) -> tuple[int, ...]:

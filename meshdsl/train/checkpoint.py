@@ -85,11 +85,14 @@ def _slices(shape, sharding, mesh: Mesh, holders=None) -> dict[int, tuple]:
     """Owner rank -> the distinct part it owns, as ``(index in the full tensor, index in the
     local one)`` regions (one, or one per block of a block-cyclic dim: ``Sharding.regions``):
     the lowest rank holding each part (of ``holders``, the ranks that hold the tensor at all;
-    None: every rank)."""
+    None: every rank).  A region with no elements (a pipelined stack's empty part on a stage
+    outside its run) is not a part."""
     owners: dict[tuple, int] = {}
     parts: dict[int, tuple] = {}
     for r in range(mesh.size) if holders is None else sorted(holders):
-        regions = sharding.regions(shape, mesh, r)
+        regions = tuple((g, loc) for g, loc in sharding.regions(shape, mesh, r) if all(s.stop > s.start for s in g))
+        if not regions:
+            continue
         key = tuple((s.start, s.stop) for g, _ in regions for s in g)
         if key not in owners:
             owners[key] = r
