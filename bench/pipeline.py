@@ -26,7 +26,8 @@ Variants:
             (vocab 8192, 8 layers: the head's matmul alone costs about two layers), meshdsl 1F1B at
             m = max(m) with the layer-count split (4,4) beside the split --stage-layers auto picks
             (md.balance_stages on this host's calibration), in the same job: the bubble the stages'
-            imbalance leaves before and after, side by side
+            imbalance leaves before and after, side by side; and the split auto picks for the bench
+            model's interleaved:2 (one count per virtual stage), printed beside its rows
 
 for m in {1, 2, 4, 8}.  The harness is bench/distributed_mlp.py's: spawned processes,
 turns that rotate the variants (one untimed step, a barrier, then ``block - 1`` steps
@@ -216,6 +217,16 @@ def balanced_splits(m: int, lr: float, seed: int) -> list[tuple[int, ...]]:
     auto = tuple(balance_stages(training_outputs(model.loss, model.params, lr), "stage:2", "layer:stage",
                                 microbatches=m, schedule=BALANCED_SCHEDULE))
     return [even] if auto == even else [even, auto]
+
+
+def interleaved_auto_split(m: int, lr: float, seed: int) -> tuple[int, ...]:
+    """What ``--stage-layers auto`` picks for the bench model's interleaved:2 (one count per virtual
+    stage, on this host's calibration): the split an auto-balanced interleaved row would run."""
+    from meshdsl.search.stage_balance import balance_stages
+    from meshdsl.train.step import training_outputs
+    model, _, _ = _setup(seed)
+    return tuple(balance_stages(training_outputs(model.loss, model.params, lr), "stage:2", "layer:stage",
+                                microbatches=m, schedule=INTERLEAVED))
 
 
 class _TorchActions:
@@ -625,6 +636,7 @@ def bench(args) -> int:
     t_start, ticks0 = time.perf_counter(), _cpu_ticks()
     floor1, floor2 = _floor_names(args.ms)
     splits = [] if args.no_balanced else balanced_splits(max(args.ms), args.lr, args.seed)
+    il_auto = None if args.no_balanced or args.tiny else interleaved_auto_split(max(args.ms), args.lr, args.seed)
     balanced = [_balanced_name(max(args.ms), c) for c in splits]
     single, pair = ("torch 1p", floor1, "meshdsl 1p"), [floor2, *_names(args.ms, args.gloo_sends), *balanced]
     times = {k: [] for k in (*single, *pair)}
@@ -737,6 +749,13 @@ def bench(args) -> int:
 
     _idle_report(console, args.ms, figures, breakdown)
     handout = _interleaved_report(console, args.ms, figures, med, per_round, outside, once_bytes)
+    if il_auto is not None:   # whether balancing could move anything for interleaved:2 here
+        even = il_auto == (sum(il_auto) // len(il_auto),) * len(il_auto)
+        note = ("the layer-count split these rows run" + ("; one layer per virtual stage leaves none to move"
+                                                          if set(il_auto) == {1} else "")
+                if even else "not the layer-count split these rows run")
+        console.print(f"{INTERLEAVED}: --stage-layers auto picks {','.join(map(str, il_auto))} per virtual stage "
+                      f"on this host's calibration ({note})", markup=False, highlight=False)
 
     goals = {}
     balance = _balanced_report(console, balanced, figures, med, per_round, act_ms, times)
@@ -788,7 +807,7 @@ def bench(args) -> int:
                 "machine": machine},
         "median_ms": med, "round_median_ms": per_round, "cpu_median_ms": cpu_med, "speedup_vs_torch_1p": speedup,
         "pipeline": figures, "idle_ms_per_step": breakdown, "actions_ms_per_step": act_ms, "outside_schedule": handout,
-        "balanced_stages": balance,
+        "balanced_stages": balance, "interleaved_auto_split": il_auto,
         "ceiling_speedup": {"microbatches": m, "speedup": ceiling, "one_process_ms": med[floor1],
                             "both_processes_ms": med[floor2]}, "peak_activation_bytes": peak_mem, "goals": goals,
         "loss_step0": loss0, "loss_step0_ok": loss_ok, "loss_last": last,

@@ -130,7 +130,11 @@ class _LayerParams:
     The slices of one layer are made once and reused while the stacked tensors are the
     same objects: a pipeline stage runs its layers once per micro-batch, with the same
     params.  An update in place keeps them right (they are views); a new stacked tensor
-    makes new ones.  The cache holds the stacked tensors, so their ids stay theirs.
+    makes new ones.  The cache holds the stacked tensors, so their ids stay theirs.  A new
+    tensor object over the same memory, in the same geometry, keeps them too (an interleaved
+    chunk's layers of a stacked param: a view of it made afresh each step, read by one loop
+    per micro-batch): the slices are views of those very bytes, and the memory cannot be
+    another tensor's while the cache holds the old one.
     """
 
     def __init__(self, names, pos, held):
@@ -149,11 +153,27 @@ class _LayerParams:
     def _made(self, stacked, l: int) -> tuple:
         key = [p[j] for p in stacked for j in self.held]
         hit = self.made.get(l)
-        if hit is not None and all(map(operator.is_, hit[0], key)):
-            return hit
-        params = {k: PerRank([p[j].select(self.pos[k], l) for j in self.held]) for k, p in zip(self.names, stacked)}
+        if hit is not None:
+            if all(map(operator.is_, hit[0], key)):
+                return hit
+            if all(map(_same_view, hit[0], key)):
+                hit[0][:] = key   # (held from now on: the same memory, and a later call may pass these)
+                return hit
+        params = self._slice(stacked, l)
         hit = self.made[l] = (key, params, tuple(params.values()))
         return hit
+
+    def _slice(self, stacked, l: int) -> dict:
+        """Layer ``l``'s slice of each stacked param (views), per held rank."""
+        return {k: PerRank([p[j].select(self.pos[k], l) for j in self.held]) for k, p in zip(self.names, stacked)}
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` read the same memory the same way (a slice of one is a slice of the other)."""
+    if a is b or a is None or b is None:
+        return a is b
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
 
 
 class _Body:
