@@ -25,12 +25,20 @@ equal one, the cost model's fastest step is the answer (never slower than equal 
 far as the cost model sees).  Without virtual stages the answer is chosen so too (the slowest
 stage does not alone decide a gpipe step either).
 
+What a stage holds besides its layers is measured on the plan priced, and it moves with the cut
+(an encoder's output sent to the decoder's stages, say), so the two splits are derived again
+from the fastest plan's own stage costs until that plan stays the fastest (:data:`REFINE`
+rounds at most); and where the cuts are few (:data:`EVERY_CUT`: a few layers on a few stages)
+each is priced, so the answer is the cost model's fastest of all.
+
 Example::
 
     counts = md.balance_stages(outs, "stage:2", "layer:stage", microbatches=8, schedule="1f1b")
     plan = md.compile(outs, "stage:2", "layer:stage", microbatches=8, schedule="1f1b", stage_layers=counts)
 """
 from __future__ import annotations
+
+import math
 
 from ..core.graph import topo_nodes
 from ..errors import LayoutError, message
@@ -78,18 +86,51 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
             fix="split the layer dim over a stage axis, e.g. --layout 'layer:stage'"))
     sched = next(s.args["program"].schedule for s in plan.steps if s.kind == "pipeline")
 
-    def compiled(counts):
-        """The plan of ``counts``, or None where the compiler refuses them: the equal split
-        then stays."""
-        try:
-            return compile_plan(outputs, mesh, layout, stage_layers=counts, **kw)
-        except LayoutError:
-            return None
-    step_s = {first: pred.step_s}
-    for counts in (split_by_cost(stages), split_by_schedule(stages, sched)):
-        if counts not in step_s and (cand := compiled(counts)) is not None:
-            step_s[counts] = predict(cand, cal).step_s
-    return min(step_s, key=lambda c: (step_s[c], c != first))   # ties: the equal split
+    preds = {first: pred}
+
+    def price(counts) -> None:
+        """Predict ``counts``'s plan into ``preds`` (None where the compiler refuses it)."""
+        if counts not in preds:
+            try:
+                preds[counts] = predict(compile_plan(outputs, mesh, layout, stage_layers=counts, **kw), cal)
+            except LayoutError:
+                preds[counts] = None
+    total = sum(first)
+    if math.comb(total - 1, len(first) - 1) <= EVERY_CUT:   # few cuts: price each
+        for counts in _cuts(total, len(first)):
+            price(counts)
+    for _ in range(REFINE):
+        # candidates from the fastest plan's own stage costs: what a stage holds besides its
+        # layers (a transfer of an encoder's output, say) moves with the cut
+        best = _fastest(preds, first)
+        for counts in (split_by_cost(preds[best].stages), split_by_schedule(preds[best].stages, sched)):
+            price(counts)
+        if _fastest(preds, first) == best:
+            break
+    return _fastest(preds, first)
+
+
+#: price every cut when there are at most this many (a model of a few layers on a few stages)
+EVERY_CUT = 16
+#: rounds of candidates derived from the fastest plan so far
+REFINE = 3
+
+
+def _fastest(preds: dict, first) -> tuple[int, ...]:
+    """The cut of ``preds`` (cut -> prediction, None where refused) with the fastest predicted
+    step; ties: the equal split ``first``, then the first priced."""
+    ok = [c for c, p in preds.items() if p is not None]
+    return min(ok, key=lambda c: (preds[c].step_s, c != first))
+
+
+def _cuts(total: int, parts: int):
+    """Every way to give ``parts`` stages at least one of ``total`` layers, in order."""
+    if parts == 1:
+        yield (total,)
+        return
+    for n in range(1, total - parts + 2):
+        for rest in _cuts(total - n, parts - 1):
+            yield (n, *rest)
 
 
 def _equal_split(outputs, mesh, layout, v: int = 1) -> tuple[int, ...] | None:
