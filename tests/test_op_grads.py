@@ -132,6 +132,7 @@ case("where_scalar")(lambda x: md.where(md.greater(x("c", [A, B], wrt=False), 0.
 # ---- elementwise, unary
 
 case("neg")(lambda x: md.neg(x("x", [A, B])))
+case("abs")(lambda x: md.abs(x("x", [A, B])))   # both signs; no element at the kink 0
 case("exp")(lambda x: md.exp(x("x", [A, B])))
 case("log")(lambda x: md.log(x("x", [A, B], "positive")))
 case("sqrt")(lambda x: md.sqrt(x("x", [A, B], "positive")))

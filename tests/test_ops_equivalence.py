@@ -87,7 +87,7 @@ def case(name, **kw):
 # ----------------------------------------------------------------------------- elementwise, unary
 
 _UNARY = {
-    "neg": md.neg, "exp": md.exp, "tanh": md.tanh, "relu": md.relu, "gelu": md.gelu,
+    "neg": md.neg, "abs": md.abs, "exp": md.exp, "tanh": md.tanh, "relu": md.relu, "gelu": md.gelu,
     "silu": md.silu, "sigmoid": md.sigmoid,
     "log": lambda x: md.log(_pos(x)), "sqrt": lambda x: md.sqrt(_pos(x)),
     "rsqrt": lambda x: md.rsqrt(_pos(x)),

@@ -58,7 +58,7 @@ def test_a_loss_of_each_layers_outputs_matches_dense(extra, mesh, layout, schedu
 
 
 @pytest.mark.parametrize("extra, joins", [("exp_of_sum", "allreduce over ('stage',)"),
-                                          ("softmax", "allgather over ('stage',)")])
+                                          ("softmax", "allreduce over ('stage',)")])   # split softmax: its sums
 def test_a_loss_across_layers_is_refused_with_the_reason(extra, joins):
     with pytest.raises(LayoutError) as e:
         md.compile(_model(extra), *PIPE, microbatches=2, schedule="1f1b")

@@ -7,7 +7,7 @@ from .attention import attention
 from .einsum import einsum
 from .constant import constant
 from .conv import conv
-from .elementwise import (add, cast, cos, div, equal, exp, gelu, greater, greater_equal, less,
+from .elementwise import (abs, add, cast, cos, div, equal, exp, gelu, greater, greater_equal, less,
                           less_equal, log, logical_not, maximum, minimum, mul, neg, not_equal, pow,
                           relu, rsqrt, sigmoid, silu, sin, sqrt, stop_gradient, sub, tanh, where)
 from .embed import arange, causal_mask, gather, iota, one_hot

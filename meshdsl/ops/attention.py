@@ -343,7 +343,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
     Layouts may split the batch dims (``"batch:data; heads:model"``, ``kv_heads:model``)
     with no communication (a split ``group`` leaves the gradients of k and v partial sums);
     a split query dim stays split in the forward and is gathered for the backward; the key
-    and feature dims are gathered when split.
+    and feature dims are gathered when split, except a key dim split where the query dim is
+    whole and q is smaller than k and v (cross-attention over a long memory): that one stays
+    split, lowered as the composite (:mod:`meshdsl.lowering.attention`).
     """
     qd, kd, fd = (d.name if isinstance(d, Dim) else d for d in (query_dim, key_dim, feature_dim))
     bad = next((x for x in (q, k, v) if not isinstance(x, Tensor)), None)

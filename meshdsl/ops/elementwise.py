@@ -58,12 +58,17 @@ def _lift(xs, name: str = "where"):
 # ----------------------------------------------------------------------------- unary
 
 
+#: unary ops that are exact on integer tensors as well (a relative position's sign and distance).
+_INTEGER_UNARY = ("neg", "abs")
+
+
 class Unary(Op):
     fn = None
 
     def infer(self, inputs, attrs):
         (x,) = inputs
-        if not x.dtype.is_floating_point and self.name not in ("cast", "stop_gradient", "logical_not"):
+        integral = self.name in _INTEGER_UNARY and x.dtype != torch.bool
+        if not x.dtype.is_floating_point and not integral and self.name not in ("cast", "stop_gradient", "logical_not"):
             raise ShapeError(message(f"{self.name}: input {x!r} is {x.dtype}, not floating point.",
                                      rule=f"{self.name} is defined on floating-point tensors",
                                      fix="cast it first: meshdsl.cast(x, torch.float32)"))
@@ -84,6 +89,7 @@ def _unary(name, fn, grad=None, linear=False):
 
 
 _unary("neg", torch.neg, lambda x, y, g: -g, linear=True)
+_unary("abs", torch.abs, lambda x, y, g: where(less(x, 0.0), -g, where(greater(x, 0.0), g, 0.0)))   # g * sign(x)
 _unary("exp", torch.exp, lambda x, y, g: g * y)
 _unary("log", torch.log, lambda x, y, g: g / x)
 _unary("sqrt", torch.sqrt, lambda x, y, g: g * 0.5 / y)
@@ -286,6 +292,9 @@ def _un(name):
 
 
 neg, exp, log, sqrt, rsqrt = _un("neg"), _un("exp"), _un("log"), _un("sqrt"), _un("rsqrt")
+abs = _un("abs")   # noqa: A001 - mirrors torch.abs
+abs.__doc__ = """Elementwise ``|x|``, on floating-point or integer tensors (a relative position's distance)."""
+neg.__doc__ = """Elementwise ``-x``, on floating-point or integer tensors (``x.__neg__``)."""
 tanh, relu, gelu, silu, sigmoid = _un("tanh"), _un("relu"), _un("gelu"), _un("silu"), _un("sigmoid")
 stop_gradient, logical_not = _un("stop_gradient"), _un("logical_not")
 
@@ -350,6 +359,6 @@ def where(cond: Tensor, a, b) -> Tensor:
 
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal", "greater",
-           "greater_equal", "equal", "not_equal", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos",
+           "greater_equal", "equal", "not_equal", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos",
            "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "pow", "cast",
            "where", "constant", "align", "DENSE_CTX"]

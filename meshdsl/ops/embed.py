@@ -160,6 +160,9 @@ class ScatterAdd(Op):
 
     name = "scatter_add"
     linear = True
+    # linear in the rows it sums: a partial sum of them (a gradient summed over a split batch or
+    # the micro-batches) stays partial through it, reduced once on the table, not on the rows
+    linear_args = (1,)
 
     def infer(self, inputs, attrs):
         ids, src = inputs
