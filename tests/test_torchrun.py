@@ -88,6 +88,11 @@ def test_torchrun_user_error_is_printed_once(tmp_path):
     assert out.count("meshdsl run: error: Layout rule names dim 'bach'") == 1, out
 
 
+#: ``python -m meshdsl ARGS`` with rank 0's grace (see tools/cli.py) cut to 1 s
+_SHORT_GRACE = ("import runpy, sys; import meshdsl.tools.cli as cli; cli.RANK0_GRACE_S = 1.0; "
+                "sys.argv[0] = 'meshdsl'; runpy.run_module('meshdsl', run_name='__main__', alter_sys=True)")
+
+
 @pytest.mark.parametrize("args,phrase", [
     (["--layout", "bach:data"], "dim 'bach'"),
     (["--steps", "0"], "argument --steps: 0 is out of range"),
@@ -95,9 +100,12 @@ def test_torchrun_user_error_is_printed_once(tmp_path):
 def test_every_torchrun_rank_exits_2_on_a_user_error(args, phrase):
     # torchrun's agent stops the other ranks as soon as one exits, so each rank's own
     # exit code is read here from two processes given torchrun's environment directly
-    # (the input is checked before the ranks meet, so no rendezvous is needed).
+    # (the input is checked before the ranks meet, so no rendezvous is needed).  No agent stops
+    # rank 1 here, so it would sit out its whole grace for rank 0 (cli.RANK0_GRACE_S, 5 s) before
+    # exiting: the ranks run ``python -m meshdsl`` with a grace of 1 s (the agent's stop during
+    # the grace is test_torchrun_user_error_is_printed_once's).
     port = _free_port()
-    job = [sys.executable, "-m", "meshdsl", "run", "mlp", "--tiny", "--mesh", "data:2", "--backend", "gloo",
+    job = [sys.executable, "-c", _SHORT_GRACE, "run", "mlp", "--tiny", "--mesh", "data:2", "--backend", "gloo",
            *args]
     procs = []
     for rank in range(2):

@@ -152,12 +152,21 @@ class Mesh:
                 inputs=[f"mesh: {self}"], rule="every axis named in a layout must be an axis of the mesh",
                 fix=f"use one of {list(self.names)} or add '{axis}:N' to the mesh"))
 
+    @cached_property
+    def _coords(self) -> dict:
+        """Rank -> :meth:`coords`, filled as ranks are asked for (every chunk of a sharded dim asks)."""
+        return {}
+
     def coords(self, rank: int) -> dict[str, int]:
-        """The coordinate of ``rank`` on every axis."""
-        out = {}
-        for name, size in reversed(self.axes):
-            out[name] = rank % size
-            rank //= size
+        """The coordinate of ``rank`` on every axis.  The dict is shared by every caller: read it,
+        or copy it (``dict(mesh.coords(r))``) to change it."""
+        out = self._coords.get(rank)
+        if out is None:
+            out, r = {}, rank
+            for name, size in reversed(self.axes):
+                out[name] = r % size
+                r //= size
+            self._coords[rank] = out
         return out
 
     def rank(self, coords: dict[str, int]) -> int:

@@ -203,7 +203,11 @@ class Sharding:
     def local_shape(self, shape: Shape, mesh: Mesh, rank: int | None = None) -> tuple[int, ...]:
         """``rank``'s local shape; without a rank the largest one (every rank's when the split is even)."""
         if rank is not None:
-            return tuple(self._chunk(d.size, d.name, mesh, rank)[1] for d in shape)
+            if self.parts:
+                return tuple(self._chunk(d.size, d.name, mesh, rank)[1] for d in shape)
+            split = self.split   # (the hot path: a dim no axis splits is whole)
+            return tuple(chunk(d.size, mesh, rank, split[d.name])[1] if d.name in split else d.size
+                         for d in shape)
         given = self.given_parts if self.parts else {}
         return tuple(max(given[d.name]) if d.name in given else -(-d.size // mesh.axis_size(self.axes_of(d.name)))
                      for d in shape)

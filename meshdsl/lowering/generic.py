@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
+from collections import OrderedDict
 
 from ..layout.sharding import Sharding
 from .relayout import keep_microbatches, relayout_cost
@@ -69,15 +71,44 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     return [(P, {i: shs[i].partial for i in partial_in}, scale)] + eager
 
 
+#: (node, its inputs' shardings, its outputs' targets, the mesh, the cost model, the readers of
+#: its inputs and outputs, the dims the layout lets have empty parts) -> the choice
+#: :func:`_cheapest` made, for the last CHOICES_SIZE: one graph compiled under many layouts (a
+#: search, a test of every layout) meets the same node with the same inputs and targets again and
+#: again.  Everything of ``lw`` the choice reads is in the key (a new read must join it).
+_CHOICES: OrderedDict = OrderedDict()
+_CHOICES_LOCK = threading.Lock()
+CHOICES_SIZE = 1 << 14
+
+
 def lower_generic(lw, node) -> None:
     """Lower ``node`` by the cheapest compute sharding (see module docstring)."""
-    mesh, op = lw.mesh, node.op
-    spec = op.spec(node)
+    spec = node.op.spec(node)
     ins = [lw.reduced(lw.value(t)) for t in node.inputs]
     shs = [lw.sharding(v) for v in ins]
+    targets = [tuple(lw.targets(t)) for t in node.outputs]
+    key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
+           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok)
+    with _CHOICES_LOCK:
+        best = _CHOICES.get(key)
+        if best is not None:
+            _CHOICES.move_to_end(key)
+    if best is None:
+        best = _cheapest(lw, node, spec, shs, targets)
+        with _CHOICES_LOCK:
+            _CHOICES[key] = best
+            if len(_CHOICES) > CHOICES_SIZE:
+                _CHOICES.popitem(last=False)
+    C, plan, P, scale = best
+    _emit(lw, node, spec, ins, dict(C), plan, P, scale)
+
+
+def _cheapest(lw, node, spec, shs, targets) -> tuple:
+    """``(C, plan, P, scale)`` of the cheapest compute sharding of ``node`` (see module docstring).
+    Of ``lw`` it reads only what :data:`_CHOICES`' key holds."""
+    mesh = lw.mesh
     modes = _partial_modes(lw, node, shs)
     comp = {o.name: spec.out_rename.get(o.name, o.name) for t in node.outputs for o in t.shape}
-    targets = [tuple(lw.targets(t)) for t in node.outputs]
 
     # Suggestions: compute-dim -> axes, from inputs and output targets.
     sources: list[dict[str, tuple[str, ...]]] = [dict(s.split) for s in shs]
@@ -123,7 +154,7 @@ def lower_generic(lw, node) -> None:
             if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and moves < best[1]):
                 best = (cost, moves, C, plan, P, scale)
     assert best is not None, node
-    _emit(lw, node, spec, ins, *best[2:])
+    return best[2:]
 
 
 def _splits(size: int, n: int, uneven_ok: bool, empty_ok: bool = False) -> bool:

@@ -3,7 +3,7 @@
 The interpreted loop (``Executor.run`` with ``stats``) calls one prepared closure per step and
 keeps every value in a dict.  Here the same steps become the lines of one function, generated
 once per executor from the plan (from step indices and value ids only, never from a user's
-string) and compiled with Python's ``compile()``:
+string) and compiled with Python's ``compile()`` (its code object cached by source text, :func:`_code_of`):
 
 * a local step is one kernel call on Python locals, one per held rank
   (``v12_0 = K3(C3_0, A3, v10_0, v11_0)``, or ``K3(v10_0, v11_0)`` where the op's kernel reads
@@ -25,12 +25,14 @@ function, traced and compiled by ``torch.compile``, called from the program like
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..comm.communicator import Pending
 from ..ops.inplace import direct_add
-from ..ops.registry import OPS
+from ..ops.registry import OPS, Op
 from .context import PerRank
 from .steps import local_kernel
 
@@ -166,6 +168,9 @@ class _Writer:
         # bound per held rank to its inputs' local shapes (the plan fixes them: Op.direct_for)
         if op is None or k.reads_salt:
             direct = None
+        elif k.fn == op.compute and type(op).direct_for is Op.direct_for:   # (shapes unread: one for all)
+            fn = op.direct(k.attrs)
+            direct = None if fn is None else [fn] * len(k.reps)
         elif k.fn == op.compute:
             direct = [op.direct_for(k.attrs, self.local_shapes(s.ins, j), self.local_shapes(s.outs, j))
                       for j in k.reps]
@@ -296,7 +301,32 @@ def build(ex, units: list[Unit], timed: bool = False, ins: tuple = (), outs: tup
     with ``outs``, the outputs as a tuple."""
     source, consts = source_of(ex, units, timed, ins, outs)
     namespace = dict(consts)
-    exec(compile(source, f"<meshdsl program of {len(ex.plan.steps)} steps>", "exec"), namespace)
+    exec(_code_of(source, f"<meshdsl program of {len(ex.plan.steps)} steps>"), namespace)
     program = namespace["program"]
     program.source = source
     return program
+
+
+#: (source, file name) -> its code object, the last CODE_CACHE_SIZE compiled: plans of one
+#: structure (the same steps and value ids, e.g. one graph under layouts that differ only in
+#: which dims they split) write the same source, and Python's compile() is most of a build
+_CODE: OrderedDict = OrderedDict()
+_CODE_LOCK = threading.Lock()
+CODE_CACHE_SIZE = 64
+
+
+def _code_of(source: str, filename: str):
+    """``compile(source, filename, "exec")``, cached (a code object is immutable: each
+    ``exec`` of it with its own constants makes a function of its own)."""
+    key = (source, filename)
+    with _CODE_LOCK:   # (executors may be built on several threads)
+        code = _CODE.get(key)
+        if code is not None:
+            _CODE.move_to_end(key)
+            return code
+    code = compile(source, filename, "exec")
+    with _CODE_LOCK:
+        _CODE[key] = code
+        if len(_CODE) > CODE_CACHE_SIZE:
+            _CODE.popitem(last=False)
+    return code
