@@ -93,7 +93,13 @@ class Shape(tuple):
                                  rule="ops refer to dims by name", fix=f"use one of {list(self.names)}"))
 
     def get(self, name: str) -> Dim:
-        return self[self.index(name)]
+        return tuple.__getitem__(self, self.index(name))
+
+    def __getitem__(self, key):
+        """``shape["seq"]`` (or ``shape[dim]``) is that dim; an int or a slice indexes by position."""
+        if isinstance(key, (str, Dim)):
+            return self.get(key)
+        return tuple.__getitem__(self, key)
 
     def without(self, names) -> "Shape":
         names = {n.name if isinstance(n, Dim) else n for n in names}

@@ -129,8 +129,11 @@ class Lowerer:
                 f"compile: {self.describe(node)} cannot be micro-batched with this layout.",
                 inputs=[f"mesh: {self.mesh}", f"layout: {self.layout}"],
                 bullets=[f"{kind} over {tuple(axes)}" + (f": {note}" if note else "")],
-                rule=f"micro-batches (the virtual axis '{MB_AXIS}') only carry partial sums, reduced by an allreduce",
-                fix="use microbatches=1, or a layout that keeps the batch dim split where this op reads it"))
+                rule=f"micro-batches (the virtual axis '{MB_AXIS}') only carry partial sums, reduced by an allreduce; "
+                     "an op that needs every micro-batch's rows at once (all of a split batch gathered: a "
+                     "contrastive loss's [batch, batch] logits, a batch norm) cannot run one micro-batch at a time",
+                fix="use microbatches=1, a layout that keeps the batch dim split where this op reads it, or make "
+                    "the op read one micro-batch's rows (in-batch negatives within each micro-batch)"))
         step = Step(kind, node.id if node else -1, op or (node.op.name if node else "output"),
                     label or (node.name if node else "output"), phase or (node.phase if node else "forward"),
                     tuple(ins), tuple(outs), tuple(axes), step_args(kind, args), nbytes, flops, note,

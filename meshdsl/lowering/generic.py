@@ -47,10 +47,13 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     if not partial_in:
         return [((), {}, {})]
     sets = {frozenset(shs[i].partial) for i in partial_in}
+    eager = [((), {}, {})]
     if op.is_linear(node) and len(partial_in) == len(shs) and len(sets) == 1:
         P = shs[partial_in[0]].partial
-        return [(P, {i: P for i in partial_in}, {})]
-    eager = [((), {}, {})]
+        # An op whose result outgrows its inputs (a broadcast_to of a row sum's gradient over a
+        # split vocab) would pass a larger partial sum on: reducing the inputs first is priced too.
+        grows = sum(t.shape.numel for t in node.outputs) > sum(t.shape.numel for t in node.inputs)
+        return [(P, {i: P for i in partial_in}, {})] + (eager if grows else [])
     if len(partial_in) == 1 and partial_in[0] in op.linear_args:
         P = shs[partial_in[0]].partial
         # Several outputs (layer norm's backward: dx and the affine's gradients) would each

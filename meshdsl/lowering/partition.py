@@ -382,6 +382,7 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
             c = _whole_batch_cause(steps, producer, final, producer[v])
             if c is None:
                 _check_per_layer_outputs(cut, producer[v])
+                _check_towers_meet(cut, final)
                 u = steps[producer[v]]
                 raise _error(f"'{u.op}' ({u.label}) is read by the pipelined repeat, but runs after the "
                              "micro-batches.", spec, [f"'{u.op}' runs on stages {sorted(cut.stages[producer[v]])}"],
@@ -410,6 +411,29 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                          "divide by a whole-batch value made from the inputs only (or fed as an input "
                          "without the batch dim, md.input('count', [])), normalise per micro-batch, or "
                          "use microbatches=1")
+
+
+def _check_towers_meet(cut: _Cut, final: set) -> None:
+    """Refuse, saying why, two pipelined stacks whose outputs are joined after both (a two-tower
+    model's contrastive loss): stacks sharing a stage axis pass on only the carry, from the first
+    stack's stages up to the second's, so a step reading both outputs would run on both stages."""
+    layers = [layer for _, layer, _ in getattr(cut.spec, "stacks", ())]
+    ends = {st.hi: layers[k] if k < len(layers) else cut.steps[st.F].label for k, st in enumerate(cut.stacks)}
+    for i in sorted(final):
+        s = cut.steps[i]
+        held = [cut.held.get(v) for v in s.ins]
+        meet = sorted({min(h) for h in held if h is not None and len(h) == 1 and min(h) in ends})
+        if len(meet) < 2:
+            continue
+        raise _error(f"'{s.op}' ({s.label}) reads the outputs of {len(meet)} pipelined stacks, each made on "
+                     "its own last stage.", cut.spec,
+                     [f"stack '{ends[e]}' ends on stage {e}" for e in meet]
+                     + [f"'{s.op}' would run on stages {meet}, after the micro-batches"],
+                     "stacks sharing a stage axis run one after another: the first one's output is sent up "
+                     "to the second's stages (an encoder's, read by a decoder); two towers joined only "
+                     "after both (a contrastive loss over an image and a text tower) have no stage order",
+                     "pipeline one tower only (leave the other's layer dim out of the layout: it runs whole "
+                     "on a stage, per micro-batch), or pipeline neither and split the batch")
 
 
 def _check_per_layer_outputs(cut: _Cut, i: int) -> None:

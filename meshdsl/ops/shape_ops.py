@@ -212,18 +212,33 @@ def reshape(x: Tensor, shape) -> Tensor:
     return apply("reshape", [x], {"shape": shape})
 
 
+def _in_left_order(x: Tensor, left, group_type) -> Tensor:
+    """``x`` transposed to the order a rearrange's left side names its dims in: a plain name is
+    the dim of that name (as an einsum operand lists its dims in any order), and each group one
+    of the dims no plain name names, in ``x``'s order.  A left side that names a dim ``x`` lacks,
+    or has the wrong number of entries, is left to the checks that say what is wrong."""
+    plain = [it.name for it in left if not isinstance(it, group_type)]
+    if len(left) != len(x.shape) or len(set(plain)) != len(plain) or not all(n in x.shape for n in plain):
+        return x
+    rest = iter([n for n in x.shape.names if n not in plain])
+    order = tuple(next(rest) if isinstance(it, group_type) else it.name for it in left)
+    return x if order == x.shape.names else transpose(x, list(order))
+
+
 def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
     """einops-style rearrange over names.
 
-    The left side lists ``x``'s dims in order; a group ``(heads d_k)`` on the left
-    splits that dim (give all but one part's size as keywords).  A group on the
-    right merges dims into one named by joining the parts with ``_``.
+    The left side lists ``x``'s dims, by name in any order (``x`` is transposed to it); a
+    group ``(heads d_k)`` on the left splits a dim, one of those it does not name, taken in
+    ``x``'s order (give all but one part's size as keywords).  A group on the right merges
+    dims into one named by joining the parts with ``_``.
 
     Example: ``rearrange(x, "batch seq (heads d_k) -> batch seq heads d_k", heads=8)``.
     """
     from ..core.equations import Group, parse_rearrange
 
     spec = parse_rearrange(pattern)
+    x = _in_left_order(x, spec.left, Group)
     if len(spec.left) != len(x.shape):
         raise ShapeError(message(
             f"rearrange: the left side has {len(spec.left)} entries but {x!r} has {len(x.shape)} dims.",
