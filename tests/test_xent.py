@@ -79,3 +79,23 @@ def test_a_split_class_dim_runs_the_composite_without_gathering_the_logits(tiny)
     logits = [s for s in plan.steps if s.kind == "allgather"   # the embedding table's gather is not this
               and any({"vocab", "seq"} <= set(plan.values[v].shape.names) for v in s.ins)]
     assert logits == []
+
+
+@pytest.mark.parametrize("mesh, layout", [("", ""), ("x:2", "vocab:x"), ("x:2", "batch:x")])
+def test_a_label_outside_the_class_dim_is_a_clear_error_on_every_layout(mesh, layout):
+    """An ignore_index of -100 fed straight in: the dense kernel would raise torch's own error and a
+    split class dim's composite would silently give the logsumexp alone (a loss that depends on
+    the layout); every layout raises the same GraphError, naming the range and the masking fix."""
+    b, v = md.Dim("batch", 4), md.Dim("vocab", 6)
+    with md.Graph():
+        x = md.param("x", [b, v], scale=1.0)
+        lab = md.input("lab", [b], dtype=torch.int64)
+        ce = md.cross_entropy(x, lab, "vocab")
+    bad = {"lab": torch.tensor([1, -100, 5, 3])}
+    run = (lambda f: md.run_dense({"ce": ce}, f)) if not mesh else \
+        (lambda f: md.run_simulated(md.compile({"ce": ce}, mesh, layout), f))
+    with pytest.raises(md.GraphError, match=r"(?s)cross_entropy: labels range over \[-100, \d\], outside dim "
+                                            r"'vocab' of size 6.*Fix: mask positions to ignore"):
+        run(bad)
+    good = {"lab": torch.tensor([1, 0, 5, 3])}
+    torch.testing.assert_close(run(good)["ce"], md.run_dense({"ce": ce}, good)["ce"], rtol=1e-6, atol=1e-6)

@@ -49,6 +49,10 @@ class OneHot(Op):
     def compute(self, ctx, attrs, ids):
         d = attrs["dim"]
         n = ctx.size(d.name, d.size)
+        if attrs.get("check") and ids.numel() and get_proxy_mode() is None:
+            # a cross-entropy's labels over a split class dim (ops/xent.py): out of range, the
+            # whole dim's kernel raises, so every layout raises alike
+            check_ids(ids, d.name, d.size, attrs["check"])
         local = ids - ctx.offset(d.name)
         return (local.unsqueeze(-1) == torch.arange(n, dtype=ids.dtype, device=ids.device)).to(attrs["dtype"])
 
@@ -81,7 +85,7 @@ class Gather(Op):
 
     def compute(self, ctx, attrs, ids, table):
         name, pos = attrs["dim"], attrs["pos"]
-        # The ids' bounds are checked (_check_ids), not while --compile traces a whole step
+        # The ids' bounds are checked (check_ids), not while --compile traces a whole step
         # (runtime/whole.py): the compiled indexing checks its bounds, and a compiled step that
         # raises runs again eagerly, which raises here.
         traced = get_proxy_mode() is not None
@@ -94,13 +98,13 @@ class Gather(Op):
             except (IndexError, RuntimeError) as e:
                 err = e
             if err is not None:   # the GraphError is raised outside the except (no chained context)
-                _check_ids(ids, name, attrs["size"])
+                check_ids(ids, name, attrs["size"])
                 raise err
             if pos:   # (the table's rows along its first dim, the usual case: no move)
                 out = out.movedim(pos, 0)
             return out.reshape(*ids.shape, *[s for i, s in enumerate(table.shape) if i != pos])
         if ids.numel() and not traced:
-            _check_ids(ids, name, attrs["size"])
+            check_ids(ids, name, attrs["size"])
         local = ids - ctx.offset(name)
         if whole:
             out = table.index_select(pos, ids.reshape(-1))
@@ -132,26 +136,31 @@ def _whole_rows(name: str, size: int, shape: tuple, ids: torch.Tensor, table: to
     """:meth:`Gather.compute` for the whole table with its rows first, the output's local ``shape``
     given: the same checks (index_select's own on the CPU; before it elsewhere, unless traced)."""
     if not ids.is_cpu and get_proxy_mode() is None:
-        _check_ids(ids, name, size)
+        check_ids(ids, name, size)
     try:
         out, err = table.index_select(0, ids.reshape(-1)), None
     except (IndexError, RuntimeError) as e:
         err = e
     if err is not None:   # the GraphError is raised outside the except (no chained context)
-        _check_ids(ids, name, size)
+        check_ids(ids, name, size)
         raise err
     return out.view(shape)
 
 
-def _check_ids(ids: torch.Tensor, name: str, size: int) -> None:
+def check_ids(ids: torch.Tensor, name: str, size: int, what: str = "gather: ids") -> None:
     """Raise a GraphError if an id is outside ``[0, size)`` (one reduction and one read back: on a
-    GPU, one wait for the device).  Each rank sees global ids, so every layout raises alike."""
+    GPU, one wait for the device).  Each rank sees global ids, so every layout raises alike.
+    ``what`` names the caller and its indices (``"cross_entropy: labels"``)."""
     lo, hi = torch.stack(torch.aminmax(ids)).tolist()
     if lo < 0 or hi >= size:
+        labels = what.startswith("cross_entropy")
         raise GraphError(message(
-            f"gather: ids range over [{lo}, {hi}], outside dim '{name}' of size "
-            f"{size}.", rule=f"ids index the table along '{name}': 0 <= id < {size}",
-            fix="check the fed ids (e.g. the vocabulary size) or clamp them"))
+            f"{what} range over [{lo}, {hi}], outside dim '{name}' of size {size}.",
+            rule=f"{'labels are class indices along' if labels else 'ids index the table along'} '{name}': "
+                 f"0 <= {'label' if labels else 'id'} < {size}",
+            fix="mask positions to ignore (an ignore_index such as -100) before the loss: keep = labels >= 0; "
+                "loss = cross_entropy(logits, md.where(keep, labels, 0), dim) * keep"
+                if labels else "check the fed ids (e.g. the vocabulary size) or clamp them"))
 
 
 @register
@@ -238,9 +247,10 @@ def arange(dim: Dim, dtype=torch.int64) -> Tensor:
     return iota(dim, dtype)
 
 
-def one_hot(ids: Tensor, dim: Dim, dtype=torch.float32) -> Tensor:
-    """One-hot encode integer ``ids`` along new dim ``dim``."""
-    return apply("one_hot", [ids], {"dim": dim, "dtype": dtype})
+def one_hot(ids: Tensor, dim: Dim, dtype=torch.float32, check: str = "") -> Tensor:
+    """One-hot encode integer ``ids`` along new dim ``dim`` (an id outside it: a row of zeros).
+    ``check`` (e.g. ``"cross_entropy: labels"``) raises a GraphError instead, naming that caller."""
+    return apply("one_hot", [ids], {"dim": dim, "dtype": dtype, **({"check": check} if check else {})})
 
 
 def gather(table: Tensor, ids: Tensor, dim) -> Tensor:

@@ -19,10 +19,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ..core.graph import Tensor
 from ..errors import ShapeError
+from .embed import check_ids
 from .registry import ComputeSpec, Op, apply, register
+
+#: how a range error names cross-entropy's labels (ops/embed.py ``check_ids``)
+LABELS = "cross_entropy: labels"
 
 
 def _rows(x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -32,11 +37,22 @@ def _rows(x: torch.Tensor, pos: int) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _forward(pos: int, logits: torch.Tensor, labels: torch.Tensor):
-    """The forward kernel: (loss, lse) per example, the class dim at ``pos``."""
+def _forward(pos: int, name: str, logits: torch.Tensor, labels: torch.Tensor):
+    """The forward kernel: (loss, lse) per example, the class dim ``name`` at ``pos``.  A label
+    outside the class dim raises a GraphError, as the composite of a split class dim does."""
     x = _rows(logits, pos)
     ls = F.log_softmax(x, -1)        # one vectorised pass; lse = x - log_softmax(x), any column
-    loss = -ls.gather(1, labels.reshape(-1, 1)).squeeze(1)
+    traced = get_proxy_mode() is not None
+    if not labels.is_cpu and not traced and labels.numel():
+        check_ids(labels, name, x.shape[-1], LABELS)   # (a GPU's gather would fail asynchronously)
+    try:
+        picked, err = ls.gather(1, labels.reshape(-1, 1)), None
+    except (IndexError, RuntimeError) as e:   # on the CPU, torch's own bounds check
+        err = e
+    if err is not None:   # the GraphError is raised outside the except (no chained context)
+        check_ids(labels, name, x.shape[-1], LABELS)
+        raise err
+    loss = -picked.squeeze(1)
     lse = x.select(1, 0) - ls.select(1, 0)
     return loss.view(*labels.shape), lse.view(*labels.shape)   # (sizes as arguments: parsed faster)
 
@@ -67,10 +83,10 @@ class CrossEntropy(Op):
         return [(labels.shape, logits.dtype), (labels.shape, logits.dtype)]
 
     def compute(self, ctx, attrs, logits, labels):
-        return _forward(attrs["pos"], logits, labels)
+        return _forward(attrs["pos"], attrs["dim"], logits, labels)
 
     def direct(self, attrs):   # (reads no ctx)
-        return functools.partial(_forward, attrs["pos"])
+        return functools.partial(_forward, attrs["pos"], attrs["dim"])
 
     def spec(self, node):
         return _spec(node)
@@ -124,7 +140,7 @@ def composite_forward(logits: Tensor, labels: Tensor, dim: str) -> tuple[Tensor,
     from .embed import one_hot
     from .reduce import logsumexp, reduce_sum
     lse = logsumexp(logits, [dim])
-    picked = reduce_sum(logits * one_hot(labels, logits.shape.get(dim), logits.dtype), [dim])
+    picked = reduce_sum(logits * one_hot(labels, logits.shape.get(dim), logits.dtype, check=LABELS), [dim])
     return lse - picked, lse
 
 
