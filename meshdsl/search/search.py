@@ -16,13 +16,14 @@ beam safe.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from ..errors import MeshDSLError
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.partition import with_schedule
 from ..lowering.schedule_gen import parse_schedule
-from .calibrate import Calibration
+from .calibrate import Calibration, Line
 from .dims import Splits
 from .predict import Prediction, predict
 from .space import Candidate, candidates
@@ -33,6 +34,14 @@ SKELETONS = 2
 #: Pipelined plans the search keeps to re-price under another schedule (it prices a layout's
 #: schedules one after another, so a couple suffice).
 KEEP_PLANS = 2
+#: How close (relative) two predicted step times are for the ranking to call them equal and
+#: prefer the candidate with fewer rules (:func:`order`): a rule predicted to save less than this
+#: is within what the cost model can tell apart, so it does not earn its place.
+RESOLUTION = 0.01
+#: The share of the whole model's work per rank (no rule on the mesh) at or above which a
+#: candidate is in effect replicated (:meth:`SearchResult.replicates`): its rules split only a
+#: side of the model.
+REPLICATED_WORK = 0.95
 
 
 @dataclass
@@ -69,6 +78,8 @@ class SearchResult:
       seconds: wall time of the search.
       by_cost: ``(candidate, reason)`` of those with an option pruned by cost (not compiled).
       splits: the options per axis role and the verdict on each dim (:class:`~.dims.Splits`).
+      work: a candidate's kernel work per rank in seconds without per-kernel costs (compiles it),
+        for :meth:`replicates`.
     """
 
     ranked: list[Ranked]
@@ -80,6 +91,22 @@ class SearchResult:
     seconds: float
     by_cost: list = field(default_factory=list)
     splits: Splits | None = None
+    work: Callable[[Candidate], float] | None = None
+    _work: dict = field(default_factory=dict, repr=False)
+
+    def replicates(self, r: Ranked) -> bool:
+        """``r`` leaves every rank doing about the whole model's work, whatever its rules say:
+        its kernels' work per rank (FLOPs and bytes, without the per-kernel costs) is at least
+        :data:`REPLICATED_WORK` of the same mesh's with no rule.  A pipeline never is.
+        ``work`` (set by :func:`search`) prices a candidate's work; each is compiled once."""
+        c = r.candidate
+        if not c.layout or c.staged or self.work is None:
+            return False
+        idle = Candidate(c.mesh, "", c.microbatches)
+        for x in (c, idle):
+            if x not in self._work:
+                self._work[x] = self.work(x)
+        return self._work[c] >= REPLICATED_WORK * self._work[idle] > 0
 
 
 def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None = None,
@@ -184,11 +211,57 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
         for c in group:
             price(c)
     ranked = [r for r in seen.values() if isinstance(r, Ranked)]
-    ok = sorted((r for r in ranked if _fits(r, memory_limit)), key=lambda r: (r.prediction.step_s, r.candidate))
+    ok = order([r for r in ranked if _fits(r, memory_limit)])
     over = [r for r in ranked if not _fits(r, memory_limit)]
     invalid = pruned + [(c, r) for c, r in seen.items() if isinstance(r, str)]
     return SearchResult(ok, len(space) + len(pruned) + len(by_cost), len(seen), invalid, over, strategy,
-                        time.perf_counter() - t0, by_cost, splits)
+                        time.perf_counter() - t0, by_cost, splits, _work_of(outputs, cal, nproc, strict_splits))
+
+
+def _work_of(outputs, cal: Calibration, nproc: int, strict_splits: bool) -> Callable[[Candidate], float]:
+    """A candidate's kernel seconds per rank on the critical path priced by FLOPs and bytes alone
+    (no per-kernel or dispatch cost, no core sharing): its work; 0 when it does not compile."""
+    work_cal = replace(cal, matmul=Line(0.0, cal.matmul.rate), elementwise=Line(0.0, cal.elementwise.rate),
+                       dispatch_s=0.0, pipeline_dispatch_s=0.0, cores=nproc)
+
+    def work(c: Candidate) -> float:
+        try:
+            plan = compile_plan(outputs, c.mesh, c.layout, microbatches=c.microbatches, schedule=c.schedule,
+                                strict_splits=strict_splits)
+        except MeshDSLError:
+            return 0.0
+        return predict(plan, work_cal).path_compute_s
+
+    return work
+
+
+def order(ranked: list[Ranked], resolution: float = RESOLUTION) -> list[Ranked]:
+    """``ranked`` best first: by predicted step time, except that a candidate ranks after a
+    simpler one it is not predicted faster than by more than ``resolution`` (relative).
+
+    A simpler candidate has the same mesh and pipeline and a strict subset of the rules: a
+    rule that saves less than the cost model can resolve (a small side dim split over the
+    model axis, which leaves every rank doing the whole model's work) does not put its layout
+    first; the plain layout that says what the plan does ranks first instead.  Ties go to the
+    fewer rules.
+    """
+    by_setup: dict[tuple, list[tuple[frozenset, Ranked]]] = {}
+    for r in ranked:
+        c = r.candidate
+        by_setup.setdefault((c.mesh, c.microbatches, c.schedule), []).append((_rule_set(c), r))
+
+    # Simpler first, so that a candidate ranks after the place its simpler ones were moved to.
+    place: dict[int, float] = {}
+    for r in sorted(ranked, key=lambda r: len(_rule_set(r.candidate))):
+        c, t = r.candidate, r.prediction.step_s
+        rules = _rule_set(c)
+        place[id(r)] = max([t] + [place[id(s)] for rs, s in by_setup[(c.mesh, c.microbatches, c.schedule)]
+                                  if rs < rules and t * (1 + resolution) >= s.prediction.step_s])
+    return sorted(ranked, key=lambda r: (place[id(r)], len(_rule_set(r.candidate)), r.candidate))
+
+
+def _rule_set(c: Candidate) -> frozenset:
+    return frozenset(filter(None, c.layout.split("; ")))
 
 
 def _fits(r: Ranked, limit: float | None) -> bool:

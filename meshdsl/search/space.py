@@ -13,7 +13,8 @@ dims, ranked how, and why):
   expert parallelism over the same axis;
 * ``model``: Megatron (``heads`` and ``d_ff``), then any other dim alone or two
   that no tensor holds together, the best few by a cheap estimate (``seq`` and
-  ``experts`` always);
+  ``experts`` always), and, beside another axis, no rule at all (:data:`REPLICATED`: the
+  axis replicates the model, which at a tiny size may truly be fastest);
 * ``pipe``: the dim a ``repeat`` scans over, with a micro-batch count (2, 4, 8:
   the ones the batch allows) and a schedule (gpipe, 1f1b, zbh1, and where the layers and
   micro-batches allow two virtual stages per rank, interleaved:2 and interleaved-zb:2).
@@ -37,6 +38,9 @@ from .dims import Option, Splits
 ROLES = ("pipe", "data", "model")
 #: Gradient accumulation without a pipeline: micro-batch counts offered on meshes with no ``pipe`` axis.
 ACCUMULATION = (2,)
+#: The model axis's option of no rule: every rank of a model group holds and runs the whole model
+#: (the plain layout a split of a small side dim would only disguise, see :mod:`.search`).
+REPLICATED = Option("", "replicated", "")
 
 
 @dataclass(frozen=True, order=True)
@@ -95,6 +99,12 @@ def _rules(layout: str) -> list[tuple[str, str]]:
     return [tuple(rule.split(":")) for rule in filter(None, layout.split("; "))]
 
 
+def idle_axes(c: Candidate) -> list[str]:
+    """The axes of ``c``'s mesh that no rule of its layout splits over (each replicates the model)."""
+    used = {axis for _, axis in _rules(c.layout)}
+    return [a.split(":")[0] for a in c.mesh.split("; ") if a.split(":")[0] not in used and not a.endswith(":1")]
+
+
 def twice(c: Candidate) -> str | None:
     """Why ``c``'s rules contradict each other (one dim, in one scope, on two axes), or None."""
     seen: dict[str, str] = {}
@@ -151,8 +161,11 @@ def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = 
     for mesh in meshes(nproc):
         sizes = dict(mesh)
         per_replica = batch // sizes.get("data", 1) if batch % sizes.get("data", 1) == 0 else 0
-        per_role = [splits.options(role, size, per_replica) if size > 1 else
-                    [Option(f"batch:{role}" if role == "data" else "", "single", "")] for role, size in mesh]
+        # An idle model axis beside an axis that splits: the whole layout idle is no search answer.
+        idle = [REPLICATED] if len(mesh) > 1 else []
+        per_role = [splits.options(role, size, per_replica) + (idle if role == "model" else [])
+                    if size > 1 else [Option(f"batch:{role}" if role == "data" else "", "single", "")]
+                    for role, size in mesh]
         text = "; ".join(f"{r}:{s}" for r, s in mesh)
         accum = (1,) if "pipe" in sizes else (1,) + ACCUMULATION
         for combo, k in itertools.product(itertools.product(*per_role), accum):

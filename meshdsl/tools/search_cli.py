@@ -20,6 +20,7 @@ from ..search.measure import calibrate
 from ..search.sweep import num_collective_samples, num_kernel_samples
 from ..search.predict import by_op_table, predict
 from ..search.search import Ranked, SearchResult, search
+from ..search.space import idle_axes
 from .cli_common import EXIT_CODES, load_configured, lr_arg, make_console
 from .optim_args import optimizer_from_args, train_outputs
 from .preflight import UsageError, float_in, int_in
@@ -217,7 +218,10 @@ def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -
         t.add_column(col, justify="left" if col in ("mesh", "layout", "pipeline") else "right")
     for i, r in enumerate(rows):
         c, p = r.candidate, r.prediction
-        t.add_row(str(i + 1), c.mesh, c.layout or "(replicated)",
+        idle = idle_axes(c)
+        note = " (in effect replicated)" if result.replicates(r) else \
+            f" (replicated over {', '.join(idle)})" if idle else ""
+        t.add_row(str(i + 1), c.mesh, (c.layout + note) if c.layout else "(replicated)",
                   _pipeline_cell(c),
                   f"{p.step_s * 1e3:.2f}", _mb(p.memory_bytes), _mb(p.comm_bytes),
                   *((f"{measured[id(r)] * 1e3:.2f}",) if measured is not None else ()))
@@ -225,7 +229,8 @@ def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -
     best = rows[0].candidate
     flags = (f" --microbatches {best.microbatches}" if best.microbatches > 1 else "") + \
         (f" --schedule {best.schedule}" if best.staged else "")
-    console.print(f"best: --mesh '{best.mesh}' --layout '{best.layout}'{flags}", highlight=False, soft_wrap=True)
+    note = " (in effect replicated: every rank runs the whole model)" if result.replicates(rows[0]) else ""
+    console.print(f"best: --mesh '{best.mesh}' --layout '{best.layout}'{flags}{note}", highlight=False, soft_wrap=True)
 
 
 def _pipeline_cell(c) -> str:
