@@ -16,14 +16,13 @@ size (the output, or ``dq``) where the gathers carry k's and v's.
 """
 from __future__ import annotations
 
-from ..core.graph import Graph, topo_nodes
 from ..ops.einsum import einsum
 from ..ops.elementwise import exp, log, stop_gradient, where
 from ..ops.embed import causal_mask
-from ..ops.leaf import placeholder
 from ..ops.reduce import reduce_max, reduce_sum
+from .composite import lower_composite
 from .generic import lower_generic
-from .rules import lowering, rule_for
+from .rules import lowering
 
 
 def _scores(q, k, attrs):
@@ -74,15 +73,5 @@ def lower_attention(lw, node) -> None:
     if not _keys_stay_split(lw, node):
         lower_generic(lw, node)
         return
-    g = Graph(f"{node.graph.name}/{node.op.name}")
-    with g, g.in_phase(node.phase), g.scope(node.op.name):
-        ins = [placeholder(f"in{i}", t.shape, t.dtype, t.scopes) for i, t in enumerate(node.inputs)]
-        build = composite_forward if node.op.name == "attention" else composite_backward
-        outs = list(build(*ins, node.attrs))
-    for p, t in zip(ins, node.inputs):
-        lw.bind(p, lw.value(t))
-    lw.count_readers(outs)
-    for n in topo_nodes(outs, lw.env):
-        rule_for(n.op.name)(lw, n)
-    for t, o in zip(node.outputs, outs):
-        lw.bind(t, lw.value(o))
+    build = composite_forward if node.op.name == "attention" else composite_backward
+    lower_composite(lw, node, lambda *ins: build(*ins, node.attrs))

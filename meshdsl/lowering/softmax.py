@@ -12,12 +12,11 @@ cross-entropy. The output stays split as its input was; nothing of the split dim
 """
 from __future__ import annotations
 
-from ..core.graph import Graph, topo_nodes
 from ..ops.elementwise import exp, stop_gradient
-from ..ops.leaf import placeholder
 from ..ops.reduce import reduce_max, reduce_sum
+from .composite import lower_composite
 from .generic import lower_generic
-from .rules import lowering, rule_for
+from .rules import lowering
 
 
 def composite_softmax(x, dim: str):
@@ -42,13 +41,5 @@ def lower_softmax(lw, node) -> None:
         lower_generic(lw, node)
         return
     dim = node.attrs["dim"]
-    g = Graph(f"{node.graph.name}/{node.op.name}")
-    with g, g.in_phase(node.phase), g.scope(node.op.name):
-        ins = [placeholder(f"in{i}", t.shape, t.dtype, t.scopes) for i, t in enumerate(node.inputs)]
-        out = composite_softmax(*ins, dim) if node.op.name == "softmax" else composite_softmax_backward(*ins, dim)
-    for p, t in zip(ins, node.inputs):
-        lw.bind(p, lw.value(t))
-    lw.count_readers([out])
-    for n in topo_nodes([out], lw.env):
-        rule_for(n.op.name)(lw, n)
-    lw.bind(node.outputs[0], lw.value(out))
+    build = composite_softmax if node.op.name == "softmax" else composite_softmax_backward
+    lower_composite(lw, node, lambda *ins: [build(*ins, dim)])

@@ -13,11 +13,10 @@ elementwise, so the logits are never gathered.
 """
 from __future__ import annotations
 
-from ..core.graph import Graph, topo_nodes
-from ..ops.leaf import placeholder
 from ..ops.xent import composite_backward, composite_forward
+from .composite import lower_composite
 from .generic import lower_generic
-from .rules import lowering, rule_for
+from .rules import lowering
 
 
 def _class_dim_split(lw, node) -> bool:
@@ -31,17 +30,7 @@ def lower_cross_entropy(lw, node) -> None:
         lower_generic(lw, node)
         return
     dim = node.attrs["dim"]
-    g = Graph(f"{node.graph.name}/{node.op.name}")
-    with g, g.in_phase(node.phase), g.scope(node.op.name):
-        ins = [placeholder(f"in{i}", t.shape, t.dtype, t.scopes) for i, t in enumerate(node.inputs)]
-        if node.op.name == "cross_entropy":
-            outs = list(composite_forward(*ins, dim))
-        else:
-            outs = [composite_backward(*ins, dim)]
-    for p, t in zip(ins, node.inputs):
-        lw.bind(p, lw.value(t))
-    lw.count_readers(outs)
-    for n in topo_nodes(outs, lw.env):
-        rule_for(n.op.name)(lw, n)
-    for t, o in zip(node.outputs, outs):
-        lw.bind(t, lw.value(o))
+    if node.op.name == "cross_entropy":
+        lower_composite(lw, node, lambda *ins: composite_forward(*ins, dim))
+    else:
+        lower_composite(lw, node, lambda *ins: [composite_backward(*ins, dim)])

@@ -1,0 +1,31 @@
+"""Lowering a fused node as the composite of the same math, where a split dim would gather.
+
+A fused op (cross-entropy, softmax, attention) runs one torch kernel that needs some dim whole
+on a rank.  Where a layout splits that dim, :mod:`.xent`, :mod:`.softmax` and :mod:`.attention`
+lower the node instead as a sub-graph of primitives whose reductions over the split dim are
+small allreduces: :func:`lower_composite` builds that sub-graph in the node's phase and scope
+(its inputs are ``placeholder`` ops, as a repeat's block has, bound to the node's inputs),
+lowers each of its nodes by its own rule, and binds the node's outputs to the sub-graph's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..core.graph import Graph, Tensor, topo_nodes
+from ..ops.leaf import placeholder
+from .rules import rule_for
+
+
+def lower_composite(lw, node, build: Callable[..., Sequence[Tensor]]) -> None:
+    """Lower ``node`` as ``build(*inputs)``: the sub-graph's outputs, one per output of ``node``."""
+    g = Graph(f"{node.graph.name}/{node.op.name}")
+    with g, g.in_phase(node.phase), g.scope(node.op.name):
+        ins = [placeholder(f"in{i}", t.shape, t.dtype, t.scopes) for i, t in enumerate(node.inputs)]
+        outs = list(build(*ins))
+    for p, t in zip(ins, node.inputs):
+        lw.bind(p, lw.value(t))
+    lw.count_readers(outs)
+    for n in topo_nodes(outs, lw.env):
+        rule_for(n.op.name)(lw, n)
+    for t, o in zip(node.outputs, outs):
+        lw.bind(t, lw.value(o))
