@@ -26,6 +26,15 @@ import torch
 
 import meshdsl as md
 
+# One torch thread for the whole session, as each spawned rank has (processes/launcher.py) and
+# `meshdsl train` runs: on tiny tensors some kernels (gelu and its backward) still open a 2-thread
+# OpenMP region, which costs 8-16 ms a call instead of ~10 us while the other core is busy (a
+# spawned rank, another process); in-process test files ran ~3x slower so (test_precision.py +
+# test_lazy_sums.py: 44 s against 16 s with a busy core, the same 14 s on an idle one).  Set here,
+# not in a test, so no file's speed depends on which test ran before it.  A test that wants another
+# count sets it and restores this one (test_trainer.py, the one_torch_thread fixture).
+torch.set_num_threads(1)
+
 # Mesh axes are x, y, z so that no test reads as if it meant data or model parallelism.
 MESHES = {"2": "x:2", "4": "x:4", "2x2": "x:2; y:2", "2x2x2": "x:2; y:2; z:2"}
 

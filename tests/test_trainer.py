@@ -160,12 +160,16 @@ def test_fit_runs_with_one_torch_thread_unless_told(capsys, tmp_path):
         seen.append(torch.get_num_threads())
         return user_batch(step)
 
+    session_threads = torch.get_num_threads()
     torch.set_num_threads(3)
-    md.fit(build(Config()), steps=2, data=batch, lr=0.1)
-    assert "md.fit: 1 torch thread(s) in this process (as each spawned rank; threads=N sets another)" in \
-        capsys.readouterr().out
-    md.fit(build(Config()), steps=2, data=batch, lr=0.1, threads=2)
-    assert seen == [1, 1, 2, 2] and torch.get_num_threads() == 3    # the count before, restored
+    try:
+        md.fit(build(Config()), steps=2, data=batch, lr=0.1)
+        assert "md.fit: 1 torch thread(s) in this process (as each spawned rank; threads=N sets another)" in \
+            capsys.readouterr().out
+        md.fit(build(Config()), steps=2, data=batch, lr=0.1, threads=2)
+        assert seen == [1, 1, 2, 2] and torch.get_num_threads() == 3    # the count before, restored
+    finally:
+        torch.set_num_threads(session_threads)   # the later tests' count (conftest.py)
 
 
 def _greedy(model, params, prompt: str, num_tokens: int) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from ..core.names import NAME_RULE, is_name
 from ..errors import MeshError, clip, did_you_mean, message
@@ -103,10 +103,7 @@ class Mesh:
             raise MeshError(message(
                 f"Invalid mesh {clip(repr(text))}: expected a mesh, got {type(text).__name__}.",
                 rule=f"a mesh is {_FORMS}", fix='write e.g. "data:2; model:2"'))
-        from .parse import parse_mesh
-
-        spec = parse_mesh(text)
-        return Mesh(tuple((a.name.name, a.size) for a in spec.axes), source=spec.source)
+        return _parsed(text)
 
     @cached_property
     def names(self) -> tuple[str, ...]:
@@ -213,3 +210,13 @@ class Mesh:
                 seen.add(g)
                 out.append(g)
         return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _parsed(text: str) -> Mesh:
+    """The Mesh of mesh string ``text``, one per string: a frozen Mesh is shared, and so are the
+    memos it fills (``coords``, ``group``) by every compile and run of one mesh string."""
+    from .parse import parse_mesh
+
+    spec = parse_mesh(text)
+    return Mesh(tuple((a.name.name, a.size) for a in spec.axes), source=spec.source)

@@ -68,9 +68,8 @@ def representatives(plan, comm, s) -> tuple[tuple[int, ...], tuple[int, ...]] | 
       and for each held rank the index in ``reps`` of its own; ``None`` when the
       step varies along the micro-batch axis or every held rank is its own.
     """
-    if per_microbatch(s, plan.values):
-        return None
-    return one_per_real_rank(plan.mesh, comm.ranks)
+    found = one_per_real_rank(plan.mesh, comm.ranks)   # (cheap: None off micro-batch meshes)
+    return None if found is None or per_microbatch(s, plan.values) else found
 
 
 def one_per_real_rank(mesh, ranks) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -180,12 +179,20 @@ def reads_salt(op_name: str) -> bool:
 def local_kernel(ctx, i, s, plain: bool = False) -> LocalKernel:
     """How local step ``i`` (``s``) runs in ``ctx``: on every held rank, or on one micro-batch rank
     per process (representatives) whose result the others read.  Its kernel writes into an
-    operand where ``ctx`` allows (a donated param, an add into a fresh operand), unless ``plain``."""
-    reps, of = representatives(ctx.plan, ctx.comm, s) or (tuple(range(len(ctx.comm.ranks))), None)
-    ctxs = tuple(_ctx(ctx.plan.mesh, ctx.comm.ranks[j], s.args["compute"], s.args["sizes"], s.args.get("parts"))
-                 for j in reps)
+    operand where ``ctx`` allows (a donated param, an add into a fresh operand), unless ``plain``.
+
+    Where it runs is worked out once per (``ctx``, step): the rule and the program writer
+    (:mod:`.program`) both ask."""
+    memo = ctx.cache.setdefault(__name__, {})
+    hit = memo.get(i)
+    if hit is None or hit[0] is not s:
+        reps, of = representatives(ctx.plan, ctx.comm, s) or (tuple(range(len(ctx.comm.ranks))), None)
+        ctxs = tuple(_ctx(ctx.plan.mesh, ctx.comm.ranks[j], s.args["compute"], s.args["sizes"], s.args.get("parts"))
+                     for j in reps)
+        hit = memo[i] = (s, tuple(reps), of, ctxs, reads_salt(s.op))
+    _, reps, of, ctxs, salted = hit
     fn = s.args["fn"] if plain else s.args["inplace"] if i in ctx.donated else ctx.add_into.get(i, s.args["fn"])
-    return LocalKernel(fn, s.args["attrs"], tuple(reps), of, ctxs, reads_salt(s.op))
+    return LocalKernel(fn, s.args["attrs"], reps, of, ctxs, salted)
 
 
 @step_rule("local")
