@@ -73,9 +73,7 @@ class Gather(Op):
         rest = table.shape.without([name])
         clash = [d.name for d in rest if d.name in ids.shape]
         if clash:
-            raise ShapeError(message(f"gather: ids {ids.shape} and table {table.shape} share dim(s) {clash}.",
-                                     rule="the output holds ids' dims then the table's other dims, once each",
-                                     fix="rename the clashing dims"))
+            raise ShapeError(_shared_dims_message(ids, table, name, clash))
         return [(Shape(list(ids.shape) + list(rest)), table.dtype)]
 
     def spec(self, node):
@@ -130,6 +128,22 @@ class Gather(Op):
         ids, table = node.inputs
         return [None, apply("scatter_add", [ids, douts[0]], {"dim": table.shape.get(node.attrs["dim"]),
                                                              "table": table.shape})]
+
+
+def _shared_dims_message(ids: Tensor, table: Tensor, name: str, clash: list[str]) -> str:
+    """Why gather refuses ids and a table that share a dim (a per-sample gather, as an MAE's kept
+    patches ``[batch, kept]`` from ``[batch, patches, d]``), and the one-hot contraction that does
+    it, written out for these shapes."""
+    out = list(ids.shape.names) + [d for d in table.shape.names if d != name and d not in ids.shape]
+    eq = f"{' '.join(ids.shape.names)} {name}, {' '.join(table.shape.names)} -> {' '.join(out)}"
+    return message(
+        f"gather: ids {ids.shape} and table {table.shape} share dim(s) {clash} (gather along '{name}').",
+        rule="gather picks rows of one table for every id: the output holds ids' dims then the table's "
+             "other dims, once each; a dim in both would need a table per index of it (a per-sample, "
+             "batched gather), which gather does not do",
+        fix=f"for a per-sample gather, contract a one-hot of the ids: md.einsum(\"{eq}\", "
+            f"md.one_hot(ids, table.shape[{name!r}]), table) (splits and gradients as any einsum); "
+            f"if the shared names are different dims, rename one side's")
 
 
 def _whole_rows(name: str, size: int, shape: tuple, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -254,7 +268,13 @@ def one_hot(ids: Tensor, dim: Dim, dtype=torch.float32, check: str = "") -> Tens
 
 
 def gather(table: Tensor, ids: Tensor, dim) -> Tensor:
-    """Embedding lookup: rows of ``table`` along ``dim`` picked by integer ``ids``."""
+    """Embedding lookup: rows of ``table`` along ``dim`` picked by integer ``ids``.
+
+    The output has ids' dims then the table's other dims; ids and table share no dim (one table
+    for every id). A per-sample gather (ids ``[batch, kept]`` into ``[batch, patches, d]``) is a
+    one-hot contraction: ``einsum("batch kept patches, batch patches d -> batch kept d",
+    one_hot(ids, table.shape["patches"]), table)``.
+    """
     name = dim.name if isinstance(dim, Dim) else dim
     size = table.shape.get(name).size
     if ids.dtype.is_floating_point:
