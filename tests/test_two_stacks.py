@@ -301,3 +301,26 @@ def test_a_two_stack_checkpoint_loads_dense_and_the_run_goes_on(tmp_path, one_to
         assert torch.equal(dense.executor.to_full_held(dense.plan.params[k], dense.params[k]), held), k
     want = pipe(m.feeds(2))[0]
     assert dense(m.feeds(2))[0] == pytest.approx(want, rel=REL)
+
+
+@pytest.mark.parametrize("glue", ["rename", "tanh"])
+def test_a_stack_that_starts_from_the_other_stacks_output_is_refused_with_the_fix(glue):
+    """A decoder stack whose first carry is made from the encoder stack's output (not read by its
+    blocks): the stacks would not pass its input gradient back, so it is refused at compile time
+    (it crashed at run time, or blamed two towers), naming both stacks, with the fix; pipelining
+    one of them runs the dense numbers."""
+    b, d, le, ld = md.Dim("batch", 4), md.Dim("d_model", 4), md.Dim("layer", 2), md.Dim("dec_layer", 2)
+    with md.Graph("chained"):
+        x = md.input("x", [b, d])
+        w, v = md.param("w", [le, d]), md.param("v", [ld, d])
+        h = md.repeat(lambda c, p: md.tanh(c * p["w"]), x, {"w": w}, "layer")
+        g = md.tanh(h) if glue == "tanh" else h * 2.0
+        y = md.repeat(lambda c, p: md.tanh(c * p["v"]), g, {"v": v}, "dec_layer")
+        loss = md.reduce_sum(y * y)
+        outs = {"loss": loss, **md.grad(loss, {"w": w, "v": v})}
+    with pytest.raises(LayoutError, match=r"(?s)pipelined stack 'dec_layer' starts from what pipelined stack "
+                                          r"'layer' makes.*Fix: pipeline one of them only"):
+        md.compile(outs, "stage:2", "layer:stage; dec_layer:stage", microbatches=2)
+    feeds = {"x": torch.randn(4, 4, generator=torch.Generator().manual_seed(3))}
+    plan = md.compile(outs, "stage:2", "dec_layer:stage", microbatches=2)
+    _close(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), "dec_layer:stage only")

@@ -413,6 +413,37 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                          "use microbatches=1")
 
 
+def _check_chained_stacks(cut: _Cut) -> None:
+    """Refuse, saying why, a pipelined stack whose first carry is made from another pipelined
+    stack's output (an encoder's output fed to a decoder stack as its input, not read by its
+    blocks): the stacks pass each other only what their blocks read (stage_sum), and the second
+    one's input gradient would not reach the first one's last stage."""
+    layers = [layer for _, layer, _ in getattr(cut.spec, "stacks", ())]
+    if len(cut.stacks) < 2:
+        return
+    made = {cut.steps[st.F].outs[0]: k for k, st in enumerate(cut.stacks)}
+    for k, st in enumerate(cut.stacks):
+        todo, seen = [cut.steps[st.F].ins[0]], set()
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in made and made[v] != k:
+                first, second = layers[made[v]], layers[k]
+                raise _error(f"pipelined stack '{second}' starts from what pipelined stack '{first}' makes.",
+                             cut.spec, [f"the first carry of stack '{second}' is made from the output of "
+                                        f"stack '{first}'"],
+                             "stacks sharing a stage axis pass on one carry, and what the later stack's blocks "
+                             "read of the earlier one (an encoder's output, read by cross-attention); a stack "
+                             "that starts from another's output is not pipelined with it yet",
+                             f"pipeline one of them only (leave '{first}' or '{second}' out of the layout), "
+                             f"or make both one stack")
+            i = cut.producer.get(v)
+            if i is not None:
+                todo.extend(cut.steps[i].ins)
+
+
 def _check_towers_meet(cut: _Cut, final: set) -> None:
     """Refuse, saying why, two pipelined stacks whose outputs are joined after both (a two-tower
     model's contrastive loss): stacks sharing a stage axis pass on only the carry, from the first
@@ -566,6 +597,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     hold it (the ranks of the stages reading or producing it).
     """
     cut = _cut(steps, values, outputs, spec)
+    _check_chained_stacks(cut)
     assign_stages(cut)
     assign_segments(cut)
     lists = insert_transfers(cut)
