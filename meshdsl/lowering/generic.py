@@ -188,10 +188,11 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo):
     cost = 0.0
     req = []
     for i, (t, s) in enumerate(zip(node.inputs, shs)):
-        key = (i, tuple(C.get(n, ()) for n in t.shape.names))
+        names = t.shape.names
+        key = (i, tuple(C.get(n, ()) for n in names))
         hit = memo.get(key)
         if hit is None:
-            r = Sharding.of(t.shape, C, keep.get(i, ()))
+            r = _required(names, key[1], tuple(keep.get(i, ())))
             hit = memo[key] = (r, relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model))
         req.append(hit[0])
         cost += hit[1]
@@ -207,6 +208,14 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo):
         cost += c
         outs.append((out_sh, lazy, note))
     return cost, {"req": req, "outs": outs, "ext_axes": ext_axes, "local": local}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _required(names, axes, partial) -> Sharding:
+    """``Sharding.of`` an input with dims ``names`` split over ``axes`` (one tuple per dim), partial
+    over ``partial``: the same few are asked for by many candidates, nodes and layouts, and a
+    lookup costs less than building one."""
+    return Sharding(tuple(zip(names, axes)), partial)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -12,6 +12,7 @@ communication overlaps compute without changing any step's result.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from types import EllipsisType
 
@@ -112,29 +113,56 @@ def issue_order(plan: Plan, async_kinds=frozenset()) -> list[int]:
         waiting[i] = len(deps)
         for j in deps:
             users[j].append(i)
-    ready = [i for i, n in enumerate(waiting) if n == 0]
+    # Two heaps of ready steps: asynchronous ones by plan order, the others by (position of the
+    # latest in-flight collective they wait on, plan order).  A ready step's key changes when a
+    # collective's result is consumed (or issued): it is pushed again, its stale entry skipped when met.
     in_flight: dict[int, int] = {}   # value id -> position its collective was issued at
-    order: list[int] = []
-    while ready:
-        starts = [i for i in ready if steps[i].kind in async_kinds]
-        if starts:
-            i = min(starts)
+    readers: dict[int, list[int]] = {}   # value id -> the steps reading it
+    for j, s in enumerate(steps):
+        for v in s.ins:
+            readers.setdefault(v, []).append(j)
+    key: dict[int, int] = {}   # ready non-async step -> its current first key
+    starts: list[int] = []
+    others: list[tuple[int, int]] = []
+
+    def make_ready(j):
+        if steps[j].kind in async_kinds:
+            heapq.heappush(starts, j)
         else:
-            i = min(ready, key=lambda j: (max((in_flight[v] for v in steps[j].ins if v in in_flight),
-                                              default=-1), j))
-        ready.remove(i)
+            k = key[j] = max((in_flight[v] for v in steps[j].ins if v in in_flight), default=-1)
+            heapq.heappush(others, (k, j))
+
+    for j, n in enumerate(waiting):
+        if n == 0:
+            make_ready(j)
+    order: list[int] = []
+    while starts or others:
+        if starts:
+            i = heapq.heappop(starts)
+        else:
+            k, i = heapq.heappop(others)
+            if key.get(i) != k:
+                continue   # stale: issued, or its key fell since
+            del key[i]
         s = steps[i]
         if s.kind in async_kinds:
-            for v in s.outs:
+            changed = s.outs
+            for v in changed:
                 in_flight[v] = len(order)
         else:
-            for v in s.ins:
-                in_flight.pop(v, None)
+            changed = [v for v in s.ins if in_flight.pop(v, None) is not None]
+        for v in changed:
+            for j in readers.get(v, ()):
+                if j in key:
+                    k = max((in_flight[u] for u in steps[j].ins if u in in_flight), default=-1)
+                    if k != key[j]:
+                        key[j] = k
+                        heapq.heappush(others, (k, j))
         order.append(i)
         for j in users[i]:
             waiting[j] -= 1
             if waiting[j] == 0:
-                ready.append(j)
+                make_ready(j)
     assert len(order) == len(steps), "plan steps form a cycle"
     return order
 
