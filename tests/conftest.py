@@ -360,3 +360,36 @@ def no_spawn(monkeypatch):
         raise AssertionError("spawn was called for an invalid job")
     from meshdsl.processes import launcher as launch
     monkeypatch.setattr(launch, "spawn", spawn)
+
+
+# ----------------------------------------------------------------------------- held-out models
+
+def heldout_case_id(case) -> str:
+    """A test id for a held-out model case ``(path, config overrides, mesh, layout[, compile kwargs])``."""
+    path, over, mesh, layout, *kw = case
+    extra = [*(f"{k}={v}" for k, v in over.items()), *(str(v) for k in kw for v in k.values())]
+    return f"{Path(path).stem}-{mesh}-{layout}-{'-'.join(extra)}".replace(" ", "")
+
+
+def heldout_outputs(model) -> dict:
+    """A loaded model's loss and each param's gradient (``grad/<name>``)."""
+    return {"loss": model.loss, **{f"grad/{k}": g for k, g in md.grad(model.loss, model.params).items()}}
+
+
+def assert_heldout_case_matches_dense(case) -> None:
+    """A held-out model (tiny config and ``over``rides) on ``mesh`` and ``layout``: its loss and
+    every param's gradient on the simulated mesh are the dense program's."""
+    path, over, mesh, layout, *kw = case
+    model = md.load_model(path, tiny=True, **over)
+    outputs, feeds = heldout_outputs(model), model.feeds(0)
+    got = md.run_simulated(md.compile(outputs, mesh, layout, **(kw[0] if kw else {})), feeds)
+    want = md.run_dense(outputs, feeds)
+    top = max(float(w.abs().max()) for k, w in want.items() if k.startswith("grad/"))
+    for k, w in want.items():
+        # fp32 sums split over ranks (or micro-batches) add in another order: ~n * 2**-24 of the
+        # magnitudes summed, far below 1e-4 of them; a layout bug is off by O(1). A gradient's
+        # rounding is at the scale of the largest gradient (every weight gradient sums the same
+        # activation gradients), so it is allowed 1e-4 of that, as `meshdsl check` does.
+        scale = top if k.startswith("grad/") else float(w.abs().max())
+        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-4 * scale,
+                                   msg=lambda m, k=k: f"{heldout_case_id(case)}: {k}: {m}")

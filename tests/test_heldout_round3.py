@@ -22,7 +22,6 @@ phases, which keep a split spatial dim split).
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import meshdsl as md
+from conftest import assert_heldout_case_matches_dense, heldout_case_id
 
 HERE = Path(__file__).parent
 T5, SWIN, PALM, WHISPER, PERCEIVER = (str(HERE / f"heldout_{n}.py")
@@ -51,34 +51,9 @@ CASES = [
 ]
 
 
-def _id(case) -> str:
-    path, over, mesh, layout, kw = case
-    extra = [*(f"{k}={v}" for k, v in over.items()), *map(str, kw.values())]
-    return f"{Path(path).stem}-{mesh}-{layout}-{'-'.join(extra)}".replace(" ", "")
-
-
-def _assert_close(got: dict, want: dict, what: str) -> None:
-    top = max(float(w.abs().max()) for k, w in want.items() if k.startswith("grad/"))
-    for k, w in want.items():
-        # fp32 sums split over ranks (or micro-batches) add in another order: ~n * 2**-24 of the
-        # magnitudes summed, far below 1e-4 of them; a layout bug is off by O(1). A gradient's
-        # rounding is at the scale of the largest gradient (every weight gradient sums the same
-        # activation gradients), so it is allowed 1e-4 of that, as `meshdsl check` does.
-        scale = top if k.startswith("grad/") else float(w.abs().max())
-        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-4 * scale, msg=lambda m, k=k: f"{what}: {k}: {m}")
-
-
-def _outputs(model) -> dict:
-    return {"loss": model.loss, **{f"grad/{k}": g for k, g in md.grad(model.loss, model.params).items()}}
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[heldout_case_id(c) for c in CASES])
 def test_heldout_model_matches_dense(case):
-    path, over, mesh, layout, kw = case
-    model = md.load_model(path, tiny=True, **over)
-    outputs, feeds = _outputs(model), model.feeds(0)
-    _assert_close(md.run_simulated(md.compile(outputs, mesh, layout, **kw), feeds), md.run_dense(outputs, feeds),
-                  _id(case))
+    assert_heldout_case_matches_dense(case)
 
 
 def _load(name: str):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import meshdsl as md
+from conftest import assert_heldout_case_matches_dense, heldout_case_id, heldout_outputs
 
 HERE = Path(__file__).parent
 CLIP, DIT, RETNET, GNN = (str(HERE / f"heldout_{n}.py") for n in ("clip", "dit", "retnet", "gnn"))
@@ -45,34 +46,9 @@ CASES = [
 ]
 
 
-def _id(case) -> str:
-    path, over, mesh, layout, *kw = case
-    extra = [*(f"{k}={v}" for k, v in over.items()), *(str(v) for k in kw for v in k.values())]
-    return f"{Path(path).stem}-{mesh}-{layout}-{'-'.join(extra)}".replace(" ", "")
-
-
-def _outputs(model) -> dict:
-    return {"loss": model.loss, **{f"grad/{k}": g for k, g in md.grad(model.loss, model.params).items()}}
-
-
-def _assert_close(got: dict, want: dict, what: str) -> None:
-    top = max(float(w.abs().max()) for k, w in want.items() if k.startswith("grad/"))
-    for k, w in want.items():
-        # fp32 sums split over ranks (or micro-batches) add in another order: ~n * 2**-24 of the
-        # magnitudes summed, far below 1e-4 of them; a layout bug is off by O(1). A gradient's
-        # rounding is at the scale of the largest gradient, so it is allowed 1e-4 of that, as
-        # `meshdsl check` does.
-        scale = top if k.startswith("grad/") else float(w.abs().max())
-        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-4 * scale, msg=lambda m, k=k: f"{what}: {k}: {m}")
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[heldout_case_id(c) for c in CASES])
 def test_heldout_model_matches_dense(case):
-    path, over, mesh, layout, *kw = case
-    model = md.load_model(path, tiny=True, **over)
-    outputs, feeds = _outputs(model), model.feeds(0)
-    plan = md.compile(outputs, mesh, layout, **(kw[0] if kw else {}))
-    _assert_close(md.run_simulated(plan, feeds), md.run_dense(outputs, feeds), _id(case))
+    assert_heldout_case_matches_dense(case)
 
 
 def test_the_decay_mask_is_retnets():
@@ -113,7 +89,7 @@ def test_two_towers_pipelined_together_are_refused_with_the_reason():
     stacks on one stage axis pass on only a carry from one to the next."""
     model = md.load_model(CLIP, tiny=True)
     with pytest.raises(md.LayoutError) as e:
-        md.compile(_outputs(model), "stage:2", "img_layer:stage; layer:stage")
+        md.compile(heldout_outputs(model), "stage:2", "img_layer:stage; layer:stage")
     text = str(e.value)
     assert "reads the outputs of 2 pipelined stacks" in text and "stack 'img_layer' ends on stage 0" in text, text
     assert "stack 'layer' ends on stage 1" in text and "pipeline one tower only" in text, text
@@ -123,7 +99,7 @@ def test_a_contrastive_loss_under_micro_batches_is_refused_with_the_reason():
     """The [batch, text_batch] logits need every micro-batch's text rows at once."""
     model = md.load_model(CLIP, tiny=True)
     with pytest.raises(md.LayoutError) as e:
-        md.compile(_outputs(model), "stage:2", "layer:stage", **PIPE)
+        md.compile(heldout_outputs(model), "stage:2", "layer:stage", **PIPE)
     text = str(e.value)
     assert "allgather over ('_mb',)" in text and "text_batch:_mb" in text, text
     assert "contrastive loss" in text and "microbatches=1" in text, text

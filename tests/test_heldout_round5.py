@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import meshdsl as md
+from conftest import assert_heldout_case_matches_dense, heldout_case_id, heldout_outputs
 
 HERE = Path(__file__).parent
 GEMMA, MAE, T5 = (str(HERE / f"heldout_{n}.py") for n in ("gemma", "mae", "t5shared"))
@@ -41,34 +42,9 @@ CASES = [
 ]
 
 
-def _id(case) -> str:
-    path, over, mesh, layout, *kw = case
-    extra = [*(f"{k}={v}" for k, v in over.items()), *(str(v) for k in kw for v in k.values())]
-    return f"{Path(path).stem}-{mesh}-{layout}-{'-'.join(extra)}".replace(" ", "")
-
-
-def _outputs(model) -> dict:
-    return {"loss": model.loss, **{f"grad/{k}": g for k, g in md.grad(model.loss, model.params).items()}}
-
-
-def _assert_close(got: dict, want: dict, what: str) -> None:
-    top = max(float(w.abs().max()) for k, w in want.items() if k.startswith("grad/"))
-    for k, w in want.items():
-        # fp32 sums split over ranks (or micro-batches) add in another order: ~n * 2**-24 of the
-        # magnitudes summed, far below 1e-4 of them; a layout bug is off by O(1). A gradient's
-        # rounding is at the scale of the largest gradient, so it is allowed 1e-4 of that, as
-        # `meshdsl check` does.
-        scale = top if k.startswith("grad/") else float(w.abs().max())
-        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-4 * scale, msg=lambda m, k=k: f"{what}: {k}: {m}")
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[heldout_case_id(c) for c in CASES])
 def test_heldout_model_matches_dense(case):
-    path, over, mesh, layout, *kw = case
-    model = md.load_model(path, tiny=True, **over)
-    outputs, feeds = _outputs(model), model.feeds(0)
-    plan = md.compile(outputs, mesh, layout, **(kw[0] if kw else {}))
-    _assert_close(md.run_simulated(plan, feeds), md.run_dense(outputs, feeds), _id(case))
+    assert_heldout_case_matches_dense(case)
 
 
 def test_the_exit_losses_add_to_the_loss():
@@ -86,15 +62,15 @@ def test_fewer_kv_heads_than_ranks_split_over_two_axes_gather_nothing():
     """2 kv heads, 4 ranks (docs/guide/api.md): on one axis of 4 the rearrange of a split 'heads'
     into kv_heads x group gathers q; on kv:2 x grp:2 it splits kv_heads and group, no allgather."""
     model = md.load_model(GEMMA, tiny=True)
-    one = md.compile(_outputs(model), "model:4", "heads:model; d_ff:model").totals()
-    two = md.compile(_outputs(model), "kv:2; grp:2", "heads:(kv, grp); d_ff:(kv, grp)").totals()
+    one = md.compile(heldout_outputs(model), "model:4", "heads:model; d_ff:model").totals()
+    two = md.compile(heldout_outputs(model), "kv:2; grp:2", "heads:(kv, grp); d_ff:(kv, grp)").totals()
     assert one.get("allgather", {}).get("count", 0) > 0 and "allgather" not in two, (one, two)
 
 
 def test_a_kv_head_dim_smaller_than_the_axis_is_refused_with_the_reason():
     model = md.load_model(GEMMA, tiny=True)
     with pytest.raises(md.LayoutError) as e:
-        md.compile(_outputs(model), "model:4", "kv_heads:model")
+        md.compile(heldout_outputs(model), "model:4", "kv_heads:model")
     text = str(e.value)
     assert "'kv_heads' of size 2 is not divisible by mesh axes model:4" in text and "Fix:" in text, text
 
