@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
-from collections import OrderedDict
 
+from ..core.lru import Lru
 from ..layout.sharding import Sharding
 from .relayout import keep_microbatches, relayout_cost
 
@@ -76,12 +75,10 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
 
 #: (node, its inputs' shardings, its outputs' targets, the mesh, the cost model, the readers of
 #: its inputs and outputs, the dims the layout lets have empty parts) -> the choice
-#: :func:`_cheapest` made, for the last CHOICES_SIZE: one graph compiled under many layouts (a
+#: :func:`_cheapest` made, for the last 16384: one graph compiled under many layouts (a
 #: search, a test of every layout) meets the same node with the same inputs and targets again and
 #: again.  Everything of ``lw`` the choice reads is in the key (a new read must join it).
-_CHOICES: OrderedDict = OrderedDict()
-_CHOICES_LOCK = threading.Lock()
-CHOICES_SIZE = 1 << 14
+_CHOICES = Lru(1 << 14)
 
 
 def lower_generic(lw, node) -> None:
@@ -92,17 +89,7 @@ def lower_generic(lw, node) -> None:
     targets = [tuple(lw.targets(t)) for t in node.outputs]
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
            tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok)
-    with _CHOICES_LOCK:
-        best = _CHOICES.get(key)
-        if best is not None:
-            _CHOICES.move_to_end(key)
-    if best is None:
-        best = _cheapest(lw, node, spec, shs, targets)
-        with _CHOICES_LOCK:
-            _CHOICES[key] = best
-            if len(_CHOICES) > CHOICES_SIZE:
-                _CHOICES.popitem(last=False)
-    C, plan, P, scale = best
+    C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
 
 

@@ -25,12 +25,11 @@ function, traced and compiled by ``torch.compile``, called from the program like
 """
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..comm.communicator import Pending
+from ..core.lru import Lru
 from ..ops.inplace import direct_add
 from ..ops.registry import OPS, Op
 from .context import PerRank
@@ -307,26 +306,13 @@ def build(ex, units: list[Unit], timed: bool = False, ins: tuple = (), outs: tup
     return program
 
 
-#: (source, file name) -> its code object, the last CODE_CACHE_SIZE compiled: plans of one
-#: structure (the same steps and value ids, e.g. one graph under layouts that differ only in
-#: which dims they split) write the same source, and Python's compile() is most of a build
-_CODE: OrderedDict = OrderedDict()
-_CODE_LOCK = threading.Lock()
-CODE_CACHE_SIZE = 64
+#: (source, file name) -> its code object, the last 64 compiled: plans of one structure (the
+#: same steps and value ids, e.g. one graph under layouts that differ only in which dims they
+#: split) write the same source, and Python's compile() is most of a build
+_CODE = Lru(64)
 
 
 def _code_of(source: str, filename: str):
     """``compile(source, filename, "exec")``, cached (a code object is immutable: each
     ``exec`` of it with its own constants makes a function of its own)."""
-    key = (source, filename)
-    with _CODE_LOCK:   # (executors may be built on several threads)
-        code = _CODE.get(key)
-        if code is not None:
-            _CODE.move_to_end(key)
-            return code
-    code = compile(source, filename, "exec")
-    with _CODE_LOCK:
-        _CODE[key] = code
-        if len(_CODE) > CODE_CACHE_SIZE:
-            _CODE.popitem(last=False)
-    return code
+    return _CODE.get_or_make((source, filename), lambda: compile(source, filename, "exec"))
