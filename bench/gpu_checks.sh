@@ -66,10 +66,13 @@ lane=$!
 # torch (SDPA), torch.compile and torch.compile(mode="reduce-overhead") of the same twin.
 big=d_model=1024,heads=16,d_head=64,d_ff=4096,layers=8,seq=512,batch=16
 g() { step "$out/gpu.log" "$@"; }
-g dense 200 "$gpu_cores" python3 bench/dense_vs_torch.py --device cuda --plan --rounds 3 --reps 15 \
-    --out "$out/json/dense_cuda.json"
+# which part of --compile made the large size's layer-norm gradients wrong on an H100 (2 layers)
+g agreement 150 "$gpu_cores" python3 bench/compile_agreement.py --device cuda \
+    --config "${big/layers=8/layers=2}" --out "$out/json/agreement_cuda.json"
 g dense_large 200 "$gpu_cores" python3 bench/dense_vs_torch.py --device cuda --plan --rounds 3 --reps 10 \
     --config $big --out "$out/json/dense_large_cuda.json"
+g dense 200 "$gpu_cores" python3 bench/dense_vs_torch.py --device cuda --plan --rounds 3 --reps 15 \
+    --out "$out/json/dense_cuda.json"
 g tests 150 "$gpu_cores" python3 -m pytest -q -p no:cacheprovider tests/test_device.py
 g memory 90 "$gpu_cores" python3 bench/memory.py --device cuda --quick --out "$out/json/memory_cuda.json"
 g check_tp 60 "$gpu_cores" meshdsl check transformer --mesh "data:2; model:2" \

@@ -183,7 +183,38 @@ def test_a_compiled_step_that_disagrees_with_eager_runs_eagerly():
         params = eager.init_params(seed)
         _assert_same(compiled.run(model.feeds(seed), params), eager.run(model.feeds(seed), params), f"seed {seed}")
     assert len(lines) == 1 and "differs from the eager executor's (loss by" in lines[0], lines
-    assert "the step runs eagerly" in lines[0]
+    assert "compiled again carefully: loss by" in lines[0] and "the step runs eagerly" in lines[0]
+
+
+def test_a_step_that_disagrees_is_compiled_again_carefully_and_used_where_that_agrees():
+    """A compiled step that differs from the eager executor is traced and compiled once more,
+    carefully (no graph rewrites; inductor keeps the norms' backward as ATen kernels): where that
+    agrees it is used, with one notice; here a backend wrong on its first graph only."""
+    graphs, lines = [], []
+
+    def first_wrong(gm, example):
+        graphs.append(gm)
+        if len(graphs) > 1:
+            return gm
+        return lambda *xs: [x * 1.01 for x in gm(*xs)]
+
+    model, plan = _grads_plan("transformer", "data:1", "")   # (a loop: stacked gradients to rewrite)
+    eager, compiled = _executors(plan, CompileSettings(first_wrong, notice=lines.append))
+    params = eager.init_params(0)
+    _assert_same(compiled.run(model.feeds(0), params), eager.run(model.feeds(0), params), "seed 0")
+    assert len(graphs) == 2 and len(lines) == 1, lines
+    assert "compiled again without the graph rewrites" in lines[0] and "it agrees" in lines[0], lines
+    stacked = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
+    cats = [sum(n.target in stacked for n in g.graph.nodes) for g in graphs]
+    assert cats[0] > cats[1], cats   # the stacked gradients' rewrite ran on the first graph only
+
+
+def test_a_careful_inductor_keeps_the_norm_backwards_as_aten_calls():
+    from torch._inductor.decomposition import select_decomp_table
+    from meshdsl.runtime.whole import CAREFUL_KEPT, careful_decompositions
+    full, careful = select_decomp_table(), careful_decompositions()
+    assert all(op in full and op not in careful for op in CAREFUL_KEPT)
+    assert set(full) - set(careful) == set(CAREFUL_KEPT)
 
 
 def test_cuda_graphs_follow_the_environment(monkeypatch):

@@ -255,7 +255,7 @@ def _vector_products_as_sums(gm) -> int:
         va, vb = a.meta.get("val"), b.meta.get("val")
         if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)) or va.dtype != vb.dtype:
             continue
-        (m, k), n = va.shape, vb.shape[1]
+        m, n = va.shape[0], vb.shape[1]
         if n == 1:      # [M, K] @ [K, 1]: each row of A times B's column, summed over K
             row, mat, dim = b, a, 1
         elif m == 1:    # [1, K] @ [K, N]: each column of B times A's row, summed over K
@@ -329,30 +329,49 @@ def _write_out_sums(gm) -> int:
     return done
 
 
-def _inductor(gm, example_inputs):
+#: the rewrites of a traced step before inductor, in order (see the module docstring)
+INDUCTOR_REWRITES = (_fold_constants, _vector_products_as_sums, _recompute_activations, _write_out_sums)
+#: ops a careful compile leaves as ATen kernel calls, not inductor's decompositions of them: the
+#: norms' backwards, whose decomposed parameter gradients were wrong from inductor's code on an H100
+#: at d_model 1024, seq 512 (docs/benchmarks.md, GPU)
+CAREFUL_KEPT = (_aten.native_layer_norm_backward.default, _aten.native_group_norm_backward.default)
+
+
+def careful_decompositions() -> dict:
+    """Inductor's decomposition table less :data:`CAREFUL_KEPT` (which then run as ATen calls)."""
+    from torch._inductor.decomposition import select_decomp_table
+    return {op: fn for op, fn in select_decomp_table().items() if op not in CAREFUL_KEPT}
+
+
+def _inductor(gm, example_inputs, careful: bool = False):
     """``compile_fx`` on fake example inputs with a shape env, as dynamo hands them: without one,
-    inductor's FX graph cache passes the graph by, and every process would compile it again."""
+    inductor's FX graph cache passes the graph by, and every process would compile it again.
+    ``careful``: no rewrites, and the ops of :data:`CAREFUL_KEPT` as ATen calls."""
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    _fold_constants(gm)
-    _vector_products_as_sums(gm)
-    _recompute_activations(gm)
-    _write_out_sums(gm)
+    for rewrite in () if careful else INDUCTOR_REWRITES:
+        rewrite(gm)
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    return compile_fx(gm, [mode.from_tensor(x, static_shapes=True) for x in example_inputs])
+    fakes = [mode.from_tensor(x, static_shapes=True) for x in example_inputs]
+    return compile_fx(gm, fakes, decompositions=careful_decompositions() if careful else None)
 
 
-def _backend(backend):
+def _careful_inductor(gm, example_inputs):
+    return _inductor(gm, example_inputs, careful=True)
+
+
+def _backend(backend, careful: bool = False):
     """The ``(graph, example inputs) -> callable`` a backend name (or a callable backend) stands for.
     ``aot_eager`` and ``eager`` run the traced graph as it is: it is already the functionalized
-    ATen graph AOT would hand its compiler, so tracing it again would change nothing."""
+    ATen graph AOT would hand its compiler, so tracing it again would change nothing.
+    ``careful``: inductor's careful form (:func:`_inductor`); other backends are as they are."""
     if callable(backend):
         return backend
     if backend in ("aot_eager", "eager"):
         return _run_as_traced
     if backend == "inductor":
-        return _inductor
+        return _careful_inductor if careful else _inductor
     from torch._dynamo.backends.registry import lookup_backend
     return lookup_backend(backend)
 
@@ -401,50 +420,65 @@ class WholeStep:
         return self.twin
 
     def _compile(self, key, tensors, feeds, params) -> _Traced | None:
-        from torch.fx.experimental.proxy_tensor import make_fx
-        twin, stats = self._eager_twin(), self.settings.stats
-        names, counts = list(twin.plan.outputs), []
-
-        def step(*xs):
-            out = twin.run(*_unflat(list(xs), feeds, params))
-            flat = []
-            counts.clear()
-            for name in names:
-                got = out[name]
-                counts.append(None if got is None else len(got))
-                flat.extend(got or ())
-            return flat
-
-        t0 = time.perf_counter()
-        copies = [x.clone() for x in tensors]   # the trace runs the step: it may not touch the caller's
-        try:
-            gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
-            if _mutates_inputs(gm):
-                raise RuntimeError("the traced step writes into its inputs")
-            _stack_layer_writes(gm)
-            fn = _backend(self.settings.backend)(gm, copies)
-            fn = self._captured(fn, copies)
-        except MeshDSLError:
-            raise   # the user's own error (a bad feed), as the eager run raises it
-        except Exception as e:  # noqa: BLE001  (whatever tracing or the backend raises: segments instead)
-            self._turn_off("could not be compiled", e)
+        t0, stats = time.perf_counter(), self.settings.stats
+        traced, off = self._attempt(tensors, feeds, params, careful=False)
+        if traced is not None and off is not None:
+            traced = self._again_carefully(off, tensors, feeds, params)
+        if traced is None:
             return None
-        traced = _Traced(fn, names, list(counts))
-        try:
-            off = self._disagreement(traced, tensors, feeds, params)
-        except MeshDSLError:
-            raise   # the user's own error (an id out of range), as the eager run raises it
-        except Exception as e:  # noqa: BLE001  (the compiled call raised: segments instead)
-            self._turn_off("its compiled call raised", e)
-            return None
-        if off is not None:
-            self._notice(f"differs from the eager executor's ({off}), so the step runs eagerly", None)
-            traced = _Traced(_EagerStep(twin, feeds, params, names), names, list(counts))
         self.compiled[key] = traced
         stats.whole += 1
         stats.steps += num_kernels(self.ex.plan)
         stats.seconds += time.perf_counter() - t0
         return traced
+
+    def _attempt(self, tensors, feeds, params, careful: bool) -> tuple[_Traced | None, str | None]:
+        """(the step traced and compiled, how its first outputs differ from the eager twin's or
+        None where they agree); (None, None) where tracing, compiling or the call failed, which
+        turns the whole step off.  ``careful``: no graph rewrites, the backend's careful form."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+        twin, names, counts = self._eager_twin(), list(self._eager_twin().plan.outputs), []
+
+        def step(*xs):
+            out = twin.run(*_unflat(list(xs), feeds, params))
+            counts[:] = [None if out[name] is None else len(out[name]) for name in names]
+            return [x for name in names for x in (out[name] or ())]
+
+        copies = [x.clone() for x in tensors]   # the trace runs the step: it may not touch the caller's
+        try:
+            gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
+            if _mutates_inputs(gm):
+                raise RuntimeError("the traced step writes into its inputs")
+            if not careful:
+                _stack_layer_writes(gm)
+            fn = self._captured(_backend(self.settings.backend, careful)(gm, copies), copies)
+        except MeshDSLError:
+            raise   # the user's own error (a bad feed), as the eager run raises it
+        except Exception as e:  # noqa: BLE001  (whatever tracing or the backend raises: segments instead)
+            self._turn_off("could not be compiled", e)
+            return None, None
+        traced = _Traced(fn, names, list(counts))
+        try:
+            return traced, self._disagreement(traced, tensors, feeds, params)
+        except MeshDSLError:
+            raise   # the user's own error (an id out of range), as the eager run raises it
+        except Exception as e:  # noqa: BLE001  (the compiled call raised: segments instead)
+            self._turn_off("its compiled call raised", e)
+            return None, None
+
+    def _again_carefully(self, off: str, tensors, feeds, params) -> _Traced | None:
+        """The step compiled again carefully (see :meth:`_attempt`) after its first compiled form
+        differed (``off``) from the eager executor: used where it agrees, else the eager run."""
+        traced, again = self._attempt(tensors, feeds, params, careful=True)
+        if traced is None:
+            return None
+        if again is None:
+            self._notice(f"differs from the eager executor's ({off}); compiled again without the graph "
+                         "rewrites and with the norms' backward as ATen kernels, it agrees", None)
+            return traced
+        self._notice(f"differs from the eager executor's ({off}; compiled again carefully: {again}), "
+                     "so the step runs eagerly", None)
+        return _Traced(_EagerStep(self.twin, feeds, params, traced.names), traced.names, traced.counts)
 
     def _disagreement(self, traced: _Traced, tensors: list, feeds: dict, params: dict) -> str | None:
         """How the compiled step's first outputs differ from the eager twin's beyond what
