@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu_checks.sh [OUT_DIR] [BUDGET_S]   # into OUT_DIR (default gpu_out/): gpu.log, cpu.log,
 #                                                   # status.txt and json.tar.gz (each bench's JSON)
+#   GPU_CHECKS_ONLY="agreement dense_large" bash bench/gpu_checks.sh OUT 280   # those steps alone
 #
 # Two lanes run side by side on disjoint cores (taskset), so neither slows the other:
 #   gpu lane (the first half of the cores): the GPU benches, tests/test_device.py, `meshdsl
@@ -29,6 +30,7 @@ export TORCHINDUCTOR_COMPILE_THREADS=$half
 
 step() {  # step LOG NAME SECONDS CORES COMMAND...: run under taskset, append to LOG
     local log=$1 name=$2 secs=$3 cores=$4; shift 4
+    if [ -n "${GPU_CHECKS_ONLY:-}" ] && [[ " $GPU_CHECKS_ONLY install " != *" $name "* ]]; then return; fi
     local left=$((budget - (SECONDS - start)))
     if [ "$left" -lt 30 ]; then echo "$name skipped" >>"$out/status.txt"; return; fi
     [ "$secs" -gt "$((left - 5))" ] && secs=$((left - 5))

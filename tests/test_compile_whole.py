@@ -188,8 +188,8 @@ def test_a_compiled_step_that_disagrees_with_eager_runs_eagerly():
 
 def test_a_step_that_disagrees_is_compiled_again_carefully_and_used_where_that_agrees():
     """A compiled step that differs from the eager executor is traced and compiled once more,
-    carefully (no graph rewrites; inductor keeps the norms' backward as ATen kernels): where that
-    agrees it is used, with one notice; here a backend wrong on its first graph only."""
+    carefully (no graph rewrites; the layer norms' backward as one opaque op, torch's kernel):
+    where that agrees it is used, with one notice; here a backend wrong on its first graph only."""
     graphs, lines = [], []
 
     def first_wrong(gm, example):
@@ -207,14 +207,24 @@ def test_a_step_that_disagrees_is_compiled_again_carefully_and_used_where_that_a
     stacked = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
     cats = [sum(n.target in stacked for n in g.graph.nodes) for g in graphs]
     assert cats[0] > cats[1], cats   # the stacked gradients' rewrite ran on the first graph only
+    for g, careful in zip(graphs, (False, True)):   # the careful trace: torch's layer-norm backward, opaque
+        ops = [n.target for n in g.graph.nodes]
+        assert (torch.ops.meshdsl.layer_norm_backward.default in ops) == careful
+        assert (torch.ops.aten.native_layer_norm_backward.default in ops) != careful
 
 
-def test_a_careful_inductor_keeps_the_norm_backwards_as_aten_calls():
-    from torch._inductor.decomposition import select_decomp_table
-    from meshdsl.runtime.whole import CAREFUL_KEPT, careful_decompositions
-    full, careful = select_decomp_table(), careful_decompositions()
-    assert all(op in full and op not in careful for op in CAREFUL_KEPT)
-    assert set(full) - set(careful) == set(CAREFUL_KEPT)
+@pytest.mark.slow
+def test_inductor_compiles_the_opaque_layer_norm_backward_to_torchs_numbers():
+    """The careful form's layer-norm backward (one opaque op) through inductor on the CPU: the
+    whole transformer step agrees with the eager executor's."""
+    lines = []
+    model, plan = _grads_plan("transformer", "data:1", "")
+    eager, compiled = _executors(plan, CompileSettings("inductor", notice=lines.append))
+    from meshdsl.runtime.whole import WholeStep, _flat
+    params, feeds = eager.init_params(0), model.feeds(0)
+    whole = WholeStep(compiled, compiled.compiling)
+    traced, off = whole._attempt(_flat(feeds, params)[0], feeds, params, careful=True)
+    assert traced is not None and off is None and not lines, (off, lines)
 
 
 def test_cuda_graphs_follow_the_environment(monkeypatch):

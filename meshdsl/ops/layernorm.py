@@ -23,6 +23,7 @@ they are read, exactly as the composite's ``reduce_sum`` did.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -85,6 +86,46 @@ def _forward(pos: int, eps: float, scale: bool, bias: bool, x, *params):
 
 _LN_BWD = torch.ops.aten.native_layer_norm_backward.default
 
+#: whether the backward runs as the opaque op below (see :func:`opaque_backward`)
+_OPAQUE = [False]
+
+
+@torch.library.custom_op("meshdsl::layer_norm_backward", mutates_args=())
+def _opaque_backward(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                     scale: torch.Tensor | None, bias: torch.Tensor | None,
+                     mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``native_layer_norm_backward`` of the last dim, as an op no compiler looks into (a gradient
+    not asked for comes back empty)."""
+    dx, ds, db = _LN_BWD(g, x, x.shape[-1:], mean, rstd, scale, bias, mask)
+    return dx, x.new_empty(0) if ds is None else ds, x.new_empty(0) if db is None else db
+
+
+@_opaque_backward.register_fake
+def _(g, x, mean, rstd, scale, bias, mask):
+    def like(p, wanted):
+        return torch.empty_like(p) if wanted and p is not None else x.new_empty(0)
+    return torch.empty_like(x), like(scale, mask[1]), like(bias, mask[2])
+
+
+@contextlib.contextmanager
+def opaque_backward():
+    """Within it, the backward runs as one opaque op (``meshdsl::layer_norm_backward``), which a
+    compiler keeps as a call of torch's kernel: ``--compile``'s careful form (inductor's code for the
+    decomposed backward gave wrong parameter gradients on an H100 at d_model 1024, seq 512)."""
+    _OPAQUE[0] = True
+    try:
+        yield
+    finally:
+        _OPAQUE[0] = False
+
+
+def _ln_backward(g, x, mean, rstd, scale, bias, mask):
+    """``native_layer_norm_backward`` of the last dim, or the opaque op under :func:`opaque_backward`."""
+    if not _OPAQUE[0]:
+        return _LN_BWD(g, x, x.shape[-1:], mean, rstd, scale, bias, mask)
+    dx, ds, db = _opaque_backward(g, x, mean, rstd, scale, bias, mask)
+    return dx, ds if mask[1] else None, db if mask[2] else None
+
 
 def _backward(pos: int, has_scale: bool, has_bias: bool, g, x, mean, rstd, *params):
     """The backward kernel: (dx, [d_scale], [d_bias]) from the forward's saved statistics."""
@@ -94,13 +135,13 @@ def _backward(pos: int, has_scale: bool, has_bias: bool, g, x, mean, rstd, *para
         # the normalised dim last, fp32 or fp64 on the CPU (the usual case): no moves, no conversions
         bias = (scale if scale is not None and scale.dtype is x.dtype and scale.is_contiguous()
                 else x.new_empty(x.shape[-1])) if has_bias else None   # (only its shape is read: see bwd below)
-        if type(x) is torch.Tensor:
+        if type(x) is torch.Tensor and not _OPAQUE[0]:
             # eager: the CPU kernel reads the statistics as one value per row, whatever their shape
             # (the forward's, squeezed: no unsqueeze to call); a tracer (a subclass: --compile's
             # functional or fake tensors) gets them shaped as the op's schema and decompositions say
             out = _LN_BWD(g, x, x.shape[-1:], mean, rstd, scale, bias, mask)
         else:
-            out = _LN_BWD(g, x, x.shape[-1:], mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, bias, mask)
+            out = _ln_backward(g, x, mean.unsqueeze(-1), rstd.unsqueeze(-1), scale, bias, mask)
         if has_scale and has_bias:
             return out
         return (out[0],) + ((out[1],) if has_scale else ()) + ((out[2],) if has_bias else ())
@@ -115,8 +156,7 @@ def _backward(pos: int, has_scale: bool, has_bias: bool, g, x, mean, rstd, *para
             bias = scale
         else:
             bias = x.new_empty(n)
-        return torch.ops.aten.native_layer_norm_backward(g, x, [n], _kernel_stats(mean, x),
-                                                         _kernel_stats(rstd, x), scale, bias, mask)
+        return _ln_backward(g, x, _kernel_stats(mean, x), _kernel_stats(rstd, x), scale, bias, mask)
     dx, dscale, dbias = _last(bwd, pos, g, x)
     return (dx,) + ((dscale,) if has_scale else ()) + ((dbias,) if has_bias else ())
 

@@ -31,12 +31,14 @@ collectives between processes, pipelines, kernels that read the run's salt (drop
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from ..comm.simulated import SimulatedComm
 from ..errors import MeshDSLError
+from ..ops.layernorm import opaque_backward
 from .agreement import disagreement
 from .context import PerRank
 from .cuda_graph import Graphed, capturable
@@ -331,22 +333,12 @@ def _write_out_sums(gm) -> int:
 
 #: the rewrites of a traced step before inductor, in order (see the module docstring)
 INDUCTOR_REWRITES = (_fold_constants, _vector_products_as_sums, _recompute_activations, _write_out_sums)
-#: ops a careful compile leaves as ATen kernel calls, not inductor's decompositions of them: the
-#: norms' backwards, whose decomposed parameter gradients were wrong from inductor's code on an H100
-#: at d_model 1024, seq 512 (docs/benchmarks.md, GPU)
-CAREFUL_KEPT = (_aten.native_layer_norm_backward.default, _aten.native_group_norm_backward.default)
-
-
-def careful_decompositions() -> dict:
-    """Inductor's decomposition table less :data:`CAREFUL_KEPT` (which then run as ATen calls)."""
-    from torch._inductor.decomposition import select_decomp_table
-    return {op: fn for op, fn in select_decomp_table().items() if op not in CAREFUL_KEPT}
 
 
 def _inductor(gm, example_inputs, careful: bool = False):
     """``compile_fx`` on fake example inputs with a shape env, as dynamo hands them: without one,
     inductor's FX graph cache passes the graph by, and every process would compile it again.
-    ``careful``: no rewrites, and the ops of :data:`CAREFUL_KEPT` as ATen calls."""
+    ``careful``: without :data:`INDUCTOR_REWRITES`."""
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -354,7 +346,7 @@ def _inductor(gm, example_inputs, careful: bool = False):
         rewrite(gm)
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [mode.from_tensor(x, static_shapes=True) for x in example_inputs]
-    return compile_fx(gm, fakes, decompositions=careful_decompositions() if careful else None)
+    return compile_fx(gm, fakes)
 
 
 def _careful_inductor(gm, example_inputs):
@@ -365,7 +357,7 @@ def _backend(backend, careful: bool = False):
     """The ``(graph, example inputs) -> callable`` a backend name (or a callable backend) stands for.
     ``aot_eager`` and ``eager`` run the traced graph as it is: it is already the functionalized
     ATen graph AOT would hand its compiler, so tracing it again would change nothing.
-    ``careful``: inductor's careful form (:func:`_inductor`); other backends are as they are."""
+    ``careful``: inductor without its rewrites (:func:`_inductor`); other backends are as they are."""
     if callable(backend):
         return backend
     if backend in ("aot_eager", "eager"):
@@ -435,7 +427,8 @@ class WholeStep:
     def _attempt(self, tensors, feeds, params, careful: bool) -> tuple[_Traced | None, str | None]:
         """(the step traced and compiled, how its first outputs differ from the eager twin's or
         None where they agree); (None, None) where tracing, compiling or the call failed, which
-        turns the whole step off.  ``careful``: no graph rewrites, the backend's careful form."""
+        turns the whole step off.  ``careful``: no graph rewrites, and the layer norms' backward
+        as one opaque op (torch's kernel, not the compiler's code: :func:`opaque_backward`)."""
         from torch.fx.experimental.proxy_tensor import make_fx
         twin, names, counts = self._eager_twin(), list(self._eager_twin().plan.outputs), []
 
@@ -446,7 +439,8 @@ class WholeStep:
 
         copies = [x.clone() for x in tensors]   # the trace runs the step: it may not touch the caller's
         try:
-            gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
+            with opaque_backward() if careful else contextlib.nullcontext():
+                gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
             if _mutates_inputs(gm):
                 raise RuntimeError("the traced step writes into its inputs")
             if not careful:
@@ -474,7 +468,7 @@ class WholeStep:
             return None
         if again is None:
             self._notice(f"differs from the eager executor's ({off}); compiled again without the graph "
-                         "rewrites and with the norms' backward as ATen kernels, it agrees", None)
+                         "rewrites and with torch's layer-norm backward kernel, it agrees", None)
             return traced
         self._notice(f"differs from the eager executor's ({off}; compiled again carefully: {again}), "
                      "so the step runs eagerly", None)
