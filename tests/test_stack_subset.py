@@ -24,7 +24,7 @@ from meshdsl.processes import launcher as launch
 from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
-from conftest import assert_matches_scaled, run_cli
+from conftest import assert_matches_scaled
 
 BART = str(pathlib.Path(__file__).parent / "heldout_bart.py")
 BOTH = "layer:stage; enc_layer:stage"
@@ -206,9 +206,3 @@ def test_one_stack_of_fewer_layers_than_stages_is_still_refused():
     with pytest.raises(LayoutError, match=r"(?s)dim 'layer' of size 2 is not divisible by mesh axes stage:3.*"
                                           r"too small to split unevenly"):
         md.compile(loss, "stage:3", "layer:stage", microbatches=3)
-
-
-def test_interleaved_virtual_stages_with_two_stacks_are_refused_with_exit_2(capsys):
-    rc, _, err = run_cli(capsys, ["check", BART, "--tiny", "--config", "enc_layer=enc_layer", "--mesh", "stage:2",
-                                  "--layout", BOTH, "--microbatches", "2", "--schedule", "interleaved:2"])
-    assert rc == 2 and "2 stacks are pipelined" in err and "Fix: use --schedule gpipe, 1f1b or zbh1" in err, err

@@ -24,7 +24,6 @@ from meshdsl.search.calibrate import Calibration
 from meshdsl.search.predict import StageCost
 from meshdsl.search.stage_balance import split_by_cost
 from meshdsl.errors import LayoutError
-from meshdsl.lowering.schedule import ScheduleError
 from meshdsl.processes import launcher as launch
 from meshdsl.train.jobs import agree_plan
 
@@ -133,9 +132,7 @@ def test_bart_with_both_stacks_pipelined_matches_dense():
 
 
 def test_what_two_stacks_cannot_run_is_refused_with_the_fix(t5_model):
-    outs, _, _ = t5_model
-    with pytest.raises(ScheduleError, match=r"(?s)2 stacks are pipelined.*Fix: use --schedule gpipe"):
-        md.compile(outs, "stage:2", BOTH, microbatches=2, schedule="interleaved:2")
+    outs, _, _ = t5_model   # (interleaved:V with two stacks runs: tests/test_interleave_two_stacks.py)
     b, d, le, ld = md.Dim("batch", 6), md.Dim("d_model", 4), md.Dim("enc_layer", 3), md.Dim("layer", 3)
     with md.Graph("three"):
         x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])

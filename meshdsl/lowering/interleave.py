@@ -390,19 +390,38 @@ def _join_chunks(ch: _Chunks, joined: list, label: str = "stacked gradient: the 
 
 def stored_layers(plan) -> str | None:
     """``meshdsl plan``: where an interleaved pipeline stores its layers (each rank its chunks,
-    ``Sharding.cyclic``, of the virtual stages' given layer counts: ``Sharding.blocks``), or None
-    for a plan storing none so."""
-    v = next((val for val in plan.values.values() if val.sharding.cyclic), None)
-    if v is None:
+    ``Sharding.cyclic``, of the virtual stages' given layer counts: ``Sharding.blocks``; several
+    stacks each so, a stack's block empty on a virtual stage holding none of it), or None for a
+    plan storing none so."""
+    first: dict = {}   # layer dim -> a value storing it so
+    for val in plan.values.values():
+        for layer, _ in val.sharding.cyclic:
+            first.setdefault(layer, val)
+    if not first:
         return None
-    (layer, blocks), = v.sharding.cyclic
+    each = [_stored(plan, layer, val) for layer, val in first.items()]
+    if len(each) == 1:
+        where, ranks = each[0]
+        return f"layers stored where they run, {where} (no param or gradient moves): {ranks}"
+    return "layers stored where they run (no param or gradient moves): " + " | ".join(
+        f"{where}: {ranks}" for where, ranks in each)
+
+
+def _stored(plan, layer: str, v) -> tuple[str, str]:
+    """A block-cyclic layer dim's sharding and the layers each rank holds of it, as words."""
+    blocks = v.sharding.cyclic_blocks[layer]
     axis = v.sharding.axes_of(layer)[0]
     p = plan.mesh.sizes[axis]
     lengths = block_lengths(v.shape.get(layer).size, p, blocks, v.sharding.given_blocks.get(layer))
     start = [sum(lengths[:s]) for s in range(p * blocks)]
     span = (lambda s: f"{start[s]}" if lengths[s] == 1 else f"{start[s]}-{start[s] + lengths[s] - 1}")
-    ranks = [f"rank {i} holds layers {', '.join(span(s) for s in range(i, p * blocks, p))} "
-             f"(stages {', '.join(str(s) for s in range(i, p * blocks, p))})" for i in range(p)]
+
+    def holds(i):
+        mine = [s for s in range(i, p * blocks, p) if lengths[s]]
+        if not mine:
+            return f"rank {i} holds none"
+        return (f"rank {i} holds layers {', '.join(span(s) for s in mine)} "
+                f"(stage{'s' if len(mine) > 1 else ''} {', '.join(str(s) for s in mine)})")
     where = f"{layer}:{axis}[cyclic {blocks}]" + (f"[blocks {','.join(map(str, lengths))}]"
                                                   if layer in v.sharding.given_blocks else "")
-    return f"layers stored where they run, {where} (no param or gradient moves): " + "; ".join(ranks)
+    return where, "; ".join(holds(i) for i in range(p))

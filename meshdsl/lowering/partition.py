@@ -43,7 +43,9 @@ goes up like any value read on a later stage, and its gradient's stage sum comes
 the stage that made it.  A stack on some of the stages stores its layers at its counts, with an
 empty part on the others, where its params, per-layer outputs and summed gradients are held
 empty (:func:`_everywhere`), so what follows them runs on every stage as for a stack on all.
-:func:`.stage_layers.split_stacks` then gives each stage its loops.
+:func:`.stage_layers.split_stacks` then gives each stage its loops.  With virtual stages
+(``interleaved:v``) the stacks are cut so on ``p * v`` logical stages and
+:func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
 
 The passes, in order: :func:`assign_stages`, :func:`assign_segments`,
 :func:`insert_transfers`; then :func:`_pipeline_step` makes the step and its
@@ -61,6 +63,7 @@ from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
 from .local_parts import with_given_parts
 from .stage_layers import split_stacks, split_stages, zeros_step
+from .stacks_on_ranks import on_ranks
 from .pipeline_program import PipelineProgram, Segment, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
 from .plan import Plan, Step, Value, step_args, register_step_kind
@@ -596,13 +599,18 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     ``holders`` maps each param, input and output value id to the mesh ranks that
     hold it (the ranks of the stages reading or producing it).
     """
-    cut = _cut(steps, values, outputs, spec)
+    chunks = spec.schedule.num_chunks if spec.stacks else 1
+    # several stacks on virtual stages: cut on p * v logical stages, then put on the ranks (.stacks_on_ranks)
+    cut = _cut(steps, values, outputs, dataclasses.replace(spec, num_stages=spec.num_stages * chunks)
+               if chunks > 1 else spec)
     _check_chained_stacks(cut)
     assign_stages(cut)
     assign_segments(cut)
     lists = insert_transfers(cut)
     if spec.stacks:
         lists = split_stacks(cut, lists)
+        if chunks > 1:
+            lists = on_ranks(cut, lists, spec.num_stages)
     elif spec.schedule.num_chunks > 1:
         lists = interleave(cut, lists, spec.schedule.num_chunks)
     elif spec.stage_layers:
@@ -611,7 +619,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
     lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]
-    return leaves + [_pipeline_step(cut, lists)], _holders(cut, leaves)
+    return leaves + [_pipeline_step(cut, lists, spec)], _holders(cut, leaves)
 
 
 def _holders(cut: _Cut, leaves) -> dict:
@@ -625,7 +633,8 @@ def _holders(cut: _Cut, leaves) -> dict:
         st = cut.held.get(v, cut.demand.get(v, cut.every_stage))
         if some and any(cut.values[v].sharding.axes_of(d) == (ax,) for d in some):
             st = cut.every_stage
-        out[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in st)
+        ranks = {t % mesh.sizes[ax] for t in st}   # (virtual stages: stage t on rank t % p)
+        out[v] = tuple(r for r in range(mesh.size) if mesh.coords(r)[ax] in ranks)
     return out
 
 
@@ -646,12 +655,12 @@ def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs,
                 subplans=subplans, sub_times=(1, m, m, 1))
 
 
-def _pipeline_step(cut: _Cut, lists: dict) -> Step:
+def _pipeline_step(cut: _Cut, lists: dict, spec) -> Step:
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]
     made = {v for i, s in enumerate(cut.steps) if not cut.leaf[i] for v in s.outs}
     loops = {id(s) for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k]
              if s.kind == "repeat" and s.node in {cut.steps[i].node for i in cut.stack_at}} if cut.spec.stacks else ()
-    return pipeline_step("pipeline", _label(cut.spec.axis, cut.spec.schedule), lists, cut.spec, cut.spec.schedule,
+    return pipeline_step("pipeline", _label(spec.axis, spec.schedule), lists, spec, spec.schedule,
                          [v for s in leaves for v in s.outs], sorted(set(cut.outputs.values()) & made), cut.values,
                          frozenset(loops))
 

@@ -4,7 +4,8 @@ A layout rule ``layer:<axis>`` on the layer dim of a ``repeat`` makes ``<axis>``
 pipeline axis: each rank of it holds ``layers / p`` consecutive layers.  Nothing
 else may be split over that axis.  Several stacks (an encoder-decoder's, each scanning a
 layer dim of its own name) may share it: the stages then cut the stacks' layers one after
-another (:func:`stack_counts`, :attr:`PipeSpec.stacks`).
+another (:func:`stack_counts`, :attr:`PipeSpec.stacks`), into ``p * v`` virtual stages with
+``interleaved:v``.
 
 Micro-batches are a virtual mesh axis: the plan is lowered on the user's mesh plus
 an axis :data:`MB_AXIS` of size ``m`` (minor), with the ``batch`` dim split over it
@@ -52,7 +53,8 @@ class PipeSpec:
         of rank ``s % p``).
       stacks: with more than one pipelined repeat (an encoder-decoder), each as ``(node id, layer dim
         name, counts)`` in graph order, ``counts`` its layers on each stage (0 outside its run of
-        stages): the stages cut the stacks' layers one after another (:func:`stack_counts`); else ().
+        stages; with virtual stages, on each of the ``p * v``): the stages cut the stacks' layers
+        one after another (:func:`stack_counts`); else ().
         ``node`` and ``layer`` are then the first stack's, and ``stage_layers`` is ().
     """
 
@@ -111,8 +113,7 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
         micro-batches (times the batch's axes) do not divide, virtual stages that do not
         divide the layers of a rank (without ``stage_layers``), bad ``stage_layers`` (a wrong
         count of entries, one below 1, a sum other than the layers).
-      ScheduleError: an unknown schedule, or sizes its generator refuses; virtual stages with
-        several pipelined stacks.
+      ScheduleError: an unknown schedule, or sizes its generator refuses.
     """
     _check_count("microbatches", microbatches)
     if MB_AXIS in mesh.sizes:
@@ -248,18 +249,10 @@ def _several_stacks(found: list, mesh: Mesh, layout: Layout, dims: dict[str, int
     """The pipeline of several stacks on one stage axis (:func:`stack_counts` cuts their layers)."""
     axis = found[0][1]
     p, chunks = mesh.sizes[axis], parse_schedule(schedule)[1]
-    if chunks > 1:
-        raise _err(f"{len(found)} stacks are pipelined, and schedule '{schedule}' runs {chunks} virtual stages "
-                   "per rank.", mesh=mesh, layout=layout, cls=ScheduleError,
-                   bullets=[f"repeat '{n.name}': {n.attrs['layer'].size} layers ('{n.attrs['layer'].name}')"
-                            for n, _ in found],
-                   rule="several stacks on one stage axis run one stage per rank (the stages cut the stacks' "
-                        "layers one after another)",
-                   fix="use --schedule gpipe, 1f1b or zbh1, or pipeline one stack only")
     if isinstance(stage_layers, str):
         _stage_layers(stage_layers, found[0][0], p, 1, mesh, layout)   # refused: a string
     sizes = [n.attrs["layer"].size for n, _ in found]
-    counts = stack_counts(sizes, stage_layers, p, mesh, layout)
+    counts = stack_counts(sizes, stage_layers, p, mesh, layout, chunks)
     mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches)
     node = found[0][0]
     stacks = tuple((n.id, n.attrs["layer"].name, c) for (n, _), c in zip(found, counts))
@@ -267,14 +260,20 @@ def _several_stacks(found: list, mesh: Mesh, layout: Layout, dims: dict[str, int
                     named_schedule(schedule, p, microbatches), mesh2, layout2, (mesh, layout), (), stacks)
 
 
-def stack_counts(sizes, stage_layers, p: int, mesh: Mesh, layout: Layout) -> list[tuple[int, ...]]:
+def stack_counts(sizes, stage_layers, p: int, mesh: Mesh, layout: Layout, v: int = 1) -> list[tuple[int, ...]]:
     """Per stack (``sizes``: each one's layers, in graph order), its layers on each of the ``p``
-    stages: the stages cut the stacks' layers one after another, stage s taking ``stage_layers[s]``
-    of them (even counts when None), so a stage may hold the end of one stack and the start of
-    the next, and a stack none on the stages outside its run."""
+    stages (``p * v`` virtual stages with ``v`` per rank, in layer order: virtual stage s on rank
+    s % p): the stages cut the stacks' layers one after another, stage s taking
+    ``stage_layers[s]`` of them (even counts when None), so a stage may hold the end of one stack
+    and the start of the next, and a stack none on the stages outside its run."""
     total = sum(sizes)
-    given = _even_counts(total, p) if stage_layers is None else stage_layers
-    cut = check_counts(given, total, p, mesh, layout)
+    if stage_layers is None and v > 1 and total < p * v:
+        raise _err(f"the {len(sizes)} pipelined stacks have {total} layers in all, fewer than the {p * v} "
+                   f"virtual stages ({p} ranks x {v} per rank).", mesh=mesh,
+                   layout=layout, rule="each stage runs one layer at least", cls=ScheduleError,
+                   fix="use fewer virtual stages per rank (--schedule interleaved:V) or fewer stages")
+    given = _even_counts(total, p * v) if stage_layers is None else stage_layers
+    cut = check_counts(given, total, p, mesh, layout, v)
     out, start = [], 0
     for n in sizes:
         per, off = [], 0

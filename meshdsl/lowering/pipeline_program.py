@@ -204,10 +204,19 @@ class PipelineProgram:
         if (segment, position) not in self.pipelined:
             return 0
         fwd = self.segments[Segment.FORWARD].steps
-        # with several stacks, only the layers of this one (its loops read the same stacked params)
-        params = self.segments[segment].steps[position].ins[1] if self.stack_loops else None
+        # with several stacks, only the layers of this one
+        stack = self._stack_of(segment, position) if self.stack_loops else None
         return sum(fwd[j].times * sum(1 for t in self.stages[Segment.FORWARD][j] if t < stage)
-                   for seg, j in self.pipelined if seg == Segment.FORWARD and params in (None, fwd[j].ins[1]))
+                   for seg, j in self.pipelined
+                   if seg == Segment.FORWARD and (stack is None or stack == self._stack_of(seg, j)))
+
+    def _stack_of(self, segment: Segment, position: int):
+        """The stack a loop runs layers of: the layer dim that the stage axis splits in the stacked
+        param it reads (each stack has its own; a chunk's narrowed param keeps it), or that param
+        itself where it is whole (a stack on one stage)."""
+        param = self.segments[segment].steps[position].ins[1]
+        sharding = self.segments[segment].values[param].sharding
+        return next((name for name, axes in sharding.dims if self.axis in axes), param)
 
     # --------------------------------------------------------------------------- values
 

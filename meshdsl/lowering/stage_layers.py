@@ -18,7 +18,9 @@ cut into unequal ones, as a pass on the segment lists and the values:
 With several stacks on the stage axis, :func:`split_stacks` does the same for each stack, at
 its counts (:attr:`.pipeline.PipeSpec.stacks`); a stack on some of the stages has an empty part
 on the others; a stack on one stage keeps its layers whole there, and a sum over the stage axis
-that only that stage runs is summed over its other axes.
+that only that stage runs is summed over its other axes.  With virtual stages (several stacks
+cut on ``p * v`` logical stages) a stack on several of them is stored block-cyclically at its
+counts (``Sharding.blocks``, zeros where a virtual stage holds none of it).
 
 Per-layer outputs (``(carry, {name: tensor})``) are stored so too: what the loss makes of them
 (a sum or mean over the layers, elementwise ops on them) runs on each stage's own layers, its
@@ -94,6 +96,15 @@ def store_where_run(values: dict, spec, counts, layer: str | None = None) -> Non
         values[vid] = dataclasses.replace(v, sharding=sh.with_parts(layer, counts))
 
 
+def _store_cyclic(values: dict, spec, counts, layer: str) -> None:
+    """Every value of ``values`` whose layer dim ``layer`` the stage axis alone splits, split
+    block-cyclically at ``counts`` (one per virtual stage; rank r holds stages r, r + p, ..)."""
+    v = len(counts) // spec.mesh.sizes[spec.axis]
+    for vid, val in list(values.items()):
+        if val.sharding.axes_of(layer) == (spec.axis,):
+            values[vid] = dataclasses.replace(val, sharding=val.sharding.with_cyclic(layer, v, tuple(counts)))
+
+
 def split_stacks(cut, lists: dict) -> dict:
     """The segment lists of a cut with several pipelined stacks (``spec.stacks``), each stack's
     forward and backward step one step per stage of its run, over that stage's layers of it; the
@@ -114,6 +125,8 @@ def split_stacks(cut, lists: dict) -> dict:
     for (_, layer, counts), st in zip(spec.stacks, cut.stacks):
         if st.lo == st.hi:   # on one stage: its layers are whole there, and held on that stage only
             _store_whole(cut.values, spec.axis, layer)
+        elif len(counts) > spec.mesh.sizes[spec.axis]:   # virtual stages: each rank's blocks, in stage order
+            _store_cyclic(cut.values, spec, counts, layer)
         else:
             store_where_run(cut.values, spec, counts, layer)
         for seg, pos in ((Segment.FORWARD, st.F), (Segment.BACKWARD, st.B)):
@@ -129,10 +142,11 @@ def _one_stage_sums(pairs: list, spec, values) -> list:
     """``pairs`` with each sum over the stage axis that one stage alone runs (a gradient of what a
     stack on one stage reads from outside, such as a shared param) summed over the other axes only:
     the other stages run none of that stack's layers, so have no part of it."""
-    out = []
+    out, p = [], spec.mesh.sizes[spec.axis]
     for s, st in pairs:
-        if s.is_collective and s.kind not in ("send", "recv") and spec.axis in s.axes and len(st) < spec.num_stages:
-            if s.kind != "allreduce" or len(st) > 1:
+        ranks = {t % p for t in st}   # (virtual stages: stage t on rank t % p)
+        if s.is_collective and s.kind not in ("send", "recv") and spec.axis in s.axes and len(ranks) < p:
+            if s.kind != "allreduce" or len(ranks) > 1:
                 raise LayoutError(message(
                     f"compile (pipeline over '{spec.axis}', {len(spec.stacks)} stacks): {s.kind} over "
                     f"{s.axes} for '{s.op}' ({s.label}) runs on stages {sorted(st)} only.",
@@ -186,11 +200,12 @@ def _store_whole(values: dict, axis: str, layer: str) -> None:
 
 def stack_lines(spec) -> list[str]:
     """Per stack of several on the stage axis, the layers each stage holds (plan notes, messages)."""
-    out = []
+    out, p = [], spec.mesh.sizes[spec.axis]
     for _, layer, counts in spec.stacks:
         first = offsets(counts)
+        rank = (lambda t: f" (rank {t % p})") if len(counts) > p else (lambda t: "")   # virtual stages
         out.append(f"stack '{layer}' on '{spec.axis}': " + ", ".join(
-            f"stage {t} layers {first[t]}..{first[t] + c - 1}" if c > 1 else f"stage {t} layer {first[t]}"
+            (f"stage {t} layers {first[t]}..{first[t] + c - 1}" if c > 1 else f"stage {t} layer {first[t]}") + rank(t)
             for t, c in enumerate(counts) if c))
     return out
 
