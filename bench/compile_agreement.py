@@ -22,15 +22,12 @@ allowance is printed with its difference.  The variants:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import meshdsl as md
-from meshdsl.ops.layernorm import opaque_backward
 from meshdsl.runtime import whole
 from meshdsl.runtime.agreement import TOLERANCE, allowed_diff
 from meshdsl.train.model import load_model
@@ -42,24 +39,6 @@ def _parse_config(text: str) -> dict:
         k, v = item.split("=")
         out[k.strip()] = int(v)
     return out
-
-
-def _trace(eager, feeds: dict, params: dict, opaque: bool):
-    """(the eager step as one functionalized graph, its example inputs, the output names and
-    each one's tensor count), as ``--compile`` traces it; ``opaque``: the layer norms' backward as
-    one opaque op."""
-    names, counts = list(eager.plan.outputs), []
-    tensors, _ = whole._flat(feeds, params)
-
-    def step(*xs):
-        out = eager.run(*whole._unflat(list(xs), feeds, params))
-        counts[:] = [len(out[n] or ()) for n in names]
-        return [x for n in names for x in (out[n] or ())]
-
-    copies = [x.clone() for x in tensors]
-    with opaque_backward() if opaque else contextlib.nullcontext():
-        gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
-    return gm, copies, names, counts
 
 
 def _compiled(gm, example, stack: bool, rewrites):
@@ -79,7 +58,7 @@ def _off(flat: list, want: dict, names: list, counts: list) -> dict[str, str]:
     """Every output of ``flat`` beyond its allowance against ``want``: name -> 'diff (allowed, max |want|)'."""
     got, k = {}, 0
     for n, c in zip(names, counts):
-        got[n], k = flat[k:k + c], k + c
+        got[n], k = flat[k:k + (c or 0)], k + (c or 0)
     ref = {n: torch.stack([w.detach().double() for w in want[n]]) for n in names if want[n]}
     allowed = allowed_diff(ref, TOLERANCE[torch.float32])
     out = {}
@@ -119,7 +98,7 @@ def main(argv=None) -> None:
     def run(label, stack, rewrites, opaque):
         t0 = time.perf_counter()
         try:
-            gm, example, names, counts = _trace(eager, feeds, params, opaque)
+            gm, example, names, counts = whole.trace_step(eager, whole._flat(feeds, params)[0], feeds, params, opaque)
             fn = _compiled(gm, example, stack, rewrites)
             off = _off(fn(*[x.clone() for x in example]), want, names, counts)
         except Exception as e:  # noqa: BLE001  (a diagnostic: report and go on)

@@ -368,6 +368,26 @@ def _backend(backend, careful: bool = False):
     return lookup_backend(backend)
 
 
+def trace_step(eager, tensors: list, feeds: dict, params: dict, opaque_norms: bool = False):
+    """(the eager executor's run as one functionalized graph, traced on copies of ``tensors`` (the
+    flat ``feeds`` and ``params``, :func:`_flat`), those copies, the output names, each one's tensor
+    count (None: the output is None)).  ``opaque_norms``: layer norms' backward as one opaque op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    names, counts = list(eager.plan.outputs), []
+
+    def step(*xs):
+        out = eager.run(*_unflat(list(xs), feeds, params))
+        counts[:] = [None if out[name] is None else len(out[name]) for name in names]
+        return [x for name in names for x in (out[name] or ())]
+
+    copies = [x.clone() for x in tensors]   # the trace runs the step: it may not touch the caller's
+    with opaque_backward() if opaque_norms else contextlib.nullcontext():
+        gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
+    if _mutates_inputs(gm):
+        raise RuntimeError("the traced step writes into its inputs")
+    return gm, copies, names, list(counts)
+
+
 class _EagerStep:
     """A whole step's stand-in where its compiled form disagreed with the eager executor: the
     eager ``twin`` run on the call's tensors, flattened as a compiled step returns them."""
@@ -429,20 +449,8 @@ class WholeStep:
         None where they agree); (None, None) where tracing, compiling or the call failed, which
         turns the whole step off.  ``careful``: no graph rewrites, and the layer norms' backward
         as one opaque op (torch's kernel, not the compiler's code: :func:`opaque_backward`)."""
-        from torch.fx.experimental.proxy_tensor import make_fx
-        twin, names, counts = self._eager_twin(), list(self._eager_twin().plan.outputs), []
-
-        def step(*xs):
-            out = twin.run(*_unflat(list(xs), feeds, params))
-            counts[:] = [None if out[name] is None else len(out[name]) for name in names]
-            return [x for name in names for x in (out[name] or ())]
-
-        copies = [x.clone() for x in tensors]   # the trace runs the step: it may not touch the caller's
         try:
-            with opaque_backward() if careful else contextlib.nullcontext():
-                gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
-            if _mutates_inputs(gm):
-                raise RuntimeError("the traced step writes into its inputs")
+            gm, copies, names, counts = trace_step(self._eager_twin(), tensors, feeds, params, careful)
             if not careful:
                 _stack_layer_writes(gm)
             fn = self._captured(_backend(self.settings.backend, careful)(gm, copies), copies)
@@ -451,7 +459,7 @@ class WholeStep:
         except Exception as e:  # noqa: BLE001  (whatever tracing or the backend raises: segments instead)
             self._turn_off("could not be compiled", e)
             return None, None
-        traced = _Traced(fn, names, list(counts))
+        traced = _Traced(fn, names, counts)
         try:
             return traced, self._disagreement(traced, tensors, feeds, params)
         except MeshDSLError:
