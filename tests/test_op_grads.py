@@ -439,8 +439,8 @@ def test_every_op_is_checked():
 
 #: ops without a rule whose results are never floating point, or that take no
 #: floating-point input: no gradient can reach or leave them.
-NOT_FLOAT = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_not", "iota",
-             "one_hot"}
+NOT_FLOAT = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_not", "logical_and",
+             "logical_or", "iota", "one_hot"}
 
 
 def _twice(first):

@@ -138,6 +138,20 @@ def _logical_not():
     return {"mask": m, "y": md.where(m, a * c, c)}, {}
 
 
+@case("logical_and")
+def _logical_and():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    m = md.logical_and(md.greater(a, 0.0), md.less(c, 0.5))   # [batch, seq] and [seq, feat]: [batch, seq, feat]
+    return {"mask": m, "y": md.where(m, a * c, c)}, {}
+
+
+@case("logical_or")
+def _logical_or():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    m = md.logical_or(md.greater(a, 0.0), md.less(c, -0.5))
+    return {"mask": m, "y": md.where(m, a * c, c)}, {}
+
+
 # ----------------------------------------------------------------------------- einsum
 
 @case("einsum_matmul")

@@ -188,10 +188,13 @@ class Layout:
         self._targets[key] = tuple(out)
         return out
 
-    def check_even(self, shape: Shape, scopes: tuple[str, ...], mesh: Mesh, what: str) -> None:
+    def check_even(self, shape: Shape, scopes: tuple[str, ...], mesh: Mesh, what: str,
+                   intermediate: bool = False) -> None:
         """Refuse a dim of tensor ``what`` that its rule's axes do not divide (strict splits).
 
-        Without strict splits such a dim is split unevenly (see :mod:`.sharding`).
+        Without strict splits such a dim is split unevenly (see :mod:`.sharding`).  An
+        ``intermediate``'s dim smaller than its axes is not refused: it is kept whole
+        (:meth:`targets`), no split at all.
 
         Raises:
           LayoutError: naming the tensor, the dim, its size and the axes' sizes, with a caret
@@ -200,7 +203,7 @@ class Layout:
         for name, r in self.wanted(shape, scopes).items():
             size = shape.get(name).size
             n = mesh.axis_size(r.axis_names)
-            if size % n:
+            if size % n and not (intermediate and size < n and name not in self.empty_ok):
                 raise self._err(
                     f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes "
                     f"{_axes_text(mesh, r.axis_names)} (= {n}).",
@@ -212,10 +215,17 @@ class Layout:
 
     def _targets_of(self, shape, scopes, mesh, what, strict) -> list[tuple[Sharding, str]]:
         wanted = self.wanted(shape, scopes)
-        for name, r in wanted.items():
+        small = []
+        for name, r in list(wanted.items()):
             size = shape.get(name).size
             n = mesh.axis_size(r.axis_names)
-            if size < n and name not in self.empty_ok:
+            if size < n and name not in self.empty_ok and not strict:
+                # An intermediate (a slice of a split dim, a few global tokens) smaller than
+                # its rule's axes: kept whole, as a dim of size 1 is; a rank holds all of it.
+                del wanted[name]
+                small.append(f"'{name}' ({size}) kept whole: fewer elements than "
+                             f"{_axes_text(mesh, r.axis_names)} (= {n}) have ranks")
+            elif size < n and name not in self.empty_ok:
                 raise self._err(
                     f"Tensor '{what}': dim '{name}' of size {size} is not divisible by mesh axes "
                     f"{_axes_text(mesh, r.axis_names)} (= {n}), and too small to split unevenly: "
@@ -231,7 +241,7 @@ class Layout:
                 users.setdefault(a, []).append(name)
         contested = {a: ns for a, ns in users.items() if len(ns) > 1}
         if not contested:
-            return [(Sharding.of(shape, axes_of), "")]
+            return [(Sharding.of(shape, axes_of), "; ".join(small))]
         if strict:
             a, ns = next(iter(contested.items()))
             raise self._err(
@@ -251,7 +261,7 @@ class Layout:
             why = "; ".join(f"'{a}' -> {won[a]} (not {', '.join(x for x in contested[a] if x != won[a])})"
                             for a in names)
             key = tuple(prio[won[a]] for a in names)
-            out.append((key, Sharding.of(shape, split), "axis conflict resolved: " + why))
+            out.append((key, Sharding.of(shape, split), "; ".join(["axis conflict resolved: " + why, *small])))
         out.sort(key=lambda t: t[0])
         return [(s, note) for _, s, note in out]
 

@@ -48,6 +48,7 @@ class Lowerer:
         # activations) lowers only the ones in here.
         self.used: set[int] = set()
         self.pipeline_axis: str | None = None  # the mesh axis a repeat's layers are pipelined over
+        self.in_block = False  # a repeat's block: it passes partial sums over the micro-batches on
         self._uses: dict[int, int] = {}  # id(Tensor) -> readers in this plan, plus 1 if an output
         self.counted = False
         # What a rule shares between the nodes it lowers (the halo exchanges of lowering/halo.py).

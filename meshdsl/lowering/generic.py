@@ -20,6 +20,7 @@ import itertools
 
 from ..core.lru import Lru
 from ..layout.sharding import Sharding
+from .pipeline import MB_AXIS
 from .relayout import keep_microbatches, relayout_cost
 
 
@@ -39,25 +40,38 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     a mix only into a result with one reader.
     """
     op = node.op
+    # In a repeat's block the layers run one micro-batch at a time: a sum over them (a weight's
+    # gradient, or the gradient of weight-only math in the block such as a weight norm) is
+    # made after the layers, so the block passes the micro-batch axis of a partial sum on
+    # wherever it would reduce it; only an op that is not linear in it still reduces it (which
+    # the repeat then refuses, naming the op).
+    mb = (MB_AXIS,) if lw.in_block else ()
     # A partial sum with several readers is reduced at its first one: passed on
     # lazily, each reader's result would need a reduction of its own.
-    shs = [s.with_partial(()) if s.partial and lw.num_uses(t) > 1 else s for s, t in zip(shs, node.inputs)]
+    shs = [s.with_partial(tuple(a for a in s.partial if a in mb)) if s.partial and lw.num_uses(t) > 1 else s
+           for s, t in zip(shs, node.inputs)]
     partial_in = [i for i, s in enumerate(shs) if s.partial]
     if not partial_in:
         return [((), {}, {})]
     sets = {frozenset(shs[i].partial) for i in partial_in}
     eager = [((), {}, {})]
+
+    def reduced_first(P):
+        """The mode that reduces the partial inputs (all partial over ``P``) before the op."""
+        kept = tuple(a for a in P if a in mb)
+        return eager if not kept else [] if kept == P else [(kept, {i: kept for i in partial_in}, {})]
+
     if op.is_linear(node) and len(partial_in) == len(shs) and len(sets) == 1:
         P = shs[partial_in[0]].partial
         # An op whose result outgrows its inputs (a broadcast_to of a row sum's gradient over a
         # split vocab) would pass a larger partial sum on: reducing the inputs first is priced too.
         grows = sum(t.shape.numel for t in node.outputs) > sum(t.shape.numel for t in node.inputs)
-        return [(P, {i: P for i in partial_in}, {})] + (eager if grows else [])
+        return [(P, {i: P for i in partial_in}, {})] + (reduced_first(P) if grows else [])
     if len(partial_in) == 1 and partial_in[0] in op.linear_args:
         P = shs[partial_in[0]].partial
         # Several outputs (layer norm's backward: dx and the affine's gradients) would each
         # need a reduction of their own: reducing the input first may cost less.
-        return [(P, {partial_in[0]: P}, {})] + (eager if len(node.outputs) > 1 else [])
+        return [(P, {partial_in[0]: P}, {})] + (reduced_first(P) if len(node.outputs) > 1 else [])
     # A lazy result with several readers would be reduced at its first one: no
     # better than reducing the inputs now, and the scaling would cost a kernel.
     if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
@@ -70,7 +84,7 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         missing = tuple(a for a in P if a not in s.partial)
         if missing:
             scale[i] = 1.0 / mesh.axis_size(missing)
-    return [(P, {i: shs[i].partial for i in partial_in}, scale)] + eager
+    return [(P, {i: shs[i].partial for i in partial_in}, scale)] + (eager if not set(P) & set(mb) else [])
 
 
 #: (node, its inputs' shardings, its outputs' targets, the mesh, the cost model, the readers of
@@ -88,7 +102,7 @@ def lower_generic(lw, node) -> None:
     shs = [lw.sharding(v) for v in ins]
     targets = [tuple(lw.targets(t)) for t in node.outputs]
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
-           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok)
+           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block)
     C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
 

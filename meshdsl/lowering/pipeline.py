@@ -239,9 +239,19 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
         layers = {n.attrs["layer"].name for n, _ in found}
         for r in layout.rules:
             if axis in r.axis_names and r.key[1] not in layers:
+                # The rule that made the axis a pipeline axis: a scoped one ('params.layer:data') reads as
+                # FSDP by layer, which is not what it does.
+                via = next((q for q in layout.rules if q.key[1] in layers and axis in q.axis_names), None)
+                scoped = via is not None and via.key[0] is not None
                 raise _err(f"layout rule '{r}' uses the pipeline axis '{axis}'.", mesh=mesh, layout=layout,
+                           bullets=[f"'{via}' makes '{axis}' a pipeline axis: a rule that splits a repeat's layer dim "
+                                    "pipelines its layers over the stages" +
+                                    (", whatever its scope (a stack's params are not sharded by layer)" if scoped
+                                     else "")] if via is not None else [],
                            rule=f"a pipeline axis splits only the layer dim ({', '.join(map(repr, sorted(layers)))})",
-                           fix=f"map '{r.key[1]}' to another axis")
+                           fix=f"map '{r.key[1]}' to another axis" +
+                               (f", or for FSDP drop '{via}' and shard the params along another dim "
+                                f"('params.d_model:{axis}')" if scoped else ""))
 
 
 def _several_stacks(found: list, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int,

@@ -215,6 +215,10 @@ def keep_microbatches(target: Sharding, sh: Sharding, shape: Shape, mesh: Mesh) 
     if dim is None:
         return target
     axes = (MB_AXIS,) + target.axes_of(dim)
+    # A micro-batch's rows fewer than the target's axes (2 rows of 'expert_batch' under a:4): the
+    # micro-batch axis stays, with the target's axes that still divide them (the rest replicate).
+    while len(axes) > 1 and shape.get(dim).size % mesh.axis_size(axes):
+        axes = axes[:-1]
     if shape.get(dim).size % mesh.axis_size(axes):
         return target
     return Sharding(tuple((n, axes if n == dim else a) for n, a in target.dims), target.partial)

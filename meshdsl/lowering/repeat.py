@@ -194,6 +194,7 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list) -> tuple[Plan
     (forward) or takes (backward)."""
     blk, node = loop.blk, loop.node
     sub = Lowerer(lw.mesh, lw.layout, lw.cost)
+    sub.in_block = True
     for name, sh in feeds.items():
         t = blk.graph.inputs[name]
         vid = sub.new_value(t.shape, t.dtype, sh)

@@ -69,7 +69,7 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
         if t.node.op.name == "repeat":
             layers[t.node.attrs["layer"].name] = t.node.name
         if strict:
-            layout.check_even(t.shape, t.scopes, mesh, t.name)
+            layout.check_even(t.shape, t.scopes, mesh, t.name, intermediate=t.node.op.name not in LEAVES)
             continue
         for name, rule in layout.wanted(t.shape, t.scopes).items():
             axes = tuple(a for a in rule.axis_names if mesh.sizes[a] > 1)

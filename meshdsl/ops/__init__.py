@@ -8,8 +8,8 @@ from .einsum import einsum
 from .constant import constant
 from .conv import conv
 from .elementwise import (abs, add, cast, cos, div, equal, exp, gelu, greater, greater_equal, less,
-                          less_equal, log, logical_not, maximum, minimum, mul, neg, not_equal, pow,
-                          relu, rsqrt, sigmoid, silu, sin, sqrt, stop_gradient, sub, tanh, where)
+                          less_equal, log, logical_and, logical_not, logical_or, maximum, minimum, mul, neg,
+                          not_equal, pow, relu, rsqrt, sigmoid, silu, sin, sqrt, stop_gradient, sub, tanh, where)
 from .embed import arange, causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)

@@ -236,7 +236,8 @@ _binary("relu_backward", lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.
 _binary("gelu_backward", lambda g, x: torch.ops.aten.gelu_backward(g, x), linear_args=(0,))
 _binary("silu_backward", lambda g, x: torch.ops.aten.silu_backward(g, x), linear_args=(0,))
 for _n, _f in (("less", torch.lt), ("less_equal", torch.le), ("greater", torch.gt),
-               ("greater_equal", torch.ge), ("equal", torch.eq), ("not_equal", torch.ne)):
+               ("greater_equal", torch.ge), ("equal", torch.eq), ("not_equal", torch.ne),
+               ("logical_and", torch.logical_and), ("logical_or", torch.logical_or)):
     _binary(_n, _f, out_dtype=torch.bool)
 
 
@@ -297,6 +298,18 @@ abs.__doc__ = """Elementwise ``|x|``, on floating-point or integer tensors (a re
 neg.__doc__ = """Elementwise ``-x``, on floating-point or integer tensors (``x.__neg__``)."""
 tanh, relu, gelu, silu, sigmoid = _un("tanh"), _un("relu"), _un("gelu"), _un("silu"), _un("sigmoid")
 stop_gradient, logical_not = _un("stop_gradient"), _un("logical_not")
+
+
+def logical_and(a: Tensor, b: Tensor) -> Tensor:
+    """Elementwise ``a and b`` of boolean masks, broadcasting by dim name: a sliding window's
+    mask is ``logical_and(causal, near)`` for ``near = less(arange(seq) - arange(key_seq), window)``."""
+    return apply("logical_and", _lift([a, b], "logical_and"))
+
+
+def logical_or(a: Tensor, b: Tensor) -> Tensor:
+    """Elementwise ``a or b`` of boolean masks, broadcasting by dim name: keys always visible
+    besides a window (attention sinks, a Longformer's global tokens)."""
+    return apply("logical_or", _lift([a, b], "logical_or"))
 
 
 def sin(x: Tensor) -> Tensor:
@@ -360,5 +373,6 @@ def where(cond: Tensor, a, b) -> Tensor:
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal", "greater",
            "greater_equal", "equal", "not_equal", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos",
-           "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "pow", "cast",
+           "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "logical_and", "logical_or", "pow",
+           "cast",
            "where", "constant", "align", "DENSE_CTX"]

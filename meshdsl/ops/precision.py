@@ -52,7 +52,8 @@ _FOLLOW = ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "pow", "sqrt"
            "transpose", "broadcast_to", "rename", "reshape", "rearrange", "squeeze", "slice", "pad", "concat",
            "shift", "repeat", "repeat_grad", "equal", "not_equal", "greater", "greater_equal", "less",
            "less_equal")
-_NONE = ("param", "input", "placeholder", "constant", "cast", "iota", "one_hot", "logical_not")
+_NONE = ("param", "input", "placeholder", "constant", "cast", "iota", "one_hot", "logical_not", "logical_and",
+         "logical_or")
 
 #: op name -> "bf16" | "fp32" | "follow" | "none" (see the module docstring).
 POLICY: dict[str, str] = {**{k: "bf16" for k in _MATMUL}, **{k: "fp32" for k in _FP32},

@@ -50,6 +50,7 @@ import time
 
 import torch
 
+from ..ir.repeat import LayerStack
 from ..lowering.pipeline import varies_by_microbatch
 from ..lowering.pipeline_program import PER_MICROBATCH, PipelineProgram, Segment, StageAction
 from ..lowering.schedule import COMPUTE
@@ -157,7 +158,7 @@ class _Runner:
             return shared
         env, (src,), axes = view_env(self.store, reps.ranks), s.ins, s.axes
         args = {"offset": s.args["offset"], "tag": s.args["tag"], "pipe": pipe}
-        return lambda run: reps.collective("send", env.get(src), axes, args)  # noqa: E731
+        return lambda run: reps.collective("send", _sendable(env.get(src)), axes, args)  # noqa: E731
 
     def prepared(self, seg: Segment, j: int, stages: tuple, view):
         """Step ``j`` of segment ``seg`` on ``view``, prepared once: a function of the run."""
@@ -326,7 +327,10 @@ class _Runner:
             slot = store.get(v)
             for r in ranks:
                 x = None if slot is None else slot.get(r)
-                if x is not None and borrows(x):
+                if isinstance(x, LayerStack):   # saved layer inputs: the first may be a received carry
+                    if any(borrows(t) for t in x):
+                        slot[r] = LayerStack(t.clone() if borrows(t) else t for t in x)
+                elif x is not None and borrows(x):
                     slot[r] = x.clone()
         for r in receives:
             r.link.release()
@@ -571,3 +575,11 @@ def outputs_to_first_rank(comm, plan, full: dict) -> dict:
         elif me == 0:
             out[name] = real.recv([torch.empty(v.shape.sizes, dtype=v.dtype, device=real.device)], (ax,), -stage, tag)[0]
     return out
+
+
+def _sendable(xs: list) -> list:
+    """A send's per-rank tensors. A repeat's saved activations are kept as a list of per-layer
+    tensors (a LayerStack) and read back layer by layer; one whose backward runs on another stage
+    (a stack before the pipelined one, whose gradient the later stages make) goes as one tensor,
+    stacked layer first as the plan's value is shaped, which its backward indexes the same way."""
+    return [x.tensor() if isinstance(x, LayerStack) else x for x in xs]

@@ -37,6 +37,17 @@ def _program(model: Model):
     return prog, ids[0][0], [d.size for d in shape]
 
 
+def samplable(model: Model) -> bool:
+    """Whether :func:`generate_many` can sample text from ``model``: logits ``[batch, seq, vocab]``
+    made from one integer input of ids, over at least the 256 byte tokens.  A model trained on its
+    own data (an encoder-decoder's logits also read the source; a vocab of its own) is not."""
+    if model.logits is None or len(model.logits.shape) != 3:
+        return False
+    inputs = DenseProgram({"logits": model.logits}).inputs
+    return (len(inputs) == 1 and not next(iter(inputs.values())).dtype.is_floating_point
+            and model.logits.shape.sizes[-1] >= ByteTokenizer.vocab_size)
+
+
 @torch.no_grad()
 def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens: int = 200,
                   temperature: float = 0.8, seed: int = 0) -> list[str]:

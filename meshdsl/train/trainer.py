@@ -321,10 +321,12 @@ def _samples(run: _Run) -> tuple[list[str], list[str]]:
     prompts = list(PYTHON_PROMPTS if run.tokens is not None and run.tokens.source == "stdlib" else [""] * 3)
     prompts = prompts[:run.spec.samples]
     texts = []
-    if prompts and run.model.logits is not None:
+    from .generate import generate_many, samplable
+    # (a model with logits trained on its own data, e.g. a vocab of its own or logits that also
+    # read a source sentence, has no text to sample: none, rather than an error after its training)
+    if prompts and samplable(run.model):
         full = run.step.full_params()  # a collective: every rank takes part
         if run.lead:
-            from .generate import generate_many
             texts = generate_many(run.model, full, prompts, run.spec.sample_tokens, seed=run.spec.seed)
     return prompts, texts
 
