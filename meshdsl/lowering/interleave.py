@@ -126,8 +126,10 @@ def check(cut, lists, v: int) -> None:
             fix="use one stage per rank (--schedule 1f1b or zbh1)"))
 
 
-def _unsupported(cut, lists) -> str | None:
-    """Why the cut's pipelined layers (of each pipelined stack) cannot be cut into chunks, or None."""
+def _unsupported(cut, lists, moves_ok: bool = False) -> str | None:
+    """Why the cut's pipelined layers (of each pipelined stack) cannot be cut into chunks, or None.
+    ``moves_ok``: per-micro-batch values may move between stages besides the carry (chained stacks,
+    :func:`.stage_layers.split_stacks`: what runs between them and its gradient cross a stage boundary)."""
     blocks = [(cut.steps[st.F], cut.steps[st.B] if st.B is not None else None) for st in cut.stacks]
     own = [x for pair in blocks for x in pair if x is not None]
     own_parts = {id(cut.steps[i]) for i in cut.spread}   # each rank's part of the per-layer outputs' terms
@@ -140,7 +142,7 @@ def _unsupported(cut, lists) -> str | None:
         after_b |= _made_from(lists[Segment.BACKWARD], B.outs[1 + n:]) if B is not None else set()
     per_mb = [s for seg in (Segment.FORWARD, Segment.BACKWARD) for s, st in lists[seg]
               if s not in own and not _is_carry(s) and id(s) not in own_parts
-              and (len(st) > 1 or s.kind in ("send", "recv"))
+              and (len(st) > 1 or (s.kind in ("send", "recv") and not moves_ok))
               and not _closed_transfer(s, seg, closed, after_b)]
     if per_mb:
         return f"'{per_mb[0].label}' runs on several stages or moves between them besides the carry"

@@ -43,7 +43,11 @@ goes up like any value read on a later stage, and its gradient's stage sum comes
 the stage that made it.  A stack on some of the stages stores its layers at its counts, with an
 empty part on the others, where its params, per-layer outputs and summed gradients are held
 empty (:func:`_everywhere`), so what follows them runs on every stage as for a stack on all.
-:func:`.stage_layers.split_stacks` then gives each stage its loops.  With virtual stages
+:func:`.stage_layers.split_stacks` then gives each stage its loops.  Chained stacks (the later one's
+first carry made from the earlier one's output, through steps outside any block: a pooling, ELECTRA's
+argmax) run those steps and their gradients on the earlier stack's last stage (:func:`_chain_meet`):
+the later stack's first carry goes up from there to its first stage, and its input gradient comes
+back down to meet the earlier stack's own (:func:`_moves_into`).  With virtual stages
 (``interleaved:v``) the stacks are cut so on ``p * v`` logical stages and
 :func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
 
@@ -187,6 +191,7 @@ class _Cut:
     stack_at: dict = field(default_factory=dict)
     sum_of: dict = field(default_factory=dict)
     sum_to: dict = field(default_factory=dict)
+    chains: list = field(default_factory=list)   # (earlier, later) stacks, the later starting from the earlier
 
     @property
     def num_stages(self) -> int:
@@ -230,7 +235,43 @@ def _cut(steps, values, outputs, spec) -> _Cut:
     last = stacks[-1]
     return _Cut(steps, values, outputs, spec, last.F, last.B, last.dy_pos, producer,
                 [s.kind in ("param", "input") for s in steps], per_mb, set(sums), stacks=stacks,
-                stack_at={i: st for st in stacks for i in (st.F, st.B) if i is not None}, sum_of=sums)
+                stack_at={i: st for st in stacks for i in (st.F, st.B) if i is not None}, sum_of=sums,
+                chains=_chains(steps, producer, stacks))
+
+
+def _chains(steps, producer, stacks) -> list[tuple[_Stack, _Stack]]:
+    """The (earlier, later) pairs of stacks where the later one's first carry is made from the
+    earlier one's output carry, through any steps outside a block (ELECTRA's argmax between its
+    generator and its discriminator, a pooling, a projection)."""
+    made = {steps[st.F].outs[0]: st for st in stacks}
+    out = []
+    for st in stacks:
+        todo, seen = [steps[st.F].ins[0]], set()
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in made and made[v] is not st and (made[v], st) not in out:
+                out.append((made[v], st))
+            if v in producer:
+                todo.extend(steps[producer[v]].ins)
+    return out
+
+
+def _chain_meet(cut: _Cut, i: int, anchored: list, in_b: set) -> frozenset | None:
+    """Where step ``i``, reading values anchored on several single stages, runs when they all lie on a
+    chained pair's stages (from the earlier stack's last stage to the later one's last): a forward
+    step on the latest of them (values go up with the carry: the losses of both stacks added), a
+    backward one (``in_b``: it reads a backward's results) on the earliest (values come down with its
+    gradient: the later stack's input gradient meets the earlier one's saved output on the earlier
+    one's last stage, where the steps between the stacks ran).  None: not such a step."""
+    if not cut.chains or any(len(h) != 1 for h in anchored):
+        return None
+    at = {min(h) for h in anchored}
+    if len(at) < 2 or not any(a.hi <= min(at) and max(at) <= b.hi for a, b in cut.chains):
+        return None
+    return frozenset({min(at) if i in in_b else max(at)})
 
 
 def _everywhere(cut: _Cut, st: _Stack, i: int) -> list[tuple[int, str | None]]:
@@ -256,6 +297,7 @@ def assign_stages(cut: _Cut) -> None:
     placed by demand, where its results are read."""
     ALL, steps = cut.every_stage, cut.steps
     held, stages = cut.held, [None] * len(steps)
+    in_b = _downstream(cut, [v for st in cut.stacks if st.B is not None for v in steps[st.B].outs])
     for i, s in enumerate(steps):
         st = cut.stack_at.get(i)
         if st is not None:   # a stack's output carry on its last stage, its input gradient on its first
@@ -277,7 +319,7 @@ def assign_stages(cut: _Cut) -> None:
         elif not cut.leaf[i]:
             anchored = [held[v] for v in s.ins if v in held]
             if anchored:
-                stages[i] = frozenset().union(*anchored)
+                stages[i] = _chain_meet(cut, i, anchored, in_b) or frozenset().union(*anchored)
                 held.update((v, stages[i]) for v in s.outs)
     demand = cut.demand
     demand.update((v, ALL) for v in cut.outputs.values())
@@ -378,7 +420,7 @@ def _whole_batch_cause(steps, producer, final, i):
 def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
     """Refuse a pipelined repeat that reads a value made after the micro-batches."""
     steps, producer, spec = cut.steps, cut.producer, cut.spec
-    for blk in cut.stack_at:
+    for blk in sorted(cut.stack_at, key=lambda i: i == cut.stack_at[i].B):   # forwards first
         for v in steps[blk].ins:
             if producer.get(v) not in final:
                 continue
@@ -414,37 +456,6 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                          "divide by a whole-batch value made from the inputs only (or fed as an input "
                          "without the batch dim, md.input('count', [])), normalise per micro-batch, or "
                          "use microbatches=1")
-
-
-def _check_chained_stacks(cut: _Cut) -> None:
-    """Refuse, saying why, a pipelined stack whose first carry is made from another pipelined
-    stack's output (an encoder's output fed to a decoder stack as its input, not read by its
-    blocks): the stacks pass each other only what their blocks read (stage_sum), and the second
-    one's input gradient would not reach the first one's last stage."""
-    layers = [layer for _, layer, _ in getattr(cut.spec, "stacks", ())]
-    if len(cut.stacks) < 2:
-        return
-    made = {cut.steps[st.F].outs[0]: k for k, st in enumerate(cut.stacks)}
-    for k, st in enumerate(cut.stacks):
-        todo, seen = [cut.steps[st.F].ins[0]], set()
-        while todo:
-            v = todo.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            if v in made and made[v] != k:
-                first, second = layers[made[v]], layers[k]
-                raise _error(f"pipelined stack '{second}' starts from what pipelined stack '{first}' makes.",
-                             cut.spec, [f"the first carry of stack '{second}' is made from the output of "
-                                        f"stack '{first}'"],
-                             "stacks sharing a stage axis pass on one carry, and what the later stack's blocks "
-                             "read of the earlier one (an encoder's output, read by cross-attention); a stack "
-                             "that starts from another's output is not pipelined with it yet",
-                             f"pipeline one of them only (leave '{first}' or '{second}' out of the layout), "
-                             f"or make both one stack")
-            i = cut.producer.get(v)
-            if i is not None:
-                todo.extend(cut.steps[i].ins)
 
 
 def _check_towers_meet(cut: _Cut, final: set) -> None:
@@ -543,9 +554,14 @@ def _moves_into(cut: _Cut, i: int, lists: dict, moved: set, tag: int) -> tuple[l
     s, spec, values = cut.steps[i], cut.spec, cut.values
     before = []
     for j, v in enumerate(s.ins):
+        # a stack's carry (gradient) comes from the stage before (after) it, but its first (last)
+        # stage reads it where it was made: a chained stack's first carry, made on the earlier
+        # stack's last stage, goes up to it, and the earlier stack's output gradient comes down
+        need = cut.stages[i]
         if cut.is_carry_in(i, j):
-            continue
-        for t in sorted(cut.stages[i] - cut.held.get(v, cut.every_stage)):
+            st = cut.stack_at[i]
+            need = frozenset({st.lo if i == st.F else st.hi})
+        for t in sorted(need - cut.held.get(v, cut.every_stage)):
             if (v, t) in moved:
                 continue
             moved.add((v, t))
@@ -603,7 +619,6 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     # several stacks on virtual stages: cut on p * v logical stages, then put on the ranks (.stacks_on_ranks)
     cut = _cut(steps, values, outputs, dataclasses.replace(spec, num_stages=spec.num_stages * chunks)
                if chunks > 1 else spec)
-    _check_chained_stacks(cut)
     assign_stages(cut)
     assign_segments(cut)
     lists = insert_transfers(cut)

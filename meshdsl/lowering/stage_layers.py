@@ -18,7 +18,9 @@ cut into unequal ones, as a pass on the segment lists and the values:
 With several stacks on the stage axis, :func:`split_stacks` does the same for each stack, at
 its counts (:attr:`.pipeline.PipeSpec.stacks`); a stack on some of the stages has an empty part
 on the others; a stack on one stage keeps its layers whole there, and a sum over the stage axis
-that only that stage runs is summed over its other axes.  With virtual stages (several stacks
+that only that stage runs is summed over its other axes.  Chained stacks (the later one starting
+from the earlier one's output) also move what runs between them, and its gradient, between the
+stages holding their ends: these transfers are kept as cut.  With virtual stages (several stacks
 cut on ``p * v`` logical stages) a stack on several of them is stored block-cyclically at its
 counts (``Sharding.blocks``, zeros where a virtual stage holds none of it).
 
@@ -113,7 +115,7 @@ def split_stacks(cut, lists: dict) -> dict:
     holds its params, gradients and updates empty, so gathers and checkpoints run over the whole
     stage axis), whole for a stack on one (held there only)."""
     spec = cut.spec
-    why = _unsupported(cut, lists)
+    why = _unsupported(cut, lists, moves_ok=bool(cut.chains))   # chained: what runs between the stacks moves
     if why is not None:
         raise LayoutError(message(
             f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): {why}.",
