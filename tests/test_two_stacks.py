@@ -151,6 +151,28 @@ def test_what_two_stacks_cannot_run_is_refused_with_the_fix(t5_model):
         md.compile(outs, "stage:2; pipe:2", "layer:stage; enc_layer:pipe", microbatches=2)
 
 
+def test_per_layer_outputs_of_a_stack_on_one_stage_are_refused_and_auto_cuts_around_them():
+    """Beside another pipelined stack, a stack with per-layer outputs (a loss term per layer) all of
+    whose layers one stage holds is refused with the fix (its outputs' layer sums were built as sums
+    over the stages); a cut giving it two stages runs, and ``balance_stages`` skips the refused cuts."""
+    b, d, le, ld = md.Dim("batch", 4), md.Dim("d_model", 4), md.Dim("enc_layer", 2), md.Dim("layer", 2)
+    with md.Graph("per_layer"):
+        x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])
+        enc = md.repeat(lambda h, p: md.tanh(h * p["w"]) + h, x, {"w": we}, "enc_layer")
+        y, per = md.repeat(lambda h, p: (md.tanh(h * p["w"]) + h, {"s": md.reduce_sum(h * h)}), x, {"w": wd}, "layer")
+        loss = md.reduce_sum(y * y) + 0.1 * md.reduce_sum(per["s"]) + md.reduce_sum(enc * enc)
+    outs = {"loss": loss, **md.grad(loss, {"we": we, "wd": wd})}
+    feeds = {"x": torch.randn(4, 4, generator=torch.Generator().manual_seed(2))}
+    kw = dict(microbatches=2, schedule="1f1b")
+    for counts in (None, (1, 3)):   # 'layer' whole on stage 1
+        with pytest.raises(LayoutError, match=r"(?s)returns per-layer outputs.*on stage 1.*--stage-layers"):
+            md.compile(outs, "stage:2", BOTH, stage_layers=counts, **kw)
+    auto = md.balance_stages(outs, "stage:2", BOTH, **kw)
+    assert auto == (3, 1)   # the one cut giving 'layer' two stages
+    _close(md.run_simulated(md.compile(outs, "stage:2", BOTH, stage_layers=auto, **kw), feeds),
+           md.run_dense(outs, feeds), "3,1")
+
+
 def _cuts(total, p):
     """Every cut of ``total`` joined layers into ``p`` stages of at least one."""
     if p == 1:

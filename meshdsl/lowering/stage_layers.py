@@ -125,6 +125,15 @@ def split_stacks(cut, lists: dict) -> dict:
             fix="pipeline one stack only (leave the other's layer dim whole)"))
     out = dict(lists)
     for (_, layer, counts), st in zip(spec.stacks, cut.stacks):
+        if st.lo == st.hi and cut.steps[st.F].args.get("ys"):
+            raise LayoutError(message(
+                f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): the stack over '{layer}' "
+                f"returns per-layer outputs ('{cut.steps[st.F].label}') and all its layers are on stage {st.lo}.",
+                inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"], bullets=stack_lines(spec),
+                rule="beside another pipelined stack, a stack with per-layer outputs spans two or more stages "
+                     "(its outputs' sums over the layers are then sums over those stages)",
+                fix=f"give '{layer}' layers on two or more stages with --stage-layers (stage_layers=...), "
+                    "or pipeline one stack only"))
         if st.lo == st.hi:   # on one stage: its layers are whole there, and held on that stage only
             _store_whole(cut.values, spec.axis, layer)
         elif len(counts) > spec.mesh.sizes[spec.axis]:   # virtual stages: each rank's blocks, in stage order

@@ -38,6 +38,7 @@ Example::
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from ..core.graph import topo_nodes
@@ -75,7 +76,10 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
     cal = cal or load()
     first = _equal_split(outputs, mesh, layout, parse_schedule(schedule)[1])
     kw = dict(microbatches=microbatches, schedule=schedule, **compile_kw)
-    plan = first and compile_plan(outputs, mesh, layout, stage_layers=first, **kw)
+    try:
+        plan = first and compile_plan(outputs, mesh, layout, stage_layers=first, **kw)
+    except LayoutError as refused:   # the even cut refused (a stack with per-layer outputs on one stage)
+        first, plan = _first_accepted(outputs, mesh, layout, first, kw, refused)
     pred = predict(plan, cal) if plan else None
     stages = pred.stages if plan else ()
     if not stages or len(stages) != plan_stage_count(plan):
@@ -114,6 +118,21 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
 EVERY_CUT = 16
 #: rounds of candidates derived from the fastest plan so far
 REFINE = 3
+
+
+#: at most this many cuts are tried for one the compiler accepts where it refuses the even one
+TRIED_CUTS = 64
+
+
+def _first_accepted(outputs, mesh, layout, even, kw, refused: LayoutError):
+    """(the first cut the compiler accepts, in :func:`_cuts`'s order, and its plan); ``refused``
+    (the even cut's error) where none of the first :data:`TRIED_CUTS` is accepted."""
+    for counts in itertools.islice(_cuts(sum(even), len(even)), TRIED_CUTS):
+        try:
+            return counts, compile_plan(outputs, mesh, layout, stage_layers=counts, **kw)
+        except LayoutError:
+            continue
+    raise refused
 
 
 def _fastest(preds: dict, first) -> tuple[int, ...]:
