@@ -101,7 +101,8 @@ def test_split_dims_and_no_split_steer_the_search():
     pair = {"kv_heads:model", "d_ff:model"}
     assert any(pair <= _rules(r.candidate.layout) for r in named.ranked)
     (both,) = [v for v in named.splits.verdicts("model", 2) if set(v.split.split("+")) == {"kv_heads", "d_ff"}]
-    assert both.kept and both.why.startswith("named by split_dims: est.")
+    # (the graph shows this pair is the Megatron one, search/dims.py megatron_dims: a seed already)
+    assert both.kept and both.why.startswith(("named by split_dims: est.", "seed: Megatron, est."))
     # Excluded: no axis and no scope splits it
     none = search(model, outs, 2, cal, no_split=("kv_heads",))
     assert none.ranked and not any("kv_heads" in r.candidate.layout for r in none.ranked)

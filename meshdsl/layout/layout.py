@@ -119,8 +119,12 @@ class Layout:
     def _err(self, what, span, **kw):
         return LayoutError(message(what, source=self.source, span=span, **kw))
 
-    def validate(self, mesh: Mesh, dims: dict[str, int], tensor_names: set[str]) -> None:
-        """Check every rule against the mesh and the graph's dims and tensor names."""
+    def validate(self, mesh: Mesh, dims: dict[str, int], tensor_names: set[str], has_repeat: bool = True) -> None:
+        """Check every rule against the mesh and the graph's dims and tensor names.
+
+        ``has_repeat``: whether the graph has an ``md.repeat``; without one, a rule's missing dim
+        may be meant as the layers of a Python loop, which have no dim: the message says so.
+        """
         for r in self.rules:
             scope, dim = r.key
             for axis_name in r.axes:
@@ -132,12 +136,20 @@ class Layout:
                         rule="a layout maps dims to axes of the mesh",
                         fix=f"use one of {list(mesh.names)} or add '{axis}:N' to the mesh")
             if dim not in dims:
+                typo = did_you_mean(dim, dims)
+                loop = not has_repeat   # a near name (depth ~ width) may still be the loop's layers
                 raise self._err(
-                    f"Layout rule names dim '{dim}', which no tensor of the model has."
-                    f"{did_you_mean(dim, dims)}", r.dim.span or r.span,
+                    f"Layout rule names dim '{dim}', which no tensor of the model has.{typo}", r.dim.span or r.span,
                     inputs=[f"model dims: {', '.join(sorted(dims))}"],
-                    rule="every rule's dim must be a dim of some tensor in the model",
-                    fix="correct the dim name or drop the rule")
+                    bullets=[f"this model has no md.repeat: if '{dim}' means its layers, layers made by a "
+                             f"Python loop (one set of params per layer) have no dim to split"] if loop else None,
+                    rule="every rule's dim must be a dim of some tensor in the model"
+                         + ("; a layer dim, what a pipeline ('layer:stage') or a per-layer split splits, is "
+                            "the dim of an md.repeat" if loop else ""),
+                    fix="correct the dim name or drop the rule" + (
+                        f"; or, to pipeline the layers, stack each layer's params along a Dim('{dim}', L) "
+                        f"(fan_out=['{dim}', ...]) and run the block with "
+                        f"md.repeat(block, x, stacked_params, '{dim}')" if loop else ""))
             if scope and scope not in SCOPES and scope not in tensor_names:
                 raise self._err(
                     f"Layout rule scope '{scope}' is neither 'params' nor the name of a tensor (nor 'grads' or 'opt')."

@@ -355,7 +355,7 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
     accumulation's segments or the gradient buckets."""
     nodes = topo_nodes(list(outputs.values()))
     dims, names = _graph_dims(nodes)
-    layout.validate(mesh, dims, names)
+    layout.validate(mesh, dims, names, has_repeat=any(n.op.name == "repeat" for n in nodes))
     uneven = find_uneven(nodes, mesh, layout, bool(strict_splits), stage_layers)
     layout = implied_layout(nodes, mesh, layout)   # the splits reshapes carry over to new dims
     spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule, stage_layers)

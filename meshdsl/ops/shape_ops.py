@@ -242,7 +242,8 @@ def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
     if len(spec.left) != len(x.shape):
         raise ShapeError(message(
             f"rearrange: the left side has {len(spec.left)} entries but {x!r} has {len(x.shape)} dims.",
-            source=pattern, span=None, rule="the left side lists the input's dims in order",
+            source=pattern, span=None,
+            rule="the left side names each of the input's dims once, in any order (a group splits one)",
             fix=f"start the pattern with '{' '.join(x.shape.names)} ->'"))
     part_sizes: dict[str, int] = {}
     fixed: set[str] = set()
@@ -267,7 +268,8 @@ def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
             if item.name != d.name:
                 raise ShapeError(message(
                     f"rearrange: left side names '{item.name}' where {x!r} has dim '{d.name}'.",
-                    source=pattern, span=item.span, rule="the left side lists the input's dims in order",
+                    source=pattern, span=item.span,
+                    rule="the left side names each of the input's dims once, in any order (a group splits one)",
                     fix=f"write '{d.name}' there"))
             part_sizes[d.name] = d.size
             left_tokens.append(d.name)

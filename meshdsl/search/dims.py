@@ -16,7 +16,8 @@ the dims inside ``repeat`` blocks), none by its name alone:
 
 Per axis size the best :data:`MODEL_KEEP` dims, :data:`PAIR_KEEP` pairs (that
 estimate no worse than those dims alone) and :data:`FSDP_KEEP` param dims are kept,
-with the seeds (the families known to work: DP, Megatron on ``heads`` and ``d_ff``,
+with the seeds (the families known to work: DP, Megatron on ``heads`` and ``d_ff`` (in a model
+with other names, the two dims a weight's matmul makes and another contracts: :func:`megatron_dims`),
 FSDP on ``d_model``, ``seq``, ``experts``, the pipeline) and the dims the caller
 names (``split_dims``, and their pairs); the others are pruned by cost, and a dim in
 ``no_split`` is never split.  A dim the axis does not divide is split unevenly
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from ..errors import LayoutError, did_you_mean, message
 from ..lowering.schedule_gen import parse_schedule
 from .calibrate import Calibration
-from .estimate import Estimate, Profile, estimate, profile
+from .estimate import NO_WORK, Estimate, Profile, estimate, profile
 
 MICROBATCHES = (2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b", "zbh1")
@@ -102,6 +103,9 @@ class Splits:
         self.param_bytes = param_bytes   # dim -> bytes of the params that hold it
         self.total_param_bytes = max(1, total_param_bytes)
         self._memo: dict = {}
+        #: the Megatron pair: ``heads`` and ``d_ff`` where the model has them, else the pair
+        #: found in its forward graph (:func:`megatron_dims`, set by ``of``)
+        self.megatron: tuple[str, ...] = MEGATRON
 
     @classmethod
     def of(cls, model, outputs, cal: Calibration, job: int, stateful: bool,
@@ -121,7 +125,10 @@ class Splits:
         for names, nbytes in sizes:
             for d in names:
                 param_bytes[d] = param_bytes.get(d, 0) + nbytes
-        return cls(prof, param_bytes, sum(b for _, b in sizes), cal, job, stateful, split_dims, no_split, strict)
+        made = cls(prof, param_bytes, sum(b for _, b in sizes), cal, job, stateful, split_dims, no_split, strict)
+        if not all(d in prof.dims for d in MEGATRON):   # the usual names: as before; any others: the graph's
+            made.megatron = megatron_dims(model.loss, param_bytes, prof)
+        return made
 
     def estimate(self, split: tuple[str, ...], k: int) -> Estimate:
         key = ("est", split, k)
@@ -220,13 +227,14 @@ class Splits:
         singles = [d for d in self.dims if self._eligible(d) and d not in reserved]
         kept, bar, scored, cut, tail = self._singles(singles, k)
         head: list[tuple[Option, Verdict]] = []
-        if all(self._eligible(d) for d in MEGATRON):
-            rules, split = "; ".join(f"{d}:model" for d in MEGATRON), "+".join(MEGATRON)
-            fits = all(self._divides(d, k) for d in MEGATRON)
-            uneven = "; ".join(filter(None, (self.uneven(d, k) for d in MEGATRON))) if fits else ""
+        pair = self.megatron
+        if len(pair) == 2 and all(self._eligible(d) for d in pair):
+            rules, split = "; ".join(f"{d}:model" for d in pair), "+".join(pair)
+            fits = all(self._divides(d, k) for d in pair)
+            uneven = "; ".join(filter(None, (self.uneven(d, k) for d in pair))) if fits else ""
             why = "seed: Megatron" + (f", {uneven}" if uneven else "") + \
-                (f", {self.estimate(MEGATRON, k).describe()}" if fits else
-                 ", " + "; ".join(self._indivisible(d, k) for d in MEGATRON if not self._divides(d, k)))
+                (f", {self.estimate(pair, k).describe()}" if fits else
+                 ", " + "; ".join(self._indivisible(d, k) for d in pair if not self._divides(d, k)))
             head.append((Option(rules, "TP(megatron)", split), Verdict("model", k, split, True, why, rules)))
         conflicts = self._pairs(kept, k, bar, scored, cut)
         scored.sort(key=lambda s: (s[0], s[1].rules))
@@ -267,7 +275,7 @@ class Splits:
         is at most ``bar`` (a pair must compete with the dims kept alone).  Returns the conflicts."""
         pairs, conflicts = [], []
         for a, b in itertools.combinations(kept, 2):
-            if {a, b} == set(MEGATRON):
+            if {a, b} == set(self.megatron):
                 continue
             where = self.prof.together(a, b)
             if where is not None:
@@ -310,6 +318,58 @@ class Splits:
                             opts.append(Option(f"{layer}:pipe", f"PP({tag}m={m},{sched})", layer, m, sched))
             self._memo[key] = opts, verdicts
         return self._memo[key]
+
+
+def megatron_dims(loss, param_bytes: dict[str, int], prof: Profile) -> tuple[str, ...]:
+    """The dims a Megatron split takes, found in the forward graph of ``loss``, not by name.
+
+    A dim qualifies when a matmul makes it from a weight (an operand with no batch dim: the
+    column-parallel matmul, q's heads, the MLP's hidden units) and a matmul contracts it with a
+    weight (the row-parallel one), and no other op keeps it whole or reduces over it (a norm,
+    a softmax, the loss, an attention's feature dim, a product of two activations): split, it
+    then costs one partial sum at its contraction.  Of those, the two holding the most param
+    bytes that no tensor holds together (``heads`` and ``d_ff`` in a transformer, whatever
+    their names), or ``()`` with fewer than two.
+    """
+    from ..core.graph import topo_nodes
+    from .predict import MATMUL_OPS
+    batch = set(prof.batch_like)
+    made, contracted, blocked = set(), set(), set()
+
+    def walk(nodes) -> None:
+        for n in nodes:
+            subs = n.op.subgraphs(n)
+            if subs:
+                for graph, _ in subs:
+                    walk(graph.nodes)
+                continue
+            ins = [set(t.shape.names) for t in n.inputs]
+            out = set().union(*(t.shape.names for t in n.outputs)) if n.outputs else set()
+            if n.op.name in MATMUL_OPS and len(ins) == 2:
+                weights = [d for d in ins if not d & batch]
+                acts = [d for d in ins if d & batch]
+                if len(weights) == 1 and len(acts) == 1:
+                    made.update((weights[0] & out) - acts[0])
+                    contracted.update((weights[0] & acts[0]) - out)
+                else:   # two activations (q . k) or two weights: a dim contracted there is summed whole
+                    blocked.update((ins[0] & ins[1]) - out)
+                continue
+            if n.op.name in NO_WORK:
+                continue
+            spec = n.op.spec(n)
+            blocked.update(spec.fixed, spec.reduce)
+
+    walk(topo_nodes([loss]))
+    reserved = {LAYER, *prof.layer_dims, *batch}
+    found = sorted((d for d in param_bytes if d in made & contracted and d not in blocked | reserved),
+                   key=lambda d: (-param_bytes[d], d))
+    pair: list[str] = []
+    for d in found:
+        if all(prof.together(d, other) is None for other in pair):
+            pair.append(d)
+        if len(pair) == 2:
+            break
+    return tuple(pair) if len(pair) == 2 else ()
 
 
 def virtual_schedules(layers: int, k: int, m: int) -> tuple[str, ...]:
