@@ -6,6 +6,10 @@ neighbour and nothing else, on meshes of 2 and 4 ranks, and gives the dense prog
 forward values and gradients.  Exact bytes: a halo of ``r`` rows of ``[batch, rows,
 channels]`` fp32 is ``r * channels * batch * 4`` bytes per message.
 
+An unevenly split dim (16 over 3: blocks 6, 5, 5) trades halos as well: each rank's output
+block is cut from the output's length as ``torch.tensor_split`` cuts it, and reads its window
+from its own input block and its neighbours'.
+
 Legend: batch 2, seq 16, channels 3 (c_in and c_out), 5 taps.
 """
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import meshdsl as md
 from meshdsl.comm.distributed import TorchComm
 from meshdsl.processes.launcher import spawn
-from meshdsl.lowering.halo import Reach
+from meshdsl.lowering.halo import Reach, cut_by
 from meshdsl.tools.report import plan_report
 from meshdsl.train.jobs import check_job
 
@@ -132,6 +136,38 @@ def test_reach_widths(reach, n, p, want):
     assert reach.widths(n, p) == want
 
 
+@pytest.mark.parametrize("reach, n, mesh, want", [
+    (Reach(2, 16, 4), 16, "data:3", (2, 2)),                 # same conv, 5 taps, blocks 6, 5, 5
+    (Reach(1, 16), 16, "data:3", (1, 0)),                    # shift by 1
+    (Reach(-2, 16, wrap=True), 16, "data:3", (0, 2)),        # roll by -2
+    (Reach(4, 16, 4), 16, "data:7", None),                   # 4 rows from a neighbour of 2
+    (Reach(0, 12, 4), 16, "data:3", (3, 2)),                 # valid conv: outputs 4, 4, 4 over 6, 5, 5
+    (Reach(2, 18), 16, "data:3", (2, 0)),                    # pad 2 before: outputs 6, 6, 6 over 6, 5, 5
+    (Reach(0, 2), 16, "data:3", None),                       # fewer output rows than ranks
+])
+def test_reach_widths_over_uneven_blocks(reach, n, mesh, want):
+    m = md.Mesh.parse(mesh)
+    assert reach.widths(n, m.axis_size(("data",)), cut_by(m, ("data",))) == want
+
+
+@pytest.mark.parametrize("form, mesh, layout", [
+    *((f, "data:3", "seq:data") for f in FORMS),
+    # blocks of 2 and 3 rows: the pad form's slices of the padded 20 rows (4, 3, 3, 4, 3, 3
+    # per rank) reach past a neighbour there, so only the op and the shifts
+    *((f, "a:2; b:3", "seq:(a,b)") for f in ("op", "shift")),
+])
+def test_an_uneven_split_trades_halos_too(form, mesh, layout):
+    """seq 16 over 3 (6, 5, 5) or over 2 x 3 (3, 3, 2, 3, 3, 2): a 'same' conv (as the op, as
+    shifts, or as a pad read by slices of other lengths, each output block cut as
+    tensor_split cuts its own length) trades 2 rows a side, forward and backward."""
+    with md.Graph():
+        outs, feeds, params = _layer(form)
+        plan = md.compile(outs, mesh, layout, bucket_mb=0)
+        assert {k for k, _, _ in _coll(plan)} == {"permute", "allreduce"}, _coll(plan)
+        assert _coll(plan)[:2] == [("permute", 1, 2 * ROW), ("permute", -1, 2 * ROW)]
+        _check_dense(plan, outs, feeds, params)
+
+
 def test_a_window_beyond_the_neighbours_gathers_and_says_so():
     with md.Graph():
         x = md.input("x", [md.Dim("batch", BATCH), md.Dim("seq", SEQ)])
@@ -141,6 +177,29 @@ def test_a_window_beyond_the_neighbours_gathers_and_says_so():
     assert any("no exchange with the neighbours" in n for n in plan.notes)
     feed = torch.randn(BATCH, SEQ, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(md.run_simulated(plan, {"x": feed})["y"], feed[:, :8], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh", ["data:4", "data:3"])
+def test_a_few_rows_sliced_to_a_whole_output_are_summed_not_gathered(mesh):
+    """Rows [5:7) of seq 16 split 4 or 3 ways (6, 5, 5: they straddle ranks 0 and 1), wanted
+    whole (a [CLS] row under seq:model): each rank places what it holds, a partial sum reduced
+    after the linear einsum, so the sequence is never gathered; exact (one term is not zero)."""
+    with md.Graph():
+        x = md.input("x", [md.Dim("batch", BATCH), md.Dim("seq", SEQ), md.Dim("c_in", CH)])
+        w = md.param("w", [md.Dim("c_in", CH), md.Dim("c_out", 4)], scale=1.0)
+        rows = md.slice_(x, "seq", 5, 7)
+        y = md.einsum("batch seq c_in, c_in c_out -> batch seq c_out", rows, w)
+        loss = md.reduce_sum(md.tanh(y))
+        outs = {"y": y, "loss": loss, **md.grad(loss, {"gx": x, "gw": w})}
+        plan = md.compile(outs, mesh, "seq:data")
+    kinds = {k for k, _, _ in _coll(plan)}
+    assert "allgather" not in kinds and "allreduce" in kinds, _coll(plan)
+    assert any("summed from the ranks that hold them" in n for n in plan.notes), plan.notes
+    feeds = {"x": torch.randn(BATCH, SEQ, CH, generator=torch.Generator().manual_seed(4))}
+    got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
+    for k in want:
+        # the slice is exact; y, the loss and the gradients sum the same terms (fp32 rounding)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_the_cost_model_gathers_when_the_output_is_wanted_whole():

@@ -11,3 +11,4 @@ from . import reshape  # noqa: F401  (reshape's and rearrange's rule: splits kep
 from . import xent  # noqa: F401  (cross_entropy's rule: fused, or composite when the class dim is split)
 from . import softmax  # noqa: F401  (softmax's rule: fused, or composite when its dim arrives split)
 from . import attention  # noqa: F401  (attention's rule: fused, or composite when its keys arrive split)
+from . import concat  # noqa: F401  (concat's rule: torch.cat, or a sum of pads when its dim arrives split)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..layout.sharding import Sharding
 from ..ops.conv import conv_valid, weight_grad_valid
-from .halo import Reach, extend, reads, take_window, window_attrs
+from .halo import Reach, cut_by, extend, reads, take_window, window_attrs
 from .relayout import keep_microbatches
 from .rules import lowering
 
@@ -65,7 +65,8 @@ def _halos(lw, node, xv, split: dict):
     mesh, x = lw.mesh, node.inputs[0]
     for d, *_ in node.attrs["spatial"]:
         axes = split.get(d, ())
-        if axes and conv_reach(node, 0, d).widths(x.shape.get(d).size, mesh.axis_size(axes)) is None:
+        n = x.shape.get(d).size
+        if axes and conv_reach(node, 0, d).widths(n, mesh.axis_size(axes), cut_by(mesh, axes)) is None:
             lw.note(f"{node.name}: no exchange with the neighbours gives the taps' window on '{d}'; "
                     "the dim is gathered")
             del split[d]
@@ -74,9 +75,10 @@ def _halos(lw, node, xv, split: dict):
     for d, *_ in node.attrs["spatial"]:
         reach, n, p = conv_reach(node, 0, d), x.shape.get(d).size, mesh.axis_size(split.get(d, ()))
         hl = 0
+        cut = cut_by(mesh, split.get(d, ()))
         if p > 1:
-            hl, xv = extend(lw, node, x, xv, d, reach, reach.widths(n, p))
-        windows.append(window_attrs(reach, d, x.shape.index(d), n, p, hl))
+            hl, xv = extend(lw, node, x, xv, d, reach, reach.widths(n, p, cut))
+        windows.append(window_attrs(reach, d, x.shape.index(d), n, p, hl, cut))
     return xv, tuple(windows)
 
 

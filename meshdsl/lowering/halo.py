@@ -17,8 +17,11 @@ them needs (the taps of a convolution written as shifts: one strip per neighbour
 one per tap).  A ``pad`` whose every reader is a ``slice``, ``pad`` or ``shift`` along the
 same dim is not materialised: its readers reach through it into its input (*virtual*
 pads), so the "same" convolution written as ``pad`` then ``slice``\\ s keeps the input's
-split and moves only the halo.  Where no exchange with the neighbours reaches (a window
-beyond the next rank, an output size the axes do not divide), the reader gathers the dim.
+split and moves only the halo.  An unevenly split dim (blocks as ``torch.tensor_split``
+cuts, :func:`halo_parts`) trades halos the same way: each rank's output block, cut from the
+output's length likewise, reads its window from its own source block and its neighbours'.
+Where no exchange with the neighbours reaches (a window beyond the next rank, fewer output
+rows than ranks), the reader gathers the dim.
 """
 from __future__ import annotations
 
@@ -43,22 +46,30 @@ class Reach:
     fill: float = 0.0
     wrap: bool = False
 
-    def widths(self, n: int, p: int) -> tuple[int, int] | None:
+    def widths(self, n: int, p: int, cut=None) -> tuple[int, int] | None:
         """``(hl, hr)``: the rows each rank needs from its left and right neighbours, the source
-        dim (size ``n``) and the output split in ``p`` blocks; None when the output size is no
-        multiple of ``p`` or some rank reads beyond its neighbours."""
-        if self.m % p or n % p:
-            return None
+        dim (size ``n``) and the output split in ``p`` blocks; None when some rank reads beyond
+        its neighbours.  A size ``p`` does not divide is cut into unequal blocks by ``cut``
+        (size -> ((offset, length), ...) in the neighbours' order, :func:`halo_parts`); without
+        it such a split has no halo (None)."""
+        if n % p or self.m % p:
+            return self._block_widths(n, cut(n), cut(self.m)) if cut and self.m >= p else None
         nb, mb = n // p, self.m // p
+        return self._block_widths(n, [(r * nb, nb) for r in range(p)], [(r * mb, mb) for r in range(p)])
+
+    def _block_widths(self, n: int, parts, out_parts) -> tuple[int, int] | None:
+        """:meth:`widths` over source blocks ``parts`` and output blocks ``out_parts``
+        ((offset, length) each, in the neighbours' order)."""
         hl = hr = 0
-        for r in range(p):
-            lo, hi = r * mb - self.s, (r + 1) * mb - self.s + self.e
+        for (off, ln), (o_off, o_ln) in zip(parts, out_parts):
+            lo, hi = o_off - self.s, o_off + o_ln - self.s + self.e
             if not self.wrap:
                 lo, hi = max(lo, 0), min(hi, n)
                 if lo >= hi:
                     continue
-            hl, hr = max(hl, r * nb - lo), max(hr, hi - (r + 1) * nb)
-        return (hl, hr) if hl <= nb and hr <= nb else None
+            hl, hr = max(hl, off - lo), max(hr, hi - off - ln)
+        shortest = min(ln for _, ln in parts)   # every rank sends its own last hl (first hr) rows
+        return (hl, hr) if hl <= shortest and hr <= shortest else None
 
     def through_pad(self, before: int, fill: float) -> "Reach":
         """This reach, read through a pad of ``before`` positions of ``fill``: over the pad's input."""
@@ -91,6 +102,25 @@ def window_reach(node, slot: int, dim: str) -> Reach | None:
     if node.op.name == "slice":
         return Reach(-a["start"], a["stop"] - a["start"])
     return Reach(a["offset"], n, wrap=a["wrap"])
+
+
+def cut_by(mesh, axes):
+    """``size -> halo_parts(size, mesh, axes)``: the ``cut`` of :meth:`Reach.widths`."""
+    return lambda size: halo_parts(size, mesh, axes)
+
+
+def halo_parts(n: int, mesh, axes) -> tuple[tuple[int, int], ...]:
+    """``(offset, length)`` of each block of a dim of ``n`` split over ``axes``, in the order
+    of the neighbours a halo permute trades with (each axis, major first, cuts as
+    :func:`~meshdsl.layout.sharding.chunk` does)."""
+    parts = [(0, n)]
+    for a in axes:
+        k, cut = mesh.sizes[a], []
+        for off, ln in parts:
+            q, r = divmod(ln, k)
+            cut += [(off + i * q + min(i, r), q + (i < r)) for i in range(k)]
+        parts = cut
+    return tuple(parts)
 
 
 # ----------------------------------------------------------------------------- readers and virtual pads
@@ -193,13 +223,14 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
     hit = lw.memo.get(key)
     if hit is not None and hit[0] >= widths[0] and hit[1] >= widths[1]:
         return hit[0], hit[2]
-    group = [w for w in (r.widths(t.shape.get(dim).size, p) for r in _reaches(lw, t, dim)
+    n = t.shape.get(dim).size
+    group = [w for w in (r.widths(n, p, cut_by(mesh, axes)) for r in _reaches(lw, t, dim)
                          if r.wrap == reach.wrap) if w is not None]
     hl = max([widths[0]] + [w[0] for w in group])
     hr = max([widths[1]] + [w[1] for w in group])
     if not hl and not hr:
         return 0, vid
-    pos, nb = v.shape.index(dim), v.shape.get(dim).size // p
+    pos = v.shape.index(dim)
     sizes = {d.name: d.size for d in v.shape}
     shared = f", shared by {len(group)} readers" if len(group) > 1 else ""
     got = []
@@ -215,7 +246,8 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
         lw.emit("permute", node, [strip], [got[-1]], axes, args={"offset": offset, "wrap": reach.wrap},
                 nbytes=lw.values[strip].local_bytes(mesh),
                 note=f"halo: {width} '{dim}' row{'s' if width > 1 else ''} from the {side} neighbour{shared}")
-    ext = lw.new_value(_resized(v.shape, dim, (nb + hl + hr) * p), v.dtype, sh)
+    # each block grows by hl + hr rows: cut as chunk cuts, n + p (hl + hr) has exactly those parts
+    ext = lw.new_value(_resized(v.shape, dim, v.shape.get(dim).size + (hl + hr) * p), v.dtype, sh)
     lw.emit("local", node, [vid] + got, [ext], args={"fn": _glue, "attrs": {"pos": pos, "hl": hl, "hr": hr},
                                                      "compute": sh.split, "sizes": sizes})
     lw.memo[key] = (hl, hr, ext)
@@ -224,19 +256,30 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
 
 # ----------------------------------------------------------------------------- the local window
 
-def window_attrs(reach: Reach, dim: str, pos: int, n: int, p: int, hl: int) -> dict:
+def window_attrs(reach: Reach, dim: str, pos: int, n: int, p: int, hl: int, cut=None) -> dict:
     """What :func:`take_window` needs: the reach, the source dim (size ``n``, ``p`` blocks, at
-    ``pos``) and the rows ``hl`` glued before the block (0 when the dim is whole)."""
-    return {"dim": dim, "pos": pos, "n": n, "p": p, "s": reach.s, "m": reach.m, "e": reach.e,
-            "fill": reach.fill, "wrap": reach.wrap, "hl": hl}
+    ``pos``) and the rows ``hl`` glued before the block (0 when the dim is whole); for an
+    unequal split of a window that changes the length, each source block's output block
+    (``blocks``: (source offset, output offset, output length), from ``cut``)."""
+    w = {"dim": dim, "pos": pos, "n": n, "p": p, "s": reach.s, "m": reach.m, "e": reach.e,
+         "fill": reach.fill, "wrap": reach.wrap, "hl": hl}
+    if p > 1 and reach.m != n and (n % p or reach.m % p):
+        w["blocks"] = tuple((o, oo, ol) for (o, _), (oo, ol) in zip(cut(n), cut(reach.m)))
+    return w
 
 
 def take_window(ctx, w: dict, ext):
     """This rank's window of the source along ``w["dim"]``, from its (extended) block ``ext``."""
-    nb, mb = w["n"] // w["p"], w["m"] // w["p"]
-    r = ctx.offset(w["dim"]) // nb
-    lo = r * mb - w["s"]
-    return take(ext, w["pos"], r * nb - w["hl"], lo, lo + mb + w["e"], w["n"], w["fill"], w["wrap"])
+    off = ctx.offset(w["dim"])
+    if "blocks" in w:      # unequal blocks: this rank's output block, by its source block's offset
+        o_off, o_len = next((oo, ol) for o, oo, ol in w["blocks"] if o == off)
+    elif w["m"] == w["n"]:   # the output block is the source block, even or not
+        o_off, o_len = off, ctx.size(w["dim"], w["n"])
+    else:
+        nb, mb = w["n"] // w["p"], w["m"] // w["p"]
+        o_off, o_len = off // nb * mb, mb
+    lo = o_off - w["s"]
+    return take(ext, w["pos"], off - w["hl"], lo, lo + o_len + w["e"], w["n"], w["fill"], w["wrap"])
 
 
 def take(ext, pos: int, start: int, lo: int, hi: int, n: int, fill: float, wrap: bool):

@@ -294,7 +294,10 @@ def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
             fix="compute what the op reads outside the block (a lookup into a table read from outside: before "
                 "the repeat) and read the result in the block; a statistic of the whole batch that the layer "
                 "multiplies (a load-balancing loss's per-expert fractions and mean probabilities) per sequence "
-                "instead, averaged over the batch last, so the micro-batches add up; or use microbatches=1"))
+                "instead, averaged over the batch last, so the micro-batches add up; a normalisation by "
+                "statistics of the whole batch (a batch norm's mean and variance over 'batch') has no "
+                "micro-batched form with the dense numbers: normalise each example (layer_norm over its own "
+                "dims) or use microbatches=1"))
 
 
 def _lower_values(sub: Lowerer, tensors) -> None:

@@ -219,7 +219,10 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1) -> Tensor:
       x: ``[batch..., spatial..., c_in]`` in any order; every dim that is neither spatial nor
         shared with ``w`` is a batch dim.
       w: ``[tap..., c_in, c_out]`` in any order: one tap dim per spatial dim, the channel dim
-        it shares with ``x`` (summed), and the output channel dim, which ``x`` lacks.
+        it shares with ``x`` (summed), and the output channel dim, which ``x`` lacks. A
+        depthwise conv (one filter per channel, ConvNeXt's, a Conformer's) has ``w [tap...,
+        c_in]``: no output channel dim, ``c_in`` not summed but kept (or several dims of ``x``,
+        ``w [tap, experts, c_in]``: one filter per expert and channel).
       taps: spatial dim of ``x`` -> its tap dim of ``w``: ``{"seq": "tap"}``, or
         ``{"height": "kh", "width": "kw"}`` for two.
       padding: ``"same"`` (the output as long as the input; ``(taps - 1) // 2`` zeros before),
@@ -236,7 +239,10 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1) -> Tensor:
     Returns:
       ``x``'s dims in ``x``'s order, ``c_out`` in ``c_in``'s place:
       ``out[.., i, co] = sum over t, ci of x[.., stride * i + t - before, ci] * w[t, ci, co]``
-      (zero outside ``x``).
+      (zero outside ``x``); depthwise, ``out[.., i, c] = sum over t of x[.., stride * i + t -
+      before, c] * w[t, c]``, built as the sum over the taps of ``md.shift``-ed copies of ``x``
+      (``pad`` and ``slice_`` where the output is shorter) times that tap's filter, so a split
+      spatial dim trades one halo per tap.
 
     Raises:
       ShapeError: a spatial or tap dim that is missing, more than two spatial dims, channel
@@ -251,31 +257,7 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1) -> Tensor:
         y = md.conv(x, w, {"seq": "tap"}, padding="same")   # x [batch, seq, c_in], w [tap, c_in, c_out]
     """
     what = f"conv(x {x.shape}, w {w.shape}, taps={taps!r})"
-    if not isinstance(taps, dict) or not 1 <= len(taps) <= len(_CONV):
-        raise ShapeError(message(f"{what}: taps must map one or two spatial dims of x to tap dims of w.",
-                                 rule="taps is a dict spatial dim -> tap dim", fix="pass e.g. {'seq': 'tap'}"))
-    bad = [f"spatial dim '{d}' is not a dim of x" for d in taps if d not in x.shape]
-    bad += [f"tap dim '{t}' is not a dim of w" for t in taps.values() if t not in w.shape]
-    bad += [f"tap dim '{t}' is also a dim of x" for t in taps.values() if t in x.shape]
-    channels = [d for d in w.shape.names if d not in taps.values()]
-    shared, new = [d for d in channels if d in x.shape], [d for d in channels if d not in x.shape]
-    if not bad and (len(shared), len(new)) != (1, 1):
-        bad.append(f"w's dims besides the taps, {channels}, are not one channel dim x has (c_in) and one it "
-                   f"lacks (c_out)")
-    if not bad and shared[0] in taps:
-        bad.append(f"'{shared[0]}' is a spatial dim of x, not a channel dim")
-    if not bad and x.shape.get(shared[0]).size != w.shape.get(shared[0]).size:
-        bad.append(f"'{shared[0]}' has size {x.shape.get(shared[0]).size} in x and "
-                   f"{w.shape.get(shared[0]).size} in w")
-    if isinstance(padding, dict):
-        bad += [f"padding names '{d}', which is not a spatial dim" for d in padding if d not in taps]
-    if x.dtype != w.dtype:
-        bad.append(f"x is {x.dtype} and w is {w.dtype}")
-    if bad:
-        raise ShapeError(message(f"{what}: cannot convolve.", bullets=bad,
-                                 rule="w holds one tap dim per spatial dim of x, the channel dim of x it sums "
-                                      "(c_in) and one output channel dim (c_out); x and w share a dtype",
-                                 fix="e.g. x [batch, seq, c_in], w [tap, c_in, c_out] and taps={'seq': 'tap'}"))
+    shared, new = _channels(x, w, taps, padding, what)
     spatial = []
     for d in (n for n in x.shape.names if n in taps):
         k = w.shape.get(taps[d]).size
@@ -288,8 +270,65 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1) -> Tensor:
     strides = _strides(stride, [d for d, *_ in spatial], what)
     if any(v > 1 for v in strides.values()):
         return _strided(x, w, spatial, strides)
+    if not new:
+        return _depthwise(x, w, spatial)
     return apply("conv", [x, w], {"spatial": tuple(spatial), "in_dim": shared[0], "out_dim": new[0],
                                   "flip": False})
+
+
+def _depthwise(x: Tensor, w: Tensor, spatial: list) -> Tensor:
+    """A depthwise stride-1 conv (``w [tap..., c]``, see :func:`conv`): per tap (a product of
+    taps over two spatial dims), ``x`` moved to the tap's offset times the tap's filter, summed.
+    Where the output is as long as ``x`` the move is a ``shift`` (zeros come in where the
+    padding is), else ``x`` padded and sliced."""
+    from .elementwise import add, mul
+    from .scan import squeeze
+    from .slicing import pad, shift, slice_
+
+    out = None
+    for offsets in itertools.product(*(range(k) for _, _, k, _, _ in spatial)):
+        term, wt = x, w
+        for (d, tap, k, before, after), t in zip(spatial, offsets):
+            wt = squeeze(slice_(wt, tap, t, t + 1), tap)
+            if before + after == k - 1:        # y[i] = x[i + t - before]
+                term = shift(term, d, before - t) if t != before else term
+            else:
+                n_out = x.shape.get(d).size + before + after - k + 1
+                term = slice_(pad(term, d, before, after), d, t, t + n_out)
+        term = mul(term, wt)
+        out = term if out is None else add(out, term)
+    return out
+
+
+def _channels(x: Tensor, w: Tensor, taps, padding, what: str) -> tuple[list[str], list[str]]:
+    """The channel dims of ``w`` that ``x`` has (c_in) and lacks (c_out, none for a depthwise
+    conv), after checking the call (see :func:`conv`'s Raises)."""
+    if not isinstance(taps, dict) or not 1 <= len(taps) <= len(_CONV):
+        raise ShapeError(message(f"{what}: taps must map one or two spatial dims of x to tap dims of w.",
+                                 rule="taps is a dict spatial dim -> tap dim", fix="pass e.g. {'seq': 'tap'}"))
+    bad = [f"spatial dim '{d}' is not a dim of x" for d in taps if d not in x.shape]
+    bad += [f"tap dim '{t}' is not a dim of w" for t in taps.values() if t not in w.shape]
+    bad += [f"tap dim '{t}' is also a dim of x" for t in taps.values() if t in x.shape]
+    channels = [d for d in w.shape.names if d not in taps.values()]
+    shared, new = [d for d in channels if d in x.shape], [d for d in channels if d not in x.shape]
+    if not bad and not (len(shared), len(new)) == (1, 1) and not (shared and not new):
+        bad.append(f"w's dims besides the taps, {channels}, are not one channel dim x has (c_in) and one it "
+                   f"lacks (c_out), or only dims x has (a depthwise conv)")
+    bad += [f"'{d}' is a spatial dim of x, not a channel dim" for d in shared if not bad and d in taps]
+    bad += [f"'{d}' has size {x.shape.get(d).size} in x and {w.shape.get(d).size} in w"
+            for d in shared if not bad and x.shape.get(d).size != w.shape.get(d).size]
+    if isinstance(padding, dict):
+        bad += [f"padding names '{d}', which is not a spatial dim" for d in padding if d not in taps]
+    if x.dtype != w.dtype:
+        bad.append(f"x is {x.dtype} and w is {w.dtype}")
+    if bad:
+        raise ShapeError(message(f"{what}: cannot convolve.", bullets=bad,
+                                 rule="w holds one tap dim per spatial dim of x, the channel dim of x it sums "
+                                      "(c_in) and one output channel dim (c_out), or for a depthwise conv only "
+                                      "the channel dim of x; x and w share a dtype",
+                                 fix="e.g. x [batch, seq, c_in], w [tap, c_in, c_out] and taps={'seq': 'tap'}; "
+                                     "depthwise: w [tap, c_in]"))
+    return shared, new
 
 
 def _strides(stride, dims: list[str], what: str) -> dict[str, int]:

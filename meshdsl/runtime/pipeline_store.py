@@ -60,12 +60,11 @@ class OneRankEnv(ViewEnv):
         if isinstance(xs, Pending):
             xs = xs.wait()
         x = xs[0]
-        if x is not None:
-            slot = self.store.get(vid)
-            if slot is None:
-                self.store[vid] = {self.rank: x}
-            else:
-                slot[self.rank] = x
+        slot = self.store.get(vid)
+        if slot is None:   # a None (a halo's permute at the end of a dim) leaves an empty slot, as ViewEnv
+            self.store[vid] = {} if x is None else {self.rank: x}
+        elif x is not None:
+            slot[self.rank] = x
 
     def get(self, vid):
         return [self.store[vid].get(self.rank)]
