@@ -33,6 +33,11 @@ def mlp():
     return SimpleNamespace(g=g, x=x, ids=ids, w1=w1, w2=w2, h=h, y=y, loss=loss)
 
 
+def _adamw_outputs(m):
+    from meshdsl.train.step import optimizer_outputs
+    return optimizer_outputs(m.loss, {"w1": m.w1, "w2": m.w2}, md.AdamW(), clip=False)
+
+
 def repeat_model(block=None, params=None):
     l, d, f = md.Dim("layer", 2), md.Dim("d_model", 4), md.Dim("d_ff", 8)
     with md.Graph():
@@ -95,6 +100,9 @@ CASES = [
      ["Tensor 'slice'", "dim 'batch' of size 3", "not divisible"]),
     ("param_two_dims_one_axis", lambda: md.compile(mlp().loss, MESH, "d_model:data; d_ff:data"), LayoutError,
      ["Tensor 'w1'", "mesh axis 'data' is used by dims ['d_model', 'd_ff']", "w1.d_ff:OTHER_AXIS", "Rule:"]),
+    ("opt_state_two_dims_one_axis",   # the example scope is one a rule can name (not 'opt/w1/exp_avg')
+     lambda: md.compile(_adamw_outputs(mlp()), MESH, "d_ff:data; opt.d_model:data"), LayoutError,
+     ["Tensor 'opt/w1/exp_avg'", "mesh axis 'data' is used by dims ['d_model', 'd_ff']", "'w1.d_ff:OTHER_AXIS'"]),
     ("input_two_dims_one_axis", lambda: md.compile(mlp().loss, MESH, "x.batch:model; d_model:model"), LayoutError,
      ["Tensor 'x'", "mesh axis 'model' is used by dims"]),
     ("contradicting_rules", lambda: md.compile(mlp().loss, MESH, "batch:data; batch:model"), LayoutError,

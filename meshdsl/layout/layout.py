@@ -30,6 +30,13 @@ from .specs import Rule
 SCOPES = ("grads", "opt", "params")
 
 
+def _scoped_example(scopes: tuple[str, ...], dim: str) -> str:
+    """The fix's scoped-rule example for a tensor of ``scopes``: its first scope a layout rule can
+    name (an optimizer state's 'opt', not its internal name 'opt/w/exp_avg'), or nothing."""
+    scope = next((s for s in scopes if is_name(s)), None)
+    return f", or scope a rule to this tensor (e.g. '{scope}.{dim}:OTHER_AXIS')" if scope else ""
+
+
 class Layout:
     """An ordered set of layout rules.
 
@@ -260,8 +267,7 @@ class Layout:
                 f"Tensor '{what}' {shape}: mesh axis '{a}' is used by dims {ns}.",
                 wanted[ns[1]].span, inputs=[f"mesh: {mesh}", f"layout: {clip(str(self))}"],
                 rule="a mesh axis may split at most one dim of a tensor",
-                fix=f"map one of {ns} to another axis, or scope a rule to this tensor "
-                    f"(e.g. '{what}.{ns[1]}:OTHER_AXIS')")
+                fix=f"map one of {ns} to another axis" + _scoped_example(scopes, ns[1]))
         # Each contested axis goes to one of its contenders; a dim keeps only the
         # axes it won (dropping a dim's axis keeps its remaining ones in order).
         prio = {n: self._order[r.key] for n, r in wanted.items()}
