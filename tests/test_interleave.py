@@ -276,3 +276,22 @@ def test_bad_virtual_stages_exit_2(capsys, argv, words):
     assert rc == 2 and "Traceback" not in err, err
     for w in words:
         assert w in " ".join(err.split()), err
+
+
+def test_a_value_made_before_the_layers_and_read_after_them_is_named_in_the_refusal():
+    """A skip around the stack (here a per-example term of the loss made from the stack's input)
+    moves between stages besides the carry, which interleaved chunks do not do: the refusal names
+    the user's op that made it, not the transfer."""
+    b, d, e, layer = md.Dim("batch", 4), md.Dim("d", 4), md.Dim("e", 4), md.Dim("layer", 4)
+    with md.Graph():
+        x = md.input("x", [b, d])
+        w0, w = md.param("w0", [d, e]), md.param("w", [layer, d, e])
+        h0 = md.rename(md.einsum("batch d, d e -> batch e", x, w0), e="d")
+        side = md.reduce_sum(h0 * h0, "d")
+        h = md.repeat(lambda c, p: c + md.tanh(md.rename(md.einsum("batch d, d e -> batch e", c, p["w"]), e="d")),
+                      h0, {"w": w}, "layer")
+        loss = md.reduce_mean(md.reduce_sum(h * h, "d") + side)
+    outs = {"loss": loss, **md.grad(loss, {"w": w, "w0": w0})}
+    with pytest.raises(md.LayoutError, match=r"(?s)'rename', made per micro-batch before the pipelined layers, "
+                                             r"is read after them.*--schedule 1f1b"):
+        md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2")

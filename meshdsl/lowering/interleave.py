@@ -145,7 +145,14 @@ def _unsupported(cut, lists, moves_ok: bool = False) -> str | None:
               and (len(st) > 1 or (s.kind in ("send", "recv") and not moves_ok))
               and not _closed_transfer(s, seg, closed, after_b)]
     if per_mb:
-        return f"'{per_mb[0].label}' runs on several stages or moves between them besides the carry"
+        s = per_mb[0]
+        if s.kind in ("send", "recv"):   # what the user wrote: a value made before the layers, read after
+            v = (s.ins or s.outs)[0]
+            made = next((t.label for pairs in lists.values() for t, _ in pairs
+                         if v in t.outs and t.kind not in ("send", "recv")), s.label)
+            return (f"'{made}', made per micro-batch before the pipelined layers, is read after them (a skip "
+                    "around the stack, or a loss term made from its input)")
+        return f"'{s.label}' runs on several stages or moves between them besides the carry"
     for F, B in blocks:
         why = _unsupported_block(cut, lists, F, B)
         if why is not None:
