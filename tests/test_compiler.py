@@ -76,3 +76,11 @@ def test_compile_refuses_a_switch_that_is_not_a_bool(kw, said):
         loss = md.reduce_mean(x * x)
     with pytest.raises(md.GraphError, match=re.escape(said)):
         md.compile({"loss": loss}, "data:2", "batch:data", **kw)
+
+
+def test_a_schedule_with_nothing_pipelined_is_noted():
+    """A schedule name only acts on a pipeline: without one the plan says it had no effect."""
+    loss = _model()
+    plan = md.compile(loss, "data:2", "batch:data", microbatches=2, schedule="1f1b")
+    assert any("schedule '1f1b' has no effect" in n for n in plan.notes), plan.notes
+    assert not any("schedule" in n for n in md.compile(loss, "data:2", "batch:data").notes)

@@ -367,6 +367,9 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
     for u in uneven:
         lw.note(u.note(mesh))
     lw.pipeline_axis = spec.axis if spec else None
+    if schedule != "gpipe" and (spec is None or spec.axis is None):
+        lw.note(f"schedule '{schedule}' has no effect: the layout pipelines no repeat "
+                "(a 'layer:<axis>' rule over an axis of size > 1 does)")
     outs = lower_into(lw, outputs)
     steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
     holders = {}
