@@ -29,6 +29,13 @@ cut into ``v`` chunks, as a pass on the segment lists:
   each chunk's backward makes its own part of its gradient, and each rank adds its chunks'
   after its first chunk's backward (the micro-batch's last there), before the stage sums
   travel down the stages as without virtual stages;
+* a value made per micro-batch before the layers and read after them (a skip around the stack,
+  a loss term made from its input, as a VAE's KL term) is sent, as without virtual stages, from
+  stage 0 (rank 0's first chunk) to rank p - 1, whose first chunk receives it; what reads it there
+  runs on its last chunk (the last logical stage) when it reads the layers' output too, else on
+  receipt.  The carry makes that receive wait no longer than rank p - 1's first chunk does, so the
+  schedule's order holds; its gradient travels as the cut has it (the final segment adds it to the
+  layers' input gradient, as under 1f1b);
 * per-layer outputs (``(carry, {name: tensor})``): each chunk makes its layers', joined on its
   rank (its chunks one after another) in the rank's last chunk, where the loss's terms of
   them run (at the rank's own layer count when the chunks are unequal, :mod:`.local_parts`);
@@ -40,8 +47,9 @@ unequal: virtual stage s runs ``n_s`` layers, so chunk c's step becomes one step
 slice of its local layers, and the stored blocks have the given lengths (``Sharding.blocks``).
 
 Refused, with the reason (:func:`check`): the layers' stacked inputs or saved activations read
-outside the repeat, other values moving between stages per micro-batch, and a stacked gradient
-read other than by its sum over the micro-batches (a reduce-scatter, FSDP's).
+outside the repeat, other steps run per micro-batch on several stages, a value a chunk would read
+before its rank holds it or that moves against the schedule's order (:func:`_out_of_order`), and a
+stacked gradient read other than by its sum over the micro-batches (a reduce-scatter, FSDP's).
 """
 from __future__ import annotations
 
@@ -52,7 +60,7 @@ import torch
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
 from ..layout.sharding import block_lengths
-from .pipeline_program import Segment, transfer_step
+from .pipeline_program import PER_MICROBATCH, Segment, transfer_step
 from .schedule_gen import user_name
 from .plan import Step, Value, step_args
 
@@ -113,17 +121,54 @@ class _Chunks:
 
 
 def check(cut, lists, v: int) -> None:
-    """Refuse what the interleaving pass cannot cut into chunks, with the reason."""
-    why = _unsupported(cut, lists)
+    """Refuse what the interleaving pass cannot cut into chunks, with the reason.  A value made per
+    micro-batch before the layers and read after them (a skip around the stack, a loss term made
+    from its input) moves from the first stage to the last as it does without virtual stages;
+    :func:`_out_of_order` checks the chunks' order of such moves."""
+    why = _unsupported(cut, lists, moves_ok=True)
     if why is not None:
-        spec = cut.spec
-        raise LayoutError(message(
-            f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why}.",
-            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: {user_name(spec.schedule)}",
-                    *([f"stage layers: {','.join(map(str, spec.stage_layers))}"] if spec.stage_layers else [])],
-            rule="virtual stages cut the pipelined layers into chunks that pass only the carry (and what the "
-                 "block reads from outside) between them",
-            fix="use one stage per rank (--schedule 1f1b or zbh1)"))
+        raise _refusal(cut, v, why)
+
+
+def _refusal(cut, v: int, why: str) -> LayoutError:
+    spec = cut.spec
+    return LayoutError(message(
+        f"compile (pipeline over '{spec.axis}', {v} virtual stages per rank): {why}.",
+        inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: {user_name(spec.schedule)}",
+                *([f"stage layers: {','.join(map(str, spec.stage_layers))}"] if spec.stage_layers else [])],
+        rule="virtual stages cut the pipelined layers into chunks that pass only the carry, what the block "
+             "reads from outside, and values made before the layers for after them between stages",
+        fix="use one stage per rank (--schedule 1f1b or zbh1)"))
+
+
+def _out_of_order(ch: _Chunks, lists: dict) -> str | None:
+    """Why the chunked per-micro-batch segments ``lists`` would read a value on a rank before the
+    rank holds it, or move one against the schedule's order, or None.
+
+    A rank runs a micro-batch's actions in the order F of its chunks 0 .. v-1, then B of chunks
+    v-1 .. 0, and the schedule orders F of logical stage s before F of s + 1 (B the other way).
+    So a value made (or received) in one action of a rank is read there in the same or a later
+    action, and a transfer goes up the stages in the forward and down them in the backward: a
+    value made before the layers and read after them is sent by logical stage 0 and received by
+    rank p - 1's first chunk, where its last chunk reads it; its gradient goes back down in the
+    backward, as without virtual stages."""
+    p, v = ch.p, ch.v
+    when = {Segment.FORWARD: lambda t: t // p, Segment.BACKWARD: lambda t: 2 * v - 1 - t // p}
+    made: dict = {}   # (value, rank) -> the rank's first action making it
+    for seg in PER_MICROBATCH:
+        for s, st in lists[seg]:
+            for t in st:
+                for x in s.outs:
+                    made[(x, t % p)] = min(made.get((x, t % p), 2 * v), when[seg](t))
+    for seg in PER_MICROBATCH:
+        up = 1 if seg == Segment.FORWARD else -1
+        for s, st in lists[seg]:
+            if s.kind in ("send", "recv") and not _is_carry(s) and s.args["offset"] * up < 0:
+                return f"'{s.label}' moves a value {'down' if up > 0 else 'up'} the stages in the {seg.name.lower()}"
+            late = [x for t in st for x in s.ins if made.get((x, t % p), -1) > when[seg](t)]
+            if late:
+                return f"'{s.label}' reads a value that its rank makes in a later chunk"
+    return None
 
 
 def _unsupported(cut, lists, moves_ok: bool = False) -> str | None:
@@ -230,6 +275,9 @@ def interleave(cut, lists: dict, v: int) -> dict:
            Segment.BACKWARD: _relabel(ch, lists[Segment.BACKWARD], B, bwd, last_after=False),
            Segment.FINAL: _gather_grads(ch, lists[Segment.FINAL], B, grads) if B is not None
            else list(lists[Segment.FINAL])}
+    why = _out_of_order(ch, out)
+    if why is not None:
+        raise _refusal(cut, v, why)
     return out
 
 

@@ -27,11 +27,11 @@ counts (``Sharding.blocks``, zeros where a virtual stage holds none of it).
 Per-layer outputs (``(carry, {name: tensor})``) are stored so too: what the loss makes of them
 (a sum or mean over the layers, elementwise ops on them) runs on each stage's own layers, its
 local steps at the stages' counts (:mod:`.local_parts`).  What :mod:`.interleave` refuses, this
-pass refuses too (other per-micro-batch values moving between stages besides the carry and what
-the block reads from outside, stacked gradients read other than by their sum over the
-micro-batches).  With virtual stages (``interleaved:v``) the counts are per virtual stage
-(``p * v``, checked by :func:`check_counts`) and :mod:`.interleave` cuts the chunks at them
-instead of this pass.
+pass refuses too (other steps run per micro-batch on several stages, stacked gradients read other
+than by their sum over the micro-batches); a value made per micro-batch before the layers and read
+after them (a skip around the stack) moves from the first stage to the last as with equal stages.
+With virtual stages (``interleaved:v``) the counts are per virtual stage (``p * v``, checked by
+:func:`check_counts`) and :mod:`.interleave` cuts the chunks at them instead of this pass.
 """
 from __future__ import annotations
 
@@ -57,13 +57,14 @@ def offsets(counts) -> list[int]:
 
 def check(cut, lists, counts) -> None:
     """Refuse what this pass cannot cut, with the reason."""
-    why = _unsupported(cut, lists)
+    why = _unsupported(cut, lists, moves_ok=True)   # a skip around the stack moves as with equal stages
     if why is not None:
         spec = cut.spec
         raise LayoutError(message(
             f"compile (pipeline over '{spec.axis}', stage layers {','.join(map(str, counts))}): {why}.",
             inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"],
-            rule="unequal stages run their layers where they are stored and pass only the carry between stages",
+            rule="unequal stages run their layers where they are stored and pass the carry, and what is made "
+                 "before the layers for after them, between stages",
             fix="leave out stage_layers (--stage-layers) for equal stages"))
 
 
