@@ -404,3 +404,15 @@ def assert_heldout_case_matches_dense(case) -> None:
         scale = top if k.startswith("grad/") else float(w.abs().max())
         torch.testing.assert_close(got[k], w, rtol=0, atol=1e-4 * scale,
                                    msg=lambda m, k=k: f"{heldout_case_id(case)}: {k}: {m}")
+
+
+def held_outputs_on_this_rank(comm, plan, feeds: dict) -> dict:
+    """``plan`` run on this process's ranks of ``comm`` (after every process is checked to hold the
+    same plan): each output this process holds, whole (a real-process case's result to compare)."""
+    from meshdsl.comm.microbatch import for_plan
+    from meshdsl.train.jobs import agree_plan
+    agree_plan(comm, plan)
+    ex = md.Executor(plan, for_plan(comm, plan))
+    res = ex.run(feeds)
+    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
+    return {k: v for k, v in full.items() if v is not None}

@@ -20,11 +20,9 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.comm.microbatch import for_plan
 from meshdsl.processes import launcher as launch
-from meshdsl.train.jobs import agree_plan
 
-from conftest import assert_heldout_case_matches_dense, assert_matches_scaled, heldout_outputs, run_cli
+from conftest import assert_heldout_case_matches_dense, assert_matches_scaled, heldout_outputs, run_cli, held_outputs_on_this_rank
 
 HERE = pathlib.Path(__file__).parent
 CHAIN, ELECTRA = str(HERE / "heldout_chain.py"), str(HERE / "heldout_electra.py")
@@ -138,11 +136,7 @@ def _on_two_processes(comm):
     torch.set_num_threads(1)
     m = md.load_model(CHAIN, tiny=True)
     plan = md.compile(heldout_outputs(m), "stage:2", BOTH, microbatches=2, schedule="1f1b")
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(m.feeds(0))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    return held_outputs_on_this_rank(comm, plan, m.feeds(0))
 
 
 @pytest.mark.timeout(200)

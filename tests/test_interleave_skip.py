@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.comm.microbatch import for_plan
 from meshdsl.comm.simulated import SimulatedComm
 from meshdsl.lowering.interleave import _out_of_order
 from meshdsl.lowering.partition import program_of
@@ -30,10 +29,9 @@ from meshdsl.lowering.schedule import validate
 from meshdsl.lowering.schedule_gen import parse_schedule, peak_theory
 from meshdsl.lowering.timeline import bubble_from_timeline
 from meshdsl.processes import launcher as launch
-from meshdsl.train.jobs import agree_plan
 from meshdsl.train.model import Model
 
-from conftest import assert_matches_scaled
+from conftest import assert_matches_scaled, held_outputs_on_this_rank
 
 # fp32 with O(1) values: only rounding differs (the chunks and micro-batches add the layers' and
 # the batch's parts in another order than the dense program: n * 2**-24 of the magnitudes for n
@@ -228,11 +226,7 @@ def test_such_a_value_beside_two_stacks_matches_dense(tmp_path, schedule):
 def _on_two_processes(comm):
     m = _build("tensor", 4, 4)
     plan = md.compile(_with_grads(m), "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2")
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(m.feeds(0))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    return held_outputs_on_this_rank(comm, plan, m.feeds(0))
 
 
 @pytest.mark.timeout(200)

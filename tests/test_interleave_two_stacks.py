@@ -19,14 +19,12 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.comm.microbatch import for_plan
 from meshdsl.errors import LayoutError
 from meshdsl.lowering.pipeline_program import PER_MICROBATCH, Segment
 from meshdsl.lowering.schedule import validate
 from meshdsl.processes import launcher as launch
-from meshdsl.train.jobs import agree_plan
 
-from conftest import assert_matches_scaled, run_cli
+from conftest import assert_matches_scaled, run_cli, held_outputs_on_this_rank
 
 BART = str(pathlib.Path(__file__).parent / "heldout_bart.py")
 BOTH = "layer:stage; enc_layer:stage"
@@ -238,11 +236,7 @@ def test_per_layer_outputs_of_two_stacks_on_virtual_stages_are_refused():
 def _on_two_processes(comm):
     m = _bart(2)
     plan = md.compile(_with_grads(m), "stage:2", BOTH, microbatches=2, schedule="interleaved:2")
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(m.feeds(0))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    return held_outputs_on_this_rank(comm, plan, m.feeds(0))
 
 
 @pytest.mark.timeout(200)

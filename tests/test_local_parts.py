@@ -18,13 +18,11 @@ import pytest
 import torch
 
 import meshdsl as md
-from conftest import adamw_dense_curve, assert_matches_scaled
+from conftest import adamw_dense_curve, assert_matches_scaled, held_outputs_on_this_rank
 from meshdsl.comm.distributed import TorchComm
-from meshdsl.comm.microbatch import for_plan
 from meshdsl.processes import launcher as launch
 from meshdsl.search.calibrate import Calibration
 from meshdsl.search.stage_balance import balance_stages
-from meshdsl.train.jobs import agree_plan
 from meshdsl.train.step import training_outputs
 
 # As tests/test_balanced_stages.py: micro-batches summed in another order than the dense
@@ -113,11 +111,7 @@ def _gloo_case(rank):
     comm = TorchComm("stage:2")
     model, outs = _moe_outputs()
     plan = md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule="1f1b", stage_layers=(1, 3))
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(model.feeds(0))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    return held_outputs_on_this_rank(comm, plan, model.feeds(0))
 
 
 @pytest.mark.timeout(120)

@@ -18,13 +18,11 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.comm.microbatch import for_plan
 from meshdsl.errors import LayoutError
 from meshdsl.processes import launcher as launch
-from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
-from conftest import assert_matches_scaled
+from conftest import assert_matches_scaled, held_outputs_on_this_rank
 
 BART = str(pathlib.Path(__file__).parent / "heldout_bart.py")
 BOTH = "layer:stage; enc_layer:stage"
@@ -177,11 +175,7 @@ def _on_three_processes(comm):
     m = _bart(2)
     outs = _with_grads(m)
     plan = md.compile(outs, "stage:3", BOTH, microbatches=3, schedule="1f1b", stage_layers=(1, 2, 1))
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(m.feeds(0))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    return held_outputs_on_this_rank(comm, plan, m.feeds(0))
 
 
 @pytest.mark.timeout(200)

@@ -19,11 +19,9 @@ import torch
 
 import meshdsl as md
 from meshdsl.processes import launcher as launch
-from meshdsl.comm.microbatch import for_plan
-from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
-from conftest import assert_matches_scaled
+from conftest import assert_matches_scaled, held_outputs_on_this_rank
 
 # fp32 with O(1) values: rounding only, relative to each output's magnitude (the stages and
 # the micro-batches add the layers' and the batch's parts in other orders than the dense program)
@@ -139,11 +137,7 @@ def test_a_batch_statistic_read_by_pipelined_layers_is_a_clear_error():
 def _pipelined_t5(comm, mesh, layout, m, schedule):
     outs, _ = t5.build(CFG)
     plan = md.compile(outs, mesh, layout, microbatches=m, schedule=schedule)
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(t5.feeds(CFG))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    return held_outputs_on_this_rank(comm, plan, t5.feeds(CFG))
 
 
 @pytest.mark.timeout(200)

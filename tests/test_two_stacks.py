@@ -19,16 +19,14 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.comm.microbatch import for_plan
 from meshdsl.search.calibrate import Calibration
 from meshdsl.search.predict import StageCost
 from meshdsl.search.stage_balance import split_by_cost
 from meshdsl.errors import LayoutError
 from meshdsl.processes import launcher as launch
-from meshdsl.train.jobs import agree_plan
 
 import t5_tiny as t5
-from conftest import assert_matches_scaled, run_cli
+from conftest import assert_matches_scaled, run_cli, held_outputs_on_this_rank
 
 BART = str(pathlib.Path(__file__).parent / "heldout_bart.py")
 BOTH = "layer:stage; enc_layer:stage"
@@ -276,11 +274,7 @@ def _two_stack_t5(comm):
     # the encoder over both stages (its carry crosses), the decoder on stage 1 (its shared gate's
     # gradient summed there alone)
     plan = md.compile(outs, "stage:2", BOTH, microbatches=2, schedule="1f1b", stage_layers=(1, 5))
-    agree_plan(comm, plan)
-    ex = md.Executor(plan, for_plan(comm, plan))
-    res = ex.run(t5.feeds(CFG))
-    full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
-    return {k: v for k, v in full.items() if v is not None}
+    return held_outputs_on_this_rank(comm, plan, t5.feeds(CFG))
 
 
 @pytest.mark.timeout(200)
