@@ -224,3 +224,12 @@ def test_learning_beats_the_unigram_entropy():
     r = md.fit("transformer", mesh="data:1", steps=LEARN_STEPS, data=data, lr=LEARN_LR, samples=0,
                  eval_batches=8, config=LEARN_CONFIG)
     assert r.final_eval_loss < data.unigram_entropy() - 0.2, (r.final_eval_loss, data.unigram_entropy())
+
+
+def test_generate_samples_without_dropout():
+    """A model trained with dropout samples as torch's ``model.eval()`` does: its greedy text is
+    the one of the same model with no dropout (same params)."""
+    on = load_model("transformer", tiny=True, vocab=256, dropout=0.5)
+    off = load_model("transformer", tiny=True, vocab=256)
+    params = md.DenseProgram({"logits": off.logits}).init_params(0)
+    assert md.generate(on, params, "def ", max_new_tokens=8, temperature=0) == _greedy(off, params, "def ", 8)

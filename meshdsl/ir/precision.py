@@ -14,12 +14,11 @@ from collections import OrderedDict
 
 import torch
 
-from ..core.graph import Tensor, topo_nodes
+from ..core.graph import Graph, Tensor, topo_nodes
 from ..errors import GraphError, message
 from ..ops.elementwise import cast, constant
 from ..ops.precision import COMPUTE_DTYPE, check_precision, rule_for
-from ..ops.registry import apply
-from .repeat import repeat
+from .replay import replay
 
 # (graph uid, id(loss), precision) -> (loss, rebuilt loss), the most recent 64.
 _REBUILT: OrderedDict = OrderedDict()
@@ -55,7 +54,7 @@ def mixed_precision(loss: Tensor, precision: str = "bf16") -> Tensor:
         return hit[1]
     env: dict[int, Tensor] = {}
     with loss.graph:  # leaves without inputs (constants, masks) are rebuilt into the loss's graph
-        _replay(topo_nodes([loss]), env, COMPUTE_DTYPE[precision])
+        replay(topo_nodes([loss]), env, _rule(COMPUTE_DTYPE[precision]))
         out = env[id(loss)]
         if out.dtype != loss.dtype:
             out = cast(out, loss.dtype)
@@ -73,7 +72,7 @@ def _cast(t: Tensor, dtype: torch.dtype, casts: dict) -> Tensor:
     """
     if t.dtype == dtype or not t.dtype.is_floating_point:
         return t
-    key = (id(t), dtype)
+    key = (id(t), dtype, id(Graph.current()))   # (a block's casts are its own, as it is traced)
     if key not in casts:
         if t.node.op.name == "constant" and not t.shape:  # a tensor constant is cast like any tensor
             casts[key] = constant(t.node.attrs["value"], dtype)
@@ -97,42 +96,12 @@ def _target(n, ins: list[Tensor], low: torch.dtype) -> torch.dtype | None:
     return None
 
 
-def _replay(nodes, env: dict[int, Tensor], low: torch.dtype) -> None:
-    """Rebuild ``nodes`` (in order) with their precision rules; ``env`` maps old tensors
-    to new ones and holds the given ones (a block's placeholders) on entry."""
+def _rule(low: torch.dtype):
+    """:func:`~.replay.replay`'s rule for compute in ``low``: a cast in front of every input whose
+    dtype the op's precision rule changes (one cast per tensor and dtype, shared by its readers)."""
     casts: dict = {}
-    for n in nodes:
-        if all(id(o) in env for o in n.outputs):
-            continue
-        if n.op.name in ("param", "input", "placeholder"):  # leaves are reused: params stay fp32
-            env.update((id(o), o) for o in n.outputs)
-            continue
-        ins = [env[id(t)] for t in n.inputs]
+
+    def rule(n, ins):
         target = _target(n, ins, low)
-        if target is not None:
-            ins = [_cast(t, target, casts) for t in ins]
-        if n.op.name == "repeat":
-            outs = _replay_repeat(n, ins, low)
-        else:
-            outs = apply(n.op.name, ins, dict(n.attrs), name=n.name)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-        for o, new in zip(n.outputs, outs):
-            env[id(o)] = new
-
-
-def _replay_repeat(n, ins: list[Tensor], low: torch.dtype) -> tuple:
-    """A repeat whose block is the old block replayed under the same rules."""
-    blk, stacked = n.attrs["block"], n.attrs["stacked"]
-    closed = ins[1 + len(stacked):]  # what the block reads from outside, replayed: the new block reads them
-
-    def block(carry, params):
-        env = {id(blk.carry): carry, **{id(blk.params[k]): params[k] for k in blk.params},
-               **{id(ph): t for ph, t in zip(blk.closed.values(), closed)}}
-        _replay(topo_nodes([blk.out, *(blk.ys or {}).values()]), env, low)
-        out = env[id(blk.out)]
-        # the carry keeps one dtype from layer to layer
-        out = out if out.dtype == carry.dtype else cast(out, carry.dtype)
-        return out if blk.ys is None else (out, {k: env[id(y)] for k, y in blk.ys.items()})
-
-    x = repeat(block, ins[0], dict(zip(stacked, ins[1:1 + len(stacked)])), n.attrs["layer"], n.attrs.get("remat"))
-    return (x if blk.ys is None else x[0]).node.outputs
+        return ([_cast(t, target, casts) for t in ins] if target is not None else ins), None
+    return rule

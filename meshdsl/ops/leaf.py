@@ -112,6 +112,12 @@ def param(name: str, shape, init="normal", scale: float | None = None, dtype=tor
     if init not in INITS and not isinstance(init, (int, float)):
         raise GraphError(message(f"param('{name}'): unknown init {init!r}.", rule=f"init is one of {INITS} or a number",
                                  fix="use init='normal'"))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise GraphError(message(f"param('{name}'): scale={scale!r} ({type(scale).__name__}) is not a number.",
+                                 rule="scale is None (1/sqrt(fan_in)) or a finite number: the std (normal) or "
+                                      "bound (uniform)",
+                                 fix=f"pass scale as a float, e.g. scale=float({scale!r}) or scale=0.02"))
     t = apply("param", [], {"shape": as_shape(shape), "dtype": dtype, "init": init, "scale": scale,
                             "fan_out": tuple(d.name if hasattr(d, "name") else d for d in fan_out)}, name=name)
     t.node.name = name  # params keep their exact name, whatever the name scope

@@ -2,7 +2,8 @@
 
 Each value is converted to the field's type (taken from the dataclass's type
 hints, or from its default when a hint cannot be resolved): ``int``, ``float``,
-``bool`` (``true/false/1/0/yes/no``) or ``str``.  An unknown field, a value of
+``bool`` (``true/false/1/0/yes/no``) or ``str``; a field typed ``X | None`` takes an ``X`` or
+``none``.  An unknown field, a value of
 the wrong type or a malformed item is a :class:`ConfigError` that shows the
 string with a caret under the item and suggests the closest field name.
 """
@@ -20,19 +21,33 @@ class ConfigError(MeshDSLError):
     """A ``--config`` string names an unknown field or gives a value of the wrong type."""
 
 
-def _field_types(cls) -> dict[str, type]:
+_BASIC = (int, float, bool, str)
+
+
+def _optional_of(t):
+    """``X`` of a hint ``X | None`` (``Optional[X]``) with ``X`` a basic type, else None."""
+    args = typing.get_args(t)
+    rest = [a for a in args if a is not type(None)]
+    return rest[0] if len(args) == 2 and len(rest) == 1 and rest[0] in _BASIC else None
+
+
+def _field_types(cls) -> tuple[dict[str, type], set[str]]:
+    """Each field's type, and the fields that also take None (typed ``X | None``)."""
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001 - unresolvable hints: fall back to the defaults' types
         hints = {}
-    out = {}
+    out, optional = {}, set()
     for f in dataclasses.fields(cls):
         t = hints.get(f.name)
-        if t not in (int, float, bool, str):
+        if _optional_of(t) is not None:
+            t = _optional_of(t)
+            optional.add(f.name)
+        if t not in _BASIC:
             default = f.default if f.default is not dataclasses.MISSING else None
             t = type(default) if isinstance(default, (int, float, bool, str)) else str
         out[f.name] = t
-    return out
+    return out, optional
 
 
 def _convert(text: str, kind: type):
@@ -68,8 +83,9 @@ def parse_config(text: str, cls) -> dict:
         raise ConfigError(message(f"--config {text!r}: the model's Config is not a dataclass.",
                                   rule="--config overrides fields of a Config dataclass",
                                   fix="make the model file's Config a @dataclass"))
-    types = _field_types(cls)
-    allowed = "fields: " + ", ".join(f"{k} ({t.__name__})" for k, t in types.items())
+    types, optional = _field_types(cls)
+    allowed = "fields: " + ", ".join(f"{k} ({t.__name__}{' or none' if k in optional else ''})"
+                                     for k, t in types.items())
     out: dict = {}
     pos = 0
     for item in text.split(","):
@@ -92,6 +108,9 @@ def parse_config(text: str, cls) -> dict:
                  "use one of the fields listed above")
         if key in out:
             fail(f"field '{key}' is given twice.", "give each field once")
+        if key in optional and value.strip().lower() == "none":
+            out[key] = None
+            continue
         try:
             out[key] = _convert(value.strip(), types[key])
         except ValueError as e:

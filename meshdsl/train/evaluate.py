@@ -2,7 +2,8 @@
 
 :class:`Evaluator` compiles the forward plan of the loss and of the model's
 ``metrics`` (:class:`~.model.Model`: ``{"accuracy": acc}``, scalars) on the run's
-mesh and layout once, and runs it on the training step's current params for each
+mesh and layout once, without dropout (:func:`~meshdsl.ir.eval_mode.without_dropout`, as
+torch's ``model.eval()``), and runs it on the training step's current params for each
 eval batch; each number is the mean over the batches.  A pipeline holds its outputs
 on its last stage only: :func:`agree_held` hands every rank that stage's numbers,
 for the training loss as for the eval.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from ..ir.eval_mode import without_dropout
 from ..runtime.executor import Executor
 from ..comm.microbatch import for_plan
 from ..lowering.compiler import compile as compile_plan
@@ -31,7 +33,7 @@ class Evaluator:
     """
 
     def __init__(self, model, step, spec, comm):
-        self.plan = compile_plan({"loss": model.loss, **model.metrics}, spec.mesh, spec.layout,
+        self.plan = compile_plan(without_dropout({"loss": model.loss, **model.metrics}), spec.mesh, spec.layout,
                                  microbatches=spec.microbatches, schedule=spec.schedule)
         self.executor = Executor(self.plan, for_plan(comm, self.plan))
         self.step, self.comm = step, comm

@@ -58,9 +58,11 @@ class InputSlices:
         self.values = {k: plan.values[plan.inputs[k]] for k in row_dims}
         self.row_dims = row_dims
         # A pipeline holds an input on some stages only: there every held rank gets the full batch.
+        # (so no rank's index is needed: an interleaved stack's fed input is cut block-cyclic, in
+        # several regions per rank, which the executor cuts from the whole tensor)
         self.full = any(v.id in plan.holders for v in self.values.values())
-        self.idx = {k: [v.sharding.slice_index(v.shape, plan.mesh, r) for r in ranks]
-                    for k, v in self.values.items()}
+        self.idx = {} if self.full else {k: [v.sharding.slice_index(v.shape, plan.mesh, r) for r in ranks]
+                                         for k, v in self.values.items()}
         self.num_ranks = len(ranks)
 
     def feeds(self, make) -> dict:

@@ -16,6 +16,10 @@ class FitArgumentError(MeshDSLError):
 
 #: Arguments of fit itself (not TrainSpec fields passed through ``**options``).
 _OWN = ("model", "mesh", "layout", "steps", "data", "eval_data", "nproc", "device", "threads")
+#: ``meshdsl train`` flags that md.fit spells another way: the keyword that does the same.
+_CLI_WORDS = {"accum": "microbatches=k (the CLI's --accum k: k micro-batches accumulated per step)",
+              **{k: f"optimizer_args={{'{k}': ...}} (the CLI's --{k.replace('_', '-')})"
+                 for k in ("momentum", "betas", "weight_decay")}}
 #: Fields that take more than their annotation says, each checked where it is read
 #: (``stage_layers="auto"``, a remat policy, a compile backend's name, a Config's overrides).
 _OWN_CHECKS = ("stage_layers", "remat", "compile", "resume_from", "config", "optimizer_args")
@@ -59,7 +63,8 @@ def _check_value(name: str, value, annotation: str) -> None:
         raise _fail(f"{name}={value!r} is out of range.", rule=f"{name} is {allowed}", fix=f"pass {name} as {allowed}")
 
 
-def check_fit_arguments(spec_cls, model, steps, data, options: dict) -> None:
+def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=None, mesh: str = "",
+                        layout: str = "") -> None:
     """Raise a FitArgumentError for the first argument of ``fit`` that cannot be right."""
     from .data import TokenData
     from .model import Model
@@ -69,15 +74,23 @@ def check_fit_arguments(spec_cls, model, steps, data, options: dict) -> None:
     takes = sorted(set(fields) - {"model", "mesh", "layout", "steps"})
     for k in options:
         if k not in fields or k in _OWN:
-            raise _fail(f"it takes no argument '{k}'.{did_you_mean(k, takes + list(_OWN))}",
+            hint = f" md.fit spells it {_CLI_WORDS[k]}." if k in _CLI_WORDS else did_you_mean(k, takes + list(_OWN))
+            raise _fail(f"it takes no argument '{k}'.{hint}",
                         rule=f"fit(model, mesh=, layout=, steps=, data=, eval_data=, nproc=, device=, threads=) "
                              f"and any TrainSpec field: {', '.join(takes)}",
-                        fix="correct the name, or drop it")
+                        fix=f"pass {_CLI_WORDS[k].split(' (')[0]}" if k in _CLI_WORDS else
+                            "correct the name, or drop it")
     if not isinstance(model, (Model, str, Path)):
         raise _fail(f"model is {model!r} ({type(model).__name__}).",
                     rule="model is an md.Model (a model file's build(...) result), a shipped model's name or a "
                          "model file's path",
                     fix="pass e.g. md.load_model('transformer', tiny=True), 'transformer' or './my_model.py'")
+    auto = [k for k, v in (("mesh", mesh), ("layout", layout)) if v == "auto"]
+    if auto:
+        raise _fail(f"{auto[0]}='auto' is the command line's search (meshdsl train --layout auto).",
+                    rule="md.fit takes a mesh and a layout string; md.search_layouts ranks them from Python",
+                    fix="r = md.search_layouts(model, model.train_step(0.01), NPROC, md.load_calibration()); "
+                        "c = r.ranked[0].candidate; md.fit(model, mesh=c.mesh, layout=c.layout, nproc=NPROC, ...)")
     if steps is not None:
         _check_value("steps", steps, "int")
     if data is not None and not isinstance(data, (str, Path, TokenData)) and not callable(data):
@@ -85,6 +98,13 @@ def check_fit_arguments(spec_cls, model, steps, data, options: dict) -> None:
                     rule="data is None, a text file's path, an md.TokenData, or a function step -> {input name: "
                          "full tensor}",
                     fix="pass e.g. data=lambda step: {'x': torch.randn(8, 4)}")
+    if eval_data is not None and (isinstance(data, (str, Path, TokenData)) or not callable(data)):
+        raise _fail("eval_data is given without data= a function, so it would not be read.",
+                    rule="eval_data (a list of full feeds) is the eval of a run on data=a function step -> feeds; "
+                         "a run on text evaluates on held-out text, a model's own batches or feeds on "
+                         "eval_batches= seeds no step uses",
+                    fix="pass data=lambda step: ... with it, or drop eval_data (eval_batches=N sets how many of "
+                        "the model's own batches the eval reads)")
     for k, v in options.items():
         if k not in _OWN_CHECKS:
             _check_value(k, v, fields[k] if isinstance(fields[k], str) else "")

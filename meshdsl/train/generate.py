@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import message
+from ..ir.eval_mode import without_dropout
 from ..ir.interpret import DenseProgram
 from .data import ByteTokenizer
 from .model import Model, ModelError
@@ -25,7 +26,7 @@ def _program(model: Model):
             inputs=[f"model graph: {model.graph.name}"],
             rule="generation samples from Model.logits, the [batch, seq, vocab] next-token logits",
             fix="return md.Model(..., logits=logits_bsv) from the model file's build()"))
-    prog = DenseProgram({"logits": model.logits})
+    prog = DenseProgram(without_dropout({"logits": model.logits}))   # sampled as in eval: no dropout masks
     ids = [(k, t) for k, t in prog.inputs.items() if not t.dtype.is_floating_point]
     shape = model.logits.shape
     if len(ids) != 1 or len(prog.inputs) != 1 or len(shape) != 3:

@@ -399,7 +399,7 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
         result = md.fit(build(Config()), mesh="data:2", layout="batch:data", steps=50,
                           data=lambda step: my_batch(step), lr=0.05, checkpoint="ckpt", save_every=10)
     """
-    check_fit_arguments(TrainSpec, model, steps, data, options)
+    check_fit_arguments(TrainSpec, model, steps, data, options, eval_data, mesh, layout)
     own = isinstance(model, Model)
     if isinstance(data, (str, Path)):
         options["data"], data = str(data), None
