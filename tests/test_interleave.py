@@ -265,7 +265,11 @@ def test_a_block_reading_tensors_from_outside_matches_dense(schedule):
 
 @pytest.mark.parametrize("argv,words", [
     (["--config", "layers=4", "--schedule", "interleaved:4"],
-     ["4 virtual stages per rank do not divide the 2 layers of each of the 2 ranks", "Fix:"]),
+     ["4 virtual stages per rank do not divide the 2 layers of each of the 2 ranks", "Fix:",
+      "a number of virtual stages that divides 2"]),
+    (["--schedule", "interleaved:2"],   # one layer a rank: no count of virtual stages divides it
+     ["2 virtual stages per rank do not divide the 1 layers", "Fix: use one stage per rank (--schedule 1f1b or zbh1), "
+      "or a multiple of 4 layers"]),
     (["--config", "layers=4", "--schedule", "interleaved"], ["--schedule: invalid choice: 'interleaved'",
                                                               "write interleaved:V"]),
     (["--schedule", "1f1b:2"], ["--schedule: invalid choice: '1f1b:2', 1f1b has no virtual stages"]),

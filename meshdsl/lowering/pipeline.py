@@ -306,9 +306,16 @@ def _check_chunks(node, p: int, chunks: int, mesh: Mesh, layout: Layout) -> None
         raise _err(f"{chunks} virtual stages per rank do not divide the {layers // p} layers of each of the "
                    f"{p} ranks of the pipeline ({layers} layers).", mesh=mesh, layout=layout, cls=ScheduleError,
                    rule="each rank runs its layers in equal chunks, one per virtual stage",
-                   fix=f"use a number of virtual stages that divides {layers // p}, a multiple of "
-                       f"{p * chunks} layers, or give each of the {p * chunks} virtual stages its layers "
-                       f"(--stage-layers N,N,.., stage_layers=)")
+                   fix=_chunks_fix(layers, p, chunks))
+
+
+def _chunks_fix(layers: int, p: int, chunks: int) -> str:
+    """What to change where ``chunks`` virtual stages per rank do not divide each rank's layers."""
+    first = (f"a number of virtual stages that divides {layers // p}" if layers // p > 1
+             else "one stage per rank (--schedule 1f1b or zbh1)")
+    own = (f", or give each of the {p * chunks} virtual stages its layers (--stage-layers N,N,.., stage_layers=)"
+           if layers >= p * chunks else "")
+    return f"use {first}, or a multiple of {p * chunks} layers{own}"
 
 
 def _with_microbatches(mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int):

@@ -150,7 +150,9 @@ def add_train(sub) -> None:
 def make_spec(args):
     """Validate everything in this process; returns the run's spec, its first printed lines and its plan."""
     if args.accum and args.microbatches:
-        raise _usage("--accum and --microbatches both cut the batch", "pass one of them")
+        raise _usage("--accum and --microbatches both cut the batch", "pass one of them",
+                     rule="each batch is cut into micro-batches once; --accum and --microbatches both set that "
+                          "count (--microbatches is the name a pipeline's docs use)")
     if args.save_every and not args.checkpoint:
         raise _usage("--save-every needs --checkpoint DIR", "add --checkpoint DIR")
     if args.reset_optimizer and not (args.resume or args.resume_from):
@@ -225,8 +227,8 @@ def _pick_mesh(args, spec, model) -> tuple[TrainSpec, str]:
     return dataclasses.replace(spec, mesh=args.mesh, layout=args.layout), why
 
 
-def _usage(what: str, fix: str):
-    return UsageError(f"{what}.\nFix: {fix}")
+def _usage(what: str, fix: str, rule: str | None = None):
+    return UsageError(f"{what}." + (f"\nRule: {rule}" if rule else "") + f"\nFix: {fix}")
 
 
 def cmd_train(args) -> int:
