@@ -416,3 +416,15 @@ def held_outputs_on_this_rank(comm, plan, feeds: dict) -> dict:
     res = ex.run(feeds)
     full = {k: ex.to_full_held(plan.outputs[k], xs) for k, xs in res.items()}
     return {k: v for k, v in full.items() if v is not None}
+
+
+def assert_ranks_match_dense(results: list[dict], want: dict, rel: float) -> None:
+    """Each process's held outputs (:func:`held_outputs_on_this_rank`) match the dense ``want``, every
+    output is held by some process, and no process is left behind."""
+    import multiprocessing
+    assert multiprocessing.active_children() == []
+    seen: dict = {}
+    for rank, got in enumerate(results):
+        assert_matches_scaled(got, {k: want[k] for k in got}, f"rank {rank}", rel)
+        seen.update(got)
+    assert set(seen) == set(want)
