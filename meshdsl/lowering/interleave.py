@@ -125,7 +125,7 @@ def check(cut, lists, v: int) -> None:
     micro-batch before the layers and read after them (a skip around the stack, a loss term made
     from its input) moves from the first stage to the last as it does without virtual stages;
     :func:`_out_of_order` checks the chunks' order of such moves."""
-    why = _unsupported(cut, lists, moves_ok=True)
+    why = _unsupported(cut, lists)
     if why is not None:
         raise _refusal(cut, v, why)
 
@@ -171,10 +171,11 @@ def _out_of_order(ch: _Chunks, lists: dict) -> str | None:
     return None
 
 
-def _unsupported(cut, lists, moves_ok: bool = False) -> str | None:
+def _unsupported(cut, lists) -> str | None:
     """Why the cut's pipelined layers (of each pipelined stack) cannot be cut into chunks, or None.
-    ``moves_ok``: per-micro-batch values may move between stages besides the carry (chained stacks,
-    :func:`.stage_layers.split_stacks`: what runs between them and its gradient cross a stage boundary)."""
+    A per-micro-batch value may move between stages besides the carry (what runs between chained
+    stacks, a value made before the layers and read after them): :func:`_out_of_order` checks that
+    no chunk reads one before its rank holds it."""
     blocks = [(cut.steps[st.F], cut.steps[st.B] if st.B is not None else None) for st in cut.stacks]
     own = [x for pair in blocks for x in pair if x is not None]
     own_parts = {id(cut.steps[i]) for i in cut.spread}   # each rank's part of the per-layer outputs' terms
@@ -187,7 +188,7 @@ def _unsupported(cut, lists, moves_ok: bool = False) -> str | None:
         after_b |= _made_from(lists[Segment.BACKWARD], B.outs[1 + n:]) if B is not None else set()
     per_mb = [s for seg in (Segment.FORWARD, Segment.BACKWARD) for s, st in lists[seg]
               if s not in own and not _is_carry(s) and id(s) not in own_parts
-              and (len(st) > 1 or (s.kind in ("send", "recv") and not moves_ok))
+              and len(st) > 1
               and not _closed_transfer(s, seg, closed, after_b)]
     if per_mb:
         s = per_mb[0]

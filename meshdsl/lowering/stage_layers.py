@@ -57,7 +57,7 @@ def offsets(counts) -> list[int]:
 
 def check(cut, lists, counts) -> None:
     """Refuse what this pass cannot cut, with the reason."""
-    why = _unsupported(cut, lists, moves_ok=True)   # a skip around the stack moves as with equal stages
+    why = _unsupported(cut, lists)
     if why is not None:
         spec = cut.spec
         raise LayoutError(message(
@@ -116,7 +116,7 @@ def split_stacks(cut, lists: dict) -> dict:
     holds its params, gradients and updates empty, so gathers and checkpoints run over the whole
     stage axis), whole for a stack on one (held there only)."""
     spec = cut.spec
-    why = _unsupported(cut, lists, moves_ok=True)   # what runs between the stacks, a skip around them: moves
+    why = _unsupported(cut, lists)
     if why is not None:
         raise LayoutError(message(
             f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): {why}.",

@@ -76,10 +76,11 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
     cal = cal or load()
     first = _equal_split(outputs, mesh, layout, parse_schedule(schedule)[1])
     kw = dict(microbatches=microbatches, schedule=schedule, **compile_kw)
+    refused: list = []
     try:
         plan = first and compile_plan(outputs, mesh, layout, stage_layers=first, **kw)
-    except LayoutError as refused:   # the even cut refused (a stack with per-layer outputs on one stage)
-        first, plan = _first_accepted(outputs, mesh, layout, first, kw, refused)
+    except LayoutError as e:   # the even cut refused (a stack with per-layer outputs on one stage)
+        first, plan, refused = _first_accepted(outputs, mesh, layout, first, kw, e)
     pred = predict(plan, cal) if plan else None
     stages = pred.stages if plan else ()
     if not stages or len(stages) != plan_stage_count(plan):
@@ -90,7 +91,7 @@ def balance_stages(outputs, mesh, layout, microbatches: int = 1, schedule: str =
             fix="split the layer dim over a stage axis, e.g. --layout 'layer:stage'"))
     sched = next(s.args["program"].schedule for s in plan.steps if s.kind == "pipeline")
 
-    preds = {first: pred}
+    preds = {first: pred, **{c: None for c in refused}}
 
     def price(counts) -> None:
         """Predict ``counts``'s plan into ``preds`` (None where the compiler refuses it)."""
@@ -124,15 +125,19 @@ REFINE = 3
 TRIED_CUTS = 64
 
 
-def _first_accepted(outputs, mesh, layout, even, kw, refused: LayoutError):
-    """(the first cut the compiler accepts, in :func:`_cuts`'s order, and its plan); ``refused``
-    (the even cut's error) where none of the first :data:`TRIED_CUTS` is accepted."""
+def _first_accepted(outputs, mesh, layout, even, kw, error: LayoutError):
+    """(the first cut the compiler accepts, in :func:`_cuts`'s order, its plan, the cuts refused
+    before it, the even one included); ``error`` (the even cut's) where none of the first
+    :data:`TRIED_CUTS` is accepted."""
+    refused = [even]
     for counts in itertools.islice(_cuts(sum(even), len(even)), TRIED_CUTS):
-        try:
-            return counts, compile_plan(outputs, mesh, layout, stage_layers=counts, **kw)
-        except LayoutError:
+        if counts == even:
             continue
-    raise refused
+        try:
+            return counts, compile_plan(outputs, mesh, layout, stage_layers=counts, **kw), refused
+        except LayoutError:
+            refused.append(counts)
+    raise error
 
 
 def _fastest(preds: dict, first) -> tuple[int, ...]:
