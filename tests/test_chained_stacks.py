@@ -7,7 +7,7 @@ The stages cut the joined list of layers; the ops between the stacks (per micro-
 gradients run on the stage holding the first stack's last layer; the second stack's first carry
 goes up from there to its first stage, its input gradient comes back down and is added to the
 gradient the first stack's output gets from its own loss term (lowering/partition.py
-``_chain_meet``, ``_moves_into``).  Every output matches the dense program: the boundary between
+``_meet``, ``_moves_into``).  Every output matches the dense program: the boundary between
 the stacks inside a stage and at a stage boundary, gpipe/1f1b/zbh1 and interleaved:2,
 ``stage:2``, ``stage:3`` and ``stage:2; data:2``, AdamW steps, one case on two gloo processes.
 """
@@ -117,6 +117,19 @@ def test_adamw_steps_on_chained_stacks_give_the_dense_params(one_torch_thread):
         full = {k: pipe.executor.to_full_held(pipe.plan.params[k], pipe.params[k])}
         assert_matches_scaled(full, {k: dense.executor.to_full_held(dense.plan.params[k], dense.params[k])},
                               "after 2 AdamW steps", REL)
+
+
+@pytest.mark.parametrize("path, layout", [(CHAIN, BOTH), (ELECTRA, "layer:stage; gen_layer:stage")],
+                         ids=["chain", "electra"])
+def test_clipped_adamw_steps_on_chained_stacks_give_the_dense_loss(path, layout, one_torch_thread):
+    """A clipped gradient norm (its parts summed over the stages after the micro-batches) and ELECTRA's
+    shared embedding (two gradients added once, after the micro-batches): both crashed (a value missing
+    on a stage) when the steps between the stacks' ends were met per micro-batch (partition ``_meet``)."""
+    m = md.load_model(path, tiny=True)
+    pipe = _step(m, "stage:2", layout, microbatches=2, schedule="1f1b", clip_norm=0.5)
+    dense = _step(m, "", None, clip_norm=0.5)
+    for t in range(2):
+        assert pipe(m.feeds(t))[0] == pytest.approx(dense(m.feeds(t))[0], rel=REL)
 
 
 def test_cli_checks_chained_stacks_and_refuses_a_whole_batch_statistic_between_them(capsys):

@@ -11,8 +11,8 @@ destinations by a one-hot einsum), each ``Config.tiny()``, on a subset of the la
 checked on by hand.
 
 Also what they led to: ``shape["seq"]`` is the dim of that name; two pipelined towers joined
-only by the loss, and an op that reads every micro-batch's rows, are refused with the reason
-and the fix.
+only by the loss run (one micro-batch: the loss reads every row), and an op that reads every
+micro-batch's rows is refused with the reason and the fix.
 """
 from __future__ import annotations
 
@@ -84,15 +84,14 @@ def test_a_shape_indexed_by_a_dim_name_is_that_dim():
         shape["sq"]
 
 
-def test_two_towers_pipelined_together_are_refused_with_the_reason():
-    """CLIP's image and text stacks both on 'stage': their outputs meet only in the loss, and
-    stacks on one stage axis pass on only a carry from one to the next."""
-    model = md.load_model(CLIP, tiny=True)
-    with pytest.raises(md.LayoutError) as e:
-        md.compile(heldout_outputs(model), "stage:2", "img_layer:stage; layer:stage")
-    text = str(e.value)
-    assert "reads the outputs of 2 pipelined stacks" in text and "stack 'img_layer' ends on stage 0" in text, text
-    assert "stack 'layer' ends on stage 1" in text and "pipeline one tower only" in text, text
+@pytest.mark.parametrize("mesh, layout", [("stage:2", "img_layer:stage; layer:stage"),
+                                          ("stage:2; data:2", "img_layer:stage; layer:stage; batch:data")])
+def test_two_towers_pipelined_together_match_dense(mesh, layout):
+    """CLIP's image and text stacks both on 'stage' (once refused: their outputs meet only in the
+    loss): the image tower's output goes up to the text tower's last stage, where the loss joins
+    them, and its gradient comes back down.  The contrastive loss reads every row, so one
+    micro-batch; tests/test_two_towers.py has towers joined per row under m = 2 and 4."""
+    assert_heldout_case_matches_dense((CLIP, {}, mesh, layout))
 
 
 def test_a_contrastive_loss_under_micro_batches_is_refused_with_the_reason():

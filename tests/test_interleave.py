@@ -9,10 +9,13 @@ tests/test_pipeline_dist.py), its measured peaks are the theory's, ``plan`` prin
 and v not dividing a rank's layers exits 2 with the reason.  With ``stage_layers`` (one count
 per virtual stage) the chunks are unequal: each virtual stage runs and stores its own layers
 (``layer:stage[cyclic v][blocks ..]``), with the same numbers and still no param moving
-(bad counts: tests/test_balanced_stages.py).
+(bad counts: tests/test_balanced_stages.py).  A stacked input made per micro-batch before the layers
+(tests/heldout_xcache.py's cross-attention cache) is narrowed per chunk in the chunk's forward, and its
+stacked gradient joined from the chunks after the micro-batches.
 """
 from __future__ import annotations
 
+import pathlib
 from fractions import Fraction
 
 import pytest
@@ -28,7 +31,7 @@ from meshdsl.lowering.schedule_gen import named_schedule, parse_schedule, peak_t
 from meshdsl.lowering.timeline import bubble_from_timeline, costs, simulate
 from meshdsl.train.step import training_outputs
 
-from conftest import assert_matches_scaled, run_cli
+from conftest import assert_heldout_case_matches_dense, assert_matches_scaled, heldout_outputs, run_cli
 
 REL = 1e-5  # as tests/test_pipeline_exec.py: micro-batch sums in another order, fp32 rounding only
 
@@ -301,3 +304,40 @@ def test_a_value_made_before_the_layers_and_read_after_them_matches_dense(schedu
     feeds = {"x": torch.randn(4, 4, generator=torch.Generator().manual_seed(0))}
     plan = md.compile(outs, "stage:2", "layer:stage", microbatches=2, schedule=schedule)
     assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), schedule, REL)
+
+
+XCACHE = str(pathlib.Path(__file__).parent / "heldout_xcache.py")
+
+
+@pytest.mark.parametrize("mesh, layout, kw", [
+    ("stage:2", "layer:stage", {"microbatches": 2, "schedule": "interleaved:2"}),
+    ("stage:2", "layer:stage", {"microbatches": 4, "schedule": "interleaved-zb:2"}),
+    ("stage:2; data:2", "layer:stage; batch:data", {"microbatches": 2, "schedule": "interleaved:2"}),
+    ("stage:2", "layer:stage", {"microbatches": 4, "schedule": "interleaved:2", "stage_layers": (1, 2, 1, 1)}),
+], ids=str)
+def test_a_stacked_input_made_per_micro_batch_is_cut_into_chunks(mesh, layout, kw):
+    """tests/heldout_xcache.py: every decoder layer's cross-attention keys and values, made per
+    micro-batch by one einsum before the stack and read as a stacked input.  Each chunk narrows its
+    layers of them in its forward (they are made on the rank's first chunk), and their stacked
+    gradient, which the einsum's backward reads after the micro-batches, is joined from the rank's
+    chunks first.  Once refused ("a stacked gradient is read other than by its sum over the
+    micro-batches")."""
+    layers = sum(kw.get("stage_layers", (4,)))
+    assert_heldout_case_matches_dense((XCACHE, {"layers": layers}, mesh, layout, kw))
+
+
+def test_a_stacked_input_made_per_micro_batch_is_narrowed_in_the_chunks_forward():
+    m = md.load_model(XCACHE, tiny=True, layers=4)
+    plan = md.compile(heldout_outputs(m), "stage:2", "layer:stage", microbatches=2, schedule="interleaved:2")
+    pipe = next(s for s in plan.steps if s.kind == "pipeline")
+    stages = pipe.args["program"].stages
+    prologue, forward, _, final = pipe.subplans
+    narrows = [(s.label, stages[Segment.FORWARD][j]) for j, s in enumerate(forward.steps) if s.op == "narrow"]
+    # the keys' and the values' caches: chunk 0 on logical stages 0, 1 (the ranks' first chunks), chunk 1 on 2, 3
+    assert sorted(narrows) == sorted([("stacked input's layers of chunk 0", (0, 1))] * 2
+                                     + [("stacked input's layers of chunk 1", (2, 3))] * 2), narrows
+    assert not any(s.op == "narrow" and "stacked input" in s.label for s in prologue.steps)
+    # their two stacked gradients joined from the chunks after the micro-batches, for the einsum's
+    # backward there (a rename reads them: not a sum over the micro-batches)
+    read = {v for s in final.steps if s.op != "join" and s.kind != "allreduce" for v in s.ins}
+    assert sum(s.op == "join" and s.outs[0] in read for s in final.steps) == 2

@@ -26,6 +26,7 @@ import torch
 from ..core.graph import Graph, Tensor, graph_of, not_a_tensor
 from ..core.shape import Dim, Shape
 from ..errors import GraphError, ShapeError, clip, message
+from ..ops.embed import arange
 from ..ops.registry import Op, apply, register
 from .block import Block, LayerStack, run_layers, trace
 from .remat import parse_remat
@@ -135,6 +136,10 @@ def _check_arguments(block, x, params, dim) -> None:
                                  rule=_USAGE, fix="pass the layer dim's name, e.g. 'layer'"))
 
 
+#: the stacked input of a repeat given no stacked params (its layer index, unseen by the block)
+LAYER_INDEX = "layer_index"
+
+
 def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim, remat=None):
     """Apply ``block`` once per entry of ``dim`` with that entry's slice of each stacked param.
 
@@ -149,7 +154,9 @@ def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim, remat=Non
         ``params`` maps the names given here to per-layer tensors (the stacked params
         without ``dim``).
       x: the initial carry.
-      params: name -> stacked param, each with dim ``dim``.
+      params: name -> stacked param, each with dim ``dim``; ``{}`` when every layer reads the
+        same weights from outside (ALBERT's shared layer): the layers still split and pipeline
+        over ``dim`` (``"layer:stage"``), each stage summing its layers' gradients of them.
       dim: the layer Dim (or its name).
       remat: what each layer saves for its backward (:mod:`meshdsl.ir.remat`): ``"none"``
         (default: every activation its backward reads), ``"full"`` (only its input; the
@@ -195,6 +202,12 @@ def repeat(block: Callable, x: Tensor, params: dict[str, Tensor], dim, remat=Non
     if layer is None or len(sizes) > 1:
         raise ShapeError(message(f"repeat: the stacked params disagree on (or lack) the size of '{name}': {sizes}.",
                                  rule="one layer count for all stacked params", fix="give them the same layer Dim"))
+    if not params:   # weights shared by every layer (ALBERT): a stacked layer index the block does not see lets a
+        # layout cut the layers as any stack's (a pipeline finds a repeat's layers by its stacked tensors)
+        params, user_block = {LAYER_INDEX: arange(layer, torch.float32)}, block
+
+        def block(h, _):
+            return user_block(h, {})
     _check_depth(x.graph, layer, params)
     blk = trace(block, x, params, name, "block", graph_of(x))  # x's graph, or the block being traced
     pos = {k: _stack_pos(p, name) for k, p in params.items()}

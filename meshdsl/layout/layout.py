@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..core.names import NAME_RULE, Name, is_name
+from ..core.names import NAME_RULE, Name, is_name, is_scope
 from ..core.shape import Shape
 from ..errors import LayoutError, clip, did_you_mean, message
 from .mesh import Mesh
@@ -33,7 +33,7 @@ SCOPES = ("grads", "opt", "params")
 def _scoped_example(scopes: tuple[str, ...], dim: str) -> str:
     """The fix's scoped-rule example for a tensor of ``scopes``: its first scope a layout rule can
     name (an optimizer state's 'opt', not its internal name 'opt/w/exp_avg'), or nothing."""
-    scope = next((s for s in scopes if is_name(s)), None)
+    scope = next((s for s in scopes if is_scope(s)), None)
     return f", or scope a rule to this tensor (e.g. '{scope}.{dim}:OTHER_AXIS')" if scope else ""
 
 
@@ -161,7 +161,7 @@ class Layout:
                 raise self._err(
                     f"Layout rule scope '{scope}' is neither 'params' nor the name of a tensor (nor 'grads' or 'opt')."
                     f"{did_you_mean(scope, tensor_names | set(SCOPES))}", r.scope.span or r.span,
-                    inputs=[f"named tensors: {', '.join(sorted(n for n in tensor_names if is_name(n))) or '(none)'}"],
+                    inputs=[f"named tensors: {', '.join(sorted(n for n in tensor_names if is_scope(n))) or '(none)'}"],
                     rule="'SCOPE.dim:axis' applies to all params (params), their gradients (grads), "
                          "optimizer state (opt), or the tensor named SCOPE",
                     fix="use 'params.', 'grads.', 'opt.' or the name of a param or input")
@@ -300,7 +300,7 @@ def _dict_rule(layout: dict, key, value) -> Rule:
             else None)
     scope, dim = key.rsplit(".", 1) if isinstance(key, str) and "." in key else (None, key)
     names = ([] if scope is None else [scope]) + [dim] + list(axes or ())
-    bad = [n for n in names if not is_name(n)]
+    bad = [n for i, n in enumerate(names) if not (is_scope(n) if i == 0 and scope is not None else is_name(n))]
     if bad:
         bad_name = bad[0]
         shown = f"'{bad_name}'" if isinstance(bad_name, str) else f"{bad_name!r} ({type(bad_name).__name__})"

@@ -14,6 +14,7 @@ import functools
 from lark import Transformer, v_args
 
 from ..core.grammar import Language, check_parens, check_str, error, name_of, parse
+from ..core.names import Name
 from ..errors import LINE_BREAKS, Span, clip
 from .specs import EMPTY_RULE, SIZE_RULE, UNIQUE_RULE, AxisSpec, LayoutSpec, MeshSpec, Rule
 
@@ -53,6 +54,15 @@ class _LayoutBuilder(Transformer):
     def scoped_rule(self, meta, children):
         scope, dim, axes = children
         return Rule(name_of(scope), name_of(dim), axes, Span(meta.start_pos, meta.end_pos))
+
+    @v_args(meta=True)
+    def dotted_rule(self, meta, children):
+        """'teacher.wte.t_model:data': the scope is the tensor's dotted name, the dim after its last dot."""
+        tok, axes = children
+        scope, dim = str(tok).rsplit(".", 1)
+        start, cut = tok.start_pos, tok.start_pos + len(scope)
+        return Rule(Name(scope, Span(start, cut)), Name(dim, Span(cut + 1, tok.end_pos)), axes,
+                    Span(meta.start_pos, meta.end_pos))
 
     def one_axis(self, children):
         return (name_of(children[0]),)

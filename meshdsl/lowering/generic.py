@@ -67,6 +67,12 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         # split vocab) would pass a larger partial sum on: reducing the inputs first is priced too.
         grows = sum(t.shape.numel for t in node.outputs) > sum(t.shape.numel for t in node.inputs)
         return [(P, {i: P for i in partial_in}, {})] + (reduced_first(P) if grows else [])
+    if mb and len(partial_in) == 1 and op.multilinear and set(shs[partial_in[0]].partial) & set(mb):
+        # A weight-only value broadcast over the batch in a block (a Set Transformer's inducing
+        # points projected once): its gradient is a sum over the micro-batches, read by the
+        # einsums of its weights' gradients, which are sums over them too.
+        P = shs[partial_in[0]].partial
+        return reduced_first(P) if set(P) - set(mb) else [(P, {partial_in[0]: P}, {})]
     if len(partial_in) == 1 and partial_in[0] in op.linear_args:
         P = shs[partial_in[0]].partial
         # Several outputs (layer norm's backward: dx and the affine's gradients) would each

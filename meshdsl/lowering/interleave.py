@@ -39,7 +39,12 @@ cut into ``v`` chunks, as a pass on the segment lists:
 * per-layer outputs (``(carry, {name: tensor})``): each chunk makes its layers', joined on its
   rank (its chunks one after another) in the rank's last chunk, where the loss's terms of
   them run (at the rank's own layer count when the chunks are unequal, :mod:`.local_parts`);
-  each chunk's backward reads its layers of their cotangent.
+  each chunk's backward reads its layers of their cotangent;
+* a stacked input made per micro-batch before the layers (every layer's cross-attention keys and
+  values from one einsum, made on the rank's first chunk) is narrowed to each chunk's layers in
+  that chunk's forward; a stacked gradient read after the micro-batches other than by their sum
+  (that einsum's backward, a broadcast copy's sum over the layers) or returned is joined from the
+  rank's chunks first.
 
 With ``stage_layers`` (``p * v`` counts, one per virtual stage in layer order) the chunks are
 unequal: virtual stage s runs ``n_s`` layers, so chunk c's step becomes one step per rank
@@ -49,7 +54,7 @@ slice of its local layers, and the stored blocks have the given lengths (``Shard
 Refused, with the reason (:func:`check`): the layers' stacked inputs or saved activations read
 outside the repeat, other steps run per micro-batch on several stages, a value a chunk would read
 before its rank holds it or that moves against the schedule's order (:func:`_out_of_order`), and a
-stacked gradient read other than by its sum over the micro-batches (a reduce-scatter, FSDP's).
+stacked gradient read per micro-batch, before the micro-batches are summed.
 """
 from __future__ import annotations
 
@@ -171,8 +176,11 @@ def _out_of_order(ch: _Chunks, lists: dict) -> str | None:
     return None
 
 
-def _unsupported(cut, lists) -> str | None:
-    """Why the cut's pipelined layers (of each pipelined stack) cannot be cut into chunks, or None.
+def _unsupported(cut, lists, chunked: bool = True) -> str | None:
+    """Why the cut's pipelined layers (of each pipelined stack) cannot be cut into chunks, or None;
+    with ``chunked`` False (unequal stages, several stacks on one stage per rank), why they cannot be
+    cut into per-stage steps: each stage's step then writes its own layers of a whole stacked
+    gradient, which any step may read.
     A per-micro-batch value may move between stages besides the carry (what runs between chained
     stacks, a value made before the layers and read after them): :func:`_out_of_order` checks that
     no chunk reads one before its rank holds it."""
@@ -200,14 +208,15 @@ def _unsupported(cut, lists) -> str | None:
                     "around the stack, or a loss term made from its input)")
         return f"'{s.label}' runs on several stages or moves between them besides the carry"
     for F, B in blocks:
-        why = _unsupported_block(cut, lists, F, B)
+        why = _unsupported_block(cut, lists, F, B, chunked)
         if why is not None:
             return why
     return None
 
 
-def _unsupported_block(cut, lists, F: Step, B: Step | None) -> str | None:
-    """Why one pipelined repeat's layers (forward ``F``, backward ``B``) cannot be cut into chunks, or None."""
+def _unsupported_block(cut, lists, F: Step, B: Step | None, chunked: bool) -> str | None:
+    """Why one pipelined repeat's layers (forward ``F``, backward ``B``) cannot be cut into chunks
+    (``chunked``; else run on unequal stages or beside other stacks), or None."""
     n = len(F.args["names"])
     ys, dys = _per_layer_outputs(F, B, n)
     readers = [s for pairs in lists.values() for s, _ in pairs
@@ -215,10 +224,15 @@ def _unsupported_block(cut, lists, F: Step, B: Step | None) -> str | None:
     known = set(F.outs[1:]) | set(F.ins[1:]) | (set(B.ins[1:2 + n]) | set(dys) if B is not None else set())
     if readers or (B is not None and not set(B.ins) <= known):
         return "its layers' stacked inputs or saved activations are read outside the repeat"
-    grads = set(B.outs[1:1 + n]) if B is not None else set()
-    if any(grads & set(s.ins) and (seg != Segment.FINAL or s.kind != "allreduce" or len(s.ins) > 1)
-           for seg, pairs in lists.items() for s, _ in pairs) or grads & set(cut.outputs.values()):
-        return "a stacked gradient is read other than by its sum over the micro-batches"
+    # read after the micro-batches (an output, a cross-attention cache's einsum's backward, a broadcast
+    # copy's sum over the layers), a gradient is joined from its chunks first (:func:`_gather_grads`)
+    grads = dict(zip(B.outs[1:1 + n], F.args["names"])) if B is not None else {}
+    for seg in (Segment.FORWARD, Segment.BACKWARD) if chunked else ():
+        for s, _ in lists[seg]:
+            read = [grads[v] for v in s.ins if v in grads]
+            if read:
+                return (f"the stacked gradient of '{read[0]}' is read by '{s.label}' per micro-batch, before "
+                        "the micro-batches are summed")
     return None
 
 
@@ -270,8 +284,10 @@ def interleave(cut, lists: dict, v: int) -> dict:
     n = len(F.args["names"])
     params = dict.fromkeys(F.ins[1:1 + n] + (B.ins[1:1 + n] if B is not None else ()))
     chunk_params = {s: [ch.like(s, c) for c in range(v)] for s in params}
-    fwd, bwd, grads = _chunked_blocks(ch, F, B, chunk_params)
-    out = {Segment.PROLOGUE: list(lists[Segment.PROLOGUE]) + _chunks_of_params(ch, chunk_params),
+    per_mb = {x for s, _ in lists[Segment.FORWARD] for x in s.outs} & set(params)   # stacked, made per micro-batch
+    fwd, bwd, grads = _chunked_blocks(ch, F, B, chunk_params, per_mb)
+    once = {s: chunks for s, chunks in chunk_params.items() if s not in per_mb}
+    out = {Segment.PROLOGUE: list(lists[Segment.PROLOGUE]) + _chunks_of_params(ch, once),
            Segment.FORWARD: _relabel(ch, lists[Segment.FORWARD], F, fwd, last_after=True),
            Segment.BACKWARD: _relabel(ch, lists[Segment.BACKWARD], B, bwd, last_after=False),
            Segment.FINAL: _gather_grads(ch, lists[Segment.FINAL], B, grads) if B is not None
@@ -282,10 +298,13 @@ def interleave(cut, lists: dict, v: int) -> dict:
     return out
 
 
-def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict) -> tuple[list, list, list]:
+def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict,
+                    per_mb: set) -> tuple[list, list, list]:
     """The pipelined repeat's forward (and backward) step per chunk, with their carry transfers:
     ``(step, stages)`` pairs in run order (the backward's from the last chunk down), and each
-    chunk's stacked gradients (the backward's outputs besides the carry's gradient)."""
+    chunk's stacked gradients (the backward's outputs besides the carry's gradient).  A stacked
+    input made per micro-batch (``per_mb``: a cross-attention cache made before the layers, on the
+    ranks' first chunks) is narrowed to each chunk's layers in that chunk's forward."""
     v = ch.v
     n = len(F.args["names"])
     x = [F.ins[0]] + [ch.like(F.ins[0]) for _ in range(v - 1)]           # each chunk's input carry
@@ -296,7 +315,9 @@ def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict) ->
         params = tuple(chunk_params[s][c] for s in F.ins[1:1 + n])   # then the tables every layer reads
         step = dataclasses.replace(F, ins=(x[c], *params, *F.ins[1 + n:]), outs=(y[c], *kept[c]),
                                    label=f"{F.label} (chunk {c})")
-        fwd += _carry(ch, c, x[c], y[c], _per_rank(ch, c, step), +1, 0)
+        narrow = [(t, frozenset(c * ch.p + r for r in ranks)) for x_mb in F.ins[1:1 + n] if x_mb in per_mb
+                  for t, ranks in _chunk_of(ch, x_mb, chunk_params[x_mb][c], c, "forward", "stacked input's")]
+        fwd += narrow + _carry(ch, c, x[c], y[c], _per_rank(ch, c, step), +1, 0)
     ys, dys = _per_layer_outputs(F, B, n)
     # each per-layer output whole on its rank (its chunks one after another, the stored order),
     # joined in the rank's last chunk, where what the loss makes of it runs (:func:`_relabel`)
@@ -419,13 +440,18 @@ def _chunk_of(ch: _Chunks, whole: int, part: int, c: int, phase: str, what: str)
 
 def _gather_grads(ch: _Chunks, pairs: list, B: Step, grads: list) -> list:
     """The final segment with each stacked gradient's sum over the micro-batches made per chunk
-    (``grads``: chunk c's stacked gradients), then joined on each rank into the sum the rest reads.
+    (``grads``: chunk c's stacked gradients), then joined on each rank into the sum the rest reads;
+    a stacked gradient that a step other than its sum reads, or that is an output, is joined whole.
 
     The sums (they read only the backward's per-chunk gradients) come first, then the joins,
     and the segment's other steps in order."""
     v = ch.v
     per_chunk = {g: [grads[c][i] for c in range(v)] for i, g in enumerate(B.outs[1:1 + len(grads[0])])}
-    sums_first, rest, joined = [], [], []
+    # a gradient read otherwise (by a cross-attention cache's einsum's backward) or an output: its
+    # chunks joined first, for every reader
+    whole = [g for g in per_chunk if g in ch.cut.outputs.values() or any(
+        g in s.ins and (s.kind != "allreduce" or len(s.ins) > 1) for s, _ in pairs)]
+    sums_first, rest, joined = [], [], [(g, per_chunk.pop(g), B.phase) for g in whole]
     for s, st in pairs:
         if s.kind != "allreduce" or s.ins[0] not in per_chunk:
             rest.append((s, st))

@@ -45,9 +45,13 @@ empty part on the others, where its params, per-layer outputs and summed gradien
 empty (:func:`_everywhere`), so what follows them runs on every stage as for a stack on all.
 :func:`.stage_layers.split_stacks` then gives each stage its loops.  Chained stacks (the later one's
 first carry made from the earlier one's output, through steps outside any block: a pooling, ELECTRA's
-argmax) run those steps and their gradients on the earlier stack's last stage (:func:`_chain_meet`):
+argmax) run those steps and their gradients on the earlier stack's last stage (:func:`_meet`):
 the later stack's first carry goes up from there to its first stage, and its input gradient comes
-back down to meet the earlier stack's own (:func:`_moves_into`).  With virtual stages
+back down to meet the earlier stack's own (:func:`_moves_into`).  Two towers (stacks that do not feed
+each other, joined after both: an image and a text tower and a loss over both) join per micro-batch on
+the later tower's last stage, where what is made of the earlier tower's output runs too: that output
+goes up once per micro-batch and its gradient comes back down to the earlier tower's last stage
+(:func:`_tower_lifts`).  With virtual stages
 (``interleaved:v``) the stacks are cut so on ``p * v`` logical stages and
 :func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
 
@@ -139,7 +143,8 @@ def _may_move(seg_from: Segment, seg_to: Segment, src: int, dst: int) -> bool:
 class _Stack:
     """One pipelined repeat: the positions of its forward and backward steps, that of the carry
     gradient among the backward's inputs, its layers on each stage (() for one stack over every
-    stage) and the first and last stage running them."""
+    stage), the first and last stage running them, and whether it is stored in parts even on one
+    stage (:func:`_read_as_parts`)."""
 
     F: int
     B: int | None
@@ -147,15 +152,17 @@ class _Stack:
     counts: tuple
     lo: int
     hi: int
+    parts: bool = False
 
     @property
     def stages(self) -> frozenset:
         return frozenset(range(self.lo, self.hi + 1))
 
     def on_some(self, p: int) -> bool:
-        """Whether it runs on several of the ``p`` stages but not on all: its layer-split values
-        are then stored at its counts, with an empty part on the stages outside its run."""
-        return self.lo < self.hi and self.hi - self.lo + 1 < p
+        """Whether it runs on some of the ``p`` stages but not on all, stored at its counts with an
+        empty part on the stages outside its run: on several, or on one when ``parts`` (else it
+        keeps its layers whole there)."""
+        return (self.lo < self.hi or self.parts) and self.hi - self.lo + 1 < p
 
 
 @dataclass
@@ -228,8 +235,9 @@ def _cut(steps, values, outputs, spec) -> _Cut:
             raise _error("the pipelined repeat is differentiated more than once.", spec, [],
                          "a pipeline runs one forward and one backward per micro-batch", "take one gradient")
         run = [t for t, c in enumerate(counts) if c] or [0, p - 1]   # the stages running its layers
-        stacks.append(_Stack(fwd[0], bwd[0] if bwd else None, 1 + len(steps[fwd[0]].args["names"]),
-                             tuple(counts), run[0], run[-1]))
+        b = bwd[0] if bwd else None
+        stacks.append(_Stack(fwd[0], b, 1 + len(steps[fwd[0]].args["names"]), tuple(counts), run[0], run[-1],
+                             _read_as_parts(steps, fwd[0], b)))
     per_mb = made_once(steps, varies_per_microbatch(steps, values))   # a whole-batch count of the inputs: once
     sums = {i: (st, c) for st in stacks for i, c in chained_stage_sums(steps, ax, st.B, per_mb, producer).items()}
     last = stacks[-1]
@@ -237,6 +245,19 @@ def _cut(steps, values, outputs, spec) -> _Cut:
                 [s.kind in ("param", "input") for s in steps], per_mb, set(sums), stacks=stacks,
                 stack_at={i: st for st in stacks for i in (st.F, st.B) if i is not None}, sum_of=sums,
                 chains=_chains(steps, producer, stacks))
+
+
+def _read_as_parts(steps, F: int, B: int | None) -> bool:
+    """Whether what follows the stack (forward step ``F``, backward ``B``) reads its layers as parts
+    split over the stages, even when one stage runs them all: the loss's terms of its per-layer
+    outputs, or a step other than the micro-batches' sum reading a stacked gradient (a broadcast
+    copy's sum over the layers).  The lowering built both as a sum over the stages, which a stack
+    stored whole on one stage would not run."""
+    if steps[F].args.get("ys"):
+        return True
+    n = len(steps[F].args["names"])
+    grads = set(steps[B].outs[1:1 + n]) if B is not None else set()
+    return any(grads & set(s.ins) and (s.kind != "allreduce" or len(s.ins) > 1) for s in steps)
 
 
 def _chains(steps, producer, stacks) -> list[tuple[_Stack, _Stack]]:
@@ -259,19 +280,66 @@ def _chains(steps, producer, stacks) -> list[tuple[_Stack, _Stack]]:
     return out
 
 
-def _chain_meet(cut: _Cut, i: int, anchored: list, in_b: set) -> frozenset | None:
-    """Where step ``i``, reading values anchored on several single stages, runs when they all lie on a
-    chained pair's stages (from the earlier stack's last stage to the later one's last): a forward
-    step on the latest of them (values go up with the carry: the losses of both stacks added), a
-    backward one (``in_b``: it reads a backward's results) on the earliest (values come down with its
-    gradient: the later stack's input gradient meets the earlier one's saved output on the earlier
-    one's last stage, where the steps between the stacks ran).  None: not such a step."""
-    if not cut.chains or any(len(h) != 1 for h in anchored):
+def _meet(cut: _Cut, i: int, anchored: list, in_b: set, after_mb: set) -> frozenset | None:
+    """Where step ``i``, run per micro-batch and reading values anchored on several single stages,
+    runs when they all lie on a chained pair's stages (from the earlier stack's last stage to the
+    later one's last): a forward step on the latest of them (values go up with the carry: the losses
+    of both stacks added), a backward one (``in_b``: it reads a backward's results) on the earliest
+    (values come down with its gradient: the later stack's input gradient meets the earlier one's
+    saved output on the earlier one's last stage, where the steps between the stacks ran).  None:
+    not such a step, one after the micro-batches (``after_mb``: a gradient norm's parts, summed over
+    the stages there), or one adding parts of a sum over the micro-batches (a tied embedding's two
+    gradients: added once, after them)."""
+    if not cut.chains or i in after_mb or any(len(h) != 1 for h in anchored):
+        return None
+    if any(MB_AXIS in cut.values[v].sharding.partial for v in cut.steps[i].ins):
         return None
     at = {min(h) for h in anchored}
     if len(at) < 2 or not any(a.hi <= min(at) and max(at) <= b.hi for a, b in cut.chains):
         return None
     return frozenset({min(at) if i in in_b else max(at)})
+
+
+def _tower_lifts(cut: _Cut) -> dict[int, int]:
+    """Two towers (stacks that do not feed each other: an image and a text tower) joined after both,
+    per micro-batch: each earlier tower's output carry -> the last stage of the latest tower it is
+    joined with.  What is made of that output runs there (:func:`assign_stages`), the output sent up
+    once per micro-batch, so the join, the head between tower and join and their gradients (the
+    params they read too) are on one stage, and the gradient of the output comes back down to the
+    tower's backward.  A join of parts of a sum over the micro-batches (two losses added) is none."""
+    steps, values = cut.steps, cut.values
+    made = [_made_from(steps, steps[st.F].outs[0]) for st in cut.stacks]
+    lifts: dict[int, int] = {}
+    for k, a in enumerate(cut.stacks):
+        for b, from_b in zip(cut.stacks[k + 1:], made[k + 1:]):
+            if made[k] & set(steps[b.F].ins):   # b starts from a's output or reads it: not towers
+                continue
+            if any(cut.per_mb[i] and s.phase == "forward" and made[k] & set(s.ins) and from_b & set(s.ins)
+                   and not any(MB_AXIS in values[v].sharding.partial for v in s.ins) for i, s in enumerate(steps)):
+                out = steps[a.F].outs[0]
+                lifts[out] = max(lifts.get(out, a.hi), b.hi)
+    return lifts
+
+
+def _made_from(steps, v: int) -> set[int]:
+    """``v`` and the values the steps make from it, directly or not."""
+    live = {v}
+    for s in steps:
+        if live & set(s.ins):
+            live.update(s.outs)
+    return live
+
+
+def _after_microbatches(cut: _Cut) -> set[int]:
+    """The positions of the collectives over the micro-batch axis and of the steps reading their
+    results, directly or not: they run once, after the micro-batches (a whole-batch statistic of
+    the inputs, made once before them, is not one: :func:`.batch_stats.made_once`)."""
+    out, live = set(), set()
+    for i, s in enumerate(cut.steps):
+        if (s.is_collective and MB_AXIS in s.axes and cut.per_mb[i]) or live & set(s.ins):
+            out.add(i)
+            live.update(s.outs)
+    return out
 
 
 def _everywhere(cut: _Cut, st: _Stack, i: int) -> list[tuple[int, str | None]]:
@@ -298,6 +366,8 @@ def assign_stages(cut: _Cut) -> None:
     ALL, steps = cut.every_stage, cut.steps
     held, stages = cut.held, [None] * len(steps)
     in_b = _downstream(cut, [v for st in cut.stacks if st.B is not None for v in steps[st.B].outs])
+    after_mb = _after_microbatches(cut)
+    lifts = _tower_lifts(cut) if len(cut.stacks) > 1 else {}
     for i, s in enumerate(steps):
         st = cut.stack_at.get(i)
         if st is not None:   # a stack's output carry on its last stage, its input gradient on its first
@@ -317,9 +387,9 @@ def assign_stages(cut: _Cut) -> None:
             stages[i] = frozenset({cut.sum_to[i]})
             held.update((v, stages[i]) for v in s.outs)
         elif not cut.leaf[i]:
-            anchored = [held[v] for v in s.ins if v in held]
+            anchored = [frozenset({lifts[v]}) if v in lifts else held[v] for v in s.ins if v in held]
             if anchored:
-                stages[i] = _chain_meet(cut, i, anchored, in_b) or frozenset().union(*anchored)
+                stages[i] = _meet(cut, i, anchored, in_b, after_mb) or frozenset().union(*anchored)
                 held.update((v, stages[i]) for v in s.outs)
     demand = cut.demand
     demand.update((v, ALL) for v in cut.outputs.values())
@@ -427,7 +497,8 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
             c = _whole_batch_cause(steps, producer, final, producer[v])
             if c is None:
                 _check_per_layer_outputs(cut, producer[v])
-                _check_towers_meet(cut, final)
+                _check_stacked_input_grads(cut, final, producer[v], blk)
+                _check_towers_meet(cut, _final_behind(cut, final, producer[v]))
                 u = steps[producer[v]]
                 raise _error(f"'{u.op}' ({u.label}) is read by the pipelined repeat, but runs after the "
                              "micro-batches.", spec, [f"'{u.op}' runs on stages {sorted(cut.stages[producer[v]])}"],
@@ -458,10 +529,50 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                          "use microbatches=1")
 
 
+def _final_behind(cut: _Cut, final: set, i: int) -> set[int]:
+    """Step ``i`` and the steps of ``final`` it reads, directly or through other steps of ``final``."""
+    out, todo = set(), [i]
+    while todo:
+        j = todo.pop()
+        if j in out or j not in final:
+            continue
+        out.add(j)
+        todo += [cut.producer[v] for v in cut.steps[j].ins if v in cut.producer]
+    return out
+
+
+def _check_stacked_input_grads(cut: _Cut, final: set, i: int, blk: int) -> None:
+    """Refuse, saying why, a value a stack's backward (step ``blk``) reads that is made after the
+    micro-batches (by step ``i``) from another stack's stacked gradient of an input made before it
+    (a cross-attention cache: every decoder layer's keys and values from the encoder's output): that
+    gradient is a sum over the stages holding the other stack's layers, taken after the micro-batches."""
+    behind = _final_behind(cut, final, i)
+    for k, st in enumerate(cut.stacks):
+        if st.B is None or cut.stack_at[blk] is st:
+            continue
+        F, B = cut.steps[st.F], cut.steps[st.B]
+        grads = dict(zip(B.outs[1:1 + len(F.args["names"])], F.args["names"]))
+        read = sorted({grads[v] for j in behind for v in cut.steps[j].ins if v in grads})
+        if not read:
+            continue
+        layer, u = cut.spec.stacks[k][1], cut.steps[i]
+        other = cut.spec.stacks[cut.stacks.index(cut.stack_at[blk])][1]
+        raise _error(f"the backward of stack '{other}' reads its output's gradient ({u.kind} '{u.label}'), made "
+                     f"after the micro-batches from the stacked gradient of {read} of stack '{layer}'.", cut.spec,
+                     [f"'{x}' is made before stack '{layer}' with its layer dim (a cross-attention cache)"
+                      for x in read],
+                     "what a pipelined backward reads is made one micro-batch at a time, on one stage; the "
+                     "gradient of a tensor made with a later stack's layer dim is summed over its layers' "
+                     "stages after the micro-batches",
+                     f"pipeline one stack only (leave '{other}' out of the layout), or make the tensor in "
+                     f"the block of '{layer}' (each layer its own keys and values from what it reads)")
+
+
 def _check_towers_meet(cut: _Cut, final: set) -> None:
-    """Refuse, saying why, two pipelined stacks whose outputs are joined after both (a two-tower
-    model's contrastive loss): stacks sharing a stage axis pass on only the carry, from the first
-    stack's stages up to the second's, so a step reading both outputs would run on both stages."""
+    """Refuse, saying why, a step joining two pipelined stacks' outputs that runs after the
+    micro-batches (on both stacks' last stages: it also reads a value held on several stages or made
+    after the micro-batches) when the pipelined backward reads its result.  Two towers joined per
+    micro-batch run (:func:`_tower_lifts`)."""
     layers = [layer for _, layer, _ in getattr(cut.spec, "stacks", ())]
     ends = {st.hi: layers[k] if k < len(layers) else cut.steps[st.F].label for k, st in enumerate(cut.stacks)}
     for i in sorted(final):
@@ -474,11 +585,11 @@ def _check_towers_meet(cut: _Cut, final: set) -> None:
                      "its own last stage.", cut.spec,
                      [f"stack '{ends[e]}' ends on stage {e}" for e in meet]
                      + [f"'{s.op}' would run on stages {meet}, after the micro-batches"],
-                     "stacks sharing a stage axis run one after another: the first one's output is sent up "
-                     "to the second's stages (an encoder's, read by a decoder); two towers joined only "
-                     "after both (a contrastive loss over an image and a text tower) have no stage order",
-                     "pipeline one tower only (leave the other's layer dim out of the layout: it runs whole "
-                     "on a stage, per micro-batch), or pipeline neither and split the batch")
+                     "stacks sharing a stage axis join their outputs one micro-batch at a time, on the later "
+                     "stack's last stage (the earlier one's output sent up to it), from values of that "
+                     "micro-batch alone",
+                     "join the towers' outputs per micro-batch (each row's own terms), or pipeline one tower "
+                     "only (leave the other's layer dim out of the layout: it runs whole on a stage)")
 
 
 def _check_per_layer_outputs(cut: _Cut, i: int) -> None:

@@ -325,7 +325,10 @@ def _with_microbatches(mesh: Mesh, layout: Layout, dims: dict[str, int], microba
         return mesh, layout
     if BATCH not in dims:
         raise _err(f"{microbatches} micro-batches, but no tensor has a '{BATCH}' dim.", mesh=mesh,
-                   layout=layout, rule=f"micro-batches cut the '{BATCH}' dim", fix="use microbatches=1")
+                   layout=layout,
+                   rule=f"micro-batches cut the dim named '{BATCH}' (no other name is taken as the examples' dim)",
+                   fix=f"name the dim that indexes the examples '{BATCH}' (md.Dim('{BATCH}', n)), "
+                       "or use microbatches=1")
     rule = layout.rule_for(BATCH, ())
     axes = rule.axis_names if rule else ()
     n = microbatches * mesh.axis_size(axes)

@@ -164,9 +164,10 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list,
         loop.layer_axes = tgt.axes_of(layer)
         if mesh.axis_size(loop.layer_axes) > 1 and loop.layer_axes != (lw.pipeline_axis,):
             raise LayoutError(message(
-                f"repeat '{node.name}': stacked param '{k}' splits dim '{layer}' over mesh axes "
+                f"repeat '{node.name}': stacked tensor '{k}' splits dim '{layer}' over mesh axes "
                 f"{tgt.axes_of(layer)}.", inputs=[f"layout: {lw.layout}", f"mesh: {mesh}"],
-                rule="a repeat inside a block runs its layers in sequence on every rank, so 'layer' must be whole",
+                rule=f"a repeat inside a block runs its steps in sequence on every rank, so the dim it "
+                     f"scans ('{layer}') must be whole",
                 fix=f"remove the '{layer}:...' rule; only the outermost repeat can be a pipeline"))
         ins.append(lw.relayout(lw.value(t), tgt, node, f"stacked param '{k}'"))
         feeds[k] = _slice_sharding(tgt, layer)

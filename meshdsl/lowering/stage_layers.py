@@ -18,18 +18,21 @@ cut into unequal ones, as a pass on the segment lists and the values:
 With several stacks on the stage axis, :func:`split_stacks` does the same for each stack, at
 its counts (:attr:`.pipeline.PipeSpec.stacks`); a stack on some of the stages has an empty part
 on the others; a stack on one stage keeps its layers whole there, and a sum over the stage axis
-that only that stage runs is summed over its other axes.  Chained stacks (the later one starting
-from the earlier one's output) also move what runs between them, and its gradient, between the
-stages holding their ends: these transfers are kept as cut.  With virtual stages (several stacks
+that only that stage runs is summed over its other axes, unless what follows reads its layers as
+parts summed over the stages (its per-layer outputs, a stacked gradient read other than by its sum
+over the micro-batches): it is then stored at its counts as a stack on some stages is.  Chained
+stacks (the later one starting from the earlier one's output) also move what runs between them, and
+its gradient, between the stages holding their ends: these transfers are kept as cut.  With virtual stages (several stacks
 cut on ``p * v`` logical stages) a stack on several of them is stored block-cyclically at its
 counts (``Sharding.blocks``, zeros where a virtual stage holds none of it).
 
 Per-layer outputs (``(carry, {name: tensor})``) are stored so too: what the loss makes of them
 (a sum or mean over the layers, elementwise ops on them) runs on each stage's own layers, its
 local steps at the stages' counts (:mod:`.local_parts`).  What :mod:`.interleave` refuses, this
-pass refuses too (other steps run per micro-batch on several stages, stacked gradients read other
-than by their sum over the micro-batches); a value made per micro-batch before the layers and read
-after them (a skip around the stack) moves from the first stage to the last as with equal stages.
+pass refuses too (other steps run per micro-batch on several stages), but any step may read a
+stacked gradient (each stage's step writes its own layers of it, with no chunks to join); a value
+made per micro-batch before the layers and read after them (a skip around the stack) moves from the
+first stage to the last as with equal stages.
 With virtual stages (``interleaved:v``) the counts are per virtual stage (``p * v``, checked by
 :func:`check_counts`) and :mod:`.interleave` cuts the chunks at them instead of this pass.
 """
@@ -57,7 +60,7 @@ def offsets(counts) -> list[int]:
 
 def check(cut, lists, counts) -> None:
     """Refuse what this pass cannot cut, with the reason."""
-    why = _unsupported(cut, lists)
+    why = _unsupported(cut, lists, chunked=False)
     if why is not None:
         spec = cut.spec
         raise LayoutError(message(
@@ -116,7 +119,7 @@ def split_stacks(cut, lists: dict) -> dict:
     holds its params, gradients and updates empty, so gathers and checkpoints run over the whole
     stage axis), whole for a stack on one (held there only)."""
     spec = cut.spec
-    why = _unsupported(cut, lists)
+    why = _unsupported(cut, lists, chunked=cut.num_stages > spec.mesh.sizes[spec.axis])   # virtual stages
     if why is not None:
         raise LayoutError(message(
             f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): {why}.",
@@ -126,16 +129,7 @@ def split_stacks(cut, lists: dict) -> dict:
             fix="pipeline one stack only (leave the other's layer dim whole)"))
     out = dict(lists)
     for (_, layer, counts), st in zip(spec.stacks, cut.stacks):
-        if st.lo == st.hi and cut.steps[st.F].args.get("ys"):
-            raise LayoutError(message(
-                f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks): the stack over '{layer}' "
-                f"returns per-layer outputs ('{cut.steps[st.F].label}') and all its layers are on stage {st.lo}.",
-                inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"], bullets=stack_lines(spec),
-                rule="beside another pipelined stack, a stack with per-layer outputs spans two or more stages "
-                     "(its outputs' sums over the layers are then sums over those stages)",
-                fix=f"give '{layer}' layers on two or more stages with --stage-layers (stage_layers=...), "
-                    "or pipeline one stack only"))
-        if st.lo == st.hi:   # on one stage: its layers are whole there, and held on that stage only
+        if st.lo == st.hi and not st.on_some(cut.num_stages):   # its layers whole there, held there only
             _store_whole(cut.values, spec.axis, layer)
         elif len(counts) > spec.mesh.sizes[spec.axis]:   # virtual stages: each rank's blocks, in stage order
             _store_cyclic(cut.values, spec, counts, layer)

@@ -23,6 +23,7 @@ from .registry import ComputeSpec, Op, apply, register
 class Einsum(Op):
     name = "einsum"
     linear = False
+    multilinear = True
 
     def infer(self, inputs, attrs):
         names_out = attrs["out"]

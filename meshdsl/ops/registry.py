@@ -112,6 +112,10 @@ class Op(ABC):
     #: input positions in which the op is linear on its own (mul: either operand,
     #: div: the numerator): one of them may be partial while the others are not.
     linear_args: tuple[int, ...] = ()
+    #: linear in each input on its own, the others fixed (einsum): inside a repeat's block a
+    #: partial sum over the micro-batches passes through it (it cannot be reduced there);
+    #: elsewhere a partial input is reduced first, as for any op not in ``linear_args``.
+    multilinear = False
     #: ops whose outputs carry no gradient (integer or boolean results).
     differentiable = True
     #: ops that cut reverse mode (stop_gradient): nothing behind them is differentiated.
