@@ -134,7 +134,8 @@ def test_resume_from_another_model_or_config(capsys, tmp_path):
     rc, _, err = run(capsys, "train", *TINY, "--steps", "4", "--checkpoint", ck, "--resume",
                      "--config", "d_ff=24", "--out", str(tmp_path / "o2"))
     assert rc == 2
-    assert "is of another model" in err and "d_ff: saved 16, now 24" in err
+    assert "is of this model with another Config" in err and "d_ff: saved 16, now 24" in err
+    assert "(--config d_ff=16)" in err
     rc, _, err = run(capsys, "train", "mlp", *TINY, "--steps", "4", "--checkpoint", ck, "--resume",
                      "--out", str(tmp_path / "o3"))
     assert rc == 2

@@ -49,6 +49,7 @@ from .report import plan_report, print_report
 from .search_cli import add_calibrate, add_search, print_prediction, resolve_auto_layout
 from .timeline_png import bar_counts, check_timeline, draw, simulated_rows, timeline_arg
 from .train_cli import add_train
+from .export_cli import add_export
 from .stage_args import resolve_stage_layers, stage_lines
 from .cli_common import (EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE,  # noqa: F401
                          load_configured, lr_arg, make_console, model_args, pipe_args, remat_arg, seed_arg,
@@ -288,7 +289,7 @@ def _pipe_words(args, plan) -> str:
 
 # ----------------------------------------------------------------------------- main
 
-SUBCOMMANDS = [add_plan, add_check, add_run, add_train, add_calibrate, add_search]
+SUBCOMMANDS = [add_plan, add_check, add_run, add_train, add_export, add_calibrate, add_search]
 
 
 def build_parser() -> argparse.ArgumentParser:

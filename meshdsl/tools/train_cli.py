@@ -18,8 +18,10 @@ import os
 from ..processes.launcher import in_torchrun
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
+from ..train.checkpoint import read_metadata
 from ..train.data import TokenData
 from ..train.feeder import BatchFeeder, TokenFeeder
+from ..train.init_weights import check_weights, graph_params, read_weights
 from ..train.lr_schedule import SCHEDULES
 from ..train.resume import resume_from, resume_spec
 from ..train.run_outputs import check_out_dir
@@ -66,50 +68,8 @@ def auto_mesh(batch: int, flops: float, cores: int | None = None) -> tuple[str, 
             f"(each computes its own rows; one gradient allreduce per step)")
 
 
-def add_train(sub) -> None:
-    p = sub.add_parser("train", help="train MODEL on text and report train/eval loss (default: the "
-                                     "transformer on the standard library's source)",
-                       description="Train MODEL (default: transformer) on a text corpus (default: this "
-                                   "Python's standard library sources, byte-tokenized), or a model that makes "
-                                   "its own batches (Model.batches: generated images, ...) on those, for S steps on a "
-                                   "mesh, each rank building its own rows, "
-                                   "with eval loss, checkpoints and resume, and write metrics.jsonl, loss.png, "
-                                   "samples.txt and config.json to --out.",
-                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", nargs="?", default="transformer",
-                   help="a shipped model's name or a path to a model .py file (default: transformer)")
-    p.add_argument("--mesh", default=None, help='mesh, e.g. "data:2; model:2" (default: picked for this '
-                                               'machine, printed with the reason)')
-    p.add_argument("--layout", default=None, help='layout, e.g. "batch:data; d_ff:model"')
-    p.add_argument("--tiny", action="store_true", help="start from the model's Config.tiny()")
-    strict_splits_arg(p)
-    p.add_argument("--config", default="", metavar="K=V,...",
-                   help="override Config fields, e.g. d_model=128,layers=8,seq=128 (over the train "
-                        f"defaults: {TRAIN_DEFAULTS['transformer']} for the transformer)")
-    p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 100"), default=None,
-                   help=f"total steps of the run; a resumed run goes on up to it (default {DEFAULT_STEPS})")
-    p.add_argument("--batch", type=int_in(1, fix="e.g. --batch 16"), default=None,
-                   help="global batch rows (the Config's 'batch' field)")
-    p.add_argument("--lr", type=float_in(0.0, lo_open=True, fix="e.g. --lr 0.5"), default=None,
-                   help="learning rate, the schedule's peak (default: " + ", ".join(
-                       f"{k} {v['lr']:g}" for k, v in RECIPES.items()) + ")")
-    add_optimizer_args(p)
-    p.add_argument("--warmup-steps", type=int_in(0, fix="e.g. --warmup-steps 100"), default=None,
-                   help="linear warmup over this many steps (default: min(100, steps/10) with AdamW, else 0)")
-    p.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
-                   help="after the warmup: constant, or a cosine decay to lr/10 at --decay-steps (default: "
-                        "cosine with AdamW or --warmup-steps, else constant)")
-    p.add_argument("--decay-steps", type=int_in(1, fix="e.g. --decay-steps 1000"), default=None,
-                   help="the step where the cosine reaches lr/10 and stays (default: --steps; a resume "
-                        "keeps the saved one)")
-    p.add_argument("--accum", type=int_in(1, fix="e.g. --accum 4"), default=None,
-                   help="gradient accumulation: cut each batch into k micro-batches (same step result)")
-    p.add_argument("--microbatches", type=int_in(1, fix="e.g. --microbatches 4"), default=None,
-                   help="micro-batches of a pipelined layout (with --schedule)")
-    p.add_argument("--schedule", default=None, help="pipeline schedule (default gpipe)")
-    stage_layers_arg(p)
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="a UTF-8 text file to train on (default: the standard library's .py sources)")
+def checkpoint_args(p) -> None:
+    """The flags of checkpoints, resume and a new run's given weights."""
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save checkpoints into DIR")
     p.add_argument("--save-every", type=int_in(1, fix="e.g. --save-every 50"), default=None,
                    help="save every K steps (and at the end; needs --checkpoint)")
@@ -128,6 +88,57 @@ def add_train(sub) -> None:
     p.add_argument("--reset-optimizer", action="store_true",
                    help="with --resume: load the params only and start the optimizer (the flags', or a new "
                         "run's) afresh, e.g. another --optimizer")
+    p.add_argument("--init", default=None, metavar="PATH", help="start a new run from these weights: a safetensors "
+                   "file of full tensors by param name, frozen params too (`meshdsl export` writes one from a "
+                   "checkpoint); others keep meshdsl's init; a resume does not read it")
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train MODEL on text and report train/eval loss (default: the "
+                                     "transformer on the standard library's source)",
+                       description="Train MODEL (default: transformer) on a text corpus (default: this "
+                                   "Python's standard library sources, byte-tokenized), or a model that makes "
+                                   "its own batches (Model.batches: generated images, ...) on those, for S steps on a "
+                                   "mesh, each rank building its own rows, "
+                                   "with eval loss, checkpoints and resume, and write metrics.jsonl, loss.png, "
+                                   "samples.txt and config.json to --out.",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", nargs="?", default="transformer",
+                   help="a shipped model's name or a path to a model .py file (default: transformer)")
+    p.add_argument("--mesh", default=None, help='mesh, e.g. "data:2; model:2" (default: picked for this '
+                                               'machine, printed with the reason; with --nproc N, data:N)')
+    p.add_argument("--layout", default=None, help='layout, e.g. "batch:data; d_ff:model"')
+    p.add_argument("--tiny", action="store_true", help="start from the model's Config.tiny()")
+    strict_splits_arg(p)
+    p.add_argument("--config", default="", metavar="K=V,...",
+                   help="override Config fields, e.g. d_model=128,layers=8,seq=128 (over the train "
+                        f"defaults: {TRAIN_DEFAULTS['transformer']} for the transformer)")
+    p.add_argument("--steps", type=int_in(1, fix="e.g. --steps 100"), default=None,
+                   help=f"total steps of the run; a resumed run goes on up to it (default {DEFAULT_STEPS})")
+    p.add_argument("--batch", type=int_in(1, fix="e.g. --batch 16"), default=None,
+                   help="global batch rows (the Config's 'batch' field)")
+    p.add_argument("--lr", type=float_in(0.0, lo_open=True, fix="e.g. --lr 0.5"), default=None,
+                   help="learning rate, the schedule's peak (default: " + ", ".join(
+                       f"{k} {v['lr']:g}" for k, v in RECIPES.items()) + ")")
+    add_optimizer_args(p)
+    p.add_argument("--warmup-steps", type=int_in(0, fix="e.g. --warmup-steps 100"), default=None,
+                   help="linear warmup over this many steps (default: min(100, a tenth of the schedule: "
+                        "--decay-steps, else --steps) with AdamW, else 0)")
+    p.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
+                   help="after the warmup: constant, or a cosine decay to lr/10 at --decay-steps (default: "
+                        "cosine with AdamW or --warmup-steps, else constant)")
+    p.add_argument("--decay-steps", type=int_in(1, fix="e.g. --decay-steps 1000"), default=None,
+                   help="the step where the cosine reaches lr/10 and stays (default: --steps; a resume "
+                        "keeps the saved one)")
+    p.add_argument("--accum", type=int_in(1, fix="e.g. --accum 4"), default=None,
+                   help="gradient accumulation: cut each batch into k micro-batches (same step result)")
+    p.add_argument("--microbatches", type=int_in(1, fix="e.g. --microbatches 4"), default=None,
+                   help="micro-batches of a pipelined layout (with --schedule)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule (default gpipe)")
+    stage_layers_arg(p)
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a UTF-8 text file to train on (default: the standard library's .py sources)")
+    checkpoint_args(p)
     p.add_argument("--eval-every", type=int_in(1, fix="e.g. --eval-every 50"), default=None,
                    help="eval loss every K steps (default: steps/10; always at the end)")
     p.add_argument("--eval-batches", type=int_in(1, fix="e.g. --eval-batches 8"), default=None,
@@ -168,6 +179,7 @@ def make_spec(args):
     spec, why = _pick_mesh(args, spec, model)
     mesh = Mesh.parse(spec.mesh)
     preflight_processes(args, mesh)
+    auto_stages = getattr(args, "stage_layers", None) == "auto"
     spec = with_stage_layers(args, spec, step_outputs(model, spec))
     plan = compile_plan(step_outputs(model, spec), mesh, spec.layout, microbatches=spec.microbatches,
                         schedule=spec.schedule, bucket_mb=spec.bucket_mb, strict_splits=args.strict_splits,
@@ -175,6 +187,8 @@ def make_spec(args):
     in_process = mesh.size == 1 and not in_torchrun()  # as cmd_train runs it
     check_job_memory(args, plan, "train", local_device(args, "train") if in_process else None)
     data = TokenData.load(spec.data, seed=spec.seed) if spec.data is not None or text else None
+    if data is not None and path is not None:     # another text: refused here, before any rank starts
+        data.check_state(read_metadata(path).meta["data"])
     if data is not None:
         TokenFeeder(data, plan, [0], getattr(model.config, "vocab", None))
     elif model.batches is not None:     # rank 0's rows of step 1: batches that break the protocol stop here
@@ -189,6 +203,9 @@ def make_spec(args):
               _own_data(model, spec)),
              f"  steps {spec.steps}" + (f" (resuming from {path.name})" if path else "")
              + f", {describe_optimizer(spec)}, out {spec.out}"]
+    if spec.stage_layers is not None:     # what auto picked is otherwise in config.json only
+        lines.append(f"  layers per stage: {','.join(map(str, spec.stage_layers))}"
+                     + (" (--stage-layers auto: the cost model's balance)" if auto_stages else ""))
     return spec, lines + [f"  {line}" for line in notes], plan
 
 
@@ -214,6 +231,12 @@ def _pick_mesh(args, spec, model) -> tuple[TrainSpec, str]:
         if search.microbatches != args.microbatches:
             spec = dataclasses.replace(spec, microbatches=search.microbatches, schedule=search.schedule)
     args.auto = args.mesh is None
+    if args.auto and (args.nproc or 1) > 1 and not in_torchrun():
+        # the process count is given: data parallel over it, as under torchrun
+        args.mesh, layout = f"data:{args.nproc}", "batch:data"
+        args.layout = layout if args.layout is None else args.layout
+        return dataclasses.replace(spec, mesh=args.mesh, layout=args.layout), \
+            f"--nproc {args.nproc} without --mesh: data parallel over the {args.nproc} processes"
     if args.auto:
         nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
         # Under torchrun the process count is given: go data parallel over it.
@@ -231,8 +254,25 @@ def _usage(what: str, fix: str, rule: str | None = None):
     return UsageError(f"{what}." + (f"\nRule: {rule}" if rule else "") + f"\nFix: {fix}")
 
 
+def with_init(args, spec: TrainSpec, plan) -> tuple[TrainSpec, list[str]]:
+    """``spec`` with ``--init``'s file, checked against the plan's params before any rank starts,
+    and its header line; a resume does not read it (the checkpoint holds every param)."""
+    if args.init is None:
+        return spec, []
+    params = graph_params(plan)
+    if spec.resume or spec.resume_from is not None:
+        return spec, [f"  init: {args.init} is not read: a resume loads every param from the checkpoint"]
+    given = check_weights(params, read_weights(args.init, "--init"), "--init")
+    rest = len(params) - len(given)
+    return dataclasses.replace(spec, init=args.init), [
+        f"  init: {args.init} ({len(given)} of {len(params)} params" +
+        (f"; the other {rest} start from meshdsl's init)" if rest else ")")]
+
+
 def cmd_train(args) -> int:
     spec, lines, plan = make_spec(args)
+    spec, more = with_init(args, spec, plan)
+    lines += more
     in_process = Mesh.parse(spec.mesh).size == 1 and not in_torchrun()
     device = local_device(args, "train")
     if in_process and device.type != "cpu":
@@ -271,7 +311,7 @@ def print_summary(console, spec: TrainSpec, r, memory_per_rank: int) -> None:
     t.add_column("what")
     t.add_column("value", justify="right")
     unit = " nats/token" if r.unigram_entropy is not None else ""   # a loss on text is per token
-    t.add_row("final train loss (mean of the last 10 steps)", f"{r.final_loss:.4f}{unit}")
+    t.add_row(f"final train loss (mean of the last {min(10, len(r.rows))} steps)", f"{r.final_loss:.4f}{unit}")
     if r.final_eval_loss is not None:
         t.add_row(f"final eval loss ({r.eval_data})", f"{r.final_eval_loss:.4f}{unit}")
     for k, v in r.final_eval_metrics.items():

@@ -73,13 +73,16 @@ def asked_spec(args, overrides: dict, text: bool) -> tuple[TrainSpec, set]:
     name = args.optimizer or ("adamw" if "betas" in opt_args else "sgd" if "momentum" in opt_args else
                               "adamw" if text or args.model in ADAMW_MODELS else "sgd")
     recipe, steps = RECIPES[name], args.steps or DEFAULT_STEPS
+    # the warmup is a tenth of the schedule's length, not of this run's: a 20-step schedule
+    # stopped at 10 (--steps 10 --decay-steps 20) warms up as the uninterrupted --steps 20 run
+    length = args.decay_steps if args.decay_steps is not None else steps
     flags = {"optimizer": args.optimizer, "lr": args.lr, "lr_schedule": args.lr_schedule,
              "warmup_steps": args.warmup_steps, "decay_steps": args.decay_steps, "clip_norm": args.clip_norm,
              "precision": args.precision, "microbatches": args.accum or args.microbatches,
              "schedule": args.schedule, "seed": args.seed, "data": args.data, "steps": args.steps,
              "save_every": args.save_every, "keep": args.keep, "eval_every": args.eval_every,
              "eval_batches": args.eval_batches}
-    new_run = {**recipe, "optimizer": name, "warmup_steps": min(recipe["warmup_steps"], steps // 10),
+    new_run = {**recipe, "optimizer": name, "warmup_steps": min(recipe["warmup_steps"], length // 10),
                "lr_schedule": "cosine" if args.warmup_steps is not None else recipe["lr_schedule"],
                "decay_steps": None, "precision": "fp32", "microbatches": 1, "schedule": "gpipe", "seed": 0,
                "data": None, "steps": steps, "save_every": 0, "keep": None, "eval_every": max(1, steps // 10),

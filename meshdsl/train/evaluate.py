@@ -53,7 +53,7 @@ class Evaluator:
             return None
         params = self.step.params
         if not self.same:
-            full = self.step.full_params()
+            full = self.step.full_params(frozen=True)
             params = {k: self.executor.local_slices(self.plan.values[self.plan.params[k]], full[k])
                       for k in self.plan.params}
         got: dict[str, list[float]] = {k: [] for k in self.names}

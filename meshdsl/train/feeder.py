@@ -128,7 +128,8 @@ class TokenFeeder:
             raise DataError(message(f"training on text: the model's vocab is {vocab}, smaller than the "
                                     f"{ByteTokenizer.vocab_size} byte tokens.",
                                     rule="text is byte-tokenized: ids 0..255",
-                                    fix="--config vocab=256"))
+                                    fix="--config vocab=256 (from Python: md.load_model(..., vocab=256)), or "
+                                        "train a model of another vocab on data= a function step -> feeds"))
         self.data, self.batch_size, self.seq = data, *shapes[IDS]
         self.slices = InputSlices(plan, {IDS: 0, LABELS: 0}, ranks)   # rows: the first dim, whatever its name
 

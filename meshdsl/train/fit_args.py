@@ -64,7 +64,7 @@ def _check_value(name: str, value, annotation: str) -> None:
 
 
 def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=None, mesh: str = "",
-                        layout: str = "") -> None:
+                        layout: str = "", nproc: int | None = None) -> None:
     """Raise a FitArgumentError for the first argument of ``fit`` that cannot be right."""
     from .data import TokenData
     from .model import Model
@@ -85,12 +85,26 @@ def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=N
                     rule="model is an md.Model (a model file's build(...) result), a shipped model's name or a "
                          "model file's path",
                     fix="pass e.g. md.load_model('transformer', tiny=True), 'transformer' or './my_model.py'")
+    if isinstance(model, Model) and nproc not in (None, 1):
+        raise _fail(f"nproc={nproc!r} with a built md.Model, which trains in this process (every rank simulated).",
+                    rule="a built Model cannot be sent to other processes; a model's name or file path can, and "
+                         "each process builds it",
+                    fix="pass the model file's path (md.fit('path/to/my_model.py', tiny=..., config={...}, "
+                        f"nproc={nproc!r}, ...)), or drop nproc to simulate the mesh here")
     auto = [k for k, v in (("mesh", mesh), ("layout", layout)) if v == "auto"]
     if auto:
         raise _fail(f"{auto[0]}='auto' is the command line's search (meshdsl train --layout auto).",
                     rule="md.fit takes a mesh and a layout string; md.search_layouts ranks them from Python",
                     fix="r = md.search_layouts(model, model.train_step(0.01), NPROC, md.load_calibration()); "
-                        "c = r.ranked[0].candidate; md.fit(model, mesh=c.mesh, layout=c.layout, nproc=NPROC, ...)")
+                        "c = r.ranked[0].candidate; md.fit(model, mesh=c.mesh, layout=c.layout, "
+                        "microbatches=c.microbatches, schedule=c.schedule, nproc=NPROC, ...) (a pipelined "
+                        "candidate's micro-batches and schedule too)")
+    if options.get("stage_layers") == "auto":   # balancing reads the cost model (search/), above this room
+        raise _fail("stage_layers='auto' is the command line's balancing (meshdsl train --stage-layers auto).",
+                    rule="md.fit takes one layer count per stage; md.balance_stages gives the balanced counts "
+                         "from Python",
+                    fix="pass stage_layers=md.balance_stages(model.train_step(), mesh, layout, microbatches=M, "
+                        "schedule=S), with the mesh, layout, microbatches and schedule of the run")
     if steps is not None:
         _check_value("steps", steps, "int")
     if data is not None and not isinstance(data, (str, Path, TokenData)) and not callable(data):

@@ -243,6 +243,23 @@ def load_module(path: Path):
     return module
 
 
+def _check_overrides(module, path, overrides: dict) -> None:
+    """An override that is no field of the file's Config is the caller's mistake, not the file's."""
+    config = getattr(module, "Config", None)
+    if not overrides or config is None or not dataclasses.is_dataclass(config):
+        return      # a file without a dataclass Config fails in building, where it is reported
+    fields = [f.name for f in dataclasses.fields(config)]
+    unknown = [k for k in overrides if k not in fields]
+    if unknown:
+        raise ModelError(message(
+            f"load_model: {config.__name__} of '{path}' has no field '{unknown[0]}'.{did_you_mean(unknown[0], fields)}",
+            inputs=[f"overrides: {', '.join(f'{k}={v!r}' for k, v in overrides.items())}",
+                    f"fields: {', '.join(fields)}"],
+            rule="overrides (md.load_model(..., k=v), md.fit(config={k: v}), --config k=v) name fields of the "
+                 "model's Config",
+            fix="use one of the fields listed above"))
+
+
 def load_model(name_or_path: str, tiny: bool = False, **overrides) -> Model:
     """Find, import and build a model.
 
@@ -260,6 +277,7 @@ def load_model(name_or_path: str, tiny: bool = False, **overrides) -> Model:
     """
     path = find_model_file(name_or_path)
     module = load_module(path)
+    _check_overrides(module, path, overrides)
     try:
         cfg = module.Config.tiny() if tiny else module.Config()
         if overrides:

@@ -275,11 +275,15 @@ def resume_from(spec, model) -> Path | None:
     diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in (now or {}).items()
             if saved is not None and saved.get(k) != v]
     if info.model != model_id(model) or diff:
+        same = info.model == model_id(model)
+        was = ",".join(f"{k}={saved.get(k)}" for k, v in (now or {}).items() if saved is not None and saved.get(k) != v)
         raise CheckpointError(message(
-            f"--resume: checkpoint {str(path)!r} is of another model.",
+            f"--resume: checkpoint {str(path)!r} is of " + ("this model with another Config." if same else
+                                                              "another model."),
             inputs=[f"saved model: {info.model!r}, this model: {model_id(model)!r}"], bullets=diff,
             rule="a run resumes from a checkpoint of the same model and Config",
-            fix="resume with the model and --config it was saved with, or use another --checkpoint folder"))
+            fix=(f"resume with the Config it was saved with (--config {was}), " if same and was else
+                 "resume with the model and --config it was saved with, ") + "or use another --checkpoint folder"))
     return path
 
 

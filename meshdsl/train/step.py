@@ -31,6 +31,7 @@ from ..lowering.plan import Value
 from ..core.shape import Shape
 from ..errors import GraphError, message
 from .checkpoint_format import HeldSpec
+from .init_weights import check_weights, graph_params, read_weights
 from .optim import sgd
 from .optimizers import Optimizer, clip_scale, global_norm, hyper
 
@@ -208,6 +209,11 @@ class TrainStep:
         self.executor = Executor(self.plan, for_plan(comm, self.plan), donate_params=True, compile=compile)
         self.params = self.executor.init_params(seed)
         self.names = list(params)
+        #: the graph's params by name, trainable and frozen (an md.param left out of ``params``:
+        #: no gradient, no update; it keeps its init or what :meth:`set_params` gave it)
+        self.graph_params = graph_params(self.plan)
+        #: names of the frozen params
+        self.frozen = [k for k in self.graph_params if k not in params]
         #: names of the carried tensors: the params, then the optimizer state
         self.carried = [k for k in self.plan.params if f"new/{k}" in self.plan.outputs]
         self.step_count = 0
@@ -255,20 +261,57 @@ class TrainStep:
         return loss, StepStats(total, stats.get("local", 0.0) + stats.get("split", 0.0), comm, stats,
                                _in_flight(self.executor.comm) - flight0, peak_rss())
 
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """Every param as a full tensor (gathered over the mesh)."""
-        return {k: self.executor.to_full_held(self.plan.params[k], self.params[k]) for k in self.names}
+    def set_params(self, weights) -> list[str]:
+        """Start params from given full tensors: each rank takes its slice for this step's mesh
+        and layout (a pipeline stage only the params it holds).
+
+        Trainable params and frozen ones (graph params left out of ``params``, e.g. LoRA's base
+        weights) alike.  A param not given keeps what it has: meshdsl's seeded init on a new
+        step.  The optimizer state is left as it is (zero on a new step).  A float tensor of
+        another float dtype is cast to the param's dtype (as torch's ``load_state_dict``
+        copies; a bf16 file into fp32 params is exact); an integer one for a float param is
+        refused.  The tensors given are copied, never updated in place.
+
+        Args:
+          weights: param name -> full (unsharded) tensor, or the path of a safetensors file of
+            them (``meshdsl export`` writes one from a checkpoint).
+
+        Returns:
+          The names set.
+
+        Raises:
+          WeightsError: naming each bad item: a name that is no param of the graph (with the
+            closest one), a tensor of another shape (the param's dims named) or dtype kind.
+
+        Example::
+
+            step = md.TrainStep(model.loss, model.params, "data:2; model:2", "batch:data; heads:model", comm)
+            step.set_params("llama.safetensors")   # or {"wq": tensor, ...}
+        """
+        given = check_weights(self.graph_params, read_weights(weights, "TrainStep.set_params"),
+                              "TrainStep.set_params")
+        for name, full in given.items():
+            value = self.plan.values[self.plan.params[name]]
+            self.params[name] = self.executor.local_slices(value, full.to(self.executor.device))
+        return list(given)
+
+    def full_params(self, frozen: bool = False) -> dict[str, torch.Tensor]:
+        """Every trainable param as a full tensor (gathered over the mesh); ``frozen``: the
+        frozen ones too (what :meth:`set_params` takes back)."""
+        names = self.names + (self.frozen if frozen else [])
+        return {k: self.executor.to_full_held(self.plan.params[k], self.params[k]) for k in names}
 
     def state(self) -> dict[str, tuple[Value, list]]:
         """Every carried tensor's value spec and local slices (one per held rank).
 
-        Names: ``param/<k>`` for params, ``opt/<k>/<slot>`` for optimizer state, and
+        Names: ``param/<k>`` for params (frozen ones too: they may have been given, see
+        :meth:`set_params`), ``opt/<k>/<slot>`` for optimizer state, and
         ``opt/step`` (a replicated int64 scalar) for the step counter.  A tensor only some ranks
         hold (a pipeline stage's params and their optimizer state) has a
         :class:`~meshdsl.train.checkpoint_format.HeldSpec` and ``None`` on the other ranks.
         """
         out = {}
-        for k in self.carried:
+        for k in self.carried + self.frozen:
             name = k if k.startswith("opt/") else f"param/{k}"
             v = self.plan.values[self.plan.params[k]]
             held = self.plan.holders.get(v.id)

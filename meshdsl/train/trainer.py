@@ -58,7 +58,9 @@ class TrainSpec:
     resume from this checkpoint (a step of ``checkpoint``, or a path) rather than the latest;
     ``verify``: ``"sha256"`` or ``"size"``, how its files are checked before use
     (:mod:`.checkpoint_verify`; the process that resolves a resume hashes them once, and hands
-    the ranks its path with ``"size"``).
+    the ranks its path with ``"size"``).  ``init``: a new run starts its params (frozen ones too)
+    from these full tensors, a safetensors file's or a dict's (:meth:`TrainStep.set_params`);
+    a resume does not read it: the checkpoint holds every param.
     """
 
     model: str = "transformer"
@@ -90,6 +92,7 @@ class TrainSpec:
     resume_from: int | str | None = None
     verify: str = "sha256"
     reset_optimizer: bool = False
+    init: str | dict | None = None   # a new run's weights: a safetensors file or {param name: full tensor}
     eval_every: int = 0
     eval_batches: int = 4
     out: str | None = None
@@ -244,10 +247,15 @@ def _start_run(comm, spec: TrainSpec, model: Model | None, data, eval_data) -> _
     evaluate = Evaluator(model, step, spec, comm)
     tokens, feeder = make_feeder(model, step, spec, data, eval_data, evaluate.plan)
     start = 0
+    lead = 0 in step.executor.comm.ranks
     if path is not None:
         start = tokens.check_state(info.meta["data"]) if tokens is not None else info.step
         load_train_state(step, path, model_id(model), params_only=spec.reset_optimizer)
-    lead = 0 in step.executor.comm.ranks
+        if spec.init is not None and lead:
+            print(f"resume: the weights of init= are not read: checkpoint step {info.step} holds every param "
+                  f"(frozen ones too)", flush=True)
+    elif spec.init is not None:
+        step.set_params(spec.init)
     out = Path(spec.out) if spec.out and lead else None
     return _Run(spec, model, comm, step, evaluate, tokens, feeder, start, lead, out)
 
@@ -325,7 +333,7 @@ def _samples(run: _Run) -> tuple[list[str], list[str]]:
     # (a model with logits trained on its own data, e.g. a vocab of its own or logits that also
     # read a source sentence, has no text to sample: none, rather than an error after its training)
     if prompts and samplable(run.model):
-        full = run.step.full_params()  # a collective: every rank takes part
+        full = run.step.full_params(frozen=True)  # a collective: every rank takes part
         if run.lead:
             texts = generate_many(run.model, full, prompts, run.spec.sample_tokens, seed=run.spec.seed)
     return prompts, texts
@@ -359,7 +367,10 @@ def _write_outputs(run: _Run, rows: list[dict], res: TrainResult, prompts: list[
     plot_loss(run.out, rows, title, res.unigram_entropy)
     if texts:
         write_samples(run.out, prompts, texts)
-    write_config(run.out, {**dataclasses.asdict(spec), "resolved_config": config_dict(run.model.config),
+    given = f"{len(spec.init)} tensors given" if isinstance(spec.init, dict) else \
+        None if spec.init is None else str(spec.init)
+    write_config(run.out, {**dataclasses.asdict(dataclasses.replace(spec, init=None)), "init": given,
+                           "resolved_config": config_dict(run.model.config),
                            "model_id": model_id(run.model), "data": tokens.fingerprint() if tokens else None})
 
 
@@ -384,7 +395,9 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
       threads: torch threads of a run in this process (default 1, as each spawned rank and
         ``meshdsl train`` have; the count before is restored at the end).
       options: any other :class:`TrainSpec` field: ``lr``, ``seed``, ``checkpoint``,
-        ``save_every``, ``keep``, ``resume``, ``eval_every``, ``out``, ``config``, ``tiny``, ...
+        ``save_every``, ``keep``, ``resume``, ``eval_every``, ``out``, ``config``, ``tiny``,
+        ``init`` (a new run's starting weights: a safetensors path or ``{name: full tensor}``,
+        frozen params too; :meth:`TrainStep.set_params`), ...
         With ``resume=True`` every run setting not given (``steps`` included) is the
         checkpoint's, and a given one that differs is applied with a printed line or
         refused (:mod:`.resume`; ``reset_optimizer=True`` starts the optimizer afresh).
@@ -399,7 +412,7 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
         result = md.fit(build(Config()), mesh="data:2", layout="batch:data", steps=50,
                           data=lambda step: my_batch(step), lr=0.05, checkpoint="ckpt", save_every=10)
     """
-    check_fit_arguments(TrainSpec, model, steps, data, options, eval_data, mesh, layout)
+    check_fit_arguments(TrainSpec, model, steps, data, options, eval_data, mesh, layout, nproc)
     own = isinstance(model, Model)
     if isinstance(data, (str, Path)):
         options["data"], data = str(data), None
@@ -417,6 +430,7 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
     for line in lines:
         print(line, flush=True)
     if not in_process:
+        load_model(spec.model, tiny=spec.tiny, **spec.config)   # a bad file or override: one message, here
         from ..processes.launcher import launch
         return launch(rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data))[0]
     with torch_threads(n):
