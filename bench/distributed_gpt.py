@@ -34,7 +34,8 @@ buffer per step, which is what DDP does with one bucket.  "torch PP+DP" wraps ea
 module in DDP over its data-parallel group; torch's pipeline stage runs the backward of all
 but the last micro-batch under ``no_sync``, so DDP reduces once per step.
 
-Harness (bench/distributed_mlp.py's): every variant runs under meshdsl.processes.launcher.spawn;
+Harness (bench/distributed_mlp.py's): every variant runs under meshdsl.processes.launcher.spawn
+(``MESHDSL_BIND_CORES=rank`` binds its ranks to cores, the table's title says which);
 a round is one 1-process, one 2-process and one 4-process job; inside a job the variants
 take rotating turns (one untimed step, a barrier, ``block - 1`` steps back to back; the
 turn's sample is their mean, the slowest rank's).  Busy CPU time is the process's
@@ -377,7 +378,7 @@ def bench(args) -> int:
                   "backend": args.backend, "skipped": skipped, "wall_s": wall_s, "machine": machine,
                   "loadavg_start": machine["load_start"], "loadavg_end": machine["load_end"],
                   "steal_fraction": steal, "torch": torch.__version__, "python": platform.python_version(),
-                  "cpus": os.cpu_count()}
+                  "cpus": os.cpu_count(), "bind_cores": os.environ.get("MESHDSL_BIND_CORES", "none")}
     print_tables(out)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1))
@@ -425,7 +426,8 @@ def print_tables(out) -> None:
     console = Console(width=max(Console().width, 170))
     run = out["run"]
     t = Table(title=f"GPT training step (models/transformer.py default, fp32, SGD), 1 thread/process, "
-                    f"{run['rounds']} round(s) x {run['reps']} turns x {run['block']} steps, {run['backend']}",
+                    f"{run['rounds']} round(s) x {run['reps']} turns x {run['block']} steps, {run['backend']}, "
+                    f"cores bound: {run.get('bind_cores', 'none')}",
               title_justify="left")
     for col in ("variant", "procs", "median ms", "round medians", "speedup vs 1p", "CPU ms", "compute ms",
                 "exposed comm ms", "in flight ms", "overhead ms",

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
-from . import malloc
+from . import cores, malloc
 from ..comm.distributed import DEFAULT_TIMEOUT_S, TorchComm, check_world_size, resolve_backend
 from .failures import STALE_S, Raised, describe, failure_error, timeout_error
 from .start import (TORCHRUN_ENV, adopt_stdio, context, die_with_parent, in_torchrun, launcher_stdio,
@@ -170,7 +170,7 @@ def spawn(fn, nproc: int, *, args: tuple = (), timeout: float | None = DEFAULT_J
         mesh = Mesh.parse(mesh)
         check_world_size(mesh, nproc)
     backend = resolve_backend(backend, nproc)  # before any process starts: every rank gets this one
-    malloc.mode()  # each rank tunes its allocator: a bad setting fails here, before any starts
+    malloc.mode(), cores.mode()  # what each rank sets for itself: a bad setting fails here, before any starts
     ctx = context()
     store, port = _host_store(collective_timeout, rdzv_host)
     connect = _HOST if rdzv_host in ("0.0.0.0", "::", "") else rdzv_host
@@ -327,6 +327,7 @@ def _child(rank, nproc, host, port, backend, collective_timeout, mesh, verbose, 
     os.environ.clear()
     os.environ.update(environ)
     name_process(f"meshdsl-rank{rank}")
+    cores.bind_rank(rank, nproc)   # first: the threads this rank starts from here on inherit its cores
     torch.set_num_threads(1)
     malloc.tune_malloc()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
