@@ -406,6 +406,13 @@ def assert_heldout_case_matches_dense(case) -> None:
                                    msg=lambda m, k=k: f"{heldout_case_id(case)}: {k}: {m}")
 
 
+def pipeline_steps_by_segment(plan):
+    """Per segment of the plan's pipeline (1: forward, 2: backward), ``(step, stages)`` of its steps."""
+    pipe = next(s for s in plan.steps if s.kind == "pipeline")
+    prog = pipe.args["program"]
+    return {k: [(s, prog.stages[k][j]) for j, s in enumerate(pipe.subplans[k].steps)] for k in (1, 2)}
+
+
 def held_outputs_on_this_rank(comm, plan, feeds: dict) -> dict:
     """``plan`` run on this process's ranks of ``comm`` (after every process is checked to hold the
     same plan): each output this process holds, whole (a real-process case's result to compare)."""

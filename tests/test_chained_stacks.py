@@ -21,7 +21,8 @@ import torch
 import meshdsl as md
 from meshdsl.processes import launcher as launch
 
-from conftest import assert_heldout_case_matches_dense, assert_matches_scaled, heldout_outputs, run_cli, held_outputs_on_this_rank, assert_ranks_match_dense
+from conftest import (assert_heldout_case_matches_dense, assert_matches_scaled, assert_ranks_match_dense,
+                      held_outputs_on_this_rank, heldout_outputs, pipeline_steps_by_segment, run_cli)
 
 HERE = pathlib.Path(__file__).parent
 CHAIN, ELECTRA = str(HERE / "heldout_chain.py"), str(HERE / "heldout_electra.py")
@@ -80,17 +81,10 @@ def test_a_masked_autoencoder_pipelines_its_encoder_and_decoder():
                                        {"microbatches": 2, "schedule": "1f1b"}))
 
 
-def _where(plan):
-    """Per segment (1: forward, 2: backward), ``(step label, kind, stages)`` of the pipeline's steps."""
-    pipe = next(s for s in plan.steps if s.kind == "pipeline")
-    prog = pipe.args["program"]
-    return {k: [(s, prog.stages[k][j]) for j, s in enumerate(pipe.subplans[k].steps)] for k in (1, 2)}
-
-
 def test_the_ops_between_the_stacks_run_on_the_first_stacks_last_stage():
     m = md.load_model(CHAIN, tiny=True)
     plan = md.compile(heldout_outputs(m), "stage:2", BOTH, microbatches=2, schedule="1f1b")
-    seg, proj = _where(plan), plan.params["proj"]
+    seg, proj = pipeline_steps_by_segment(plan), plan.params["proj"]
     # the projection between the stacks and both its gradients (input and param) on stage 0
     assert [st for s, st in seg[1] if proj in s.ins] == [(0,)]
     assert [st for s, st in seg[2] if proj in s.ins or s.op == "einsum"] == [(0,), (0,)]

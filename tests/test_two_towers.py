@@ -21,7 +21,7 @@ import meshdsl as md
 from meshdsl.processes import launcher as launch
 
 from conftest import (assert_heldout_case_matches_dense, assert_matches_scaled, assert_ranks_match_dense,
-                      heldout_outputs, held_outputs_on_this_rank)
+                      heldout_outputs, held_outputs_on_this_rank, pipeline_steps_by_segment)
 
 HERE = pathlib.Path(__file__).parent
 TOWERS = str(HERE / "towers_tiny.py")
@@ -55,17 +55,10 @@ def _stages(plan, vid):
     return {plan.mesh.coords(r)["stage"] for r in plan.holders[vid]}
 
 
-def _where(plan):
-    """Per segment (1: forward, 2: backward), ``(step, stages)`` of the pipeline's steps."""
-    pipe = next(s for s in plan.steps if s.kind == "pipeline")
-    prog = pipe.args["program"]
-    return {k: [(s, prog.stages[k][j]) for j, s in enumerate(pipe.subplans[k].steps)] for k in (1, 2)}
-
-
 def test_the_join_runs_per_micro_batch_where_the_second_tower_ends():
     model = md.load_model(TOWERS, tiny=True)
     plan = md.compile(heldout_outputs(model), "stage:2", BOTH, microbatches=2, schedule="1f1b")
-    seg = _where(plan)
+    seg = pipeline_steps_by_segment(plan)
     # the logistic loss and its gradient run in the forward actions of stage 1 (per micro-batch), not
     # after the micro-batches on both stages
     assert {st for s, st in seg[1] if s.op in ("log", "div")} == {(1,)}
