@@ -6,7 +6,8 @@
 on those logical stages and lowering/stacks_on_ranks.py puts them on the ranks: transfers at the
 ranks' offsets (none between two stages of one rank), a value per chunk where several chunks of
 a rank make one per micro-batch, joined where the final segment reads it, each stack's layers
-stored block-cyclically with empty blocks on virtual stages holding none of it.  Each case
+stored block-cyclically with empty blocks on virtual stages holding none of it; per-layer outputs
+of a stack (once refused) made and summed by each chunk on its own layers.  Each case
 matches the dense program (forward and gradients, an AdamW step, a checkpoint a dense step loads,
 one case on two gloo processes); the program's transfers pair up rank to rank.
 """
@@ -18,7 +19,6 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.errors import LayoutError
 from meshdsl.lowering.pipeline_program import PER_MICROBATCH, Segment
 from meshdsl.lowering.schedule import validate
 from meshdsl.processes import launcher as launch
@@ -218,18 +218,54 @@ def test_what_cannot_run_exits_2_with_the_reason(capsys, argv, words):
     assert "Traceback" not in err
 
 
-def test_per_layer_outputs_of_two_stacks_on_virtual_stages_are_refused():
-    b, d = md.Dim("batch", 4), md.Dim("d_model", 4)
-    le, ld = md.Dim("enc_layer", 2), md.Dim("layer", 2)
+def _per_layer_graph(on: str, counts: tuple[int, int]):
+    """Two stacks, one (``on``) with per-layer outputs: a sum of squares and a per-row term, which the
+    loss reads through a sum over the layers and an elementwise exp; the decoder reads the encoder's
+    output; the per-layer outputs are an output too."""
+    b, d = md.Dim("batch", 8), md.Dim("d_model", 4)
+    le, ld = md.Dim("enc_layer", counts[0]), md.Dim("layer", counts[1])
+
+    def block(h, p, ys):
+        out = md.tanh(h * p["w"]) + h
+        return (out, {"s": md.reduce_sum(h * h), "row": md.reduce_sum(out, "d_model")}) if ys else out
     with md.Graph("per_layer"):
         x, we, wd = md.input("x", [b, d]), md.param("we", [le, d]), md.param("wd", [ld, d])
-        enc = md.repeat(lambda h, p: md.tanh(h * p["w"]), x, {"w": we}, "enc_layer")
-        y, per = md.repeat(lambda h, p: (md.tanh(h * p["w"] + enc), {"s": md.reduce_sum(h * h)}), x, {"w": wd},
-                           "layer")
-        loss = md.reduce_sum(y) + md.reduce_sum(per["s"])
-    outs = {"loss": loss, **md.grad(loss, {"we": we, "wd": wd})}
-    with pytest.raises(LayoutError, match=r"(?s)a stack returns per-layer outputs.*Fix: use one stage per rank"):
-        md.compile(outs, "stage:2", BOTH, microbatches=2, schedule="interleaved:2")
+        enc = md.repeat(lambda h, p: block(h, p, on == "enc_layer"), x, {"w": we}, "enc_layer")
+        enc, per = enc if on == "enc_layer" else (enc, None)
+        y = md.repeat(lambda h, p: block(h + enc, p, on == "layer"), x, {"w": wd}, "layer")
+        y, per = y if on == "layer" else (y, per)
+        loss = md.reduce_sum(y * y) + 0.1 * md.reduce_sum(per["s"]) + 0.01 * md.reduce_sum(md.exp(0.1 * per["row"]))
+    return loss, {"we": we, "wd": wd}, per["s"]
+
+
+@pytest.mark.parametrize("on, counts, mesh, kw", [
+    ("layer", (2, 2), "stage:2", {"microbatches": 2}),
+    ("layer", (2, 6), "stage:2", {"microbatches": 4, "stage_layers": (1, 3, 3, 1)}),   # 'layer' in both chunks of rank 1
+    ("enc_layer", (4, 2), "stage:2; data:2", {"microbatches": 2, "stage_layers": (2, 1, 1, 2)}),
+    ("enc_layer", (2, 4), "stage:2", {"microbatches": 2, "schedule": "interleaved:3", "stage_layers": (1,) * 6}),
+], ids=str)
+def test_per_layer_outputs_of_two_stacks_on_virtual_stages_match_dense(on, counts, mesh, kw):
+    """Once refused: each chunk makes its layers' per-layer outputs and what the loss makes of them on its
+    own layers; a chunk where no rank runs that stack makes a zero part of their sums over the layers."""
+    loss, params, s = _per_layer_graph(on, counts)
+    outs = {"loss": loss, "s": s, **md.grad(loss, params)}
+    feeds = {"x": torch.randn(8, 4, generator=torch.Generator().manual_seed(2))}
+    layout = BOTH + ("; batch:data" if "data" in mesh else "")
+    plan = md.compile(outs, mesh, layout, **{"schedule": "interleaved:2", **kw})
+    assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), f"{on} {counts} {kw}", REL)
+
+
+def test_adamw_steps_with_per_layer_outputs_on_virtual_stages_give_the_dense_params(one_torch_thread):
+    import types
+    loss, params, _ = _per_layer_graph("layer", (2, 6))
+    m = types.SimpleNamespace(loss=loss, params=params)
+    pipe = _step(m, "stage:2", BOTH, microbatches=2, schedule="interleaved:2", stage_layers=(1, 3, 3, 1))
+    dense = _step(m, "", None)
+    for t in range(2):
+        feeds = {"x": torch.randn(8, 4, generator=torch.Generator().manual_seed(t))}
+        assert pipe(feeds)[0] == pytest.approx(dense(feeds)[0], rel=REL)
+    for k in params:
+        assert_matches_scaled({k: _full(pipe, k)}, {k: _full(dense, k)}, "after 2 AdamW steps", REL)
 
 
 def _on_two_processes(comm):

@@ -189,13 +189,20 @@ def test_implied_inside_a_repeat():
     assert [t for s in plan.steps for sub in s.subplans for t in sub.steps if t.is_collective] == []
 
 
-def test_rename_passes_on_implied_rules_only():
-    """A rename of a dim the user split moves that split (Mesh-TF); one of a dim whose rule is
-    implied passes the rule on (see the patchify below)."""
-    def make(x):
-        return md.rename(_merge(x), batch="b2")
-    _, plan = _plan(make, "x:2; y:2", "batch:x; height:y")
+def test_rename_keeps_a_split_on_the_dim_it_makes():
+    """A rename of a dim the user split, to a dim the rename makes and no op holds with the old
+    one, keeps the split there: no data moves (an MoE's tokens under ``batch:data``, which it
+    allgathered); one of a dim whose rule is implied passes the rule on (the patchify below).
+    Where the layout puts the axis on another dim of the output, the rename moves the split
+    (Mesh-TF's expert parallelism): one alltoall, and one back in the backward."""
+    coll, plan = _plan(lambda x: md.rename(_merge(x), batch="b2"), "x:2; y:2", "batch:x; height:y")
+    assert sorted(str(r) for r, _ in plan.layout.implied) == ["b2:x", "hw:y"]
+    assert [c for c in coll if c[0] == "rename"] == []
+    coll, plan = _plan(lambda x: md.rename(_merge(x), batch="b2", channels="c2"), "x:2; y:2",
+                       "batch:x; height:y; c2:x")
     assert [str(r) for r, _ in plan.layout.implied] == ["hw:y"]
+    assert [c for c in coll if c[0] == "rename"] == [("rename", "alltoall", ("x",), phase)
+                                                     for phase in ("forward", "backward")]
 
 
 def test_patchify_moves_no_image_data():

@@ -10,8 +10,15 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   ``hp:data`` for ``height = (hp ph)``; ``height:(x,y)`` implies ``hp:x; ph:y``
   where ``x`` fills ``hp``;
 * a rename of a dim whose rule is implied passes it on (a patchify's
-  ``hp_wp`` renamed ``patches``); a rename of a dim the user split does not: a
-  rename is how a layout moves a split (Mesh-TF's expert parallelism);
+  ``hp_wp`` renamed ``patches``).  A rename of a dim the user split passes the split
+  on to the dim the rename makes (no op before it has that dim) where no op holds the
+  two dims together and the layout gives those axes to no other dim of its output: an
+  MoE's ``batch`` renamed ``expert_batch`` for its experts keeps the tokens on their
+  shard under ``batch:data`` alone (they were gathered to every rank).  Otherwise a
+  rename moves a split as the layout says (Mesh-TF's expert parallelism: under
+  ``experts:data``, one alltoall each way), and a dim that meets the old one (keys'
+  ``key_seq`` against queries' ``seq``, CLIP's texts against its images) is whole
+  unless its own rule splits it;
 * chains of reshapes are followed to a fixpoint.
 
 Only the forward graph is read (repeat blocks included): the backward's reshapes
@@ -43,6 +50,33 @@ class _Graph:
     def __init__(self, nodes):
         self.movers, self.leaves, self.nodes = [], [], []
         self._walk(nodes, forward=True)
+
+    def meet(self, a: str, b: str) -> bool:
+        """Whether some op of the graph (backward included) reads or makes dims ``a`` and ``b``
+        both: a fused attention meets its queries' ``seq`` and its keys' ``key_seq`` though no
+        tensor holds the two.  A rename (which maps one to the other) and an op running a
+        block (a ``repeat``: its block's ops are read instead) do not count."""
+        return any(a in names and b in names for names in self.dim_sets)
+
+    def first(self, dim: str):
+        """The first op in build order (a block's ops, not the op running the block) that reads
+        or makes ``dim``: a rename that is its first makes the dim."""
+        return self.first_ops.get(dim)
+
+    @cached_property
+    def first_ops(self) -> dict:
+        out: dict = {}
+        for n in self.nodes:
+            if not n.op.subgraphs(n):
+                for t in (*n.inputs, *n.outputs):
+                    for d in t.shape.names:
+                        out.setdefault(d, n)
+        return out
+
+    @cached_property
+    def dim_sets(self) -> set[frozenset[str]]:
+        return {frozenset(d for t in (*n.inputs, *n.outputs) for d in t.shape.names)
+                for n in self.nodes if n.op.name != "rename" and not n.op.subgraphs(n)}
 
     def _walk(self, nodes, forward: bool) -> None:
         for n in nodes:
@@ -77,16 +111,16 @@ def implied_layout(nodes, mesh, layout: Layout) -> Layout:
       ``layout.with_implied(...)``; ``layout`` itself where nothing is implied.
     """
     g = _Graph(nodes)
-    if not any(n.op.name in RESHAPES for n in g.movers):
-        return layout
     named = {r.key[1] for r in layout.rules if r.key[0] is None}
+    if not any(n.op.name in RESHAPES or set(n.attrs["mapping"]) & named for n in g.movers):
+        return layout
     implied: dict[str, tuple[Rule, str]] = {}
     grew = True
     while grew:   # each pass adds a rule or ends; a dim gets at most one
         grew = False
         for node in g.movers:
             cur = layout.with_implied(tuple(implied.values()))
-            for dim, axes, src in _carried(node, mesh, cur, implied):
+            for dim, axes, src in _carried(node, mesh, cur, implied, g):
                 if dim in named or dim in implied or not _fits(dim, axes, g, mesh, cur):
                     continue
                 rule = Rule(None, Name(dim, None), tuple(Name(a, None) for a in axes))
@@ -96,13 +130,18 @@ def implied_layout(nodes, mesh, layout: Layout) -> Layout:
     return layout.with_implied(tuple(implied.values()))
 
 
-def _carried(node, mesh, layout: Layout, implied: dict):
+def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
     """``(dim, axes, source dims)`` for each new output dim of ``node`` that its input's split reaches."""
     t, out = node.inputs[0], node.outputs[0]
-    if node.op.name == "rename":   # only an implied split: a written one is moved by the rename
+    if node.op.name == "rename":   # a written split: only to a dim it makes that never meets the old one
+        written = {r.key[1]: r.axis_names for r in layout.rules if r.key[0] is None}
+        moved_to = {a for d in out.shape.names if d in written for a in written[d]}   # the layout's own move
         for old, new in node.attrs["mapping"].items():
             if old in implied:
                 yield new, implied[old][0].axis_names, old
+            elif old in written and g.first(new) is node and not g.meet(old, new) \
+                    and not moved_to & set(written[old]):
+                yield new, written[old], old
         return
     try:
         split = layout.targets(t.shape, t.scopes, mesh, t.name, False)[0][0].split

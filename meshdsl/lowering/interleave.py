@@ -227,9 +227,11 @@ def _unsupported_block(cut, lists, F: Step, B: Step | None, chunked: bool) -> st
     # read after the micro-batches (an output, a cross-attention cache's einsum's backward, a broadcast
     # copy's sum over the layers), a gradient is joined from its chunks first (:func:`_gather_grads`)
     grads = dict(zip(B.outs[1:1 + n], F.args["names"])) if B is not None else {}
+    # (several stacks: a stage's own-part step, run by each chunk on its layers, :mod:`.stacks_on_ranks`)
+    own = {id(cut.steps[i]) for i in cut.spread} if cut.spec.stacks else set()
     for seg in (Segment.FORWARD, Segment.BACKWARD) if chunked else ():
         for s, _ in lists[seg]:
-            read = [grads[v] for v in s.ins if v in grads]
+            read = [grads[v] for v in s.ins if v in grads and id(s) not in own]
             if read:
                 return (f"the stacked gradient of '{read[0]}' is read by '{s.label}' per micro-batch, before "
                         "the micro-batches are summed")

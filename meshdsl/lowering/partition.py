@@ -51,7 +51,11 @@ back down to meet the earlier stack's own (:func:`_moves_into`).  Two towers (st
 each other, joined after both: an image and a text tower and a loss over both) join per micro-batch on
 the later tower's last stage, where what is made of the earlier tower's output runs too: that output
 goes up once per micro-batch and its gradient comes back down to the earlier tower's last stage
-(:func:`_tower_lifts`).  With virtual stages
+(:func:`_tower_lifts`).  A later stack's stacked input made from an earlier one's output (every
+decoder layer's cross-attention keys and values, by one einsum with a stacked param) is made by each
+stage of the later stack's run, its own layers' part (:func:`_stacked_inputs`), and its gradient, each
+stage's part from its own layers of the stacked gradient, is summed down those stages per micro-batch
+to the earlier stack's last stage, where its backward reads it (:func:`_stacked_input_sums`).  With virtual stages
 (``interleaved:v``) the stacks are cut so on ``p * v`` logical stages and
 :func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
 
@@ -199,6 +203,10 @@ class _Cut:
     sum_of: dict = field(default_factory=dict)
     sum_to: dict = field(default_factory=dict)
     chains: list = field(default_factory=list)   # (earlier, later) stacks, the later starting from the earlier
+    # steps each stage runs per micro-batch on its own layers of a stacked input made before a stack (a
+    # cross-attention cache): its forward (position -> the stack), the backward before its stage sum
+    input_parts: dict = field(default_factory=dict)
+    input_grad_parts: set = field(default_factory=set)
 
     @property
     def num_stages(self) -> int:
@@ -240,11 +248,91 @@ def _cut(steps, values, outputs, spec) -> _Cut:
                              _read_as_parts(steps, fwd[0], b)))
     per_mb = made_once(steps, varies_per_microbatch(steps, values))   # a whole-batch count of the inputs: once
     sums = {i: (st, c) for st in stacks for i, c in chained_stage_sums(steps, ax, st.B, per_mb, producer).items()}
+    inputs, grad_sums, grad_parts = ({}, {}, set()) if not spec.stacks else (
+        _stacked_inputs(steps, values, spec, stacks, producer, per_mb),
+        *_stacked_input_sums(steps, values, ax, stacks, producer, per_mb))
+    sums.update(grad_sums)
     last = stacks[-1]
     return _Cut(steps, values, outputs, spec, last.F, last.B, last.dy_pos, producer,
                 [s.kind in ("param", "input") for s in steps], per_mb, set(sums), stacks=stacks,
                 stack_at={i: st for st in stacks for i in (st.F, st.B) if i is not None}, sum_of=sums,
-                chains=_chains(steps, producer, stacks))
+                chains=_chains(steps, producer, stacks), input_parts=inputs, input_grad_parts=grad_parts)
+
+
+def _stacked_inputs(steps, values, spec, stacks, producer, per_mb) -> dict[int, _Stack]:
+    """The steps making, per micro-batch, a stacked input of a stack (a tensor with its layer dim, split
+    over the stages with it, made before it from another stack's output: a cross-attention cache),
+    each with that stack: each stage of its run makes its own layers' part (from values sent up to it),
+    as it holds its own layers of the params they read; one stage making them all would hold only its
+    own part."""
+    out = {}
+    for st, (_, layer, _) in zip(stacks, spec.stacks):
+        F = steps[st.F]
+        todo = list(F.ins[1:1 + len(F.args["names"])])
+        while todo:
+            j = producer.get(todo.pop())
+            if j is None or j in out or not per_mb[j] or steps[j].kind in ("param", "input") or steps[j].is_collective:
+                continue
+            if all(values[v].sharding.axes_of(layer) == (spec.axis,) for v in steps[j].outs):
+                out[j] = st
+                todo += steps[j].ins
+    return out
+
+
+def _stacked_input_sums(steps, values, ax: str, stacks, producer, per_mb) -> tuple[dict, set]:
+    """The stage sums (position -> (stack, tensor)) of the gradient of a stack's output carry made from
+    another stack's stacked gradients (a cross-attention cache's einsum's backward, each stage over its
+    own layers: a part of a sum over the stages), which the earlier stack's backward reads per
+    micro-batch; and the positions of the steps each stage runs per micro-batch on its own layers of
+    those gradients: what makes the parts, and what makes stacked param gradients of them (the cache's
+    weights'), so that nothing after the micro-batches reads a per-micro-batch value of the stages.
+    Each sum runs down the later stack's stages to the earlier one's last stage, in the backward, as
+    :mod:`.stage_sum` does."""
+    dys = {steps[st.B].ins[st.dy_pos]: st for st in stacks if st.B is not None}
+    sums, parts = {}, set()
+    for i, s in enumerate(steps):
+        reader = dys.get(s.outs[0]) if s.kind == "allreduce" and s.axes == (ax,) else None
+        if reader is None:
+            continue
+        for st in stacks:
+            if st is reader or st.B is None:
+                continue
+            F, B = steps[st.F], steps[st.B]
+            grads = set(B.outs[1:1 + len(F.args["names"])])
+            behind = _steps_behind(steps, producer, s.ins[0], grads)
+            if behind:
+                sums[i] = (st, steps[reader.F].outs[0])
+                parts |= behind | _stacked_grads_of(steps, values, ax, per_mb, grads | {v for j in behind
+                                                                                            for v in steps[j].outs})
+    return sums, parts
+
+
+def _stacked_grads_of(steps, values, ax: str, per_mb, made: set) -> set[int]:
+    """The positions of the local per-micro-batch steps reading values of ``made`` whose results are split
+    over the stages (each stage's own layers: a stacked param's gradient, before its micro-batch sum)."""
+    return {j for j, s in enumerate(steps) if s.kind == "local" and per_mb[j] and made & set(s.ins) and all(
+        any(ax in axes for axes in values[v].sharding.split.values()) for v in s.outs)}
+
+
+def _steps_behind(steps, producer, v: int, grads: set) -> set[int]:
+    """The positions of the local steps between ``grads`` and value ``v``, when ``v`` is made from
+    ``grads`` alone, or by products of them with other values (an einsum with a param): then each stage's
+    part, from its own layers of ``grads`` (none on a stage outside the stack's run), is its term of
+    the sum over the stages.  Empty otherwise: a whole value added to such a part (a skip's gradient)
+    is added on every stage, a 1/p of it each, which the stack's stages alone do not sum."""
+    seen: dict[int, bool] = {}
+
+    def made(u) -> bool:
+        j = producer.get(u)
+        if u in grads or j is None or j in seen:
+            return u in grads or seen.get(j, False)
+        s = steps[j]
+        seen[j] = False
+        if s.kind == "local":
+            mine = [made(x) for x in s.ins]
+            seen[j] = any(mine) and (all(mine) or s.op in ("einsum", "mul"))
+        return seen[j]
+    return {j for j, ok in seen.items() if ok} if made(v) else set()
 
 
 def _read_as_parts(steps, F: int, B: int | None) -> bool:
@@ -386,11 +474,17 @@ def assign_stages(cut: _Cut) -> None:
             cut.sum_to[i] = min(made) if len(made) == 1 and min(made) < st.lo else st.lo
             stages[i] = frozenset({cut.sum_to[i]})
             held.update((v, stages[i]) for v in s.outs)
+        elif i in cut.input_parts:   # each stage of the stack's run makes its own layers' part
+            stages[i] = cut.input_parts[i].stages
+            cut.spread.add(i)
+            held.update((v, stages[i]) for v in s.outs)
         elif not cut.leaf[i]:
             anchored = [frozenset({lifts[v]}) if v in lifts else held[v] for v in s.ins if v in held]
             if anchored:
                 stages[i] = _meet(cut, i, anchored, in_b, after_mb) or frozenset().union(*anchored)
                 held.update((v, stages[i]) for v in s.outs)
+                if i in cut.input_grad_parts:   # each stage's own layers' part of a stage sum
+                    cut.spread.add(i)
     demand = cut.demand
     demand.update((v, ALL) for v in cut.outputs.values())
     for i in reversed(range(len(steps))):
@@ -450,14 +544,14 @@ def _own_parts(cut: _Cut) -> set[int]:
     values over the stage or micro-batch axis, does not descend from the per-layer outputs, or
     reads what the pipelined backward made (the stacked gradients, the update), is not one of them."""
     ax, every = cut.spec.axis, cut.every_stage
-    names = cut.steps[cut.F].args.get("ys", ())
-    if not names:
+    ys = [v for st in cut.stacks for v in cut.steps[st.F].outs[2:2 + len(cut.steps[st.F].args.get("ys", ()))]]
+    if not ys:
         return set()
-    from_ys = _downstream(cut, cut.steps[cut.F].outs[2:2 + len(names)])
-    from_b = _downstream(cut, cut.steps[cut.B].outs) if cut.B is not None else set()
+    from_ys = _downstream(cut, ys)   # (several stacks: each one's per-layer outputs, and every backward's results)
+    from_b = _downstream(cut, [v for st in cut.stacks if st.B is not None for v in cut.steps[st.B].outs])
     out = set()
     for i, s in enumerate(cut.steps):
-        if (i not in from_ys or i in from_b or cut.leaf[i] or not cut.per_mb[i] or i in (cut.F, cut.B)
+        if (i not in from_ys or i in from_b or cut.leaf[i] or not cut.per_mb[i] or i in cut.stack_at
                 or cut.stages[i] != every
                 or (s.is_collective and {ax, MB_AXIS} & set(s.axes))):
             continue
@@ -544,8 +638,10 @@ def _final_behind(cut: _Cut, final: set, i: int) -> set[int]:
 def _check_stacked_input_grads(cut: _Cut, final: set, i: int, blk: int) -> None:
     """Refuse, saying why, a value a stack's backward (step ``blk``) reads that is made after the
     micro-batches (by step ``i``) from another stack's stacked gradient of an input made before it
-    (a cross-attention cache: every decoder layer's keys and values from the encoder's output): that
-    gradient is a sum over the stages holding the other stack's layers, taken after the micro-batches."""
+    (a cross-attention cache: every decoder layer's keys and values from the encoder's output).
+    Each stage's part of such a gradient is summed down the stages per micro-batch when it is made from
+    the stacked gradient alone (:func:`_stacked_input_sums`); here it also adds other terms (the output
+    read after the later stack too, or its first carry made from it), a share of each on every stage."""
     behind = _final_behind(cut, final, i)
     for k, st in enumerate(cut.stacks):
         if st.B is None or cut.stack_at[blk] is st:
@@ -558,14 +654,17 @@ def _check_stacked_input_grads(cut: _Cut, final: set, i: int, blk: int) -> None:
         layer, u = cut.spec.stacks[k][1], cut.steps[i]
         other = cut.spec.stacks[cut.stacks.index(cut.stack_at[blk])][1]
         raise _error(f"the backward of stack '{other}' reads its output's gradient ({u.kind} '{u.label}'), made "
-                     f"after the micro-batches from the stacked gradient of {read} of stack '{layer}'.", cut.spec,
+                     f"after the micro-batches from the stacked gradient of {read} of stack '{layer}' and other "
+                     "terms.", cut.spec,
                      [f"'{x}' is made before stack '{layer}' with its layer dim (a cross-attention cache)"
-                      for x in read],
+                      for x in read] + [f"the output of stack '{other}' is also read otherwise (after stack "
+                                        f"'{layer}', or by its first carry): its gradient adds those terms"],
                      "what a pipelined backward reads is made one micro-batch at a time, on one stage; the "
-                     "gradient of a tensor made with a later stack's layer dim is summed over its layers' "
-                     "stages after the micro-batches",
-                     f"pipeline one stack only (leave '{other}' out of the layout), or make the tensor in "
-                     f"the block of '{layer}' (each layer its own keys and values from what it reads)")
+                     "gradient of a tensor made with a later stack's layer dim is summed down that stack's "
+                     "stages per micro-batch only when made from the stacked gradient alone (times params)",
+                     f"read the output of '{other}' only through the tensor made with '{layer}' (the cache), "
+                     f"pipeline one stack only (leave '{other}' out of the layout), or make the tensor in the "
+                     f"block of '{layer}' (each layer its own keys and values from what it reads)")
 
 
 def _check_towers_meet(cut: _Cut, final: set) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from ..core.graph import topo_nodes
 from ..core.shape import Shape
 from ..errors import LayoutError, message
+from ..ir.closure import PREFIX
 from ..layout.sharding import Sharding
 from .block_order import order_block
 from .compiler import Lowerer, lower_into
@@ -287,18 +288,58 @@ def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
     micro-batch at a time (a sum over the batch must leave the block as a partial sum)."""
     bad = next((s for s in steps if s.is_collective and MB_AXIS in s.axes), None)
     if bad is not None:
+        stat = _sum_of_outside_tensors(steps)
+        bullets = [f"{bad.kind} over {bad.axes}: {bad.note}"]
+        first = ""
+        if stat is not None:
+            made, read = stat
+            names = ", ".join(f"'{n}'" for n in read)
+            bullets.append(f"'{made.label}' ({made.op}) is a sum over the batch made in the block from {names} only, "
+                           "read from outside it: the same in every layer")
+            first = (f"make '{made.label}' ({made.op} of {names}) before the repeat and read it in the block (a "
+                     "whole-batch count of the inputs made outside a block is made once per step, before the "
+                     "micro-batches); otherwise: ")
         raise LayoutError(message(
             f"repeat '{node.name}': '{bad.label}' ({bad.op}) in its block sums over the micro-batches in every layer.",
-            inputs=[f"mesh: {lw.mesh}", f"layout: {lw.layout}"], bullets=[f"{bad.kind} over {bad.axes}: {bad.note}"],
+            inputs=[f"mesh: {lw.mesh}", f"layout: {lw.layout}"], bullets=bullets,
             rule="a repeat's layers run one micro-batch at a time, so a sum over the batch leaves the block "
                  "unreduced and is added up after the micro-batches",
-            fix="compute what the op reads outside the block (a lookup into a table read from outside: before "
+            fix=first + "compute what the op reads outside the block (a lookup into a table read from outside: before "
                 "the repeat) and read the result in the block; a statistic of the whole batch that the layer "
                 "multiplies (a load-balancing loss's per-expert fractions and mean probabilities) per sequence "
                 "instead, averaged over the batch last, so the micro-batches add up; a normalisation by "
                 "statistics of the whole batch (a batch norm's mean and variance over 'batch') has no "
                 "micro-batched form with the dense numbers: normalise each example (layer_norm over its own "
                 "dims) or use microbatches=1"))
+
+
+def _sum_of_outside_tensors(steps):
+    """The first local step of a block (and the names of the outside tensors it is made from)
+    whose value an allreduce over the micro-batches reads, made only from tensors the block
+    reads from outside (``closed/...`` inputs: no carry, no stacked param), or None.  Such a
+    value is the same in every layer: made before the repeat, a whole-batch statistic of the
+    inputs is made once per step (:mod:`.batch_stats`)."""
+    producer = {v: s for s in steps for v in s.outs}
+    reads: dict[int, frozenset | None] = {}    # value -> the outside tensors it is made from (None: not only)
+
+    def outside(v) -> frozenset | None:
+        if v not in reads:
+            s = producer.get(v)
+            if s is None:
+                reads[v] = None
+            elif s.kind == "input":
+                name = s.args.get("name", "")
+                reads[v] = frozenset([name[len(PREFIX):]]) if name.startswith(PREFIX) else None
+            else:
+                parts = [outside(u) for u in s.ins]
+                reads[v] = None if None in parts else frozenset().union(*parts)
+        return reads[v]
+
+    for s in steps:
+        made = producer.get(s.ins[0]) if s.is_collective and MB_AXIS in s.axes and s.ins else None
+        if made is not None and made.kind != "input" and outside(s.ins[0]):
+            return made, sorted(outside(s.ins[0]))
+    return None
 
 
 def _lower_values(sub: Lowerer, tensors) -> None:

@@ -23,9 +23,10 @@ holding none of the stack).  Logical stage ``s`` runs on rank ``s % p``;
 * a layer-split value made outside the micro-batches (a stacked param) is narrowed in the
   prologue to each chunk's layers of each rank (a view: nothing moves);
 * a value made as zeros on a stage holding none of the stack that makes it is made so only on
-  ranks that hold no other stage making it.
-
-Refused, with the reason: per-layer outputs of a stack (``(carry, {name: tensor})``).
+  ranks that hold no other stage making it;
+* a step each stage runs on its own layers (what a loss makes of a stack's per-layer outputs,
+  ``(carry, {name: tensor})``, and their cotangent) runs in each chunk on the chunk's layers, and in
+  a chunk where no rank runs any layer of that stack makes only a zero part of its sum over the layers.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
 from .pipeline_program import PER_MICROBATCH, Segment
 from .plan import Step, Value, step_args
-from .schedule_gen import user_name
+from .stage_layers import zeros_step
 
 
 def _narrow(ctx, attrs, x):
@@ -116,7 +117,6 @@ def on_ranks(cut, lists: dict, p: int) -> dict:
     """The segment lists of a cut on ``p * v`` logical stages (``lists``) as the ``p`` ranks run
     them (see the module docstring); values of ``cut.values`` are added for the chunks."""
     rk = _Ranks(cut, p)
-    _check(cut, rk)
     writers = _writers(lists, PER_MICROBATCH)
     split = frozenset(x for x, st in writers.items() if _several_chunks(rk, st))
     made_ranks = {x: {rk.rank(t) for t in st} for x, st in _writers(lists, Segment, zeros=False).items()}
@@ -177,19 +177,6 @@ def _sums_per_chunk(rk: _Ranks, final: list, values: list, writers: dict, output
     return out, {x for x, _ in at.values()}
 
 
-def _check(cut, rk: _Ranks) -> None:
-    ys = [st for st in cut.stacks if cut.steps[st.F].args.get("ys")]
-    if ys:
-        spec = cut.spec
-        raise LayoutError(message(
-            f"compile (pipeline over '{spec.axis}', {len(cut.stacks)} stacks, {rk.v} virtual stages per rank): "
-            f"a stack returns per-layer outputs ('{cut.steps[ys[0].F].label}').",
-            inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}", f"schedule: {user_name(spec.schedule)}"],
-            rule="several stacks with virtual stages pass only their carries, and what their blocks read from "
-                 "outside, between the chunks",
-            fix="use one stage per rank (--schedule 1f1b or zbh1), or return the carry only"))
-
-
 def _writers(lists: dict, segments, zeros: bool = True) -> dict:
     """Value -> the logical stages whose steps of ``segments`` make it (receives included;
     without ``zeros``, leaving out the zeros made where a stage holds none of a stack)."""
@@ -231,12 +218,25 @@ def _per_chunk(rk: _Ranks, s: Step, stages, split: frozenset, writers: dict) -> 
     out = []
     for c, st in _by(stages, rk.chunk).items():
         outs = tuple(mine(x, c) for x in s.outs)
-        if None in outs:   # zeros of a stack's layers where no rank runs any in this chunk: nothing
-            assert s.op == "zeros", s
-            continue
         ins = tuple(mine(x, c) for x in s.ins)
-        assert None not in ins, s   # (only a stack's loops read its layers, on stages that hold some)
+        if None in outs or None in ins:
+            out += _no_layers(rk, s, ins, outs, st)
+            continue
         out.append((dataclasses.replace(s, ins=ins, outs=outs), st))
+    return out
+
+
+def _no_layers(rk: _Ranks, s: Step, ins: tuple, outs: tuple, stages) -> list:
+    """Step ``s`` in a chunk where no rank runs any layer of a stack it makes or reads (``None`` among
+    its chunk's values ``ins``, ``outs``): nothing for the layers themselves (a stack's zeros there, a
+    stage's own-part step on its per-layer outputs or stacked gradients, each stage on its own layers),
+    and a zero part of what such a step sums over the layers (a part of a sum over the stages)."""
+    assert s.op == "zeros" or None in ins, s   # (only a stack's loops and own-part steps read its layers)
+    out = []
+    for x in outs:
+        if x is not None:
+            assert rk.spec.axis in rk.values[x].sharding.partial, s
+            out.append((zeros_step(x, rk.values, s.phase), stages))
     return out
 
 

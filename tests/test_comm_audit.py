@@ -1,0 +1,111 @@
+"""What the communication audit (``bench/comm_audit.py``) found, and the audit's own rules.
+
+* An MoE under pure data parallelism (``batch:data``) renames its dispatched tokens' ``batch`` to
+  ``expert_batch`` for the experts.  No layout rule names ``expert_batch``, so the experts' input
+  was gathered whole to every rank (an allgather forward and one backward per layer, and every
+  rank ran every token through the experts); the rename now keeps the split on the dim it makes
+  (``lowering/implied.py``), and the plan is textbook data parallelism: the loss's allreduce and
+  the gradients' buckets.  Expert parallelism (``experts:data``, which takes the axis) still moves
+  the tokens in one alltoall each way.
+* The audit's rules: a Megatron transformer has the textbook 2 allreduces forward and 2 backward
+  per layer and nothing flagged; a rename whose new dim meets the old one (CLIP's texts against its
+  images) is still gathered, and flagged; so are a duplicate, an unused result and a gather cut
+  back by a slice, on a plan edited to have them (no model's plan has one today).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import meshdsl as md
+from conftest import heldout_outputs, load_bench
+from meshdsl.train.step import training_outputs
+
+audit = load_bench("comm_audit")
+
+
+def _kinds(plan) -> dict:
+    """``{(kind, axes): count}`` of the plan's collectives per step."""
+    return {k: v["count"] for k, v in plan.totals_by_axis().items()}
+
+
+def _assert_dense(model, outputs, plan) -> None:
+    feeds = model.feeds(0)
+    got, want = md.run_simulated(plan, feeds), md.run_dense(outputs, feeds)
+    top = max(float(w.abs().max()) for k, w in want.items() if k.startswith("grad/"))
+    for k, w in want.items():
+        # fp32: the batch's sums split over 2 ranks add in another order (~1e-7 relative); a layout
+        # bug is off by O(1).  A gradient is allowed 1e-4 of the largest one, as `meshdsl check`.
+        scale = top if k.startswith("grad/") else float(w.abs().max())
+        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-4 * scale, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_moe_under_data_parallelism_moves_no_tokens():
+    model = md.load_model("moe", tiny=True)
+    step = md.compile(training_outputs(model.loss, model.params, 0.1), "data:2", "batch:data")
+    # the loss's allreduce, the layers' gradients in one bucket per loop run, the rest's in one
+    assert _kinds(step) == {("allreduce", ("data",)): 1, ("bucket_allreduce", ("data",)): 3}
+    assert "implied by rename: expert_batch:data (from batch)" in step.notes
+    outputs = heldout_outputs(model)
+    plan = md.compile(outputs, "data:2", "batch:data")
+    assert not [s for s, _ in plan.collectives() if s.kind in ("allgather", "alltoall")]
+    _assert_dense(model, outputs, plan)
+
+
+def test_expert_parallelism_still_moves_the_tokens_by_alltoall():
+    model = md.load_model("moe", tiny=True)
+    outputs = heldout_outputs(model)
+    plan = md.compile(outputs, "data:2", "batch:data; experts:data")
+    layers = model.config.layers
+    # to the experts and back, forward and backward, per layer: the rename moves the split
+    assert _kinds(plan)[("alltoall", ("data",))] == 4 * layers
+    assert not [str(r) for r, _ in plan.layout.implied if str(r).startswith("expert_batch")]
+    _assert_dense(model, outputs, plan)
+
+
+def test_megatron_transformer_is_textbook_and_unflagged():
+    (path,) = [p for p in audit.model_paths() if p.stem == "transformer"]
+    dp, tp = audit.audit_model(path, {"dp", "megatron"})
+    assert tp.rules == "heads:model; d_ff:model" and not tp.flagged and not dp.flagged
+    layers = md.load_model("transformer", tiny=True).config.layers
+    per_phase = {ph: sum(r.times for r in tp.rows if r.phase == ph) for ph in ("forward", "backward")}
+    assert per_phase == {"forward": 2 * layers, "backward": 2 * layers}
+    assert {r.kind for r in dp.rows} == {"allreduce", "bucket_allreduce"}
+
+
+def _contrastive_plan():
+    """Embeddings renamed ``batch -> text`` against the ``batch`` they came from, under ``batch:data``."""
+    batch, d, e = md.Dim("batch", 4), md.Dim("d", 3), md.Dim("e", 3)
+    with md.Graph():
+        emb = md.einsum("batch d, d e -> batch e", md.input("x", [batch, d]), md.param("w", [d, e]))
+        sim = md.einsum("batch e, text e -> batch text", emb, md.rename(emb, batch="text"))
+        loss = md.reduce_sum(sim * sim)
+    return md.compile({"loss": loss}, "data:2", "batch:data")
+
+
+def test_audit_flags_a_rename_that_gathers():
+    """Embeddings renamed ``batch -> text`` against the ``batch`` they came from (a contrastive
+    loss): the rename's dim meets the old one, so it stays whole as the layout says (every rank
+    needs every text), and the audit flags the gather for a person to judge."""
+    plan = _contrastive_plan()
+    assert [str(r) for r, _ in plan.layout.implied] == []
+    got = audit.audit_plan("contrastive", "dp", "data:2", "batch:data", plan, {"batch", "text"})
+    assert [(r.kind, r.op) for r in got.flagged] == [("allgather", "rename")]
+    assert "reshape: rename gathers its input" in got.flagged[0].flags
+
+
+def test_audit_flags_a_duplicate_an_unused_result_and_a_gather_cut_back():
+    """The rules no plan of the models triggers today, on a plan edited to have each: the
+    contrastive plan's gather repeated into a value nothing reads, and its result cut back."""
+    plan = _contrastive_plan()
+    (gather,) = [s for s in plan.steps if s.kind == "allgather"]
+    fresh = max(plan.values) + 1
+    again = dataclasses.replace(gather, outs=(fresh,))
+    cut = dataclasses.replace(gather, kind="split", outs=(fresh + 1,), ins=gather.outs, args={"dim": 0})
+    edited = dataclasses.replace(plan, steps=(*plan.steps, again, cut))
+    got = audit.audit_plan("contrastive", "seq", "data:2", "batch:data", edited, {"batch", "text"})
+    flags = [r.flags for r in got.rows if r.kind == "allgather"]
+    assert flags == [["gather+slice: gathered, then cut back", "reshape: rename gathers its input"],
+                     ["reshape: rename gathers its input", "duplicate: the same value moved twice",
+                      "unused: nothing reads the result"]]
