@@ -82,8 +82,8 @@ def test_the_affine_is_in_the_one_op_and_its_gradient_in_one_backward():
 @pytest.mark.parametrize("mesh, layout", [("", ""), ("model:2", "d_model:model"), ("data:2", "batch:data")])
 def test_the_backward_reads_the_forward_statistics(mesh, layout):
     """The forward's mean and rstd (one per row) feed the backward, which recomputes nothing:
-    one layer_norm step in the plan, also where the normalised dim is split (then gathered, so
-    the statistics are the whole rows')."""
+    one layer_norm step in the plan, or where the normalised dim is split, one rsqrt of the
+    composite (the row means allreduced, so the statistics are the whole rows'; nothing gathered)."""
     with md.Graph():
         x = md.param("x", [B, S, D])
         s, b = md.param("scale", [D]), md.param("bias", [D])
@@ -97,8 +97,16 @@ def test_the_backward_reads_the_forward_statistics(mesh, layout):
         params = _params(True, True)
         got = md.run_dense({"mean": ln.outputs[1], "rstd": ln.outputs[2]}, {}, params)
         if mesh:
-            plan = md.compile({"loss": loss, "dx": grads[0]}, mesh, layout)
-            assert [st.op for st in plan.steps if st.kind == "local"].count("layer_norm") == 1
+            outs = {"loss": loss, "dx": grads[0], "ds": grads[1], "db": grads[2]}
+            plan = md.compile(outs, mesh, layout)
+            ops = [st.op for st in plan.steps if st.kind == "local"]
+            split = "d_model" in layout
+            assert ops.count("layer_norm") == (0 if split else 1) and ops.count("rsqrt") == int(split), ops
+            assert "allgather" not in plan.totals(), plan.totals()
+            want, run = md.run_dense(outs, {}, params), md.run_simulated(plan, {}, params)
+            for k in want:
+                # the row sums added in two halves (or the batch's rows on two ranks): fp32 rounding
+                torch.testing.assert_close(run[k], want[k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
     x0 = params["x"]
     torch.testing.assert_close(got["mean"], x0.mean(-1), **TOL)
     torch.testing.assert_close(got["rstd"], (x0.var(-1, unbiased=False) + 1e-5).rsqrt(), **TOL)

@@ -79,8 +79,8 @@ def test_the_scale_is_in_the_one_op_and_its_gradient_in_one_backward():
 @pytest.mark.parametrize("mesh, layout", [("", ""), ("model:2", "d_model:model")])
 def test_the_backward_reads_the_forward_rstd(mesh, layout):
     """The forward's rstd (one per row) feeds the backward, which recomputes nothing: one
-    rms_norm step in the plan, also where the normalised dim is split (then gathered, so
-    the rstd is the whole rows')."""
+    rms_norm step in the plan, or where the normalised dim is split, one rsqrt of the composite
+    (the mean of squares allreduced, so the rstd is the whole rows'; nothing gathered)."""
     with md.Graph():
         x, s = md.param("x", [B, S, D]), md.param("scale", [D])
         y = md.rms_norm(x, "d_model", s, eps=1e-5)
@@ -92,8 +92,15 @@ def test_the_backward_reads_the_forward_rstd(mesh, layout):
         params = _params(True)
         got = md.run_dense({"rstd": fwd.outputs[1]}, {}, params)
         if mesh:
-            plan = md.compile({"loss": loss, "dx": grads[0], "ds": grads[1]}, mesh, layout)
-            assert [st.op for st in plan.steps if st.kind == "local"].count("rms_norm") == 1
+            outs = {"loss": loss, "dx": grads[0], "ds": grads[1]}
+            plan = md.compile(outs, mesh, layout)
+            ops = [st.op for st in plan.steps if st.kind == "local"]
+            assert ops.count("rms_norm") == 0 and ops.count("rsqrt") == 1, ops
+            assert "allgather" not in plan.totals(), plan.totals()
+            want, split = md.run_dense(outs, {}, params), md.run_simulated(plan, {}, params)
+            for k in want:
+                # the row sums of squares added in two halves: fp32 rounding
+                torch.testing.assert_close(split[k], want[k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
     x0 = params["x"]
     torch.testing.assert_close(got["rstd"], (x0.square().mean(-1) + 1e-5).rsqrt(), **TOL)
 

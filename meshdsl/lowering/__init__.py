@@ -10,5 +10,6 @@ from . import global_sum  # noqa: F401  (scalar_sum's rule: one reduction per ax
 from . import reshape  # noqa: F401  (reshape's and rearrange's rule: splits kept where exact)
 from . import xent  # noqa: F401  (cross_entropy's rule: fused, or composite when the class dim is split)
 from . import softmax  # noqa: F401  (softmax's rule: fused, or composite when its dim arrives split)
+from . import norms  # noqa: F401  (rms_norm's and layer_norm's rules: fused, or composite when the dim arrives split)
 from . import attention  # noqa: F401  (attention's rule: fused, or composite when its keys arrive split)
 from . import concat  # noqa: F401  (concat's rule: torch.cat, or a sum of pads when its dim arrives split)

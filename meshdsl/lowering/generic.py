@@ -76,8 +76,11 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     if len(partial_in) == 1 and partial_in[0] in op.linear_args:
         P = shs[partial_in[0]].partial
         # Several outputs (layer norm's backward: dx and the affine's gradients) would each
-        # need a reduction of their own: reducing the input first may cost less.
-        return [(P, {partial_in[0]: P}, {})] + (reduced_first(P) if len(node.outputs) > 1 else [])
+        # need a reduction of their own, and another input split over an axis of P (a row
+        # statistic's partial sum times the rows split along the summed dim) would be gathered
+        # for the result to stay partial: reducing the input first may cost less.
+        clash = any(set(P) & s.used_axes for i, s in enumerate(shs) if i != partial_in[0])
+        return [(P, {partial_in[0]: P}, {})] + (reduced_first(P) if len(node.outputs) > 1 or clash else [])
     # A lazy result with several readers would be reduced at its first one: no
     # better than reducing the inputs now, and the scaling would cost a kernel.
     if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
