@@ -63,6 +63,40 @@ def _check_value(name: str, value, annotation: str) -> None:
         raise _fail(f"{name}={value!r} is out of range.", rule=f"{name} is {allowed}", fix=f"pass {name} as {allowed}")
 
 
+def _config_example(config) -> str:
+    """``config={...}`` for what was given: a ``"k=v,k=v"`` string (the CLI's --config) as a dict."""
+    import ast
+    items = [kv.split("=", 1) for kv in str(config).split(",") if "=" in kv] if isinstance(config, str) else []
+    if not items:
+        return "config={'batch': 8}"
+
+    def literal(v: str):
+        try:
+            return ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError):
+            return v.strip()
+    return f"config={ {k.strip(): literal(v) for k, v in items} !r}"
+
+
+def _check_config(options: dict, built: bool) -> None:
+    """``config`` is a dict of Config overrides; it and ``tiny`` build a model given by name or
+    path, so with an already built Model they would be ignored."""
+    config = options.get("config")
+    if config is not None and not isinstance(config, dict):
+        raise _fail(f"config={config!r} ({type(config).__name__}) is not a dict.",
+                    rule="config is a dict of the model's Config overrides, field -> value (the command line's "
+                         "--config k=v,... as a dict)",
+                    fix=f"pass {_config_example(config)}")
+    given = [f"{k}={options[k]!r}" for k in ("config", "tiny") if options.get(k)]
+    if built and given:
+        raise _fail(f"{' and '.join(given)} with a built md.Model, whose Config is already chosen: "
+                    f"{'they' if len(given) > 1 else 'it'} would be ignored.",
+                    rule="config= and tiny= say how fit builds a model given by name or path; a built Model "
+                         "keeps the Config it was built with",
+                    fix="build it so: md.fit(md.load_model(PATH, tiny=True, batch=8), ...), or pass the path: "
+                        "md.fit(PATH, tiny=True, config={'batch': 8}, ...)")
+
+
 def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=None, mesh: str = "",
                         layout: str = "", nproc: int | None = None) -> None:
     """Raise a FitArgumentError for the first argument of ``fit`` that cannot be right."""
@@ -91,6 +125,7 @@ def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=N
                          "each process builds it",
                     fix="pass the model file's path (md.fit('path/to/my_model.py', tiny=..., config={...}, "
                         f"nproc={nproc!r}, ...)), or drop nproc to simulate the mesh here")
+    _check_config(options, built=isinstance(model, Model))
     auto = [k for k, v in (("mesh", mesh), ("layout", layout)) if v == "auto"]
     if auto:
         raise _fail(f"{auto[0]}='auto' is the command line's search (meshdsl train --layout auto).",
