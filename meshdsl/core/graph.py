@@ -283,7 +283,13 @@ class Graph:
             fix="build the whole model inside one 'with Graph():' block"))
 
     def add_node(self, op, inputs, attrs, outs, name: str | None = None) -> Node:
-        """Append a node; ``outs`` is a list of (Shape, dtype)."""
+        """Append a node; ``outs`` is a list of (Shape, dtype).  In a repeat block being traced,
+        an op reading only tensors from outside the block is built outside it instead, once for
+        every layer (the block's hook decides, ``ir/closure.py`` ``Closure.hoist``)."""
+        if self.capture is not None:
+            hoisted = self.capture.hoist(op, inputs, attrs, outs, name)
+            if hoisted is not None:
+                return hoisted
         inputs = [self._local(op, t) for t in inputs]
         node = Node(len(self.nodes), op, tuple(inputs), attrs, self, self.phase,
                     self._unique(name or op.name))

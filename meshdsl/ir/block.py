@@ -39,6 +39,7 @@ class Block:
     outer: list = field(default_factory=list)  # those tensors (of the graph that calls repeat), in that order
     ys: dict | None = None
     extra: dict = field(default_factory=dict)  # cotangent placeholders, grads, given (for grad blocks)
+    hoisted: list = field(default_factory=list)  # loop-invariant nodes built outside (closure.py), in trace order
     _dense: dict = field(default_factory=dict)
 
     @property
@@ -100,8 +101,13 @@ def run_layers(num_layers: int, layer: Callable, carry, backward: bool = False):
     return carry, kept
 
 
-def trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str, outer: Graph) -> Block:
+def trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str, outer: Graph,
+          hoisted: list | None = None) -> Block:
     """Trace ``fn`` on a carry placeholder shaped like ``x`` and per-layer params.
+
+    Ops that read only tensors from outside the block are built in ``outer`` (loop-invariant:
+    :meth:`.closure.Closure.hoist`); a re-trace of a block passes the first trace's ``hoisted``
+    nodes, which it reuses in the same order.
 
     Raises:
       ShapeError: the block returned something else than a carry shaped like ``x``
@@ -109,13 +115,16 @@ def trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str, oute
     """
     g = Graph(f"{outer.name}/{name}")
     g.outer = outer
-    g.capture = closure = Closure(g)
+    g.capture = closure = Closure(g, hoisted)
     try:
         with g:
             c = placeholder("carry", x.shape, x.dtype)
             ps = _LayerParams({k: placeholder(k, p.shape.without([layer]), p.dtype, p.scopes)
                                for k, p in stacked.items()})
-            got = fn(c, ps)
+            got = _read_back(fn(c, ps), closure)
+        if not closure.replayed_all():
+            raise ShapeError("repeat: the block traced differently twice (it hoisted fewer loop-invariant ops); "
+                             "blocks must be deterministic functions of (carry, params)")
     finally:
         closure.open = False
     y, ys = _split_return(got, g, layer)
@@ -132,7 +141,20 @@ def trace(fn, x: Tensor, stacked: dict[str, Tensor], layer: str, name: str, oute
         from ..ops.shape_ops import transpose
         with g:
             y = transpose(y, x.shape.names)
-    return Block(fn, g, c, ps, y, closure.inner, closure.outer, ys)
+    return Block(fn, g, c, ps, y, closure.inner, closure.outer, ys, hoisted=closure.hoisted)
+
+
+def _read_back(got, closure: Closure):
+    """What the block returned, a loop-invariant result it made (hoisted outside) read back in as a
+    closed-over tensor: the carry and the per-layer outputs are the block's own."""
+    made = {id(o) for n in closure.hoisted for o in n.outputs}
+
+    def own(t):
+        return closure(t) if isinstance(t, Tensor) and id(t) in made else t
+
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
+        return own(got[0]), {k: own(t) for k, t in got[1].items()}
+    return own(got)
 
 
 def _returned(got) -> str:

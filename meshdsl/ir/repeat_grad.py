@@ -112,7 +112,7 @@ def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: t
     """
     from .autodiff import vjp
 
-    b = trace(blk.fn, blk.carry, stacked, layer, "block_grad", node.graph)
+    b = trace(blk.fn, blk.carry, stacked, layer, "block_grad", node.graph, blk.hoisted)
     n_fwd = len(b.graph.nodes)
     if n_fwd != len(blk.graph.nodes) or [id(t) for t in b.outer] != [id(t) for t in blk.outer]:
         raise ShapeError(f"repeat: the block traced differently twice ({len(blk.graph.nodes)} vs {n_fwd} nodes, "

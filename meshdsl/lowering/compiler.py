@@ -28,6 +28,41 @@ from .plan import Plan, Step, Value, step_args
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 from .uneven import find as find_uneven
+from .users_terms import users_terms
+
+
+def _summed_reads(nodes, summed) -> dict[int, int]:
+    """``id(value) -> reads``: the reads of each value made before the linear ops (add,
+    reduce_sum, ...) whose results go only into ``summed`` (a backward block's gradients of
+    what it reads from outside, added up over the layers), by those ops.
+
+    A partial sum read there and by another op is then passed on lazily to both: the
+    other reduces it where it needs it whole (the carry's gradient, once per layer), the
+    sum over the layers reduces its share once after the loop; read as two readers, it
+    was reduced at its first one, every layer (DETR's object queries, added to the
+    decoder's carry: their gradient's partial sum over ``model``).
+    """
+    want = {id(t) for t in summed}
+    if not want:
+        return {}
+    readers: dict[int, list] = {}
+    for n in nodes:
+        for x in n.inputs:
+            readers.setdefault(id(x), []).append(n)
+    only: set[int] = set()     # ids of the nodes whose results reach only ``summed``, linearly
+    for n in reversed(nodes):
+        if n.op.is_linear(n) and all(t.dtype.is_floating_point for t in n.outputs) and all(
+                (id(t) in want or readers.get(id(t))) and all(r.id in only for r in readers.get(id(t), ()))
+                for t in n.outputs):
+            only.add(n.id)
+    made_there = {id(t) for n in nodes if n.id in only for t in n.outputs}
+    reads: dict[int, int] = {}
+    for n in nodes:
+        if n.id in only:
+            for x in n.inputs:
+                if id(x) not in made_there:
+                    reads[id(x)] = reads.get(id(x), 0) + 1
+    return reads
 
 
 class Lowerer:
@@ -68,21 +103,32 @@ class Lowerer:
                                      rule="a plan is built from one graph's nodes",
                                      fix="do not mix tensors from different graphs or blocks")) from None
 
-    def count_readers(self, outputs, kept=()) -> None:
+    def count_readers(self, outputs, kept=(), summed=()) -> bool:
         """Count, for :meth:`num_uses`, the readers among the nodes ``outputs`` and ``kept`` need.
 
         Called once per lowerer with everything it will be asked to lower (a
         repeat's body lowers its outputs in two calls of :func:`lower_into`).
         ``kept``: values handed on as they are made, not read (activations a repeat
         saves for its backward to recompute from): they do not count as a reader.
+        ``summed``: those of ``outputs`` a loop adds up over its layers before
+        anything reduces them (a backward block's gradients of the tensors it reads
+        from outside): a value's reads by the linear ops that lead only to them
+        count as one reader at most (see :func:`_summed_reads`).  Returns whether
+        that counted any value's readers fewer.
         """
         outputs = list(outputs)
         self.counted = True
-        for n in topo_nodes(outputs + list(kept), self.env):  # values already bound are not recomputed
+        nodes = topo_nodes(outputs + list(kept), self.env)  # values already bound are not recomputed
+        for n in nodes:
             for x in n.inputs:
                 self._uses[id(x)] = self._uses.get(id(x), 0) + 1
         for t in outputs:
             self._uses[id(t)] = self._uses.get(id(t), 0) + 1
+        fewer = False
+        for x, reads in _summed_reads(nodes, summed).items():
+            fewer |= self._uses[x] > 1
+            self._uses[x] = max(1, self._uses[x] - reads)
+        return fewer
 
     def num_uses(self, t: Tensor) -> int:
         """How many inputs of the nodes this plan lowers read ``t``, plus one if it is an output.
@@ -130,7 +176,7 @@ class Lowerer:
                 f"compile: {self.describe(node)} cannot be micro-batched with this layout.",
                 inputs=[f"mesh: {self.mesh}", f"layout: {self.layout}"],
                 bullets=[f"{kind} over {tuple(axes)}" + (f": {note}" if note else "")],
-                rule=f"micro-batches (the virtual axis '{MB_AXIS}') only carry partial sums, reduced by an allreduce; "
+                rule="a value split by micro-batches only leaves them as a partial sum, reduced by an allreduce; "
                      "an op that needs every micro-batch's rows at once (all of a split batch gathered: a "
                      "contrastive loss's [batch, batch] logits, a batch norm) cannot run one micro-batch at a time",
                 fix="use microbatches=1, a layout that keeps the batch dim split where this op reads it, or make "
@@ -359,26 +405,28 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
     uneven = find_uneven(nodes, mesh, layout, bool(strict_splits), stage_layers)
     layout = implied_layout(nodes, mesh, layout)   # the splits reshapes carry over to new dims
     spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule, stage_layers)
+    given = (mesh, layout)
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
         mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied)
-    lw = Lowerer(mesh, layout, cost)
-    for _, why in layout.implied:
-        lw.note(why)
-    for u in uneven:
-        lw.note(u.note(mesh))
-    lw.pipeline_axis = spec.axis if spec else None
-    if schedule != "gpipe" and (spec is None or spec.axis is None):
-        lw.note(f"schedule '{schedule}' has no effect: the layout pipelines no repeat "
-                "(a 'layer:<axis>' rule over an axis of size > 1 does)")
-    outs = lower_into(lw, outputs)
-    steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
-    holders = {}
-    if spec is not None and spec.axis is not None:
-        steps, holders = partition(steps, lw.values, outs, spec, bucket_mb)
-        for line in stack_lines(spec):   # several stacks: the layers of each on each stage
-            lw.note(line)
-    elif spec is not None and spec.num_microbatches > 1:  # gradient accumulation: one micro-batch at a time
-        steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
-    else:
-        steps = bucket_steps(steps, lw.values, outs, bucket_mb)
-    return Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)
+    with users_terms((mesh, layout), given, microbatches):   # errors speak of the user's mesh and layout
+        lw = Lowerer(mesh, layout, cost)
+        for _, why in layout.implied:
+            lw.note(why)
+        for u in uneven:
+            lw.note(u.note(mesh))
+        lw.pipeline_axis = spec.axis if spec else None
+        if schedule != "gpipe" and (spec is None or spec.axis is None):
+            lw.note(f"schedule '{schedule}' has no effect: the layout pipelines no repeat "
+                    "(a 'layer:<axis>' rule over an axis of size > 1 does)")
+        outs = lower_into(lw, outputs)
+        steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
+        holders = {}
+        if spec is not None and spec.axis is not None:
+            steps, holders = partition(steps, lw.values, outs, spec, bucket_mb)
+            for line in stack_lines(spec):   # several stacks: the layers of each on each stage
+                lw.note(line)
+        elif spec is not None and spec.num_microbatches > 1:  # gradient accumulation: one micro-batch at a time
+            steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
+        else:
+            steps = bucket_steps(steps, lw.values, outs, bucket_mb)
+        return Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)

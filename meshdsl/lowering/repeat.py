@@ -25,7 +25,10 @@ Tensors the block reads from outside (:mod:`meshdsl.ir.closure`) are fed to ever
 layer in their own layout, reduced; the backward sub-plan outputs each one's gradient as
 its rules leave it, and the loop sums the layers' (a sum over the stages too when the
 layers are pipelined: one allreduce over the stage axis, made transfers by
-:mod:`.partition`).
+:mod:`.partition`).  A partial sum a backward layer reads on the way to such a gradient and
+elsewhere (DETR's object queries, added to the carry) stays partial both ways where that
+makes the loop cheaper: the layers' sum of its share is reduced once, after the loop, and
+the other reader reduces its own when it needs it whole (:func:`_lower_block`).
 
 The plan step is data: kind ``repeat``, the block's sub-plan in ``subplans``,
 the layer count in ``times``; :mod:`meshdsl.runtime.layers` runs it.
@@ -130,7 +133,10 @@ def lower_repeat(lw: Lowerer, node) -> None:
     loop = _loop(lw, node)
     carry_sh = lw.layout.targets(loop.carry_shape, (), lw.mesh, "carry", False)[0][0]
     ins, feeds = _lower_operands(lw, loop, carry_sh)
-    plan, saved_names = _lower_block(lw, loop, feeds, ins)
+    num_local = node.attrs["layer"].size // lw.mesh.axis_size(loop.layer_axes)  # layers per stage
+    plan, saved_names = _lower_block(lw, loop, feeds, ins, num_local)
+    for n in plan.notes:
+        lw.note(f"{node.name} block: {n}")
     # The stage axis when the layers are pipelined: each stage sums its own layers' gradients
     # of a closed-over tensor, so the step's sum is partial over it.
     stage = loop.layer_axes if lw.mesh.axis_size(loop.layer_axes) > 1 else ()
@@ -141,7 +147,6 @@ def lower_repeat(lw: Lowerer, node) -> None:
         args["ys"] = tuple(loop.ys)
     if loop.blk.closed:
         args["closed"] = tuple(loop.blk.closed)
-    num_local = node.attrs["layer"].size // lw.mesh.axis_size(loop.layer_axes)  # layers per stage
     lw.emit("repeat", node, ins, out_vids, args=args, subplans=(plan,), times=num_local)
     _bind_outputs(lw, loop, out_vids, stage)
 
@@ -191,9 +196,44 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list,
     return ins, feeds
 
 
-def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list) -> tuple[Plan, list[str]]:
+def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -> tuple[Plan, list[str]]:
     """The block's sub-plan (one layer), and the names of the saved activations it outputs
-    (forward) or takes (backward)."""
+    (forward) or takes (backward).
+
+    A backward block whose gradients of tensors read from outside could stay partial sums
+    over the layers (:func:`_lower_backward_block`) is lowered both so and as before, and
+    the cheaper loop is kept: its ``times`` layers' collectives plus the reductions its
+    outside gradients leave after the loop (:func:`_loop_price`)."""
+    plan, saved_names, fewer = _lower_block_once(lw, loop, feeds, ins, summed=True)
+    if fewer:
+        plain = _lower_block_once(lw, loop, feeds, ins, summed=False)[0]
+        if _loop_price(lw, loop, plain, times) <= _loop_price(lw, loop, plan, times):
+            plan = plain
+    return plan, saved_names
+
+
+def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int) -> float:
+    """Seconds (:mod:`.cost`) of a backward block's collectives over ``times`` layers, plus one
+    allreduce of each outside tensor's gradient it leaves partial (over other axes than the
+    micro-batches and the stages, whose sums are made either way)."""
+    mesh, cost = lw.mesh, lw.cost
+
+    def price(p: Plan) -> float:
+        return sum(cost.collective(s.kind, s.bytes, mesh.axis_size(s.axes)) if s.is_collective else
+                   sum(s.runs(k) * price(sub) for k, sub in enumerate(s.subplans)) for s in p.steps)
+
+    after = 0.0
+    for k in loop.blk.extra["dclosed"]:
+        v = plan.values[plan.outputs[f"d/{k}"]]
+        axes = tuple(a for a in v.sharding.partial if a != MB_AXIS and a not in loop.layer_axes)
+        after += cost.collective("allreduce", v.sharding.local_numel(v.shape, mesh) * v.dtype.itemsize,
+                                 mesh.axis_size(axes))
+    return times * price(plan) + after
+
+
+def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: bool) -> tuple[Plan, list[str], bool]:
+    """:func:`_lower_block`'s sub-plan, lowered with or without ``summed`` (see
+    :func:`_lower_backward_block`), and whether that changed how its values' readers count."""
     blk, node = loop.blk, loop.node
     sub = Lowerer(lw.mesh, lw.layout, lw.cost)
     sub.in_block = True
@@ -211,20 +251,18 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list) -> tuple[Plan
                      label=f"saved {t.name}")
             sub.inputs[name] = vid
             sub.bind(t, vid)
-        ids, saved_names = _lower_backward_block(sub, blk), list(given)
+        (ids, fewer), saved_names = _lower_backward_block(sub, blk, summed), list(given)
     else:
-        ids, saved_names = _lower_forward_block(sub, loop)
+        (ids, saved_names), fewer = _lower_forward_block(sub, loop), False
     _check_no_microbatch_sums(lw, node, sub.steps)
     num_forward = blk.extra.get("num_forward", 0) if loop.backward else 0
     # the block runs in its node's phase; a backward block's forward nodes recompute
     steps = [replace(s, phase=RECOMPUTE if s.kind != "input" and 0 <= s.node < num_forward else node.phase)
              for s in sub.steps]
-    for n in sub.notes:
-        lw.note(f"{node.name} block: {n}")
     plan = Plan(lw.mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
     if loop.backward:  # cotangents and recomputed values freed early (:mod:`.block_order`)
         plan = order_block(plan, lambda s: s.phase == RECOMPUTE)
-    return plan, saved_names
+    return plan, saved_names, fewer
 
 
 def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], list[str]]:
@@ -353,19 +391,22 @@ def _lower_values(sub: Lowerer, tensors) -> None:
                 rule_for(n.op.name)(sub, n)
 
 
-def _lower_backward_block(sub: Lowerer, blk) -> dict[str, int]:
+def _lower_backward_block(sub: Lowerer, blk, summed: bool) -> tuple[dict[str, int], bool]:
     """The backward block's outputs: the carry gradient in the carry's layout, each stacked
     param's gradient lazily (in its layout, partial sums kept), and each closed-over tensor's
     as its rules leave it (partial sums kept whatever its layout: the loop adds the layers'
-    up before anything reduces them)."""
+    up before anything reduces them).  A partial sum read both on the way to such a gradient
+    and elsewhere passes on lazily to both when ``summed`` (:meth:`.Lowerer.count_readers`): its
+    share of the gradient is reduced once after the layers, not at its first reader per layer.
+    Also returns whether ``summed`` changed how any value's readers count."""
     outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
     dclosed = {f"d/{k}": g for k, g in blk.extra["dclosed"].items()}
-    sub.count_readers([*outs.values(), *dclosed.values()])
+    fewer = sub.count_readers([*outs.values(), *dclosed.values()], summed=dclosed.values() if summed else ())
     ids = lower_into(sub, {"dcarry": outs["dcarry"]})
     ids.update(lower_into(sub, {k: v for k, v in outs.items() if k != "dcarry"}, lazy=True))
     _lower_values(sub, list(dclosed.values()))
     ids.update((k, sub.value(g)) for k, g in dclosed.items())
-    return ids
+    return ids, fewer
 
 
 def _bind_outputs(lw: Lowerer, loop: _Loop, out_vids: list, stage: tuple) -> None:
