@@ -199,7 +199,8 @@ def test_generate_on_a_vision_language_model_is_refused_naming_the_image_input()
     assert "inputs the logits read: ['images', 'tokens']" in str(e.value)
 
 
-@pytest.mark.parametrize("path", [AST, SEG], ids=["ast", "segformer"])
+# segformer's search (6 s, pipelined candidates) runs with -m slow: the suite keeps one search per round (ast)
+@pytest.mark.parametrize("path", [AST, pytest.param(SEG, marks=pytest.mark.slow)], ids=["ast", "segformer"])
 def test_the_searchs_top_layouts_match_dense(path, monkeypatch, tmp_path):
     """``md.search_layouts`` on 4 processes (the default calibration): its three best candidates
     compile and give the dense program's loss and gradients."""
