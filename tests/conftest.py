@@ -406,6 +406,17 @@ def assert_heldout_case_matches_dense(case) -> None:
                                    msg=lambda m, k=k: f"{heldout_case_id(case)}: {k}: {m}")
 
 
+def assert_steps_track_dense(pipe, dense, model, rel: float, what: str, steps: int = 2) -> None:
+    """``steps`` training steps of TrainStep ``pipe`` give ``dense``'s losses, and then its params
+    (a param whose update lands on the wrong stage shows only after a step)."""
+    for t in range(steps):
+        assert pipe(model.feeds(t))[0] == pytest.approx(dense(model.feeds(t))[0], rel=rel), f"step {t}: {what}"
+    for k in model.params:
+        got = pipe.executor.to_full_held(pipe.plan.params[k], pipe.params[k])
+        assert_matches_scaled({k: got}, {k: dense.executor.to_full_held(dense.plan.params[k], dense.params[k])},
+                              f"after {steps} steps ({what})", rel)
+
+
 def pipeline_steps_by_segment(plan):
     """Per segment of the plan's pipeline (1: forward, 2: backward), ``(step, stages)`` of its steps."""
     pipe = next(s for s in plan.steps if s.kind == "pipeline")

@@ -20,7 +20,7 @@ import pytest
 import meshdsl as md
 from meshdsl.processes import launcher as launch
 
-from conftest import (assert_heldout_case_matches_dense, assert_matches_scaled, assert_ranks_match_dense,
+from conftest import (assert_heldout_case_matches_dense, assert_ranks_match_dense, assert_steps_track_dense,
                       heldout_outputs, held_outputs_on_this_rank, pipeline_steps_by_segment)
 
 HERE = pathlib.Path(__file__).parent
@@ -84,12 +84,7 @@ def test_adamw_steps_on_two_towers_give_the_dense_params(kw, one_torch_thread):
         return md.TrainStep(model.loss, model.params, mesh, layout, SimulatedComm(mesh), optimizer=md.AdamW(lr=0.01),
                             **kw)
     pipe, dense = step("stage:2", BOTH, **kw), step("", None)
-    for t in range(2):
-        assert pipe(model.feeds(t))[0] == pytest.approx(dense(model.feeds(t))[0], rel=REL)
-    for k in model.params:
-        got = pipe.executor.to_full_held(pipe.plan.params[k], pipe.params[k])
-        assert_matches_scaled({k: got}, {k: dense.executor.to_full_held(dense.plan.params[k], dense.params[k])},
-                              f"after 2 AdamW steps ({kw})", REL)
+    assert_steps_track_dense(pipe, dense, model, REL, f"AdamW, {kw}")
 
 
 def _on_two_processes(comm):

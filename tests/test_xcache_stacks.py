@@ -27,7 +27,7 @@ from meshdsl.errors import LayoutError
 from meshdsl.processes import launcher as launch
 
 from conftest import (assert_heldout_case_matches_dense, assert_matches_scaled, assert_ranks_match_dense,
-                      heldout_outputs, held_outputs_on_this_rank)
+                      assert_steps_track_dense, heldout_outputs, held_outputs_on_this_rank)
 
 XCACHE = str(pathlib.Path(__file__).parent / "heldout_xcache.py")
 BOTH = "layer:stage; enc_layer:stage"
@@ -74,12 +74,7 @@ def test_adamw_steps_on_the_cache_model_give_the_dense_params(kw, one_torch_thre
                             **kw)
     pipe = step("stage:2", BOTH, microbatches=2, **kw)
     dense = step("", None)
-    for t in range(2):
-        assert pipe(model.feeds(t))[0] == pytest.approx(dense(model.feeds(t))[0], rel=REL)
-    for k in model.params:
-        got = pipe.executor.to_full_held(pipe.plan.params[k], pipe.params[k])
-        assert_matches_scaled({k: got}, {k: dense.executor.to_full_held(dense.plan.params[k], dense.params[k])},
-                              f"after 2 AdamW steps ({kw})", REL)
+    assert_steps_track_dense(pipe, dense, model, REL, f"AdamW, {kw}")
 
 
 @pytest.mark.parametrize("over, mesh, layout, kw", [
