@@ -417,6 +417,22 @@ def assert_steps_track_dense(pipe, dense, model, rel: float, what: str, steps: i
                               f"after {steps} steps ({what})", rel)
 
 
+def assert_search_top_layouts_match_dense(path, monkeypatch, tmp_path, top: int = 3) -> None:
+    """``md.search_layouts`` of the model at ``path`` (tiny) on 4 processes with the default
+    calibration (none of the host's): its ``top`` best candidates compile and give the dense
+    program's loss and gradients."""
+    import meshdsl as md
+    monkeypatch.setenv("MESHDSL_CACHE_DIR", str(tmp_path))
+    model = md.load_model(path, tiny=True)
+    ranked = md.search_layouts(model, model.train_step(0.01), 4, md.load_calibration()).ranked
+    assert ranked
+    for r in ranked[:top]:
+        c = r.candidate
+        res = md.check(heldout_outputs(model), c.mesh, c.layout, model.feeds(0),
+                       microbatches=c.microbatches, schedule=c.schedule)
+        assert res.ok, (c, str(res))
+
+
 def pipeline_steps_by_segment(plan):
     """Per segment of the plan's pipeline (1: forward, 2: backward), ``(step, stages)`` of its steps."""
     pipe = next(s for s in plan.steps if s.kind == "pipeline")

@@ -30,8 +30,9 @@ import pytest
 import torch
 
 import meshdsl as md
-from conftest import (assert_heldout_case_matches_dense, assert_ranks_match_dense, heldout_case_id,
-                      heldout_outputs, held_outputs_on_this_rank)
+from conftest import (assert_heldout_case_matches_dense, assert_ranks_match_dense,
+                      assert_search_top_layouts_match_dense, heldout_case_id, heldout_outputs,
+                      held_outputs_on_this_rank)
 
 HERE = Path(__file__).parent
 LSTM, PIXEL, NERF, SIMCLR, SETT, PATCH = (str(HERE / f"heldout_{n}.py") for n in
@@ -239,15 +240,7 @@ def test_simclr_under_micro_batches_is_refused_naming_the_contrastive_loss():
 def test_the_searchs_top_layouts_match_dense(path, monkeypatch, tmp_path):
     """``md.search_layouts`` on 4 processes (the default calibration): its three best candidates
     compile and give the dense program's loss and gradients."""
-    monkeypatch.setenv("MESHDSL_CACHE_DIR", str(tmp_path))    # no host calibration: the defaults
-    model = md.load_model(path, tiny=True)
-    ranked = md.search_layouts(model, model.train_step(0.01), 4, md.load_calibration()).ranked
-    assert ranked
-    for r in ranked[:3]:
-        c = r.candidate
-        res = md.check(heldout_outputs(model), c.mesh, c.layout, model.feeds(0),
-                       microbatches=c.microbatches, schedule=c.schedule)
-        assert res.ok, (c, str(res))
+    assert_search_top_layouts_match_dense(path, monkeypatch, tmp_path)
 
 
 def _set_transformer_on_two_processes(comm):
