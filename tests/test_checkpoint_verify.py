@@ -254,3 +254,12 @@ def test_md_fit_resumes_from_a_given_checkpoint(tmp_path, one_torch_thread):
                 checkpoint=str(tmp_path / "ck2"), **run)
     # One process on the same mesh both times: the resumed steps are the same computation.
     assert [(r["step"], r["loss"]) for r in again.rows] == [(r["step"], r["loss"]) for r in first.rows[2:]]
+
+
+def test_resume_from_a_path_that_does_not_exist_says_so(tmp_path):
+    """--resume-from PATH of no folder: what takes its place, not checkpoint.json's format rule."""
+    with pytest.raises(CheckpointError) as e:
+        choose_checkpoint(None, str(tmp_path / "step-00000009"))
+    text = str(e.value)
+    assert "no such checkpoint directory" in text and "checkpoint.json is the JSON" not in text, text
+    assert "Rule: --resume-from (resume_from=) takes a checkpoint's step directory" in text, text

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import meshdsl as md
+from conftest import run_cli
 from meshdsl.tools import cli
 from meshdsl.train.model import ModelError, find_model_file, load_model
 
@@ -262,3 +263,51 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     proc.stdout.close()   # the reader goes away before the writer starts: its first write finds the pipe closed
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and b"Traceback" not in err and b"internal error" not in err, err.decode()
+
+
+def test_check_notes_a_schedule_that_has_no_effect(capsys):
+    """As `meshdsl plan` notes it: --schedule on a layout that pipelines nothing is said, once."""
+    rc, out, err = run(capsys, "check", "mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:data",
+                       "--schedule", "1f1b")
+    assert rc == 0, err
+    assert out.count("note: schedule '1f1b' has no effect: the layout pipelines no repeat") == 1, out
+
+
+def test_an_unknown_flag_is_the_commands_error_with_the_closest_flag(capsys):
+    """It was the top parser's 'meshdsl: error' and `meshdsl --help`; a misspelt flag is named by
+    name only ('--mesh' given to search is not a misspelt '--measure')."""
+    rc, out, err = run_cli(capsys, ["plan", "mlp", "--tiny", "--mesh", "data:1", "--lyout", "batch:data"])
+    assert rc == 2 and out == "", err
+    assert err == ("meshdsl plan: error: unrecognized arguments: --lyout batch:data. Did you mean '--layout'? "
+                   "(see `meshdsl plan --help`)\n"), err
+    rc, _, err = run_cli(capsys, ["search", "mlp", "--tiny", "--nproc", "2", "--mesh", "data:2"])
+    assert rc == 2 and err.startswith("meshdsl search: error: unrecognized arguments: --mesh data:2.") \
+        and "Did you mean" not in err, err
+
+
+_BAD_FILES = {"syntax.py": "def build(cfg)\n", "raises.py": "import meshdsl\nraise RuntimeError('boom')\n",
+              "noconfig.py": "def build(cfg):\n    return None\n"}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "mlp", "--tiny", "--mesh", "data:2", "--layout", "bach:data"], ["dim 'bach'", "^^^^", "Did you mean 'batch'"]),
+    (["plan", "mlp", "--tiny", "--mesh", "data:2; data:2", "--layout", "batch:data"], ["named twice", "^^^^"]),
+    (["check", "mlp", "--tiny", "--mesh", "data:2", "--nproc", "3"], ["2 devices but the job has 3 processes"]),
+    (["plan", "{tmp}/missing.py", "--mesh", "data:1"], ["does not exist"]),
+    (["plan", "{tmp}/syntax.py", "--mesh", "data:1"], ["line 1: SyntaxError", "^"]),
+    (["plan", "{tmp}/raises.py", "--mesh", "data:1"], ["raised RuntimeError while being imported: boom", "line 2"]),
+    (["plan", "{tmp}/noconfig.py", "--mesh", "data:1"], ["has no 'Config'"]),
+    (["train", "mlp", "--tiny", "--mesh", "data:1", "--steps", "0"], ["--steps: 0 is out of range"]),
+    (["train", "mlp", "--tiny", "--mesh", "data:1", "--lr", "abc"], ["--lr: 'abc' is not a number"]),
+    (["check", "mlp", "--tiny", "--mesh", "data:1", "--microbatches", "0"], ["--microbatches: 0 is out of range"]),
+    (["train", "mlp", "--tiny", "--mesh", "data:1", "--config", "bacth=8"], ["no field 'bacth'", "^^^^"]),
+    (["train", "mlp", "--tiny", "--mesh", "data:1", "--init", "{tmp}"], ["is a directory", "meshdsl export"]),
+    (["train", "mlp", "--tiny", "--mesh", "data:1", "--resume-from", "{tmp}/step-00000001"],
+     ["no such checkpoint directory"]),
+])
+def test_a_plausible_mistake_is_exit_2_with_a_clear_message(capsys, tmp_path, no_spawn, argv, words):
+    for name, text in _BAD_FILES.items():
+        (tmp_path / name).write_text(text)
+    rc, _, err = run_cli(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert rc == 2 and "Traceback" not in err, err
+    assert ("Fix: " in err or "fix: " in err) and all(w in err for w in words), err

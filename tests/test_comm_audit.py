@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+import pytest
 import torch
 
 import meshdsl as md
@@ -23,6 +25,7 @@ from conftest import heldout_outputs, load_bench
 from meshdsl.train.step import training_outputs
 
 audit = load_bench("comm_audit")
+HERE = Path(__file__).parent
 
 
 def _kinds(plan) -> dict:
@@ -109,3 +112,57 @@ def test_audit_flags_a_duplicate_an_unused_result_and_a_gather_cut_back():
     assert flags == [["gather+slice: gathered, then cut back", "reshape: rename gathers its input"],
                      ["reshape: rename gathers its input", "duplicate: the same value moved twice",
                       "unused: nothing reads the result"]]
+
+
+def _body_collectives(plan) -> list:
+    """``(kind, value shape names)`` of each collective of one layer's backward (the first backward loop)."""
+    loop = next(s for s in plan.steps if s.kind == "repeat" and s.args["backward"])
+    sub = loop.subplans[0]
+    return [(s.kind, tuple(sub.values[s.ins[0]].shape.names)) for s in sub.steps if s.is_collective]
+
+
+def test_mqa_key_and_value_gradients_reach_their_weights_partial():
+    """StarCoder's multi-query attention under ``heads:model``: k and v have no ``heads`` dim and
+    stay whole, so their gradients are partial sums over ``model`` (each rank's heads).  Each is
+    read by its weight's gradient, its bias's and the input's (which joins the queries' partial
+    sum): all linear in it, so it passes on to each partial and the layer reduces the small weight
+    gradients (one bucket) instead of ``[batch, key_seq, d_head]`` twice
+    (``lowering/repeat.py`` ``_lazy_through``, kept where the block's price is lower).  Before:
+    4 allreduces in a layer's backward, 12 in the tiny training step."""
+    model = md.load_model(str(HERE / "heldout_starcoder.py"), tiny=True)
+    step = md.compile(training_outputs(model.loss, model.params, 0.1), "model:2", "heads:model; d_ff:model")
+    assert sum(c for c in _kinds(step).values()) == 10
+    body = _body_collectives(step)
+    # the two layer norms' input gradients, and wk, bk, wv, bv's gradients in one bucket
+    assert sorted(k for k, _ in body) == ["allreduce", "allreduce", "bucket_allreduce"]
+    assert not [n for _, n in body if "key_seq" in n]
+    outputs = heldout_outputs(model)
+    plan = md.compile(outputs, "model:2", "heads:model; d_ff:model")
+    assert not [n for _, n in _body_collectives(plan) if "key_seq" in n]
+    _assert_dense(model, outputs, plan)
+
+
+# (model, collectives per tiny training step and per layer's backward) under Megatron; before: TXL
+# 10 and 3 with its concat gradient [batch, key_seq, d_model] in them, PaLM 8 and 3 with its keys'.
+CONCATS = [("heldout_txl", 10, 3), ("heldout_palm", 6, 2)]
+
+
+@pytest.mark.parametrize("name, total, per_layer", CONCATS, ids=[c[0] for c in CONCATS])
+def test_a_concat_gradient_passes_partial_to_its_slices(name, total, per_layer):
+    """Transformer-XL's keys read ``concat(LN(memory), LN(h))`` and PaLM's rotary keys
+    ``concat(turned, kept)``: the concat's gradient, partial over ``model`` (the heads' shares),
+    is read by one slice per part.  It was reduced whole at the first slice; now (a backward
+    block's partial sum passed on to every linear reader where the loop's price is lower,
+    ``lowering/repeat.py`` ``_lazy_through``, slices in ``lowering/window.py``) each slice's share
+    goes on partial: TXL's ``h`` part joins the queries' partial sum (reduced once, as before) and
+    its memory part reaches only ``ln1``'s gradient, reduced per layer at ``[d_model]``; PaLM's
+    both parts reach the key weight's gradient (one bucket) and the input's."""
+    model = md.load_model(str(HERE / f"{name}.py"), tiny=True)
+    step = md.compile(training_outputs(model.loss, model.params, 0.1), "model:2", "heads:model; d_ff:model")
+    body = _body_collectives(step)
+    assert sum(_kinds(step).values()) == total and len(body) == per_layer
+    assert not [n for _, n in body if "key_seq" in n]
+    outputs = heldout_outputs(model)
+    plan = md.compile(outputs, "model:2", "heads:model; d_ff:model")
+    assert not [n for _, n in _body_collectives(plan) if "key_seq" in n]
+    _assert_dense(model, outputs, plan)

@@ -84,3 +84,35 @@ def test_a_schedule_with_nothing_pipelined_is_noted():
     plan = md.compile(loss, "data:2", "batch:data", microbatches=2, schedule="1f1b")
     assert any("schedule '1f1b' has no effect" in n for n in plan.notes), plan.notes
     assert not any("schedule" in n for n in md.compile(loss, "data:2", "batch:data").notes)
+
+
+def test_the_schedule_note_is_what_every_run_prints():
+    """compiler.ignored_options: the notes train, fit, check and run print, as plan lists them."""
+    loss = _model()
+    plan = md.compile(loss, "data:2", "batch:data", schedule="zbh1")
+    assert compiler.ignored_options(plan) == [n for n in plan.notes if "schedule 'zbh1' has no effect" in n] != []
+    assert compiler.ignored_options(md.compile(loss, "data:2", "batch:data")) == []
+
+
+def test_a_schedules_refused_sizes_carry_the_mesh_and_layout():
+    """interleaved:2 with one micro-batch: refused as other compile errors are, with what compile was given."""
+    with md.Graph():
+        x = md.input("x", [B, D])
+        w = md.param("w", [md.Dim("layer", 4), D, md.Dim("e", 4)], fan_out=["layer", "e"])
+        y = md.repeat(lambda h, p: md.tanh(md.rename(md.einsum("batch d_model, d_model e -> batch e", h, p["w"]),
+                                                     e="d_model")), x, {"w": w}, "layer")
+        loss = md.reduce_sum(y)
+    with pytest.raises(md.MeshDSLError) as e:
+        md.compile({"loss": loss, **md.grad(loss, {"w": w})}, "stage:2", "layer:stage", schedule="interleaved:2")
+    text = str(e.value)
+    assert text.splitlines()[:4] == [
+        "compile: schedule 'interleaved:2' with 2 rank(s) and 1 micro-batch(es): 1 is not a multiple of the 2 ranks.",
+        "  mesh: stage:2", "  layout: layer:stage", "  micro-batches: 1"], text
+    assert "\nRule: " in text and "\nFix: " in text and "microbatches=2" in text, text
+
+
+def test_an_empty_layout_in_a_pipeline_refusal_reads_no_rules():
+    """A refusal of the micro-batch count with no layout rules shows '(no rules)', as the others do."""
+    with pytest.raises(md.LayoutError) as e:
+        md.compile({"loss": _model()}, "data:1", "", microbatches=3)
+    assert "\n  mesh: data:1\n  layout: (no rules)\n" in str(e.value), e.value

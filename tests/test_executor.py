@@ -64,3 +64,18 @@ def test_every_step_kind_has_a_rule():
     assert set(STEP_KINDS) <= set(STEP_RULES)
     assert "repeat" in STEP_RULES  # registered by meshdsl.runtime.layers when meshdsl.exec is imported
     assert not set(COLLECTIVES) & set(STEP_RULES)  # collectives share one rule, driven by the table
+
+
+def test_a_communicator_without_the_plans_micro_batches_is_refused_in_the_users_mesh():
+    """A plan with micro-batches runs on its mesh plus a virtual axis (plan.mesh): a communicator of
+    the user's mesh gets a message in that mesh, with the communicator to make instead."""
+    _, loss = _model()
+    plan = md.compile({"loss": loss}, "data:2", "batch:data", microbatches=2)
+    with pytest.raises(md.GraphError) as e:
+        Executor(plan, SimulatedComm(md.Mesh.parse("data:2")))
+    text = str(e.value)
+    assert "_mb" not in text and "the plan runs 2 micro-batches per step" in text, text
+    assert "md.SimulatedComm(plan.mesh)" in text, text
+    with pytest.raises(md.GraphError) as e:
+        Executor(plan, SimulatedComm(md.Mesh.parse("model:4")))
+    assert str(e.value).startswith("executor: plan mesh 'data:2' differs from communicator mesh 'model:4'."), e.value

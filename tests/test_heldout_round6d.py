@@ -109,7 +109,7 @@ def test_switch_drops_tokens_and_a_micro_batched_switch_is_refused():
     model = md.load_model(SWITCH, tiny=True)
     ids = {"ids": model.feeds(0)["ids"]}              # the count reads no labels
     assert float(md.run_dense(model.outputs, ids)["dropped"]) > 0
-    with pytest.raises(md.MeshDSLError, match=r"'cumsum' \(cumsum\) cannot be micro-batched") as e:
+    with pytest.raises(md.MeshDSLError, match=r"'cumsum' cannot be micro-batched") as e:
         md.compile(model.train_step(0.1), "stage:2", "layer:stage", microbatches=2)
     assert "Fix:" in str(e.value)
 

@@ -193,6 +193,7 @@ def test_balanced_stages_from_python_and_the_front_door_for_auto(one_torch_threa
     _assert_same_curves(got, _dense("moe", _moe, **MOE_RUN), f"moe stage_layers={counts}")
 
 
+@pytest.mark.slow  # 9 s: the search's top layouts are checked against dense in every held-out round; this trains one
 def test_the_searchs_top_layout_trains_with_the_dense_curves(monkeypatch, tmp_path, capsys, one_torch_thread):
     """``meshdsl search`` on the model file, then its best candidate (a pipeline here, under the
     default cost figures) trained as the fit recipe says: mesh, layout, micro-batches and schedule."""

@@ -175,3 +175,14 @@ def test_train_init_flag_and_export(tmp_path, capsys):
     save_file({"wte": torch.zeros(3, 3)}, tmp_path / "bad.safetensors")
     rc, _, err = run_cli(capsys, base + ["--init", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "c")])
     assert rc == 2 and "'wte': shape (3, 3), the param is [vocab:256, d_model:8]" in err and "Traceback" not in err
+
+
+def test_a_directory_given_as_weights_points_at_meshdsl_export(tmp_path):
+    """--init DIR (a checkpoint's folder, most likely): said to be a directory, with the export
+    command that makes the file; it was 'no such file' of a folder that exists."""
+    from meshdsl.train.init_weights import read_weights
+    with pytest.raises(WeightsError) as e:
+        read_weights(tmp_path, "--init")
+    text = str(e.value)
+    assert f"--init: '{tmp_path}' is a directory, not a safetensors file." in text, text
+    assert f"`meshdsl export {tmp_path} --out FILE`" in text and "Rule: " in text, text

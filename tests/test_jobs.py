@@ -39,3 +39,20 @@ def test_training_on_processes_matches_simulated_training():
     # Three SGD steps of fp32 arithmetic in another summation order: agree to 1e-5 relative.
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
     assert all(st.total > 0 and st.compute > 0 for _, st, _ in losses)
+
+
+def test_a_plan_mismatch_is_said_in_the_users_mesh_and_layout():
+    """A plan with micro-batches is lowered on the mesh plus a virtual axis: the refusal names the
+    mesh and layout the user gave, and the count (lowering/users_terms.py), not the virtual axis."""
+    class TwoPlans:   # the ranks' signatures as comm.agree returns them: rank 1 compiled another plan
+        def agree(self, sig):
+            return [sig, "0123456789abcdef"]
+
+    m = load_model("mlp", tiny=True)
+    plan = md.compile({"loss": m.loss}, "data:2", "batch:data", microbatches=2)
+    with pytest.raises(md.DistributedError) as e:
+        agree_plan(TwoPlans(), plan)
+    text = str(e.value)
+    assert "_mb" not in text, text
+    assert "  mesh: data:2\n  layout: batch:data\n  micro-batches: 2\n" in text, text
+    assert "ranks [1]: plan 0123456789abcdef" in text, text

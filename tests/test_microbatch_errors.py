@@ -110,3 +110,16 @@ def test_the_error_keeps_its_type_and_traceback():
         with users_terms(lowered, given, 1):   # no micro-batches: nothing to restate
             raise kept
     assert str(e.value) == f"bad.\n  mesh: {lowered[0]}"
+
+
+def test_messages_name_nodes_as_the_user_wrote_them():
+    """plan.called: a node by its name, the op only where the name does not say it; reduce_mean
+    (built as a sum times 1/n) keeps its name, and a gradient's node names the op it is the gradient of."""
+    from meshdsl.lowering.plan import called
+    with md.Graph():
+        mean = md.reduce_mean(md.input("x", [md.Dim("batch", 4)]))
+    assert (mean.node.name, mean.node.op.name) == ("reduce_mean", "mul")
+    assert called(mean.node.name, mean.node.op.name) == "'reduce_mean'"
+    assert called("einsum_1", "einsum") == "'einsum_1'" and called("h", "add") == "'h' (add)"
+    assert called("grad_layer_norm/layer_norm_backward", "layer_norm_backward") == \
+        "'layer_norm_backward' (of layer_norm's gradient)"

@@ -108,3 +108,16 @@ def test_fit_out_naming_a_file_is_an_output_error(tmp_path):
     assert "Fix: name a new folder, e.g. out='runs/my-run'" in str(e.value)
     MetricsWriter(tmp_path / "new" / "run").close()  # a new folder, parents and all, is made
     assert Path(tmp_path / "new" / "run" / "metrics.jsonl").exists()
+
+
+def test_the_simulated_memory_refusal_names_the_users_mesh():
+    """A plan with micro-batches runs on the mesh plus a virtual axis: the refusal says the mesh the
+    user gave, its ranks, and the micro-batch count (lowering/users_terms.py), not the virtual axis."""
+    m = load_model("mlp", tiny=True)
+    plan = md.compile({"loss": m.loss}, "data:2", "batch:data", microbatches=2)
+    with pytest.raises(preflight.UsageError) as e:
+        preflight.check_simulated_memory(plan, available=1)
+    text = str(e.value)
+    assert "_mb" not in text, text
+    assert text.startswith("the simulated run of mesh 'data:2' needs up to"), text
+    assert "  mesh: data:2\n  micro-batches: 2\n  ranks: 2, all simulated in this process\n" in text, text

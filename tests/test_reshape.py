@@ -290,3 +290,92 @@ MESH = Mesh.parse("x:2; y:2; z:4")
 ])
 def test_carry(ins, outs, want):
     assert carry(MESH, ins, outs) == want
+
+
+def _frames_case():
+    """Whisper's stride-2 conv stem in miniature: an input's frames projected, cut into
+    ``(seq two)`` and the pairs summed, under ``seq:x``."""
+    frames, seq, c = md.Dim("frames", 8), md.Dim("seq", 4), md.Dim("channels", 3)
+    torch.manual_seed(0)
+    with md.Graph():
+        x = md.input("x", [B, frames, c])
+        w0 = md.param("w0", [c, md.Dim("c_out", 3)], scale=1.0)
+        h = md.tanh(md.einsum("batch frames channels, channels c_out -> batch frames c_out", x, w0))
+        pairs = md.rearrange(h, "batch (seq two) c_out -> batch seq two c_out", two=2)
+        w = md.param("w", [seq, md.Dim("c_out", 3)], scale=1.0)
+        loss = md.reduce_sum(md.reduce_sum(pairs, "two") * w)
+        outs = {"loss": loss, **{f"grad_{k}": g for k, g in zip(("w0", "w"), md.grad(loss, [w0, w]))}}
+    feeds = {"x": torch.randn(2, 8, 3)}
+    plan = md.compile(outs, "x:2", "seq:x", bucket_mb=0)
+    got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
+    for k in want:
+        # fp32 of O(1): only the loss and the weights' gradients sum over ranks (another order)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+    return [(s.op, s.kind, s.phase) for s in plan.steps if s.is_collective], plan
+
+
+def test_a_split_reaches_back_to_the_dim_a_rearrange_cuts():
+    """Under ``seq:x`` the frames that ``(seq two)`` cuts are split too (``seq`` is their outer
+    part): the rearrange's gradient keeps the split, where it allgathered ``seq`` (Whisper's conv
+    stem); the projection's weight gradient is reduced instead."""
+    coll, plan = _frames_case()
+    assert [str(r) for r, _ in plan.layout.implied] == ["frames:x"]
+    assert "implied by rearrange: frames:x (from seq)" in plan.notes
+    # the loss's partial sum, and w0's gradient: a partial sum over the split frames
+    assert coll == [("reduce_sum", "allreduce", "forward"), ("stop_gradient", "allreduce", "backward")]
+
+
+def _fused_qkv(pattern):
+    """A flat fused projection ``[d_model, flat]`` (a checkpoint's c_attn / query_key_value),
+    its product rearranged by ``pattern`` and cut into q, k, v; ``loss = sum(q * k * v)``."""
+    d = md.Dim("d_model", 4)
+    torch.manual_seed(0)
+    with md.Graph():
+        x = md.param("x", [B, d], scale=1.0)
+        wqkv = md.param("wqkv", [d, md.Dim("flat", 12)], scale=1.0)
+        flat = md.einsum("batch d_model, d_model flat -> batch flat", x, wqkv)
+        qkv = md.rearrange(flat, f"batch ({pattern}) -> batch qkv heads d_head", qkv=3, heads=2)
+        q, k, v = (md.squeeze(md.slice_(qkv, "qkv", i, i + 1), "qkv") for i in range(3))
+        loss = md.reduce_sum(q * k * v)
+        gx, gw = md.grad(loss, [x, wqkv])
+        outs = {"loss": loss, "grad_x": gx, "grad_wqkv": gw}
+    plan = md.compile(outs, "x:2", "heads:x", bucket_mb=0)
+    got, want = md.run_simulated(plan, {}), md.run_dense(outs, {})
+    for k in want:
+        # fp32 of O(1): products of 4 terms; the loss and grad_x sum over the ranks' heads
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+    return sorted((s.op, s.kind, s.phase) for s in plan.steps if s.is_collective), plan
+
+
+def test_a_flat_fused_projection_with_heads_outer_keeps_heads_split():
+    """GPT-NeoX / Megatron store qkv per head, ``(heads qkv d_head)``: ``heads:x`` reaches the flat
+    dim (its outer part), so the weight is stored split there (column-parallel) and the
+    projection runs on each rank's heads: the loss's and the input gradient's partial sums
+    only, where the projection ran whole and its gradient was allgathered."""
+    coll, plan = _fused_qkv("heads qkv d_head")
+    assert [str(r) for r, _ in plan.layout.implied] == ["flat:x"]
+    assert plan.values[plan.params["wqkv"]].sharding.split == {"flat": ("x",)}
+    assert coll == [("reduce_sum", "allreduce", "forward"), ("stop_gradient", "allreduce", "backward")]
+
+
+def test_a_flat_fused_projection_with_heads_inner_is_gathered_and_says_why():
+    """nanoGPT / GPT-2's c_attn / Phi-3 store ``(qkv heads d_head)``: ``heads`` is an inner part,
+    so no contiguous split of the flat dim reaches it (that needs a block-cyclic one,
+    /work/notes/reshape-splits.md): nothing is implied, the gradient is allgathered, and the
+    plan's notes say which dims would carry the split."""
+    coll, plan = _fused_qkv("qkv heads d_head")
+    assert plan.layout.implied == ()
+    assert ("rearrange", "allgather", "backward") in coll
+    assert any(n.startswith("rearrange: 'heads:x' is an inner part of 'flat' = (qkv heads d_head)")
+               for n in plan.notes)
+
+
+def test_a_split_on_an_inner_part_is_named_in_the_notes():
+    """``ph:x`` lands on the inner part of ``height = (hp ph)``: no split of ``height`` carries over,
+    so the plan says which dim and which parts (as for a flat fused qkv weight under
+    ``heads:model``, tests/heldout_phi3.py); a split on the outer part says nothing."""
+    _, plan = _plan(_split_rearrange, "x:2", "ph:x")
+    assert plan.notes == ("rearrange: 'ph:x' is an inner part of 'height' = (hp ph): no split of 'height' "
+                          "carries over to it, so what makes 'height' runs without that split; kept as separate "
+                          "dims hp, ph (a fused weight stored by dims, not flat) it would",)
+    assert not [n for n in _plan(_split_rearrange, "x:2", "hp:x")[1].notes if "inner part" in n]

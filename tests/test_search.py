@@ -189,7 +189,7 @@ def test_overlap_hides_async_communication():
 
 @pytest.mark.parametrize("argv, words", [
     (["check", "mlp", "--tiny", "--mesh", "auto", "--layout", "batch:data"], "--mesh auto needs --layout auto"),
-    (["check", "mlp", "--tiny", "--mesh", "x:2", "--layout", "auto"], "no layout found for mesh 'x:2'"),
+    (["check", "mlp", "--tiny", "--mesh", "x:2; y:1", "--layout", "auto"], "no layout found for mesh 'x:2; y:1'"),
     (["search", "mlp", "--tiny", "--nproc", "2", "--config", "nope=1"], "nope"),
     (["search", "mlp", "--tiny", "--nproc", "2", "--measure", "--plot", "/no/such/folder/x.png"],
      "cannot write the scatter plot"),

@@ -51,7 +51,7 @@ def test_parse_config_types_and_spaces():
 
 @pytest.mark.parametrize("text, words", [
     ("d_modle=16", ["no field 'd_modle'", "Did you mean 'd_model'?", "^^^^^^^^^^"]),
-    ("layers=two", ["layers='two': not a valid int", "Rule: layers is a int"]),
+    ("layers=two", ["layers='two': not a valid int", "Rule: layers is an int"]),
     ("d_model=8,tied=maybe", ["tied='maybe': not a boolean", "          ^^^^^^^^^^"]),
     ("layers", ["item 'layers' is not field=value"]),
     ("layers=2,layers=3", ["field 'layers' is given twice"]),
@@ -346,3 +346,11 @@ def test_train_accum_takes_the_same_steps_one_micro_batch_at_a_time(capsys, tmp_
     step = build_step(load_model("transformer", tiny=True), TrainSpec(mesh="data:1", microbatches=2),
                       SimulatedComm(Mesh.parse("data:1")))
     assert [s.kind for s in step.plan.steps if s.kind not in ("param", "input")] == ["accumulate"]
+
+
+def test_train_notes_a_schedule_that_has_no_effect(capsys, tmp_path):
+    """As `meshdsl plan` notes it (and md.fit, which runs the same rank code): --schedule on a layout
+    that pipelines nothing is said in one line, and the run goes on."""
+    rc, out, err = run(capsys, "train", "mlp", *TINY, "--steps", "1", "--schedule", "zbh1", "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    assert out.count("note: schedule 'zbh1' has no effect: the layout pipelines no repeat") == 1, out

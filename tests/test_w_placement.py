@@ -112,7 +112,7 @@ def test_names_and_refusals():
     for bad, words in (("interleaved-zb", "name its virtual stages"), ("interleaved-zb:0", "name its virtual stages")):
         with pytest.raises(md.MeshDSLError, match=words):
             parse_schedule(bad)
-    with pytest.raises(md.MeshDSLError, match="'interleaved-zb' with 2 rank.* and 3 micro-batch"):
+    with pytest.raises(md.MeshDSLError, match="'interleaved-zb:2' with 2 rank.* and 3 micro-batch"):
         named_schedule("interleaved-zb:2", 2, 3)
     with pytest.raises(md.MeshDSLError, match="num_chunks = 0"):
         interleaved_zero_bubble_at(2, 4, 0)

@@ -41,15 +41,17 @@ def repeat_vjp(node, dy, dys: list) -> list:
         dy = _zeros(node.outputs[0])
     num_stacked = len(blk.params)
     stacked_t, closed_t = node.inputs[1:1 + num_stacked], node.inputs[1 + num_stacked:]
-    # the closed-over tensors the loss's gradient flows into: the block is differentiated
-    # with respect to those only (a constant table or an input gets no gradient)
+    # the closed-over and stacked tensors the loss's gradient flows into: the block is
+    # differentiated with respect to those only (a constant table, an input, a per-layer count
+    # made from the inputs gets no gradient, and its vjp reads no forward value)
     want = tuple(wants_grad(t) for t in closed_t)
+    want_stacked = tuple(wants_grad(t) for t in stacked_t)
     policy = policy_of(node)
-    key = (want, with_dy, policy.text)
+    key = (want, want_stacked, with_dy, policy.text)
     built = node.attrs.setdefault("grad_blocks", {})
     if key not in built:  # built once per key; later grads reuse it and its saved outputs
         layer = node.attrs["layer"]
-        gblk, pairs = grad_block(blk, node.attrs["stacked"], layer.name, node, want, with_dy, policy)
+        gblk, pairs = grad_block(blk, node.attrs["stacked"], layer.name, node, want, with_dy, policy, want_stacked)
         base = len(node.outputs)
         node.outputs = node.outputs + tuple(
             Tensor(node, base + i, Shape([layer] + list(f.shape)), f.dtype) for i, (_, f) in enumerate(pairs))
@@ -64,7 +66,8 @@ def repeat_vjp(node, dy, dys: list) -> list:
                   "stacked": node.attrs["stacked"]})
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     dclosed = iter(outs[1 + num_stacked:])
-    return outs[:1 + num_stacked] + [next(dclosed) if w else None for w in want]
+    return outs[:1] + [g if w else None for g, w in zip(outs[1:1 + num_stacked], want_stacked)] + \
+        [next(dclosed) if w else None for w in want]
 
 
 def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tensor]]:
@@ -103,12 +106,14 @@ def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tenso
 
 
 def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: tuple[bool, ...],
-               with_dy: tuple[str, ...], policy):
+               with_dy: tuple[str, ...], policy, want_stacked: tuple[bool, ...] | None = None):
     """The backward block, and the (grad-block tensor, forward-block tensor) pairs it is given.
 
     ``want``: per closed-over tensor, whether the backward block outputs its gradient
     (``extra["dclosed"]``, by placeholder name); ``with_dy``: the per-layer outputs whose
-    cotangents it reads (placeholders ``cotangent/<name>``, ``extra["dys"]``).
+    cotangents it reads (placeholders ``cotangent/<name>``, ``extra["dys"]``);
+    ``want_stacked``: per stacked tensor, whether it is differentiated (None: all): the others'
+    gradients are zeros, so the backward reads nothing of the forward for them.
     """
     from .autodiff import vjp
 
@@ -123,10 +128,12 @@ def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: t
     with b.graph:
         dy = placeholder("cotangent", b.out.shape, b.out.dtype)
         dys = {k: placeholder(f"cotangent/{k}", b.ys[k].shape, b.ys[k].dtype) for k in with_dy}
+        wanted = [True] + list(want_stacked or [True] * len(b.params)) + [True] * len(closed)
         wrt = [b.carry] + list(b.params.values()) + [b.closed[k] for k in closed]
-        grads = vjp([b.out, *(b.ys[k] for k in with_dy)], [dy, *dys.values()], wrt)
+        grads = iter(vjp([b.out, *(b.ys[k] for k in with_dy)], [dy, *dys.values()],
+                         [t for t, w in zip(wrt, wanted) if w]))
         fixed = []
-        for t, g in zip(wrt, grads):
+        for t, g in zip(wrt, (next(grads) if w else None for w in wanted)):
             if g is None:
                 g = _zeros(t)
             g = apply("stop_gradient", [g], name=f"grad/{t.name}")

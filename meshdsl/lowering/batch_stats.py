@@ -36,7 +36,7 @@ from .pipeline import MB_AXIS
 _LEAVES = ("param", "input")
 
 
-def _from_inputs_only(steps) -> set[int]:
+def from_inputs_only(steps) -> set[int]:
     """Value ids made from inputs (and constants) only: no param feeds them, however far back."""
     out: set[int] = set()
     for s in steps:
@@ -54,7 +54,7 @@ def whole_batch_stats(steps, per_mb) -> set[int]:
     """Positions of the per-micro-batch steps of ``steps`` (``per_mb[i]``: step ``i`` varies per
     micro-batch) that make a whole-batch statistic of the inputs, or a part of one: they run once
     per step, before the micro-batches.  See the module docstring."""
-    pure = _from_inputs_only(steps)
+    pure = from_inputs_only(steps)
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     joins = {i for i, s in enumerate(steps) if per_mb[i] and _is_join(s, pure)}
     if not joins:

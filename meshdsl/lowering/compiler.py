@@ -24,11 +24,11 @@ from .implied import implied_layout
 from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
-from .plan import Plan, Step, Value, step_args
+from .plan import Plan, Step, Value, called, step_args
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 from .uneven import find as find_uneven
-from .users_terms import users_terms
+from .users_terms import users_terms, with_given
 
 
 def _summed_reads(nodes, summed) -> dict[int, int]:
@@ -86,6 +86,12 @@ class Lowerer:
         self.in_block = False  # a repeat's block: it passes partial sums over the micro-batches on
         self._uses: dict[int, int] = {}  # id(Tensor) -> readers in this plan, plus 1 if an output
         self.counted = False
+        # ids of a backward block's values passed on lazily, as partial sums, to each of their
+        # readers, all linear in them (einsums too): reduced where the readers' results are, not
+        # themselves (:func:`.repeat._lazy_through`); whether one was met partial where the rules
+        # alone might have chosen otherwise (the block is then lowered without them too).
+        self.lazy_through: frozenset[int] = frozenset()
+        self.through_used = False
         # What a rule shares between the nodes it lowers (the halo exchanges of lowering/halo.py).
         self.memo: dict = {}
 
@@ -212,8 +218,8 @@ class Lowerer:
 
     @staticmethod
     def describe(node: Node | None) -> str:
-        """How messages name ``node``: ``"'label' (op)"``, or ``"an output"``."""
-        return f"'{node.name}' ({node.op.name})" if node is not None else "an output"
+        """How messages name ``node``: as :func:`.users_terms.called` does, or ``"an output"``."""
+        return called(node.name, node.op.name) if node is not None else "an output"
 
     def reduced(self, vid: int) -> int:
         """An already-reduced copy of partial value ``vid`` if one was made, else ``vid``.
@@ -381,6 +387,17 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
     return plan
 
 
+#: How a plan note on an option given that changes nothing reads (``schedule '1f1b' has no effect: ...``).
+NO_EFFECT = "has no effect:"
+
+
+def ignored_options(plan: Plan) -> list[str]:
+    """The notes of ``plan`` on options given that change nothing, such as a schedule for a
+    layout that pipelines nothing: ``meshdsl plan`` lists them with its other notes, and every
+    command or call that compiles and runs a plan says them too (a one-line notice each)."""
+    return [n for n in plan.notes if NO_EFFECT in n]
+
+
 def _check_options(fuse, strict_splits, schedule) -> None:
     """``compile``'s switches are bools and its schedule a name: a string such as ``"no"`` would
     otherwise pass as true."""
@@ -404,7 +421,8 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
     layout.validate(mesh, dims, names, has_repeat=any(n.op.name == "repeat" for n in nodes))
     uneven = find_uneven(nodes, mesh, layout, bool(strict_splits), stage_layers)
     layout = implied_layout(nodes, mesh, layout)   # the splits reshapes carry over to new dims
-    spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule, stage_layers)
+    with with_given(mesh, layout, microbatches):   # a schedule's sizes refused: with what compile was given
+        spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule, stage_layers)
     given = (mesh, layout)
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
         mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied)
@@ -416,7 +434,7 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
             lw.note(u.note(mesh))
         lw.pipeline_axis = spec.axis if spec else None
         if schedule != "gpipe" and (spec is None or spec.axis is None):
-            lw.note(f"schedule '{schedule}' has no effect: the layout pipelines no repeat "
+            lw.note(f"schedule '{schedule}' {NO_EFFECT} the layout pipelines no repeat "
                     "(a 'layer:<axis>' rule over an axis of size > 1 does)")
         outs = lower_into(lw, outputs)
         steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps

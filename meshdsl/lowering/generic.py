@@ -48,11 +48,19 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     mb = (MB_AXIS,) if lw.in_block else ()
     # A partial sum with several readers is reduced at its first one: passed on
     # lazily, each reader's result would need a reduction of its own.
-    shs = [s.with_partial(tuple(a for a in s.partial if a in mb)) if s.partial and lw.num_uses(t) > 1 else s
+    through = lw.lazy_through
+    shs = [s.with_partial(tuple(a for a in s.partial if a in mb))
+           if s.partial and lw.num_uses(t) > 1 and id(t) not in through else s
            for s, t in zip(shs, node.inputs)]
     partial_in = [i for i, s in enumerate(shs) if s.partial]
     if not partial_in:
         return [((), {}, {})]
+    if len(partial_in) == 1 and id(node.inputs[partial_in[0]]) in through and (
+            op.multilinear or partial_in[0] in op.linear_args):
+        # A partial sum the block passes on to every reader (MQA's key gradient, read by its
+        # weight's gradient and the input's): only the lazy mode, the block's price decides.
+        P = shs[partial_in[0]].partial
+        return [(P, {partial_in[0]: P}, {})]
     sets = {frozenset(shs[i].partial) for i in partial_in}
     eager = [((), {}, {})]
 
@@ -110,8 +118,13 @@ def lower_generic(lw, node) -> None:
     ins = [lw.reduced(lw.value(t)) for t in node.inputs]
     shs = [lw.sharding(v) for v in ins]
     targets = [tuple(lw.targets(t)) for t in node.outputs]
+    through = tuple(id(t) in lw.lazy_through for t in node.inputs)
+    # whether passing a marked partial sum on may choose otherwise than the rule alone: it has
+    # several readers, or this op is not one a partial sum passes through anyway
+    lw.through_used |= any(k and s.partial and (lw.num_uses(t) > 1 or not node.op.is_linear(node))
+                           for k, s, t in zip(through, shs, node.inputs))
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
-           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block)
+           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through)
     C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
 

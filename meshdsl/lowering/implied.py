@@ -19,6 +19,11 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   ``experts:data``, one alltoall each way), and a dim that meets the old one (keys'
   ``key_seq`` against queries' ``seq``, CLIP's texts against its images) is whole
   unless its own rule splits it;
+* a dim a reshape takes apart gets the written split of the output dim that is its outer
+  part (Whisper's ``frames`` cut into ``(seq two)`` under ``seq:model``; a flat fused qkv
+  weight's dim ``(heads qkv d_head)`` under ``heads:model``), so the split crosses the
+  reshape both ways; where the split dim is an inner part (``(qkv heads d_head)``) no
+  contiguous split reaches it and nothing is implied (the plan notes it, :mod:`.reshape`);
 * chains of reshapes are followed to a fixpoint.
 
 Only the forward graph is read (repeat blocks included): the backward's reshapes
@@ -120,7 +125,7 @@ def implied_layout(nodes, mesh, layout: Layout) -> Layout:
         grew = False
         for node in g.movers:
             cur = layout.with_implied(tuple(implied.values()))
-            for dim, axes, src in _carried(node, mesh, cur, implied, g):
+            for dim, axes, src in (*_carried(node, mesh, cur, implied, g), *_drawn(node, mesh, cur)):
                 if dim in named or dim in implied or not _fits(dim, axes, g, mesh, cur):
                     continue
                 rule = Rule(None, Name(dim, None), tuple(Name(a, None) for a in axes))
@@ -153,6 +158,33 @@ def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
     for d in out.shape:
         axes = got.get(d.name)
         if axes and d.name not in t.shape.names:   # a dim the reshape made, not one it passes through
+            yield d.name, axes, ", ".join(n for n, ax in split.items() if set(ax) & set(axes))
+
+
+def _drawn(node, mesh, layout: Layout):
+    """``(dim, axes, source dims)`` for each input dim of reshape ``node`` that the written split
+    of the output dims it becomes carries back to (a split output dim is its outer part).
+
+    Whisper's stride-2 conv cuts ``frames`` into ``(seq two)``: under ``seq:model`` the frames
+    were whole and the rearrange's gradient gathered ``seq``; with ``frames:model`` the split
+    crosses the rearrange both ways and the convs before it trade halo rows instead.  A param
+    holding the dim is stored split there as for a written rule: a flat qkv weight stored per
+    head, ``(heads qkv d_head)``, is then column-parallel under ``heads:model``.
+    """
+    if node.op.name not in RESHAPES:
+        return
+    t, out = node.inputs[0], node.outputs[0]
+    written = {r.key[1]: r.axis_names for r in layout.rules if r.key[0] is None}
+    split = {d: written[d] for d in out.shape.names if d in written and d not in t.shape.names}
+    if not split:
+        return
+    got = Regroup.of(node).inverse().map(mesh, split, "strict")
+    if got is None:
+        return
+    for d in t.shape:
+        axes = got[-1].get(d.name)
+        # an axis written on two of the parts (``half:x; two:x``) cannot split the merged dim twice
+        if axes and len(set(axes)) == len(axes) and d.name not in out.shape.names:
             yield d.name, axes, ", ".join(n for n, ax in split.items() if set(ax) & set(axes))
 
 

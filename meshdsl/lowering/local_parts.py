@@ -34,7 +34,7 @@ def with_given_parts(lists: dict, values: dict) -> dict:
 def _with_parts(s: Step, values: dict) -> Step:
     if s.kind != "local":
         return s
-    s = _by_blocks(s, values)
+    s = _by_blocks(_whole_again(s, values), values)
     compute, parts = s.args["compute"], {}
     for v in (*s.ins, *s.outs):
         sh = values[v].sharding
@@ -44,6 +44,22 @@ def _with_parts(s: Step, values: dict) -> Step:
     if not parts or s.args.get("parts") == parts:
         return s
     return dataclasses.replace(s, args=step_args("local", {**s.args, "parts": parts}))
+
+
+def _whole_again(s: Step, values: dict) -> Step:
+    """``s`` computing whole each dim its compute split splits but every value of it holding the dim
+    stores whole (a stack on one stage of several: :func:`.stage_layers._store_whole` stores its
+    layers whole there after lowering; a broadcast of a stacked mask made before the stack)."""
+    compute = s.args["compute"]
+    whole = set()
+    for dim, axes in compute.items():
+        held = [values[v].sharding for v in (*s.ins, *s.outs) if dim in values[v].shape.names]
+        if axes and held and not any(sh.axes_of(dim) for sh in held):
+            whole.add(dim)
+    if not whole:
+        return s
+    return dataclasses.replace(s, args=step_args("local", {**s.args, "compute": {
+        d: a for d, a in compute.items() if d not in whole}}))
 
 
 def _by_blocks(s: Step, values: dict) -> Step:

@@ -30,9 +30,10 @@ What the pipelined layers read from outside their repeat (:mod:`meshdsl.ir.closu
 reaches every stage: an input is fed to each stage that reads it, a value made once
 (from params and tables) is made on each, and a value made per micro-batch before the
 layers (an encoder's output) is made on the first stage that reads it and sent on with
-the carry.  Its gradient, each stage's sum over its own layers, travels back down the
-stages to stage 0 with the carry's gradient (:mod:`.stage_sum`); a param's is summed
-over the stages after the micro-batches, as the global norm's sums are.
+the carry, unless it is made from the inputs alone (crops cut into patches): then each stage
+that reads it makes it from its feeds.  Its gradient, each stage's sum over its own layers,
+travels back down the stages to stage 0 with the carry's gradient (:mod:`.stage_sum`); a
+param's is summed over the stages after the micro-batches, as the global norm's sums are.
 
 Several stacks on the stage axis (an encoder-decoder with ``layer:stage; enc_layer:stage``):
 each stack runs on its own run of stages (the stages cut the stacks' layers one after another,
@@ -70,7 +71,7 @@ from dataclasses import dataclass, field
 
 from ..errors import LayoutError, message
 from .bucket import bucket_final
-from .batch_stats import made_once, param_behind
+from .batch_stats import from_inputs_only, made_once, param_behind
 from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
 from .local_parts import with_given_parts
@@ -78,7 +79,7 @@ from .stage_layers import split_stacks, split_stages, zeros_step
 from .stacks_on_ranks import on_ranks
 from .pipeline_program import PipelineProgram, Segment, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
-from .plan import Plan, Step, Value, step_args, register_step_kind
+from .plan import Plan, Step, Value, called, step_args, register_step_kind
 from .schedule_gen import named_schedule, parse_schedule, user_name
 
 # axis: the stage axis; num_stages: its size p; microbatches; mb_axis: the virtual micro-batch axis
@@ -95,14 +96,15 @@ def _error(what, spec, bullets, rule, fix):
                                        f"micro-batches: {spec.num_microbatches}"], rule=rule, fix=fix))
 
 
-def varies_per_microbatch(steps, values=None) -> list[bool]:
+def varies_per_microbatch(steps, values=None, examples: str = BATCH) -> list[bool]:
     """Per step: whether it depends on the batch (an input, or a value made from one), so runs
-    once per micro-batch; the others run once.  With ``values``, an input without the batch
-    dim (a table, a hyperparameter) is the same for every micro-batch."""
+    once per micro-batch; the others run once.  With ``values``, an input without the examples'
+    dim ``examples`` (the micro-batches' dim: a table, a hyperparameter) is the same for every
+    micro-batch."""
     mb_vals: set[int] = set()
     out = []
     for s in steps:
-        batch_input = s.kind == "input" and (values is None or BATCH in values[s.outs[0]].shape.names)
+        batch_input = s.kind == "input" and (values is None or examples in values[s.outs[0]].shape.names)
         out.append(batch_input or any(v in mb_vals for v in s.ins))
         if out[-1]:
             mb_vals.update(s.outs)
@@ -246,7 +248,7 @@ def _cut(steps, values, outputs, spec) -> _Cut:
         b = bwd[0] if bwd else None
         stacks.append(_Stack(fwd[0], b, 1 + len(steps[fwd[0]].args["names"]), tuple(counts), run[0], run[-1],
                              _read_as_parts(steps, fwd[0], b)))
-    per_mb = made_once(steps, varies_per_microbatch(steps, values))   # a whole-batch count of the inputs: once
+    per_mb = made_once(steps, varies_per_microbatch(steps, values, spec.examples))   # a whole-batch count: once
     sums = {i: (st, c) for st in stacks for i, c in chained_stage_sums(steps, ax, st.B, per_mb, producer).items()}
     inputs, grad_sums, grad_parts = ({}, {}, set()) if not spec.stacks else (
         _stacked_inputs(steps, values, spec, stacks, producer, per_mb),
@@ -456,6 +458,7 @@ def assign_stages(cut: _Cut) -> None:
     in_b = _downstream(cut, [v for st in cut.stacks if st.B is not None for v in steps[st.B].outs])
     after_mb = _after_microbatches(cut)
     lifts = _tower_lifts(cut) if len(cut.stacks) > 1 else {}
+    pure = from_inputs_only(steps)
     for i, s in enumerate(steps):
         st = cut.stack_at.get(i)
         if st is not None:   # a stack's output carry on its last stage, its input gradient on its first
@@ -494,6 +497,10 @@ def assign_stages(cut: _Cut) -> None:
             if cut.per_mb[i] and not cut.leaf[i] and s.phase == "forward" and len(want) > 1:
                 if any(cut.spec.axis in cut.values[v].sharding.used_axes for v in s.outs):
                     cut.spread.add(i)   # each stage runs it on its own part (split over the stages)
+                elif not s.is_collective and all(v in pure for v in s.outs):
+                    # made from the inputs only (fed to every stage): each stage that reads it makes it,
+                    # rather than receive it (DINO's crops cut into patches, read by both towers)
+                    cut.spread.add(i)
                 else:
                     # made once per micro-batch, on the first stage that reads it (an encoder's output read
                     # by every pipelined layer: stage 0), and sent on to the later ones with the carry
@@ -594,26 +601,26 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                 _check_stacked_input_grads(cut, final, producer[v], blk)
                 _check_towers_meet(cut, _final_behind(cut, final, producer[v]))
                 u = steps[producer[v]]
-                raise _error(f"'{u.op}' ({u.label}) is read by the pipelined repeat, but runs after the "
-                             "micro-batches.", spec, [f"'{u.op}' runs on stages {sorted(cut.stages[producer[v]])}"],
+                raise _error(f"{called(u.label, u.op)} is read by the pipelined repeat, but runs after the "
+                             "micro-batches.", spec, [f"{called(u.label, u.op)} runs on stages {sorted(cut.stages[producer[v]])}"],
                              "what feeds the pipelined layers runs one micro-batch at a time, on one stage",
                              "compute it from the batch before the stack, or from params and tables only")
             src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
             over = ", ".join("micro-batches" if a == MB_AXIS else a for a in c.axes)
-            joins = [f"{c.kind} over {over} for '{c.op}' joins the micro-batches"]
+            joins = [f"{c.kind} over {over} for {called(c.label, c.op)} joins the micro-batches"]
             p = param_behind(steps, producer, c.ins[0])   # why it was not made once (.batch_stats)
             joins += [f"what it sums is made from param '{p}', so it needs every micro-batch's forward"] if p else []
             if blk == cut.stack_at[blk].F:
-                raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' reads "
+                raise _error(f"{called(src.label, src.op)} reduces over the whole batch, and {called(c.label, c.op)} reads "
                              "the result before the pipelined repeat.", spec, joins,
                              "what feeds or follows the pipelined layers runs one micro-batch at a time; a "
                              "whole-batch statistic of the inputs alone is made once, before them",
                              "make the statistic from the inputs only, keep ops that reduce over the batch "
                              "after the loss, or use microbatches=1")
-            raise _error(f"'{src.op}' ({src.label}) reduces over the whole batch, and '{c.op}' after the "
+            raise _error(f"{called(src.label, src.op)} reduces over the whole batch, and {called(c.label, c.op)} after the "
                          "pipelined repeat reads the result: the gradient the pipelined backward starts "
                          "from depends on it.", spec,
-                         [*joins, f"'{steps[producer[v]].op}' ({steps[producer[v]].label}) is read by the "
+                         [*joins, f"{called(steps[producer[v]].label, steps[producer[v]].op)} is read by the "
                                   "pipelined backward, which runs one micro-batch at a time"],
                          "the loss's gradient at each micro-batch may depend on its own micro-batch, on "
                          "values the same for every micro-batch, and on whole-batch statistics of the "
@@ -680,7 +687,7 @@ def _check_towers_meet(cut: _Cut, final: set) -> None:
         meet = sorted({min(h) for h in held if h is not None and len(h) == 1 and min(h) in ends})
         if len(meet) < 2:
             continue
-        raise _error(f"'{s.op}' ({s.label}) reads the outputs of {len(meet)} pipelined stacks, each made on "
+        raise _error(f"{called(s.label, s.op)} reads the outputs of {len(meet)} pipelined stacks, each made on "
                      "its own last stage.", cut.spec,
                      [f"stack '{ends[e]}' ends on stage {e}" for e in meet]
                      + [f"'{s.op}' would run on stages {meet}, after the micro-batches"],
@@ -710,8 +717,8 @@ def _check_per_layer_outputs(cut: _Cut, i: int) -> None:
         todo += [cut.producer[v] for v in s.ins if v in cut.producer and cut.producer[v] != cut.F]
     if not read:
         return
-    how = (f"{joins.kind} over {joins.axes} for '{joins.op}' ({joins.label}) joins the layers of every stage"
-           if joins is not None else f"'{cut.steps[i].op}' ({cut.steps[i].label}) reads them on every stage")
+    how = (f"{joins.kind} over {joins.axes} for {called(joins.label, joins.op)} joins the layers of every stage"
+           if joins is not None else f"{called(cut.steps[i].label, cut.steps[i].op)} reads them on every stage")
     raise _error(f"the loss reads the pipelined repeat's per-layer outputs {sorted(set(read))} across layers: "
                  f"their gradient, which the pipelined backward reads, needs the layers of every stage of a "
                  f"micro-batch at once.", cut.spec, [how],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.examples import BATCH, examples_dim_of
 from ..core.names import Name
 from ..errors import LayoutError, MeshError, message
 from ..layout.layout import Layout
@@ -31,8 +32,6 @@ from .stage_layers import check_counts
 
 #: The virtual micro-batch axis (a leading underscore keeps it apart from user axes).
 MB_AXIS = "_mb"
-#: The dim cut into micro-batches.
-BATCH = "batch"
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,8 @@ class PipeSpec:
         stages; with virtual stages, on each of the ``p * v``): the stages cut the stacks' layers
         one after another (:func:`stack_counts`); else ().
         ``node`` and ``layer`` are then the first stack's, and ``stage_layers`` is ().
+      examples: the dim the micro-batches cut: ``batch``, or the user's name for the examples'
+        dim read off the graph (:func:`~meshdsl.core.examples.examples_dim`: ``B``, ``N``, ...).
     """
 
     axis: str | None
@@ -69,6 +70,7 @@ class PipeSpec:
     given: tuple = ()
     stage_layers: tuple = ()
     stacks: tuple = ()
+    examples: str = BATCH
 
 
 def per_microbatch(step, values) -> bool:
@@ -128,23 +130,24 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     if trivial:
         layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source,
                         empty_ok=layout.empty_ok)
+    examples = examples_dim_of(nodes) if microbatches > 1 else BATCH
     if len(found) > 1:
-        return _several_stacks(found, mesh, layout, dims, microbatches, schedule, stage_layers)
+        return _several_stacks(found, mesh, layout, dims, microbatches, schedule, stage_layers, examples)
     if axis is None and stage_layers is not None:
         _stage_layers(stage_layers, None, 1, 1, mesh, layout)   # refused: no pipeline
     if axis is None and microbatches == 1:
         return PipeSpec(None, 1, 1, -1, "", None, mesh, layout, (mesh, layout)) if trivial else None
     chunks = parse_schedule(schedule)[1]
     p = mesh.sizes[axis] if axis else 1
-    mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches)
+    mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches, examples)
     sched = None
     if axis:
         if stage_layers is None:   # given counts need not divide evenly
             _check_chunks(node, p, chunks, mesh, layout)
         sched = named_schedule(schedule, p, microbatches)
     counts = _stage_layers(stage_layers, node, p, chunks, mesh, layout)
-    return PipeSpec(axis, p, microbatches, node.id if node else -1,
-                    node.attrs["layer"].name if node else "", sched, mesh2, layout2, (mesh, layout), counts)
+    return PipeSpec(axis, p, microbatches, node.id if node else -1, node.attrs["layer"].name if node else "",
+                    sched, mesh2, layout2, (mesh, layout), counts, examples=examples or BATCH)
 
 
 def _stage_layers(stage_layers, node, p: int, chunks: int, mesh: Mesh, layout: Layout) -> tuple:
@@ -255,7 +258,7 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
 
 
 def _several_stacks(found: list, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int,
-                    schedule: str, stage_layers) -> PipeSpec:
+                    schedule: str, stage_layers, examples: str | None) -> PipeSpec:
     """The pipeline of several stacks on one stage axis (:func:`stack_counts` cuts their layers)."""
     axis = found[0][1]
     p, chunks = mesh.sizes[axis], parse_schedule(schedule)[1]
@@ -263,11 +266,12 @@ def _several_stacks(found: list, mesh: Mesh, layout: Layout, dims: dict[str, int
         _stage_layers(stage_layers, found[0][0], p, 1, mesh, layout)   # refused: a string
     sizes = [n.attrs["layer"].size for n, _ in found]
     counts = stack_counts(sizes, stage_layers, p, mesh, layout, chunks)
-    mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches)
+    mesh2, layout2 = _with_microbatches(mesh, layout, dims, microbatches, examples)
     node = found[0][0]
     stacks = tuple((n.id, n.attrs["layer"].name, c) for (n, _), c in zip(found, counts))
     return PipeSpec(axis, p, microbatches, node.id, node.attrs["layer"].name,
-                    named_schedule(schedule, p, microbatches), mesh2, layout2, (mesh, layout), (), stacks)
+                    named_schedule(schedule, p, microbatches), mesh2, layout2, (mesh, layout), (), stacks,
+                    examples or BATCH)
 
 
 def stack_counts(sizes, stage_layers, p: int, mesh: Mesh, layout: Layout, v: int = 1) -> list[tuple[int, ...]]:
@@ -318,28 +322,32 @@ def _chunks_fix(layers: int, p: int, chunks: int) -> str:
     return f"use {first}, or a multiple of {p * chunks} layers{own}"
 
 
-def _with_microbatches(mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int):
+def _with_microbatches(mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int,
+                       examples: str | None):
     """The mesh and layout a plan with ``microbatches`` is lowered on: the mesh with
-    :data:`MB_AXIS` (minor), the ``batch`` dim split over it first."""
+    :data:`MB_AXIS` (minor), the examples' dim (``batch``, or the user's name for it) split
+    over it first."""
     if microbatches == 1:
         return mesh, layout
-    if BATCH not in dims:
-        raise _err(f"{microbatches} micro-batches, but no tensor has a '{BATCH}' dim.", mesh=mesh,
+    if examples is None:
+        raise _err(f"{microbatches} micro-batches, but the graph has no examples' dim to cut.", mesh=mesh,
                    layout=layout,
-                   rule=f"micro-batches cut the dim named '{BATCH}' (no other name is taken as the examples' dim)",
+                   rule=f"micro-batches cut the dim named '{BATCH}', or else the dim the inputs hold and no "
+                        "param does (the examples' dim, whatever its name)",
                    fix=f"name the dim that indexes the examples '{BATCH}' (md.Dim('{BATCH}', n)), "
                        "or use microbatches=1")
-    rule = layout.rule_for(BATCH, ())
+    rule = layout.rule_for(examples, ())
     axes = rule.axis_names if rule else ()
     n = microbatches * mesh.axis_size(axes)
-    if dims[BATCH] % n:
-        raise _err(f"batch {dims[BATCH]} is not divisible by {microbatches} micro-batches "
-                   f"x {mesh.axis_size(axes)} (the batch's mesh axes {axes or '(none)'}).", mesh=mesh,
+    if dims[examples] % n:
+        what, whose = ("batch", "the batch's") if examples == BATCH else (f"the examples' dim {examples!r}", "its")
+        raise _err(f"{what} {dims[examples]} is not divisible by {microbatches} micro-batches "
+                   f"x {mesh.axis_size(axes)} ({whose} mesh axes {axes or '(none)'}).", mesh=mesh,
                    layout=layout, rule="each micro-batch takes an equal share of the batch on every rank",
-                   fix=f"use a batch that is a multiple of {n}, or fewer micro-batches")
+                   fix=f"use a {examples} that is a multiple of {n}, or fewer micro-batches")
     mesh2 = Mesh(mesh.axes + ((MB_AXIS, microbatches),))
-    rules = [Rule(r.scope, r.dim, (Name(MB_AXIS, None),) + r.axes, r.span) if r.key[1] == BATCH else r
+    rules = [Rule(r.scope, r.dim, (Name(MB_AXIS, None),) + r.axes, r.span) if r.key[1] == examples else r
              for r in layout.rules]
     if rule is None:
-        rules.append(Rule(None, Name(BATCH, None), (Name(MB_AXIS, None),)))
+        rules.append(Rule(None, Name(examples, None), (Name(MB_AXIS, None),)))
     return mesh2, Layout(tuple(rules), source=layout.source, empty_ok=layout.empty_ok)

@@ -14,6 +14,7 @@ Plans, steps and values are frozen once built: a compiled plan may be shared
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -135,6 +136,25 @@ class Step:
     @property
     def is_collective(self) -> bool:
         return self.kind in COLLECTIVES
+
+
+#: How autodiff prefixes the names of the nodes of a node's gradient (``grad_<name>/...``).
+GRAD = "grad_"
+
+
+def called(label: str, op: str) -> str:
+    """How a message names a node or step: its name, as ``meshdsl plan``'s rows show it, with its
+    op when the name does not say it: ``'sub'``, ``'einsum_1'``, ``'reduce_mean'`` (a sum times
+    1/n, but named as the user wrote it), ``'h' (add)``, and a gradient's node by the op the user
+    wrote: ``'layer_norm_backward' (of layer_norm's gradient)`` for
+    ``grad_layer_norm/layer_norm_backward``."""
+    from .. import ops
+    head, sep, tail = label.partition("/")
+    if sep and head.startswith(GRAD):
+        return f"'{tail}' (of {head[len(GRAD):]}'s gradient)"
+    base = re.sub(r"_\d+$", "", label)
+    said = base == op or callable(getattr(ops, base, None))
+    return f"'{label}'" if said else f"'{label}' ({op})"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,11 @@ layers are pipelined: one allreduce over the stage axis, made transfers by
 :mod:`.partition`).  A partial sum a backward layer reads on the way to such a gradient and
 elsewhere (DETR's object queries, added to the carry) stays partial both ways where that
 makes the loop cheaper: the layers' sum of its share is reduced once, after the loop, and
-the other reader reduces its own when it needs it whole (:func:`_lower_block`).
+the other reader reduces its own when it needs it whole (:func:`_lower_block`).  So does a
+partial sum whose readers are all linear in it, one on the way to such a gradient or a stacked
+param's (MQA's key gradient, read by its weight's gradient and the input's; a concat's
+gradient read by its slices; Perceiver's input array's, read by its layer norm's backward):
+it passes on partial to each reader instead of being reduced in every layer (:func:`_lazy_through`).
 
 The plan step is data: kind ``repeat``, the block's sub-plan in ``subplans``,
 the layer count in ``times``; :mod:`meshdsl.runtime.layers` runs it.
@@ -45,7 +49,7 @@ from ..layout.sharding import Sharding
 from .block_order import order_block
 from .compiler import Lowerer, lower_into
 from .pipeline import MB_AXIS
-from .plan import Plan, register_step_kind
+from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
 
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
@@ -201,15 +205,21 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
     (forward) or takes (backward).
 
     A backward block whose gradients of tensors read from outside could stay partial sums
-    over the layers (:func:`_lower_backward_block`) is lowered both so and as before, and
+    over the layers (:func:`_lower_backward_block`), or whose partial sums could pass on to
+    readers all linear in them (:func:`_lazy_through`), is lowered both so and as before, and
     the cheaper loop is kept: its ``times`` layers' collectives plus the reductions its
-    outside gradients leave after the loop (:func:`_loop_price`)."""
-    plan, saved_names, fewer = _lower_block_once(lw, loop, feeds, ins, summed=True)
+    outside and stacked gradients leave after the loop (:func:`_loop_price`)."""
+    plan, saved_names, (fewer, through) = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True)
+    tries = [plan]
+    if through:
+        tries.append(_lower_block_once(lw, loop, feeds, ins, summed=True, through=False)[0])
     if fewer:
-        plain = _lower_block_once(lw, loop, feeds, ins, summed=False)[0]
-        if _loop_price(lw, loop, plain, times) <= _loop_price(lw, loop, plan, times):
-            plan = plain
-    return plan, saved_names
+        tries.append(_lower_block_once(lw, loop, feeds, ins, summed=False, through=False)[0])
+    if len(tries) == 1:
+        return plan, saved_names
+    # the cheapest; on a tie, the plainer (later) lowering
+    prices = [_loop_price(lw, loop, p, times) for p in tries]
+    return next(p for p, c in reversed(list(zip(tries, prices))) if c <= min(prices)), saved_names
 
 
 def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int) -> float:
@@ -222,18 +232,25 @@ def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int) -> float:
         return sum(cost.collective(s.kind, s.bytes, mesh.axis_size(s.axes)) if s.is_collective else
                    sum(s.runs(k) * price(sub) for k, sub in enumerate(s.subplans)) for s in p.steps)
 
-    after = 0.0
-    for k in loop.blk.extra["dclosed"]:
-        v = plan.values[plan.outputs[f"d/{k}"]]
+    def reduced_after(name: str, layers: int) -> float:
+        """One allreduce of output ``name``'s partial sum over ``layers`` layers (stacked: each
+        layer's share; summed over the layers: one share)."""
+        v = plan.values[plan.outputs[name]]
         axes = tuple(a for a in v.sharding.partial if a != MB_AXIS and a not in loop.layer_axes)
-        after += cost.collective("allreduce", v.sharding.local_numel(v.shape, mesh) * v.dtype.itemsize,
-                                 mesh.axis_size(axes))
+        return cost.collective("allreduce", layers * v.sharding.local_numel(v.shape, mesh) * v.dtype.itemsize,
+                               mesh.axis_size(axes))
+
+    after = sum(reduced_after(f"d/{k}", 1) for k in loop.blk.extra["dclosed"])
+    after += sum(reduced_after(f"d/{k}", times) for k in loop.blk.extra["dparams"])
     return times * price(plan) + after
 
 
-def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: bool) -> tuple[Plan, list[str], bool]:
-    """:func:`_lower_block`'s sub-plan, lowered with or without ``summed`` (see
-    :func:`_lower_backward_block`), and whether that changed how its values' readers count."""
+def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: bool,
+                      through: bool) -> tuple[Plan, list[str], tuple[bool, bool]]:
+    """:func:`_lower_block`'s sub-plan, lowered with or without ``summed`` and ``through`` (see
+    :func:`_lower_backward_block`), and whether each may have changed anything: how its values'
+    readers count, and whether a value passed on was met partial where the rule alone might have
+    chosen otherwise (:attr:`.Lowerer.through_used`)."""
     blk, node = loop.blk, loop.node
     sub = Lowerer(lw.mesh, lw.layout, lw.cost)
     sub.in_block = True
@@ -251,7 +268,7 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
                      label=f"saved {t.name}")
             sub.inputs[name] = vid
             sub.bind(t, vid)
-        (ids, fewer), saved_names = _lower_backward_block(sub, blk, summed), list(given)
+        (ids, fewer), saved_names = _lower_backward_block(sub, blk, summed, through), list(given)
     else:
         (ids, saved_names), fewer = _lower_forward_block(sub, loop), False
     _check_no_microbatch_sums(lw, node, sub.steps)
@@ -262,7 +279,7 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
     plan = Plan(lw.mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
     if loop.backward:  # cotangents and recomputed values freed early (:mod:`.block_order`)
         plan = order_block(plan, lambda s: s.phase == RECOMPUTE)
-    return plan, saved_names, fewer
+    return plan, saved_names, (fewer, sub.through_used)
 
 
 def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], list[str]]:
@@ -338,7 +355,7 @@ def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
                      "whole-batch count of the inputs made outside a block is made once per step, before the "
                      "micro-batches); otherwise: ")
         raise LayoutError(message(
-            f"repeat '{node.name}': '{bad.label}' ({bad.op}) in its block sums over the micro-batches in every layer.",
+            f"repeat '{node.name}': {called(bad.label, bad.op)} in its block sums over the micro-batches in every layer.",
             inputs=[f"mesh: {lw.mesh}", f"layout: {lw.layout}"], bullets=bullets,
             rule="a repeat's layers run one micro-batch at a time, so a sum over the batch leaves the block "
                  "unreduced and is added up after the micro-batches",
@@ -391,17 +408,61 @@ def _lower_values(sub: Lowerer, tensors) -> None:
                 rule_for(n.op.name)(sub, n)
 
 
-def _lower_backward_block(sub: Lowerer, blk, summed: bool) -> tuple[dict[str, int], bool]:
+def _linear_reads(nodes) -> dict[int, list]:
+    """``id(tensor) -> [(reader, linear)]``: each read of a tensor among ``nodes``, and whether the
+    reader is linear in it (jointly linear ops, an input in ``linear_args``, an einsum's operand)."""
+    reads: dict[int, list] = {}
+    for n in nodes:
+        for i, x in enumerate(n.inputs):
+            reads.setdefault(id(x), []).append((n, n.op.is_linear(n) or i in n.op.linear_args or n.op.multilinear))
+    return reads
+
+
+def _lazy_through(nodes, lazy_outputs, outputs, num_forward: int, level: int) -> frozenset[int]:
+    """Ids of the backward block's values that may pass on lazily, as partial sums, to every
+    reader: read by ops each linear in it, one of them on a path of linear ops to a gradient the
+    loop leaves partial (a stacked param's, reduced once after the layers; an outside tensor's,
+    summed over them): a path to nothing else (``level`` 1: Perceiver's input array's gradient,
+    read by its layer norm's backward), or, for a value with several readers, any such path (2: a
+    concat's gradient whose slices reach the key weight's gradient as well as the input's; one
+    reader passes a partial sum through a linear op anyway).  MQA's key gradient, partial over the
+    split heads: reducing the key weight's gradient (and the input's, which joins the queries'
+    partial sum) costs less than reducing it, ``[batch, key_seq, d_head]``, in every layer.
+    Whether passing them on is cheaper the block's price decides (:func:`_lower_block`)."""
+    reads = _linear_reads(nodes)
+    want, outs = {id(t) for t in lazy_outputs}, {id(t) for t in outputs}
+    to_lazy: set[int] = set()   # ids of nodes whose results reach ``want`` (level 1: only it, or nothing)
+    for n in reversed(nodes):
+        if level == 1 and all(id(t) in want or (id(t) not in outs and all(
+                lin and r.id in to_lazy for r, lin in reads.get(id(t), ()))) for t in n.outputs):
+            to_lazy.add(n.id)
+        if level == 2 and any(id(t) in want or any(lin and r.id in to_lazy for r, lin in reads.get(id(t), ()))
+                              for t in n.outputs):
+            to_lazy.add(n.id)
+    least = 1 if level == 1 else 2   # level 2: where a partial sum branches, not every linear op on a path
+    return frozenset(id(t) for n in nodes if n.id >= num_forward for t in n.outputs
+                     if t.dtype.is_floating_point and len(reads.get(id(t), ())) >= least
+                     and all(lin for _, lin in reads[id(t)]) and any(r.id in to_lazy for r, _ in reads[id(t)]))
+
+
+def _lower_backward_block(sub: Lowerer, blk, summed: bool, through: bool = False) -> tuple[dict[str, int], bool]:
     """The backward block's outputs: the carry gradient in the carry's layout, each stacked
     param's gradient lazily (in its layout, partial sums kept), and each closed-over tensor's
     as its rules leave it (partial sums kept whatever its layout: the loop adds the layers'
     up before anything reduces them).  A partial sum read both on the way to such a gradient
     and elsewhere passes on lazily to both when ``summed`` (:meth:`.Lowerer.count_readers`): its
     share of the gradient is reduced once after the layers, not at its first reader per layer.
+    When ``through``, a value :func:`_lazy_through` marks passes on partial to every reader.
     Also returns whether ``summed`` changed how any value's readers count."""
     outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
     dclosed = {f"d/{k}": g for k, g in blk.extra["dclosed"].items()}
     fewer = sub.count_readers([*outs.values(), *dclosed.values()], summed=dclosed.values() if summed else ())
+    if through:
+        lazy = [*dclosed.values(), *(g for k, g in outs.items() if k != "dcarry")]
+        every = [*outs.values(), *dclosed.values()]
+        nodes, num_forward = topo_nodes(every, sub.env), blk.extra.get("num_forward", 0)
+        sub.lazy_through = _lazy_through(nodes, lazy, every, num_forward, 1) | _lazy_through(
+            nodes, lazy, every, num_forward, 2)
     ids = lower_into(sub, {"dcarry": outs["dcarry"]})
     ids.update(lower_into(sub, {k: v for k, v in outs.items() if k != "dcarry"}, lazy=True))
     _lower_values(sub, list(dclosed.values()))

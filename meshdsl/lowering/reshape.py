@@ -212,7 +212,28 @@ def lower_reshape(lw, node) -> None:
             flops=op_flops(node, local), note=f"keeps the split: {c_in} -> {c_out}" if kept else "")
     if note:
         lw.note(f"{node.name}: {note}")
+    if node.phase == "forward" and tl:
+        for text in _inner_split_notes(node, rg, mesh, tl[0][0], c_out):
+            lw.note(text)
     lw.bind(out, lw.relayout(res, lazy, node, f"output of {node.op.name} to its layout"))
+
+
+def _inner_split_notes(node, rg: Regroup, mesh, target: Sharding, c_out: Sharding):
+    """A note for each output dim whose layout split no contiguous split of the input reaches:
+    the dim is an inner part of a merged input dim (a flat fused projection's ``heads`` in
+    ``(qkv heads d_head)``), so what makes the input runs without that split."""
+    back = rg.inverse()
+    for d, axes in target.split.items():
+        if d in c_out.split or back.map(mesh, {d: axes}, "strict") is not None:
+            continue
+        names, parts = {d}, []
+        for st in reversed(rg.stages):   # the input dims whose row-major group holds d, and its parts
+            groups = [(ins, outs) for ins, outs in st if names & {o for o, _ in outs}]
+            names, parts = {n for ins, _ in groups for n, _ in ins}, [o for _, outs in groups for o, _ in outs]
+        merged = ", ".join(x.name for x in node.inputs[0].shape if x.name in names)
+        yield (f"{node.name}: '{d}:{','.join(axes)}' is an inner part of '{merged}' = ({' '.join(parts)}): no "
+               f"split of '{merged}' carries over to it, so what makes '{merged}' runs without that split; "
+               f"kept as separate dims {', '.join(parts)} (a fused weight stored by dims, not flat) it would")
 
 
 def _local_attrs(node, mesh, stages, c_out) -> dict:

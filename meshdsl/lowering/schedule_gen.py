@@ -103,10 +103,12 @@ def interleaved_1f1b(p: int, m: int, v: int):
 def _interleaved_orders(name: str, p: int, m: int, v: int) -> list:
     """Interleaved 1F1B's per-rank F and B orders (for ``name``'s messages)."""
     if p < 2 or m % p:
+        why = "it needs at least 2 ranks" if p < 2 else f"{m} is not a multiple of the {p} ranks"
         raise ScheduleError(message(
-            f"schedule {name!r} with {p} rank(s) and {m} micro-batch(es): unsupported sizes.",
+            f"schedule '{name}:{v}' with {p} rank(s) and {m} micro-batch(es): {why}.",
             rule="virtual stages need at least 2 ranks, and micro-batches in whole groups of num_ranks",
-            fix=f"use at least 2 ranks and a multiple of {max(p, 2)} micro-batches, or '1f1b'"))
+            fix=f"use at least 2 ranks and a multiple of {max(p, 2)} micro-batches "
+                f"(microbatches={max(p, 2)}, --microbatches {max(p, 2)}), or '1f1b'"))
     order = [(c, mb) for g in range(0, m, p) for c in range(v) for mb in range(g, g + p)]
     return [_warm_then_alternate([("F", mb, c * p + r) for c, mb in order],
                                  [("B", mb, (v - 1 - c) * p + r) for c, mb in order],

@@ -19,7 +19,9 @@ from contextlib import contextmanager
 from ..errors import MeshDSLError, clip
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
+from ..layout.specs import Rule
 from .pipeline import MB_AXIS
+from .plan import Plan
 
 #: How a split or a partial sum over the virtual axis reads.
 WORDS = "micro-batches"
@@ -51,6 +53,30 @@ def users_terms(lowered: tuple[Mesh, Layout], given: tuple[Mesh, Layout], num_mi
         raise
 
 
+@contextmanager
+def with_given(mesh: Mesh, layout: Layout, num_microbatches: int):
+    """Give a :class:`~meshdsl.errors.MeshDSLError` raised inside, whose text names no mesh (a
+    schedule's sizes refused, :mod:`.schedule_gen`), the shape of the other compile errors: what
+    was called (``compile: ...``), then the mesh, layout and micro-batch count it was given."""
+    try:
+        yield
+    except MeshDSLError as e:
+        if len(e.args) == 1 and isinstance(e.args[0], str):
+            e.args = (_with_given(e.args[0], mesh, layout, num_microbatches),)
+        raise
+
+
+def _with_given(text: str, mesh: Mesh, layout: Layout, num_microbatches: int) -> str:
+    """``text`` with the mesh, layout and micro-batch lines after its first line where it has no
+    mesh line, and an empty layout shown as ``(no rules)`` (as :func:`restate` shows it)."""
+    lines = ["  layout: (no rules)" if line == "  layout: " else line for line in text.split("\n")]
+    if any(line.startswith("  mesh: ") for line in lines):
+        return "\n".join(lines)
+    head = lines[0] if lines[0].startswith("compile") else f"compile: {lines[0]}"
+    shown = [f"  mesh: {mesh}", f"  layout: {str(layout) or '(no rules)'}", f"  {WORDS}: {num_microbatches}"]
+    return "\n".join([head, *shown, *lines[1:]])
+
+
 def restate(text: str, lowered: tuple[Mesh, Layout], given: tuple[Mesh, Layout], num_microbatches: int) -> str:
     """``text`` with the lowered mesh and layout shown as ``given`` and every other mention of the
     virtual micro-batch axis in words; a text that does not name the axis comes back unchanged.
@@ -80,6 +106,35 @@ def restate(text: str, lowered: tuple[Mesh, Layout], given: tuple[Mesh, Layout],
     out = _AXES_TUPLE.sub(_axes_in_words, out)
     out = _SIZED.sub(lambda m: f"{m.group(1)} {WORDS}", out)
     return _BARE.sub(WORDS, out)
+
+
+def user_mesh_layout(plan: Plan) -> tuple[Mesh, Layout]:
+    """The mesh and layout as the user wrote them: without the virtual micro-batch axis.
+
+    A plan with micro-batches is lowered on ``mesh + _mb:m`` with ``batch`` split over
+    ``_mb`` first; the user asked for neither, so printed plans and messages leave both
+    out and state the micro-batch count on its own.
+    """
+    mesh = Mesh(tuple((a, n) for a, n in plan.mesh.axes if a != MB_AXIS))
+    rules = []
+    for r in plan.layout.rules:
+        axes = tuple(a for a in r.axes if a.name != MB_AXIS)
+        if axes != r.axes and not axes:
+            continue  # the rule the micro-batches added: the user's layout left the batch whole
+        rules.append(r if axes == r.axes else Rule(r.scope, r.dim, axes, r.span))
+    return mesh, Layout(tuple(rules), source=plan.layout.source)
+
+
+def num_microbatches(plan: Plan) -> int:
+    """m: the size of the virtual micro-batch axis (1 without micro-batches)."""
+    return plan.mesh.sizes.get(MB_AXIS, 1)
+
+
+def about_plan(text: str, plan: Plan) -> str:
+    """``text``, a message about a compiled ``plan`` (its ``mesh: ...`` and ``layout: ...``
+    lines print ``plan.mesh`` and ``plan.layout``), restated as :func:`restate` does: in the
+    user's mesh and layout, the micro-batch count on its own line."""
+    return restate(text, (plan.mesh, plan.layout), user_mesh_layout(plan), num_microbatches(plan))
 
 
 def _with_count(lines: list[str], m: int) -> list[str]:

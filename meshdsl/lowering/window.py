@@ -80,8 +80,12 @@ def lower_window(lw, node) -> None:
     vid = lw.reduced(lw.value(src))
     cur = lw.sharding(vid)
     # A partial sum passes through lazily where the window is linear (zero fill) and it is the
-    # input's only reader, as the generic rule does for linear ops; otherwise it is reduced.
-    lazy = src is node.inputs[0] and reach.fill == 0.0 and lw.num_uses(src) == 1
+    # input's only reader, as the generic rule does for linear ops, or a backward block passes it
+    # on to each reader (a concat's gradient read by its slices: :func:`.repeat._lazy_through`,
+    # kept where the loop costs less); otherwise it is reduced.
+    passed_on = id(src) in lw.lazy_through
+    lw.through_used |= passed_on and bool(cur.partial) and lw.num_uses(src) > 1
+    lazy = src is node.inputs[0] and reach.fill == 0.0 and (lw.num_uses(src) == 1 or passed_on)
     comp = cur if lazy else Sharding(cur.dims)
     axes = comp.axes_of(dim)
     n, size = src.shape.get(dim).size, src.dtype.itemsize

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.graph import Tensor, graph_of
+from ..core.graph import Tensor, graph_of, not_a_tensor
 from ..core.shape import Dim, Shape
 from ..errors import ShapeError, message
 from .registry import Op, apply, register, run_device
@@ -83,7 +83,20 @@ def _dims_of(t: torch.Tensor, dims) -> Shape:
     return Shape(out)
 
 
-def constant(value, dims=None, like: Tensor | None = None, *, dtype: torch.dtype | None = None,
+def _check_arguments(value, dims, like) -> None:
+    """A name given first (``md.constant("eye", t, dims)``, as ``md.param`` takes it) is one error
+    saying so, before ``like`` (then the dims) is checked as a Tensor (``like`` is not annotated
+    ``Tensor``, so that :mod:`.arguments` leaves this order to us)."""
+    if isinstance(value, str) and (isinstance(dims, torch.Tensor) or like is not None):
+        raise ShapeError(message(f"constant: the value is the str {value!r}, then {type(dims).__name__} dims.",
+                                 rule="md.constant(value, dims, like=None, *, dtype=None, name=None): the value comes "
+                                      "first; a constant's name is the keyword name=",
+                                 fix=f"md.constant(tensor, [dims], name={value!r})"))
+    if like is not None and not isinstance(like, Tensor):
+        raise not_a_tensor("constant", "argument 'like'", like)
+
+
+def constant(value, dims=None, like=None, *, dtype: torch.dtype | None = None,
              name: str | None = None) -> Tensor:
     """A constant: a scalar, or a tensor with named dims that is never trained.
 
@@ -115,6 +128,7 @@ def constant(value, dims=None, like: Tensor | None = None, *, dtype: torch.dtype
         inv_freq = md.constant(1.0 / 10000 ** (torch.arange(0, d_k, 2) / d_k), [half])
         angles = md.cast(md.arange(seq), torch.float32) * inv_freq   # [seq, half]
     """
+    _check_arguments(value, dims, like)
     if isinstance(dims, torch.dtype):  # the scalar form's historical signature: (value, dtype, like)
         dtype, dims = dims, None
     if isinstance(value, (bool, int, float)) and dims is None:

@@ -106,7 +106,9 @@ def reduce_mean(x: Tensor, dims=None) -> Tensor:
     n = 1
     for d in names:
         n *= x.shape.get(d).size
-    return reduce_sum(x, names) * (1.0 / n)
+    from .elementwise import _lift
+    # A sum times 1/n, named as the user wrote it: messages and plan rows say 'reduce_mean', not 'mul'.
+    return apply("mul", _lift([reduce_sum(x, names), 1.0 / n], "mul"), name="reduce_mean")
 
 
 def reduce_max(x: Tensor, dims=None) -> Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import GraphError, did_you_mean, message
 from ..lowering.compiler import compile as compile_plan
 from .agreement import allowed_diff
 from .dense import run_dense
@@ -106,6 +107,26 @@ def _noise_gradient(name: str, want: dict, grads: dict, tol: float):
     return grads[g].detach().double().cpu().abs() <= allowed_diff(grads, tol)[g]
 
 
+def _check_options(options: dict) -> None:
+    """A keyword :func:`check` was given that is no option of :func:`~meshdsl.compile`: one user
+    error naming it and the options there are (``remat=`` belongs where the gradients are built)."""
+    import inspect
+
+    known = [p for p in inspect.signature(compile_plan).parameters if p not in ("outputs", "mesh", "layout")]
+    bad = sorted(k for k in options if k not in known)
+    if not bad:
+        return
+    remat = "remat" in bad
+    raise GraphError(message(
+        f"check: {', '.join(f'{k}=' for k in bad)} is no option of check or md.compile.",
+        inputs=[f"check's own: params=, tol=, seed=; md.compile's: {', '.join(f'{k}=' for k in known)}"],
+        bullets=[f"{k}={did_you_mean(k, known)}" for k in bad if did_you_mean(k, known)],
+        rule="check compiles the outputs it is given; what they compute (remat, precision) is fixed when "
+             "they are built",
+        fix=("build the gradients with it, md.grad(loss, params, remat=...) (or md.repeat(..., remat=...)), "
+             "and check those outputs" if remat else "drop it, or pass one of the options above")))
+
+
 def check(outputs, mesh, layout=None, feeds: dict | None = None, *, params: dict | None = None,
           tol: float = 1e-4, seed: int = 0, **compile_options) -> CheckResult:
     """Compare the layout's outputs with the dense program's, every rank simulated here.
@@ -130,6 +151,7 @@ def check(outputs, mesh, layout=None, feeds: dict | None = None, *, params: dict
       the errors of :func:`~meshdsl.compile`, :func:`~meshdsl.run_dense` and
       :func:`~meshdsl.run_simulated` for a bad graph, mesh, layout or feed.
     """
+    _check_options(compile_options)
     plan = compile_plan(outputs, mesh, layout, **compile_options)
     want = run_dense(outputs, feeds, params=params, seed=seed)
     got = run_simulated(plan, feeds, params=params, seed=seed)

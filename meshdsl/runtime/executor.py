@@ -23,6 +23,7 @@ from ..ir.interpret import check_feed, feeds_dict
 from ..layout.sharding import Sharding, cyclic_order
 from ..lowering.plan import Plan, Value
 from ..lowering.relayout import move_args, plan_moves
+from ..lowering.users_terms import about_plan, num_microbatches, user_mesh_layout
 from ..ops.registry import run_device, running_on
 from ..comm.communicator import Communicator, Pending
 from .dense import check_no_extra_feeds
@@ -197,6 +198,21 @@ def _check_arguments(plan, comm) -> None:
                 "(one rank per process)"))
 
 
+def _mesh_mismatch(plan: Plan, comm: Communicator) -> str:
+    """Why ``comm`` cannot run ``plan``, in the mesh the user compiled for (a plan with micro-batches
+    runs on that mesh plus a virtual micro-batch axis, which the user never wrote)."""
+    mesh, m = user_mesh_layout(plan)[0], num_microbatches(plan)
+    if m > 1 and mesh.axes == comm.mesh.axes:
+        return message(f"executor: the plan runs {m} micro-batches per step, and communicator mesh '{comm.mesh}' "
+                       "holds one per rank.", inputs=[f"mesh: {mesh}", f"micro-batches: {m}"],
+                       rule="a plan with micro-batches runs on its mesh with a virtual micro-batch axis, plan.mesh",
+                       fix="pass md.SimulatedComm(plan.mesh) (every rank and micro-batch in this process), or on "
+                           "real processes meshdsl.comm.microbatch.for_plan(comm, plan); md.TrainStep does this for you")
+    return about_plan(message(f"executor: plan mesh '{plan.mesh}' differs from communicator mesh '{comm.mesh}'.",
+                              rule="a plan runs on the mesh it was compiled for",
+                              fix="compile with the same mesh string"), plan)
+
+
 class Executor:
     """Executes ``plan`` for the ranks ``comm`` holds.
 
@@ -218,9 +234,7 @@ class Executor:
     def __init__(self, plan: Plan, comm: Communicator, donate_params: bool = False, compile=False):
         _check_arguments(plan, comm)
         if comm.mesh.size != plan.mesh.size or comm.mesh.axes != plan.mesh.axes:
-            raise GraphError(message(f"executor: plan mesh '{plan.mesh}' differs from communicator mesh '{comm.mesh}'.",
-                                     rule="a plan runs on the mesh it was compiled for",
-                                     fix="compile with the same mesh string"))
+            raise GraphError(_mesh_mismatch(plan, comm))
         self.plan, self.comm = plan, comm
         #: how runs of local steps are compiled (:mod:`.compiled`); None: eager
         self.compiling = settings_of(compile)

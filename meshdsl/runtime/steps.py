@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import torch
+
 from ..collectives import COLLECTIVES
 from ..errors import GraphError, message
 from ..layout.sharding import chunk
@@ -260,13 +262,39 @@ def _prepare_split(ctx, i, s):
     (src,), out, axes, dim = s.ins, s.outs[0], s.axes, s.args["dim"]
     reps, of = representatives(ctx.plan, ctx.comm, s) or (range(len(ctx.comm.ranks)), None)
     comm = ctx.comm if of is None else ctx.comm.view([ctx.comm.ranks[j] for j in reps])
+    cut = _stored_cut(ctx.plan.values[out], dim, axes, comm)
 
     def call(env, get, run):
         xs = get(src)
         if of is not None:
             xs = [xs[j] for j in reps]
-        env[out] = _spread(split_local(comm, xs, axes, dim), of)
+        env[out] = _spread(split_local(comm, xs, axes, dim) if cut is None else
+                           [_take(x, dim, c) for x, c in zip(xs, cut)], of)
     return call
+
+
+def _stored_cut(value, dim: int, axes, comm) -> list | None:
+    """Per held rank, the ``(start, length)`` runs of dim ``dim`` that split ``value`` stores, where
+    a pass after lowering stored it otherwise than the even cut over ``axes`` the step was made
+    with (a pipeline's unequal stages or virtual stages: given part lengths, blocks; a stack on
+    one stage of several: whole there); None where the even cut is how it is stored."""
+    sh, name = value.sharding, value.shape.names[dim]
+    split = sh.axes_of(name)
+    # the even cut: the step's axes are the last of the dim's (a split of a dim already split over
+    # the group's major axes cuts the local part further, as ``chunk`` nests)
+    if split[len(split) - len(axes):] == tuple(axes) and name not in dict(sh.parts) and name not in sh.cyclic_blocks:
+        return None
+    out = []
+    for r in comm.ranks:
+        regions = sorted(sh.regions(value.shape, comm.mesh, r), key=lambda g: g[1][dim].start)
+        out.append([(g[dim].start, g[dim].stop - g[dim].start) for g, _ in regions])
+    return out
+
+
+def _take(x, dim: int, runs) -> "torch.Tensor":
+    """The runs ``(start, length)`` of ``x`` along ``dim``, joined in order."""
+    parts = [x.narrow(dim, a, n) for a, n in runs]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
 
 
 def _prepare_collective(ctx, i, s):

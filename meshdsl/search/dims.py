@@ -3,10 +3,11 @@
 Every dim of the training step's graph is a candidate (params, inputs, activations,
 the dims inside ``repeat`` blocks), none by its name alone:
 
-* ``data`` axis: ``batch`` (data parallel), and the params' storage split along one of
+* ``data`` axis: the examples' dim (data parallel: ``batch``, or the user's name for it read off
+  the graph, :mod:`meshdsl.core.examples`), and the params' storage split along one of
   their dims (FSDP ``params.X``; ZeRO-1/2 ``opt.X``, ``grads.X`` with optimizer state),
-  ranked by the share of the param bytes they shard; ``experts`` with ``batch`` (expert
-  parallel) where the model has it;
+  ranked by the share of the param bytes they shard; ``experts`` (or the dim a dispatch's rename
+  makes, :func:`expert_dims`) with it (expert parallel) where the model has it;
 * ``model`` axis: any other dim, alone, or two that no tensor holds together (a
   Megatron-style pair), ranked by :func:`.estimate.estimate` (kernels and bytes moved
   with that split alone); not ``batch`` nor a dim renamed from it (the micro-batches
@@ -18,7 +19,7 @@ Per axis size the best :data:`MODEL_KEEP` dims, :data:`PAIR_KEEP` pairs (that
 estimate no worse than those dims alone) and :data:`FSDP_KEEP` param dims are kept,
 with the seeds (the families known to work: DP, Megatron on ``heads`` and ``d_ff`` (in a model
 with other names, the two dims a weight's matmul makes and another contracts: :func:`megatron_dims`),
-FSDP on ``d_model``, ``seq``, ``experts``, the pipeline) and the dims the caller
+FSDP on ``d_model``, ``seq`` (or :func:`sequence_dims`), ``experts``, the pipeline) and the dims the caller
 names (``split_dims``, and their pairs); the others are pruned by cost, and a dim in
 ``no_split`` is never split.  A dim the axis does not divide is split unevenly
 (:mod:`meshdsl.lowering.uneven`: the first ``size % k`` parts one longer), ranked by the same
@@ -106,6 +107,10 @@ class Splits:
         #: the Megatron pair: ``heads`` and ``d_ff`` where the model has them, else the pair
         #: found in its forward graph (:func:`megatron_dims`, set by ``of``)
         self.megatron: tuple[str, ...] = MEGATRON
+        #: the sequence-parallel seeds beside ``seq``: :func:`sequence_dims` (set by ``of``)
+        self.sequence: set[str] = set()
+        #: the expert-parallel dims: ``experts``, or in a model without it :func:`expert_dims` (set by ``of``)
+        self.experts: tuple[str, ...] = ("experts",)
 
     @classmethod
     def of(cls, model, outputs, cal: Calibration, job: int, stateful: bool,
@@ -128,6 +133,11 @@ class Splits:
         made = cls(prof, param_bytes, sum(b for _, b in sizes), cal, job, stateful, split_dims, no_split, strict)
         if not all(d in prof.dims for d in MEGATRON):   # the usual names: as before; any others: the graph's
             made.megatron = megatron_dims(model.loss, param_bytes, prof)
+        forward = profile([model.loss]) if "seq" not in prof.dims or "experts" not in prof.dims else None
+        if "seq" not in prof.dims:
+            made.sequence = sequence_dims(forward)
+        if "experts" not in prof.dims:
+            made.experts = expert_dims(forward)
         return made
 
     def estimate(self, split: tuple[str, ...], k: int) -> Estimate:
@@ -173,15 +183,18 @@ class Splits:
         return uneven_note(self.dims[d], k) if self.dims[d] % k else ""
 
     def _data(self, k: int):
-        """DP, ZeRO-1/2 and FSDP over the param dims sharding the most bytes, expert parallel."""
-        if not self._eligible("batch"):
-            why = "not a dim of the model" if "batch" not in self.dims else "excluded (no_split)"
-            return [], [Verdict("data", k, "batch", False, why)]
-        opts = [Option("batch:data", "DP", "batch")]
-        verdicts = [Verdict("data", k, "batch", self._divides("batch", k),
-                            f"seed: data parallel{_with(self.uneven('batch', k))}" if self._divides("batch", k)
-                            else self._indivisible("batch", k), "batch:data")]
-        reserved = {"batch", LAYER, *self.prof.layer_dims}
+        """DP, ZeRO-1/2 and FSDP over the param dims sharding the most bytes, expert parallel,
+        each beside DP on the examples' dim (``batch``, or the user's name for it)."""
+        b = self.prof.examples
+        if b is None or not self._eligible(b):
+            why = ("no examples' dim: no input dim that no param holds" if b is None else
+                   "excluded (no_split)" if b in self.banned else f"size {self.dims[b]}")
+            return [], [Verdict("data", k, b or "batch", False, why)]
+        opts = [Option(f"{b}:data", "DP", b)]
+        verdicts = [Verdict("data", k, b, self._divides(b, k),
+                            f"seed: data parallel{_with(self.uneven(b, k))}" if self._divides(b, k)
+                            else self._indivisible(b, k), f"{b}:data")]
+        reserved = {b, LAYER, *self.prof.layer_dims}
         dims = sorted((d for d in self.param_bytes if self._eligible(d) and d not in reserved),
                       key=lambda d: (-self.param_bytes[d], d))
         ranked = [d for d in dims if self._divides(d, k)]
@@ -189,7 +202,7 @@ class Splits:
         fsdp = []
         for d in dims:
             share = f"shards {self.param_bytes[d] / self.total_param_bytes:.0%} of the param bytes"
-            name, rules = ("FSDP" if d == "d_model" else f"FSDP({d})"), f"batch:data; params.{d}:data"
+            name, rules = ("FSDP" if d == "d_model" else f"FSDP({d})"), f"{b}:data; params.{d}:data"
             pruned = None
             share += _with(self.uneven(d, k)) if self._divides(d, k) else ""
             if not self._divides(d, k):
@@ -209,16 +222,17 @@ class Splits:
         zero = "d_model" if "d_model" in dims else next(iter(ranked), None)
         if self.stateful and zero is not None:
             tag = "" if zero == "d_model" else f"({zero})"
-            for name, rules in ((f"ZeRO-1{tag}", f"batch:data; opt.{zero}:data"),
-                                (f"ZeRO-2{tag}", f"batch:data; opt.{zero}:data; grads.{zero}:data")):
+            for name, rules in ((f"ZeRO-1{tag}", f"{b}:data; opt.{zero}:data"),
+                                (f"ZeRO-2{tag}", f"{b}:data; opt.{zero}:data; grads.{zero}:data")):
                 opts.append(Option(rules, name, rules.rsplit("; ", 1)[-1].split(":")[0]))
                 verdicts.insert(len(opts) - 1, Verdict("data", k, opts[-1].split, self._divides(zero, k),
                                         f"seed: {name}{_with(self.uneven(zero, k))}" if self._divides(zero, k) else
                                         self._indivisible(zero, k), rules))
         opts += fsdp
-        if self._eligible("experts"):
-            opts.append(Option("batch:data; experts:data", "DP+EP", "experts"))
-            verdicts.append(Verdict("data", k, "experts", True, "seed: expert parallel", "batch:data; experts:data"))
+        for x in self.experts:
+            if self._eligible(x):
+                opts.append(Option(f"{b}:data; {x}:data", "DP+EP", x))
+                verdicts.append(Verdict("data", k, x, True, "seed: expert parallel", f"{b}:data; {x}:data"))
         return opts, verdicts
 
     def _model(self, k: int):
@@ -246,7 +260,8 @@ class Splits:
         """The dims kept alone on a model axis of ``k`` (seeds, named, the best few), the worst
         estimate kept by rank (the bar a pair must meet), and the scored, cut and indivisible options."""
         fits = sorted((d for d in singles if self._divides(d, k)), key=lambda d: (self.estimate((d,), k).total_s, d))
-        seeded = set(MODEL_SEEDS) | set(self.forced)
+        seeds = set(MODEL_SEEDS) | self.sequence
+        seeded = seeds | set(self.forced)
         kept = [d for d in fits if d in seeded] + [d for d in fits if d not in seeded][:MODEL_KEEP]
         ranked = [self.estimate((d,), k).total_s for d in kept if d not in seeded]
         bar = max(ranked or [self.estimate((d,), k).total_s for d in kept] or [0.0])
@@ -260,7 +275,7 @@ class Splits:
                 continue
             est, uneven = self.estimate((d,), k), _with(self.uneven(d, k))
             if d in kept:
-                why = ("seed" if d in MODEL_SEEDS else "named by split_dims" if d in self.forced else "kept") + \
+                why = ("seed" if d in seeds else "named by split_dims" if d in self.forced else "kept") + \
                     f"{uneven}: {est.describe()}"
                 scored.append((est.total_s, Option(rules, name, d), Verdict("model", k, d, True, why, rules)))
             else:
@@ -370,6 +385,30 @@ def megatron_dims(loss, param_bytes: dict[str, int], prof: Profile) -> tuple[str
         if len(pair) == 2:
             break
     return tuple(pair) if len(pair) == 2 else ()
+
+
+def sequence_dims(prof: Profile) -> set[str]:
+    """The dims sequence parallelism splits, read off the forward graph's profile ``prof``, not by
+    the name ``seq``: a dim that a ``rename`` makes another of (the keys of attention, ``T -> Tk``)
+    where an op then computes over both (the attention, or its scores ``[.., T, Tk]``); the
+    examples' dims (renamed for experts) are not."""
+    renamed = {(comp, name) for w in prof.works for names, computed, _ in w.outs
+               for name, comp in zip(names, computed) if name != comp and comp not in prof.batch_like}
+    return {a for a, b in renamed if any(a in w.dims and b in w.dims for w in prof.works)}
+
+
+def expert_dims(prof: Profile) -> tuple[str, ...]:
+    """The dims expert parallelism splits beside the examples' dim, read off the forward graph's
+    profile ``prof``, not by the name ``experts``: the dims a ``rename`` makes of others where it
+    renames the examples' dim away (Mesh-TensorFlow's dispatch, ``[gate_experts, batch, ..] ->
+    [experts, expert_batch, ..]``: the data axis moves from the examples to the experts)."""
+    found: list[str] = []
+    for w in prof.works:
+        for names, computed, _ in w.outs:
+            pairs = [(n, c) for n, c in zip(names, computed) if n != c]
+            if any(c == prof.examples for _, c in pairs):
+                found += [n for n, c in pairs if c != prof.examples and n not in found]
+    return tuple(found)
 
 
 def virtual_schedules(layers: int, k: int, m: int) -> tuple[str, ...]:

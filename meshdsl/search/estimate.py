@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.examples import examples_dim
 from ..core.graph import topo_nodes
 from ..lowering.fuse import IDENTITY
 from .calibrate import Calibration
@@ -69,7 +70,10 @@ class Profile:
       layer_dims: the dims ``repeat`` scans over.
       tensors: the dim names of each distinct tensor shape -> the first tensor's name (who
         holds two dims together, for conflicts).
-      batch_like: ``batch`` and the dims a ``rename`` made of it (they carry the micro-batches).
+      batch_like: the examples' dim and the dims a ``rename`` made of it (they carry the
+        micro-batches).
+      examples: the examples' dim (:func:`~meshdsl.core.examples.examples_dim`: ``batch``, or
+        the user's name for it read off the graph), None where the graph has none.
     """
 
     works: tuple
@@ -77,6 +81,7 @@ class Profile:
     layer_dims: tuple
     tensors: dict
     batch_like: frozenset = frozenset({"batch"})
+    examples: str | None = "batch"
 
     def together(self, a: str, b: str) -> str | None:
         """A tensor holding dims ``a`` and ``b`` both (``"name [dims]"``, the one with the fewest
@@ -141,11 +146,12 @@ def profile(outputs) -> Profile:
                 works.append(_work(n, runs))
 
     walk(topo_nodes(outs), 1)
-    batch_like = {"batch"}
+    examples = examples_dim(outs)
+    batch_like = {examples} if examples else set()
     for w in works:   # in graph order, so a rename of a rename follows
         batch_like |= {name for names, computed, _ in w.outs for name, comp in zip(names, computed)
                        if comp in batch_like}
-    return Profile(tuple(works), dims, tuple(layers), tensors, frozenset(batch_like))
+    return Profile(tuple(works), dims, tuple(layers), tensors, frozenset(batch_like), examples)
 
 
 def _work(n, runs: int) -> Work:

@@ -114,24 +114,25 @@ def twice(c: Candidate) -> str | None:
     return None
 
 
-def indivisible(c: Candidate, dims: dict[str, int], strict: bool = False, layers=()) -> str | None:
+def indivisible(c: Candidate, dims: dict[str, int], strict: bool = False, layers=(),
+                examples: str | None = "batch") -> str | None:
     """Why ``c`` cannot compile for lack of divisibility (a quick test before compiling), or None.
 
     A rule's dim that the size of the axes it is split over does not divide is split unevenly,
     unless ``strict`` (the compiler's ``strict_splits``), a part would be empty, it is a repeat's
-    layer dim (``layers``: its stages run whole layers, as many each) or it is the batch of a
-    micro-batched candidate (divided by the data axis times the micro-batches).
+    layer dim (``layers``: its stages run whole layers, as many each) or it is the examples' dim
+    (``examples``) of a micro-batched candidate (divided by the data axis times the micro-batches).
     """
     sizes = dict((name, int(size)) for name, size in (a.split(":") for a in c.mesh.split("; ")))
     split: dict[str, int] = {}
     for target, axis in _rules(c.layout):
         dim = target.rsplit(".", 1)[-1]
         split[dim] = max(split.get(dim, 1), sizes[axis])
-    if c.microbatches > 1:
-        split["batch"] = split.get("batch", 1) * c.microbatches
+    if c.microbatches > 1 and examples is not None:
+        split[examples] = split.get(examples, 1) * c.microbatches
     for dim, k in split.items():
         n = dims.get(dim, k)
-        if n % k and (strict or n < k or dim in layers or (dim == "batch" and c.microbatches > 1)):
+        if n % k and (strict or n < k or dim in layers or (dim == examples and c.microbatches > 1)):
             return f"dim '{dim}' of size {dims[dim]} is not divisible by {k}"
     return None
 
@@ -156,15 +157,15 @@ def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = 
     """
     if splits is None:
         splits = Splits.of(model, model.train_step(), Calibration.defaults(), nproc, stateful, strict=strict)
-    dims, strict, layers = splits.dims, splits.strict, splits.prof.layer_dims
-    batch = dims.get("batch", 1)
+    dims, strict, layers, examples = splits.dims, splits.strict, splits.prof.layer_dims, splits.prof.examples
+    batch = dims.get(examples, 1)
     for mesh in meshes(nproc):
         sizes = dict(mesh)
         per_replica = batch // sizes.get("data", 1) if batch % sizes.get("data", 1) == 0 else 0
         # An idle model axis beside an axis that splits: the whole layout idle is no search answer.
         idle = [REPLICATED] if len(mesh) > 1 else []
         per_role = [splits.options(role, size, per_replica) + (idle if role == "model" else [])
-                    if size > 1 else [Option(f"batch:{role}" if role == "data" else "", "single", "")]
+                    if size > 1 else [Option(f"{examples}:{role}" if role == "data" and examples else "", "single", "")]
                     for role, size in mesh]
         text = "; ".join(f"{r}:{s}" for r, s in mesh)
         accum = (1,) if "pipe" in sizes else (1,) + ACCUMULATION
@@ -175,7 +176,7 @@ def candidates(model, nproc: int, stateful: bool = False, pruned: list | None = 
             family = "+".join(o.name for o in combo) + (f"+accum{k}" if k > 1 else "")
             c = Candidate(text, rules, m, sched, family)
             cost = next((o.pruned for o in combo if o.pruned), None)
-            why = twice(c) or indivisible(c, dims, strict, layers)
+            why = twice(c) or indivisible(c, dims, strict, layers, examples)
             if why is not None:
                 if pruned is not None:
                     pruned.append((c, why))

@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-from ..errors import MeshDSLError, message
+from ..errors import MeshDSLError, did_you_mean, message
 from ..runtime.dense import run_dense
 from ..runtime.executor import Executor
 from ..processes.failures import RankInternalError
@@ -40,7 +40,8 @@ from ..lowering.interleave import stored_layers
 from ..lowering.schedule import has_placed_w
 from ..train.model import DEFAULT_LR
 from ..train.step import training_outputs
-from .dist_cli import add_run, bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device
+from .dist_cli import (add_run, bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device,
+                       say_ignored_options)
 from .optim_args import describe, optimizer_from_args, train_outputs
 from .preflight import UsageError, check_simulated_memory, float_in, memory_warning
 from .pipe_report import pipeline_program, run_figures, schedule_summary, user_mesh_layout
@@ -252,6 +253,7 @@ def cmd_check(args) -> int:
     if not distributed:
         check_simulated_memory(plan)
     check_job_memory(args, plan, "check", None if distributed else device)
+    say_ignored_options(plan)
     args.preflight_done = True
     feeds = {**model.feeds(args.seed), **hyper}
     want = run_dense(dense, feeds, seed=args.seed)
@@ -298,7 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
+    parser.commands = sub.choices   # name -> the command's parser (for _unrecognized)
     return parser
+
+
+def _unrecognized(parser, args, extra: list[str]) -> None:
+    """An argument no flag of the command takes: the command's own error line (``meshdsl plan:
+    error: ...``, its ``--help``), with the closest flag for a misspelt one."""
+    command = parser.commands.get(getattr(args, "command", None), parser)
+    names = [o[2:] for a in command._actions for o in a.option_strings if o.startswith("--")]
+    typo = next((x.split("=")[0][2:] for x in extra if x.startswith("--")), None)
+    hint = did_you_mean(typo, names).replace(" '", " '--") if typo else ""   # by name: '--mesh' is no '--measure'
+    command.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
 
 
 def _say(args, text: str) -> None:
@@ -317,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     process ends here: it leaves the process group and calls ``os._exit`` with
     the code, so no C++ destructor runs beside a live gloo thread.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unrecognized(parser, args, extra)
     try:
         tune_malloc()  # this process is meshdsl's: keep its steps' memory (processes/malloc.py)
         code = args.run(args)

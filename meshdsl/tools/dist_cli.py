@@ -17,7 +17,7 @@ from ..comm.distributed import resolve_backend
 from ..processes.launcher import in_torchrun, launch
 from ..layout.mesh import Mesh
 from ..lowering.bucket import DEFAULT_BUCKET_MB
-from ..lowering.compiler import compile as compile_plan
+from ..lowering.compiler import compile as compile_plan, ignored_options
 from ..train.jobs import check_job, train_job
 from ..train.step import COMM_KINDS
 from .cli_common import (EXIT_CODES, compile_arg, compile_setting, load_configured, lr_arg, make_console, model_args,
@@ -133,6 +133,14 @@ def is_rank0() -> bool:
     return not in_torchrun() or int(os.environ.get("RANK", "0")) == 0
 
 
+def say_ignored_options(plan) -> None:
+    """Print the plan's notes on options given that change nothing (a ``--schedule`` of a layout
+    that pipelines nothing), one line each, as ``meshdsl plan`` lists them (rank 0 only)."""
+    if is_rank0():
+        for note in ignored_options(plan):
+            print(f"note: {note}", flush=True)
+
+
 def check_distributed(args, want: dict, report) -> int:
     """``check --nproc``: loss and gradients on processes, compared with ``want`` (dense)."""
     opt, clip = optimizer_from_args(args)
@@ -192,6 +200,7 @@ def cmd_run(args) -> int:
                         schedule=args.schedule, bucket_mb=args.bucket_mb, strict_splits=args.strict_splits,
                         stage_layers=resolve_stage_layers(args, outputs))
     check_job_memory(args, plan, "run")
+    say_ignored_options(plan)
     summary = schedule_summary(plan)
     check_timeline(args, summary)
     args.preflight_done = True

@@ -13,15 +13,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..layout.layout import Layout
-from ..layout.mesh import Mesh
-from ..layout.specs import Rule
-from ..lowering.pipeline import MB_AXIS
 from ..lowering.pipeline_program import PipelineProgram
 from ..lowering.plan import Plan, Step
 from ..lowering.schedule import BUSY, Action
 from ..lowering.schedule_gen import user_name
 from ..lowering.timeline import bubble_from_timeline, format_table
+from ..lowering.users_terms import num_microbatches, user_mesh_layout
 
 
 def pipeline_step(plan: Plan) -> Step | None:
@@ -33,28 +30,6 @@ def pipeline_program(plan: Plan) -> PipelineProgram | None:
     """The program of the plan's pipeline (None without one): what the tables and figures read."""
     step = pipeline_step(plan)
     return None if step is None else step.args["program"]
-
-
-def user_mesh_layout(plan: Plan) -> tuple[Mesh, Layout]:
-    """The mesh and layout as the user wrote them: without the virtual micro-batch axis.
-
-    A plan with micro-batches is lowered on ``mesh + _mb:m`` with ``batch`` split over
-    ``_mb`` first; the user asked for neither, so printed plans leave both out and
-    state the micro-batch count on its own.
-    """
-    mesh = Mesh(tuple((a, n) for a, n in plan.mesh.axes if a != MB_AXIS))
-    rules = []
-    for r in plan.layout.rules:
-        axes = tuple(a for a in r.axes if a.name != MB_AXIS)
-        if axes != r.axes and not axes:
-            continue  # the rule the micro-batches added: the user's layout left the batch whole
-        rules.append(r if axes == r.axes else Rule(r.scope, r.dim, axes, r.span))
-    return mesh, Layout(tuple(rules), source=plan.layout.source)
-
-
-def num_microbatches(plan: Plan) -> int:
-    """m: the size of the virtual micro-batch axis (1 without micro-batches)."""
-    return plan.mesh.sizes.get(MB_AXIS, 1)
 
 
 def schedule_summary(plan: Plan) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ import os
 from ..errors import MeshDSLError, message
 from ..layout.mesh import Mesh
 from ..lowering.plan import Plan
+from ..lowering.users_terms import about_plan, num_microbatches, user_mesh_layout
 
 SEED_MAX = 2**63 - 1
 PROCS_PER_CPU = 4  # local processes per CPU core allowed without --max-procs
@@ -180,13 +181,15 @@ def check_simulated_memory(plan: Plan, available: int | None = None) -> None:
     need = per_rank * plan.mesh.size + dense_bytes(plan)
     if need <= available:
         return
-    raise UsageError(message(
+    m = num_microbatches(plan)
+    each = "per rank" if m == 1 else "per rank and micro-batch"
+    raise UsageError(about_plan(message(
         f"the simulated run of mesh '{plan.mesh}' needs up to {_gib(need)}, more than the "
         f"{_gib(available)} of memory available",
-        inputs=[f"mesh: {plan.mesh} ({plan.mesh.size} ranks, all simulated in this process)",
-                f"per rank: {_gib(per_rank)} of values; dense reference: {_gib(dense_bytes(plan))}"],
+        inputs=[f"mesh: {plan.mesh}", f"ranks: {plan.mesh.size // m}, all simulated in this process",
+                f"{each}: {_gib(per_rank)} of values; dense reference: {_gib(dense_bytes(plan))}"],
         rule="the estimate counts every value of the plan on every rank as if alive at once",
-        fix="use --tiny, a smaller mesh, or --nproc N to run the ranks as separate processes"))
+        fix="use --tiny, a smaller mesh, or --nproc N to run the ranks as separate processes"), plan))
 
 
 MEMORY_CHECK_ENV = "MESHDSL_MEMORY_CHECK"  # "0": warn instead of refusing (check_memory)
@@ -294,7 +297,6 @@ def check_memory(plan: Plan, command: str, gpu: bool = False, ranks_here: int = 
       UsageError: the prediction, the limit and the fix; unless ``MESHDSL_MEMORY_CHECK=0``,
         which prints :func:`memory_warning` and goes on.
     """
-    from .pipe_report import user_mesh_layout
     over = _over(plan, gpu, ranks_here)
     if over is None:
         return

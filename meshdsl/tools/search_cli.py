@@ -10,8 +10,10 @@ its winner (:func:`resolve_auto_layout`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import re
 import statistics
 
 from ..errors import message
@@ -20,7 +22,7 @@ from ..search.measure import calibrate
 from ..search.sweep import num_collective_samples, num_kernel_samples
 from ..search.predict import by_op_table, predict
 from ..search.search import Ranked, SearchResult, search
-from ..search.space import idle_axes
+from ..search.space import ROLES, idle_axes
 from .cli_common import EXIT_CODES, load_configured, lr_arg, make_console
 from .optim_args import optimizer_from_args, train_outputs
 from .preflight import UsageError, float_in, int_in
@@ -317,20 +319,39 @@ def auto_layout(args, default_nproc: int | None = None, model=None) -> None:
     given = None if args.mesh in (None, "auto") else Mesh.parse(args.mesh)
     nproc = given.size if given is not None else (getattr(args, "nproc", None) or default_nproc or os.cpu_count())
     result, _ = run_search(args, nproc, model)
-    rows = result.ranked if given is None else [r for r in result.ranked if r.candidate.mesh == str(given)]
+    # the user's axis names (the README's 'stage:2; data:2') stand for the search's roles
+    onto = [(r, None if given is None else _axes_onto(Mesh.parse(r.candidate.mesh), given)) for r in result.ranked]
+    rows = [(r, m) for r, m in onto if given is None or m is not None]
     if not rows:
         raise UsageError(message(f"--layout auto: no layout found for mesh '{given}'.",
                                  inputs=[f"meshes searched: {sorted({r.candidate.mesh for r in result.ranked})}"],
-                                 rule="the search names its axes pipe, data and model",
+                                 rule="the search names its axes pipe, data and model; an axis of another name "
+                                      "takes a role whose size it has (a name of a role keeps that role)",
                                  fix="use --mesh auto, or one of the meshes searched"))
-    best = rows[0].candidate
+    (row, axes), best = rows[0], rows[0][0].candidate
     args.mesh, args.layout = best.mesh, best.layout
+    if axes:
+        args.mesh = str(given)
+        args.layout = re.sub(r":(\w+)", lambda m: ":" + axes.get(m.group(1), m.group(1)), best.layout)
     if hasattr(args, "microbatches") and best.pipelined:
         args.microbatches, args.schedule = best.microbatches, best.schedule
-    print(f"--layout auto: mesh '{best.mesh}', layout '{best.layout}'"
+    print(f"--layout auto: mesh '{args.mesh}', layout '{args.layout}'"
           + (f", {best.microbatches} micro-batches, {best.schedule}" if best.pipelined else "")
-          + f" (predicted {rows[0].prediction.step_s * 1e3:.2f} ms per step, best of {len(result.ranked)})",
+          + f" (predicted {row.prediction.step_s * 1e3:.2f} ms per step, best of {len(result.ranked)})",
           flush=True)
+
+
+def _axes_onto(searched, given) -> dict[str, str] | None:
+    """The search's mesh ``searched`` (axes pipe, data, model) as the user's mesh ``given``: a map
+    from each searched axis to a given one of its size (an axis named like a role keeps that role:
+    ``stage:2; data:2`` is ``pipe:2; data:2``), or None where none fits."""
+    if len(searched.axes) != len(given.axes):
+        return None
+    for order in itertools.permutations(given.axes):
+        pairs = list(zip(searched.axes, order))
+        if all(size == gsize and (gname == name or gname not in ROLES) for (name, size), (gname, gsize) in pairs):
+            return {name: gname for (name, _), (gname, _) in pairs}
+    return None
 
 
 def resolve_auto_layout(args, default_nproc: int | None = None, model=None) -> None:

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import os
 
+from ..core.examples import examples_of
 from ..processes.launcher import in_torchrun
 from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
@@ -46,8 +47,9 @@ from .train_run import (DEFAULT_STEPS, RECIPES, TRAIN_DEFAULTS, asked_spec, chec
 DP_MIN_FLOPS = 5e9
 
 
-def auto_mesh(batch: int, flops: float, cores: int | None = None) -> tuple[str, str, str]:
-    """``(mesh, layout, why)`` for this machine, for a model whose step costs ``flops``.
+def auto_mesh(batch: int, flops: float, cores: int | None = None, examples: str = "batch") -> tuple[str, str, str]:
+    """``(mesh, layout, why)`` for this machine, for a model whose step costs ``flops`` and whose
+    examples' dim ``examples`` (``batch``, or the user's name for it) holds ``batch`` rows.
 
     A small model trains fastest as one process with one torch thread: its step is
     shorter than the gradient allreduce data parallelism would add.  From
@@ -63,7 +65,7 @@ def auto_mesh(batch: int, flops: float, cores: int | None = None) -> tuple[str, 
                f"torch thread beats data parallelism, whose gradient allreduce costs more than the compute "
                f"it saves" if n > 1 else f"{cores} CPU core(s) or a batch of {batch}: one process, one thread")
         return "data:1", "", why
-    return (f"data:{n}", "batch:data",
+    return (f"data:{n}", f"{examples}:data",
             f"{cores} CPU cores and {flops / 1e9:.2g} GFLOP per step: data parallel, one process per core "
             f"(each computes its own rows; one gradient allreduce per step)")
 
@@ -231,9 +233,11 @@ def _pick_mesh(args, spec, model) -> tuple[TrainSpec, str]:
         if search.microbatches != args.microbatches:
             spec = dataclasses.replace(spec, microbatches=search.microbatches, schedule=search.schedule)
     args.auto = args.mesh is None
+    examples = examples_of([model.loss]) if args.auto else None   # 'batch', or the user's name for it
+    dp = f"{examples.name if examples is not None else 'batch'}:data"
     if args.auto and (args.nproc or 1) > 1 and not in_torchrun():
         # the process count is given: data parallel over it, as under torchrun
-        args.mesh, layout = f"data:{args.nproc}", "batch:data"
+        args.mesh, layout = f"data:{args.nproc}", dp
         args.layout = layout if args.layout is None else args.layout
         return dataclasses.replace(spec, mesh=args.mesh, layout=args.layout), \
             f"--nproc {args.nproc} without --mesh: data parallel over the {args.nproc} processes"
@@ -242,7 +246,8 @@ def _pick_mesh(args, spec, model) -> tuple[TrainSpec, str]:
         # Under torchrun the process count is given: go data parallel over it.
         flops = DP_MIN_FLOPS if in_torchrun() else \
             compile_plan(training_outputs(model.loss, model.params, spec.lr), "data:1", "").flops()
-        args.mesh, layout, why = auto_mesh(getattr(model.config, "batch", 1), flops, nproc)
+        args.mesh, layout, why = auto_mesh(examples.size if examples is not None else 1, flops, nproc,
+                                           examples.name if examples is not None else "batch")
         if in_torchrun():
             why = f"torchrun started {nproc} processes: data parallel over them"
         args.layout = layout if args.layout is None else args.layout

@@ -237,6 +237,12 @@ def choose_checkpoint(root, given=None, verify: str = "sha256") -> Path:
                 f"--resume-from {given}: no checkpoint {str(path)!r}.",
                 inputs=[f"steps in {str(root)!r}: {', '.join(str(s) for s, _ in steps[-8:])}"],
                 fix=f"pass one of those steps, e.g. --resume-from {steps[-1][0]}"))
+        if not path.exists():
+            raise CheckpointError(message(
+                f"--resume-from {given}: no such checkpoint directory {str(path)!r}.",
+                rule="--resume-from (resume_from=) takes a checkpoint's step directory (DIR/step-00000100), "
+                     "or a step number of --checkpoint DIR",
+                fix="check the path; --resume --checkpoint DIR resumes from the latest checkpoint in DIR"))
         verify_checkpoint(path, verify)
         return path
     steps = committed_steps(root) if root else []

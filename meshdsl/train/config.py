@@ -114,9 +114,10 @@ def parse_config(text: str, cls) -> dict:
         try:
             out[key] = _convert(value.strip(), types[key])
         except ValueError as e:
-            detail = str(e) if types[key] is bool else f"not a valid {types[key].__name__}"
-            fail(f"{key}={value.strip()!r}: {detail}.", f"give {key} a {types[key].__name__} value",
-                 rule=f"{key} is a {types[key].__name__}")
+            kind = types[key].__name__
+            a = "an" if kind[0] in "aeiou" else "a"
+            detail = str(e) if types[key] is bool else f"not a valid {kind}"
+            fail(f"{key}={value.strip()!r}: {detail}.", f"give {key} {a} {kind} value", rule=f"{key} is {a} {kind}")
     return out
 
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import traceback
 
+from ..core.examples import examples_in
 from ..errors import MeshDSLError, message
 from ..runtime.executor import PerRank
 from .data import ByteTokenizer, DataError, TokenData
 
 IDS, LABELS = "ids", "labels"
-#: The dim whose rows a data rank builds (the one ``batch:data`` splits).
+#: The dim whose rows a data rank builds (the one ``batch:data`` splits); a model without it: the
+#: examples' dim by the user's name (:func:`~meshdsl.core.examples.examples_in`).
 BATCH = "batch"
 #: Eval batches read seeds from here on; a run would need 2**62 steps to reach them.
 EVAL_SEED = 2**62
@@ -181,7 +183,11 @@ class BatchFeeder:
     @staticmethod
     def _slices(plan, ranks) -> InputSlices:
         names = data_inputs(plan)
-        return InputSlices(plan, {k: _row_dim(plan.values[plan.inputs[k]].shape) for k in names}, ranks)
+        shapes = {k: plan.values[plan.inputs[k]].shape for k in names}
+        held = {d for v in plan.params.values() for d in plan.values[v].shape.names}
+        examples = examples_in(list(shapes.values()), held)   # 'batch', or the user's B, N, examples
+        return InputSlices(plan, {k: _row_dim(shape, examples.name if examples else BATCH)
+                                  for k, shape in shapes.items()}, ranks)
 
     def _make(self, slices: InputSlices, seed: int, what: str):
         def make(rows):
@@ -215,8 +221,8 @@ def data_inputs(plan) -> list[str]:
     return [k for k in plan.inputs if not k.startswith("opt/")]
 
 
-def _row_dim(shape) -> int | None:
-    return shape.names.index(BATCH) if BATCH in shape.names else None
+def _row_dim(shape, examples: str = BATCH) -> int | None:
+    return shape.names.index(examples) if examples in shape.names else None
 
 
 def _fmt(rows) -> str:
@@ -238,7 +244,8 @@ def _check_rows(called: str, name: str, value, got: dict, rows, pos: int | None)
         raise DataError(message(
             f"{called}: input {name!r} is {what}; {tuple(want)}, {value.dtype} was asked for.",
             inputs=[f"{name}: {value.shape}"],
-            rule="each input with a 'batch' dim comes with the rows asked for only (all of them for rows=None), "
+            rule="each input with the examples' dim ('batch', or the model's own name for it) comes with the rows "
+                 "asked for only (all of them for rows=None), "
                  "any other input whole",
             fix="return rows range(batch)[rows] of the batch only (every row for rows=None), each "
                 "e.g. from md.row_generator(seed, row); cast to the input's dtype"))

@@ -55,6 +55,12 @@ def read_weights(source, where: str) -> dict[str, torch.Tensor]:
             rule="weights are a safetensors file of full tensors by param name, or a dict {name: tensor}",
             fix="pass a path, e.g. 'weights.safetensors', or a dict such as step.full_params(frozen=True)"))
     path = Path(source)
+    if path.is_dir():
+        raise WeightsError(message(
+            f"{where}: {str(path)!r} is a directory, not a safetensors file.",
+            rule="the weights are one safetensors file of full tensors by param name",
+            fix=f"for a checkpoint, write its params to one file first: `meshdsl export {path} --out FILE`, "
+                "then pass FILE (--resume continues a run from its checkpoint instead)"))
     if not path.is_file():
         raise WeightsError(message(
             f"{where}: no such file {str(path)!r}.",

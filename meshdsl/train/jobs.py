@@ -19,6 +19,7 @@ from ..runtime.pipeline import outputs_to_first_rank
 from ..lowering.bucket import DEFAULT_BUCKET_MB
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.plan import Plan
+from ..lowering.users_terms import about_plan
 from .model import DEFAULT_LR
 from .step import TrainStep, optimizer_outputs, training_outputs
 
@@ -30,12 +31,13 @@ def agree_plan(comm: Communicator, plan: Plan) -> None:
         groups: dict[str, list[int]] = {}
         for r, s in enumerate(sigs):
             groups.setdefault(s, []).append(r)
-        raise DistributedError(message(
-            "The ranks compiled different plans; running them would deadlock or give wrong numbers.",
-            inputs=[f"mesh: {plan.mesh}", f"this rank's layout: {plan.layout}"],
+        raise DistributedError(about_plan(message(
+            "The ranks compiled different plans; running them would deadlock or give wrong numbers "
+            "(the mesh and layout below are this rank's).",
+            inputs=[f"mesh: {plan.mesh}", f"layout: {plan.layout}"],
             bullets=[f"ranks {rs}: plan {s}" for s, rs in groups.items()],
             rule="every rank compiles the same model with the same mesh and layout",
-            fix="pass identical --mesh/--layout and model files to every rank"))
+            fix="pass identical --mesh/--layout and model files to every rank"), plan))
 
 
 def _load(model_ref: str, tiny: bool, config: dict | None = None):

@@ -27,6 +27,7 @@ from ..comm.simulated import SimulatedComm
 from ..ir.remat import parse_remat
 from ..layout.mesh import Mesh
 from ..lowering.bucket import DEFAULT_BUCKET_MB
+from ..lowering.compiler import ignored_options
 from .checkpoint import load_checkpoint, read_metadata, save_checkpoint
 from .config import config_dict
 from .evaluate import Evaluator, agree_held
@@ -248,6 +249,8 @@ def _start_run(comm, spec: TrainSpec, model: Model | None, data, eval_data) -> _
     tokens, feeder = make_feeder(model, step, spec, data, eval_data, evaluate.plan)
     start = 0
     lead = 0 in step.executor.comm.ranks
+    for note in ignored_options(step.plan) if lead else ():   # as `meshdsl plan` notes them
+        print(f"note: {note}", flush=True)
     if path is not None:
         start = tokens.check_state(info.meta["data"]) if tokens is not None else info.step
         load_train_state(step, path, model_id(model), params_only=spec.reset_optimizer)
