@@ -243,3 +243,30 @@ def test_conv_model_on_two_gloo_processes_matches_dense():
         for k in want:
             # fp32; gloo and the halo'd kernels sum in another order than the dense ones: rounding only.
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda s, k=k: f"{form} {k}: {s}")
+
+
+def test_a_shift_beyond_the_neighbours_permutes_the_rows_it_reads():
+    """seq 8 on model:4 (2 rows a rank): a shift by |k| >= 2 reads the block of the rank k // 2
+    away and k % 2 edge rows of the next one (a shift by 7: the block 3 ranks away, its edge row
+    is beyond the dim's end).  Two permutes, or one, instead of gathering seq, where the cost
+    model finds them cheaper: at 2 channels one allgather beats two permutes (k = 3), at 8192
+    channels the bytes decide.  The gradient, a shift by -k, is lowered alike."""
+    S = md.Dim("seq", 8)
+    for channels, k, kinds in ((2, 4, ["permute"]), (2, 7, ["permute"]), (2, -4, ["permute"]), (2, 3, ["allgather"]),
+                               (8192, 3, ["permute", "permute"]), (8192, -5, ["permute", "permute"])):
+        C = md.Dim("c", channels)
+        with md.Graph():
+            x = md.input("x", [S, C])
+            w = md.input("w", [S, C])
+            y = md.shift(x, "seq", k)
+            outs = {"y": y, "dx": md.grad(md.reduce_sum(y * w), {"x": x})["x"]}
+        plan = md.compile(outs, "model:4", "seq:model")
+        got_kinds = [s.kind for s, _ in plan.collectives() if s.phase == "forward"]
+        assert got_kinds == kinds, (channels, k, got_kinds)
+        assert [s.kind for s, _ in plan.collectives() if s.phase == "backward"] == kinds, (channels, k)
+        gen = torch.Generator().manual_seed(channels + k)
+        feeds = {"x": torch.randn(8, channels, generator=gen), "w": torch.randn(8, channels, generator=gen)}
+        want, got = md.run_dense(outs, feeds), md.run_simulated(plan, feeds)
+        for name in outs:
+            # a shift copies rows: no arithmetic, so the same bits
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"{name} {channels} {k}")

@@ -179,3 +179,34 @@ def test_routed_moe_moves_only_tokens_and_gradients():
             assert s.op == "rename"
         else:
             assert s.phase == "backward" and s.op == "stop_gradient" or s.phase == "forward" and s.bytes == 4
+
+
+def _feature_map_grads(feats: int):
+    """A feature map ``relu(q . proj)`` (proj a constant [d_head, feats]) read by a product
+    whose other operand is split over ``e2``: the feature map's gradient arrives partial over
+    ``model``, and ``dq`` (read by both weight and input gradients) is the first whole value."""
+    M, E2, Q = md.Dim("feats", feats), md.Dim("e2", 4), md.Dim("d_head", 4)
+    with md.Graph():
+        x_bsd = md.input("x", [B, S, D])
+        wq = md.param("wq", [D, Q], fan_out=[Q])
+        proj = md.constant(torch.randn(Q.size, M.size, generator=torch.Generator().manual_seed(5)), [Q, M])
+        st = md.param("st", [B, M, E2])
+        q_bse = md.einsum("batch seq d_model, d_model d_head -> batch seq d_head", x_bsd, wq)
+        f_bsm = md.relu(md.einsum("batch seq d_head, d_head feats -> batch seq feats", q_bse, proj))
+        num = md.einsum("batch seq feats, batch feats e2 -> batch seq e2", f_bsm, st)
+        loss = md.reduce_sum(num * num)
+        grads = md.grad(loss, {"wq": wq, "x": x_bsd, "st": st})
+    return {"loss": loss, **{f"grad/{k}": g for k, g in grads.items()}}
+
+
+def test_an_einsum_passes_a_partial_operand_on_when_its_result_is_smaller():
+    """The einsum ``dq = df . proj`` is linear in ``df``: the cost model reduces the smaller of
+    ``df`` [batch, seq, feats=6] and ``dq`` [batch, seq, d_head=4]; it reduced ``df`` always."""
+    feeds = {"x": torch.randn(B.size, S.size, D.size, generator=torch.Generator().manual_seed(6))}
+    for feats, reduced in ((6, "d_head"), (2, "feats")):
+        outs = _feature_map_grads(feats)
+        plan = md.compile(outs, "model:2", "e2:model", bucket_mb=0)
+        (red,) = [s for s, _ in plan.collectives() if s.phase == "backward"]
+        size = {"d_head": 4, "feats": feats}[reduced]
+        assert (red.kind, red.bytes) == ("allreduce", B.size * S.size * size * 4), (feats, red)
+        _check_against_dense(outs, plan, feeds)

@@ -287,6 +287,7 @@ MESH = Mesh.parse("x:2; y:2; z:4")
     ([(1, ()), (8, ("x",))], [1, 2, 4], [(), ("x",), ()]),     # dims of size 1 are skipped
     ([(6, ("x",)), (10, ())], [4, 15], [("x",), ()]),          # regrouped: each half is rows 0-1 / 2-3 of [4, 15]
     ([(6, ("x",)), (10, ())], [3, 20], None),                  # x:2 does not divide 3
+    ([(6, ("z",))], [6], [("z",)]),                            # one dim alone: its split, uneven too
 ])
 def test_carry(ins, outs, want):
     assert carry(MESH, ins, outs) == want
@@ -379,3 +380,71 @@ def test_a_split_on_an_inner_part_is_named_in_the_notes():
                           "carries over to it, so what makes 'height' runs without that split; kept as separate "
                           "dims hp, ph (a fused weight stored by dims, not flat) it would",)
     assert not [n for n in _plan(_split_rearrange, "x:2", "hp:x")[1].notes if "inner part" in n]
+
+
+def _uneven(kind: str, rows: int, mesh: str):
+    """The collectives of ``loss = sum(y * y)``, ``y`` the ``kind`` of ``x * w`` that cuts
+    ``height`` and passes ``batch`` (``rows`` of them, cut unevenly by ``batch:x``) alone, with
+    ``x``'s and ``w``'s gradients checked against the dense program."""
+    b, d = md.Dim("batch", rows), md.Dim("d", 2)
+    torch.manual_seed(0)
+    with md.Graph():
+        x = md.param("x", [md.Dim("height", 4), b, d], scale=1.0)
+        w = md.param("w", [d], scale=1.0)
+        if kind == "rearrange":
+            y = md.rearrange(x * w, "(h p) batch d -> h p batch d", p=2)
+        else:
+            y = md.reshape(x * w, [md.Dim("h", 2), md.Dim("p", 2), b, d])
+        loss = md.reduce_sum(y * y)
+        gx, gw = md.grad(loss, [x, w])
+        outs = {"loss": loss, "grad_x": gx, "grad_w": gw}
+    plan = md.compile(outs, mesh, "batch:x", bucket_mb=0)
+    got, want = md.run_simulated(plan, {}), md.run_dense(outs, {})
+    for k in want:
+        # fp32 of O(1): sums of up to 48 squares; the loss and grad_w add the ranks' partial sums
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+    return sorted((s.op, s.kind, s.phase) for s in plan.steps if s.is_collective)
+
+
+@pytest.mark.parametrize("kind", ["rearrange", "reshape"])
+@pytest.mark.parametrize("rows, mesh", [(6, "x:4"), (3, "x:2"), (5, "x:2; y:2")])
+def test_an_uneven_split_of_a_dim_the_reshape_passes_stays(kind, rows, mesh):
+    """``batch`` 6 on 4 ranks is cut 2, 2, 1, 1 (3 on 2: 2, 1): it passes the
+    reshape alone, so each rank reshapes its own rows (a reshape reads their number off its
+    slice); it was allgathered and split again, forward and backward.  What moves is the
+    loss's and ``w``'s gradient's partial sums."""
+    assert _uneven(kind, rows, mesh) == [("reduce_sum", "allreduce", "forward"),
+                                         ("stop_gradient", "allreduce", "backward")]
+
+
+def _renamed(x_is_param: bool):
+    """``loss = sum(r * r)``, ``r`` = ``tanh(x * w)`` with ``height`` renamed ``row``, under ``row:x``:
+    the collectives, the implied rules, the gradient checked against the dense program."""
+    b, h, d = md.Dim("batch", 2), md.Dim("height", 8), md.Dim("d", 3)
+    torch.manual_seed(0)
+    with md.Graph():
+        x = (md.param if x_is_param else md.input)("x", [b, h, d])
+        w = md.param("w", [d], scale=1.0)
+        r = md.rename(md.tanh(x * w), height="row")
+        loss = md.reduce_sum(r * r)
+        outs = {"loss": loss, **md.grad(loss, {"w": w})}
+    feeds = {} if x_is_param else {"x": torch.randn(2, 8, 3)}
+    plan = md.compile(outs, "x:2", "row:x", bucket_mb=0)
+    got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
+    for k in want:
+        # fp32 of O(1): sums of 48 squares of tanh; the loss and w's gradient add the ranks' partial sums
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+    return sorted((s.op, s.kind, s.phase) for s in plan.steps if s.is_collective), plan
+
+
+def test_a_rename_passes_a_written_split_back_to_the_dim_it_renames():
+    """FCOS renames its stem's ``height`` to the grid's ``row`` (tests/heldout_fcos.py): under
+    ``row:x`` the stem ran whole on every rank and the rename's gradient was allgathered.  Where
+    no param holds ``height``, ``height:x`` is implied: the stem runs on each rank's rows and
+    only partial sums move.  A param holding ``height`` keeps its own layout (nothing implied)."""
+    coll, plan = _renamed(x_is_param=False)
+    assert [str(r) for r, _ in plan.layout.implied] == ["height:x"]
+    assert coll == [("reduce_sum", "allreduce", "forward"), ("stop_gradient", "allreduce", "backward")]
+    coll, plan = _renamed(x_is_param=True)
+    assert plan.layout.implied == ()
+    assert ("rename", "allgather", "backward") in coll

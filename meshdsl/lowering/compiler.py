@@ -8,6 +8,7 @@ cached plan is immutable, so handing it out again is safe.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 from ..core.graph import Node, Tensor, topo_nodes
@@ -29,6 +30,9 @@ from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 from .uneven import find as find_uneven
 from .users_terms import users_terms, with_given
+
+# ops whose local step reads nothing: each rank makes its own part of the value at any layout
+_INPUT_FREE = frozenset({"constant", "iota"})
 
 
 def _summed_reads(nodes, summed) -> dict[int, int]:
@@ -79,6 +83,7 @@ class Lowerer:
         self.inputs: dict[str, int] = {}
         self._targets: dict[int, list] = {}
         self._relaid: dict[tuple[int, Sharding], int] = {}  # a value is re-laid out once per target
+        self._input_free: dict[int, Step] = {}  # value -> the step making it from nothing (a constant)
         # Tensors this plan reads: a node with optional outputs (a repeat's saved
         # activations) lowers only the ones in here.
         self.used: set[int] = set()
@@ -192,6 +197,8 @@ class Lowerer:
                     tuple(ins), tuple(outs), tuple(axes), step_args(kind, args), nbytes, flops, note,
                     tuple(subplans), times)
         self.steps.append(step)
+        if kind == "local" and not step.ins and step.op in _INPUT_FREE and len(step.outs) == 1:
+            self._input_free[step.outs[0]] = step
         return step
 
     def relayout(self, vid: int, to: Sharding, node: Node | None, why: str = "") -> int:
@@ -206,6 +213,10 @@ class Lowerer:
         key = (vid, to)
         if key in self._relaid:
             return self._relaid[key]
+        remade = self._remade(vid, to)
+        if remade is not None:
+            self._relaid[key] = remade
+            return remade
         for m in plan_moves(v.shape, v.sharding, to, self.mesh):
             args = move_args(m, v.shape, self.mesh)
             out = self.new_value(v.shape, v.dtype, m.after)
@@ -215,6 +226,21 @@ class Lowerer:
             vid = out
         self._relaid[key] = vid
         return vid
+
+    def _remade(self, vid: int, to: Sharding) -> int | None:
+        """Value ``vid`` made again at ``to`` by the step that made it, when that step reads
+        nothing (a constant, an iota: each rank makes its own part of it, no communication), else
+        None: a rotary table renamed to ``key_seq`` under ``seq:model`` was allgathered."""
+        if to.partial or self.values[vid].sharding.partial:
+            return None
+        made = self._input_free.get(vid)
+        if made is None:
+            return None
+        v = self.values[vid]
+        out = self.new_value(v.shape, v.dtype, to)
+        args = {k: a for k, a in made.args.items() if k != "parts"}
+        self.steps.append(dataclasses.replace(made, outs=(out,), args=step_args("local", {**args, "compute": to.split})))
+        return out
 
     @staticmethod
     def describe(node: Node | None) -> str:

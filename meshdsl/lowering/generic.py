@@ -89,9 +89,23 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         # for the result to stay partial: reducing the input first may cost less.
         clash = any(set(P) & s.used_axes for i, s in enumerate(shs) if i != partial_in[0])
         return [(P, {partial_in[0]: P}, {})] + (reduced_first(P) if len(node.outputs) > 1 or clash else [])
+    if len(partial_in) == 1 and op.multilinear:
+        # An einsum is linear in one operand, the others fixed: its partial sum passes through
+        # when the result is cheaper to reduce than the operand (a feature map's gradient
+        # [.., feats] contracted to [.., d_head]); the cost model prices both, the output's
+        # eventual reduction included (on a tie it stays lazy, as the modes above).
+        P = shs[partial_in[0]].partial
+        return reduced_first(P) + [(P, {partial_in[0]: P}, {})]
+    return _mixed_modes(lw, node, shs, partial_in, mb)
+
+
+def _mixed_modes(lw, node, shs, partial_in, mb) -> list[tuple[tuple[str, ...], dict, dict]]:
+    """:func:`_partial_modes` of a jointly linear op on inputs partial over different axes, or on
+    a mix of partial and whole inputs: lazy with the whole ones scaled, or reduced first."""
+    eager = [((), {}, {})]
     # A lazy result with several readers would be reduced at its first one: no
     # better than reducing the inputs now, and the scaling would cost a kernel.
-    if not (op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
+    if not (node.op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
             and all(lw.num_uses(t) == 1 for t in node.outputs)):
         return eager
     mesh = lw.mesh

@@ -18,7 +18,10 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   rename moves a split as the layout says (Mesh-TF's expert parallelism: under
   ``experts:data``, one alltoall each way), and a dim that meets the old one (keys'
   ``key_seq`` against queries' ``seq``, CLIP's texts against its images) is whole
-  unless its own rule splits it;
+  unless its own rule splits it.  Back the other way, a dim renamed to one the layout splits
+  takes that split where no param holds it, no op holds the two and no other dim of the
+  rename's input has those axes (FCOS's stem ``height`` renamed ``row``, under ``row:data``:
+  the stem ran whole and the rename's gradient was gathered);
 * a dim a reshape takes apart gets the written split of the output dim that is its outer
   part (Whisper's ``frames`` cut into ``(seq two)`` under ``seq:model``; a flat fused qkv
   weight's dim ``(heads qkv d_head)`` under ``heads:model``), so the split crosses the
@@ -53,7 +56,7 @@ class _Graph:
     order, its leaves (params, inputs, a block's placeholders), every size of each dim."""
 
     def __init__(self, nodes):
-        self.movers, self.leaves, self.nodes = [], [], []
+        self.movers, self.leaves, self.params, self.nodes = [], [], [], []
         self._walk(nodes, forward=True)
 
     def meet(self, a: str, b: str) -> bool:
@@ -90,6 +93,8 @@ class _Graph:
                 self.movers.append(n)
             if n.op.name in LEAVES:
                 self.leaves.append(n.outputs[0])
+            if n.op.name in ("param", "placeholder"):   # (a block's operand may be a stacked param)
+                self.params.append(n.outputs[0])
             self.nodes.append(n)
             for graph, _ in n.op.subgraphs(n):
                 self._walk(graph.nodes, fwd)
@@ -117,7 +122,8 @@ def implied_layout(nodes, mesh, layout: Layout) -> Layout:
     """
     g = _Graph(nodes)
     named = {r.key[1] for r in layout.rules if r.key[0] is None}
-    if not any(n.op.name in RESHAPES or set(n.attrs["mapping"]) & named for n in g.movers):
+    if not any(n.op.name in RESHAPES or {*n.attrs["mapping"], *n.attrs["mapping"].values()} & named
+               for n in g.movers):
         return layout
     implied: dict[str, tuple[Rule, str]] = {}
     grew = True
@@ -125,7 +131,8 @@ def implied_layout(nodes, mesh, layout: Layout) -> Layout:
         grew = False
         for node in g.movers:
             cur = layout.with_implied(tuple(implied.values()))
-            for dim, axes, src in (*_carried(node, mesh, cur, implied, g), *_drawn(node, mesh, cur)):
+            for dim, axes, src in (*_carried(node, mesh, cur, implied, g), *_drawn(node, mesh, cur),
+                                   *_renamed_back(node, cur, g)):
                 if dim in named or dim in implied or not _fits(dim, axes, g, mesh, cur):
                     continue
                 rule = Rule(None, Name(dim, None), tuple(Name(a, None) for a in axes))
@@ -186,6 +193,27 @@ def _drawn(node, mesh, layout: Layout):
         # an axis written on two of the parts (``half:x; two:x``) cannot split the merged dim twice
         if axes and len(set(axes)) == len(axes) and d.name not in out.shape.names:
             yield d.name, axes, ", ".join(n for n, ax in split.items() if set(ax) & set(axes))
+
+
+def _renamed_back(node, layout: Layout, g: _Graph):
+    """``(dim, axes, source dim)`` for each dim rename ``node`` renames to a dim the layout splits,
+    where no param (nor a block's operand) holds the old dim, no op holds the two, and no other
+    dim of the rename's input has those axes: the split reaches back to the ops before the rename.
+
+    FCOS renames its stem conv's ``height`` to the grid's ``row``: under ``row:data`` the stem ran
+    whole on every rank and the rename's gradient was allgathered; with ``height:data`` the stem
+    runs on each rank's rows (its convs trade halo rows) and nothing is gathered.
+    """
+    if node.op.name != "rename":
+        return
+    written = {r.key[1]: r.axis_names for r in layout.rules if r.key[0] is None}
+    names = node.inputs[0].shape.names
+    for old, new in node.attrs["mapping"].items():
+        axes = written.get(new)
+        if not axes or g.meet(old, new) or any(old in t.shape.names for t in g.params):
+            continue
+        if not any(set(axes) & set(written.get(d, ())) for d in names if d != old):
+            yield old, axes, new
 
 
 def _fits(dim: str, axes, g: _Graph, mesh, layout: Layout) -> bool:

@@ -74,6 +74,7 @@ from .bucket import bucket_final
 from .batch_stats import from_inputs_only, made_once, param_behind
 from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
+from .collective_parts import with_given_lengths
 from .local_parts import with_given_parts
 from .stage_layers import split_stacks, split_stages, zeros_step
 from .stacks_on_ranks import on_ranks
@@ -497,9 +498,12 @@ def assign_stages(cut: _Cut) -> None:
             if cut.per_mb[i] and not cut.leaf[i] and s.phase == "forward" and len(want) > 1:
                 if any(cut.spec.axis in cut.values[v].sharding.used_axes for v in s.outs):
                     cut.spread.add(i)   # each stage runs it on its own part (split over the stages)
-                elif not s.is_collective and all(v in pure for v in s.outs):
+                elif (not (s.is_collective and {cut.spec.axis, MB_AXIS} & set(s.axes))
+                      and all(v in pure for v in s.outs)):
                     # made from the inputs only (fed to every stage): each stage that reads it makes it,
-                    # rather than receive it (DINO's crops cut into patches, read by both towers)
+                    # rather than receive it (DINO's crops cut into patches, read by both towers); a
+                    # collective within a stage too (a halo of a sequence-split input, None on the
+                    # edge ranks, could not be sent on)
                     cut.spread.add(i)
                 else:
                     # made once per micro-batch, on the first stage that reads it (an encoder's output read
@@ -848,6 +852,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     elif spec.stage_layers:
         lists = split_stages(cut, lists, spec.stage_layers)
     lists = with_given_parts(lists, cut.values)   # unequal stages: each rank's local steps over its own layers
+    lists = with_given_lengths(lists, cut.values, spec.mesh)   # and its collectives over its own parts
     in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
     lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]

@@ -212,6 +212,22 @@ def _pipelined_repeats(nodes, mesh: Mesh, layout: Layout) -> tuple[list, set]:
     return found, scanned
 
 
+def _shared_fix(found: list) -> str | None:
+    """The fix when two pipelined repeats read the same stacked tensors (one encoder applied to
+    two inputs, as a siamese or ColBERT encoder): their own layer dims would need two copies of
+    the weights. None when they share none."""
+    seen: dict[int, str] = {}
+    for n, _ in found:
+        layer = n.attrs["layer"].name
+        for t in n.inputs:
+            if layer in t.shape.names and id(t) in seen and seen[id(t)] != n.name:
+                return (f"the repeats read the same stacked tensor '{t.name}' (one stack of weights applied "
+                        "twice): run it as one md.repeat over both inputs joined on the batch dim (padded to one "
+                        "length), or pipeline neither (drop the layer rule) and split other dims")
+            seen.setdefault(id(t), n.name)
+    return None
+
+
 def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) -> None:
     """Refuse a ``layer`` rule no repeat scans, a second pipelined repeat over the same layer dim
     or over another axis, and a pipeline axis that splits a dim other than the stacks' layer dims."""
@@ -232,7 +248,8 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
                                 f"'{n.attrs['layer'].name}'" for n, a in found],
                        rule="the stacks of a model (an encoder-decoder's) are pipelined on one stage axis, each "
                             "scanning a layer dim of its own name",
-                       fix=("give each stack a layer dim of its own name (md.Dim('enc_layer', n) for the encoder's "
+                       fix=(_shared_fix(found) or
+                            "give each stack a layer dim of its own name (md.Dim('enc_layer', n) for the encoder's "
                             "params and its md.repeat) and split both over the stage axis ('enc_layer:"
                             f"{found[0][1]}; {dims[0]}:{found[0][1]}')") if len(dims) < len(found) else
                            f"map every stack's layer dim to one axis, e.g. "

@@ -18,6 +18,8 @@ local slice *is* the output's local slice, and no data moves:
 * ``height -> [hp, ph]`` with ``height:data`` may give ``hp:data`` (``hp`` the
   outer part, when ``data``'s size divides it); with ``height:(x,y)``, ``x``
   and ``y`` may land on ``hp`` and ``ph`` in turn.
+* a dim that passes alone (``batch`` in ``batch (h p) d -> batch h p d``) keeps any split,
+  an uneven one too (``batch`` 6 on 4 ranks: 2, 2, 1, 1 rows): each rank regroups its own rows.
 
 The rule tries the input's own sharding, that sharding moved onto the outer
 dims of its groups, the input shardings that give each of the output's layout
@@ -53,6 +55,8 @@ def carry(mesh, ins, outs) -> list[tuple[str, ...]] | None:
       The axes of each output dim, or None when the local slices would not
       stay contiguous (no split of the output holds the same elements).
     """
+    if len(ins) == 1 and len(outs) == 1:   # one dim passing alone: its rows are its rows, cut as they are
+        return [tuple(ins[0][1])]
     seq: list[str] = []
     open_ = True   # every dim so far is split whole (one element per rank): the next may be split
     for size, axes in ins:
@@ -98,6 +102,15 @@ class Regroup:
             right = [(tuple((p, parts[p]) for p in g), ((d.name, d.size),)) for d, g in zip(y, node.attrs["right"])]
             return Regroup([left, right])
         return Regroup([_groups(x, y)])
+
+    def passing(self) -> dict[str, str]:
+        """Input dim -> output dim for each dim that every stage takes alone to one dim of its size:
+        any split of it carries over, an uneven one too (its rows stay where they are)."""
+        at = {n: n for ins, _ in self.stages[0] for n, _ in ins}
+        for st in self.stages:
+            alone = {ins[0][0]: outs[0][0] for ins, outs in st if len(ins) == 1 and len(outs) == 1}
+            at = {src: alone[d] for src, d in at.items() if d in alone}
+        return at
 
     def inverse(self) -> "Regroup":
         return Regroup([[(o, i) for i, o in st] for st in reversed(self.stages)])
@@ -178,6 +191,7 @@ def lower_reshape(lw, node) -> None:
         return (len(sources), mesh.names.index(a))
 
     itemsize = t.dtype.itemsize
+    alone = rg.passing()   # dims whose split, even or not, the local kernel keeps as it is
     best = None
     for choice in itertools.product(*options):
         C: dict[str, list[str]] = {}
@@ -185,7 +199,7 @@ def lower_reshape(lw, node) -> None:
             if d is not None:
                 C.setdefault(d, []).append(a)
         C = {d: tuple(sorted(ax, key=lambda a: order_key(d, a))) for d, ax in C.items()}
-        if any(t.shape.get(d).size % mesh.axis_size(ax) for d, ax in C.items()):
+        if any(t.shape.get(d).size % mesh.axis_size(ax) for d, ax in C.items() if d not in alone):
             continue
         stages = rg.map(mesh, C)
         if stages is None:
@@ -206,9 +220,9 @@ def lower_reshape(lw, node) -> None:
     kept = any(len(ins) > 1 or len(outs) > 1 for st, sp in zip(rg.stages, ins_split) for ins, outs in st
                if any(sp.get(n) for n, _ in ins))
     local = dict(zip(out.shape.names, c_out.local_shape(out.shape, mesh)))
+    fn, attrs = _local_kernel(node, mesh, stages, c_in, c_out, alone)
     lw.emit("local", node, [vid], [res],
-            args={"fn": node.op.compute, "inplace": None, "attrs": _local_attrs(node, mesh, stages, c_out),
-                  "compute": {}, "sizes": {}},
+            args={"fn": fn, "inplace": None, "attrs": attrs, "compute": {}, "sizes": {}},
             flops=op_flops(node, local), note=f"keeps the split: {c_in} -> {c_out}" if kept else "")
     if note:
         lw.note(f"{node.name}: {note}")
@@ -234,6 +248,28 @@ def _inner_split_notes(node, rg: Regroup, mesh, target: Sharding, c_out: Shardin
         yield (f"{node.name}: '{d}:{','.join(axes)}' is an inner part of '{merged}' = ({' '.join(parts)}): no "
                f"split of '{merged}' carries over to it, so what makes '{merged}' runs without that split; "
                f"kept as separate dims {', '.join(parts)} (a fused weight stored by dims, not flat) it would")
+
+
+def _local_kernel(node, mesh, stages, c_in: Sharding, c_out: Sharding, alone: dict):
+    """The kernel and attrs of the local step.  A reshape whose passing dim is split unevenly
+    (batch 6 on 4 ranks: 2, 2, 1, 1 rows) has no one local shape: :func:`_reshape_keeping` reads
+    that dim's length off the rank's slice.  A rearrange's sizes never name such a dim."""
+    attrs = _local_attrs(node, mesh, stages, c_out)
+    t, out = node.inputs[0].shape, node.outputs[0].shape
+    uneven = [d for d, ax in c_in.split.items() if d in alone and t.get(d).size % mesh.axis_size(ax)]
+    if node.op.name == "rearrange" or not uneven:
+        return node.op.compute, attrs
+    kept = tuple((out.names.index(alone[d]), t.names.index(d)) for d in uneven)
+    return _reshape_keeping, {**attrs, "kept": kept}
+
+
+def _reshape_keeping(ctx, attrs, x):
+    """A local reshape whose output dims at ``attrs["kept"]`` ``(out_pos, in_pos)`` have the
+    input's local length there (a dim split unevenly passing the reshape alone)."""
+    shape = list(attrs["rest"])
+    for o, i in attrs["kept"]:
+        shape[o] = x.shape[i]
+    return x.reshape(shape)
 
 
 def _local_attrs(node, mesh, stages, c_out) -> dict:

@@ -5,7 +5,10 @@ its input's sharding: where the dim is split and the output keeps the split, the
 trade halos with their neighbours (:func:`~.halo.extend`: one exchange per value and dim,
 shared by every reader) and each takes its window locally; where no such exchange
 reaches, or the cost model finds gathering the dim cheaper (the layout wants the output
-whole anyway), the dim is gathered first, as any op that needs it whole.  A pad read
+whole anyway), the dim is gathered first, as any op that needs it whole; a shift by more
+than a rank's slice of an evenly split dim permutes the block and edge rows it reads from
+the ranks that hold them instead (:func:`_far_extend`), where that costs less than its share
+of the gather (every such shift of the value reads one gather).  A pad read
 only through slices, pads or shifts is not materialised (:func:`~.halo.is_virtual`).  A
 slice that no halo serves, to an output that stays whole along its dim (a class token's row of
 a split sequence), is each rank's overlap with it, a partial sum (:func:`_slice_as_sum`), where
@@ -13,8 +16,11 @@ that moves fewer bytes than gathering the dim.
 """
 from __future__ import annotations
 
+import torch
+
 from ..layout.sharding import Sharding
-from .halo import cut_by, extend, gathered, is_virtual, take_window, through, window_attrs, window_reach
+from .halo import (_resized, _strip, cut_by, extend, gathered, is_virtual, readers, take_window, through,
+                   window_attrs, window_reach)
 from .relayout import keep_microbatches, relayout_cost
 from .rules import lowering
 
@@ -69,6 +75,88 @@ def _slice_as_sum(lw, node, vid: int, comp: Sharding, tgt: Sharding) -> bool:
     return True
 
 
+def _far_shift(lw, node, src, comp, dim, reach) -> tuple[int, int, int] | None:
+    """``(q, r, nb)`` of a shift (not a roll) of a dim split evenly over ``p`` ranks of ``nb``
+    rows by ``|s| = q*nb + r`` rows, more than a rank's slice: each rank's window is the block
+    of the rank ``q`` away and ``r`` edge rows of the one ``q + 1`` away (:func:`_far_extend`);
+    None for any other window."""
+    if node.op.name != "shift" or reach.wrap or reach.e or src is not node.inputs[0]:
+        return None
+    n, p = src.shape.get(dim).size, lw.mesh.axis_size(comp.axes_of(dim))
+    if n % p or reach.m != n:
+        return None
+    nb = n // p
+    q, r = divmod(abs(reach.s), nb)
+    return (q, r, nb) if q else None
+
+
+def _far_readers(lw, src, dim: str, nb: int) -> int:
+    """How many shifts of ``src`` along ``dim`` reach beyond the neighbours: one gather of the dim
+    serves them all, so each weighs its permutes against its share of that gather."""
+    return sum(1 for n, slot in readers(lw, src) if n.op.name == "shift" and not slot
+               and n.attrs["dim"] == dim and not n.attrs["wrap"] and abs(n.attrs["offset"]) >= nb)
+
+
+def _far_cost(lw, src, comp, dim, far) -> float:
+    """Seconds the permutes of :func:`_far_extend` take (none where the shift leaves only fill)."""
+    q, r, nb = far
+    mesh = lw.mesh
+    p = mesh.axis_size(comp.axes_of(dim))
+    if q >= p:
+        return 0.0
+    row = comp.local_numel(src.shape, mesh) // nb * src.dtype.itemsize
+    return sum(lw.cost.collective("permute", w * row, p) for w, k in ((nb, q), (r, q + 1)) if w and k < p)
+
+
+def _far_glue(ctx, attrs, x, *got):
+    """The permuted block and edge rows in source order; a rank with no sender there (the ends of
+    the dim) gets zeros, which its window never reads as data (it reads the fill)."""
+    pos, got = attrs["pos"], list(got)
+    parts = [got.pop(0) if sent else None for sent in attrs["sent"]]   # a part no rank sends: zeros
+    parts = [g if g is not None else x.new_zeros(x.shape[:pos] + (w,) + x.shape[pos + 1:])
+             for g, w in zip(parts, attrs["widths"])]
+    return torch.cat(parts, dim=pos) if len(parts) > 1 else parts[0]
+
+
+def _far_extend(lw, node, vid: int, dim: str, reach, far) -> int:
+    """The rows a far shift's window reads (see :func:`_far_shift`), one permute of the block of
+    the rank ``q`` away and one of the ``r`` edge rows of the rank ``q + 1`` away, in source
+    order: positions ``off - s ..`` (s > 0) or ``off + q*nb ..`` (s < 0) of a rank at offset ``off``."""
+    q, r, nb = far
+    v, mesh = lw.values[vid], lw.mesh
+    sh = v.sharding
+    axes = sh.axes_of(dim)
+    p = mesh.axis_size(axes)
+    if q >= p:   # every row of the window is the fill: nothing to read
+        return vid
+    sign = 1 if reach.s > 0 else -1   # s > 0 reads from the left (lower ranks), the permute's +offset
+    pos, sizes = v.shape.index(dim), {d.name: d.size for d in v.shape}
+    got, widths, sent = [], [], []
+    for width, k in ((nb, q), (r, q + 1)):
+        if not width:
+            continue
+        widths.append(width)
+        sent.append(k < p)
+        if k >= p:   # beyond the dim's end for every rank: rows of fill, zeros stand in
+            continue
+        piece = vid
+        if width < nb:   # the edge rows nearest the block: the sender's last (s > 0) or first rows
+            piece = lw.new_value(_resized(v.shape, dim, width * p), v.dtype, sh)
+            lw.emit("local", node, [vid], [piece], args={"fn": _strip, "attrs": {
+                "pos": pos, "width": width, "last": sign > 0}, "compute": sh.split, "sizes": sizes})
+        got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
+        lw.emit("permute", node, [piece], [got[-1]], axes, args={"offset": sign * k, "wrap": False},
+                nbytes=lw.values[piece].local_bytes(mesh),
+                note=f"shift: {width} '{dim}' row{'s' if width > 1 else ''} from the rank {k} to the "
+                     f"{'left' if sign > 0 else 'right'}")
+    if sign > 0:   # source order: the edge rows (further left) before the block
+        got, widths, sent = got[::-1], widths[::-1], sent[::-1]
+    ext = lw.new_value(_resized(v.shape, dim, sum(widths) * p), v.dtype, sh)
+    lw.emit("local", node, [vid] + got, [ext], args={"fn": _far_glue, "attrs": {
+        "pos": pos, "widths": tuple(widths), "sent": tuple(sent)}, "compute": sh.split, "sizes": sizes})
+    return ext
+
+
 @lowering("pad", "slice", "shift")
 def lower_window(lw, node) -> None:
     """Lower a pad, slice, shift or roll; see the module docstring."""
@@ -92,6 +180,7 @@ def lower_window(lw, node) -> None:
     tgt = lw.target(out)
     tgt = keep_microbatches(tgt.with_partial(tuple(a for a in comp.partial if a not in tgt.used_axes)),
                             comp, out.shape, mesh)
+    far = None   # a shift beyond the neighbours served by permutes (:func:`_far_shift`)
     if axes:
         widths = reach.widths(n, mesh.axis_size(axes), cut_by(mesh, axes))
         whole = gathered(comp, src.shape, dim)
@@ -108,14 +197,30 @@ def lower_window(lw, node) -> None:
                 and not tgt.axes_of(dim) and _slice_as_sum(lw, node, vid, comp, tgt):
             return
         elif widths is None:
-            what = f"shift by {reach.s} exceeds the local slice" if node.op.name == "shift" else \
-                "no exchange with the neighbours gives its window"
-            lw.note(f"{node.name}: {what} of '{dim}'; the dim is gathered")
-        if widths is None:
+            far = _far_shift(lw, node, src, comp, dim, reach)
+            if far is not None:
+                # the permutes against this shift's share of the gather, which every far shift of
+                # the value reads (free where it is gathered already)
+                gather = 0.0 if (vid, whole) in lw._relaid else relayout_cost(
+                    src.shape, comp, whole, mesh, size, lw.cost) / max(1, _far_readers(lw, src, dim, far[2]))
+                gather += relayout_cost(out.shape, Sharding.of(out.shape, whole.split, whole.partial), tgt, mesh,
+                                        size, lw.cost)
+                shifted = _far_cost(lw, src, comp, dim, far) + relayout_cost(out.shape, out_sh, tgt, mesh, size,
+                                                                              lw.cost)
+                far = far if shifted < gather - 1e-12 else None
+            if far is None:
+                what = f"shift by {reach.s} exceeds the local slice" if node.op.name == "shift" else \
+                    "no exchange with the neighbours gives its window"
+                lw.note(f"{node.name}: {what} of '{dim}'; the dim is gathered")
+        if widths is None and far is None:
             comp, axes = whole, ()
     vid = lw.relayout(vid, comp, node, f"input of {node.op.name}")
     hl = 0
-    if axes:
+    if axes and far is not None:
+        # the rows before this rank's offset where its extended block starts: s > 0, the edge
+        # rows and the block to their right; s < 0, the block q ranks on, then the edge rows
+        hl, vid = reach.s if reach.s > 0 else -far[0] * far[2], _far_extend(lw, node, vid, dim, reach, far)
+    elif axes:
         hl, vid = extend(lw, node, src, vid, dim, reach, widths)
     out_sh = Sharding.of(out.shape, comp.split, comp.partial)
     res = lw.new_value(out.shape, out.dtype, out_sh)

@@ -114,7 +114,8 @@ class Op(ABC):
     linear_args: tuple[int, ...] = ()
     #: linear in each input on its own, the others fixed (einsum): inside a repeat's block a
     #: partial sum over the micro-batches passes through it (it cannot be reduced there);
-    #: elsewhere a partial input is reduced first, as for any op not in ``linear_args``.
+    #: elsewhere one partial input passes through where the cost model finds the result cheaper
+    #: to reduce than the input (:func:`~meshdsl.lowering.generic._partial_modes`).
     multilinear = False
     #: ops whose outputs carry no gradient (integer or boolean results).
     differentiable = True
