@@ -3,7 +3,9 @@
 :class:`SimulatedComm` computes each collective exactly from the group
 members' tensors (the simulated implementations of
 :mod:`meshdsl.collectives`, reducing in group order), so results are
-deterministic and match what real processes get.  :func:`meshdsl.runtime.simulated.run_simulated`
+deterministic and match what real processes get; each collective's parts are first checked
+as real ranks would hand them in (:mod:`.real_parts`), so a plan that only the simulated
+mesh could run fails here too.  :func:`meshdsl.runtime.simulated.run_simulated`
 runs a whole plan on it and returns full outputs.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from ..collectives import COLLECTIVES, parts_of
 from ..errors import GraphError, MeshError, message
 from ..layout.mesh import Mesh
 from .communicator import Communicator, as_device
+from .real_parts import check_collective
 
 
 class SimulatedComm(Communicator):
@@ -44,6 +47,7 @@ class SimulatedComm(Communicator):
 
     def collective(self, kind, xs, axes, args):
         """See :meth:`Communicator.collective`; every call is appended to :attr:`log`."""
+        check_collective(self, kind, xs, axes, args)   # as real ranks would move them (real_parts.py)
         c = COLLECTIVES[kind]
         if c.mailbox == "take":
             n, off = self.mesh.axis_size(axes), args["offset"]
