@@ -359,7 +359,8 @@ class Executor:
         """Run the plan; returns output name -> local tensors (one per held rank).
 
         With ``stats`` (a dict), seconds spent per step kind are added to it, and
-        time blocked on collectives in flight under 'wait'.  ``prefetched`` maps value
+        time blocked on collectives in flight under 'wait' (a ``--compile`` whole step, one
+        graph, adds its time under 'local').  ``prefetched`` maps value
         ids to collectives started before the run (:mod:`.prefetch`); their steps are skipped.
 
         Raises:
@@ -373,8 +374,11 @@ class Executor:
         env: dict[int, list] = dict(prefetched) if prefetched else {}
         run = _Run(feeds, params, salt, stats)
         if self._needs[0] <= feeds.keys() and self._needs[1] <= params.keys():
-            whole = whole_step(self) if self.compiling is not None and stats is None and not prefetched else None
+            whole = whole_step(self) if self.compiling is not None and not prefetched else None
+            t0 = time.perf_counter()
             out = whole(feeds, params) if whole is not None else None   # --compile: one graph (.whole)
+            if out is not None and stats is not None:   # one graph, every rank here: all of it is compute
+                stats["local"] = stats.get("local", 0.0) + time.perf_counter() - t0
             return out if out is not None else self._run_program(env, run)
         # A feed or param is missing: the step-by-step loop raises its step's error.
         clock = time.perf_counter if stats is not None else None
