@@ -48,6 +48,7 @@ def test_kv_heads_is_split_on_four_processes_and_the_split_matches_dense(capsys)
     assert main(argv) == 0, capsys.readouterr()
 
 
+@pytest.mark.slow  # 7 s: a whole llama search; the search on a small GQA model above lists the kv_heads splits and checks the best
 def test_the_llama_search_lists_kv_heads_splits(capsys):
     """The issue's check as a user types it: --json lists every ranked candidate."""
     assert main(["search", "llama", "--nproc", "4", "--json"]) == 0

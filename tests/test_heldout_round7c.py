@@ -233,6 +233,7 @@ def test_bert_classifier_trains_with_the_dense_curves_and_accuracy(mesh, layout,
 
 # ----------------------------------------------------------------------------- checkpoints and resume
 
+@pytest.mark.slow  # 7 s: resuming on another layout is in tests/test_checkpoint.py and this file's bert and moe cases
 def test_gpt2_saved_on_dp_resumed_on_megatron_then_a_pipeline(tmp_path, one_torch_thread):
     """AdamW with warmup and cosine, dropout on: steps 1-4 on data:2, saved; 5-6 on model:2;
     7-8 on a 1f1b pipeline of 2 micro-batches: the uninterrupted run's losses, eval losses and
