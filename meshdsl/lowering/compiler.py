@@ -227,6 +227,10 @@ class Lowerer:
         self._relaid[key] = vid
         return vid
 
+    def relaid(self, vid: int, to: Sharding) -> bool:
+        """Whether value ``vid`` was already brought to sharding ``to`` (:meth:`relayout`: free again)."""
+        return (vid, to) in self._relaid
+
     def _remade(self, vid: int, to: Sharding) -> int | None:
         """Value ``vid`` made again at ``to`` by the step that made it, when that step reads
         nothing (a constant, an iota: each rank makes its own part of it, no communication), else

@@ -187,11 +187,11 @@ def _reaches(lw, t, dim: str):
 
 # ----------------------------------------------------------------------------- the exchange
 
-def _resized(shape: Shape, name: str, size: int) -> Shape:
+def resized(shape: Shape, name: str, size: int) -> Shape:
     return Shape(Dim(d.name, size) if d.name == name else d for d in shape)
 
 
-def _strip(ctx, attrs, x):
+def strip_rows(ctx, attrs, x):
     pos, width = attrs["pos"], attrs["width"]
     return x.narrow(pos, x.shape[pos] - width, width) if attrs["last"] else x.narrow(pos, 0, width)
 
@@ -237,9 +237,9 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
     for width, offset, side in ((hl, 1, "left"), (hr, -1, "right")):
         if not width:
             continue
-        shape = _resized(v.shape, dim, width * p)
+        shape = resized(v.shape, dim, width * p)
         strip = lw.new_value(shape, v.dtype, sh)
-        lw.emit("local", node, [vid], [strip], args={"fn": _strip, "attrs": {"pos": pos, "width": width,
+        lw.emit("local", node, [vid], [strip], args={"fn": strip_rows, "attrs": {"pos": pos, "width": width,
                                                                            "last": offset > 0},
                                                    "compute": sh.split, "sizes": sizes})
         got.append(lw.new_value(shape, v.dtype, sh))
@@ -247,7 +247,7 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
                 nbytes=lw.values[strip].local_bytes(mesh),
                 note=f"halo: {width} '{dim}' row{'s' if width > 1 else ''} from the {side} neighbour{shared}")
     # each block grows by hl + hr rows: cut as chunk cuts, n + p (hl + hr) has exactly those parts
-    ext = lw.new_value(_resized(v.shape, dim, v.shape.get(dim).size + (hl + hr) * p), v.dtype, sh)
+    ext = lw.new_value(resized(v.shape, dim, v.shape.get(dim).size + (hl + hr) * p), v.dtype, sh)
     lw.emit("local", node, [vid] + got, [ext], args={"fn": _glue, "attrs": {"pos": pos, "hl": hl, "hr": hr},
                                                      "compute": sh.split, "sizes": sizes})
     lw.memo[key] = (hl, hr, ext)

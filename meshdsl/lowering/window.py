@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..layout.sharding import Sharding
-from .halo import (_resized, _strip, cut_by, extend, gathered, is_virtual, readers, take_window, through,
+from .halo import (resized, strip_rows, cut_by, extend, gathered, is_virtual, readers, take_window, through,
                    window_attrs, window_reach)
 from .relayout import keep_microbatches, relayout_cost
 from .rules import lowering
@@ -141,8 +141,8 @@ def _far_extend(lw, node, vid: int, dim: str, reach, far) -> int:
             continue
         piece = vid
         if width < nb:   # the edge rows nearest the block: the sender's last (s > 0) or first rows
-            piece = lw.new_value(_resized(v.shape, dim, width * p), v.dtype, sh)
-            lw.emit("local", node, [vid], [piece], args={"fn": _strip, "attrs": {
+            piece = lw.new_value(resized(v.shape, dim, width * p), v.dtype, sh)
+            lw.emit("local", node, [vid], [piece], args={"fn": strip_rows, "attrs": {
                 "pos": pos, "width": width, "last": sign > 0}, "compute": sh.split, "sizes": sizes})
         got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
         lw.emit("permute", node, [piece], [got[-1]], axes, args={"offset": sign * k, "wrap": False},
@@ -151,7 +151,7 @@ def _far_extend(lw, node, vid: int, dim: str, reach, far) -> int:
                      f"{'left' if sign > 0 else 'right'}")
     if sign > 0:   # source order: the edge rows (further left) before the block
         got, widths, sent = got[::-1], widths[::-1], sent[::-1]
-    ext = lw.new_value(_resized(v.shape, dim, sum(widths) * p), v.dtype, sh)
+    ext = lw.new_value(resized(v.shape, dim, sum(widths) * p), v.dtype, sh)
     lw.emit("local", node, [vid] + got, [ext], args={"fn": _far_glue, "attrs": {
         "pos": pos, "widths": tuple(widths), "sent": tuple(sent)}, "compute": sh.split, "sizes": sizes})
     return ext
@@ -201,7 +201,7 @@ def lower_window(lw, node) -> None:
             if far is not None:
                 # the permutes against this shift's share of the gather, which every far shift of
                 # the value reads (free where it is gathered already)
-                gather = 0.0 if (vid, whole) in lw._relaid else relayout_cost(
+                gather = 0.0 if lw.relaid(vid, whole) else relayout_cost(
                     src.shape, comp, whole, mesh, size, lw.cost) / max(1, _far_readers(lw, src, dim, far[2]))
                 gather += relayout_cost(out.shape, Sharding.of(out.shape, whole.split, whole.partial), tgt, mesh,
                                         size, lw.cost)

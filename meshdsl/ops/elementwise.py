@@ -26,7 +26,7 @@ from .registry import DENSE_CTX, Op, apply, register
 _COMPARISONS = ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")
 
 
-def _lift(xs, name: str = "where"):
+def lift(xs, name: str = "where"):
     """Turn Python scalars into constants with the dtype of the first tensor operand.
 
     An integer tensor takes integral scalars only (``1 - mask``), except in comparisons:
@@ -272,7 +272,7 @@ class Where(Nary):
 
 def _bin(name):
     def f(a, b):
-        return apply(name, _lift([a, b], name))
+        return apply(name, lift([a, b], name))
     f.__name__ = name
     f.__doc__ = f"Elementwise ``{name}`` with broadcasting by dim name."
     return f
@@ -303,13 +303,13 @@ stop_gradient, logical_not = _un("stop_gradient"), _un("logical_not")
 def logical_and(a: Tensor, b: Tensor) -> Tensor:
     """Elementwise ``a and b`` of boolean masks, broadcasting by dim name: a sliding window's
     mask is ``logical_and(causal, near)`` for ``near = less(arange(seq) - arange(key_seq), window)``."""
-    return apply("logical_and", _lift([a, b], "logical_and"))
+    return apply("logical_and", lift([a, b], "logical_and"))
 
 
 def logical_or(a: Tensor, b: Tensor) -> Tensor:
     """Elementwise ``a or b`` of boolean masks, broadcasting by dim name: keys always visible
     besides a window (attention sinks, a Longformer's global tokens)."""
-    return apply("logical_or", _lift([a, b], "logical_or"))
+    return apply("logical_or", lift([a, b], "logical_or"))
 
 
 def sin(x: Tensor) -> Tensor:
@@ -368,7 +368,7 @@ def where(cond: Tensor, a, b) -> Tensor:
     The result's dims are those of ``a``, then ``b``'s, then ``cond``'s, each
     in order of first appearance: a mask keeps the layout of the values it masks.
     """
-    return apply("where", [cond] + _lift([a, b]))
+    return apply("where", [cond] + lift([a, b]))
 
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal", "greater",

@@ -10,6 +10,7 @@ import torch
 from ..core.graph import Tensor
 from ..core.shape import Dim
 from ..errors import ShapeError, message
+from .elementwise import lift
 from .registry import ComputeSpec, Op, apply, register
 
 
@@ -106,9 +107,8 @@ def reduce_mean(x: Tensor, dims=None) -> Tensor:
     n = 1
     for d in names:
         n *= x.shape.get(d).size
-    from .elementwise import _lift
     # A sum times 1/n, named as the user wrote it: messages and plan rows say 'reduce_mean', not 'mul'.
-    return apply("mul", _lift([reduce_sum(x, names), 1.0 / n], "mul"), name="reduce_mean")
+    return apply("mul", lift([reduce_sum(x, names), 1.0 / n], "mul"), name="reduce_mean")
 
 
 def reduce_max(x: Tensor, dims=None) -> Tensor:
