@@ -196,8 +196,12 @@ def audit_plan(model: str, name: str, mesh: str, rules: str, plan: Plan, batch_l
 def audit_model(path: Path, only=None) -> list[Audit]:
     """Each standard layout's audit of the model at ``path`` (tiny config)."""
     name = path.stem
-    model = md.load_model(str(path), tiny=True)
-    outputs = training_outputs(model.loss, model.params, 0.1)
+    try:   # a model that does not build is one row of the table, not the end of the audit
+        model = md.load_model(str(path), tiny=True)
+        outputs = training_outputs(model.loss, model.params, 0.1)
+    except md.MeshDSLError as e:
+        what = [ln for ln in str(e).splitlines() if ln and not ln.startswith((" ", "while building"))]
+        return [Audit(name, "build", "", "", error=(what or [str(e)])[0])]   # (the error, not the traceback's lines)
     batch_like = set(profile(outputs).batch_like)
     out = []
     for lay, mesh, rules in layouts_of(model, outputs):

@@ -19,7 +19,8 @@ Public API (everything else lives in subpackages and may change):
   :func:`mixed_precision` (a loss rebuilt for bf16 compute, as ``TrainStep(precision="bf16")`` does)
 * the training loop: :func:`fit` ``(model, mesh=..., layout=..., steps=..., data=...)`` -> :class:`TrainResult`, :class:`TokenData` (text batches),
   :func:`row_generator` (one random stream per batch row, for a model's own ``batches``),
-  :func:`generate` (text from a trained language model); checkpoints :func:`save_checkpoint`,
+  :func:`generate` (text from a trained language model), :func:`load_trained` (a run's or
+  checkpoint's model and full params), :func:`evaluate` (its held-out loss); checkpoints :func:`save_checkpoint`,
   :func:`load_checkpoint`, :func:`latest_checkpoint`
 * pipelines: :func:`draw_timeline` (a plan's schedule, or a run's recorded actions, as a PNG)
 * layout search: :func:`calibrate` (measure this machine, cache the fit), :func:`load_calibration`,
@@ -57,6 +58,8 @@ _EXPORTS = {
     **{n: (".train.checkpoint", n) for n in ("latest_checkpoint", "load_checkpoint", "save_checkpoint")},
     **{n: (".train.data", n) for n in ("TokenData", "row_generator")},
     "generate": (".train.generate", "generate"),
+    "load_trained": (".train.trained", "load_trained"),
+    "evaluate": (".train.evaluate", "evaluate"),
     "cosine_schedule": (".train.lr_schedule", "cosine_schedule"),
     "sgd": (".train.optim", "sgd"),
     **{n: (".train.optimizers", n) for n in ("SGD", "Adafactor", "AdamW")},

@@ -180,13 +180,17 @@ register(Collective("reduce_scatter", ("dim", "op", "uneven"), lambda n: (n - 1)
 # scattering the flat buffer along its only dim hands each member its chunk of every gradient.
 
 def flat_args(args):
-    """A bucket's args as its flat buffer's: reduce with its ``op`` along the only dim."""
-    return {"op": args.get("op", "sum"), "dim": 0}
+    """A bucket's args as its flat buffer's: reduce with its ``op`` along the only dim.  A
+    reduce-scatter bucket of members split unevenly (``cuts``: each member's part lengths)
+    cuts its buffer unevenly too: its ``uneven`` arg gives the flat parts' lengths, and the
+    lengths a communicator worked out from it (``parts``, ``lengths``) go along."""
+    return {"op": args.get("op", "sum"), "dim": 0,
+            **{k: args[k] for k in ("uneven", "parts", "lengths") if args.get(k)}}
 
 
 register(Collective("bucket_allreduce", ("op",), lambda n: 2 * (n - 1) / n, _sim_allreduce,
                     asynchronous=True))
-register(Collective("bucket_reduce_scatter", ("op", "dims"), lambda n: (n - 1) / n,
+register(Collective("bucket_reduce_scatter", ("op", "dims", "cuts", "uneven"), lambda n: (n - 1) / n,
                     lambda xs, groups, args: _sim_reduce_scatter(xs, groups, flat_args(args)), asynchronous=True))
 
 

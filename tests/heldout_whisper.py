@@ -7,8 +7,8 @@ decoder embeds tokens with learned positions; its blocks under ``md.repeat`` ove
 have causal self-attention, cross-attention to the encoder's output (read from outside the
 repeat) and a GELU MLP; the head is tied to the token embedding.
 
-``md.conv`` runs at stride 1 only (docs/guide/api.md), so the stride-2 conv is written the way
-its arithmetic reads: ``out[i] = x[2i-1] w[0] + x[2i] w[1] + x[2i+1] w[2]``. A rearrange cuts
+This model was written when ``md.conv`` ran at stride 1 only, so the stride-2 conv is written the
+way its arithmetic reads (``md.conv(..., stride=2)`` is the short form now): ``out[i] = x[2i-1] w[0] + x[2i] w[1] + x[2i+1] w[2]``. A rearrange cuts
 the frames into ``(seq two)`` (even and odd frames), the odd stream shifted by one position
 gives ``x[2i-1]``, and three einsums over the channels add the taps. Nothing is computed twice
 and a split ``seq`` trades one row with its neighbour (``md.shift``).

@@ -7,8 +7,9 @@ the loss and every gradient equal the dense program's on ``stage:2`` (simulated)
 ZB-H1 and ``interleaved:2`` (tests/heldout_bert.py with ``mlm_norm=batch``; a tiny padded LM whose
 count, ``maximum(count, 1)``, every stage's layers read too, also with a data axis; inputs centred
 by their batch mean before the layers), and with plain gradient accumulation, whose backward then
-runs per micro-batch too; the count is made in the prologue, on each stage that reads it; a
-whole-batch value made from params is still refused, saying why.
+runs per micro-batch too; the count is made in the prologue, on each stage that reads it; so is
+a batch mean of params and inputs before the layers (its gradient after the micro-batches); a
+whole-batch value made through the pipelined stack is still refused, saying why.
 """
 from __future__ import annotations
 
@@ -114,6 +115,30 @@ def test_inputs_centred_by_their_batch_mean_before_the_layers_match_dense():
     assert_matches_scaled(md.run_simulated(plan, feeds, params), want, "centred inputs", REL)
 
 
+@pytest.mark.parametrize("stem_trained", [False, True], ids=["frozen-stem", "trained-stem"])
+def test_a_stem_centred_by_its_batch_mean_before_the_layers_matches_dense(stem_trained):
+    """A whole-batch statistic of params and inputs (a stem's output centred by its batch mean, a
+    frozen teacher's centre) is fixed when the step starts: made once, before the micro-batches.
+    Trained, its gradient (a sum over the batch) runs after them. Both were refused."""
+    d, e, layer = md.Dim("d_model", 4), md.Dim("e", 3), md.Dim("layer", 2)
+    with md.Graph():
+        x = md.input("x", [md.Dim("batch", 8), d])
+        params = {"ws": md.param("ws", [d, e]), "w": md.param("w", [layer, e])}
+        h = md.tanh(md.einsum("batch d_model, d_model e -> batch e", x, params["ws"]))
+        y = md.repeat(lambda c, p: md.tanh(c * p["w"]), h - md.reduce_mean(h, "batch"), {"w": params["w"]}, "layer")
+        loss = md.reduce_sum(y * y)
+        wrt = params if stem_trained else {"w": params["w"]}
+        outs = {"loss": loss, **{f"d/{k}": g for k, g in md.grad(loss, wrt).items()}}
+    gen = torch.Generator().manual_seed(3)
+    feeds = {"x": torch.randn(8, 4, generator=gen) + 1.0}
+    params = {"ws": torch.randn(4, 3, generator=gen), "w": torch.randn(2, 3, generator=gen)}
+    want = md.run_dense(outs, feeds, params)
+    plan = md.compile(outs, *PIPE, microbatches=4, schedule="1f1b")
+    assert_matches_scaled(md.run_simulated(plan, feeds, params), want, f"stem trained={stem_trained}", REL)
+    prologue = _program(plan).steps(Segment.PROLOGUE)
+    assert any(s.is_collective and MB_AXIS in s.axes for s, _ in prologue), "the batch mean is made once"
+
+
 def _program(plan):
     (step,) = [s for s in plan.steps if s.kind in ("pipeline", "accumulate")]
     return step.args["program"]
@@ -138,5 +163,6 @@ def test_a_whole_batch_value_made_from_params_is_still_refused():
     text = str(e.value)
     assert "reduces over the whole batch" in text and "the pipelined backward" in text
     assert "allreduce over micro-batches" in text
-    assert "is made from param '" in text and "Fix: divide by a whole-batch value made from the inputs only" in text
+    assert "through the pipelined repeat over 'layer'" in text
+    assert "Fix: divide by a whole-batch value made from the inputs only" in text
 

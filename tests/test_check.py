@@ -63,3 +63,14 @@ def test_a_bad_layout_is_the_compilers_error():
     outputs, feeds = _mlp()
     with pytest.raises(md.LayoutError, match="d_fff"):
         md.check(outputs, "model:2", "d_fff:model", feeds)
+
+
+def test_a_schedule_that_changes_nothing_is_noted_as_the_cli_notes_it(capsys):
+    """``schedule=`` for a layout that pipelines nothing: one ``note:`` line, the words of
+    ``meshdsl check`` and ``md.fit``; none where the schedule is used or not given."""
+    outputs, feeds = _mlp()
+    assert md.check(outputs, "data:2", "batch:data", feeds, microbatches=2, schedule="1f1b").ok
+    out = capsys.readouterr().out
+    assert out.count("note: schedule '1f1b' has no effect: the layout pipelines no repeat") == 1, out
+    assert md.check(outputs, "data:2", "batch:data", feeds, microbatches=2).ok
+    assert "note:" not in capsys.readouterr().out

@@ -166,3 +166,23 @@ def test_a_concat_gradient_passes_partial_to_its_slices(name, total, per_layer):
     plan = md.compile(outputs, "model:2", "heads:model; d_ff:model")
     assert not [n for _, n in _body_collectives(plan) if "key_seq" in n]
     _assert_dense(model, outputs, plan)
+
+
+def test_the_audit_builds_retro_and_reports_a_model_that_does_not_build(tmp_path, capsys):
+    # RETRO (tests/heldout_retro.py) normalises its chunked cross-attention over two dims at once
+    # (md.softmax(s, ["nbrs", "nlen"])): refused before, it stopped the whole audit with a traceback.
+    audits = audit.audit_model(HERE / "heldout_retro.py")
+    assert [a.layout for a in audits] == ["dp", "megatron", "seq", "fsdp"]
+    assert not [a.error for a in audits if a.error]
+    assert all(a.count > 0 for a in audits)
+    broken = tmp_path / "broken.py"
+    broken.write_text("from dataclasses import dataclass\nimport meshdsl as md\n\n"
+                      "@dataclass(frozen=True)\nclass Config:\n    batch: int = 2\n\n    @classmethod\n"
+                      "    def tiny(cls):\n        return cls()\n\n"
+                      "def build(cfg=Config()):\n"
+                      "    with md.Graph():\n        x = md.input('x', [md.Dim('batch', cfg.batch)])\n"
+                      "        md.softmax(x, 'seq')\n")
+    (row,) = audit.audit_model(broken)
+    assert (row.model, row.layout) == ("broken", "build") and "softmax" in row.error
+    audit.print_summary([row, *audits])
+    assert "broken                 build" in capsys.readouterr().out

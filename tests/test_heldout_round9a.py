@@ -188,15 +188,20 @@ def test_dino_crops_are_cut_into_patches_on_each_stage_that_reads_them(layout):
     assert res.ok, str(res)
 
 
-def test_dino_batch_centre_of_the_frozen_teacher_is_refused_in_a_pipeline():
-    """The centre as this batch's mean of the teacher's logits is a whole-batch value made from
-    (frozen) params: gradient accumulation runs it, a pipeline refuses it saying so."""
+def test_dino_batch_centre_of_the_frozen_teacher_is_made_once_before_the_micro_batches():
+    """The centre as this batch's mean of the teacher's logits is a whole-batch value of frozen
+    params and the inputs, fixed when the step starts: the unpipelined teacher runs once, before the
+    micro-batches, and the pipelined student gives the dense numbers (it was refused).  With the
+    teacher's stack pipelined too, each micro-batch's teacher forward runs in turn: refused, and
+    the fix given (leave 't_layer' out) is the layout that runs."""
     model = md.load_model(DINO, tiny=True, center_from_batch=True)
     outs, feeds = heldout_outputs(model), model.feeds(0)
-    res = md.check(outs, "data:2", "batch:data", feeds, microbatches=2)
+    res = md.check(outs, "stage:2", "layer:stage", feeds, **PIPE)
     assert res.ok, str(res)
-    with pytest.raises(md.LayoutError, match="reduces over the whole batch"):
-        md.compile(outs, "stage:2", "layer:stage", **PIPE)
+    with pytest.raises(md.LayoutError, match="reduces over the whole batch") as e:
+        md.compile(outs, "stage:2", BOTH, **PIPE)
+    assert "through the pipelined repeat over 't_layer'" in str(e.value)
+    assert "Fix: leave 't_layer' out of the layout ('layer:stage')" in str(e.value)
 
 
 # each search takes 2-7 s (pipelined candidates among the top ones): with -m slow

@@ -210,3 +210,31 @@ def test_an_einsum_passes_a_partial_operand_on_when_its_result_is_smaller():
         size = {"d_head": 4, "feats": feats}[reduced]
         assert (red.kind, red.bytes) == ("allreduce", B.size * S.size * size * 4), (feats, red)
         _check_against_dense(outs, plan, feeds)
+
+
+def _performer_backward_reductions(feature: str, check: bool = True):
+    """The held-out Performer (tests/heldout_performer.py, tiny, one layer) under ``e2:model`` on
+    2 ranks: each backward allreduce as (op, bytes); with ``check``, the gradients checked
+    against the dense program."""
+    from pathlib import Path
+    model = md.load_model(str(Path(__file__).parent / "heldout_performer.py"), tiny=True, feature=feature,
+                          layers=1)
+    outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in md.grad(model.loss, model.params).items()}}
+    plan = md.compile(outs, "model:2", "e2:model", bucket_mb=0)
+    if check:
+        _check_against_dense(outs, plan, model.feeds(0))
+    return sorted((s.op, s.bytes) for s, _ in plan.collectives()
+                  if s.phase == "backward" and s.kind == "allreduce" and s.op != "stop_gradient")
+
+
+def test_performer_feature_maps_pass_their_partial_sums_through():
+    """phi(q) under ``e2:model``: its gradient arrives partial (the state's ``e2`` is split).
+    With relu it passed through to the layer norm's backward, the one reduction; elu + 1
+    (``where(y > 0, y + 1, exp(y))``, whose gradient is read by both of where's gradients, each
+    linear in it) and FAVOR+ (``exp(w . x - |x|^2 / 2)``, the row sum's gradient broadcast back
+    over ``d_head``) reduced early: 3 more allreduces (3.25 KiB) and 2 more (512 B).  The three
+    now reduce the same one value."""
+    want = _performer_backward_reductions("relu", check=False)   # (round 9b runs it against dense)
+    assert [op for op, _ in want] == ["layer_norm_backward"]
+    assert _performer_backward_reductions("elu") == want
+    assert _performer_backward_reductions("favor") == want

@@ -152,6 +152,27 @@ for _p in (0.5, -1.5, 2.5):
 case("cast_down_up")(lambda x: md.cast(md.cast(x("x", [A, B]), torch.float32) * 3.0, F64))
 case("cast_up")(lambda x: md.cast(x("x", [A, B], dtype=torch.float32), F64))
 case("stop_gradient")(lambda x: md.stop_gradient(x("x", [A, B])) * x("y", [A, B]))
+case("erf")(lambda x: md.erf(x("x", [A, B]) * 1.5))
+case("log1p")(lambda x: md.log1p(x("x", [A, B], "unit") - 0.5))   # both signs, above -1
+case("expm1")(lambda x: md.expm1(x("x", [A, B])))
+case("square")(lambda x: md.square(x("x", [A, B])))
+case("reciprocal")(lambda x: md.reciprocal(x("x", [A, B], "positive")))
+case("softplus")(lambda x: md.softplus(x("x", [A, B]) * 15.0))   # some beyond torch's threshold 20
+case("softplus_beta")(lambda x: md.softplus(x("x", [A, B]), beta=2.0, threshold=1.0))
+case("leaky_relu")(lambda x: md.leaky_relu(x("x", [A, B], "zeros"), 0.2))   # exact zeros: torch's slope at 0
+case("elu")(lambda x: md.elu(x("x", [A, B], "zeros"), 1.5))
+case("mish")(lambda x: md.mish(x("x", [A, B]) * 3.0))
+case("clamp")(lambda x: md.clamp(x("x", [A, B]), -0.5, 0.7))
+case("clamp_ties", seeds=(0, 1, 2))(lambda x: md.clamp(x("x", [A, B], "ties"), -1.0, 1.0))   # on the bounds
+case("clamp_min")(lambda x: md.clamp(x("x", [A, B], "ties"), min=0.0))
+case("clamp_max")(lambda x: md.clamp(x("x", [A, B]), max=0.3))
+# step functions: a zero gradient, as torch's; the other operand's gradient is the step's value
+for _op in ("sign", "floor", "ceil", "round"):
+    case(_op)(lambda x, op=_op: getattr(md, op)(x("x", [A, B]) * 3.0) * x("y", [A, B]))
+# floored division (torch has no gradient rule for it: finite differences) and remainder, broadcast
+case("floor_divide", oracle="fd")(lambda x: (x("x", [A, B]) * 3.0) // x("d", [B], "positive") * x("y", [A, B]))
+case("remainder")(lambda x: md.remainder(x("x", [A, B]) * 3.0, x("d", [B], "positive")))
+case("remainder_scalar_left")(lambda x: 2.5 % x("x", [A, B], "positive"))
 
 # ---- contractions and reductions
 
@@ -245,6 +266,12 @@ case("conv_valid_uneven")(lambda x: md.conv(x("x", [B, C, A]), x("w", [O, md.Dim
                                             padding=(1, 0)) * 1.5)
 case("conv_2d")(lambda x: md.conv(x("x", [C, A, B]), x("w", [TAP, md.Dim("ka", 2), B, O]), {"c": "tap", "a": "ka"},
                                   padding={"c": "valid", "a": (0, 1)}))
+case("conv_dilated")(lambda x: md.conv(x("x", [A, C, B]), x("w", [TAP, B, O]), {"c": "tap"}, dilation=2))
+case("conv_dilated_strided")(lambda x: md.conv(x("x", [C, B]), x("w", [B, O, TAP]), {"c": "tap"}, padding=(3, 1),
+                                               stride=2, dilation=2))
+case("conv_2d_dilated")(lambda x: md.conv(x("x", [C, A, B]), x("w", [md.Dim("tap", 2), md.Dim("ka", 2), B, O]),
+                                          {"c": "tap", "a": "ka"}, padding={"c": "causal", "a": (1, 0)},
+                                          dilation={"c": 3}))
 case("attention_scaled")(lambda x: md.attention(x("q", [Q, E, H]), x("k", [E, K, H]), x("v", [K, H, E]),
                                                 query_dim="q", key_dim="k", feature_dim="e", causal=False, scale=0.3))
 
@@ -440,7 +467,7 @@ def test_every_op_is_checked():
 #: ops without a rule whose results are never floating point, or that take no
 #: floating-point input: no gradient can reach or leave them.
 NOT_FLOAT = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_not", "logical_and",
-             "logical_or", "iota", "one_hot"}
+             "logical_or", "iota", "one_hot", "argmax", "argmin"}
 
 
 def _twice(first):

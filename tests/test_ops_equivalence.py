@@ -98,6 +98,35 @@ _UNARY = {
 for _name, _fn in _UNARY.items():
     case(_name)(lambda fn=_fn: (fn(_x("x_bs", [B, S])), {}))
 
+# Later elementwise ops, on one dim: the generic rule lowers every unary op alike (the cases above
+# cover its two-dim conflicts), so a case only needs the op's own kernel and gradient on every
+# layout of [seq], a quarter of the time of [batch, seq].
+_UNARY_1D = {
+    "erf": md.erf, "expm1": md.expm1, "square": md.square, "mish": md.mish,
+    "log1p": lambda x: md.log1p(_pos(x)), "reciprocal": lambda x: md.reciprocal(_pos(x)),
+    # beta * x on both sides of the threshold: both branches of the kernel and of the gradient
+    "softplus": lambda x: md.softplus(x) + md.softplus(x, beta=2.0, threshold=1.0),
+    "leaky_relu": lambda x: md.leaky_relu(x, 0.1), "elu": lambda x: md.elu(x, 1.5),
+    "floor": lambda x: md.floor(x * 3.0) * x, "ceil": lambda x: md.ceil(x * 3.0) * x,
+    "round": lambda x: md.round(x * 3.0) * x,
+}
+for _name, _fn in _UNARY_1D.items():
+    case(_name)(lambda fn=_fn: (fn(_x("x_s", [S])), {}))
+
+
+@case("clamp")
+def _clamp():
+    x = _x("x_s", [S])
+    ids = md.cast(x * 4.0, torch.int64)   # integers of both signs: a relative position clipped to a window
+    return {"both": md.clamp(x, -0.5, 0.5), "min": md.clamp(x, min=0.2), "max": md.clamp(x, max=-0.1),
+            "int": md.clamp(ids, -1, 2)}, {}
+
+
+@case("sign")
+def _sign():
+    x = _x("x_s", [S])
+    return {"y": md.sign(x) * x, "int": md.sign(md.cast(x * 4.0, torch.int64))}, {}
+
 
 # ----------------------------------------------------------------------------- elementwise, n-ary
 # a[batch, seq] op c[seq, feat] broadcasts by name to [batch, seq, feat].
@@ -129,6 +158,27 @@ for _name, _fn in _COMPARE.items():
 def _where():
     a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
     return md.where(md.greater(a, 0.0), a * 2.0, c), {}
+
+
+@case("where_numbers")
+def _where_numbers():   # two Python numbers: cond's dims, torch's dtype (int64 here)
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    sign = md.where(md.greater(a, 0.0), -1, 1)
+    return {"sign": sign, "y": md.cast(sign, torch.float32) * c}, {}
+
+
+# floored division and remainder (torch's): floats, and integer positions of both signs
+@case("floor_divide")
+def _floor_divide():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    return {"y": (a * 3.0) // _pos(c) * c, "int": md.cast(a * 4.0, torch.int64) // 3}, {}
+
+
+@case("remainder")
+def _remainder():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    return {"y": md.remainder(a * 3.0, _pos(c)) * c, "int": md.cast(a * 4.0, torch.int64) % 3,
+            "left": 7 % (md.cast(a * 4.0, torch.int64) * 2 + 9)}, {}
 
 
 @case("logical_not")
@@ -312,6 +362,14 @@ def _conv_2d():
     return md.conv(x, k, {"h": "kh", "w": "kw"}, padding={"h": "same", "w": "causal"}), {}
 
 
+@case("conv_dilated", cap=24, sample=4)
+def _conv_dilated():
+    # taps 3 dilated 2: 4 rows of halo in all ('same': 2 each side, causal: 4 before)
+    x, w = _x("x_bsc", [md.Dim("batch", 2), S, CI]), _p("w_tco", [md.Dim("tap", 3), CI, CO])
+    return {"same": md.conv(x, w, {"seq": "tap"}, dilation=2),
+            "causal": md.conv(x, w, {"seq": "tap"}, padding="causal", dilation=2)}, {}
+
+
 # ----------------------------------------------------------------------------- nn
 
 @case("softmax")
@@ -404,11 +462,36 @@ def _attention():
     return md.attention(q, k, v, "seq", "key", "feat", causal=True), {}
 
 
+@case("attention_window", cap=24, sample=4)
+def _attention_window():
+    # a sliding window of 3 keys: where seq and key are split alike, each rank takes the 2 key and
+    # value rows before its block from its neighbour (a halo) and sends their gradients back.
+    key = md.Dim("key", 8)
+    q = _p("q_bsf", [B, S, F])
+    k, v = _p("k_bkf", [B, key, F]), _p("v_bkf", [B, key, F])
+    return md.attention(q, k, v, "seq", "key", "feat", causal=True, window=3), {}
+
+
 @case("top_k")
 def _top_k():
     x = _x("x_bv", [B, V])
     vals, idx = md.top_k(x, "vocab", 2, "top")
     return {"vals": vals, "idx": idx}, {}
+
+
+@case("argmax")
+def _argmax():
+    x = _x("x_bv", [B, V])
+    # few distinct values (halves): ties, where the first extreme wins on every layout
+    r = md.cast(md.cast(x * 2.0, torch.int64), torch.float32) * 0.5
+    return {"vocab": md.argmax(x, "vocab"), "ties": md.argmax(r, "vocab")}, {}
+
+
+@case("argmin")
+def _argmin():
+    x = _x("x_bv", [B, V])
+    r = md.cast(md.cast(x * 2.0, torch.int64), torch.float32) * 0.5
+    return {"batch": md.argmin(x, "batch"), "ties": md.argmin(r, "vocab")}, {}
 
 
 @case("dropout")

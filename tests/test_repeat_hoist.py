@@ -201,3 +201,40 @@ def test_a_table_of_constants_made_in_a_block_is_made_once():
         assert a.flops() == b.flops() and a.totals() == b.totals(), mesh
     res = md.check(inside, "stage:2", "layer:stage", {"x": torch.randn(4, 4, 3)}, **PIPE)
     assert res.ok, str(res)
+
+
+def _named_examples_model(name: str):
+    """Per-layer: the carry scaled by a padding mask of an input with the examples' dim (stays in
+    the block) and divided by a whole-batch count of an input (hoisted), the examples' dim called
+    ``name``: ``batch``, or a user's name the graph reads as its examples' dim."""
+    e = md.Dim(name, 4)
+    with md.Graph() as g:
+        x, pad, wts = md.input("x", [e, D]), md.input("pad", [e]), md.input("wts", [e])
+        w = md.param("w", [L, D, md.Dim("d_out", 3)], fan_out=["layer", "d_out"])
+
+        def block(h, p):
+            u = md.tanh(md.rename(md.einsum(f"{name} d_model, d_model d_out -> {name} d_out", h, p["w"]),
+                                  d_out="d_model"))
+            return u * (pad - 1.0) / md.reduce_sum(wts)
+
+        loss = md.reduce_sum(md.repeat(block, x, {"w": w}, "layer") ** 2)
+        return {"loss": loss, **md.grad(loss, {"w": w})}, g
+
+
+@pytest.mark.parametrize("name", ["B", "examples"])
+def test_the_examples_dim_by_any_name_hoists_as_batch_does(name):
+    """What leaves the block is decided by the examples' dim the graph has, not by the name
+    ``batch``: the mask of an input with it stays in the block (it was hoisted under ``B``), the
+    count leaves; the graphs and the pipelined plans are the same work as with ``batch``."""
+    (named, g), (base, g0) = _named_examples_model(name), _named_examples_model("batch")
+    for a, b in ((g, g0), (_repeat(g).attrs["block"].graph, _repeat(g0).attrs["block"].graph)):
+        assert [n.op.name for n in a.nodes] == [n.op.name for n in b.nodes]
+    assert "sub" in [n.op.name for n in _repeat(g).attrs["block"].graph.nodes]
+    for mesh, layout, kw in (("x:1", "", {}), ("stage:2", "layer:stage", PIPE)):
+        p, q = md.compile(named, mesh, layout, **kw), md.compile(base, mesh, layout, **kw)
+        assert p.flops() == q.flops() and p.totals() == q.totals(), mesh
+    gen = torch.Generator().manual_seed(4)
+    feeds = {"x": torch.randn(4, 3, generator=gen), "pad": torch.tensor([1.0, 0.0, 1.0, 1.0]),
+             "wts": torch.tensor([1.0, 2.0, 0.0, 1.0])}
+    res = md.check(named, "stage:2", "layer:stage", feeds, **PIPE)
+    assert res.ok, str(res)

@@ -417,9 +417,10 @@ def test_an_uneven_split_of_a_dim_the_reshape_passes_stays(kind, rows, mesh):
                                          ("stop_gradient", "allreduce", "backward")]
 
 
-def _renamed(x_is_param: bool):
-    """``loss = sum(r * r)``, ``r`` = ``tanh(x * w)`` with ``height`` renamed ``row``, under ``row:x``:
-    the collectives, the implied rules, the gradient checked against the dense program."""
+def _renamed(x_is_param: bool, mixed: bool = False):
+    """``loss = sum(r * r)``, ``r`` = ``tanh(x * w)`` with ``height`` renamed ``row``, under ``row:x``
+    (``mixed``: plus ``sum(x summed over height, squared)``, which mixes ``height``): the collectives,
+    the implied rules, the gradient checked against the dense program."""
     b, h, d = md.Dim("batch", 2), md.Dim("height", 8), md.Dim("d", 3)
     torch.manual_seed(0)
     with md.Graph():
@@ -427,7 +428,10 @@ def _renamed(x_is_param: bool):
         w = md.param("w", [d], scale=1.0)
         r = md.rename(md.tanh(x * w), height="row")
         loss = md.reduce_sum(r * r)
-        outs = {"loss": loss, **md.grad(loss, {"w": w})}
+        if mixed:
+            col = md.reduce_sum(x, "height")
+            loss = loss + md.reduce_sum(col * col)
+        outs = {"loss": loss, **md.grad(loss, {"w": w, **({"x": x} if x_is_param else {})})}
     feeds = {} if x_is_param else {"x": torch.randn(2, 8, 3)}
     plan = md.compile(outs, "x:2", "row:x", bucket_mb=0)
     got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
@@ -441,10 +445,59 @@ def test_a_rename_passes_a_written_split_back_to_the_dim_it_renames():
     """FCOS renames its stem's ``height`` to the grid's ``row`` (tests/heldout_fcos.py): under
     ``row:x`` the stem ran whole on every rank and the rename's gradient was allgathered.  Where
     no param holds ``height``, ``height:x`` is implied: the stem runs on each rank's rows and
-    only partial sums move.  A param holding ``height`` keeps its own layout (nothing implied)."""
+    only partial sums move.  A param holding ``height`` takes the split too where no op mixes its
+    rows (FT-Transformer's per-feature weights): it is stored split and its gradient is made on
+    each rank's rows, nothing gathered; where an op sums over ``height`` it keeps its own layout."""
     coll, plan = _renamed(x_is_param=False)
     assert [str(r) for r, _ in plan.layout.implied] == ["height:x"]
     assert coll == [("reduce_sum", "allreduce", "forward"), ("stop_gradient", "allreduce", "backward")]
     coll, plan = _renamed(x_is_param=True)
+    assert [str(r) for r, _ in plan.layout.implied] == ["height:x"]
+    assert plan.values[plan.params["x"]].sharding.split == {"height": ("x",)}
+    assert coll == [("reduce_sum", "allreduce", "forward"), ("stop_gradient", "allreduce", "backward")]
+    coll, plan = _renamed(x_is_param=True, mixed=True)
     assert plan.layout.implied == ()
     assert ("rename", "allgather", "backward") in coll
+
+
+def _tokenizer():
+    """FT-Transformer's tokenizer (tests/heldout_ftt.py) in small: 4 numeric features, each its own
+    weight and bias row, renamed ``tok`` and joined after 2 learned tokens: (outputs, feeds)."""
+    b, n, d, two = md.Dim("batch", 3), md.Dim("num_feat", 4), md.Dim("d", 5), md.Dim("cat_feat", 2)
+    torch.manual_seed(0)
+    with md.Graph():
+        x = md.input("x", [b, n])
+        w, bias = md.param("w", [n, d], scale=1.0), md.param("bias", [n, d], scale=1.0)
+        extra = md.param("extra", [b, two, d], scale=1.0)
+        tokens = md.concat([md.rename(md.tanh(extra), cat_feat="tok"), md.rename(x * w + bias, num_feat="tok")],
+                           "tok")
+        loss = md.reduce_sum(md.tanh(tokens) * md.tanh(tokens))
+        outs = {"loss": loss, **md.grad(loss, {"w": w, "bias": bias, "extra": extra})}
+    return outs, {"x": torch.randn(3, 4)}
+
+
+def _tokenized():
+    """:func:`_tokenizer` under ``tok:x`` on 3 ranks (6 tokens as 2, 2, 2; the numeric 4 as 2, 1,
+    1): the plan's collectives and implied rules; the loss and every gradient checked against the
+    dense program."""
+    outs, feeds = _tokenizer()
+    plan = md.compile(outs, "x:3", "tok:x", bucket_mb=0)
+    got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
+    for k in want:
+        # fp32 of O(1): sums of 90 squares of tanh; the loss and the gradients add the ranks' partial sums
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"'{k}': {m}")
+    return sorted((s.op, s.kind, s.phase) for s in plan.steps if s.is_collective), plan
+
+
+def test_a_rename_implies_an_uneven_split_on_per_feature_weights():
+    """The numeric tokens' gradient was gathered (2 of 4 rows a rank, under 3 ranks) for the
+    per-feature weights' gradients; with ``num_feat:x`` implied, uneven as ``tok``'s numeric part
+    is, the weights are stored split and their gradients made on each rank's rows, not gathered.
+    Under strict splits nothing uneven is implied: the refusal names the dim the user split."""
+    coll, plan = _tokenized()
+    assert [str(r) for r, _ in plan.layout.implied] == ["num_feat:x"]
+    assert "uneven split: 'num_feat' (4) over x:3: parts 2, 1, 1 (x, w, bias and" in " ".join(plan.notes)
+    assert ("rename", "allgather", "backward") not in coll
+    assert plan.values[plan.params["w"]].sharding.split == {"num_feat": ("x",)}
+    with pytest.raises(md.LayoutError, match="dim 'tok' of size 4"):
+        md.compile(_tokenizer()[0], "x:3", "tok:x", strict_splits=True)

@@ -54,13 +54,15 @@ def pack(xs) -> torch.Tensor:
     return torch.cat([x.reshape(-1) for x in xs])
 
 
-def pack_allreduce(xs, num_chunks, dims):
+def pack_allreduce(xs, num_chunks, dims, cuts=()):
     return pack(xs)
 
 
-def pack_reduce_scatter(xs, num_chunks, dims):
-    # chunk-major: every member's chunk 0, then every member's chunk 1, ...
-    chunks = [x.chunk(num_chunks, d) for x, d in zip(xs, dims)]
+def pack_reduce_scatter(xs, num_chunks, dims, cuts=()):
+    """Chunk-major: every member's chunk 0, then every member's chunk 1, ...; a member with
+    lengths in ``cuts`` (split unevenly: the bucket step's ``cuts`` arg) is cut at those."""
+    chunks = [x.split(list(c), d) if c else x.chunk(num_chunks, d)
+              for x, d, c in zip(xs, dims, cuts or [()] * len(xs))]
     return torch.cat([c[j].reshape(-1) for j in range(num_chunks) for c in chunks])
 
 

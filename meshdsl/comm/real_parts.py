@@ -10,9 +10,12 @@ simulated test show in one process what a ``--nproc`` run would do to the plan.
 """
 from __future__ import annotations
 
-from ..collectives import parts_of
+from ..collectives import flat_args, parts_of
 from ..errors import GraphError, message
 from ..lowering.pipeline import MB_AXIS
+
+#: bucket kind -> the kind its flat buffer runs as
+FLAT = {"bucket_allreduce": "allreduce", "bucket_reduce_scatter": "reduce_scatter"}
 
 
 def check_collective(comm, kind, xs, axes, args) -> None:
@@ -29,6 +32,8 @@ def check_collective(comm, kind, xs, axes, args) -> None:
             if got is not None and like is not None and (got.shape, got.dtype) != (like.shape, like.dtype):
                 _mismatch(kind, axes, f"rank {r} was sent {tuple(got.shape)} {got.dtype}, its plan expects "
                                       f"{tuple(like.shape)} {like.dtype}")
+    if kind in FLAT:   # a gradient bucket: its one flat buffer per rank, cut as its args say
+        kind, args = FLAT[kind], flat_args(args)
     if kind in ("allgather", "reduce_scatter", "alltoall", "allreduce"):
         held = dict(zip(comm.ranks, xs))
         for g in comm.mesh.groups(tuple(axes)):

@@ -297,7 +297,7 @@ TORCH = {
     "alltoall": _padded(_pad_alltoall, _dist_alltoall, None),
     "reduce_scatter": _padded(_pad_scatter, _dist_reduce_scatter, _start_reduce_scatter),
     "bucket_allreduce": (_dist_allreduce, _start_bucket_allreduce),
-    "bucket_reduce_scatter": (_bucket_reduce_scatter, _start_bucket_reduce_scatter),
+    "bucket_reduce_scatter": _padded(_pad_scatter, _bucket_reduce_scatter, _start_bucket_reduce_scatter),
     "permute": (_dist_permute, None),
     "send": (_dist_send, None),
     "recv": (_dist_recv, _start_recv),

@@ -136,11 +136,17 @@ def _check_einsum(spec: EinsumSpec) -> None:
                         rule=rule, fix="name each dim of an operand once; rename one of them."
                         ) from None
     known = {n.name for names in spec.inputs for n in names}
+    # 'ij,jk->ik' (numpy's letters): every side one name, so 'ik' is one dim, not i and k
+    letters = all(len(names) <= 1 for names in (*spec.inputs, spec.output or ()))
     for n in spec.output or ():
         if n.name not in known:
-            raise error(EINSUM, src, n.span, f"output dim '{n.name}' appears in no input.",
-                        rule=rule, fix=f"remove '{n.name}' from the output or add it to an "
-                                       f"input.{did_you_mean(n.name, known)}") from None
+            raise error(EINSUM, src, n.span, f"output dim '{n.name}' appears in no input."
+                        + (f" Dims are whole names separated by spaces: '{n.name}' is one dim, not "
+                           f"{' and '.join(n.name)}." if letters and len(n.name) > 1 else ""),
+                        rule=rule, fix=("name each dim, e.g. 'batch d_model, d_model d_ff -> batch d_ff'"
+                                        if letters and len(n.name) > 1 else
+                                        f"remove '{n.name}' from the output or add it to an "
+                                        f"input.{did_you_mean(n.name, known)}")) from None
 
 
 def _flat(side) -> list[Name]:

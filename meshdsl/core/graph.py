@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,42 @@ class Tensor:
     def __le__(self, o): return self._ops().less_equal(self, o)
     def __gt__(self, o): return self._ops().greater(self, o)
     def __ge__(self, o): return self._ops().greater_equal(self, o)
+    def __abs__(self): return self._ops().abs(self)
+    def __pos__(self): return self
     __hash__ = object.__hash__
+
+    def __round__(self, ndigits=None):
+        if ndigits is None:
+            return self._ops().round(self)
+        raise _misuse(self, f"has no round(x, {ndigits!r}): md.round rounds to whole numbers",
+                      f"scale around it: md.round(x * 10 ** {ndigits!r}) / 10 ** {ndigits!r}")
+
+    def __rpow__(self, o):
+        if isinstance(o, (int, float)) and not isinstance(o, bool) and o > 0:
+            return self._ops().exp(self * math.log(o))  # b ** x = exp(x log b), differentiable in x
+        raise _misuse(self, f"is the exponent of {clip(repr(o), 40)} ({type(o).__name__}): '** x' takes a "
+                            "positive Python number as its base", "write md.exp(x * math.log(b)) for a base b > 0")
+
+    def __invert__(self): return self._logical("~", "logical_not", self)
+    def __and__(self, o): return self._logical("&", "logical_and", self, o)
+    def __rand__(self, o): return self._logical("&", "logical_and", o, self)
+    def __or__(self, o): return self._logical("|", "logical_or", self, o)
+    def __ror__(self, o): return self._logical("|", "logical_or", o, self)
+
+    def _logical(self, sign: str, op: str, *args):
+        """``~``, ``&``, ``|`` on boolean masks, as torch's; other dtypes have no bitwise ops here."""
+        bad = [a for a in args if not (isinstance(a, Tensor) and a.dtype == torch.bool)]
+        if bad:
+            raise _misuse(self, f"has no '{sign}' with {clip(repr(bad[0]), 60)}: '{sign}' combines boolean "
+                                "masks only (meshdsl has no bitwise integer ops)",
+                          f"combine masks with md.{op}(...) (both boolean, e.g. x > 0); "
+                          "make a mask of a number tensor first, e.g. md.not_equal(x, 0)")
+        return getattr(self._ops(), op)(*args)
+
+    def __floordiv__(self, o): return self._ops().floor_divide(self, o)
+    def __rfloordiv__(self, o): return self._ops().floor_divide(o, self)
+    def __mod__(self, o): return self._ops().remainder(self, o)
+    def __rmod__(self, o): return self._ops().remainder(o, self)
 
     # Python and torch habits that have no meaning on a symbolic tensor: each names the
     # meshdsl way instead of failing deep inside torch or silently (``if x > 0:``).
@@ -84,6 +120,10 @@ class Tensor:
         raise _misuse(self, f"cannot be indexed ([{key!r}]): dims are named, not positional",
                       "take a range with md.slice_(x, 'dim', start, stop), rows with md.gather(table, ids, 'dim'), "
                       "or a dim with x.shape.get('dim')")
+
+    def __setitem__(self, key, value):
+        raise _misuse(self, f"cannot be assigned to ([{key!r}] = ...): a Tensor is a value, not a buffer",
+                      "make a new tensor: md.where(mask, value, x) sets the elements where mask holds")
 
     def __iter__(self):
         raise _misuse(self, "cannot be iterated: it holds no numbers while the graph is built",
@@ -135,6 +175,9 @@ def not_a_tensor(what: str, arg: str, value) -> ShapeError:
         shown = f"the Python {type(value).__name__} {value!r}"
         fix = ("make it a Tensor, md.constant(value) (a scalar) or md.constant(value, [dims]); "
                "a number does combine with a Tensor by operators: x * 2.0")
+        if isinstance(value, bool):  # x == 0 is Python's identity test, a bool, not a mask
+            fix = "compare elementwise with md.equal(x, y) or md.not_equal(x, y) ('==' on a Tensor is Python's " \
+                  "identity test); " + fix
     else:
         shown = f"{clip(repr(value), 60)} ({type(value).__name__})"
         fix = "pass a Tensor made by md.input, md.param or an op"
@@ -210,6 +253,9 @@ class Graph:
         # enclosing graph into one of its own (``ir/closure.py``).
         self.outer: Graph | None = None
         self.capture = None
+        # Nodes of ops that mark themselves ``cse`` (a rename), by op, inputs, attrs and phase: an
+        # identical one is not built again (see :meth:`add_node`).
+        self._built: dict[tuple, Node] = {}
 
     def __enter__(self) -> "Graph":
         _current.append(self)
@@ -291,10 +337,20 @@ class Graph:
             if hoisted is not None:
                 return hoisted
         inputs = [self._local(op, t) for t in inputs]
+        # A pure view op (``op.cse``) of the same tensor with the same attrs is that node again:
+        # ``k`` and ``v`` each made from ``rename(y, seq="key_seq")`` read one renamed tensor,
+        # so their gradients are summed before they go back through the rename (a split dim's
+        # partial sums reduced once, not once per rename).
+        key = (op.name, tuple(id(t) for t in inputs), repr(sorted(attrs.items())), self.phase) \
+            if op.cse and name is None else None
+        if key in self._built:
+            return self._built[key]
         node = Node(len(self.nodes), op, tuple(inputs), attrs, self, self.phase,
                     self._unique(name or op.name))
         node.outputs = tuple(Tensor(node, i, s, d) for i, (s, d) in enumerate(outs))
         self.nodes.append(node)
+        if key is not None:
+            self._built[key] = node
         return node
 
 

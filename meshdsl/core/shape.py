@@ -89,6 +89,10 @@ class Shape(tuple):
         for i, d in enumerate(self):
             if d.name == name:
                 return i
+        if not isinstance(name, str):   # concat([x, y], 0): a position, as torch's dim=0
+            raise ShapeError(message(f"dim {name!r} ({type(name).__name__}) is no dim of shape {self}: dims are "
+                                     "named, not numbered.", rule="ops refer to dims by name",
+                                     fix=f"use one of {list(self.names)}"))
         raise ShapeError(message(f"dim '{name}' is not in shape {self}.{did_you_mean(name, self.names)}",
                                  rule="ops refer to dims by name", fix=f"use one of {list(self.names)}"))
 
@@ -117,6 +121,11 @@ def as_shape(x) -> Shape:
         return x
     if isinstance(x, Dim):
         return Shape([x])
+    if isinstance(x, str):   # list("batch") would be the letters b, a, t, c, h
+        raise ShapeError(message(f"shape {x!r} is a str, not a list of Dims.",
+                                 rule="a shape is a list of Dim objects, each with its name and size",
+                                 fix="build dims with meshdsl.Dim(name, size): "
+                                     "[md.Dim('batch', 8), md.Dim('d_model', 4)]"))
     return Shape(list(x))
 
 

@@ -46,7 +46,9 @@ TORCH_HINTS = {
     'scan': "md.repeat(block, carry, stacked_params, 'layer')",
     'fori_loop': "md.repeat(block, carry, stacked_params, 'layer')",
     'mse_loss': 'md.reduce_mean((y - target) ** 2)',
-    'abs': 'md.maximum(x, -x)',
-    'clamp': 'md.minimum(md.maximum(x, lo), hi)',
-    'clip': 'md.minimum(md.maximum(x, lo), hi)',
+    'abs': 'md.abs(x)',
+    'clamp': 'md.clamp(x, min=lo, max=hi)',
+    'clip': 'md.clamp(x, min=lo, max=hi)',
+    'argmax': "md.argmax(x, 'dim')",
+    'argmin': "md.argmin(x, 'dim')",
 }

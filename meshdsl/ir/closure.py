@@ -17,16 +17,35 @@ none made from a param (no gradient flows into it), gives the same value in ever
 it is built once in the graph around the block, and the block reads its result as a
 closed-over tensor.  A count of the inputs made in a block is then made once per step (under
 micro-batches, before them); a table of constants (rotary angles, a causal mask) costs once,
-not once per layer.  Values with the ``batch`` dim stay in the block (see :meth:`Closure.hoist`).
+not once per layer.  Values with the examples' dim stay in the block (see :meth:`Closure.hoist`):
+``batch``, or the user's name for it (``B``, ``N``, ``examples``) read off the graph
+(:mod:`meshdsl.core.examples`), so a model hoists alike whatever it calls that dim.
 """
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
+from ..core.examples import examples_dim_of
 from ..core.graph import Graph, Node, Tensor
 from ..errors import ShapeError, message
 from ..ops.leaf import placeholder
 
 #: The prefix of a closed-over tensor's placeholder name (and of its sub-plan input).
 PREFIX = "closed/"
+
+#: The examples' dim of each model graph, read when its first block is traced, so that every
+#: trace of its blocks (a gradient's re-trace, once the graph has grown, included) hoists alike.
+_EXAMPLES: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def examples_of_graph(graph: Graph) -> str | None:
+    """The examples' dim of the model graph around ``graph`` (a repeat block, or the model's own):
+    ``batch``, or the user's name for it (:func:`~meshdsl.core.examples.examples_dim_of`), or None."""
+    while graph.outer is not None:
+        graph = graph.outer
+    if graph not in _EXAMPLES:
+        _EXAMPLES[graph] = examples_dim_of(graph.nodes)
+    return _EXAMPLES[graph]
 
 
 class Closure:
@@ -63,7 +82,8 @@ class Closure:
         (a scalar factor, an ``arange``: copied outside with it), at least one.  Never hoisted: an
         op reading nothing (a leaf, a constant: the block's own), a random op (``reads_salt``: its
         stream differs per layer), an op holding a sub-graph (a nested repeat, traced for this
-        block), an op whose output has the ``batch`` dim (a pipeline would make it before the stack
+        block), an op whose output has the examples' dim (``batch``, or the user's name for it: a
+        pipeline would make it before the stack
         and send it to every later stage per micro-batch, where each stage recomputes it today from
         the inputs it is fed: a reduction over the batch, a count, leaves the block; a padding
         mask stays), and an op made from a param or from an enclosing block's placeholder (what the
@@ -73,7 +93,10 @@ class Closure:
         them up in the param's fp32 today.  The graph around may be a block being traced too: it
         hoists the op further when the op reads nothing of its own either.
         """
-        if not self.open or op.reads_salt or _holds_graph(attrs) or any("batch" in sh.names for sh, _ in outs):
+        if not self.open or op.reads_salt or _holds_graph(attrs):
+            return None
+        examples = examples_of_graph(self.graph)
+        if examples is not None and any(examples in sh.names for sh, _ in outs):
             return None
         outside = [isinstance(t, Tensor) and t.graph is not self.graph and t.graph.encloses(self.graph)
                    for t in inputs]
@@ -169,8 +192,9 @@ def _holds_graph(attrs: dict) -> bool:
 
 
 def activations(closed: dict[str, Tensor], outer: list[Tensor]) -> list[Tensor]:
-    """The placeholders of ``closed`` that stand for batch activations (tensors with a
-    ``batch`` dim: an encoder's output, a mask).  What the block computes from them is
-    saved for its backward like what it computes from the carry; what it computes from
-    params, constants and tables is recomputed."""
-    return [ph for ph, t in zip(closed.values(), outer) if "batch" in t.shape.names]
+    """The placeholders of ``closed`` that stand for batch activations (tensors with the
+    examples' dim, :func:`examples_of_graph`: an encoder's output, a mask).  What the block
+    computes from them is saved for its backward like what it computes from the carry; what it
+    computes from params, constants and tables is recomputed."""
+    examples = examples_of_graph(outer[0].graph) if outer else None
+    return [ph for ph, t in zip(closed.values(), outer) if examples is not None and examples in t.shape.names]

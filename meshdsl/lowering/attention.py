@@ -13,15 +13,28 @@ recomputes the probabilities from the forward's logsumexp (as the fused kernel d
 
 The composite is chosen only where it moves fewer bytes: its collectives carry about q's
 size (the output, or ``dq``) where the gathers carry k's and v's.
+
+A sliding-window attention (``window`` w) whose query and key dims are split alike (self-attention
+under ``seq:model``: k and v renamed from the split ``seq``) needs on each rank only the w - 1 key
+and value rows before its block (and after it, not causal): they come from the neighbours as a halo
+(:func:`~.halo.extend`, one ``permute`` per side and piece; from the ranks further on where w - 1
+exceeds a block of an even split), and the fused kernel runs on the extended block, its mask
+offset by the rank's position (:func:`meshdsl.ops.attention._mask`).  The backward reads the same
+halo and sends the gradient rows of the halo keys and values back to the ranks that own them, where
+they are added (:func:`_fold_back`).  The cost model weighs it against gathering k and v; an uneven
+split whose shortest block is shorter than the halo gathers.
 """
 from __future__ import annotations
 
+from ..layout.sharding import Sharding
 from ..ops.einsum import einsum
-from ..ops.elementwise import exp, log, stop_gradient, where
-from ..ops.embed import causal_mask
+from ..ops.elementwise import abs as abs_, exp, less, log, stop_gradient, where
+from ..ops.embed import causal_mask, iota
 from ..ops.reduce import reduce_max, reduce_sum
 from .composite import lower_composite
 from .generic import lower_generic
+from .halo import Reach, extend, gathered, halo_parts, hops, resized
+from .relayout import relayout_cost
 from .rules import lowering
 
 
@@ -32,6 +45,9 @@ def _scores(q, k, attrs):
     s = einsum(f"{' '.join(q.shape.names)}, {' '.join(k.shape.names)} -> {' '.join(out)}", q, k) * attrs["scale"]
     if attrs["causal"]:
         s = where(causal_mask(q.shape.get(qd), k.shape.get(kd)), s, float("-inf"))
+    if attrs.get("window") is not None:
+        dist = iota(q.shape.get(qd)) - iota(k.shape.get(kd))
+        s = where(less(dist if attrs["causal"] else abs_(dist), attrs["window"]), s, float("-inf"))
     return s
 
 
@@ -70,8 +86,167 @@ def _keys_stay_split(lw, node) -> bool:
 
 @lowering("attention", "attention_backward")
 def lower_attention(lw, node) -> None:
+    if _lower_halo(lw, node):
+        return
     if not _keys_stay_split(lw, node):
         lower_generic(lw, node)
         return
     build = composite_forward if node.op.name == "attention" else composite_backward
     lower_composite(lw, node, lambda *ins: build(*ins, node.attrs))
+
+
+# ----------------------------------------------------------------------------- sliding window: halo
+
+
+def _halo_widths(lw, node):
+    """``(axes, hl, hr)``: the key rows each rank needs from before and after its block when the
+    node's window is served by a halo (query and key dims split alike, as wide as each other),
+    else None."""
+    a = node.attrs
+    w = a.get("window")
+    if w is None:
+        return None
+    q, k = node.inputs[:2] if node.op.name == "attention" else node.inputs[1:3]
+    qd, kd = a["query_dim"], a["key_dim"]
+    n = q.shape.get(qd).size
+    qs, ks = lw.sharding(lw.value(q)), lw.sharding(lw.value(k))
+    axes = qs.axes_of(qd)
+    if not axes or ks.axes_of(kd) != axes or k.shape.get(kd).size != n or qs.parts or qs.cyclic \
+            or ks.parts or ks.cyclic or any(x in axes for d, xs in qs.split.items() if d != qd for x in xs):
+        return None
+    p = lw.mesh.axis_size(axes)
+    hl = min(w - 1, n - 1)
+    hr = 0 if a["causal"] else hl
+    if n % p and max(hl, hr) > min(ln for _, ln in halo_parts(n, lw.mesh, axes)):
+        return None   # hops beyond the neighbour need equal blocks
+    return axes, hl, hr
+
+
+def _shardings(node, q, k, lse, qs: Sharding, axes):
+    """(q's, k's and v's, the logsumexp's) compute shardings: q's split but its feature dim, k's
+    the same on the dims it shares and its key dim over ``axes``; no partial sums."""
+    a = node.attrs
+    split = {d: x for d, x in qs.split.items() if d != a["feature_dim"]}
+    ksplit = {d: split[d] for d in k.shape.names if d in split}
+    ksplit[a["key_dim"]] = axes
+    return Sharding.of(q.shape, split), Sharding.of(k.shape, ksplit), Sharding.of(lse.shape, split)
+
+
+def _halo_cost(lw, t, sh: Sharding, dim: str, widths) -> float:
+    """Seconds the permutes of a halo of ``widths`` rows of ``t`` (at ``sh``) take."""
+    mesh = lw.mesh
+    axes = sh.axes_of(dim)
+    p, n = mesh.axis_size(axes), t.shape.get(dim).size
+    row = sh.local_numel(t.shape, mesh) // max(1, n // p) * t.dtype.itemsize
+    return sum(lw.cost.collective("permute", rows * row, p) for w in widths if w
+               for rows, hop in hops(w, n // p, p) if hop < p)
+
+
+def _cut(ctx, attrs, x):
+    """Rows ``[start, start + rows)`` of ``x``'s extended block along ``pos``, ``start`` counted from
+    its end when negative."""
+    pos, start, rows = attrs["pos"], attrs["start"], attrs["rows"]
+    return x.narrow(pos, start if start >= 0 else x.shape[pos] + start, rows)
+
+
+def _fold(ctx, attrs, x, *got):
+    """This rank's own rows of the extended gradient ``x`` plus the halo rows its neighbours send
+    back: ``attrs["adds"]`` lists (rows, whether they add onto the block's last rows) per piece."""
+    pos, hl, hr = attrs["pos"], attrs["hl"], attrs["hr"]
+    length = x.shape[pos] - hl - hr
+    out = x.narrow(pos, hl, length).clone()
+    for (rows, last), part in zip(attrs["adds"], got):
+        if part is not None:   # a rank at the dim's end has no neighbour there
+            out.narrow(pos, length - rows if last else 0, rows).add_(part)
+    return out
+
+
+def _fold_back(lw, node, vid: int, t, dim: str, hl: int, hr: int) -> int:
+    """The gradient ``vid`` of an extended block of ``t`` (``hl`` rows before each rank's own,
+    ``hr`` after) summed onto the blocks that own its rows: each halo piece permuted back."""
+    mesh, v = lw.mesh, lw.values[vid]
+    sh = v.sharding
+    axes = sh.axes_of(dim)
+    p, n = mesh.axis_size(axes), t.shape.get(dim).size
+    pos, sizes = t.shape.index(dim), {d.name: d.size for d in t.shape}
+    got, adds = [], []
+    for width, side in ((hl, -1), (hr, 1)):
+        edge = hl if side < 0 else -hr     # the piece nearest the block starts (ends) here
+        for rows, k in (hops(width, n // p, p) if width else ()):
+            start = edge - rows if side < 0 else edge
+            edge = start if side < 0 else edge + rows
+            if k >= p:
+                continue
+            piece = lw.new_value(resized(t.shape, dim, rows * p), v.dtype, sh)
+            lw.emit("local", node, [vid], [piece], args={"fn": _cut, "attrs": {"pos": pos, "start": start,
+                                                                                 "rows": rows},
+                                                         "compute": sh.split, "sizes": sizes})
+            got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
+            where = "left" if side < 0 else "right"
+            lw.emit("permute", node, [piece], [got[-1]], axes, args={"offset": side * k, "wrap": False},
+                    nbytes=lw.values[piece].local_bytes(mesh),
+                    note=f"halo gradient: {rows} '{dim}' row{'s' if rows > 1 else ''} back to the {where}"
+                         + (" neighbour" if k == 1 else f" rank {k} away"))
+            adds.append((rows, side < 0))
+    res = lw.new_value(t.shape, v.dtype, sh)
+    lw.emit("local", node, [vid] + got, [res], args={"fn": _fold, "attrs": {"pos": pos, "hl": hl, "hr": hr,
+                                                                              "adds": tuple(adds)},
+                                                     "compute": sh.split, "sizes": sizes})
+    return res
+
+
+def _lower_halo(lw, node) -> bool:
+    """Lower a windowed attention over a split query/key dim by a halo of keys and values (see the
+    module docstring); False where no halo serves or gathering k and v costs less."""
+    plan = _halo_widths(lw, node)
+    if plan is None:
+        return False
+    axes, hl, hr = plan
+    fwd = node.op.name == "attention"
+    ins = list(node.inputs)
+    q, k, v = ins[:3] if fwd else ins[1:4]
+    lse = node.outputs[1] if fwd else ins[5]
+    a, mesh = node.attrs, lw.mesh
+    kd = a["key_dim"]
+    qsh, ksh, lsh = _shardings(node, q, k, lse, lw.sharding(lw.value(q)), axes)
+    kv_vids = [lw.reduced(lw.value(t)) for t in (k, v)]
+    kvsh = [Sharding.of(t.shape, ksh.split) for t in (k, v)]
+    gather = sum(0.0 if lw.relaid(vid, gathered(sh, t.shape, kd)) else relayout_cost(
+        t.shape, sh, gathered(sh, t.shape, kd), mesh, t.dtype.itemsize, lw.cost)
+        for t, vid, sh in zip((k, v), kv_vids, kvsh))
+    if gather < sum(_halo_cost(lw, t, sh, kd, (hl, hr)) for t, sh in zip((k, v), kvsh)) - 1e-12:
+        return False
+    lw.note(f"{node.name}: window {a['window']} over split '{a['query_dim']}': {hl + hr} key/value rows "
+            "from the neighbours (a halo), not gathered")
+    reach = Reach(hl, k.shape.get(kd).size, hl + hr)
+    ext = []
+    for t, vid, sh in zip((k, v), kv_vids, kvsh):
+        vid = lw.relayout(vid, sh, node, f"input of {node.op.name}")
+        ext.append(extend(lw, node, t, vid, kd, reach, (hl, hr)) if hl or hr else (0, vid))
+    (lead, kx), (lead_v, vx) = ext
+    assert lead == lead_v, (lead, lead_v)   # both exchanged as wide as this node asks, or wider alike
+    sizes = {d.name: d.size for t in (q, k) for d in t.shape}
+    attrs = {**a, "halo": lead, "keys": k.shape.get(kd).size}
+    comp = {**qsh.split, **ksh.split}
+    rel = [lw.relayout(lw.reduced(lw.value(t)), sh, node, f"input of {node.op.name}")
+           for t, sh in zip(ins, (qsh,) if fwd else (qsh, qsh, None, None, qsh, lsh)) if sh is not None]
+    if fwd:
+        outs = [lw.new_value(q.shape, q.dtype, qsh), lw.new_value(lse.shape, lse.dtype, lsh)]
+        lw.emit("local", node, [rel[0], kx, vx], outs, args={"fn": node.op.compute, "attrs": attrs,
+                                                              "compute": comp, "sizes": sizes})
+        lw.bind(node.outputs[0], lw.relayout(outs[0], lw.target(node.outputs[0]), node, "output of attention"))
+        lw.bind(lse, outs[1])
+        return True
+    g_, q_, o_, l_ = rel
+    groups = tuple(x for d in a["batch"][a["shared"]:] for x in qsh.axes_of(d))
+    ext_sh = [Sharding.of(lw.values[x].shape, ksh.split, groups) for x in (kx, vx)]   # dk, dv: sums over groups
+    outs = [lw.new_value(q.shape, q.dtype, qsh)] + [lw.new_value(lw.values[x].shape, t.dtype, sh)
+                                                     for x, t, sh in zip((kx, vx), (k, v), ext_sh)]
+    lw.emit("local", node, [g_, q_, kx, vx, o_, l_], outs, args={"fn": node.op.compute, "attrs": attrs,
+                                                                  "compute": comp, "sizes": sizes})
+    lw.bind(node.outputs[0], lw.relayout(outs[0], lw.target(node.outputs[0]), node, "output of attention_backward"))
+    for t, vid in zip(node.outputs[1:], outs[1:]):
+        grown = (lw.values[vid].shape.get(kd).size - t.shape.get(kd).size) // mesh.axis_size(axes)
+        vid = _fold_back(lw, node, vid, t, kd, lead, grown - lead) if grown else vid
+        lw.bind(t, lw.relayout(vid, lw.target(t), node, "output of attention_backward"))
+    return True

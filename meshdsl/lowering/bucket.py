@@ -33,8 +33,10 @@ then reduces the sums over the other axes, one bucket per stage).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+from ..collectives import parts_of
 from ..layout.sharding import Sharding
 from .pipeline import MB_AXIS
 from .plan import Plan, Step, Value, step_args
@@ -45,7 +47,8 @@ DEFAULT_BUCKET_MB = 25.0
 BUCKET_KIND = {"allreduce": "bucket_allreduce", "reduce_scatter": "bucket_reduce_scatter"}
 
 
-def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[int], folded: bool = False) -> bool:
+def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[int], folded: bool = False,
+                       cuts=None) -> bool:
     # backward: plain SGD reduces each gradient as it is made; update: an optimizer with a
     # global norm reduces the scaled gradients (the norm itself is summed from partials).
     # ``folded``: a pipeline's final segment, whose allreduces over the micro-batch axis add
@@ -56,14 +59,30 @@ def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[i
         return False
     if s.op == "scalar_sum":  # the global gradient norm: every clipped update waits for it
         return False
-    if s.args.get("uneven"):  # parts of unequal length: a flat buffer's equal chunks would not fit them
-        return False
+    if s.args.get("uneven") and (cuts is None or cuts(s) is None):  # parts of unequal length the bucket
+        return False                                                   # cannot cut its buffer at
     out = s.outs[0]
     users = readers.get(out, ())
     return (out in outputs or bool(users)) and all(steps[j].phase == "update" for j in users)
 
 
-def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: float) -> list[Step]:
+def member_cuts(s: Step, values: dict, mesh) -> tuple[int, ...] | None:
+    """The lengths reduce-scatter ``s`` cuts its dim at, by the index along its one axis, where
+    every group cuts alike and its input's local part is alike on every rank (FSDP of a dim
+    over ``data:3``: 8 as 3, 3, 2): then its chunk ``j`` has the same elements in every group
+    and a bucket packs it (:func:`_bucket_step`); None otherwise, and for an even step."""
+    entries, axes = s.args.get("uneven") or (), s.axes
+    if s.kind != "reduce_scatter" or len(axes) != 1 or len(entries) != 1:
+        return None
+    pos, _, above, *_ = entries[0]
+    v = values[s.ins[0]]
+    if pos != s.args["dim"] or above or len({tuple(v.local_shape(mesh, r)) for r in range(mesh.size)}) != 1:
+        return None
+    got = {parts_of(s.args, mesh, g, axes)[pos] for g in mesh.groups(axes)}
+    return got.pop() if len(got) == 1 else None
+
+
+def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: float, mesh=None) -> list[Step]:
     """``steps`` with the gradient reductions merged into buckets of about ``bucket_mb`` MB.
 
     A reduction that depends on another member's result (a clipped gradient on the
@@ -74,6 +93,8 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
       values: value id -> :class:`~.plan.Value`.
       outputs: output name -> value id.
       bucket_mb: the bucket size in megabytes (2**20 bytes); 0 keeps one collective per gradient.
+      mesh: the plan's mesh; with it, reduce-scatters of parts of unequal length join buckets
+        too (:func:`member_cuts`).
 
     Returns:
       The new step list (``steps`` itself when nothing was merged), in an order where
@@ -81,8 +102,9 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
     """
     if bucket_mb <= 0:
         return steps
-    steps = stream_loop_grads(steps, values, outputs, bucket_mb)
+    steps = stream_loop_grads(steps, values, outputs, bucket_mb, mesh)
     cap = bucket_mb * 2 ** 20
+    cuts = None if mesh is None else (lambda s: member_cuts(s, values, mesh))
     readers: dict[int, list[int]] = {}
     for i, s in enumerate(steps):
         for v in s.ins:
@@ -95,7 +117,7 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
         dep = 0
         for v in s.ins:
             dep |= after.get(v, 0)
-        if _is_grad_reduction(s, readers, steps, outs):
+        if _is_grad_reduction(s, readers, steps, outs, cuts=cuts):
             needs[i] = dep
             dep |= 1 << i
         for v in s.outs:
@@ -120,7 +142,7 @@ def bucket(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: 
         if i not in merged:
             out.append(s)
         for members in at.get(i, ()):
-            out.append(_bucket_step(len(out), [steps[j] for j in members]))
+            out.append(_bucket_step(len(out), [steps[j] for j in members], values, mesh))
     return _dependency_order(out)
 
 
@@ -209,12 +231,17 @@ def _dependency_order(steps: list[Step]) -> list[Step]:
     return order
 
 
-def _bucket_step(pos: int, members: list[Step]) -> Step:
+def _bucket_step(pos: int, members: list[Step], values=None, mesh=None) -> Step:
+    """One bucket step of ``members``.  A reduce-scatter member cut unevenly (its parts'
+    lengths: :func:`member_cuts`) is cut there when packed (``cuts`` arg); the flat buffer's
+    parts then hold each member's part ``j`` (``uneven`` arg, where they differ in length)."""
     last = members[-1]
     kind = BUCKET_KIND[last.kind]
     args = {"op": last.args.get("op", "sum")}
     if kind == "bucket_reduce_scatter":
         args["dims"] = tuple(m.args["dim"] for m in members)
+        if any(m.args.get("uneven") for m in members):
+            args.update(_flat_parts(members, values, mesh))
     names = ", ".join(m.label for m in members)
     return Step(kind, last.node, "bucket", f"grad bucket @{pos}", "backward",
                 tuple(m.ins[0] for m in members), tuple(m.outs[0] for m in members), last.axes,
@@ -222,7 +249,25 @@ def _bucket_step(pos: int, members: list[Step]) -> Step:
                 note=f"{len(members)} gradient {last.kind}s in one buffer: {names}")
 
 
-def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: float) -> list[Step]:
+def _flat_parts(members: list[Step], values: dict, mesh) -> dict:
+    """The ``cuts`` (each member's part lengths, ``()`` for an even one) and, where the flat
+    buffer's parts differ in length, the ``uneven`` arg of a reduce-scatter bucket of ``members``."""
+    each = [member_cuts(m, values, mesh) if m.args.get("uneven") else () for m in members]
+    n = mesh.axis_size(members[0].axes)
+    flat = [0] * n
+    for m, c in zip(members, each):
+        local, dim = values[m.ins[0]].local_shape(mesh, 0), m.args["dim"]   # alike on every rank
+        per_index = math.prod(local) // local[dim] if local[dim] else 0
+        for j in range(n):
+            flat[j] += per_index * (c[j] if c else local[dim] // n)
+    out = {"cuts": tuple(each)}
+    if len(set(flat)) > 1:
+        out["uneven"] = ((0, sum(flat), (), tuple(flat)),)
+    return out
+
+
+def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], bucket_mb: float,
+                      mesh=None) -> list[Step]:
     """``steps`` with stacked gradients reduced layer by layer inside the backward layer loop.
 
     A gradient the block's sub-plan reduces itself (FSDP's reduce-scatter) is streamed as
@@ -256,7 +301,8 @@ def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], 
             # reduced in the block already (FSDP's reduce-scatter into the param's shards): only
             # the loop's waiting for it at the end of each layer goes
             t = made.get(sub_outputs[f"d/{name}"])
-            if t is not None and _is_grad_reduction(t, sub_readers, sub_steps, set(sub_outputs.values())):
+            cuts = None if mesh is None else (lambda s: member_cuts(s, sub_values, mesh))
+            if t is not None and _is_grad_reduction(t, sub_readers, sub_steps, set(sub_outputs.values()), cuts=cuts):
                 members[t.outs[0]] = t.outs[0]
                 streamed.append(name)
                 continue
@@ -288,7 +334,7 @@ def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], 
             streamed.append(name)
             dropped.add(users[0])
         if streamed:
-            sub_steps = bucket(sub_steps, sub_values, {str(v): v for v in members}, bucket_mb)
+            sub_steps = bucket(sub_steps, sub_values, {str(v): v for v in members}, bucket_mb, mesh)
             body = Plan(sub.mesh, sub.layout, sub_steps, sub_values, sub_outputs, sub.params, sub.inputs,
                         sub.notes, sub.holders)
             new[i] = replace(r, outs=tuple(r_outs), subplans=(body,),

@@ -17,6 +17,7 @@ from ..errors import GraphError, LayoutError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
+from ..ops.arguments import checked_call
 from .accumulate import accumulate
 from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
@@ -83,6 +84,7 @@ class Lowerer:
         self.inputs: dict[str, int] = {}
         self._targets: dict[int, list] = {}
         self._relaid: dict[tuple[int, Sharding], int] = {}  # a value is re-laid out once per target
+        self._held: dict[int, frozenset] = {}   # value -> the shardings it was re-laid out to (_relaid's keys)
         self._input_free: dict[int, Step] = {}  # value -> the step making it from nothing (a constant)
         # Tensors this plan reads: a node with optional outputs (a repeat's saved
         # activations) lowers only the ones in here.
@@ -216,6 +218,7 @@ class Lowerer:
         remade = self._remade(vid, to)
         if remade is not None:
             self._relaid[key] = remade
+            self._held[vid] = self.held(vid) | {to}
             return remade
         for m in plan_moves(v.shape, v.sharding, to, self.mesh):
             args = move_args(m, v.shape, self.mesh)
@@ -225,7 +228,22 @@ class Lowerer:
                       note=f"re-layout {why}: {m.before} -> {m.after}" if why else "")
             vid = out
         self._relaid[key] = vid
+        self._held[key[0]] = self.held(key[0]) | {to}
         return vid
+
+    def held(self, vid: int) -> frozenset:
+        """The shardings value ``vid`` was already brought to (:meth:`relayout`: free again)."""
+        return self._held.get(vid, frozenset())
+
+    def hold(self, vid: int, to: Sharding, copy: int) -> None:
+        """Record that value ``copy`` is value ``vid`` at sharding ``to`` (a repeat's backward is
+        given the forward's re-laid copy of a saved activation): :meth:`relayout` returns it."""
+        self._relaid[(vid, to)] = copy
+        self._held[vid] = self.held(vid) | {to}
+
+    def cut_from(self, vid: int) -> int | None:
+        """The value :meth:`relayout` made value ``vid`` from, or None (``vid`` made otherwise)."""
+        return next((src for (src, _), out in self._relaid.items() if out == vid and src != vid), None)
 
     def relaid(self, vid: int, to: Sharding) -> bool:
         """Whether value ``vid`` was already brought to sharding ``to`` (:meth:`relayout`: free again)."""
@@ -353,6 +371,7 @@ def _check_outputs(outputs: dict) -> None:
                                                                 "or compile each graph on its own"))
 
 
+@checked_call
 def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = True,  # noqa: A001
             microbatches: int = 1, schedule: str = "gpipe", bucket_mb: float = DEFAULT_BUCKET_MB,
             strict_splits: bool = False, stage_layers=None) -> Plan:
@@ -449,8 +468,8 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
     nodes = topo_nodes(list(outputs.values()))
     dims, names = _graph_dims(nodes)
     layout.validate(mesh, dims, names, has_repeat=any(n.op.name == "repeat" for n in nodes))
+    layout = implied_layout(nodes, mesh, layout, bool(strict_splits))   # the splits reshapes carry over (noted if uneven)
     uneven = find_uneven(nodes, mesh, layout, bool(strict_splits), stage_layers)
-    layout = implied_layout(nodes, mesh, layout)   # the splits reshapes carry over to new dims
     with with_given(mesh, layout, microbatches):   # a schedule's sizes refused: with what compile was given
         spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule, stage_layers)
     given = (mesh, layout)
@@ -476,5 +495,5 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
         elif spec is not None and spec.num_microbatches > 1:  # gradient accumulation: one micro-batch at a time
             steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
         else:
-            steps = bucket_steps(steps, lw.values, outs, bucket_mb)
+            steps = bucket_steps(steps, lw.values, outs, bucket_mb, lw.mesh)
         return Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)

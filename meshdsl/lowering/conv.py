@@ -4,28 +4,32 @@ The compute sharding follows the input ``x``: its batch, spatial and input chann
 splits stay where they are (a split input channel leaves the result a partial sum, as
 an einsum's contraction does); the output channel takes the axes the layout wants for
 the output, else the other operand's, when no dim of ``x`` uses them.  A split spatial
-dim whose output keeps the split trades a halo of ``taps - 1`` rows with the neighbours
+dim whose output keeps the split trades a halo of ``span - 1`` rows (``taps - 1``, or
+``dilation * (taps - 1)`` dilated) with the neighbours
 (:func:`~.halo.extend`, shared with every other reader of ``x`` there: the weight
-gradient reuses the forward's); otherwise it is gathered.  The taps are whole.
+gradient reuses the forward's); a window longer than a rank's block (evenly split) takes
+its rows from the ranks further on too, where those permutes cost less than gathering the
+dim (:func:`_far`); otherwise the dim is gathered.  The taps are whole.
 """
 from __future__ import annotations
 
 from ..layout.sharding import Sharding
-from ..ops.conv import conv_valid, weight_grad_valid
-from .halo import Reach, cut_by, extend, reads, take_window, window_attrs
-from .relayout import keep_microbatches
+from ..ops.conv import conv_valid, dilations, span, weight_grad_valid
+from .halo import Reach, cut_by, extend, gathered, hops, reads, take_window, window_attrs
+from .relayout import keep_microbatches, relayout_cost
 from .rules import lowering
 
 
 @reads("conv", "conv_weight_grad")
 def conv_reach(node, slot: int, dim: str) -> Reach | None:
-    """Where output position i of a spatial dim reads x: ``i - before .. i - before + taps - 1``."""
+    """Where output position i of a spatial dim reads x: ``i - before .. i - before + span - 1``
+    (``span = dilation * (taps - 1) + 1``: the dilated taps' reach, every row of it traded)."""
     if slot:
         return None
-    for d, _, k, before, _ in node.attrs["spatial"]:
+    for (d, _, k, before, _), dl in zip(node.attrs["spatial"], dilations(node.attrs)):
         if d == dim:
             ref = node.outputs[0] if node.op.name == "conv" else node.inputs[1]
-            return Reach(before, ref.shape.get(d).size, k - 1)
+            return Reach(before, ref.shape.get(d).size, span(k, dl) - 1)
     return None
 
 
@@ -59,16 +63,38 @@ def _compute_split(lw, node, xv) -> dict:
     return split
 
 
+def _far(lw, node, xv, split: dict, d: str) -> tuple[int, int] | None:
+    """The widths of a halo on ``d`` that reaches past the neighbours (a dilated conv's span
+    longer than a rank's block: rows from the ranks further on, :func:`~.halo.hops`), where
+    its permutes cost less than gathering ``x``'s dim; None otherwise."""
+    mesh, x = lw.mesh, node.inputs[0]
+    axes, n = split[d], x.shape.get(d).size
+    p = mesh.axis_size(axes)
+    widths = conv_reach(node, 0, d).far_widths(n, p)
+    if widths is None:
+        return None
+    comp = Sharding.of(x.shape, split)
+    row = comp.local_numel(x.shape, mesh) // (n // p) * x.dtype.itemsize
+    far = sum(lw.cost.collective("permute", rows * row, p) for w in widths if w
+              for rows, k in hops(w, n // p, p) if k < p)
+    gather = relayout_cost(x.shape, comp, gathered(comp, x.shape, d), mesh, x.dtype.itemsize, lw.cost)
+    return widths if far < gather - 1e-12 else None
+
+
 def _halos(lw, node, xv, split: dict):
     """``x``'s value with the halos of its split spatial dims glued on, and each spatial dim's
     window; a spatial dim no exchange serves is gathered (dropped from ``split``)."""
     mesh, x = lw.mesh, node.inputs[0]
+    widths = {}
     for d, *_ in node.attrs["spatial"]:
         axes = split.get(d, ())
-        n = x.shape.get(d).size
-        if axes and conv_reach(node, 0, d).widths(n, mesh.axis_size(axes), cut_by(mesh, axes)) is None:
-            lw.note(f"{node.name}: no exchange with the neighbours gives the taps' window on '{d}'; "
-                    "the dim is gathered")
+        if not axes:
+            continue
+        n, p = x.shape.get(d).size, mesh.axis_size(axes)
+        widths[d] = conv_reach(node, 0, d).widths(n, p, cut_by(mesh, axes)) or _far(lw, node, xv, split, d)
+        if widths[d] is None:
+            lw.note(f"{node.name}: no exchange with the ranks around gives the taps' window on '{d}' "
+                    "for less than gathering it; the dim is gathered")
             del split[d]
     xv = lw.relayout(xv, Sharding.of(x.shape, split), node, f"input 0 of {node.op.name}")
     windows = []
@@ -77,7 +103,7 @@ def _halos(lw, node, xv, split: dict):
         hl = 0
         cut = cut_by(mesh, split.get(d, ()))
         if p > 1:
-            hl, xv = extend(lw, node, x, xv, d, reach, reach.widths(n, p, cut))
+            hl, xv = extend(lw, node, x, xv, d, reach, widths[d])
         windows.append(window_attrs(reach, d, x.shape.index(d), n, p, hl, cut))
     return xv, tuple(windows)
 

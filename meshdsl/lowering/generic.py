@@ -56,9 +56,10 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     if not partial_in:
         return [((), {}, {})]
     if len(partial_in) == 1 and id(node.inputs[partial_in[0]]) in through and (
-            op.multilinear or partial_in[0] in op.linear_args):
+            op.multilinear or op.linear_in(node, partial_in[0]) or _stays_partial(lw, node, shs)):
         # A partial sum the block passes on to every reader (MQA's key gradient, read by its
-        # weight's gradient and the input's): only the lazy mode, the block's price decides.
+        # weight's gradient and the input's; FAVOR+'s row sum's gradient broadcast back over
+        # d_head): only the lazy mode, the block's price decides.
         P = shs[partial_in[0]].partial
         return [(P, {partial_in[0]: P}, {})]
     sets = {frozenset(shs[i].partial) for i in partial_in}
@@ -81,7 +82,7 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         # einsums of its weights' gradients, which are sums over them too.
         P = shs[partial_in[0]].partial
         return reduced_first(P) if set(P) - set(mb) else [(P, {partial_in[0]: P}, {})]
-    if len(partial_in) == 1 and partial_in[0] in op.linear_args:
+    if len(partial_in) == 1 and op.linear_in(node, partial_in[0]):
         P = shs[partial_in[0]].partial
         # Several outputs (layer norm's backward: dx and the affine's gradients) would each
         # need a reduction of their own, and another input split over an axis of P (a row
@@ -99,14 +100,27 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     return _mixed_modes(lw, node, shs, partial_in, mb)
 
 
+def _stays_partial(lw, node, shs) -> bool:
+    """Whether one-input linear ``node`` (a broadcast) may pass its partial input on without its
+    result being reduced at once: no layout target of the result splits it over the partial
+    axes.  (A batch norm's statistic's gradient broadcast back over a split batch would be
+    reduce-scattered there, its full size: the rule's own pricing reduces the statistic first.)"""
+    if not (node.op.is_linear(node) and len(shs) == 1):
+        return False
+    P = set(shs[0].partial)
+    return not any(P & sh.used_axes for t in node.outputs for sh, _ in lw.targets(t))
+
+
 def _mixed_modes(lw, node, shs, partial_in, mb) -> list[tuple[tuple[str, ...], dict, dict]]:
     """:func:`_partial_modes` of a jointly linear op on inputs partial over different axes, or on
     a mix of partial and whole inputs: lazy with the whole ones scaled, or reduced first."""
     eager = [((), {}, {})]
     # A lazy result with several readers would be reduced at its first one: no
-    # better than reducing the inputs now, and the scaling would cost a kernel.
+    # better than reducing the inputs now, and the scaling would cost a kernel.  Unless the
+    # block passes it on to every reader (:func:`.repeat._lazy_through`: the gradient of elu + 1,
+    # where(y > 0, y + 1, exp(y)), read by both of where's gradients).
     if not (node.op.is_linear(node) and all(t.dtype.is_floating_point for t in node.inputs)
-            and all(lw.num_uses(t) == 1 for t in node.outputs)):
+            and all(lw.num_uses(t) == 1 or id(t) in lw.lazy_through for t in node.outputs)):
         return eager
     mesh = lw.mesh
     P = tuple(a for a in mesh.names if any(a in shs[i].partial for i in partial_in))
@@ -137,13 +151,16 @@ def lower_generic(lw, node) -> None:
     # several readers, or this op is not one a partial sum passes through anyway
     lw.through_used |= any(k and s.partial and (lw.num_uses(t) > 1 or not node.op.is_linear(node))
                            for k, s, t in zip(through, shs, node.inputs))
+    # the shardings each input was already brought to (an FSDP weight gathered for one einsum is
+    # whole for the next that reads it: that re-layout is free)
+    held = tuple(lw.held(v) for v in ins)
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
-           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through)
-    C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets))
+           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held)
+    C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets, held))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
 
 
-def _cheapest(lw, node, spec, shs, targets) -> tuple:
+def _cheapest(lw, node, spec, shs, targets, held) -> tuple:
     """``(C, plan, P, scale)`` of the cheapest compute sharding of ``node`` (see module docstring).
     Of ``lw`` it reads only what :data:`_CHOICES`' key holds."""
     mesh = lw.mesh
@@ -188,7 +205,7 @@ def _cheapest(lw, node, spec, shs, targets) -> tuple:
             if not all(_splits(spec.dims[d], mesh.axis_size(ax), (d, ax) in uneven, d in lw.layout.empty_ok)
                        for d, ax in C.items()):
                 continue
-            cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo)
+            cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held)
             # On a tie in time, the lowering that moves fewer values wins: doing nothing.
             moves = sum(r != s for r, s in zip(plan["req"], shs)) + sum(o[0] != o[1] for o in plan["outs"])
             if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and moves < best[1]):
@@ -216,9 +233,10 @@ def _uneven_sources(mesh, node, shs, targets, comp) -> set[tuple[str, tuple[str,
     return out
 
 
-def _price(lw, node, spec, C, shs, P, keep, outs_info, memo):
+def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
     """The cost of computing ``node`` with compute sharding ``C`` (see :func:`lower_generic`), and
-    the re-layouts that takes.  ``memo`` holds, for one partial-sum mode, the prices that
+    the re-layouts that takes (free where ``held[i]``, input ``i``'s shardings made already, has it).
+    ``memo`` holds, for one partial-sum mode, the prices that
     candidates share: an input's re-layout depends only on the axes ``C`` gives its own dims."""
     mesh = lw.mesh
     model = lw.cost
@@ -230,7 +248,7 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo):
         hit = memo.get(key)
         if hit is None:
             r = _required(names, key[1], tuple(keep.get(i, ())))
-            hit = memo[key] = (r, relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model))
+            hit = memo[key] = (r, 0.0 if r in held[i] else relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model))
         req.append(hit[0])
         cost += hit[1]
     local = {d: -(-size // mesh.axis_size(C.get(d, ()))) for d, size in spec.dims.items()}   # the largest part

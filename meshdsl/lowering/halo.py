@@ -21,7 +21,9 @@ split and moves only the halo.  An unevenly split dim (blocks as ``torch.tensor_
 cuts, :func:`halo_parts`) trades halos the same way: each rank's output block, cut from the
 output's length likewise, reads its window from its own source block and its neighbours'.
 Where no exchange with the neighbours reaches (a window beyond the next rank, fewer output
-rows than ranks), the reader gathers the dim.
+rows than ranks), the reader gathers the dim, unless it asks for :meth:`Reach.far_widths` (a
+dilated conv over equal blocks, priced by its lowering): then the rows come from the ranks
+further on too, whole blocks and the edge rows past them (:func:`hops`), one permute each.
 """
 from __future__ import annotations
 
@@ -57,9 +59,18 @@ class Reach:
         nb, mb = n // p, self.m // p
         return self._block_widths(n, [(r * nb, nb) for r in range(p)], [(r * mb, mb) for r in range(p)])
 
-    def _block_widths(self, n: int, parts, out_parts) -> tuple[int, int] | None:
+    def far_widths(self, n: int, p: int) -> tuple[int, int] | None:
+        """:meth:`widths` of a zero-filled window over ``p`` equal blocks, however far it reaches:
+        rows beyond the neighbour come from the ranks further on (:func:`extend`); None for a
+        roll or an unequal split."""
+        if self.wrap or n % p or self.m % p:
+            return None
+        nb, mb = n // p, self.m // p
+        return self._block_widths(n, [(r * nb, nb) for r in range(p)], [(r * mb, mb) for r in range(p)], far=True)
+
+    def _block_widths(self, n: int, parts, out_parts, far: bool = False) -> tuple[int, int] | None:
         """:meth:`widths` over source blocks ``parts`` and output blocks ``out_parts``
-        ((offset, length) each, in the neighbours' order)."""
+        ((offset, length) each, in the neighbours' order); ``far``: no limit of one block."""
         hl = hr = 0
         for (off, ln), (o_off, o_ln) in zip(parts, out_parts):
             lo, hi = o_off - self.s, o_off + o_ln - self.s + self.e
@@ -69,7 +80,7 @@ class Reach:
                     continue
             hl, hr = max(hl, off - lo), max(hr, hi - off - ln)
         shortest = min(ln for _, ln in parts)   # every rank sends its own last hl (first hr) rows
-        return (hl, hr) if hl <= shortest and hr <= shortest else None
+        return (hl, hr) if far or (hl <= shortest and hr <= shortest) else None
 
     def through_pad(self, before: int, fill: float) -> "Reach":
         """This reach, read through a pad of ``before`` positions of ``fill``: over the pad's input."""
@@ -197,18 +208,29 @@ def strip_rows(ctx, attrs, x):
 
 
 def _glue(ctx, attrs, x, *got):
+    """``x`` with the rows received glued on: ``attrs["left"]`` / ``["right"]`` list each side's
+    pieces nearest rank first, (rows, whether a permute sent them)."""
     pos, got = attrs["pos"], list(got)
     parts = [x]
-    for width, left in ((attrs["hl"], True), (attrs["hr"], False)):
-        if not width:
-            continue
-        part = got.pop(0)
-        if part is None:
-            # A rank at the end of a dim that does not wrap has no neighbour there: its readers
-            # never take those rows as data (they read the fill), so zeros stand in.
-            part = x.new_zeros(x.shape[:pos] + (width,) + x.shape[pos + 1:])
-        parts.insert(0 if left else len(parts), part)
+    for side, left in ((attrs["left"], True), (attrs["right"], False)):
+        for width, sent in side:
+            part = got.pop(0) if sent else None
+            if part is None:
+                # A rank at the end of a dim that does not wrap has no neighbour there: its readers
+                # never take those rows as data (they read the fill), so zeros stand in.
+                part = x.new_zeros(x.shape[:pos] + (width,) + x.shape[pos + 1:])
+            parts.insert(0 if left else len(parts), part)
     return torch.cat(parts, dim=pos)
+
+
+def hops(width: int, nb: int, p: int) -> list[tuple[int, int]]:
+    """The pieces of a halo of ``width`` rows over blocks of ``nb``, nearest rank first: (rows,
+    ranks away). Within one block, one piece from the neighbour; beyond it, whole blocks from
+    the ranks on and the edge rows of the one past them (none from beyond the dim's ``p`` ranks)."""
+    if width <= nb:
+        return [(width, 1)]
+    q, r = divmod(width, nb)
+    return [(nb, k) for k in range(1, q + 1)] + ([(r, q + 1)] if r else [])
 
 
 def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int]) -> tuple[int, int]:
@@ -233,23 +255,27 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
     pos = v.shape.index(dim)
     sizes = {d.name: d.size for d in v.shape}
     shared = f", shared by {len(group)} readers" if len(group) > 1 else ""
-    got = []
+    got, glue = [], {"pos": pos, "left": [], "right": []}
     for width, offset, side in ((hl, 1, "left"), (hr, -1, "right")):
-        if not width:
-            continue
-        shape = resized(v.shape, dim, width * p)
-        strip = lw.new_value(shape, v.dtype, sh)
-        lw.emit("local", node, [vid], [strip], args={"fn": strip_rows, "attrs": {"pos": pos, "width": width,
-                                                                           "last": offset > 0},
-                                                   "compute": sh.split, "sizes": sizes})
-        got.append(lw.new_value(shape, v.dtype, sh))
-        lw.emit("permute", node, [strip], [got[-1]], axes, args={"offset": offset, "wrap": reach.wrap},
-                nbytes=lw.values[strip].local_bytes(mesh),
-                note=f"halo: {width} '{dim}' row{'s' if width > 1 else ''} from the {side} neighbour{shared}")
+        for rows, k in (hops(width, n // p, p) if width else ()):
+            glue[side].append((rows, k < p))
+            if k >= p:     # beyond the dim's end for every rank: fill, zeros stand in
+                continue
+            piece = vid
+            if rows < n // p or n % p:
+                piece = lw.new_value(resized(v.shape, dim, rows * p), v.dtype, sh)
+                lw.emit("local", node, [vid], [piece], args={"fn": strip_rows, "attrs": {
+                    "pos": pos, "width": rows, "last": offset > 0}, "compute": sh.split, "sizes": sizes})
+            got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
+            where = f"the {side} neighbour" if k == 1 else f"the rank {k} to the {side}"
+            lw.emit("permute", node, [piece], [got[-1]], axes, args={"offset": offset * k, "wrap": reach.wrap},
+                    nbytes=lw.values[piece].local_bytes(mesh),
+                    note=f"halo: {rows} '{dim}' row{'s' if rows > 1 else ''} from {where}{shared}")
+    glue = {**glue, "left": tuple(glue["left"]), "right": tuple(glue["right"])}
     # each block grows by hl + hr rows: cut as chunk cuts, n + p (hl + hr) has exactly those parts
     ext = lw.new_value(resized(v.shape, dim, v.shape.get(dim).size + (hl + hr) * p), v.dtype, sh)
-    lw.emit("local", node, [vid] + got, [ext], args={"fn": _glue, "attrs": {"pos": pos, "hl": hl, "hr": hr},
-                                                     "compute": sh.split, "sizes": sizes})
+    lw.emit("local", node, [vid] + got, [ext], args={"fn": _glue, "attrs": glue, "compute": sh.split,
+                                                     "sizes": sizes})
     lw.memo[key] = (hl, hr, ext)
     return hl, ext
 

@@ -21,7 +21,12 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   unless its own rule splits it.  Back the other way, a dim renamed to one the layout splits
   takes that split where no param holds it, no op holds the two and no other dim of the
   rename's input has those axes (FCOS's stem ``height`` renamed ``row``, under ``row:data``:
-  the stem ran whole and the rename's gradient was gathered);
+  the stem ran whole and the rename's gradient was gathered).  A param may hold the old dim
+  where no forward op mixes its positions (sums over it, needs it whole, renames it to a third
+  dim): FT-Transformer's per-feature weights ``[num_feat, d_model]`` make the numeric tokens
+  renamed ``tok``; under ``tok:model`` they are stored split like the tokens they make, and the
+  tokens' gradient is no longer gathered for theirs.  There the split may be uneven (a rename
+  keeps sizes: the parts are the written dim's, which strict splits refuse);
 * a dim a reshape takes apart gets the written split of the output dim that is its outer
   part (Whisper's ``frames`` cut into ``(seq two)`` under ``seq:model``; a flat fused qkv
   weight's dim ``(heads qkv d_head)`` under ``heads:model``), so the split crosses the
@@ -34,8 +39,17 @@ map the new dims back and then find both sides split, so they move nothing.  An
 implied rule is global: none is made for a dim with a written global rule, and a
 written scoped rule (``params.hw:fsdp``) still wins for its tensors.  It ranks after
 every written rule where two dims of a tensor contend for an axis, and none is made
-where its axes would not divide the dim or would split two dims of a param or input
-(those layouts are errors).  The plan lists each implied rule in its notes.
+where its axes would not divide the dim (a rename's: would leave a part empty) or would split
+two dims of a param or input
+(those layouts are errors), nor for a dim a repeat scans (an SSD's ``chunk`` cut from a split
+``seq``: an inner repeat runs its steps in turn on every rank, so that dim stays whole, and the
+reshape gathers its input instead), nor from one (a pipeline's stage axis splits the layer dim
+alone: an activation renamed to the layer dim, stacked into the repeat, is made whole and cut).
+Where reshapes of one source carry its split to two dims an op holds together (BigBird's
+``(blk pos)`` blocks, and its one global block, whose ``blk`` is 1, so ``pos`` takes the split
+there), the axes go to the dim whose reshapes keep more elements split, and the other gets no
+rule, even where that dim's slices or concats (``blk`` 5 and 1) are split unevenly or kept whole
+(not under strict splits: :func:`_outvoted`).  The plan lists each implied rule in its notes.
 """
 from __future__ import annotations
 
@@ -51,13 +65,44 @@ RESHAPES = ("reshape", "rearrange")
 LEAVES = ("param", "input", "placeholder")
 
 
+def _sides(n) -> tuple:
+    """The tensors of node ``n`` whose dims meet: all of them, except a sliding-window attention's
+    query side (q, its output, gradient and logsumexp) and key side (k, v, their gradients), apart:
+    each rank reads only a halo of the keys near its queries, so under ``seq:model`` the keys renamed
+    from ``seq`` keep its split (:mod:`.attention`) rather than being gathered by the rename."""
+    ts = (*n.inputs, *n.outputs)
+    if n.op.name not in ("attention", "attention_backward") or n.attrs.get("window") is None:
+        return (ts,)
+    keys = n.inputs[1:3] if n.op.name == "attention" else (*n.inputs[2:4], *n.outputs[1:])   # k, v (dk, dv)
+    ids = {id(t) for t in keys}
+    return tuple(t for t in ts if id(t) not in ids), tuple(keys)
+
+
 class _Graph:
     """What the derivation reads of a graph: its forward reshapes and renames in build
     order, its leaves (params, inputs, a block's placeholders), every size of each dim."""
 
     def __init__(self, nodes):
-        self.movers, self.leaves, self.params, self.nodes = [], [], [], []
+        self.movers, self.leaves, self.params, self.nodes, self.forward = [], [], [], [], []
+        self.scanned: set[str] = set()   # the dims repeats scan: whole unless a written rule splits them
         self._walk(nodes, forward=True)
+
+    def mixes(self, dim: str, into: str) -> bool:
+        """Whether some forward op (a block's included) mixes the positions of ``dim``: sums or
+        takes the max over it, needs it whole (a concat, a window, attention's keys), or
+        renames it to a dim other than ``into`` (a vision tower's ``patches`` to its keys'
+        ``key_patches``).  Elementwise math and einsums that keep the dim do not."""
+        for n in self.forward:
+            if n.op.subgraphs(n) or not any(dim in t.shape.names for t in n.inputs):
+                continue
+            if n.op.name == "rename":
+                if n.attrs["mapping"].get(dim, into) != into:
+                    return True
+                continue
+            spec = n.op.spec(n)
+            if dim in spec.fixed or dim in spec.reduce:
+                return True
+        return False
 
     def meet(self, a: str, b: str) -> bool:
         """Whether some op of the graph (backward included) reads or makes dims ``a`` and ``b``
@@ -83,16 +128,20 @@ class _Graph:
 
     @cached_property
     def dim_sets(self) -> set[frozenset[str]]:
-        return {frozenset(d for t in (*n.inputs, *n.outputs) for d in t.shape.names)
-                for n in self.nodes if n.op.name != "rename" and not n.op.subgraphs(n)}
+        return {frozenset(d for t in ts for d in t.shape.names)
+                for n in self.nodes if n.op.name != "rename" and not n.op.subgraphs(n) for ts in _sides(n)}
 
     def _walk(self, nodes, forward: bool) -> None:
         for n in nodes:
             fwd = forward and n.phase == "forward"
             if fwd and n.op.name in RESHAPES + ("rename",):
                 self.movers.append(n)
+            if fwd:
+                self.forward.append(n)
             if n.op.name in LEAVES:
                 self.leaves.append(n.outputs[0])
+            if n.op.name in ("repeat", "repeat_grad"):
+                self.scanned.add(n.attrs["layer"].name)
             if n.op.name in ("param", "placeholder"):   # (a block's operand may be a stacked param)
                 self.params.append(n.outputs[0])
             self.nodes.append(n)
@@ -109,13 +158,15 @@ class _Graph:
         return out
 
 
-def implied_layout(nodes, mesh, layout: Layout) -> Layout:
+def implied_layout(nodes, mesh, layout: Layout, strict: bool = False) -> Layout:
     """``layout`` with the rules the forward graph's reshapes imply (see the module docstring).
 
     Args:
       nodes: the graph's nodes (those the plan computes), in build order.
       mesh: the mesh (a ``Mesh``).
       layout: the written layout.
+      strict: splits are strict (``compile(strict_splits=True)``): no uneven rule is implied, so
+        the refusal names the dim the user split.
 
     Returns:
       ``layout.with_implied(...)``; ``layout`` itself where nothing is implied.
@@ -126,6 +177,8 @@ def implied_layout(nodes, mesh, layout: Layout) -> Layout:
                for n in g.movers):
         return layout
     implied: dict[str, tuple[Rule, str]] = {}
+    votes = _votes(g, mesh, layout)
+    lost: set[str] = set()   # dims that lost their axes to a dim more reshapes keep split
     grew = True
     while grew:   # each pass adds a rule or ends; a dim gets at most one
         grew = False
@@ -133,8 +186,22 @@ def implied_layout(nodes, mesh, layout: Layout) -> Layout:
             cur = layout.with_implied(tuple(implied.values()))
             for dim, axes, src in (*_carried(node, mesh, cur, implied, g), *_drawn(node, mesh, cur),
                                    *_renamed_back(node, cur, g)):
-                if dim in named or dim in implied or not _fits(dim, axes, g, mesh, cur):
+                uneven_ok = not strict and _uneven_ok(node, dim, g)
+                # a dim a repeat scans neither takes a split (it stays whole) nor passes its own on
+                # (a pipeline's stage axis splits the layer dim alone)
+                scans = dim in g.scanned or any(d in g.scanned for d in src.split(", "))
+                if dim in named or dim in implied or scans or dim in lost:
                     continue
+                if not _fits(dim, axes, g, mesh, cur, uneven_ok):
+                    continue
+                rival = _outvoted(node, dim, axes, votes, g, mesh, cur, strict)
+                if rival is not None:   # a dim more reshapes keep split takes the axes instead
+                    lost.add(dim)
+                    if rival in implied or rival in named:
+                        continue
+                    src = (f"{src}: its reshapes keep {votes[rival, tuple(axes)]} elements split "
+                           f"under {rival}, {votes.get((dim, tuple(axes)), 0)} under {dim}")
+                    dim = rival
                 rule = Rule(None, Name(dim, None), tuple(Name(a, None) for a in axes))
                 implied[dim] = (rule, f"implied by {node.op.name}: {rule} (from {src})")
                 cur = layout.with_implied(tuple(implied.values()))
@@ -197,8 +264,9 @@ def _drawn(node, mesh, layout: Layout):
 
 def _renamed_back(node, layout: Layout, g: _Graph):
     """``(dim, axes, source dim)`` for each dim rename ``node`` renames to a dim the layout splits,
-    where no param (nor a block's operand) holds the old dim, no op holds the two, and no other
-    dim of the rename's input has those axes: the split reaches back to the ops before the rename.
+    where no op holds the two and no other dim of the rename's input has those axes, and no param
+    (nor a block's operand) holds the old dim unless no forward op mixes its positions
+    (:meth:`_Graph.mixes`): the split reaches back to the ops before the rename.
 
     FCOS renames its stem conv's ``height`` to the grid's ``row``: under ``row:data`` the stem ran
     whole on every rank and the rename's gradient was allgathered; with ``height:data`` the stem
@@ -210,17 +278,79 @@ def _renamed_back(node, layout: Layout, g: _Graph):
     names = node.inputs[0].shape.names
     for old, new in node.attrs["mapping"].items():
         axes = written.get(new)
-        if not axes or g.meet(old, new) or any(old in t.shape.names for t in g.params):
+        if not axes or g.meet(old, new):
             continue
+        if any(old in t.shape.names for t in g.params) and g.mixes(old, new):
+            continue   # (the param, stored split, would be gathered where its dim mixes)
         if not any(set(axes) & set(written.get(d, ())) for d in names if d != old):
             yield old, axes, new
 
 
-def _fits(dim: str, axes, g: _Graph, mesh, layout: Layout) -> bool:
-    """Whether ``dim:axes`` divides every size ``dim`` has and leaves each param and input
-    with every axis on one dim at most."""
+def _uneven_ok(node, dim: str, g: _Graph) -> bool:
+    """Whether rename ``node`` may pass its written split back to ``dim`` unevenly (its parts are
+    the written dim's, which strict splits refuse): where a param holds ``dim`` and no forward op
+    mixes its positions, so each rank makes its part of the renamed tensor from its own rows of
+    the param, and their gradients from its own rows (FT-Transformer's per-feature tokens).
+    Elsewhere (an MoE's ``expert_batch``, a conv's rows) an uneven split measured dearer."""
+    mapping = node.attrs["mapping"] if node.op.name == "rename" else {}
+    return (dim in mapping and any(dim in t.shape.names for t in g.params)
+            and not g.mixes(dim, mapping[dim]))
+
+
+def _votes(g: _Graph, mesh, layout: Layout) -> dict[tuple, int]:
+    """The elements of the forward reshapes that carry the written layout's split to each
+    ``(dim, axes)`` they make: what an implied rule ``dim:axes`` keeps split (those reshapes move
+    nothing; under a rival's rule they would move each of those elements)."""
+    out: dict[tuple, int] = {}
+    for node in g.movers:
+        if node.op.name in RESHAPES:
+            for dim, axes, _ in _carried(node, mesh, layout, {}, g):
+                out[dim, tuple(axes)] = out.get((dim, tuple(axes)), 0) + node.outputs[0].shape.numel
+    return out
+
+
+def _outvoted(node, dim: str, axes, votes: dict, g: _Graph, mesh, layout: Layout, strict: bool):
+    """The dim that should take ``axes`` instead of ``dim`` (which ``node`` would carry them to),
+    or None: one that an op holds with ``dim`` (the two contend for the axes) but ``node``'s input
+    does not (a chain of reshapes passes the split on), whose reshapes keep more elements split, and that is refused
+    only for a size no leaf has (a slice or concat of it: a size-1 part is whole, others split
+    unevenly, which strict splits refuse).
+
+    BigBird cuts ``seq`` into ``(blk pos)`` blocks for its queries, keys and values, and once
+    for the global block alone (``blk`` 1, so ``pos`` takes ``seq``'s split there); ``blk`` also
+    has size 5 (the sparse blocks sliced off the global one).  Under ``seq:model``, ``pos:model``
+    from the one-block reshape made every block reshape alltoall; ``blk:model`` keeps them split.
+    """
+    if strict:
+        return None
+    best, most, mine = None, votes.get((dim, tuple(axes)), 0), node.inputs[0].shape.names
+    for (other, on), n in votes.items():
+        if on != tuple(axes) or other in (dim, *mine) or n <= most or not g.meet(dim, other) or other in g.scanned:
+            continue   # (a dim a repeat scans stays whole: implied_layout)
+        if _fits_unevenly(other, axes, g, mesh, layout):
+            best, most = other, n
+    return best
+
+
+def _fits_unevenly(dim: str, axes, g: _Graph, mesh, layout: Layout) -> bool:
+    """Whether ``dim:axes`` fits where sizes no leaf has may be split unevenly or, at size 1
+    (or below the axes), kept whole (:meth:`Layout.targets` does both for an intermediate)."""
     n = mesh.axis_size(axes)
-    if any(size % n for size in g.sizes.get(dim, ())):
+    leaf_sizes = {d.size for t in g.leaves for d in t.shape if d.name == dim}
+    if any(size % n for size in leaf_sizes):
+        return False
+    for t in g.leaves:
+        if dim in t.shape.names and layout.rule_for(dim, t.scopes) is None:
+            if any(o != dim and set(r.axis_names) & set(axes) for o, r in layout.wanted(t.shape, t.scopes).items()):
+                return False
+    return True
+
+
+def _fits(dim: str, axes, g: _Graph, mesh, layout: Layout, uneven_ok: bool = False) -> bool:
+    """Whether ``dim:axes`` divides every size ``dim`` has (with ``uneven_ok``: leaves no part
+    empty) and leaves each param and input with every axis on one dim at most."""
+    n = mesh.axis_size(axes)
+    if any(size < n if uneven_ok else size % n for size in g.sizes.get(dim, ())):
         return False
     for t in g.leaves:
         if dim not in t.shape.names or layout.rule_for(dim, t.scopes) is not None:

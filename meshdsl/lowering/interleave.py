@@ -65,6 +65,7 @@ import torch
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
 from ..layout.sharding import block_lengths
+from .cyclic_moves import in_global_order
 from .pipeline_program import PER_MICROBATCH, Segment, transfer_step
 from .schedule_gen import user_name
 from .plan import Step, Value, called, step_args
@@ -297,7 +298,7 @@ def interleave(cut, lists: dict, v: int) -> dict:
     why = _out_of_order(ch, out)
     if why is not None:
         raise _refusal(cut, v, why)
-    return out
+    return in_global_order(cut.values, out, cut.spec.mesh)
 
 
 def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict,

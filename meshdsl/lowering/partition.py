@@ -6,8 +6,9 @@ step (:class:`~.pipeline_program.Segment`), and each step gets the set of stages
 run it:
 
 * **prologue** (once, before the schedule): steps that depend on no input, e.g.
-  param re-layouts, and the whole-batch statistics of the inputs (a loss's token count,
-  :mod:`.batch_stats`).  They run on the stages that read their results.
+  param re-layouts, and the whole-batch statistics of the inputs and of the params outside
+  the pipelined stacks (a loss's token count, a frozen teacher's centre, :mod:`.batch_stats`).
+  They run on the stages that read their results.
 * **forward** (per micro-batch, in the schedule's ``F`` actions): what feeds the
   pipelined repeat (stage 0), the repeat's local layers (every stage, the carry
   received from the stage before and sent to the next), and what follows it up to
@@ -71,7 +72,7 @@ from dataclasses import dataclass, field
 
 from ..errors import LayoutError, message
 from .bucket import bucket_final
-from .batch_stats import from_inputs_only, made_once, param_behind
+from .batch_stats import first_behind, from_inputs_only, made_once, param_behind
 from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
 from .collective_parts import with_given_lengths
@@ -249,7 +250,9 @@ def _cut(steps, values, outputs, spec) -> _Cut:
         b = bwd[0] if bwd else None
         stacks.append(_Stack(fwd[0], b, 1 + len(steps[fwd[0]].args["names"]), tuple(counts), run[0], run[-1],
                              _read_as_parts(steps, fwd[0], b)))
-    per_mb = made_once(steps, varies_per_microbatch(steps, values, spec.examples))   # a whole-batch count: once
+    in_stacks = frozenset(i for st in stacks for i in (st.F, st.B) if i is not None)
+    # a whole-batch count of the inputs, or statistic of a frozen tower: once
+    per_mb = made_once(steps, varies_per_microbatch(steps, values, spec.examples), in_stacks)
     sums = {i: (st, c) for st in stacks for i, c in chained_stage_sums(steps, ax, st.B, per_mb, producer).items()}
     inputs, grad_sums, grad_parts = ({}, {}, set()) if not spec.stacks else (
         _stacked_inputs(steps, values, spec, stacks, producer, per_mb),
@@ -610,28 +613,55 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                              "what feeds the pipelined layers runs one micro-batch at a time, on one stage",
                              "compute it from the batch before the stack, or from params and tables only")
             src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
-            over = ", ".join("micro-batches" if a == MB_AXIS else a for a in c.axes)
-            joins = [f"{c.kind} over {over} for {called(c.label, c.op)} joins the micro-batches"]
-            p = param_behind(steps, producer, c.ins[0])   # why it was not made once (.batch_stats)
-            joins += [f"what it sums is made from param '{p}', so it needs every micro-batch's forward"] if p else []
+            joins, frozen_fix = _why_not_made_once(cut, c)
             if blk == cut.stack_at[blk].F:
                 raise _error(f"{called(src.label, src.op)} reduces over the whole batch, and {called(c.label, c.op)} reads "
                              "the result before the pipelined repeat.", spec, joins,
                              "what feeds or follows the pipelined layers runs one micro-batch at a time; a "
-                             "whole-batch statistic of the inputs alone is made once, before them",
-                             "make the statistic from the inputs only, keep ops that reduce over the batch "
-                             "after the loss, or use microbatches=1")
+                             f"whole-batch statistic {_FIXED} is made once, before them",
+                             frozen_fix or "make the statistic from the inputs only, keep ops that reduce over "
+                             "the batch after the loss, or use microbatches=1")
             raise _error(f"{called(src.label, src.op)} reduces over the whole batch, and {called(c.label, c.op)} after the "
                          "pipelined repeat reads the result: the gradient the pipelined backward starts "
                          "from depends on it.", spec,
                          [*joins, f"{called(steps[producer[v]].label, steps[producer[v]].op)} is read by the "
                                   "pipelined backward, which runs one micro-batch at a time"],
                          "the loss's gradient at each micro-batch may depend on its own micro-batch, on "
-                         "values the same for every micro-batch, and on whole-batch statistics of the "
-                         "inputs alone (a count of masked tokens: made once, before the micro-batches)",
-                         "divide by a whole-batch value made from the inputs only (or fed as an input "
-                         "without the batch dim, md.input('count', [])), normalise per micro-batch, or "
-                         "use microbatches=1")
+                         "values the same for every micro-batch, and on whole-batch statistics "
+                         f"{_FIXED} (a count of masked tokens: made once, before the micro-batches)",
+                         frozen_fix or "divide by a whole-batch value made from the inputs only (or fed as an "
+                         "input without the batch dim, md.input('count', [])), normalise per micro-batch, "
+                         "or use microbatches=1")
+
+
+_FIXED = "of the inputs and of params outside the pipelined stacks"
+
+
+def _why_not_made_once(cut: _Cut, c) -> tuple[list[str], str | None]:
+    """Bullets saying why the join ``c`` (a collective over the micro-batch axis) was not made once
+    before the micro-batches (:mod:`.batch_stats`), and a fix where one works: a pipelined stack
+    nothing is differentiated through (a frozen teacher) makes what it sums."""
+    steps, producer = cut.steps, cut.producer
+    over = ", ".join("micro-batches" if a == MB_AXIS else a for a in c.axes)
+    out = [f"{c.kind} over {over} for {called(c.label, c.op)} joins the micro-batches"]
+    k = first_behind(steps, producer, c.ins[0], lambda j: j in cut.stack_at)
+    if k is not None:
+        st = cut.stack_at[k]
+        layer = cut.spec.stacks[cut.stacks.index(st)][1] if cut.spec.stacks else cut.spec.layer
+        p = param_behind(steps, producer, c.ins[0])
+        out.append("what it sums is made" + (f" from param '{p}'" if p else "") + f" through the pipelined repeat "
+                   f"over '{layer}', which runs one micro-batch at a time, so it needs every micro-batch's forward")
+        if st.B is None and len(cut.stacks) > 1:   # no gradient through it: unpipelined, it is made once
+            rest = "; ".join(str(r) for r in cut.spec.given[1].rules if r.key != (None, layer))
+            return out, (f"leave '{layer}' out of the layout ('{rest}'): not pipelined, a stack nothing is "
+                         "differentiated through runs once, before the micro-batches, and the statistic with it")
+        return out, None
+    if c.phase != "forward":
+        out.append("it sums a gradient over the batch, known only after every micro-batch's backward")
+        return out, None
+    p = param_behind(steps, producer, c.ins[0])
+    out += [f"what it sums is made from param '{p}', so it needs every micro-batch's forward"] if p else []
+    return out, None
 
 
 def _final_behind(cut: _Cut, final: set, i: int) -> set[int]:

@@ -130,7 +130,9 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
     if trivial:
         layout = Layout(tuple(r for r in layout.rules if r not in trivial), source=layout.source,
                         empty_ok=layout.empty_ok)
-    examples = examples_dim_of(nodes) if microbatches > 1 else BATCH
+    # read off the graph with one micro-batch too: what varies per micro-batch (and so runs in the
+    # stages' F and B actions, not once before them) is what the examples' dim reaches
+    examples = examples_dim_of(nodes)
     if len(found) > 1:
         return _several_stacks(found, mesh, layout, dims, microbatches, schedule, stage_layers, examples)
     if axis is None and stage_layers is not None:

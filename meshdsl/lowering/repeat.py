@@ -14,7 +14,9 @@ backward sub-plan takes them as inputs.  What it needs of the forward besides th
 recomputes from them and from the layer's input: those steps have phase ``recompute``
 (``meshdsl plan`` shows them and their FLOPs).  An activation the backward reads itself is
 saved reduced; one it only recomputes from is saved as the forward made it (a partial sum
-too), so the recompute repeats the forward's kernels and collectives exactly.
+too), so the recompute repeats the forward's kernels and collectives exactly.  Where the forward
+moved a saved activation to another layout no larger than its own (an alltoall), it saves that
+copy too, and the backward reads it instead of repeating the exchange (:mod:`.saved_copies`).
 
 The block's per-layer outputs (``(carry, {name: tensor})``) leave the forward sub-plan as
 its rules leave them (``y/<name>``, partial sums kept) and are stacked over ``layer``; the
@@ -51,6 +53,7 @@ from .compiler import Lowerer, lower_into
 from .pipeline import MB_AXIS
 from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
+from .saved_copies import copies_of, drop_unread, record, worth_saving
 
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
@@ -96,6 +99,7 @@ class _Loop:
     ys: list = field(default_factory=list)      # names of the per-layer outputs (forward: those used)
     want: list = field(default_factory=list)    # forward: indices of the saved activations used
     layer_axes: tuple = ()   # the axes splitting the layer dim (the pipeline axis, or none)
+    copies: list = field(default_factory=list)  # (backward) (index into saved, stacked value): re-laid copies
 
     @property
     def blk(self):
@@ -139,12 +143,14 @@ def lower_repeat(lw: Lowerer, node) -> None:
     ins, feeds = _lower_operands(lw, loop, carry_sh)
     num_local = node.attrs["layer"].size // lw.mesh.axis_size(loop.layer_axes)  # layers per stage
     plan, saved_names = _lower_block(lw, loop, feeds, ins, num_local)
+    if loop.copies:
+        plan, ins, saved_names = drop_unread(lw, loop, plan, ins, saved_names)
     for n in plan.notes:
         lw.note(f"{node.name} block: {n}")
     # The stage axis when the layers are pipelined: each stage sums its own layers' gradients
     # of a closed-over tensor, so the step's sum is partial over it.
     stage = loop.layer_axes if lw.mesh.axis_size(loop.layer_axes) > 1 else ()
-    out_vids = _step_outputs(lw, loop, plan, carry_sh, stage)
+    out_vids = _step_outputs(lw, loop, plan, carry_sh, stage, saved_names)
     args = {"names": tuple(loop.names), "pos": dict(node.attrs["pos"]), "backward": loop.backward,
             "saved": tuple(saved_names)}
     if loop.ys:
@@ -193,6 +199,10 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list,
         for t in loop.saved:  # as the forward saved them: no re-layout
             ins.append(lw.value(t))
             assert mesh.axis_size(lw.sharding(ins[-1]).axes_of(layer)) == mesh.axis_size(loop.layer_axes)
+        for j, t in enumerate(loop.saved):  # the copies the forward saved of them, re-laid out
+            for vid in copies_of(lw, t):
+                ins.append(vid)
+                loop.copies.append((j, vid))
     for k, t in zip(loop.blk.closed, loop.closed):  # in its own layout, whole sums: every layer reads it
         why = f"'{t.name}', read by every layer"
         ins.append(lw.relayout(lw.reduced(lw.value(t)), lw.target(t).with_partial(()), node, why))
@@ -261,14 +271,8 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
         sub.inputs[name] = vid
         sub.bind(t, vid)
     if loop.backward:  # the saved activations are given: lower_into does not lower what they need
-        given = blk.extra.get("given", {})
-        for (name, t), vid_out in zip(given.items(), ins[len(ins) - len(loop.closed) - len(loop.saved):]):
-            vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), loop.layer))
-            sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t}, op="saved",
-                     label=f"saved {t.name}")
-            sub.inputs[name] = vid
-            sub.bind(t, vid)
-        (ids, fewer), saved_names = _lower_backward_block(sub, blk, summed, through), list(given)
+        saved_names = _bind_saved(lw, sub, loop, ins)
+        ids, fewer = _lower_backward_block(sub, blk, summed, through)
     else:
         (ids, saved_names), fewer = _lower_forward_block(sub, loop), False
     _check_no_microbatch_sums(lw, node, sub.steps)
@@ -280,6 +284,33 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
     if loop.backward:  # cotangents and recomputed values freed early (:mod:`.block_order`)
         plan = order_block(plan, lambda s: s.phase == RECOMPUTE)
     return plan, saved_names, (fewer, sub.through_used)
+
+
+def _bind_saved(lw: Lowerer, sub: Lowerer, loop: _Loop, ins: list) -> list[str]:
+    """Give backward sub-plan ``sub`` the saved activations (step inputs ``ins``) as inputs, and
+    their re-laid copies (``<name>@<k>``) as values they are already held at
+    (:meth:`.Lowerer.hold`, :mod:`.saved_copies`): a reader that needs one takes it, no
+    collective.  Returns the inputs' names in step order."""
+    given = loop.blk.extra.get("given", {})
+    at = len(ins) - len(loop.closed) - len(loop.copies) - len(loop.saved)
+    vids, names = [], list(given)
+    for (name, t), vid_out in zip(given.items(), ins[at:]):
+        vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), loop.layer))
+        sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t}, op="saved", label=f"saved {t.name}")
+        sub.inputs[name] = vid
+        sub.bind(t, vid)
+        vids.append(vid)
+    num = {}
+    for j, vid_out in loop.copies:
+        t, k = list(given.values())[j], num.get(j, 0)
+        num[j], name = k + 1, f"{names[j]}@{k}"
+        vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), loop.layer))
+        sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t}, op="saved",
+                 label=f"saved {t.name} (re-laid)")
+        sub.inputs[name] = vid
+        sub.hold(vids[j], sub.sharding(vid), vid)
+        names.append(name)
+    return names
 
 
 def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], list[str]]:
@@ -300,7 +331,7 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
     ids = lower_into(sub, {"out": blk.out})
     _lower_values(sub, [*ys.values(), *(saved[i] for i in loop.want)])
     ids.update((k, sub.value(y)) for k, y in ys.items())
-    names = []
+    names, copies = [], []
     for i in loop.want:
         f = saved[i]
         vid = sub.reduced(sub.value(f))
@@ -308,12 +339,17 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
             vid = sub.relayout(vid, sub.sharding(vid).with_partial(()), f.node, "saved activation")
         names.append(f"saved/{i}")
         ids[names[-1]] = vid
-    return ids, names
+        for k, to in enumerate(worth_saving(sub, vid)):
+            copies.append(f"saved/{i}@{k}")
+            ids[copies[-1]] = sub.relayout(vid, to, f.node)   # made already: no new step
+    return ids, names + copies
 
 
-def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: Sharding, stage: tuple) -> list[int]:
+def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: Sharding, stage: tuple,
+                  saved_names: list[str]) -> list[int]:
     """The step's output values: forward, the carry, the stacked layer inputs, per-layer outputs
-    and saved activations; backward, the carry gradient, the stacked gradients and those of the
+    and saved activations (then their re-laid copies, ``saved/<i>@<k>``, recorded in ``lw.memo``
+    for the backward step); backward, the carry gradient, the stacked gradients and those of the
     closed-over tensors.  Stacked values are split over the layer axes like the params."""
     node, layer, la = loop.node, loop.layer, loop.layer_axes
     ids = plan.outputs
@@ -335,7 +371,12 @@ def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: Sharding, stag
     names = loop.blk.y_names
     out += [stacked(node.outputs[2 + names.index(k)], f"y/{k}") for k in loop.ys]
     base = 2 + len(names)
-    return out + [stacked(node.outputs[base + i], f"saved/{i}") for i in loop.want]
+    out += [stacked(node.outputs[base + i], f"saved/{i}") for i in loop.want]
+    for name in saved_names[len(loop.want):]:   # copies: no tensor of the graph, read by the backward step
+        t = node.outputs[base + int(name.split("/")[1].split("@")[0])]
+        out.append(stacked(t, name))
+        record(lw, t, out[-1])
+    return out
 
 
 def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
@@ -410,11 +451,12 @@ def _lower_values(sub: Lowerer, tensors) -> None:
 
 def _linear_reads(nodes) -> dict[int, list]:
     """``id(tensor) -> [(reader, linear)]``: each read of a tensor among ``nodes``, and whether the
-    reader is linear in it (jointly linear ops, an input in ``linear_args``, an einsum's operand)."""
+    reader is linear in it (jointly linear ops, an input it is linear in on its own, ``linear_in``,
+    an einsum's operand)."""
     reads: dict[int, list] = {}
     for n in nodes:
         for i, x in enumerate(n.inputs):
-            reads.setdefault(id(x), []).append((n, n.op.is_linear(n) or i in n.op.linear_args or n.op.multilinear))
+            reads.setdefault(id(x), []).append((n, n.op.is_linear(n) or n.op.linear_in(n, i) or n.op.multilinear))
     return reads
 
 
@@ -439,10 +481,22 @@ def _lazy_through(nodes, lazy_outputs, outputs, num_forward: int, level: int) ->
         if level == 2 and any(id(t) in want or any(lin and r.id in to_lazy for r, lin in reads.get(id(t), ()))
                               for t in n.outputs):
             to_lazy.add(n.id)
-    least = 1 if level == 1 else 2   # level 2: where a partial sum branches, not every linear op on a path
+    # level 2: where a partial sum branches, or enters an op whose result outgrows it (a row sum's
+    # gradient broadcast back over d_head: priced alone, reducing first looks cheaper), not every
+    # linear op on a path
+    least = 1 if level == 1 else 2
     return frozenset(id(t) for n in nodes if n.id >= num_forward for t in n.outputs
-                     if t.dtype.is_floating_point and len(reads.get(id(t), ())) >= least
+                     if t.dtype.is_floating_point and _branches(reads.get(id(t), ()), least)
                      and all(lin for _, lin in reads[id(t)]) and any(r.id in to_lazy for r, _ in reads[id(t)]))
+
+
+def _branches(reads, least: int) -> bool:
+    """Whether a value read as ``reads`` says has ``least`` readers, or one whose result has more
+    elements than its inputs (a broadcast)."""
+    if len(reads) != 1:
+        return len(reads) >= least
+    r = reads[0][0]
+    return least == 1 or sum(t.shape.numel for t in r.outputs) > sum(t.shape.numel for t in r.inputs)
 
 
 def _lower_backward_block(sub: Lowerer, blk, summed: bool, through: bool = False) -> tuple[dict[str, int], bool]:

@@ -209,6 +209,7 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: 
     if name not in SCHEDULES:
         raise ScheduleError(message(f"make_schedule({name!r}, ...): unknown schedule.",
                                     inputs=[f"known: {', '.join(sorted(SCHEDULES))}"],
+                                    rule="a pipeline schedule is one meshdsl knows (the list above)",
                                     fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
     schedule = SCHEDULES[name].build(num_ranks, num_microbatches, num_chunks)
     validate(schedule)
@@ -231,6 +232,7 @@ def parse_schedule(text: str) -> tuple[str, int]:
     if name not in SCHEDULES:
         raise ScheduleError(message(f"schedule {text!r}: unknown schedule.",
                                     inputs=[f"known: {', '.join(sorted(schedule_names()))}"],
+                                    rule="a pipeline schedule is one meshdsl knows (the list above)",
                                     fix=f"pick a known schedule.{did_you_mean(name, SCHEDULES)}"))
     chunked = SCHEDULES[name].chunked
     if chunked != bool(colon) or (colon and not (count.isdigit() and int(count) >= 1)):

@@ -90,6 +90,15 @@ def _far_shift(lw, node, src, comp, dim, reach) -> tuple[int, int, int] | None:
     return (q, r, nb) if q else None
 
 
+def _read_whole(lw, out, dim: str, axes) -> bool:
+    """Whether every reader of ``out`` renames ``dim`` to a dim its layout keeps off ``axes``, so
+    gathers it (CTC's emissions from frame 1 on, renamed to the steps a repeat scans): a slice
+    then weighs gathering its input against its halo and that gather."""
+    rs = readers(lw, out)
+    return bool(rs) and all(n.op.name == "rename" and dim in n.attrs["mapping"] and not set(axes) & set(
+        lw.target(n.outputs[0]).axes_of(n.attrs["mapping"][dim])) for n, _ in rs)
+
+
 def _far_readers(lw, src, dim: str, nb: int) -> int:
     """How many shifts of ``src`` along ``dim`` reach beyond the neighbours: one gather of the dim
     serves them all, so each weighs its permutes against its share of that gather."""
@@ -176,10 +185,17 @@ def lower_window(lw, node) -> None:
     lazy = src is node.inputs[0] and reach.fill == 0.0 and (lw.num_uses(src) == 1 or passed_on)
     comp = cur if lazy else Sharding(cur.dims)
     axes = comp.axes_of(dim)
+    whole = lw.cut_from(vid) if axes and src is node.inputs[0] and not cur.partial else None
+    if whole is not None and lw.sharding(whole) == gathered(comp, src.shape, dim):
+        # a local cut of a value this rank holds whole along the dim (a renamed gradient's): the
+        # window of that needs no halo, and its result is cut the same way
+        vid, comp, axes = whole, lw.sharding(whole), ()
     n, size = src.shape.get(dim).size, src.dtype.itemsize
     tgt = lw.target(out)
     tgt = keep_microbatches(tgt.with_partial(tuple(a for a in comp.partial if a not in tgt.used_axes)),
                             comp, out.shape, mesh)
+    if axes and node.op.name == "slice" and _read_whole(lw, out, dim, axes):
+        tgt = gathered(tgt, out.shape, dim)   # its readers gather it: the halo would be moved for nothing
     far = None   # a shift beyond the neighbours served by permutes (:func:`_far_shift`)
     if axes:
         widths = reach.widths(n, mesh.axis_size(axes), cut_by(mesh, axes))

@@ -7,9 +7,13 @@ from .attention import attention
 from .einsum import einsum
 from .constant import constant
 from .conv import conv
-from .elementwise import (abs, add, cast, cos, div, equal, exp, gelu, greater, greater_equal, less,
-                          less_equal, log, logical_and, logical_not, logical_or, maximum, minimum, mul, neg,
-                          not_equal, pow, relu, rsqrt, sigmoid, silu, sin, sqrt, stop_gradient, sub, tanh, where)
+from .elementwise import floor_divide, remainder
+from .elementwise import (abs, add, cast, ceil, cos, div, equal, erf, exp, expm1, floor, gelu, greater,
+                          greater_equal, less, less_equal, log, log1p, logical_and, logical_not, logical_or,
+                          maximum, minimum, mul, neg, not_equal, pow, reciprocal, relu, round, rsqrt, sigmoid,
+                          sign, silu, sin, sqrt, square, stop_gradient, sub, tanh, where)
+from .activations import clamp, elu, leaky_relu, mish, softplus
+from .argmax import argmax, argmin
 from .embed import arange, causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)
@@ -22,7 +26,8 @@ from .shape_ops import broadcast_to, rearrange, rename, reshape, transpose
 from .slicing import concat, pad, roll, shift, slice_
 from .topk import top_k
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+# The ops, not the submodules that hold them (``md.embed`` or ``md.reduce`` is no op: an unknown name).
+__all__ = [n for n in dir() if not n.startswith("_") and not isinstance(globals()[n], type(_sys))]
 # A number or a torch tensor where an op takes a Tensor: one clear error (ops/arguments.py).
 from .arguments import check_tensor_args as _check_tensor_args  # noqa: E402
 for _n in __all__:

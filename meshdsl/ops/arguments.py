@@ -12,6 +12,7 @@ import inspect
 
 from ..core.graph import Tensor, not_a_tensor
 from ..core.torch_hints import TORCH_HINTS
+from ..errors import GraphError, did_you_mean, message
 
 _TENSOR = ("Tensor", "Tensor | None")
 
@@ -28,13 +29,53 @@ def _tensor_params(fn) -> list[tuple[int | None, str, bool]]:
     return out
 
 
+def _bad_call(fn, sig: inspect.Signature, args: tuple, kwargs: dict) -> GraphError | None:
+    """The house error for a call whose arguments do not fit ``fn``'s parameters (a missing dim,
+    a keyword it lacks, one argument too many), or None when they fit."""
+    try:
+        sig.bind(*args, **kwargs)
+        return None
+    except TypeError as e:
+        why = str(e)
+    what = fn.__name__
+    names = [p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unknown = [k for k in kwargs if k not in sig.parameters]
+    close = did_you_mean(unknown[0], names) if unknown and names else ""
+    given = f"given: {len(args)} positional argument(s)" + (f", keywords {', '.join(kwargs)}" if kwargs else "")
+    return GraphError(message(
+        f"md.{what} was called with arguments that do not fit it: {why}.{close}",
+        inputs=[f"signature: md.{what}{sig}", given],
+        rule=f"md.{what} takes the arguments its signature lists (docs/guide/api.md)",
+        fix=f"call it as md.{what}({', '.join(names)})" + (" with a dim name, e.g. 'd_model'"
+                                                          if "dim" in names or "dims" in names else "")))
+
+
+def checked_call(fn):
+    """``fn``, raising the house error of :func:`_bad_call` for an argument list that does not fit
+    it (``md.compile(..., micro_batches=2)``), in place of Python's TypeError."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            bad = _bad_call(fn, sig, args, kwargs)  # bound only on failure: no cost per call
+            if bad is None:
+                raise
+        raise bad
+
+    return checked
+
+
 def check_tensor_args(fn):
-    """``fn``, checking its Tensor parameters on each call; ``fn`` itself when it has none."""
+    """``fn``, checking its Tensor parameters and its argument list on each call."""
     if not inspect.isfunction(fn):
         return fn
     checks = _tensor_params(fn)
+    call = checked_call(fn)
     if not checks:
-        return fn
+        return call
     what = fn.__name__
 
     @functools.wraps(fn)
@@ -48,7 +89,7 @@ def check_tensor_args(fn):
                 continue
             if not isinstance(value, Tensor) and not (optional and value is None):
                 raise not_a_tensor(what, f"argument '{name}'", value)
-        return fn(*args, **kwargs)
+        return call(*args, **kwargs)
 
     return checked
 
@@ -62,8 +103,6 @@ class UnknownNameError(AttributeError):
 
 def unknown_name(name: str, names) -> UnknownNameError:
     """The error for ``md.<name>`` when meshdsl has no such name (``names``: every public one)."""
-    from ..errors import did_you_mean, message
-
     hint = TORCH_HINTS.get(name)
     close = "" if hint else did_you_mean(name, [n for n in names if not n.startswith("_")])
     return UnknownNameError(message(

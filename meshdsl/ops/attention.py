@@ -11,7 +11,9 @@ row-wise logsumexp, which the backward kernel reads instead of the scores.
 Lowering: batch and head dims may be split and stay local.  The forward may
 split the query dim too (each rank passes its slice's causal mask, offset by
 ``ctx``); the backward keeps it whole, since dk and dv sum over every query.
-The key and feature dims are whole on a rank.
+The key and feature dims are whole on a rank, except under a ``window``: a query dim and key dim
+split alike take each rank's key block extended by its neighbours' halo rows
+(:mod:`meshdsl.lowering.attention`; the mask is offset by ``attrs["halo"]``, see :func:`_mask`).
 
 On a GPU the forward and backward run CUDA's memory-efficient attention kernels (fp32,
 a feature size they take, no offset mask); elsewhere, or with
@@ -198,15 +200,29 @@ def _from4(x4: torch.Tensor, batch_sizes, back) -> torch.Tensor:
 
 
 def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
-    """(is_causal, additive mask) for this rank's query slice: the kernel's own causal
-    mask when the slice starts at query 0, else an explicit one offset by the slice."""
-    if not attrs["causal"]:
+    """(is_causal, additive mask) for this rank's query slice against its keys: the kernel's own
+    causal mask when both start at position 0 and no window bounds them, else an explicit one.
+
+    Query ``i`` keeps key ``j`` when ``j <= i`` (``causal``) and, with a ``window`` w,
+    ``i - j < w`` (causal: the w keys ending at the query, itself included, as Mistral's
+    ``sliding_window``) or ``|i - j| < w`` (not causal: w - 1 keys on each side).  The keys
+    may be a halo-extended block (``attrs["halo"]`` rows before this rank's own, from
+    :mod:`meshdsl.lowering.attention`): rows outside ``[0, attrs["keys"])`` are masked."""
+    window = attrs.get("window")
+    if not attrs["causal"] and window is None:
         return False, None
-    off = ctx.offset(attrs["query_dim"])
-    if off == 0:
+    q_off = ctx.offset(attrs["query_dim"])
+    k_off = ctx.offset(attrs.get("key_dim", "")) - attrs.get("halo", 0)
+    if window is None and q_off == 0 == k_off:
         return True, None
     dev = like.device
-    keep = torch.arange(n_k, device=dev)[None, :] <= torch.arange(off, off + n_q, device=dev)[:, None]
+    j = torch.arange(k_off, k_off + n_k, device=dev)
+    d = torch.arange(q_off, q_off + n_q, device=dev)[:, None] - j[None, :]
+    keep = (d >= 0) if attrs["causal"] else torch.ones_like(d, dtype=torch.bool)
+    if window is not None:
+        keep &= (d if attrs["causal"] else d.abs()) < window
+    if "keys" in attrs:
+        keep &= ((j >= 0) & (j < attrs["keys"]))[None, :]
     return False, torch.zeros(n_q, n_k, dtype=like.dtype, device=dev).masked_fill_(~keep, float("-inf"))
 
 
@@ -229,7 +245,8 @@ def _flops(attrs: dict, q: Tensor, k: Tensor, local: dict) -> int:
 
 @register
 class Attention(Op):
-    """(q, k, v) -> (out, logsumexp); attrs: query/key/feature dim names, ``causal``, ``scale``."""
+    """(q, k, v) -> (out, logsumexp); attrs: query/key/feature dim names, ``causal``, ``scale``, and
+    ``window`` when one is given (the halo lowering adds ``halo`` and ``keys``: see :func:`_mask`)."""
 
     name = "attention"
 
@@ -311,8 +328,27 @@ class AttentionBackward(Op):
         return 2 * _flops(node.attrs, *node.inputs[1:3], local)
 
 
+def _check_options(causal, scale, window) -> None:
+    if not isinstance(causal, bool) or (scale is not None and (isinstance(scale, bool)
+                                                               or not isinstance(scale, (int, float)))):
+        bad = (f"causal={causal!r} ({type(causal).__name__}) is not True or False" if not isinstance(causal, bool)
+               else f"scale={scale!r} ({type(scale).__name__}) is not a number")
+        raise ShapeError(message(f"attention: {bad}.",
+                                 rule="causal is True or False; scale is None (1/sqrt of the feature size) or a number",
+                                 fix="pass e.g. causal=False, scale=0.125"))
+    if window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+        return
+    what = "is not positive" if isinstance(window, int) and not isinstance(window, bool) else \
+        f"({type(window).__name__}) is not an int"
+    raise ShapeError(message(
+        f"attention: window={window!r} {what}.",
+        rule="window is None (no window) or an int w >= 1: a causal query i attends to the keys "
+             "i - w < j <= i, itself included (w=1: itself only)",
+        fix="pass e.g. window=4096 (Mistral's sliding_window), or leave it out"))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq", feature_dim="d_head",
-              causal: bool = True, scale: float | None = None) -> Tensor:
+              causal: bool = True, scale: float | None = None, window: int | None = None) -> Tensor:
     """Scaled dot-product attention by dim name, as one fused kernel forward and backward.
 
     ``out[.., query, feature] = sum_key softmax_key(q . k * scale) v``, where ``q . k``
@@ -324,7 +360,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
     With ``causal`` a query attends to the keys at or
     before its own position, the mask of ``causal_mask(query_dim, key_dim)``.  The
     composite ``softmax(where(causal_mask(..), einsum(..) * scale, -1e9)) . v`` gives
-    the same values; use it when the probabilities need dropout.
+    the same values; use it when the probabilities need dropout.  With ``window`` w
+    (sliding-window, local attention: Mistral's ``sliding_window``, Gemma 2's local layers) a
+    causal query ``i`` attends to the w keys ``i - w < j <= i``, itself included (w=1: only
+    itself); not causal, to the keys ``|i - j| < w`` (w - 1 on each side).
 
     Args:
       q: [batch dims..., query_dim, feature_dim] in any dim order.
@@ -333,6 +372,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
       query_dim, key_dim, feature_dim: the dim names (a name or a Dim).
       causal: mask the keys after each query.
       scale: the factor on ``q . k``; default ``1 / sqrt(size of feature_dim)``.
+      window: None (every key the mask allows), or a positive int: the keys within ``window``
+        positions of the query, itself included (see above).
 
     Returns:
       The attention output, with ``q``'s dims in ``q``'s order.
@@ -345,13 +386,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
     a split query dim stays split in the forward and is gathered for the backward; the key
     and feature dims are gathered when split, except a key dim split where the query dim is
     whole and q is smaller than k and v (cross-attention over a long memory): that one stays
-    split, lowered as the composite (:mod:`meshdsl.lowering.attention`).
+    split, lowered as the composite (:mod:`meshdsl.lowering.attention`).  With a ``window``,
+    a query dim and key dim split alike (``seq:model``, k and v renamed from ``seq``) stay
+    split: each rank receives only the ``window - 1`` key and value rows before its block (and
+    after it, not causal) from its neighbours, a halo, and sends their gradients back.
     """
     qd, kd, fd = (d.name if isinstance(d, Dim) else d for d in (query_dim, key_dim, feature_dim))
     bad = next((x for x in (q, k, v) if not isinstance(x, Tensor)), None)
     if bad is not None:
         raise ShapeError(message(f"attention: {bad!r} ({type(bad).__name__}) is not a Tensor.",
                                  rule="attention takes meshdsl Tensors q, k, v", fix="pass Tensors built by ops"))
+    _check_options(causal, scale, window)
     batch = [n for n in q.shape.names if n not in (qd, fd)]
     kv = [n for n in batch if n in k.shape]   # the batch dims k shares; the others are broadcast
     want = {"q": (q, [*batch, qd, fd]), "k": (k, [*kv, kd, fd]), "v": (v, [*kv, kd, fd])}
@@ -375,8 +420,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
             fix="rename the dims (meshdsl.rename) so that they match"))
     if scale is None:
         scale = q.shape.get(fd).size ** -0.5
-    out, _ = apply("attention", [q, k, v], {"query_dim": qd, "key_dim": kd, "feature_dim": fd,
-                                           "causal": bool(causal), "scale": float(scale)})
+    attrs = {"query_dim": qd, "key_dim": kd, "feature_dim": fd, "causal": bool(causal), "scale": float(scale)}
+    if window is not None:
+        attrs["window"] = window
+    out, _ = apply("attention", [q, k, v], attrs)
     return out
 
 

@@ -10,9 +10,12 @@ zeros, each at most ``taps - 1``.
 Gradients: the input's is a conv of the output's gradient with the taps mirrored (the
 ``flip`` attribute) and the padding mirrored too (``taps - 1 - before``); the weight's is
 :class:`ConvWeightGrad`, one torch kernel that has no gradient itself (as attention's
-backward).  Lowering: :mod:`meshdsl.lowering.conv` (batch and output channels split
-freely, a split input channel dim leaves a partial sum, a split spatial dim trades a
-halo with its neighbours).
+backward).  In a repeat's block the weight's gradient is built as that of the input
+gradient's conv (input dy, output gradient x: the same sums), so a split spatial dim reads
+the halo of dy the input gradient trades, not a second halo of x (outside a block the
+forward's halo of x is reused).  Lowering: :mod:`meshdsl.lowering.conv` (batch and output
+channels split freely, a split input channel dim leaves a partial sum, a split spatial dim
+trades a halo with its neighbours).
 
 Kernel layout: x is viewed as ``(N, c_in, spatial...)`` with every batch dim folded into
 N, w as ``(c_out, c_in, taps...)``; the result is permuted back to the output's dim order.
@@ -24,6 +27,7 @@ test machine: (2, 16, 64) x 5 taps, 89 us against 42 us on one thread).
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -69,17 +73,29 @@ def _kernel_weight(w, attrs):
     return ws.flip(tuple(range(2, ws.dim()))) if attrs["flip"] else ws
 
 
-def _unfolded(xs, taps):
+def dilations(attrs: dict) -> tuple[int, ...]:
+    """Each spatial dim's dilation (the distance between its taps; 1 where none was given)."""
+    return attrs.get("dilation") or (1,) * len(attrs["spatial"])
+
+
+def span(k: int, dilation: int) -> int:
+    """The positions ``k`` taps ``dilation`` apart cover: ``dilation * (k - 1) + 1``."""
+    return dilation * (k - 1) + 1
+
+
+def _unfolded(xs, taps, dils):
     """``xs`` (N, C, spatial...) -> (N, C, out positions..., taps...): every window, as views."""
-    for i, k in enumerate(taps):
-        xs = xs.unfold(2 + i, k, 1)
+    for i, (k, dl) in enumerate(zip(taps, dils)):
+        xs = xs.unfold(2 + i, span(k, dl), 1)
+    if any(dl > 1 for dl in dils):
+        xs = xs[(...,) + tuple(slice(None, None, dl) for dl in dils)]
     return xs
 
 
-def _small(xs, taps, out_channels: int) -> bool:
+def _small(xs, taps, dils, out_channels: int) -> bool:
     n = xs.shape[0] * xs.shape[1] * out_channels
-    for i, k in enumerate(taps):
-        n *= k * (xs.shape[2 + i] - k + 1)
+    for i, (k, dl) in enumerate(zip(taps, dils)):
+        n *= k * (xs.shape[2 + i] - span(k, dl) + 1)
     return n < SMALL_MACS
 
 
@@ -87,11 +103,11 @@ def conv_valid(attrs: dict, x, w):
     """The conv of ``x`` (already padded: every spatial dim holds ``out + taps - 1`` positions)."""
     xs, batch = _std(x, attrs["x_perm"], attrs["num_batch"])
     ws = _kernel_weight(w, attrs)
-    taps = tuple(ws.shape[2:])
-    if _small(xs, taps, ws.shape[0]):
-        y = torch.einsum(_UNFOLDED[len(taps)][0], _unfolded(xs, taps), ws)
+    taps, dils = tuple(ws.shape[2:]), dilations(attrs)
+    if _small(xs, taps, dils, ws.shape[0]):
+        y = torch.einsum(_UNFOLDED[len(taps)][0], _unfolded(xs, taps, dils), ws)
     else:
-        y = _CONV[len(taps)](xs, ws)
+        y = _CONV[len(taps)](xs, ws, dilation=dils)
     y = y.reshape(batch + tuple(y.shape[1:])).permute(attrs["y_perm"])
     return y if y.is_contiguous() else y.contiguous()
 
@@ -100,11 +116,11 @@ def weight_grad_valid(attrs: dict, x, dy):
     """The gradient of ``conv_valid(attrs, x, w)`` w.r.t. ``w``, given the output's gradient ``dy``."""
     xs, _ = _std(x, attrs["x_perm"], attrs["num_batch"])
     ds, _ = _std(dy, attrs["y_std"], attrs["num_batch"])
-    taps = tuple(k for _, _, k, _, _ in attrs["spatial"])
-    if _small(xs, taps, ds.shape[1]):
-        dw = torch.einsum(_UNFOLDED[len(taps)][1], _unfolded(xs, taps), ds)
+    taps, dils = tuple(k for _, _, k, _, _ in attrs["spatial"]), dilations(attrs)
+    if _small(xs, taps, dils, ds.shape[1]):
+        dw = torch.einsum(_UNFOLDED[len(taps)][1], _unfolded(xs, taps, dils), ds)
     else:
-        dw = _WEIGHT_GRAD[len(taps)](xs, (ds.shape[1], xs.shape[1]) + taps, ds)
+        dw = _WEIGHT_GRAD[len(taps)](xs, (ds.shape[1], xs.shape[1]) + taps, ds, dilation=dils)
     if attrs["flip"]:
         dw = dw.flip(tuple(range(2, dw.dim())))
     return dw.permute(attrs["w_back"]).contiguous()
@@ -144,14 +160,16 @@ class _ConvBase(Op):
 
 @register
 class Conv(_ConvBase):
-    """``conv``: attrs ``spatial`` ((dim, tap, taps, before, after), ...), ``in_dim``, ``out_dim``, ``flip``."""
+    """``conv``: attrs ``spatial`` ((dim, tap, taps, before, after), ...), ``in_dim``, ``out_dim``, ``flip``,
+    and ``dilation`` (one per spatial dim; absent: all 1)."""
 
     name = "conv"
     linear_args = (0, 1)
 
     def infer(self, inputs, attrs):
         x, w = inputs
-        sizes = {d: x.shape.get(d).size + b + a - k + 1 for d, _, k, b, a in attrs["spatial"]}
+        sizes = {d: x.shape.get(d).size + b + a - span(k, dl) + 1
+                 for (d, _, k, b, a), dl in zip(attrs["spatial"], dilations(attrs))}
         out = Shape(Dim(attrs["out_dim"], w.shape.get(attrs["out_dim"]).size) if d.name == attrs["in_dim"]
                     else Dim(d.name, sizes.get(d.name, d.size)) for d in x.shape)
         _layout(x.shape, w.shape, attrs)
@@ -163,11 +181,22 @@ class Conv(_ConvBase):
 
     def grad(self, node, douts):
         (dy,), (x, w), a = douts, node.inputs, node.attrs
-        mirrored = tuple((d, tap, k, k - 1 - b, k - 1 - af) for d, tap, k, b, af in a["spatial"])
+        # dilated taps mirror over their span: padding span - 1 - before (after)
+        dil = {"dilation": a["dilation"]} if "dilation" in a else {}
+        mirrored = tuple((d, tap, k, span(k, dl) - 1 - b, span(k, dl) - 1 - af)
+                         for (d, tap, k, b, af), dl in zip(a["spatial"], dilations(a)))
         dx = apply("conv", [dy, w], {"spatial": mirrored, "in_dim": a["out_dim"], "out_dim": a["in_dim"],
-                                     "flip": not a["flip"]})
-        dw = apply("conv_weight_grad", [x, dy], {**{k: a[k] for k in ("spatial", "in_dim", "out_dim", "flip")},
-                                                 "w_names": w.shape.names})
+                                     "flip": not a["flip"], **dil})
+        if node.graph.outer is None:
+            dw = apply("conv_weight_grad", [x, dy], {**{k: a[k] for k in ("spatial", "in_dim", "out_dim", "flip")},
+                                                     "w_names": w.shape.names, **dil})
+        else:
+            # In a repeat's block the forward's halo of x is in the forward's sub-plan: the same
+            # dw is the weight gradient of dx's conv (its input dy, its output's gradient x), which
+            # reads dy's halo, the one dx trades (lowering/halo.py shares it), not x's again.
+            dw = apply("conv_weight_grad", [dy, x], {"spatial": mirrored, "in_dim": a["out_dim"],
+                                                     "out_dim": a["in_dim"], "flip": not a["flip"],
+                                                     "w_names": w.shape.names, **dil})
         return [dx, dw]
 
 
@@ -196,6 +225,7 @@ class ConvWeightGrad(_ConvBase):
 
 
 def _padding(spec, k: int, d: str) -> tuple[int, int]:
+    """``spec`` as (before, after) for ``k`` positions (taps, or a dilated conv's span)."""
     if isinstance(spec, str):
         if spec not in PADDINGS:
             raise ShapeError(message(f"conv: padding {spec!r} for '{d}' is not one of {list(PADDINGS)}.",
@@ -206,13 +236,14 @@ def _padding(spec, k: int, d: str) -> tuple[int, int]:
     ok = isinstance(spec, (tuple, list)) and len(spec) == 2 and all(
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= k - 1 for v in spec)
     if not ok:
-        raise ShapeError(message(f"conv: padding {spec!r} for '{d}' (taps: {k}) is not a pair of ints in 0..{k - 1}.",
-                                 rule="explicit padding is (before, after) zeros, each at most taps - 1",
+        raise ShapeError(message(f"conv: padding {spec!r} for '{d}' (span: {k}) is not a pair of ints in 0..{k - 1}.",
+                                 rule="explicit padding is (before, after) zeros, each at most span - 1 "
+                                      "(span = dilation * (taps - 1) + 1: taps - 1 undilated)",
                                  fix="pass e.g. (1, 1), or 'same' / 'valid' / 'causal'"))
     return int(spec[0]), int(spec[1])
 
 
-def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1) -> Tensor:
+def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1) -> Tensor:
     """Convolve ``x`` with ``w`` along named spatial dims (cross-correlation, as torch's).
 
     Args:
@@ -235,12 +266,19 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1) -> Tensor:
         taps ``w[phase::stride]``; the sum has ``(n + before + after - taps) // stride + 1``
         positions, as torch's (a Whisper stem's kernel 3, stride 2, padding (1, 1)). Under a
         split spatial dim the phases stay split and trade halos, as a stride-1 conv does.
+      dilation: a positive int, or a dict spatial dim -> int (1 for a dim it leaves out): the
+        distance between taps (torch's ``dilation``; a TCN's or WaveNet's 1, 2, 4, ...). The taps
+        then cover ``span = dilation * (taps - 1) + 1`` positions, and ``span`` takes the place of
+        ``taps`` in the padding rules above ('same': ``(span - 1) // 2`` before, as torch's;
+        'causal': ``span - 1``; a pair: at most ``span - 1`` each) and in the output's length.
+        With a stride, each phase's taps are a stride-1 conv dilated ``dilation / gcd(dilation,
+        stride)``. A split spatial dim trades ``span - 1`` rows in all with its neighbours.
 
     Returns:
       ``x``'s dims in ``x``'s order, ``c_out`` in ``c_in``'s place:
-      ``out[.., i, co] = sum over t, ci of x[.., stride * i + t - before, ci] * w[t, ci, co]``
-      (zero outside ``x``); depthwise, ``out[.., i, c] = sum over t of x[.., stride * i + t -
-      before, c] * w[t, c]``, built as the sum over the taps of ``md.shift``-ed copies of ``x``
+      ``out[.., i, co] = sum over t, ci of x[.., stride * i + dilation * t - before, ci] * w[t, ci,
+      co]`` (zero outside ``x``); depthwise, ``out[.., i, c] = sum over t of x[.., stride * i +
+      dilation * t - before, c] * w[t, c]``, built as the sum over the taps of ``md.shift``-ed copies of ``x``
       (``pad`` and ``slice_`` where the output is shorter) times that tap's filter, so a split
       spatial dim trades one halo per tap.
 
@@ -250,35 +288,43 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1) -> Tensor:
 
     Layouts split ``batch`` and ``c_out`` with no communication, ``c_in`` with a partial sum
     (as an einsum), and a spatial dim (``"seq:data"``) by a halo exchange: each rank trades
-    ``taps - 1`` rows with its neighbours, forward and backward.
+    ``span - 1`` rows (``taps - 1`` undilated) with its neighbours, forward and backward.
 
     Example::
 
         y = md.conv(x, w, {"seq": "tap"}, padding="same")   # x [batch, seq, c_in], w [tap, c_in, c_out]
+        z = md.conv(x, w, {"seq": "tap"}, padding="causal", dilation=4)   # taps at i - 8, i - 4, i
     """
     what = f"conv(x {x.shape}, w {w.shape}, taps={taps!r})"
     shared, new = _channels(x, w, taps, padding, what)
+    dims = [n for n in x.shape.names if n in taps]
+    strides = _per_dim(stride, dims, what, "stride")
+    dils = _per_dim(dilation, dims, what, "dilation")
     spatial = []
-    for d in (n for n in x.shape.names if n in taps):
+    for d in dims:
         k = w.shape.get(taps[d]).size
-        before, after = _padding(padding.get(d, "same") if isinstance(padding, dict) else padding, k, d)
-        if x.shape.get(d).size + before + after < k:
-            raise ShapeError(message(f"{what}: '{d}' of size {x.shape.get(d).size} is shorter than its {k} taps.",
-                                     rule="a conv's output holds n + before + after - taps + 1 >= 1 positions",
-                                     fix="pad more, or use fewer taps"))
+        wide = span(k, dils[d])
+        before, after = _padding(padding.get(d, "same") if isinstance(padding, dict) else padding, wide, d)
+        if x.shape.get(d).size + before + after < wide:
+            raise ShapeError(message(f"{what}: '{d}' of size {x.shape.get(d).size} is shorter than its {k} taps"
+                                     + (f" dilated {dils[d]} (a span of {wide})" if dils[d] > 1 else "") + ".",
+                                     rule="a conv's output holds n + before + after - span + 1 >= 1 positions "
+                                          "(span = dilation * (taps - 1) + 1)",
+                                     fix="pad more, or use fewer taps or a smaller dilation"))
         spatial.append((d, taps[d], k, before, after))
-    strides = _strides(stride, [d for d, *_ in spatial], what)
     if any(v > 1 for v in strides.values()):
-        return _strided(x, w, spatial, strides)
+        return _strided(x, w, spatial, strides, dils)
     if not new:
-        return _depthwise(x, w, spatial)
+        return _depthwise(x, w, spatial, dils)
+    dil = {"dilation": tuple(dils[d] for d in dims)} if any(v > 1 for v in dils.values()) else {}
     return apply("conv", [x, w], {"spatial": tuple(spatial), "in_dim": shared[0], "out_dim": new[0],
-                                  "flip": False})
+                                  "flip": False, **dil})
 
 
-def _depthwise(x: Tensor, w: Tensor, spatial: list) -> Tensor:
+def _depthwise(x: Tensor, w: Tensor, spatial: list, dils: dict[str, int]) -> Tensor:
     """A depthwise stride-1 conv (``w [tap..., c]``, see :func:`conv`): per tap (a product of
-    taps over two spatial dims), ``x`` moved to the tap's offset times the tap's filter, summed.
+    taps over two spatial dims), ``x`` moved to the tap's offset (``dilation * t``) times the
+    tap's filter, summed.
     Where the output is as long as ``x`` the move is a ``shift`` (zeros come in where the
     padding is), else ``x`` padded and sliced."""
     from .elementwise import add, mul
@@ -289,12 +335,12 @@ def _depthwise(x: Tensor, w: Tensor, spatial: list) -> Tensor:
     for offsets in itertools.product(*(range(k) for _, _, k, _, _ in spatial)):
         term, wt = x, w
         for (d, tap, k, before, after), t in zip(spatial, offsets):
-            wt = squeeze(slice_(wt, tap, t, t + 1), tap)
-            if before + after == k - 1:        # y[i] = x[i + t - before]
-                term = shift(term, d, before - t) if t != before else term
+            wt, at = squeeze(slice_(wt, tap, t, t + 1), tap), dils[d] * t
+            if before + after == span(k, dils[d]) - 1:        # y[i] = x[i + at - before]
+                term = shift(term, d, before - at) if at != before else term
             else:
-                n_out = x.shape.get(d).size + before + after - k + 1
-                term = slice_(pad(term, d, before, after), d, t, t + n_out)
+                n_out = x.shape.get(d).size + before + after - span(k, dils[d]) + 1
+                term = slice_(pad(term, d, before, after), d, at, at + n_out)
         term = mul(term, wt)
         out = term if out is None else add(out, term)
     return out
@@ -331,26 +377,28 @@ def _channels(x: Tensor, w: Tensor, taps, padding, what: str) -> tuple[list[str]
     return shared, new
 
 
-def _strides(stride, dims: list[str], what: str) -> dict[str, int]:
-    """``stride`` (an int, or a dict spatial dim -> int) as spatial dim -> stride."""
-    given = stride if isinstance(stride, dict) else {d: stride for d in dims}
-    bad = [f"stride names '{d}', which is not a spatial dim" for d in given if d not in dims]
-    bad += [f"stride {v!r} for '{d}' is not a positive int" for d, v in given.items()
+def _per_dim(value, dims: list[str], what: str, arg: str) -> dict[str, int]:
+    """``value`` of ``arg`` (stride or dilation: an int, or a dict spatial dim -> int) as spatial dim -> int."""
+    given = value if isinstance(value, dict) else {d: value for d in dims}
+    bad = [f"{arg} names '{d}', which is not a spatial dim" for d in given if d not in dims]
+    bad += [f"{arg} {v!r} for '{d}' is not a positive int" for d, v in given.items()
             if not isinstance(v, int) or isinstance(v, bool) or v < 1]
     if bad:
-        raise ShapeError(message(f"{what}: bad stride {stride!r}.", bullets=bad,
-                                 rule="stride is a positive int, or a dict spatial dim -> positive int",
-                                 fix="pass e.g. stride=2 or stride={'seq': 2}"))
+        raise ShapeError(message(f"{what}: bad {arg} {value!r}.", bullets=bad,
+                                 rule=f"{arg} is a positive int, or a dict spatial dim -> positive int",
+                                 fix=f"pass e.g. {arg}=2 or {arg}={{'{dims[0]}': 2}}"))
     return {d: given.get(d, 1) for d in dims}
 
 
-def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int]) -> Tensor:
+def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int], dils: dict[str, int]) -> Tensor:
     """A strided conv as a sum of stride-1 convs over the input's phases (see :func:`conv`).
 
-    Along a dim of stride ``S`` (taps ``K``, padding ``before``/``after``, ``L`` outputs), tap
-    ``t`` reads ``x[S i + t - before]``: phase ``p = (t - before) mod S`` of ``x`` (its positions
-    ``S m + p``) at ``m = i + (t - before) // S``. The taps of one phase are every ``S``-th tap,
-    with consecutive offsets, so each phase is a stride-1 conv with its own padding."""
+    Along a dim of stride ``S`` and dilation ``D`` (taps ``K``, padding ``before``/``after``,
+    ``L`` outputs), tap ``t`` reads ``x[S i + D t - before]``: phase ``p = (D t - before) mod S``
+    of ``x`` (its positions ``S m + p``) at ``m = i + (D t - before) // S``. With ``g = gcd(S,
+    D)``, the taps of one phase are every ``S / g``-th tap, their offsets ``D / g`` apart, so each
+    phase is a stride-1 conv dilated ``D / g`` with its own padding (undilated: every ``S``-th
+    tap, consecutive offsets).  A phase whose taps read no row of ``x`` adds nothing."""
     from .elementwise import add
     from .scan import squeeze
     from .shape_ops import rearrange
@@ -366,23 +414,27 @@ def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int]) -> Te
         return squeeze(slice_(t, name, p, p + 1), name)
 
     plans, cuts = [], []   # per dim: [(x phase, w phase, taps, before, after)], and the cut dims
+    phase_dils = {}   # per dim: the dilation of each phase's conv
     for d, tap, k, before, after in spatial:
-        st, n = strides[d], x.shape.get(d).size
-        out_len = (n + before + after - k) // st + 1
+        st, dl, n = strides[d], dils[d], x.shape.get(d).size
+        out_len = (n + before + after - span(k, dl)) // st + 1
         if st == 1:
             plans.append([(None, None, k, before, after)])
+            phase_dils[d] = dl
             continue
+        sw, phase_dils[d] = st // math.gcd(st, dl), dl // math.gcd(st, dl)   # taps sw apart share a phase
         if n % st:     # zeros past the end: read only where the padding after is zero too
             x = pad(x, d, 0, st - n % st)
-        if k % st:
-            w = pad(w, tap, 0, st - k % st)
-        x, w = cut(x, d, st, f"{d}_phase"), cut(w, tap, st, f"{tap}_phase")
+        if k % sw:
+            w = pad(w, tap, 0, sw - k % sw)
+        x, w = cut(x, d, st, f"{d}_phase"), cut(w, tap, sw, f"{tap}_phase")
         cuts.append((d, tap))
         m, options = x.shape.get(d).size, []
-        for r in range(min(st, k)):   # the taps r, r + S, ...: phase (r - before) mod S, offsets from (r - before) // S
-            n_taps = -(-(k - r) // st)
-            first = -((r - before) // st)
-            options.append(((r - before) % st, r, n_taps, first, out_len - 1 - m + n_taps - first))
+        for r in range(min(sw, k)):   # the taps r, r + sw, ...: phase (D r - before) mod S, offsets from (D r - before) // S
+            n_taps = -(-(k - r) // sw)
+            first = -((dl * r - before) // st)
+            wide = span(n_taps, phase_dils[d])
+            options.append(((dl * r - before) % st, r, n_taps, first, out_len - 1 - m + wide - first))
         plans.append(options)
     out = None
     for choice in itertools.product(*plans):
@@ -393,15 +445,25 @@ def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int]) -> Te
                 continue
             phase, r, n_taps, first, last = opt
             xp, wp = pick(xp, f"{d}_phase", phase), slice_(pick(wp, f"{tap}_phase", r), tap, 0, n_taps)
-            if first <= n_taps - 1 and 0 <= last <= n_taps - 1:
+            wide = span(n_taps, phase_dils[d])
+            if 0 <= first <= wide - 1 and 0 <= last <= wide - 1:
                 pads[d] = (first, last)
-            else:      # more zeros than a conv pads, or positions past the outputs: pad, then trim
-                xp = pad(xp, d, first, max(0, last))
-                pads[d], trims[d] = (0, 0), xp.shape.get(d).size - n_taps + 1 - max(0, -last)
-        y = conv(xp, wp, {d: tap for d, tap, *_ in spatial}, padding=pads)
-        for d, keep in trims.items():
-            y = slice_(y, d, 0, keep) if keep < y.shape.get(d).size else y
-        out = y if out is None else add(out, y)
+                continue
+            # more zeros than a conv pads, rows before the first output's taps (a dilated phase
+            # starts past row 0: cut them off), or positions past the outputs: pad, then trim
+            m = xp.shape.get(d).size
+            if -first >= m:
+                break                                  # every tap of this phase reads fill
+            xp = slice_(xp, d, -first, m) if first < 0 else xp
+            xp = pad(xp, d, max(0, first), max(0, last))
+            pads[d], trims[d] = (0, 0), xp.shape.get(d).size - wide + 1 - max(0, -last)
+            if trims[d] <= 0:
+                break
+        else:
+            y = conv(xp, wp, {d: tap for d, tap, *_ in spatial}, padding=pads, dilation=phase_dils)
+            for d, keep in trims.items():
+                y = slice_(y, d, 0, keep) if keep < y.shape.get(d).size else y
+            out = y if out is None else add(out, y)
     return out
 
 

@@ -7,6 +7,7 @@ the generic lowering rule takes care of.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -58,21 +59,20 @@ def lift(xs, name: str = "where"):
 # ----------------------------------------------------------------------------- unary
 
 
-#: unary ops that are exact on integer tensors as well (a relative position's sign and distance).
-_INTEGER_UNARY = ("neg", "abs")
-
-
 class Unary(Op):
     fn = None
+    cse = True   # deterministic: the same op of the same tensor is built once (core/graph.py, add_node)
+    #: exact on integer tensors as well (a relative position's sign and distance)
+    integers = False
 
     def infer(self, inputs, attrs):
         (x,) = inputs
-        integral = self.name in _INTEGER_UNARY and x.dtype != torch.bool
+        integral = self.integers and x.dtype != torch.bool
         if not x.dtype.is_floating_point and not integral and self.name not in ("cast", "stop_gradient", "logical_not"):
             raise ShapeError(message(f"{self.name}: input {x!r} is {x.dtype}, not floating point.",
                                      rule=f"{self.name} is defined on floating-point tensors",
                                      fix="cast it first: meshdsl.cast(x, torch.float32)"))
-        return [(x.shape, attrs.get("dtype", x.dtype))]
+        return [(x.shape, attrs.get("dtype", torch.bool if self.name == "logical_not" else x.dtype))]
 
     def compute(self, ctx, attrs, x):
         return type(self).fn(x)
@@ -81,15 +81,28 @@ class Unary(Op):
         return type(self).fn if type(self).compute is Unary.compute else None
 
 
-def _unary(name, fn, grad=None, linear=False):
-    cls = type(name.title(), (Unary,), {"name": name, "fn": staticmethod(fn), "linear": linear})
+def _unary(name, fn, grad=None, linear=False, integers=False):
+    cls = type(name.title(), (Unary,), {"name": name, "fn": staticmethod(fn), "linear": linear,
+                                        "integers": integers})
     if grad is not None:
         cls.grad = lambda self, node, douts: [grad(node.inputs[0], node.outputs[0], douts[0])]
     return register(cls)
 
 
-_unary("neg", torch.neg, lambda x, y, g: -g, linear=True)
-_unary("abs", torch.abs, lambda x, y, g: where(less(x, 0.0), -g, where(greater(x, 0.0), g, 0.0)))   # g * sign(x)
+def _piecewise_constant(name, fn, integers=False):
+    """A step function: its derivative is zero wherever it exists (torch's gradient is zero), so
+    reverse mode stops at it, as at ``stop_gradient``."""
+    cls = _unary(name, fn, integers=integers)
+    cls.blocks_gradient = True
+    cls.grad = lambda self, node, douts: [None]
+    return cls
+
+
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+_unary("neg", torch.neg, lambda x, y, g: -g, linear=True, integers=True)
+_unary("abs", torch.abs, lambda x, y, g: where(less(x, 0.0), -g, where(greater(x, 0.0), g, 0.0)),   # g * sign(x)
+       integers=True)
 _unary("exp", torch.exp, lambda x, y, g: g * y)
 _unary("log", torch.log, lambda x, y, g: g / x)
 _unary("sqrt", torch.sqrt, lambda x, y, g: g * 0.5 / y)
@@ -101,6 +114,15 @@ _unary("relu", torch.relu, lambda x, y, g: apply("relu_backward", [g, x]))
 _unary("sigmoid", torch.sigmoid, lambda x, y, g: g * y * (1.0 - y))
 _unary("gelu", F.gelu, lambda x, y, g: apply("gelu_backward", [g, x]))
 _unary("silu", F.silu, lambda x, y, g: apply("silu_backward", [g, x]))
+_unary("erf", torch.erf, lambda x, y, g: g * exp(-(x * x)) * _TWO_OVER_SQRT_PI)
+_unary("log1p", torch.log1p, lambda x, y, g: g / (x + 1.0))
+_unary("expm1", torch.expm1, lambda x, y, g: g * (y + 1.0))
+_unary("square", torch.square, lambda x, y, g: g * (x + x))   # 2x = x + x, exact
+_unary("reciprocal", torch.reciprocal, lambda x, y, g: -(g * (y * y)))
+_piecewise_constant("sign", torch.sign, integers=True)
+_piecewise_constant("floor", torch.floor)
+_piecewise_constant("ceil", torch.ceil)
+_piecewise_constant("round", torch.round)   # halves to even, as torch.round
 _unary("logical_not", torch.logical_not).differentiable = False  # bool in, bool out
 
 
@@ -155,6 +177,7 @@ def _scalar_constant(x: Tensor) -> bool:
 
 class Nary(Op):
     out_dtype = None  # None: same as inputs
+    cse = True   # deterministic: built once per operands and attrs (core/graph.py, add_node)
 
     def out_shape(self, inputs) -> Shape:
         """The output dims: the union of the operands', in order of first appearance."""
@@ -229,6 +252,13 @@ def _pick(wins, ties, g):
     return g * (_mask(wins, g) + _mask(ties, g) * 0.5)
 
 
+# Integer positions (``pos % window``, a block's index ``pos // block``) and floats alike, as torch's
+# (floored: the remainder takes the divisor's sign).  floor_divide is a step function: a zero
+# gradient (as md.floor's; torch has none); remainder's is torch's: g, and -g times the quotient.
+_binary("remainder", torch.remainder, lambda a, b, y, g: (g, -(g * apply("floor_divide", [a, b]))))
+_FloorDivide = _binary("floor_divide", torch.floor_divide)
+_FloorDivide.differentiable, _FloorDivide.blocks_gradient = True, True   # (as _piecewise_constant's)
+_FloorDivide.grad = lambda self, node, douts: [None, None]
 _binary("maximum", torch.maximum, lambda a, b, y, g: (_pick(a > b, equal(a, b), g), _pick(a < b, equal(a, b), g)))
 _binary("minimum", torch.minimum, lambda a, b, y, g: (_pick(a < b, equal(a, b), g), _pick(a > b, equal(a, b), g)))
 # Fused gradients of activations (one kernel each, as torch's autograd uses); linear in g.
@@ -259,6 +289,15 @@ class Where(Nary):
         # and the einsum after it read a contiguous tensor instead of copying it.
         c, a, b = inputs
         return broadcast_shapes([a.shape, b.shape, c.shape], self.name)
+
+    def linear_in(self, node, i: int) -> bool:
+        # where(c, g, 0) and where(c, 0, g), its own gradient: linear in g (a partial sum passes
+        # through: elu + 1's gradient); where(c, g, b) with any other b is only affine in g.
+        if i not in (1, 2):
+            return False
+        other = node.inputs[3 - i].node
+        return (other.op.name == "constant" and "shape" not in other.attrs
+                and float(other.attrs["value"]) == 0.0)
 
     def grad(self, node, douts):
         c, a, b = node.inputs
@@ -298,6 +337,20 @@ abs.__doc__ = """Elementwise ``|x|``, on floating-point or integer tensors (a re
 neg.__doc__ = """Elementwise ``-x``, on floating-point or integer tensors (``x.__neg__``)."""
 tanh, relu, gelu, silu, sigmoid = _un("tanh"), _un("relu"), _un("gelu"), _un("silu"), _un("sigmoid")
 stop_gradient, logical_not = _un("stop_gradient"), _un("logical_not")
+erf, log1p, expm1, square, reciprocal = _un("erf"), _un("log1p"), _un("expm1"), _un("square"), _un("reciprocal")
+erf.__doc__ = """Elementwise Gauss error function (the exact GELU is ``0.5 * x * (1 + erf(x / sqrt(2)))``)."""
+log1p.__doc__ = """Elementwise ``log(1 + x)``, accurate for small ``x``; its gradient is ``g / (1 + x)``."""
+expm1.__doc__ = """Elementwise ``exp(x) - 1``, accurate for small ``x``; its gradient is ``g * (y + 1)``."""
+square.__doc__ = """Elementwise ``x * x``; its gradient is ``g * 2x``."""
+reciprocal.__doc__ = """Elementwise ``1 / x``; its gradient is ``-g / x**2``."""
+sign, floor, ceil, round = _un("sign"), _un("floor"), _un("ceil"), _un("round")  # noqa: A001 - mirror torch
+sign.__doc__ = """Elementwise sign (-1, 0 or 1), on floating-point or integer tensors (a relative position's
+direction).  Its gradient is zero, as torch's: reverse mode does not pass through it."""
+floor.__doc__ = """Elementwise ``floor(x)`` of a floating-point tensor (still floating point: ``cast`` it for
+an index).  Its gradient is zero, as torch's."""
+ceil.__doc__ = """Elementwise ``ceil(x)`` of a floating-point tensor.  Its gradient is zero, as torch's."""
+round.__doc__ = """Elementwise ``x`` rounded to the nearest integer, halves to even (``torch.round``), of a
+floating-point tensor.  Its gradient is zero, as torch's."""
 
 
 def logical_and(a: Tensor, b: Tensor) -> Tensor:
@@ -367,12 +420,43 @@ def where(cond: Tensor, a, b) -> Tensor:
 
     The result's dims are those of ``a``, then ``b``'s, then ``cond``'s, each
     in order of first appearance: a mask keeps the layout of the values it masks.
+    Two Python numbers take ``cond``'s dims and torch's dtype: int64 for two ints
+    (``where(cond, -1, 1)``, a direction), float32 where either is a float, bool for two bools.
     """
+    if isinstance(cond, Tensor) and all(isinstance(x, numbers.Real) and not isinstance(x, Tensor) for x in (a, b)):
+        both_bool = all(isinstance(x, bool) for x in (a, b))
+        dtype = torch.bool if both_bool else torch.float32 if any(
+            not float(x).is_integer() or isinstance(x, float) for x in (a, b)) else torch.int64
+        return apply("where", [cond] + [constant(x if both_bool else float(x) if dtype == torch.float32 else int(x),
+                                                 dtype, cond) for x in (a, b)])
     return apply("where", [cond] + lift([a, b]))
+
+
+def _floored(name: str, a, b) -> Tensor:
+    xs = lift([a, b], name)
+    if any(x.dtype == torch.bool for x in xs):
+        raise ShapeError(message(f"{name}: operands are bool.", inputs=[f"operands: {', '.join(map(repr, xs))}"],
+                                 rule=f"{name} takes integer or floating-point tensors",
+                                 fix="cast the mask first: meshdsl.cast(mask, torch.int64)"))
+    return apply(name, xs)
+
+
+def floor_divide(a, b) -> Tensor:
+    """Elementwise ``floor(a / b)`` (``a // b``), broadcasting by name, as ``torch.floor_divide``:
+    integers stay integers (a position's block, ``pos // block``), floats stay floats.  A step
+    function: its gradient is zero (as :func:`floor`'s)."""
+    return _floored("floor_divide", a, b)
+
+
+def remainder(a, b) -> Tensor:
+    """Elementwise ``a - floor(a / b) * b`` (``a % b``), broadcasting by name, as ``torch.remainder``:
+    the result takes ``b``'s sign (``-7 % 3 == 2``); integers stay integers (``pos % window``).
+    Its gradient is torch's: ``g`` for ``a``, ``-g * floor(a / b)`` for ``b``."""
+    return _floored("remainder", a, b)
 
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal", "greater",
            "greater_equal", "equal", "not_equal", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos",
            "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "logical_and", "logical_or", "pow",
-           "cast",
-           "where", "constant", "align", "DENSE_CTX"]
+           "cast", "erf", "log1p", "expm1", "square", "reciprocal", "sign", "floor", "ceil", "round",
+           "floor_divide", "remainder", "where", "constant", "align", "DENSE_CTX"]

@@ -264,6 +264,12 @@ def arange(dim: Dim, dtype=torch.int64) -> Tensor:
 def one_hot(ids: Tensor, dim: Dim, dtype=torch.float32, check: str = "") -> Tensor:
     """One-hot encode integer ``ids`` along new dim ``dim`` (an id outside it: a row of zeros).
     ``check`` (e.g. ``"cross_entropy: labels"``) raises a GraphError instead, naming that caller."""
+    if not isinstance(dim, Dim) or not isinstance(dtype, torch.dtype):
+        bad = f"dim={dim!r} ({type(dim).__name__})" if not isinstance(dim, Dim) else f"dtype={dtype!r}"
+        raise ShapeError(message(f"one_hot: {bad} of ids {ids!r} is not a "
+                                 + ("Dim." if not isinstance(dim, Dim) else "torch.dtype."),
+                                 rule="one_hot adds a new dim, a Dim with its name and size, of a torch dtype",
+                                 fix="write md.one_hot(ids, md.Dim('vocab', 100), dtype=torch.float32)"))
     return apply("one_hot", [ids], {"dim": dim, "dtype": dtype, **({"check": check} if check else {})})
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ..core.graph import Graph, Tensor
 from ..core.shape import as_shape
-from ..errors import GraphError, message
+from ..errors import GraphError, did_you_mean, message
 from .registry import ComputeSpec, Op, apply, register
 
 INITS = ("normal", "zeros", "ones", "uniform")
@@ -91,6 +91,23 @@ def _check_outside_blocks(what: str, name: str, g: Graph) -> None:
                if what == "param" else "")))
 
 
+def _fan_out(name: str, shape, fan_out) -> tuple[str, ...]:
+    """``fan_out`` as dim names of ``shape``; a bare string or a name the param lacks is refused (it
+    would be ignored, and the init scale silently count the dim it meant to leave out)."""
+    names = None if isinstance(fan_out, str) else [d.name if hasattr(d, "name") else d for d in fan_out]
+    bad = [fan_out] if names is None else [n for n in names if n not in shape.names]
+    if bad:
+        raise GraphError(message(
+            f"param('{name}'): fan_out={fan_out!r} is a str, not a list of dim names." if names is None else
+            f"param('{name}'): fan_out={fan_out!r} names {bad}, not dims of the param {list(shape.names)}."
+            + (did_you_mean(bad[0], shape.names) if isinstance(bad[0], str) else ""),
+            rule="fan_out lists dims of the param (its outputs), left out of fan_in for the init scale",
+            fix=f"pass a list of its dim names, e.g. fan_out=[{(fan_out if names is None else shape.names[-1])!r}]"
+            if shape.names else
+                "leave fan_out out"))
+    return tuple(names)
+
+
 def param(name: str, shape, init="normal", scale: float | None = None, dtype=torch.float32,
           fan_out=()) -> Tensor:
     """A trainable parameter.
@@ -118,8 +135,10 @@ def param(name: str, shape, init="normal", scale: float | None = None, dtype=tor
                                  rule="scale is None (1/sqrt(fan_in)) or a finite number: the std (normal) or "
                                       "bound (uniform)",
                                  fix=f"pass scale as a float, e.g. scale=float({scale!r}) or scale=0.02"))
-    t = apply("param", [], {"shape": as_shape(shape), "dtype": dtype, "init": init, "scale": scale,
-                            "fan_out": tuple(d.name if hasattr(d, "name") else d for d in fan_out)}, name=name)
+    shape = as_shape(shape)
+    fan_out = _fan_out(name, shape, fan_out)
+    t = apply("param", [], {"shape": shape, "dtype": dtype, "init": init, "scale": scale,
+                            "fan_out": fan_out}, name=name)
     t.node.name = name  # params keep their exact name, whatever the name scope
     t.scopes = (name, "params")
     g.params[name] = t
@@ -153,6 +172,7 @@ class Placeholder(Param):
 
 def placeholder(name: str, shape, dtype=torch.float32, scopes: tuple[str, ...] = ()) -> Tensor:
     """A named sub-graph input (used by ``repeat``)."""
+    _check_leaf("placeholder", name, dtype)
     t = apply("placeholder", [], {"shape": as_shape(shape), "dtype": dtype}, name=name)
     t.node.name = name
     t.scopes = scopes

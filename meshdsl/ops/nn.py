@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..core.graph import Tensor
@@ -22,6 +24,7 @@ from ..core.shape import Dim
 from ..errors import ShapeError, message
 import torch.nn.functional as F
 
+from .elementwise import exp
 from .reduce import reduced_dims, logsumexp
 from .registry import ComputeSpec, Op, apply, register
 from .layernorm import _last, fused_layer_norm
@@ -34,7 +37,12 @@ def _name(dim) -> str:
 
 
 def _one_dim(x: Tensor, dim, what: str) -> str:
-    (d,) = reduced_dims(x, [dim], what)
+    if isinstance(dim, (list, tuple)) and len(dim) != 1:
+        raise ShapeError(message(
+            f"{what}: normalises over one dim; got {len(dim)}: {[_name(d) for d in dim]} of {x!r}.",
+            rule=f"{what} takes one dim (md.softmax and md.log_softmax take several)",
+            fix="merge them into one first (md.rearrange(x, '... (a b) ...')), or normalise over each in turn"))
+    (d,) = reduced_dims(x, list(dim) if isinstance(dim, (list, tuple)) else [dim], what)
     return d
 
 
@@ -141,13 +149,22 @@ class NormalizeBackward(_Backward):
 
 
 def softmax(x: Tensor, dim) -> Tensor:
-    """Softmax along ``dim`` (one fused kernel; ``dim`` is gathered if it is split)."""
+    """Softmax along ``dim`` (one fused kernel; ``dim`` is gathered if it is split).
+
+    ``dim`` may be a list of dims: one softmax over all of them at once (the keys of several
+    retrieved passages, ``["nbrs", "nlen"]``), ``exp(x - logsumexp(x, dims))``, whose max and
+    sum reduce a split dim in place.
+    """
     _check_float("softmax", x)
-    return apply("softmax", [x], {"dim": _one_dim(x, dim, "softmax")})
+    dims = reduced_dims(x, dim, "softmax") if dim is not None else (_one_dim(x, dim, "softmax"),)
+    if len(dims) == 1:
+        return apply("softmax", [x], {"dim": dims[0]})
+    with x.graph.scope("softmax"):
+        return exp(x - logsumexp(x, list(dims)))
 
 
 def log_softmax(x: Tensor, dim) -> Tensor:
-    """Log-softmax along ``dim``."""
+    """Log-softmax along ``dim`` (or a list of dims, normalised together)."""
     with x.graph.scope("log_softmax"):
         return x - logsumexp(x, _name(dim))
 
@@ -164,7 +181,18 @@ def _check_affine(what: str, x: Tensor, **params) -> None:
 
 def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
-    """Layer norm over ``dim`` with optional ``scale`` and ``bias`` (shaped by ``dim``)."""
+    """Layer norm over ``dim`` with optional ``scale`` and ``bias`` (as ``torch.nn.LayerNorm``).
+
+    Args:
+      x: a float tensor.
+      dim: the dim normalized over (a name or a Dim), e.g. ``"d_model"``.
+      scale, bias: params shaped ``[dim]`` (stacked per layer, ``[layer, d_model]``, a block reads
+        each layer's ``[d_model]``); None leaves that term out.
+      eps: added to the variance (default 1e-5, torch's).
+
+    Returns:
+      A tensor with ``x``'s dims.
+    """
     _check_affine("layer_norm", x, scale=scale, bias=bias)
     _check_float("layer_norm", x)
     d = _one_dim(x, dim, "layer_norm")
@@ -181,7 +209,17 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
 
 
 def rms_norm(x: Tensor, dim, scale: Tensor | None = None, eps: float = 1e-6) -> Tensor:
-    """RMS norm over ``dim`` with an optional ``scale``."""
+    """RMS norm over ``dim`` with an optional ``scale``: ``x / sqrt(mean(x ** 2) + eps) * scale``.
+
+    Args:
+      x: a float tensor.
+      dim: the dim normalized over (a name or a Dim), e.g. ``"d_model"``.
+      scale: a param shaped ``[dim]`` (init ``"ones"``), or None.
+      eps: added to the mean square (default 1e-6, as Llama's).
+
+    Returns:
+      A tensor with ``x``'s dims.
+    """
     _check_affine("rms_norm", x, scale=scale)
     _check_float("rms_norm", x)
     d = _one_dim(x, dim, "rms_norm")
@@ -204,6 +242,10 @@ def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:
             f"cross_entropy: labels {labels.shape} must have the logits' dims minus '{d}' "
             f"({logits.shape.without([d])}).", rule="one label per example, indexing dim '" + d + "'",
             fix="rename or transpose the labels"))
+    if not logits.dtype.is_floating_point:
+        raise ShapeError(message(f"cross_entropy: logits {logits!r} are {logits.dtype}, not floating point.",
+                                 rule="logits are real-valued scores along '" + d + "'",
+                                 fix="pass the float scores (md.cast(logits, torch.float32)), the labels second"))
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ShapeError(message(f"cross_entropy: labels {labels!r} are {labels.dtype}.",
                                  rule="labels are integer class indices along '" + d + "'",
@@ -275,9 +317,16 @@ def dropout(x: Tensor, rate: float, seed: int = 0) -> Tensor:
     if not x.dtype.is_floating_point:
         raise ShapeError(message(f"dropout: {x!r} is {x.dtype}, not floating point.",
                                  rule="dropout scales the kept elements by 1/(1-rate)", fix="cast it to a float dtype"))
-    if not 0.0 <= rate < 1.0:
-        raise ShapeError(message(f"dropout: rate {rate} is not in [0, 1).", rule="0 <= rate < 1",
+    number = isinstance(rate, numbers.Real) and not isinstance(rate, bool)
+    if not number or not 0.0 <= rate < 1.0:
+        shown = f"{rate} is not in [0, 1)" if number else f"{rate!r} ({type(rate).__name__}) is not a number"
+        raise ShapeError(message(f"dropout: rate {shown}.",
+                                 rule="the rate is a Python number, 0 <= rate < 1",
                                  fix="pass a rate such as 0.1"))
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ShapeError(message(f"dropout: seed {seed!r} ({type(seed).__name__}) is not an int.",
+                                 rule="the mask is a function of each element's index and an int seed",
+                                 fix="pass seed=0, or another int per dropout site"))
     if rate == 0.0:
         return x
     return apply("dropout", [x], {"rate": float(rate), "seed": int(seed)})

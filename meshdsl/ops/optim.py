@@ -25,7 +25,7 @@ from ..core.shape import Shape
 from ..errors import ShapeError, message
 from .elementwise import constant, exp, log, sqrt
 from .reduce import reduce_sum
-from .registry import ComputeSpec, Op, register
+from .registry import ComputeSpec, Op, local_elements, register
 from .shape_ops import broadcast_to
 
 
@@ -60,10 +60,7 @@ class _Update(Op):
         return ComputeSpec({d.name: d.size for d in node.inputs[0].shape})
 
     def flops(self, node, local):
-        n = 1
-        for d in node.inputs[0].shape:
-            n *= local.get(d.name, d.size)
-        return 10 * n
+        return 10 * local_elements(node.inputs[0].shape, local)
 
 
 @register
@@ -103,6 +100,8 @@ class SgdStep(_Update):
 def _sgd(p, g, rest, momentum: bool, inplace: bool):
     """One SGD step; ``rest`` is (buf?, lr, momentum, weight decay, grad scale)."""
     buf = rest[0] if momentum else None
+    if _traced(rest[-4:]):
+        return _sgd_traced(p, g, buf, rest[-4:], inplace)
     lr, mom, wd, scale = (float(x) for x in rest[-4:])
     g = g * scale if scale != 1.0 else g
     if wd:
@@ -136,6 +135,8 @@ def _adamw(p, g, m, v, hyper):
     weight decay, step, grad scale).  One fused pass (torch's ``_fused_adamw_``, the kernel
     of ``torch.optim.AdamW(fused=True)``) where torch has it for the dtype, else the same
     rule in separate in-place kernels."""
+    if _traced(hyper):
+        return _adamw_traced(p, g, m, v, hyper)
     lr, b1, b2, eps, wd, t, scale = (float(x) for x in hyper)
     if scale != 1.0:
         g = g * scale
@@ -158,6 +159,37 @@ def _adamw(p, g, m, v, hyper):
 
 
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
+
+
+# -- traced: a whole step compiled (runtime/whole.py) traces the hyperparameters as tensors ------
+
+def _traced(hyper) -> bool:
+    """Whether a hyperparameter is a tensor being traced (make_fx or dynamo), whose value
+    ``float()`` cannot read: the clip scale, the scheduled lr and the step count are fed per step."""
+    if not any(isinstance(x, torch.Tensor) for x in hyper):
+        return False
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode   # torch's, loaded with make_fx
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
+
+
+def _sgd_traced(p, g, buf, hyper, inplace: bool):
+    """:func:`_sgd`'s rule in tensor math, no branch on a hyperparameter's value."""
+    lr, mom, wd, scale = hyper
+    g = g * scale + p * wd
+    step = g if buf is None else buf.mul(mom).add_(g)
+    new = p.sub_(step * lr) if inplace else p - step * lr
+    return new if buf is None else (new, step)
+
+
+def _adamw_traced(p, g, m, v, hyper):
+    """:func:`_adamw`'s rule in tensor math, no branch on a hyperparameter's value."""
+    lr, b1, b2, eps, wd, t, scale = (torch.as_tensor(x, device=p.device) for x in hyper)  # floats too
+    g = g * scale
+    m.mul_(b1).add_(g * (1.0 - b1))
+    v.mul_(b2).add_(g * g * (1.0 - b2))
+    denom = (v.sqrt() / (1.0 - b2 ** t).sqrt()).add_(eps)
+    p.mul_(1.0 - lr * wd)
+    return p.sub_(m / denom * (lr / (1.0 - b1 ** t))), m, v
 
 
 def _zero_if_none(d, like):

@@ -11,7 +11,7 @@ from ..core.graph import Tensor
 from ..core.shape import Dim
 from ..errors import ShapeError, message
 from .elementwise import lift
-from .registry import ComputeSpec, Op, apply, register
+from .registry import ComputeSpec, Op, apply, local_elements, register
 
 
 def reduced_dims(x: Tensor, dims, what: str) -> tuple[str, ...]:
@@ -20,7 +20,18 @@ def reduced_dims(x: Tensor, dims, what: str) -> tuple[str, ...]:
         return x.shape.names
     if isinstance(dims, (str, Dim)):
         dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, (str, Dim)) for d in dims):
+        raise ShapeError(message(
+            f"{what}: dims={dims!r} of {x!r} names no dim: dims are named, not numbered.",
+            rule=f"{what} takes a dim name, a Dim or a list of them (None: every dim)",
+            fix=f"name it: {what}(x, '{x.shape.names[-1] if x.shape.names else 'dim'}')"))
     names = tuple(d.name if isinstance(d, Dim) else d for d in dims)
+    other = [d for d in dims if isinstance(d, Dim) and d.name in x.shape and x.shape.get(d.name) != d]
+    if other:
+        raise ShapeError(message(
+            f"{what}: {other[0]!r} is not a dim of {x!r}: its '{other[0].name}' has size "
+            f"{x.shape.get(other[0].name).size}.", rule="a Dim names a dim of the same name and size",
+            fix=f"pass the name, {what}(x, '{other[0].name}'), or x.shape['{other[0].name}']"))
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ShapeError(message(f"{what}: dim(s) {dup} listed twice in {list(names)}.",
@@ -37,6 +48,10 @@ def reduced_dims(x: Tensor, dims, what: str) -> tuple[str, ...]:
 class Reduce(Op):
     kind = "sum"
     fn = None
+    # deterministic: an identical reduction of the same tensor is the first one again (core/graph.py,
+    # add_node): a log_softmax and a z-loss's logsumexp of the same logits share one logsumexp, whose
+    # max and sum are allreduced once, not twice, under a split vocab
+    cse = True
 
     def infer(self, inputs, attrs):
         (x,) = inputs
@@ -49,10 +64,7 @@ class Reduce(Op):
         return ComputeSpec({d.name: d.size for d in x.shape}, reduce={n: self.kind for n in node.attrs["dims"]})
 
     def flops(self, node, local):
-        n = 1
-        for d in node.inputs[0].shape:
-            n *= local.get(d.name, d.size)
-        return n
+        return local_elements(node.inputs[0].shape, local)
 
 
 @register

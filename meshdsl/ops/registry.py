@@ -128,6 +128,9 @@ class Op(ABC):
     reads_salt = False
     #: the input positions ``compute_inplace`` writes into (all donated, or it is not used).
     donates: tuple[int, ...] = (0,)
+    #: a pure view (rename): one built again on the same input with the same attrs is the
+    #: first node (:meth:`~meshdsl.core.graph.Graph.add_node`).
+    cse = False
 
     @abstractmethod
     def infer(self, inputs: list[Tensor], attrs: dict) -> list[tuple[Shape, torch.dtype]]:
@@ -157,6 +160,11 @@ class Op(ABC):
     def is_linear(self, node) -> bool:
         return self.linear
 
+    def linear_in(self, node, i: int) -> bool:
+        """Whether ``node`` is linear in its input ``i`` on its own, the others fixed (one partial
+        sum there passes through): ``i in linear_args`` unless the op says more of the node."""
+        return i in self.linear_args
+
     def spec(self, node) -> ComputeSpec:
         """Default: elementwise over the output dims."""
         return ComputeSpec({d.name: d.size for d in node.outputs[0].shape})
@@ -174,10 +182,15 @@ class Op(ABC):
 
     def flops(self, node, local: dict[str, int]) -> int:
         """FLOPs of one local kernel call, given the local size of every compute dim."""
-        n = 1
-        for d in node.outputs[0].shape:
-            n *= local.get(d.name, d.size)
-        return n
+        return local_elements(node.outputs[0].shape, local)
+
+
+def local_elements(shape, local: dict[str, int]) -> int:
+    """The elements of one rank's part of ``shape``: ``local`` gives a split dim's local size."""
+    n = 1
+    for d in shape:
+        n *= local.get(d.name, d.size)
+    return n
 
 
 def has_gradient(op: Op) -> bool:

@@ -69,6 +69,7 @@ class BroadcastTo(Op):
 class Rename(Op):
     name = "rename"
     linear = True
+    cse = True   # a second identical rename of a tensor is the first (core/graph.py, add_node)
 
     def infer(self, inputs, attrs):
         (x,) = inputs
@@ -183,6 +184,12 @@ def rename(x: Tensor, mapping: dict | None = None, **kw) -> Tensor:
 
     The data do not change; the layout does, when the names have different rules.
     """
+    if mapping is not None and not isinstance(mapping, dict):
+        raise ShapeError(message(
+            f"rename: the mapping of {x!r} is {mapping!r} ({type(mapping).__name__}), not a dict.",
+            rule="rename maps each old dim name to its new one",
+            fix=f"write md.rename(x, {{'{x.shape.names[0] if x.shape.names else 'old'}': 'new_name'}}) "
+                "or md.rename(x, old='new_name')"))
     m = {(k.name if isinstance(k, Dim) else k): (v.name if isinstance(v, Dim) else v)
          for k, v in {**(mapping or {}), **kw}.items()}
     for k in m:
@@ -225,6 +232,16 @@ def _in_left_order(x: Tensor, left, group_type) -> Tensor:
     return x if order == x.shape.names else transpose(x, list(order))
 
 
+def _check_sizes(x: Tensor, pattern: str, sizes: dict) -> None:
+    """Each size keyword of a rearrange is a positive int ("2" or 2.0 would reach the arithmetic)."""
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    if bad:
+        raise ShapeError(message(
+            f"rearrange: the size(s) {bad} of {x!r} are not positive ints.", source=pattern, span=None,
+            rule="each keyword gives a part's size in a group of the pattern, as a Python int >= 1",
+            fix=f"write e.g. {next(iter(bad))}=2"))
+
+
 def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
     """einops-style rearrange over names.
 
@@ -237,6 +254,7 @@ def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
     """
     from ..core.equations import Group, parse_rearrange
 
+    _check_sizes(x, pattern, sizes)
     spec = parse_rearrange(pattern)
     x = _in_left_order(x, spec.left, Group)
     if len(spec.left) != len(x.shape):

@@ -8,6 +8,8 @@ collective permutes, shared by every such reader of one tensor; see
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,17 @@ def _dim(x: Tensor, dim, what: str) -> str:
     name = dim.name if isinstance(dim, Dim) else dim
     x.shape.index(name)  # raises a ShapeError naming the shape
     return name
+
+
+def _ints(what: str, x: Tensor, name: str, **args) -> None:
+    """Refuse an offset or bound of ``what`` that is no Python int (0.5 or "1" would be cut or parsed)."""
+    bad = {k: v for k, v in args.items() if isinstance(v, bool) or not isinstance(v, numbers.Integral)}
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise ShapeError(message(
+            f"{what}: {k}={v!r} ({type(v).__name__}) along dim '{name}' of {x!r} is not an int.",
+            rule=f"{what} counts whole elements along a dim: {', '.join(args)} must be Python ints",
+            fix=f"pass an int, e.g. {k}={int(v) if isinstance(v, float) and v == v and abs(v) != float('inf') else 1}"))
 
 
 def _resized(x: Tensor, name: str, size: int) -> Shape:
@@ -126,7 +139,33 @@ class Shift(Op):
 
     def grad(self, node, douts):
         a = node.attrs
-        return [apply("shift", [douts[0]], {"dim": a["dim"], "offset": -a["offset"], "wrap": a["wrap"]})]
+        return [shift_into(douts[0], a["dim"], -a["offset"], a["wrap"])]
+
+
+#: products a shift along a dim only one operand carries commutes with (zeros in give zeros out)
+_PRODUCTS = ("einsum", "mul")
+
+
+def shift_into(g: Tensor, dim: str, offset: int, wrap: bool) -> Tensor:
+    """``g`` shifted along ``dim``: where ``g`` is a product (einsum, mul) of which one operand
+    carries ``dim`` and has no more elements than ``g``, that operand is shifted instead.
+
+    A conv written as shifts (``sum_t einsum(shift(x, o_t), w_t)``) has as the gradient of tap
+    ``t``'s input ``shift(einsum(dy, w_t), -o_t)``: each a different tensor, so over a split dim
+    each traded a halo of its own (``d + 2d`` rows for taps ``2d, d, 0``).  As ``einsum(shift(dy,
+    -o_t), w_t)`` every tap shifts the one ``dy``, whose readers share one exchange as wide as
+    the widest (``2d``: meshdsl/lowering/halo.py).  The operand's rows are no wider than ``g``'s
+    (its elements at most ``g``'s), so no tap's halo grows; a product that widens the rows
+    (``c_out > c_in``) keeps its own shift."""
+    op = {"dim": dim, "offset": offset, "wrap": wrap}
+    node = g.node
+    carriers = [i for i, t in enumerate(node.inputs) if dim in t.shape] if node is not None else []
+    if (node is None or node.op.name not in _PRODUCTS or len(carriers) != 1 or len(node.outputs) != 1
+            or node.inputs[carriers[0]].shape.numel > g.shape.numel):
+        return apply("shift", [g], op)
+    ins = list(node.inputs)
+    ins[carriers[0]] = apply("shift", [ins[carriers[0]]], op)
+    return apply(node.op.name, ins, dict(node.attrs))
 
 
 def shift_local(x, incoming, k: int, pos: int):
@@ -149,6 +188,7 @@ def shift_local(x, incoming, k: int, pos: int):
 def slice_(x: Tensor, dim, start: int, stop: int) -> Tensor:
     """Elements ``start:stop`` of ``x`` along ``dim`` (a dim of the same name, smaller)."""
     name = _dim(x, dim, "slice")
+    _ints("slice_", x, name, start=start, stop=stop)
     n = x.shape.get(name).size
     if not 0 <= start < stop <= n:
         raise ShapeError(message(f"slice: [{start}:{stop}] is out of range for dim '{name}' of size {n}.",
@@ -159,6 +199,7 @@ def slice_(x: Tensor, dim, start: int, stop: int) -> Tensor:
 def pad(x: Tensor, dim, before: int, after: int, value: float = 0.0) -> Tensor:
     """Pad ``x`` along ``dim`` with ``before``/``after`` elements of ``value``."""
     name = _dim(x, dim, "pad")
+    _ints("pad", x, name, before=before, after=after)
     if before < 0 or after < 0:
         raise ShapeError(message(f"pad: negative padding ({before}, {after}) on '{name}'.",
                                  rule="padding amounts are >= 0", fix="use slice to shrink a dim"))
@@ -181,6 +222,7 @@ def concat(xs, dim) -> Tensor:
 def shift(x: Tensor, dim, offset: int, wrap: bool = False) -> Tensor:
     """Move elements ``offset`` places along ``dim``; zero-filled, or rolled when ``wrap``."""
     name = _dim(x, dim, "shift")
+    _ints("roll" if wrap else "shift", x, name, offset=offset)
     return apply("shift", [x], {"dim": name, "offset": int(offset), "wrap": bool(wrap)})
 
 

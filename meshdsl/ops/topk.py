@@ -58,8 +58,9 @@ def top_k(x: Tensor, dim, k: int, new_dim: Dim | str | None = None):
     """
     name = dim.name if isinstance(dim, Dim) else dim
     n = x.shape.get(name).size
-    if not 1 <= k <= n:
-        raise ShapeError(message(f"top_k: k={k} is out of range for dim '{name}' of size {n}.",
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ShapeError(message(f"top_k: k={k!r} is out of range for dim '{name}' of size {n}." if isinstance(k, int)
+                                 else f"top_k: k={k!r} ({type(k).__name__}) is not an int.",
                                  rule="1 <= k <= size", fix=f"pick k in 1..{n}"))
     if new_dim is None:
         new_dim = Dim(f"{name}_top", k)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import GraphError, did_you_mean, message
-from ..lowering.compiler import compile as compile_plan
+from ..lowering.compiler import compile as compile_plan, ignored_options
 from .agreement import allowed_diff
 from .dense import run_dense
 from .simulated import run_simulated
@@ -145,14 +145,21 @@ def check(outputs, mesh, layout=None, feeds: dict | None = None, *, params: dict
 
     Returns:
       A :class:`CheckResult`: ``.ok``, ``.failed``, one :class:`OutputCheck` per output, and a
-      table as ``str()``.
+      table as ``str()``.  An option given that changes nothing (a ``schedule`` of a layout that
+      pipelines nothing) is said on stdout, one ``note:`` line each, as ``meshdsl check`` says it.
 
     Raises:
       the errors of :func:`~meshdsl.compile`, :func:`~meshdsl.run_dense` and
       :func:`~meshdsl.run_simulated` for a bad graph, mesh, layout or feed.
     """
     _check_options(compile_options)
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < float("inf"):
+        raise GraphError(message(f"check: tol={tol!r} ({type(tol).__name__}) is not a positive number.",
+                                 rule="tol is each output's allowance relative to its magnitude, a float > 0",
+                                 fix="pass e.g. tol=1e-4 (the default) or tol=1e-3"))
     plan = compile_plan(outputs, mesh, layout, **compile_options)
+    for note in ignored_options(plan):   # as `meshdsl check` and md.fit say them
+        print(f"note: {note}", flush=True)
     want = run_dense(outputs, feeds, params=params, seed=seed)
     got = run_simulated(plan, feeds, params=params, seed=seed)
     with torch.no_grad():

@@ -312,11 +312,11 @@ def _prepare_bucket(ctx, i, s):
     comm, ins, outs = ctx.comm, s.ins, s.outs
     layouts = [bucket_members(ctx.plan, s, r) for r in comm.ranks]   # a member split unevenly differs by rank
     pack = pack_allreduce if s.kind == "bucket_allreduce" else pack_reduce_scatter
-    num_chunks, dims = ctx.plan.mesh.axis_size(s.axes), s.args.get("dims", ())
+    num_chunks, dims, cuts = ctx.plan.mesh.axis_size(s.axes), s.args.get("dims", ()), s.args.get("cuts", ())
 
     def call(env, get, run):
         members = [get(v) for v in ins]
-        flats = [pack([m[j] for m in members], num_chunks, dims) for j in range(len(comm.ranks))]
+        flats = [pack([m[j] for m in members], num_chunks, dims, cuts) for j in range(len(comm.ranks))]
         for vid, member in zip(outs, start_packed_each(comm, s, flats, layouts)):
             env[vid] = member
     return call

@@ -12,9 +12,18 @@ of each role: plain DP, Megatron TP, the fewest micro-batches), the
 priced.  Options inside a role change a step's time far less than the mesh
 shape does (which dims are split how many ways), which is what makes the
 beam safe.
+
+Every listed candidate uses every axis of its mesh.  One whose axis no rule splits over
+(``data:2; model:2`` with ``batch:data`` alone) is a smaller mesh in disguise: the axis's
+ranks repeat each other's work, and asked for fewer processes the search finds the smaller
+mesh itself.  Such a candidate is priced (the reference) but not listed, nor is one whose rules
+on that axis save no more than :data:`RESOLUTION` of its step time and leave each rank at least
+:data:`REPLICATED_WORK` of its work (a small side dim split over the otherwise idle axis): both are
+counted as invalid, with the reason.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -26,7 +35,7 @@ from ..lowering.schedule_gen import parse_schedule
 from .calibrate import Calibration, Line
 from .dims import Splits
 from .predict import Prediction, predict
-from .space import Candidate, candidates
+from .space import Candidate, candidates, idle_axes
 
 EXHAUSTIVE_LIMIT = 600
 BEAM = 3
@@ -211,11 +220,14 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
         for c in group:
             price(c)
     ranked = [r for r in seen.values() if isinstance(r, Ranked)]
-    ok = order([r for r in ranked if _fits(r, memory_limit)])
-    over = [r for r in ranked if not _fits(r, memory_limit)]
-    invalid = pruned + [(c, r) for c, r in seen.items() if isinstance(r, str)]
+    work = _work_of(outputs, cal, nproc, strict_splits)
+    idle = _disguised(ranked, functools.cache(work))   # (whatever the memory limit: the same list)
+    ok = order([r for r in ranked if _fits(r, memory_limit) and id(r) not in idle])
+    over = [r for r in ranked if not _fits(r, memory_limit) and id(r) not in idle]
+    invalid = pruned + [(c, r) for c, r in seen.items() if isinstance(r, str)] + \
+        [(r.candidate, idle[id(r)]) for r in ranked if id(r) in idle]
     return SearchResult(ok, len(space) + len(pruned) + len(by_cost), len(seen), invalid, over, strategy,
-                        time.perf_counter() - t0, by_cost, splits, _work_of(outputs, cal, nproc, strict_splits))
+                        time.perf_counter() - t0, by_cost, splits, work)
 
 
 def _work_of(outputs, cal: Calibration, nproc: int, strict_splits: bool) -> Callable[[Candidate], float]:
@@ -258,6 +270,31 @@ def order(ranked: list[Ranked], resolution: float = RESOLUTION) -> list[Ranked]:
         place[id(r)] = max([t] + [place[id(s)] for rs, s in by_setup[(c.mesh, c.microbatches, c.schedule)]
                                   if rs < rules and t * (1 + resolution) >= s.prediction.step_s])
     return sorted(ranked, key=lambda r: (place[id(r)], len(_rule_set(r.candidate)), r.candidate))
+
+
+def _disguised(ranked: list[Ranked], work: Callable[[Candidate], float],
+               resolution: float = RESOLUTION) -> dict[int, str]:
+    """Why each candidate of ``ranked`` that is a smaller mesh in disguise is one (by ``id``): an
+    axis of its mesh splits nothing, or, beside such a candidate with a subset of its rules (same
+    mesh and pipeline), it is not faster by more than ``resolution`` (relative) and its ranks do
+    at least :data:`REPLICATED_WORK` of that one's ``work`` (a small side dim split)."""
+    idle = [r for r in ranked if idle_axes(r.candidate)]
+    out: dict[int, str] = {}
+    for r in ranked:
+        c = r.candidate
+        if idle_axes(c):
+            out[id(r)] = (f"axis '{idle_axes(c)[0]}' splits nothing: its ranks repeat each other's "
+                          f"work (a smaller mesh in disguise)")
+            continue
+        for s in idle:
+            d = s.candidate
+            if (d.mesh, d.microbatches, d.schedule) == (c.mesh, c.microbatches, c.schedule) and \
+                    _rule_set(d) < _rule_set(c) and r.prediction.step_s * (1 + resolution) >= s.prediction.step_s \
+                    and work(c) >= REPLICATED_WORK * work(d) > 0:
+                out[id(r)] = (f"its rules on axis '{idle_axes(d)[0]}' save less than {resolution:.0%} over "
+                              f"leaving it idle (a smaller mesh in disguise)")
+                break
+    return out
 
 
 def _rule_set(c: Candidate) -> frozenset:

@@ -14,7 +14,8 @@ dims, ranked how, and why):
 * ``model``: Megatron (``heads`` and ``d_ff``), then any other dim alone or two
   that no tensor holds together, the best few by a cheap estimate (``seq`` and
   ``experts`` always), and, beside another axis, no rule at all (:data:`REPLICATED`: the
-  axis replicates the model, which at a tiny size may truly be fastest);
+  axis replicates the model; priced only as the reference a side-dim split is measured
+  against, never listed: :mod:`.search`);
 * ``pipe``: the dim a ``repeat`` scans over, with a micro-batch count (2, 4, 8:
   the ones the batch allows) and a schedule (gpipe, 1f1b, zbh1, and where the layers and
   micro-batches allow two virtual stages per rank, interleaved:2 and interleaved-zb:2).
@@ -39,7 +40,8 @@ ROLES = ("pipe", "data", "model")
 #: Gradient accumulation without a pipeline: micro-batch counts offered on meshes with no ``pipe`` axis.
 ACCUMULATION = (2,)
 #: The model axis's option of no rule: every rank of a model group holds and runs the whole model
-#: (the plain layout a split of a small side dim would only disguise, see :mod:`.search`).
+#: (a smaller mesh in disguise, so never listed; the reference a split of a small side dim is
+#: measured against, see :mod:`.search`).
 REPLICATED = Option("", "replicated", "")
 
 

@@ -1,4 +1,5 @@
-"""The ``meshdsl`` command line: ``plan``, ``check``, ``run`` and ``train`` a model under a mesh and a layout.
+"""The ``meshdsl`` command line: ``plan``, ``check``, ``run`` and ``train`` a model under a mesh and a layout;
+``generate`` from and ``eval`` a trained run (:mod:`.trained_cli`).
 
 Each subcommand is two functions: ``add_<name>(subparsers)`` declares its
 arguments and ``cmd_<name>(args) -> exit code`` runs it; :data:`SUBCOMMANDS`
@@ -51,6 +52,7 @@ from .search_cli import add_calibrate, add_search, print_prediction, resolve_aut
 from .timeline_png import bar_counts, check_timeline, draw, simulated_rows, timeline_arg
 from .train_cli import add_train
 from .export_cli import add_export
+from .trained_cli import add_eval, add_generate
 from .stage_args import resolve_stage_layers, stage_lines
 from .cli_common import (EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE,  # noqa: F401
                          load_configured, lr_arg, make_console, model_args, pipe_args, remat_arg, seed_arg,
@@ -291,7 +293,8 @@ def _pipe_words(args, plan) -> str:
 
 # ----------------------------------------------------------------------------- main
 
-SUBCOMMANDS = [add_plan, add_check, add_run, add_train, add_export, add_calibrate, add_search]
+SUBCOMMANDS = [add_plan, add_check, add_run, add_train, add_export, add_generate, add_eval, add_calibrate,
+               add_search]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -206,6 +206,14 @@ def cmd_search(args) -> int:
     return 0
 
 
+def _figures(cal: Calibration) -> str:
+    """Whose figures the cost model prices with: this host's measured ones, or the defaults
+    (``meshdsl calibrate`` measures them)."""
+    if cal.source == "defaults":
+        return f"default figures ({cal.host} uncalibrated)"
+    return f"{cal.source} figures of {cal.host}"
+
+
 def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -> None:
     from rich.table import Table
 
@@ -213,7 +221,7 @@ def print_ranking(result: SearchResult, rows: list[Ranked], measured, console) -
     t = Table(title=f"{result.num_candidates} candidates ({result.strategy} search, {result.num_evaluated} "
                     f"compiled, {len(result.by_cost)} pruned by cost, {len(result.invalid)} invalid, "
                     f"{len(result.infeasible)} over the memory limit) "
-                    f"in {result.seconds:.1f} s; cost model: {cal.source} figures of {cal.host}",
+                    f"in {result.seconds:.1f} s; cost model: {_figures(cal)}",
               title_justify="left")
     for col in ("#", "mesh", "layout", "pipeline", "predicted ms", "memory/rank", "comm/step") + \
                (("measured ms",) if measured is not None else ()):
@@ -291,7 +299,7 @@ def print_prediction(plan, console, top: int = 15) -> None:
 
     cal = load()
     p = predict(plan, cal)
-    t = Table(title=f"predicted per step ({cal.source} figures of {cal.host}); costliest {top} ops",
+    t = Table(title=f"predicted per step ({_figures(cal)}); costliest {top} ops",
               title_justify="left")
     for col in ("op", "kind", "compute ms", "comm ms"):
         t.add_column(col, justify="left" if col in ("op", "kind") else "right")

@@ -82,4 +82,46 @@ def agree_held(comm, plan, values: dict[str, float]) -> dict[str, float]:
     return values
 
 
-__all__ = ["Evaluator", "agree_held"]
+def evaluate(model, params: dict, *, batches: int = 4, data=None, seed: int = 0) -> dict[str, float]:
+    """The held-out loss and the model's metrics of ``params``, as a training run's eval computes
+    them (the same batches; on the dense program, without dropout): the mean over ``batches``
+    eval batches (fewer if the held-out split is short).
+
+    Args:
+      model: the :class:`~.model.Model` (e.g. ``md.load_trained(path).model``).
+      params: param name -> full tensor (``md.load_trained(path).params``).
+      batches: how many eval batches (a run evaluates on ``eval_batches``, default 4).
+      data: for a model that reads text: a :class:`~.data.TokenData`, a text file's path, or
+        None for the default corpus; its held-out split is evaluated.  Ignored for a model on its
+        own data, which is evaluated on the seeds no training step uses.
+      seed: the run's seed (it splits text into train and held out, and seeds own-data batches).
+
+    Returns:
+      ``{"loss": mean, <metric>: mean, ...}``, and ``"batches"``: how many were evaluated.
+    """
+    from ..ir.interpret import DenseProgram
+    from .data import TokenData
+    from .feeder import IDS, LABELS, eval_seed, reads_text
+
+    prog = DenseProgram(without_dropout({"loss": model.loss, **model.metrics}))
+    if reads_text(model):
+        tokens = data if isinstance(data, TokenData) else TokenData.load(data, seed=seed)
+        batch, seq = _ids_size(prog, IDS)
+        n = min(batches, tokens.num_eval_batches(batch, seq))
+        feeds = [dict(zip((IDS, LABELS), xy)) for xy in tokens.eval_batches(batch, seq, num_batches=n)]
+    else:
+        feeds = [model.feeds(eval_seed(seed, b)) for b in range(batches)]
+    got: dict[str, list[float]] = {k: [] for k in ("loss", *model.metrics)}
+    for f in feeds:
+        outs = prog({k: f[k] for k in prog.inputs}, params)
+        for k in got:
+            got[k].append(float(outs[k]))
+    return {**{k: statistics.fmean(v) if v else float("nan") for k, v in got.items()}, "batches": len(feeds)}
+
+
+def _ids_size(prog, name: str) -> tuple[int, int]:
+    """``(batch, seq)`` of the program's input ``name``."""
+    return tuple(d.size for d in prog.inputs[name].shape)
+
+
+__all__ = ["Evaluator", "agree_held", "evaluate"]

@@ -10,6 +10,8 @@ position.  A context longer than ``seq`` keeps its last ``seq`` tokens.  Up to
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..errors import message
@@ -17,6 +19,11 @@ from ..ir.eval_mode import without_dropout
 from ..ir.interpret import DenseProgram
 from .data import ByteTokenizer
 from .model import Model, ModelError
+
+#: Torch threads of sampling: one, as ``md.fit`` and ``meshdsl train`` run.  Each token is a
+#: small program run; on a loaded 2-core machine a user's model made 60 tokens in 24 s with torch's default
+#: threads and 1.2 s with one (docs/guide/training.md).
+SAMPLE_THREADS = 1
 
 
 def _program(model: Model):
@@ -49,9 +56,23 @@ def samplable(model: Model) -> bool:
             and model.logits.shape.sizes[-1] >= ByteTokenizer.vocab_size)
 
 
+def vocab_field(config, vocab: int) -> str:
+    """The name of the ``Config`` field that sets the vocab size ``vocab``: ``vocab`` where the
+    Config has it, else its one int field of that value (a user's ``V``), preferring a name
+    that starts with ``v`` or says ``vocab`` where several hold it; ``vocab`` when none does."""
+    if not dataclasses.is_dataclass(config):
+        return "vocab"
+    names = [f.name for f in dataclasses.fields(config)]
+    if "vocab" in names:
+        return "vocab"
+    equal = [n for n in names if type(getattr(config, n)) is int and getattr(config, n) == vocab]
+    named = [n for n in equal if n.lower().startswith("v") or "vocab" in n.lower()]
+    return equal[0] if len(equal) == 1 else named[0] if len(named) == 1 else "vocab"
+
+
 @torch.no_grad()
 def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens: int = 200,
-                  temperature: float = 0.8, seed: int = 0) -> list[str]:
+                  temperature: float = 0.8, seed: int = 0, threads: int | None = None, top_k: int | None = None) -> list[str]:
     """Continue each prompt with ``max_new_tokens`` sampled byte tokens.
 
     Args:
@@ -61,6 +82,13 @@ def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens
       max_new_tokens: tokens to add to each.
       temperature: softmax temperature; ``0`` takes the most likely token.
       seed: the sampling seed (the same seed gives the same text).
+      top_k: sample among the ``top_k`` most likely tokens only (None: all of them).
+      threads: torch threads while sampling (default :data:`SAMPLE_THREADS`, 1; the count
+        before is restored at the end).
+
+    Each new token runs the whole ``[batch, seq]`` program (no key/value cache): a model
+    built with ``batch=1`` (``md.load_model(..., batch=1)``; the params do not depend on
+    ``batch``) samples one prompt ``batch`` times faster than one built for training.
 
     Returns:
       The generated continuations (without their prompts), one per prompt.
@@ -70,12 +98,27 @@ def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens
     """
     prog, ids_name, (batch, seq, vocab) = _program(model)
     if vocab < ByteTokenizer.vocab_size:
+        field = vocab_field(model.config, vocab)
         raise ModelError(message(f"generate: the model's vocab is {vocab}, smaller than the 256 byte tokens.",
                                  rule="text is byte-tokenized: ids 0..255",
-                                 fix="build the model with vocab=256 (--config vocab=256)"))
+                                 fix=f"build the model with {field}=256 (--config {field}=256)"))
     if temperature < 0:
         raise ModelError(message(f"generate: temperature {temperature} < 0.", fix="use 0 (greedy) or more"))
-    tok = ByteTokenizer()
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        raise ModelError(message(f"generate: top_k {top_k!r} is not a positive int.",
+                                 fix="pass top_k=1 or more (None: sample among all tokens)"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(SAMPLE_THREADS if threads is None else threads)
+    try:
+        return _sample(prog, ids_name, (batch, seq), params, prompts, max_new_tokens, temperature, seed, top_k)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sample(prog, ids_name: str, size: tuple[int, int], params: dict, prompts: list[str], max_new_tokens: int,
+            temperature: float, seed: int, top_k: int | None) -> list[str]:
+    """:func:`generate_many`'s loop: ``batch`` prompts at a time, one program run per new token."""
+    (batch, seq), tok = size, ByteTokenizer()
     gen = torch.Generator().manual_seed(seed)   # sampled on the CPU: the same text on any device
     dev = next((v.device for v in params.values()), torch.device("cpu"))
     out = []
@@ -91,6 +134,8 @@ def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens
                 last.append(len(ctx) - 1)
             logits = prog({ids_name: ids.to(dev)}, params)["logits"]
             step = logits[torch.arange(len(rows), device=dev), torch.tensor(last, device=dev), :tok.vocab_size].cpu()
+            if top_k is not None and top_k < step.shape[-1]:
+                step = step.masked_fill(step < step.topk(top_k, -1).values[:, -1:], float("-inf"))
             if temperature == 0:
                 nxt = step.argmax(-1)
             else:
@@ -103,7 +148,7 @@ def generate_many(model: Model, params: dict, prompts: list[str], max_new_tokens
 
 
 def generate(model: Model, params: dict, prompt: str = "", max_new_tokens: int = 200,
-             temperature: float = 0.8, seed: int = 0) -> str:
+             temperature: float = 0.8, seed: int = 0, threads: int | None = None, top_k: int | None = None) -> str:
     """Continue ``prompt`` with ``max_new_tokens`` sampled tokens (see :func:`generate_many`).
 
     Example::
@@ -111,7 +156,7 @@ def generate(model: Model, params: dict, prompt: str = "", max_new_tokens: int =
         step = md.TrainStep(model.loss, model.params, "data:1", "", comm)  # ... trained
         print(md.generate(model, step.full_params(), "def ", max_new_tokens=100))
     """
-    return generate_many(model, params, [prompt], max_new_tokens, temperature, seed)[0]
+    return generate_many(model, params, [prompt], max_new_tokens, temperature, seed, threads, top_k)[0]
 
 
-__all__ = ["generate", "generate_many"]
+__all__ = ["SAMPLE_THREADS", "generate", "generate_many"]
