@@ -18,8 +18,8 @@ from conftest import build_case, check_plan
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.cost import CostModel
 
-SEQ_SPLIT = "seq:model"   # k and v renamed from seq: key_seq:model implied (lowering/implied.py)
-UNEVEN = "seq:model; key_seq:model"   # no implied rule splits a dim unevenly: written
+SEQ_SPLIT = "seq:model"   # k and v renamed from seq: key_seq:model implied (lowering/implied.py), even or not
+UNEVEN = "seq:model; key_seq:model"   # written out: the same plan as SEQ_SPLIT implies
 
 
 def _banded(q, k, v, window: int, causal: bool, scale: float):
@@ -76,6 +76,7 @@ def _kinds(plan) -> set[str]:
     (12, "model:2", SEQ_SPLIT, 20, True),                          # wider than the sequence
     (12, "model:3", SEQ_SPLIT, 5, True),                           # 4 of a block of 4: one neighbour
     (11, "model:3", UNEVEN, 3, True),                              # uneven blocks 4, 4, 3
+    (11, "model:3", SEQ_SPLIT, 3, True),                           # the same, key_seq:model implied
     (11, "model:3", UNEVEN, 5, False),                             # 4 rows, a block of 3: gathered
     (12, "data:2; model:2", SEQ_SPLIT + "; heads:data", 5, True),  # heads split too
 ])
@@ -164,6 +165,56 @@ def test_window_in_a_repeat_stack_matches_dense():
     check_plan(case, "model:3", UNEVEN)
     plan = md.compile(case.outputs, "model:3", UNEVEN)
     assert "allgather" not in {s.kind for s in plan.steps}, plan.totals()
+
+
+def test_an_uneven_split_implies_the_keys_split_only_for_a_window():
+    """seq 11 over ``model:3`` (blocks 4, 4, 3): ``seq:model`` alone implies ``key_seq:model`` for
+    keys only a windowed attention mixes, and the plan is the written layout's (4 halo permutes,
+    no gather); plain causal attention, or keys another op also sums over, keep the keys whole
+    (an uneven split of keys every query reads would be gathered anyway)."""
+    plan = md.compile(build_case(_self_attention(3, n=11)).outputs, "model:3", SEQ_SPLIT)
+    assert "implied by rename: key_seq:model (from seq)" in plan.notes, plan.notes
+    written = md.compile(build_case(_self_attention(3, n=11)).outputs, "model:3", UNEVEN).totals()
+    assert plan.totals() == written and written["permute"] == {"count": 4, "bytes": 512}, written
+
+    def summed_keys():
+        b, s, e = md.Dim("batch", 2), md.Dim("seq", 11), md.Dim("d_head", 4)
+        x = md.param("x", [b, s, e], scale=1.0)
+        k = md.rename(x, seq="key_seq")
+        y = md.attention(x, k, k, "seq", "key_seq", "d_head", window=3)
+        return y + md.reduce_sum(k, "key_seq"), {}
+    for fn in (_self_attention(None, n=11), summed_keys):
+        notes = md.compile(build_case(fn).outputs, "model:3", SEQ_SPLIT).notes
+        assert not any("key_seq:model" in t for t in notes), notes
+
+
+def test_a_repeat_stack_saves_the_halo_for_its_backward():
+    """In a ``repeat`` the forward saves the key/value rows its neighbours sent (halo strips,
+    ``hl`` rows a layer each) and the backward glues them on again: the stack trades the unrolled
+    layers' permutes (per layer 2 halos, 2 gradient folds), not 2 more a layer."""
+    def stack(rep: bool):
+        def fn():
+            b, s, h, e, layer = md.Dim("batch", 2), md.Dim("seq", 11), md.Dim("heads", 2), md.Dim("d_head", 4), \
+                md.Dim("layer", 2)
+            x = md.param("x", [b, s, h, e], scale=1.0)
+            w = {n: md.param(n, [layer, h, e], scale=1.0) for n in ("wk", "wv")}
+
+            def block(c, p):
+                k, v = md.rename(c * p["wk"], seq="key_seq"), md.rename(c * p["wv"], seq="key_seq")
+                return md.tanh(md.attention(c, k, v, "seq", "key_seq", "d_head", window=3)) + c
+            if rep:
+                return md.repeat(block, x, w, "layer"), {}
+            for i in range(2):
+                x = block(x, {n: md.squeeze(md.slice_(t, "layer", i, i + 1), "layer") for n, t in w.items()})
+            return x, {}
+        return fn
+    case = build_case(stack(True))
+    check_plan(case, "model:3", SEQ_SPLIT)
+    plan = md.compile(case.outputs, "model:3", SEQ_SPLIT)
+    unrolled = md.compile(build_case(stack(False)).outputs, "model:3", SEQ_SPLIT).totals()
+    assert plan.totals()["permute"] == unrolled["permute"] == {"count": 8, "bytes": 1024}, plan.totals()
+    back = next(s for s in plan.steps if s.kind == "repeat" and s.args["backward"]).subplans[0]
+    assert [s.note.split(":")[0] for s in back.steps if s.kind == "permute"] == ["halo gradient"] * 2
 
 
 @pytest.mark.parametrize("window,what", [(0, "window=0 is not positive"), (-2, "window=-2 is not positive"),

@@ -233,3 +233,22 @@ def test_a_tied_embeddings_sum_made_in_the_final_segment_is_reduced_on_its_own()
         if s.kind == "bucket_allreduce":
             assert not made & set(s.ins)
     assert any(s.kind == "allreduce" and s.ins[0] in made for s, _ in final)
+
+
+def test_shared_weights_gradients_summed_over_the_stages_and_data_are_one_bucket():
+    """The Neural ODE's RK4 steps pipelined over ``stage`` and its examples split over ``data``:
+    the gradients of the weights every step reads from outside the repeat are summed over the
+    stages, micro-batches and data at once, in one bucket (not one allreduce per tensor over
+    the stages, then another over data), and loss and gradients stay the dense program's."""
+    from pathlib import Path
+
+    from conftest import assert_heldout_case_matches_dense, heldout_outputs
+    case = (str(Path(__file__).parent / "heldout_neuralode.py"), {}, "stage:2; data:2", "step:stage; ex:data",
+            {"microbatches": 2, "schedule": "1f1b"})
+    m = md.load_model(case[0], tiny=True)
+    plan = md.compile(heldout_outputs(m), *case[2:4], **case[4])
+    grads = [s for s, _ in _final(plan) if s.is_collective and s.phase == "backward"]
+    assert all(s.kind == "bucket_allreduce" for s in grads), [(s.kind, s.axes, s.label) for s in grads]
+    shared = [s for s in grads if "stage" in s.axes]
+    assert len(shared) == 1 and set(shared[0].axes) == {"stage", "data", "_mb"} and len(shared[0].ins) == 4
+    assert_heldout_case_matches_dense(case)

@@ -73,3 +73,50 @@ def test_the_tcn_as_shifts_moves_the_bytes_of_the_tcn_as_convs():
         model = md.load_model(TCN, tiny=True, form=form)
         return md.compile(heldout_outputs(model), "model:3", "time:model").totals()["permute"]
     assert permutes("shift") == permutes("conv") == {"count": 32, "bytes": 15360}
+
+
+def test_a_depthwise_2d_convs_backward_shares_one_halo_of_the_output_gradient():
+    """``md.conv`` builds a depthwise 2-D conv as ``shift(shift(x, height, o_h), width, o_w) *
+    w_t`` summed over the taps. Tap t's input gradient was ``shift(shift(dy, width, -o_w), height,
+    -o_h) * w_t``: its height shift read one tensor per ``o_w``, so under ``height:model`` each
+    traded its own halo (a 5x5: 2 forward permutes, 18 backward). The height shift now goes
+    inside, every tap shifts ``dy`` itself, and the backward trades one halo, as the forward does
+    (ConvNeXt-V2's 7x7, tests/heldout_convnextv2.py: 38 backward permutes where 2 do)."""
+    b, h, w, c = md.Dim("batch", 2), md.Dim("height", 8), md.Dim("width", 6), md.Dim("chan", 3)
+    with md.Graph():
+        x = md.input("x", [b, h, w, c])
+        wt = md.param("w", [md.Dim("kh", 5), md.Dim("kw", 5), c], scale=1.0)
+        y = md.conv(x, wt, {"height": "kh", "width": "kw"})
+        loss = md.reduce_mean(md.tanh(y) * md.cast(md.arange(h), torch.float32))
+        outs = {"loss": loss, **md.grad(loss, {"grad/w": wt, "grad/x": x})}
+        plan = md.compile(outs, "model:2", "height:model")
+    back, fwd = _halos(plan, "backward"), _halos(plan, "forward")
+    assert len(back) == len(fwd) == 2, (fwd, back)   # 2 rows of dy from each neighbour, as of x
+    feeds = {"x": torch.randn(2, 8, 6, 3, generator=torch.Generator().manual_seed(0))}
+    want, got = md.run_dense(outs, feeds), md.run_simulated(plan, feeds)
+    for k in want:
+        # the same products summed in another order (a split height): fp32 rounding, ~1e-7 relative
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_depthwise_2d_conv_under_a_split_width_shares_one_halo_each_way():
+    """Under ``width:model`` each width shift of ``md.conv``'s depthwise 2-D conv read its own
+    height-shifted tensor (``shift(shift(x, height, o_h), width, o_w)``) and traded its own halo (a
+    5x5: 18 forward permutes; with the backward mirrored, 18 backward). Shifts along two dims
+    commute, so the lowering shifts ``x`` along the split width first (one shared exchange) and
+    then along the whole height locally: 2 permutes each way, the numbers the dense ones."""
+    b, h, w, c = md.Dim("batch", 2), md.Dim("height", 6), md.Dim("width", 8), md.Dim("chan", 3)
+    with md.Graph():
+        x = md.input("x", [b, h, w, c])
+        wt = md.param("w", [md.Dim("kh", 5), md.Dim("kw", 5), c], scale=1.0)
+        y = md.conv(x, wt, {"height": "kh", "width": "kw"})
+        loss = md.reduce_mean(md.tanh(y) * md.cast(md.arange(w), torch.float32))
+        outs = {"loss": loss, **md.grad(loss, {"grad/w": wt, "grad/x": x})}
+        plan = md.compile(outs, "model:2", "width:model")
+    back, fwd = _halos(plan, "backward"), _halos(plan, "forward")
+    assert len(back) == len(fwd) == 2, (fwd, back)   # 2 width rows of x, then of dy, each way
+    feeds = {"x": torch.randn(2, 6, 8, 3, generator=torch.Generator().manual_seed(0))}
+    want, got = md.run_dense(outs, feeds), md.run_simulated(plan, feeds)
+    for k in want:
+        # the same products summed in another order (a split width): fp32 rounding, ~1e-7 relative
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)

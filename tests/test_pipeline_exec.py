@@ -210,3 +210,38 @@ def test_the_final_segment_may_overwrite_every_params_update():
     updates = {s.outs[0] for s in final if s.kind == "local" and s.args.get("inplace") is not None}
     assert got == updates and len(updates) == len(model.params)
     assert not ex.donates   # the simulated mesh holds both stages: it never overwrites
+
+
+def _per_example_codes():
+    """DeepSDF-style: the first carry is a learned param per example (it holds 'batch'), no input."""
+    b, s, d, l = md.Dim("batch", 4), md.Dim("seq", 3), md.Dim("d_model", 2), md.Dim("layer", 2)
+    with md.Graph("codes"):
+        codes = md.param("codes", [b, s, d], scale=1.0)
+        ps = {"w": md.param("w", [l, d], scale=1.0)}
+        out = md.repeat(lambda h, p: md.tanh(h * p["w"]) + h, codes, ps, "layer")
+        loss = md.reduce_sum(out * out)
+        grads = md.grad(loss, {"codes": codes, **ps})
+    return {"loss": loss, **{f"grad/{k}": g for k, g in grads.items()}}
+
+
+@pytest.mark.parametrize("mesh,layout,schedule", [("stage:2", "layer:stage", "1f1b"),
+                                                  ("stage:2", "layer:stage", "zbh1"),
+                                                  ("data:2", "batch:data", "gpipe")])
+def test_a_param_holding_the_examples_dim_is_cut_per_microbatch(mesh, layout, schedule):
+    """Each micro-batch reads its own rows of the per-example param and gets their gradient; what
+    reads the pipelined repeat's output runs per micro-batch too (it once ran before the schedule,
+    reading a carry no action had written yet), and accumulation runs the forward one micro-batch
+    at a time (not every step once, before the micro-batches).  Each rank's part is compared: the
+    per-example gradient stays cut over the micro-batches, which real ranks hold without gathering."""
+    outs = _per_example_codes()
+    want = md.run_dense(outs, {})
+    plan = md.compile(outs, mesh, layout, microbatches=2, schedule=schedule)
+    forward = next(s for s in plan.steps if s.kind in ("pipeline", "accumulate")).subplans[1].steps
+    assert any(s.kind in ("repeat", "local") and s.node is not None for s in forward)
+    ex = md.Executor(plan, SimulatedComm(plan.mesh))
+    got = ex.run({}, ex.init_params(0))
+    for k, full in want.items():
+        for r, (g, w) in enumerate(zip(got[k], ex.local_slices(plan.values[plan.outputs[k]], full))):
+            if w is not None:   # fp32 sums in another order only (see REL above)
+                torch.testing.assert_close(g, w, rtol=REL, atol=REL * float(full.abs().max()),
+                                           msg=lambda m, k=k, r=r: f"{k} on rank {r}: {m}")

@@ -10,16 +10,23 @@ process hold all ``m`` virtual ranks of its real rank, on top of a real communic
   issue them in the same order);
 * an allreduce over axes with it first folds the held micro-batches locally, in
   group order, then reduces the rest over the real axes;
+* an allgather over axes with it (a value holding the examples' dim put back into one
+  tensor: an output, a per-example param) joins the held micro-batches locally: each
+  gathered over the real axes, then joined, when the micro-batch axis comes first in the
+  group order; joined, then gathered, when it comes last;
 * a send or receive carries the micro-batch in its tag, so transfers of different
   micro-batches never pair up; a receive can be started early and waited for later.
 """
 from __future__ import annotations
+
+import torch
 
 from ..collectives import REDUCE
 from ..errors import DistributedError, message
 from ..layout.mesh import Mesh
 from ..lowering.pipeline import MB_AXIS
 from .communicator import Communicator, Pending
+from .real_parts import mb_gather_ok
 
 
 def real_rank(mesh: Mesh, virtual: int) -> int:
@@ -65,9 +72,9 @@ class MicrobatchComm(Communicator):
         so here too.  A receive is posted and waited for later (a pipeline posts its next
         one before computing); a sum over the micro-batches is folded locally at once and
         its reduction over the real axes left in flight."""
-        if kind not in self.async_kinds:
-            return super().start(kind, xs, axes, args)
         axes = tuple(axes)
+        if kind not in self.async_kinds or (kind == "allgather" and MB_AXIS in axes):
+            return super().start(kind, xs, axes, args)
         real_axes = _real(axes)
         if kind in ("send", "recv"):
             return _PerRankResults([self.real.start(kind, [x], real_axes, self._tagged(v, args))
@@ -88,10 +95,23 @@ class MicrobatchComm(Communicator):
                     for v, x in zip(self.ranks, xs)]
         if MB_AXIS not in axes:
             return [self.real.collective(kind, [x], real_axes, args)[0] for x in xs]
+        if kind == "allgather" and mb_gather_ok(kind, axes, args) and len(self.ranks) == self.num_microbatches:
+            return [self._join(xs, axes, args)] * len(xs)
         acc = self._fold(kind, xs, axes, args)
         if real_axes:
             acc = self.real.collective(kind, [acc], real_axes, args)[0]
         return [acc] * len(xs)
+
+    def _join(self, xs, axes, args):
+        """An allgather over ``axes`` (the micro-batch axis first or last) of all the held
+        micro-batches: in the simulated mesh's group order (the first axis is the major one)."""
+        dim, real_axes = args["dim"], _real(axes)
+        xs = [x for _, x in sorted(zip(map(self._mb, self.ranks), xs), key=lambda p: p[0])]
+        if not real_axes:
+            return torch.cat(xs, dim=dim)
+        if axes[0] == MB_AXIS:    # micro-batch k's block holds every real rank's part of it
+            return torch.cat([self.real.collective("allgather", [x], real_axes, args)[0] for x in xs], dim=dim)
+        return self.real.collective("allgather", [torch.cat(xs, dim=dim)], real_axes, args)[0]
 
     def _fold(self, kind, xs, axes, args):
         """The held micro-batches' sum (or max/min), folded in group order; checks that the
@@ -100,8 +120,9 @@ class MicrobatchComm(Communicator):
             raise DistributedError(message(
                 f"{kind} over {axes} on torch.distributed with micro-batches.",
                 inputs=[f"mesh: {self.mesh}"],
-                rule="on real processes, only sums over the micro-batch axis (gradient accumulation, "
-                     "the loss mean) fold the micro-batches of a rank",
+                rule="on real processes, a rank holding all its micro-batches folds sums over the "
+                     "micro-batch axis (gradient accumulation, the loss mean) and joins them in an even "
+                     "allgather with the micro-batch axis first or last",
                 fix="use microbatches=1 for this layout, or the simulated mesh"))
         acc = xs[0]
         for x in xs[1:]:  # the micro-batch axis is minor: a rank's micro-batches are consecutive in a group

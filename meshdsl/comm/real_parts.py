@@ -21,11 +21,12 @@ FLAT = {"bucket_allreduce": "allreduce", "bucket_reduce_scatter": "reduce_scatte
 def check_collective(comm, kind, xs, axes, args) -> None:
     """Raise where real ranks would run this collective of ``comm``'s held ranks (``xs``, one per
     held rank) otherwise than the simulated mesh does."""
-    if MB_AXIS in axes and kind not in ("allreduce", "send", "recv"):
-        _mismatch(kind, axes, "a real rank holds all its micro-batches and folds only sums over them")
-    if MB_AXIS in axes and kind == "allreduce" and len(comm.ranks) % comm.mesh.sizes[MB_AXIS]:
-        _mismatch(kind, axes, f"a view of {len(comm.ranks)} micro-batch ranks: a real rank folds all its "
-                              "micro-batches at once")
+    if MB_AXIS in axes and kind not in ("allreduce", "send", "recv") and not mb_gather_ok(kind, axes, args):
+        _mismatch(kind, axes, "a real rank holds all its micro-batches: it folds sums over them, and joins "
+                              "them (an even allgather with the micro-batch axis first or last)")
+    if MB_AXIS in axes and kind in ("allreduce", "allgather") and len(comm.ranks) % comm.mesh.sizes[MB_AXIS]:
+        _mismatch(kind, axes, f"a view of {len(comm.ranks)} micro-batch ranks: a real rank folds or joins all "
+                              "its micro-batches at once")
     if kind == "recv":   # a real rank receives into a buffer of its plan's local shape (the template)
         for r, like in zip(comm.ranks, xs):
             got = comm.mailbox.get((r, args["tag"]))
@@ -42,6 +43,14 @@ def check_collective(comm, kind, xs, axes, args) -> None:
                                     args)
                 if why:
                     _mismatch(kind, axes, why)
+
+
+def mb_gather_ok(kind, axes, args) -> bool:
+    """Whether a real rank holding all its micro-batches runs collective ``kind`` over ``axes``
+    (with the micro-batch axis) by joining them locally (:class:`~.microbatch.MicrobatchComm`):
+    an even allgather whose micro-batch axis is first (each micro-batch gathered over the real
+    axes, then joined) or last (joined, then gathered)."""
+    return kind == "allgather" and not args.get("uneven") and MB_AXIS in (axes[0], axes[-1])
 
 
 def parts_problem(kind: str, shapes: list, lengths: dict, args) -> str | None:

@@ -99,6 +99,28 @@ class Sharding:
     #: the dim's order (its :attr:`parts` then hold each rank's total, the sum of its blocks)
     blocks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
+    # Shardings key the compiler's caches (choices, prices, held copies): the hash is worked out
+    # once per instance, the dataclass's own value, and left out of a pickle (a string's hash
+    # differs between processes).
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash((self.dims, self.partial, self.parts, self.cyclic, self.blocks))
+        return h
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.dims == other.dims and self.partial == other.partial and self.parts == other.parts
+                and self.cyclic == other.cyclic and self.blocks == other.blocks)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     @staticmethod
     def replicated(shape: Shape) -> "Sharding":
         return Sharding(tuple((n, ()) for n in shape.names))

@@ -28,7 +28,7 @@ from __future__ import annotations
 from .batch_stats import made_once
 from .bucket import bucket_final
 from .partition import FIELDS, pipeline_step, varies_per_microbatch
-from .pipeline import MB_AXIS
+from .pipeline import BATCH, MB_AXIS
 from .pipeline_program import Segment
 from .plan import Step, register_step_kind
 from .schedule_gen import make_schedule
@@ -38,10 +38,12 @@ register_step_kind("accumulate", FIELDS)   # the pipeline step's fields: axis No
 ONE = frozenset({0})
 
 
-def segments(steps) -> list[Segment | None]:
-    """Per step: its :class:`~.pipeline_program.Segment`, None for params and inputs."""
+def segments(steps, values=None, examples: str = BATCH) -> list[Segment | None]:
+    """Per step: its :class:`~.pipeline_program.Segment`, None for params and inputs; with
+    ``values``, a param the micro-batches cut (per-example codes) is read per micro-batch, as an
+    input is (:func:`~.partition.varies_per_microbatch`)."""
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
-    per_mb = made_once(steps, varies_per_microbatch(steps))   # a whole-batch count of the inputs: once
+    per_mb = made_once(steps, varies_per_microbatch(steps, values, examples))   # a whole-batch count: once
     out: list[Segment | None] = []
     for i, s in enumerate(steps):
         came_from = {out[producer[v]] for v in s.ins if v in producer}
@@ -62,7 +64,7 @@ def accumulate(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 
     """``steps`` (lowered with the micro-batch axis, no pipeline) as the leaves plus one
     ``accumulate`` step; the final segment's gradient allreduces are bucketed as a pipeline's."""
     m = spec.num_microbatches
-    seg = segments(steps)
+    seg = segments(steps, values, spec.examples)
     lists = {k: [(s, ONE) for s, g in zip(steps, seg) if g == k] for k in Segment}
     in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
     lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)

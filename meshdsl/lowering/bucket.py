@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from ..collectives import parts_of
 from ..layout.sharding import Sharding
+from .fuse import IDENTITY
 from .pipeline import MB_AXIS
 from .plan import Plan, Step, Value, step_args
 
@@ -61,9 +62,19 @@ def _is_grad_reduction(s: Step, readers: dict, steps: list[Step], outputs: set[i
         return False
     if s.args.get("uneven") and (cuts is None or cuts(s) is None):  # parts of unequal length the bucket
         return False                                                   # cannot cut its buffer at
-    out = s.outs[0]
+    return _ends_in_update(s.outs[0], readers, steps, outputs)
+
+
+def _ends_in_update(out: int, readers: dict, steps: list[Step], outputs: set[int]) -> bool:
+    """Whether ``out`` is a plan output or only the update reads it, looking through identity
+    steps (a pipeline's final segment keeps a gradient output's ``stop_gradient``)."""
     users = readers.get(out, ())
-    return (out in outputs or bool(users)) and all(steps[j].phase == "update" for j in users)
+    if out in outputs or users:
+        return all(steps[j].phase == "update" or (steps[j].kind == "local" and steps[j].op in IDENTITY
+                                                   and len(steps[j].ins) == 1
+                                                   and _ends_in_update(steps[j].outs[0], readers, steps, outputs))
+                   for j in users)
+    return False
 
 
 def member_cuts(s: Step, values: dict, mesh) -> tuple[int, ...] | None:

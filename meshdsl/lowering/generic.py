@@ -153,11 +153,18 @@ def lower_generic(lw, node) -> None:
                            for k, s, t in zip(through, shs, node.inputs))
     # the shardings each input was already brought to (an FSDP weight gathered for one einsum is
     # whole for the next that reads it: that re-layout is free)
-    held = tuple(lw.held(v) for v in ins)
+    held = tuple(_held(lw, v) for v in ins)
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
            tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held)
     C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets, held))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
+
+
+def _held(lw, vid) -> frozenset:
+    """The shardings value ``vid`` was brought to or will be (``lw.foreseen``): the held set
+    itself when nothing is foreseen (its hash, a cache key's, is then worked out once)."""
+    held, foreseen = lw.held(vid), lw.foreseen.get(vid)
+    return held | foreseen if foreseen else held
 
 
 def _cheapest(lw, node, spec, shs, targets, held) -> tuple:
@@ -206,8 +213,11 @@ def _cheapest(lw, node, spec, shs, targets, held) -> tuple:
                        for d, ax in C.items()):
                 continue
             cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held)
-            # On a tie in time, the lowering that moves fewer values wins: doing nothing.
-            moves = sum(r != s for r, s in zip(plan["req"], shs)) + sum(o[0] != o[1] for o in plan["outs"])
+            # On a tie in time, the lowering that moves fewer values wins: doing nothing.  Reading
+            # a copy already held at the sharding asked for is no move (the saved activation's
+            # re-laid copy a repeat's backward is given: reading it spares moving the result).
+            moves = (sum(r != s and r not in h for r, s, h in zip(plan["req"], shs, held))
+                     + sum(o[0] != o[1] for o in plan["outs"]))
             if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and moves < best[1]):
                 best = (cost, moves, C, plan, P, scale)
     assert best is not None, node
@@ -315,7 +325,9 @@ def _emit(lw, node, spec, ins, C, plan, P, scale):
         fn, inplace = _scaled(fn, tuple(scale.get(i, 1.0) for i in range(len(ins)))), None
         why = (f"lazy partial sum over {','.join(P)}: "
                + ", ".join(f"input {i} x {k:g}" for i, k in sorted(scale.items())))
-    vids = [lw.relayout(v, r, node, f"input {i} of {node.op.name}") for i, (v, r) in enumerate(zip(ins, plan["req"]))]
+    # (an input already at its sharding, most, skips the re-layout and the reason's text)
+    vids = [v if lw.values[v].sharding == r else lw.relayout(v, r, node, f"input {i} of {node.op.name}")
+            for i, (v, r) in enumerate(zip(ins, plan["req"]))]
     ext = plan["ext_axes"]
     out_vids = []
     for t, (out_sh, lazy, note) in zip(node.outputs, plan["outs"]):
@@ -333,5 +345,6 @@ def _emit(lw, node, spec, ins, C, plan, P, scale):
             vid = red
         if note:
             lw.note(f"{node.name}: {note}")
-        vid = lw.relayout(vid, lazy, node, f"output of {node.op.name} to its layout")
+        if lazy != out_sh:   # (the result is made at ``out_sh``: else no re-layout to make)
+            vid = lw.relayout(vid, lazy, node, f"output of {node.op.name} to its layout")
         lw.bind(t, vid)

@@ -20,6 +20,10 @@ pads), so the "same" convolution written as ``pad`` then ``slice``\\ s keeps the
 split and moves only the halo.  An unevenly split dim (blocks as ``torch.tensor_split``
 cuts, :func:`halo_parts`) trades halos the same way: each rank's output block, cut from the
 output's length likewise, reads its window from its own source block and its neighbours'.
+There the ranks need different rows of their neighbours (the first 4 of 7 rows over 3 ranks:
+rank 1 reads rank 0's last row, rank 2 rank 1's first), so each rank sends the strip its
+neighbour reads, as wide as the widest one, and the neighbour places it where those rows lie
+(:func:`strips`), rather than every rank sending its last ``hl`` rows alike.
 Where no exchange with the neighbours reaches (a window beyond the next rank, fewer output
 rows than ranks), the reader gathers the dim, unless it asks for :meth:`Reach.far_widths` (a
 dilated conv over equal blocks, priced by its lowering): then the rows come from the ranks
@@ -180,13 +184,34 @@ def through(lw, t, reach: Reach):
     return t, reach
 
 
+def commuted(lw, node):
+    """The inner shift a shift ``node`` along a split dim reads through, or None: where its input
+    is a shift of ``x`` along another dim that ``x``'s layout keeps whole, the two commute
+    (``shift_w(shift_h(x)) == shift_h(shift_w(x))``, fill or wrap), so ``node`` shifts ``x`` itself
+    along its split dim (one exchange of ``x``, shared with every other reader) and then, locally,
+    along the whole one.  A depthwise 2-D conv under ``width:model``: each width shift read its
+    own height-shifted tensor and traded a halo of its own."""
+    inner = node.inputs[0].node if node.op.name == "shift" else None
+    if inner is None or inner.op.name != "shift" or inner.attrs["dim"] == node.attrs["dim"] \
+            or id(inner.inputs[0]) not in lw.env or lw.memo.get(("virtual", id(inner.inputs[0]))):
+        return None
+    sh = lw.sharding(lw.value(inner.inputs[0]))
+    if not sh.axes_of(node.attrs["dim"]) or sh.axes_of(inner.attrs["dim"]):
+        return None
+    return inner
+
+
 def _reaches(lw, t, dim: str):
-    """Every reach into ``t`` along ``dim`` of the readers this plan lowers, through virtual pads."""
+    """Every reach into ``t`` along ``dim`` of the readers this plan lowers, through virtual pads
+    and through the shifts along another dim that its readers commute with (:func:`commuted`)."""
     out = []
     for node, slot in readers(lw, t):
         fn = READS.get(node.op.name)
         r = fn(node, slot, dim) if fn else None
         if r is None:
+            if node.op.name == "shift" and not slot:
+                out += [window_reach(n, 0, dim) for n, k in readers(lw, node.outputs[0])
+                        if not k and n.op.name == "shift" and n.attrs["dim"] == dim and commuted(lw, n) is node]
             continue
         if is_virtual(lw, node):
             a = node.attrs
@@ -204,23 +229,74 @@ def resized(shape: Shape, name: str, size: int) -> Shape:
 
 def strip_rows(ctx, attrs, x):
     pos, width = attrs["pos"], attrs["width"]
+    if "starts" in attrs:   # per-rank strips: where this rank's rows start in its block, by its offset
+        return x.narrow(pos, dict(attrs["starts"])[ctx.offset(attrs["dim"])], width)
     return x.narrow(pos, x.shape[pos] - width, width) if attrs["last"] else x.narrow(pos, 0, width)
 
 
 def _glue(ctx, attrs, x, *got):
     """``x`` with the rows received glued on: ``attrs["left"]`` / ``["right"]`` list each side's
-    pieces nearest rank first, (rows, whether a permute sent them)."""
+    pieces nearest rank first, (rows, whether a permute sent them); ``attrs["place"]``, for a side
+    whose one piece is a per-rank strip (:func:`strips`), ``(left, rows, ((offset, at), ...))``:
+    the strip lies ``at`` rows into that side's ``rows``, by this rank's block offset."""
     pos, got = attrs["pos"], list(got)
     parts = [x]
+
+    def zeros(rows):
+        return x.new_zeros(x.shape[:pos] + (rows,) + x.shape[pos + 1:])
     for side, left in ((attrs["left"], True), (attrs["right"], False)):
         for width, sent in side:
             part = got.pop(0) if sent else None
             if part is None:
                 # A rank at the end of a dim that does not wrap has no neighbour there: its readers
                 # never take those rows as data (they read the fill), so zeros stand in.
-                part = x.new_zeros(x.shape[:pos] + (width,) + x.shape[pos + 1:])
+                part = zeros(width)
+            place = {on_left: (rows, at) for on_left, rows, at in attrs.get("place", ())}.get(left)
+            if place is not None:   # a per-rank strip: its place in the side's rows (none read the rest)
+                at = dict(place[1]).get(ctx.offset(attrs["dim"]), 0)
+                part = torch.cat([zeros(at), part, zeros(place[0] - at - width)], dim=pos)
             parts.insert(0 if left else len(parts), part)
     return torch.cat(parts, dim=pos)
+
+
+def strips(reaches, n: int, cut, hl: int, hr: int) -> dict:
+    """Per-rank strips of a halo over the blocks ``cut`` makes of the source (size ``n``) and of
+    each reach's output ((offset, length) each, in the neighbours' order), for each side whose
+    widest need is narrower than its rows (``hl`` left, ``hr`` right): ``{left: (width, sends,
+    places)}``.  Every rank
+    sends ``width`` rows starting ``sends[offset]`` into its block (by its block's offset), and
+    its neighbour places them ``places[offset]`` (by the receiver's offset) into that side's
+    rows; the rows none of ``reaches`` reads there stay zero.  Over uneven blocks (or a slice
+    shorter than the ranks' blocks) the ranks need different rows of their neighbours: sending
+    each its last ``hl`` rows alike moved rows nobody reads."""
+    need = {True: {}, False: {}}   # side -> receiver index -> the source rows it reads there
+    parts = cut(n)
+    for r in reaches:
+        for i, ((off, ln), (oo, ol)) in enumerate(zip(parts, cut(r.m))):
+            lo, hi = max(oo - r.s, 0), min(oo + ol - r.s + r.e, n)
+            for left, a, b in ((True, lo, min(hi, off)), (False, max(lo, off + ln), hi)):
+                if a < b:
+                    was = need[left].get(i, (a, b))
+                    need[left][i] = (min(was[0], a), max(was[1], b))
+    out = {}
+    for left, rows in ((True, hl), (False, hr)):
+        width = max((b - a for a, b in need[left].values()), default=0)
+        if not 0 < width < rows:
+            continue
+        sends, places = [], []
+        for i, (off, ln) in enumerate(parts):
+            j = i + 1 if left else i - 1    # the rank it sends to
+            if not 0 <= j < len(parts):
+                sends.append((off, ln - width if left else 0))
+                continue
+            r_off, r_ln = parts[j]
+            edge = r_off if left else r_off + r_ln   # where the receiver's side rows end (begin)
+            a, b = need[left].get(j, (edge - width, edge) if left else (edge, edge + width))
+            start = min(a, edge - width) if left else max(edge, b - width)
+            sends.append((off, start - off))
+            places.append((r_off, start - (edge - rows) if left else start - edge))
+        out[left] = (width, tuple(sends), tuple(places))
+    return out
 
 
 def hops(width: int, nb: int, p: int) -> list[tuple[int, int]]:
@@ -243,29 +319,37 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
     p = mesh.axis_size(axes)
     key = ("halo", vid, dim, reach.wrap)
     hit = lw.memo.get(key)
-    if hit is not None and hit[0] >= widths[0] and hit[1] >= widths[1]:
+    if hit is not None and hit[0] >= widths[0] and hit[1] >= widths[1] and _serves(lw, hit[2], reach):
         return hit[0], hit[2]
-    n = t.shape.get(dim).size
-    group = [w for w in (r.widths(n, p, cut_by(mesh, axes)) for r in _reaches(lw, t, dim)
-                         if r.wrap == reach.wrap) if w is not None]
-    hl = max([widths[0]] + [w[0] for w in group])
-    hr = max([widths[1]] + [w[1] for w in group])
+    n, cut = t.shape.get(dim).size, cut_by(mesh, axes)
+    group = [(r, w) for r, w in ((r, r.widths(n, p, cut)) for r in _reaches(lw, t, dim) if r.wrap == reach.wrap)
+             if w is not None]
+    hl = max([widths[0]] + [w[0] for _, w in group])
+    hr = max([widths[1]] + [w[1] for _, w in group])
     if not hl and not hr:
         return 0, vid
+    served = tuple(r for r, _ in group)
+    per = strips(served, n, cut, hl, hr) if not reach.wrap and reach in served and max(hl, hr) <= n // p else {}
     pos = v.shape.index(dim)
     sizes = {d.name: d.size for d in v.shape}
     shared = f", shared by {len(group)} readers" if len(group) > 1 else ""
-    got, glue = [], {"pos": pos, "left": [], "right": []}
+    got, glue = [], {"pos": pos, "left": [], "right": [], "dim": dim, "place": (), "served": served if per else None}
     for width, offset, side in ((hl, 1, "left"), (hr, -1, "right")):
-        for rows, k in (hops(width, n // p, p) if width else ()):
+        strip = per.get(offset > 0)
+        if strip is not None:   # each rank sends the rows its neighbour reads, placed there
+            glue["place"] += ((offset > 0, width, strip[2]),)
+        for rows, k in ((strip[0], 1),) if strip else (hops(width, n // p, p) if width else ()):
             glue[side].append((rows, k < p))
             if k >= p:     # beyond the dim's end for every rank: fill, zeros stand in
                 continue
             piece = vid
-            if rows < n // p or n % p:
+            if rows < n // p or n % p or strip:
                 piece = lw.new_value(resized(v.shape, dim, rows * p), v.dtype, sh)
-                lw.emit("local", node, [vid], [piece], args={"fn": strip_rows, "attrs": {
-                    "pos": pos, "width": rows, "last": offset > 0}, "compute": sh.split, "sizes": sizes})
+                attrs = {"pos": pos, "width": rows, "last": offset > 0}
+                if strip:
+                    attrs = {**attrs, "dim": dim, "starts": strip[1]}
+                lw.emit("local", node, [vid], [piece], args={"fn": strip_rows, "attrs": attrs,
+                                                            "compute": sh.split, "sizes": sizes})
             got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
             where = f"the {side} neighbour" if k == 1 else f"the rank {k} to the {side}"
             lw.emit("permute", node, [piece], [got[-1]], axes, args={"offset": offset * k, "wrap": reach.wrap},
@@ -278,6 +362,14 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
                                                      "sizes": sizes})
     lw.memo[key] = (hl, hr, ext)
     return hl, ext
+
+
+def _serves(lw, ext: int, reach: Reach) -> bool:
+    """Whether the exchange that glued ``ext`` gives ``reach`` its rows: any does, but one of
+    per-rank strips (:func:`strips`) only the reaches it was cut for (its glue's ``served``)."""
+    glue = next((s for s in reversed(lw.steps) if s.outs == (ext,)), None)
+    served = glue.args["attrs"].get("served") if glue is not None and "attrs" in glue.args else None
+    return served is None or reach in served
 
 
 # ----------------------------------------------------------------------------- the local window

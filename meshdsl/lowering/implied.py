@@ -26,7 +26,8 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   dim): FT-Transformer's per-feature weights ``[num_feat, d_model]`` make the numeric tokens
   renamed ``tok``; under ``tok:model`` they are stored split like the tokens they make, and the
   tokens' gradient is no longer gathered for theirs.  There the split may be uneven (a rename
-  keeps sizes: the parts are the written dim's, which strict splits refuse);
+  keeps sizes: the parts are the written dim's, which strict splits refuse), as it may be for
+  keys renamed from a split ``seq`` that only sliding-window attentions mix (a halo each);
 * a dim a reshape takes apart gets the written split of the output dim that is its outer
   part (Whisper's ``frames`` cut into ``(seq two)`` under ``seq:model``; a flat fused qkv
   weight's dim ``(heads qkv d_head)`` under ``heads:model``), so the split crosses the
@@ -291,10 +292,32 @@ def _uneven_ok(node, dim: str, g: _Graph) -> bool:
     the written dim's, which strict splits refuse): where a param holds ``dim`` and no forward op
     mixes its positions, so each rank makes its part of the renamed tensor from its own rows of
     the param, and their gradients from its own rows (FT-Transformer's per-feature tokens).
-    Elsewhere (an MoE's ``expert_batch``, a conv's rows) an uneven split measured dearer."""
+    Forward, a rename may pass it on unevenly to the keys of a sliding-window attention
+    (:func:`_window_keys_only`).  Elsewhere (an MoE's ``expert_batch``, a conv's rows) an uneven
+    split measured dearer."""
     mapping = node.attrs["mapping"] if node.op.name == "rename" else {}
+    made_from = [old for old, new in mapping.items() if new == dim]
+    if made_from:   # the dim the rename makes, its parts the written dim's
+        return _window_keys_only(g, dim, made_from[0])
     return (dim in mapping and any(dim in t.shape.names for t in g.params)
             and not g.mixes(dim, mapping[dim]))
+
+
+def _window_keys_only(g: _Graph, dim: str, src: str) -> bool:
+    """Whether the only forward ops that mix ``dim`` (renamed from ``src``) are sliding-window
+    attentions with ``dim`` their keys and ``src`` their queries: each rank then reads its own
+    keys and a halo of its neighbours' (:mod:`.attention`), for equal blocks or not, so the
+    keys may take the queries' uneven split (seq 11 over ``model:3``: blocks 4, 4, 3 both)."""
+    found = False
+    for n in g.forward:
+        if n.op.subgraphs(n) or not any(dim in t.shape.names for t in n.inputs):
+            continue
+        if n.op.name == "attention" and n.attrs.get("window") is not None \
+                and (n.attrs["key_dim"], n.attrs["query_dim"]) == (dim, src):
+            found = True
+        elif n.op.name == "rename" or dim in n.op.spec(n).fixed or dim in n.op.spec(n).reduce:
+            return False   # (another op mixes the keys: an uneven split measured dearer)
+    return found
 
 
 def _votes(g: _Graph, mesh, layout: Layout) -> dict[tuple, int]:

@@ -57,9 +57,10 @@ goes up once per micro-batch and its gradient comes back down to the earlier tow
 decoder layer's cross-attention keys and values, by one einsum with a stacked param) is made by each
 stage of the later stack's run, its own layers' part (:func:`_stacked_inputs`), and its gradient, each
 stage's part from its own layers of the stacked gradient, is summed down those stages per micro-batch
-to the earlier stack's last stage, where its backward reads it (:func:`_stacked_input_sums`).  With virtual stages
-(``interleaved:v``) the stacks are cut so on ``p * v`` logical stages and
-:func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
+to the earlier stack's last stage, where its backward reads it (:func:`_stacked_input_sums`); partial over
+other axes too (the cache split by heads), it is summed over those after, on that stage
+(:func:`_stage_sums_first`).  With virtual stages (``interleaved:v``) the stacks are cut so on
+``p * v`` logical stages and :func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
 
 The passes, in order: :func:`assign_stages`, :func:`assign_segments`,
 :func:`insert_transfers`; then :func:`_pipeline_step` makes the step and its
@@ -98,16 +99,20 @@ def _error(what, spec, bullets, rule, fix):
                                        f"micro-batches: {spec.num_microbatches}"], rule=rule, fix=fix))
 
 
-def varies_per_microbatch(steps, values=None, examples: str = BATCH) -> list[bool]:
+def varies_per_microbatch(steps, values=None, examples: str = BATCH, stacks=frozenset()) -> list[bool]:
     """Per step: whether it depends on the batch (an input, or a value made from one), so runs
     once per micro-batch; the others run once.  With ``values``, an input without the examples'
     dim ``examples`` (the micro-batches' dim: a table, a hyperparameter) is the same for every
-    micro-batch."""
+    micro-batch, and a param the micro-batches cut (it holds the examples' dim: per-example latent
+    codes, DeepSDF's) is read a micro-batch's rows at a time, as an input is.  The pipelined
+    repeats' steps (positions ``stacks``) run per micro-batch, in the F and B actions, whatever
+    they read: what reads their results does too, else it would run before the actions wrote it."""
     mb_vals: set[int] = set()
     out = []
-    for s in steps:
+    for i, s in enumerate(steps):
         batch_input = s.kind == "input" and (values is None or examples in values[s.outs[0]].shape.names)
-        out.append(batch_input or any(v in mb_vals for v in s.ins))
+        cut_param = s.kind == "param" and values is not None and MB_AXIS in values[s.outs[0]].sharding.used_axes
+        out.append(batch_input or cut_param or i in stacks or any(v in mb_vals for v in s.ins))
         if out[-1]:
             mb_vals.update(s.outs)
     return out
@@ -237,6 +242,7 @@ def _cut(steps, values, outputs, spec) -> _Cut:
                           and values[s.ins[1]].sharding.axes_of(layer) == (ax,))
     for layer, _ in layers:
         steps = _own_carry(steps, values, over(layer))
+    steps = _stage_sums_first(steps, values, ax, [over(layer) for layer, _ in layers])
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     stacks = []
     for layer, counts in layers:
@@ -252,7 +258,7 @@ def _cut(steps, values, outputs, spec) -> _Cut:
                              _read_as_parts(steps, fwd[0], b)))
     in_stacks = frozenset(i for st in stacks for i in (st.F, st.B) if i is not None)
     # a whole-batch count of the inputs, or statistic of a frozen tower: once
-    per_mb = made_once(steps, varies_per_microbatch(steps, values, spec.examples), in_stacks)
+    per_mb = made_once(steps, varies_per_microbatch(steps, values, spec.examples, in_stacks), in_stacks)
     sums = {i: (st, c) for st in stacks for i, c in chained_stage_sums(steps, ax, st.B, per_mb, producer).items()}
     inputs, grad_sums, grad_parts = ({}, {}, set()) if not spec.stacks else (
         _stacked_inputs(steps, values, spec, stacks, producer, per_mb),
@@ -270,14 +276,17 @@ def _stacked_inputs(steps, values, spec, stacks, producer, per_mb) -> dict[int, 
     over the stages with it, made before it from another stack's output: a cross-attention cache),
     each with that stack: each stage of its run makes its own layers' part (from values sent up to it),
     as it holds its own layers of the params they read; one stage making them all would hold only its
-    own part."""
+    own part.  A collective within a stage is one of them (the allreduce over ``model`` of the cache's
+    einsum contracting ``d_model:model``): else it, and what it sums, ran on the first stage, which
+    sent on its own part of the layers (none of the decoder's)."""
     out = {}
     for st, (_, layer, _) in zip(stacks, spec.stacks):
         F = steps[st.F]
         todo = list(F.ins[1:1 + len(F.args["names"])])
         while todo:
             j = producer.get(todo.pop())
-            if j is None or j in out or not per_mb[j] or steps[j].kind in ("param", "input") or steps[j].is_collective:
+            if j is None or j in out or not per_mb[j] or steps[j].kind in ("param", "input") or (
+                    steps[j].is_collective and {spec.axis, MB_AXIS} & set(steps[j].axes)):
                 continue
             if all(values[v].sharding.axes_of(layer) == (spec.axis,) for v in steps[j].outs):
                 out[j] = st
@@ -295,6 +304,9 @@ def _stacked_input_sums(steps, values, ax: str, stacks, producer, per_mb) -> tup
     Each sum runs down the later stack's stages to the earlier one's last stage, in the backward, as
     :mod:`.stage_sum` does."""
     dys = {steps[st.B].ins[st.dy_pos]: st for st in stacks if st.B is not None}
+    # or the stage sum a sum over other axes then reads (:func:`_stage_sums_first`)
+    dys.update({s.ins[0]: dys[s.outs[0]] for s in steps if s.kind == "allreduce" and s.outs[0] in dys
+                and ax not in s.axes and MB_AXIS not in s.axes})
     sums, parts = {}, set()
     for i, s in enumerate(steps):
         reader = dys.get(s.outs[0]) if s.kind == "allreduce" and s.axes == (ax,) else None
@@ -305,12 +317,41 @@ def _stacked_input_sums(steps, values, ax: str, stacks, producer, per_mb) -> tup
                 continue
             F, B = steps[st.F], steps[st.B]
             grads = set(B.outs[1:1 + len(F.args["names"])])
-            behind = _steps_behind(steps, producer, s.ins[0], grads)
+            behind = _steps_behind(steps, producer, s.ins[0], grads, ax)
             if behind:
                 sums[i] = (st, steps[reader.F].outs[0])
                 parts |= behind | _stacked_grads_of(steps, values, ax, per_mb, grads | {v for j in behind
                                                                                             for v in steps[j].outs})
     return sums, parts
+
+
+def _stage_sums_first(steps, values, ax: str, pipelined) -> list:
+    """``steps`` with each allreduce over the stage axis and other axes of a stack's output gradient
+    made from another stack's stacked gradients split in two: the sum over the stage axis, then one over
+    the others (``heads:model`` splits the cache's einsum too, so its gradient is partial over both).
+    The first is the stage sum :func:`_stacked_input_sums` runs down the stages per micro-batch; the
+    second runs on the stage where it ends, per micro-batch, as a collective of the layers' own would."""
+    dys, grads = {}, {}   # a backward's output gradient -> its stack; a stack -> its stacked gradients
+    for k, over in enumerate(pipelined):
+        fwd = [s for s in steps if over(s) and not s.args["backward"]]
+        for b in (s for s in steps if over(s) and s.args["backward"]):
+            n = len(fwd[0].args["names"])
+            dys[b.ins[1 + n]], grads[k] = k, set(b.outs[1:1 + n])
+    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
+    out = []
+    for s in steps:
+        k = dys.get(s.outs[0]) if s.kind == "allreduce" and len(s.outs) == 1 else None
+        if k is None or ax not in s.axes or len(s.axes) < 2 or MB_AXIS in s.axes or not any(
+                _steps_behind(steps, producer, s.ins[0], g, ax) for j, g in grads.items() if j != k):
+            out.append(s)
+            continue
+        rest = tuple(a for a in s.axes if a != ax)
+        v = values[s.outs[0]]
+        mid = max(values) + 1   # the stage sum, still partial over the other axes
+        values[mid] = Value(mid, v.shape, v.dtype, v.sharding.with_partial((*v.sharding.partial, *rest)))
+        out += [dataclasses.replace(s, axes=(ax,), outs=(mid,)),
+                dataclasses.replace(s, axes=rest, ins=(mid,), label=f"{s.label}: over {rest}")]
+    return out
 
 
 def _stacked_grads_of(steps, values, ax: str, per_mb, made: set) -> set[int]:
@@ -320,12 +361,14 @@ def _stacked_grads_of(steps, values, ax: str, per_mb, made: set) -> set[int]:
         any(ax in axes for axes in values[v].sharding.split.values()) for v in s.outs)}
 
 
-def _steps_behind(steps, producer, v: int, grads: set) -> set[int]:
+def _steps_behind(steps, producer, v: int, grads: set, ax: str) -> set[int]:
     """The positions of the local steps between ``grads`` and value ``v``, when ``v`` is made from
     ``grads`` alone, or by products of them with other values (an einsum with a param): then each stage's
     part, from its own layers of ``grads`` (none on a stage outside the stack's run), is its term of
     the sum over the stages.  Empty otherwise: a whole value added to such a part (a skip's gradient)
-    is added on every stage, a 1/p of it each, which the stack's stages alone do not sum."""
+    is added on every stage, a 1/p of it each, which the stack's stages alone do not sum.  A collective
+    within a stage (not over ``ax`` or the micro-batches: a sum over ``model`` of a gradient partial
+    there, ``d_model:model``) is linear and moves no part between stages: one of those steps too."""
     seen: dict[int, bool] = {}
 
     def made(u) -> bool:
@@ -337,6 +380,8 @@ def _steps_behind(steps, producer, v: int, grads: set) -> set[int]:
         if s.kind == "local":
             mine = [made(x) for x in s.ins]
             seen[j] = any(mine) and (all(mine) or s.op in ("einsum", "mul"))
+        elif s.is_collective and s.kind not in ("send", "recv") and not {ax, MB_AXIS} & set(s.axes):
+            seen[j] = all(made(x) for x in s.ins)
         return seen[j]
     return {j for j, ok in seen.items() if ok} if made(v) else set()
 

@@ -16,7 +16,8 @@ recomputes from them and from the layer's input: those steps have phase ``recomp
 saved reduced; one it only recomputes from is saved as the forward made it (a partial sum
 too), so the recompute repeats the forward's kernels and collectives exactly.  Where the forward
 moved a saved activation to another layout no larger than its own (an alltoall), it saves that
-copy too, and the backward reads it instead of repeating the exchange (:mod:`.saved_copies`).
+copy too, and the backward reads it instead of repeating the exchange; likewise the halo rows
+its neighbours sent it (a sliding window's keys), glued on again (:mod:`.saved_copies`).
 
 The block's per-layer outputs (``(carry, {name: tensor})``) leave the forward sub-plan as
 its rules leave them (``y/<name>``, partial sums kept) and are stacked over ``layer``; the
@@ -44,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..core.graph import topo_nodes
-from ..core.shape import Shape
+from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
 from ..ir.closure import PREFIX
 from ..layout.sharding import Sharding
@@ -53,7 +54,7 @@ from .compiler import Lowerer, lower_into
 from .pipeline import MB_AXIS
 from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
-from .saved_copies import copies_of, drop_unread, record, worth_saving
+from .saved_copies import copies_of, drop_unread, halo_strips, record, reglue, strip_of, worth_saving
 
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
@@ -100,6 +101,7 @@ class _Loop:
     want: list = field(default_factory=list)    # forward: indices of the saved activations used
     layer_axes: tuple = ()   # the axes splitting the layer dim (the pipeline axis, or none)
     copies: list = field(default_factory=list)  # (backward) (index into saved, stacked value): re-laid copies
+    strips: dict = field(default_factory=dict)  # (forward) copy name -> the halo Strip it is (saved_copies)
 
     @property
     def blk(self):
@@ -218,28 +220,39 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
     over the layers (:func:`_lower_backward_block`), or whose partial sums could pass on to
     readers all linear in them (:func:`_lazy_through`), is lowered both so and as before, and
     the cheaper loop is kept: its ``times`` layers' collectives plus the reductions its
-    outside and stacked gradients leave after the loop (:func:`_loop_price`)."""
+    outside and stacked gradients leave after the loop (:func:`_loop_price`).  So is one that
+    foresees the re-layouts of its inputs the first lowering made (:func:`_foreseen`)."""
     plan, saved_names, (fewer, through) = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True)
     tries = [plan]
     if through:
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=True, through=False)[0])
     if fewer:
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=False, through=False)[0])
-    if len(tries) == 1:
+    foreseen = _foreseen(plan) if loop.backward else {}
+    if len(tries) == 1 and not foreseen:
         return plan, saved_names
     # the cheapest; on a tie, the plainer (later) lowering
     prices = [_loop_price(lw, loop, p, times) for p in tries]
-    return next(p for p, c in reversed(list(zip(tries, prices))) if c <= min(prices)), saved_names
+    best, price = next((p, c) for p, c in reversed(list(zip(tries, prices))) if c <= min(prices))
+    if foreseen:
+        # taken only where it is cheaper and sends no more bytes: it prices free what it merely
+        # forecasts (fewer collectives of more bytes are no gain to take)
+        ahead = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True, foreseen=foreseen)[0]
+        if _loop_price(lw, loop, ahead, times) < price - 1e-12 and \
+                _loop_price(lw, loop, ahead, times, sent=True) <= _loop_price(lw, loop, best, times, sent=True):
+            best = ahead
+    return best, saved_names
 
 
-def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int) -> float:
+def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int, sent: bool = False) -> float:
     """Seconds (:mod:`.cost`) of a backward block's collectives over ``times`` layers, plus one
     allreduce of each outside tensor's gradient it leaves partial (over other axes than the
-    micro-batches and the stages, whose sums are made either way)."""
-    mesh, cost = lw.mesh, lw.cost
+    micro-batches and the stages, whose sums are made either way); bytes sent when ``sent``."""
+    mesh = lw.mesh
+    collective = (lambda kind, nbytes, n: nbytes) if sent else lw.cost.collective
 
     def price(p: Plan) -> float:
-        return sum(cost.collective(s.kind, s.bytes, mesh.axis_size(s.axes)) if s.is_collective else
+        return sum(collective(s.kind, s.bytes, mesh.axis_size(s.axes)) if s.is_collective else
                    sum(s.runs(k) * price(sub) for k, sub in enumerate(s.subplans)) for s in p.steps)
 
     def reduced_after(name: str, layers: int) -> float:
@@ -247,16 +260,30 @@ def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int) -> float:
         layer's share; summed over the layers: one share)."""
         v = plan.values[plan.outputs[name]]
         axes = tuple(a for a in v.sharding.partial if a != MB_AXIS and a not in loop.layer_axes)
-        return cost.collective("allreduce", layers * v.sharding.local_numel(v.shape, mesh) * v.dtype.itemsize,
-                               mesh.axis_size(axes))
+        return collective("allreduce", layers * v.sharding.local_numel(v.shape, mesh) * v.dtype.itemsize,
+                          mesh.axis_size(axes))
 
     after = sum(reduced_after(f"d/{k}", 1) for k in loop.blk.extra["dclosed"])
     after += sum(reduced_after(f"d/{k}", times) for k in loop.blk.extra["dparams"])
     return times * price(plan) + after
 
 
+def _foreseen(plan: Plan) -> dict[int, frozenset]:
+    """The shardings a block's lowering moved its inputs to (one collective each) where some step
+    also read the input as given: DeBERTa's relative projections ``k_r``, recomputed from an FSDP
+    weight split along the contraction (a partial sum, an allreduce per layer), whose gradients
+    gather that weight anyway.  A lowering told of them prices reading the copy free, as held."""
+    given = {v for s in plan.steps if s.kind == "input" for v in s.outs}
+    read_as_given = {v for s in plan.steps if not s.is_collective and s.kind != "input" for v in s.ins}
+    out: dict[int, frozenset] = {}
+    for s in plan.steps:
+        if s.is_collective and len(s.ins) == 1 and s.ins[0] in given & read_as_given:
+            out[s.ins[0]] = out.get(s.ins[0], frozenset()) | {plan.values[s.outs[0]].sharding}
+    return out
+
+
 def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: bool,
-                      through: bool) -> tuple[Plan, list[str], tuple[bool, bool]]:
+                      through: bool, foreseen: dict | None = None) -> tuple[Plan, list[str], tuple[bool, bool]]:
     """:func:`_lower_block`'s sub-plan, lowered with or without ``summed`` and ``through`` (see
     :func:`_lower_backward_block`), and whether each may have changed anything: how its values'
     readers count, and whether a value passed on was met partial where the rule alone might have
@@ -264,6 +291,7 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
     blk, node = loop.blk, loop.node
     sub = Lowerer(lw.mesh, lw.layout, lw.cost)
     sub.in_block = True
+    sub.foreseen = foreseen or {}
     for name, sh in feeds.items():
         t = blk.graph.inputs[name]
         vid = sub.new_value(t.shape, t.dtype, sh)
@@ -300,16 +328,22 @@ def _bind_saved(lw: Lowerer, sub: Lowerer, loop: _Loop, ins: list) -> list[str]:
         sub.inputs[name] = vid
         sub.bind(t, vid)
         vids.append(vid)
-    num = {}
+    num, strips = {}, {}
     for j, vid_out in loop.copies:
-        t, k = list(given.values())[j], num.get(j, 0)
+        t, k, strip = list(given.values())[j], num.get(j, 0), strip_of(lw, vid_out)
         num[j], name = k + 1, f"{names[j]}@{k}"
-        vid = sub.new_value(t.shape, t.dtype, _slice_sharding(lw.sharding(vid_out), loop.layer))
+        shape = Shape(d for d in lw.values[vid_out].shape if d.name != loop.layer)
+        vid = sub.new_value(shape, t.dtype, _slice_sharding(lw.sharding(vid_out), loop.layer))
         sub.emit("input", t.node, [], [vid], args={"name": name, "tensor": t}, op="saved",
-                 label=f"saved {t.name} (re-laid)")
+                 label=f"saved {t.name} (" + ("halo strip)" if strip else "re-laid)"))
         sub.inputs[name] = vid
-        sub.hold(vids[j], sub.sharding(vid), vid)
+        if strip is None:
+            sub.hold(vids[j], sub.sharding(vid), vid)
+        else:
+            strips.setdefault(j, []).append((strip, vid))
         names.append(name)
+    for j, pieces in strips.items():   # the forward's halo glued on again: no exchange
+        reglue(sub, list(given.values())[j].node, vids[j], pieces)
     return names
 
 
@@ -342,6 +376,9 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
         for k, to in enumerate(worth_saving(sub, vid)):
             copies.append(f"saved/{i}@{k}")
             ids[copies[-1]] = sub.relayout(vid, to, f.node)   # made already: no new step
+        for k, (strip, piece) in enumerate(halo_strips(sub, vid)):
+            copies.append(f"saved/{i}@h{k}")
+            ids[copies[-1]], loop.strips[copies[-1]] = piece, strip
     return ids, names + copies
 
 
@@ -374,8 +411,10 @@ def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: Sharding, stag
     out += [stacked(node.outputs[base + i], f"saved/{i}") for i in loop.want]
     for name in saved_names[len(loop.want):]:   # copies: no tensor of the graph, read by the backward step
         t = node.outputs[base + int(name.split("/")[1].split("@")[0])]
-        out.append(stacked(t, name))
-        record(lw, t, out[-1])
+        per = plan.values[ids[name]].shape   # (a halo strip is shorter along its dim)
+        shape = Shape(Dim(d.name, per.get(d.name).size) if d.name in per.names else d for d in t.shape)
+        out.append(lw.new_value(shape, t.dtype, _stack_sharding(plan.values[ids[name]].sharding, shape, layer, la)))
+        record(lw, t, out[-1], loop.strips.get(name))
     return out
 
 
@@ -541,10 +580,15 @@ def _bind_outputs(lw: Lowerer, loop: _Loop, out_vids: list, stage: tuple) -> Non
     if loop.backward:
         for t, vid in zip(node.outputs[1:1 + num_stacked], out_vids[1:1 + num_stacked]):
             lw.bind(t, vid)
-        for t, vid in zip(node.outputs[1 + num_stacked:], out_vids[1 + num_stacked:]):
+        dclosed = loop.blk.extra["dclosed"]
+        leaf = [c.node.op.name == "param" for k, c in zip(loop.blk.closed, loop.closed) if k in dclosed]
+        for t, vid, of_param in zip(node.outputs[1 + num_stacked:], out_vids[1 + num_stacked:], leaf, strict=True):
             sh = lw.sharding(vid)
             if stage:
-                axes = (*stage, MB_AXIS)
+                # a shared param's gradient is summed over the axes its target leaves whole (``data``)
+                # with the stages: one allreduce (a sum over both), which the final segment buckets
+                whole = (a for a in sh.partial if of_param and a not in lw.target(t).used_axes)
+                axes = (*stage, MB_AXIS, *whole)
                 vid = lw.relayout(vid, sh.with_partial(tuple(a for a in sh.partial if a not in axes)), node,
                                   f"gradient of '{t.name}', summed over the stages")
             lw.bind(t, vid)

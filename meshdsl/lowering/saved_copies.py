@@ -10,13 +10,23 @@ saved activation that costs no more memory than the activation (:func:`worth_sav
 saved activation re-laid out (:meth:`.Lowerer.hold`): a reader that needs one reads it, no
 collective.  The copies the backward does not read leave both steps (:func:`drop_unread`).
 
+A saved activation the forward extended by a halo (a sliding-window attention's keys and values
+under ``seq:model``, :func:`~.halo.extend`) is saved with the strips its neighbours sent
+(``saved/<i>@h<k>``, :func:`halo_strips`): the backward glues them on again (:func:`reglue`), a
+local step, where it repeated the exchange every layer (4 more permutes per 2 layers).  Memory
+against bytes: the strips are ``hl + hr`` rows per layer, exactly what the permutes they replace
+carry each layer; as for re-laid copies, they are kept where that is no more than the activation's
+own part (a window reaching past the neighbours exchanges again).
+
 Under remat the backward recomputes what the policy does not save, and no copy is saved of that.
 The memory report counts each copy with the saved activations (``args["saved"]``).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
+from ..core.shape import Dim, Shape
 from ..layout.sharding import Sharding
 from .compiler import Lowerer
 from .plan import Plan, step_args
@@ -25,14 +35,83 @@ from .plan import Plan, step_args
 COPIES = "saved copies"
 
 
-def record(lw: Lowerer, t, vid: int) -> None:
-    """Note that the forward step outputs stacked value ``vid``, a re-laid copy of saved activation ``t``."""
+#: ``lw.memo`` key (with a stacked copy's value id): the :class:`Strip` it is, where it is one.
+STRIPS = "saved strips"
+#: ``lw.memo`` key prefix of :func:`~.halo.extend`'s exchanges: ``(HALO, vid, dim, wrap) -> (hl, hr, ext, ...)``.
+HALO = "halo"
+
+
+@dataclass(frozen=True)
+class Strip:
+    """Piece ``index`` of ``count`` glued onto a saved activation by the forward's halo exchange
+    ``key`` (``(dim, wrap)``, ``hl`` and ``hr`` rows), the glue step's ``args``, and the rest of
+    the exchange's record (``more``: what it serves, :func:`~.halo.extend`)."""
+
+    key: tuple
+    hl: int
+    hr: int
+    args: Mapping
+    index: int
+    count: int
+    more: tuple = ()
+
+
+def record(lw: Lowerer, t, vid: int, strip: Strip | None = None) -> None:
+    """Note that the forward step outputs stacked value ``vid``, a re-laid copy of saved activation
+    ``t`` (or one of the halo strips glued onto it: ``strip``)."""
     lw.memo.setdefault((COPIES, id(t)), []).append(vid)
+    if strip is not None:
+        lw.memo[(STRIPS, vid)] = strip
 
 
 def copies_of(lw: Lowerer, t) -> list[int]:
     """The stacked re-laid copies of saved activation ``t`` the forward step outputs (:func:`record`)."""
     return list(lw.memo.get((COPIES, id(t)), ()))
+
+
+def strip_of(lw: Lowerer, vid: int) -> Strip | None:
+    """The :class:`Strip` stacked copy ``vid`` is (:func:`record`), or None (a re-laid copy)."""
+    return lw.memo.get((STRIPS, vid))
+
+
+def halo_strips(sub: Lowerer, vid: int) -> list[tuple[Strip, int]]:
+    """``(strip, value)`` for each piece the forward block's halo exchanges glued onto saved value
+    ``vid`` (:func:`~.halo.extend`, one per side and hop), in the glue step's order: those of an
+    exchange whose pieces together are no larger than the value's own part, as for re-laid
+    copies (:func:`worth_saving`; a window reaching past the neighbours exchanges again)."""
+    out, mesh = [], sub.mesh
+    own = sub.values[vid].sharding.local_numel(sub.values[vid].shape, mesh)
+    for key, hit in list(sub.memo.items()):
+        if not (isinstance(key, tuple) and len(key) == 4 and key[:2] == (HALO, vid)):
+            continue
+        hl, hr, ext = hit[:3]
+        glue = next(s for s in sub.steps if s.outs == (ext,))
+        if sum(sub.values[x].sharding.local_numel(sub.values[x].shape, mesh) for x in glue.ins[1:]) > own:
+            continue
+        out += [(Strip(key[2:], hl, hr, glue.args, k, len(glue.ins) - 1, tuple(hit[3:])), piece)
+                for k, piece in enumerate(glue.ins[1:])]
+    return out
+
+
+def reglue(sub: Lowerer, node, vid: int, pieces: list[tuple[Strip, int]]) -> None:
+    """Glue the saved strips ``pieces`` onto saved value ``vid`` in backward sub-plan ``sub`` as the
+    forward did (a local step), and record the result as the exchange :func:`~.halo.extend` would
+    make: the backward's readers of ``vid`` take it, no permute."""
+    done: dict[tuple, list] = {}
+    for strip, piece in pieces:
+        done.setdefault(strip.key, []).append((strip, piece))
+    v = sub.values[vid]
+    for key, got in done.items():
+        got.sort(key=lambda sp: sp[0].index)
+        first = got[0][0]
+        assert len(got) == first.count, (key, len(got), first.count)
+        dim = key[0]
+        grown = v.shape.get(dim).size + (first.hl + first.hr) * sub.mesh.axis_size(v.sharding.axes_of(dim))
+        ext = sub.new_value(Shape(Dim(d.name, grown) if d.name == dim else d for d in v.shape), v.dtype,
+                            v.sharding)
+        sub.emit("local", node, [vid] + [p for _, p in got], [ext], args=dict(first.args),
+                 op="saved", label=f"saved {node.name} (halo glued)")
+        sub.memo[(HALO, vid, *key)] = (first.hl, first.hr, ext, *first.more)
 
 
 def worth_saving(sub: Lowerer, vid: int) -> list[Sharding]:
@@ -54,6 +133,11 @@ def drop_unread(lw: Lowerer, loop, plan: Plan, ins: list, names: list[str]) -> t
     """``(plan, ins, names)`` without the saved copies the backward sub-plan ``plan`` does not
     read, each dropped from the forward step that saves it too (it keeps those read)."""
     read = {v for s in plan.steps for v in s.ins}
+    glued = [s for s in plan.steps if s.kind == "local" and s.op == "saved" and s.outs[0] not in read]
+    if glued:   # strips glued on again that no reader took (a conv's backward reads dy's halo instead)
+        gone_ids = {id(s) for s in glued}
+        plan = replace(plan, steps=[s for s in plan.steps if id(s) not in gone_ids])
+        read = {v for s in plan.steps for v in s.ins}
     at = len(ins) - len(loop.closed) - len(loop.copies)
     unread = {n for n in names[len(names) - len(loop.copies):] if plan.inputs[n] not in read}
     if not unread:

@@ -12,14 +12,17 @@ of the gather (every such shift of the value reads one gather).  A pad read
 only through slices, pads or shifts is not materialised (:func:`~.halo.is_virtual`).  A
 slice that no halo serves, to an output that stays whole along its dim (a class token's row of
 a split sequence), is each rank's overlap with it, a partial sum (:func:`_slice_as_sum`), where
-that moves fewer bytes than gathering the dim.
+that moves fewer bytes than gathering the dim.  A shift along a split dim of a shift along a dim
+the layout keeps whole (a depthwise 2-D conv's taps under ``width:model``) commutes with it: it
+shifts the inner shift's input, sharing that one's exchange, then shifts along the whole dim
+locally (:func:`~.halo.commuted`).
 """
 from __future__ import annotations
 
 import torch
 
 from ..layout.sharding import Sharding
-from .halo import (resized, strip_rows, cut_by, extend, gathered, is_virtual, readers, take_window, through,
+from .halo import (resized, strip_rows, commuted, cut_by, extend, gathered, is_virtual, readers, take_window, through,
                    window_attrs, window_reach)
 from .relayout import keep_microbatches, relayout_cost
 from .rules import lowering
@@ -173,7 +176,8 @@ def lower_window(lw, node) -> None:
     if is_virtual(lw, node):
         lw.memo[("virtual", id(out))] = True   # its readers read through it: nothing to compute
         return
-    src, reach = through(lw, node.inputs[0], window_reach(node, 0, dim))
+    inner = commuted(lw, node)   # a shift of a shift along a whole dim: shifts that one's input
+    src, reach = through(lw, inner.inputs[0] if inner else node.inputs[0], window_reach(node, 0, dim))
     vid = lw.reduced(lw.value(src))
     cur = lw.sharding(vid)
     # A partial sum passes through lazily where the window is linear (zero fill) and it is the
@@ -244,4 +248,19 @@ def lower_window(lw, node) -> None:
     lw.emit("local", node, [vid], [res], args={"fn": take_window, "attrs": attrs, "compute": comp.split,
                                                "sizes": {d.name: d.size for d in src.shape}},
             flops=out_sh.local_numel(out.shape, mesh))
+    res = _shift_whole(lw, node, inner, res)   # then a commuted inner shift, locally
     lw.bind(out, lw.relayout(res, tgt, node, f"output of {node.op.name}"))
+
+
+def _shift_whole(lw, node, inner, vid: int) -> int:
+    """Value ``vid`` shifted locally as ``inner`` (a shift along a dim ``vid`` holds whole) says;
+    ``vid`` itself where there is no such shift."""
+    if inner is None:
+        return vid
+    v, d = lw.values[vid], inner.attrs["dim"]
+    res = lw.new_value(v.shape, v.dtype, v.sharding)
+    attrs = window_attrs(window_reach(inner, 0, d), d, v.shape.index(d), v.shape.get(d).size, 1, 0)
+    lw.emit("local", node, [vid], [res], args={"fn": take_window, "attrs": attrs, "compute": v.sharding.split,
+                                               "sizes": {x.name: x.size for x in v.shape}},
+            flops=v.sharding.local_numel(v.shape, lw.mesh))
+    return res

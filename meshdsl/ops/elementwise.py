@@ -438,6 +438,13 @@ def _floored(name: str, a, b) -> Tensor:
         raise ShapeError(message(f"{name}: operands are bool.", inputs=[f"operands: {', '.join(map(repr, xs))}"],
                                  rule=f"{name} takes integer or floating-point tensors",
                                  fix="cast the mask first: meshdsl.cast(mask, torch.int64)"))
+    if isinstance(b, numbers.Real) and b == 0 and not xs[0].dtype.is_floating_point:
+        # torch raises "ZeroDivisionError" (a RuntimeError) when the kernel runs; a float's is inf/nan
+        raise ShapeError(message(f"{name}: integer {'division' if name == 'floor_divide' else 'remainder'} by zero.",
+                                 inputs=[f"a: {xs[0]!r}", "b: 0"],
+                                 rule="an integer tensor's // and % take a non-zero divisor",
+                                 fix="divide by the block size you mean (pos // window, pos % window with "
+                                     "window >= 1), or cast to float first for torch's inf / nan"))
     return apply(name, xs)
 
 

@@ -162,10 +162,24 @@ def shift_into(g: Tensor, dim: str, offset: int, wrap: bool) -> Tensor:
     carriers = [i for i, t in enumerate(node.inputs) if dim in t.shape] if node is not None else []
     if (node is None or node.op.name not in _PRODUCTS or len(carriers) != 1 or len(node.outputs) != 1
             or node.inputs[carriers[0]].shape.numel > g.shape.numel):
-        return apply("shift", [g], op)
+        return _shift_inner(g, op)
     ins = list(node.inputs)
-    ins[carriers[0]] = apply("shift", [ins[carriers[0]]], op)
+    ins[carriers[0]] = _shift_inner(ins[carriers[0]], op)
     return apply(node.op.name, ins, dict(node.attrs))
+
+
+def _shift_inner(t: Tensor, op: dict) -> Tensor:
+    """``t`` shifted as ``op`` says; where ``t`` is itself a shift along another dim, the two
+    commute and ``op``'s goes inside.  A 2-D conv written as shifts (depthwise: ``shift(shift(x,
+    h, o_h), w, o_w) * w_t``) has as tap ``t``'s input gradient ``shift(shift(dy, w, -o_w), h,
+    -o_h) * w_t``: its ``h`` shift read one tensor per ``o_w``, so over a split ``h`` each traded
+    its own halo (38 permutes for a 7x7 where the forward sends 2).  Inside, every tap's ``h``
+    shift reads ``dy`` itself and shares one exchange, as the forward's shifts of ``x`` do."""
+    node = t.node
+    if node is not None and node.op.name == "shift" and node.attrs["dim"] != op["dim"]:
+        inner = _shift_inner(node.inputs[0], op)
+        return apply("shift", [inner], {k: node.attrs[k] for k in ("dim", "offset", "wrap")})
+    return apply("shift", [t], op)
 
 
 def shift_local(x, incoming, k: int, pos: int):

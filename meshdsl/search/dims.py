@@ -407,7 +407,9 @@ def expert_dims(prof: Profile) -> tuple[str, ...]:
         for names, computed, _ in w.outs:
             pairs = [(n, c) for n, c in zip(names, computed) if n != c]
             if any(c == prof.examples for _, c in pairs):
-                found += [n for n, c in pairs if c != prof.examples and n not in found]
+                # a dim renamed to the examples' own name (a contrastive loss's logits transposed,
+                # ``[batch, pair] -> [img_row, batch]``) is the examples again, not experts
+                found += [n for n, c in pairs if c != prof.examples and n != prof.examples and n not in found]
     return tuple(found)
 
 

@@ -21,7 +21,7 @@ from ..layout.mesh import Mesh
 from ..lowering.compiler import compile as compile_plan
 from ..train.checkpoint import read_metadata
 from ..train.data import TokenData
-from ..train.feeder import BatchFeeder, TokenFeeder
+from ..train.feeder import BatchFeeder, TokenFeeder, model_vocab
 from ..train.init_weights import check_weights, graph_params, read_weights
 from ..train.lr_schedule import SCHEDULES
 from ..train.resume import resume_from, resume_spec
@@ -192,7 +192,7 @@ def make_spec(args):
     if data is not None and path is not None:     # another text: refused here, before any rank starts
         data.check_state(read_metadata(path).meta["data"])
     if data is not None:
-        TokenFeeder(data, plan, [0], getattr(model.config, "vocab", None))
+        TokenFeeder(data, plan, [0], model_vocab(model), model.config)
     elif model.batches is not None:     # rank 0's rows of step 1: batches that break the protocol stop here
         BatchFeeder(model.batches, plan, [0], spec.seed).train(1)
     nproc = int(os.environ.get("WORLD_SIZE", mesh.size)) if in_torchrun() else (args.nproc or mesh.size)

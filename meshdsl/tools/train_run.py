@@ -9,10 +9,13 @@ trains on text or is in :data:`ADAMW_MODELS`), and names the settings given, whi
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 from ..train.config import parse_config
+from ..train.feeder import model_vocab
+from ..train.generate import vocab_field
 from ..train.model import find_model_file, load_model, load_module
 from ..train.resume import fmt_setting
 from ..train.step import optimizer_outputs, training_outputs
@@ -60,8 +63,11 @@ def train_model(args):
         overrides["batch"] = args.batch
     model = load_model(args.model, tiny=args.tiny, **overrides)
     text = args.data is not None or reads_text(model)
-    if text and "vocab" not in overrides and getattr(model.config, "vocab", 256) != 256:
-        overrides["vocab"] = 256
+    vocab = model_vocab(model)
+    field = vocab_field(model.config, vocab) if vocab is not None else "vocab"
+    known = dataclasses.is_dataclass(model.config) and field in {f.name for f in dataclasses.fields(model.config)}
+    if text and known and field not in overrides and vocab != 256:
+        overrides[field] = 256
         model = load_model(args.model, tiny=args.tiny, **overrides)
     return model, overrides, text
 

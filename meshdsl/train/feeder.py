@@ -27,6 +27,7 @@ from ..core.examples import examples_in
 from ..errors import MeshDSLError, message
 from ..runtime.executor import PerRank
 from .data import ByteTokenizer, DataError, TokenData
+from .generate import vocab_field
 
 IDS, LABELS = "ids", "labels"
 #: The dim whose rows a data rank builds (the one ``batch:data`` splits); a model without it: the
@@ -96,12 +97,13 @@ class TokenFeeder:
       plan: the compiled plan (its inputs ``ids`` and ``labels``, ``[batch, seq]``).
       ranks: the ranks this process holds (``executor.comm.ranks``).
       vocab: the model's vocab size (must hold the 256 byte tokens).
+      config: the model's Config, whose field for the vocab the error names (``--config V=256``).
 
     Raises:
       DataError: the plan lacks the inputs, their shapes differ, or the vocab is too small.
     """
 
-    def __init__(self, data: TokenData, plan, ranks, vocab: int | None = None):
+    def __init__(self, data: TokenData, plan, ranks, vocab: int | None = None, config=None):
         missing = [k for k in (IDS, LABELS) if k not in plan.inputs]
         if missing:
             raise DataError(message(
@@ -127,10 +129,11 @@ class TokenFeeder:
                                     inputs=[f"{k}: {v.shape}" for k, v in values.items()],
                                     fix="give both inputs the dims [batch, seq]"))
         if vocab is not None and vocab < ByteTokenizer.vocab_size:
+            field = vocab_field(config, vocab)
             raise DataError(message(f"training on text: the model's vocab is {vocab}, smaller than the "
                                     f"{ByteTokenizer.vocab_size} byte tokens.",
                                     rule="text is byte-tokenized: ids 0..255",
-                                    fix="--config vocab=256 (from Python: md.load_model(..., vocab=256)), or "
+                                    fix=f"--config {field}=256 (from Python: md.load_model(..., {field}=256)), or "
                                         "train a model of another vocab on data= a function step -> feeds"))
         self.data, self.batch_size, self.seq = data, *shapes[IDS]
         self.slices = InputSlices(plan, {IDS: 0, LABELS: 0}, ranks)   # rows: the first dim, whatever its name
@@ -277,6 +280,14 @@ def reads_text(model) -> bool:
     return {IDS, LABELS} <= names and model.batches is None
 
 
+def model_vocab(model) -> int | None:
+    """The vocab size a language model's ids index: its logits' last dim (whatever the Config
+    calls it: ``vocab``, a user's ``V``), else its Config's ``vocab``; None when it has neither."""
+    if model.logits is not None and len(model.logits.shape):
+        return model.logits.shape.sizes[-1]
+    return getattr(model.config, "vocab", None)
+
+
 def make_feeder(model, step, spec, data=None, eval_data=None, eval_plan=None):
     """``(TokenData or None, feeder)`` for the run.
 
@@ -296,10 +307,9 @@ def make_feeder(model, step, spec, data=None, eval_data=None, eval_plan=None):
     if data is None:
         tokens = TokenData.load(spec.data, seed=spec.seed)
     if tokens is not None:
-        vocab = getattr(model.config, "vocab", None)
-        return tokens, TokenFeeder(tokens, step.plan, step.executor.comm.ranks, vocab)
+        return tokens, TokenFeeder(tokens, step.plan, step.executor.comm.ranks, model_vocab(model), model.config)
     return None, CallableFeeder(data, eval_data)
 
 
 __all__ = ["BATCH", "BatchFeeder", "CallableFeeder", "EVAL_SEED", "IDS", "InputSlices", "LABELS", "TokenFeeder",
-           "data_inputs", "eval_seed", "make_feeder", "reads_text", "train_seed"]
+           "data_inputs", "eval_seed", "make_feeder", "model_vocab", "reads_text", "train_seed"]
