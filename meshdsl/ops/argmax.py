@@ -62,8 +62,11 @@ def _one_dim(x: Tensor, dim, what: str) -> str:
     return reduced_dims(x, dim, what)[0]
 
 
-def argmax(x: Tensor, dim) -> Tensor:
-    """The index of the largest element along ``dim`` (the first one on a tie), as ``torch.argmax``.
+def _arg_extreme(name: str, which: str):
+    def f(x: Tensor, dim) -> Tensor:
+        return apply(name, [x], {"dim": _one_dim(x, dim, name)})
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = f"""The index of the {which} element along ``dim`` (the first one on a tie), as ``torch.{name}``.
 
     Args:
       x: a floating-point or integer Tensor.
@@ -75,23 +78,11 @@ def argmax(x: Tensor, dim) -> Tensor:
     Raises:
       ShapeError: ``dim`` is not one dim of ``x``, or ``x`` is bool.
     """
-    return apply("argmax", [x], {"dim": _one_dim(x, dim, "argmax")})
+    return f
 
 
-def argmin(x: Tensor, dim) -> Tensor:
-    """The index of the smallest element along ``dim`` (the first one on a tie), as ``torch.argmin``.
-
-    Args:
-      x: a floating-point or integer Tensor.
-      dim: the dim to search (a name or a Dim); any layout, split or not.
-
-    Returns:
-      An int64 Tensor with the dims of ``x`` but ``dim``.  It has no gradient.
-
-    Raises:
-      ShapeError: ``dim`` is not one dim of ``x``, or ``x`` is bool.
-    """
-    return apply("argmin", [x], {"dim": _one_dim(x, dim, "argmin")})
+argmax = _arg_extreme("argmax", "largest")
+argmin = _arg_extreme("argmin", "smallest")
 
 
 __all__ = ["argmax", "argmin"]
