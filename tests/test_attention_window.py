@@ -77,7 +77,7 @@ def _kinds(plan) -> set[str]:
     (12, "model:3", SEQ_SPLIT, 5, True),                           # 4 of a block of 4: one neighbour
     (11, "model:3", UNEVEN, 3, True),                              # uneven blocks 4, 4, 3
     (11, "model:3", SEQ_SPLIT, 3, True),                           # the same, key_seq:model implied
-    (11, "model:3", UNEVEN, 5, False),                             # 4 rows, a block of 3: gathered
+    (11, "model:3", UNEVEN, 5, True),                              # 4 rows, past a block of 3: halo_routes
     (12, "data:2; model:2", SEQ_SPLIT + "; heads:data", 5, True),  # heads split too
 ])
 def test_split_sequence_matches_dense_and_trades_a_halo(n, mesh, layout, window, halo):

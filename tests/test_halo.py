@@ -270,3 +270,163 @@ def test_a_shift_beyond_the_neighbours_permutes_the_rows_it_reads():
         for name in outs:
             # a shift copies rows: no arithmetic, so the same bits
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"{name} {channels} {k}")
+
+
+# ----------------------------------------------------------------------------- uneven blocks, past a neighbour
+
+def test_routes_over_uneven_blocks_fetch_from_the_ranks_that_hold_the_rows():
+    """11 rows on 3 ranks (4, 4, 3), a causal window of 8 rows back (a dilated conv, 5 taps
+    dilated 2): rank 1 reads rows 0..4 (its neighbour's block), rank 2 rows 0..8 (4 from its
+    neighbour, 4 from the rank 2 away); the shortest block is 3, so no neighbour-only exchange."""
+    from meshdsl.lowering.halo_routes import routes
+    m = md.Mesh.parse("data:3")
+    reach, cut = Reach(8, 11, 8), cut_by(m, ("data",))
+    assert reach.widths(11, 3, cut) is None and reach.far_widths(11, 3, cut) == (8, 0)
+    got = [(r.left, r.hop, r.width, r.sends, r.places) for r in routes([reach], 11, cut, 8, 0)]
+    # (sender offset, its first row sent), (receiver offset, where in its 8 rows before, how many)
+    assert got == [(True, 1, 4, ((0, 0), (4, 0)), ((4, 4, 4), (8, 4, 4))),
+                   (True, 2, 4, ((0, 0),), ((8, 0, 4),))]
+
+
+def _uneven_conv(dilation: int, taps: int, batch: int):
+    """A causal dilated conv over seq 11 and its gradients (x and w), with a cotangent."""
+    b, s, ci, co = md.Dim("batch", batch), md.Dim("seq", 11), md.Dim("c_in", 8), md.Dim("c_out", 8)
+    x = md.input("x", [b, s, ci])
+    w = md.param("w", [md.Dim("tap", taps), ci, co])
+    y = md.conv(x, w, {"seq": "tap"}, padding="causal", dilation=dilation)
+    cot = md.input("cot", y.shape)
+    gx, gw = md.grad(md.reduce_sum(y * cot), [x, w])
+    gen = torch.Generator().manual_seed(5)
+    feeds = {"x": torch.randn(batch, 11, 8, generator=gen), "cot": torch.randn(batch, 11, 8, generator=gen)}
+    return {"y": y, "gx": gx, "gw": gw}, feeds, {"w": torch.randn(taps, 8, 8, generator=gen)}
+
+
+def _check_dense_scaled(plan, outs, feeds, params):
+    got = md.run_simulated(plan, {k: v for k, v in feeds.items() if k in plan.inputs}, params)
+    want = md.run_dense(outs, {k: v for k, v in feeds.items() if k in plan.inputs}, params)
+    for k in want:
+        # fp32: the weight gradient sums 512 * 11 products per element, in another order on the
+        # ranks: ~sqrt(n) * 2**-24 of its magnitude (O(100)), far below 1e-5 of it; a wrong row is O(1) of it.
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5 * float(want[k].abs().max()),
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_window_past_the_shortest_uneven_block_takes_rows_from_further_ranks():
+    """seq 11 on data:4 (3, 3, 3, 2), a causal conv of 3 taps dilated 2 (4 rows back, more than a
+    block): x's rows come from the left neighbour (3) and the rank 2 away (1), dy's (the input
+    gradient's transposed conv) from the right alike, not an allgather (9 rows a rank); at batch
+    512 a row is 16 KiB, where two permutes cost less.  The weight gradient reads x's exchange."""
+    with md.Graph():
+        outs, feeds, params = _uneven_conv(2, 3, 512)
+        plan = md.compile(outs, "data:4", "seq:data", bucket_mb=0)
+    row = 512 * 8 * 4
+    perms = [(o, b) for k, o, b in _coll(plan) if k == "permute"]
+    assert "allgather" not in {k for k, _, _ in _coll(plan)}, _coll(plan)
+    assert perms == [(1, 3 * row), (2, row), (-1, 3 * row), (-2, row)], perms
+    _check_dense_scaled(plan, outs, feeds, params)
+
+
+def test_an_uneven_far_window_the_gather_beats_says_so():
+    """seq 11 on data:3 (4, 4, 3), 5 taps dilated 2 (8 rows back): the permutes would move 8 rows,
+    as many as the allgather, with a latency more; it gathers, and the plan says so."""
+    with md.Graph():
+        outs, feeds, params = _uneven_conv(2, 5, 512)
+        plan = md.compile(outs, "data:3", "seq:data", bucket_mb=0)
+    assert "allgather" in {k for k, _, _ in _coll(plan)}
+    assert any("for less than gathering it" in n for n in plan.notes), plan.notes
+    _check_dense_scaled(plan, outs, feeds, params)
+
+
+def test_far_shifts_over_uneven_blocks_share_one_exchange():
+    """A dilated causal conv written as shifts (by 4, 2 and 0) of x over seq 11 on data:4 (3, 3, 3,
+    2): both shifts of x read one exchange (3 rows from the left neighbour, 1 from the rank 2
+    away); the gradient's shifts by -2 and -4 are of two tensors (w1's and w0's): 2 rows from the
+    right neighbour, and 2 rows and 1 from the ranks 1 and 2 to the right; no allgather."""
+    b, s, c = md.Dim("batch", 512), md.Dim("seq", 11), md.Dim("c", 8)
+    with md.Graph():
+        x = md.input("x", [b, s, c])
+        wts = [md.input(f"w{k}", [b, s, c]) for k in range(3)]
+        y = md.shift(x, "seq", 4) * wts[0] + md.shift(x, "seq", 2) * wts[1] + x * wts[2]
+        outs = {"y": y, "dx": md.grad(md.reduce_sum(y), {"x": x})["x"]}
+        plan = md.compile(outs, "data:4", "seq:data")
+    row = 512 * 8 * 4
+    assert [(k, o, n) for k, o, n in _coll(plan)] == [
+        ("permute", 1, 3 * row), ("permute", 2, row), ("permute", -1, 2 * row), ("permute", -1, 2 * row),
+        ("permute", -2, row)], _coll(plan)
+    gen = torch.Generator().manual_seed(6)
+    feeds = {"x": torch.randn(512, 11, 8, generator=gen), **{f"w{k}": torch.randn(512, 11, 8, generator=gen)
+                                                             for k in range(3)}}
+    want, got = md.run_dense(outs, feeds), md.run_simulated(plan, feeds)
+    for k in want:
+        # rows copied and the same three products summed in the same order: rounding only
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_sliding_window_past_the_shortest_uneven_block_and_its_gradient_return():
+    """Causal window 6 over seq 11 on data:4 (3, 3, 3, 2): ranks 2 and 3 read 5 key rows back, 3
+    from the neighbour and 2 from the rank 2 away; the backward sends the halo keys' and values'
+    gradient rows back the same two ways (k and v are one tensor: one exchange forward)."""
+    b, s, f = md.Dim("batch", 16), md.Dim("seq", 11), md.Dim("f", 512)
+    with md.Graph():
+        x = md.input("x", [b, s, f])
+        k = md.rename(x, {"seq": "key_seq"})
+        y = md.attention(x, k, k, "seq", "key_seq", "f", causal=True, window=6)
+        cot = md.input("cot", y.shape)
+        outs = {"y": y, "dx": md.grad(md.reduce_sum(y * cot), {"x": x})["x"]}
+        plan = md.compile(outs, "data:4", "seq:data; key_seq:data")
+    row = 16 * 512 * 4
+    perms = [(o, n) for kind, o, n in _coll(plan) if kind == "permute"]
+    assert "allgather" not in {kind for kind, _, _ in _coll(plan)}, _coll(plan)
+    assert perms == [(1, 3 * row), (2, 2 * row)] + [(-1, 3 * row), (-2, 2 * row)] * 2, perms
+    gen = torch.Generator().manual_seed(7)
+    feeds = {"x": torch.randn(16, 11, 512, generator=gen), "cot": torch.randn(16, 11, 512, generator=gen)}
+    want, got = md.run_dense(outs, feeds), md.run_simulated(plan, feeds)
+    for name in want:
+        # fp32 softmax over the same keys, in blocks: rounding only (values O(1))
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_an_uneven_far_conv_in_a_repeat_matches_dense():
+    """Two layers of md.repeat, each ``h + tanh(conv(h))`` (3 taps dilated 2, causal) over seq 11
+    on data:4 (3, 3, 3, 2): the forward block takes h's rows from 1 and 2 ranks left, the backward
+    block dy's from the right; no allgather; every gradient is the dense program's."""
+    b, s, c, co, layer = md.Dim("batch", 512), md.Dim("seq", 11), md.Dim("c", 8), md.Dim("c_out", 8), md.Dim("layer", 2)
+    with md.Graph():
+        x = md.input("x", [b, s, c])
+        w = md.param("w", [layer, md.Dim("tap", 3), c, co])
+
+        def block(h, p):
+            y = md.conv(h, p["w"], {"seq": "tap"}, padding="causal", dilation=2)
+            return h + md.tanh(md.rename(y, {"c_out": "c"}))
+        y = md.repeat(block, x, {"w": w}, "layer")
+        cot = md.input("cot", y.shape)
+        loss = md.reduce_sum(y * cot)
+        outs = {"loss": loss, **md.grad(loss, {"gx": x, "gw": w})}
+        plan = md.compile(outs, "data:4", "seq:data", bucket_mb=0)
+    kinds = {(k, o) for k, o, _ in _coll(plan)}
+    assert {("permute", 1), ("permute", 2), ("permute", -1), ("permute", -2)} <= kinds, _coll(plan)
+    assert "allgather" not in {k for k, _ in kinds}, _coll(plan)
+    gen = torch.Generator().manual_seed(8)
+    feeds = {"x": torch.randn(512, 11, 8, generator=gen), "cot": torch.randn(512, 11, 8, generator=gen)}
+    _check_dense_scaled(plan, outs, feeds, {"w": torch.randn(2, 3, 8, 8, generator=gen) * 0.3})
+
+
+@pytest.mark.parametrize("n, gathered", [(10, True), (12, False)])
+def test_a_strided_conv_over_uneven_phases_gathers_and_says_why(n, gathered):
+    """A stride-2 conv over seq 10 on data:3 (4, 3, 3): its phases' 5 rows cut 2, 2, 1 need parts
+    4, 4, 2, so the phase rearrange gathers seq and the plan says why; over 12 (4, 4, 4; phases
+    2, 2, 2) it stays split.  Both give the dense values."""
+    b, s, ci, co = md.Dim("batch", BATCH), md.Dim("seq", n), md.Dim("c_in", CH), md.Dim("c_out", CH)
+    with md.Graph():
+        x = md.input("x", [b, s, ci])
+        w = md.param("w", [md.Dim("tap", 3), ci, co])
+        y = md.conv(x, w, {"seq": "tap"}, padding="same", stride=2)
+        cot = md.input("cot", y.shape)
+        gx, gw = md.grad(md.reduce_sum(y * cot), [x, w])
+        outs = {"y": y, "gx": gx, "gw": gw}
+        plan = md.compile(outs, "data:3", "seq:data", bucket_mb=0)
+    noted = any("do not cut at multiples of the stride 2" in t for t in plan.notes)
+    assert noted == gathered and ("allgather" in {k for k, _, _ in _coll(plan)}) == gathered, (plan.notes, _coll(plan))
+    gen = torch.Generator().manual_seed(9)
+    feeds = {"x": torch.randn(BATCH, n, CH, generator=gen), "cot": torch.randn(BATCH, n // 2, CH, generator=gen)}
+    _check_dense(plan, outs, feeds, {"w": torch.randn(3, CH, CH, generator=gen)})

@@ -66,3 +66,35 @@ def test_an_fsdp_weight_gathered_for_one_einsum_is_not_reduced_after_the_next():
 
 def test_deberta_relative_keys_under_fsdp_match_dense():
     assert_heldout_case_matches_dense(("tests/heldout_deberta.py", {}, "data:2", "ex:data; params.hid:data"))
+
+
+def test_local_window_layers_beside_a_global_one_trade_halos_under_a_sequence_split():
+    """Gemma 3's pattern (``tests/heldout_gemma3.py``: two sliding-window layers and a global one,
+    all with keys renamed ``seq`` -> ``key_seq``) under ``seq:model`` alone: the keys keep the
+    split (implied ``key_seq:model``), so the local layers trade a halo of ``window - 1`` rows and
+    only the global layer gathers its keys and values. The global attention meeting ``key_seq``
+    made every layer gather them: 12 allgathers and 12 reduce-scatters (13.5 KiB), now 8 and 4 and
+    16 halo permutes (8.0 KiB)."""
+    case = ("tests/heldout_gemma3.py", {}, "model:2", "seq:model")
+    model = md.load_model(case[0], tiny=True)
+    outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in md.grad(model.loss, model.params).items()}}
+    plan = md.compile(outs, "model:2", "seq:model")
+    assert any("implied by rename: key_seq:model" in n for n in plan.notes), plan.notes
+    tot = plan.totals()
+    assert tot["allgather"]["count"] == 8 and tot["reduce_scatter"]["count"] == 4, tot
+    assert tot["permute"]["count"] == 16, tot
+    assert_heldout_case_matches_dense(case)
+
+
+def test_an_implied_split_does_not_pass_to_keys_that_meet_their_queries():
+    """The shipped ViT under ``height:data`` (the README's spatial row): ``patches`` is implied
+    split by the patchify, and the rename to the keys' ``key_patches`` no longer passes that on
+    (a dim that meets the old one stays whole, as for a written split). The rename gathers the
+    keys and values once and the repeat saves them for the backward; split, the attention
+    gathered them forward and again backward (8 allgathers, 16 KiB; now 4, 8 KiB)."""
+    model = md.load_model("vit", tiny=True)
+    outs = {"loss": model.loss, **{f"grad/{k}": g for k, g in md.grad(model.loss, model.params).items()}}
+    plan = md.compile(outs, "data:2", "height:data")
+    assert not any("key_patches" in n for n in plan.notes), plan.notes
+    assert plan.totals()["allgather"]["count"] == 4, plan.totals()
+    # (its numbers: tests/test_models.py checks the README's cell, vit under height:data)

@@ -162,6 +162,7 @@ case("softplus_beta")(lambda x: md.softplus(x("x", [A, B]), beta=2.0, threshold=
 case("leaky_relu")(lambda x: md.leaky_relu(x("x", [A, B], "zeros"), 0.2))   # exact zeros: torch's slope at 0
 case("elu")(lambda x: md.elu(x("x", [A, B], "zeros"), 1.5))
 case("mish")(lambda x: md.mish(x("x", [A, B]) * 3.0))
+case("log_sigmoid")(lambda x: md.log_sigmoid(x("x", [A, B]) * 30.0))   # both tails: log(sigmoid) underflows without the stable form
 case("clamp")(lambda x: md.clamp(x("x", [A, B]), -0.5, 0.7))
 case("clamp_ties", seeds=(0, 1, 2))(lambda x: md.clamp(x("x", [A, B], "ties"), -1.0, 1.0))   # on the bounds
 case("clamp_min")(lambda x: md.clamp(x("x", [A, B], "ties"), min=0.0))

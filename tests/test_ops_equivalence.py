@@ -102,7 +102,7 @@ for _name, _fn in _UNARY.items():
 # cover its two-dim conflicts), so a case only needs the op's own kernel and gradient on every
 # layout of [seq], a quarter of the time of [batch, seq].
 _UNARY_1D = {
-    "erf": md.erf, "expm1": md.expm1, "square": md.square, "mish": md.mish,
+    "erf": md.erf, "expm1": md.expm1, "square": md.square, "mish": md.mish, "log_sigmoid": md.log_sigmoid,
     "log1p": lambda x: md.log1p(_pos(x)), "reciprocal": lambda x: md.reciprocal(_pos(x)),
     # beta * x on both sides of the threshold: both branches of the kernel and of the gradient
     "softplus": lambda x: md.softplus(x) + md.softplus(x, beta=2.0, threshold=1.0),

@@ -359,27 +359,31 @@ def test_a_flat_fused_projection_with_heads_outer_keeps_heads_split():
     assert coll == [("reduce_sum", "allreduce", "forward"), ("stop_gradient", "allreduce", "backward")]
 
 
-def test_a_flat_fused_projection_with_heads_inner_is_gathered_and_says_why():
-    """nanoGPT / GPT-2's c_attn / Phi-3 store ``(qkv heads d_head)``: ``heads`` is an inner part,
-    so no contiguous split of the flat dim reaches it (that needs a block-cyclic one,
-    /work/notes/reshape-splits.md): nothing is implied, the gradient is allgathered, and the
-    plan's notes say which dims would carry the split."""
+def test_a_flat_fused_projection_with_heads_inner_is_stored_block_cyclic():
+    """nanoGPT / GPT-2's c_attn / Phi-3 store ``(qkv heads d_head)``: ``heads`` is an inner part, so
+    no contiguous split of the flat dim reaches it, but a block-cyclic one does (rank r's rows of
+    each of q, k, v: 3 blocks per rank, lowering/cyclic_dims.py): the weight is stored so and the
+    collectives are those of ``(heads qkv d_head)``, where the gradient was allgathered."""
     coll, plan = _fused_qkv("qkv heads d_head")
-    assert plan.layout.implied == ()
-    assert ("rearrange", "allgather", "backward") in coll
-    assert any(n.startswith("rearrange: 'heads:x' is an inner part of 'flat' = (qkv heads d_head)")
-               for n in plan.notes)
+    assert [str(r) for r, _ in plan.layout.implied] == ["flat:x"]
+    assert "implied by rearrange: flat:x (from heads, block-cyclic: 3 blocks per rank)" in plan.notes
+    assert plan.values[plan.params["wqkv"]].sharding.cyclic_blocks == {"flat": 3}
+    assert coll == [("reduce_sum", "allreduce", "forward"), ("stop_gradient", "allreduce", "backward")]
 
 
 def test_a_split_on_an_inner_part_is_named_in_the_notes():
-    """``ph:x`` lands on the inner part of ``height = (hp ph)``: no split of ``height`` carries over,
-    so the plan says which dim and which parts (as for a flat fused qkv weight under
-    ``heads:model``, tests/heldout_phi3.py); a split on the outer part says nothing."""
-    _, plan = _plan(_split_rearrange, "x:2", "ph:x")
-    assert plan.notes == ("rearrange: 'ph:x' is an inner part of 'height' = (hp ph): no split of 'height' "
+    """``ph:(x,y)`` lands on the inner part of ``height = (hp ph)``, over two axes: no split of
+    ``height`` carries over (a block-cyclic one is over one axis), so the plan says which dim and
+    which parts (as for a flat fused qkv weight under ``heads:model``, tests/heldout_phi3.py); a
+    split on the outer part says nothing, and ``ph:x`` makes ``height`` block-cyclic."""
+    _, plan = _plan(_split_rearrange, "x:2; y:2", "ph:(x,y)")
+    assert plan.notes == ("rearrange: 'ph:x,y' is an inner part of 'height' = (hp ph): no split of 'height' "
                           "carries over to it, so what makes 'height' runs without that split; kept as separate "
                           "dims hp, ph (a fused weight stored by dims, not flat) it would",)
     assert not [n for n in _plan(_split_rearrange, "x:2", "hp:x")[1].notes if "inner part" in n]
+    coll, plan = _plan(_split_rearrange, "x:2", "ph:x")
+    assert plan.notes == ("implied by rearrange: height:x (from ph, block-cyclic: 2 blocks per rank)",)
+    assert coll == _loss(("x",))
 
 
 def _uneven(kind: str, rows: int, mesh: str):

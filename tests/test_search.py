@@ -499,3 +499,24 @@ def test_explain_prints_pipeline_terms_that_add_up_to_the_prediction(capsys, mon
         assert names[:3] == ["compute", "exposed communication", "pipeline bubble"], line
         assert float(total) == pytest.approx(sum(float(v) for v, _ in parts), abs=0.005 * len(parts) + 1e-9), line
     assert "the kernels of all stages sum to" in out
+
+
+def test_a_search_defers_full_collections_and_puts_the_thresholds_back(monkeypatch):
+    """Full collections walk every plan a search holds (a quarter of its time at Python's default
+    of one per 10 young ones); the search defers them while it runs and restores the thresholds."""
+    import gc
+
+    from meshdsl.search import search as search_module
+    during = []
+    real = search_module.evaluate
+    monkeypatch.setattr(search_module, "evaluate", lambda *a, **k: during.append(gc.get_threshold()) or real(*a, **k))
+    model = md.load_model("mlp", tiny=True)
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)   # Python's default (the suite's conftest raises the last)
+    try:
+        search(model, model.train_step(0.01), 2, Calibration.defaults())
+        after = gc.get_threshold()
+    finally:
+        gc.set_threshold(*saved)
+    assert during and all(t == (700, 10, search_module.GC_FULL) for t in during)
+    assert after == (700, 10, 10)

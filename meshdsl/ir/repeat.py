@@ -122,6 +122,13 @@ def _check_arguments(block, x, params, dim) -> None:
                                      "params (ignore the second if it reads none)")) from None
     except ValueError:  # a callable whose signature Python cannot read (a builtin): let the call say
         pass
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, Tensor) for t in x):
+        raise ShapeError(message(
+            f"repeat: the carry x is a {type(x).__name__} of {len(x)} Tensors; a repeat carries one Tensor.",
+            rule=_USAGE,
+            fix="join them into one along a dim they share after a rename, e.g. md.concat([md.rename(h, f='c'), "
+                "md.rename(pos, xyz='c')], 'c'), and cut them apart at the block's start with md.slice_ "
+                "(tests/heldout_egnn.py)"))
     if not isinstance(x, Tensor):
         raise not_a_tensor("repeat", "the carry x", x)
     if not isinstance(params, Mapping) or not all(isinstance(k, str) and isinstance(p, Tensor)

@@ -22,6 +22,9 @@ from .block import Block, run_layers, trace
 from .closure import activations
 from .remat import check_names_something, chosen, policy_of
 
+#: Ops that sum or take an extreme over dims (:func:`_param_reductions`).
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "logsumexp")
+
 
 def _zeros(t: Tensor) -> Tensor:
     from ..ops.elementwise import constant
@@ -70,6 +73,30 @@ def repeat_vjp(node, dy, dys: list) -> list:
         [next(dclosed) if w else None for w in want]
 
 
+def _param_reductions(fwd, reads, act: set[int], n_fwd: int) -> tuple[list[Tensor], set[int]]:
+    """The reductions of the layer's params (no carry in them: BitNet's ``mean|w|``, and the ops
+    after one that make no larger value, the ``+ eps``) that the values the backward reads and
+    recomputes are made from, and the ids of every such node.  They are saved, values smaller than
+    what they reduce, and the recompute reads them: recomputed over a split dim each was an
+    allreduce per layer in the backward (4 B each, one per quantised weight)."""
+    chain: set[int] = set()
+    for n in fwd:
+        if id(n) not in act and (n.op.name in REDUCTIONS or any(
+                id(t.node) in chain and n.outputs[0].shape.numel <= t.shape.numel for t in n.inputs)):
+            chain.add(id(n))
+    found, seen, todo = [], set(), [t for t in reads if id(t.node) not in act]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen or t.node.id >= n_fwd:
+            continue
+        seen.add(id(t))
+        if id(t.node) in chain:
+            found.append(t)
+        else:
+            todo.extend(t.node.inputs)
+    return found, chain
+
+
 def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tensor]]:
     """The forward activations the backward part of grad block ``b`` is given, by ``policy``;
     sets ``b.extra["read_back"]``, the ids of the tensors of ``b`` the backward part reads
@@ -79,7 +106,8 @@ def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tenso
     first ``n_fwd`` nodes of ``b`` re-trace ``blk`` node for node.  Placeholders are fed
     anyway; values that do not depend on the carry or on a closed-over activation
     (constants, functions of the layer's params or of tables) are cheap to recompute
-    and are never saved.
+    and are not saved, except the reductions of params they are made from
+    (:func:`_param_reductions`).
     """
     outs = [b.extra["dcarry"], *b.extra["dparams"].values(), *b.extra["dclosed"].values()]
     fwd = b.graph.nodes[:n_fwd]
@@ -90,6 +118,8 @@ def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tenso
             act.add(id(n))
     reads = [t for n in topo_nodes(outs) if n.id >= n_fwd for t in n.inputs if t.node.id < n_fwd]
     b.extra["read_back"] = {id(t) for t in reads}
+    reduced, chain = _param_reductions(fwd, reads, act, n_fwd)
+    reads, act = reads + reduced, act | chain
     # a nested repeat's saved activations exist in this re-trace only: they are recomputed
     def savable(t) -> bool:
         return t.index < len(blk.graph.nodes[t.node.id].outputs)

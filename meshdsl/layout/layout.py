@@ -44,13 +44,17 @@ class Layout:
     """
 
     def __init__(self, rules: tuple[Rule, ...] = (), source: str | None = None,
-                 implied: tuple[tuple[Rule, str], ...] = (), empty_ok: frozenset = frozenset()):
+                 implied: tuple[tuple[Rule, str], ...] = (), empty_ok: frozenset = frozenset(),
+                 cyclic: tuple[tuple[str, int], ...] = ()):
         self.rules = tuple(rules)
         self.source = source
         #: dims whose split may leave a rank an empty part (see :meth:`with_empty_parts`)
         self.empty_ok = frozenset(empty_ok)
         # (rule, where it comes from) for dims without a written global rule: see with_implied
         self.implied = tuple((r, why) for r, why in implied if all(w.key != r.key for w in self.rules))
+        #: ((dim, v), ...): implied dims split block-cyclically, ``v`` blocks per rank (a flat fused
+        #: weight's ``(qkv heads d_head)`` under ``heads:model``: :mod:`meshdsl.lowering.cyclic_dims`)
+        self.cyclic = tuple((d, v) for d, v in cyclic if any(r.key == (None, d) for r, _ in self.implied))
         self._by_key: dict[tuple[str | None, str], Rule] = {}
         self._order: dict[tuple[str | None, str], int] = {}  # earlier rules win conflicts
         self._targets: dict = {}  # (shape, scopes, mesh, strict) -> targets(...), computed once
@@ -101,16 +105,22 @@ class Layout:
         spec = parse_layout(text)
         return Layout(spec.rules, source=spec.source)
 
-    def with_implied(self, implied: tuple[tuple[Rule, str], ...]) -> "Layout":
+    def with_implied(self, implied: tuple[tuple[Rule, str], ...], cyclic=()) -> "Layout":
         """These written rules plus ``implied`` ones, each ``(rule, why)``, instead of this layout's.
 
         Implied rules are global rules ranked after every written one, for dims without a
         written global rule (a scoped written rule still wins for its tensors); ``rules``,
-        ``str()`` and :meth:`validate` stay the written ones (what the user typed).
+        ``str()`` and :meth:`validate` stay the written ones (what the user typed).  ``cyclic``:
+        ``(dim, v)`` for the implied dims split block-cyclically, ``v`` blocks per rank.
         """
-        if tuple(implied) == self.implied:
+        if tuple(implied) == self.implied and tuple(cyclic) == self.cyclic:
             return self
-        return Layout(self.rules, self.source, implied, self.empty_ok)
+        return Layout(self.rules, self.source, implied, self.empty_ok, tuple(cyclic))
+
+    @property
+    def cyclic_blocks(self) -> dict[str, int]:
+        """Dim -> its blocks per rank, for the implied dims split block-cyclically."""
+        return dict(self.cyclic)
 
     def with_empty_parts(self, dims) -> "Layout":
         """This layout, with a split of dims ``dims`` allowed to leave some ranks an empty part
@@ -118,7 +128,7 @@ class Layout:
         layer dims of pipelined stacks sharing a stage axis: a stage outside a stack's run of
         stages holds none of its layers (``lowering/stage_layers.py``)."""
         dims = frozenset(dims) | self.empty_ok
-        return self if dims == self.empty_ok else Layout(self.rules, self.source, self.implied, dims)
+        return self if dims == self.empty_ok else Layout(self.rules, self.source, self.implied, dims, self.cyclic)
 
     def __str__(self) -> str:
         return "; ".join(map(str, self.rules))

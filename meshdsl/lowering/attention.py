@@ -18,11 +18,11 @@ A sliding-window attention (``window`` w) whose query and key dims are split ali
 under ``seq:model``: k and v renamed from the split ``seq``) needs on each rank only the w - 1 key
 and value rows before its block (and after it, not causal): they come from the neighbours as a halo
 (:func:`~.halo.extend`, one ``permute`` per side and piece; from the ranks further on where w - 1
-exceeds a block of an even split), and the fused kernel runs on the extended block, its mask
+exceeds a block; over an uneven split, from the ranks that hold the rows each rank reads,
+:mod:`.halo_routes`), and the fused kernel runs on the extended block, its mask
 offset by the rank's position (:func:`meshdsl.ops.attention._mask`).  The backward reads the same
 halo and sends the gradient rows of the halo keys and values back to the ranks that own them, where
-they are added (:func:`_fold_back`).  The cost model weighs it against gathering k and v; an uneven
-split whose shortest block is shorter than the halo gathers.
+they are added (:func:`_fold_back`).  The cost model weighs it against gathering k and v.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from ..ops.embed import causal_mask, iota
 from ..ops.reduce import reduce_max, reduce_sum
 from .composite import lower_composite
 from .generic import lower_generic
-from .halo import Reach, extend, gathered, halo_parts, hops, resized
+from .halo import Reach, cut_by, extend, gathered, hops, piece_rows, resized
+from .halo_routes import fold_back, routes_of
 from .relayout import relayout_cost
 from .rules import lowering
 
@@ -114,11 +115,8 @@ def _halo_widths(lw, node):
     if not axes or ks.axes_of(kd) != axes or k.shape.get(kd).size != n or qs.parts or qs.cyclic \
             or ks.parts or ks.cyclic or any(x in axes for d, xs in qs.split.items() if d != qd for x in xs):
         return None
-    p = lw.mesh.axis_size(axes)
     hl = min(w - 1, n - 1)
     hr = 0 if a["causal"] else hl
-    if n % p and max(hl, hr) > min(ln for _, ln in halo_parts(n, lw.mesh, axes)):
-        return None   # hops beyond the neighbour need equal blocks
     return axes, hl, hr
 
 
@@ -137,9 +135,10 @@ def _halo_cost(lw, t, sh: Sharding, dim: str, widths) -> float:
     mesh = lw.mesh
     axes = sh.axes_of(dim)
     p, n = mesh.axis_size(axes), t.shape.get(dim).size
-    row = sh.local_numel(t.shape, mesh) // max(1, n // p) * t.dtype.itemsize
-    return sum(lw.cost.collective("permute", rows * row, p) for w in widths if w
-               for rows, hop in hops(w, n // p, p) if hop < p)
+    row = sh.local_numel(t.shape, mesh) // -(-n // p) * t.dtype.itemsize   # the largest block's rows
+    reach = Reach(widths[0], n, sum(widths))
+    return sum(lw.cost.collective("permute", rows * row, p) for rows in piece_rows([reach], n, p, cut_by(mesh, axes),
+                                                                                    widths))
 
 
 def _cut(ctx, attrs, x):
@@ -161,11 +160,14 @@ def _fold(ctx, attrs, x, *got):
     return out
 
 
-def _fold_back(lw, node, vid: int, t, dim: str, hl: int, hr: int) -> int:
+def _fold_back(lw, node, vid: int, t, dim: str, hl: int, hr: int, rts=None) -> int:
     """The gradient ``vid`` of an extended block of ``t`` (``hl`` rows before each rank's own,
-    ``hr`` after) summed onto the blocks that own its rows: each halo piece permuted back."""
+    ``hr`` after) summed onto the blocks that own its rows: each halo piece permuted back (the
+    routes ``rts`` that brought them, over uneven blocks: :func:`~.halo_routes.fold_back`)."""
     mesh, v = lw.mesh, lw.values[vid]
     sh = v.sharding
+    if rts is not None:   # the extended block came by routes over uneven blocks: back the same way
+        return fold_back(lw, node, vid, t, dim, rts, hl, hr)
     axes = sh.axes_of(dim)
     p, n = mesh.axis_size(axes), t.shape.get(dim).size
     pos, sizes = t.shape.index(dim), {d.name: d.size for d in t.shape}
@@ -215,9 +217,11 @@ def _lower_halo(lw, node) -> bool:
         t.shape, sh, gathered(sh, t.shape, kd), mesh, t.dtype.itemsize, lw.cost)
         for t, vid, sh in zip((k, v), kv_vids, kvsh))
     if gather < sum(_halo_cost(lw, t, sh, kd, (hl, hr)) for t, sh in zip((k, v), kvsh)) - 1e-12:
+        lw.note(f"{node.name}: window {a['window']} over split '{a['query_dim']}': gathering k and v costs less "
+                f"than a halo of {hl + hr} key/value rows; gathered")
         return False
     lw.note(f"{node.name}: window {a['window']} over split '{a['query_dim']}': {hl + hr} key/value rows "
-            "from the neighbours (a halo), not gathered")
+            "from the ranks that hold them (a halo), not gathered")
     reach = Reach(hl, k.shape.get(kd).size, hl + hr)
     ext = []
     for t, vid, sh in zip((k, v), kv_vids, kvsh):
@@ -245,8 +249,8 @@ def _lower_halo(lw, node) -> bool:
     lw.emit("local", node, [g_, q_, kx, vx, o_, l_], outs, args={"fn": node.op.compute, "attrs": attrs,
                                                                   "compute": comp, "sizes": sizes})
     lw.bind(node.outputs[0], lw.relayout(outs[0], lw.target(node.outputs[0]), node, "output of attention_backward"))
-    for t, vid in zip(node.outputs[1:], outs[1:]):
+    for t, vid, x in zip(node.outputs[1:], outs[1:], (kx, vx)):
         grown = (lw.values[vid].shape.get(kd).size - t.shape.get(kd).size) // mesh.axis_size(axes)
-        vid = _fold_back(lw, node, vid, t, kd, lead, grown - lead) if grown else vid
+        vid = _fold_back(lw, node, vid, t, kd, lead, grown - lead, routes_of(lw, x)) if grown else vid
         lw.bind(t, lw.relayout(vid, lw.target(t), node, "output of attention_backward"))
     return True

@@ -20,6 +20,7 @@ rank lists the same order, so collectives stay matched.
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import replace
 from typing import Callable
@@ -59,7 +60,10 @@ class _State:
     reads whether the steps its search met have run, the bytes freed how many readers of the
     values it reads are left.  Asking every waiting step again each turn took ~n^2 asks for a
     block of n steps (a quarter of a search's compile time); one turn changes few answers, and
-    only those (:attr:`stale`) are asked again."""
+    only those (:attr:`stale`) are asked again.  The bytes freed compare a value's readers left
+    with the readers in the turn, so a reader running changes them only where that count is the
+    one before or after it (a value many taps read, a depthwise conv's input, re-priced every
+    reader at each of their turns)."""
 
     def __init__(self, plan: Plan, recomputes):
         steps, mesh = plan.steps, plan.mesh
@@ -72,10 +76,13 @@ class _State:
         # never freed inside the block: its inputs and outputs
         self.held = {v for s in steps if s.kind == "input" for v in s.outs} | set(plan.outputs.values())
         self.size = {v: x.local_bytes(mesh) for v, x in plan.values.items()}
+        self.reads = [set(s.ins) for s in steps]
+        self.made = [sum(self.size[v] for v in s.outs) for s in steps]
         self._turns: dict[int, list[int] | None] = {}      # step -> its turn, while it holds
         self._priced: dict[int, tuple[int, int]] = {}      # step -> made_freed of its turn, while it holds
         self._by_step: dict[int, set[int]] = {}            # step j -> steps whose turn read j's done
-        self._by_value: dict[int, set[int]] = {}           # value v -> steps whose price read left[v]
+        # value v -> n -> steps whose price asked whether left[v] == n (n: their turn's readers of v)
+        self._by_value: dict[int, dict[int, set[int]]] = {}
         self.stale: set[int] = set()                       # steps whose turn or price was forgotten
 
     def turn(self, i: int) -> list[int] | None:
@@ -101,32 +108,42 @@ class _State:
         return out
 
     def price(self, i: int) -> tuple[int, int]:
-        """:meth:`made_freed` of step ``i``'s turn (not None), kept while it holds."""
+        """:meth:`_made_freed` of step ``i``'s turn (not None), kept while it holds."""
         hit = self._priced.get(i)
         if hit is None:
             unit = self._turns[i]
-            hit = self._priced[i] = self.made_freed(unit)
-            for j in unit:
-                for v in self.steps[j].ins:
-                    self._by_value.setdefault(v, set()).add(i)
+            reads = self._reads(unit)
+            hit = self._priced[i] = self._made_freed(unit, reads)
+            for v, n in reads.items():
+                if v not in self.held:
+                    self._by_value.setdefault(v, {}).setdefault(n, set()).add(i)
         return hit
 
-    def made_freed(self, unit: list[int]) -> tuple[int, int]:
+    def _reads(self, unit: list[int]) -> dict[int, int]:
+        """Each value the steps of ``unit`` read, with how many of them read it."""
+        if len(unit) == 1:
+            return dict.fromkeys(self.reads[unit[0]], 1)
+        return Counter(v for j in unit for v in self.reads[j])
+
+    def _made_freed(self, unit: list[int], reads: dict[int, int]) -> tuple[int, int]:
         """Bytes the steps of ``unit`` make, and those they free (values whose last readers they are)."""
-        made = sum(self.size[v] for j in unit for v in self.steps[j].outs)
-        reads = Counter(v for j in unit for v in set(self.steps[j].ins))
-        freed = sum(self.size[v] for v, n in reads.items() if self.left[v] == n and v not in self.held)
+        made = sum(self.made[j] for j in unit)
+        left, held, size = self.left, self.held, self.size
+        freed = sum(size[v] for v, n in reads.items() if left[v] == n and v not in held)
         return made, freed
 
     def run(self, unit: list[int], order: list[int]) -> None:
         for j in unit:
             self.done[j] = True
             order.append(j)
-            read = set(self.steps[j].ins)
-            self.left.subtract(read)
             self._forget(self._by_step.pop(j, ()), turns=True)
-            for v in read:
-                self._forget(self._by_value.pop(v, ()), turns=False)
+            for v in self.reads[j]:
+                was = self.left[v]
+                self.left[v] = was - 1
+                asked = self._by_value.get(v)
+                if asked:   # only the prices that compared left[v] with its count before or after
+                    self._forget(asked.pop(was, ()), turns=False)
+                    self._forget(asked.pop(was - 1, ()), turns=False)
 
     def _forget(self, steps, turns: bool) -> None:
         self.stale.update(steps)
@@ -145,17 +162,23 @@ def _greedy(plan: Plan, recomputes, key) -> list[int]:
     st.run([i for i, s in enumerate(plan.steps) if s.kind == "input"], order)
     waiting = {i for i in range(len(plan.steps)) if not st.done[i] and not st.late[i]}
     ranked: dict[int, tuple] = {}   # waiting step whose turn can run -> (*key, step): no two tie
+    heap: list[tuple] = []          # ranked's entries, and ones replaced since (skipped when met)
     st.stale = set(waiting)
     while waiting:
         for i in st.stale & waiting:   # the others' turns and prices still hold
             if st.turn(i) is None:
                 ranked.pop(i, None)
             else:
-                ranked[i] = (*key(*st.price(i)), i)
+                rank = (*key(*st.price(i)), i)
+                if ranked.get(i) != rank:
+                    ranked[i] = rank
+                    heapq.heappush(heap, rank)
         st.stale.clear()
         if not ranked:   # a recompute step reads a backward step's value: keep the plan's order
             return list(range(len(plan.steps)))
-        i = min(ranked.values())[-1]
+        while ranked.get(heap[0][-1]) != heap[0]:
+            heapq.heappop(heap)
+        i = heapq.heappop(heap)[-1]
         unit = st.turn(i)
         del ranked[i]
         waiting.discard(i)

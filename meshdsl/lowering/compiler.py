@@ -22,6 +22,7 @@ from .accumulate import accumulate
 from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
+from .cyclic_dims import NotCyclic, store_cyclic
 from .implied import implied_layout
 from .partition import partition
 from .stage_layers import stack_lines
@@ -472,12 +473,27 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
     dims, names = _graph_dims(nodes)
     layout.validate(mesh, dims, names, has_repeat=any(n.op.name == "repeat" for n in nodes))
     layout = implied_layout(nodes, mesh, layout, bool(strict_splits))   # the splits reshapes carry over (noted if uneven)
+    args = (outputs, nodes, dims, mesh, cost, fuse, microbatches, schedule, bucket_mb, strict_splits, stage_layers)
+    try:
+        return _lower_laid(layout, *args)
+    except NotCyclic as e:   # a block-cyclic dim split otherwise somewhere: lowered without its rule
+        plan = _lower_laid(layout.with_implied(tuple((r, why) for r, why in layout.implied
+                                                     if r.key[1] not in layout.cyclic_blocks)), *args)
+        return dataclasses.replace(plan, notes=plan.notes + (str(e),))
+
+
+def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: CostModel, fuse: bool,
+                microbatches: int, schedule: str, bucket_mb: float, strict_splits: bool, stage_layers) -> Plan:
+    """:func:`_lower` once the layout's implied rules are known."""
     uneven = find_uneven(nodes, mesh, layout, bool(strict_splits), stage_layers)
     with with_given(mesh, layout, microbatches):   # a schedule's sizes refused: with what compile was given
         spec = detect_pipeline(nodes, mesh, layout, dims, microbatches, schedule, stage_layers)
     given = (mesh, layout)
+    if spec is not None and spec.axis is not None and layout.cyclic:
+        raise NotCyclic(f"{', '.join(map(repr, layout.cyclic_blocks))} whole, not block-cyclic: a pipeline's "
+                        "stages store no block-cyclic dim but the layers")
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
-        mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied)
+        mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied, layout.cyclic)
     with users_terms((mesh, layout), given, microbatches):   # errors speak of the user's mesh and layout
         lw = Lowerer(mesh, layout, cost)
         for _, why in layout.implied:
@@ -489,7 +505,8 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
             lw.note(f"schedule '{schedule}' {NO_EFFECT} the layout pipelines no repeat "
                     "(a 'layer:<axis>' rule over an axis of size > 1 does)")
         outs = lower_into(lw, outputs)
-        steps = fuse_steps(lw.steps, lw.values, outs) if fuse else lw.steps
+        steps = store_cyclic(lw.steps, lw.values, lw.mesh, layout)   # (block-cyclic dims: :mod:`.cyclic_dims`)
+        steps = fuse_steps(steps, lw.values, outs) if fuse else steps
         holders = {}
         if spec is not None and spec.axis is not None:
             steps, holders = partition(steps, lw.values, outs, spec, bucket_mb)

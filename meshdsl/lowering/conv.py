@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..layout.sharding import Sharding
 from ..ops.conv import conv_valid, dilations, span, weight_grad_valid
-from .halo import Reach, cut_by, extend, gathered, hops, reads, take_window, window_attrs
+from .halo import Reach, cut_by, extend, gathered, piece_rows, readers, reads, take_window, window_attrs
 from .relayout import keep_microbatches, relayout_cost
 from .rules import lowering
 
@@ -65,20 +65,41 @@ def _compute_split(lw, node, xv) -> dict:
 
 def _far(lw, node, xv, split: dict, d: str) -> tuple[int, int] | None:
     """The widths of a halo on ``d`` that reaches past the neighbours (a dilated conv's span
-    longer than a rank's block: rows from the ranks further on, :func:`~.halo.hops`), where
-    its permutes cost less than gathering ``x``'s dim; None otherwise."""
+    longer than a rank's block: rows from the ranks further on, :func:`~.halo.hops`, or over
+    uneven blocks :mod:`.halo_routes`), where its permutes cost less than gathering ``x``'s dim
+    (a weight gradient: and ``dy``'s, against the allreduce its partial sum needs); None otherwise."""
     mesh, x = lw.mesh, node.inputs[0]
     axes, n = split[d], x.shape.get(d).size
     p = mesh.axis_size(axes)
-    widths = conv_reach(node, 0, d).far_widths(n, p)
+    reach, cut = conv_reach(node, 0, d), cut_by(mesh, axes)
+    widths = reach.far_widths(n, p, cut)
     if widths is None:
         return None
     comp = Sharding.of(x.shape, split)
-    row = comp.local_numel(x.shape, mesh) // (n // p) * x.dtype.itemsize
-    far = sum(lw.cost.collective("permute", rows * row, p) for w in widths if w
-              for rows, k in hops(w, n // p, p) if k < p)
+    row = comp.local_numel(x.shape, mesh) // -(-n // p) * x.dtype.itemsize   # the largest block's rows
+    hit = lw.memo.get(("halo", xv, d, False))   # the forward's exchange, read again by the weight gradient
+    far = 0.0 if hit and hit[0] >= widths[0] and hit[1] >= widths[1] else sum(
+        lw.cost.collective("permute", rows * row, p) for rows in piece_rows([reach], n, p, cut, widths))
     gather = relayout_cost(x.shape, comp, gathered(comp, x.shape, d), mesh, x.dtype.itemsize, lw.cost)
+    # The weight gradients that read x's exchange (or the gathered x) decide with it: the forward's
+    # choice is theirs too
+    grads = [node] if node.op.name == "conv_weight_grad" else [
+        r for r, slot in readers(lw, x) if r.op.name == "conv_weight_grad" and not slot
+        and conv_reach(r, 0, d) == reach]
+    for wg in grads:
+        more_far, more_gather = _weight_grad_terms(lw, wg, split, d, p)
+        far, gather = far + more_far, gather + more_gather
     return widths if far < gather - 1e-12 else None
+
+
+def _weight_grad_terms(lw, node, split: dict, d: str, p: int) -> tuple[float, float]:
+    """What a weight gradient adds to each side of :func:`_far`: kept split along ``d``, its result
+    is a partial sum over the axes (an allreduce more); gathered, ``dy`` is gathered there too."""
+    mesh, out, dy = lw.mesh, node.outputs[0], node.inputs[1]
+    wsh = Sharding.of(out.shape, {k: ax for k, ax in split.items() if k in out.shape})
+    dsh = lw.sharding(lw.value(dy)) if id(dy) in lw.env else lw.target(dy)   # dy not made yet: as its layout has it
+    return (lw.cost.collective("allreduce", wsh.local_numel(out.shape, mesh) * out.dtype.itemsize, p),
+            relayout_cost(dy.shape, dsh, gathered(dsh, dy.shape, d), mesh, dy.dtype.itemsize, lw.cost))
 
 
 def _halos(lw, node, xv, split: dict):
@@ -108,6 +129,35 @@ def _halos(lw, node, xv, split: dict):
     return xv, tuple(windows)
 
 
+def _note_gathered_phases(lw, node) -> None:
+    """Note a strided conv's phase that arrives whole along a spatial dim its source split unevenly:
+    the phase rearrange (``(d d_phase) -> d d_phase``, :func:`meshdsl.ops.conv.conv`) keeps a split
+    only where every part starts at a multiple of the stride, which ``torch.tensor_split``'s cut
+    of such a length does not (10 rows, stride 2, 3 ranks: 4, 3, 3), so it gathered the dim."""
+    if node.phase != "forward":
+        return
+    for d, *_ in node.attrs["spatial"]:
+        t = node.inputs[0]   # up to the rearrange that made d's phases (another dim's may follow it)
+        while t.node is not None and t.node.op.name in ("squeeze", "slice", "pad", "rearrange") and not (
+                t.node.op.name == "rearrange" and f"{d}_phase" not in t.node.inputs[0].shape.names):
+            t = t.node.inputs[0]
+        if t.node is None or t.node.op.name != "rearrange" or f"{d}_phase" not in t.shape.names:
+            continue
+        src = t.node.inputs[0]
+        while src.node is not None and src.node.op.name == "pad" and id(src) not in lw.env:
+            src = src.node.inputs[0]
+        vid = lw.value(src) if id(src) in lw.env else None
+        sh = lw.sharding(vid) if vid is not None else None
+        axes = sh.axes_of(d) if sh is not None else ()
+        n, stride = src.shape.get(d).size, t.shape.get(f"{d}_phase").size
+        if axes and n % lw.mesh.axis_size(axes) and lw.relaid(vid, gathered(sh, src.shape, d)) \
+                and not lw.memo.get(("phases noted", id(t))):
+            lw.memo[("phases noted", id(t))] = True   # once per rearrange, not per phase
+            lw.note(f"{node.name}: a strided conv's phases of '{d}' ({n} rows split unevenly over "
+                    f"{','.join(axes)}) do not cut at multiples of the stride {stride}: the input is gathered "
+                    "(docs/design/communication.md, 'Halos over uneven splits')")
+
+
 @lowering("conv", "conv_weight_grad")
 def lower_conv(lw, node) -> None:
     """Lower a conv or its weight gradient; see the module docstring."""
@@ -116,6 +166,7 @@ def lower_conv(lw, node) -> None:
     weight_grad = node.op.name == "conv_weight_grad"
     xv = lw.reduced(lw.value(x))
     split = _compute_split(lw, node, xv)
+    _note_gathered_phases(lw, node)
     xv, windows = _halos(lw, node, xv, split)
     # The other operand (w, or the weight gradient's dy) is split as the compute is.  The dims
     # the kernel sums over leave a partial sum: conv's input channel, the weight gradient's

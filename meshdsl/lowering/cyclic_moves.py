@@ -1,4 +1,4 @@
-"""Collectives over a block-cyclic layer dim keep its blocks in the global order.
+"""Collectives over a block-cyclic dim keep its blocks in the global order.
 
 An interleaved pipeline (:mod:`.interleave`) stores the stacked values' layers block-cyclically
 once the plan is lowered (``Sharding.cyclic``): rank r holds chunks r, r + p, ... A collective
@@ -7,7 +7,10 @@ value's gradient leaves the stack for an activation the repeat reads stacked (CT
 renamed to the time steps, an LSTM's per-step inputs), its allgather would join rank 0's chunks
 0 and 2 first, and every gradient behind it would be wrong. So each such allgather is followed by
 a local step putting the joined blocks in the global order, and each reduce-scatter into a
-block-cyclic value is preceded by one putting the whole tensor in the ranks' joined order.
+block-cyclic value is preceded by one putting the whole tensor in the ranks' joined order.  A
+flat fused weight's dim split block-cyclically (:mod:`.cyclic_dims`) is kept in order alike, and
+an alltoall joining or cutting it too.  (A local split into such a dim cuts the value's regions at
+run time: ``runtime/steps.py``.)
 """
 from __future__ import annotations
 
@@ -54,6 +57,8 @@ def _like(values: dict, vid: int) -> int:
 
 def _in_order(s: Step, stages, values: dict, mesh) -> list:
     """``[(step, stages), ...]`` for ``s``: itself, or with the local step that orders its blocks."""
+    if s.kind == "alltoall":
+        return _alltoall_in_order(s, stages, values, mesh)
     if s.kind == "allgather":
         vin = values[s.ins[0]]
         name = vin.shape.names[s.args["dim"]]
@@ -71,6 +76,33 @@ def _in_order(s: Step, stages, values: dict, mesh) -> list:
                          "blocks in the ranks' joined order")
             return [(fix, stages), (dataclasses.replace(s, ins=(joined,)), stages)]
     return [(s, stages)]
+
+
+def _alltoall_in_order(s: Step, stages, values: dict, mesh) -> list:
+    """An alltoall that joins a block-cyclic dim (its ``concat_dim``): the joined blocks put in the
+    global order after it; one that cuts such a dim (its ``split_dim``): the whole put in the ranks'
+    joined order before it (a flat fused weight's ``F``, :mod:`.cyclic_dims`)."""
+    vin, vout = values[s.ins[0]], values[s.outs[0]]
+    before, after = [], []
+    name = vout.shape.names[s.args["split_dim"]]
+    if name in vout.sharding.cyclic_blocks:
+        joined = _like(values, s.ins[0])
+        before.append((_local(s, s.ins[0], joined, values, s.args["split_dim"], _order(vout, name, mesh, True),
+                              "blocks in the ranks' joined order"), stages))
+        s = dataclasses.replace(s, ins=(joined,))
+    name = vin.shape.names[s.args["concat_dim"]]
+    if name in vin.sharding.cyclic_blocks:
+        joined = _like(values, s.outs[0])
+        after.append((_local(s, joined, s.outs[0], values, s.args["concat_dim"], _order(vin, name, mesh, False),
+                             "blocks in the global order"), stages))
+        s = dataclasses.replace(s, outs=(joined,))
+    return [*before, (s, stages), *after]
+
+
+def steps_in_global_order(steps, values: dict, mesh) -> list:
+    """``steps`` with every collective that joins or cuts a block-cyclic dim keeping the global
+    order (as :func:`in_global_order` for a pipeline's segments)."""
+    return [x for s in steps for x, _ in _in_order(s, None, values, mesh)]
 
 
 def in_global_order(values: dict, segments: dict, mesh) -> dict:

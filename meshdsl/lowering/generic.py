@@ -87,9 +87,12 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         # Several outputs (layer norm's backward: dx and the affine's gradients) would each
         # need a reduction of their own, and another input split over an axis of P (a row
         # statistic's partial sum times the rows split along the summed dim) would be gathered
-        # for the result to stay partial: reducing the input first may cost less.
+        # for the result to stay partial: reducing the input first may cost less. So may a result
+        # that outgrows the input (a partial gradient of the rows scatter-added into a table
+        # bigger than them, a recommender's embedding).
         clash = any(set(P) & s.used_axes for i, s in enumerate(shs) if i != partial_in[0])
-        return [(P, {partial_in[0]: P}, {})] + (reduced_first(P) if len(node.outputs) > 1 or clash else [])
+        grows = sum(t.shape.numel for t in node.outputs) > node.inputs[partial_in[0]].shape.numel
+        return [(P, {partial_in[0]: P}, {})] + (reduced_first(P) if len(node.outputs) > 1 or clash or grows else [])
     if len(partial_in) == 1 and op.multilinear:
         # An einsum is linear in one operand, the others fixed: its partial sum passes through
         # when the result is cheaper to reduce than the operand (a feature map's gradient

@@ -26,8 +26,10 @@ neighbour reads, as wide as the widest one, and the neighbour places it where th
 (:func:`strips`), rather than every rank sending its last ``hl`` rows alike.
 Where no exchange with the neighbours reaches (a window beyond the next rank, fewer output
 rows than ranks), the reader gathers the dim, unless it asks for :meth:`Reach.far_widths` (a
-dilated conv over equal blocks, priced by its lowering): then the rows come from the ranks
-further on too, whole blocks and the edge rows past them (:func:`hops`), one permute each.
+dilated conv, a far shift or window, priced by its lowering): then the rows come from the ranks
+further on too, over equal blocks whole blocks and the edge rows past them (:func:`hops`), one
+permute each; over unequal blocks the rows each rank reads, from the ranks that hold them
+(:mod:`.halo_routes`, one exchange for every reader of the value there, :func:`far_group`).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from ..core.shape import Dim, Shape
 from ..layout.sharding import Sharding
+from .halo_routes import exchange, routes
 
 
 @dataclass(frozen=True)
@@ -63,12 +66,14 @@ class Reach:
         nb, mb = n // p, self.m // p
         return self._block_widths(n, [(r * nb, nb) for r in range(p)], [(r * mb, mb) for r in range(p)])
 
-    def far_widths(self, n: int, p: int) -> tuple[int, int] | None:
-        """:meth:`widths` of a zero-filled window over ``p`` equal blocks, however far it reaches:
+    def far_widths(self, n: int, p: int, cut=None) -> tuple[int, int] | None:
+        """:meth:`widths` of a zero-filled window over ``p`` blocks, however far it reaches:
         rows beyond the neighbour come from the ranks further on (:func:`extend`); None for a
-        roll or an unequal split."""
-        if self.wrap or n % p or self.m % p:
+        roll, or an unequal split without ``cut`` (with it: :mod:`.halo_routes`)."""
+        if self.wrap:
             return None
+        if n % p or self.m % p:
+            return self._block_widths(n, cut(n), cut(self.m), far=True) if cut and self.m >= p else None
         nb, mb = n // p, self.m // p
         return self._block_widths(n, [(r * nb, nb) for r in range(p)], [(r * mb, mb) for r in range(p)], far=True)
 
@@ -299,6 +304,30 @@ def strips(reaches, n: int, cut, hl: int, hr: int) -> dict:
     return out
 
 
+def by_routes(n: int, p: int, m: int, cut, widths) -> bool:
+    """Whether a halo of ``widths`` rows over ``n`` source rows in ``p`` blocks (an output of
+    ``m``) takes its rows by :mod:`.halo_routes`: an unequal split it reaches past a neighbour of."""
+    return bool(n % p or m % p) and max(widths) > min(ln for _, ln in cut(n))
+
+
+def piece_rows(reaches, n: int, p: int, cut, widths) -> list[int]:
+    """The rows of each permute a halo of ``widths`` for ``reaches`` moves (to price it)."""
+    if by_routes(n, p, reaches[0].m, cut, widths):
+        return [rt.width for rt in routes(reaches, n, cut, *widths)]
+    return [rows for w in widths if w for rows, k in hops(w, n // p, p) if k < p]
+
+
+def far_group(lw, t, dim: str, reach: Reach, n: int, p: int, cut) -> tuple[tuple[Reach, ...], tuple[int, int]]:
+    """The zero-filled reaches into ``t`` along ``dim`` that one exchange over uneven blocks
+    (:mod:`.halo_routes`) serves with ``reach``, and the widths it needs: every reader's, however
+    far (the taps of a dilated conv written as shifts share one exchange)."""
+    group = [(r, r.far_widths(n, p, cut)) for r in _reaches(lw, t, dim) if not r.wrap]
+    group = [(r, w) for r, w in group if w is not None]
+    if reach not in [r for r, _ in group]:
+        group.append((reach, reach.far_widths(n, p, cut) or (0, 0)))
+    return tuple(r for r, _ in group), (max(w[0] for _, w in group), max(w[1] for _, w in group))
+
+
 def hops(width: int, nb: int, p: int) -> list[tuple[int, int]]:
     """The pieces of a halo of ``width`` rows over blocks of ``nb``, nearest rank first: (rows,
     ranks away). Within one block, one piece from the neighbour; beyond it, whole blocks from
@@ -329,10 +358,18 @@ def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int
     if not hl and not hr:
         return 0, vid
     served = tuple(r for r, _ in group)
-    per = strips(served, n, cut, hl, hr) if not reach.wrap and reach in served and max(hl, hr) <= n // p else {}
     pos = v.shape.index(dim)
-    sizes = {d.name: d.size for d in v.shape}
     shared = f", shared by {len(group)} readers" if len(group) > 1 else ""
+    far = far_group(lw, t, dim, reach, n, p, cut) if not reach.wrap and (n % p or reach.m % p) else None
+    if far and by_routes(n, p, reach.m, cut, (max(hl, far[1][0]), max(hr, far[1][1]))):
+        # uneven blocks, some reader past a neighbour's: one exchange by routes serves them all
+        served, hl, hr = far[0], max(hl, far[1][0]), max(hr, far[1][1])
+        shared = f", shared by {len(served)} readers" if len(served) > 1 else ""
+        ext = exchange(lw, node, vid, dim, routes(served, n, cut, hl, hr), hl, hr, served, shared)
+        lw.memo[key] = (hl, hr, ext)
+        return hl, ext
+    per = strips(served, n, cut, hl, hr) if not reach.wrap and reach in served and max(hl, hr) <= n // p else {}
+    sizes = {d.name: d.size for d in v.shape}
     got, glue = [], {"pos": pos, "left": [], "right": [], "dim": dim, "place": (), "served": served if per else None}
     for width, offset, side in ((hl, 1, "left"), (hr, -1, "right")):
         strip = per.get(offset > 0)

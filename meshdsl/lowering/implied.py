@@ -18,7 +18,11 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   rename moves a split as the layout says (Mesh-TF's expert parallelism: under
   ``experts:data``, one alltoall each way), and a dim that meets the old one (keys'
   ``key_seq`` against queries' ``seq``, CLIP's texts against its images) is whole
-  unless its own rule splits it.  Back the other way, a dim renamed to one the layout splits
+  unless its own rule splits it, or a sliding-window attention reads it as its keys (Gemma 3's
+  local layers beside global ones: a halo each, the global ones gather at the attention); an
+  implied split passes on by the same rule (ViT's ``patches`` under ``height:data``: its keys'
+  ``key_patches`` stay whole, gathered once by the rename and saved for the backward, where split
+  they were gathered again there).  Back the other way, a dim renamed to one the layout splits
   takes that split where no param holds it, no op holds the two and no other dim of the
   rename's input has those axes (FCOS's stem ``height`` renamed ``row``, under ``row:data``:
   the stem ran whole and the rename's gradient was gathered).  A param may hold the old dim
@@ -31,8 +35,10 @@ rule names gets the split its reshape carries over, as an *implied* rule:
 * a dim a reshape takes apart gets the written split of the output dim that is its outer
   part (Whisper's ``frames`` cut into ``(seq two)`` under ``seq:model``; a flat fused qkv
   weight's dim ``(heads qkv d_head)`` under ``heads:model``), so the split crosses the
-  reshape both ways; where the split dim is an inner part (``(qkv heads d_head)``) no
-  contiguous split reaches it and nothing is implied (the plan notes it, :mod:`.reshape`);
+  reshape both ways; where the split dim is an inner part (GPT-2's ``(qkv heads d_head)``) no
+  contiguous split reaches it, but a block-cyclic one does (``F:model[cyclic 3]``, rank r its
+  heads' rows of q, of k and of v), implied where every op holding the dim allows it
+  (:mod:`.cyclic_dims`); else nothing is implied (the plan notes it, :mod:`.reshape`);
 * chains of reshapes are followed to a fixpoint.
 
 Only the forward graph is read (repeat blocks included): the backward's reshapes
@@ -60,6 +66,7 @@ from ..core.names import Name
 from ..errors import LayoutError
 from ..layout.layout import Layout
 from ..layout.specs import Rule
+from .cyclic_dims import cyclic_ok
 from .reshape import Regroup
 
 RESHAPES = ("reshape", "rearrange")
@@ -178,15 +185,20 @@ def implied_layout(nodes, mesh, layout: Layout, strict: bool = False) -> Layout:
                for n in g.movers):
         return layout
     implied: dict[str, tuple[Rule, str]] = {}
+    cyclic: dict[str, int] = {}   # implied dims split block-cyclically: blocks per rank
     votes = _votes(g, mesh, layout)
     lost: set[str] = set()   # dims that lost their axes to a dim more reshapes keep split
     grew = True
     while grew:   # each pass adds a rule or ends; a dim gets at most one
         grew = False
         for node in g.movers:
-            cur = layout.with_implied(tuple(implied.values()))
-            for dim, axes, src in (*_carried(node, mesh, cur, implied, g), *_drawn(node, mesh, cur),
-                                   *_renamed_back(node, cur, g)):
+            cur = layout.with_implied(tuple(implied.values()), tuple(cyclic.items()))
+            for dim, axes, src, *blocks in (*_carried(node, mesh, cur, implied, g), *_drawn(node, mesh, cur),
+                                            *_renamed_back(node, cur, g)):
+                v = blocks[0] if blocks else 1
+                if v > 1 and (dim in named or dim in implied
+                              or not cyclic_ok(g.nodes, dim, v, mesh, axes, cur)):
+                    continue   # (a block-cyclic split: only where every op holding the dim allows it)
                 uneven_ok = not strict and _uneven_ok(node, dim, g)
                 # a dim a repeat scans neither takes a split (it stays whole) nor passes its own on
                 # (a pipeline's stage axis splits the layer dim alone)
@@ -196,6 +208,8 @@ def implied_layout(nodes, mesh, layout: Layout, strict: bool = False) -> Layout:
                 if not _fits(dim, axes, g, mesh, cur, uneven_ok):
                     continue
                 rival = _outvoted(node, dim, axes, votes, g, mesh, cur, strict)
+                if rival is not None and v > 1:
+                    continue
                 if rival is not None:   # a dim more reshapes keep split takes the axes instead
                     lost.add(dim)
                     if rival in implied or rival in named:
@@ -204,10 +218,13 @@ def implied_layout(nodes, mesh, layout: Layout, strict: bool = False) -> Layout:
                            f"under {rival}, {votes.get((dim, tuple(axes)), 0)} under {dim}")
                     dim = rival
                 rule = Rule(None, Name(dim, None), tuple(Name(a, None) for a in axes))
-                implied[dim] = (rule, f"implied by {node.op.name}: {rule} (from {src})")
-                cur = layout.with_implied(tuple(implied.values()))
+                cut = f", block-cyclic: {v} blocks per rank" if v > 1 else ""
+                implied[dim] = (rule, f"implied by {node.op.name}: {rule} (from {src}{cut})")
+                if v > 1:
+                    cyclic[dim] = v
+                cur = layout.with_implied(tuple(implied.values()), tuple(cyclic.items()))
                 grew = True
-    return layout.with_implied(tuple(implied.values()))
+    return layout.with_implied(tuple(implied.values()), tuple(cyclic.items()))
 
 
 def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
@@ -217,9 +234,9 @@ def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
         written = {r.key[1]: r.axis_names for r in layout.rules if r.key[0] is None}
         moved_to = {a for d in out.shape.names if d in written for a in written[d]}   # the layout's own move
         for old, new in node.attrs["mapping"].items():
-            if old in implied:
+            if old in implied and (not g.meet(old, new) or _window_keys(g, new, old)):
                 yield new, implied[old][0].axis_names, old
-            elif old in written and g.first(new) is node and not g.meet(old, new) \
+            elif old in written and g.first(new) is node and (not g.meet(old, new) or _window_keys(g, new, old)) \
                     and not moved_to & set(written[old]):
                 yield new, written[old], old
         return
@@ -229,7 +246,7 @@ def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
         return   # a written rule that does not fit: the lowering reports it
     if not split:
         return
-    got = Regroup.of(node).map(mesh, dict(split), "drop")[-1]
+    got = Regroup.of(node).map(mesh, dict(split), "drop", layout.cyclic_blocks)[-1]
     for d in out.shape:
         axes = got.get(d.name)
         if axes and d.name not in t.shape.names:   # a dim the reshape made, not one it passes through
@@ -253,14 +270,15 @@ def _drawn(node, mesh, layout: Layout):
     split = {d: written[d] for d in out.shape.names if d in written and d not in t.shape.names}
     if not split:
         return
-    got = Regroup.of(node).inverse().map(mesh, split, "strict")
+    back, found = Regroup.of(node).inverse(), {}
+    got = back.map(mesh, split, "strict") or back.map(mesh, split, "strict", layout.cyclic_blocks, found)
     if got is None:
         return
     for d in t.shape:
         axes = got[-1].get(d.name)
         # an axis written on two of the parts (``half:x; two:x``) cannot split the merged dim twice
         if axes and len(set(axes)) == len(axes) and d.name not in out.shape.names:
-            yield d.name, axes, ", ".join(n for n, ax in split.items() if set(ax) & set(axes))
+            yield d.name, axes, ", ".join(n for n, ax in split.items() if set(ax) & set(axes)), found.get(d.name, 1)
 
 
 def _renamed_back(node, layout: Layout, g: _Graph):
@@ -301,6 +319,15 @@ def _uneven_ok(node, dim: str, g: _Graph) -> bool:
         return _window_keys_only(g, dim, made_from[0])
     return (dim in mapping and any(dim in t.shape.names for t in g.params)
             and not g.mixes(dim, mapping[dim]))
+
+
+def _window_keys(g: _Graph, dim: str, src: str) -> bool:
+    """Whether a sliding-window attention reads ``dim`` (renamed from ``src``) as its keys against
+    ``src`` as its queries: the keys keep ``src``'s split (a halo each) though a global attention
+    meets the two too (Gemma 3's local and global layers: it gathers its keys at the attention,
+    as the rename would have, and the local layers no longer gather theirs)."""
+    return any(n.op.name == "attention" and n.attrs.get("window") is not None
+               and (n.attrs["key_dim"], n.attrs["query_dim"]) == (dim, src) for n in g.forward)
 
 
 def _window_keys_only(g: _Graph, dim: str, src: str) -> bool:

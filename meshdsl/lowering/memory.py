@@ -29,11 +29,12 @@ def activation_peak(plan: Plan, skip: frozenset[int] | set[int] = frozenset()) -
     """The most bytes of activations ``plan`` holds at once on one rank, running its steps in
     order: a value is live from its step to its last reader (``skip``: values not counted,
     such as the params); a step's sub-plans add their own peak to what is live around them."""
-    mesh = plan.mesh
+    mesh, values = plan.mesh, plan.values
     last: dict[int, int] = {}
     for i, s in enumerate(plan.steps):
         for v in s.ins:
             last[v] = i
+    kept = {*skip, *plan.params.values(), *plan.inputs.values()}   # never freed: not counted, or leaves
     live = peak = 0
     for i, s in enumerate(plan.steps):
         if s.kind in ("pipeline", "accumulate"):
@@ -42,11 +43,11 @@ def activation_peak(plan: Plan, skip: frozenset[int] | set[int] = frozenset()) -
             inner = max((activation_peak(sub, set()) for sub in s.subplans), default=0)
         for v in s.outs:
             if v not in skip and s.kind not in ("param", "input"):
-                live += plan.values[v].local_bytes(mesh)
+                live += values[v].local_bytes(mesh)
         peak = max(peak, live + inner)
         for v in set(s.ins):
-            if last.get(v) == i and v not in skip and v in plan.values and not _is_leaf(plan, v):
-                live -= plan.values[v].local_bytes(mesh)
+            if last[v] == i and v not in kept and v in values:
+                live -= values[v].local_bytes(mesh)
     return peak
 
 
@@ -76,10 +77,6 @@ def saved_bytes(step, mesh) -> list[int]:
                 for k in stages:
                     out[k] += prog.segments[Segment.FORWARD].values[v].local_bytes(mesh)
     return out
-
-
-def _is_leaf(plan: Plan, vid: int) -> bool:
-    return vid in plan.params.values() or vid in plan.inputs.values()
 
 
 def memory_report(plan: Plan, per_rank: bool = False) -> dict:

@@ -20,6 +20,9 @@ local slice *is* the output's local slice, and no data moves:
   and ``y`` may land on ``hp`` and ``ph`` in turn.
 * a dim that passes alone (``batch`` in ``batch (h p) d -> batch h p d``) keeps any split,
   an uneven one too (``batch`` 6 on 4 ranks: 2, 2, 1, 1 rows): each rank regroups its own rows.
+* a merged dim split block-cyclically (``Layout.cyclic``, GPT-2's ``(qkv heads d_head)``
+  under ``heads:model``) carries its split to its part after the outer parts of its blocks
+  and back (:func:`cyclic_carry`): each rank's blocks are that part's rows, in order.
 
 The rule tries the input's own sharding, that sharding moved onto the outer
 dims of its groups, the input shardings that give each of the output's layout
@@ -115,7 +118,7 @@ class Regroup:
     def inverse(self) -> "Regroup":
         return Regroup([[(o, i) for i, o in st] for st in reversed(self.stages)])
 
-    def map(self, mesh, split: dict, mode: str = "strict") -> list[dict] | None:
+    def map(self, mesh, split: dict, mode: str = "strict", cyclic=None, found=None) -> list[dict] | None:
         """The split after each stage, given the input's ``split`` (dim -> axes).
 
         Where a group's split does not carry over, ``mode`` says what happens:
@@ -123,12 +126,21 @@ class Regroup:
         "move": its axes, in order, split its output from the outer end (the split
         the output would have, had the input's split sat on the group's outer dims).
         The last two are suggestions only.
+
+        ``cyclic``: dim -> blocks per rank, for the dims split block-cyclically
+        (:func:`cyclic_carry`); with ``found`` (a dict), a merge that only a block-cyclic split
+        of its one output dim carries gives it that split, and ``found[dim]`` its blocks.
         """
         out = []
+        cyclic = cyclic or {}
         for st in self.stages:
             nxt = {}
             for ins, outs in st:
-                got = carry(mesh, [(s, split.get(n, ())) for n, s in ins], [s for _, s in outs])
+                got = cyclic_carry(mesh, ins, outs, split, cyclic, found)
+                if got is None:
+                    got = carry(mesh, [(s, split.get(n, ())) for n, s in ins], [s for _, s in outs])
+                elif got is False:
+                    got = None
                 if got is None and mode == "move":
                     got = place(mesh, [a for n, _ in ins for a in split.get(n, ())], [s for _, s in outs])
                 if got is None:
@@ -139,6 +151,66 @@ class Regroup:
             out.append(nxt)
             split = nxt
         return out
+
+
+def cyclic_carry(mesh, ins, outs, split: dict, cyclic: dict, found=None):
+    """The axes of each output dim of one group ``ins -> outs`` (each ``(name, size)``) where a
+    block-cyclic dim carries its split: None where no block-cyclic dim is in the group (the
+    contiguous rule, :func:`carry`, decides), False where one is but its split does not carry.
+
+    A merged dim ``F = (o1 .. ok s i1 .. im)`` whose part ``s`` is split over one axis of size p,
+    every other part whole, is split block-cyclically with ``v = |o1| .. |ok|`` blocks per rank:
+    F cut into ``p v`` blocks, rank r's rows are blocks r, r + p, .. (``Sharding.cyclic``), which in
+    that order are a row-major ``(o1 .. ok, s / p, i1 .. im)`` array, so the local reshape of the
+    local part is the other side's local part both ways (GPT-2's ``c_attn`` ``(qkv heads d_head)``
+    under ``heads:model``: v = 3).  ``found`` (a dict): a merge into a dim not in ``cyclic`` may
+    make it block-cyclic (``found[F] = v``, the implied rule's question, :mod:`.implied`)."""
+    if len(ins) == 1 and len(outs) == 1:   # a dim passing alone keeps its blocks
+        return None
+    if len(ins) == 1 and ins[0][0] in cyclic:   # F cut into its parts
+        (name, _), = ins
+        axes = split.get(name, ())
+        if not axes:
+            return None
+        at = _blocked_part([s for _, s in outs], cyclic[name])
+        if at is None or len(axes) != 1 or outs[at][1] % mesh.axis_size(axes):
+            return False
+        return [axes if j == at else () for j in range(len(outs))]
+    if len(outs) == 1 and (outs[0][0] in cyclic or found is not None):   # parts merged into F
+        name = outs[0][0]
+        split_at = [j for j, (n, _) in enumerate(ins) if split.get(n)]
+        if not split_at:
+            return None
+        j, axes = split_at[0], split[ins[split_at[0]][0]]
+        v = _prod(s for _, s in ins[:j])
+        if len(split_at) != 1 or len(axes) != 1 or v == 1 or ins[j][1] % mesh.axis_size(axes) \
+                or cyclic.get(name, v) != v:
+            return False if name in cyclic else None
+        if name not in cyclic:
+            found[name] = v
+        return [axes]
+    if any(n in cyclic and split.get(n) for n, _ in ins) or \
+            (any(n in cyclic for n, _ in outs) and any(split.get(n) for n, _ in ins)):
+        return False   # a block-cyclic dim merged with others, or made by another merge
+    return None
+
+
+def _blocked_part(sizes, v: int):
+    """The part of a merged dim of parts ``sizes`` that a block-cyclic split with ``v`` blocks per
+    rank splits: the first of size > 1 after parts of product ``v``; None where there is none."""
+    outer = 1
+    for j, size in enumerate(sizes):
+        if outer == v and size > 1:
+            return j
+        outer *= size
+    return None
+
+
+def _prod(sizes) -> int:
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
 
 
 def _groups(x, y) -> list:
@@ -177,10 +249,10 @@ def lower_reshape(lw, node) -> None:
     tl = tuple(lw.targets(out))
     # Where the input's split could go: as it is, onto the outer dims of its groups (one
     # alltoall), or where each of the output's targets comes out of the reshape exactly.
-    back = rg.inverse()
-    sources = [dict(cur.split), back.map(mesh, rg.map(mesh, dict(cur.split), "move")[-1], "drop")[-1]]
+    back, cyc = rg.inverse(), lw.layout.cyclic_blocks   # (block-cyclic dims: :func:`cyclic_carry`)
+    sources = [dict(cur.split), back.map(mesh, rg.map(mesh, dict(cur.split), "move", cyc)[-1], "drop", cyc)[-1]]
     for tgt, _ in tl:
-        sources.append(back.map(mesh, dict(tgt.split), "drop")[-1])
+        sources.append(back.map(mesh, dict(tgt.split), "drop", cyc)[-1])
     free = [a for a in mesh.names if a not in P and mesh.sizes[a] > 1]
     options = [[None] + [d.name for d in t.shape if any(a in s.get(d.name, ()) for s in sources)] for a in free]
 
@@ -201,7 +273,7 @@ def lower_reshape(lw, node) -> None:
         C = {d: tuple(sorted(ax, key=lambda a: order_key(d, a))) for d, ax in C.items()}
         if any(t.shape.get(d).size % mesh.axis_size(ax) for d, ax in C.items() if d not in alone):
             continue
-        stages = rg.map(mesh, C)
+        stages = rg.map(mesh, C, "strict", cyc)
         if stages is None:
             continue
         c_in = Sharding.of(t.shape, C, P)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..layout.sharding import Sharding
-from .halo import (resized, strip_rows, commuted, cut_by, extend, gathered, is_virtual, readers, take_window, through,
-                   window_attrs, window_reach)
+from .halo import (resized, strip_rows, commuted, cut_by, extend, far_group, gathered, is_virtual, piece_rows, readers,
+                   take_window, through, window_attrs, window_reach)
 from .relayout import keep_microbatches, relayout_cost
 from .rules import lowering
 
@@ -100,6 +100,40 @@ def _read_whole(lw, out, dim: str, axes) -> bool:
     rs = readers(lw, out)
     return bool(rs) and all(n.op.name == "rename" and dim in n.attrs["mapping"] and not set(axes) & set(
         lw.target(n.outputs[0]).axes_of(n.attrs["mapping"][dim])) for n, _ in rs)
+
+
+def _uneven_far(lw, node, src, vid: int, comp, dim: str, reach, tgt) -> tuple[int, int] | None:
+    """The widths of a window over an uneven split that reaches past a neighbour's block, taken
+    from the ranks that hold its rows (:mod:`.halo_routes`, one exchange for every such reader
+    of the value), where those permutes cost less than the gather they all share (free where
+    the dim is gathered already, or the exchange made); None otherwise."""
+    mesh, n, size, out = lw.mesh, src.shape.get(dim).size, src.dtype.itemsize, node.outputs[0]
+    axes = comp.axes_of(dim)
+    p, cut = mesh.axis_size(axes), cut_by(mesh, axes)
+    if reach.wrap or not (n % p or reach.m % p) or reach.far_widths(n, p, cut) is None:
+        return None
+    served, widths = far_group(lw, src, dim, reach, n, p, cut)
+    whole = gathered(comp, src.shape, dim)
+    out_sh = Sharding.of(out.shape, comp.split, comp.partial)
+    gather = (0.0 if lw.relaid(vid, whole) else relayout_cost(src.shape, comp, whole, mesh, size, lw.cost)) \
+        + relayout_cost(out.shape, Sharding.of(out.shape, whole.split, whole.partial), tgt, mesh, size, lw.cost)
+    hit = lw.memo.get(("halo", vid, dim, False))
+    halo = relayout_cost(out.shape, out_sh, tgt, mesh, size, lw.cost)
+    if not (hit and hit[0] >= widths[0] and hit[1] >= widths[1]):
+        row = comp.local_numel(src.shape, mesh) // -(-n // p) * size   # the largest block's rows
+        halo += sum(lw.cost.collective("permute", rows * row, p) for rows in piece_rows(served, n, p, cut, widths))
+    return widths if halo < gather - 1e-12 else None
+
+
+def _why_gathered(lw, node, reach, n: int, axes) -> str:
+    """Why no exchange serves a window of a dim of ``n`` split over ``axes`` (for the plan's note)."""
+    dim, p = node.attrs["dim"], lw.mesh.axis_size(axes)
+    if not reach.wrap and (n % p or reach.m % p) and reach.far_widths(n, p, cut_by(lw.mesh, axes)):
+        return (f"the rows its window reads past the neighbours' blocks of uneven '{dim}', from the ranks "
+                "that hold them, cost more than gathering it")
+    what = f"shift by {reach.s} exceeds the local slice" if node.op.name == "shift" else \
+        "no exchange with the neighbours gives its window"
+    return f"{what} of '{dim}'"
 
 
 def _far_readers(lw, src, dim: str, nb: int) -> int:
@@ -217,7 +251,8 @@ def lower_window(lw, node) -> None:
                 and not tgt.axes_of(dim) and _slice_as_sum(lw, node, vid, comp, tgt):
             return
         elif widths is None:
-            far = _far_shift(lw, node, src, comp, dim, reach)
+            widths = _uneven_far(lw, node, src, vid, comp, dim, reach, tgt)
+            far = None if widths else _far_shift(lw, node, src, comp, dim, reach)
             if far is not None:
                 # the permutes against this shift's share of the gather, which every far shift of
                 # the value reads (free where it is gathered already)
@@ -228,10 +263,8 @@ def lower_window(lw, node) -> None:
                 shifted = _far_cost(lw, src, comp, dim, far) + relayout_cost(out.shape, out_sh, tgt, mesh, size,
                                                                               lw.cost)
                 far = far if shifted < gather - 1e-12 else None
-            if far is None:
-                what = f"shift by {reach.s} exceeds the local slice" if node.op.name == "shift" else \
-                    "no exchange with the neighbours gives its window"
-                lw.note(f"{node.name}: {what} of '{dim}'; the dim is gathered")
+            if far is None and widths is None:
+                lw.note(f"{node.name}: {_why_gathered(lw, node, reach, n, axes)}; the dim is gathered")
         if widths is None and far is None:
             comp, axes = whole, ()
     vid = lw.relayout(vid, comp, node, f"input of {node.op.name}")

@@ -12,7 +12,7 @@ from .elementwise import (abs, add, cast, ceil, cos, div, equal, erf, exp, expm1
                           greater_equal, less, less_equal, log, log1p, logical_and, logical_not, logical_or,
                           maximum, minimum, mul, neg, not_equal, pow, reciprocal, relu, round, rsqrt, sigmoid,
                           sign, silu, sin, sqrt, square, stop_gradient, sub, tanh, where)
-from .activations import clamp, elu, leaky_relu, mish, softplus
+from .activations import clamp, elu, leaky_relu, log_sigmoid, mish, softplus
 from .argmax import argmax, argmin
 from .embed import arange, causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder

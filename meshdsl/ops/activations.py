@@ -1,5 +1,5 @@
-"""Activations beyond relu/gelu/silu: softplus, leaky_relu, elu, mish, and clamp (relu6 and
-hardtanh are clamps).
+"""Activations beyond relu/gelu/silu: softplus, log_sigmoid, leaky_relu, elu, mish, and clamp
+(relu6 and hardtanh are clamps).
 
 Each is one elementwise torch kernel, lowered by the generic rule as every unary op is (no
 communication: a split dim stays split).  Number parameters are attrs, handed to the kernel as
@@ -81,6 +81,15 @@ class Mish(Unary):
         x, g = node.inputs[0], douts[0]
         t = tanh(softplus(x))
         return [g * (t + x * sigmoid(x) * (1.0 - t * t))]
+
+
+@register
+class LogSigmoid(Unary):
+    name = "log_sigmoid"
+    fn = staticmethod(F.logsigmoid)
+
+    def grad(self, node, douts):
+        return [douts[0] * sigmoid(-node.inputs[0])]   # d/dx log(sigmoid(x)) = 1 - sigmoid(x)
 
 
 @register
@@ -176,6 +185,16 @@ def mish(x: Tensor) -> Tensor:
     return apply("mish", [x])
 
 
+def log_sigmoid(x: Tensor) -> Tensor:
+    """Elementwise ``log(sigmoid(x))``, as ``F.logsigmoid``: stable for large ``|x|`` (a binary
+    cross-entropy is ``-(y * log_sigmoid(z) + (1 - y) * log_sigmoid(-z))``).
+
+    Raises:
+      ShapeError: ``x`` is not floating point.
+    """
+    return apply("log_sigmoid", [x])
+
+
 def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002 - torch's names
     """Elementwise ``x`` limited to ``[min, max]``, as ``torch.clamp`` (``relu6`` is ``clamp(x, 0, 6)``).
 
@@ -209,4 +228,4 @@ def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tens
     return apply("clamp", [x], {"params": tuple(bounds)})
 
 
-__all__ = ["softplus", "leaky_relu", "elu", "mish", "clamp"]
+__all__ = ["softplus", "log_sigmoid", "leaky_relu", "elu", "mish", "clamp"]
