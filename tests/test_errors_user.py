@@ -179,6 +179,12 @@ CASES = [
     # ------------------------------------------------------------ md.fit (all refused before training)
     ("fit_unknown_option", lambda: md.fit("mlp", tiny=True, steps=1, save_evry=2), md.MeshDSLError,
      ["fit: it takes no argument 'save_evry'", "Did you mean 'save_every'?"]),
+    ("fit_timeout_in_process", lambda: md.fit("mlp", tiny=True, steps=1, timeout=20), md.MeshDSLError,
+     ["timeout= set(s) spawned processes, and this run trains in this process", "nproc=N"]),
+    ("fit_timeout_not_positive", lambda: md.fit("mlp", tiny=True, steps=1, nproc=2, job_timeout=0), md.MeshDSLError,
+     ["job_timeout=0 is not a positive number of seconds", "job_timeout=900"]),
+    ("fit_backend_unknown", lambda: md.fit("mlp", tiny=True, steps=1, nproc=2, backend="mpi"), md.MeshDSLError,
+     ["backend='mpi' is not a torch.distributed backend", "'gloo'"]),
     ("fit_steps_a_str", lambda: md.fit("mlp", tiny=True, steps="10"), md.MeshDSLError,
      ["fit: steps='10' (str) is not an int", "steps=10"]),
     ("fit_steps_zero", lambda: md.fit("mlp", tiny=True, steps=0), md.MeshDSLError, ["steps=0 is out of range"]),

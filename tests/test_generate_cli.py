@@ -108,6 +108,7 @@ def test_clean_errors(capsys, trained, tmp_path):
     shard.write_bytes(bytes(data))
     rc, _, err = run(capsys, "generate", bad)
     assert rc == 2 and "is damaged; nothing was loaded" in err and "sha256" in err
+    assert "its step folder, ROOT/step-N" in err     # what generate takes, not only train's --resume-from
 
 
 def test_a_model_on_its_own_data_evaluates_but_does_not_generate(capsys, tmp_path):

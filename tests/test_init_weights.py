@@ -167,6 +167,10 @@ def test_train_init_flag_and_export(tmp_path, capsys):
     assert rc == 0, err
     rc, out, err = run_cli(capsys, ["export", str(tmp_path / "ck"), "--out", str(tmp_path / "w.safetensors")])
     assert rc == 0 and "meshdsl export: 15 params" in out, err
+    # the run's --out folder names its checkpoint, as for eval and generate: the same file
+    rc, out, err = run_cli(capsys, ["export", str(tmp_path / "a"), "--out", str(tmp_path / "w2.safetensors")])
+    assert rc == 0 and "meshdsl export: 15 params" in out, err
+    assert load_file(tmp_path / "w2.safetensors").keys() == load_file(tmp_path / "w.safetensors").keys()
     rc, out, err = run_cli(capsys, base + ["--init", str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "b")])
     assert rc == 0, err
     assert f"init: {tmp_path / 'w.safetensors'} (15 of 15 params)" in out

@@ -238,3 +238,23 @@ def test_performer_feature_maps_pass_their_partial_sums_through():
     assert [op for op, _ in want] == ["layer_norm_backward"]
     assert _performer_backward_reductions("elu") == want
     assert _performer_backward_reductions("favor") == want
+
+
+def test_a_normalised_params_gradient_reaches_the_bucket():
+    """A param normalised before use (SwAV's prototypes, ``w * rsqrt(sum(w * w))``) under a split
+    batch: the gradient wrt the normalised tensor, partial over ``data``, is read twice by the
+    normalisation's backward, both paths linear and ending in the param's gradient. It passes on
+    to both (:mod:`meshdsl.lowering.lazy_grads`), so the gradient is reduced in the bucket with
+    the bias's, as a plain param's is: one collective, not an allreduce of its own besides."""
+    ex, e, p = md.Dim("ex", 8), md.Dim("emb", 6), md.Dim("proto", 5)
+    with md.Graph():
+        x = md.input("x", [ex, e])
+        w = md.param("w", [e, p], fan_out=["proto"])
+        b = md.param("b", [p], init="zeros")
+        c = w * md.rsqrt(md.reduce_sum(w * w, "emb"))
+        loss = md.reduce_mean(md.square(md.einsum("ex emb, emb proto -> ex proto", x, c) + b))
+        outs = {"loss": loss, **md.grad(loss, {"w": w, "b": b})}
+    plan = md.compile(outs, "data:2", "ex:data")
+    _check_against_dense(outs, plan, {"x": torch.randn(8, 6, generator=torch.Generator().manual_seed(0))})
+    assert [(s.kind, s.phase) for s, _ in plan.collectives()] == [("allreduce", "forward"),
+                                                                  ("bucket_allreduce", "backward")]

@@ -520,3 +520,24 @@ def test_a_search_defers_full_collections_and_puts_the_thresholds_back(monkeypat
         gc.set_threshold(*saved)
     assert during and all(t == (700, 10, search_module.GC_FULL) for t in during)
     assert after == (700, 10, 10)
+
+
+def test_the_search_command_defers_full_collections_and_puts_the_thresholds_back(monkeypatch):
+    """``meshdsl search`` builds the model and prints its table under the search's deferred full
+    collections too (they walked the model's graph as often); an error exit restores the thresholds."""
+    import gc
+
+    from meshdsl.search import search as search_module
+    from meshdsl.tools import search_cli
+    during = []
+    real = search_cli.run_search
+    monkeypatch.setattr(search_cli, "run_search", lambda *a, **k: during.append(gc.get_threshold()) or real(*a, **k))
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)   # Python's default (the suite's conftest raises the last)
+    try:
+        code = main(["search", "mlp", "--tiny", "--nproc", "2", "--memory-limit", "1e-9"])   # nothing fits: exit 2
+        after = gc.get_threshold()
+    finally:
+        gc.set_threshold(*saved)
+    assert code == 2 and during == [(700, 10, search_module.GC_FULL)]
+    assert after == (700, 10, 10)

@@ -141,7 +141,7 @@ def test_a_resume_on_2_processes_is_bit_identical(tmp_path, text_file):
     # AdamW with warmup, cosine and clipping on 2 gloo processes; resumed from step 4 with no
     # setting but the model's, the run's steps 5-8 come back bit for bit: the same plan on the same
     # mesh reads the same params, moments, step count, learning rates and batches.
-    spec = dict(MODEL, mesh="data:2", layout="batch:data", nproc=2, data=text_file)
+    spec = dict(MODEL, mesh="data:2", layout="batch:data", nproc=2, data=text_file, timeout=30, job_timeout=240)
     whole = md.fit("transformer", steps=8, optimizer="adamw", lr=1e-2, clip_norm=0.5, warmup_steps=2,
                    checkpoint=str(tmp_path / "ck"), save_every=4, **spec)
     shutil.copytree(tmp_path / "ck" / "step-00000004", tmp_path / "at4" / "step-00000004")
@@ -233,3 +233,15 @@ def test_generate_samples_without_dropout():
     off = load_model("transformer", tiny=True, vocab=256)
     params = md.DenseProgram({"logits": off.logits}).init_params(0)
     assert md.generate(on, params, "def ", max_new_tokens=8, temperature=0) == _greedy(off, params, "def ", 8)
+
+
+def test_fit_hands_its_process_settings_to_the_launcher(monkeypatch):
+    # backend=, timeout= and job_timeout= are the CLI's --backend, --timeout and --job-timeout of
+    # a spawned run: they reach the launcher as its backend and its collective and job timeouts.
+    import meshdsl.processes.launcher as launcher
+    seen = {}
+    monkeypatch.setattr(launcher, "launch", lambda fn, mesh, **kw: seen.update(kw) or ["result"])
+    got = md.fit("mlp", tiny=True, mesh="data:2", layout="batch:data", steps=1, nproc=2, backend="gloo",
+                 timeout=7.0, job_timeout=11.0)
+    assert got == "result"
+    assert (seen["backend"], seen["collective_timeout"], seen["timeout"], seen["nproc"]) == ("gloo", 7.0, 11.0, 2)

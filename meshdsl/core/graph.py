@@ -341,8 +341,7 @@ class Graph:
         # ``k`` and ``v`` each made from ``rename(y, seq="key_seq")`` read one renamed tensor,
         # so their gradients are summed before they go back through the rename (a split dim's
         # partial sums reduced once, not once per rename).
-        key = (op.name, tuple(id(t) for t in inputs), repr(sorted(attrs.items())), self.phase) \
-            if op.cse and name is None else None
+        key = _cse_key(op, inputs, attrs, self.phase) if op.cse and name is None else None
         if key in self._built:
             return self._built[key]
         node = Node(len(self.nodes), op, tuple(inputs), attrs, self, self.phase,
@@ -352,6 +351,16 @@ class Graph:
         if key is not None:
             self._built[key] = node
         return node
+
+    def built(self, op, inputs, attrs: dict, phase: str) -> Node | None:
+        """The node of deterministic (``cse``) ``op`` built here on these very ``inputs``, with
+        these ``attrs`` in ``phase``, or None: a fused op's composite lowered beside the user's
+        own logsumexp of the same logits reuses its values (``lowering/composite.py``)."""
+        return self._built.get(_cse_key(op, inputs, attrs, phase)) if op.cse else None
+
+
+def _cse_key(op, inputs, attrs: dict, phase: str) -> tuple:
+    return (op.name, tuple(id(t) for t in inputs), repr(sorted(attrs.items())), phase)
 
 
 def graph_of(*xs) -> Graph:

@@ -230,9 +230,12 @@ class Sharding:
             split = self.split   # (the hot path: a dim no axis splits is whole)
             return tuple(chunk(d.size, mesh, rank, split[d.name])[1] if d.name in split else d.size
                          for d in shape)
-        given = self.given_parts if self.parts else {}
-        return tuple(max(given[d.name]) if d.name in given else -(-d.size // mesh.axis_size(self.axes_of(d.name)))
-                     for d in shape)
+        if self.parts:
+            given = self.given_parts
+            return tuple(max(given[d.name]) if d.name in given else -(-d.size // mesh.axis_size(self.axes_of(d.name)))
+                         for d in shape)
+        split = self.split   # (the hot path, as above)
+        return tuple(-(-d.size // mesh.axis_size(split[d.name])) if d.name in split else d.size for d in shape)
 
     def offsets(self, shape: Shape, mesh: Mesh, rank: int) -> tuple[int, ...]:
         assert not self.cyclic, f"{self}: a block-cyclic dim has several offsets per rank (Sharding.regions)"

@@ -24,6 +24,7 @@ from .cost import DEFAULT, CostModel
 from .fuse import fuse as fuse_steps
 from .cyclic_dims import NotCyclic, store_cyclic
 from .implied import implied_layout
+from .lazy_grads import lazy_to_gradients
 from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
@@ -504,6 +505,7 @@ def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: Co
         if schedule != "gpipe" and (spec is None or spec.axis is None):
             lw.note(f"schedule '{schedule}' {NO_EFFECT} the layout pipelines no repeat "
                     "(a 'layer:<axis>' rule over an axis of size > 1 does)")
+        lw.lazy_through = lazy_to_gradients(nodes, outputs.values())   # (a normalised param's gradient)
         outs = lower_into(lw, outputs)
         steps = store_cyclic(lw.steps, lw.values, lw.mesh, layout)   # (block-cyclic dims: :mod:`.cyclic_dims`)
         steps = fuse_steps(steps, lw.values, outs) if fuse else steps

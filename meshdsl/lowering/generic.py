@@ -70,7 +70,7 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         kept = tuple(a for a in P if a in mb)
         return eager if not kept else [] if kept == P else [(kept, {i: kept for i in partial_in}, {})]
 
-    if op.is_linear(node) and len(partial_in) == len(shs) and len(sets) == 1:
+    if op.linear_in_all(node, partial_in) and len(sets) == 1:
         P = shs[partial_in[0]].partial
         # An op whose result outgrows its inputs (a broadcast_to of a row sum's gradient over a
         # split vocab) would pass a larger partial sum on: reducing the inputs first is priced too.
@@ -250,7 +250,8 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
     """The cost of computing ``node`` with compute sharding ``C`` (see :func:`lower_generic`), and
     the re-layouts that takes (free where ``held[i]``, input ``i``'s shardings made already, has it).
     ``memo`` holds, for one partial-sum mode, the prices that
-    candidates share: an input's re-layout depends only on the axes ``C`` gives its own dims."""
+    candidates share: an input's re-layout depends only on the axes ``C`` gives its own dims, an
+    output's on those and the axes of the dims it sums (and a 'max'/'min' reduction's)."""
     mesh = lw.mesh
     model = lw.cost
     cost = 0.0
@@ -268,11 +269,16 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
     cost += model.compute(op_flops(node, local))
     ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
     outs = []
-    for shape, itemsize, tl, pairs, sum_dims in outs_info:
-        sum_axes = {a for d in sum_dims for a in C.get(d, ())}
-        out_sh = Sharding(tuple((o, C.get(c, ())) for o, c in pairs),
-                          tuple(a for a in mesh.names if a in P or a in sum_axes))
-        c, lazy, note = _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model)
+    for j, (shape, itemsize, tl, pairs, sum_dims) in enumerate(outs_info):
+        # an output's price depends on the axes C gives its own dims and its summed ones
+        key = ("out", j, tuple(C.get(c, ()) for _, c in pairs), tuple(a for d in sum_dims for a in C.get(d, ())),
+               ext_axes)
+        hit = memo.get(key)
+        if hit is None:
+            out_sh = Sharding(tuple((o, axes) for (o, _), axes in zip(pairs, key[2])),
+                              tuple(a for a in mesh.names if a in P or a in key[3]))
+            hit = memo[key] = (out_sh, *_price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model))
+        out_sh, c, lazy, note = hit
         cost += c
         outs.append((out_sh, lazy, note))
     return cost, {"req": req, "outs": outs, "ext_axes": ext_axes, "local": local}

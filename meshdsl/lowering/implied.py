@@ -234,6 +234,8 @@ def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
         written = {r.key[1]: r.axis_names for r in layout.rules if r.key[0] is None}
         moved_to = {a for d in out.shape.names if d in written for a in written[d]}   # the layout's own move
         for old, new in node.attrs["mapping"].items():
+            if _meets_a_twin(g, old, new):
+                continue
             if old in implied and (not g.meet(old, new) or _window_keys(g, new, old)):
                 yield new, implied[old][0].axis_names, old
             elif old in written and g.first(new) is node and (not g.meet(old, new) or _window_keys(g, new, old)) \
@@ -251,6 +253,15 @@ def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
         axes = got.get(d.name)
         if axes and d.name not in t.shape.names:   # a dim the reshape made, not one it passes through
             yield d.name, axes, ", ".join(n for n, ax in split.items() if set(ax) & set(axes))
+
+
+def _meets_a_twin(g: _Graph, old: str, new: str) -> bool:
+    """Whether another forward rename makes a dim from ``old`` that meets ``new``: Nystromformer's
+    landmark queries ``lq`` and keys ``lk``, both segment means of ``seq``, meet in their ``[lq, lk]``
+    kernel and its pseudo-inverse's products.  One axis cannot split both, and either alone is
+    resharded at every product of the two (94 allgathers a step under ``seq:model``): both stay whole."""
+    return any(n.op.name == "rename" and n.attrs["mapping"].get(old, new) != new
+               and g.meet(new, n.attrs["mapping"][old]) for n in g.movers)
 
 
 def _drawn(node, mesh, layout: Layout):

@@ -306,8 +306,8 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
     _check_no_microbatch_sums(lw, node, sub.steps)
     num_forward = blk.extra.get("num_forward", 0) if loop.backward else 0
     # the block runs in its node's phase; a backward block's forward nodes recompute
-    steps = [replace(s, phase=RECOMPUTE if s.kind != "input" and 0 <= s.node < num_forward else node.phase)
-             for s in sub.steps]
+    phases = [RECOMPUTE if s.kind != "input" and 0 <= s.node < num_forward else node.phase for s in sub.steps]
+    steps = [s if s.phase == ph else replace(s, phase=ph) for s, ph in zip(sub.steps, phases)]
     plan = Plan(lw.mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
     if loop.backward:  # cotangents and recomputed values freed early (:mod:`.block_order`)
         plan = order_block(plan, lambda s: s.phase == RECOMPUTE)
@@ -424,7 +424,10 @@ def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
     bad = next((s for s in steps if s.is_collective and MB_AXIS in s.axes), None)
     if bad is not None:
         stat = _sum_of_outside_tensors(steps)
-        bullets = [f"{bad.kind} over {bad.axes}: {bad.note}"]
+        red = bad.args.get("op", "sum")
+        what = "sums over" if red == "sum" else f"takes the {red} over"
+        kind = bad.kind if red == "sum" else f"{bad.kind} ({red})"
+        bullets = [f"{kind} over {bad.axes}: {bad.note or f'the result of {called(bad.label, bad.op)}'}"]
         first = ""
         if stat is not None:
             made, read = stat
@@ -435,17 +438,18 @@ def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
                      "whole-batch count of the inputs made outside a block is made once per step, before the "
                      "micro-batches); otherwise: ")
         raise LayoutError(message(
-            f"repeat '{node.name}': {called(bad.label, bad.op)} in its block sums over the micro-batches in every layer.",
+            f"repeat '{node.name}': {called(bad.label, bad.op)} in its block {what} the micro-batches in every layer.",
             inputs=[f"mesh: {lw.mesh}", f"layout: {lw.layout}"], bullets=bullets,
             rule="a repeat's layers run one micro-batch at a time, so a sum over the batch leaves the block "
-                 "unreduced and is added up after the micro-batches",
+                 "unreduced and is added up after the micro-batches; a max or min over the batch has no such form",
             fix=first + "compute what the op reads outside the block (a lookup into a table read from outside: before "
                 "the repeat) and read the result in the block; a statistic of the whole batch that the layer "
                 "multiplies (a load-balancing loss's per-expert fractions and mean probabilities) per sequence "
                 "instead, averaged over the batch last, so the micro-batches add up; a normalisation by "
                 "statistics of the whole batch (a batch norm's mean and variance over 'batch') has no "
                 "micro-batched form with the dense numbers: normalise each example (layer_norm over its own "
-                "dims) or use microbatches=1"))
+                "dims); a max or min over the whole batch (a scale taken over every example) per example instead; "
+                "or use microbatches=1"))
 
 
 def _sum_of_outside_tensors(steps):

@@ -219,10 +219,11 @@ def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
     j = torch.arange(k_off, k_off + n_k, device=dev)
     d = torch.arange(q_off, q_off + n_q, device=dev)[:, None] - j[None, :]
     keep = (d >= 0) if attrs["causal"] else torch.ones_like(d, dtype=torch.bool)
+    # out of place: an in-place `&=` (aten::__iand__) stops torch.compile tracing the whole step
     if window is not None:
-        keep &= (d if attrs["causal"] else d.abs()) < window
+        keep = keep & ((d if attrs["causal"] else d.abs()) < window)
     if "keys" in attrs:
-        keep &= ((j >= 0) & (j < attrs["keys"]))[None, :]
+        keep = keep & ((j >= 0) & (j < attrs["keys"]))[None, :]
     return False, torch.zeros(n_q, n_k, dtype=like.dtype, device=dev).masked_fill_(~keep, float("-inf"))
 
 

@@ -299,6 +299,11 @@ class Where(Nary):
         return (other.op.name == "constant" and "shape" not in other.attrs
                 and float(other.attrs["value"]) == 0.0)
 
+    def linear_in_all(self, node, idxs) -> bool:
+        # where(c, g, g * s), softplus's and elu's gradient: jointly linear in its two values, the
+        # condition fixed (a per-layer weight's gradient in a pipelined block stays a partial sum).
+        return set(idxs) == {1, 2}
+
     def grad(self, node, douts):
         c, a, b = node.inputs
         g = douts[0]

@@ -160,6 +160,11 @@ class Op(ABC):
     def is_linear(self, node) -> bool:
         return self.linear
 
+    def linear_in_all(self, node, idxs) -> bool:
+        """Whether ``node`` is jointly linear in its inputs ``idxs``, the others fixed (partial sums
+        over the same axes there pass through together): by default a linear op, all of them."""
+        return self.is_linear(node) and len(idxs) == len(node.inputs)
+
     def linear_in(self, node, i: int) -> bool:
         """Whether ``node`` is linear in its input ``i`` on its own, the others fixed (one partial
         sum there passes through): ``i in linear_args`` unless the op says more of the node."""

@@ -368,6 +368,13 @@ def _backend(backend, careful: bool = False):
     return lookup_backend(backend)
 
 
+def _strided_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` with its strides: ``clone()`` makes a tensor with gaps (a feed sliced as
+    ``t[:, :-1]``) contiguous, and a graph traced on that copy views it as contiguous, which the
+    caller's tensor, keyed by its strides, is not."""
+    return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 def trace_step(eager, tensors: list, feeds: dict, params: dict, opaque_norms: bool = False):
     """(the eager executor's run as one functionalized graph, traced on copies of ``tensors`` (the
     flat ``feeds`` and ``params``, :func:`_flat`), those copies, the output names, each one's tensor
@@ -380,7 +387,7 @@ def trace_step(eager, tensors: list, feeds: dict, params: dict, opaque_norms: bo
         counts[:] = [None if out[name] is None else len(out[name]) for name in names]
         return [x for name in names for x in (out[name] or ())]
 
-    copies = [x.clone() for x in tensors]   # the trace runs the step: it may not touch the caller's
+    copies = [_strided_copy(x) for x in tensors]   # the trace runs the step: it may not touch the caller's
     with opaque_backward() if opaque_norms else contextlib.nullcontext():
         gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*copies)
     if _mutates_inputs(gm):
@@ -485,8 +492,8 @@ class WholeStep:
     def _disagreement(self, traced: _Traced, tensors: list, feeds: dict, params: dict) -> str | None:
         """How the compiled step's first outputs differ from the eager twin's beyond what
         ``check`` allows (:mod:`.agreement`); None where they agree.  Each side runs on copies."""
-        got = traced.outputs(traced.fn(*[x.clone() for x in tensors]))
-        want = self.twin.run(*_unflat([x.clone() for x in tensors], feeds, params))
+        got = traced.outputs(traced.fn(*[_strided_copy(x) for x in tensors]))
+        want = self.twin.run(*_unflat([_strided_copy(x) for x in tensors], feeds, params))
         return disagreement(got, {k: want[k] for k in traced.names})
 
     def _captured(self, fn, example: list):

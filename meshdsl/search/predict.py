@@ -185,8 +185,10 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, shar
 class _Walk:
     """One pass over a plan, collecting per-op rows and totals."""
 
-    def __init__(self, cal: Calibration, nproc: int):
+    def __init__(self, cal: Calibration, nproc: int, orders: dict | None = None):
         self.cal, self.nproc = cal, nproc
+        # each plan's issue order by id (the plan and its sub-plans), shared by walks of one plan
+        self.orders = {} if orders is None else orders
         # No spare core: a collective in flight has none to progress on while its process
         # computes (gloo moves and reduces bytes on the CPU, in a thread of that process), so
         # nothing overlaps.
@@ -214,7 +216,10 @@ class _Walk:
         steps = plan.steps
         ready: dict[int, float] = {}
         cpu = link = 0.0
-        for i in issue_order(plan, ASYNC_KINDS):
+        order = self.orders.get(id(plan))
+        if order is None:
+            order = self.orders[id(plan)] = issue_order(plan, ASYNC_KINDS)
+        for i in order:
             s = steps[i]
             if stages is not None and stage not in stages[i]:
                 continue
@@ -358,27 +363,40 @@ def _put_off(step: Step) -> frozenset:
     return frozenset(out)
 
 
-def predict(plan: Plan, cal: Calibration) -> Prediction:
+def _walk(plan: Plan, cal: Calibration, orders: dict | None) -> tuple[_Walk, float]:
+    """The walk over ``plan`` at ``cal``, and the step time it found."""
+    w = _Walk(cal, plan.mesh.axis_size(process_axes(plan.mesh.names)), orders)
+    mb = plan.mesh.axis_size((MB_AXIS,)) if MB_AXIS in plan.mesh.names else 1
+    # A pipeline or an accumulate step counts its micro-batches itself (its segments' runs).
+    segmented = any(s.kind in ("pipeline", "accumulate") for s in plan.steps)
+    return w, w.plan_time(plan, 1, serial=1 if segmented else mb)
+
+
+def predict(plan: Plan, cal: Calibration, orders: dict | None = None) -> Prediction:
     """Predicted step time, memory per rank and communication of ``plan``.
 
     Args:
       plan: a compiled training plan.
       cal: the calibration (:func:`~.calibrate.load`).
+      orders: the issue orders of ``plan`` and its sub-plans by ``id``, read and filled: predictions
+        of one plan at several calibrations (:func:`path_compute_s`) work them out once.
 
     Returns:
       A :class:`Prediction`.
     """
-    w = _Walk(cal, plan.mesh.axis_size(process_axes(plan.mesh.names)))
-    mb = plan.mesh.axis_size((MB_AXIS,)) if MB_AXIS in plan.mesh.names else 1
-    # A pipeline or an accumulate step counts its micro-batches itself (its segments' runs).
-    segmented = any(s.kind in ("pipeline", "accumulate") for s in plan.steps)
-    total = w.plan_time(plan, 1, serial=1 if segmented else mb)
+    w, total = _walk(plan, cal, orders)
     comm_bytes = sum(t["bytes"] for t in process_totals(plan).values())
     # What the compute on the critical path, the bubble and the wait for cores leave is waiting
     # on communication (max: a float's rounding below zero).
     exposed = max(0.0, total - w.path - w.bubble - w.shared)
     return Prediction(total, w.compute, w.comm, exposed, w.bubble, memory_report(plan), comm_bytes,
                       w.rows, w.kernel_calls, w.path, w.shared, w.stages)
+
+
+def path_compute_s(plan: Plan, cal: Calibration, orders: dict | None = None) -> float:
+    """``predict(plan, cal).path_compute_s`` (the same walk), without the memory report and
+    totals that :func:`predict` works out besides; ``orders`` as there."""
+    return _walk(plan, cal, orders)[0].path
 
 
 def by_op_table(pred: Prediction, top: int | None = None) -> list[tuple[str, str, float, float]]:

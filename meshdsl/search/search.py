@@ -35,7 +35,7 @@ from ..lowering.partition import with_schedule
 from ..lowering.schedule_gen import parse_schedule
 from .calibrate import Calibration, Line
 from .dims import Splits
-from .predict import Prediction, predict
+from .predict import Prediction, path_compute_s, predict
 from .space import Candidate, candidates, idle_axes
 
 EXHAUSTIVE_LIMIT = 600
@@ -53,7 +53,7 @@ RESOLUTION = 0.01
 #: side of the model.
 REPLICATED_WORK = 0.95
 #: Young-generation collections between two full ones while a search runs (Python's default: 10),
-#: see :func:`_few_full_collections`.
+#: see :func:`few_full_collections`.
 GC_FULL = 1000
 
 
@@ -153,9 +153,10 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
             compiled[key] = plan
             while len(compiled) > KEEP_PLANS:
                 compiled.pop(next(iter(compiled)))
+    orders: dict = {}   # the plan's issue orders, for both prices
     if work is not None:
-        work.of_plan(cand, plan)
-    return Ranked(cand, predict(plan, cal))
+        work.of_plan(cand, plan, orders)
+    return Ranked(cand, predict(plan, cal, orders))
 
 
 def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | None = None,
@@ -183,14 +184,15 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
     Raises:
       LayoutError: ``split_dims`` or ``no_split`` names a dim the model does not have.
     """
-    with _few_full_collections():
+    with few_full_collections():
         return _search(model, outputs, nproc, cal, memory_limit, exhaustive_limit, beam, split_dims, no_split,
                        strict_splits)
 
 
 @contextmanager
-def _few_full_collections():
-    """Python's full garbage collections at most every :data:`GC_FULL` young ones while inside.
+def few_full_collections():
+    """Python's full garbage collections at most every :data:`GC_FULL` young ones while inside
+    (:func:`search`, and ``meshdsl search`` around it: the model's build, the table).
 
     A search holds many plans (its compiled candidates, the compile cache), and each full
     collection walks all of them: at Python's default (every 10) they took a quarter of the
@@ -276,10 +278,11 @@ class _Work:
                            dispatch_s=0.0, pipeline_dispatch_s=0.0, cores=nproc)
         self.known: dict[Candidate, float] = {}
 
-    def of_plan(self, c: Candidate, plan) -> None:
-        """Price ``c``'s work from ``plan``, its compiled plan."""
+    def of_plan(self, c: Candidate, plan, orders: dict | None = None) -> None:
+        """Price ``c``'s work from ``plan``, its compiled plan (``orders``: its issue orders, as
+        :func:`~.predict.predict` takes them)."""
         if c not in self.known:
-            self.known[c] = predict(plan, self.cal).path_compute_s
+            self.known[c] = path_compute_s(plan, self.cal, orders)
 
     def __call__(self, c: Candidate) -> float:
         if c not in self.known:

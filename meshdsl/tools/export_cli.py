@@ -10,6 +10,7 @@ import argparse
 import math
 
 from ..train.init_weights import export_params
+from ..train.trained import trained_step_dir
 from .cli_common import EXIT_CODES
 
 
@@ -20,13 +21,14 @@ def add_export(sub) -> None:
                                    "from. The checkpoint's files are hashed (sha256) before use.",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint folder (--checkpoint DIR of a run: its latest step) or one step folder")
+                   help="a run's --out folder (as for eval and generate), a checkpoint folder (--checkpoint "
+                        "DIR of a run: its latest step) or one step folder")
     p.add_argument("--out", required=True, metavar="FILE", help="the safetensors file to write")
     p.set_defaults(run=cmd_export)
 
 
 def cmd_export(args) -> int:
-    shapes = export_params(args.checkpoint, args.out)
+    shapes = export_params(trained_step_dir(args.checkpoint, "export"), args.out)
     elements = sum(math.prod(s) for s in shapes.values())
     print(f"meshdsl export: {len(shapes)} params ({elements:,} elements) -> {args.out}")
     return 0

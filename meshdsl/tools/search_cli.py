@@ -21,7 +21,7 @@ from ..search.calibrate import Calibration, cache_path, load, summary_lines
 from ..search.measure import calibrate
 from ..search.sweep import num_collective_samples, num_kernel_samples
 from ..search.predict import by_op_table, predict
-from ..search.search import Ranked, SearchResult, search
+from ..search.search import Ranked, SearchResult, few_full_collections, search
 from ..search.space import ROLES, idle_axes
 from .cli_common import EXIT_CODES, load_configured, lr_arg, make_console
 from .optim_args import optimizer_from_args, train_outputs
@@ -173,6 +173,12 @@ def run_search(args, nproc: int, model=None) -> tuple[SearchResult, object]:
 
 
 def cmd_search(args) -> int:
+    with few_full_collections():   # the model, its plans and the table: many objects, no cycle to hurry for
+        return _search_command(args)
+
+
+def _search_command(args) -> int:
+    """``meshdsl search``'s work."""
     if args.measure:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.plot):

@@ -165,7 +165,8 @@ def verify_checkpoint(path: "str | Path", verify: str = "sha256") -> CheckpointM
             f"checkpoint {str(info.path)!r} (step {info.step}) is damaged; nothing was loaded.", bullets=bad,
             rule=f"a checkpoint is used only when its files are as the save wrote them ({META_FILE}'s sizes, "
                  f"safetensors headers" + (", sha256)" if verify == "sha256" else ")"),
-            fix="resume from an older intact checkpoint (--resume-from STEP), or save this one again"),
+            fix="use an older intact checkpoint (a resume: --resume-from STEP; eval, generate, export, "
+                "load_trained: its step folder, ROOT/step-N), or save this one again"),
             problems=bad)
     return info
 

@@ -15,7 +15,8 @@ class FitArgumentError(MeshDSLError):
 
 
 #: Arguments of fit itself (not TrainSpec fields passed through ``**options``).
-_OWN = ("model", "mesh", "layout", "steps", "data", "eval_data", "nproc", "device", "threads")
+_OWN = ("model", "mesh", "layout", "steps", "data", "eval_data", "nproc", "device", "threads", "backend", "timeout",
+        "job_timeout")
 #: ``meshdsl train`` flags that md.fit spells another way: the keyword that does the same.
 _CLI_WORDS = {"accum": "microbatches=k (the CLI's --accum k: k micro-batches accumulated per step)",
               **{k: f"optimizer_args={{'{k}': ...}} (the CLI's --{k.replace('_', '-')})"
@@ -97,8 +98,31 @@ def _check_config(options: dict, built: bool) -> None:
                         "md.fit(PATH, tiny=True, config={'batch': 8}, ...)")
 
 
+def _check_spawn_options(spawn: dict, spawned: bool) -> None:
+    """``backend``, ``timeout`` and ``job_timeout`` (the CLI's ``--backend``, ``--timeout``,
+    ``--job-timeout``) are settings of spawned processes: valid values, and only for such a run."""
+    given = {k: v for k, v in spawn.items() if v is not None and not (k == "backend" and v == "auto")}
+    for k in ("timeout", "job_timeout"):
+        v = given.get(k)
+        if v is not None and not (_KINDS["float"](v) and v > 0):
+            raise _fail(f"{k}={v!r} is not a positive number of seconds.",
+                        rule=f"{k} is the seconds a {'collective' if k == 'timeout' else 'whole job'} may take "
+                             "before the run gives up",
+                        fix=f"pass e.g. {k}={60 if k == 'timeout' else 900}")
+    if "backend" in given and given["backend"] not in ("gloo", "nccl"):
+        raise _fail(f"backend={given['backend']!r} is not a torch.distributed backend meshdsl runs on.",
+                    rule="backend is 'auto' (nccl where CUDA is available, else gloo), 'gloo' or 'nccl'",
+                    fix="pass backend='gloo', or leave it out")
+    if given and not spawned:
+        raise _fail(f"{', '.join(f'{k}=' for k in given)} set(s) spawned processes, and this run trains in this "
+                    "process.",
+                    rule="backend, timeout and job_timeout apply to a run on nproc > 1 processes (a model's name "
+                         "or file path); a run in this process simulates every rank and has no collective to time",
+                    fix="pass the model file's path with nproc=N, or drop them")
+
+
 def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=None, mesh: str = "",
-                        layout: str = "", nproc: int | None = None) -> None:
+                        layout: str = "", nproc: int | None = None, spawn: dict | None = None) -> None:
     """Raise a FitArgumentError for the first argument of ``fit`` that cannot be right."""
     from .data import TokenData
     from .model import Model
@@ -110,7 +134,8 @@ def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=N
         if k not in fields or k in _OWN:
             hint = f" md.fit spells it {_CLI_WORDS[k]}." if k in _CLI_WORDS else did_you_mean(k, takes + list(_OWN))
             raise _fail(f"it takes no argument '{k}'.{hint}",
-                        rule=f"fit(model, mesh=, layout=, steps=, data=, eval_data=, nproc=, device=, threads=) "
+                        rule=f"fit(model, mesh=, layout=, steps=, data=, eval_data=, nproc=, device=, threads=, backend=, "
+                             f"timeout=, job_timeout=) "
                              f"and any TrainSpec field: {', '.join(takes)}",
                         fix=f"pass {_CLI_WORDS[k].split(' (')[0]}" if k in _CLI_WORDS else
                             "correct the name, or drop it")
@@ -142,6 +167,7 @@ def check_fit_arguments(spec_cls, model, steps, data, options: dict, eval_data=N
                         "schedule=S), with the mesh, layout, microbatches and schedule of the run")
     if steps is not None:
         _check_value("steps", steps, "int")
+    _check_spawn_options(spawn or {}, spawned=not isinstance(model, Model) and (nproc or 1) > 1)
     if data is not None and not isinstance(data, (str, Path, TokenData)) and not callable(data):
         raise _fail(f"data is {data!r} ({type(data).__name__}).",
                     rule="data is None, a text file's path, an md.TokenData, or a function step -> {input name: "

@@ -135,6 +135,20 @@ def _full_params(model: Model, path: Path, saved_model: str | None) -> dict[str,
     return {k[len("param/"):]: xs[0] for k, xs in got.items()}
 
 
+def trained_step_dir(path, where: str = "load_trained") -> Path:
+    """The committed step folder ``path`` names: a run's ``--out`` folder (the latest step of the
+    ``--checkpoint`` folder its config.json names), a checkpoint folder (its latest) or a step folder.
+
+    Raises:
+      TrainedError: no such folder, a run that saved no checkpoint, no committed step there.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise _no_path(path, where)
+    run = json.loads((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).is_file() else None
+    return _step_dir(_run_checkpoint(path, run, where) if run is not None else path, where)
+
+
 def load_trained(path, *, model: str | None = None, batch: int | None = None,
                  where: str = "load_trained") -> Trained:
     """The model and full params a training run saved (see the module docstring).
@@ -151,10 +165,8 @@ def load_trained(path, *, model: str | None = None, batch: int | None = None,
       CheckpointError: a damaged checkpoint, or one of another model (names, shapes, dtypes).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise _no_path(path, where)
+    ckpt = trained_step_dir(path, where)
     run = json.loads((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).is_file() else None
-    ckpt = _step_dir(_run_checkpoint(path, run, where) if run is not None else path, where)
     info = verify_checkpoint(ckpt, "sha256")   # every shard file hashed before any tensor is read
     config = info.meta.get("config") or {}
     name = model or (run["model"] if run is not None and run.get("model") != "model" else None)
@@ -176,4 +188,4 @@ def load_trained(path, *, model: str | None = None, batch: int | None = None,
     return Trained(built, params, info.path, info.step, int(run_settings.get("seed", 0)), data)
 
 
-__all__ = ["Trained", "TrainedError", "load_trained"]
+__all__ = ["Trained", "TrainedError", "load_trained", "trained_step_dir"]

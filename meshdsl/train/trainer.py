@@ -378,7 +378,8 @@ def _write_outputs(run: _Run, rows: list[dict], res: TrainResult, prompts: list[
 
 
 def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = None, data=None, eval_data=None,
-        nproc: int | None = None, device=None, threads: int | None = None, **options) -> TrainResult:
+        nproc: int | None = None, device=None, threads: int | None = None, backend: str = "auto",
+        timeout: float | None = None, job_timeout: float | None = None, **options) -> TrainResult:
     """Train ``model`` and return a :class:`TrainResult`.
 
     Args:
@@ -397,6 +398,10 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
       device: where a run in this process keeps its values (default the CPU; ``"cuda"``).
       threads: torch threads of a run in this process (default 1, as each spawned rank and
         ``meshdsl train`` have; the count before is restored at the end).
+      backend, timeout, job_timeout: a run on ``nproc`` processes' torch.distributed backend
+        (``"auto"``: nccl with CUDA, else gloo), the seconds a collective may take (default 60)
+        and the seconds the whole job may take (default 300, :func:`meshdsl.launch`'s), as the
+        CLI's ``--backend``, ``--timeout`` and ``--job-timeout``.
       options: any other :class:`TrainSpec` field: ``lr``, ``seed``, ``checkpoint``,
         ``save_every``, ``keep``, ``resume``, ``eval_every``, ``out``, ``config``, ``tiny``,
         ``init`` (a new run's starting weights: a safetensors path or ``{name: full tensor}``,
@@ -415,7 +420,8 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
         result = md.fit(build(Config()), mesh="data:2", layout="batch:data", steps=50,
                           data=lambda step: my_batch(step), lr=0.05, checkpoint="ckpt", save_every=10)
     """
-    check_fit_arguments(TrainSpec, model, steps, data, options, eval_data, mesh, layout, nproc)
+    spawn = {"backend": backend, "timeout": timeout, "job_timeout": job_timeout}
+    check_fit_arguments(TrainSpec, model, steps, data, options, eval_data, mesh, layout, nproc, spawn)
     own = isinstance(model, Model)
     if isinstance(data, (str, Path)):
         options["data"], data = str(data), None
@@ -435,7 +441,8 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
     if not in_process:
         load_model(spec.model, tiny=spec.tiny, **spec.config)   # a bad file or override: one message, here
         from ..processes.launcher import launch
-        return launch(rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data))[0]
+        given = {k: v for k, v in (("timeout", job_timeout), ("collective_timeout", timeout)) if v is not None}
+        return launch(rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data), backend=backend, **given)[0]
     with torch_threads(n):
         return run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec, model if own else None, data,
                         eval_data)
