@@ -22,11 +22,18 @@ from meshdsl.train.checkpoint import load_checkpoint, save_checkpoint
 REL = 1e-5
 
 
-def _block(x, w, heads: int, flat: bool):
+def _block(x, w, heads: int, flat, bounds=None):
     """One pre-LN-less GPT-2 block on ``x [b s d]``: causal attention from c_attn (``flat``: one
-    ``[d, F]`` weight and ``[F]`` bias, rearranged; else per-dim q, k, v weights), c_proj from the
-    flat ``(heads d_head)``, and a d_ff MLP."""
-    if flat:
+    ``[d, F]`` weight and ``[F]`` bias, rearranged, or ``"sliced"``: sliced at ``bounds``, each
+    slice rearranged; else per-dim q, k, v weights), c_proj from the flat ``(heads d_head)``, and
+    a d_ff MLP."""
+    if flat == "sliced":   # nanoGPT: q, k, v = qkv.split(n_embd, dim=2), each viewed as heads
+        qkv_bsF = md.einsum("batch seq d_model, d_model F -> batch seq F", x, w["c_attn"]) + w["c_attn_b"]
+        n = qkv_bsF.shape.get("F").size // 3
+        q, k, v = (md.rearrange(md.slice_(qkv_bsF, "F", a, a + n), "batch seq (heads d_head) -> batch seq heads d_head",
+                                heads=heads)
+                   for a in bounds or (0, n, 2 * n))
+    elif flat:
         qkv_bsF = md.einsum("batch seq d_model, d_model F -> batch seq F", x, w["c_attn"]) + w["c_attn_b"]
         qkv = md.rearrange(qkv_bsF, "batch seq (qkv heads d_head) -> qkv batch seq heads d_head", qkv=3, heads=heads)
         q, k, v = (md.squeeze(md.slice_(qkv, "qkv", i, i + 1), "qkv") for i in range(3))
@@ -56,7 +63,7 @@ def _params(heads: int, flat: bool, layers: int | None):
     return {n: md.param(n, lead + s, scale=0.5) for n, s in shapes.items()}
 
 
-def _model(heads: int, flat: bool, layers: int | None = None):
+def _model(heads: int, flat, layers: int | None = None, bounds=None):
     """``(outputs, feeds, params)``: the loss ``sum(y * y)`` of one block (or ``layers`` of them in
     a ``md.repeat``) and its gradient for every param, in a fresh graph."""
     torch.manual_seed(0)
@@ -64,9 +71,9 @@ def _model(heads: int, flat: bool, layers: int | None = None):
         x = md.input("x", [md.Dim("batch", 2), md.Dim("seq", 3), md.Dim("d_model", 4)])
         p = _params(heads, flat, layers)
         if layers:
-            y = md.repeat(lambda h, w: _block(h, w, heads, flat), x, p, "layer")
+            y = md.repeat(lambda h, w: _block(h, w, heads, flat, bounds), x, p, "layer")
         else:
-            y = _block(x, p, heads, flat)
+            y = _block(x, p, heads, flat, bounds)
         loss = md.reduce_sum(y * y)
         outs = {"loss": loss, **{f"grad/{k}": g for k, g in md.grad(loss, p).items()}}
     return outs, {"x": torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))}, p
@@ -168,3 +175,50 @@ def test_a_pipeline_keeps_the_flat_dim_whole_and_says_so():
     assert "F" not in plan.values[plan.params["c_attn"]].sharding.split
     assert "'F' whole, not block-cyclic: a pipeline's stages store no block-cyclic dim but the layers" in plan.notes
     assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), "pipelined", REL)
+
+
+SLICED = [(None, "model:2", "heads:model", 2, False), (None, "model:3", "heads:model; d_ff:model", 6, False),
+          (2, "model:2", "heads:model; d_ff:model", 2, False),
+          (2, "data:2; model:2", "batch:data; heads:model", 2, False),
+          (2, "data:2; model:2", "batch:data; heads:model; params.d_model:data", 2, True)]
+
+
+@pytest.mark.parametrize("layers,mesh,layout,heads,fsdp", SLICED,
+                         ids=[f"{l or 'block'}|{m}|{y}" for l, m, y, _, _ in SLICED])
+def test_nanogpt_split_by_slices_stays_split(layers, mesh, layout, heads, fsdp):
+    """nanoGPT's ``q, k, v = qkv.split(n_embd, dim=2)`` written as three ``slice_`` of the flat
+    ``F``, each rearranged ``(heads d_head)``: the slices fall on the block-cyclic split's groups,
+    so each is the rank's own block, forward and (as a pad) backward, and the plan moves what the
+    unfused q, k, v weights' plan moves (under FSDP, where the weights' count differs, what the
+    flat rearranged form moves), with the dense numbers.  Before, each slice traded halos."""
+    outs, feeds, _ = _model(heads, "sliced", layers)
+    plan = md.compile(outs, mesh, layout)
+    assert plan.values[plan.params["c_attn"]].sharding.cyclic_blocks == {"F": 3}
+    assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), f"{mesh} {layout}", REL)
+    peer, _, _ = _model(heads, fsdp, layers)
+    assert _collectives(plan) == _collectives(md.compile(peer, mesh, layout))
+    if not fsdp and mesh == "model:2":   # Megatron's allreduces only: the activations' rows, forward and back
+        assert {k for k in _collectives(plan)} == {"allreduce"}
+
+
+def test_slices_off_the_grouping_keep_the_contiguous_split():
+    """k sliced half a group off (``[n/2, 3n/2)``): no rank's blocks are its rows, so ``F`` is
+    split plainly as the rearranges imply and each slice trades halos; the numbers stay dense."""
+    outs, feeds, _ = _model(2, "sliced", bounds=(0, 2, 8))
+    plan = md.compile(outs, "model:2", "heads:model")
+    assert plan.values[plan.params["c_attn"]].sharding.split == {"F": ("model",)}
+    assert not plan.values[plan.params["c_attn"]].sharding.cyclic_blocks
+    assert _collectives(plan)["permute"][0] > 0
+    assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), "k off the grouping", REL)
+
+
+def test_uneven_heads_keep_the_flat_weight_whole_and_say_why():
+    """4 heads over ``model:3`` (parts 2, 1, 1): a block-cyclic split cuts each of q, k, v into
+    equal blocks, so the flat weight is whole (gathered where it was split), the note names the
+    uneven split as the reason beside the per-dim fix, and the numbers are the dense ones."""
+    outs, feeds, _ = _model(4, True)
+    plan = md.compile(outs, "model:3", "heads:model")
+    assert plan.values[plan.params["c_attn"]].sharding.split == {}
+    assert any("is an inner part of 'F'" in n and "not block-cyclic either: 'heads' (4) over model (3) is uneven" in n
+               for n in plan.notes)
+    assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), "4 heads over model:3", REL)

@@ -404,6 +404,15 @@ def test_every_docs_page_is_reachable_from_the_readme_or_the_docs_index():
     assert not orphans, f"no page links to {orphans}"
 
 
+def test_every_public_name_is_in_the_api_guide():
+    """Each name of ``md.__all__`` appears in docs/guide/api.md, as ``md.NAME`` or `` `NAME` ``."""
+    import meshdsl as md
+    text = (DOCS / "guide" / "api.md").read_text()
+    missing = [n for n in md.__all__
+               if not re.search(rf"md\.{re.escape(n)}\b|`{re.escape(n)}[`(]", text)]
+    assert not missing, f"docs/guide/api.md does not mention {missing} (add them to 'Every public name')"
+
+
 def test_the_front_pages_fit():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 400, "README.md: at most 400 lines"
     assert len((ROOT / "ARCHITECTURE.md").read_text().splitlines()) <= 80, "ARCHITECTURE.md: at most 80 lines"

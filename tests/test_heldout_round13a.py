@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 import meshdsl as md
-from conftest import assert_heldout_case_matches_dense, assert_search_top_layouts_match_dense, heldout_case_id, run_cli
+from conftest import (assert_heldout_case_matches_dense, assert_search_top_layouts_match_dense, heldout_case_id,
+                      heldout_outputs, run_cli)
 
 HERE = Path(__file__).parent
 LINFORMER, LSHATTN, XLSTM, BARLOW, SWAV = (
@@ -156,16 +157,15 @@ def test_swav_pipelined_is_refused_with_the_fix(over, words, capsys):
     assert code == 2 and words in err and "Fix:" in err, out + err
 
 
-@pytest.mark.parametrize("mesh", ["model:2", "model:3"], ids=["even", "uneven"])
-def test_an_inner_repeats_split_scan_dim_is_refused_as_one_even_or_uneven(mesh, capsys):
-    """The recurrent xLSTM's steps over ``seq`` are a repeat inside a block: ``seq:model`` is
-    refused with the inner-repeat rule (the scanned dim must be whole), evenly split or not; an
-    uneven split (8 over 3) was refused as a pipeline's layer count ("a multiple of 3", "a pipeline
-    can take each stage's layers"), advice that cannot help."""
-    code, out, err = run_cli(capsys, ["check", XLSTM, "--tiny", "--config", "form=recurrent", "--mesh", mesh,
-                                      "--layout", "seq:model"])
-    assert code == 2 and "must be whole" in err and "remove the 'seq:...' rule" in err, out + err
-    assert "multiple of" not in err and "stage_layers" not in err, err
+def test_the_recurrent_xlstm_gathers_an_uneven_split_seq():
+    """The recurrent xLSTM's steps over ``seq`` are a repeat inside a block: under ``seq:model``
+    over 3 ranks (8 over 3, uneven) it was refused, first as a pipeline's layer count, then with
+    the inner-repeat rule; now the recurrence gathers ``seq``, and the plan notes the uneven split
+    and the gather (the dense numbers: ``tests/test_inner_repeat_split.py``)."""
+    model = md.load_model(XLSTM, tiny=True, form="recurrent")
+    notes = md.compile(heldout_outputs(model), "model:3", "seq:model").notes
+    assert any(n.startswith("uneven split: 'seq' (8) over model:3: parts 3, 3, 2") for n in notes), notes
+    assert any("scans 'seq', split over model:3" in n and "gathered whole" in n for n in notes), notes
 
 
 @pytest.mark.slow

@@ -98,3 +98,100 @@ def test_an_implied_split_does_not_pass_to_keys_that_meet_their_queries():
     assert not any("key_patches" in n for n in plan.notes), plan.notes
     assert plan.totals()["allgather"]["count"] == 4, plan.totals()
     # (its numbers: tests/test_models.py checks the README's cell, vit under height:data)
+
+
+def _decay_matrix_and_window(key: str):
+    """A repeat block in Griffin's ``scan=matrix`` form (``tests/heldout_griffin.py``): a causal
+    decay matrix over ``[seq, <key>]`` masked by ``md.causal_mask`` (built once, before the block)
+    and contracted over ``<key>``, then a sliding-window attention whose keys are ``key_seq``."""
+    b, s, e, f, L = md.Dim("batch", 2), md.Dim("seq", 8), md.Dim("d_head", 4), md.Dim("f", 4), md.Dim("layer", 2)
+    with md.Graph():
+        x = md.input("x", [b, s, e])
+        w = md.param("w", [L, e, f], fan_out=[L, f])
+
+        def block(h, p):
+            u = md.rename(md.einsum("batch seq d_head, d_head f -> batch seq f", h, p["w"]), f="d_head")
+            pre = md.cumsum(u, "seq")
+            keep = md.causal_mask(pre.shape["seq"], md.Dim(key, 8))
+            decay = md.exp(md.where(keep, pre - md.rename(pre, seq=key), -1e9))
+            r = md.einsum(f"batch seq d_head {key}, batch {key} d_head -> batch seq d_head", decay,
+                          md.rename(u, seq=key))
+            kv = md.rename(r, seq="key_seq")
+            return h + md.attention(u, kv, kv, "seq", "key_seq", "d_head", causal=True, window=3)
+
+        y = md.repeat(block, x, {"w": w}, L)
+        loss = md.reduce_sum(y * y)
+        outs = {"loss": loss, **md.grad(loss, {"w": w})}
+    return outs, {"x": torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(0))}
+
+
+def test_a_decay_matrix_over_key_seq_keeps_the_window_attentions_halos():
+    """The decay matrix's ``[seq, key_seq]`` reuses the attention keys' name: its mask (iotas
+    compared, hoisted before the block and read there as a closed-over value) counted as the first
+    op of ``key_seq`` and as a leaf whose two dims could not share ``model``, so no ``key_seq:model``
+    was implied and the window attention gathered its keys and values (6 reduce-scatters, no
+    permute). Now it trades halos (4 and 6 permutes), as with the decay dim named ``src``, whose
+    plan differs only in where the contracted operand is gathered: its rename gathers it and the
+    repeat saves it whole; split, the block saves its own part and the backward gathers it again."""
+    plans = {}
+    for key in ("key_seq", "src"):
+        outs, feeds = _decay_matrix_and_window(key)
+        plans[key] = plan = md.compile(outs, "model:2", "seq:model")
+        assert any("implied by rename: key_seq:model" in n for n in plan.notes), plan.notes
+        assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), f"decay over {key}", 1e-5)
+    got, src = plans["key_seq"].totals(), plans["src"].totals()
+    assert got["permute"] == src["permute"] and got["permute"]["count"] == 6, got
+    assert got["reduce_scatter"] == src["reduce_scatter"] and got["reduce_scatter"]["count"] == 4, got
+    assert got["allgather"]["count"] <= src["allgather"]["count"] + 2, (got, src)   # (the gather again, per layer)
+
+
+def _carries_joined_by_concat():
+    """A repeat whose two carries ``p`` (4) and ``q`` (6) travel as one ``s`` (10) joined by
+    ``md.concat`` (as the docs advise), each part's matmul on its own weight."""
+    b, p, q = md.Dim("batch", 4), md.Dim("p", 4), md.Dim("q", 6)
+    with md.Graph():
+        x = md.input("x", [b, p])
+        w = md.param("w", [p, md.Dim("p2", 4)], fan_out=["p2"])
+        u = md.param("u", [q, md.Dim("q2", 6)], fan_out=["q2"])
+        s = md.concat([md.rename(x, p="s"), md.rename(md.broadcast_to(md.constant(1.0), [b, q]), q="s")], "s")
+
+        def block(s, prm):
+            a = md.tanh(md.einsum("batch p, p p2 -> batch p2", md.rename(md.slice_(s, "s", 0, 4), s="p"), w))
+            c = md.tanh(md.einsum("batch q, q q2 -> batch q2", md.rename(md.slice_(s, "s", 4, 10), s="q"), u))
+            return md.concat([md.rename(a, p2="s"), md.rename(c, q2="s")], "s")
+
+        loss = md.reduce_sum(md.tanh(md.repeat(block, s, {}, md.Dim("layer", 2))))
+        outs = {"loss": loss, **md.grad(loss, {"w": w, "u": u})}
+    return outs, {"x": torch.randn(4, 4, generator=torch.Generator().manual_seed(0))}
+
+
+def _a_split_concat_dim_renamed():
+    """``C`` implied split by a rearrange of ``C_G``, joined with itself by a concat, renamed ``K``."""
+    b, o = md.Dim("batch", 4), md.Dim("o", 6)
+    with md.Graph():
+        x = md.input("x", [b, md.Dim("C_G", 8)])
+        v, w = md.param("v", [md.Dim("C_G", 8)]), md.param("w", [md.Dim("K", 8), o])
+        h = md.reduce_sum(md.rearrange(x * v, "batch (C G) -> batch C G", G=2), "G")
+        k = md.rename(md.concat([h, md.tanh(h)], "C"), C="K")
+        loss = md.reduce_sum(md.tanh(md.einsum("batch K, K o -> batch o", k, w)))
+        outs = {"loss": loss, **md.grad(loss, {"v": v, "w": w})}
+    return outs, {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(0))}
+
+
+def test_a_split_of_one_part_of_a_concat_does_not_spread_to_the_concat_or_its_other_parts():
+    """A part sits at an offset of the joined dim, so a part's even split is not the joined dim's.
+    Under ``p:model`` the rename implied ``s:model (from p)``, then ``q:model (from s)``: 10
+    permutes, 5 allreduces, 2 allgathers a step (now 3 allgathers, 2 allreduces). An
+    implied ``C`` joined by a concat no longer passes on to ``K`` (SD-UNet's skip: 4 permutes and an
+    allreduce, now 2 permutes and an allgather).  Tolerance: fp32 sums in another order only."""
+    outs, feeds = _carries_joined_by_concat()
+    plan = md.compile(outs, "model:2", "p:model")
+    assert not any(n.startswith("implied") for n in plan.notes), plan.notes
+    assert "permute" not in plan.totals(), plan.totals()
+    assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), "p:model", 1e-5)
+    outs, feeds = _a_split_concat_dim_renamed()
+    plan = md.compile(outs, "model:2", "C_G:model")
+    assert [n for n in plan.notes if n.startswith("implied")] == [
+        "implied by rearrange: C:model (from C_G)"], plan.notes
+    assert plan.totals()["permute"]["count"] == 2 and "allreduce" not in plan.totals(), plan.totals()
+    assert_matches_scaled(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), "C_G:model", 1e-5)

@@ -379,7 +379,7 @@ def test_a_split_on_an_inner_part_is_named_in_the_notes():
     _, plan = _plan(_split_rearrange, "x:2; y:2", "ph:(x,y)")
     assert plan.notes == ("rearrange: 'ph:x,y' is an inner part of 'height' = (hp ph): no split of 'height' "
                           "carries over to it, so what makes 'height' runs without that split; kept as separate "
-                          "dims hp, ph (a fused weight stored by dims, not flat) it would",)
+                          "dims hp, ph (a fused weight stored by dims, not flat), it would keep the split",)
     assert not [n for n in _plan(_split_rearrange, "x:2", "hp:x")[1].notes if "inner part" in n]
     coll, plan = _plan(_split_rearrange, "x:2", "ph:x")
     assert plan.notes == ("implied by rearrange: height:x (from ph, block-cyclic: 2 blocks per rank)",)

@@ -45,16 +45,18 @@ class Layout:
 
     def __init__(self, rules: tuple[Rule, ...] = (), source: str | None = None,
                  implied: tuple[tuple[Rule, str], ...] = (), empty_ok: frozenset = frozenset(),
-                 cyclic: tuple[tuple[str, int], ...] = ()):
+                 cyclic: tuple[tuple[str, int, int], ...] = ()):
         self.rules = tuple(rules)
         self.source = source
         #: dims whose split may leave a rank an empty part (see :meth:`with_empty_parts`)
         self.empty_ok = frozenset(empty_ok)
         # (rule, where it comes from) for dims without a written global rule: see with_implied
         self.implied = tuple((r, why) for r, why in implied if all(w.key != r.key for w in self.rules))
-        #: ((dim, v), ...): implied dims split block-cyclically, ``v`` blocks per rank (a flat fused
-        #: weight's ``(qkv heads d_head)`` under ``heads:model``: :mod:`meshdsl.lowering.cyclic_dims`)
-        self.cyclic = tuple((d, v) for d, v in cyclic if any(r.key == (None, d) for r, _ in self.implied))
+        #: ((dim, v, size), ...): implied dims split block-cyclically, ``v`` blocks per rank where the
+        #: dim has ``size`` (a flat fused weight's ``(qkv heads d_head)`` under ``heads:model``: v = 3;
+        #: :mod:`meshdsl.lowering.cyclic_dims`); where it has another size n, ``v n / size`` blocks
+        #: (q sliced off it: 1, a contiguous split), see :meth:`cyclic_blocks_of`
+        self.cyclic = tuple(c for c in cyclic if any(r.key == (None, c[0]) for r, _ in self.implied))
         self._by_key: dict[tuple[str | None, str], Rule] = {}
         self._order: dict[tuple[str | None, str], int] = {}  # earlier rules win conflicts
         self._targets: dict = {}  # (shape, scopes, mesh, strict) -> targets(...), computed once
@@ -111,7 +113,8 @@ class Layout:
         Implied rules are global rules ranked after every written one, for dims without a
         written global rule (a scoped written rule still wins for its tensors); ``rules``,
         ``str()`` and :meth:`validate` stay the written ones (what the user typed).  ``cyclic``:
-        ``(dim, v)`` for the implied dims split block-cyclically, ``v`` blocks per rank.
+        ``(dim, v, size)`` for the implied dims split block-cyclically, ``v`` blocks per rank at
+        that size of the dim.
         """
         if tuple(implied) == self.implied and tuple(cyclic) == self.cyclic:
             return self
@@ -119,8 +122,19 @@ class Layout:
 
     @property
     def cyclic_blocks(self) -> dict[str, int]:
-        """Dim -> its blocks per rank, for the implied dims split block-cyclically."""
-        return dict(self.cyclic)
+        """Dim -> its blocks per rank at its largest size, for the implied dims split block-cyclically."""
+        return {d: v for d, v, _ in self.cyclic}
+
+    def cyclic_blocks_of(self, *shapes) -> dict[str, int]:
+        """Dim -> its blocks per rank at its size in ``shapes``, for the block-cyclic dims they hold
+        with more than one block per rank there (a slice of one group of the dim is split plainly)."""
+        out = {}
+        for d, v, size in self.cyclic:
+            for shape in shapes:
+                n = shape.get(d).size * v if d in shape.names else 0
+                if n and n % size == 0 and n // size > 1:
+                    out[d] = n // size
+        return out
 
     def with_empty_parts(self, dims) -> "Layout":
         """This layout, with a split of dims ``dims`` allowed to leave some ranks an empty part

@@ -87,9 +87,11 @@ class Lowerer:
         self._targets: dict[int, list] = {}
         self._relaid: dict[tuple[int, Sharding], int] = {}  # a value is re-laid out once per target
         self._held: dict[int, frozenset] = {}   # value -> the shardings it was re-laid out to (_relaid's keys)
-        # value -> shardings it will be brought to anyway (a repeat's block lowered before moved
-        # its input so): the generic rule prices them free, as held (:func:`.repeat._lower_block`)
+        # id(Tensor) -> shardings it will be brought to anyway, and -> the one sharding its readers
+        # move it to (a repeat's block lowered before did so): the generic rule prices the first
+        # free, as held, and an output made elsewhere than the second with that move (:mod:`.foresight`)
         self.foreseen: dict[int, frozenset] = {}
+        self.wanted: dict[int, Sharding] = {}
         self._input_free: dict[int, Step] = {}  # value -> the step making it from nothing (a constant)
         # Tensors this plan reads: a node with optional outputs (a repeat's saved
         # activations) lowers only the ones in here.

@@ -156,21 +156,23 @@ def lower_generic(lw, node) -> None:
                            for k, s, t in zip(through, shs, node.inputs))
     # the shardings each input was already brought to (an FSDP weight gathered for one einsum is
     # whole for the next that reads it: that re-layout is free)
-    held = tuple(_held(lw, v) for v in ins)
+    held = tuple(_held(lw, v, t) for v, t in zip(ins, node.inputs))
+    # where the readers of each output will move it (a block's first lowering saw them do so)
+    wanted = tuple(lw.wanted.get(id(t)) for t in node.outputs) if lw.wanted else ()
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
-           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held)
-    C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets, held))
+           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held, wanted)
+    C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets, held, wanted))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
 
 
-def _held(lw, vid) -> frozenset:
-    """The shardings value ``vid`` was brought to or will be (``lw.foreseen``): the held set
-    itself when nothing is foreseen (its hash, a cache key's, is then worked out once)."""
-    held, foreseen = lw.held(vid), lw.foreseen.get(vid)
+def _held(lw, vid, t) -> frozenset:
+    """The shardings value ``vid`` (of tensor ``t``) was brought to or will be (``lw.foreseen``):
+    the held set itself when nothing is foreseen (its hash, a cache key's, is then worked out once)."""
+    held, foreseen = lw.held(vid), lw.foreseen.get(id(t))
     return held | foreseen if foreseen else held
 
 
-def _cheapest(lw, node, spec, shs, targets, held) -> tuple:
+def _cheapest(lw, node, spec, shs, targets, held, wanted=()) -> tuple:
     """``(C, plan, P, scale)`` of the cheapest compute sharding of ``node`` (see module docstring).
     Of ``lw`` it reads only what :data:`_CHOICES`' key holds."""
     mesh = lw.mesh
@@ -195,11 +197,11 @@ def _cheapest(lw, node, spec, shs, targets, held) -> tuple:
     # dim, and the 'sum'-reduced compute dims it lacks (it is a partial sum over their axes; an
     # op may keep a reduced dim in one output: layer norm's backward, its input gradient).
     outs_info = []
-    for t, tl in zip(node.outputs, targets):
+    for j, (t, tl) in enumerate(zip(node.outputs, targets)):
         pairs = tuple((o.name, comp[o.name]) for o in t.shape)
         kept = {c for _, c in pairs}
         sum_dims = tuple(d for d, kind in spec.reduce.items() if kind == "sum" and d not in kept)
-        outs_info.append((t.shape, t.dtype.itemsize, tl, pairs, sum_dims))
+        outs_info.append((t.shape, t.dtype.itemsize, tl, pairs, sum_dims, wanted[j] if wanted else None))
     best = None
     for P, keep, scale in modes:
         memo: dict = {}   # what candidates of this mode share: their inputs' re-layouts and prices
@@ -269,7 +271,7 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
     cost += model.compute(op_flops(node, local))
     ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
     outs = []
-    for j, (shape, itemsize, tl, pairs, sum_dims) in enumerate(outs_info):
+    for j, (shape, itemsize, tl, pairs, sum_dims, want) in enumerate(outs_info):
         # an output's price depends on the axes C gives its own dims and its summed ones
         key = ("out", j, tuple(C.get(c, ()) for _, c in pairs), tuple(a for d in sum_dims for a in C.get(d, ())),
                ext_axes)
@@ -277,7 +279,7 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
         if hit is None:
             out_sh = Sharding(tuple((o, axes) for (o, _), axes in zip(pairs, key[2])),
                               tuple(a for a in mesh.names if a in P or a in key[3]))
-            hit = memo[key] = (out_sh, *_price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model))
+            hit = memo[key] = (out_sh, *_price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model, want))
         out_sh, c, lazy, note = hit
         cost += c
         outs.append((out_sh, lazy, note))
@@ -293,9 +295,10 @@ def _required(names, axes, partial) -> Sharding:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model):
+def _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model, want=None):
     """(cost, sharding, note) of an output of ``shape`` computed with ``out_sh``: its allreduce
-    over the 'max'/'min' axes ``ext_axes``, then the cheapest way to the layout's targets ``tl``.
+    over the 'max'/'min' axes ``ext_axes``, then the cheapest way to the layout's targets ``tl``,
+    and on from there to ``want`` where every reader will move it so (:mod:`.foresight`).
 
     Cached as :func:`~.relayout.relayout_cost` is: every argument is immutable, and the same
     outputs are priced for many candidates, nodes and layouts."""
@@ -308,7 +311,9 @@ def _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model):
         lazy = tgt.with_partial(tuple(a for a in out_sh.partial if a not in tgt.used_axes))
         lazy = keep_microbatches(lazy, out_sh, shape, mesh)
         c = relayout_cost(shape, out_sh, lazy, mesh, itemsize, model)
-        if lazy.partial:  # it will be reduced eventually
+        if want is not None:   # (a partial sum is reduced on the way)
+            c += relayout_cost(shape, lazy, want, mesh, itemsize, model)
+        elif lazy.partial:  # it will be reduced eventually
             c += model.collective("allreduce", lazy.local_numel(shape, mesh) * itemsize,
                                   mesh.axis_size(lazy.partial))
         if best is None or c < best[0] - 1e-12 or (c <= best[0] + 1e-12 and best[1] != out_sh == lazy):

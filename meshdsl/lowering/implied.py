@@ -11,7 +11,8 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   where ``x`` fills ``hp``;
 * a rename of a dim whose rule is implied passes it on (a patchify's
   ``hp_wp`` renamed ``patches``).  A rename of a dim the user split passes the split
-  on to the dim the rename makes (no op before it has that dim) where no op holds the
+  on to the dim the rename makes (no op before it has that dim; a causal mask, made from dim
+  sizes alone, does not count) where no op holds the
   two dims together and the layout gives those axes to no other dim of its output: an
   MoE's ``batch`` renamed ``expert_batch`` for its experts keeps the tokens on their
   shard under ``batch:data`` alone (they were gathered to every rank).  Otherwise a
@@ -22,8 +23,10 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   local layers beside global ones: a halo each, the global ones gather at the attention); an
   implied split passes on by the same rule (ViT's ``patches`` under ``height:data``: its keys'
   ``key_patches`` stay whole, gathered once by the rename and saved for the backward, where split
-  they were gathered again there).  Back the other way, a dim renamed to one the layout splits
-  takes that split where no param holds it, no op holds the two and no other dim of the
+  they were gathered again there).  Nor does a rename carry a split into a dim a concat joins
+  from several parts, or an implied one out of it (:func:`_joins_parts`: a part sits at an offset
+  of the joined dim, so their even splits differ).  Back the other way, a dim renamed to one
+  the layout splits takes that split where no param holds it, no op holds the two and no other dim of the
   rename's input has those axes (FCOS's stem ``height`` renamed ``row``, under ``row:data``:
   the stem ran whole and the rename's gradient was gathered).  A param may hold the old dim
   where no forward op mixes its positions (sums over it, needs it whole, renames it to a third
@@ -38,7 +41,10 @@ rule names gets the split its reshape carries over, as an *implied* rule:
   reshape both ways; where the split dim is an inner part (GPT-2's ``(qkv heads d_head)``) no
   contiguous split reaches it, but a block-cyclic one does (``F:model[cyclic 3]``, rank r its
   heads' rows of q, of k and of v), implied where every op holding the dim allows it
-  (:mod:`.cyclic_dims`); else nothing is implied (the plan notes it, :mod:`.reshape`);
+  (:mod:`.cyclic_dims`); else nothing is implied (the plan notes it, :mod:`.reshape`).  Where
+  the reshapes cut slices of such a dim (nanoGPT's q, k, v sliced off ``F``, each ``(heads
+  d_head)``), the split they carry to the slices is plain and the full dim is block-cyclic,
+  one block per rank of each slice (:func:`.cyclic_dims.cyclic_entry`);
 * chains of reshapes are followed to a fixpoint.
 
 Only the forward graph is read (repeat blocks included): the backward's reshapes
@@ -66,7 +72,7 @@ from ..core.names import Name
 from ..errors import LayoutError
 from ..layout.layout import Layout
 from ..layout.specs import Rule
-from .cyclic_dims import cyclic_ok
+from .cyclic_dims import cyclic_entry
 from .reshape import Regroup
 
 RESHAPES = ("reshape", "rearrange")
@@ -88,10 +94,13 @@ def _sides(n) -> tuple:
 
 class _Graph:
     """What the derivation reads of a graph: its forward reshapes and renames in build
-    order, its leaves (params, inputs, a block's placeholders), every size of each dim."""
+    order, its leaves (params, inputs, a block's placeholders, except those of values made in
+    the graph: a closed-over mask is laid out as the value it stands for, two dims contending for
+    an axis by rank), every size of each dim."""
 
     def __init__(self, nodes):
         self.movers, self.leaves, self.params, self.nodes, self.forward = [], [], [], [], []
+        self.closed: dict[int, object] = {}   # a block's closed-over placeholder -> the tensor it stands for
         self.scanned: set[str] = set()   # the dims repeats scan: whole unless a written rule splits them
         self._walk(nodes, forward=True)
 
@@ -121,14 +130,23 @@ class _Graph:
 
     def first(self, dim: str):
         """The first op in build order (a block's ops, not the op running the block) that reads
-        or makes ``dim``: a rename that is its first makes the dim."""
+        or makes ``dim``: a rename that is its first makes the dim.  Ops that make a value from dim
+        sizes alone (a causal mask: iotas compared) hold none of the dim's data and make their
+        part at any layout, so they do not count: Griffin's decay matrix masks ``[seq, key_seq]``
+        (the mask hoisted before the block), and the rename that makes ``key_seq`` still passes on
+        ``seq``'s split to the window attention's keys."""
         return self.first_ops.get(dim)
 
     @cached_property
     def first_ops(self) -> dict:
         out: dict = {}
+        sized: set[int] = set()   # values made from dim sizes alone
         for n in self.nodes:
-            if not n.op.subgraphs(n):
+            stands_for = self.closed.get(id(n.outputs[0])) if n.op.name == "placeholder" else None
+            if (n.op.name not in LEAVES and all(id(t) in sized for t in n.inputs)
+                    or stands_for is not None and id(stands_for) in sized):
+                sized.update(id(t) for t in n.outputs)
+            elif not n.op.subgraphs(n):
                 for t in (*n.inputs, *n.outputs):
                     for d in t.shape.names:
                         out.setdefault(d, n)
@@ -139,6 +157,11 @@ class _Graph:
         return {frozenset(d for t in ts for d in t.shape.names)
                 for n in self.nodes if n.op.name != "rename" and not n.op.subgraphs(n) for ts in _sides(n)}
 
+    @cached_property
+    def joined(self) -> set[str]:
+        """The dims a forward ``concat`` joins from several parts (a repeat's carries joined as one)."""
+        return {n.attrs["dim"] for n in self.forward if n.op.name == "concat" and len(n.inputs) > 1}
+
     def _walk(self, nodes, forward: bool) -> None:
         for n in nodes:
             fwd = forward and n.phase == "forward"
@@ -146,10 +169,13 @@ class _Graph:
                 self.movers.append(n)
             if fwd:
                 self.forward.append(n)
-            if n.op.name in LEAVES:
+            made = self.closed.get(id(n.outputs[0])) if n.op.name == "placeholder" else None
+            if n.op.name in LEAVES and (made is None or made.node.op.name in LEAVES):
                 self.leaves.append(n.outputs[0])
             if n.op.name in ("repeat", "repeat_grad"):
                 self.scanned.add(n.attrs["layer"].name)
+                blk = n.attrs["block"]
+                self.closed.update((id(ph), t) for ph, t in zip(blk.closed.values(), blk.outer))
             if n.op.name in ("param", "placeholder"):   # (a block's operand may be a stacked param)
                 self.params.append(n.outputs[0])
             self.nodes.append(n)
@@ -185,19 +211,21 @@ def implied_layout(nodes, mesh, layout: Layout, strict: bool = False) -> Layout:
                for n in g.movers):
         return layout
     implied: dict[str, tuple[Rule, str]] = {}
-    cyclic: dict[str, int] = {}   # implied dims split block-cyclically: blocks per rank
+    cyclic: dict[str, tuple] = {}   # implied dims split block-cyclically: (dim, blocks per rank, at size)
     votes = _votes(g, mesh, layout)
     lost: set[str] = set()   # dims that lost their axes to a dim more reshapes keep split
     grew = True
     while grew:   # each pass adds a rule or ends; a dim gets at most one
         grew = False
         for node in g.movers:
-            cur = layout.with_implied(tuple(implied.values()), tuple(cyclic.items()))
+            cur = layout.with_implied(tuple(implied.values()), tuple(cyclic.values()))
             for dim, axes, src, *blocks in (*_carried(node, mesh, cur, implied, g), *_drawn(node, mesh, cur),
                                             *_renamed_back(node, cur, g)):
-                v = blocks[0] if blocks else 1
-                if v > 1 and (dim in named or dim in implied
-                              or not cyclic_ok(g.nodes, dim, v, mesh, axes, cur)):
+                v, entry = blocks[0] if blocks else 1, None
+                if node.op.name in RESHAPES and dim not in named and dim not in implied:
+                    size = next(t.shape.get(dim).size for t in (*node.inputs, *node.outputs) if dim in t.shape.names)
+                    entry = cyclic_entry(g.nodes, dim, size, v, mesh, axes, cur, g.sizes.get(dim, {size}))
+                if v > 1 and not entry:
                     continue   # (a block-cyclic split: only where every op holding the dim allows it)
                 uneven_ok = not strict and _uneven_ok(node, dim, g)
                 # a dim a repeat scans neither takes a split (it stays whole) nor passes its own on
@@ -211,6 +239,7 @@ def implied_layout(nodes, mesh, layout: Layout, strict: bool = False) -> Layout:
                 if rival is not None and v > 1:
                     continue
                 if rival is not None:   # a dim more reshapes keep split takes the axes instead
+                    entry = None
                     lost.add(dim)
                     if rival in implied or rival in named:
                         continue
@@ -218,13 +247,15 @@ def implied_layout(nodes, mesh, layout: Layout, strict: bool = False) -> Layout:
                            f"under {rival}, {votes.get((dim, tuple(axes)), 0)} under {dim}")
                     dim = rival
                 rule = Rule(None, Name(dim, None), tuple(Name(a, None) for a in axes))
-                cut = f", block-cyclic: {v} blocks per rank" if v > 1 else ""
+                cut = f", block-cyclic: {entry[1]} blocks per rank" if entry else ""
+                if entry and v == 1:   # (its reshapes cut slices of one group: nanoGPT's q, k, v)
+                    cut += f" at its size {entry[2]}, 1 at {size}: each slice of whole groups is local"
                 implied[dim] = (rule, f"implied by {node.op.name}: {rule} (from {src}{cut})")
-                if v > 1:
-                    cyclic[dim] = v
-                cur = layout.with_implied(tuple(implied.values()), tuple(cyclic.items()))
+                if entry:
+                    cyclic[dim] = entry
+                cur = layout.with_implied(tuple(implied.values()), tuple(cyclic.values()))
                 grew = True
-    return layout.with_implied(tuple(implied.values()), tuple(cyclic.items()))
+    return layout.with_implied(tuple(implied.values()), tuple(cyclic.values()))
 
 
 def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
@@ -234,7 +265,7 @@ def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
         written = {r.key[1]: r.axis_names for r in layout.rules if r.key[0] is None}
         moved_to = {a for d in out.shape.names if d in written for a in written[d]}   # the layout's own move
         for old, new in node.attrs["mapping"].items():
-            if _meets_a_twin(g, old, new):
+            if _meets_a_twin(g, old, new) or _joins_parts(g, old, new, implied):
                 continue
             if old in implied and (not g.meet(old, new) or _window_keys(g, new, old)):
                 yield new, implied[old][0].axis_names, old
@@ -248,7 +279,7 @@ def _carried(node, mesh, layout: Layout, implied: dict, g: _Graph):
         return   # a written rule that does not fit: the lowering reports it
     if not split:
         return
-    got = Regroup.of(node).map(mesh, dict(split), "drop", layout.cyclic_blocks)[-1]
+    got = Regroup.of(node).map(mesh, dict(split), "drop", layout.cyclic_blocks_of(t.shape, out.shape))[-1]
     for d in out.shape:
         axes = got.get(d.name)
         if axes and d.name not in t.shape.names:   # a dim the reshape made, not one it passes through
@@ -262,6 +293,16 @@ def _meets_a_twin(g: _Graph, old: str, new: str) -> bool:
     resharded at every product of the two (94 allgathers a step under ``seq:model``): both stay whole."""
     return any(n.op.name == "rename" and n.attrs["mapping"].get(old, new) != new
                and g.meet(new, n.attrs["mapping"][old]) for n in g.movers)
+
+
+def _joins_parts(g: _Graph, old: str, new: str, implied: dict) -> bool:
+    """Whether a rename of ``old`` to ``new`` would carry a split into a dim a concat joins from
+    several parts, or an implied one out of it: a part sits at an offset of the joined dim, so an
+    even split of the part is not the joined dim's (the concat trades rows), and the joined dim's
+    is not its other parts' (a repeat whose carries ``p`` and ``q`` are joined as ``s``: under
+    ``p:model``, ``s`` and then ``q`` took the split, 18 permutes a step where ``s:model`` made 4
+    allgathers).  A written rule on either keeps its split where the user wrote it."""
+    return new in g.joined or (old in g.joined and old in implied)
 
 
 def _drawn(node, mesh, layout: Layout):
@@ -282,7 +323,8 @@ def _drawn(node, mesh, layout: Layout):
     if not split:
         return
     back, found = Regroup.of(node).inverse(), {}
-    got = back.map(mesh, split, "strict") or back.map(mesh, split, "strict", layout.cyclic_blocks, found)
+    cyclic = layout.cyclic_blocks_of(t.shape, out.shape)
+    got = back.map(mesh, split, "strict") or back.map(mesh, split, "strict", cyclic, found)
     if got is None:
         return
     for d in t.shape:

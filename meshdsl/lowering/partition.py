@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..collectives import COLLECTIVES
 from ..errors import LayoutError, message
 from .bucket import bucket_final
 from .batch_stats import first_behind, from_inputs_only, made_once, param_behind
@@ -557,6 +558,8 @@ def assign_stages(cut: _Cut) -> None:
                     # made once per micro-batch, on the first stage that reads it (an encoder's output read
                     # by every pipelined layer: stage 0), and sent on to the later ones with the carry
                     want = frozenset({min(want)})
+            if _joins_stages_once(cut, i):
+                want = ALL
             stages[i] = want or frozenset({0})
             held.update((v, stages[i]) for v in s.outs)
         st = cut.stack_at.get(i)
@@ -565,6 +568,68 @@ def assign_stages(cut: _Cut) -> None:
                     else stages[i]) if st is not None else stages[i]
             demand[v] = demand.get(v, frozenset()) | want
     cut.stages = stages
+
+
+def _joins_stages_once(cut: _Cut, i: int) -> bool:
+    """Whether step ``i`` is a collective over the stage axis made once, before the micro-batches
+    (a pipelined stack's param read outside the stack: ``reduce_sum(w, "layer")``, or gathered for
+    a second stack, MoCo's key encoder reading its query encoder's stacked weights).  Its parts
+    lie on every stage, so every stage runs it (and, by demand, what makes its parts), not only
+    the stages that read its result: a collective over the stage axis on one stage's ranks
+    cannot run."""
+    s = cut.steps[i]
+    return (not cut.per_mb[i] and s.is_collective and not COLLECTIVES[s.kind].point_to_point
+            and cut.spec.axis in s.axes)
+
+
+def _stack_stages(cut: _Cut, layer: str) -> frozenset | None:
+    """The stages holding layers of the pipelined stack that scans ``layer`` (None: no such stack)."""
+    if cut.spec.stacks:
+        return next((frozenset(k for k, c in enumerate(counts) if c)
+                     for _, name, counts in cut.spec.stacks if name == layer), None)
+    return cut.every_stage if layer == cut.spec.layer else None
+
+
+def _check_stage_collectives(cut: _Cut) -> None:
+    """Refuse, after :func:`assign_stages`, what would run over the stage axis on some stages only:
+    a forward collective over it (and not the micro-batches) left on some of the stages, such as a
+    sum over a dim that a pipelined repeat scans, made before it as its first carry; and a value
+    split over it with a stack's layers that a step outside the stacks cuts from a whole value on
+    some of that stack's stages (the gradient of a pipelined stack's param read by a second,
+    unpipelined stack, made whole on the last stage: that stage keeps its own layers' rows, the
+    others' were lost).  The backward's sums of gradients over the stages run where they are held."""
+    ax = cut.spec.axis
+    for i, s in enumerate(cut.steps):
+        if (s.is_collective and not COLLECTIVES[s.kind].point_to_point and s.phase == "forward"
+                and ax in s.axes and MB_AXIS not in s.axes and i not in cut.sums and cut.stages[i] != cut.every_stage):
+            raise _error(f"'{s.label}': {s.kind} over the pipeline axis '{ax}' on stage(s) "
+                         f"{sorted(cut.stages[i])} only", cut.spec, [f"{s.label}: {s.note or s.kind}"],
+                         "a pipeline axis splits the stacks' layers; what is made outside them per micro-batch "
+                         f"is whole over '{ax}' (a collective over it on some stages cannot run)",
+                         "split that dim over another axis, or pipeline over an axis that splits only the layer dims")
+        name = _layers_cut_on_some_stages(cut, i)
+        if name is not None:
+            raise _error(f"'{s.label}' cuts the layers' parts of '{name}' from a whole value on stage(s) "
+                         f"{sorted(cut.stages[i])} only", cut.spec, [f"{s.label}: {s.note or s.kind}"],
+                         f"a value split over '{ax}' with a pipelined stack's layers is made on each stage "
+                         "holding them, its own part; made whole on some stages it would keep only theirs",
+                         "read a pipelined stack's params outside it through md.stop_gradient (no "
+                         "gradient comes back), or keep that stack out of the pipeline")
+
+
+def _layers_cut_on_some_stages(cut: _Cut, i: int) -> str | None:
+    """The layer dim of a pipelined stack that local step ``i``, outside the stacks, splits over the
+    stage axis from inputs whole over it, on fewer stages than hold that stack's layers (else None)."""
+    ax, s = cut.spec.axis, cut.steps[i]
+    if (cut.leaf[i] or i in cut.stack_at or i in cut.spread or i in cut.input_parts or i in cut.sums
+            or s.is_collective or any(ax in cut.values[u].sharding.used_axes for u in s.ins)):
+        return None
+    for v in s.outs:
+        for name, axes in cut.values[v].sharding.dims:
+            held = _stack_stages(cut, name) if ax in axes else None
+            if held is not None and not held <= cut.stages[i]:
+                return name
+    return None
 
 
 def assign_segments(cut: _Cut) -> None:
@@ -597,8 +662,9 @@ def assign_segments(cut: _Cut) -> None:
 def _own_parts(cut: _Cut) -> set[int]:
     """The steps every stage runs per micro-batch on its own part of values split over the stage
     axis with the layers: what a loss makes of the pipelined repeat's per-layer outputs layer by
-    layer (``reduce_sum(f(y))`` for an elementwise ``f``), and the cotangent of those outputs
-    the backward reads.  They run in the stage's F actions, as the SPMD program runs them on each
+    layer (``reduce_sum(f(y))`` for an elementwise ``f``, a norm over another dim), and the
+    cotangent of those outputs the backward reads (with, from a fused norm's backward, its scale's
+    gradient summed over the layers: :func:`_per_layer_outputs`).  They run in the stage's F actions, as the SPMD program runs them on each
     rank's part, not after the micro-batches; a step that reads a value other stages lack, moves
     values over the stage or micro-batch axis, does not descend from the per-layer outputs, or
     reads what the pipelined backward made (the stacked gradients, the update), is not one of them."""
@@ -614,10 +680,20 @@ def _own_parts(cut: _Cut) -> set[int]:
                 or cut.stages[i] != every
                 or (s.is_collective and {ax, MB_AXIS} & set(s.axes))):
             continue
-        split = [any(ax in axes for axes in cut.values[v].sharding.split.values()) for v in s.outs]
-        if split and all(split) and all(cut.held.get(v, every) == every for v in s.ins):
+        if _per_layer_outputs(cut, s.outs) and all(cut.held.get(v, every) == every for v in s.ins):
             out.add(i)
     return out
+
+
+def _per_layer_outputs(cut: _Cut, outs) -> bool:
+    """Whether ``outs`` (one step's) are each stage's own part: every one split over the stage axis
+    with the layers, or, beside one that is, summed over the layers (a fused norm's backward with
+    the scale's gradient, ``g * x̂`` summed over the layers and rows): each stage's term of a sum
+    over the stages, partial over the stage axis as a param's gradient is, and summed with the
+    other stages' after the micro-batches, as the unfused ``layer_norm(y) * g``'s separate sum is."""
+    ax = cut.spec.axis
+    split = [any(ax in axes for axes in cut.values[v].sharding.split.values()) for v in outs]
+    return any(split) and all(s or ax in cut.values[v].sharding.partial for v, s in zip(outs, split))
 
 
 def _downstream(cut: _Cut, values) -> set[int]:
@@ -916,6 +992,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     cut = _cut(steps, values, outputs, dataclasses.replace(spec, num_stages=spec.num_stages * chunks)
                if chunks > 1 else spec)
     assign_stages(cut)
+    _check_stage_collectives(cut)
     assign_segments(cut)
     lists = insert_transfers(cut)
     if spec.stacks:

@@ -260,6 +260,8 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
         axis = found[0][1]
         layers = {n.attrs["layer"].name for n, _ in found}
         for r in layout.rules:
+            if axis in r.axis_names and r.key[1] in scanned and r.key[1] not in layers:
+                raise _unsplit_stack(r, axis, layers, mesh, layout)
             if axis in r.axis_names and r.key[1] not in layers:
                 # The rule that made the axis a pipeline axis: a scoped one ('params.layer:data') reads as
                 # FSDP by layer, which is not what it does.
@@ -274,6 +276,19 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
                            fix=f"map '{r.key[1]}' to another axis" +
                                (f", or for FSDP drop '{via}' and shard the params along another dim "
                                 f"('params.d_model:{axis}')" if scoped else ""))
+
+
+def _unsplit_stack(r: Rule, axis: str, layers: set, mesh: Mesh, layout: Layout) -> LayoutError:
+    """A rule on the layer dim of a repeat that is not pipelined with the others: its stacked params
+    keep that dim whole (a stack of one layer: a dim of size 1 is never split)."""
+    dim = r.key[1]
+    return _err(f"layout rule '{r}': the repeat over '{dim}' is not pipelined over '{axis}' with "
+                f"{', '.join(map(repr, sorted(layers)))}.", mesh=mesh, layout=layout,
+                bullets=[f"'{dim}' stays whole in its stacked params (as a one-layer stack's does: a dim of size 1 "
+                         "is never split)"],
+                rule="every stack pipelined on a stage axis has its layer dim split over it",
+                fix=f"give the stack over '{dim}' at least 2 layers, or drop '{r}' (it then runs whole on "
+                    "the stage that reads it)")
 
 
 def _several_stacks(found: list, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches: int,

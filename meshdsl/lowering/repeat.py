@@ -4,8 +4,9 @@ The carry keeps the layout its dims have everywhere; each stacked param is
 sliced along ``layer`` locally.  ``layer`` is whole, or split over the pipeline
 axis (:mod:`.pipeline`): then each stage's sub-plan runs its ``layers / p`` local
 layers, and the stacked carries, activations and gradients stay split like the
-params.  In the backward block, parameter gradients may stay lazy partial sums,
-so they are reduced once, stacked, after the loop.
+params.  A repeat inside a block (a recurrence over ``seq``) whose scanned dim the layout
+splits gathers it: each rank runs every step (:func:`_scan_target`).  In the backward block,
+parameter gradients may stay lazy partial sums, so they are reduced once, stacked, after the loop.
 
 The forward sub-plan also outputs the activations the remat policy saves for the
 backward block (``attrs["saved"]``, only those this plan uses, :mod:`meshdsl.ir.remat`),
@@ -51,6 +52,7 @@ from ..ir.closure import PREFIX
 from ..layout.sharding import Sharding
 from .block_order import order_block
 from .compiler import Lowerer, lower_into
+from .foresight import NONE, Foresight, foresee
 from .pipeline import MB_AXIS
 from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
@@ -172,21 +174,14 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list,
     ins, feeds = [], {"carry": carry_sh}
     if loop.backward:
         names = loop.names
-        la = lw.targets(node.attrs["stacked"][names[0]], strict=True)[0][0].axes_of(layer) if names else ()
+        la = _scan_target(lw, loop, names[0]).axes_of(layer) if names else ()
         ins.append(lw.relayout(lw.value(loop.carry), _stack_sharding(carry_sh, stacked_shape, layer, la), node,
                                "saved layer inputs"))
     else:
         ins.append(lw.relayout(lw.value(loop.carry), carry_sh, node, "carry"))
     for k, t in zip(loop.names, loop.stacked):
-        tgt = lw.targets(node.attrs["stacked"][k], strict=True)[0][0]
+        tgt = _scan_target(lw, loop, k)
         loop.layer_axes = tgt.axes_of(layer)
-        if mesh.axis_size(loop.layer_axes) > 1 and loop.layer_axes != (lw.pipeline_axis,):
-            raise LayoutError(message(
-                f"repeat '{node.name}': stacked tensor '{k}' splits dim '{layer}' over mesh axes "
-                f"{tgt.axes_of(layer)}.", inputs=[f"layout: {lw.layout}", f"mesh: {mesh}"],
-                rule=f"a repeat inside a block runs its steps in sequence on every rank, so the dim it "
-                     f"scans ('{layer}') must be whole",
-                fix=f"remove the '{layer}:...' rule; only the outermost repeat can be a pipeline"))
         ins.append(lw.relayout(lw.value(t), tgt, node, f"stacked param '{k}'"))
         feeds[k] = _slice_sharding(tgt, layer)
     if loop.backward:
@@ -212,6 +207,40 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list,
     return ins, feeds
 
 
+def _scan_target(lw: Lowerer, loop: _Loop, name: str) -> Sharding:
+    """The sharding the loop reads stacked tensor ``name`` in: its target, but with the scanned dim
+    whole where the layout splits it over other axes than the pipeline's.
+
+    Only a repeat inside a block meets such a split (the outermost repeat's layer split is its
+    pipeline, :mod:`.pipeline`): it runs its steps in order on every rank, so its stacked tensors
+    are gathered at the step (an RWKV or xLSTM recurrence under ``seq:model``: the model around it
+    stays sequence-parallel), and its stacked outputs leave it whole, so a reader that wants them
+    split takes its local slice, no collective; backward, the per-step outputs' gradients are
+    gathered likewise.  Even or uneven, over any axes, as GSPMD would.
+
+    Raises:
+      LayoutError: the outermost repeat's layer dim split over other axes than its pipeline's (the
+        pipeline's detection refuses such layouts first; kept for the step's invariant).
+    """
+    node, mesh, layer = loop.node, lw.mesh, loop.layer
+    tgt = lw.targets(node.attrs["stacked"][name], strict=True)[0][0]
+    axes = tgt.axes_of(layer)
+    if mesh.axis_size(axes) == 1 or axes == (lw.pipeline_axis,):
+        return tgt
+    if not lw.in_block:
+        raise LayoutError(message(
+            f"repeat '{node.name}': stacked tensor '{name}' splits dim '{layer}' over mesh axes {axes}.",
+            inputs=[f"layout: {lw.layout}", f"mesh: {mesh}"],
+            rule=f"the outermost repeat's layers ('{layer}') are whole or split over its pipeline's axis",
+            fix=f"split '{layer}' over one mesh axis (its pipeline stages), or remove the '{layer}:...' rule"))
+    if not loop.backward:   # (its gradient gathers the same dim: one note)
+        lw.note(f"repeat '{node.name}' scans '{layer}', split over {' x '.join(f'{a}:{mesh.sizes[a]}' for a in axes)}: "
+                f"its steps run in order on every rank, so its stacked inputs are gathered whole at the repeat "
+                f"and its per-step outputs read back as local slices")
+    return Sharding(tuple((d, () if d == layer else a) for d, a in tgt.dims), tgt.partial,
+                    *(tuple((d, x) for d, x in kept if d != layer) for kept in (tgt.parts, tgt.cyclic, tgt.blocks)))
+
+
 def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -> tuple[Plan, list[str]]:
     """The block's sub-plan (one layer), and the names of the saved activations it outputs
     (forward) or takes (backward).
@@ -221,16 +250,16 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
     readers all linear in them (:func:`_lazy_through`), is lowered both so and as before, and
     the cheaper loop is kept: its ``times`` layers' collectives plus the reductions its
     outside and stacked gradients leave after the loop (:func:`_loop_price`).  So is one that
-    foresees the re-layouts of its inputs the first lowering made (:func:`_foreseen`)."""
-    plan, saved_names, (fewer, through) = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True)
+    foresees the re-layouts the first lowering made (:mod:`.foresight`)."""
+    plan, saved_names, (fewer, through, ahead_of) = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True)
     tries = [plan]
     if through:
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=True, through=False)[0])
     if fewer:
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=False, through=False)[0])
-    foreseen = _foreseen(plan) if loop.backward else {}
+    foreseen = ahead_of if loop.backward else NONE
     if len(tries) == 1 and not foreseen:
-        return plan, saved_names
+        return _ordered(loop, plan), saved_names
     # the cheapest; on a tie, the plainer (later) lowering
     prices = [_loop_price(lw, loop, p, times) for p in tries]
     best, price = next((p, c) for p, c in reversed(list(zip(tries, prices))) if c <= min(prices))
@@ -241,7 +270,14 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
         if _loop_price(lw, loop, ahead, times) < price - 1e-12 and \
                 _loop_price(lw, loop, ahead, times, sent=True) <= _loop_price(lw, loop, best, times, sent=True):
             best = ahead
-    return best, saved_names
+    return _ordered(loop, best), saved_names
+
+
+def _ordered(loop: _Loop, plan: Plan) -> Plan:
+    """A backward block's sub-plan with cotangents and recomputed values freed early
+    (:mod:`.block_order`); ordered once it is chosen, since the lowerings are compared by their
+    collectives, whatever their order."""
+    return order_block(plan, lambda s: s.phase == RECOMPUTE) if loop.backward else plan
 
 
 def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int, sent: bool = False) -> float:
@@ -268,30 +304,16 @@ def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int, sent: bool = F
     return times * price(plan) + after
 
 
-def _foreseen(plan: Plan) -> dict[int, frozenset]:
-    """The shardings a block's lowering moved its inputs to (one collective each) where some step
-    also read the input as given: DeBERTa's relative projections ``k_r``, recomputed from an FSDP
-    weight split along the contraction (a partial sum, an allreduce per layer), whose gradients
-    gather that weight anyway.  A lowering told of them prices reading the copy free, as held."""
-    given = {v for s in plan.steps if s.kind == "input" for v in s.outs}
-    read_as_given = {v for s in plan.steps if not s.is_collective and s.kind != "input" for v in s.ins}
-    out: dict[int, frozenset] = {}
-    for s in plan.steps:
-        if s.is_collective and len(s.ins) == 1 and s.ins[0] in given & read_as_given:
-            out[s.ins[0]] = out.get(s.ins[0], frozenset()) | {plan.values[s.outs[0]].sharding}
-    return out
-
-
 def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: bool,
-                      through: bool, foreseen: dict | None = None) -> tuple[Plan, list[str], tuple[bool, bool]]:
+                      through: bool, foreseen: Foresight = NONE) -> tuple[Plan, list[str], tuple]:
     """:func:`_lower_block`'s sub-plan, lowered with or without ``summed`` and ``through`` (see
     :func:`_lower_backward_block`), and whether each may have changed anything: how its values'
     readers count, and whether a value passed on was met partial where the rule alone might have
-    chosen otherwise (:attr:`.Lowerer.through_used`)."""
+    chosen otherwise (:attr:`.Lowerer.through_used`); and what it moved (:mod:`.foresight`)."""
     blk, node = loop.blk, loop.node
     sub = Lowerer(lw.mesh, lw.layout, lw.cost)
     sub.in_block = True
-    sub.foreseen = foreseen or {}
+    sub.foreseen, sub.wanted = foreseen.held, foreseen.wanted
     for name, sh in feeds.items():
         t = blk.graph.inputs[name]
         vid = sub.new_value(t.shape, t.dtype, sh)
@@ -309,9 +331,7 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
     phases = [RECOMPUTE if s.kind != "input" and 0 <= s.node < num_forward else node.phase for s in sub.steps]
     steps = [s if s.phase == ph else replace(s, phase=ph) for s, ph in zip(sub.steps, phases)]
     plan = Plan(lw.mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
-    if loop.backward:  # cotangents and recomputed values freed early (:mod:`.block_order`)
-        plan = order_block(plan, lambda s: s.phase == RECOMPUTE)
-    return plan, saved_names, (fewer, sub.through_used)
+    return plan, saved_names, (fewer, sub.through_used, foresee(sub, plan) if loop.backward else NONE)
 
 
 def _bind_saved(lw: Lowerer, sub: Lowerer, loop: _Loop, ins: list) -> list[str]:
@@ -570,7 +590,9 @@ def _lower_backward_block(sub: Lowerer, blk, summed: bool, through: bool = False
 def _bind_outputs(lw: Lowerer, loop: _Loop, out_vids: list, stage: tuple) -> None:
     """Bind the step's outputs to the node's.
 
-    The carry (and its gradient) take the carry's layout.  The stacked parameter gradients stay
+    The carry (and its gradient) take the carry's layout; the stacked layer inputs the stacked
+    params' (an inner repeat's stay whole over its gathered scanned dim: only its gradient reads
+    them, so).  The stacked parameter gradients stay
     as the block made them (split like the sub-plan's, partial sums lazy): their reader (the
     update, sharded like the param) brings them where it needs them, so an FSDP gradient the
     block reduce-scattered is not gathered here only to be split again by the update.  So do
@@ -603,6 +625,9 @@ def _bind_outputs(lw: Lowerer, loop: _Loop, out_vids: list, stage: tuple) -> Non
             lw.bind(t, vid)
     n_main = 1 if loop.backward else 2
     for t, vid in zip(node.outputs[:n_main], out_vids):
-        lw.bind(t, lw.relayout(vid, lw.target(t).with_partial(
-            tuple(a for a in lw.sharding(vid).partial if a not in lw.target(t).used_axes)), node,
-            f"output of {node.op.name}"))
+        to = lw.target(t)
+        if lw.in_block and t is not node.outputs[0] and to.axes_of(loop.layer) != tuple(loop.layer_axes):
+            # an inner repeat's gathered layer inputs, read by its gradient only: kept whole
+            to = _stack_sharding(_slice_sharding(to, loop.layer), t.shape, loop.layer, loop.layer_axes)
+        kept = tuple(a for a in lw.sharding(vid).partial if a not in to.used_axes)
+        lw.bind(t, lw.relayout(vid, to.with_partial(kept), node, f"output of {node.op.name}"))

@@ -249,7 +249,7 @@ def lower_reshape(lw, node) -> None:
     tl = tuple(lw.targets(out))
     # Where the input's split could go: as it is, onto the outer dims of its groups (one
     # alltoall), or where each of the output's targets comes out of the reshape exactly.
-    back, cyc = rg.inverse(), lw.layout.cyclic_blocks   # (block-cyclic dims: :func:`cyclic_carry`)
+    back, cyc = rg.inverse(), lw.layout.cyclic_blocks_of(t.shape, out.shape)   # (block-cyclic: :func:`cyclic_carry`)
     sources = [dict(cur.split), back.map(mesh, rg.map(mesh, dict(cur.split), "move", cyc)[-1], "drop", cyc)[-1]]
     for tgt, _ in tl:
         sources.append(back.map(mesh, dict(tgt.split), "drop", cyc)[-1])
@@ -317,9 +317,13 @@ def _inner_split_notes(node, rg: Regroup, mesh, target: Sharding, c_out: Shardin
             groups = [(ins, outs) for ins, outs in st if names & {o for o, _ in outs}]
             names, parts = {n for ins, _ in groups for n, _ in ins}, [o for _, outs in groups for o, _ in outs]
         merged = ", ".join(x.name for x in node.inputs[0].shape if x.name in names)
+        n, p = node.outputs[0].shape.get(d).size, mesh.axis_size(axes)
+        # (a block-cyclic split, :mod:`.cyclic_dims`, cuts every part into equal blocks)
+        uneven = f"; not block-cyclic either: '{d}' ({n}) over {','.join(axes)} ({p}) is uneven" if n % p else ""
         yield (f"{node.name}: '{d}:{','.join(axes)}' is an inner part of '{merged}' = ({' '.join(parts)}): no "
                f"split of '{merged}' carries over to it, so what makes '{merged}' runs without that split; "
-               f"kept as separate dims {', '.join(parts)} (a fused weight stored by dims, not flat) it would")
+               f"kept as separate dims {', '.join(parts)} (a fused weight stored by dims, not flat), it would keep "
+               f"the split{uneven}")
 
 
 def _local_kernel(node, mesh, stages, c_in: Sharding, c_out: Sharding, alone: dict):

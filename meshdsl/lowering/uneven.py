@@ -61,14 +61,16 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
 
     Raises:
       LayoutError: with ``strict``, at the first uneven split (see :meth:`Layout.check_even`);
-        for a repeat's layer dim split unevenly (its layers run in equal runs per rank), unless
-        ``stage_layers`` gives each pipeline stage its layers (:mod:`.stage_layers`).
+        for the outermost repeat's layer dim split unevenly (its layers run in equal runs per rank),
+        unless ``stage_layers`` gives each pipeline stage its layers (:mod:`.stage_layers`).  A repeat
+        inside a block (a recurrence over ``seq``) gathers its scanned dim, even or uneven
+        (:mod:`.repeat`): its split is noted like any other.
     """
     found: dict[tuple, list] = {}   # (dim, size, axes) -> the tensors split so
-    layers = {}   # a repeat's layer dim -> (the repeat, whether it is inside another's block)
+    layers = {}   # the layer dim of a repeat outside any block -> the repeat
     for t, nested in ((t, nested) for n, nested in _nodes(nodes) for t in n.outputs):
-        if t.node.op.name == "repeat":
-            layers[t.node.attrs["layer"].name] = (t.node.name, nested)
+        if t.node.op.name == "repeat" and not nested:
+            layers[t.node.attrs["layer"].name] = t.node.name
         if strict:
             layout.check_even(t.shape, t.scopes, mesh, t.name, intermediate=t.node.op.name not in LEAVES)
             continue
@@ -80,8 +82,8 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
                 found.setdefault((name, size, axes), []).append(t)
     out = []
     for (d, size, axes), ts in found.items():
-        if d in layers and (stage_layers is None or layers[d][1]):
-            _refuse_layers(layout, mesh, d, size, axes, *layers[d])
+        if d in layers and stage_layers is None:
+            _refuse_layers(layout, mesh, d, size, axes, layers[d])
         if d in layers:   # cut at the stages' layer counts instead (lowering/stage_layers.py)
             continue
         leaves = tuple(dict.fromkeys(t.name for t in ts if t.node.op.name in LEAVES))
@@ -89,19 +91,11 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
     return out
 
 
-def _refuse_layers(layout: Layout, mesh: Mesh, dim: str, size: int, axes, repeat: str, nested: bool):
+def _refuse_layers(layout: Layout, mesh: Mesh, dim: str, size: int, axes, repeat: str):
     """Raise: the layer dim of a repeat split unevenly (a stage or loop runs whole layers, as many
-    on each rank); a repeat inside a block (an LSTM's steps over ``seq``) may not split it at all."""
+    on each rank)."""
     rule = next((r for r in layout.rules if r.key[1] == dim), None)
     where = {"source": layout.source if rule else None, "span": rule.span if rule else None}
-    if nested:
-        raise LayoutError(message(
-            f"compile: repeat '{repeat}' inside a block scans dim '{dim}' ({size}), which the layout splits "
-            f"over mesh axes {' x '.join(f'{a}:{mesh.sizes[a]}' for a in axes)}.", **where,
-            inputs=[f"mesh: {mesh}"],
-            rule=f"a repeat inside a block runs its steps in sequence on every rank, so the dim it scans "
-                 f"('{dim}') must be whole",
-            fix=f"remove the '{dim}:...' rule; only the outermost repeat can be a pipeline"))
     raise LayoutError(message(
         f"compile: repeat '{repeat}' has {size} layers (dim '{dim}'), which mesh axes "
         f"{' x '.join(f'{a}:{mesh.sizes[a]}' for a in axes)} (= {mesh.axis_size(axes)}) do not divide.",

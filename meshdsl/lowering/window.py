@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..layout.sharding import Sharding
+from .cyclic_dims import lower_cyclic_window
 from .halo import (resized, strip_rows, commuted, cut_by, extend, far_group, gathered, is_virtual, piece_rows, readers,
                    take_window, through, window_attrs, window_reach)
 from .relayout import keep_microbatches, relayout_cost
@@ -205,7 +206,14 @@ def _far_extend(lw, node, vid: int, dim: str, reach, far) -> int:
 
 @lowering("pad", "slice", "shift")
 def lower_window(lw, node) -> None:
-    """Lower a pad, slice, shift or roll; see the module docstring."""
+    """Lower a pad, slice, shift or roll; see the module docstring.  A slice or pad of whole groups
+    of a block-cyclic dim is a local step instead (:func:`.cyclic_dims.lower_cyclic_window`)."""
+    if not lower_cyclic_window(lw, node):
+        _lower_by_halos(lw, node)
+
+
+def _lower_by_halos(lw, node) -> None:
+    """A pad, slice, shift or roll that keeps its dim's split by trading halos, or gathers it."""
     mesh, out, dim = lw.mesh, node.outputs[0], node.attrs["dim"]
     if is_virtual(lw, node):
         lw.memo[("virtual", id(out))] = True   # its readers read through it: nothing to compute

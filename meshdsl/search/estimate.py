@@ -67,7 +67,7 @@ class Profile:
     Attributes:
       works: one :class:`Work` per node that computes.
       dims: every dim of the graph (params, inputs, activations, blocks), name -> size.
-      layer_dims: the dims ``repeat`` scans over.
+      layer_dims: the dims the repeats outside any block scan over (a pipeline's).
       tensors: the dim names of each distinct tensor shape -> the first tensor's name (who
         holds two dims together, for conflicts).
       batch_like: the examples' dim and the dims a ``rename`` made of it (they carry the
@@ -130,17 +130,19 @@ def profile(outputs) -> Profile:
         if len(names) > 1:
             tensors.setdefault(names, f"'{t.name}' [{' '.join(t.shape.names)}]")
 
-    def walk(nodes, runs: int) -> None:
+    def walk(nodes, runs: int, nested: bool = False) -> None:
         for n in nodes:
             for t in (*n.inputs, *n.outputs):
                 see(t)
             subs = n.op.subgraphs(n)
             if subs:   # a repeat's block: once per layer
                 layer = n.attrs.get("layer")
-                if layer is not None and layer.name not in layers:
+                # (a repeat inside a block, a recurrence over seq, is no pipeline: its scanned dim splits
+                # as any other, gathered at the repeat, lowering/repeat.py)
+                if layer is not None and layer.name not in layers and not nested:
                     layers.append(layer.name)
                 for graph, _ in subs:
-                    walk(graph.nodes, runs * (layer.size if layer is not None else 1))
+                    walk(graph.nodes, runs * (layer.size if layer is not None else 1), True)
                 continue
             if n.op.name not in NO_WORK:
                 works.append(_work(n, runs))
