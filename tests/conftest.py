@@ -314,7 +314,7 @@ def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[
         out = prog({**(feeds or model.feeds)(i), **hyper}, state)
         losses.append(float(out["loss"]))
         norms.append(float(out["grad_norm"]))
-        state = {k: out[f"new/{k}"] for k in state}
+        state = {k: out.get(f"new/{k}", v) for k, v in state.items()}   # a frozen param keeps its value
     return losses, norms
 
 

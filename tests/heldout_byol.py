@@ -7,8 +7,8 @@ branch is an encoder (a linear token embedding plus learned positions, pre-norm 
 a projector (linear, LayerNorm, relu, linear to ``proj``) and a predictor (the same shape, ``proj``
 to ``proj``). The target branch is an encoder and projector of the same shapes whose params
 (``t_*``, their stack over ``t_layer``) are left out of the Model's params: frozen, given as loaded
-weights (in BYOL the online weights' moving average, kept outside the step), and its output passes
-``md.stop_gradient``.
+weights or, as BYOL's, the online weights' moving average (``ema``), updated in the compiled step
+(``Model(updates=)``), and its output passes ``md.stop_gradient``.
 
 ``loss="byol"``: symmetric: each view's prediction against the other view's target projection,
 ``2 - 2 cos(p, z')``, the other view picked by ``md.roll`` over ``view``; averaged over examples
@@ -39,6 +39,7 @@ class Config:
     pred_hid: int = 32
     layers: int = 2
     tau: float = 0.2
+    ema: float = 0.99           # the target's momentum (updated in the step: Model(updates=))
     loss: str = "byol"          # or "moco"
     remat: str = "none"
 
@@ -110,8 +111,8 @@ def build(cfg: Config = Config()) -> md.Model:
         y, online = _encoder(cfg, "", x, md.Dim("layer", cfg.layers), dims)
         z, p_proj = _mlp("proj_", y, dims["emb"], proj_hid, proj)
         pred, p_pred = _mlp("pred_", z, proj, pred_hid, md.Dim("proj", cfg.proj))
-        ty, _ = _encoder(cfg, "t_", x, md.Dim("t_layer", cfg.layers), dims)
-        tz, _ = _mlp("t_proj_", ty, dims["emb"], proj_hid, proj)
+        ty, t_enc = _encoder(cfg, "t_", x, md.Dim("t_layer", cfg.layers), dims)
+        tz, t_proj = _mlp("t_proj_", ty, dims["emb"], proj_hid, proj)
         target = md.stop_gradient(md.roll(tz, "view", 1))        # the other view's target
         q, k = _l2(pred, "proj"), _l2(target, "proj")
         if cfg.loss == "byol":
@@ -129,4 +130,9 @@ def build(cfg: Config = Config()) -> md.Model:
         return {"x": views}
 
     params = {**online, **{f"proj_{k}": v for k, v in p_proj.items()}, **{f"pred_{k}": v for k, v in p_pred.items()}}
-    return md.Model(graph, loss, params, feeds, cfg)
+    # the target follows the online encoder and projector by an EMA, in the compiled step
+    pairs = [(f"t_{k}", t, online[k]) for k, t in t_enc.items()] + \
+        [(f"t_proj_{k}", t, p_proj[k]) for k, t in t_proj.items()]
+    updates = {name: cfg.ema * t + (1 - cfg.ema) * (md.rename(o, layer="t_layer") if "layer" in o.shape.names else o)
+               for name, t, o in pairs}
+    return md.Model(graph, loss, params, feeds, cfg, updates=updates)

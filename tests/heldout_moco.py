@@ -3,9 +3,10 @@
 Held-out model (round 15a), written from the user guides only. Two views of each example
 are inputs (``x_q``, ``x_k``). The query encoder (residual MLP layers under ``md.repeat``, a
 2-layer projection head) is trained. ``--config key=frozen`` (the default) gives the key
-encoder params of its own left out of the Model's params (frozen: no gradient, no update),
-which a Python loop updates as an EMA of the query params through ``TrainStep.full_params`` /
-``set_params`` (:func:`momentum_update`); ``key=stop`` reads the query encoder's own params
+encoder params of its own left out of the Model's params (frozen: no gradient, no optimizer
+update), which follow the query params as an EMA computed in the step (``Model(updates=)``;
+:func:`momentum_update` does the same from a Python loop, through ``TrainStep.full_params`` /
+``set_params``); ``key=stop`` reads the query encoder's own params
 through ``md.stop_gradient`` (momentum 0). The negatives are a queue fed as an input
 ``[queue, embed]``; InfoNCE is the cross-entropy of the positive among ``1 + queue`` logits.
 
@@ -88,6 +89,10 @@ def build(cfg: Config = Config()) -> md.Model:
         logits = md.concat([l_pos, l_neg], "queue") / cfg.temperature                    # the positive first
         loss = md.reduce_mean(md.logsumexp(logits, "queue") - md.squeeze(md.slice_(logits, "queue", 0, 1), "queue"))
     params = {f"q_{n}": t for n, t in enc_q.items()}
+    # key=frozen: the key encoder follows the query encoder by an EMA in the compiled step
+    # (md.fit, meshdsl train); a TrainStep applies it when given updates=model.updates
+    updates = {f"k_{n}": cfg.momentum * enc_k[n] + (1 - cfg.momentum) * _as_key(enc_q[n])
+               for n in ENCODER} if cfg.key == "frozen" else {}
 
     def feeds(seed: int = 0) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
@@ -96,7 +101,12 @@ def build(cfg: Config = Config()) -> md.Model:
         queue = torch.nn.functional.normalize(torch.randn(cfg.queue, cfg.embed, generator=gen), dim=1)
         return {"x_q": views[0], "x_k": views[1], "queue": queue}
 
-    return md.Model(g, loss, params, feeds, cfg, outputs={"keys": k})
+    return md.Model(g, loss, params, feeds, cfg, outputs={"keys": k}, updates=updates)
+
+
+def _as_key(t):
+    """A query param in the key stack's dims (its layer dim renamed)."""
+    return md.rename(t, layer="key_layer") if "layer" in t.shape.names else t
 
 
 def momentum_update(step, momentum: float) -> None:

@@ -79,3 +79,27 @@ def test_a_communicator_without_the_plans_micro_batches_is_refused_in_the_users_
     with pytest.raises(md.GraphError) as e:
         Executor(plan, SimulatedComm(md.Mesh.parse("model:4")))
     assert str(e.value).startswith("executor: plan mesh 'data:2' differs from communicator mesh 'model:4'."), e.value
+
+
+@pytest.mark.parametrize("mesh, layout, kw", [("data:2", "batch:data", {}), ("model:2", "d_ff:model", {}),
+                                              ("stage:2", "layer:stage", {"microbatches": 2, "schedule": "1f1b"})])
+def test_a_dropped_executor_is_freed_by_reference_counting(mesh, layout, kw):
+    """An executor holds no reference cycle (its step context and its generated program refer back
+    to it only weakly): dropped, it is freed at once, not left for the cyclic garbage collector,
+    whose full collections would walk every executor a process ran since the last one."""
+    import gc
+    import weakref
+    from meshdsl.train.model import load_model
+    m = load_model("transformer", tiny=True)
+    outs = {"loss": m.loss, **{f"grad/{k}": g for k, g in md.grad(m.loss, m.params).items()}}
+    plan = md.compile(outs, mesh, layout, **kw)
+    gc.disable()
+    try:
+        ex = Executor(plan, SimulatedComm(plan.mesh))
+        ex.run(m.make_feeds(0))
+        ex.run(m.make_feeds(1))
+        gone = weakref.ref(ex)
+        del ex
+        assert gone() is None
+    finally:
+        gc.enable()

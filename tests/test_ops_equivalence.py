@@ -182,6 +182,14 @@ def _remainder():
             "left": 7 % (md.cast(a * 4.0, torch.int64) * 2 + 9)}, {}
 
 
+# a hash's integer mix (Instant-NGP's corner hash), broadcast by name; no gradient
+@case("bitwise_xor")
+def _bitwise_xor():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    h = md.bitwise_xor(md.cast(a * 40.0, torch.int64) * 2654435761, md.cast(c * 40.0, torch.int64)) % 13
+    return {"int": h, "y": md.cast(h, torch.float32) * c}, {}
+
+
 @case("logical_not")
 def _logical_not():
     a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])

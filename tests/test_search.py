@@ -256,6 +256,18 @@ def test_without_a_spare_core_communication_is_not_hidden():
     assert crowded.compute_s == pytest.approx(2 * exact.compute_s)   # two processes per core
 
 
+def test_the_executors_cost_per_step_shares_the_cores_like_its_kernels():
+    """The executor's own work per step (a measured calibration's ``dispatch_s``, timed in one
+    process alone) runs on the process's core too: two processes per core slow it as they
+    slow the kernels."""
+    model = md.load_model("transformer", tiny=True)
+    plan = compile_plan(model.train_step(0.01), "data:4", "batch:data")
+    exact, crowded = _with_cores(4), _with_cores(2)
+    for cal in (exact, crowded):
+        cal.dispatch_s = 1e-3   # far over the kernels: a missed slowdown shows
+    assert predict(plan, crowded).compute_s == pytest.approx(2 * predict(plan, exact).compute_s)
+
+
 def test_the_first_collective_after_compute_pays_the_measured_drift():
     """Ranks come to a collective from compute apart: the calibration's after-compute cost is
     added once per run of collectives that follows local compute, never to one that follows

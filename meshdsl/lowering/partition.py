@@ -62,7 +62,7 @@ other axes too (the cache split by heads), it is summed over those after, on tha
 (:func:`_stage_sums_first`).  With virtual stages (``interleaved:v``) the stacks are cut so on
 ``p * v`` logical stages and :func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
 
-The passes, in order: :func:`assign_stages`, :func:`assign_segments`,
+The passes, in order: :func:`assign_stages`, :func:`update_where_held`, :func:`assign_segments`,
 :func:`insert_transfers`; then :func:`_pipeline_step` makes the step and its
 :class:`~.pipeline_program.PipelineProgram`.
 """
@@ -570,6 +570,53 @@ def assign_stages(cut: _Cut) -> None:
     cut.stages = stages
 
 
+def update_where_held(cut: _Cut) -> None:
+    """Pass 1b: a carried param's next value (the ``new/<name>`` output a training step feeds back
+    as ``<name>``) held on every stage that holds the param.  A param read on several stages (MoCo's
+    query weights read through ``stop_gradient`` by the key encoder on the last stage) has its
+    gradient on one of them only, so :func:`assign_stages` puts its update there; the next step
+    would then find no value on the others.  The update's own steps run on each stage holding the
+    param instead (its gradient sent there once, after the micro-batches), and the optimizer state
+    they read is held there too, so its next value is made there as well (repeated until nothing
+    more is widened).  Resending the updated param every step would move as much, and the update's
+    own collectives (a clipped norm's) are shared by the stages anyway."""
+    steps = cut.steps
+    params = {s.args["name"]: s.outs[0] for i, s in enumerate(steps) if cut.leaf[i] and s.kind == "param"}
+    may = _after_microbatches(cut)
+    widened = True
+    while widened:
+        widened = False
+        for name, p in params.items():
+            new = cut.outputs.get(f"new/{name}")
+            want = cut.held.get(p, frozenset())
+            if new is not None and not want <= cut.held.get(new, want):
+                widened |= _widen(cut, new, want, may)
+
+
+def _widen(cut: _Cut, v: int, want: frozenset, may: set) -> bool:
+    """Run the steps making ``v`` (back to its gradient's sums) on the stages ``want`` too, a param
+    they read held there (a ZeRO update's gathers within each stage too).  A collective over the
+    stage or micro-batch axis, a stage sum, a value partial over the stage axis, and a step neither
+    of the update nor after the micro-batches (the gradient's own steps) stay where they are: their
+    results are sent there.  Returns whether ``v`` was widened."""
+    i, ax = cut.producer.get(v), cut.spec.axis
+    s = None if i is None else cut.steps[i]
+    if (s is None or cut.leaf[i] or i in cut.stack_at or i in cut.sums or i in cut.input_parts
+            or (s.is_collective and {ax, MB_AXIS} & set(s.axes)) or (s.phase != "update" and i not in may)
+            or any(ax in cut.values[u].sharding.partial for u in s.outs)):
+        return False
+    cut.stages[i] = cut.stages[i] | want
+    cut.held.update((u, cut.held.get(u, frozenset()) | want) for u in s.outs)
+    for u in s.ins:
+        if not want <= cut.held.get(u, want):
+            j = cut.producer.get(u)
+            if j is not None and cut.leaf[j]:
+                cut.held[u] = cut.held[u] | want   # a param (optimizer state) the update reads
+            else:
+                _widen(cut, u, want, may)
+    return True
+
+
 def _joins_stages_once(cut: _Cut, i: int) -> bool:
     """Whether step ``i`` is a collective over the stage axis made once, before the micro-batches
     (a pipelined stack's param read outside the stack: ``reduce_sum(w, "layer")``, or gathered for
@@ -603,9 +650,11 @@ def _check_stage_collectives(cut: _Cut) -> None:
         if (s.is_collective and not COLLECTIVES[s.kind].point_to_point and s.phase == "forward"
                 and ax in s.axes and MB_AXIS not in s.axes and i not in cut.sums and cut.stages[i] != cut.every_stage):
             raise _error(f"'{s.label}': {s.kind} over the pipeline axis '{ax}' on stage(s) "
-                         f"{sorted(cut.stages[i])} only", cut.spec, [f"{s.label}: {s.note or s.kind}"],
+                         f"{sorted(cut.stages[i])} only", cut.spec,
+                         [f"{s.label}: {s.note or s.kind}", *cut.spec.scan_hint[:1]],
                          "a pipeline axis splits the stacks' layers; what is made outside them per micro-batch "
                          f"is whole over '{ax}' (a collective over it on some stages cannot run)",
+                         cut.spec.scan_hint[1] if cut.spec.scan_hint else
                          "split that dim over another axis, or pipeline over an axis that splits only the layer dims")
         name = _layers_cut_on_some_stages(cut, i)
         if name is not None:
@@ -992,6 +1041,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     cut = _cut(steps, values, outputs, dataclasses.replace(spec, num_stages=spec.num_stages * chunks)
                if chunks > 1 else spec)
     assign_stages(cut)
+    update_where_held(cut)
     _check_stage_collectives(cut)
     assign_segments(cut)
     lists = insert_transfers(cut)

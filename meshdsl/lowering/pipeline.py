@@ -57,6 +57,8 @@ class PipeSpec:
         ``node`` and ``layer`` are then the first stack's, and ``stage_layers`` is ().
       examples: the dim the micro-batches cut: ``batch``, or the user's name for the examples'
         dim read off the graph (:func:`~meshdsl.core.examples.examples_dim`: ``B``, ``N``, ...).
+      scan_hint: where the pipelined repeat scans a dim of the inputs (a recurrence over ``seq``),
+        a refusal's ``(bullet, fix)`` for a user who meant sequence parallelism (:func:`scan_hint`).
     """
 
     axis: str | None
@@ -71,6 +73,7 @@ class PipeSpec:
     stage_layers: tuple = ()
     stacks: tuple = ()
     examples: str = BATCH
+    scan_hint: tuple = ()
 
 
 def per_microbatch(step, values) -> bool:
@@ -123,7 +126,8 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
                                 rule=f"'{MB_AXIS}' is the virtual micro-batch axis", fix="rename that axis"))
     layout = layout.with_empty_parts(_stack_dims(nodes, mesh, layout))
     found, scanned = _pipelined_repeats(nodes, mesh, layout)
-    _check_layer_rules(mesh, layout, found, scanned)
+    hint = scan_hint(nodes, *found[0], layout) if len(found) == 1 else ()
+    _check_layer_rules(mesh, layout, found, scanned, hint)
     node, axis = found[0] if found else (None, None)
     # A layer dim split over axes of size 1 is whole: a pipeline of one stage is no pipeline.
     trivial = [r for r in layout.rules if r.key[1] in scanned and r.axis_names and mesh.axis_size(r.axis_names) == 1]
@@ -149,7 +153,27 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
         sched = named_schedule(schedule, p, microbatches)
     counts = _stage_layers(stage_layers, node, p, chunks, mesh, layout)
     return PipeSpec(axis, p, microbatches, node.id if node else -1, node.attrs["layer"].name if node else "",
-                    sched, mesh2, layout2, (mesh, layout), counts, examples=examples or BATCH)
+                    sched, mesh2, layout2, (mesh, layout), counts, examples=examples or BATCH, scan_hint=hint)
+
+
+def scan_hint(nodes, node, axis: str, layout: Layout) -> tuple[str, str] | tuple[()]:
+    """``(bullet, fix)`` for a refusal of a layout that pipelines repeat ``node`` over ``axis``
+    where the dim it scans is also a dim of the graph's inputs: the repeat steps along the data (a
+    CRF's forward algorithm or an RNN over ``seq``), and ``seq:model`` asked for sequence
+    parallelism, not for stages each running a run of the steps; else ``()``.  The fixes keep the
+    rest of the model split: an inner repeat gathers the dim it scans (:mod:`.repeat`), and a renamed
+    dim is one the layout does not split."""
+    dim = node.attrs["layer"].name
+    if not any(n.op.name == "input" and dim in n.outputs[0].shape.names for n in nodes):
+        return ()
+    rule = layout.rule_for(dim, ())
+    return (f"'{rule or dim}' splits '{dim}', the dim the outermost repeat '{node.name}' scans "
+            f"({node.attrs['layer'].size} steps): that makes '{axis}' its pipeline axis, each rank running "
+            "its own run of the steps, not sequence parallelism",
+            f"for sequence parallelism make the recurrence an inner repeat, which gathers '{dim}' and runs every "
+            f"step on each rank while the rest stays split: md.repeat(lambda c, _: md.repeat(step, c, stacked, "
+            f"'{dim}'), x, {{}}, md.Dim('once', 1)); or scan a dim the layout leaves whole "
+            f"(md.rename(t, {dim}='step') for the stacked tensors, md.repeat(..., 'step'))")
 
 
 def _stage_layers(stage_layers, node, p: int, chunks: int, mesh: Mesh, layout: Layout) -> tuple:
@@ -230,9 +254,10 @@ def _shared_fix(found: list) -> str | None:
     return None
 
 
-def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) -> None:
+def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set, hint: tuple = ()) -> None:
     """Refuse a ``layer`` rule no repeat scans, a second pipelined repeat over the same layer dim
-    or over another axis, and a pipeline axis that splits a dim other than the stacks' layer dims."""
+    or over another axis, and a pipeline axis that splits a dim other than the stacks' layer dims
+    (with ``hint``, :func:`scan_hint`'s bullet and fix for a repeat over a dim of the inputs)."""
     for r in layout.rules:
         dim = r.key[1]
         if dim == "layer" and dim not in scanned and r.axis_names:
@@ -271,9 +296,10 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set) ->
                            bullets=[f"'{via}' makes '{axis}' a pipeline axis: a rule that splits a repeat's layer dim "
                                     "pipelines its layers over the stages" +
                                     (", whatever its scope (a stack's params are not sharded by layer)" if scoped
-                                     else "")] if via is not None else [],
+                                     else "")] if via is not None and not hint else list(hint[:1]),
                            rule=f"a pipeline axis splits only the layer dim ({', '.join(map(repr, sorted(layers)))})",
-                           fix=f"map '{r.key[1]}' to another axis" +
+                           fix=(f"{hint[1]}; or, to pipeline the steps, " if hint else "") +
+                               f"map '{r.key[1]}' to another axis" +
                                (f", or for FSDP drop '{via}' and shard the params along another dim "
                                 f"('params.d_model:{axis}')" if scoped else ""))
 

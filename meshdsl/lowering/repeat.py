@@ -26,10 +26,11 @@ backward sub-plan takes one layer's slice of each one's stacked gradient
 (``cotangent/<name>``).
 
 Tensors the block reads from outside (:mod:`meshdsl.ir.closure`) are fed to every
-layer in their own layout, reduced; the backward sub-plan outputs each one's gradient as
-its rules leave it, and the loop sums the layers' (a sum over the stages too when the
-layers are pipelined: one allreduce over the stage axis, made transfers by
-:mod:`.partition`).  A partial sum a backward layer reads on the way to such a gradient and
+layer in their own layout, reduced (where the block moves one, an allgather or alltoall, the
+move is made once before the loop and the block reads the copy, :mod:`.hoist`); the backward
+sub-plan outputs each one's gradient as its rules leave it, and the loop sums the layers' (a
+sum over the stages too when the layers are pipelined: one allreduce over the stage axis, made
+transfers by :mod:`.partition`).  A partial sum a backward layer reads on the way to such a gradient and
 elsewhere (DETR's object queries, added to the carry) stays partial both ways where that
 makes the loop cheaper: the layers' sum of its share is reduced once, after the loop, and
 the other reader reduces its own when it needs it whole (:func:`_lower_block`).  So does a
@@ -53,6 +54,7 @@ from ..layout.sharding import Sharding
 from .block_order import order_block
 from .compiler import Lowerer, lower_into
 from .foresight import NONE, Foresight, foresee
+from .hoist import hoist_moves
 from .pipeline import MB_AXIS
 from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
@@ -149,6 +151,9 @@ def lower_repeat(lw: Lowerer, node) -> None:
     plan, saved_names = _lower_block(lw, loop, feeds, ins, num_local)
     if loop.copies:
         plan, ins, saved_names = drop_unread(lw, loop, plan, ins, saved_names)
+    carry = loop.dy if loop.backward else loop.carry
+    carry_bytes = carry_sh.local_numel(loop.carry_shape, lw.mesh) * carry.dtype.itemsize
+    plan, ins, closed = hoist_moves(lw, node, plan, ins, tuple(loop.blk.closed), carry_bytes)
     for n in plan.notes:
         lw.note(f"{node.name} block: {n}")
     # The stage axis when the layers are pipelined: each stage sums its own layers' gradients
@@ -159,8 +164,8 @@ def lower_repeat(lw: Lowerer, node) -> None:
             "saved": tuple(saved_names)}
     if loop.ys:
         args["ys"] = tuple(loop.ys)
-    if loop.blk.closed:
-        args["closed"] = tuple(loop.blk.closed)
+    if closed:
+        args["closed"] = closed
     lw.emit("repeat", node, ins, out_vids, args=args, subplans=(plan,), times=num_local)
     _bind_outputs(lw, loop, out_vids, stage)
 

@@ -20,6 +20,7 @@ from ..errors import LayoutError, message
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding, is_even, part_sizes
+from .pipeline import scan_hint
 
 
 #: The ops whose tensors a note names (the user's params and inputs); the others it counts.
@@ -67,10 +68,10 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
         (:mod:`.repeat`): its split is noted like any other.
     """
     found: dict[tuple, list] = {}   # (dim, size, axes) -> the tensors split so
-    layers = {}   # the layer dim of a repeat outside any block -> the repeat
+    layers = {}   # the layer dim of a repeat outside any block -> the repeat node
     for t, nested in ((t, nested) for n, nested in _nodes(nodes) for t in n.outputs):
         if t.node.op.name == "repeat" and not nested:
-            layers[t.node.attrs["layer"].name] = t.node.name
+            layers[t.node.attrs["layer"].name] = t.node
         if strict:
             layout.check_even(t.shape, t.scopes, mesh, t.name, intermediate=t.node.op.name not in LEAVES)
             continue
@@ -83,7 +84,7 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
     out = []
     for (d, size, axes), ts in found.items():
         if d in layers and stage_layers is None:
-            _refuse_layers(layout, mesh, d, size, axes, layers[d])
+            _refuse_layers(layout, mesh, (d, size, axes), layers[d], ts, scan_hint(nodes, layers[d], axes[0], layout))
         if d in layers:   # cut at the stages' layer counts instead (lowering/stage_layers.py)
             continue
         leaves = tuple(dict.fromkeys(t.name for t in ts if t.node.op.name in LEAVES))
@@ -91,18 +92,29 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
     return out
 
 
-def _refuse_layers(layout: Layout, mesh: Mesh, dim: str, size: int, axes, repeat: str):
+def _refuse_layers(layout: Layout, mesh: Mesh, split: tuple, repeat: Node, tensors: list, hint: tuple = ()):
     """Raise: the layer dim of a repeat split unevenly (a stage or loop runs whole layers, as many
-    on each rank)."""
+    on each rank), ``split`` its ``(name, size, axes)``, or a dim of that name and another size in
+    ``tensors`` (a recurrence's 8 steps over ``seq`` sliced from 9); ``hint``:
+    :func:`~.pipeline.scan_hint`'s bullet and fix where the repeat scans a dim of the inputs (a
+    recurrence over ``seq`` split for sequence parallelism)."""
+    dim, size, axes = split
     rule = next((r for r in layout.rules if r.key[1] == dim), None)
     where = {"source": layout.source if rule else None, "span": rule.span if rule else None}
+    over = f"mesh axes {' x '.join(f'{a}:{mesh.sizes[a]}' for a in axes)} (= {mesh.axis_size(axes)})"
+    num_layers = repeat.attrs["layer"].size
+    named = [t for t in tensors if t.node.op.name in LEAVES] or tensors   # the user's params and inputs first
     raise LayoutError(message(
-        f"compile: repeat '{repeat}' has {size} layers (dim '{dim}'), which mesh axes "
-        f"{' x '.join(f'{a}:{mesh.sizes[a]}' for a in axes)} (= {mesh.axis_size(axes)}) do not divide.",
-        **where, inputs=[f"mesh: {mesh}"],
+        f"compile: repeat '{repeat.name}' has {size} layers (dim '{dim}'), which {over} do not divide."
+        if size == num_layers else
+        f"compile: dim '{dim}' ({size}) of {', '.join(list(dict.fromkeys(repr(t.name) for t in named))[:3])}, the dim "
+        f"repeat '{repeat.name}' scans ({num_layers} layers), is split over {over}, which do not divide it.",
+        **where, inputs=[f"mesh: {mesh}"], bullets=list(hint[:1]),
         rule="a repeat's layers are split into equal runs of whole layers (pipeline stages): uneven "
              "splits are for other dims",
-        fix=f"use a layer count that is a multiple of {mesh.axis_size(axes)}, or other axes; a pipeline "
+        fix=(f"{hint[1]}; or, to pipeline the steps, " if hint else "") +
+            f"use a {'layer count' if size == num_layers else 'size'} that is a multiple of "
+            f"{mesh.axis_size(axes)}, or other axes; a pipeline "
             f"can take each stage's layers instead (stage_layers=, --stage-layers N,N,.. or auto)"))
 
 

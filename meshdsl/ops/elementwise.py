@@ -256,6 +256,9 @@ def _pick(wins, ties, g):
 # (floored: the remainder takes the divisor's sign).  floor_divide is a step function: a zero
 # gradient (as md.floor's; torch has none); remainder's is torch's: g, and -g times the quotient.
 _binary("remainder", torch.remainder, lambda a, b, y, g: (g, -(g * apply("floor_divide", [a, b]))))
+# A hash's mixing step (Instant-NGP xors each grid coordinate times a prime): integers only, and
+# no gradient (as the comparisons).
+_binary("bitwise_xor", torch.bitwise_xor)
 _FloorDivide = _binary("floor_divide", torch.floor_divide)
 _FloorDivide.differentiable, _FloorDivide.blocks_gradient = True, True   # (as _piecewise_constant's)
 _FloorDivide.grad = lambda self, node, douts: [None, None]
@@ -467,8 +470,27 @@ def remainder(a, b) -> Tensor:
     return _floored("remainder", a, b)
 
 
+def bitwise_xor(a, b) -> Tensor:
+    """Elementwise ``a ^ b`` of integer tensors (or Python ints), broadcasting by name, as
+    ``torch.bitwise_xor``: a spatial hash, ``(x * 1) ^ (y * 2654435761) % table``.  No gradient.
+
+    Raises:
+      ShapeError: if an operand is a floating-point or bool tensor.
+    """
+    xs = lift([a, b], "bitwise_xor")
+    bad = [x for x in xs if x.dtype.is_floating_point or x.dtype == torch.bool]
+    if bad:
+        raise ShapeError(message("bitwise_xor: an operand is not an integer tensor.",
+                                 inputs=[f"operands: {', '.join(map(repr, xs))}"],
+                                 bullets=[f"{x!r} is {x.dtype}" for x in bad],
+                                 rule="bitwise_xor takes integer tensors (int64, int32, ...)",
+                                 fix="cast first: meshdsl.cast(x, torch.int64) (floor a float coordinate "
+                                     "before, md.floor(x))"))
+    return apply("bitwise_xor", xs)
+
+
 __all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal", "greater",
            "greater_equal", "equal", "not_equal", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos",
            "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "logical_and", "logical_or", "pow",
            "cast", "erf", "log1p", "expm1", "square", "reciprocal", "sign", "floor", "ceil", "round",
-           "floor_divide", "remainder", "where", "constant", "align", "DENSE_CTX"]
+           "floor_divide", "remainder", "bitwise_xor", "where", "constant", "align", "DENSE_CTX"]

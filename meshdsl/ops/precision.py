@@ -54,7 +54,7 @@ _FOLLOW = ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "pow", "sqrt"
            "less_equal", "erf", "log1p", "expm1", "square", "reciprocal", "sign", "floor", "ceil", "round",
            "softplus", "log_sigmoid", "leaky_relu", "elu", "mish", "clamp", "argmax", "argmin", "floor_divide", "remainder")
 _NONE = ("param", "input", "placeholder", "constant", "cast", "iota", "one_hot", "logical_not", "logical_and",
-         "logical_or")
+         "logical_or", "bitwise_xor")
 
 #: op name -> "bf16" | "fp32" | "follow" | "none" (see the module docstring).
 POLICY: dict[str, str] = {**{k: "bf16" for k in _MATMUL}, **{k: "fp32" for k in _FP32},

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -207,7 +208,8 @@ class Segment:
     between ranks), or it stays eager with a notice."""
 
     def __init__(self, ex, steps: list[int], settings: CompileSettings):
-        self.ex, self.steps, self.settings = ex, steps, settings
+        # (weak: the executor's program holds this segment's run, so a strong one would make a cycle)
+        self._ex, self.steps, self.settings = weakref.ref(ex), steps, settings
         self.source = None
         self.fn = self.eager = None
         self.kernels = self.attrs = self.contexts = ()
@@ -215,7 +217,7 @@ class Segment:
         self.fresh = False   # whether this segment made its compiled function (else another segment of this run did)
 
     def bind(self, ins: list[int], outs: list[int]) -> None:
-        self.source, self.kernels, self.attrs, self.contexts = segment_source(self.ex, self.steps, ins, outs)
+        self.source, self.kernels, self.attrs, self.contexts = segment_source(self._ex(), self.steps, ins, outs)
         self.eager = self._function()
 
     def _function(self):
@@ -240,7 +242,7 @@ class Segment:
         return compiled
 
     def label(self) -> str:
-        ops = sorted({self.ex.plan.steps[i].op for i in self.steps})
+        ops = sorted({self._ex().plan.steps[i].op for i in self.steps})
         return f"segment of {len(self.steps)} local steps ({', '.join(ops[:6])}{', ...' if len(ops) > 6 else ''})"
 
     def __call__(self, j: int, *xs):

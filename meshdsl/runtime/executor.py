@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
+import weakref
 from types import EllipsisType
 
 import torch
@@ -213,6 +214,20 @@ def _mesh_mismatch(plan: Plan, comm: Communicator) -> str:
                               fix="compile with the same mesh string"), plan)
 
 
+
+class _FeedOf:
+    """``executor.feed`` for its step context without a reference back to the executor: the
+    executor holds the context (and its prepared steps do), so a bound method there would make
+    a cycle, and every dropped executor would wait for the cyclic garbage collector."""
+
+    __slots__ = ("_executor",)
+
+    def __init__(self, executor):
+        self._executor = weakref.ref(executor)
+
+    def __call__(self, name, vid, value):
+        return self._executor().feed(name, vid, value)
+
 class Executor:
     """Executes ``plan`` for the ranks ``comm`` holds.
 
@@ -264,7 +279,7 @@ class Executor:
             donated = {i for i in donating_steps(steps, params, last_use)
                        if len(comm.ranks) == 1 or representatives(plan, comm, steps[i]) is not None}
         #: What the step rules see (:class:`.context.StepContext`).
-        self.ctx = StepContext(plan, comm, feed=self.feed, donated=frozenset(donated),
+        self.ctx = StepContext(plan, comm, feed=_FeedOf(self), donated=frozenset(donated),
                                add_into=inplace_adds(plan), defer_weight_grads=self.defer_weight_grads,
                                donates=self.donates, compile=self.compiling)
         self._leaves = {s.outs[0]: s.args["tensor"] for s in steps if s.kind in ("input", "param")}

@@ -91,7 +91,7 @@ class _Writer:
         self.steps = ex.plan.steps
         self.num_ranks = len(ex.comm.ranks)
         self.lines: list[str] = []
-        self.consts: dict[str, object] = {"drop": drop, "FEED": ex.feed, "PerRank": PerRank}
+        self.consts: dict[str, object] = {"drop": drop, "FEED": ex.ctx.feed, "PerRank": PerRank}
         self.bound: dict[int, list[str]] = {}    # value id -> its local names, one per held rank
         self.in_env: set[int] = set()             # values env holds
         self.from_rule: set[int] = set()          # values a rule made: read back through get
@@ -301,7 +301,7 @@ def build(ex, units: list[Unit], timed: bool = False, ins: tuple = (), outs: tup
     source, consts = source_of(ex, units, timed, ins, outs)
     namespace = dict(consts)
     exec(_code_of(source, f"<meshdsl program of {len(ex.plan.steps)} steps>"), namespace)
-    program = namespace["program"]
+    program = namespace.pop("program")   # (its globals holding it back would make a cycle)
     program.source = source
     return program
 

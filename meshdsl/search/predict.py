@@ -22,7 +22,8 @@ per micro-batch (:func:`meshdsl.runtime.steps.representatives`).
 
 Without a spare core per process nothing overlaps (gloo moves and reduces bytes
 on the CPU: a collective in flight has no core while its process computes); with
-more processes than cores kernels also slow by processes per core, and a
+more processes than cores kernels (and the executor's own cost per step, timed in one
+process alone) also slow by processes per core, and a
 pipeline is charged instead the larger of its
 makespan and its stages' busy time over the cores, as a stage in its bubble leaves
 its core to the others.
@@ -175,11 +176,13 @@ def step_seconds(step: Step, plan: Plan, cal: Calibration, serial: int = 1, shar
         return adds + once if real != tuple(step.axes) else serial * once
     if step.kind != "local":
         return 0.0
+    # Processes share the cores, for the kernel and the executor's own work on it alike; a
+    # process's micro-batches (the virtual axis) run one after another.
+    share = max(1.0, nproc / cal.cores)
     if step.op in IDENTITY:  # hands its input on (a gradient's name): no kernel runs
-        return serial * dispatch
+        return serial * dispatch * share
     nbytes = sum(plan.values[v].local_bytes(mesh) for v in (*step.ins, *step.outs) if v in plan.values)
-    # Processes share the cores; a process's micro-batches (the virtual axis) run one after another.
-    return serial * (cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, nproc) + dispatch)
+    return serial * (cal.kernel(step.op in MATMUL_OPS, step.flops, nbytes, nproc) + dispatch * share)
 
 
 class _Walk:

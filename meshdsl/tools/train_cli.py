@@ -205,6 +205,8 @@ def make_spec(args):
               _own_data(model, spec)),
              f"  steps {spec.steps}" + (f" (resuming from {path.name})" if path else "")
              + f", {describe_optimizer(spec)}, out {spec.out}"]
+    if model.updates:     # frozen params the step sets (an EMA target): say so, they are not trained
+        lines.append(f"  updates: {', '.join(model.updates)} (frozen params, set in the step after each update)")
     if spec.stage_layers is not None:     # what auto picked is otherwise in config.json only
         lines.append(f"  layers per stage: {','.join(map(str, spec.stage_layers))}"
                      + (" (--stage-layers auto: the cost model's balance)" if auto_stages else ""))

@@ -29,6 +29,7 @@ import torch
 
 from ..core.graph import Graph, Tensor
 from ..errors import MeshDSLError, did_you_mean, message
+from .state_updates import check_updates
 from .step import training_outputs
 
 DEFAULT_LR = 0.1
@@ -68,10 +69,17 @@ class Model:
       metrics: scalar tensors the eval reports beside the loss, by name (``{"accuracy": acc}``):
         each is computed on every eval batch, averaged over them, and written as
         ``eval_<name>`` in the run's rows and its summary.
+      updates: non-gradient state updates, part of the compiled step: frozen param name (an
+        ``md.param`` left out of ``params``) -> a tensor of its dims computed from this step's
+        params (before the optimizer's update) and frozen params; after each step the param
+        takes its value.  An EMA target network (MoCo, BYOL, DINO):
+        ``updates={"k_w": m * k_w + (1 - m) * q_w}``.  Training saves and resumes them, and
+        eval and export read them like any param.
 
     Raises:
       ModelError: neither ``make_feeds`` nor ``batches`` is given, or both; a metric is not
-        a scalar tensor or is named ``loss``.
+        a scalar tensor or is named ``loss``; an update whose key is no frozen param (a name
+        of no param, or a trained one) or whose tensor has other dims or dtype than the param.
 
     Example::
 
@@ -92,6 +100,7 @@ class Model:
     logits: Tensor | None = None
     batches: Callable[[int, "slice | None"], dict[str, torch.Tensor]] | None = None
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    updates: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         if (self.make_feeds is None) == (self.batches is None):
@@ -109,6 +118,7 @@ class Model:
                                      bullets=bad, rule="a metric is one number per eval batch, like the loss",
                                      fix="reduce it to a scalar, e.g. md.reduce_mean(correct), and name it "
                                          "e.g. 'accuracy'"))
+        self.updates = check_updates(self.updates, self.params, self.graph, "Model", ModelError)
 
     def feeds(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Whole inputs, deterministic in ``seed``: ``make_feeds(seed)`` or ``batches(seed, None)``."""

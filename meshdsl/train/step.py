@@ -34,6 +34,7 @@ from .checkpoint_format import HeldSpec
 from .init_weights import check_weights, graph_params, read_weights
 from .optim import sgd
 from .optimizers import Optimizer, clip_scale, global_norm, hyper
+from .state_updates import check_held_where_updated, check_updates, update_outputs
 
 #: Stats keys that count as communication: every collective kind, and time blocked on one in flight.
 COMM_KINDS = (*COLLECTIVES, "wait")
@@ -173,18 +174,24 @@ class TrainStep:
         ``"none"``, ``"full"``, ``"selective"`` or ``"save:OP,..."`` (:mod:`meshdsl.ir.remat`);
         None: each repeat's own policy (``md.repeat(..., remat=)``, default none).  The
         numbers are the same whatever it is.
+      updates: frozen param name -> a tensor of its dims, computed in the graph from this step's
+        params (before the optimizer's update) and frozen params; after each step the frozen
+        param takes its value (an EMA target: ``{"k_w": 0.99 * k_w + 0.01 * w}``).  Lowered with
+        the step and laid out like the param, so no whole tensor is gathered.
       compile: run each rank's local steps compiled by ``torch.compile`` (True: inductor, or a
         backend name such as ``"aot_eager"``; :mod:`meshdsl.runtime.compiled`); the first step
         compiles, and ``executor.compiling.stats`` says what it cost.
 
     Raises:
-      GraphError: a bad ``clip_norm``, an unknown ``precision`` or remat policy.
+      GraphError: a bad ``clip_norm``, an unknown ``precision`` or remat policy; an update of a
+        name that is no frozen param, or of other dims or dtype.
     """
 
     def __init__(self, loss: Tensor, params: dict[str, Tensor], mesh, layout, comm: Communicator,
                  optimizer: Optimizer | None = None, clip_norm: float | None = None, microbatches: int = 1,
                  schedule: str = "gpipe", seed: int = 0, lr: float = 0.01, precision: str = "fp32",
-                 bucket_mb: float = DEFAULT_BUCKET_MB, remat=None, compile=False, stage_layers=None):
+                 bucket_mb: float = DEFAULT_BUCKET_MB, remat=None, compile=False, stage_layers=None,
+                 updates: dict | None = None):
         if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
             raise GraphError(message(f"TrainStep: clip_norm={clip_norm!r} is not a positive finite number.",
                                      rule="the global gradient norm is clipped to a positive bound",
@@ -203,6 +210,9 @@ class TrainStep:
             self.outputs = training_outputs(loss, params, lr, remat=self.remat)
         else:
             self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None, remat=self.remat)
+        updates = check_updates(updates, params, loss.graph, "TrainStep")
+        if updates:  # a copy: the cached outputs stay those of the loss alone
+            self.outputs = {**self.outputs, **update_outputs(updates, loss.graph)}
         self.plan = compile_plan(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
                             bucket_mb=bucket_mb, stage_layers=stage_layers)
         # a plan with the virtual micro-batch axis runs on a communicator of its own mesh
@@ -216,6 +226,8 @@ class TrainStep:
         self.frozen = [k for k in self.graph_params if k not in params]
         #: names of the carried tensors: the params, then the optimizer state
         self.carried = [k for k in self.plan.params if f"new/{k}" in self.plan.outputs]
+        if updates:
+            check_held_where_updated(self.plan, self.carried, updates, mesh, layout)
         self.step_count = 0
         #: the last step's global gradient norm, before clipping (None with the plain SGD)
         self.grad_norm: float | None = None
@@ -311,7 +323,7 @@ class TrainStep:
         :class:`~meshdsl.train.checkpoint_format.HeldSpec` and ``None`` on the other ranks.
         """
         out = {}
-        for k in self.carried + self.frozen:
+        for k in dict.fromkeys(self.carried + self.frozen):   # an updated frozen param is both
             name = k if k.startswith("opt/") else f"param/{k}"
             v = self.plan.values[self.plan.params[k]]
             held = self.plan.holders.get(v.id)

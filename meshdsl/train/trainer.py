@@ -156,7 +156,7 @@ def build_step(model: Model, spec: TrainSpec, comm) -> TrainStep:
                      clip_norm=spec.clip_norm, lr=spec.lr, seed=spec.seed, microbatches=spec.microbatches,
                      schedule=spec.schedule, precision=spec.precision,
                      bucket_mb=spec.bucket_mb, remat=spec.remat, compile=spec.compile,
-                     stage_layers=spec.stage_layers)
+                     stage_layers=spec.stage_layers, updates=model.updates)
 
 
 def run_step(step: TrainStep, feeds: dict, spec: TrainSpec, t: int):

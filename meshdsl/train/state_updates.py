@@ -1,0 +1,100 @@
+"""State updated in the compiled step without a gradient: a frozen param set after each
+optimizer step to a tensor of the graph (an EMA target network: MoCo, BYOL, DINO).
+
+``md.Model(updates={"k_w": m * k_w + (1 - m) * q_w})`` and ``TrainStep(updates=...)`` add a
+``new/<name>`` output per update, laid out by the param's own layout scopes, so the step
+carries it like a trained param's next value (:class:`~meshdsl.train.step.TrainStep`).
+"""
+from __future__ import annotations
+
+from ..core.graph import Tensor
+from ..errors import GraphError, LayoutError, did_you_mean, message
+from ..lowering.partition import program_of
+from ..ops.registry import apply
+from ..ops.shape_ops import transpose
+
+
+def check_updates(updates, params: dict[str, Tensor], graph, where: str, error=GraphError) -> dict:
+    """``updates`` checked: each key a frozen param of ``graph`` (an ``md.param`` left out of
+    ``params``), each value a Tensor of that graph with the param's dims and dtype.
+
+    Raises:
+      ``error`` (GraphError, or ModelError from ``md.Model``): naming each bad item.
+    """
+    if not updates:
+        return {}
+    if not isinstance(updates, dict):
+        raise error(message(f"{where}: updates is a {type(updates).__name__}, not a dict.",
+                            rule="updates maps a frozen param's name to the tensor it takes after each step",
+                            fix='pass updates={"target_w": 0.99 * target_w + 0.01 * w}'))
+    bad = []
+    for k, t in updates.items():
+        p = graph.params.get(k) if isinstance(k, str) else None
+        if p is None:
+            bad.append(f"'{k}': no param of graph '{graph.name}' has this name."
+                       f"{did_you_mean(str(k), list(graph.params))}")
+        elif k in params:
+            bad.append(f"'{k}': a trained param (in params): the optimizer updates it")
+        elif not isinstance(t, Tensor) or t.graph is not graph:
+            bad.append(f"'{k}': {t!r} is not a Tensor of graph '{graph.name}'")
+        elif _dims(t) != _dims(p) or t.dtype != p.dtype:
+            bad.append(f"'{k}': the param is {p.shape} {p.dtype}, the update {t.shape} {t.dtype}")
+    if bad:
+        raise error(message(
+            f"{where}: {len(bad)} bad update(s).", bullets=bad,
+            inputs=[f"frozen params: {', '.join(k for k in graph.params if k not in params) or '(none)'}"],
+            rule="updates maps a frozen param (an md.param left out of the Model's params) to a tensor of its "
+                 "dims and dtype, computed in the graph from this step's params; the param takes it after "
+                 "each optimizer step (an EMA target: m * target + (1 - m) * online)",
+            fix="key updates by a frozen param's name, leave that param out of params, and give a tensor "
+                "of its dims (md.rename a stacked dim to the param's own)"))
+    return dict(updates)
+
+
+def _dims(t: Tensor) -> list:
+    return sorted((d.name, d.size) for d in t.shape)
+
+
+def update_outputs(updates: dict, graph) -> dict[str, Tensor]:
+    """``new/<k>`` for each checked update: the tensor in the param's dim order, laid out by
+    the param's own layout scopes, so each rank's slice of it is the param's next slice."""
+    outs = {}
+    with graph.in_phase("update"):
+        for k, t in updates.items():
+            p = graph.params[k]
+            t = transpose(t, p.shape.names)
+            new = apply("stop_gradient", [t], name=f"new/{k}")
+            new.scopes = p.scopes
+            outs[f"new/{k}"] = new
+    return outs
+
+
+def check_held_where_updated(plan, carried, updates, mesh, layout) -> None:
+    """Each carried param's next value is made on every rank that holds the param.
+
+    A pipeline holds a param on the stages that read it and makes its next value where its
+    update runs; an update read on another stage (an EMA target's, from an online param updated
+    on stage 0) would leave the param missing there from the second step on.
+
+    Raises:
+      LayoutError: naming each param held on more ranks than make its next value.
+    """
+    pipe = next((s for s in plan.steps if s.kind == "pipeline"), None)
+    axis = program_of(pipe).axis if pipe is not None else None
+
+    def where(v: int) -> str:
+        ranks = plan.holders.get(v, ())
+        if axis is None:
+            return f"ranks {tuple(ranks)}"
+        return f"stages {tuple(sorted({plan.mesh.coords(r)[axis] for r in ranks}))}"
+    bad = [f"'{k}': held on {where(plan.params[k])}, its next value made on {where(plan.outputs[f'new/{k}'])}"
+           for k in carried
+           if set(plan.holders.get(plan.params[k], ())) - set(plan.holders.get(plan.outputs[f"new/{k}"], ()))]
+    if bad:
+        raise LayoutError(message(
+            f"TrainStep: the updates ({', '.join(updates)}) read params on pipeline stages that do not "
+            f"update them.", inputs=[f"mesh: {mesh}", f"layout: {layout}"], bullets=bad,
+            rule="under a pipeline a param's next value is made only on the stages that update it, and a "
+                 "param an update reads on another stage is not sent there each step",
+            fix="train a model with updates without a stage axis (data, model and FSDP layouts apply them in "
+                "the step), or keep the EMA outside the step (TrainStep.full_params / set_params)"))
