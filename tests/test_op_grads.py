@@ -468,7 +468,7 @@ def test_every_op_is_checked():
 #: ops without a rule whose results are never floating point, or that take no
 #: floating-point input: no gradient can reach or leave them.
 NOT_FLOAT = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_not", "logical_and",
-             "logical_or", "iota", "one_hot", "argmax", "argmin"}
+             "logical_or", "iota", "one_hot", "argmax", "argmin", "bitwise_xor"}
 
 
 def _twice(first):

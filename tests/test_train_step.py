@@ -26,3 +26,21 @@ def test_outputs_are_built_once_per_loss_and_lr():
 
 def test_comm_kinds_are_the_table_and_wait():
     assert set(COMM_KINDS) == set(COLLECTIVES) | {"wait"}
+
+
+def test_full_params_is_a_snapshot_the_next_step_does_not_change():
+    """On one rank the full param is the rank's own buffer, which the next step updates in place
+    (donated params): full_params hands back a copy, as it does where it gathers."""
+    import torch
+    with md.Graph() as g:
+        x = md.input("x", [md.Dim("batch", 4), md.Dim("d", 3)])
+        w = md.param("w", [md.Dim("d", 3)])
+        loss = md.reduce_sum(x * w * w)
+    step = md.TrainStep(loss, {"w": w}, "data:1", "", md.SimulatedComm(md.Mesh.parse("data:1")), lr=0.1)
+    feeds = {"x": torch.ones(4, 3)}
+    step(feeds)
+    before = step.full_params()["w"]
+    kept = before.clone()
+    step(feeds)
+    assert torch.equal(before, kept) and not torch.equal(step.full_params()["w"], kept)
+    del g

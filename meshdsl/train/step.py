@@ -309,9 +309,16 @@ class TrainStep:
 
     def full_params(self, frozen: bool = False) -> dict[str, torch.Tensor]:
         """Every trainable param as a full tensor (gathered over the mesh); ``frozen``: the
-        frozen ones too (what :meth:`set_params` takes back)."""
+        frozen ones too (what :meth:`set_params` takes back).  A snapshot: where the full tensor
+        is a rank's own buffer (one rank, or a replicated param), a copy, since the next step
+        may update that buffer in place."""
         names = self.names + (self.frozen if frozen else [])
-        return {k: self.executor.to_full_held(self.plan.params[k], self.params[k]) for k in names}
+        out = {}
+        for k in names:
+            full = self.executor.to_full_held(self.plan.params[k], self.params[k])
+            live = {x.untyped_storage().data_ptr() for x in self.params[k] if x is not None}
+            out[k] = full.clone() if full is not None and full.untyped_storage().data_ptr() in live else full
+        return out
 
     def state(self) -> dict[str, tuple[Value, list]]:
         """Every carried tensor's value spec and local slices (one per held rank).
