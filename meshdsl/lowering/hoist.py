@@ -84,10 +84,9 @@ def _invariant_moves(plan: Plan, invariant: set[int]) -> list[Step]:
 
 def _frontier(plan: Plan, chain: list[Step]) -> list[int]:
     """The moved values something else than another hoisted move reads (or the block outputs)."""
-    moved = {s.outs[0] for s in chain}
     chained = {id(s) for s in chain}
     read = {v for s in plan.steps if id(s) not in chained for v in s.ins} | set(plan.outputs.values())
-    return [s.outs[0] for s in chain if s.outs[0] in read and s.outs[0] in moved]
+    return [s.outs[0] for s in chain if s.outs[0] in read]
 
 
 def _kept(plan: Plan, ends: list[int], carry_bytes: int, mesh) -> list[int]:
