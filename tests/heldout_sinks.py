@@ -3,8 +3,10 @@
 A Llama-like decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention) whose attention is causal
 over a sliding window of ``window`` keys plus the first ``sinks`` tokens, always visible.
 form=mask: the mask is built from iota comparisons (dist = arange(seq) - arange(key_seq)) in the
-composite attention; form=window: md.attention's fused window (sinks must be 0: the same
-model without sinks, a cross-check of the mask form).
+composite attention; form=fused: md.attention(..., window=, sinks=), the same mask fused (under
+``seq:model`` a halo of window - 1 key/value rows plus the first ``sinks`` rows, not k and v
+gathered); form=window: md.attention's fused window (sinks must be 0: the same model without
+sinks, a cross-check of the mask form).
 
 Legend: b batch, s seq, ks key_seq, kv kv_heads, g group, e d_head, d d_model, f d_ff, V vocab.
 """
@@ -17,7 +19,7 @@ import meshdsl as md
 
 @dataclasses.dataclass
 class Config:
-    form: str = "mask"
+    form: str = "mask"         # mask | fused | window (see the module docstring)
     vocab: int = 64
     batch: int = 4
     seq: int = 32
@@ -44,8 +46,8 @@ def _rope(x, cos, sin, half):
 
 
 def _attend(cfg, q, k, v, S, KS):
-    if cfg.form == "window":
-        return md.attention(q, k, v, "seq", "key_seq", "d_head", causal=True, window=cfg.window)
+    if cfg.form in ("window", "fused"):
+        return md.attention(q, k, v, "seq", "key_seq", "d_head", causal=True, window=cfg.window, sinks=cfg.sinks)
     dist = md.arange(S) - md.arange(KS)                                   # [seq, key_seq]
     keep = md.logical_and(md.greater_equal(dist, 0),
                           md.logical_or(md.less(dist, cfg.window), md.less(md.arange(KS), cfg.sinks)))
@@ -57,8 +59,8 @@ def _attend(cfg, q, k, v, S, KS):
 
 
 def build(cfg: Config) -> md.Model:
-    if cfg.form not in ("mask", "window") or (cfg.form == "window" and cfg.sinks):
-        raise ValueError(f"form={cfg.form!r}, sinks={cfg.sinks}: 'mask', or 'window' with sinks=0")
+    if cfg.form not in ("mask", "fused", "window") or (cfg.form == "window" and cfg.sinks):
+        raise ValueError(f"form={cfg.form!r}, sinks={cfg.sinks}: 'mask', 'fused', or 'window' with sinks=0")
     B, S, KS = md.Dim("batch", cfg.batch), md.Dim("seq", cfg.seq), md.Dim("key_seq", cfg.seq)
     D, V, F, L = md.Dim("d_model", cfg.d_model), md.Dim("vocab", cfg.vocab), md.Dim("d_ff", cfg.d_ff), md.Dim("layer", cfg.layers)
     KV, G, E = md.Dim("kv_heads", cfg.kv_heads), md.Dim("group", cfg.group), md.Dim("d_head", cfg.d_head)

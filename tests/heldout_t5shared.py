@@ -126,6 +126,7 @@ def build(cfg: Config = Config()) -> md.Model:
         tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.tgt + 1), generator=gen)
         return {"src_ids": src, "tgt_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
-    params = {"shared": shared, "rel_bias": rel_bias, **{"enc_" + k if not k.startswith("enc_") else k: v for k, v in enc.items()},
-              **{"dec_" + k if not k.startswith("dec_") else k: v for k, v in dec.items()}, "enc_ln_f": enc_ln_f, "dec_ln_f": dec_ln_f}
+    # keyed by each param's own name (the attention params are named wq, self_wq, ...: under
+    # another key a param would not train)
+    params = {p.name: p for p in (shared, rel_bias, *enc.values(), *dec.values(), enc_ln_f, dec_ln_f)}
     return md.Model(g, loss, params, feeds, cfg)

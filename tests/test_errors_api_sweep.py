@@ -92,8 +92,9 @@ CASES = [
      ["'ik' is one dim, not i and k", "'batch d_model, d_model d_ff -> batch d_ff'"]),
     ("einsum_two_arrows", lambda: g(lambda x, w, i: md.einsum("batch d_model -> d_model -> batch", x)), ParseError,
      ["expected the end of the string"]),
-    ("einsum_ellipsis", lambda: g(lambda x, w, i: md.einsum("... d_model, d_model d_ff -> ... d_ff", x, w)),
-     ParseError, ["found '.'"]),
+    ("einsum_ellipsis_only_in_the_output", lambda: g(lambda x, w, i: md.einsum(
+        "batch d_model, d_model d_ff -> ... d_ff", x, w)), ParseError,
+     ["'...' is in the output but in no input", "add '...' to the input(s)"]),
     # ------------------------------------------------------------ offsets, rates and options of the wrong kind
     ("slice_at_a_float", lambda: g(lambda x, w, i: md.slice_(x, "batch", 0.5, 2)), ShapeError,
      ["slice_: start=0.5 (float) along dim 'batch'", "is not an int", "start=0"]),

@@ -174,6 +174,10 @@ for _op in ("sign", "floor", "ceil", "round"):
 case("floor_divide", oracle="fd")(lambda x: (x("x", [A, B]) * 3.0) // x("d", [B], "positive") * x("y", [A, B]))
 case("remainder")(lambda x: md.remainder(x("x", [A, B]) * 3.0, x("d", [B], "positive")))
 case("remainder_scalar_left")(lambda x: 2.5 % x("x", [A, B], "positive"))
+# log(exp(a) + exp(b)): operands far apart (one side's weight ~0), ties (half each), a scalar side
+case("logaddexp")(lambda x: md.logaddexp(x("x", [A, B]) * 30.0, x("y", [B, A]) * 30.0))
+case("logaddexp_ties", seeds=(0, 1, 2))(lambda x: md.logaddexp(x("x", [A, B], "ties"), x("y", [B], "ties")))
+case("logaddexp_scalar")(lambda x: md.logaddexp(x("x", [A, B]), -0.5))
 
 # ---- contractions and reductions
 

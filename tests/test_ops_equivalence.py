@@ -190,6 +190,13 @@ def _bitwise_xor():
     return {"int": h, "y": md.cast(h, torch.float32) * c}, {}
 
 
+# log(exp(a) + exp(b)) broadcast by name, and against a Python number; both sides' gradients
+@case("logaddexp")
+def _logaddexp():
+    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    return {"y": md.logaddexp(a, c) + md.logaddexp(a, -0.5)}, {}
+
+
 @case("logical_not")
 def _logical_not():
     a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])

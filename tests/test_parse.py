@@ -183,7 +183,7 @@ BAD = [
     (E, "a b -> b b", ["dim 'b' appears twice in the output."], 9, 1),
     (E, "a (b)", ["expected a name, ',' or '->' after dim name 'a', found '('."], 2, 1),
     (E, "a -> b -> c", ["expected the end of the string after dim name 'b'."], 7, 2),
-    (R, "b ... -> b", ["'...' is not supported.", "no ellipsis"], 2, 3),
+    (R, "b ... -> b", ["'...' is on the left side but not on the right.", "add '...' to the right side"], 2, 3),
     (R, "b (h 64) -> b h", ["numbers are not allowed: '64'."], 5, 2),
     (R, "b 2 -> b", ["numbers are not allowed: '2'."], 2, 1),
     (R, "b (h (d)) -> b h d", ["parentheses cannot nest."], 5, 1),
@@ -344,8 +344,9 @@ def _names_in_every_language(t: str) -> list[bool]:
         reads(lambda: parse_mesh(f"{t}:2"), lambda m: [a.name.name for a in m.axes]),
         reads(lambda: parse_layout(f"{t}:x"), lambda l: [r.dim.name for r in l.rules]),
         reads(lambda: parse_layout(f"x:{t}"), lambda l: [a.name for r in l.rules for a in r.axes]),
-        reads(lambda: parse_einsum(f"{t} -> {t}"), lambda e: [n.name for n in e.inputs[0]]),
-        reads(lambda: parse_rearrange(f"{t} -> {t}"), lambda p: [n.name for n in p.left]),
+        # '...' parses too, as a Rest, not a Name
+        reads(lambda: parse_einsum(f"{t} -> {t}"), lambda e: [n.name for n in e.inputs[0] if isinstance(n, Name)]),
+        reads(lambda: parse_rearrange(f"{t} -> {t}"), lambda p: [n.name for n in p.left if isinstance(n, Name)]),
     ]
 
 

@@ -300,6 +300,26 @@ def test_plan_has_one_allgather_of_the_totals(mesh, layout, axes, num_slices, nb
     assert torch.equal(got, md.run_dense({"y": y}, {"x": feed})["y"])
 
 
+
+@pytest.mark.parametrize("mesh, layout, axes", [
+    ("x:3", "seq:x", ("x",)),                   # 7 over 3: parts 3, 2, 2
+    ("x:2; y:2", "seq:(x,y)", ("x", "y")),      # over two axes: 4 and 3, each halved: 2, 2, 2, 1
+])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_uneven_split_scans_its_slices_and_gathers_only_the_totals(mesh, layout, axes, mode):
+    """Slices of unequal lengths scan where they are, as equal ones do: one allgather of the
+    per-rank totals each way (x without 'seq', [batch 4, feat 4] int64 here), not the whole dim."""
+    f, s7 = md.Dim("feat", 4), md.Dim("seq", 7)
+    with md.Graph():
+        x = md.input("x", [B, s7, f], torch.int64)
+        y = md.cumsum(x, "seq", **MODES[mode])
+    plan = md.compile({"y": y}, mesh, layout)
+    assert _collectives(plan) == [("allgather", axes, 4 * 4 * 8, "forward")]
+    feed = _random((4, 7, 4), torch.int64, 3)
+    got = md.run_simulated(plan, {"x": feed})["y"]
+    assert torch.equal(got, md.run_dense({"y": y}, {"x": feed})["y"])
+
+
 def test_backward_scans_the_other_way_with_one_more_allgather():
     with md.Graph():
         x = md.param("x", [B, S])

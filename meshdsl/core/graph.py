@@ -231,6 +231,16 @@ class Node:
 _current: list["Graph"] = []
 
 
+class ParamTable(dict):
+    """A graph's params by name, as ``g.params["w1"]`` reads them; ``g.params()`` copies them."""
+
+    def __call__(self) -> dict[str, Tensor]:
+        """A new dict of the model's params by name, in the order they were made, without the
+        optimizer state a training step adds (``opt/<param>/<slot>``): what ``md.Model``'s
+        ``params`` takes when every param trains (``md.Model(g, loss, g.params(), ...)``)."""
+        return {k: t for k, t in self.items() if not k.startswith("opt/")}
+
+
 class Graph:
     """A container of nodes.  Use ``with Graph() as g:`` to build into it.
 
@@ -243,7 +253,8 @@ class Graph:
     def __init__(self, name: str = "graph"):
         self.name = name
         self.nodes: list[Node] = []
-        self.params: dict[str, Tensor] = {}
+        #: every param by name (``g.params()``: a copy without optimizer state)
+        self.params: ParamTable = ParamTable()
         self.inputs: dict[str, Tensor] = {}
         self.phase = "forward"
         self._scope: list[str] = []

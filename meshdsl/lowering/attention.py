@@ -22,15 +22,18 @@ exceeds a block; over an uneven split, from the ranks that hold the rows each ra
 :mod:`.halo_routes`), and the fused kernel runs on the extended block, its mask
 offset by the rank's position (:func:`meshdsl.ops.attention._mask`).  The backward reads the same
 halo and sends the gradient rows of the halo keys and values back to the ranks that own them, where
-they are added (:func:`_fold_back`).  The cost model weighs it against gathering k and v.
+they are added (:func:`_fold_back`).  With attention ``sinks`` the window's rows and the first S
+rows come together, one allgather of each rank's edges and one reduce-scatter of their gradients
+(:mod:`.attention_sinks`).  The cost model weighs it against gathering k and v.
 """
 from __future__ import annotations
 
 from ..layout.sharding import Sharding
 from ..ops.einsum import einsum
-from ..ops.elementwise import abs as abs_, exp, less, log, stop_gradient, where
+from ..ops.elementwise import abs as abs_, exp, less, log, logical_or, stop_gradient, where
 from ..ops.embed import causal_mask, iota
 from ..ops.reduce import reduce_max, reduce_sum
+from .attention_sinks import edges_cost, edges_grad_sharding, fold_edges, gathered_edges, kernel, kernel_attrs
 from .composite import lower_composite
 from .generic import lower_generic
 from .halo import Reach, cut_by, extend, gathered, hops, piece_rows, resized
@@ -48,7 +51,10 @@ def _scores(q, k, attrs):
         s = where(causal_mask(q.shape.get(qd), k.shape.get(kd)), s, float("-inf"))
     if attrs.get("window") is not None:
         dist = iota(q.shape.get(qd)) - iota(k.shape.get(kd))
-        s = where(less(dist if attrs["causal"] else abs_(dist), attrs["window"]), s, float("-inf"))
+        near = less(dist if attrs["causal"] else abs_(dist), attrs["window"])
+        if attrs.get("sinks"):   # the first keys stay visible besides the window
+            near = logical_or(near, less(iota(k.shape.get(kd)), attrs["sinks"]))
+        s = where(near, s, float("-inf"))
     return s
 
 
@@ -197,6 +203,25 @@ def _fold_back(lw, node, vid: int, t, dim: str, hl: int, hr: int, rts=None) -> i
     return res
 
 
+def _halo_pays(lw, node, kv, kv_vids, kvsh, hl: int, hr: int, axes) -> bool:
+    """Whether the halo (and the sink rows) of k and v cost less than gathering them; notes why."""
+    a, kd = node.attrs, node.attrs["key_dim"]
+    gather = sum(0.0 if lw.relaid(vid, gathered(sh, t.shape, kd)) else relayout_cost(
+        t.shape, sh, gathered(sh, t.shape, kd), lw.mesh, t.dtype.itemsize, lw.cost)
+        for t, vid, sh in zip(kv, kv_vids, kvsh))
+    halo = edges_cost(lw, kv[0], kvsh[0], kd, (hl, hr), a["sinks"], axes) if a.get("sinks") else \
+        sum(_halo_cost(lw, t, sh, kd, (hl, hr)) for t, sh in zip(kv, kvsh))
+    sinks = f" and the first {a['sinks']} (sinks)" if a.get("sinks") else ""
+    if gather < halo - 1e-12:
+        lw.note(f"{node.name}: window {a['window']} over split '{a['query_dim']}': gathering k and v costs less "
+                f"than a halo of {hl + hr} key/value rows{sinks}; gathered")
+        return False
+    how = "one allgather of each rank's window and sink rows" if sinks else "the ranks that hold them (a halo)"
+    lw.note(f"{node.name}: window {a['window']} over split '{a['query_dim']}': {hl + hr} key/value rows{sinks} "
+            f"from {how}, not gathered")
+    return True
+
+
 def _lower_halo(lw, node) -> bool:
     """Lower a windowed attention over a split query/key dim by a halo of keys and values (see the
     module docstring); False where no halo serves or gathering k and v costs less."""
@@ -208,49 +233,61 @@ def _lower_halo(lw, node) -> bool:
     ins = list(node.inputs)
     q, k, v = ins[:3] if fwd else ins[1:4]
     lse = node.outputs[1] if fwd else ins[5]
-    a, mesh = node.attrs, lw.mesh
-    kd = a["key_dim"]
+    a = node.attrs
+    kd, num_sinks = a["key_dim"], a.get("sinks", 0)
     qsh, ksh, lsh = _shardings(node, q, k, lse, lw.sharding(lw.value(q)), axes)
     kv_vids = [lw.reduced(lw.value(t)) for t in (k, v)]
     kvsh = [Sharding.of(t.shape, ksh.split) for t in (k, v)]
-    gather = sum(0.0 if lw.relaid(vid, gathered(sh, t.shape, kd)) else relayout_cost(
-        t.shape, sh, gathered(sh, t.shape, kd), mesh, t.dtype.itemsize, lw.cost)
-        for t, vid, sh in zip((k, v), kv_vids, kvsh))
-    if gather < sum(_halo_cost(lw, t, sh, kd, (hl, hr)) for t, sh in zip((k, v), kvsh)) - 1e-12:
-        lw.note(f"{node.name}: window {a['window']} over split '{a['query_dim']}': gathering k and v costs less "
-                f"than a halo of {hl + hr} key/value rows; gathered")
+    if not _halo_pays(lw, node, (k, v), kv_vids, kvsh, hl, hr, axes):
         return False
-    lw.note(f"{node.name}: window {a['window']} over split '{a['query_dim']}': {hl + hr} key/value rows "
-            "from the ranks that hold them (a halo), not gathered")
-    reach = Reach(hl, k.shape.get(kd).size, hl + hr)
-    ext = []
-    for t, vid, sh in zip((k, v), kv_vids, kvsh):
-        vid = lw.relayout(vid, sh, node, f"input of {node.op.name}")
-        ext.append(extend(lw, node, t, vid, kd, reach, (hl, hr)) if hl or hr else (0, vid))
-    (lead, kx), (lead_v, vx) = ext
-    assert lead == lead_v, (lead, lead_v)   # both exchanged as wide as this node asks, or wider alike
-    sizes = {d.name: d.size for t in (q, k) for d in t.shape}
-    attrs = {**a, "halo": lead, "keys": k.shape.get(kd).size}
-    comp = {**qsh.split, **ksh.split}
+    blocks = [lw.relayout(vid, sh, node, f"input of {node.op.name}") for vid, sh in zip(kv_vids, kvsh)]
+    step = {"compute": {**qsh.split, **ksh.split}, "sizes": {d.name: d.size for t in (q, k) for d in t.shape}}
+    if num_sinks:   # the window's rows and the sink rows by one allgather (.attention_sinks)
+        attrs = {**a, **kernel_attrs(lw, node, k, v, axes, (hl, hr))}
+        kvx, lead = [*blocks, gathered_edges(lw, node, k, blocks, attrs)], hl
+        step.update(fn=kernel, attrs=attrs)
+    else:
+        reach = Reach(hl, k.shape.get(kd).size, hl + hr)
+        ext = [extend(lw, node, t, vid, kd, reach, (hl, hr)) if hl or hr else (0, vid)
+               for t, vid in zip((k, v), blocks)]
+        (lead, kx), (lead_v, vx) = ext
+        assert lead == lead_v, (lead, lead_v)   # both exchanged as wide as this node asks, or wider alike
+        kvx = [kx, vx]
+        step.update(fn=node.op.compute, attrs={**a, "halo": lead, "keys": k.shape.get(kd).size})
     rel = [lw.relayout(lw.reduced(lw.value(t)), sh, node, f"input of {node.op.name}")
            for t, sh in zip(ins, (qsh,) if fwd else (qsh, qsh, None, None, qsh, lsh)) if sh is not None]
     if fwd:
         outs = [lw.new_value(q.shape, q.dtype, qsh), lw.new_value(lse.shape, lse.dtype, lsh)]
-        lw.emit("local", node, [rel[0], kx, vx], outs, args={"fn": node.op.compute, "attrs": attrs,
-                                                              "compute": comp, "sizes": sizes})
+        lw.emit("local", node, [rel[0], *kvx], outs, args=step)
         lw.bind(node.outputs[0], lw.relayout(outs[0], lw.target(node.outputs[0]), node, "output of attention"))
         lw.bind(lse, outs[1])
         return True
+    _lower_halo_backward(lw, node, rel, kvx, step, lead, (qsh, ksh, axes))
+    return True
+
+
+def _lower_halo_backward(lw, node, rel, kvx, step, lead: int, shardings) -> None:
+    """The backward's kernel on the extended blocks ``kvx`` (with sinks: k's and v's blocks and the
+    gathered edges), then dk and dv folded back onto the blocks that own their rows."""
+    a, mesh = node.attrs, lw.mesh
+    qsh, ksh, axes = shardings
+    q, k, v = node.inputs[1:4]
+    kd = a["key_dim"]
     g_, q_, o_, l_ = rel
     groups = tuple(x for d in a["batch"][a["shared"]:] for x in qsh.axes_of(d))
-    ext_sh = [Sharding.of(lw.values[x].shape, ksh.split, groups) for x in (kx, vx)]   # dk, dv: sums over groups
+    ext_sh = [Sharding.of(lw.values[x].shape, ksh.split, groups) for x in kvx[:2]]   # dk, dv: sums over groups
     outs = [lw.new_value(q.shape, q.dtype, qsh)] + [lw.new_value(lw.values[x].shape, t.dtype, sh)
-                                                     for x, t, sh in zip((kx, vx), (k, v), ext_sh)]
-    lw.emit("local", node, [g_, q_, kx, vx, o_, l_], outs, args={"fn": node.op.compute, "attrs": attrs,
-                                                                  "compute": comp, "sizes": sizes})
+                                                     for x, t, sh in zip(kvx, (k, v), ext_sh)]
+    if a.get("sinks"):
+        outs.append(lw.new_value(lw.values[kvx[2]].shape, k.dtype, edges_grad_sharding(lw, kvx[2], groups, axes)))
+    lw.emit("local", node, [g_, q_, *kvx[:2], o_, l_, *kvx[2:]], outs, args=step)
     lw.bind(node.outputs[0], lw.relayout(outs[0], lw.target(node.outputs[0]), node, "output of attention_backward"))
-    for t, vid, x in zip(node.outputs[1:], outs[1:], (kx, vx)):
-        grown = (lw.values[vid].shape.get(kd).size - t.shape.get(kd).size) // mesh.axis_size(axes)
-        vid = _fold_back(lw, node, vid, t, kd, lead, grown - lead, routes_of(lw, x)) if grown else vid
+    if a.get("sinks"):
+        grads = fold_edges(lw, node, outs[1:3], outs[3], (k, v), step["attrs"], groups)
+    else:
+        grads = []
+        for t, vid, x in zip(node.outputs[1:], outs[1:], kvx):
+            grown = (lw.values[vid].shape.get(kd).size - t.shape.get(kd).size) // mesh.axis_size(axes)
+            grads.append(_fold_back(lw, node, vid, t, kd, lead, grown - lead, routes_of(lw, x)) if grown else vid)
+    for t, vid in zip(node.outputs[1:], grads):
         lw.bind(t, lw.relayout(vid, lw.target(t), node, "output of attention_backward"))
-    return True

@@ -2,7 +2,10 @@
 
 Nodes are lowered in build order, each by its op's rule (most use the generic
 rule in :mod:`.generic`).  Values are re-laid out only where a consumer needs
-it; outputs are brought to their layout at the end.  Plans are cached on the
+it (a value made from iota and constants alone is made again there, :mod:`.remake`;
+a split tensor that one reader gathers and another reduces around is lowered once more,
+every reader knowing of the gather, :mod:`.shared_moves`); outputs are brought to their
+layout at the end.  Plans are cached on the
 graph, the outputs, the mesh and the layout (the last 64 compilations); a
 cached plan is immutable, so handing it out again is safe.
 """
@@ -21,21 +24,21 @@ from ..ops.arguments import checked_call
 from .accumulate import accumulate
 from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
+from .coalesce import coalesce
 from .fuse import fuse as fuse_steps
 from .cyclic_dims import NotCyclic, store_cyclic
 from .implied import implied_layout
-from .lazy_grads import lazy_to_gradients
+from .lazy_grads import lazy_to_gradients, lazy_to_smaller_sums
 from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, called, step_args
+from .remake import made_from_nothing, remake
+from .shared_moves import cheaper, foresee
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 from .uneven import find as find_uneven
 from .users_terms import users_terms, with_given
-
-# ops whose local step reads nothing: each rank makes its own part of the value at any layout
-_INPUT_FREE = frozenset({"constant", "iota"})
 
 
 def _summed_reads(nodes, summed) -> dict[int, int]:
@@ -92,7 +95,9 @@ class Lowerer:
         # free, as held, and an output made elsewhere than the second with that move (:mod:`.foresight`)
         self.foreseen: dict[int, frozenset] = {}
         self.wanted: dict[int, Sharding] = {}
-        self._input_free: dict[int, Step] = {}  # value -> the step making it from nothing (a constant)
+        # value -> (the step making it from nothing, its node): a constant, an iota, a rotary table
+        # computed from them (:mod:`.remake`)
+        self.made_from_nothing: dict[int, tuple[Step, Node | None]] = {}
         # Tensors this plan reads: a node with optional outputs (a repeat's saved
         # activations) lowers only the ones in here.
         self.used: set[int] = set()
@@ -206,8 +211,8 @@ class Lowerer:
                     tuple(ins), tuple(outs), tuple(axes), step_args(kind, args), nbytes, flops, note,
                     tuple(subplans), times)
         self.steps.append(step)
-        if kind == "local" and not step.ins and step.op in _INPUT_FREE and len(step.outs) == 1:
-            self._input_free[step.outs[0]] = step
+        if kind == "local" and made_from_nothing(self, node, step):
+            self.made_from_nothing[step.outs[0]] = (step, node)
         return step
 
     def relayout(self, vid: int, to: Sharding, node: Node | None, why: str = "") -> int:
@@ -222,7 +227,7 @@ class Lowerer:
         key = (vid, to)
         if key in self._relaid:
             return self._relaid[key]
-        remade = self._remade(vid, to)
+        remade = remake(self, vid, to, why)
         if remade is not None:
             self._relaid[key] = remade
             self._held[vid] = self.held(vid) | {to}
@@ -255,21 +260,6 @@ class Lowerer:
     def relaid(self, vid: int, to: Sharding) -> bool:
         """Whether value ``vid`` was already brought to sharding ``to`` (:meth:`relayout`: free again)."""
         return (vid, to) in self._relaid
-
-    def _remade(self, vid: int, to: Sharding) -> int | None:
-        """Value ``vid`` made again at ``to`` by the step that made it, when that step reads
-        nothing (a constant, an iota: each rank makes its own part of it, no communication), else
-        None: a rotary table renamed to ``key_seq`` under ``seq:model`` was allgathered."""
-        if to.partial or self.values[vid].sharding.partial:
-            return None
-        made = self._input_free.get(vid)
-        if made is None:
-            return None
-        v = self.values[vid]
-        out = self.new_value(v.shape, v.dtype, to)
-        args = {k: a for k, a in made.args.items() if k != "parts"}
-        self.steps.append(dataclasses.replace(made, outs=(out,), args=step_args("local", {**args, "compute": to.split})))
-        return out
 
     @staticmethod
     def describe(node: Node | None) -> str:
@@ -485,6 +475,25 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
         return dataclasses.replace(plan, notes=plan.notes + (str(e),))
 
 
+def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven, spec,
+             foreseen: dict | None = None) -> tuple[Lowerer, dict[str, int]]:
+    """The lowerer that lowered ``outputs`` (its notes and steps), and their value ids;
+    ``foreseen``: the shardings some tensors will be moved to anyway (:mod:`.shared_moves`)."""
+    lw = Lowerer(mesh, layout, cost)
+    for _, why in layout.implied:
+        lw.note(why)
+    for u in uneven:
+        lw.note(u.note(mesh))
+    lw.pipeline_axis = spec.axis if spec else None
+    if schedule != "gpipe" and (spec is None or spec.axis is None):
+        lw.note(f"schedule '{schedule}' {NO_EFFECT} the layout pipelines no repeat "
+                "(a 'layer:<axis>' rule over an axis of size > 1 does)")
+    # (a normalised param's gradient; RNN-T's joint's, summed over t and over u)
+    lw.lazy_through = lazy_to_gradients(nodes, outputs.values()) | lazy_to_smaller_sums(nodes, cost, mesh)
+    lw.foreseen = dict(foreseen or {})
+    return lw, lower_into(lw, outputs)
+
+
 def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: CostModel, fuse: bool,
                 microbatches: int, schedule: str, bucket_mb: float, strict_splits: bool, stage_layers) -> Plan:
     """:func:`_lower` once the layout's implied rules are known."""
@@ -498,17 +507,12 @@ def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: Co
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
         mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied, layout.cyclic)
     with users_terms((mesh, layout), given, microbatches):   # errors speak of the user's mesh and layout
-        lw = Lowerer(mesh, layout, cost)
-        for _, why in layout.implied:
-            lw.note(why)
-        for u in uneven:
-            lw.note(u.note(mesh))
-        lw.pipeline_axis = spec.axis if spec else None
-        if schedule != "gpipe" and (spec is None or spec.axis is None):
-            lw.note(f"schedule '{schedule}' {NO_EFFECT} the layout pipelines no repeat "
-                    "(a 'layer:<axis>' rule over an axis of size > 1 does)")
-        lw.lazy_through = lazy_to_gradients(nodes, outputs.values())   # (a normalised param's gradient)
-        outs = lower_into(lw, outputs)
+        lw, outs = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
+        ahead = foresee(lw)   # a split tensor moved by one reader, reduced around by another
+        if ahead:
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead)
+            if cheaper(again[0], lw):
+                lw, outs = again
         steps = store_cyclic(lw.steps, lw.values, lw.mesh, layout)   # (block-cyclic dims: :mod:`.cyclic_dims`)
         steps = fuse_steps(steps, lw.values, outs) if fuse else steps
         holders = {}
@@ -520,4 +524,5 @@ def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: Co
             steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
         else:
             steps = bucket_steps(steps, lw.values, outs, bucket_mb, lw.mesh)
+            steps = coalesce(steps, lw.values, outs, cost, lw.mesh)   # (small allreduces ready together)
         return Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)

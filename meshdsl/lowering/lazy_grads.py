@@ -11,8 +11,16 @@ end in the param's gradient.  :func:`lazy_to_gradients` marks such values for
 ``Lowerer.lazy_through`` (as :func:`.repeat._lazy_through` does inside a repeat's backward
 block, which prices both lowerings); here only where the gradients reached hold no more
 elements than the value, so reducing them instead sends no more bytes.
+
+A partial sum read only by ops that shrink it (RNN-T's gradient of ``enc + pred``, ``[batch,
+t, u, d_joint]``, summed over ``u`` for the encoder and over ``t`` for the prediction network)
+passes on to them as well, where the cost model says so: each result is reduced where it is
+needed, ``|b,t,j| + |b,u,j|`` sent in two collectives instead of ``|b,t,u,j|`` in one
+(:func:`lazy_to_smaller_sums`).
 """
 from __future__ import annotations
+
+from ..collectives import COLLECTIVES
 
 #: ends more gradients than this: the bucket's bytes would outgrow the value's (and the
 #: backward's upstream gradient, linear in every param's, is not walked gradient by gradient)
@@ -84,3 +92,37 @@ def _ends(n, t, reads, outs: set, ends: dict) -> frozenset | None:
                 return None
             found |= e
     return frozenset(found) if len(found) <= MAX_ENDS else None
+
+
+def lazy_to_smaller_sums(nodes, cost, mesh) -> frozenset[int]:
+    """Ids of values with several readers, each a one-input linear op whose result is smaller
+    (a sum over some dims), that are cheaper to reduce after those readers, one collective per
+    reader, than once before them, by ``cost`` (a :class:`.cost.CostModel`).
+
+    Which axes a value will be partial over is not known before it is lowered; it is priced at
+    the least that reducing late can gain: split over every axis but the smallest, which it is
+    partial over (local sizes at their smallest), in a group of two (the fewest bytes on the
+    wire per byte sent).  Where it is not partial, marking it changes nothing.
+
+    ``nodes``: the graph's nodes in topological order."""
+    readers: dict[int, list] = {}
+    for n in nodes:
+        for x in n.inputs:
+            readers.setdefault(id(x), []).append(n)
+    wire = COLLECTIVES["allreduce"].fraction(2)
+    split = mesh.size // min((n for _, n in mesh.axes), default=1)
+    out = set()
+    for n in nodes:
+        for t in n.outputs:
+            rs = readers.get(id(t), ())
+            if len(rs) < 2 or not t.dtype.is_floating_point or not all(
+                    len(r.inputs) == 1 and len(r.outputs) == 1 and r.op.is_linear(r)
+                    and r.outputs[0].shape.numel < t.shape.numel for r in rs):
+                continue
+            size = t.dtype.itemsize / split
+            once = cost.collective("allreduce", 0, 2) + wire * t.shape.numel * size / cost.bandwidth_Bps
+            late = sum(cost.collective("allreduce", 0, 2) + wire * r.outputs[0].shape.numel * size
+                       / cost.bandwidth_Bps for r in rs)
+            if late < once:
+                out.add(id(t))
+    return frozenset(out)

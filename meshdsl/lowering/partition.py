@@ -401,13 +401,17 @@ def _read_as_parts(steps, F: int, B: int | None) -> bool:
 
 
 def _chains(steps, producer, stacks) -> list[tuple[_Stack, _Stack]]:
-    """The (earlier, later) pairs of stacks where the later one's first carry is made from the
-    earlier one's output carry, through any steps outside a block (ELECTRA's argmax between its
+    """The (earlier, later) pairs of stacks where the later one's first carry, or a tensor its blocks
+    read whole from outside (a decoder's cross-attention reading the encoder's output), is made from
+    the earlier one's output carry, through any steps outside a block (ELECTRA's argmax between its
     generator and its discriminator, a pooling, a projection)."""
     made = {steps[st.F].outs[0]: st for st in stacks}
     out = []
     for st in stacks:
-        todo, seen = [steps[st.F].ins[0]], set()
+        F = steps[st.F]
+        # its first carry, and what its blocks read whole from outside (not its stacked inputs: a
+        # cross-attention cache made with its layer dim is summed down its stages, not chained)
+        todo, seen = [F.ins[0], *F.ins[1 + len(F.args["names"]):]], set()
         while todo:
             v = todo.pop()
             if v in seen:

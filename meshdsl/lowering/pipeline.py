@@ -126,7 +126,10 @@ def detect(nodes, mesh: Mesh, layout: Layout, dims: dict[str, int], microbatches
                                 rule=f"'{MB_AXIS}' is the virtual micro-batch axis", fix="rename that axis"))
     layout = layout.with_empty_parts(_stack_dims(nodes, mesh, layout))
     found, scanned = _pipelined_repeats(nodes, mesh, layout)
-    hint = scan_hint(nodes, *found[0], layout) if len(found) == 1 else ()
+    # several top-level repeats over one dim of the inputs (a bi-GRU's two directions over 'src') are
+    # recurrences too, not stacks wanting layer dims of their own
+    one_dim = len({n.attrs["layer"].name for n, _ in found}) == 1
+    hint = scan_hint(nodes, *found[0], layout) if found and one_dim else ()
     _check_layer_rules(mesh, layout, found, scanned, hint)
     node, axis = found[0] if found else (None, None)
     # A layer dim split over axes of size 1 is whole: a pipeline of one stage is no pipeline.
@@ -272,10 +275,10 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set, hi
                                                               f" over {len(axes)} mesh axes."),
                        mesh=mesh, layout=layout,
                        bullets=[f"repeat '{n.name}' over '{a}': its {n.attrs['layer'].size} layers scan dim "
-                                f"'{n.attrs['layer'].name}'" for n, a in found],
+                                f"'{n.attrs['layer'].name}'" for n, a in found] + list(hint[:1]),
                        rule="the stacks of a model (an encoder-decoder's) are pipelined on one stage axis, each "
                             "scanning a layer dim of its own name",
-                       fix=(_shared_fix(found) or
+                       fix=(hint[1] if hint else _shared_fix(found) or
                             "give each stack a layer dim of its own name (md.Dim('enc_layer', n) for the encoder's "
                             "params and its md.repeat) and split both over the stage axis ('enc_layer:"
                             f"{found[0][1]}; {dims[0]}:{found[0][1]}')") if len(dims) < len(found) else

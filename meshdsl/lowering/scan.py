@@ -6,8 +6,10 @@ tensor whose scanned dim has one element per slice).  One allgather over A
 gives every rank all n totals, in the order of the dim's slices; a rank adds
 the sum of the totals before its own (after it, for a reverse scan) to its
 local scan.  Every other dim keeps its sharding: other split dims are just
-batch dims of the scan.  The scan is linear, so a lazy partial sum stays
-partial through all three steps.
+batch dims of the scan.  An uneven split (slices of unequal lengths, none empty)
+scans the same way: a rank finds its slice among the totals by its offset, in the
+slices' starts the lowering lists in the totals' order.  The scan is linear, so a
+lazy partial sum stays partial through all three steps.
 
 The rule picks where to scan by price, among the input's sharding and the
 output's target, each with the scanned dim as it is or whole: scanning a split
@@ -16,7 +18,7 @@ dim costs the totals' allgather, gathering it first costs the whole tensor.
 from __future__ import annotations
 
 from ..core.shape import Dim, Shape
-from ..layout.sharding import Sharding, is_even
+from ..layout.sharding import Sharding
 from ..ops.scan import exclusive_of, scan_local
 from .pipeline import MB_AXIS
 from .relayout import relayout_cost
@@ -36,7 +38,7 @@ def _add_prefix(ctx, attrs, scan, totals):
     """``scan`` plus the totals of the slices that come before this rank's (in scan order)."""
     name, pos = attrs["dim"], attrs["pos"]
     num_slices = totals.shape[pos]
-    j = ctx.offset(name) // scan.shape[pos]  # this rank's slice, counted along the dim
+    j = attrs["starts"].index(ctx.offset(name))  # this rank's slice, counted along the dim
     lo, hi = (j + 1, num_slices) if attrs["reverse"] else (0, j)
     # dtype=: torch.sum would promote int32 to int64; an empty range sums to zero
     prefix = totals.narrow(pos, lo, hi - lo).sum(pos, keepdim=True, dtype=scan.dtype)
@@ -59,6 +61,20 @@ def _candidates(shape: Shape, name: str, cur: Sharding, targets) -> list[Shardin
     return out
 
 
+def _slice_starts(shape: Shape, name: str, sh: Sharding, mesh, axes) -> tuple[int, ...] | None:
+    """Where each slice of ``name`` starts, in the order an allgather over ``axes`` joins the
+    totals; None where a rank could not tell its slice by its offset (an empty slice, or slices
+    not in the dim's order)."""
+    if sh.cyclic:
+        return None
+    pos = shape.names.index(name)
+    starts = [0] * mesh.axis_size(axes)
+    for r in range(mesh.size):
+        starts[mesh.index_along(r, axes)] = sh.offsets(shape, mesh, r)[pos]
+    ends = starts[1:] + [shape.get(name).size]
+    return tuple(starts) if all(a < b for a, b in zip(starts, ends)) else None
+
+
 def _totals_shape(shape: Shape, name: str, num_slices: int) -> Shape:
     return Shape(Dim(d.name, num_slices) if d.name == name else d for d in shape)
 
@@ -77,8 +93,9 @@ def lower_cumsum(lw, node) -> None:
     targets = lw.targets(out)
     for comp in _candidates(t.shape, name, cur, targets):
         axes = comp.axes_of(name)
-        if not is_even(t.shape.get(name).size, mesh, axes):
-            continue   # a rank finds its slice's place among the totals from its offset: equal slices only
+        split = MB_AXIS not in axes and mesh.axis_size(axes) > 1
+        if split and _slice_starts(t.shape, name, comp, mesh, axes) is None:
+            continue   # a rank finds its slice's place among the totals from its offset
         cost = relayout_cost(t.shape, cur, comp, mesh, item, model)
         if MB_AXIS in axes:  # its totals would be gathered over micro-batches: a blocked move
             cost = float("inf")
@@ -114,7 +131,8 @@ def lower_cumsum(lw, node) -> None:
         lw.emit("allgather", node, [tot], [got], axes, args={"dim": pos},
                 nbytes=comp.local_numel(tot_shape, mesh) * t.dtype.itemsize,
                 note=f"per-rank totals of '{name}'")
-        lw.emit("local", node, [scan, got], [res], args={"fn": _add_prefix, "attrs": node.attrs,
+        attrs = {**node.attrs, "starts": _slice_starts(t.shape, name, comp, mesh, axes)}
+        lw.emit("local", node, [scan, got], [res], args={"fn": _add_prefix, "attrs": attrs,
                                                          "compute": comp.split, "sizes": sizes},
                 flops=flops, note="plus the totals of the slices before this one")
     if note:

@@ -7,7 +7,7 @@ from .attention import attention
 from .einsum import einsum
 from .constant import constant
 from .conv import conv
-from .elementwise import bitwise_xor, floor_divide, remainder
+from .elementwise import bitwise_xor, floor_divide, logaddexp, remainder
 from .elementwise import (abs, add, cast, ceil, cos, div, equal, erf, exp, expm1, floor, gelu, greater,
                           greater_equal, less, less_equal, log, log1p, logical_and, logical_not, logical_or,
                           maximum, minimum, mul, neg, not_equal, pow, reciprocal, relu, round, rsqrt, sigmoid,

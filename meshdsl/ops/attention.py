@@ -13,7 +13,8 @@ split the query dim too (each rank passes its slice's causal mask, offset by
 ``ctx``); the backward keeps it whole, since dk and dv sum over every query.
 The key and feature dims are whole on a rank, except under a ``window``: a query dim and key dim
 split alike take each rank's key block extended by its neighbours' halo rows
-(:mod:`meshdsl.lowering.attention`; the mask is offset by ``attrs["halo"]``, see :func:`_mask`).
+(:mod:`meshdsl.lowering.attention`; the mask is offset by ``attrs["halo"]``, see :func:`_mask`),
+and with attention ``sinks`` the first keys, from the ranks that hold them, before that block.
 
 On a GPU the forward and backward run CUDA's memory-efficient attention kernels (fp32,
 a feature size they take, no offset mask); elsewhere, or with
@@ -199,16 +200,28 @@ def _from4(x4: torch.Tensor, batch_sizes, back) -> torch.Tensor:
     return x4.reshape(*batch_sizes, *x4.shape[-2:]).permute(back)
 
 
+def _near(d, attrs):
+    """Whether the key at distance ``d = i - j`` lies in the window (True without one)."""
+    window = attrs.get("window")
+    if window is None:
+        return torch.ones_like(d, dtype=torch.bool)
+    return (d if attrs["causal"] else d.abs()) < window
+
+
 def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
     """(is_causal, additive mask) for this rank's query slice against its keys: the kernel's own
     causal mask when both start at position 0 and no window bounds them, else an explicit one.
 
     Query ``i`` keeps key ``j`` when ``j <= i`` (``causal``) and, with a ``window`` w,
     ``i - j < w`` (causal: the w keys ending at the query, itself included, as Mistral's
-    ``sliding_window``) or ``|i - j| < w`` (not causal: w - 1 keys on each side).  The keys
+    ``sliding_window``) or ``|i - j| < w`` (not causal: w - 1 keys on each side), or, with
+    ``sinks`` S, ``j < S`` (StreamingLLM's attention sinks: the first S keys stay visible).  The keys
     may be a halo-extended block (``attrs["halo"]`` rows before this rank's own, from
-    :mod:`meshdsl.lowering.attention`): rows outside ``[0, attrs["keys"])`` are masked."""
-    window = attrs.get("window")
+    :mod:`meshdsl.lowering.attention`): rows outside ``[0, attrs["keys"])`` are masked; there the
+    first ``attrs["sink_rows"]`` keys are copies of keys ``0 .. S - 1`` (kept where the window
+    does not reach them) and the block's keys follow (kept by the window alone, so that no key
+    counts twice and the halo's unread fill rows are never sinks)."""
+    window, sinks, copies = attrs.get("window"), attrs.get("sinks", 0), attrs.get("sink_rows", 0)
     if not attrs["causal"] and window is None:
         return False, None
     q_off = ctx.offset(attrs["query_dim"])
@@ -216,14 +229,19 @@ def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
     if window is None and q_off == 0 == k_off:
         return True, None
     dev = like.device
-    j = torch.arange(k_off, k_off + n_k, device=dev)
-    d = torch.arange(q_off, q_off + n_q, device=dev)[:, None] - j[None, :]
+    i = torch.arange(q_off, q_off + n_q, device=dev)[:, None]
+    j = torch.arange(k_off, k_off + n_k - copies, device=dev)
+    d = i - j[None, :]
     keep = (d >= 0) if attrs["causal"] else torch.ones_like(d, dtype=torch.bool)
     # out of place: an in-place `&=` (aten::__iand__) stops torch.compile tracing the whole step
-    if window is not None:
-        keep = keep & ((d if attrs["causal"] else d.abs()) < window)
+    near = _near(d, attrs)
+    keep = keep & ((near | (j < sinks)[None, :]) if sinks and not copies else near)
     if "keys" in attrs:
         keep = keep & ((j >= 0) & (j < attrs["keys"]))[None, :]
+    if copies:
+        ds = i - torch.arange(copies, device=dev)[None, :]
+        far = ~_near(ds, attrs)
+        keep = torch.cat([far & (ds >= 0) if attrs["causal"] else far, keep], 1)
     return False, torch.zeros(n_q, n_k, dtype=like.dtype, device=dev).masked_fill_(~keep, float("-inf"))
 
 
@@ -247,7 +265,8 @@ def _flops(attrs: dict, q: Tensor, k: Tensor, local: dict) -> int:
 @register
 class Attention(Op):
     """(q, k, v) -> (out, logsumexp); attrs: query/key/feature dim names, ``causal``, ``scale``, and
-    ``window`` when one is given (the halo lowering adds ``halo`` and ``keys``: see :func:`_mask`)."""
+    ``window`` and ``sinks`` when given (the halo lowering adds ``halo``, ``keys`` and
+    ``sink_rows``: see :func:`_mask`)."""
 
     name = "attention"
 
@@ -348,56 +367,8 @@ def _check_options(causal, scale, window) -> None:
         fix="pass e.g. window=4096 (Mistral's sliding_window), or leave it out"))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq", feature_dim="d_head",
-              causal: bool = True, scale: float | None = None, window: int | None = None) -> Tensor:
-    """Scaled dot-product attention by dim name, as one fused kernel forward and backward.
-
-    ``out[.., query, feature] = sum_key softmax_key(q . k * scale) v``, where ``q . k``
-    sums over ``feature_dim`` and every other dim of ``q`` (batch, heads) is a batch
-    dim.  ``k`` and ``v`` have the batch dims of ``q`` or some of them: a dim they lack is
-    broadcast, which is grouped-query attention (q ``[batch, seq, kv_heads, group,
-    d_head]`` against k, v ``[batch, key_seq, kv_heads, d_head]``: each key/value head
-    serves the ``group`` query heads of its own, with no copy of k or v on the CPU kernel).
-    With ``causal`` a query attends to the keys at or
-    before its own position, the mask of ``causal_mask(query_dim, key_dim)``.  The
-    composite ``softmax(where(causal_mask(..), einsum(..) * scale, -1e9)) . v`` gives
-    the same values; use it when the probabilities need dropout.  With ``window`` w
-    (sliding-window, local attention: Mistral's ``sliding_window``, Gemma 2's local layers) a
-    causal query ``i`` attends to the w keys ``i - w < j <= i``, itself included (w=1: only
-    itself); not causal, to the keys ``|i - j| < w`` (w - 1 on each side).
-
-    Args:
-      q: [batch dims..., query_dim, feature_dim] in any dim order.
-      k: [q's batch dims or some of them, key_dim, feature_dim], any order.
-      v: the dims of ``k``.
-      query_dim, key_dim, feature_dim: the dim names (a name or a Dim).
-      causal: mask the keys after each query.
-      scale: the factor on ``q . k``; default ``1 / sqrt(size of feature_dim)``.
-      window: None (every key the mask allows), or a positive int: the keys within ``window``
-        positions of the query, itself included (see above).
-
-    Returns:
-      The attention output, with ``q``'s dims in ``q``'s order.
-
-    Raises:
-      ShapeError: if the dims do not line up as above.
-
-    Layouts may split the batch dims (``"batch:data; heads:model"``, ``kv_heads:model``)
-    with no communication (a split ``group`` leaves the gradients of k and v partial sums);
-    a split query dim stays split in the forward and is gathered for the backward; the key
-    and feature dims are gathered when split, except a key dim split where the query dim is
-    whole and q is smaller than k and v (cross-attention over a long memory): that one stays
-    split, lowered as the composite (:mod:`meshdsl.lowering.attention`).  With a ``window``,
-    a query dim and key dim split alike (``seq:model``, k and v renamed from ``seq``) stay
-    split: each rank receives only the ``window - 1`` key and value rows before its block (and
-    after it, not causal) from its neighbours, a halo, and sends their gradients back.
-    """
-    qd, kd, fd = (d.name if isinstance(d, Dim) else d for d in (query_dim, key_dim, feature_dim))
-    bad = next((x for x in (q, k, v) if not isinstance(x, Tensor)), None)
-    if bad is not None:
-        raise ShapeError(message(f"attention: {bad!r} ({type(bad).__name__}) is not a Tensor.",
-                                 rule="attention takes meshdsl Tensors q, k, v", fix="pass Tensors built by ops"))
-    _check_options(causal, scale, window)
+def _check_operands(q: Tensor, k: Tensor, v: Tensor, qd: str, kd: str, fd: str) -> None:
+    """Refuse q, k, v whose dims, sizes or dtypes do not line up (see :func:`attention`)."""
     batch = [n for n in q.shape.names if n not in (qd, fd)]
     kv = [n for n in batch if n in k.shape]   # the batch dims k shares; the others are broadcast
     want = {"q": (q, [*batch, qd, fd]), "k": (k, [*kv, kd, fd]), "v": (v, [*kv, kd, fd])}
@@ -419,11 +390,97 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
             rule="q is [batch..., query, feature]; k and v are [the same batch... or some of them "
                  "(grouped-query attention), key, feature]",
             fix="rename the dims (meshdsl.rename) so that they match"))
+
+
+def _check_sinks(sinks, window, k: Tensor, kd: str) -> None:
+    """Refuse a ``sinks`` that is not an int in ``[0, keys]``, or that is set without a window."""
+    n = k.shape.get(kd).size
+    if isinstance(sinks, bool) or not isinstance(sinks, int):
+        bad = f"sinks={sinks!r} ({type(sinks).__name__}) is not an int"
+    elif sinks < 0:
+        bad = f"sinks={sinks} is negative"
+    elif sinks and window is None:
+        bad = f"sinks={sinks} is given without a window (every key the causal mask allows is visible already)"
+    elif sinks > n:
+        bad = f"sinks={sinks} exceeds the {n} keys of k's '{kd}'"
+    else:
+        return
+    raise ShapeError(message(
+        f"attention: {bad}.",
+        inputs=[f"k: {k.shape}", f"window: {window!r}"],
+        rule=f"sinks is an int 0 <= S <= the size of '{kd}', with a window w: a causal query i attends to "
+             "the keys j <= i with i - j < w or j < S (the window, plus the first S keys: attention sinks)",
+        fix="pass e.g. window=4, sinks=4 (StreamingLLM), or sinks=0 for a plain window"))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq", feature_dim="d_head",
+              causal: bool = True, scale: float | None = None, window: int | None = None,
+              sinks: int = 0) -> Tensor:
+    """Scaled dot-product attention by dim name, as one fused kernel forward and backward.
+
+    ``out[.., query, feature] = sum_key softmax_key(q . k * scale) v``, where ``q . k``
+    sums over ``feature_dim`` and every other dim of ``q`` (batch, heads) is a batch
+    dim.  ``k`` and ``v`` have the batch dims of ``q`` or some of them: a dim they lack is
+    broadcast, which is grouped-query attention (q ``[batch, seq, kv_heads, group,
+    d_head]`` against k, v ``[batch, key_seq, kv_heads, d_head]``: each key/value head
+    serves the ``group`` query heads of its own, with no copy of k or v on the CPU kernel).
+    With ``causal`` a query attends to the keys at or
+    before its own position, the mask of ``causal_mask(query_dim, key_dim)``.  The
+    composite ``softmax(where(causal_mask(..), einsum(..) * scale, -1e9)) . v`` gives
+    the same values; use it when the probabilities need dropout.  With ``window`` w
+    (sliding-window, local attention: Mistral's ``sliding_window``, Gemma 2's local layers) a
+    causal query ``i`` attends to the w keys ``i - w < j <= i``, itself included (w=1: only
+    itself); not causal, to the keys ``|i - j| < w`` (w - 1 on each side).  With ``sinks`` S
+    as well (StreamingLLM's attention sinks) the first S keys stay visible besides the window: a
+    causal query ``i`` keeps key ``j`` when ``j <= i`` and (``i - j < w`` or ``j < S``); not
+    causal, when ``|i - j| < w`` or ``j < S``.  That is the composite whose mask is
+    ``(dist >= 0) & ((dist < w) | (key_pos < S))``, fused.
+
+    Args:
+      q: [batch dims..., query_dim, feature_dim] in any dim order.
+      k: [q's batch dims or some of them, key_dim, feature_dim], any order.
+      v: the dims of ``k``.
+      query_dim, key_dim, feature_dim: the dim names (a name or a Dim).
+      causal: mask the keys after each query.
+      scale: the factor on ``q . k``; default ``1 / sqrt(size of feature_dim)``.
+      window: None (every key the mask allows), or a positive int: the keys within ``window``
+        positions of the query, itself included (see above).
+      sinks: 0 (none), or with a ``window`` the number S of first keys every query may also
+        attend to (at most the size of ``key_dim``).
+
+    Returns:
+      The attention output, with ``q``'s dims in ``q``'s order.
+
+    Raises:
+      ShapeError: if the dims do not line up as above, or ``window`` / ``sinks`` is out of range.
+
+    Layouts may split the batch dims (``"batch:data; heads:model"``, ``kv_heads:model``)
+    with no communication (a split ``group`` leaves the gradients of k and v partial sums);
+    a split query dim stays split in the forward and is gathered for the backward; the key
+    and feature dims are gathered when split, except a key dim split where the query dim is
+    whole and q is smaller than k and v (cross-attention over a long memory): that one stays
+    split, lowered as the composite (:mod:`meshdsl.lowering.attention`).  With a ``window``,
+    a query dim and key dim split alike (``seq:model``, k and v renamed from ``seq``) stay
+    split: each rank receives only the ``window - 1`` key and value rows before its block (and
+    after it, not causal) from its neighbours, a halo, and sends their gradients back; with
+    ``sinks`` S, the first S key and value rows as well, from the ranks that hold them (one
+    allreduce of S rows each), their gradients summed back onto those ranks the same way.
+    """
+    qd, kd, fd = (d.name if isinstance(d, Dim) else d for d in (query_dim, key_dim, feature_dim))
+    bad = next((x for x in (q, k, v) if not isinstance(x, Tensor)), None)
+    if bad is not None:
+        raise ShapeError(message(f"attention: {bad!r} ({type(bad).__name__}) is not a Tensor.",
+                                 rule="attention takes meshdsl Tensors q, k, v", fix="pass Tensors built by ops"))
+    _check_options(causal, scale, window)
+    _check_operands(q, k, v, qd, kd, fd)
+    _check_sinks(sinks, window, k, kd)
     if scale is None:
         scale = q.shape.get(fd).size ** -0.5
     attrs = {"query_dim": qd, "key_dim": kd, "feature_dim": fd, "causal": bool(causal), "scale": float(scale)}
     if window is not None:
         attrs["window"] = window
+    if sinks:
+        attrs["sinks"] = sinks
     out, _ = apply("attention", [q, k, v], attrs)
     return out
 

@@ -83,6 +83,20 @@ def _dims_of(t: torch.Tensor, dims) -> Shape:
     return Shape(out)
 
 
+def _filled(value, dims, dtype: torch.dtype) -> torch.Tensor:
+    """A Python number repeated over ``dims`` (``md.constant(0.0, [batch, heads])``), as
+    ``torch.full``; its dtype is the scalar form's (float32 unless ``dtype`` says)."""
+    names = [d for d in dims if not isinstance(d, Dim)]
+    if names:
+        raise ShapeError(message(f"constant: the number {value!r} is filled over dims {list(dims)!r}, "
+                                 f"and {names[0]!r} is no Dim.",
+                                 rule="a number filled over dims takes each dim's size from a Dim (a name alone "
+                                      "takes its size from a tensor's axis, and a number has none)",
+                                 fix=f"pass Dims, e.g. md.constant({value!r}, [md.Dim('batch', 8)]), or a "
+                                     "tensor's dim: x.shape['batch']"))
+    return torch.full([d.size for d in dims], value, dtype=dtype)
+
+
 def _check_arguments(value, dims, like) -> None:
     """A name given first (``md.constant("eye", t, dims)``, as ``md.param`` takes it) is one error
     saying so, before ``like`` (then the dims) is checked as a Tensor (``like`` is not annotated
@@ -105,22 +119,24 @@ def constant(value, dims=None, like=None, *, dtype: torch.dtype | None = None,
     torch tensor afterwards does not change the model.
 
     Args:
-      value: a Python number (the scalar form, shape ``[]``), or a torch tensor or
-        array-like (nested lists, a NumPy array).
+      value: a Python number (the scalar form, shape ``[]``; with dims, filled over them),
+        or a torch tensor or array-like (nested lists, a NumPy array).
       dims: for a tensor, one entry per axis: a :class:`~meshdsl.Dim` of that size,
         or a name (str) that takes the axis's size.  For a scalar, None, or a
-        torch dtype (``constant(0.0, torch.float16)``, the scalar form's dtype).
+        torch dtype (``constant(0.0, torch.float16)``, the scalar form's dtype), or
+        Dims to fill it over (``constant(0.0, [batch, heads])``, as ``torch.full``).
       like: a tensor of the graph to build into (default: the active graph).
-      dtype: the constant's dtype; default float32 for a scalar, the tensor's own
-        otherwise (a list of Python floats is float32, as in torch).
+      dtype: the constant's dtype; default float32 for a number (filled over dims too),
+        the tensor's own otherwise (a list of Python floats is float32, as in torch).
       name: the node's name in plans and reports (default ``constant``).
 
     Returns:
       The constant Tensor.
 
     Raises:
-      ShapeError: dims that do not fit the tensor (both shapes named), or a
-        tensor with more than zero axes and no dims.
+      ShapeError: dims that do not fit the tensor (both shapes named), a
+        tensor with more than zero axes and no dims, or a number filled over a
+        dim given by name only (no size).
 
     Example::
 
@@ -134,6 +150,8 @@ def constant(value, dims=None, like=None, *, dtype: torch.dtype | None = None,
     if isinstance(value, (bool, int, float)) and dims is None:
         attrs = {"value": value, "dtype": dtype or torch.float32}
     else:
+        if isinstance(value, (bool, int, float)) and isinstance(dims, (list, tuple)) and dims:
+            value = _filled(value, dims, dtype or torch.float32)
         try:
             t = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError) as e:

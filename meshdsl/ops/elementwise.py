@@ -264,6 +264,9 @@ _FloorDivide.differentiable, _FloorDivide.blocks_gradient = True, True   # (as _
 _FloorDivide.grad = lambda self, node, douts: [None, None]
 _binary("maximum", torch.maximum, lambda a, b, y, g: (_pick(a > b, equal(a, b), g), _pick(a < b, equal(a, b), g)))
 _binary("minimum", torch.minimum, lambda a, b, y, g: (_pick(a < b, equal(a, b), g), _pick(a > b, equal(a, b), g)))
+# log(exp(a) + exp(b)) as torch's one stable kernel (max + log1p(exp(-|a - b|)): no overflow where
+# exp would); each side's gradient is its weight in the sum, exp(side - y) <= 1, as torch's.
+_binary("logaddexp", torch.logaddexp, lambda a, b, y, g: (g * exp(a - y), g * exp(b - y)))
 # Fused gradients of activations (one kernel each, as torch's autograd uses); linear in g.
 _binary("relu_backward", lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.0), linear_args=(0,))
 _binary("gelu_backward", lambda g, x: torch.ops.aten.gelu_backward(g, x), linear_args=(0,))
@@ -470,6 +473,26 @@ def remainder(a, b) -> Tensor:
     return _floored("remainder", a, b)
 
 
+def logaddexp(a, b) -> Tensor:
+    """Elementwise ``log(exp(a) + exp(b))``, broadcasting by name, as ``torch.logaddexp``: computed
+    as ``max(a, b) + log1p(exp(-|a - b|))``, so large operands do not overflow (a forward
+    algorithm's or an RNN-T lattice's log-space sum of two paths).  Its gradient is torch's:
+    ``g * exp(a - y)`` for ``a``, ``g * exp(b - y)`` for ``b``.
+
+    Raises:
+      ShapeError: if an operand is an integer or bool tensor.
+    """
+    xs = lift([a, b], "logaddexp")
+    bad = [x for x in xs if not x.dtype.is_floating_point]
+    if bad:
+        raise ShapeError(message("logaddexp: an operand is not a floating-point tensor.",
+                                 inputs=[f"operands: {', '.join(map(repr, xs))}"],
+                                 bullets=[f"{x!r} is {x.dtype}" for x in bad],
+                                 rule="logaddexp is defined on floating-point tensors",
+                                 fix="cast it first: meshdsl.cast(x, torch.float32)"))
+    return apply("logaddexp", xs)
+
+
 def bitwise_xor(a, b) -> Tensor:
     """Elementwise ``a ^ b`` of integer tensors (or Python ints), broadcasting by name, as
     ``torch.bitwise_xor``: a spatial hash, ``(x * 1) ^ (y * 2654435761) % table``.  No gradient.
@@ -493,4 +516,4 @@ __all__ = ["add", "sub", "mul", "div", "maximum", "minimum", "less", "less_equal
            "greater_equal", "equal", "not_equal", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos",
            "relu", "gelu", "silu", "sigmoid", "stop_gradient", "logical_not", "logical_and", "logical_or", "pow",
            "cast", "erf", "log1p", "expm1", "square", "reciprocal", "sign", "floor", "ceil", "round",
-           "floor_divide", "remainder", "bitwise_xor", "where", "constant", "align", "DENSE_CTX"]
+           "floor_divide", "remainder", "bitwise_xor", "logaddexp", "where", "constant", "align", "DENSE_CTX"]

@@ -52,7 +52,8 @@ _FOLLOW = ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "pow", "sqrt"
            "transpose", "broadcast_to", "rename", "reshape", "rearrange", "squeeze", "slice", "pad", "concat",
            "shift", "repeat", "repeat_grad", "equal", "not_equal", "greater", "greater_equal", "less",
            "less_equal", "erf", "log1p", "expm1", "square", "reciprocal", "sign", "floor", "ceil", "round",
-           "softplus", "log_sigmoid", "leaky_relu", "elu", "mish", "clamp", "argmax", "argmin", "floor_divide", "remainder")
+           "softplus", "log_sigmoid", "leaky_relu", "elu", "mish", "clamp", "argmax", "argmin", "floor_divide", "remainder",
+           "logaddexp")
 _NONE = ("param", "input", "placeholder", "constant", "cast", "iota", "one_hot", "logical_not", "logical_and",
          "logical_or", "bitwise_xor")
 

@@ -12,6 +12,7 @@ import math
 import einops
 
 from ..core.graph import Tensor
+from ..core.names import Name
 from ..core.shape import Dim, Shape, as_shape
 from ..errors import ShapeError, did_you_mean, message
 from .broadcasting import align, align_plan, sum_to
@@ -232,6 +233,36 @@ def _in_left_order(x: Tensor, left, group_type) -> Tensor:
     return x if order == x.shape.names else transpose(x, list(order))
 
 
+def _expand_rest(x: Tensor, spec, group_type, rest_type) -> tuple[tuple, tuple]:
+    """A pattern's sides with ``...`` replaced by the dims it stands for, each underlined at the
+    ``...``: ``x``'s dims that no plain name on the left names, less those the left's groups
+    split (the groups before ``...`` split the first of them, those after it the last, in
+    ``x``'s order: einops' positions, counted among the unnamed dims).  A pattern without
+    ``...`` comes back as it is; one whose groups outnumber the unnamed dims is left to the
+    check that counts the entries."""
+    left, right = spec.left, spec.right
+    at = next((i for i, it in enumerate(left) if isinstance(it, rest_type)), None)
+    if at is None:
+        return left, right
+    plain = {it.name for it in left if not isinstance(it, (group_type, rest_type))}
+    unnamed = [n for n in x.shape.names if n not in plain]
+    before = sum(isinstance(it, group_type) for it in left[:at])
+    after = sum(isinstance(it, group_type) for it in left[at + 1:])
+    dims = unnamed[before:len(unnamed) - after] if before + after <= len(unnamed) else []
+
+    def expand(items):
+        out = []
+        for it in items:
+            if isinstance(it, rest_type):
+                out += [Name(n, it.span) for n in dims]
+            elif isinstance(it, group_type):
+                out.append(group_type(tuple(expand(it.names)), it.span))
+            else:
+                out.append(it)
+        return out
+    return tuple(expand(left)), tuple(expand(right))
+
+
 def _check_sizes(x: Tensor, pattern: str, sizes: dict) -> None:
     """Each size keyword of a rearrange is a positive int ("2" or 2.0 would reach the arithmetic)."""
     bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
@@ -242,31 +273,52 @@ def _check_sizes(x: Tensor, pattern: str, sizes: dict) -> None:
             fix=f"write e.g. {next(iter(bad))}=2"))
 
 
+def _right_side(right, part_sizes: dict, fixed: set, group_type) -> tuple[Shape, list[str]]:
+    """The output's shape and einops tokens from a rearrange's right side: a group merges its
+    parts into one dim named by joining them with ``_`` (and it and its parts join ``fixed``)."""
+    out_dims, tokens = [], []
+    for item in right:
+        if isinstance(item, group_type):
+            names = [n.name for n in item.names]
+            merged = "_".join(names)
+            out_dims.append(Dim(merged, math.prod(part_sizes[n] for n in names)))
+            fixed.update(names)
+            fixed.add(merged)
+            tokens.append("(" + " ".join(names) + ")")
+        else:
+            out_dims.append(Dim(item.name, part_sizes[item.name]))
+            tokens.append(item.name)
+    return Shape(out_dims), tokens
+
+
 def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
     """einops-style rearrange over names.
 
     The left side lists ``x``'s dims, by name in any order (``x`` is transposed to it); a
     group ``(heads d_k)`` on the left splits a dim, one of those it does not name, taken in
     ``x``'s order (give all but one part's size as keywords).  A group on the right merges
-    dims into one named by joining the parts with ``_``.
+    dims into one named by joining the parts with ``_``.  ``...`` stands for the dims the left
+    side does not name (nor its groups split), in ``x``'s order; the right side places them, alone
+    or merged in a group (``(... d)``).
 
-    Example: ``rearrange(x, "batch seq (heads d_k) -> batch seq heads d_k", heads=8)``.
+    Example: ``rearrange(x, "batch seq (heads d_k) -> batch seq heads d_k", heads=8)``, or for
+    any leading dims ``rearrange(x, "... (heads d_k) -> ... heads d_k", heads=8)``.
     """
-    from ..core.equations import Group, parse_rearrange
+    from ..core.equations import Group, Rest, parse_rearrange
 
     _check_sizes(x, pattern, sizes)
-    spec = parse_rearrange(pattern)
-    x = _in_left_order(x, spec.left, Group)
-    if len(spec.left) != len(x.shape):
+    left, right = _expand_rest(x, parse_rearrange(pattern), Group, Rest)
+    x = _in_left_order(x, left, Group)
+    if len(left) != len(x.shape):
         raise ShapeError(message(
-            f"rearrange: the left side has {len(spec.left)} entries but {x!r} has {len(x.shape)} dims.",
+            f"rearrange: the left side has {len(left)} entries but {x!r} has {len(x.shape)} dims.",
             source=pattern, span=None,
             rule="the left side names each of the input's dims once, in any order (a group splits one)",
             fix=f"start the pattern with '{' '.join(x.shape.names)} ->'"))
     part_sizes: dict[str, int] = {}
     fixed: set[str] = set()
     left_tokens = []
-    for item, d in zip(spec.left, x.shape):
+    for item, d in zip(left, x.shape):
         if isinstance(item, Group):
             names = [n.name for n in item.names]
             known = [sizes[n] for n in names if n in sizes]
@@ -291,34 +343,22 @@ def rearrange(x: Tensor, pattern: str, **sizes: int) -> Tensor:
                     fix=f"write '{d.name}' there"))
             part_sizes[d.name] = d.size
             left_tokens.append(d.name)
-    out_dims, right_tokens = [], []
-    for item in spec.right:
-        if isinstance(item, Group):
-            names = [n.name for n in item.names]
-            merged = "_".join(names)
-            out_dims.append(Dim(merged, math.prod(part_sizes[n] for n in names)))
-            fixed.update(names)
-            fixed.add(merged)
-            right_tokens.append("(" + " ".join(names) + ")")
-        else:
-            out_dims.append(Dim(item.name, part_sizes[item.name]))
-            right_tokens.append(item.name)
-    shape = Shape(out_dims)
-    kw = {n: part_sizes[n] for item in spec.left if isinstance(item, Group) for n in [i.name for i in item.names][1:]}
+    shape, right_tokens = _right_side(right, part_sizes, fixed, Group)
+    kw = {n: part_sizes[n] for item in left if isinstance(item, Group) for n in [i.name for i in item.names][1:]}
     fwd = f"{' '.join(left_tokens)} -> {' '.join(right_tokens)}"
-    back_kw = {n: part_sizes[n] for item in spec.right if isinstance(item, Group) for n in [i.name for i in item.names][1:]}
+    back_kw = {n: part_sizes[n] for item in right if isinstance(item, Group) for n in [i.name for i in item.names][1:]}
     back_shape = x.shape
     # The parts of each input dim (left) and of each output dim (right), for the lowering
     # (meshdsl/lowering/reshape.py: a split survives where the parts' order allows).
-    left = tuple(tuple(n.name for n in item.names) if isinstance(item, Group) else (item.name,)
-                 for item in spec.left)
-    right = tuple(tuple(n.name for n in item.names) if isinstance(item, Group) else (item.name,)
-                  for item in spec.right)
+    left_parts = tuple(tuple(n.name for n in item.names) if isinstance(item, Group) else (item.name,)
+                       for item in left)
+    right_parts = tuple(tuple(n.name for n in item.names) if isinstance(item, Group) else (item.name,)
+                        for item in right)
     attrs = {"pattern": fwd, "sizes": kw, "shape": shape, "fixed": tuple(sorted(fixed)),
-             "parts": {n: s for n, s in part_sizes.items()}, "left": left, "right": right}
+             "parts": {n: s for n, s in part_sizes.items()}, "left": left_parts, "right": right_parts}
     attrs["back"] = {"pattern": f"{' '.join(right_tokens)} -> {' '.join(left_tokens)}", "sizes": back_kw,
                      "shape": back_shape, "fixed": attrs["fixed"], "parts": attrs["parts"],
-                     "left": right, "right": left}
+                     "left": right_parts, "right": left_parts}
     attrs["back"]["back"] = {k: v for k, v in attrs.items() if k != "back"}
     return apply("rearrange", [x], attrs)
 

@@ -29,6 +29,7 @@ import torch
 
 from ..core.graph import Graph, Tensor
 from ..errors import MeshDSLError, did_you_mean, message
+from .param_keys import check_params
 from .state_updates import check_updates
 from .step import training_outputs
 
@@ -47,7 +48,9 @@ class Model:
     Attributes:
       graph: the graph the model was built in.
       loss: the scalar training loss.
-      params: param name -> param Tensor (the trainable state).
+      params: param name -> param Tensor (the trainable state), each keyed by its own name
+        (``md.param(NAME, ...)``): ``g.params()`` for every param of graph ``g``, or
+        ``{p.name: p for p in [w1, w2]}``; a param left out is frozen.
       make_feeds: ``seed -> {input name: torch.Tensor}``, whole inputs of the right shapes
         and dtypes, deterministic in ``seed``.  Give it or ``batches``.
       config: the Config the model was built from.
@@ -77,7 +80,8 @@ class Model:
         eval and export read them like any param.
 
     Raises:
-      ModelError: neither ``make_feeds`` nor ``batches`` is given, or both; a metric is not
+      ModelError: a params key that is not its param's name, or a value that is no param of
+        ``graph`` (the param would stay frozen, silently); neither ``make_feeds`` nor ``batches`` is given, or both; a metric is not
         a scalar tensor or is named ``loss``; an update whose key is no frozen param (a name
         of no param, or a trained one) or whose tensor has other dims or dtype than the param.
 
@@ -118,6 +122,7 @@ class Model:
                                      bullets=bad, rule="a metric is one number per eval batch, like the loss",
                                      fix="reduce it to a scalar, e.g. md.reduce_mean(correct), and name it "
                                          "e.g. 'accuracy'"))
+        self.params = check_params(self.params, self.graph, "Model", ModelError)
         self.updates = check_updates(self.updates, self.params, self.graph, "Model", ModelError)
 
     def feeds(self, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -34,6 +34,7 @@ from .checkpoint_format import HeldSpec
 from .init_weights import check_weights, graph_params, read_weights
 from .optim import sgd
 from .optimizers import Optimizer, clip_scale, global_norm, hyper
+from .param_keys import check_params
 from .state_updates import check_held_where_updated, check_updates, update_outputs
 
 #: Stats keys that count as communication: every collective kind, and time blocked on one in flight.
@@ -183,7 +184,8 @@ class TrainStep:
         compiles, and ``executor.compiling.stats`` says what it cost.
 
     Raises:
-      GraphError: a bad ``clip_norm``, an unknown ``precision`` or remat policy; an update of a
+      GraphError: a params key that is not its param's name (the param would stay frozen); a bad
+        ``clip_norm``, an unknown ``precision`` or remat policy; an update of a
         name that is no frozen param, or of other dims or dtype.
     """
 
@@ -203,6 +205,7 @@ class TrainStep:
         self.optimizer, self.clip_norm = optimizer, clip_norm
         #: "fp32" or "bf16"
         self.precision = check_precision(precision, "TrainStep")
+        params = check_params(params, loss.graph, "TrainStep")
         loss = mixed_precision(loss, precision)
         #: the remat policy every repeat is differentiated with (None: each its own)
         self.remat = None if remat is None else parse_remat(remat, "TrainStep(remat=...)")
