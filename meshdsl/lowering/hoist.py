@@ -1,135 +1,342 @@
-"""A repeat's block moves of loop-invariant tensors, made once before the loop.
+"""A repeat's block work on loop-invariant tensors, made once before the loop.
 
 A block reads tensors of the graph around it (:mod:`meshdsl.ir.closure`): a router weight, a
-shared param, a mask.  Every layer reads them unchanged, so a collective that only moves one of
-them (an allgather or an alltoall, of the closed-over input or of what such moves made of it)
-sends the same bytes in every layer.  :func:`hoist_moves` takes those moves out of the block's
-sub-plan and makes them once in the plan around the loop; the block reads the moved copy as one
-more closed-over input (``<name>@moved<k>``), forward and backward alike.  The copy is held
-(:meth:`.Lowerer.hold`): the backward loop, or any other reader of the tensor at that sharding,
-takes the forward's copy, so it is made once per step, in a pipeline too (not per micro-batch or
-layer; an interleaved pipeline's chunks need the backward to read only what the forward does).
+shared param, a norm's scale, a mask, an encoder's output.  Every layer reads them unchanged, so
+a step of the block that reads only such values (or what such steps made of them) makes the same
+value in every layer: a move (an allgather or an alltoall), a halo's permute (a conv or a sliding
+window over a split dim of the tensor: the neighbours' rows), a reduction of a partial sum made of
+them, and a local op (``h * exp(r)``'s ``exp(r)``, a norm's ``1 + g``: :mod:`meshdsl.ir.closure`
+keeps the ops of a param in the block, for its gradient's sake, so they reach the plan per layer).
+:func:`hoist_moves` takes those steps out of the block's sub-plan and makes them once in the plan
+around the loop; the block reads each value it still needs of them as one more closed-over input
+(``<name>@moved<k>`` for a copy made by moves only, ``<name>@made<k>`` for one an op computed),
+forward and backward alike.  What a loop made is remembered (``lw.memo``, and
+:meth:`.Lowerer.hold` for the moves): the backward loop's recompute of the same steps, or any
+other re-layout of the tensor to that sharding, takes the forward's copy, so each is made once
+per step, in a pipeline too (not per micro-batch or layer).  The gradient steps stay in the
+block: they read the layer's cotangent.  A pipeline's backward loop takes only copies its forward
+loop reads (an interleaved pipeline's chunks pass nothing else between stages) and makes the
+others again itself (the forward read ``exp(r)`` gathered; the backward's ``exp`` stays).
 
-Not loop-invariant, so never hoisted: a reduction (a partial sum is made per layer: the
-closed-over inputs are fed whole), and anything that reads what a layer computed.  Not hoisted
-either: a move of a value the block computes from closed-over tensors only (a softmax of a
-router param: :mod:`meshdsl.ir.closure` keeps ops of params in the block), since the local step
-making it runs per layer; nor a halo's permute (neighbours' rows, no sharding of the value).
+Not hoisted: a random op (its stream is salted per layer), a step holding sub-plans (a nested
+repeat), an op reading only the block's own constants (the block's own, as in
+:mod:`meshdsl.ir.closure`), a step other than a move whose result is a backward block's output (a
+gradient: the loop sums them; a forward block's, a saved activation, is stacked from the copy it
+reads), and a local op whose result has
+the examples' dim, unless a hoisted collective reads it (the strip a halo sends: the rest of the
+halo's glue stays) and there is no pipeline (a stage would make it per micro-batch and send it
+up the stages with the carry).
 
 Memory rule: a copy lives from the forward loop to the end of the backward one instead of
-through one layer, so the copies of one loop are taken smallest first while together they hold
-no more bytes than the larger of one layer's carry and the largest copy: one copy a layer makes
-at its peak anyway (FSDP gathers a shared param in every layer, the backward's first layer while
-every saved activation is still held), or several no larger than one more layer input.  A
-stacked param's per-layer gather is not loop-invariant and stays in the block.
+through one layer, so the copies of one loop are taken while together they hold no more bytes
+than the larger of one layer's carry and the largest copy: one copy a layer makes at its peak
+anyway (FSDP gathers a shared param in every layer, the backward's first layer while every saved
+activation is still held), or several no larger than one more layer input.  Taken first, smallest
+first: copies made by moves alone, then those whose making holds a collective, then a local op's
+(a collective saved per layer is worth more than a kernel).  A copy left out leaves the step
+making it in the block (and what reads it); what that step reads is then asked for instead.  No
+copy is stacked over the layers; a stacked param's per-layer gather is not loop-invariant and
+stays in the block.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
+import torch
+
+from ..ir.closure import examples_of_graph
+from ..ops.registry import OPS
+from .pipeline import MB_AXIS
 from .plan import Plan, Step
 
 #: Collective kinds that bring a value to another sharding, whole (no reduction, no halo).
 _MOVES = frozenset({"allgather", "alltoall"})
+#: Collective kinds that sum a partial value (one made of loop-invariant values is loop-invariant too).
+_REDUCTIONS = frozenset({"allreduce", "reduce_scatter"})
+#: Collective kinds a loop-invariant value's step may be: its moves, a halo's permute, a reduction.
+_COLLECTIVES = _MOVES | _REDUCTIONS | {"permute"}
 
 
 def hoist_moves(lw, node, plan: Plan, ins: list, closed: tuple, carry_bytes: int) -> tuple[Plan, list, tuple]:
-    """Sub-plan ``plan`` without its moves of the closed-over inputs ``closed`` (names, whose
-    values are the last ``len(closed)`` of the step's inputs ``ins``), the moves made once in
-    lowerer ``lw`` instead, for repeat node ``node``.
+    """Sub-plan ``plan`` without its steps of the closed-over inputs ``closed`` (names, whose
+    values are the last ``len(closed)`` of the step's inputs ``ins``) alone, the steps made once
+    in lowerer ``lw`` instead, for repeat node ``node``.
 
     Returns the new sub-plan, the step's inputs (the copies appended) and the closed-over
     input names (the copies' appended).
     """
     given = {plan.inputs[k]: ins[len(ins) - len(closed) + i] for i, k in enumerate(closed) if k in plan.inputs}
-    chain = _invariant_moves(plan, set(given))
-    frontier = _frontier(plan, chain)
-    ends = _kept(plan, frontier, carry_bytes, lw.mesh)
+    # a forward block's outputs (per-layer outputs, saved activations) are stacked per layer: a
+    # copy read back as one is stacked alike; a backward block's the loop sums (kept in the block)
+    kept_in = set(plan.outputs.values()) if node.op.name == "repeat_grad" else set()
+    made_by = _invariant_steps(plan, set(given), kept_in, examples_of_graph(node.graph), lw.pipeline_axis is not None)
+    stay: set[int] = set()   # ids of steps made outside whose values the block makes again itself
+    if node.op.name == "repeat_grad" and lw.pipeline_axis is not None:
+        ends, made_by, stay = _forward_copies(lw, node, plan, given, made_by)
+    else:
+        ends, made_by = _kept(plan, made_by, carry_bytes, lw.mesh)
     if not ends:
         return plan, ins, closed
-    made_by = {s.outs[0]: s for s in chain}
-    # the block drops the moves to its kept ends, but those a move it keeps in the block needs
-    drop = _path(made_by, ends, set()) - _path(made_by, [v for v in frontier if v not in ends], set())
     outer = dict(given)   # block value -> the plan's value
-    for v in ends:   # a copy made already (the forward loop's, for the backward): taken as it is
-        src, to = outer[_start(made_by, v)], plan.values[v].sharding
-        if lw.relaid(src, to):
-            outer[v] = lw.relayout(src, to, node)
-    need = _path(made_by, ends, set(outer))   # the moves each end not made yet needs
-    for s in chain:
-        if id(s) in need:
-            v = plan.values[s.outs[0]]
-            outer[s.outs[0]] = lw.new_value(v.shape, v.dtype, v.sharding)
-            why = f"moved once before repeat '{node.name}' (every layer reads it): {s.note or s.kind}"
-            lw.emit(s.kind, node, [outer[s.ins[0]]], [outer[s.outs[0]]], s.axes, dict(s.args), s.bytes,
-                    note=why, op=s.op, label=s.label)
-    for v in ends:   # held: a later re-layout of the tensor to the same sharding takes the copy
-        lw.hold(outer[_start(made_by, v)], plan.values[v].sharding, outer[v])
+    hoisted = [s for s in plan.steps if any(made_by.get(v) is s for v in s.outs)]
+    for s in hoisted:
+        _make_outside(lw, node, plan, s, outer)
     sources = [_source(plan, made_by, v, closed) for v in ends]
-    names = [f"{k}@moved{j}" for j, k in enumerate(sources)]
-    return _rewired(plan, ends, names, sources, drop), [*ins, *(outer[v] for v in ends)], (*closed, *names)
+    if node.op.name == "repeat":
+        lw.memo.setdefault(__name__ + ".fed", set()).update(outer[v] for v in ends)
+    names = [f"{k}@{'moved' if _moves_only(made_by, v) else 'made'}{j}" for j, (k, v) in enumerate(zip(sources, ends))]
+    dropped = [s for s in hoisted if id(s) not in stay]
+    return _rewired(plan, ends, names, sources, dropped), [*ins, *(outer[v] for v in ends)], (*closed, *names)
 
 
-def _invariant_moves(plan: Plan, invariant: set[int]) -> list[Step]:
-    """The block's collectives that only move a loop-invariant value (a closed-over input, or
-    what such a move made), in block order."""
-    out = []
+def _may_leave(plan: Plan, s: Step, outputs: set[int]) -> bool:
+    """Whether block step ``s``, reading only values the same in every layer, may be made before
+    the loop: a move, a permute, a reduction (of a partial sum), a local op not random, and none
+    but a move whose value is one of ``outputs`` (a backward block's: the gradients the loop sums)."""
+    if s.subplans or (s.kind not in _MOVES and any(v in outputs for v in s.outs)):
+        return False
+    if s.is_collective:
+        partial = plan.values[s.ins[0]].sharding.partial
+        return (s.kind in _COLLECTIVES and len(s.ins) == len(s.outs) == 1 and MB_AXIS not in s.axes
+                and (not partial or s.kind in _REDUCTIONS))
+    return s.kind in ("local", "split") and not _reads_salt(s.op)
+
+
+def _reads_salt(op: str) -> bool:
+    """Whether a local step's kernel may read the run's salt (a random op: its stream differs per
+    layer); a fused kernel (``a+b``) does when one of its parts does, an unknown one is taken to."""
+    return any(OPS.get(p) is None or OPS[p].reads_salt for p in op.split("+"))
+
+
+def _invariant_steps(plan: Plan, given: set[int], outputs: set[int], examples: str | None,
+                     pipelined: bool) -> dict[int, Step]:
+    """Value -> the block's step making it, for each value the same in every layer that a step may
+    make once before the loop (the module's rules), in block order."""
+    consts = {v for s in plan.steps if s.kind == "local" and not s.ins and not _reads_salt(s.op) for v in s.outs}
+    wide: set[int] = set()   # ids of local steps with the examples' dim, hoisted only for a collective
+    made_by: dict[int, Step] = {}
     for s in plan.steps:
-        if (s.kind in _MOVES and len(s.ins) == 1 and len(s.outs) == 1 and s.ins[0] in invariant
-                and not plan.values[s.ins[0]].sharding.partial):
-            invariant.add(s.outs[0])
-            out.append(s)
+        if not s.ins or not all(v in given or v in made_by or v in consts for v in s.ins) or \
+                not any(v in given or v in made_by for v in s.ins) or not _may_leave(plan, s, outputs):
+            continue
+        if not s.is_collective and examples is not None and any(
+                examples in plan.values[v].shape.names for v in s.outs):
+            if pipelined:
+                continue
+            wide.add(id(s))
+        made_by.update((v, s) for v in s.outs)
+    return _without_wide(plan, made_by, wide)
+
+
+def _without_wide(plan: Plan, made_by: dict[int, Step], wide: set[int]) -> dict[int, Step]:
+    """``made_by`` without the local steps in ``wide`` that no kept collective reads (through
+    other kept steps), nor any step reading what they made."""
+    while True:
+        needed: set[int] = set()
+        for s in reversed(plan.steps):
+            if any(made_by.get(v) is s for v in s.outs) and (s.is_collective or id(s) in needed):
+                needed.update(id(made_by[v]) for v in s.ins if v in made_by)
+        drop = {v for v, s in made_by.items() if id(s) in wide and id(s) not in needed}
+        if not drop:
+            return made_by
+        made_by = _cut(plan, made_by, drop)
+
+
+def _cut(plan: Plan, made_by: dict[int, Step], drop: set[int]) -> dict[int, Step]:
+    """``made_by`` without the steps making the values ``drop``, nor the steps reading what they made."""
+    gone = {id(made_by[v]) for v in drop}
+    out: dict[int, Step] = {}
+    for s in plan.steps:
+        if not any(made_by.get(v) is s for v in s.outs):
+            continue
+        if id(s) not in gone and not any(v in made_by and v not in out for v in s.ins):
+            out.update((v, s) for v in s.outs)
     return out
 
 
-def _frontier(plan: Plan, chain: list[Step]) -> list[int]:
-    """The moved values something else than another hoisted move reads (or the block outputs)."""
-    chained = {id(s) for s in chain}
-    read = {v for s in plan.steps if id(s) not in chained for v in s.ins} | set(plan.outputs.values())
-    return [s.outs[0] for s in chain if s.outs[0] in read]
+def _ends(plan: Plan, made_by: dict[int, Step], stay: frozenset = frozenset()) -> list[int]:
+    """The hoisted values the block still reads (a step left in it, or its outputs), in block order;
+    ``stay``: ids of the steps the block runs itself too (their values are no copies)."""
+    hoisted = {id(s) for s in made_by.values()} - stay
+    read = {v for s in plan.steps if id(s) not in hoisted for v in s.ins} | set(plan.outputs.values())
+    return [v for v in made_by if v in read and id(made_by[v]) not in stay]
 
 
-def _kept(plan: Plan, ends: list[int], carry_bytes: int, mesh) -> list[int]:
-    """The ends whose copies the loop holds (the module's memory rule), in block order."""
+def _kept(plan: Plan, made_by: dict[int, Step], carry_bytes: int, mesh) -> tuple[list[int], dict[int, Step]]:
+    """The copies the loop holds (the module's memory rule), in block order, and ``made_by``
+    without the steps whose copies it does not hold (nor what reads them).  Taken first: the
+    copies made by moves alone, then those whose making holds a collective, then the rest (a
+    local op's), each smallest first: a collective saved per layer is worth more than a kernel."""
+    ends = _ends(plan, made_by)
     if not ends:
-        return []
+        return [], {}
     size = {v: plan.values[v].local_bytes(mesh) for v in ends}
-    budget, total, kept = max(carry_bytes, max(size.values())), 0, set()
-    for v in sorted(ends, key=lambda v: size[v]):
-        if total + size[v] <= budget:
-            total += size[v]
-            kept.add(v)
-    return [v for v in ends if v in kept]
+    budget = max(carry_bytes, max(size.values()))   # one copy a layer makes at its peak anyway
+    while True:
+        size = {v: plan.values[v].local_bytes(mesh) for v in ends}
+        total, kept = 0, set()
+        for v in sorted(ends, key=lambda v: (_rank(made_by, v), size[v])):
+            if total + size[v] <= budget:
+                total += size[v]
+                kept.add(v)
+        if len(kept) == len(ends):
+            return ends, made_by
+        made_by = _cut(plan, made_by, {v for v in ends if v not in kept})
+        ends = _ends(plan, made_by)
 
 
-def _path(made_by: dict, ends: list[int], made: set) -> set[int]:
-    """``id`` of each move on the way to ``ends`` (back to a value in ``made`` or a closed-over input)."""
-    out = set()
-    for v in ends:
-        while v in made_by and v not in made:
-            out.add(id(made_by[v]))
-            v = made_by[v].ins[0]
+def _rank(made_by: dict[int, Step], v: int) -> int:
+    """0: value ``v`` is made by moves alone; 1: its making holds a collective; 2: local ops only."""
+    if _moves_only(made_by, v):
+        return 0
+    todo, seen = [v], set()
+    while todo:
+        x = todo.pop()
+        if x in made_by and x not in seen:
+            seen.add(x)
+            if made_by[x].is_collective:
+                return 1
+            todo.extend(made_by[x].ins)
+    return 2
+
+
+def _make_outside(lw, node, plan: Plan, s: Step, outer: dict) -> None:
+    """Make block step ``s``'s values in the plan around the loop (``outer``: block value -> the
+    plan's), or take the copies made already (by the forward loop, for the backward)."""
+    for v in s.ins:   # a constant of the block: made outside too
+        if v not in outer:
+            _make_outside(lw, node, plan, _producer(plan, v), outer)
+    hit = _taken(lw, node, plan, s, outer)
+    if hit is None:
+        src, vals = [outer[v] for v in s.ins], [plan.values[v] for v in s.outs]
+        hit = tuple(lw.new_value(v.shape, v.dtype, v.sharding) for v in vals)
+        what = "moved" if s.is_collective else "made"
+        why = f"{what} once before repeat '{node.name}' (every layer reads it)" + (
+            f": {s.note or s.kind}" if s.is_collective or s.note else "")
+        lw.emit(s.kind, node, src, hit, s.axes, dict(s.args), s.bytes, s.flops, note=why, op=s.op, label=s.label)
+        if s.kind in _MOVES:   # held: a later re-layout of the tensor to this sharding takes the copy
+            _hold(lw, src[0], vals[0].sharding, hit[0])
+        lw.memo.setdefault(__name__, []).append((_key(s, src, vals), s.args, hit))
+    outer.update(zip(s.outs, hit))
+
+
+def _taken(lw, node, plan: Plan, s: Step, outer: dict) -> tuple | None:
+    """The plan's values block step ``s`` would make, made already (by an earlier loop), or None."""
+    src = [outer.get(v) for v in s.ins]
+    if None in src:
+        return None
+    vals = [plan.values[v] for v in s.outs]
+    key = _key(s, src, vals)
+    hit = next((outs for k, args, outs in lw.memo.get(__name__, ()) if k == key and _same(args, s.args)), None)
+    if hit is None and s.kind in _MOVES and lw.relaid(src[0], vals[0].sharding):
+        hit = (lw.relayout(src[0], vals[0].sharding, node),)
+    return hit
+
+
+def _forward_copies(lw, node, plan: Plan, given: dict, made_by: dict) -> tuple[list[int], dict, set[int]]:
+    """A pipeline's backward block: the copies it takes, only those a forward loop reads already
+    (an interleaved pipeline cuts both loops into the same chunks, which pass nothing else
+    between stages), so no memory is added; ``made_by`` cut to the steps a forward loop made;
+    and the ids of those the block makes again itself (a value the forward read only moved).
+    Returns ``(ends, made_by, stay)``."""
+    outer, taken = dict(given), {}
+    for s in plan.steps:
+        if not any(made_by.get(v) is s for v in s.outs):
+            continue
+        for v in s.ins:   # constants: the forward made them too where it hoisted their readers
+            if v not in outer and v not in made_by:
+                c = _producer(plan, v)
+                outer.update(zip(c.outs, _taken(lw, node, plan, c, outer) or (None,) * len(c.outs)))
+        hit = _taken(lw, node, plan, s, outer)
+        outer.update(zip(s.outs, hit or (None,) * len(s.outs)))
+        taken.update((v, s) for v in s.outs if hit is not None)
+    made_by = _cut(plan, made_by, set(made_by) - set(taken))
+    fed, stay = lw.memo.get(__name__ + ".fed", set()), set()
+    while True:
+        ends = _ends(plan, made_by, frozenset(stay))
+        unfed = {id(made_by[v]) for v in ends if outer.get(v) not in fed}
+        if not unfed:
+            return ends, made_by, stay
+        stay |= unfed
+
+
+def _producer(plan: Plan, v: int) -> Step:
+    """The step of ``plan`` making value ``v`` (a constant the hoisted steps read)."""
+    return next(t for t in plan.steps if v in t.outs)
+
+
+def _hold(lw, src: int, to, copy: int) -> None:
+    """Record ``copy`` as value ``src`` at sharding ``to``, and as what ``src`` was moved from at
+    it too (a chain of moves over two axes: a later re-layout of the tensor takes the copy)."""
+    seen = set()
+    while src is not None and src not in seen:
+        seen.add(src)
+        lw.hold(src, to, copy)
+        src = lw.cut_from(src)
+
+
+def _key(s: Step, src: list[int], vals: list) -> tuple:
+    """What a step made outside must agree on to be taken again (besides its args)."""
+    return (s.kind, s.op, s.axes, tuple(src), tuple((v.shape, v.dtype, v.sharding) for v in vals))
+
+
+def _same(a, b) -> bool:
+    """Whether two steps' args (kernels, attrs, tensors among them) are the same."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b)))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _origins(made_by: dict[int, Step], v: int) -> list[int]:
+    """The values outside ``made_by`` that value ``v`` is made from (closed-over inputs, constants)."""
+    todo, seen, out = [v], set(), []
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x in made_by:
+            todo.extend(reversed(made_by[x].ins))
+        else:
+            out.append(x)
     return out
 
 
-def _start(made_by: dict, v: int) -> int:
-    """The closed-over input value ``v`` was moved from."""
+def _moves_only(made_by: dict[int, Step], v: int) -> bool:
+    """Whether value ``v`` is a closed-over input brought to another sharding by moves alone."""
     while v in made_by:
+        if made_by[v].kind not in _MOVES:
+            return False
         v = made_by[v].ins[0]
-    return v
+    return True
 
 
 def _source(plan: Plan, made_by: dict, v: int, closed: tuple) -> str:
-    """The closed-over input name value ``v`` was moved from."""
-    return next(k for k in closed if plan.inputs.get(k) == _start(made_by, v))
+    """The first closed-over input name value ``v`` is made from."""
+    given = set(_origins(made_by, v))
+    return next(k for k in closed if plan.inputs.get(k) in given)
 
 
-def _rewired(plan: Plan, ends: list[int], names: list[str], sources: list[str], drop: set[int]) -> Plan:
-    """``plan`` without the hoisted moves, each kept end an input named as ``names`` say, fed
-    like its closed-over input (``sources``)."""
+def _rewired(plan: Plan, ends: list[int], names: list[str], sources: list[str], hoisted: list[Step]) -> Plan:
+    """``plan`` without the ``hoisted`` steps (and constants only they read), each kept end an
+    input named as ``names`` say, fed like its closed-over input (``sources``)."""
+    gone = {id(s) for s in hoisted}
+    read = {v for s in plan.steps if id(s) not in gone for v in s.ins} | set(plan.outputs.values())
+    gone |= {id(s) for s in plan.steps if s.kind == "local" and not s.ins and not any(v in read for v in s.outs)}
     at = next((i for i, s in enumerate(plan.steps) if s.kind != "input"), len(plan.steps))
-    head, tail = list(plan.steps[:at]), [s for s in plan.steps[at:] if id(s) not in drop]
+    head, tail = list(plan.steps[:at]), [s for s in plan.steps[at:] if id(s) not in gone]
     feeds = {s.args.get("name"): s for s in plan.steps if s.kind == "input"}
     fed = [replace(feeds[k], ins=(), outs=(v,), args={"name": n, "tensor": feeds[k].args["tensor"]},
-                   note="moved once before the loop") for v, n, k in zip(ends, names, sources)]
+                   note="made once before the loop") for v, n, k in zip(ends, names, sources)]
     return replace(plan, steps=[*head, *fed, *tail], inputs={**plan.inputs, **dict(zip(names, ends))})

@@ -26,8 +26,9 @@ backward sub-plan takes one layer's slice of each one's stacked gradient
 (``cotangent/<name>``).
 
 Tensors the block reads from outside (:mod:`meshdsl.ir.closure`) are fed to every
-layer in their own layout, reduced (where the block moves one, an allgather or alltoall, the
-move is made once before the loop and the block reads the copy, :mod:`.hoist`); the backward
+layer in their own layout, reduced (where the block moves one, trades its halo, reduces a
+partial sum of it or computes from it alone, that work is made once before the loop and the
+block reads the copy, :mod:`.hoist`); the backward
 sub-plan outputs each one's gradient as its rules leave it, and the loop sums the layers' (a
 sum over the stages too when the layers are pipelined: one allreduce over the stage axis, made
 transfers by :mod:`.partition`).  A partial sum a backward layer reads on the way to such a gradient and
