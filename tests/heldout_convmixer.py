@@ -3,7 +3,9 @@
 A patch-embedding conv (kernel = stride = patch), gelu and a norm; ``layers`` blocks under
 md.repeat of a depthwise conv (5x5, 'same') + gelu + norm with a residual, then a pointwise
 (1x1) conv + gelu + norm; a global mean pool and a linear head with cross-entropy. The norm is
-BatchNorm's batch statistics per channel (form=batch) or a layer norm over channels (form=layer).
+BatchNorm's batch statistics per channel, as a composite of means (form=batch) or as
+md.batch_norm (form=bnorm: one collective for the statistics forward, one backward), or a layer
+norm over channels (form=layer).
 
 Legend: b batch, h/w height/width, c channels (image), d hidden, kh/kw taps, K classes.
 """
@@ -16,7 +18,7 @@ import meshdsl as md
 
 @dataclasses.dataclass
 class Config:
-    form: str = "layer"         # "layer": layer norm over channels; "batch": batch statistics
+    form: str = "layer"         # "layer": layer norm over channels; "batch": batch statistics; "bnorm": md.batch_norm
     batch: int = 4
     image: int = 16
     channels: int = 3
@@ -36,6 +38,8 @@ class Config:
 def _norm(cfg, x, scale, bias):
     if cfg.form == "layer":
         return md.layer_norm(x, "hidden", scale, bias)
+    if cfg.form == "bnorm":
+        return md.batch_norm(x, ["batch", "height", "width"], scale, bias)
     mean = md.reduce_mean(x, ["batch", "height", "width"])
     c = x - mean
     var = md.reduce_mean(c * c, ["batch", "height", "width"])
@@ -43,8 +47,8 @@ def _norm(cfg, x, scale, bias):
 
 
 def build(cfg: Config) -> md.Model:
-    if cfg.form not in ("layer", "batch"):
-        raise ValueError(f"form={cfg.form!r}: 'layer' or 'batch'")
+    if cfg.form not in ("layer", "batch", "bnorm"):
+        raise ValueError(f"form={cfg.form!r}: 'layer', 'batch' or 'bnorm'")
     B, Hh, Ww = md.Dim("batch", cfg.batch), md.Dim("height", cfg.image), md.Dim("width", cfg.image)
     C, D, K, L = md.Dim("channels", cfg.channels), md.Dim("hidden", cfg.hidden), md.Dim("classes", cfg.classes), md.Dim("layer", cfg.layers)
     PH, PW = md.Dim("ph", cfg.patch), md.Dim("pw", cfg.patch)

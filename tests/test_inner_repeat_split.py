@@ -24,10 +24,10 @@ HERE = Path(__file__).parent
 XLSTM, GRIFFIN, LSTM = (str(HERE / f"heldout_{n}.py") for n in ("xlstm", "griffin", "lstm"))
 
 
-def _rwkv(seq: int = 6) -> tuple[dict, dict]:
+def _rwkv(seq: int = 6, remat: str = "none") -> tuple[dict, dict]:
     """Two layers of an RWKV-like time mix (its WKV recurrence an inner ``md.repeat`` over
     ``seq``, reading the layer's decay and bonus from outside its block) and a squared-ReLU
-    MLP, pointwise in ``seq``; the loss and every param's gradient, and the feeds."""
+    MLP, pointwise in ``seq``; the loss and every param's gradient (under ``remat``), and the feeds."""
     batch, s, d, ff = md.Dim("batch", 2), md.Dim("seq", seq), md.Dim("d", 4), md.Dim("d_ff", 8)
     layer, d_in, ab = md.Dim("layer", 2), md.Dim("d_in", 4), md.Dim("ab", 2)
     with md.Graph():
@@ -60,7 +60,7 @@ def _rwkv(seq: int = 6) -> tuple[dict, dict]:
             return x_bsd + md.einsum("batch seq d_ff, d_ff d -> batch seq d", h, q["w_2"])
 
         loss = md.reduce_mean(md.repeat(block, x, p, "layer") ** 2)
-        outs = {"loss": loss, **{f"grad/{k}": g for k, g in md.grad(loss, p).items()}}
+        outs = {"loss": loss, **{f"grad/{k}": g for k, g in md.grad(loss, p, remat=remat).items()}}
     return outs, {"x": torch.randn(2, seq, 4, generator=torch.Generator().manual_seed(0))}
 
 
@@ -103,17 +103,38 @@ def _collectives(plan, inside: str = "") -> list[tuple[str, str, str]]:
 def test_the_only_collectives_at_the_recurrence_are_its_gathers():
     """Under ``seq:model`` the plan moves, besides the loss's and the gradients' sums (those of
     ``batch:model`` too), only the gathers at the inner repeat: its stacked inputs ``k``, ``v``
-    (in the forward, and again where the backward recomputes the block) and its per-step
-    output's gradient; the per-step outputs and the stacked inputs' gradients are read back as
-    local slices (no reduce-scatter, no alltoall)."""
+    (in the forward only: the forward saves them gathered, and the backward's recompute of the
+    recurrence reads them so) and its per-step output's gradient; the per-step outputs and the
+    stacked inputs' gradients are read back as local slices (no reduce-scatter, no alltoall)."""
     outs, _ = _rwkv()
     split = _collectives(md.compile(outs, "model:2", "seq:model"))
     gathers = sorted((where.count("/"), note.split(":")[0]) for where, kind, note in split if kind == "allgather")
     assert gathers == [(1, "re-layout stacked param 'k'"), (1, "re-layout stacked param 'v'"),
-                       (2, "re-layout gradient of per-layer output 'wkv'"),
-                       (2, "re-layout stacked param 'k'"), (2, "re-layout stacked param 'v'")], split
+                       (2, "re-layout gradient of per-layer output 'wkv'")], split
     rest = sorted(kind for _, kind, _ in split if kind != "allgather")
     assert rest == sorted(kind for _, kind, _ in _collectives(md.compile(outs, "model:2", "batch:model"))), split
+
+
+@pytest.mark.parametrize("remat, regathered", [("none", 0), ("selective", 0), ("full", 2)])
+def test_the_backward_reads_the_recurrences_inputs_as_the_forward_gathered_them(remat, regathered):
+    """The outer backward recomputes the recurrence under every remat policy.  Where the policy
+    saves its stacked inputs (``k`` and ``v``, einsum outputs: ``none`` and ``selective``), the
+    forward saves them gathered, the local slices are not saved besides, and the recompute
+    gathers nothing; under ``full`` the recompute gathers each once (the recurrence's gradient
+    reads the same copy).  Nothing the forward saves goes unread by the backward (the
+    recurrence's stacked carries, made again by the recompute, were saved before)."""
+    outs, feeds = _rwkv(remat=remat)
+    plan = md.compile(outs, "model:2", "seq:model")
+    again = [note for where, kind, note in _collectives(plan)
+             if kind == "allgather" and "stacked param" in note and where.count("/") == 2]
+    assert len(again) == regathered, again
+    fwd, bwd = (next(s for s in plan.steps if s.kind == "repeat" and s.args["backward"] == b) for b in (False, True))
+    read = {v for s in bwd.subplans[0].steps for v in s.ins}
+    assert all(bwd.subplans[0].inputs[n] in read for n in bwd.args["saved"]), bwd.args["saved"]
+    assert fwd.args["saved"] == bwd.args["saved"]
+    whole = [n for n in fwd.args["saved"] if not fwd.subplans[0].values[fwd.subplans[0].outputs[n]].sharding.used_axes]
+    assert len(whole) == (2 if remat != "full" else 0), whole   # k's and v's gathered copies only
+    _assert_dense(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), f"seq:model, remat={remat}")
 
 
 def test_a_pipeline_of_layers_gathers_each_stages_recurrence():

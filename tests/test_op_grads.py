@@ -245,6 +245,8 @@ case("layer_norm_plain")(lambda x: md.layer_norm(x("x", [A, B, C]), "c"))
 case("layer_norm_affine")(lambda x: md.layer_norm(x("x", [A, B, C]), "c", x("s", [C]), x("t", [C])))
 case("layer_norm_scale_only")(lambda x: md.layer_norm(x("x", [A, B, C]), "b", scale=x("s", [B])))
 case("layer_norm_inner_dim")(lambda x: md.layer_norm(x("x", [A, B, C]), "a", x("s", [A]), x("t", [A])))
+# batch norm over two dims with its batch mean and variance as outputs too (their gradient reaches x)
+case("batch_norm")(lambda x: md.batch_norm(x("x", [A, B, C]), ["a", "c"], x("s", [B]), x("t", [B]), stats=True))
 case("rms_norm_plain")(lambda x: md.rms_norm(x("x", [A, B, C]), "c"))
 case("rms_norm_scale")(lambda x: md.rms_norm(x("x", [A, B, C]), "b", x("s", [B])))
 case("rms_norm_scale_last")(lambda x: md.rms_norm(x("x", [A, B, C]), "c", x("s", [C])))
@@ -486,12 +488,23 @@ def _twice(first):
     return build_loss
 
 
+def _bias_grad_of_batch_norm(x):
+    """A loss of batch_norm's bias gradient (a row of ``batch_norm_backward_sums``' result)."""
+    t, b = x("x", [A, B, C]), x("b", [C])
+    y = md.batch_norm(t, ["a", "b"], bias=b)
+    (g,) = md.vjp([y], [x("w", y.shape)], [b])
+    return md.reduce_sum(g * g), t
+
+
 #: backward kernels (float results, no rule): a second-order gradient through them is refused.
 SECOND_ORDER = {
     "softmax_backward": _twice(lambda t, x: md.softmax(t, "c")),
     "normalize_backward": _twice(lambda t, x: md.layer_norm(t, "c")),
     "rms_norm_backward": _twice(lambda t, x: md.rms_norm(t, "c", x("s", [C]))),
     "layer_norm_backward": _twice(lambda t, x: md.layer_norm(t, "c", x("s", [C]), x("o", [C]))),
+    "batch_norm_backward": _twice(lambda t, x: md.batch_norm(t, ["a", "b"], x("s", [C]))),
+    # the bias's gradient is a row of the backward's sums alone
+    "batch_norm_backward_sums": lambda x: _bias_grad_of_batch_norm(x),
     "relu_backward": _twice(lambda t, x: md.relu(t)),
     "gelu_backward": _twice(lambda t, x: md.gelu(t)),
     "silu_backward": _twice(lambda t, x: md.silu(t)),

@@ -414,6 +414,15 @@ def _normalize():
     return {"plain": md.layer_norm(x, "seq"), "affine": affine}, {}
 
 
+@case("batch_norm")
+def _batch_norm():
+    # over two dims per feature, with the batch variance as an output too.  x is a full param
+    # (as in "normalize" above): an outer product's factors along the normalised dims would cancel.
+    y, _, var = md.batch_norm(_p("x_bsf", [B, md.Dim("seq", 2), F]), ["batch", "seq"], _p("g_f", [F]),
+                              _p("b_f", [F]), stats=True)
+    return {"y": y, "var": var}, {}
+
+
 @case("rms_norm")
 def _rms_norm():
     # one op with its scale over its own dim ("scale", "plain": no scale), and over the first
@@ -680,7 +689,8 @@ EXERCISED_BY = {
     # backward ops: only a gradient makes them (build_case differentiates each case's loss)
     "softmax_backward": "softmax", "gelu_backward": "gelu", "relu_backward": "relu", "silu_backward": "silu",
     "cross_entropy_backward": "cross_entropy", "layer_norm_backward": "layer_norm",
-    "normalize_backward": "normalize", "rms_norm_backward": "rms_norm",
+    "normalize_backward": "normalize", "rms_norm_backward": "rms_norm", "batch_norm_stats": "batch_norm",
+    "batch_norm_backward_sums": "batch_norm", "batch_norm_backward": "batch_norm",
     "attention_backward": "attention", "repeat_grad": "repeat", "conv_weight_grad": "conv",
     # reached through another op or a function of another name
     "scatter_add": "gather",                          # the table's gradient

@@ -276,7 +276,9 @@ class Layout:
                     r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
                     rule="a split dim has at least one element per part (an uneven split is allowed, "
                          "an empty part is not)",
-                    fix=f"map '{name}' to smaller axes, or leave it whole")
+                    fix=f"map '{name}' to smaller axes, or leave it whole; to keep '{name}' split in the other "
+                        f"tensors, give this one's dim a name of its own (e.g. Dim('{name}_{size}', {size}) in its "
+                        "md.param or md.input, and md.rename what meets it), which the rule does not reach")
         axes_of = {n: tuple(a for a in r.axis_names if mesh.sizes[a] > 1) for n, r in wanted.items()}
         users: dict[str, list[str]] = {}
         for name, axes in axes_of.items():

@@ -4,7 +4,8 @@ Nodes are lowered in build order, each by its op's rule (most use the generic
 rule in :mod:`.generic`).  Values are re-laid out only where a consumer needs
 it (a value made from iota and constants alone is made again there, :mod:`.remake`;
 a split tensor that one reader gathers and another reduces around is lowered once more,
-every reader knowing of the gather, :mod:`.shared_moves`); outputs are brought to their
+every reader knowing of the gather, :mod:`.shared_moves`; a value computed from params alone may
+keep its params' layout, :mod:`.param_values`); outputs are brought to their
 layout at the end.  Plans are cached on the
 graph, the outputs, the mesh and the layout (the last 64 compilations); a
 cached plan is immutable, so handing it out again is safe.
@@ -25,10 +26,12 @@ from .accumulate import accumulate
 from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .coalesce import coalesce
+from .concat import absorbed_parts
 from .fuse import fuse as fuse_steps
 from .cyclic_dims import NotCyclic, store_cyclic
 from .implied import implied_layout
 from .lazy_grads import lazy_to_gradients, lazy_to_smaller_sums
+from .param_values import better, offering, offers, param_scopes, with_param_targets
 from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
@@ -90,6 +93,7 @@ class Lowerer:
         self._targets: dict[int, list] = {}
         self._relaid: dict[tuple[int, Sharding], int] = {}  # a value is re-laid out once per target
         self._held: dict[int, frozenset] = {}   # value -> the shardings it was re-laid out to (_relaid's keys)
+        self._made_from: dict[int, int] = {}    # a value relayout made -> the value it was made from
         # id(Tensor) -> shardings it will be brought to anyway, and -> the one sharding its readers
         # move it to (a repeat's block lowered before did so): the generic rule prices the first
         # free, as held, and an output made elsewhere than the second with that move (:mod:`.foresight`)
@@ -113,6 +117,8 @@ class Lowerer:
         self.through_used = False
         # What a rule shares between the nodes it lowers (the halo exchanges of lowering/halo.py).
         self.memo: dict = {}
+        # id(Tensor) -> its params' scopes and dims, for a value computed from params alone (:mod:`.param_values`)
+        self.param_scopes: dict[int, tuple] = {}
 
     # -- values
     def new_value(self, shape, dtype, sharding: Sharding) -> int:
@@ -178,7 +184,11 @@ class Lowerer:
     def targets(self, t: Tensor, strict: bool = False) -> list[tuple[Sharding, str]]:
         key = id(t)
         if key not in self._targets:
-            self._targets[key] = self.layout.targets(t.shape, t.scopes, self.mesh, t.name, strict)
+            own = self.layout.targets(t.shape, t.scopes, self.mesh, t.name, strict)
+            made = self.param_scopes.get(key)
+            if made is not None and not strict and not t.scopes and self.num_uses(t) == 1:
+                own = with_param_targets(self.layout, t, own, made[0], self.mesh)   # (also laid as its params are)
+            self._targets[key] = own
         return self._targets[key]
 
     def target(self, t: Tensor) -> Sharding:
@@ -227,6 +237,12 @@ class Lowerer:
         key = (vid, to)
         if key in self._relaid:
             return self._relaid[key]
+        src = self._made_from.get(vid)
+        if src is not None and self.values[src].sharding == to:
+            # ``vid`` is a re-laid copy (a local cut) of a value already at ``to``: read that one,
+            # not a gather of the cut (a carry held whole, cut by ``hidden:model``, renamed whole again)
+            self._relaid[key] = src
+            return src
         remade = remake(self, vid, to, why)
         if remade is not None:
             self._relaid[key] = remade
@@ -241,6 +257,8 @@ class Lowerer:
             vid = out
         self._relaid[key] = vid
         self._held[key[0]] = self.held(key[0]) | {to}
+        if vid != key[0]:
+            self._made_from.setdefault(vid, key[0])
         return vid
 
     def held(self, vid: int) -> frozenset:
@@ -328,11 +346,16 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
     # What this plan reads: a node with optional outputs (a repeat's saved activations) lowers only those.
     lw.used.update(id(t) for n in nodes for t in n.inputs)
     lw.used.update(id(t) for t in outputs.values())
+    if offers(lw, nodes):   # (values computed from params alone, offered their params' layout)
+        lw.param_scopes = param_scopes(nodes, lw.param_scopes)
     if not lw.counted:
         lw.count_readers(outputs.values())
+    absorbed = absorbed_parts(lw, nodes)   # per-part concats, built from their parts' source (None: a part)
     for node in nodes:
-        if not all(id(t) in lw.env for t in node.outputs):  # a second call reuses what the first lowered
-            rule_for(node.op.name)(lw, node)
+        rule = absorbed.get(id(node), rule_for(node.op.name))
+        # a second call reuses what the first lowered
+        if rule is not None and not all(id(t) in lw.env for t in node.outputs):
+            rule(lw, node)
         for name in wanted.get(id(node), ()):
             t = outputs[name]
             tgt = lw.target(t)
@@ -494,6 +517,28 @@ def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
     return lw, lower_into(lw, outputs)
 
 
+def _chosen(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven,
+            spec) -> tuple[Lowerer, dict[str, int]]:
+    """The cheapest of :func:`_lowered`'s lowerings: values computed from params alone offered their
+    params' layout or not (:mod:`.param_values`), then lowered again foreseeing the moves of a
+    split tensor that one reader gathers and another reduces around (:mod:`.shared_moves`)."""
+    with offering(True) as rec:
+        lw, outs = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
+    on = rec.offered
+    if on:   # (a greedy choice may gather in pieces what was gathered whole)
+        with offering(False):
+            plain = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
+        if not better(lw, plain[0], cheaper):
+            lw, outs, on = *plain, False
+    ahead = foresee(lw)   # a split tensor moved by one reader, reduced around by another
+    if ahead:
+        with offering(on):
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead)
+        if cheaper(again[0], lw):
+            lw, outs = again
+    return lw, outs
+
+
 def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: CostModel, fuse: bool,
                 microbatches: int, schedule: str, bucket_mb: float, strict_splits: bool, stage_layers) -> Plan:
     """:func:`_lower` once the layout's implied rules are known."""
@@ -507,12 +552,7 @@ def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: Co
     if spec is not None:  # lowered with the micro-batch axis (when m > 1)
         mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied, layout.cyclic)
     with users_terms((mesh, layout), given, microbatches):   # errors speak of the user's mesh and layout
-        lw, outs = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
-        ahead = foresee(lw)   # a split tensor moved by one reader, reduced around by another
-        if ahead:
-            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead)
-            if cheaper(again[0], lw):
-                lw, outs = again
+        lw, outs = _chosen(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
         steps = store_cyclic(lw.steps, lw.values, lw.mesh, layout)   # (block-cyclic dims: :mod:`.cyclic_dims`)
         steps = fuse_steps(steps, lw.values, outs) if fuse else steps
         holders = {}

@@ -20,15 +20,18 @@ from ..ops.leaf import placeholder
 from .rules import rule_for
 
 
-def lower_composite(lw, node, build: Callable[..., Sequence[Tensor]]) -> None:
-    """Lower ``node`` as ``build(*inputs)``: the sub-graph's outputs, one per output of ``node``."""
+def lower_composite(lw, node, build: Callable[..., Sequence[Tensor]], inputs=None) -> None:
+    """Lower ``node`` as ``build(*inputs)``: the sub-graph's outputs, one per output of ``node``;
+    ``inputs``: the tensors it is built from, ``node.inputs`` unless given (a per-part concat's
+    source, :mod:`.concat`)."""
+    inputs = list(node.inputs if inputs is None else inputs)
     g = Graph(f"{node.graph.name}/{node.op.name}")
     with g, g.in_phase(node.phase), g.scope(node.op.name):
-        ins = [placeholder(f"in{i}", t.shape, t.dtype, t.scopes) for i, t in enumerate(node.inputs)]
+        ins = [placeholder(f"in{i}", t.shape, t.dtype, t.scopes) for i, t in enumerate(inputs)]
         outs = list(build(*ins))
-    for p, t in zip(ins, node.inputs):
+    for p, t in zip(ins, inputs):
         lw.bind(p, lw.value(t))
-    _share_lowered(lw, node, g, ins)
+    _share_lowered(lw, node, g, ins, inputs)
     lw.count_readers(outs)
     for n in topo_nodes(outs, lw.env):
         rule_for(n.op.name)(lw, n)
@@ -36,10 +39,10 @@ def lower_composite(lw, node, build: Callable[..., Sequence[Tensor]]) -> None:
         lw.bind(t, lw.value(o))
 
 
-def _share_lowered(lw, node, sub: Graph, ins) -> None:
+def _share_lowered(lw, node, sub: Graph, ins, inputs) -> None:
     """Bind each node of ``sub`` that ``node``'s graph has already built and lowered (a ``cse``
     op of the same tensors, attrs and phase: :meth:`Graph.built`) to that node's values."""
-    outer = {id(p): t for p, t in zip(ins, node.inputs)}   # sub-graph tensor -> enclosing one
+    outer = {id(p): t for p, t in zip(ins, inputs)}   # sub-graph tensor -> enclosing one
     for n in sub.nodes:
         if not n.op.cse or any(id(x) not in outer for x in n.inputs):
             continue

@@ -34,7 +34,10 @@ layers (an encoder's output) is made on the first stage that reads it and sent o
 the carry, unless it is made from the inputs alone (crops cut into patches): then each stage
 that reads it makes it from its feeds.  Its gradient, each stage's sum over its own layers,
 travels back down the stages to stage 0 with the carry's gradient (:mod:`.stage_sum`); a
-param's is summed over the stages after the micro-batches, as the global norm's sums are.
+param's is summed over the stages after the micro-batches, as the global norm's sums are.  When the
+head after the layers reads it too (a pointer over an encoder's output), the head's term comes down
+from the last stage to meet that sum on stage 0, so the encoder's backward runs there per
+micro-batch, as its forward did (:func:`_meet`), not on every stage after the micro-batches.
 
 Several stacks on the stage axis (an encoder-decoder with ``layer:stage; enc_layer:stage``):
 each stack runs on its own run of stages (the stages cut the stacks' layers one after another,
@@ -430,18 +433,30 @@ def _meet(cut: _Cut, i: int, anchored: list, in_b: set, after_mb: set) -> frozen
     later one's last): a forward step on the latest of them (values go up with the carry: the losses
     of both stacks added), a backward one (``in_b``: it reads a backward's results) on the earliest
     (values come down with its gradient: the later stack's input gradient meets the earlier one's
-    saved output on the earlier one's last stage, where the steps between the stacks ran).  None:
-    not such a step, one after the micro-batches (``after_mb``: a gradient norm's parts, summed over
-    the stages there), or one adding parts of a sum over the micro-batches (a tied embedding's two
-    gradients: added once, after them)."""
-    if not cut.chains or i in after_mb or any(len(h) != 1 for h in anchored):
+    saved output on the earlier one's last stage, where the steps between the stacks ran).  A
+    backward step whose values lie on one stack's stages runs on the earliest too: an encoder's
+    output read by the stack's blocks and by the head after it gets its gradient's stage sum on the
+    stack's first stage, where the encoder ran, and the head's term from the last stage's forward;
+    they meet there, so the encoder's backward runs there per micro-batch, on its saved activations,
+    not on every stage after the micro-batches.  None: not such a step, one after the micro-batches
+    (``after_mb``: a gradient norm's parts, summed over the stages there), or one adding parts of a
+    sum over the micro-batches (a tied embedding's two gradients: added once, after them)."""
+    if i in after_mb or any(len(h) != 1 for h in anchored):
         return None
     if any(MB_AXIS in cut.values[v].sharding.partial for v in cut.steps[i].ins):
         return None
     at = {min(h) for h in anchored}
-    if len(at) < 2 or not any(a.hi <= min(at) and max(at) <= b.hi for a, b in cut.chains):
+    if len(at) < 2:
         return None
-    return frozenset({min(at) if i in in_b else max(at)})
+    lo, hi = min(at), max(at)
+    if any(a.hi <= lo and hi <= b.hi for a, b in cut.chains):
+        return frozenset({lo if i in in_b else hi})
+    # (one stack on virtual stages: its chunks move values only up the stages in the forward,
+    # :func:`.interleave._out_of_order`, so the head's term is added after the micro-batches there)
+    one_stack_chunked = not cut.spec.stacks and cut.spec.schedule.num_chunks > 1
+    if i in in_b and not one_stack_chunked and any(st.lo <= lo and hi <= st.hi for st in cut.stacks):
+        return frozenset({lo})
+    return None
 
 
 def _tower_lifts(cut: _Cut) -> dict[int, int]:

@@ -5,7 +5,8 @@ sliced along ``layer`` locally.  ``layer`` is whole, or split over the pipeline
 axis (:mod:`.pipeline`): then each stage's sub-plan runs its ``layers / p`` local
 layers, and the stacked carries, activations and gradients stay split like the
 params.  A repeat inside a block (a recurrence over ``seq``) whose scanned dim the layout
-splits gathers it: each rank runs every step (:func:`_scan_target`).  In the backward block,
+splits gathers it: each rank runs every step (:func:`_scan_target`; the outer backward reads the
+gathered inputs the forward saved, :mod:`.saved_copies`).  In the backward block,
 parameter gradients may stay lazy partial sums, so they are reduced once, stacked, after the loop.
 
 The forward sub-plan also outputs the activations the remat policy saves for the
@@ -59,7 +60,8 @@ from .hoist import hoist_moves
 from .pipeline import MB_AXIS
 from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
-from .saved_copies import copies_of, drop_unread, halo_strips, record, reglue, strip_of, worth_saving
+from .saved_copies import (copies_of, drop_unread, gathered_for_scan, halo_strips, record, reglue, strip_of,
+                           worth_saving)
 
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
@@ -150,7 +152,7 @@ def lower_repeat(lw: Lowerer, node) -> None:
     ins, feeds = _lower_operands(lw, loop, carry_sh)
     num_local = node.attrs["layer"].size // lw.mesh.axis_size(loop.layer_axes)  # layers per stage
     plan, saved_names = _lower_block(lw, loop, feeds, ins, num_local)
-    if loop.copies:
+    if loop.saved:
         plan, ins, saved_names = drop_unread(lw, loop, plan, ins, saved_names)
     carry = loop.dy if loop.backward else loop.carry
     carry_bytes = carry_sh.local_numel(loop.carry_shape, lw.mesh) * carry.dtype.itemsize
@@ -188,7 +190,10 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list,
     for k, t in zip(loop.names, loop.stacked):
         tgt = _scan_target(lw, loop, k)
         loop.layer_axes = tgt.axes_of(layer)
-        ins.append(lw.relayout(lw.value(t), tgt, node, f"stacked param '{k}'"))
+        src = lw.value(t)
+        ins.append(lw.relayout(src, tgt, node, f"stacked param '{k}'"))
+        if not loop.backward and mesh.axis_size(lw.sharding(src).axes_of(layer)) > mesh.axis_size(loop.layer_axes):
+            gathered_for_scan(lw, src, tgt)   # a recurrence's input gathered whole: the backward reads it again
         feeds[k] = _slice_sharding(tgt, layer)
     if loop.backward:
         ins.append(lw.relayout(lw.value(loop.dy), carry_sh, node, "carry gradient"))
@@ -222,7 +227,9 @@ def _scan_target(lw: Lowerer, loop: _Loop, name: str) -> Sharding:
     are gathered at the step (an RWKV or xLSTM recurrence under ``seq:model``: the model around it
     stays sequence-parallel), and its stacked outputs leave it whole, so a reader that wants them
     split takes its local slice, no collective; backward, the per-step outputs' gradients are
-    gathered likewise.  Even or uneven, over any axes, as GSPMD would.
+    gathered likewise.  Even or uneven, over any axes, as GSPMD would.  The outer backward
+    recomputes the inner repeat; where the remat policy saves a gathered input, the forward
+    saves the gathered copy and the recompute reads it (:mod:`.saved_copies`).
 
     Raises:
       LayoutError: the outermost repeat's layer dim split over other axes than its pipeline's (the

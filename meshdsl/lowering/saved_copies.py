@@ -18,6 +18,19 @@ against bytes: the strips are ``hl + hr`` rows per layer, exactly what the permu
 carry each layer; as for re-laid copies, they are kept where that is no more than the activation's
 own part (a window reaching past the neighbours exchanges again).
 
+A recurrence nested in the block (an inner repeat over a split ``seq``, :func:`~.repeat._scan_target`)
+gathers its stacked inputs whole, and the backward recomputes the inner repeat under every remat
+policy (its own saved activations exist in the backward's re-trace only), reading them gathered in
+the recompute and in the inner repeat's gradient.  The forward saves the gathered copy of each such
+input the policy saves (:func:`gathered_for_scan`), ``p`` times its local part, and the backward
+reads it, no allgather (DeltaNet under ``seq:model``: 4 allgathers per layer in the recompute
+before); the local part, then read by nothing, is not saved (:func:`drop_unread`), so the cost is
+``p - 1`` times the local part per input and layer, memory the forward holds anyway while the
+recurrence runs.  The policy chooses: under ``none`` and ``selective`` where it saves the input,
+the copy is saved; under ``full`` nothing is, and the recompute gathers once (the inner repeat's
+gradient reads the same gathered value).  Likewise any saved activation the backward sub-plan
+does not read (the inner repeat's stacked carries, which the recompute makes again) is dropped.
+
 Under remat the backward recomputes what the policy does not save, and no copy is saved of that.
 The memory report counts each copy with the saved activations (``args["saved"]``).
 """
@@ -37,6 +50,8 @@ COPIES = "saved copies"
 
 #: ``lw.memo`` key (with a stacked copy's value id): the :class:`Strip` it is, where it is one.
 STRIPS = "saved strips"
+#: ``lw.memo`` key (with a value id): the shardings an inner repeat gathered it to, its scanned dim whole.
+SCANNED = "gathered for a scan"
 #: ``lw.memo`` key prefix of :func:`~.halo.extend`'s exchanges: ``(HALO, vid, dim, wrap) -> (hl, hr, ext, ...)``.
 HALO = "halo"
 
@@ -114,6 +129,12 @@ def reglue(sub: Lowerer, node, vid: int, pieces: list[tuple[Strip, int]]) -> Non
         sub.memo[(HALO, vid, *key)] = (first.hl, first.hr, ext, *first.more)
 
 
+def gathered_for_scan(lw: Lowerer, vid: int, to: Sharding) -> None:
+    """Note that an inner repeat (a recurrence inside the block, :func:`~.repeat._scan_target`)
+    read value ``vid`` gathered to ``to``, its scanned dim whole (:func:`worth_saving`)."""
+    lw.memo.setdefault((SCANNED, vid), set()).add(to)
+
+
 def worth_saving(sub: Lowerer, vid: int) -> list[Sharding]:
     """The shardings the forward block already brought saved value ``vid`` to (an einsum's
     operand moved by an alltoall) that the forward saves too, so a backward reading it there
@@ -121,28 +142,35 @@ def worth_saving(sub: Lowerer, vid: int) -> list[Sharding]:
     than the value's own (an alltoall's, a further split's).  Memory against bytes: such a
     copy costs at most the activation's own size per layer and saves at least that many bytes
     each way per layer; a gathered copy (an allgather's, ``n`` times the memory) is not kept,
-    the backward gathers again.  Copies the backward does not read are dropped from the
+    the backward gathers again, except one a recurrence in the block reads (:func:`gathered_for_scan`):
+    the backward's recompute of the recurrence reads it whole whatever it costs, and the local
+    part it replaces is dropped.  Copies the backward does not read are dropped from the
     forward step after it is lowered (:func:`drop_unread`)."""
     v, mesh = sub.values[vid], sub.mesh
     own = v.sharding.local_numel(v.shape, mesh)
-    return sorted((to for to in sub.held(vid) if not to.partial and to.local_numel(v.shape, mesh) <= own),
-                  key=str)
+    scanned = sub.memo.get((SCANNED, vid), ())
+    return sorted((to for to in sub.held(vid)
+                   if not to.partial and (to.local_numel(v.shape, mesh) <= own or to in scanned)), key=str)
 
 
 def drop_unread(lw: Lowerer, loop, plan: Plan, ins: list, names: list[str]) -> tuple:
     """``(plan, ins, names)`` without the saved copies the backward sub-plan ``plan`` does not
-    read, each dropped from the forward step that saves it too (it keeps those read)."""
+    read, each dropped from the forward step that saves it too (it keeps those read); likewise
+    a saved activation this backward step alone is given and does not read (a recurrence's
+    input, read as its gathered copy; the inner repeat's stacked carries, recomputed)."""
     read = {v for s in plan.steps for v in s.ins}
     glued = [s for s in plan.steps if s.kind == "local" and s.op == "saved" and s.outs[0] not in read]
     if glued:   # strips glued on again that no reader took (a conv's backward reads dy's halo instead)
         gone_ids = {id(s) for s in glued}
         plan = replace(plan, steps=[s for s in plan.steps if id(s) not in gone_ids])
         read = {v for s in plan.steps for v in s.ins}
-    at = len(ins) - len(loop.closed) - len(loop.copies)
-    unread = {n for n in names[len(names) - len(loop.copies):] if plan.inputs[n] not in read}
+    num_saved = len(loop.saved)
+    at = len(ins) - len(loop.closed) - len(loop.copies) - num_saved
+    mine = [n for n, t in zip(names, loop.saved) if lw.num_uses(t) == 1]
+    unread = {n for n in mine + names[num_saved:] if plan.inputs[n] not in read}
     if not unread:
         return plan, ins, names
-    gone = [v for n, v in zip(names[len(names) - len(loop.copies):], ins[at:]) if n in unread]
+    gone = [v for n, v in zip(names, ins[at:]) if n in unread]
     for i, s in enumerate(lw.steps):   # the forward step: its outputs end with its saved values, in order
         if s.kind == "repeat" and not s.args["backward"] and set(gone) & set(s.outs):
             first = len(s.outs) - len(s.args["saved"])

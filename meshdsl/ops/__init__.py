@@ -17,7 +17,7 @@ from .argmax import argmax, argmin
 from .embed import arange, causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)
-from .nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
+from .nn import batch_norm, cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
 from . import xent as _xent  # noqa: F401  (registers the fused cross-entropy ops)
 from .reduce import logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
 from .registry import OPS

@@ -27,8 +27,10 @@ import torch.nn.functional as F
 from .elementwise import exp
 from .reduce import reduced_dims, logsumexp
 from .registry import ComputeSpec, Op, apply, register
+from .batchnorm import STAT_DIM, fused_batch_norm
 from .layernorm import _last, fused_layer_norm
 from .rmsnorm import fused_rms_norm
+from .shape_ops import transpose
 from .xent import fused_cross_entropy
 
 
@@ -41,7 +43,8 @@ def _one_dim(x: Tensor, dim, what: str) -> str:
         raise ShapeError(message(
             f"{what}: normalises over one dim; got {len(dim)}: {[_name(d) for d in dim]} of {x!r}.",
             rule=f"{what} takes one dim (md.softmax and md.log_softmax take several)",
-            fix="merge them into one first (md.rearrange(x, '... (a b) ...')), or normalise over each in turn"))
+            fix="merge them into one first (md.rearrange(x, '... (a b) ...')), or normalise over each in turn; "
+                "md.batch_norm(x, dims) normalises over several dims (its scale and bias per value of the others)"))
     (d,) = reduced_dims(x, list(dim) if isinstance(dim, (list, tuple)) else [dim], what)
     return d
 
@@ -206,6 +209,65 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
         if bias is not None:
             y = y + bias
         return y
+
+
+def batch_norm(x: Tensor, dims, scale: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5, stats: bool = False):
+    """Batch norm: ``x`` normalised over ``dims`` per value of its other dims (the features),
+    with the batch statistics (as ``torch.nn.BatchNorm2d`` in training).
+
+    Where a layout splits ``dims`` (``batch:data``, a spatial split, several axes) each rank
+    sums its slice and ONE allreduce combines the sums (fp64 ``[sum x, sum x^2]``); the backward
+    sends ONE more (``[sum g, sum g * x_hat]``), whose rows are also the bias's and the scale's
+    gradients.  Over dims other than the batch it is a normalisation over several dims (a
+    GroupNorm-like norm: its affine then elementwise, ``batch_norm(x, ["cpg", "h", "w"]) * s + b``).
+
+    Args:
+      x: a float tensor, e.g. ``[batch, height, width, hidden]``.
+      dims: the dims normalised over (names or Dims), e.g. ``["batch", "height", "width"]``.
+      scale, bias: params shaped by ``x``'s other dims (``[hidden]``; stacked per layer,
+        ``[layer, hidden]``, a block reads each layer's); None leaves that term out.
+      eps: added to the variance (default 1e-5, torch's).
+      stats: also return the batch ``mean`` and biased ``var`` (per feature), for running
+        statistics kept by ``md.Model(updates=...)`` (docs/guide/training.md).
+
+    Returns:
+      ``y`` with ``x``'s dims, or ``(y, mean, var)`` when ``stats``.
+
+    Raises:
+      ShapeError: a dim ``x`` lacks, no dim or every dim to normalise over, a non-float ``x``,
+        or a scale/bias not shaped by ``x``'s other dims.
+    """
+    what = "batch_norm"
+    _check_float(what, x)
+    names = reduced_dims(x, dims, what) if dims is not None else None
+    if STAT_DIM in x.shape:
+        raise ShapeError(message(f"{what}: {x!r} has a dim '{STAT_DIM}', the name batch_norm's statistics use.",
+                                 rule=f"'{STAT_DIM}' holds batch_norm's [sum, sum of squares] rows",
+                                 fix=f"rename it first: md.rename(x, {STAT_DIM}='...')"))
+    if not names or len(names) == len(x.shape):
+        raise ShapeError(message(
+            f"{what}: dims={dims!r} of {x!r} leave no feature to normalise per."
+            if names else f"{what}: dims={dims!r}: no dim to normalise over in {x!r}.",
+            inputs=[f"x: {x.shape}"],
+            rule=f"{what} normalises over some of x's dims per value of the others",
+            fix="name the batch (and spatial) dims, e.g. ['batch', 'height', 'width']; over every dim, "
+                "write (x - reduce_mean(x)) * rsqrt(...) or layer_norm"))
+    features = x.shape.without(names)
+    params = []
+    for role, p in (("scale", scale), ("bias", bias)):
+        if p is None:
+            params.append(None)
+            continue
+        if not isinstance(p, Tensor) or set(p.shape.names) != set(features.names):
+            raise ShapeError(message(
+                f"{what}: {role} {p!r} must have the dims of {x!r} not normalised over.",
+                inputs=[f"x: {x.shape}", f"dims: {list(names)}", f"{role}: {getattr(p, 'shape', p)}"],
+                rule=f"the {role} holds one value per feature: x's dims but {list(names)}",
+                fix=f"give the {role} dims {list(features.names)} (a scale over other dims: multiply after)"))
+        params.append(p if p.shape.names == features.names else transpose(p, features.names))
+    y, mean, var = fused_batch_norm(x, names, params[0], params[1], eps)
+    return (y, mean, var) if stats else y
 
 
 def rms_norm(x: Tensor, dim, scale: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -15,8 +15,8 @@ op has one rule here:
   embedding, is cast down).  Elementwise maths, data movement, max/min.  A bf16
   activation stays bf16 through them, so the residual stream and the tensor-parallel
   activation allreduces are bf16.
-* ``"none"``: no floating compute to decide (leaves, index ops, explicit casts): the
-  op is rebuilt as written.
+* ``"none"``: no floating compute to decide (leaves, index ops, explicit casts), or an op
+  that decides it itself (batch norm's, :mod:`.batchnorm`): the op is rebuilt as written.
 
 Ops built only by gradients and optimizers (``*_backward``, ``scatter_add``,
 ``repeat_grad``, the updates) are listed too: their dtype follows from the forward's
@@ -55,7 +55,10 @@ _FOLLOW = ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "pow", "sqrt"
            "softplus", "log_sigmoid", "leaky_relu", "elu", "mish", "clamp", "argmax", "argmin", "floor_divide", "remainder",
            "logaddexp")
 _NONE = ("param", "input", "placeholder", "constant", "cast", "iota", "one_hot", "logical_not", "logical_and",
-         "logical_or", "bitwise_xor")
+         "logical_or", "bitwise_xor",
+         # batch norm's kernels sum in fp64 and compute in the statistics' dtype whatever x's, and
+         # give y and dx x's dtype: a bf16 activation stays bf16, the sums' allreduce stays fp64
+         "batch_norm_stats", "batch_norm", "batch_norm_backward_sums", "batch_norm_backward")
 
 #: op name -> "bf16" | "fp32" | "follow" | "none" (see the module docstring).
 POLICY: dict[str, str] = {**{k: "bf16" for k in _MATMUL}, **{k: "fp32" for k in _FP32},

@@ -93,7 +93,8 @@ def train_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
     step = TrainStep(model.loss, model.params, mesh, layout, comm, lr=lr, seed=seed,
                      microbatches=microbatches, schedule=schedule, optimizer=optimizer, clip_norm=clip_norm,
                      precision=precision, bucket_mb=bucket_mb, remat=remat, compile=compile,
-                     stage_layers=stage_layers)   # layers per stage (None: equal)
+                     stage_layers=stage_layers,   # layers per stage (None: equal)
+                     updates=model.updates)       # the frozen params it sets, as `meshdsl train` does
     agree_plan(comm, step.plan)
     feeds = model.feeds(seed)
     for n in range(warmup):
