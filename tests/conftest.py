@@ -318,6 +318,20 @@ def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[
     return losses, norms
 
 
+def assert_adamw_steps_track_dense(path, mesh: str, layout: str, steps: int = 3) -> None:
+    """``steps`` AdamW steps (clipped at 1) of the tiny model at ``path`` on ``mesh``/``layout``
+    (simulated) give the dense program's losses (:func:`adamw_dense_curve`), and move the model."""
+    model = md.load_model(path, tiny=True)
+    opt = md.AdamW(lr=0.01, weight_decay=0.1)
+    want, _ = adamw_dense_curve(model, opt, 1.0, steps)
+    step = md.TrainStep(model.loss, model.params, mesh, layout, md.SimulatedComm(md.Mesh.parse(mesh)),
+                        optimizer=opt, clip_norm=1.0)
+    got = [step(model.feeds(i), lr=0.01)[0] for i in range(steps)]
+    # fp32 sums in another order over a few steps: ~1e-6 relative; a wrong update is O(1e-2)
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    assert want[0] != pytest.approx(want[-1], rel=1e-4)     # the steps moved the model
+
+
 def sgd_dense_losses(model, lr: float, steps: int, seed: int = 0) -> list[float]:
     """The dense program's losses over ``steps`` plain-SGD steps of ``lr``, params initialised
     from ``seed``, every step on the batch ``model.feeds(seed)``: what ``meshdsl run`` trains

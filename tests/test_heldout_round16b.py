@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 import meshdsl as md
-from conftest import (assert_heldout_case_matches_dense, assert_search_top_layouts_match_dense, heldout_case_id,
+from conftest import (assert_adamw_steps_track_dense, assert_heldout_case_matches_dense,
+                      assert_search_top_layouts_match_dense, heldout_case_id,
                       run_cli)
 
 HERE = Path(__file__).parent
@@ -161,13 +162,4 @@ def test_the_searchs_top_layouts_match_dense(path, monkeypatch, tmp_path):
 ], ids=["deform", "mega", "convmixer", "sasrec", "sinks"])
 def test_adamw_steps_track_dense(path, mesh, layout):
     """Three AdamW steps (clipped at 1) on the layout give the dense program's losses."""
-    from conftest import adamw_dense_curve
-    model = md.load_model(path, tiny=True)
-    opt = md.AdamW(lr=0.01, weight_decay=0.1)
-    want, _ = adamw_dense_curve(model, opt, 1.0, 3)
-    step = md.TrainStep(model.loss, model.params, mesh, layout, md.SimulatedComm(md.Mesh.parse(mesh)),
-                        optimizer=opt, clip_norm=1.0)
-    got = [step(model.feeds(i), lr=0.01)[0] for i in range(3)]
-    # fp32 sums in another order over three steps: ~1e-6 relative; a wrong update is O(1e-2)
-    assert got == pytest.approx(want, rel=1e-5), (got, want)
-    assert want[0] != pytest.approx(want[-1], rel=1e-4)     # the steps moved the model
+    assert_adamw_steps_track_dense(path, mesh, layout)
