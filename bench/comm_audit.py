@@ -10,7 +10,9 @@ would question:
 * ``dp``: on the ``data`` axis of data parallelism (``batch:data``, mesh ``data:2``) or FSDP
   (``batch:data; params.X:data``, ``X`` the param dim holding the most bytes, ``d_model`` where
   the model has it), anything but a gradient's reduction, a scalar (the loss, a metric) and,
-  under FSDP, the gather of a param (a value with no batch-like dim);
+  under FSDP, the gather of a param (a value with no batch-like dim) and the reduction of a value
+  computed from params alone (a weight norm's row sums over the split ``X``: each rank holds
+  only its part of ``X``; a value that also reads an input is still flagged);
 * ``megatron``: under tensor parallelism on the model's matmul pair (``heads:model; d_ff:model``,
   else the pair :func:`meshdsl.search.dims.megatron_dims` finds in the graph; mesh ``model:2``),
   a collective other than an allreduce, or a layer body (``md.repeat``) with more than the
@@ -43,7 +45,7 @@ import meshdsl as md  # noqa: E402
 from meshdsl.lowering.plan import Plan  # noqa: E402
 from meshdsl.search.dims import MEGATRON, megatron_dims  # noqa: E402
 from meshdsl.search.estimate import profile  # noqa: E402
-from meshdsl.train.step import training_outputs  # noqa: E402
+from meshdsl.train.step import step_outputs  # noqa: E402
 
 REDUCTIONS = ("allreduce", "reduce_scatter", "bucket_allreduce", "bucket_reduce_scatter")
 GATHERS = ("allgather", "alltoall")
@@ -119,13 +121,30 @@ def layouts_of(model, outputs) -> list[tuple[str, str, str]]:
     return out
 
 
-def _plans(plan: Plan):
-    """``(plan, runs)`` of the plan and each sub-plan, with how often it runs per step."""
-    yield plan, 1
+def _plans(plan: Plan, outer: frozenset = frozenset()):
+    """``(plan, runs, from_params)`` of the plan and each sub-plan, with how often it runs per
+    step and its values computed from params alone (:func:`_from_params`)."""
+    mine = _from_params(plan, outer)
+    yield plan, 1, mine
     for s in plan.steps:
         for k, sub in enumerate(s.subplans):
-            for p, n in _plans(sub):
-                yield p, n * s.runs(k)
+            # a sub-plan's inputs are its step's inputs, in order (a layer's slice of a stacked param)
+            bound = list(sub.inputs.values())
+            inner = frozenset(b for b, v in zip(bound, s.ins) if v in mine) if len(bound) == len(s.ins) \
+                else frozenset()
+            for p, n, params in _plans(sub, inner):
+                yield p, n * s.runs(k), params
+
+
+def _from_params(plan: Plan, bound: frozenset) -> frozenset:
+    """The values of ``plan`` computed from params (or ``bound``: its inputs that are) and
+    constants alone, no input read on the way."""
+    out: set[int] = set()
+    for s in plan.steps:
+        if s.kind == "param" or (s.kind == "input" and set(s.outs) <= bound) or \
+                (s.kind != "input" and not s.subplans and all(v in out for v in s.ins)):
+            out.update(s.outs)
+    return frozenset(out)
 
 
 def _readers(plan: Plan) -> dict[int, list]:
@@ -144,16 +163,19 @@ def _has(plan: Plan, v: int, dims) -> bool:
     return bool(set(plan.values[v].shape.names) & dims)
 
 
-def _rules(name: str, plan: Plan, s, readers, seen, batch_like) -> list[str]:
-    """The flags of collective step ``s`` of ``plan`` under standard layout ``name``."""
+def _rules(name: str, plan: Plan, s, readers, seen, batch_like, from_params=frozenset()) -> list[str]:
+    """The flags of collective step ``s`` of ``plan`` under standard layout ``name``
+    (``from_params``: the values of ``plan`` computed from params alone)."""
     flags = []
     gathers = s.kind in GATHERS
     if name in ("dp", "fsdp") and "data" in s.axes:
         grad = s.kind in REDUCTIONS and s.phase in ("backward", "update") and \
             not any(_has(plan, v, batch_like) for v in s.ins)
         param = name == "fsdp" and s.kind == "allgather" and not any(_has(plan, v, batch_like) for v in s.ins)
-        if not (grad or param or all(_scalar(plan, v) for v in s.ins)):
-            flags.append("dp: not a gradient, scalar or param gather")
+        # params.X:data splits each param's X: a sum over X of a value made from params alone is partial
+        of_params = name == "fsdp" and s.kind in REDUCTIONS and all(v in from_params for v in s.ins)
+        if not (grad or param or of_params or all(_scalar(plan, v) for v in s.ins)):
+            flags.append("dp: not a gradient, scalar, param gather or reduction of a param-only value")
     if name == "megatron" and s.kind not in ("allreduce", "bucket_allreduce"):
         flags.append(f"megatron: {s.kind}")
     if s.kind == "allgather" and any(r.kind == "split" and set(r.axes) & set(s.axes)
@@ -174,7 +196,7 @@ def _rules(name: str, plan: Plan, s, readers, seen, batch_like) -> list[str]:
 def audit_plan(model: str, name: str, mesh: str, rules: str, plan: Plan, batch_like) -> Audit:
     """Every collective of ``plan``, flagged by the rules of standard layout ``name``."""
     a = Audit(model, name, mesh, rules)
-    for sub, runs in _plans(plan):
+    for sub, runs, from_params in _plans(plan):
         readers, seen = _readers(sub), set()
         in_loop = sub is not plan
         per_phase: dict[str, list] = {}
@@ -182,7 +204,7 @@ def audit_plan(model: str, name: str, mesh: str, rules: str, plan: Plan, batch_l
             if not s.is_collective:
                 continue
             row = Row(s.kind, s.axes, runs, runs * s.bytes, s.phase, s.op, s.label, s.note,
-                      _rules(name, sub, s, readers, seen, batch_like))
+                      _rules(name, sub, s, readers, seen, batch_like, from_params))
             a.rows.append(row)
             if name == "megatron" and in_loop and "model" in s.axes:
                 per_phase.setdefault(s.phase, []).append(row)
@@ -198,7 +220,7 @@ def audit_model(path: Path, only=None) -> list[Audit]:
     name = path.stem
     try:   # a model that does not build is one row of the table, not the end of the audit
         model = md.load_model(str(path), tiny=True)
-        outputs = training_outputs(model.loss, model.params, 0.1)
+        outputs = step_outputs(model.loss, model.params, 0.1, updates=model.updates)   # the step `train` runs
     except md.MeshDSLError as e:
         what = [ln for ln in str(e).splitlines() if ln and not ln.startswith((" ", "while building"))]
         return [Audit(name, "build", "", "", error=(what or [str(e)])[0])]   # (the error, not the traceback's lines)

@@ -3,8 +3,10 @@ convs with weight demodulation and fed noise, a toRGB head, a small discriminato
 non-saturating GAN loss (``loss=gan``) or a regression to a target image (``loss=regress``).
 
 ``form=fused`` builds each sample's own weights ``w' = W * s`` normalised over in-channels x taps
-and convolves by one einsum per tap (shifted inputs); ``form=scaled`` scales the input by ``s``,
-runs a plain ``md.conv`` and scales the output by the demodulation factor (the same numbers).
+and convolves by one einsum per tap (shifted inputs); ``form=conv`` builds the same weights and
+convolves by one ``md.conv(..., per="batch")`` (each sample its own filters); ``form=scaled`` scales
+the input by ``s``, runs a plain ``md.conv`` and scales the output by the demodulation factor (the
+same numbers).
 
 Legend: b batch, h height, w width, c channels (in), o c_out, z z_dim, s style (w_dim), l layer.
 """
@@ -25,7 +27,7 @@ class Config:
     layers: int = 4
     map_layers: int = 2
     d_channels: int = 16
-    form: str = "fused"      # fused | scaled
+    form: str = "fused"      # fused | conv | scaled
     loss: str = "gan"        # gan | regress
     remat: str = "none"
 
@@ -54,10 +56,20 @@ def _mapping(z, p):
     return md.repeat(layer, h, {"map_w": p["map_w"], "map_b": p["map_b"]}, "map_layer")
 
 
+def _demodulated(wt, style):
+    """Per-sample weights w' = W * s, demodulated over (channels, kh, kw): [b, kh, kw, c, o]."""
+    wmod = wt * style
+    return wmod * md.rsqrt(md.reduce_sum(wmod * wmod, ["channels", "kh", "kw"]) + 1e-8)
+
+
+def _modconv_conv(x, wt, style):
+    """The per-sample weights by one conv: each sample's own 3x3 filters (per='batch')."""
+    return md.conv(x, _demodulated(wt, style), {"height": "kh", "width": "kw"}, padding="same", per="batch")
+
+
 def _modconv_fused(x, wt, style):
-    """Per-sample weights w' = W * s, demodulated over (channels, kh, kw), one einsum per tap."""
-    wmod = wt * style                                                      # [b, kh, kw, c, o]
-    wmod = wmod * md.rsqrt(md.reduce_sum(wmod * wmod, ["channels", "kh", "kw"]) + 1e-8)
+    """The per-sample weights by one einsum per tap (shifted inputs)."""
+    wmod = _demodulated(wt, style)
     y = None
     for i in range(3):
         xh = md.shift(x, "height", 1 - i)
@@ -78,7 +90,7 @@ def _modconv_scaled(x, wt, style):
 
 def _generator(cfg, d, p, w_lat, noise):
     const = md.broadcast_to(p["const"], [d["b"], d["h"], d["w"], d["c"]])
-    modconv = _modconv_fused if cfg.form == "fused" else _modconv_scaled
+    modconv = {"fused": _modconv_fused, "conv": _modconv_conv, "scaled": _modconv_scaled}[cfg.form]
 
     def block(x, q):
         style = md.einsum("batch w_dim, w_dim channels -> batch channels", w_lat, q["affine"]) + 1.0
@@ -119,8 +131,8 @@ def _params(cfg, d):
 
 
 def build(cfg: Config) -> md.Model:
-    if cfg.form not in ("fused", "scaled") or cfg.loss not in ("gan", "regress"):
-        raise ValueError(f"form must be fused|scaled and loss gan|regress, got {cfg.form!r}, {cfg.loss!r}")
+    if cfg.form not in ("fused", "conv", "scaled") or cfg.loss not in ("gan", "regress"):
+        raise ValueError(f"form must be fused|conv|scaled and loss gan|regress, got {cfg.form!r}, {cfg.loss!r}")
     d = _dims(cfg)
     with md.Graph() as g:
         z = md.input("z", [d["b"], d["z"]])

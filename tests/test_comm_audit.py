@@ -186,3 +186,33 @@ def test_the_audit_builds_retro_and_reports_a_model_that_does_not_build(tmp_path
     assert (row.model, row.layout) == ("broken", "build") and "softmax" in row.error
     audit.print_summary([row, *audits])
     assert "broken                 build" in capsys.readouterr().out
+
+
+def _weight_norm_plan():
+    """FSDP (``params.d_model:data``) of a weight-normed matmul on centred inputs: the norm's
+    row sums over the split ``d_model`` come from the param alone; the batch's mean reads ``x``."""
+    batch, d, e = md.Dim("batch", 4), md.Dim("d_model", 8), md.Dim("e", 6)
+    with md.Graph():
+        x, w = md.input("x", [batch, d]), md.param("w", [d, e])
+        norm = md.sqrt(md.reduce_sum(w * w, "d_model"))
+        y = md.einsum("batch d_model, d_model e -> batch e", x - md.reduce_mean(x, "batch"), w) / norm
+        loss = md.reduce_mean(y * y)
+    return md.compile(training_outputs(loss, {"w": w}, 0.1), "data:2", "batch:data; params.d_model:data")
+
+
+def test_fsdp_reduction_of_a_param_only_value_is_not_flagged():
+    """Under FSDP a sum over the split param dim of a value made from params alone (a weight
+    norm) is partial on each rank: its small allreduce is what the layout asks for, not flagged.
+    The batch mean's allreduce (it reads an input) still is, and plain data parallelism, which
+    splits no param, still flags the norm's.  heldout_ngpt (weight norms everywhere, in and out
+    of its layer loop) had 9 such flags under FSDP."""
+    plan, rules = _weight_norm_plan(), "batch:data; params.d_model:data"
+    got = audit.audit_plan("wn", "fsdp", "data:2", rules, plan, {"batch"})
+    assert [(r.kind, r.op, r.phase) for r in got.rows if r.kind == "allreduce" and r.phase == "forward"] == \
+        [("allreduce", "sqrt", "forward"), ("allreduce", "sub", "forward"), ("allreduce", "mul", "forward")]
+    assert [r.op for r in got.flagged] == ["sub"]
+    dp = audit.audit_plan("wn", "dp", "data:2", rules, plan, {"batch"})
+    assert "sqrt" in [r.op for r in dp.flagged]
+    (path,) = [p for p in audit.model_paths() if p.stem == "heldout_ngpt"]
+    (fsdp,) = audit.audit_model(path, {"fsdp"})
+    assert not fsdp.error and not fsdp.flagged, [(r.label, r.flags) for r in fsdp.flagged]

@@ -124,7 +124,9 @@ def _transfers(prog, seg):
 @pytest.mark.parametrize("p", [2, 4])
 def test_the_value_goes_from_the_first_logical_stage_to_the_last_rank_once_per_micro_batch(kind, p):
     """Rank 0's first chunk sends it to rank p - 1 (offset p - 1), whose first chunk (logical stage
-    p - 1) receives it; no other value crosses between stages per micro-batch besides the carry.
+    p - 1) receives it; besides the carry, only the skip's gradient term from the loss crosses back
+    (made by the last logical stage's forward, received by stage 0's backward, where it meets the
+    layers' input gradient, as under 1f1b; the loss term's is made on stage 0 from its value there).
     The skip is added to the stack's output on the last logical stage (rank p - 1's last chunk); the
     loss term, which does not wait for the layers, is made on receipt (rank p - 1's first chunk)."""
     v = 2
@@ -132,8 +134,11 @@ def test_the_value_goes_from_the_first_logical_stage_to_the_last_rank_once_per_m
     plan = md.compile(_with_grads(model), f"stage:{p}", "layer:stage", microbatches=p, schedule=f"interleaved:{v}")
     prog = program_of(next(s for s in plan.steps if s.kind == "pipeline"))
     moved = _transfers(prog, Segment.FORWARD)
-    assert [(s.kind, s.args["offset"], st) for s, st in moved] == [("send", p - 1, (0,)), ("recv", p - 1, (p - 1,))]
-    assert _transfers(prog, Segment.BACKWARD) == []
+    back = [("send", -(p - 1), (p * v - 1,))] if kind == "tensor" else []
+    assert [(s.kind, s.args["offset"], st) for s, st in moved] == [("send", p - 1, (0,)), ("recv", p - 1, (p - 1,))] + back
+    assert [(s.kind, s.args["offset"], st) for s, st in _transfers(prog, Segment.BACKWARD)] == (
+        [("recv", -(p - 1), (0,))] if kind == "tensor" else [])
+    moved = moved[:2]
     value = moved[0][0].ins[0]
     readers = {st for seg in PER_MICROBATCH for s, st in zip(prog.segments[seg].steps, prog.stages[seg])
                if value in s.ins and s.kind != "send"}

@@ -31,13 +31,14 @@ from .fuse import fuse as fuse_steps
 from .cyclic_dims import NotCyclic, store_cyclic
 from .implied import implied_layout
 from .lazy_grads import lazy_to_gradients, lazy_to_smaller_sums
-from .param_values import better, offering, offers, param_scopes, with_param_targets
+from .param_values import gathered_in_pieces, least_offered, offering, offers, param_scopes, with_param_targets
 from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, called, step_args
 from .remake import made_from_nothing, remake
 from .shared_moves import cheaper, foresee
+from .shared_sums import moved_around, summed_terms
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 from .uneven import find as find_uneven
@@ -99,6 +100,8 @@ class Lowerer:
         # free, as held, and an output made elsewhere than the second with that move (:mod:`.foresight`)
         self.foreseen: dict[int, frozenset] = {}
         self.wanted: dict[int, Sharding] = {}
+        # id(Tensor) -> the number of terms of a sum it is a term of, reduced once (:mod:`.shared_sums`)
+        self.shared_sums: dict[int, int] = {}
         # value -> (the step making it from nothing, its node): a constant, an iota, a rotary table
         # computed from them (:mod:`.remake`)
         self.made_from_nothing: dict[int, tuple[Step, Node | None]] = {}
@@ -117,7 +120,8 @@ class Lowerer:
         self.through_used = False
         # What a rule shares between the nodes it lowers (the halo exchanges of lowering/halo.py).
         self.memo: dict = {}
-        # id(Tensor) -> its params' scopes and dims, for a value computed from params alone (:mod:`.param_values`)
+        # id(Tensor) -> its params' scopes and dims, for a value computed from params alone or on its
+        # way to their gradients (:mod:`.param_values`)
         self.param_scopes: dict[int, tuple] = {}
 
     # -- values
@@ -185,9 +189,8 @@ class Lowerer:
         key = id(t)
         if key not in self._targets:
             own = self.layout.targets(t.shape, t.scopes, self.mesh, t.name, strict)
-            made = self.param_scopes.get(key)
-            if made is not None and not strict and not t.scopes and self.num_uses(t) == 1:
-                own = with_param_targets(self.layout, t, own, made[0], self.mesh)   # (also laid as its params are)
+            if not strict and not t.scopes:   # (a value of params alone, or of their gradients: also laid as they are)
+                own = with_param_targets(self, t, own)
             self._targets[key] = own
         return self._targets[key]
 
@@ -347,7 +350,7 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
     lw.used.update(id(t) for n in nodes for t in n.inputs)
     lw.used.update(id(t) for t in outputs.values())
     if offers(lw, nodes):   # (values computed from params alone, offered their params' layout)
-        lw.param_scopes = param_scopes(nodes, lw.param_scopes)
+        lw.param_scopes = param_scopes(nodes, lw.param_scopes, outputs.values())
     if not lw.counted:
         lw.count_readers(outputs.values())
     absorbed = absorbed_parts(lw, nodes)   # per-part concats, built from their parts' source (None: a part)
@@ -499,9 +502,10 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
 
 
 def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven, spec,
-             foreseen: dict | None = None) -> tuple[Lowerer, dict[str, int]]:
+             foreseen: dict | None = None, shared: dict | None = None) -> tuple[Lowerer, dict[str, int]]:
     """The lowerer that lowered ``outputs`` (its notes and steps), and their value ids;
-    ``foreseen``: the shardings some tensors will be moved to anyway (:mod:`.shared_moves`)."""
+    ``foreseen``: the shardings some tensors will be moved to anyway (:mod:`.shared_moves`);
+    ``shared``: the terms of sums reduced once (:mod:`.shared_sums`)."""
     lw = Lowerer(mesh, layout, cost)
     for _, why in layout.implied:
         lw.note(why)
@@ -514,6 +518,7 @@ def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
     # (a normalised param's gradient; RNN-T's joint's, summed over t and over u)
     lw.lazy_through = lazy_to_gradients(nodes, outputs.values()) | lazy_to_smaller_sums(nodes, cost, mesh)
     lw.foreseen = dict(foreseen or {})
+    lw.shared_sums = dict(shared or {})
     return lw, lower_into(lw, outputs)
 
 
@@ -521,20 +526,23 @@ def _chosen(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, s
             spec) -> tuple[Lowerer, dict[str, int]]:
     """The cheapest of :func:`_lowered`'s lowerings: values computed from params alone offered their
     params' layout or not (:mod:`.param_values`), then lowered again foreseeing the moves of a
-    split tensor that one reader gathers and another reduces around (:mod:`.shared_moves`)."""
-    with offering(True) as rec:
-        lw, outs = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
-    on = rec.offered
-    if on:   # (a greedy choice may gather in pieces what was gathered whole)
-        with offering(False):
-            plain = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
-        if not better(lw, plain[0], cheaper):
-            lw, outs, on = *plain, False
-    ahead = foresee(lw)   # a split tensor moved by one reader, reduced around by another
+    split tensor that one reader gathers and another reduces around (:mod:`.shared_moves`), then
+    again pricing the terms of a sum as sharing its one reduction (:mod:`.shared_sums`)."""
+    lw, outs, on = least_offered(lambda: _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec),
+                                 cheaper, buckets=spec is None or (spec.axis is None and spec.num_microbatches == 1))
+    ahead = gathered_in_pieces(lw, foresee(lw))   # a split tensor moved by one reader, reduced around by another
     if ahead:
         with offering(on):
             again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead)
         if cheaper(again[0], lw):
+            lw, outs = again
+        else:
+            ahead = {}   # (the lowering kept did not foresee them)
+    shared = summed_terms(nodes, outputs.values())   # terms of one sum, whose inputs were moved
+    if shared and moved_around(lw, shared, nodes):
+        with offering(on):
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, shared)
+        if cheaper(again[0], lw, sent=False):   # (fewer collectives may send more bytes: time decides)
             lw, outs = again
     return lw, outs
 

@@ -1,7 +1,8 @@
 """Lowering of conv and its weight gradient: batch and channels split freely, spatial dims by halos.
 
 The compute sharding follows the input ``x``: its batch, spatial and input channel
-splits stay where they are (a split input channel leaves the result a partial sum, as
+splits stay where they are (per-sample weights are cut along their per dims as ``x`` is:
+under ``batch:data`` every rank convolves its own samples with their own filters) (a split input channel leaves the result a partial sum, as
 an einsum's contraction does); the output channel takes the axes the layout wants for
 the output, else the other operand's, when no dim of ``x`` uses them.  A split spatial
 dim whose output keeps the split trades a halo of ``span - 1`` rows (``taps - 1``, or
@@ -170,8 +171,9 @@ def lower_conv(lw, node) -> None:
     xv, windows = _halos(lw, node, xv, split)
     # The other operand (w, or the weight gradient's dy) is split as the compute is.  The dims
     # the kernel sums over leave a partial sum: conv's input channel, the weight gradient's
-    # batch and spatial dims.
-    summed = [d for d in x.shape.names if d != a["in_dim"]] if weight_grad else [a["in_dim"]]
+    # batch and spatial dims (not its per dims: per-sample weights keep them, cut as x is).
+    per = a.get("per", ())
+    summed = [d for d in x.shape.names if d != a["in_dim"] and d not in per] if weight_grad else [a["in_dim"]]
     want = Sharding.of(other.shape, {d: ax for d, ax in split.items() if d in other.shape})
     ov = lw.relayout(lw.reduced(lw.value(other)), want, node, f"input 1 of {node.op.name}")
     partial = tuple(ax for ax in mesh.names if any(ax in split.get(d, ()) for d in summed))

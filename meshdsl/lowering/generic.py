@@ -159,9 +159,13 @@ def lower_generic(lw, node) -> None:
     held = tuple(_held(lw, v, t) for v, t in zip(ins, node.inputs))
     # where the readers of each output will move it (a block's first lowering saw them do so)
     wanted = tuple(lw.wanted.get(id(t)) for t in node.outputs) if lw.wanted else ()
+    # each output's share of the one reduction of a sum it is a term of (:mod:`.shared_sums`)
+    shares = tuple(lw.shared_sums.get(id(t), 1) for t in node.outputs) if lw.shared_sums else ()
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
-           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held, wanted)
-    C, plan, P, scale = _CHOICES.get_or_make(key, lambda: _cheapest(lw, node, spec, shs, targets, held, wanted))
+           tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held, wanted,
+           shares)
+    C, plan, P, scale = _CHOICES.get_or_make(
+        key, lambda: _cheapest(lw, node, spec, shs, targets, held, wanted, shares))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
 
 
@@ -172,7 +176,7 @@ def _held(lw, vid, t) -> frozenset:
     return held | foreseen if foreseen else held
 
 
-def _cheapest(lw, node, spec, shs, targets, held, wanted=()) -> tuple:
+def _cheapest(lw, node, spec, shs, targets, held, wanted=(), shares=()) -> tuple:
     """``(C, plan, P, scale)`` of the cheapest compute sharding of ``node`` (see module docstring).
     Of ``lw`` it reads only what :data:`_CHOICES`' key holds."""
     mesh = lw.mesh
@@ -201,7 +205,8 @@ def _cheapest(lw, node, spec, shs, targets, held, wanted=()) -> tuple:
         pairs = tuple((o.name, comp[o.name]) for o in t.shape)
         kept = {c for _, c in pairs}
         sum_dims = tuple(d for d, kind in spec.reduce.items() if kind == "sum" and d not in kept)
-        outs_info.append((t.shape, t.dtype.itemsize, tl, pairs, sum_dims, wanted[j] if wanted else None))
+        outs_info.append((t.shape, t.dtype.itemsize, tl, pairs, sum_dims, wanted[j] if wanted else None,
+                          shares[j] if shares else 1))
     best = None
     for P, keep, scale in modes:
         memo: dict = {}   # what candidates of this mode share: their inputs' re-layouts and prices
@@ -271,7 +276,7 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
     cost += model.compute(op_flops(node, local))
     ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
     outs = []
-    for j, (shape, itemsize, tl, pairs, sum_dims, want) in enumerate(outs_info):
+    for j, (shape, itemsize, tl, pairs, sum_dims, want, share) in enumerate(outs_info):
         # an output's price depends on the axes C gives its own dims and its summed ones
         key = ("out", j, tuple(C.get(c, ()) for _, c in pairs), tuple(a for d in sum_dims for a in C.get(d, ())),
                ext_axes)
@@ -279,7 +284,7 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
         if hit is None:
             out_sh = Sharding(tuple((o, axes) for (o, _), axes in zip(pairs, key[2])),
                               tuple(a for a in mesh.names if a in P or a in key[3]))
-            hit = memo[key] = (out_sh, *_price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model, want))
+            hit = memo[key] = (out_sh, *_price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model, want, share))
         out_sh, c, lazy, note = hit
         cost += c
         outs.append((out_sh, lazy, note))
@@ -295,10 +300,12 @@ def _required(names, axes, partial) -> Sharding:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model, want=None):
+def _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model, want=None, share=1):
     """(cost, sharding, note) of an output of ``shape`` computed with ``out_sh``: its allreduce
     over the 'max'/'min' axes ``ext_axes``, then the cheapest way to the layout's targets ``tl``,
-    and on from there to ``want`` where every reader will move it so (:mod:`.foresight`).
+    and on from there to ``want`` where every reader will move it so (:mod:`.foresight`).  A
+    partial sum that is one of ``share`` terms of a sum (:mod:`.shared_sums`) may also stay as
+    made, paying its share of the sum's one way there.
 
     Cached as :func:`~.relayout.relayout_cost` is: every argument is immutable, and the same
     outputs are priced for many candidates, nodes and layouts."""
@@ -318,6 +325,8 @@ def _price_output(shape, itemsize, tl, out_sh, ext_axes, mesh, model, want=None)
                                   mesh.axis_size(lazy.partial))
         if best is None or c < best[0] - 1e-12 or (c <= best[0] + 1e-12 and best[1] != out_sh == lazy):
             best = (c, lazy, note)
+        if share > 1 and out_sh.partial and want is None and c / share < best[0] - 1e-12:
+            best = (c / share, out_sh, note)
     return cost + best[0], best[1], best[2]
 
 

@@ -29,14 +29,25 @@ up the stages with the carry).
 
 Memory rule: a copy lives from the forward loop to the end of the backward one instead of
 through one layer, so the copies of one loop are taken while together they hold no more bytes
-than the larger of one layer's carry and the largest copy: one copy a layer makes at its peak
-anyway (FSDP gathers a shared param in every layer, the backward's first layer while every saved
-activation is still held), or several no larger than one more layer input.  Taken first, smallest
-first: copies made by moves alone, then those whose making holds a collective, then a local op's
-(a collective saved per layer is worth more than a kernel).  A copy left out leaves the step
-making it in the block (and what reads it); what that step reads is then asked for instead.  No
-copy is stacked over the layers; a stacked param's per-layer gather is not loop-invariant and
-stays in the block.
+than the larger of the largest copy (one copy a layer makes at its peak anyway: FSDP gathers a
+shared param in every layer, the backward's first layer while every saved activation is still
+held) and what the loop keeps for its backward over the same span, its layers' inputs and saved
+activations (``layers x (carry + saved)``, the memory report's ``saved_per_layer`` times the
+layers one rank runs): the copies at most double that, and take no memory that grows with the
+layers.  YOCO's one key and value, read by every cross layer, are both gathered once; under full
+remat (the layer inputs alone kept) a tiny loop takes fewer.  Taken first, smallest first: copies
+made by moves alone, then those whose making holds a collective, then a local op's (a collective
+saved per layer is worth more than a kernel).  A copy left out leaves the step making it in the
+block (and what reads it); what that step reads is then asked for instead.  No copy is stacked
+over the layers; a stacked param's per-layer gather is not loop-invariant and stays in the block.
+
+Gradients: the backward block may make a closed-over tensor's gradient at the sharding of the
+copy the forward loop read (:func:`copy_read`), its partial sums kept, so the loop adds the
+layers' up as the whole (gathered) value and the sum is reduced to the tensor's layout once after
+the loop (one reduce-scatter, or none where its reader's own reduction takes it), not in every
+layer: :mod:`.repeat` lowers the block so too and keeps it where that is cheaper and sends no
+more bytes (a weight whose gradient the block makes split keeps it so).  The sum is one more
+buffer of the copy's size through the backward loop.  Not in a pipeline.
 """
 from __future__ import annotations
 
@@ -46,6 +57,7 @@ from dataclasses import replace
 import torch
 
 from ..ir.closure import examples_of_graph
+from ..layout.sharding import Sharding
 from ..ops.registry import OPS
 from .pipeline import MB_AXIS
 from .plan import Plan, Step
@@ -75,7 +87,7 @@ def hoist_moves(lw, node, plan: Plan, ins: list, closed: tuple, carry_bytes: int
     if node.op.name == "repeat_grad" and lw.pipeline_axis is not None:
         ends, made_by, stay = _forward_copies(lw, node, plan, given, made_by)
     else:
-        ends, made_by = _kept(plan, made_by, carry_bytes, lw.mesh)
+        ends, made_by = _kept(plan, made_by, carry_bytes, lw.mesh, _layers(lw, node))
     if not ends:
         return plan, ins, closed
     outer = dict(given)   # block value -> the plan's value
@@ -88,6 +100,27 @@ def hoist_moves(lw, node, plan: Plan, ins: list, closed: tuple, carry_bytes: int
     names = [f"{k}@{'moved' if _moves_only(made_by, v) else 'made'}{j}" for j, (k, v) in enumerate(zip(sources, ends))]
     dropped = [s for s in hoisted if id(s) not in stay]
     return _rewired(plan, ends, names, sources, dropped), [*ins, *(outer[v] for v in ends)], (*closed, *names)
+
+
+def copy_read(lw, vid: int) -> Sharding | None:
+    """The sharding of the copy of closed-over value ``vid`` that a forward loop read, made once
+    before it by moves alone (:func:`hoist_moves`), or None (none, or several).
+
+    A backward block may make that tensor's gradient there: its layers' partial sums of the whole
+    (gathered) value are added up by the loop and reduced to the tensor's layout once after it, not
+    reduce-scattered in every layer (YOCO's one key/value pair, read by every cross layer)."""
+    fed = lw.memo.get(__name__ + ".fed", set())
+    moved: dict[int, list] = {}   # value -> (sharding, copy) of each move of it made before a loop
+    for key, _, hit in lw.memo.get(__name__, ()):
+        if key[0] in _MOVES:
+            moved.setdefault(key[3][0], []).append((key[4][0][2], hit[0]))
+    todo, found = [vid], set()
+    while todo:
+        for sh, copy in moved.get(todo.pop(), ()):
+            if copy in fed:
+                found.add(sh)
+            todo.append(copy)
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def _may_leave(plan: Plan, s: Step, outputs: set[int]) -> bool:
@@ -163,7 +196,8 @@ def _ends(plan: Plan, made_by: dict[int, Step], stay: frozenset = frozenset()) -
     return [v for v in made_by if v in read and id(made_by[v]) not in stay]
 
 
-def _kept(plan: Plan, made_by: dict[int, Step], carry_bytes: int, mesh) -> tuple[list[int], dict[int, Step]]:
+def _kept(plan: Plan, made_by: dict[int, Step], carry_bytes: int, mesh,
+          layers: int) -> tuple[list[int], dict[int, Step]]:
     """The copies the loop holds (the module's memory rule), in block order, and ``made_by``
     without the steps whose copies it does not hold (nor what reads them).  Taken first: the
     copies made by moves alone, then those whose making holds a collective, then the rest (a
@@ -172,7 +206,8 @@ def _kept(plan: Plan, made_by: dict[int, Step], carry_bytes: int, mesh) -> tuple
     if not ends:
         return [], {}
     size = {v: plan.values[v].local_bytes(mesh) for v in ends}
-    budget = max(carry_bytes, max(size.values()))   # one copy a layer makes at its peak anyway
+    # one copy a layer makes at its peak anyway, or no more than what the loop keeps for its backward
+    budget = max(max(size.values()), layers * (carry_bytes + _saved_bytes(plan, mesh)))
     while True:
         size = {v: plan.values[v].local_bytes(mesh) for v in ends}
         total, kept = 0, set()
@@ -184,6 +219,23 @@ def _kept(plan: Plan, made_by: dict[int, Step], carry_bytes: int, mesh) -> tuple
             return ends, made_by
         made_by = _cut(plan, made_by, {v for v in ends if v not in kept})
         ends = _ends(plan, made_by)
+
+
+def _layers(lw, node) -> int:
+    """The layers repeat ``node`` runs on one rank (a pipeline's stage runs its share; a stack the
+    pipeline leaves whole is counted so too: the rule errs towards fewer copies)."""
+    stages = lw.mesh.axis_size((lw.pipeline_axis,)) if lw.pipeline_axis is not None else 1
+    return max(1, node.attrs["layer"].size // stages)
+
+
+def _saved_bytes(plan: Plan, mesh) -> int:
+    """Bytes one layer of the loop keeps for its backward: a forward block's saved activations
+    (its ``saved/...`` outputs, stacked over the layers), or those a backward block is given."""
+    if any(s.kind == "input" and s.op == "saved" for s in plan.steps):
+        vids = [v for s in plan.steps if s.kind == "input" and s.op == "saved" for v in s.outs]
+    else:
+        vids = [v for k, v in plan.outputs.items() if k.startswith("saved/")]
+    return sum(plan.values[v].local_bytes(mesh) for v in set(vids))
 
 
 def _rank(made_by: dict[int, Step], v: int) -> int:

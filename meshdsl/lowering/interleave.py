@@ -34,8 +34,11 @@ cut into ``v`` chunks, as a pass on the segment lists:
   stage 0 (rank 0's first chunk) to rank p - 1, whose first chunk receives it; what reads it there
   runs on its last chunk (the last logical stage) when it reads the layers' output too, else on
   receipt.  The carry makes that receive wait no longer than rank p - 1's first chunk does, so the
-  schedule's order holds; its gradient travels as the cut has it (the final segment adds it to the
-  layers' input gradient, as under 1f1b);
+  schedule's order holds.  Its gradient's term from what read it after the layers (the head's, made
+  in the forward on the last logical stage) is sent down by that forward (rank p - 1's last chunk)
+  and received by stage 0's backward of the same micro-batch, where it meets the layers' input
+  gradient, as under 1f1b: a side encoder read by the layers and the head runs its backward there,
+  per micro-batch (:func:`.partition._meet`);
 * per-layer outputs (``(carry, {name: tensor})``): each chunk makes its layers', joined on its
   rank (its chunks one after another) in the rank's last chunk, where the loss's terms of
   them run (at the rank's own layer count when the chunks are unequal, :mod:`.local_parts`);
@@ -157,7 +160,9 @@ def _out_of_order(ch: _Chunks, lists: dict) -> str | None:
     action, and a transfer goes up the stages in the forward and down them in the backward: a
     value made before the layers and read after them is sent by logical stage 0 and received by
     rank p - 1's first chunk, where its last chunk reads it; its gradient goes back down in the
-    backward, as without virtual stages."""
+    backward, as without virtual stages.  A forward may also send down what a backward receives
+    (the head's term of a side encoder's output gradient, from the last logical stage to stage 0):
+    every B of a micro-batch follows all its Fs, whichever the stages."""
     p, v = ch.p, ch.v
     when = {Segment.FORWARD: lambda t: t // p, Segment.BACKWARD: lambda t: 2 * v - 1 - t // p}
     made: dict = {}   # (value, rank) -> the rank's first action making it
@@ -166,10 +171,13 @@ def _out_of_order(ch: _Chunks, lists: dict) -> str | None:
             for t in st:
                 for x in s.outs:
                     made[(x, t % p)] = min(made.get((x, t % p), 2 * v), when[seg](t))
+    # (a transfer the forward sends and the backward receives: every B of a micro-batch follows all its Fs)
+    to_backward = {s.args["tag"] for s, _ in lists[Segment.BACKWARD] if s.kind == "recv" and not _is_carry(s)}
     for seg in PER_MICROBATCH:
         up = 1 if seg == Segment.FORWARD else -1
         for s, st in lists[seg]:
-            if s.kind in ("send", "recv") and not _is_carry(s) and s.args["offset"] * up < 0:
+            if (s.kind in ("send", "recv") and not _is_carry(s) and s.args["offset"] * up < 0
+                    and not (s.kind == "send" and seg == Segment.FORWARD and s.args["tag"] in to_backward)):
                 return f"{called(s.label, s.op)} moves a value {'down' if up > 0 else 'up'} the stages in the {seg.name.lower()}"
             late = [x for t in st for x in s.ins if made.get((x, t % p), -1) > when[seg](t)]
             if late:
@@ -403,8 +411,12 @@ def _relabel(ch: _Chunks, pairs: list, block: Step | None, chunked: list, last_a
         if downstream:
             after.update(s.outs)
         # other transfers (what the block reads from outside, its gradient's stage sums) run on
-        # the ranks' first chunks, as they ran on their stages
-        late = False if s.kind in ("send", "recv") else downstream if last_after else not downstream
+        # the ranks' first chunks, as they ran on their stages; a forward send of what the head
+        # made after the layers (its term of a side encoder's output gradient) on the last chunk
+        if s.kind in ("send", "recv"):
+            late = s.kind == "send" and last_after and downstream
+        else:
+            late = downstream if last_after else not downstream
         out.append((s, frozenset(r + (v - 1) * p if late else r for r in st)))
     return out
 

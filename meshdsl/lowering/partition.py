@@ -451,10 +451,9 @@ def _meet(cut: _Cut, i: int, anchored: list, in_b: set, after_mb: set) -> frozen
     lo, hi = min(at), max(at)
     if any(a.hi <= lo and hi <= b.hi for a, b in cut.chains):
         return frozenset({lo if i in in_b else hi})
-    # (one stack on virtual stages: its chunks move values only up the stages in the forward,
-    # :func:`.interleave._out_of_order`, so the head's term is added after the micro-batches there)
-    one_stack_chunked = not cut.spec.stacks and cut.spec.schedule.num_chunks > 1
-    if i in in_b and not one_stack_chunked and any(st.lo <= lo and hi <= st.hi for st in cut.stacks):
+    # (one stack on virtual stages too: the head's term, sent down by the last chunk's forward, is
+    # received by stage 0's backward, :func:`.interleave._out_of_order`)
+    if i in in_b and any(st.lo <= lo and hi <= st.hi for st in cut.stacks):
         return frozenset({lo})
     return None
 

@@ -56,7 +56,7 @@ from ..layout.sharding import Sharding
 from .block_order import order_block
 from .compiler import Lowerer, lower_into
 from .foresight import NONE, Foresight, foresee
-from .hoist import hoist_moves
+from .hoist import copy_read, hoist_moves
 from .pipeline import MB_AXIS
 from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
@@ -263,15 +263,17 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
     readers all linear in them (:func:`_lazy_through`), is lowered both so and as before, and
     the cheaper loop is kept: its ``times`` layers' collectives plus the reductions its
     outside and stacked gradients leave after the loop (:func:`_loop_price`).  So is one that
-    foresees the re-layouts the first lowering made (:mod:`.foresight`)."""
+    foresees the re-layouts the first lowering made (:mod:`.foresight`), and one that makes the
+    gradients of closed-over tensors read as copies made before the loop where the copies are
+    (:func:`_copies_read`)."""
     plan, saved_names, (fewer, through, ahead_of) = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True)
     tries = [plan]
     if through:
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=True, through=False)[0])
     if fewer:
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=False, through=False)[0])
-    foreseen = ahead_of if loop.backward else NONE
-    if len(tries) == 1 and not foreseen:
+    foreseen, as_read = ahead_of if loop.backward else NONE, _copies_read(lw, loop, ins)
+    if len(tries) == 1 and not foreseen and not as_read:
         return _ordered(loop, plan), saved_names
     # the cheapest; on a tie, the plainer (later) lowering
     prices = [_loop_price(lw, loop, p, times) for p in tries]
@@ -283,6 +285,11 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
         if _loop_price(lw, loop, ahead, times) < price - 1e-12 and \
                 _loop_price(lw, loop, ahead, times, sent=True) <= _loop_price(lw, loop, best, times, sent=True):
             best = ahead
+    if as_read:   # (as the foreseen one: taken where cheaper, sending no more bytes)
+        read = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True, as_read=as_read)[0]
+        if _loop_price(lw, loop, read, times) < _loop_price(lw, loop, best, times) - 1e-12 and \
+                _loop_price(lw, loop, read, times, sent=True) <= _loop_price(lw, loop, best, times, sent=True):
+            best = read
     return _ordered(loop, best), saved_names
 
 
@@ -318,11 +325,14 @@ def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int, sent: bool = F
 
 
 def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: bool,
-                      through: bool, foreseen: Foresight = NONE) -> tuple[Plan, list[str], tuple]:
+                      through: bool, foreseen: Foresight = NONE,
+                      as_read: dict | None = None) -> tuple[Plan, list[str], tuple]:
     """:func:`_lower_block`'s sub-plan, lowered with or without ``summed`` and ``through`` (see
     :func:`_lower_backward_block`), and whether each may have changed anything: how its values'
     readers count, and whether a value passed on was met partial where the rule alone might have
-    chosen otherwise (:attr:`.Lowerer.through_used`); and what it moved (:mod:`.foresight`)."""
+    chosen otherwise (:attr:`.Lowerer.through_used`); and what it moved (:mod:`.foresight`).
+    ``as_read``: closed-over tensors whose gradients the block makes at the given shardings
+    (:func:`_copies_read`)."""
     blk, node = loop.blk, loop.node
     sub = Lowerer(lw.mesh, lw.layout, lw.cost)
     sub.in_block = True
@@ -335,6 +345,9 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
         sub.bind(t, vid)
     if loop.backward:  # the saved activations are given: lower_into does not lower what they need
         saved_names = _bind_saved(lw, sub, loop, ins)
+        for k, to in (as_read or {}).items():   # (the gradient, and what its stop_gradient reads)
+            for g in (blk.extra["dclosed"][k], *blk.extra["dclosed"][k].node.inputs):
+                sub._targets[id(g)] = [(to, f"summed over the layers as its copy '{k}' is read")]
         ids, fewer = _lower_backward_block(sub, blk, summed, through)
     else:
         (ids, saved_names), fewer = _lower_forward_block(sub, loop), False
@@ -345,6 +358,19 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
     steps = [s if s.phase == ph else replace(s, phase=ph) for s, ph in zip(sub.steps, phases)]
     plan = Plan(lw.mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
     return plan, saved_names, (fewer, sub.through_used, foresee(sub, plan) if loop.backward else NONE)
+
+
+def _copies_read(lw: Lowerer, loop: _Loop, ins: list) -> dict:
+    """A backward loop's closed-over tensors whose gradients it makes, that the forward loop read as
+    a copy made once before it (:func:`.hoist.copy_read`: gathered whole), and each copy's sharding:
+    the block may make the gradient there, partial sums kept, so the loop adds the layers' up and
+    the sum is reduced to the tensor's layout once, after it (not in a pipeline)."""
+    if not loop.backward or lw.pipeline_axis is not None:
+        return {}
+    dclosed = loop.blk.extra["dclosed"]
+    pairs = ((k, copy_read(lw, vid)) for k, vid in zip(loop.blk.closed, ins[len(ins) - len(loop.closed):])
+             if k in dclosed)
+    return {k: to for k, to in pairs if to is not None}
 
 
 def _bind_saved(lw: Lowerer, sub: Lowerer, loop: _Loop, ins: list) -> list[str]:

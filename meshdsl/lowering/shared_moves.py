@@ -44,11 +44,12 @@ def foresee(lw) -> dict[int, frozenset]:
     return out
 
 
-def cheaper(new, old) -> bool:
+def cheaper(new, old, sent: bool = True) -> bool:
     """Whether lowerer ``new``'s steps cost less than ``old``'s (collectives and kernels, by its
-    cost model) and send no more bytes: the second lowering prices free what it merely forecasts."""
+    cost model) and, where ``sent``, send no more bytes: the second lowering prices free what it
+    merely forecasts.  (:mod:`.shared_sums` forecasts nothing: its time alone decides.)"""
     return (_price(new.steps, new) < _price(old.steps, old) - 1e-12
-            and _price(new.steps, new, sent=True) <= _price(old.steps, old, sent=True))
+            and (not sent or _price(new.steps, new, sent=True) <= _price(old.steps, old, sent=True)))
 
 
 def _price(steps: list[Step] | tuple[Step, ...], lw, sent: bool = False) -> float:

@@ -242,6 +242,7 @@ def _lower_by_halos(lw, node) -> None:
                             comp, out.shape, mesh)
     if axes and node.op.name == "slice" and _read_whole(lw, out, dim, axes):
         tgt = gathered(tgt, out.shape, dim)   # its readers gather it: the halo would be moved for nothing
+    comp = comp if axes else _held_as_wanted(lw, src, vid, comp, tgt, dim)
     far = None   # a shift beyond the neighbours served by permutes (:func:`_far_shift`)
     if axes:
         widths = reach.widths(n, mesh.axis_size(axes), cut_by(mesh, axes))
@@ -291,6 +292,18 @@ def _lower_by_halos(lw, node) -> None:
             flops=out_sh.local_numel(out.shape, mesh))
     res = _shift_whole(lw, node, inner, res)   # then a commuted inner shift, locally
     lw.bind(out, lw.relayout(res, tgt, node, f"output of {node.op.name}"))
+
+
+def _held_as_wanted(lw, src, vid: int, comp: Sharding, tgt: Sharding, dim: str) -> Sharding:
+    """Where a window along ``dim``, whole, of ``src`` (value ``vid``) runs: on a copy already made,
+    or foreseen (:mod:`.param_values`), at the sharding its output's target ``tgt`` asks where that
+    keeps ``dim`` whole, rather than on ``comp`` with the window moved after (a depthwise conv's
+    taps of an FSDP weight gathered once, not tap by tap)."""
+    held = Sharding.of(src.shape, tgt.split)
+    if not tgt.partial and held != comp and not held.axes_of(dim) and (
+            lw.relaid(vid, held) or held in lw.foreseen.get(id(src), ())):
+        return held
+    return comp
 
 
 def _shift_whole(lw, node, inner, vid: int) -> int:

@@ -17,12 +17,21 @@ forward's halo of x is reused).  Lowering: :mod:`meshdsl.lowering.conv` (batch a
 channels split freely, a split input channel dim leaves a partial sum, a split spatial dim
 trades a halo with its neighbours).
 
-Kernel layout: x is viewed as ``(N, c_in, spatial...)`` with every batch dim folded into
-N, w as ``(c_out, c_in, taps...)``; the result is permuted back to the output's dim order.
+Per-sample (or per-group) weights: ``w`` may hold dims of ``x`` besides c_in (the ``per``
+attribute), one filter per entry; the input's gradient is the mirrored conv with the same
+``per``, the weight's keeps those dims (not summed, nor a partial sum when they are split).
+
+Kernel layout: x is viewed as ``(N, G, c_in, spatial...)`` with every batch dim folded into
+N and the per dims into G (1 without them), w as ``(G, c_out, c_in, taps...)``; torch's
+convolution takes G as its ``groups`` (x as ``(N, G * c_in, ...)``); the result is permuted
+back to the output's dim order.
 Below :data:`SMALL_MACS` multiply-adds the kernels run as one einsum over x's unfolded
 windows (im2col) instead of torch's convolution, whose oneDNN call costs a fixed ~60 us on
 one thread and milliseconds when its threads contend for cores (measured on the 2-core
-test machine: (2, 16, 64) x 5 taps, 89 us against 42 us on one thread).
+test machine: (2, 16, 64) x 5 taps, 89 us against 42 us on one thread).  Per-sample weights
+(StyleGAN's 3x3, one thread, 2026-11-28, the same machine under load) cross over at about the same
+size: batch 4, 6 channels, 6x6: grouped 47 us, unfolded 26 us; batch 8, 16 channels, 16x16 (4.7M):
+128 against 179 us; batch 16, 64 channels, 32x32: 18 against 53 ms.
 """
 from __future__ import annotations
 
@@ -39,8 +48,10 @@ from .registry import ComputeSpec, Op, apply, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d}
 _WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight}
-#: (unfolded x, w) -> y and (unfolded x, dy) -> dw, per count of spatial dims (a, b: positions; i, j: taps)
-_UNFOLDED = {1: ("ncai,oci->noa", "ncai,noa->oci"), 2: ("ncabij,ocij->noab", "ncabij,noab->ocij")}
+#: (unfolded x, w) -> y and (unfolded x, dy) -> dw, per count of spatial dims (g: the per dims' entries,
+#: a, b: positions; i, j: taps)
+_UNFOLDED = {1: ("ngcai,goci->ngoa", "ngcai,ngoa->goci"),
+             2: ("ngcabij,gocij->ngoab", "ngcabij,ngoab->gocij")}
 #: multiply-adds below which the kernels run as an einsum over unfolded windows (see the module docstring)
 SMALL_MACS = 1 << 22
 PADDINGS = ("same", "valid", "causal")
@@ -49,12 +60,12 @@ PADDINGS = ("same", "valid", "causal")
 def _layout(x: Shape, w: Shape, attrs: dict) -> None:
     """Put the kernel's permutations in ``attrs`` (see the module docstring)."""
     spatial = [d for d, *_ in attrs["spatial"]]
-    c_in, c_out = attrs["in_dim"], attrs["out_dim"]
-    batch = [d for d in x.names if d != c_in and d not in spatial]
+    c_in, c_out, per = attrs["in_dim"], attrs["out_dim"], list(attrs.get("per", ()))
+    batch = [d for d in x.names if d != c_in and d not in spatial and d not in per]
     y_names = tuple(c_out if d == c_in else d for d in x.names)
-    std_x, std_y = batch + [c_in] + spatial, batch + [c_out] + spatial
-    std_w = [c_out, c_in] + [tap for _, tap, *_ in attrs["spatial"]]
-    attrs["num_batch"] = len(batch)
+    std_x, std_y = batch + per + [c_in] + spatial, batch + per + [c_out] + spatial
+    std_w = per + [c_out, c_in] + [tap for _, tap, *_ in attrs["spatial"]]
+    attrs["num_batch"], attrs["num_per"] = len(batch), len(per)
     attrs["x_perm"] = tuple(x.names.index(d) for d in std_x)
     attrs["y_perm"] = tuple(std_y.index(d) for d in y_names)        # kernel order -> output order
     attrs["y_std"] = tuple(y_names.index(d) for d in std_y)         # output order -> kernel order
@@ -62,15 +73,19 @@ def _layout(x: Shape, w: Shape, attrs: dict) -> None:
     attrs["w_back"] = tuple(std_w.index(d) for d in w.names)
 
 
-def _std(t, perm, num_batch: int):
-    """``t`` permuted by ``perm`` with its leading ``num_batch`` dims folded into one."""
+def _std(t, perm, attrs):
+    """``t`` permuted by ``perm`` and viewed as (N, G, C, spatial...): its leading batch dims
+    folded into N, the per dims into G (1 where there are none); and the batch dims' sizes."""
     t = t.permute(perm)
-    return t.reshape((-1,) + tuple(t.shape[num_batch:])), tuple(t.shape[:num_batch])
+    nb, npr = attrs["num_batch"], attrs.get("num_per", 0)
+    return t.reshape((-1, math.prod(t.shape[nb:nb + npr])) + tuple(t.shape[nb + npr:])), tuple(t.shape[:nb + npr])
 
 
 def _kernel_weight(w, attrs):
+    """``w`` as (G, c_out, c_in, taps...), mirrored where ``flip`` says."""
     ws = w.permute(attrs["w_perm"])
-    return ws.flip(tuple(range(2, ws.dim()))) if attrs["flip"] else ws
+    ws = ws.reshape((-1,) + tuple(ws.shape[attrs.get("num_per", 0):]))
+    return ws.flip(tuple(range(3, ws.dim()))) if attrs["flip"] else ws
 
 
 def dilations(attrs: dict) -> tuple[int, ...]:
@@ -84,45 +99,58 @@ def span(k: int, dilation: int) -> int:
 
 
 def _unfolded(xs, taps, dils):
-    """``xs`` (N, C, spatial...) -> (N, C, out positions..., taps...): every window, as views."""
+    """``xs`` (N, G, C, spatial...) -> (N, G, C, out positions..., taps...): every window, as views."""
     for i, (k, dl) in enumerate(zip(taps, dils)):
-        xs = xs.unfold(2 + i, span(k, dl), 1)
+        xs = xs.unfold(3 + i, span(k, dl), 1)
     if any(dl > 1 for dl in dils):
         xs = xs[(...,) + tuple(slice(None, None, dl) for dl in dils)]
     return xs
 
 
 def _small(xs, taps, dils, out_channels: int) -> bool:
-    n = xs.shape[0] * xs.shape[1] * out_channels
+    n = math.prod(xs.shape[:3]) * out_channels
     for i, (k, dl) in enumerate(zip(taps, dils)):
-        n *= k * (xs.shape[2 + i] - span(k, dl) + 1)
+        n *= k * (xs.shape[3 + i] - span(k, dl) + 1)
     return n < SMALL_MACS
 
 
+def _grouped(t):
+    """(N, G, C, spatial...) as torch's grouped layout (N, G * C, spatial...)."""
+    return t.reshape((t.shape[0], -1) + tuple(t.shape[3:]))
+
+
 def conv_valid(attrs: dict, x, w):
-    """The conv of ``x`` (already padded: every spatial dim holds ``out + taps - 1`` positions)."""
-    xs, batch = _std(x, attrs["x_perm"], attrs["num_batch"])
+    """The conv of ``x`` (already padded: every spatial dim holds ``out + taps - 1`` positions).
+    Per dims (per-sample weights) are torch's groups: x's (N, G * c_in), w's (G * c_out, c_in)."""
+    xs, batch = _std(x, attrs["x_perm"], attrs)
     ws = _kernel_weight(w, attrs)
-    taps, dils = tuple(ws.shape[2:]), dilations(attrs)
-    if _small(xs, taps, dils, ws.shape[0]):
+    taps, dils = tuple(ws.shape[3:]), dilations(attrs)
+    num_g, c_out = ws.shape[0], ws.shape[1]
+    if _small(xs, taps, dils, c_out):
         y = torch.einsum(_UNFOLDED[len(taps)][0], _unfolded(xs, taps, dils), ws)
     else:
-        y = _CONV[len(taps)](xs, ws, dilation=dils)
-    y = y.reshape(batch + tuple(y.shape[1:])).permute(attrs["y_perm"])
+        y = _CONV[len(taps)](_grouped(xs), ws.reshape((-1,) + tuple(ws.shape[2:])), dilation=dils, groups=num_g)
+        y = y.reshape((y.shape[0], num_g, c_out) + tuple(y.shape[2:]))
+    y = y.reshape(batch + tuple(y.shape[2:])).permute(attrs["y_perm"])
     return y if y.is_contiguous() else y.contiguous()
 
 
 def weight_grad_valid(attrs: dict, x, dy):
     """The gradient of ``conv_valid(attrs, x, w)`` w.r.t. ``w``, given the output's gradient ``dy``."""
-    xs, _ = _std(x, attrs["x_perm"], attrs["num_batch"])
-    ds, _ = _std(dy, attrs["y_std"], attrs["num_batch"])
+    xs, _ = _std(x, attrs["x_perm"], attrs)
+    ds, _ = _std(dy, attrs["y_std"], attrs)
     taps, dils = tuple(k for _, _, k, _, _ in attrs["spatial"]), dilations(attrs)
-    if _small(xs, taps, dils, ds.shape[1]):
+    num_g, c_out, c_in = ds.shape[1], ds.shape[2], xs.shape[2]
+    if _small(xs, taps, dils, c_out):
         dw = torch.einsum(_UNFOLDED[len(taps)][1], _unfolded(xs, taps, dils), ds)
     else:
-        dw = _WEIGHT_GRAD[len(taps)](xs, (ds.shape[1], xs.shape[1]) + taps, ds, dilation=dils)
+        dw = _WEIGHT_GRAD[len(taps)](_grouped(xs), (num_g * c_out, c_in) + taps, _grouped(ds), dilation=dils,
+                                     groups=num_g)
+        dw = dw.reshape((num_g, c_out, c_in) + taps)
     if attrs["flip"]:
-        dw = dw.flip(tuple(range(2, dw.dim())))
+        dw = dw.flip(tuple(range(3, dw.dim())))
+    per = tuple(x.shape[i] for i in attrs["x_perm"][attrs["num_batch"]:attrs["num_batch"] + attrs.get("num_per", 0)])
+    dw = dw.reshape(per + tuple(dw.shape[1:]))
     return dw.permute(attrs["w_back"]).contiguous()
 
 
@@ -161,7 +189,8 @@ class _ConvBase(Op):
 @register
 class Conv(_ConvBase):
     """``conv``: attrs ``spatial`` ((dim, tap, taps, before, after), ...), ``in_dim``, ``out_dim``, ``flip``,
-    and ``dilation`` (one per spatial dim; absent: all 1)."""
+    ``dilation`` (one per spatial dim; absent: all 1) and ``per`` (dims of x that w holds too, one
+    filter per entry; absent: none)."""
 
     name = "conv"
     linear_args = (0, 1)
@@ -182,7 +211,7 @@ class Conv(_ConvBase):
     def grad(self, node, douts):
         (dy,), (x, w), a = douts, node.inputs, node.attrs
         # dilated taps mirror over their span: padding span - 1 - before (after)
-        dil = {"dilation": a["dilation"]} if "dilation" in a else {}
+        dil = {k: a[k] for k in ("dilation", "per") if k in a}
         mirrored = tuple((d, tap, k, span(k, dl) - 1 - b, span(k, dl) - 1 - af)
                          for (d, tap, k, b, af), dl in zip(a["spatial"], dilations(a)))
         dx = apply("conv", [dy, w], {"spatial": mirrored, "in_dim": a["out_dim"], "out_dim": a["in_dim"],
@@ -209,8 +238,9 @@ class ConvWeightGrad(_ConvBase):
 
     def infer(self, inputs, attrs):
         x, dy = inputs
-        w = Shape([Dim(attrs["out_dim"], dy.shape.get(attrs["out_dim"]).size),
-                   Dim(attrs["in_dim"], x.shape.get(attrs["in_dim"]).size)]
+        w = Shape([x.shape.get(d) for d in attrs.get("per", ())]
+                  + [Dim(attrs["out_dim"], dy.shape.get(attrs["out_dim"]).size),
+                     Dim(attrs["in_dim"], x.shape.get(attrs["in_dim"]).size)]
                   + [Dim(tap, k) for _, tap, k, _, _ in attrs["spatial"]])
         w = Shape(w.get(n) for n in attrs.setdefault("w_names", w.names))
         _layout(x.shape, w, attrs)
@@ -243,7 +273,7 @@ def _padding(spec, k: int, d: str) -> tuple[int, int]:
     return int(spec[0]), int(spec[1])
 
 
-def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1) -> Tensor:
+def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1, per=()) -> Tensor:
     """Convolve ``x`` with ``w`` along named spatial dims (cross-correlation, as torch's).
 
     Args:
@@ -273,20 +303,26 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1)
         'causal': ``span - 1``; a pair: at most ``span - 1`` each) and in the output's length.
         With a stride, each phase's taps are a stride-1 conv dilated ``dilation / gcd(dilation,
         stride)``. A split spatial dim trades ``span - 1`` rows in all with its neighbours.
+      per: a dim of ``x`` (or a list of them) that ``w`` holds too, besides c_in: one filter per
+        entry (per-sample weights, StyleGAN2's modulated conv: ``w [batch, kh, kw, c_in, c_out]``
+        and ``per="batch"``; per-group weights: ``per="groups"``). Needed where ``w`` shares more
+        than one dim with ``x`` and has a c_out; the gradient of ``w`` keeps these dims.
 
     Returns:
       ``x``'s dims in ``x``'s order, ``c_out`` in ``c_in``'s place:
       ``out[.., i, co] = sum over t, ci of x[.., stride * i + dilation * t - before, ci] * w[t, ci,
-      co]`` (zero outside ``x``); depthwise, ``out[.., i, c] = sum over t of x[.., stride * i +
+      co]`` (zero outside ``x``; with ``per``, ``w[p, t, ci, co]`` for ``x``'s entry p); depthwise, ``out[.., i, c] = sum over t of x[.., stride * i +
       dilation * t - before, c] * w[t, c]``, built as the sum over the taps of ``md.shift``-ed copies of ``x``
       (``pad`` and ``slice_`` where the output is shorter) times that tap's filter, so a split
       spatial dim trades one halo per tap.
 
     Raises:
       ShapeError: a spatial or tap dim that is missing, more than two spatial dims, channel
-        dims that are not exactly one shared and one new, mismatched dtypes, bad padding.
+        dims that are not exactly one shared and one new (besides ``per``'s; a dim of ``w``
+        matching no dim of ``x`` beyond c_out), several shared without ``per``, a ``per`` dim
+        missing from ``x`` or ``w``, mismatched dtypes, bad padding.
 
-    Layouts split ``batch`` and ``c_out`` with no communication, ``c_in`` with a partial sum
+    Layouts split ``batch`` (a ``per`` dim too: ``w`` is cut as ``x`` is) and ``c_out`` with no communication, ``c_in`` with a partial sum
     (as an einsum), and a spatial dim (``"seq:data"``) by a halo exchange: each rank trades
     ``span - 1`` rows (``taps - 1`` undilated) with its neighbours, forward and backward.
 
@@ -294,31 +330,36 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1)
 
         y = md.conv(x, w, {"seq": "tap"}, padding="same")   # x [batch, seq, c_in], w [tap, c_in, c_out]
         z = md.conv(x, w, {"seq": "tap"}, padding="causal", dilation=4)   # taps at i - 8, i - 4, i
+        s = md.conv(img, w_bhwco, {"height": "kh", "width": "kw"}, per="batch")  # w [batch, kh, kw, c_in, c_out]
     """
     what = f"conv(x {x.shape}, w {w.shape}, taps={taps!r})"
-    shared, new = _channels(x, w, taps, padding, what)
+    summed, new, per = _channels(x, w, taps, padding, per, what)
     dims = [n for n in x.shape.names if n in taps]
     strides = _per_dim(stride, dims, what, "stride")
     dils = _per_dim(dilation, dims, what, "dilation")
-    spatial = []
-    for d in dims:
-        k = w.shape.get(taps[d]).size
-        wide = span(k, dils[d])
-        before, after = _padding(padding.get(d, "same") if isinstance(padding, dict) else padding, wide, d)
-        if x.shape.get(d).size + before + after < wide:
-            raise ShapeError(message(f"{what}: '{d}' of size {x.shape.get(d).size} is shorter than its {k} taps"
-                                     + (f" dilated {dils[d]} (a span of {wide})" if dils[d] > 1 else "") + ".",
-                                     rule="a conv's output holds n + before + after - span + 1 >= 1 positions "
-                                          "(span = dilation * (taps - 1) + 1)",
-                                     fix="pad more, or use fewer taps or a smaller dilation"))
-        spatial.append((d, taps[d], k, before, after))
+    spatial = [_spatial_dim(x, w, d, taps[d], padding, dils[d], what) for d in dims]
     if any(v > 1 for v in strides.values()):
-        return _strided(x, w, spatial, strides, dils)
+        return _strided(x, w, spatial, strides, dils, per)
     if not new:
         return _depthwise(x, w, spatial, dils)
     dil = {"dilation": tuple(dils[d] for d in dims)} if any(v > 1 for v in dils.values()) else {}
-    return apply("conv", [x, w], {"spatial": tuple(spatial), "in_dim": shared[0], "out_dim": new[0],
+    dil.update({"per": per} if per else {})
+    return apply("conv", [x, w], {"spatial": tuple(spatial), "in_dim": summed[0], "out_dim": new[0],
                                   "flip": False, **dil})
+
+
+def _spatial_dim(x: Tensor, w: Tensor, d: str, tap: str, padding, dilation: int, what: str) -> tuple:
+    """Spatial dim ``d``'s (dim, tap, taps, before, after), after checking that its output is not empty."""
+    k = w.shape.get(tap).size
+    wide = span(k, dilation)
+    before, after = _padding(padding.get(d, "same") if isinstance(padding, dict) else padding, wide, d)
+    if x.shape.get(d).size + before + after < wide:
+        raise ShapeError(message(f"{what}: '{d}' of size {x.shape.get(d).size} is shorter than its {k} taps"
+                                 + (f" dilated {dilation} (a span of {wide})" if dilation > 1 else "") + ".",
+                                 rule="a conv's output holds n + before + after - span + 1 >= 1 positions "
+                                      "(span = dilation * (taps - 1) + 1)",
+                                 fix="pad more, or use fewer taps or a smaller dilation"))
+    return d, tap, k, before, after
 
 
 def _depthwise(x: Tensor, w: Tensor, spatial: list, dils: dict[str, int]) -> Tensor:
@@ -346,18 +387,28 @@ def _depthwise(x: Tensor, w: Tensor, spatial: list, dils: dict[str, int]) -> Ten
     return out
 
 
-def _channels(x: Tensor, w: Tensor, taps, padding, what: str) -> tuple[list[str], list[str]]:
-    """The channel dims of ``w`` that ``x`` has (c_in) and lacks (c_out, none for a depthwise
-    conv), after checking the call (see :func:`conv`'s Raises)."""
+def _channels(x: Tensor, w: Tensor, taps, padding, per, what: str) -> tuple[list[str], list[str], tuple[str, ...]]:
+    """The channel dims of ``w`` that ``x`` has and ``w`` sums (c_in; for a depthwise conv all
+    those ``x`` has), those ``x`` lacks (c_out, none for a depthwise conv) and the per dims, after
+    checking the call (see :func:`conv`'s Raises)."""
     if not isinstance(taps, dict) or not 1 <= len(taps) <= len(_CONV):
         raise ShapeError(message(f"{what}: taps must map one or two spatial dims of x to tap dims of w.",
                                  rule="taps is a dict spatial dim -> tap dim", fix="pass e.g. {'seq': 'tap'}"))
+    per = (per,) if isinstance(per, str) else per
     bad = [f"spatial dim '{d}' is not a dim of x" for d in taps if d not in x.shape]
     bad += [f"tap dim '{t}' is not a dim of w" for t in taps.values() if t not in w.shape]
     bad += [f"tap dim '{t}' is also a dim of x" for t in taps.values() if t in x.shape]
+    bad += _per_errors(x, w, taps, per)
+    per = tuple(per) if isinstance(per, (tuple, list)) and all(isinstance(d, str) for d in per) else ()
     channels = [d for d in w.shape.names if d not in taps.values()]
     shared, new = [d for d in channels if d in x.shape], [d for d in channels if d not in x.shape]
-    if not bad and not (len(shared), len(new)) == (1, 1) and not (shared and not new):
+    summed = [d for d in shared if d not in per] if new else shared
+    if not bad and len(new) > 1:
+        bad.append(f"w's dims {new} match no dim of x: besides the taps, w holds one channel dim x has (c_in), "
+                   "one it lacks (c_out) and dims of x it holds one filter per entry of (per)")
+    if not bad and not (len(summed), len(new)) == (1, 1) and not (shared and not new):
+        if len(summed) > 1 and len(new) == 1:
+            _ambiguous(x, summed, what)
         bad.append(f"w's dims besides the taps, {channels}, are not one channel dim x has (c_in) and one it "
                    f"lacks (c_out), or only dims x has (a depthwise conv)")
     bad += [f"'{d}' is a spatial dim of x, not a channel dim" for d in shared if not bad and d in taps]
@@ -371,10 +422,34 @@ def _channels(x: Tensor, w: Tensor, taps, padding, what: str) -> tuple[list[str]
         raise ShapeError(message(f"{what}: cannot convolve.", bullets=bad,
                                  rule="w holds one tap dim per spatial dim of x, the channel dim of x it sums "
                                       "(c_in) and one output channel dim (c_out), or for a depthwise conv only "
-                                      "the channel dim of x; x and w share a dtype",
+                                      "the channel dim of x; per-sample or per-group weights also hold the dims "
+                                      "of x named by per=; x and w share a dtype",
                                  fix="e.g. x [batch, seq, c_in], w [tap, c_in, c_out] and taps={'seq': 'tap'}; "
-                                     "depthwise: w [tap, c_in]"))
-    return shared, new
+                                     "depthwise: w [tap, c_in]; per-sample: w [batch, tap, c_in, c_out] and "
+                                     "per='batch'"))
+    return summed, new, tuple(d for d in x.shape.names if d in per)
+
+
+def _per_errors(x: Tensor, w: Tensor, taps: dict, per) -> list[str]:
+    """Bullets for a bad ``per`` (dims of x that w holds too: one filter per entry)."""
+    if not isinstance(per, (tuple, list)) or not all(isinstance(d, str) for d in per):
+        return [f"per={per!r} is not a dim name or a list of them"]
+    bad = [f"per names '{d}', which is not a dim of x" for d in per if d not in x.shape]
+    bad += [f"per names '{d}', which is not a dim of w" for d in per if d in x.shape and d not in w.shape]
+    return bad + [f"per names '{d}', a spatial dim" for d in per if d in taps]
+
+
+def _ambiguous(x: Tensor, summed: list[str], what: str):
+    """Raise: w shares several dims with x besides the per dims, and only one can be c_in."""
+    c_in = max(summed, key=x.shape.names.index)        # channels-last habit: the last of them in x
+    others = [d for d in summed if d != c_in]
+    guess = repr(others[0]) if len(others) == 1 else repr(tuple(others))
+    raise ShapeError(message(f"{what}: which dim of w the conv sums is ambiguous.",
+                             bullets=[f"w holds {summed}, all dims of x besides the spatial ones, and one "
+                                      "output channel dim: any of them could be c_in"],
+                             rule="w sums exactly one dim of x (c_in); the others it shares with x are per= "
+                                  "dims: one filter per entry (per-sample weights: per='batch')",
+                             fix=f"did you mean per={guess} (one filter per entry of it, '{c_in}' summed)?"))
 
 
 def _per_dim(value, dims: list[str], what: str, arg: str) -> dict[str, int]:
@@ -390,7 +465,8 @@ def _per_dim(value, dims: list[str], what: str, arg: str) -> dict[str, int]:
     return {d: given.get(d, 1) for d in dims}
 
 
-def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int], dils: dict[str, int]) -> Tensor:
+def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int], dils: dict[str, int],
+             per: tuple[str, ...]) -> Tensor:
     """A strided conv as a sum of stride-1 convs over the input's phases (see :func:`conv`).
 
     Along a dim of stride ``S`` and dilation ``D`` (taps ``K``, padding ``before``/``after``,
@@ -460,7 +536,7 @@ def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int], dils:
             if trims[d] <= 0:
                 break
         else:
-            y = conv(xp, wp, {d: tap for d, tap, *_ in spatial}, padding=pads, dilation=phase_dils)
+            y = conv(xp, wp, {d: tap for d, tap, *_ in spatial}, padding=pads, dilation=phase_dils, per=per)
             for d, keep in trims.items():
                 y = slice_(y, d, 0, keep) if keep < y.shape.get(d).size else y
             out = y if out is None else add(out, y)

@@ -33,6 +33,7 @@ from ..errors import MeshDSLError
 from ..lowering.compiler import compile as compile_plan
 from ..lowering.partition import with_schedule
 from ..lowering.schedule_gen import parse_schedule
+from ..train.state_updates import check_held_where_updated, with_updates
 from .calibrate import Calibration, Line
 from .dims import Splits
 from .predict import Prediction, path_compute_s, predict
@@ -123,7 +124,7 @@ class SearchResult:
 
 
 def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None = None,
-             strict_splits: bool = False, work: _Work | None = None) -> Ranked:
+             strict_splits: bool = False, work: _Work | None = None, updates=()) -> Ranked:
     """Compile ``cand`` and predict it (``strict_splits``: refuse an uneven split, as the compiler does).
 
     ``compiled``, when given, keeps the last few pipelined plans by (mesh, layout,
@@ -131,10 +132,13 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
     its schedule takes that
     plan with its schedule swapped (:func:`~meshdsl.lowering.partition.with_schedule`, the
     same plan a compilation would give) instead of compiling again.  ``work``, when given, prices
-    the candidate's work from the plan at once (:class:`_Work`).
+    the candidate's work from the plan at once (:class:`_Work`).  ``updates``: the names of the
+    frozen params the step sets (``Model.updates``), whose next values ``TrainStep`` needs made
+    on every rank that holds them.
 
     Raises:
-      MeshDSLError: the compiler's error when ``cand`` is invalid.  (A plan the compiler
+      MeshDSLError: the compiler's error when ``cand`` is invalid, or ``TrainStep``'s refusal of
+        a pipeline whose updates read params on stages that do not update them.  (A plan the compiler
         returns is one real processes can run: it never moves micro-batches other than by
         summing them, see :meth:`~meshdsl.lowering.compiler.Lowerer.emit`.)
     """
@@ -153,6 +157,9 @@ def evaluate(outputs, cand: Candidate, cal: Calibration, compiled: dict | None =
             compiled[key] = plan
             while len(compiled) > KEEP_PLANS:
                 compiled.pop(next(iter(compiled)))
+    if updates:   # a layout TrainStep refuses is no answer
+        carried = [k for k in plan.params if f"new/{k}" in plan.outputs]
+        check_held_where_updated(plan, carried, updates, cand.mesh, cand.layout)
     orders: dict = {}   # the plan's issue orders, for both prices
     if work is not None:
         work.of_plan(cand, plan, orders)
@@ -166,7 +173,9 @@ def search(model, outputs, nproc: int, cal: Calibration, memory_limit: float | N
 
     Args:
       model: the loaded model (the dims of its graph define the space).
-      outputs: the training step's outputs (loss, new params, optimizer state).
+      outputs: the training step's outputs (loss, new params, optimizer state); the
+        ``new/NAME`` of each of the model's ``updates`` (frozen params set in the step) is
+        added where missing, so the search prices the step that trains.
       nproc: processes (mesh devices).
       cal: the calibration to price with.
       memory_limit: bytes per rank a candidate may need at most (None: no limit).
@@ -210,6 +219,8 @@ def _search(model, outputs, nproc, cal, memory_limit, exhaustive_limit, beam, sp
             strict_splits) -> SearchResult:
     """:func:`search`'s work."""
     t0 = time.perf_counter()
+    updates = getattr(model, "updates", None) or {}
+    outputs = with_updates(outputs, updates, model.graph)
     stateful = any(k.startswith("opt/") for k in model.graph.params)
     splits = Splits.of(model, outputs, cal, nproc, stateful, split_dims, no_split, strict_splits)
     pruned: list = []
@@ -222,7 +233,7 @@ def _search(model, outputs, nproc, cal, memory_limit, exhaustive_limit, beam, sp
     def price(c: Candidate):
         if c not in seen:
             try:
-                seen[c] = evaluate(outputs, c, cal, compiled, strict_splits, work)
+                seen[c] = evaluate(outputs, c, cal, compiled, strict_splits, work, tuple(updates))
             except MeshDSLError as e:
                 seen[c] = str(e).splitlines()[0]
         return seen[c]

@@ -41,7 +41,6 @@ from ..lowering.interleave import stored_layers
 from ..lowering.schedule import has_placed_w
 from ..train.model import DEFAULT_LR
 from ..train.step import training_outputs
-from ..train.state_updates import update_outputs
 from .dist_cli import (add_run, bucket_arg, check_job_memory, device_arg, dist_args, is_rank0, local_device,
                        say_ignored_options)
 from .optim_args import describe, optimizer_from_args, train_outputs
@@ -109,9 +108,7 @@ def cmd_plan(args) -> int:
     resolve_auto_layout(args)
     Mesh.parse(args.mesh)
     model = load_configured(args)
-    outputs, _ = train_outputs(model, args)
-    if model.updates:   # the frozen params the step sets (an EMA target) are part of the step it shows
-        outputs = {**outputs, **update_outputs(model.updates, model.loss.graph)}
+    outputs, _ = train_outputs(model, args)   # with the frozen params the step sets (an EMA target)
     plan = compile_plan(outputs, args.mesh, args.layout, microbatches=args.microbatches, schedule=args.schedule,
                         bucket_mb=args.bucket_mb, strict_splits=args.strict_splits,
                         stage_layers=resolve_stage_layers(args, outputs))

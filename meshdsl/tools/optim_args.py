@@ -94,21 +94,23 @@ def describe(opt: Optimizer | None, clip: float | None) -> str:
 
 
 def train_outputs(model, args, with_grads: bool = True) -> tuple[dict, dict]:
-    """The training step's outputs for ``plan``/``check`` and the hyperparameter feeds they read.
+    """The training step's outputs for ``plan``/``check``/``search`` and the hyperparameter feeds
+    they read: the step ``run`` and ``train`` run, the Model's ``updates`` included.
 
     ``with_grads=False``: the outputs a rank's ``TrainStep`` runs (``run``'s memory figures
     are those of that plan, which keeps no gradient as an output)."""
     from ..ir.precision import mixed_precision
-    from ..train.step import optimizer_outputs, training_outputs
+    from ..train.step import step_outputs
 
     opt, clip = optimizer_from_args(args)
     loss = mixed_precision(model.loss, getattr(args, "precision", "fp32"))
     remat = getattr(args, "remat", None)
+    if opt is None and loss is model.loss and with_grads and remat is None:
+        return model.train_step(args.lr), {}
+    outs = step_outputs(loss, model.params, args.lr, opt, clip is not None, remat,
+                        with_grads=with_grads and opt is None, updates=model.updates)
     if opt is None:
-        if loss is model.loss and with_grads and remat is None:
-            return model.train_step(args.lr), {}
-        return training_outputs(loss, model.params, args.lr, with_grads=with_grads, remat=remat), {}
-    outs = optimizer_outputs(loss, model.params, opt, clip is not None, remat=remat)
+        return outs, {}
     feeds = opt.feeds(0)
     if clip is not None:
         import torch

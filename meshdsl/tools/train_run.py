@@ -18,7 +18,7 @@ from ..train.feeder import model_vocab
 from ..train.generate import vocab_field
 from ..train.model import find_model_file, load_model, load_module
 from ..train.resume import fmt_setting
-from ..train.step import optimizer_outputs, training_outputs
+from ..train.step import step_outputs as build_step_outputs
 from ..train.trainer import TrainSpec, make_optimizer, reads_text
 from .optim_args import READERS
 from .preflight import UsageError
@@ -142,9 +142,8 @@ def step_outputs(model, spec) -> dict:
     from ..ir.precision import mixed_precision
 
     opt, loss = make_optimizer(spec), mixed_precision(model.loss, spec.precision)
-    if opt is None:
-        return training_outputs(loss, model.params, spec.lr, remat=spec.remat)
-    return optimizer_outputs(loss, model.params, opt, spec.clip_norm is not None, remat=spec.remat)
+    return build_step_outputs(loss, model.params, spec.lr, opt, spec.clip_norm is not None, spec.remat,
+                              updates=model.updates)
 
 
 __all__ = ["ADAMW_MODELS", "DEFAULT_STEPS", "RECIPES", "TRAIN_DEFAULTS", "asked_spec", "check_schedule",

@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 import statistics
 
+from ..errors import message
 from ..ir.eval_mode import without_dropout
 from ..runtime.executor import Executor
 from ..comm.microbatch import for_plan
 from ..lowering.compiler import compile as compile_plan
+from .model import ModelError
 
 
 class Evaluator:
@@ -98,12 +100,17 @@ def evaluate(model, params: dict, *, batches: int = 4, data=None, seed: int = 0)
 
     Returns:
       ``{"loss": mean, <metric>: mean, ...}``, and ``"batches"``: how many were evaluated.
+
+    Raises:
+      ModelError: ``params`` lacks a param the loss or a metric reads (an eval graph's running
+        statistics): it is never started from meshdsl's init behind the caller's back.
     """
     from ..ir.interpret import DenseProgram
     from .data import TokenData
     from .feeder import IDS, LABELS, eval_seed, reads_text
 
     prog = DenseProgram(without_dropout({"loss": model.loss, **model.metrics}))
+    _check_params(prog, params)
     if reads_text(model):
         tokens = data if isinstance(data, TokenData) else TokenData.load(data, seed=seed)
         batch, seq = _ids_size(prog, IDS)
@@ -117,6 +124,23 @@ def evaluate(model, params: dict, *, batches: int = 4, data=None, seed: int = 0)
         for k in got:
             got[k].append(float(outs[k]))
     return {**{k: statistics.fmean(v) if v else float("nan") for k, v in got.items()}, "batches": len(feeds)}
+
+
+def _check_params(prog, params: dict) -> None:
+    """Every param the eval reads is given: the dense program would start a missing one from
+    meshdsl's init, and an eval graph reading a frozen param (batch norm's running statistics)
+    would then report numbers of weights no run trained."""
+    missing = [k for k in prog.params if k not in params]
+    if missing:
+        raise ModelError(message(
+            f"evaluate: the model reads {len(missing)} param(s) that `params` lacks.",
+            bullets=[f"'{k}' {prog.params[k].shape}" for k in missing[:8]]
+                    + ([f"... and {len(missing) - 8} more"] if len(missing) > 8 else []),
+            inputs=[f"given: {len(params)} params"],
+            rule="evaluate runs the model on the params it is given, each one the model reads",
+            fix="pass every param, frozen ones too (md.load_trained(run).params holds those the run's "
+                "loss, metrics and Model.updates read; a separate eval graph reading others needs them "
+                "added)"))
 
 
 def _ids_size(prog, name: str) -> tuple[int, int]:

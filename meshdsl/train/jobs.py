@@ -21,7 +21,7 @@ from ..lowering.compiler import compile as compile_plan
 from ..lowering.plan import Plan
 from ..lowering.users_terms import about_plan
 from .model import DEFAULT_LR
-from .step import TrainStep, optimizer_outputs, training_outputs
+from .step import TrainStep, step_outputs, training_outputs
 
 
 def agree_plan(comm: Communicator, plan: Plan) -> None:
@@ -63,7 +63,8 @@ def check_job(comm: Communicator, model_ref: str, tiny: bool, mesh: str, layout:
         step = training_outputs(model.loss, model.params, DEFAULT_LR, with_grads=True, remat=remat)
         outs = {"loss": model.loss, **{f"grad/{k}": step[f"grad/{k}"] for k in model.params}}
     else:
-        outs = optimizer_outputs(model.loss, model.params, optimizer, clip_norm is not None, remat=remat)
+        outs = step_outputs(model.loss, model.params, DEFAULT_LR, optimizer, clip_norm is not None, remat,
+                            updates=model.updates)   # as `check` compares on the simulated mesh
         hyper = TrainStep.hyper_values(optimizer, clip_norm, 0)
     plan = compile_plan(outs, mesh, layout, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
                         stage_layers=stage_layers)   # layers per stage (None: equal)

@@ -31,7 +31,7 @@ from ..core.graph import Graph, Tensor
 from ..errors import MeshDSLError, did_you_mean, message
 from .param_keys import check_params
 from .state_updates import check_updates
-from .step import training_outputs
+from .step import step_outputs
 
 DEFAULT_LR = 0.1
 _USER_FRAMES = 3  # frames of the user's file shown for an exception raised inside it
@@ -130,11 +130,12 @@ class Model:
         return self.make_feeds(seed) if self.make_feeds is not None else self.batches(seed, None)
 
     def train_step(self, lr: float = DEFAULT_LR) -> dict[str, Tensor]:
-        """Outputs of one SGD step: ``loss``, ``grad/NAME`` and ``new/NAME`` for every param.
+        """Outputs of one SGD step: ``loss``, ``grad/NAME`` and ``new/NAME`` for every param, and
+        ``new/NAME`` of each frozen param in ``updates`` (the step ``md.fit`` trains).
 
-        Built once per ``lr`` (see :func:`meshdsl.train.step.training_outputs`).
+        Built once per ``lr`` (see :func:`meshdsl.train.step.step_outputs`).
         """
-        return training_outputs(self.loss, self.params, lr, with_grads=True)
+        return step_outputs(self.loss, self.params, lr, with_grads=True, updates=self.updates)
 
     def grads(self) -> dict[str, Tensor]:
         """Gradient of the loss w.r.t. every param, by param name."""

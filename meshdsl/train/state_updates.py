@@ -8,6 +8,7 @@ carries it like a trained param's next value (:class:`~meshdsl.train.step.TrainS
 from __future__ import annotations
 
 from ..core.graph import Tensor
+from ..core.lru import Lru
 from ..errors import GraphError, LayoutError, did_you_mean, message
 from ..lowering.partition import program_of
 from ..ops.registry import apply
@@ -55,9 +56,29 @@ def _dims(t: Tensor) -> list:
     return sorted((d.name, d.size) for d in t.shape)
 
 
+#: (graph uid, (name, id(tensor)) of each update) -> the ``new/<name>`` outputs; an entry holds
+#: its tensors, so no id in a live key is reused
+_UPDATE_OUTPUTS = Lru(64)
+
+
 def update_outputs(updates: dict, graph) -> dict[str, Tensor]:
     """``new/<k>`` for each checked update: the tensor in the param's dim order, laid out by
-    the param's own layout scopes, so each rank's slice of it is the param's next slice."""
+    the param's own layout scopes, so each rank's slice of it is the param's next slice.
+
+    Built once per (graph, updates): a second call returns the same tensors, so the compile
+    cache sees the same outputs and the graph does not grow a second copy."""
+    key = (graph.uid, tuple((k, id(t)) for k, t in updates.items()))
+    return dict(_UPDATE_OUTPUTS.get_or_make(key, lambda: (_build_update_outputs(updates, graph), updates))[0])
+
+
+def with_updates(outputs: dict, updates: dict | None, graph) -> dict[str, Tensor]:
+    """``outputs`` and the ``new/<k>`` of each of ``updates`` it lacks (a copy when any is added):
+    the training step a Model's ``updates=`` belong to, whoever builds, prices or measures it."""
+    missing = {k: t for k, t in (updates or {}).items() if f"new/{k}" not in outputs}
+    return {**outputs, **update_outputs(missing, graph)} if missing else outputs
+
+
+def _build_update_outputs(updates: dict, graph) -> dict[str, Tensor]:
     outs = {}
     with graph.in_phase("update"):
         for k, t in updates.items():

@@ -35,7 +35,7 @@ from .init_weights import check_weights, graph_params, read_weights
 from .optim import sgd
 from .optimizers import Optimizer, clip_scale, global_norm, hyper
 from .param_keys import check_params
-from .state_updates import check_held_where_updated, check_updates, update_outputs
+from .state_updates import check_held_where_updated, check_updates, with_updates
 
 #: Stats keys that count as communication: every collective kind, and time blocked on one in flight.
 COMM_KINDS = (*COLLECTIVES, "wait")
@@ -94,6 +94,22 @@ def optimizer_outputs(loss: Tensor, params: dict[str, Tensor], optimizer: Optimi
     outs = {"loss": loss, "grad_norm": norm, **optimizer.update(params, grads, scale)}
     _remember(key, loss, outs)
     return outs
+
+
+def step_outputs(loss: Tensor, params: dict[str, Tensor], lr: float, optimizer: Optimizer | None = None,
+                 clip: bool = False, remat=None, with_grads: bool = False, updates: dict | None = None) -> dict:
+    """The outputs of one training step, as :class:`TrainStep` runs it: the plain SGD step of
+    ``lr`` (:func:`training_outputs`) or ``optimizer``'s (:func:`optimizer_outputs`), and the
+    ``new/<name>`` of each of ``updates`` (a Model's frozen params set in the step, checked).
+
+    Every place that builds, prices or measures a training step (``TrainStep``, ``Model.train_step``,
+    ``meshdsl plan/run/check/train/search``) builds it here, so none leaves a part of it out.
+    ``with_grads`` (plain SGD only) also returns ``grad/<param>``."""
+    if optimizer is None:
+        outs = training_outputs(loss, params, lr, with_grads=with_grads, remat=remat)
+    else:
+        outs = optimizer_outputs(loss, params, optimizer, clip, remat=remat)
+    return with_updates(outs, updates, loss.graph)
 
 
 def ew_one(like: Tensor) -> Tensor:
@@ -209,13 +225,8 @@ class TrainStep:
         loss = mixed_precision(loss, precision)
         #: the remat policy every repeat is differentiated with (None: each its own)
         self.remat = None if remat is None else parse_remat(remat, "TrainStep(remat=...)")
-        if optimizer is None:
-            self.outputs = training_outputs(loss, params, lr, remat=self.remat)
-        else:
-            self.outputs = optimizer_outputs(loss, params, optimizer, clip_norm is not None, remat=self.remat)
         updates = check_updates(updates, params, loss.graph, "TrainStep")
-        if updates:  # a copy: the cached outputs stay those of the loss alone
-            self.outputs = {**self.outputs, **update_outputs(updates, loss.graph)}
+        self.outputs = step_outputs(loss, params, lr, optimizer, clip_norm is not None, self.remat, updates=updates)
         self.plan = compile_plan(self.outputs, mesh, layout, microbatches=microbatches, schedule=schedule,
                             bucket_mb=bucket_mb, stage_layers=stage_layers)
         # a plan with the virtual micro-batch axis runs on a communicator of its own mesh

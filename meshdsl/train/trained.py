@@ -126,9 +126,11 @@ def _rebuild(name: str | None, saved_model: str | None, config: dict, tiny: bool
 
 
 def _full_params(model: Model, path: Path, saved_model: str | None) -> dict[str, torch.Tensor]:
-    """Every param the model's loss and logits read, whole, from checkpoint ``path`` (checked)."""
+    """Every param the model's loss, logits and state updates read, whole, from checkpoint ``path``
+    (checked): the frozen params only ``Model.updates`` touch (batch norm's running statistics, an
+    EMA target) are the trained state an eval graph or an export reads."""
     outs = {"loss": model.loss, **({"logits": model.logits} if model.logits is not None else {}),
-            **model.metrics}
+            **model.metrics, **{f"update/{k}": t for k, t in model.updates.items()}}
     params = DenseProgram(outs).params
     want = {f"param/{k}": (t.shape, t.dtype, Sharding.replicated(t.shape)) for k, t in params.items()}
     got = load_checkpoint(path, want, "data:1", model=saved_model, verify="size", strict=False)

@@ -1,0 +1,94 @@
+"""Several partial sums added into one value: reduced once for all of them, where that costs less.
+
+The generic rule (:mod:`.generic`) prices each op's output on its own: a result left as a partial
+sum pays, there, for its reduction to the layout's target.  Four lookups into one entity table
+split ``entities:model`` over a batch split ``batch:(data,model)`` (TransE: the head, the tail and
+the corrupted heads and tails) have four ``scatter_add`` gradients, added into the table's one
+gradient.  Each alone would rather gather its own ids and rows (a few hundred bytes) than leave a
+partial table to reduce: eight allgathers.  Left partial, the four tables add up lazily (add is
+linear) and the sum is reduced once.
+
+So :func:`summed_terms` finds the terms of such sums: the inputs of a tree of adds (each add read
+only by the next) made by ops that sum over a dim (a split one leaves a partial sum), at least two
+per tree.  Where the first lowering gave two or more of them a collective of their own, moving
+their inputs rather than leave their results partial, or reducing their results
+(:func:`moved_around`), the graph is lowered again with each term's and each
+inner add's eventual reduction priced as its share of the one reduction of the whole sum
+(``Lowerer.shared_sums``: ``id(tensor) -> number of terms``); the compiler keeps the lowering the
+cost model prices lower (:func:`.shared_moves.cheaper`), by time alone: nothing is priced free
+here, and fewer collectives may send more bytes (TransE at its tiny size: 2 reductions of the
+384 B table gradient instead of 8 allgathers of ids and rows, 640 B).
+"""
+from __future__ import annotations
+
+from ..collectives import COLLECTIVES
+
+#: ops whose results, summed, make the gradient of a tensor read several times: a lookup's
+#: (``gather``'s gradient) and a contraction's (a ``one_hot`` lookup's, a tied weight's)
+_SUMMING = frozenset({"scatter_add", "einsum"})
+_MOVES = frozenset(k for k, c in COLLECTIVES.items() if not c.point_to_point)
+
+
+def summed_terms(nodes, outputs) -> dict[int, int]:
+    """``id(tensor) -> k``: the terms (and inner partial results) of each tree of adds whose ``k >=
+    2`` terms are made by ops summing over a dim (see the module docstring); empty when there is none.
+
+    ``nodes``: the graph's nodes in topological order; ``outputs``: the plan's output tensors."""
+    readers: dict[int, list] = {}
+    for n in nodes:
+        for x in n.inputs:
+            readers.setdefault(id(x), []).append(n)
+    outs = {id(t) for t in outputs}
+
+    def only_reader(t):
+        rs = readers.get(id(t), ())
+        return rs[0] if len(rs) == 1 and id(t) not in outs else None
+
+    adds = {n.id for n in nodes if n.op.name == "add" and _adds_own_shape(n)}
+    inner = {n.id for n in nodes if n.id in adds and getattr(only_reader(n.outputs[0]), "id", None) in adds}
+    marked: dict[int, int] = {}
+    for n in nodes:
+        if n.id not in adds or n.id in inner:
+            continue
+        tree, terms = _tree(n, inner, only_reader)
+        summing = [t for t in terms if _sums(t.node)]
+        if len(summing) >= 2:
+            for t in summing + tree:
+                marked[id(t)] = len(summing)
+    return marked
+
+
+def _adds_own_shape(n) -> bool:
+    """Whether add ``n`` adds floats of its own shape (no broadcast: each term is the whole sum's size)."""
+    out = n.outputs[0]
+    return out.dtype.is_floating_point and all(x.shape == out.shape for x in n.inputs)
+
+
+def _sums(node) -> bool:
+    """Whether ``node`` sums over a dim (its result is a partial sum where that dim is split):
+    a lookup's gradient (``scatter_add``), a contraction; not a leaf, a loop or a composite."""
+    return node is not None and node.op.name in _SUMMING
+
+
+def _tree(root, inner: set, only_reader) -> tuple[list, list]:
+    """The inner adds' outputs below add ``root`` and the terms they add (inputs read once)."""
+    tree, terms, todo = [], [], [root]
+    while todo:
+        n = todo.pop()
+        for x in n.inputs:
+            if x.node is not None and x.node.id in inner and only_reader(x) is n:
+                tree.append(x)
+                todo.append(x.node)
+            elif only_reader(x) is n:
+                terms.append(x)
+    return tree, terms
+
+
+def moved_around(lw, shared: dict[int, int], nodes) -> bool:
+    """Whether lowerer ``lw`` gave two or more ops making terms of shared sums (``shared``:
+    :func:`summed_terms`) a collective of their own, moving their inputs (rather than leave a
+    partial result) or reducing their result: left partial and reduced once, they might cost less."""
+    makers = {n.id for n in nodes if n.op.name != "add" and any(id(t) in shared for t in n.outputs)}
+    paid = {s.node for s in lw.steps if s.kind in _MOVES and s.node in makers
+            and s.note.startswith(("re-layout input", "re-layout output of"))}
+    return len(paid) >= 2
