@@ -407,3 +407,13 @@ def topo_nodes(outputs, stop=None) -> list[Node]:
         need.add(n.id)
         stack.extend(t.node for t in n.inputs if id(t) not in stop)
     return [n for n in graph.nodes if n.id in need] if graph else []
+
+
+def readers_of(nodes) -> dict[int, list[Node]]:
+    """``id(tensor) -> the nodes of ``nodes`` that read it``, in ``nodes``' order (once per input
+    position: a node reading a tensor twice is listed twice)."""
+    readers: dict[int, list[Node]] = {}
+    for n in nodes:
+        for x in n.inputs:
+            readers.setdefault(id(x), []).append(n)
+    return readers

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
-from ..core.graph import Node, Tensor, topo_nodes
+from ..core.graph import Node, Tensor, readers_of, topo_nodes
 from ..ir.interpret import outputs_dict
 from ..errors import GraphError, LayoutError, message
 from ..layout.layout import Layout
@@ -59,10 +59,7 @@ def _summed_reads(nodes, summed) -> dict[int, int]:
     want = {id(t) for t in summed}
     if not want:
         return {}
-    readers: dict[int, list] = {}
-    for n in nodes:
-        for x in n.inputs:
-            readers.setdefault(id(x), []).append(n)
+    readers = readers_of(nodes)
     only: set[int] = set()     # ids of the nodes whose results reach only ``summed``, linearly
     for n in reversed(nodes):
         if n.op.is_linear(n) and all(t.dtype.is_floating_point for t in n.outputs) and all(

@@ -21,6 +21,7 @@ needed, ``|b,t,j| + |b,u,j|`` sent in two collectives instead of ``|b,t,u,j|`` i
 from __future__ import annotations
 
 from ..collectives import COLLECTIVES
+from ..core.graph import readers_of
 
 #: ends more gradients than this: the bucket's bytes would outgrow the value's (and the
 #: backward's upstream gradient, linear in every param's, is not walked gradient by gradient)
@@ -40,10 +41,7 @@ def lazy_to_gradients(nodes, outputs) -> frozenset[int]:
     only in gradients holding no more elements than they do (see the module docstring).
 
     ``nodes``: the graph's nodes in topological order; ``outputs``: the plan's output tensors."""
-    readers: dict[int, list] = {}
-    for n in nodes:
-        for x in n.inputs:
-            readers.setdefault(id(x), []).append(n)
+    readers = readers_of(nodes)
     outs = {id(t) for t in outputs}
     ends: dict[int, frozenset | None] = {}   # id(tensor) -> the gradients its linear paths end in
     marked = set()
@@ -105,10 +103,7 @@ def lazy_to_smaller_sums(nodes, cost, mesh) -> frozenset[int]:
     wire per byte sent).  Where it is not partial, marking it changes nothing.
 
     ``nodes``: the graph's nodes in topological order."""
-    readers: dict[int, list] = {}
-    for n in nodes:
-        for x in n.inputs:
-            readers.setdefault(id(x), []).append(n)
+    readers = readers_of(nodes)
     wire = COLLECTIVES["allreduce"].fraction(2)
     split = mesh.size // min((n for _, n in mesh.axes), default=1)
     out = set()

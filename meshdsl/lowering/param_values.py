@@ -45,6 +45,7 @@ import contextlib
 from contextvars import ContextVar
 from types import SimpleNamespace
 
+from ..core.graph import readers_of
 from ..layout.sharding import Sharding
 from .bucket import DEFAULT_BUCKET_MB, bucket
 from .coalesce import coalesce
@@ -111,10 +112,7 @@ def gradient_scopes(nodes, outputs=()) -> dict[int, tuple]:
     read (the gradient wrt a LoRA merge, read by ``w``'s, ``a``'s and ``b``'s gradients): a value
     read once, a plain weight's gradient, is reduced where its one reader needs it already.
     ``outputs``: the plan's output tensors (one not scoped ``grads`` spoils a chain into it)."""
-    readers: dict[int, list] = {}
-    for n in nodes:
-        for x in n.inputs:
-            readers.setdefault(id(x), []).append(n)
+    readers = readers_of(nodes)
     outs = {id(t) for t in outputs}
     ends: dict[int, tuple] = {}   # id(tensor) -> (scopes, dims) of the gradients it leads to alone
     for n in reversed(nodes):

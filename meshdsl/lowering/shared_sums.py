@@ -22,6 +22,7 @@ here, and fewer collectives may send more bytes (TransE at its tiny size: 2 redu
 from __future__ import annotations
 
 from ..collectives import COLLECTIVES
+from ..core.graph import readers_of
 
 #: ops whose results, summed, make the gradient of a tensor read several times: a lookup's
 #: (``gather``'s gradient) and a contraction's (a ``one_hot`` lookup's, a tied weight's)
@@ -34,10 +35,7 @@ def summed_terms(nodes, outputs) -> dict[int, int]:
     2`` terms are made by ops summing over a dim (see the module docstring); empty when there is none.
 
     ``nodes``: the graph's nodes in topological order; ``outputs``: the plan's output tensors."""
-    readers: dict[int, list] = {}
-    for n in nodes:
-        for x in n.inputs:
-            readers.setdefault(id(x), []).append(n)
+    readers = readers_of(nodes)
     outs = {id(t) for t in outputs}
 
     def only_reader(t):
