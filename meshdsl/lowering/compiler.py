@@ -191,6 +191,10 @@ class Lowerer:
             self._targets[key] = own
         return self._targets[key]
 
+    def set_target(self, t: Tensor, to: Sharding, why: str) -> None:
+        """Lay ``t`` out at ``to`` (the only target its lowering is offered), for ``why``."""
+        self._targets[id(t)] = [(to, why)]
+
     def target(self, t: Tensor) -> Sharding:
         return self.targets(t)[0][0]
 

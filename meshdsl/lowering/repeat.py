@@ -347,7 +347,7 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
         saved_names = _bind_saved(lw, sub, loop, ins)
         for k, to in (as_read or {}).items():   # (the gradient, and what its stop_gradient reads)
             for g in (blk.extra["dclosed"][k], *blk.extra["dclosed"][k].node.inputs):
-                sub._targets[id(g)] = [(to, f"summed over the layers as its copy '{k}' is read")]
+                sub.set_target(g, to, f"summed over the layers as its copy '{k}' is read")
         ids, fewer = _lower_backward_block(sub, blk, summed, through)
     else:
         (ids, saved_names), fewer = _lower_forward_block(sub, loop), False
