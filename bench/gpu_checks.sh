@@ -68,27 +68,28 @@ lane=$!
 # torch (SDPA), torch.compile and torch.compile(mode="reduce-overhead") of the same twin.
 big=d_model=1024,heads=16,d_head=64,d_ff=4096,layers=8,seq=512,batch=16
 g() { step "$out/gpu.log" "$@"; }
-# which part of --compile made the large size's layer-norm gradients wrong on an H100 (2 layers)
-g agreement 150 "$gpu_cores" python3 bench/compile_agreement.py --device cuda \
-    --config "${big/layers=8/layers=2}" --out "$out/json/agreement_cuda.json"
 g dense_large 200 "$gpu_cores" python3 bench/dense_vs_torch.py --device cuda --plan --rounds 3 --reps 10 \
     --config $big --out "$out/json/dense_large_cuda.json"
 g dense 200 "$gpu_cores" python3 bench/dense_vs_torch.py --device cuda --plan --rounds 3 --reps 15 \
     --out "$out/json/dense_cuda.json"
 g tests 150 "$gpu_cores" python3 -m pytest -q -p no:cacheprovider tests/test_device.py
-g memory 90 "$gpu_cores" python3 bench/memory.py --device cuda --quick --out "$out/json/memory_cuda.json"
 g check_tp 60 "$gpu_cores" meshdsl check transformer --mesh "data:2; model:2" \
     --layout "batch:data; d_ff:model; heads:model" --device cuda
 g check_pipe 60 "$gpu_cores" meshdsl check transformer --tiny --mesh "stage:2; data:2" \
     --layout "layer:stage; batch:data" --microbatches 2 --schedule 1f1b --device cuda
 g check_moe 60 "$gpu_cores" meshdsl check moe --tiny --mesh "data:2" --layout "batch:data; experts:data" \
     --optimizer adamw --device cuda
-g run_nccl 60 "$gpu_cores" meshdsl run transformer --mesh data:1 --nproc 1 --steps 20 --report "$out/json/run_nccl.json"
-g tests_math 120 "$gpu_cores" env MESHDSL_ATTENTION=math python3 -m pytest -q -p no:cacheprovider tests/test_device.py
-g dense_llama 200 "$gpu_cores" python3 bench/dense_vs_torch.py --device cuda --plan --rounds 3 --reps 15 \
-    --model llama --out "$out/json/dense_llama_cuda.json"
 g train 90 "$gpu_cores" meshdsl train --steps 200 --out /tmp/train --checkpoint /tmp/ckpt --save-every 100 --device cuda
 g train_resume 60 "$gpu_cores" meshdsl train --steps 260 --out /tmp/train2 --checkpoint /tmp/ckpt --resume --device cuda
+g run_nccl 60 "$gpu_cores" meshdsl run transformer --mesh data:1 --nproc 1 --steps 20 --report "$out/json/run_nccl.json"
+g dense_llama 200 "$gpu_cores" python3 bench/dense_vs_torch.py --device cuda --plan --rounds 3 --reps 15 \
+    --model llama --out "$out/json/dense_llama_cuda.json"
+g memory 90 "$gpu_cores" python3 bench/memory.py --device cuda --quick --out "$out/json/memory_cuda.json"
+g tests_math 120 "$gpu_cores" env MESHDSL_ATTENTION=math python3 -m pytest -q -p no:cacheprovider tests/test_device.py
+# which part of --compile made the large size's layer-norm gradients wrong on an H100 (2 layers;
+# pinned down on 2026-11-27: inductor's decomposed layer-norm backward), kept as a last check
+g agreement 150 "$gpu_cores" python3 bench/compile_agreement.py --device cuda \
+    --config "${big/layers=8/layers=2}" --out "$out/json/agreement_cuda.json"
 wait $lane
 tar -czf "$out/json.tar.gz" -C "$out" json && rm -rf "$out/json"
 cat "$out/status.txt"

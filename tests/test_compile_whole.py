@@ -202,18 +202,21 @@ def test_a_compiled_step_that_disagrees_with_eager_runs_eagerly():
         params = eager.init_params(seed)
         _assert_same(compiled.run(model.feeds(seed), params), eager.run(model.feeds(seed), params), f"seed {seed}")
     assert len(lines) == 1 and "differs from the eager executor's (loss by" in lines[0], lines
-    assert "compiled again carefully: loss by" in lines[0] and "the step runs eagerly" in lines[0]
+    assert "compiled again with torch's layer-norm backward kernel: loss by" in lines[0], lines
+    assert "and without the graph rewrites: loss by" in lines[0] and "the step runs eagerly" in lines[0]
 
 
-def test_a_step_that_disagrees_is_compiled_again_carefully_and_used_where_that_agrees():
-    """A compiled step that differs from the eager executor is traced and compiled once more,
-    carefully (no graph rewrites; the layer norms' backward as one opaque op, torch's kernel):
-    where that agrees it is used, with one notice; here a backend wrong on its first graph only."""
+@pytest.mark.parametrize("wrong", [1, 2])
+def test_a_step_that_disagrees_is_compiled_again_and_used_where_that_agrees(wrong):
+    """A compiled step that differs from the eager executor is traced and compiled again, first
+    with the layer norms' backward as one opaque op (torch's kernel), then also without the graph
+    rewrites: the first form that agrees is used, with one notice; here a backend wrong on its
+    first ``wrong`` graphs."""
     graphs, lines = [], []
 
     def first_wrong(gm, example):
         graphs.append(gm)
-        if len(graphs) > 1:
+        if len(graphs) > wrong:
             return gm
         return lambda *xs: [x * 1.01 for x in gm(*xs)]
 
@@ -221,20 +224,21 @@ def test_a_step_that_disagrees_is_compiled_again_carefully_and_used_where_that_a
     eager, compiled = _executors(plan, CompileSettings(first_wrong, notice=lines.append))
     params = eager.init_params(0)
     _assert_same(compiled.run(model.feeds(0), params), eager.run(model.feeds(0), params), "seed 0")
-    assert len(graphs) == 2 and len(lines) == 1, lines
-    assert "compiled again without the graph rewrites" in lines[0] and "it agrees" in lines[0], lines
+    assert len(graphs) == wrong + 1 and len(lines) == 1, lines
+    how = "kernel, it agrees" if wrong == 1 else "kernel and without the graph rewrites, it agrees"
+    assert "compiled again with torch's layer-norm backward " + how in lines[0], lines
     stacked = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
     cats = [sum(n.target in stacked for n in g.graph.nodes) for g in graphs]
-    assert cats[0] > cats[1], cats   # the stacked gradients' rewrite ran on the first graph only
-    for g, careful in zip(graphs, (False, True)):   # the careful trace: torch's layer-norm backward, opaque
+    assert cats[0] == cats[1] and (wrong == 1 or cats[1] > cats[2]), cats   # no rewrites in the last form only
+    for g, opaque in zip(graphs, (False, True, True)):   # torch's layer-norm backward, opaque, from the second on
         ops = [n.target for n in g.graph.nodes]
-        assert (torch.ops.meshdsl.layer_norm_backward.default in ops) == careful
-        assert (torch.ops.aten.native_layer_norm_backward.default in ops) != careful
+        assert (torch.ops.meshdsl.layer_norm_backward.default in ops) == opaque
+        assert (torch.ops.aten.native_layer_norm_backward.default in ops) != opaque
 
 
 @pytest.mark.slow
 def test_inductor_compiles_the_opaque_layer_norm_backward_to_torchs_numbers():
-    """The careful form's layer-norm backward (one opaque op) through inductor on the CPU: the
+    """The second form's layer-norm backward (one opaque op) through inductor on the CPU: the
     whole transformer step agrees with the eager executor's."""
     lines = []
     model, plan = _grads_plan("transformer", "data:1", "")
@@ -242,7 +246,7 @@ def test_inductor_compiles_the_opaque_layer_norm_backward_to_torchs_numbers():
     from meshdsl.runtime.whole import WholeStep, _flat
     params, feeds = eager.init_params(0), model.feeds(0)
     whole = WholeStep(compiled, compiled.compiling)
-    traced, off = whole._attempt(_flat(feeds, params)[0], feeds, params, careful=True)
+    traced, off = whole._attempt(_flat(feeds, params)[0], feeds, params, opaque=True)
     assert traced is not None and off is None and not lines, (off, lines)
 
 

@@ -335,37 +335,46 @@ def _write_out_sums(gm) -> int:
 INDUCTOR_REWRITES = (_fold_constants, _vector_products_as_sums, _recompute_activations, _write_out_sums)
 
 
-def _inductor(gm, example_inputs, careful: bool = False):
+def _inductor(gm, example_inputs, rewrites: bool = True):
     """``compile_fx`` on fake example inputs with a shape env, as dynamo hands them: without one,
     inductor's FX graph cache passes the graph by, and every process would compile it again.
-    ``careful``: without :data:`INDUCTOR_REWRITES`."""
+    ``rewrites``: :data:`INDUCTOR_REWRITES` first."""
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    for rewrite in () if careful else INDUCTOR_REWRITES:
+    for rewrite in INDUCTOR_REWRITES if rewrites else ():
         rewrite(gm)
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [mode.from_tensor(x, static_shapes=True) for x in example_inputs]
     return compile_fx(gm, fakes)
 
 
-def _careful_inductor(gm, example_inputs):
-    return _inductor(gm, example_inputs, careful=True)
+def _bare_inductor(gm, example_inputs):
+    return _inductor(gm, example_inputs, rewrites=False)
 
 
-def _backend(backend, careful: bool = False):
+def _backend(backend, rewrites: bool = True):
     """The ``(graph, example inputs) -> callable`` a backend name (or a callable backend) stands for.
     ``aot_eager`` and ``eager`` run the traced graph as it is: it is already the functionalized
     ATen graph AOT would hand its compiler, so tracing it again would change nothing.
-    ``careful``: inductor without its rewrites (:func:`_inductor`); other backends are as they are."""
+    ``rewrites``: inductor with its rewrites (:func:`_inductor`); other backends are as they are."""
     if callable(backend):
         return backend
     if backend in ("aot_eager", "eager"):
         return _run_as_traced
     if backend == "inductor":
-        return _careful_inductor if careful else _inductor
+        return _inductor if rewrites else _bare_inductor
     from torch._dynamo.backends.registry import lookup_backend
     return lookup_backend(backend)
+
+
+#: The forms a whole step is compiled in, tried in order until one agrees with the eager executor
+#: (``WholeStep._first_agreeing``): (the layer norms' backward as one opaque op, the graph
+#: rewrites), each with what the notice says of it.  The opaque op is torch's own kernel
+#: (:func:`~..ops.layernorm.opaque_backward`), where inductor's code for the decomposed backward
+#: was seen wrong on a GPU (docs/design/compile.md); the rewrites were not at fault there.
+FORMS = ((False, True, ""), (True, True, "with torch's layer-norm backward kernel"),
+         (True, False, "with torch's layer-norm backward kernel and without the graph rewrites"))
 
 
 def _strided_copy(x: torch.Tensor) -> torch.Tensor:
@@ -440,9 +449,7 @@ class WholeStep:
 
     def _compile(self, key, tensors, feeds, params) -> _Traced | None:
         t0, stats = time.perf_counter(), self.settings.stats
-        traced, off = self._attempt(tensors, feeds, params, careful=False)
-        if traced is not None and off is not None:
-            traced = self._again_carefully(off, tensors, feeds, params)
+        traced = self._first_agreeing(tensors, feeds, params)
         if traced is None:
             return None
         self.compiled[key] = traced
@@ -451,16 +458,35 @@ class WholeStep:
         stats.seconds += time.perf_counter() - t0
         return traced
 
-    def _attempt(self, tensors, feeds, params, careful: bool) -> tuple[_Traced | None, str | None]:
+    def _first_agreeing(self, tensors, feeds, params) -> _Traced | None:
+        """The step compiled in the first of :data:`FORMS` whose outputs agree with the eager
+        executor's, with one notice where that is not the first form; the eager run where none
+        does (one notice); None where tracing, compiling or a call failed (whole step off)."""
+        offs = []
+        for opaque, rewrites, how in FORMS:
+            traced, off = self._attempt(tensors, feeds, params, opaque, rewrites)
+            if traced is None or off is None:
+                if traced is not None and offs:
+                    self._notice(f"differs from the eager executor's ({offs[0]}); compiled again {how}, "
+                                 "it agrees", None)
+                return traced
+            offs.append(off)
+        again = "; ".join(f"compiled again {how}: {off}" for (_, _, how), off in zip(FORMS[1:], offs[1:]))
+        self._notice(f"differs from the eager executor's ({offs[0]}; {again}), so the step runs eagerly", None)
+        return _Traced(_EagerStep(self.twin, feeds, params, traced.names), traced.names, traced.counts)
+
+    def _attempt(self, tensors, feeds, params, opaque: bool = False,
+                 rewrites: bool = True) -> tuple[_Traced | None, str | None]:
         """(the step traced and compiled, how its first outputs differ from the eager twin's or
         None where they agree); (None, None) where tracing, compiling or the call failed, which
-        turns the whole step off.  ``careful``: no graph rewrites, and the layer norms' backward
-        as one opaque op (torch's kernel, not the compiler's code: :func:`opaque_backward`)."""
+        turns the whole step off.  ``opaque``: the layer norms' backward as one opaque op (torch's
+        kernel, not the compiler's code: :func:`opaque_backward`); ``rewrites``: the graph rewrites
+        (the stacked gradients' and :data:`INDUCTOR_REWRITES`)."""
         try:
-            gm, copies, names, counts = trace_step(self._eager_twin(), tensors, feeds, params, careful)
-            if not careful:
+            gm, copies, names, counts = trace_step(self._eager_twin(), tensors, feeds, params, opaque)
+            if rewrites:
                 _stack_layer_writes(gm)
-            fn = self._captured(_backend(self.settings.backend, careful)(gm, copies), copies)
+            fn = self._captured(_backend(self.settings.backend, rewrites)(gm, copies), copies)
         except MeshDSLError:
             raise   # the user's own error (a bad feed), as the eager run raises it
         except Exception as e:  # noqa: BLE001  (whatever tracing or the backend raises: segments instead)
@@ -474,20 +500,6 @@ class WholeStep:
         except Exception as e:  # noqa: BLE001  (the compiled call raised: segments instead)
             self._turn_off("its compiled call raised", e)
             return None, None
-
-    def _again_carefully(self, off: str, tensors, feeds, params) -> _Traced | None:
-        """The step compiled again carefully (see :meth:`_attempt`) after its first compiled form
-        differed (``off``) from the eager executor: used where it agrees, else the eager run."""
-        traced, again = self._attempt(tensors, feeds, params, careful=True)
-        if traced is None:
-            return None
-        if again is None:
-            self._notice(f"differs from the eager executor's ({off}); compiled again without the graph "
-                         "rewrites and with torch's layer-norm backward kernel, it agrees", None)
-            return traced
-        self._notice(f"differs from the eager executor's ({off}; compiled again carefully: {again}), "
-                     "so the step runs eagerly", None)
-        return _Traced(_EagerStep(self.twin, feeds, params, traced.names), traced.names, traced.counts)
 
     def _disagreement(self, traced: _Traced, tensors: list, feeds: dict, params: dict) -> str | None:
         """How the compiled step's first outputs differ from the eager twin's beyond what
