@@ -118,3 +118,23 @@ def test_a_model_on_its_own_data_evaluates_but_does_not_generate(capsys, tmp_pat
     assert "the model's own feeds" in out and f"{res.final_eval_loss:.4f}" in out
     rc, _, err = run(capsys, "generate", tmp_path / "ck")
     assert rc == 2 and "is not a text model" in err and "meshdsl eval" in err
+
+
+def test_eval_with_config_evaluates_the_eval_graph_on_the_runs_params(capsys, tmp_path):
+    """`meshdsl eval RUN --config mode=eval` (Python: md.load_trained(run, config=...)) rebuilds the
+    run's model file with Config fields over the saved ones: here DenseNet's eval graph, which
+    normalises with the running statistics the run saved, not the batch's."""
+    from pathlib import Path
+    densenet = str(Path(__file__).parent / "heldout_densenet.py")
+    md.fit(densenet, tiny=True, mesh="data:1", steps=2, lr=0.1, checkpoint=str(tmp_path / "ck"), samples=0,
+           out=str(tmp_path / "run"))
+    t = md.load_trained(tmp_path / "run", config={"mode": "eval"})
+    assert t.model.config.mode == "eval"
+    want = md.evaluate(md.load_model(densenet, tiny=True, mode="eval"), t.params, seed=t.seed)["loss"]
+    train_graph = md.evaluate(md.load_trained(tmp_path / "run").model, t.params, seed=t.seed)["loss"]
+    assert want != pytest.approx(train_graph, rel=1e-4)       # batch statistics differ from running ones
+    rc, out, err = run(capsys, "eval", tmp_path / "run", "--config", "mode=eval")
+    assert rc == 0, err
+    assert f"{want:.4f}" in out
+    rc, _, err = run(capsys, "eval", tmp_path / "run", "--config", "mdoe=eval")
+    assert rc == 2 and "has no field 'mdoe'" in err and "Did you mean 'mode'?" in err and "Traceback" not in err

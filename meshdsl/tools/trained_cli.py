@@ -90,6 +90,9 @@ def add_eval(sub) -> None:
                    help="eval batches (default: the run's --eval-batches, 4)")
     p.add_argument("--data", default=None, metavar="FILE",
                    help="a text file to evaluate on (its held-out split; default: the run's text)")
+    p.add_argument("--config", default="", metavar="K=V,...",
+                   help="Config fields over the run's, e.g. mode=eval: the model file's eval graph of the same "
+                        "params (batch norm's running statistics)")
     p.set_defaults(run=cmd_eval)
 
 
@@ -101,7 +104,7 @@ def cmd_eval(args) -> int:
     from ..train.feeder import reads_text
 
     with torch_threads(args.threads or RUN_THREADS):
-        trained = load_trained(args.path, model=args.model, where="eval")
+        trained = load_trained(args.path, model=args.model, config=args.config, where="eval")
         saved = trained.data or {}
         batches = args.batches or int((read_metadata(trained.path).meta.get("run") or {}).get("eval_batches", 4))
         text = reads_text(trained.model)

@@ -23,7 +23,7 @@ from ..layout.sharding import Sharding
 from .checkpoint_format import META_FILE, CheckpointError, committed_steps, step_dirs
 from .checkpoint_load import load_checkpoint
 from .checkpoint_verify import verify_checkpoint
-from .config import config_dict
+from .config import config_dict, parse_config
 from .model import Model, ModelError, find_model_file, load_model, load_module
 from .resume import model_id
 from .run_outputs import CONFIG_FILE
@@ -100,9 +100,10 @@ def _step_dir(path: Path, where: str) -> Path:
     return steps[-1][1]
 
 
-def _rebuild(name: str | None, saved_model: str | None, config: dict, tiny: bool, batch: int | None,
-             where: str) -> Model:
-    """The model of file ``name`` (default: the shipped model the checkpoint names) with ``config``."""
+def _rebuild(name: str | None, saved_model: str | None, config: dict, overrides, tiny: bool,
+             batch: int | None, where: str) -> tuple[Model, dict]:
+    """(the model of file ``name`` (default: the shipped model the checkpoint names) with the saved
+    ``config`` and ``overrides`` over it, the overrides as a dict)."""
     name = name or saved_model
     if batch is not None and "batch" in config:
         config = {**config, "batch": batch}
@@ -122,7 +123,18 @@ def _rebuild(name: str | None, saved_model: str | None, config: dict, tiny: bool
             inputs=[f"saved Config fields not in {file.name}'s Config: {', '.join(sorted(set(config) - fields))}"],
             rule="a checkpoint loads into the model it was saved from, rebuilt with the saved Config",
             fix=f"pass the model file of {saved_model!r} with --model (Python: model=)"))
-    return load_model(name, tiny=tiny, **config)
+    over = overrides(cls)
+    return load_model(name, tiny=tiny, **{**config, **over}), over
+
+
+def overrides_of(config: dict | str | None):
+    """``load_trained``'s ``config`` as a function of the model file's Config class: a string is
+    parsed as ``--config`` is (with its errors); a dict is as it is (``load_model`` checks its keys)."""
+    def parse(cls) -> dict:
+        if isinstance(config, str):
+            return parse_config(config, cls)
+        return dict(config or {})
+    return parse
 
 
 def _full_params(model: Model, path: Path, saved_model: str | None) -> dict[str, torch.Tensor]:
@@ -152,7 +164,7 @@ def trained_step_dir(path, where: str = "load_trained") -> Path:
 
 
 def load_trained(path, *, model: str | None = None, batch: int | None = None,
-                 where: str = "load_trained") -> Trained:
+                 config: dict | str | None = None, where: str = "load_trained") -> Trained:
     """The model and full params a training run saved (see the module docstring).
 
     Args:
@@ -160,25 +172,29 @@ def load_trained(path, *, model: str | None = None, batch: int | None = None,
       model: the model file (default: the run's, or the shipped model the checkpoint names).
       batch: rebuild the model with this ``batch`` (e.g. 1 to sample one prompt; the params do not
         depend on it); None keeps the saved one.
+      config: Config fields over the saved ones (a dict, or ``"k=v,..."`` as ``--config``), e.g.
+        ``{"mode": "eval"}``: the model file's eval graph of the same params (batch norm's running
+        statistics); its params must be the checkpoint's.
       where: how errors name the caller.
 
     Raises:
       TrainedError: no such path, a run without a checkpoint, a model that cannot be rebuilt.
       CheckpointError: a damaged checkpoint, or one of another model (names, shapes, dtypes).
     """
-    path = Path(path)
+    path, overrides = Path(path), overrides_of(config)
     ckpt = trained_step_dir(path, where)
     run = json.loads((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).is_file() else None
     info = verify_checkpoint(ckpt, "sha256")   # every shard file hashed before any tensor is read
     config = info.meta.get("config") or {}
     name = model or (run["model"] if run is not None and run.get("model") != "model" else None)
-    built = _rebuild(name, info.model, config, bool(run and run.get("tiny")), batch, where)
+    built, over = _rebuild(name, info.model, config, overrides, bool(run and run.get("tiny")), batch, where)
     if info.model is not None and info.model != model_id(built):
         raise CheckpointError(message(
             f"{where}: checkpoint {str(ckpt)!r} is of model {info.model!r}, not of {model_id(built)!r}.",
             rule="a checkpoint loads into the model it was saved from",
             fix=f"pass the model file of {info.model!r} with --model (Python: model=)"))
-    diff = {k: v for k, v in (config_dict(built.config) or {}).items() if k in config and config[k] != v and k != "batch"}
+    diff = {k: v for k, v in (config_dict(built.config) or {}).items()
+            if k in config and config[k] != v and k != "batch" and k not in over}
     if diff:
         raise CheckpointError(message(
             f"{where}: the model rebuilt from {str(ckpt)!r} has another Config than the saved one.",
