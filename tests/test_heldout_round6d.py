@@ -182,12 +182,12 @@ def test_fit_refuses_the_clis_auto_layout_with_the_search_recipe():
 def test_without_dropout_is_the_model_with_no_dropout():
     """The eval's transform on the shipped GPT (dropout in and around its repeat's block): the
     loss of dropout=0 at the same params; a model without dropout comes back as it was."""
-    from meshdsl.ir.eval_mode import without_dropout
+    from meshdsl.ir.eval_mode import eval_mode
     on, off = md.load_model("transformer", tiny=True, dropout=0.3), md.load_model("transformer", tiny=True)
     feeds = on.feeds(0)
-    got = md.run_dense(without_dropout({"l": on.loss}), feeds)["l"]
+    got = md.run_dense(eval_mode({"l": on.loss}), feeds)["l"]
     # dropout=0 takes the fused attention kernel, the transform the composite softmax: fp32 rounding
     torch.testing.assert_close(got, md.run_dense({"l": off.loss}, feeds)["l"], rtol=1e-5, atol=0)
     assert abs(float(md.run_dense({"l": on.loss}, feeds)["l"] - got)) > 1e-2
     outs = {"l": off.loss}
-    assert without_dropout(outs) is outs
+    assert eval_mode(outs) is outs

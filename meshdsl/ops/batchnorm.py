@@ -26,6 +26,13 @@ only by the order of the fp64 additions and of ``T``'s.
 
 The ``mean`` and ``var`` outputs are for running statistics (``md.Model(updates=...)``); a
 loss that reads them gets their gradient through ``S`` (``batch_norm_stats``' rule).
+
+Running statistics kept by the op itself (``running=(mean, var)``, two frozen params, as
+``torch.nn.BatchNorm2d`` keeps them): the ``batch_norm`` node carries their names and the
+momentum in its attrs (:func:`running_attrs`) and computes nothing more; the training step sets
+them after each update (``train/state_updates.py``'s ``running_updates``: ``(1 - m) * mean +
+m * batch mean``, the variance unbiased as torch's), and eval mode normalises with them
+(``ir/eval_mode.py``).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import math
 import torch
 
 from ..core.graph import Tensor
+from ..errors import ShapeError, message
 from ..core.shape import Dim, Shape
 from .elementwise import cast
 from .layernorm import _stats_dtype
@@ -238,9 +246,48 @@ class BatchNormBackward(Op):
 
 
 def fused_batch_norm(x: Tensor, dims: tuple[str, ...], scale: Tensor | None, bias: Tensor | None,
-                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, mean, var): ``scale`` and ``bias`` (if given) have ``x``'s dims but ``dims``, in its order."""
+                     eps: float, running: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, var): ``scale`` and ``bias`` (if given) have ``x``'s dims but ``dims``, in its order;
+    ``running``: :func:`running_attrs`' attrs."""
     S = apply("batch_norm_stats", [x], {"dims": dims})
     ins = [x, S] + [t for t in (scale, bias) if t is not None]
     return apply("batch_norm", ins, {"dims": dims, "eps": float(eps), "scale": scale is not None,
-                                     "bias": bias is not None})
+                                     "bias": bias is not None, **(running or {})})
+
+
+def running_attrs(what: str, x: Tensor, features, running, momentum) -> dict:
+    """The attrs of a batch norm that keeps running statistics in ``running`` = (mean, var), two
+    params of ``x``'s graph shaped by ``features``: their names and the momentum.
+
+    Raises:
+      ShapeError: ``running`` is not two such params (a repeat block's per-layer slice is not a
+        param), or ``momentum`` is not in (0, 1].
+    """
+    if running is None:
+        return {}
+    rule = "running=(mean, var) names two frozen params (md.param, left out of the Model's params) of x's " \
+           "feature dims, which the training step sets and eval mode normalises with"
+    if not isinstance(running, (tuple, list)) or len(running) != 2 or not all(isinstance(t, Tensor) for t in running):
+        raise ShapeError(message(f"{what}: running={running!r} is not a (mean, var) pair of params.", rule=rule,
+                                 fix="running=(md.param('bn_mean', [hidden], init='zeros'), "
+                                     "md.param('bn_var', [hidden], init='ones'))"))
+    for role, p in zip(("mean", "var"), running):
+        if p.node.op.name != "param":
+            raise ShapeError(message(
+                f"{what}: the running {role} {p!r} is not a param of the graph"
+                + (" (inside md.repeat, a block reads each layer's slice of a stacked param)."
+                   if p.node.op.name == "placeholder" else "."),
+                rule=rule, fix="outside md.repeat pass the md.param itself; inside a repeat block return the "
+                               "statistics with stats=True as per-layer outputs and set the stacked params with "
+                               "md.Model(updates=...) (docs/guide/training.md)"))
+        if sorted((d.name, d.size) for d in p.shape) != sorted((d.name, d.size) for d in features) \
+                or not p.dtype.is_floating_point:
+            raise ShapeError(message(f"{what}: the running {role} {p!r} must be a float param of x's features.",
+                                     inputs=[f"x: {x.shape}", f"features: {features}", f"{role}: {p.shape} {p.dtype}"],
+                                     rule=rule, fix=f"give it dims {list(features.names)}"))
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 < momentum <= 1:
+        raise ShapeError(message(f"{what}: momentum={momentum!r} is not a number in (0, 1].",
+                                 rule="each step the running statistics move by momentum towards the batch's "
+                                      "(torch's convention: new = (1 - momentum) * old + momentum * batch)",
+                                 fix="pass e.g. momentum=0.1 (torch's default)"))
+    return {"running": (running[0].node.name, running[1].node.name), "momentum": float(momentum)}

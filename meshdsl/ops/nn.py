@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .elementwise import exp
 from .reduce import reduced_dims, logsumexp
 from .registry import ComputeSpec, Op, apply, register
-from .batchnorm import STAT_DIM, fused_batch_norm
+from .batchnorm import STAT_DIM, fused_batch_norm, running_attrs
 from .layernorm import _last, fused_layer_norm
 from .rmsnorm import fused_rms_norm
 from .shape_ops import transpose
@@ -212,7 +212,7 @@ def layer_norm(x: Tensor, dim, scale: Tensor | None = None, bias: Tensor | None 
 
 
 def batch_norm(x: Tensor, dims, scale: Tensor | None = None, bias: Tensor | None = None,
-               eps: float = 1e-5, stats: bool = False):
+               eps: float = 1e-5, stats: bool = False, running=None, momentum: float = 0.1):
     """Batch norm: ``x`` normalised over ``dims`` per value of its other dims (the features),
     with the batch statistics (as ``torch.nn.BatchNorm2d`` in training).
 
@@ -230,13 +230,19 @@ def batch_norm(x: Tensor, dims, scale: Tensor | None = None, bias: Tensor | None
       eps: added to the variance (default 1e-5, torch's).
       stats: also return the batch ``mean`` and biased ``var`` (per feature), for running
         statistics kept by ``md.Model(updates=...)`` (docs/guide/training.md).
+      running: ``(mean, var)``, two frozen params of the features (``md.param``, left out of the
+        Model's params; ``init='zeros'`` and ``'ones'``) kept as ``torch.nn.BatchNorm2d`` keeps its
+        running statistics: the training step sets them (``(1 - momentum) * old + momentum *
+        batch``, the variance unbiased) and eval mode (a run's evals, ``meshdsl eval``,
+        ``md.evaluate``, ``md.generate``) normalises with them.  Not inside ``md.repeat``.
+      momentum: how far the running statistics move each step (default 0.1, torch's).
 
     Returns:
       ``y`` with ``x``'s dims, or ``(y, mean, var)`` when ``stats``.
 
     Raises:
       ShapeError: a dim ``x`` lacks, no dim or every dim to normalise over, a non-float ``x``,
-        or a scale/bias not shaped by ``x``'s other dims.
+        a scale/bias not shaped by ``x``'s other dims, or a bad ``running``/``momentum``.
     """
     what = "batch_norm"
     _check_float(what, x)
@@ -266,7 +272,8 @@ def batch_norm(x: Tensor, dims, scale: Tensor | None = None, bias: Tensor | None
                 rule=f"the {role} holds one value per feature: x's dims but {list(names)}",
                 fix=f"give the {role} dims {list(features.names)} (a scale over other dims: multiply after)"))
         params.append(p if p.shape.names == features.names else transpose(p, features.names))
-    y, mean, var = fused_batch_norm(x, names, params[0], params[1], eps)
+    y, mean, var = fused_batch_norm(x, names, params[0], params[1], eps,
+                                    running_attrs(what, x, features, running, momentum))
     return (y, mean, var) if stats else y
 
 

@@ -2,7 +2,7 @@
 
 :class:`Evaluator` compiles the forward plan of the loss and of the model's
 ``metrics`` (:class:`~.model.Model`: ``{"accuracy": acc}``, scalars) on the run's
-mesh and layout once, without dropout (:func:`~meshdsl.ir.eval_mode.without_dropout`, as
+mesh and layout once, without dropout and with batch norms' running statistics (:func:`~meshdsl.ir.eval_mode.eval_mode`, as
 torch's ``model.eval()``), and runs it on the training step's current params for each
 eval batch; each number is the mean over the batches.  A pipeline holds its outputs
 on its last stage only: :func:`agree_held` hands every rank that stage's numbers,
@@ -14,7 +14,7 @@ import math
 import statistics
 
 from ..errors import message
-from ..ir.eval_mode import without_dropout
+from ..ir.eval_mode import eval_mode
 from ..runtime.executor import Executor
 from ..comm.microbatch import for_plan
 from ..lowering.compiler import compile as compile_plan
@@ -35,7 +35,7 @@ class Evaluator:
     """
 
     def __init__(self, model, step, spec, comm):
-        self.plan = compile_plan(without_dropout({"loss": model.loss, **model.metrics}), spec.mesh, spec.layout,
+        self.plan = compile_plan(eval_mode({"loss": model.loss, **model.metrics}), spec.mesh, spec.layout,
                                  microbatches=spec.microbatches, schedule=spec.schedule)
         self.executor = Executor(self.plan, for_plan(comm, self.plan))
         self.step, self.comm = step, comm
@@ -109,7 +109,7 @@ def evaluate(model, params: dict, *, batches: int = 4, data=None, seed: int = 0)
     from .data import TokenData
     from .feeder import IDS, LABELS, eval_seed, reads_text
 
-    prog = DenseProgram(without_dropout({"loss": model.loss, **model.metrics}))
+    prog = DenseProgram(eval_mode({"loss": model.loss, **model.metrics}))
     _check_params(prog, params)
     if reads_text(model):
         tokens = data if isinstance(data, TokenData) else TokenData.load(data, seed=seed)

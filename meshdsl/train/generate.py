@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from ..errors import message
-from ..ir.eval_mode import without_dropout
+from ..ir.eval_mode import eval_mode
 from ..ir.interpret import DenseProgram
 from .data import ByteTokenizer
 from .model import Model, ModelError
@@ -33,7 +33,7 @@ def _program(model: Model):
             inputs=[f"model graph: {model.graph.name}"],
             rule="generation samples from Model.logits, the [batch, seq, vocab] next-token logits",
             fix="return md.Model(..., logits=logits_bsv) from the model file's build()"))
-    prog = DenseProgram(without_dropout({"logits": model.logits}))   # sampled as in eval: no dropout masks
+    prog = DenseProgram(eval_mode({"logits": model.logits}))   # sampled as in eval: no dropout masks
     ids = [(k, t) for k, t in prog.inputs.items() if not t.dtype.is_floating_point]
     shape = model.logits.shape
     if len(ids) != 1 or len(prog.inputs) != 1 or len(shape) != 3:

@@ -30,7 +30,7 @@ import torch
 from ..core.graph import Graph, Tensor
 from ..errors import MeshDSLError, did_you_mean, message
 from .param_keys import check_params
-from .state_updates import check_updates
+from .state_updates import check_updates, with_running
 from .step import step_outputs
 
 DEFAULT_LR = 0.1
@@ -123,7 +123,8 @@ class Model:
                                      fix="reduce it to a scalar, e.g. md.reduce_mean(correct), and name it "
                                          "e.g. 'accuracy'"))
         self.params = check_params(self.params, self.graph, "Model", ModelError)
-        self.updates = check_updates(self.updates, self.params, self.graph, "Model", ModelError)
+        updates = with_running(self.loss, self.params, self.updates, "Model", ModelError)
+        self.updates = check_updates(updates, self.params, self.graph, "Model", ModelError)
 
     def feeds(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Whole inputs, deterministic in ``seed``: ``make_feeds(seed)`` or ``batches(seed, None)``."""

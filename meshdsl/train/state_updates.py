@@ -4,10 +4,14 @@ optimizer step to a tensor of the graph (an EMA target network: MoCo, BYOL, DINO
 ``md.Model(updates={"k_w": m * k_w + (1 - m) * q_w})`` and ``TrainStep(updates=...)`` add a
 ``new/<name>`` output per update, laid out by the param's own layout scopes, so the step
 carries it like a trained param's next value (:class:`~meshdsl.train.step.TrainStep`).
+
+A batch norm with ``running=(mean, var)`` implies two such updates (:func:`running_updates`):
+torch's ``(1 - m) * running + m * batch``, the variance made unbiased (``* n / (n - 1)``);
+:func:`with_running` adds them to the given ones wherever a step is built.
 """
 from __future__ import annotations
 
-from ..core.graph import Tensor
+from ..core.graph import Tensor, topo_nodes
 from ..core.lru import Lru
 from ..errors import GraphError, LayoutError, did_you_mean, message
 from ..lowering.partition import program_of
@@ -50,6 +54,51 @@ def check_updates(updates, params: dict[str, Tensor], graph, where: str, error=G
             fix="key updates by a frozen param's name, leave that param out of params, and give a tensor "
                 "of its dims (md.rename a stacked dim to the param's own)"))
     return dict(updates)
+
+
+def running_updates(loss: Tensor) -> dict[str, Tensor]:
+    """The updates the batch norms ``loss`` reads imply: each ``running=(mean, var)`` pair's
+    next values, built once per graph and norm (a second call returns the same tensors)."""
+    norms = [n for n in topo_nodes([loss]) if n.op.name == "batch_norm" and "running" in n.attrs]
+    if not norms:
+        return {}
+    key = (loss.graph.uid, tuple(id(n) for n in norms))
+    return dict(_RUNNING.get_or_make(key, lambda: (_build_running(norms, loss.graph), norms))[0])
+
+
+def _build_running(norms, graph) -> dict[str, Tensor]:
+    from ..ops.elementwise import cast
+    out = {}
+    with graph.in_phase("update"):
+        for n in norms:
+            m, count = n.attrs["momentum"], n.attrs["count"]
+            for name, stat, unbias in zip(n.attrs["running"], n.outputs[1:], (1.0, count / max(count - 1, 1))):
+                p = graph.params[name]
+                stat = cast(transpose(stat, p.shape.names), p.dtype) if stat.dtype != p.dtype else \
+                    transpose(stat, p.shape.names)
+                out[name] = (1.0 - m) * p + (m * unbias) * stat
+    return out
+
+
+def with_running(loss: Tensor, params: dict, updates: dict | None, where: str, error=GraphError) -> dict:
+    """``updates`` and the running statistics' updates ``loss``'s batch norms imply.
+
+    Raises:
+      ``error``: a running statistic that is trained (in ``params``) or given another update."""
+    implied = running_updates(loss)
+    bad = [f"'{k}': batch_norm(running=...) keeps it; " + ("it is in params (trained)" if k in params
+                                                            else "updates= gives it another tensor")
+           for k, t in implied.items() if k in params or (updates or {}).get(k, t) is not t]
+    if bad:
+        raise error(message(f"{where}: {len(bad)} running statistic(s) set twice.", bullets=bad,
+                            rule="a batch norm's running=(mean, var) params are frozen and set by the step "
+                                 "(torch's running statistics); nothing else trains or updates them",
+                            fix="leave them out of params and updates="))
+    return {**(updates or {}), **implied} if implied else dict(updates or {})
+
+
+#: (graph uid, ids of the batch norm nodes) -> their running statistics' next values
+_RUNNING = Lru(64)
 
 
 def _dims(t: Tensor) -> list:

@@ -35,7 +35,7 @@ from .init_weights import check_weights, graph_params, read_weights
 from .optim import sgd
 from .optimizers import Optimizer, clip_scale, global_norm, hyper
 from .param_keys import check_params
-from .state_updates import check_held_where_updated, check_updates, with_updates
+from .state_updates import check_held_where_updated, check_updates, with_running, with_updates
 
 #: Stats keys that count as communication: every collective kind, and time blocked on one in flight.
 COMM_KINDS = (*COLLECTIVES, "wait")
@@ -109,7 +109,7 @@ def step_outputs(loss: Tensor, params: dict[str, Tensor], lr: float, optimizer: 
         outs = training_outputs(loss, params, lr, with_grads=with_grads, remat=remat)
     else:
         outs = optimizer_outputs(loss, params, optimizer, clip, remat=remat)
-    return with_updates(outs, updates, loss.graph)
+    return with_updates(outs, with_running(loss, params, updates, "the training step"), loss.graph)
 
 
 def ew_one(like: Tensor) -> Tensor:
