@@ -181,7 +181,7 @@ def add_check(sub) -> None:
                    help=f"tolerance relative to each output's magnitude, or to the largest "
                         f"gradient's for a gradient (default {DEFAULT_TOL}: fp32 rounding of "
                         f"re-ordered sums, far below what a wrong layout produces)")
-    lr_arg(p, DEFAULT_LR)
+    lr_arg(p, DEFAULT_LR, precision=False)   # check compares with the fp32 dense program: fp32 only
     pipe_args(p)
     remat_arg(p, "; the dense program it is checked against saves every activation (none)")
     bucket_arg(p)

@@ -91,11 +91,12 @@ def load_configured(args):
     return load_model(args.model, tiny=args.tiny, **args.config_overrides)
 
 
-def lr_arg(p, default: float) -> None:
-    """``--lr`` (default ``default``) and the optimizer flags (:mod:`.optim_args`)."""
+def lr_arg(p, default: float, precision: bool = True) -> None:
+    """``--lr`` (default ``default``) and the optimizer flags (:mod:`.optim_args`; ``precision``:
+    ``--precision`` among them)."""
     p.add_argument("--lr", type=float_in(fix="pass a finite learning rate, e.g. --lr 0.1"),
                    default=default, help=f"learning rate (default {default:g})")
-    add_optimizer_args(p)
+    add_optimizer_args(p, precision)
 
 
 def pipe_args(p) -> None:

@@ -32,8 +32,10 @@ def _betas(text: str) -> tuple[float, float]:
     return b
 
 
-def add_optimizer_args(p) -> None:
-    """Declare the optimizer flags on parser ``p`` (``--lr`` is declared by the command)."""
+def add_optimizer_args(p, precision: bool = True) -> None:
+    """Declare the optimizer flags on parser ``p`` (``--lr`` is declared by the command);
+    ``precision``: ``--precision`` listed in the help (``check`` compares in fp32 only: it parses the
+    flag to say so, and does not offer it)."""
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
                    help="the optimizer of the training step (default: plain SGD of --lr with its fused "
                         "gradient-update kernel)")
@@ -47,7 +49,7 @@ def add_optimizer_args(p) -> None:
                    help="clip the global gradient norm (exact under any layout) to this (0: no clipping)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32 (default) or bf16: bfloat16 matmuls with fp32 master weights, optimizer "
-                        "state, loss and gradient sums")
+                        "state, loss and gradient sums" if precision else argparse.SUPPRESS)
 
 
 def optimizer_from_args(args) -> tuple[Optimizer | None, float | None]:
