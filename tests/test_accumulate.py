@@ -69,8 +69,9 @@ def test_the_plan_is_one_accumulate_step_of_four_segments():
         assert not any(MB_AXIS in s.axes for s in seg.steps if s.is_collective)
     assert any(s.is_collective and MB_AXIS in s.axes for s in final.steps)
     assert sum(s.op == "sgd_update" for s in final.steps) == len(plan.params)
-    # The per-micro-batch segments count m times in the plan's totals.
-    assert plan.flops() == sum(n * sub.flops() for n, sub in zip(step.sub_times, step.subplans))
+    # The per-micro-batch segments count m times in the plan's totals (each run holds one micro-batch).
+    assert plan.flops() == sum(n * sub.flops(step.held(k, plan.held_microbatches))
+                               for k, (n, sub) in enumerate(zip(step.sub_times, step.subplans)))
 
 
 def test_no_accumulate_step_without_micro_batches_or_with_a_pipeline():

@@ -28,6 +28,19 @@ def with_given_lengths(lists: dict, values: dict, mesh) -> dict:
     return {seg: [(_with_lengths(s, values, mesh), st) for s, st in pairs] for seg, pairs in lists.items()}
 
 
+def with_stored_bytes(lists: dict, values: dict, lowered: dict, mesh) -> dict:
+    """The segment lists ``lists`` with each collective's bytes following the value it moves
+    (its first) where a pass stored that value otherwise after the steps were lowered: a stack on
+    one stage held whole there (its gradients' sums move all its layers, not one stage's share),
+    stages at given counts (the largest part, as an uneven split is counted).  ``lowered``: each
+    value's local bytes as lowered."""
+    def stored(s: Step) -> Step:
+        v = next((v for v in (*s.ins, *s.outs) if v in values), None) if s.is_collective else None
+        now = None if v is None or not lowered.get(v) else values[v].local_bytes(mesh)
+        return s if now in (None, lowered.get(v)) else dataclasses.replace(s, bytes=s.bytes * now // lowered[v])
+    return {seg: [(stored(s), st) for s, st in pairs] for seg, pairs in lists.items()}
+
+
 def _with_lengths(s: Step, values: dict, mesh) -> Step:
     names = _DIM_ARGS.get(s.kind)
     if names is None or len(s.axes) != 1:

@@ -80,7 +80,7 @@ from .bucket import bucket_final
 from .batch_stats import first_behind, from_inputs_only, made_once, param_behind
 from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
-from .collective_parts import with_given_lengths
+from .collective_parts import with_given_lengths, with_stored_bytes
 from .local_parts import with_given_parts
 from .stage_layers import split_stacks, split_stages, zeros_step
 from .stacks_on_ranks import on_ranks
@@ -1063,6 +1063,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     _check_stage_collectives(cut)
     assign_segments(cut)
     lists = insert_transfers(cut)
+    lowered = {v: val.local_bytes(spec.mesh) for v, val in cut.values.items()}   # before the stage storage
     if spec.stacks:
         lists = split_stacks(cut, lists)
         if chunks > 1:
@@ -1073,6 +1074,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
         lists = split_stages(cut, lists, spec.stage_layers)
     lists = with_given_parts(lists, cut.values)   # unequal stages: each rank's local steps over its own layers
     lists = with_given_lengths(lists, cut.values, spec.mesh)   # and its collectives over its own parts
+    lists = with_stored_bytes(lists, cut.values, lowered, spec.mesh)
     in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
     lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]
@@ -1109,7 +1111,7 @@ def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs,
     return Step(kind, -1, kind, label, "forward", tuple(ins), tuple(outs), (spec.axis,) if spec.axis else (),
                 step_args(kind, {"axis": spec.axis, "num_stages": p, "microbatches": m, "mb_axis": mb_axis,
                                  "program": program}),
-                subplans=subplans, sub_times=(1, m, m, 1))
+                subplans=subplans, sub_times=(1, m, m, 1), one_microbatch=(False, True, True, False))
 
 
 def _pipeline_step(cut: _Cut, lists: dict, spec) -> Step:

@@ -28,10 +28,8 @@ from ..layout.mesh import Mesh
 from ..layout.specs import Rule
 from .schedule_gen import named_schedule, parse_schedule
 from .schedule import Schedule, ScheduleError
+from .plan import MB_AXIS, varies_by_microbatch  # noqa: F401  (both read from here too)
 from .stage_layers import check_counts
-
-#: The virtual micro-batch axis (a leading underscore keeps it apart from user axes).
-MB_AXIS = "_mb"
 
 
 @dataclass(frozen=True)
@@ -82,11 +80,6 @@ def per_microbatch(step, values) -> bool:
     (``send``/``recv``).  Otherwise a process runs it once for all its micro-batches
     (``runtime/steps.py`` ``representatives``; the cost model prices it so)."""
     return step.kind in ("send", "recv") or varies_by_microbatch(step, values)
-
-
-def varies_by_microbatch(step, values) -> bool:
-    """Whether one of plan step ``step``'s values is split or partial along :data:`MB_AXIS`."""
-    return any(MB_AXIS in values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in values)
 
 
 def _err(what, *, mesh, layout, rule, fix, bullets=None, cls=LayoutError):

@@ -6,7 +6,10 @@ input), or a step that runs sub-plans (a loop body, a pipeline's segments).
 Values are numbered; each has a global shape, a dtype and a
 :class:`~meshdsl.layout.sharding.Sharding`.  Figures (bytes per collective,
 FLOPs per kernel) are plain fields, so reports, cost models and layout search
-read the same data the executors run.
+read the same data the executors run.  A plan compiled with micro-batches runs on the mesh plus
+the virtual micro-batch axis :data:`MB_AXIS`; a process holds all its micro-batch ranks, so a step
+that still varies by micro-batch where the process runs them all at once (outside a pipeline's
+per-micro-batch segments) runs once per micro-batch, and the figures count it so (:meth:`Plan.walk`).
 
 Plans, steps and values are frozen once built: a compiled plan may be shared
 (the compile cache hands the same one out again) and nobody may change it.
@@ -26,6 +29,9 @@ from ..core.shape import Shape
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding
+
+#: The virtual micro-batch axis (a leading underscore keeps it apart from user axes).
+MB_AXIS = "_mb"
 
 #: Step kind -> the args its steps carry (the schema :func:`step_args` checks).
 #: Collective kinds take theirs from :data:`meshdsl.collectives.COLLECTIVES`.
@@ -51,6 +57,11 @@ def step_args(kind: str, args: Mapping | None) -> Mapping:
         allowed = frozenset(COLLECTIVES[kind].args)
     assert set(args) <= allowed, f"step '{kind}' carries args {sorted(set(args) - allowed)} outside its schema"
     return MappingProxyType(args)
+
+
+def varies_by_microbatch(step, values) -> bool:
+    """Whether one of plan step ``step``'s values is split or partial along :data:`MB_AXIS`."""
+    return any(MB_AXIS in values[v].sharding.used_axes for v in (*step.ins, *step.outs) if v in values)
 
 
 def _frozen(d) -> Mapping:
@@ -107,6 +118,9 @@ class Step:
       times: how often each sub-plan runs per run of the step.
       sub_times: per sub-plan counts instead of ``times``, when they differ (a pipeline
         runs its forward and backward segments once per micro-batch, the rest once).
+      one_microbatch: per sub-plan, whether each of its runs holds one micro-batch of a process
+        (a pipeline's forward and backward segments, run once per micro-batch), not all the
+        micro-batches the step itself holds (its other sub-plans: the prologue, the final segment).
     """
 
     kind: str
@@ -124,10 +138,16 @@ class Step:
     subplans: tuple["Plan", ...] = ()
     times: int = 1
     sub_times: tuple[int, ...] = ()
+    one_microbatch: tuple[bool, ...] = ()
 
     def runs(self, k: int) -> int:
         """How often sub-plan ``k`` runs per run of the step."""
         return self.sub_times[k] if self.sub_times else self.times
+
+    def held(self, k: int, held: int) -> int:
+        """The micro-batches a process holds in each run of sub-plan ``k``, when it holds ``held``
+        in a run of the step."""
+        return 1 if self.one_microbatch and self.one_microbatch[k] else held
 
     def __post_init__(self):
         if not isinstance(self.args, MappingProxyType):
@@ -183,14 +203,34 @@ class Plan:
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "notes", tuple(self.notes))
 
-    def walk(self):
+    @property
+    def held_microbatches(self) -> int:
+        """The micro-batches a process holds at the plan's top level: its mesh's :data:`MB_AXIS`."""
+        return self.mesh.sizes.get(MB_AXIS, 1)
+
+    def walk(self, held: int | None = None):
         """Every step, sub-plans' steps included (before the step that runs them), with how
-        often it runs per run of the plan."""
+        often it runs per run of the plan on one process.
+
+        ``held``: the micro-batches a process holds in a run of the plan (default: all of its
+        mesh's, :data:`MB_AXIS`).  A step that varies by micro-batch runs once for each
+        (``comm/microbatch.py``: one message per micro-batch rank held), one that does not
+        runs once (``runtime/steps.py``: representatives), and a collective over the
+        micro-batch axis too folds them first, then runs once."""
+        held = self.held_microbatches if held is None else held
         for s in self.steps:
             for k, sub in enumerate(s.subplans):
-                for c, mult in sub.walk():
+                for c, mult in sub.walk(s.held(k, held)):
                     yield c, mult * s.runs(k)
-            yield s, 1
+            yield s, self.held_runs(s, held)
+
+    def held_runs(self, s: Step, held: int | None = None) -> int:
+        """How often step ``s`` of this plan runs in one run of it when a process holds ``held``
+        micro-batches (default: all of its mesh's; see :meth:`walk`)."""
+        held = self.held_microbatches if held is None else held
+        if held == 1 or s.subplans or (s.is_collective and MB_AXIS in s.axes):
+            return 1
+        return held if varies_by_microbatch(s, self.values) else 1
 
     def collectives(self):
         """Every collective step, sub-plans included, with how often it runs per run of the plan."""
@@ -214,9 +254,10 @@ class Plan:
             t["bytes"] += mult * s.bytes
         return out
 
-    def flops(self) -> int:
-        """FLOPs of one run on one rank, sub-plans counted as often as they run."""
-        return sum(s.flops + sum(s.runs(k) * sub.flops() for k, sub in enumerate(s.subplans)) for s in self.steps)
+    def flops(self, held: int | None = None) -> int:
+        """FLOPs of one run on one rank, sub-plans counted as often as they run (:meth:`walk`;
+        ``held`` as there: a pipeline's forward segment alone holds one micro-batch a run)."""
+        return sum(s.flops * mult for s, mult in self.walk(held) if s.flops)
 
     def signature(self) -> str:
         """A hash of everything that must agree across ranks (steps, shapes, collectives)."""

@@ -24,24 +24,26 @@ def _local_shape(plan: Plan, vid: int) -> dict[str, int]:
     return dict(zip(v.shape.names, v.local_shape(plan.mesh)))
 
 
-def _group(steps: list[Step]) -> list[list[Step]]:
-    """Steps grouped by graph node, in order of first appearance."""
-    groups: dict[tuple[int, str], list[Step]] = {}
-    for s in steps:
-        groups.setdefault((s.node, s.label), []).append(s)
-    return list(groups.values())
+def _group(plan: Plan, held: int) -> list[tuple[int, list[Step]]]:
+    """Steps grouped by graph node and how often they run per run of ``plan`` (a process
+    holding ``held`` micro-batches, :meth:`~meshdsl.lowering.plan.Plan.walk`), in order of
+    first appearance."""
+    groups: dict[tuple[int, str, int], list[Step]] = {}
+    for s in plan.steps:
+        groups.setdefault((s.node, s.label, plan.held_runs(s, held)), []).append(s)
+    return [(runs, steps) for (_, _, runs), steps in groups.items()]
 
 
-def _entries(plan: Plan, prefix: str, times: int) -> list[dict[str, Any]]:
+def _entries(plan: Plan, prefix: str, times: int, held: int) -> list[dict[str, Any]]:
     out = []
-    for steps in _group(plan.steps):
+    for runs, steps in _group(plan, held):
         first = next((s for s in steps if not s.is_collective), steps[0])
         shaped = [(vid, s) for s in steps if not s.is_collective for vid in s.outs]
         entry = {
             "op": first.op,
             "label": prefix + first.label,
             "phase": first.phase,
-            "times": times,
+            "times": times * runs,
             "local_shapes": [_local_shape(plan, vid) for vid, _ in shaped],
             "shardings": [str(plan.values[vid].sharding) for vid, _ in shaped],
             "flops": sum(s.flops for s in steps),
@@ -53,7 +55,7 @@ def _entries(plan: Plan, prefix: str, times: int) -> list[dict[str, Any]]:
         for s in steps:
             for k, sub in enumerate(s.subplans):
                 entry["notes"].append(f"runs the {len(sub.steps)} steps below x{s.runs(k)}")
-                out.extend(_entries(sub, f"{prefix}{first.label}/", times * s.runs(k)))
+                out.extend(_entries(sub, f"{prefix}{first.label}/", times * runs * s.runs(k), s.held(k, held)))
     return out
 
 
@@ -82,7 +84,7 @@ def plan_report(plan: Plan) -> dict[str, Any]:
         "layout": str(layout),
         "microbatches": num_microbatches(plan),
         "pipeline": schedule_summary(plan),
-        "ops": _entries(plan, "", 1),
+        "ops": _entries(plan, "", 1, plan.held_microbatches),
         "totals": {k: dict(v) for k, v in sorted(plan.totals().items())},
         "totals_by_axis": [{"kind": k, "axes": list(axes), **v}
                            for (k, axes), v in sorted(plan.totals_by_axis().items())],
