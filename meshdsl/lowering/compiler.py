@@ -42,6 +42,7 @@ from .shared_sums import moved_around, summed_terms
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 from .uneven import find as find_uneven
+from .update_values import passed_on, with_output_targets
 from .users_terms import users_terms, with_given
 
 
@@ -120,6 +121,9 @@ class Lowerer:
         # id(Tensor) -> its params' scopes and dims, for a value computed from params alone or on its
         # way to their gradients (:mod:`.param_values`)
         self.param_scopes: dict[int, tuple] = {}
+        # id(Tensor) -> the outputs that return it unchanged (an update's ``new/<k>``): laid out as
+        # they are where nothing else reads it (:mod:`.update_values`)
+        self.passed_on: dict[int, list] = {}
 
     # -- values
     def new_value(self, shape, dtype, sharding: Sharding) -> int:
@@ -187,7 +191,7 @@ class Lowerer:
         if key not in self._targets:
             own = self.layout.targets(t.shape, t.scopes, self.mesh, t.name, strict)
             if not strict and not t.scopes:   # (a value of params alone, or of their gradients: also laid as they are)
-                own = with_param_targets(self, t, own)
+                own = with_output_targets(self, t, with_param_targets(self, t, own))
             self._targets[key] = own
         return self._targets[key]
 
@@ -350,6 +354,7 @@ def lower_into(lw: Lowerer, outputs: dict[str, Tensor], lazy: bool = False) -> d
     # What this plan reads: a node with optional outputs (a repeat's saved activations) lowers only those.
     lw.used.update(id(t) for n in nodes for t in n.inputs)
     lw.used.update(id(t) for t in outputs.values())
+    lw.passed_on.update(passed_on(outputs))   # (an update's value, laid out as its new/<k>)
     if offers(lw, nodes):   # (values computed from params alone, offered their params' layout)
         lw.param_scopes = param_scopes(nodes, lw.param_scopes, outputs.values())
     if not lw.counted:

@@ -112,7 +112,8 @@ _UPDATE_OUTPUTS = Lru(64)
 
 def update_outputs(updates: dict, graph) -> dict[str, Tensor]:
     """``new/<k>`` for each checked update: the tensor in the param's dim order, laid out by
-    the param's own layout scopes, so each rank's slice of it is the param's next slice.
+    the param's own layout scopes, so each rank's slice of it is the param's next slice (the
+    update is computed there too, not gathered to an activation's layout: lowering/update_values.py).
 
     Built once per (graph, updates): a second call returns the same tensors, so the compile
     cache sees the same outputs and the graph does not grow a second copy."""
