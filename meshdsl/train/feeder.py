@@ -275,9 +275,13 @@ class CallableFeeder:
 
 def reads_text(model) -> bool:
     """True when the model trains on text: it reads token ids and next-token labels (``ids`` and
-    ``labels``) and makes no batches of its own (``Model.batches``)."""
-    names = {n.name for n in model.graph.nodes if n.op.name == "input"}
-    return {IDS, LABELS} <= names and model.batches is None
+    ``labels``, ``[batch, seq]`` each) and makes no batches of its own (``Model.batches``).  Inputs
+    of those names and other shapes (a document classifier's ``[batch, sents, words]`` ids and
+    ``[batch]`` labels) are the model's own: it trains on its ``make_feeds``."""
+    shapes = {n.name: n.outputs[0].shape.sizes for n in model.graph.nodes if n.op.name == "input"}
+    if not {IDS, LABELS} <= set(shapes) or model.batches is not None:
+        return False
+    return len(shapes[IDS]) == 2 and shapes[IDS] == shapes[LABELS]
 
 
 def model_vocab(model) -> int | None:
