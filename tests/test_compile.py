@@ -37,10 +37,10 @@ CASES = [
     ("mlp", "data:2", "batch:data", 1),
     ("mlp", "model:2", "d_ff:model", 1),
     ("mlp", "data:2", FSDP, 1),
-    ("moe", "data:1", "", 1),
+    pytest.param("moe", "data:1", "", 1, marks=pytest.mark.slow),   # see below
     ("moe", "stage:2", "layer:stage", 2),
-    # the MoE's other layouts are the transformer's and the MLP's over kernels data:1 already
-    # traced; 5-14 s each to trace on a loaded 2-core machine, so under -m slow
+    # the MoE's other layouts (data:1 included) are the transformer's and the MLP's over the kernels
+    # stage:2 traces (its routing too); 5-14 s each to trace on a loaded 2-core machine, so under -m slow
     pytest.param("moe", "model:2", "heads:model; d_ff:model", 1, marks=pytest.mark.slow),
     pytest.param("moe", "data:2", "batch:data", 1, marks=pytest.mark.slow),
     pytest.param("moe", "data:2", FSDP, 1, marks=pytest.mark.slow),

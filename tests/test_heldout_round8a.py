@@ -227,8 +227,10 @@ def test_a_stacked_constant_and_arange_under_virtual_stages(kw):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
-# gemma2's search (4 s) runs with -m slow: the suite keeps one search per round (mla)
-@pytest.mark.parametrize("path", [pytest.param(GEMMA2, marks=pytest.mark.slow), MLA], ids=["gemma2", "mla"])
+# Both searches (gemma2 4 s, mla 3 s) run with -m slow: the suite checks the search's top layouts
+# against dense on round 7b's models (the same helper), and mla's layouts above
+@pytest.mark.parametrize("path", [pytest.param(GEMMA2, marks=pytest.mark.slow), pytest.param(MLA, marks=pytest.mark.slow)],
+                         ids=["gemma2", "mla"])
 def test_the_searchs_top_layouts_match_dense(path, monkeypatch, tmp_path):
     """``md.search_layouts`` on 4 processes (the default calibration): its three best candidates
     compile and give the dense program's loss and gradients."""

@@ -200,8 +200,10 @@ def test_generate_on_a_vision_language_model_is_refused_naming_the_image_input()
     assert "inputs the logits read: ['images', 'tokens']" in str(e.value)
 
 
-# segformer's search (6 s, pipelined candidates) runs with -m slow: the suite keeps one search per round (ast)
-@pytest.mark.parametrize("path", [AST, pytest.param(SEG, marks=pytest.mark.slow)], ids=["ast", "segformer"])
+# Both searches (segformer 6 s, pipelined candidates; ast 3 s) run with -m slow: the suite checks the
+# search's top layouts against dense on round 7b's models (the same helper), and ast's layouts above
+@pytest.mark.parametrize("path", [pytest.param(AST, marks=pytest.mark.slow), pytest.param(SEG, marks=pytest.mark.slow)],
+                         ids=["ast", "segformer"])
 def test_the_searchs_top_layouts_match_dense(path, monkeypatch, tmp_path):
     """``md.search_layouts`` on 4 processes (the default calibration): its three best candidates
     compile and give the dense program's loss and gradients."""

@@ -46,8 +46,12 @@ def _mb_moves(plan) -> list[str]:
             if MB_AXIS in s.axes and s.kind not in ("allreduce", "bucket_allreduce")]
 
 
-# transformer's 4-process space is the largest (8 s): it runs with -m slow; the other models keep theirs
-@pytest.mark.parametrize("name, nproc", [pytest.param(n, p, marks=pytest.mark.slow) if (n, p) == ("transformer", 4)
+# The largest 4-process spaces (transformer 8 s, moe, vit) run with -m slow: every model keeps its
+# 2-process space, and llama and mlp their 4-process one (two-axis meshes)
+_SLOW_SPACES = {("transformer", 4), ("moe", 4), ("vit", 4)}
+
+
+@pytest.mark.parametrize("name, nproc", [pytest.param(n, p, marks=pytest.mark.slow) if (n, p) in _SLOW_SPACES
                                          else (n, p) for n in MODELS for p in (2, 4)])
 def test_micro_batched_plans_of_the_search_space_only_sum_micro_batches(name, nproc):
     model = md.load_model(name, tiny=True)

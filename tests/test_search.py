@@ -113,6 +113,10 @@ def _ranked(name: str, nproc: int):
     return _SEARCHED[key]
 
 
+# With -m slow: test_layout_auto_in_check_prints_the_choice checks the search's first choice against
+# dense, the held-out rounds' test_the_searchs_top_layouts_match_dense its three best, and
+# test_microbatch_lowering.py compiles the candidates of the shipped models' spaces.
+@pytest.mark.slow
 @settings(derandomize=True, deadline=None, max_examples=8, suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(["mlp", "transformer", "moe"]), nproc=st.sampled_from([2, 4]), pick=st.integers(0, 10**6))
 def test_every_ranked_candidate_compiles_and_checks(name, nproc, pick, capsys):

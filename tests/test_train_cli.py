@@ -259,6 +259,10 @@ def test_a_user_model_keeps_its_config_and_the_summary_names_its_data(capsys, tm
 
 # ----------------------------------------------------------------- a kill mid-save
 
+# With -m slow: test_checkpoint.py kills a save at every point of the protocol (each leaves a
+# loadable checkpoint, the next save cleans up), and test_resume_continues_to_the_total_step_count
+# resumes the CLI's run.
+@pytest.mark.slow
 def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, capsys):
     root = tmp_path / "ck"
     # The save of step 4 SIGKILLs its process once its shard is on disk (train/checkpoint.py, KILL_POINTS).
@@ -298,6 +302,9 @@ def test_train_with_adamw_warmup_and_clipping(capsys, tmp_path):
     assert rc == 2 and "--warmup-steps 5 is more than --steps 4" in err
 
 
+# With -m slow: test_moe_adamw.py trains the MoE's experts split over 2 gloo processes (AdamW,
+# clipping) against dense, and test_feeder.py runs `meshdsl train` on 2 gloo processes.
+@pytest.mark.slow
 def test_train_moe_with_expert_parallelism_on_two_processes(capsys, tmp_path):
     # `meshdsl train moe`: the routed MoE on text, its experts split over 2 gloo processes
     # (dispatch and combine are alltoalls), AdamW with clipping.

@@ -137,6 +137,10 @@ def test_resume_reshards_from_4_to_2_and_1_processes(tmp_path, text_file):
         torch.testing.assert_close(got[k][0], xs[0], rtol=RTOL, atol=ATOL, msg=k)
 
 
+# With -m slow: test_train_cli.py's resume with no flags is bit-identical (AdamW, warmup, clipping) in
+# one process, and the resumes of processes' runs are test_resume_reshards_from_4_to_2_and_1_processes
+# and test_feeder.py's two-process run.
+@pytest.mark.slow
 def test_a_resume_on_2_processes_is_bit_identical(tmp_path, text_file):
     # AdamW with warmup, cosine and clipping on 2 gloo processes; resumed from step 4 with no
     # setting but the model's, the run's steps 5-8 come back bit for bit: the same plan on the same
@@ -217,6 +221,8 @@ def test_generate_continues_with_the_dense_programs_tokens():
         md.generate(tiny, {k: torch.zeros(1) for k in tiny.params}, "x")
 
 
+# With -m slow (long repetition): test_models.py's llama learns below the unigram entropy in md.fit too.
+@pytest.mark.slow
 def test_learning_beats_the_unigram_entropy():
     # A small slice of the default corpus; a small transformer learns its bigram statistics in a few
     # hundred SGD steps, which a model of byte frequencies alone cannot.
