@@ -12,7 +12,8 @@ dim, the node is lowered as the composite of the same math instead (as :mod:`.so
   scale + bias``; backward ``dx = (gw - mean(gw) - x̂ * mean(gw * x̂)) * rstd``;
 * the scale's gradient is ``g * x̂`` and the bias's ``g``, summed over the other dims.
 
-The means over the split dim are small allreduces of one value per row; the outputs stay split
+The means over the split dim are small allreduces of one value per row (the layer norm
+backward's two row sums packed into one allreduce); the outputs stay split
 as the input was, and the statistics are those the fused kernel saves (fp32 for a 16-bit ``x``),
 so a fused forward and a composite backward (or the reverse) agree.
 """
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from ..core.shape import Dim
 from ..ops.elementwise import cast, rsqrt
 from ..ops.reduce import reduce_mean, reduce_sum
+from ..ops.scan import squeeze, unsqueeze
+from ..ops.slicing import concat, slice_
 from .composite import lower_composite
 from .generic import lower_generic
 from .rules import lowering
@@ -79,13 +83,24 @@ def composite_layer_norm_backward(g, x, mean, rstd, *scale, dim: str, has_bias: 
     """``dx`` (then ``d_scale``, ``d_bias`` as the node has them) of the layer norm."""
     xhat, gf = (_acc(x) - mean) * rstd, _acc(g)
     gw = gf * _acc(scale[0]) if scale else gf
-    dx = (gw - reduce_mean(gw, dim) - xhat * reduce_mean(gw * xhat, dim)) * rstd
+    sum_g, sum_gx = _row_sums([gw, gw * xhat], dim)
+    n = x.shape[dim].size
+    dx = (gw - sum_g / n - xhat * (sum_gx / n)) * rstd
     outs = [_as(dx, x.dtype)]
     if scale:
         outs.append(_as(_sum_but(gf * xhat, dim), x.dtype))
     if has_bias:
         outs.append(_as(_sum_but(gf, dim), x.dtype))
     return outs
+
+
+def _row_sums(ts, dim: str) -> list:
+    """``reduce_sum(t, dim)`` of each of ``ts``, packed along a new dim after the sums: over a split
+    ``dim`` the partial sums (one value per row each) go in one allreduce instead of one each, as
+    batch_norm's backward sends its two."""
+    k = Dim("norm_row_sums", 1)
+    both = concat([unsqueeze(reduce_sum(t, dim), k) for t in ts], k.name)
+    return [squeeze(slice_(both, k.name, i, i + 1), k.name) for i in range(len(ts))]
 
 
 def _build(node):

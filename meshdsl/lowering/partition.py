@@ -749,7 +749,30 @@ def _own_parts(cut: _Cut) -> set[int]:
             continue
         if _per_layer_outputs(cut, s.outs) and all(cut.held.get(v, every) == every for v in s.ins):
             out.add(i)
-    return out
+    return out | _cotangent_factors(cut, out, from_ys | from_b)
+
+
+def _cotangent_factors(cut: _Cut, own: set, skip: set) -> set[int]:
+    """The steps that make, without the per-layer outputs, a factor of what the ``own`` part steps
+    read, read by them alone: ``g * t`` for a per-layer input ``t`` in the backward of ``t *
+    log_sigmoid(y)`` (a stop token's BCE against per-frame targets), each stage's own layers of it
+    per micro-batch as the steps reading it are (after the micro-batches, it would hold the
+    pipelined backward's cotangent up to the last one)."""
+    every, ax = cut.every_stage, cut.spec.axis
+    readers: dict[int, set[int]] = {}
+    for i, s in enumerate(cut.steps):
+        for v in s.ins:
+            readers.setdefault(v, set()).add(i)
+    found: set[int] = set()
+    for i in reversed(range(len(cut.steps))):   # readers come after their producers
+        s = cut.steps[i]
+        if (i in own or i in skip or cut.leaf[i] or not cut.per_mb[i] or i in cut.stack_at
+                or cut.stages[i] != every or (s.is_collective and {ax, MB_AXIS} & set(s.axes))):
+            continue
+        if (_per_layer_outputs(cut, s.outs) and all(cut.held.get(v, every) == every for v in s.ins)
+                and all(readers.get(v) and readers[v] <= own | found for v in s.outs)):
+            found.add(i)
+    return found
 
 
 def _per_layer_outputs(cut: _Cut, outs) -> bool:
