@@ -196,13 +196,17 @@ register(Collective("bucket_reduce_scatter", ("op", "dims", "cuts", "uneven"), l
 
 # ----------------------------------------------------------------------------- permute
 
+# Member j sends to member j + offset and receives from j - offset (modulo the group with
+# ``wrap``); with ``reverse``, member j trades with member n - 1 - j instead (a flip of a split
+# dim: lowering/flip.py), the middle member of an odd group keeping its own.
+
 def _sim_permute(xs, groups, args):
     offset, wrap = args["offset"], args["wrap"]
     out: list = [None] * len(xs)
     for g in groups:
         n = len(g)
         for j, r in enumerate(g):
-            src = j - offset
+            src = n - 1 - j if args.get("reverse") else j - offset
             if wrap:
                 src %= n
             elif not 0 <= src < n:
@@ -211,7 +215,7 @@ def _sim_permute(xs, groups, args):
     return out
 
 
-register(Collective("permute", ("offset", "wrap"), lambda n: 1.0, _sim_permute, point_to_point=True))
+register(Collective("permute", ("offset", "wrap", "reverse"), lambda n: 1.0, _sim_permute, point_to_point=True))
 
 
 # ----------------------------------------------------------------------------- send / recv

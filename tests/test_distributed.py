@@ -61,6 +61,7 @@ def _plan(mesh: Mesh) -> list[tuple[str, str, tuple[str, ...], dict]]:
             for offset, wrap in itertools.product((1, -1), (True, False)):
                 plan.append(("permute", "f", axes, {"offset": offset, "wrap": wrap}))
             plan.append(("permute", "fT", axes, {"offset": n, "wrap": True}))
+            plan.append(("permute", "f", axes, {"offset": 0, "wrap": False, "reverse": True}))   # md.flip's
             # Asynchronous starts, all in flight together, waited on in reverse order.
             plan.append(("start", "f", axes, {"kind": "allreduce", "op": "sum"}))
             plan.append(("start", "fT", axes, {"kind": "allreduce", "op": "max"}))

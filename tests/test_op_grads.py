@@ -233,6 +233,7 @@ for _off in (1, -2):
     case(f"shift_{_off}")(lambda x, o=_off: md.shift(x("x", [A, C]), "c", o) * x("w", [A, C]))
     case(f"shift_wrap_{_off}")(lambda x, o=_off: md.shift(x("x", [A, C]), "c", o, wrap=True) * x("w", [A, C]))
 case("roll")(lambda x: md.roll(x("x", [A, B]), "b", 3) * x("w", [A, B]))
+case("flip")(lambda x: md.flip(x("x", [A, B, C]), ["a", "c"]) * x("w", [A, B, C]))
 case("squeeze")(lambda x: md.squeeze(x("x", [A, md.Dim("one", 1), B]), "one") * x("w", [A, B]))
 case("unsqueeze")(lambda x: md.unsqueeze(x("x", [A, B]), md.Dim("one", 1)) * x("w", [A, md.Dim("one", 1), B]))
 

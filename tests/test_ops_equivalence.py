@@ -350,6 +350,14 @@ def _roll():
     return {f"k{k}": md.roll(x, "seq", k) for k in _OFFSETS}, {}
 
 
+@case("flip")
+def _flip():
+    """One reversing permute where seq is split evenly (over one axis or two: the group index
+    reversed reverses both); over batch and seq at once, one permute over all their axes."""
+    x = _x("x_bs", [B, S])
+    return {"seq": md.flip(x, "seq"), "both": md.flip(x * x, ["batch", "seq"])}, {}
+
+
 # ----------------------------------------------------------------------------- convolution
 # A split spatial dim trades halos with its neighbours (forward: x's, backward: the output
 # gradient's; the weight gradient reuses x's); batch and c_out split freely, c_in leaves a

@@ -105,12 +105,14 @@ class Communicator(ABC):
         """Reduce over the group, then keep chunk ``i`` (along ``dim``) on member ``i``."""
         return self.collective("reduce_scatter", xs, axes, {"dim": dim, "op": op})
 
-    def permute(self, xs, axes, offset: int, wrap: bool):
+    def permute(self, xs, axes, offset: int, wrap: bool, reverse: bool = False):
         """Send to the member ``offset`` further along the group; receive from ``-offset``.
 
-        Without ``wrap`` a member with no sender gets ``None``.
+        Without ``wrap`` a member with no sender gets ``None``.  With ``reverse`` member ``j``
+        trades with member ``n - 1 - j`` instead (``offset`` unused).
         """
-        return self.collective("permute", xs, axes, {"offset": offset, "wrap": wrap})
+        args = {"offset": offset, "wrap": wrap, **({"reverse": True} if reverse else {})}
+        return self.collective("permute", xs, axes, args)
 
     def send(self, xs, axes, offset: int, tag: int):
         """Send to the member ``offset`` further along the group (no result); ``tag`` pairs it with its recv."""

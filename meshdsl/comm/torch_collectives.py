@@ -145,6 +145,8 @@ def _dist_permute(comm, x, group, args):
     # (no batched p2p, which can hang on gloo).
     n, j = group.size, group.me
     dst, src = j + args["offset"], j - args["offset"]
+    if args.get("reverse"):   # member j trades with member n - 1 - j (collectives.py)
+        dst = src = n - 1 - j
     if args["wrap"]:
         dst, src = dst % n, src % n
     dst = dst if 0 <= dst < n else None

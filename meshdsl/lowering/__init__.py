@@ -14,3 +14,4 @@ from . import norms  # noqa: F401  (rms_norm's and layer_norm's rules: fused, or
 from . import attention  # noqa: F401  (attention's rule: fused, or composite when its keys arrive split)
 from . import concat  # noqa: F401  (concat's rule: torch.cat, or a sum of pads when its dim arrives split)
 from . import argmax  # noqa: F401  (argmax's and argmin's rules: torch's kernel, or reductions when the dim arrives split)
+from . import flip  # noqa: F401  (flip's rule: local, or one reversing permute when its dim arrives split)

@@ -14,6 +14,7 @@ from .elementwise import (abs, add, cast, ceil, cos, div, equal, erf, exp, expm1
                           sign, silu, sin, sqrt, square, stop_gradient, sub, tanh, where)
 from .activations import clamp, elu, leaky_relu, log_sigmoid, mish, softplus
 from .argmax import argmax, argmin
+from .flip import flip
 from .embed import arange, causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)

@@ -50,7 +50,7 @@ _FOLLOW = ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "pow", "sqrt"
            "silu", "silu_backward", "relu", "relu_backward", "gelu", "gelu_backward", "maximum", "minimum",
            "where", "dropout", "stop_gradient", "reduce_max", "reduce_min", "top_k", "scatter_add",
            "transpose", "broadcast_to", "rename", "reshape", "rearrange", "squeeze", "slice", "pad", "concat",
-           "shift", "repeat", "repeat_grad", "equal", "not_equal", "greater", "greater_equal", "less",
+           "shift", "flip", "repeat", "repeat_grad", "equal", "not_equal", "greater", "greater_equal", "less",
            "less_equal", "erf", "log1p", "expm1", "square", "reciprocal", "sign", "floor", "ceil", "round",
            "softplus", "log_sigmoid", "leaky_relu", "elu", "mish", "clamp", "argmax", "argmin", "floor_divide", "remainder",
            "logaddexp")
