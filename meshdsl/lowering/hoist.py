@@ -37,9 +37,16 @@ layers one rank runs): the copies at most double that, and take no memory that g
 layers.  YOCO's one key and value, read by every cross layer, are both gathered once; under full
 remat (the layer inputs alone kept) a tiny loop takes fewer.  Taken first, smallest first: copies
 made by moves alone, then those whose making holds a collective, then a local op's (a collective
-saved per layer is worth more than a kernel).  A copy left out leaves the step making it in the
-block (and what reads it); what that step reads is then asked for instead.  No copy is stacked
-over the layers; a stacked param's per-layer gather is not loop-invariant and stays in the block.
+saved per layer is worth more than a kernel); a backward loop takes the copies its forward loop
+made already before any other (no collective at all).  A copy a recurrence nested in the block
+reads (an inner repeat's input gathered whole) is read again by the outer backward, which
+recomputes the recurrence under every remat policy: where the loop's policy keeps that input
+(``none``; ``selective`` or ``save:`` where it names the op making it), the copy is that saved
+activation, made once instead of once per layer, and is held besides the budget (HAN's BiGRU:
+both directions' gathered words; under ``full`` it is priced as any other copy).  A copy left
+out leaves the step making it in the block (and what reads it); what that step reads is then
+asked for instead.  No copy is stacked over the layers; a stacked param's per-layer gather is not
+loop-invariant and stays in the block.
 
 Gradients: the backward block may make a closed-over tensor's gradient at the sharding of the
 copy the forward loop read (:func:`copy_read`), its partial sums kept, so the loop adds the
@@ -87,7 +94,9 @@ def hoist_moves(lw, node, plan: Plan, ins: list, closed: tuple, carry_bytes: int
     if node.op.name == "repeat_grad" and lw.pipeline_axis is not None:
         ends, made_by, stay = _forward_copies(lw, node, plan, given, made_by)
     else:
-        ends, made_by = _kept(plan, made_by, carry_bytes, lw.mesh, _layers(lw, node))
+        held = set(_made_already(lw, node, plan, given, made_by)) if node.op.name == "repeat_grad" else set()
+        rescanned = _rescanned(lw, node, plan, made_by, closed)
+        ends, made_by = _kept(plan, made_by, carry_bytes, lw.mesh, _layers(lw, node), held, rescanned)
     if not ends:
         return plan, ins, closed
     outer = dict(given)   # block value -> the plan's value
@@ -196,22 +205,25 @@ def _ends(plan: Plan, made_by: dict[int, Step], stay: frozenset = frozenset()) -
     return [v for v in made_by if v in read and id(made_by[v]) not in stay]
 
 
-def _kept(plan: Plan, made_by: dict[int, Step], carry_bytes: int, mesh,
-          layers: int) -> tuple[list[int], dict[int, Step]]:
+def _kept(plan: Plan, made_by: dict[int, Step], carry_bytes: int, mesh, layers: int,
+          held: set[int] = frozenset(), saved: set[int] = frozenset()) -> tuple[list[int], dict[int, Step]]:
     """The copies the loop holds (the module's memory rule), in block order, and ``made_by``
-    without the steps whose copies it does not hold (nor what reads them).  Taken first: the
-    copies made by moves alone, then those whose making holds a collective, then the rest (a
-    local op's), each smallest first: a collective saved per layer is worth more than a kernel."""
+    without the steps whose copies it does not hold (nor what reads them).  ``saved``: copies
+    the remat policy keeps for the backward (:func:`_rescanned`), held besides the budget.  Taken
+    first: the copies an earlier loop made already (``held``: a backward loop reads the forward's,
+    no collective at all), then those made by moves alone, then those whose making holds a
+    collective, then the rest (a local op's), each smallest first: a collective saved per layer is
+    worth more than a kernel."""
     ends = _ends(plan, made_by)
     if not ends:
         return [], {}
-    size = {v: plan.values[v].local_bytes(mesh) for v in ends}
+    size = {v: plan.values[v].local_bytes(mesh) for v in ends if v not in saved}
     # one copy a layer makes at its peak anyway, or no more than what the loop keeps for its backward
-    budget = max(max(size.values()), layers * (carry_bytes + _saved_bytes(plan, mesh)))
+    budget = max(max(size.values(), default=0), layers * (carry_bytes + _saved_bytes(plan, mesh)))
     while True:
         size = {v: plan.values[v].local_bytes(mesh) for v in ends}
-        total, kept = 0, set()
-        for v in sorted(ends, key=lambda v: (_rank(made_by, v), size[v])):
+        total, kept = 0, {v for v in ends if v in saved}
+        for v in sorted(set(ends) - kept, key=lambda v: (v not in held, _rank(made_by, v), size[v], ends.index(v))):
             if total + size[v] <= budget:
                 total += size[v]
                 kept.add(v)
@@ -292,6 +304,20 @@ def _forward_copies(lw, node, plan: Plan, given: dict, made_by: dict) -> tuple[l
     between stages), so no memory is added; ``made_by`` cut to the steps a forward loop made;
     and the ids of those the block makes again itself (a value the forward read only moved).
     Returns ``(ends, made_by, stay)``."""
+    outer = _made_already(lw, node, plan, given, made_by)
+    made_by = _cut(plan, made_by, {v for v in made_by if outer.get(v) is None})
+    fed, stay = lw.memo.get(__name__ + ".fed", set()), set()
+    while True:
+        ends = _ends(plan, made_by, frozenset(stay))
+        unfed = {id(made_by[v]) for v in ends if outer.get(v) not in fed}
+        if not unfed:
+            return ends, made_by, stay
+        stay |= unfed
+
+
+def _made_already(lw, node, plan: Plan, given: dict, made_by: dict) -> dict[int, int]:
+    """Block value -> the plan's value, for each value of ``made_by`` an earlier loop made already
+    before it (the forward's copies, which a backward loop takes: :func:`_taken`)."""
     outer, taken = dict(given), {}
     for s in plan.steps:
         if not any(made_by.get(v) is s for v in s.outs):
@@ -302,15 +328,58 @@ def _forward_copies(lw, node, plan: Plan, given: dict, made_by: dict) -> tuple[l
                 outer.update(zip(c.outs, _taken(lw, node, plan, c, outer) or (None,) * len(c.outs)))
         hit = _taken(lw, node, plan, s, outer)
         outer.update(zip(s.outs, hit or (None,) * len(s.outs)))
-        taken.update((v, s) for v in s.outs if hit is not None)
-    made_by = _cut(plan, made_by, set(made_by) - set(taken))
-    fed, stay = lw.memo.get(__name__ + ".fed", set()), set()
-    while True:
-        ends = _ends(plan, made_by, frozenset(stay))
-        unfed = {id(made_by[v]) for v in ends if outer.get(v) not in fed}
-        if not unfed:
-            return ends, made_by, stay
-        stay |= unfed
+        taken.update((v, outer[v]) for v in s.outs if hit is not None)
+    return taken
+
+
+def _rescanned(lw, node, plan: Plan, made_by: dict, closed: tuple) -> set[int]:
+    """The copies of ``made_by`` a recurrence nested in the block reads (an inner repeat's step),
+    made by moves alone from a closed-over tensor that the remat policy of the loop's backward
+    saves (:func:`_policy_saves`).  The outer backward recomputes a nested repeat under every
+    policy, reading its inputs as the forward did; an input made in the block is saved gathered
+    (:mod:`.saved_copies`), and one read from outside is the same in every layer: its copy, held
+    from the forward loop to the backward's end, is that saved activation made once, so it is kept
+    besides the memory rule's budget (HAN's BiGRU: both directions' gathered words)."""
+    policies = _backward_policies(lw, node)
+    if not policies:
+        return set()
+    tensors = dict(zip(closed, node.inputs[len(node.inputs) - len(closed):]))
+    of_input = {plan.inputs[k]: t for k, t in tensors.items() if k in plan.inputs}
+    scans = {v for s in plan.steps if s.kind == "repeat" for v in s.ins}
+    out = set()
+    for v in made_by:
+        if v in scans and _moves_only(made_by, v):
+            t = of_input.get(_origins(made_by, v)[0])
+            if t is not None and any(_policy_saves(p, t) for p in policies):
+                out.add(v)
+    return out
+
+
+def _backward_policies(lw, node) -> list:
+    """The remat policies of the backward loops of repeat ``node`` this plan runs: a backward
+    block's own; a forward repeat's, those of its gradients that some output reads (none when
+    nothing differentiates it)."""
+    if node.op.name == "repeat_grad":
+        return [node.attrs["block"].extra["remat"]]
+    return [g.attrs["block"].extra["remat"] for g in node.graph.nodes
+            if g.op.name == "repeat_grad" and g.inputs and g.inputs[0] is node.outputs[1]
+            and any(id(t) in lw.used for t in g.outputs)]
+
+
+#: Ops that lay a tensor out anew (no arithmetic): a policy saving their input saves them (as :func:`chosen`).
+_LAYOUT_OPS = frozenset({"transpose", "rename", "reshape", "rearrange"})
+
+
+def _policy_saves(policy, t) -> bool:
+    """Whether ``policy`` keeps tensor ``t`` for the backward, were it an activation of the block:
+    ``none`` keeps all; otherwise the outputs of the ops it names, and what ops that only lay one
+    out anew make of it (:func:`~meshdsl.ir.remat.chosen` saves a cheap op's output no larger in
+    place of the saved op's)."""
+    while policy.save is not None and t.node.op.name not in policy.save:
+        if t.node.op.name not in _LAYOUT_OPS or not t.node.inputs:
+            return False
+        t = t.node.inputs[0]
+    return True
 
 
 def _producer(plan: Plan, v: int) -> Step:

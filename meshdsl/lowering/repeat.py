@@ -6,7 +6,8 @@ axis (:mod:`.pipeline`): then each stage's sub-plan runs its ``layers / p`` loca
 layers, and the stacked carries, activations and gradients stay split like the
 params.  A repeat inside a block (a recurrence over ``seq``) whose scanned dim the layout
 splits gathers it: each rank runs every step (:func:`_scan_target`; the outer backward reads the
-gathered inputs the forward saved, :mod:`.saved_copies`).  In the backward block,
+gathered inputs the forward saved, :mod:`.saved_copies`, or, for one read from outside the block,
+the copy gathered once before the loop, :mod:`.hoist`).  In the backward block,
 parameter gradients may stay lazy partial sums, so they are reduced once, stacked, after the loop.
 
 The forward sub-plan also outputs the activations the remat policy saves for the
@@ -229,7 +230,9 @@ def _scan_target(lw: Lowerer, loop: _Loop, name: str) -> Sharding:
     split takes its local slice, no collective; backward, the per-step outputs' gradients are
     gathered likewise.  Even or uneven, over any axes, as GSPMD would.  The outer backward
     recomputes the inner repeat; where the remat policy saves a gathered input, the forward
-    saves the gathered copy and the recompute reads it (:mod:`.saved_copies`).
+    saves the gathered copy and the recompute reads it (:mod:`.saved_copies`; an input read from
+    outside the block is gathered once before the loop, and the backward takes that copy,
+    :mod:`.hoist`).
 
     Raises:
       LayoutError: the outermost repeat's layer dim split over other axes than its pipeline's (the
