@@ -15,3 +15,4 @@ from . import attention  # noqa: F401  (attention's rule: fused, or composite wh
 from . import concat  # noqa: F401  (concat's rule: torch.cat, or a sum of pads when its dim arrives split)
 from . import argmax  # noqa: F401  (argmax's and argmin's rules: torch's kernel, or reductions when the dim arrives split)
 from . import flip  # noqa: F401  (flip's rule: local, or one reversing permute when its dim arrives split)
+from . import topk  # noqa: F401  (top_k's rule: torch's kernel, or a top-k of each part's top-k when its dim arrives split)

@@ -29,6 +29,7 @@ from .coalesce import coalesce
 from .concat import absorbed_parts
 from .fuse import fuse as fuse_steps
 from .cyclic_dims import NotCyclic, store_cyclic
+from .dead_moves import live_steps
 from .implied import implied_layout
 from .lazy_grads import lazy_to_gradients, lazy_to_smaller_sums
 from .param_values import gathered_in_pieces, least_offered, offering, offers, param_scopes, with_param_targets
@@ -508,9 +509,11 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
 
 
 def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven, spec,
-             foreseen: dict | None = None, shared: dict | None = None) -> tuple[Lowerer, dict[str, int]]:
+             foreseen: dict | None = None, shared: dict | None = None,
+             wanted: dict | None = None) -> tuple[Lowerer, dict[str, int]]:
     """The lowerer that lowered ``outputs`` (its notes and steps), and their value ids;
-    ``foreseen``: the shardings some tensors will be moved to anyway (:mod:`.shared_moves`);
+    ``foreseen``: the shardings some tensors will be moved to anyway, ``wanted``: the one sharding
+    every reader of some tensors moves them to (:mod:`.shared_moves`);
     ``shared``: the terms of sums reduced once (:mod:`.shared_sums`)."""
     lw = Lowerer(mesh, layout, cost)
     for _, why in layout.implied:
@@ -524,6 +527,7 @@ def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
     # (a normalised param's gradient; RNN-T's joint's, summed over t and over u)
     lw.lazy_through = lazy_to_gradients(nodes, outputs.values()) | lazy_to_smaller_sums(nodes, cost, mesh)
     lw.foreseen = dict(foreseen or {})
+    lw.wanted = dict(wanted or {})
     lw.shared_sums = dict(shared or {})
     return lw, lower_into(lw, outputs)
 
@@ -536,18 +540,19 @@ def _chosen(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, s
     again pricing the terms of a sum as sharing its one reduction (:mod:`.shared_sums`)."""
     lw, outs, on = least_offered(lambda: _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec),
                                  cheaper, buckets=spec is None or (spec.axis is None and spec.num_microbatches == 1))
-    ahead = gathered_in_pieces(lw, foresee(lw))   # a split tensor moved by one reader, reduced around by another
+    seen = foresee(lw)   # a split tensor moved by one reader, reduced around by another; or sliced, each slice moved
+    ahead, wanted = gathered_in_pieces(lw, dict(seen.held)), seen.wanted
     if ahead:
         with offering(on):
-            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead)
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, wanted=wanted)
         if cheaper(again[0], lw):
             lw, outs = again
         else:
-            ahead = {}   # (the lowering kept did not foresee them)
+            ahead, wanted = {}, {}   # (the lowering kept did not foresee them)
     shared = summed_terms(nodes, outputs.values())   # terms of one sum, whose inputs were moved
     if shared and moved_around(lw, shared, nodes):
         with offering(on):
-            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, shared)
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, shared, wanted)
         if cheaper(again[0], lw, sent=False):   # (fewer collectives may send more bytes: time decides)
             lw, outs = again
     return lw, outs
@@ -567,7 +572,8 @@ def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: Co
         mesh, layout = spec.mesh, spec.layout.with_implied(layout.implied, layout.cyclic)
     with users_terms((mesh, layout), given, microbatches):   # errors speak of the user's mesh and layout
         lw, outs = _chosen(outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
-        steps = store_cyclic(lw.steps, lw.values, lw.mesh, layout)   # (block-cyclic dims: :mod:`.cyclic_dims`)
+        steps = live_steps(lw.steps, outs.values())   # (collectives nothing reads: :mod:`.dead_moves`)
+        steps = store_cyclic(steps, lw.values, lw.mesh, layout)   # (block-cyclic dims: :mod:`.cyclic_dims`)
         steps = fuse_steps(steps, lw.values, outs) if fuse else steps
         holders = {}
         if spec is not None and spec.axis is not None:

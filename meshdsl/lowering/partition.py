@@ -24,7 +24,8 @@ its input gradient on stage 0, and every step reading such values runs where the
 are; steps reading neither run where their results are read.  A value a step
 needs on another stage travels by one ``send``/``recv`` pair over the stage axis
 (the carry and its gradient every micro-batch; others, such as the tied
-embedding's gradient, once in the final segment), so nothing is gathered or
+embedding's gradient, once in the final segment, summed over the micro-batches first where
+what reads it is linear in it, :mod:`.microbatch_sums`), so nothing is gathered or
 reduced over the stage axis and a param is stored only on the stages that read it.
 
 What the pipelined layers read from outside their repeat (:mod:`meshdsl.ir.closure`)
@@ -82,6 +83,7 @@ from .pipeline import BATCH, MB_AXIS
 from .interleave import interleave
 from .collective_parts import with_given_lengths, with_stored_bytes
 from .local_parts import with_given_parts
+from .microbatch_sums import sum_microbatches_first
 from .stage_layers import split_stacks, split_stages, zeros_step
 from .stacks_on_ranks import on_ranks
 from .pipeline_program import PipelineProgram, Segment, transfer_step
@@ -1098,6 +1100,8 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     lists = with_given_parts(lists, cut.values)   # unequal stages: each rank's local steps over its own layers
     lists = with_given_lengths(lists, cut.values, spec.mesh)   # and its collectives over its own parts
     lists = with_stored_bytes(lists, cut.values, lowered, spec.mesh)
+    lists[Segment.FINAL] = sum_microbatches_first(lists, Segment.FINAL, cut.values, spec.mesh, outputs,
+                                                  spec.num_stages)
     in_actions = {v for k in (Segment.FORWARD, Segment.BACKWARD) for s, _ in lists[k] for v in s.outs}
     lists[Segment.FINAL] = bucket_final(lists[Segment.FINAL], values, outputs, bucket_mb, in_actions)
     leaves = [s for i, s in enumerate(cut.steps) if cut.leaf[i]]

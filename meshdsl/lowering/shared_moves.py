@@ -14,16 +14,27 @@ moved by another reader to a sharding without that split (:func:`foresee`).  The
 prices reading the value at those shardings as free (as :mod:`.foresight` does for a repeat's
 backward block), so every reader makes its choice knowing the move is made anyway; it is kept
 only where its collectives and kernels cost less and it sends no more bytes (:func:`cheaper`).
+
+A split value read by several slices, each of whose results every reader then moves off the
+split (CPC's true future latents ``z[:, s:s+n]`` for each step ahead ``s``, renamed to the
+candidates' ``batch2``, which no rule splits), is gathered slice by slice: each slice op, alone,
+sees its result's layout target split as its input is.  Where gathering the value once costs less
+than gathering its slices (:func:`sliced_whole`), the second lowering also foresees that move, and
+each slice's result wanted where its readers take it (:class:`.foresight.Foresight`): a slice
+made from the whole copy, then cut to its target, is read whole again with no move.
 """
 from __future__ import annotations
 
+from .foresight import NONE, Foresight
 from .plan import Step
+from .relayout import relayout_cost
 
 
-def foresee(lw) -> dict[int, frozenset]:
-    """``id(tensor) -> shardings`` of the tensors lowerer ``lw`` moved that another reader read as
-    they were made, reducing around their split instead (see the module docstring); empty when
-    none was, the usual case: then nothing is lowered again."""
+def foresee(lw) -> Foresight:
+    """What the second lowering foresees: ``held``, ``id(tensor) -> shardings`` of the tensors
+    lowerer ``lw`` moved that another reader read as they were made, reducing around their split
+    instead, and those of :func:`sliced_whole`, whose ``wanted`` it passes on (see the module
+    docstring); empty when there is none, the usual case: then nothing is lowered again."""
     reduced_around: dict[int, frozenset] = {}   # value -> axes a reader of it left a partial sum over
     for s in lw.steps:
         if s.kind != "local":
@@ -41,7 +52,47 @@ def foresee(lw) -> dict[int, frozenset]:
         moved = frozenset(to for to in lw.held(vid) if not to.partial and axes - to.used_axes)
         if moved:
             out[tid] = moved
-    return out
+    cuts = sliced_whole(lw)
+    for tid, to in cuts.held.items():
+        out[tid] = out.get(tid, frozenset()) | to
+    return Foresight(out, cuts.wanted)
+
+
+def sliced_whole(lw) -> Foresight:
+    """What the second lowering foresees for the split values lowerer ``lw`` sliced several times,
+    each slice moved by every reader to one sharding without some axes of the split (see the
+    module docstring): ``held``, the value at that sharding; ``wanted``, each slice there.  Only
+    where one move of the value is priced below the moves of its slices; :data:`.foresight.NONE`
+    when there is none, the usual case."""
+    read_as_is = {v for s in lw.steps if s.kind != "input" and not s.is_collective for v in s.ins}
+    made = {s.node: s for s in lw.steps if s.kind == "local" and s.op == "slice" and len(s.outs) == 1}
+    cuts: dict[tuple[int, object], list] = {}   # (the sliced value, where its slices went) -> the slices
+    for t in {id(t): t for t in lw.keep}.values():
+        s = made.get(t.node.id) if t.node is not None and t.node.op.name == "slice" else None
+        if s is None:
+            continue
+        src, out = s.ins[0], s.outs[0]
+        sh, moved = lw.values[src].sharding, lw.held(out)
+        if sh.partial or lw.values[out].sharding != sh or out in read_as_is or len(moved) != 1:
+            continue
+        (to,) = moved
+        # (a move that splits the sliced dim would cut the value's rows otherwise than its slice's)
+        if not to.partial and sh.used_axes - to.used_axes and t.node.attrs["dim"] not in dict(to.split):
+            cuts.setdefault((src, to), []).append((t, out))
+    held, wanted = {}, {}
+    for (src, to), outs in cuts.items():
+        if len(outs) < 2 or _move_cost(lw, src, to) >= sum(_move_cost(lw, o, to) for _, o in outs):
+            continue
+        x = id(outs[0][0].node.inputs[0])
+        held[x] = held.get(x, frozenset()) | {to}
+        wanted.update((id(t), to) for t, _ in outs)
+    return Foresight(held, wanted) if held else NONE
+
+
+def _move_cost(lw, vid: int, to) -> float:
+    """Seconds of bringing lowerer ``lw``'s value ``vid`` to sharding ``to`` (its cost model)."""
+    v = lw.values[vid]
+    return relayout_cost(v.shape, v.sharding, to, lw.mesh, v.dtype.itemsize, lw.cost)
 
 
 def cheaper(new, old, sent: bool = True) -> bool:

@@ -10,9 +10,11 @@ linear) and the sum is reduced once.
 
 So :func:`summed_terms` finds the terms of such sums: the inputs of a tree of adds (each add read
 only by the next) made by ops that sum over a dim (a split one leaves a partial sum), at least two
-per tree.  Where the first lowering gave two or more of them a collective of their own, moving
-their inputs rather than leave their results partial, or reducing their results
-(:func:`moved_around`), the graph is lowered again with each term's and each
+per tree; a term may reach its add through zero-fill pads and renames of such an op's result (the
+gradients of several slices of one value, each padded back to its size: CPC's future latents), the
+chain marked with it (:func:`_passed_on`).  Where the first lowering gave two or more of them a
+collective of their own, moving their inputs rather than leave their results partial, or reducing
+their results (:func:`moved_around`), the graph is lowered again with each term's and each
 inner add's eventual reduction priced as its share of the one reduction of the whole sum
 (``Lowerer.shared_sums``: ``id(tensor) -> number of terms``); the compiler keeps the lowering the
 cost model prices lower (:func:`.shared_moves.cheaper`), by time alone: nothing is priced free
@@ -49,11 +51,27 @@ def summed_terms(nodes, outputs) -> dict[int, int]:
         if n.id not in adds or n.id in inner:
             continue
         tree, terms = _tree(n, inner, only_reader)
-        summing = [t for t in terms if _sums(t.node)]
-        if len(summing) >= 2:
-            for t in summing + tree:
-                marked[id(t)] = len(summing)
+        chains = [c for c in (_passed_on(t, only_reader) for t in terms) if _sums(c[-1].node)]
+        if len(chains) >= 2:
+            for t in [x for c in chains for x in c] + tree:
+                marked[id(t)] = len(chains)
     return marked
+
+
+#: one-input linear ops that pass a partial sum on as one (a slice's gradient: a zero-fill pad of
+#: the gradient of a renamed slice, CPC's future latents)
+_PASSING = frozenset({"pad", "rename"})
+
+
+def _passed_on(t, only_reader) -> list:
+    """``t`` and the tensors it was made from through :data:`_PASSING` ops, each read only by the
+    next: the last is the one whose maker may sum."""
+    chain = [t]
+    while (t.node is not None and t.node.op.name in _PASSING and len(t.node.inputs) == 1
+           and not t.node.attrs.get("value") and only_reader(t.node.inputs[0]) is t.node):
+        t = t.node.inputs[0]
+        chain.append(t)
+    return chain
 
 
 def _adds_own_shape(n) -> bool:

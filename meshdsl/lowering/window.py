@@ -237,12 +237,10 @@ def _lower_by_halos(lw, node) -> None:
         # window of that needs no halo, and its result is cut the same way
         vid, comp, axes = whole, lw.sharding(whole), ()
     n, size = src.shape.get(dim).size, src.dtype.itemsize
-    tgt = lw.target(out)
-    tgt = keep_microbatches(tgt.with_partial(tuple(a for a in comp.partial if a not in tgt.used_axes)),
-                            comp, out.shape, mesh)
+    tgt = _target(lw, out, comp, lazy)
     if axes and node.op.name == "slice" and _read_whole(lw, out, dim, axes):
         tgt = gathered(tgt, out.shape, dim)   # its readers gather it: the halo would be moved for nothing
-    comp = comp if axes else _held_as_wanted(lw, src, vid, comp, tgt, dim)
+    comp = comp if axes else _held_as_wanted(lw, src, vid, comp, tgt, dim, out)
     far = None   # a shift beyond the neighbours served by permutes (:func:`_far_shift`)
     if axes:
         widths = reach.widths(n, mesh.axis_size(axes), cut_by(mesh, axes))
@@ -294,14 +292,39 @@ def _lower_by_halos(lw, node) -> None:
     lw.bind(out, lw.relayout(res, tgt, node, f"output of {node.op.name}"))
 
 
-def _held_as_wanted(lw, src, vid: int, comp: Sharding, tgt: Sharding, dim: str) -> Sharding:
+def _target(lw, out, comp: Sharding, lazy: bool) -> Sharding:
+    """Where a window's result ``out``, computed at ``comp``, goes: its layout target, partial over
+    the axes of ``comp``'s partial sum that the target leaves whole; a ``lazy`` (zero-fill) window's
+    partial result that is a term of a sum reduced once (:mod:`.shared_sums`: a slice's gradient,
+    padded, added to the other slices') left as it is."""
+    tgt = lw.target(out)
+    tgt = keep_microbatches(tgt.with_partial(tuple(a for a in comp.partial if a not in tgt.used_axes)),
+                            comp, out.shape, lw.mesh)
+    if lazy and comp.partial and not tgt.partial and lw.shared_sums.get(id(out), 1) > 1:
+        return Sharding.of(out.shape, comp.split, comp.partial)
+    return tgt
+
+
+def _held_as_wanted(lw, src, vid: int, comp: Sharding, tgt: Sharding, dim: str, out) -> Sharding:
     """Where a window along ``dim``, whole, of ``src`` (value ``vid``) runs: on a copy already made,
-    or foreseen (:mod:`.param_values`), at the sharding its output's target ``tgt`` asks where that
-    keeps ``dim`` whole, rather than on ``comp`` with the window moved after (a depthwise conv's
-    taps of an FSDP weight gathered once, not tap by tap)."""
-    held = Sharding.of(src.shape, tgt.split)
-    if not tgt.partial and held != comp and not held.axes_of(dim) and (
-            lw.relaid(vid, held) or held in lw.foreseen.get(id(src), ())):
+    or foreseen (:mod:`.param_values`, :mod:`.shared_moves`), at the sharding its output's target
+    ``tgt`` asks where that keeps ``dim`` whole, rather than on ``comp`` with the window moved after
+    (a depthwise conv's taps of an FSDP weight gathered once, not tap by tap); or at the one
+    sharding every reader of its output ``out`` moves it to (``lw.wanted``), where cutting the
+    result to ``tgt`` costs less than that move (CPC's slices of a batch-split value, each read
+    renamed to a dim no rule splits: the value gathered once, each slice's cut read whole again)."""
+    want = lw.wanted.get(id(out))
+    for to in (tgt,) if want is None else (tgt, want):
+        held = Sharding.of(src.shape, to.split)
+        if to.partial or held == comp or held.axes_of(dim) or not (
+                lw.relaid(vid, held) or held in lw.foreseen.get(id(src), ())):
+            continue
+        if to is want:
+            size = out.dtype.itemsize
+            made = Sharding.of(out.shape, to.split)
+            if relayout_cost(out.shape, made, tgt, lw.mesh, size, lw.cost) >= \
+                    relayout_cost(out.shape, tgt, made, lw.mesh, size, lw.cost):
+                continue
         return held
     return comp
 

@@ -1,6 +1,7 @@
 """top_k along a dim, for MoE routing: values and indices along a new dim of size k.
 
-The searched dim must be whole on each rank (the compiler gathers it when split).
+The kernel needs the searched dim whole on a rank: split, it is gathered, or where that pays,
+each rank's top k of its part is (:mod:`meshdsl.lowering.topk`).
 """
 from __future__ import annotations
 

@@ -279,7 +279,10 @@ class _Walk:
         p, stages = prog.num_stages, prog.stages
         pro, fwd, bwd, fin = s.subplans
         m = s.runs(1)
-        t_pro = self.plan_time(pro, mult)
+        # The prologue and the final segment hold all of a process's micro-batches a run: what
+        # varies by micro-batch there runs once for each, one after another, as the runtime runs it.
+        held = s.held(0, fin.held_microbatches)
+        t_pro = self.plan_time(pro, mult, serial=held)
         # Segments priced as if their stage had the cores to itself (the CPU the stages
         # really share is charged below, from the schedule's busy times), at the pipeline
         # runtime's cost per step (its per-action bookkeeping).
@@ -301,7 +304,7 @@ class _Walk:
         self.later, self.in_stages = frozenset(), False
         self.stages = _stage_costs(prog, [f + b + w for f, b, w in zip(fwd_t, bwd_t, w_t)], self.loop_s)
         self.sharing, self.overlap, self.dispatch = None, overlap, None
-        t_fin = self.plan_time(fin, mult)
+        t_fin = self.plan_time(fin, mult, serial=held)
         sched = prog.run_schedule(defer=any(w_t))
         # Each stage's segment time already holds its transfers; the schedule adds the waiting.
         cost = {"F": fwd_t, "B": bwd_t, "W": w_t}
