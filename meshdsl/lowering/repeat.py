@@ -424,6 +424,9 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
     ys = {f"y/{k}": blk.ys[k] for k in loop.ys}
     sub.count_readers([blk.out, *ys.values(), *(saved[i] for i in loop.want if read[i])],
                       kept=[saved[i] for i in loop.want if not read[i]])
+    # read before the carry is lowered: a nested repeat making the carry and a per-layer output
+    # then lowers once with both, not once for each
+    sub.used.update(id(t) for t in [*ys.values(), *(saved[i] for i in loop.want)])
     ids = lower_into(sub, {"out": blk.out})
     _lower_values(sub, [*ys.values(), *(saved[i] for i in loop.want)])
     ids.update((k, sub.value(y)) for k, y in ys.items())
