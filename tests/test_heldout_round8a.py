@@ -180,7 +180,8 @@ def test_mla_latent_norm_over_a_split_latent_moves_no_activation():
     per row), and the backward's row mean times the split rows reduces the mean, not the rows."""
     model = md.load_model(MLA, tiny=True)
     counts = md.compile(heldout_outputs(model), "model:2", "kv_latent:model").totals()
-    assert set(counts) == {"allreduce"}, counts
+    # allreduces only (neighbouring ones may go in one buffer: lowering/coalesce.py)
+    assert set(counts) <= {"allreduce", "bucket_allreduce"} and "allreduce" in counts, counts
 
 
 def test_a_row_sum_times_the_rows_split_along_it_reduces_the_sum():

@@ -1,34 +1,42 @@
-"""Coalescing: small independent allreduces that start at the same moment sent as one.
+"""Coalescing: small independent allreduces made back to back sent as one.
 
 An activation's partial sum is reduced where a reader needs it whole.  A kernel with several
 outputs (attention's backward under a sequence split: the keys' and the values' gradients,
-partial over the split) leaves several such sums at once, and each pays a collective's
-latency for a few hundred bytes.  As SyncBatchNorm sends its two statistics in one buffer,
-this pass sends them as one ``bucket_allreduce`` (packed, reduced once, cut apart on first
-use: :mod:`meshdsl.comm.bucket`).
+partial over the split) leaves several such sums at once, and so do neighbouring kernels of one
+input (an FNO layer's real and imaginary spectra, two einsums of its input with a cosine and a
+sine table, under a grid split; two parallel projections of one input); each sum pays a
+collective's latency for a few hundred bytes.  As SyncBatchNorm sends its two statistics in one
+buffer, this pass sends them as one ``bucket_allreduce`` (packed, reduced once, cut apart on
+first use: :mod:`meshdsl.comm.bucket`).
 
 Members of one coalesced step:
 
-* are ``allreduce`` steps of the forward or backward with the same mesh axes, reduce op and
-  dtype, over no micro-batch axis, whose results the rest of the forward or backward reads:
-  a gradient only the update reads, or an output, is the gradient buckets' business
-  (:mod:`.bucket`), which ``bucket_mb=0`` turns off;
-* depend on exactly the same steps (their inputs' ancestors are one set): whatever order the
-  executor issues a plan in (:func:`meshdsl.runtime.executor.issue_order`), they become ready
-  after the same step, and it starts them one after the other with nothing between, so the
-  coalesced step starts no member later than it would have started alone; an allreduce that
-  was started early to overlap with compute is never held back for a later one;
+* are ``allreduce`` steps of one phase (the forward or the backward) with the same mesh axes,
+  reduce op and dtype, over no micro-batch axis, whose results the rest of the forward or
+  backward reads: a gradient only the update reads, or an output (but a repeat block's saved
+  activation), is the gradient buckets' business (:mod:`.bucket`), which ``bucket_mb=0`` turns
+  off;
+* are independent (no member's input depends on another member) and their inputs are made back
+  to back: between the step that makes the first member's input and the one that makes the
+  last's, the plan runs no collective, only kernels that read no member (those that do wait
+  for the coalesced step; :func:`meshdsl.runtime.executor.issue_order` runs the ready kernels
+  in plan order and starts a collective as soon as it is ready, so these kernels are what
+  runs between the two);
 * are joined only while the cost model (:class:`.cost.CostModel`) says it pays: the first
-  member waits for the others' bytes (their bandwidth term), at most one latency term, which
-  each member after it saves.
+  member waits for the kernels between (priced at the model's FLOP rate) and for the others'
+  bytes (their bandwidth term), at most the one latency term each member after it saves.  An
+  allreduce that overlaps a long kernel is never held back for a later one.
 
-The coalesced step stands where its first member stood; every member's input is made before
-it (same ancestors) and every member's reader comes after it.  A repeat's block is coalesced
-in its own sub-plan (one coalesced step per layer).  A pipelined plan and gradient
-accumulation are cut into segments before this pass and are left as they are.
+The coalesced step stands after every member's input is made (where the first member stood,
+or after the last member's input when that comes later), and every reader of a member after
+it: the plan is put back in a topological order that moves only the readers of a member
+that stood before it.  A repeat's block is coalesced in its own sub-plan (one coalesced step
+per layer).  A pipelined plan and gradient accumulation are cut into segments before this pass
+and are left as they are.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import replace
 
 from .cost import CostModel
@@ -39,17 +47,21 @@ from .plan import Step, step_args
 
 def coalesce(steps: list[Step], values: dict, outputs: dict[str, int], cost: CostModel, mesh) -> list[Step]:
     """``steps`` (a plan without a pipeline), and its repeats' blocks, with the independent
-    allreduces that start at the same moment merged (see the module docstring).
+    allreduces made back to back merged (see the module docstring).
 
     Returns ``steps`` itself when nothing was merged."""
     out = [_in_blocks(s, cost) for s in steps]
-    groups = _groups(out, values, set(outputs.values()), cost, mesh)
+    made = {v: i for i, s in enumerate(out) for v in s.outs}
+    # a repeat block's saved activations are outputs its forward reads on: they may join
+    kept = {v for name, v in outputs.items() if not name.startswith("saved/")}
+    groups = _groups(out, values, kept, cost, mesh, made)
     if not groups:
         return steps if all(a is b for a, b in zip(out, steps)) else out
-    first = {g[0]: g for g in groups}
     merged = {i for g in groups for i in g}
-    return [_coalesced(first[i], out) if i in first else s
-            for i, s in enumerate(out) if i in first or i not in merged]
+    keyed = [((i, 0), s) for i, s in enumerate(out) if i not in merged]
+    # after the first member's place and after every member's input, ahead of what follows
+    keyed += [((max(min(g), *(made.get(out[j].ins[0], -1) for j in g)), 1), _coalesced(g, out)) for g in groups]
+    return _topological(keyed)
 
 
 def _in_blocks(s: Step, cost: CostModel) -> Step:
@@ -76,43 +88,97 @@ def _member(s: Step, readers: dict, steps: list[Step], outs: set[int]) -> bool:
                for j in readers.get(s.outs[0], ()))
 
 
-def _groups(steps: list[Step], values: dict, outs: set[int], cost: CostModel, mesh) -> list[list[int]]:
-    """The positions of the members of each coalesced step, in plan order, two or more each."""
+def _groups(steps: list[Step], values: dict, outs: set[int], cost: CostModel, mesh,
+            made: dict[int, int]) -> list[list[int]]:
+    """The positions of the members of each coalesced step, first made first, two or more each."""
     readers: dict[int, list[int]] = {}
     for i, s in enumerate(steps):
         for v in s.ins:
             readers.setdefault(v, []).append(i)
-    producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     ancestors: list[int] = []   # position -> bit set of the steps it depends on
     for s in steps:
         dep = 0
         for v in s.ins:
-            j = producer.get(v)
+            j = made.get(v)
             if j is not None and j < len(ancestors):
                 dep |= ancestors[j] | (1 << j)
         ancestors.append(dep)
+    # by the place their input is made: the order the executor can start them in
+    members = sorted((made.get(s.ins[0], -1), i) for i, s in enumerate(steps) if _member(s, readers, steps, outs))
     open_: dict[tuple, list[int]] = {}
     groups: list[list[int]] = []
-    for i, s in enumerate(steps):
-        if not _member(s, readers, steps, outs):
-            continue
-        key = (ancestors[i], s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
-        members = open_.get(key)
-        if members is not None and _pays(members + [i], steps, cost, mesh):
-            members.append(i)
+    for _, i in members:
+        s = steps[i]
+        key = (s.phase, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
+        group = open_.get(key)
+        if group is not None and _joins(group, i, steps, ancestors, made, cost, mesh):
+            group.append(i)
             continue
         open_[key] = [i]
         groups.append(open_[key])
     return [g for g in groups if len(g) > 1]
 
 
-def _pays(members: list[int], steps: list[Step], cost: CostModel, mesh) -> bool:
-    """Whether the first member's wait for the others' bytes (their bandwidth term) stays
-    within the one latency term each of the others saves."""
+def _joins(group: list[int], i: int, steps: list[Step], ancestors: list[int], made: dict[int, int],
+           cost: CostModel, mesh) -> bool:
+    """Whether the allreduce at ``i`` may join ``group``: independent of its members, no
+    collective between their inputs and its own, and the cost model says it pays."""
+    bits = sum(1 << j for j in group) | (1 << i)
+    if ancestors[i] & bits:
+        return False   # its input reads a member
+    first, last = made.get(steps[group[0]].ins[0], -1), made.get(steps[i].ins[0], -1)
+    flops = 0
+    for j in range(first + 1, last + 1):   # what runs between the two inputs: a member's readers wait
+        if (1 << j) & bits or ancestors[j] & bits:
+            continue
+        if _sends(steps[j]):
+            return False
+        flops += _work(steps[j])
+    return _pays(group + [i], flops, steps, cost, mesh)
+
+
+def _sends(s: Step) -> bool:
+    """Whether ``s`` is, or runs, a collective."""
+    return s.is_collective or any(_sends(t) for sub in s.subplans for t in sub.steps)
+
+
+def _work(s: Step) -> int:
+    """FLOPs of one run of ``s`` on one rank, its sub-plans' as often as they run."""
+    return s.flops + sum(s.runs(k) * sum(_work(t) for t in sub.steps) for k, sub in enumerate(s.subplans))
+
+
+def _pays(members: list[int], flops: int, steps: list[Step], cost: CostModel, mesh) -> bool:
+    """Whether the first member's wait for the kernels between (``flops``) and for the others'
+    bytes (their bandwidth term) stays within the one latency term each of the others saves."""
     n = mesh.axis_size(steps[members[0]].axes)
     latency = cost.collective("allreduce", 0, n)
     rest = sum(steps[j].bytes for j in members[1:])
-    return cost.collective("allreduce", rest, n) - latency <= latency
+    return cost.compute(flops) + cost.collective("allreduce", rest, n) - latency <= latency
+
+
+def _topological(keyed: list[tuple[tuple[int, int], Step]]) -> list[Step]:
+    """The steps in a topological order of their values, each as early as its key allows:
+    a step stays in key order unless it reads a value made by a step of a later key."""
+    made = {v: k for k, (_, s) in enumerate(keyed) for v in s.outs}
+    users: list[list[int]] = [[] for _ in keyed]
+    waiting = [0] * len(keyed)
+    for k, (_, s) in enumerate(keyed):
+        deps = {made[v] for v in s.ins if v in made}
+        waiting[k] = len(deps)
+        for j in deps:
+            users[j].append(k)
+    ready = [(key, k) for k, (key, _) in enumerate(keyed) if not waiting[k]]
+    heapq.heapify(ready)
+    order: list[Step] = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(keyed[k][1])
+        for j in users[k]:
+            waiting[j] -= 1
+            if not waiting[j]:
+                heapq.heappush(ready, (keyed[j][0], j))
+    assert len(order) == len(keyed), "coalescing made a cycle"
+    return order
 
 
 def _coalesced(members: list[int], steps: list[Step]) -> Step:
@@ -123,5 +189,5 @@ def _coalesced(members: list[int], steps: list[Step]) -> Step:
     return Step("bucket_allreduce", first.node, first.op, first.label, first.phase,
                 tuple(m.ins[0] for m in ms), tuple(m.outs[0] for m in ms), first.axes,
                 step_args("bucket_allreduce", {"op": first.args.get("op", "sum")}), sum(m.bytes for m in ms),
-                note=f"{len(ms)} independent allreduces ready at the same moment sent in one buffer "
+                note=f"{len(ms)} independent allreduces made back to back sent in one buffer "
                      f"(one latency instead of {len(ms)}): {names}")
