@@ -584,5 +584,5 @@ def _lower_laid(layout: Layout, outputs: dict, nodes, dims, mesh: Mesh, cost: Co
             steps = accumulate(steps, lw.values, outs, spec, bucket_mb)
         else:
             steps = bucket_steps(steps, lw.values, outs, bucket_mb, lw.mesh)
-            steps = coalesce(steps, lw.values, outs, cost, lw.mesh)   # (small allreduces ready together)
+            steps = coalesce(steps, lw.values, outs, cost, lw.mesh)   # (small allreduces made back to back, as one)
         return Plan(mesh, layout, steps, lw.values, outs, lw.params, lw.inputs, lw.notes, holders)
