@@ -12,10 +12,10 @@ first use: :mod:`meshdsl.comm.bucket`).
 Members of one coalesced step:
 
 * are ``allreduce`` steps of one phase (the forward or the backward) with the same mesh axes,
-  reduce op and dtype, over no micro-batch axis, whose results the rest of the forward or
-  backward reads: a gradient only the update reads, or an output (but a repeat block's saved
-  activation), is the gradient buckets' business (:mod:`.bucket`), which ``bucket_mb=0`` turns
-  off;
+  reduce op (a MIN joins MAXes as the MAX of its negation: :mod:`.min_as_max`) and dtype, over
+  no micro-batch axis, whose results the rest of the forward or backward reads: a gradient
+  only the update reads, or an output (but a repeat block's saved activation), is the gradient
+  buckets' business (:mod:`.bucket`), which ``bucket_mb=0`` turns off;
 * are independent (no member's input depends on another member) and their inputs are made back
   to back: between the step that makes the first member's input and the one that makes the
   last's, the plan runs no collective, only kernels that read no member (those that do wait
@@ -41,6 +41,7 @@ from dataclasses import replace
 
 from .cost import CostModel
 from .fuse import IDENTITY
+from .min_as_max import as_maxes, unpacked_mins
 from .pipeline import MB_AXIS
 from .plan import Step, step_args
 
@@ -50,18 +51,20 @@ def coalesce(steps: list[Step], values: dict, outputs: dict[str, int], cost: Cos
     allreduces made back to back merged (see the module docstring).
 
     Returns ``steps`` itself when nothing was merged."""
-    out = [_in_blocks(s, cost) for s in steps]
-    made = {v: i for i, s in enumerate(out) for v in s.outs}
     # a repeat block's saved activations are outputs its forward reads on: they may join
     kept = {v for name, v in outputs.items() if not name.startswith("saved/")}
+    given, (steps, negated) = steps, as_maxes(steps, values, kept, mesh)   # (a MIN with a MAX: :mod:`.min_as_max`)
+    out = [_in_blocks(s, cost) for s in steps]
+    made = {v: i for i, s in enumerate(out) for v in s.outs}
     groups = _groups(out, values, kept, cost, mesh, made)
     if not groups:
-        return steps if all(a is b for a, b in zip(out, steps)) else out
+        out = unpacked_mins(out, negated, values)
+        return given if len(out) == len(given) and all(a is b for a, b in zip(out, given)) else out
     merged = {i for g in groups for i in g}
     keyed = [((i, 0), s) for i, s in enumerate(out) if i not in merged]
     # after the first member's place and after every member's input, ahead of what follows
     keyed += [((max(min(g), *(made.get(out[j].ins[0], -1) for j in g)), 1), _coalesced(g, out)) for g in groups]
-    return _topological(keyed)
+    return unpacked_mins(_topological(keyed), negated, values)
 
 
 def _in_blocks(s: Step, cost: CostModel) -> Step:
@@ -69,11 +72,11 @@ def _in_blocks(s: Step, cost: CostModel) -> Step:
     if s.kind != "repeat" or len(s.subplans) != 1:
         return s
     sub = s.subplans[0]
-    given = list(sub.steps)
-    steps = coalesce(given, dict(sub.values), dict(sub.outputs), cost, sub.mesh)
+    given, values = list(sub.steps), dict(sub.values)
+    steps = coalesce(given, values, dict(sub.outputs), cost, sub.mesh)
     if steps is given:
         return s
-    return replace(s, subplans=(replace(sub, steps=tuple(steps)),))
+    return replace(s, subplans=(replace(sub, steps=tuple(steps), values=values),))
 
 
 def _member(s: Step, readers: dict, steps: list[Step], outs: set[int]) -> bool:

@@ -202,7 +202,7 @@ def _as_sent(lw, outs):
     """Lowerer ``lw``'s steps as the plan sends them: its gradient reductions in buckets, small
     allreduces made back to back as one (what :func:`.shared_moves.cheaper` prices reads)."""
     steps = bucket(lw.steps, lw.values, outs, DEFAULT_BUCKET_MB, lw.mesh)
-    steps = coalesce(steps, lw.values, outs, lw.cost, lw.mesh)
+    steps = coalesce(steps, dict(lw.values), outs, lw.cost, lw.mesh)   # (pricing: no values added to lw)
     return SimpleNamespace(steps=steps, mesh=lw.mesh, cost=lw.cost)
 
 
