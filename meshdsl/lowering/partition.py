@@ -21,7 +21,10 @@ run it:
 
 Stages come from data flow: the repeat's output carry lives on the last stage and
 its input gradient on stage 0, and every step reading such values runs where they
-are; steps reading neither run where their results are read.  A value a step
+are; steps reading neither run where their results are read (a backward step where the
+micro-batches' own steps read them: one only their sums after the schedule read, a generator's
+param gradient beside the stacks, runs per micro-batch on one stage, not on every stage after
+them; a param's update where the param is read).  A value a step
 needs on another stage travels by one ``send``/``recv`` pair over the stage axis
 (the carry and its gradient every micro-batch; others, such as the tied
 embedding's gradient, once in the final segment, summed over the micro-batches first where
@@ -521,14 +524,45 @@ def _everywhere(cut: _Cut, st: _Stack, i: int) -> list[tuple[int, str | None]]:
 
 def assign_stages(cut: _Cut) -> None:
     """Pass 1: the stages of every step.  Values anchored by the repeat's ends (its output carry
-    on the last stage, its input gradient on stage 0) flow forward to their readers; the rest is
-    placed by demand, where its results are read."""
+    on the last stage, its input gradient on stage 0) flow forward to their readers
+    (:func:`_anchor`); the rest is placed by demand, where its results are read (:func:`_by_demand`).
+    The outputs are read on every stage, but a carried param's next value (``new/<name>``) only
+    where the param is: read on every stage, a param only stage 0 reads (ELECTRA's generator's,
+    beside the stacks) would be updated and stored on every stage, its gradient sent up after the
+    micro-batches.  So the demand runs again with that value read where the first placement put
+    the param's forward readers (:func:`_params_read_at`); :func:`update_where_held` widens the
+    update wherever the param is read after all."""
+    anchored = _anchor(cut)
+    held, spread = dict(cut.held), set(cut.spread)
+    seed = {v: cut.every_stage for v in cut.outputs.values()}
+    cut.stages = _by_demand(cut, list(anchored), seed)
+    where = _params_read_at(cut)
+    if any(seed[v] != at for v, at in where.items()):
+        seed.update(where)
+        cut.held, cut.spread, cut.demand = held, spread, {}
+        cut.stages = _by_demand(cut, list(anchored), seed)
+
+
+def _params_read_at(cut: _Cut) -> dict[int, frozenset]:
+    """Each carried param's next value (the ``new/<name>`` output) -> the stages running the forward
+    steps that read the param (none read it, as an optimizer's state: left out)."""
+    at: dict[int, frozenset] = {}
+    for j, r in enumerate(cut.steps):
+        if not cut.leaf[j] and r.phase == "forward":
+            for v in r.ins:
+                at[v] = at.get(v, frozenset()) | cut.stages[j]
+    return {cut.outputs[f"new/{s.args['name']}"]: at[s.outs[0]] for i, s in enumerate(cut.steps)
+            if cut.leaf[i] and s.kind == "param" and f"new/{s.args['name']}" in cut.outputs and s.outs[0] in at}
+
+
+def _anchor(cut: _Cut) -> list:
+    """The stages of the steps anchored by the stacks' ends, and of those reading their results
+    (None for the others); fills ``cut.held`` with where their results are."""
     ALL, steps = cut.every_stage, cut.steps
     held, stages = cut.held, [None] * len(steps)
     in_b = _downstream(cut, [v for st in cut.stacks if st.B is not None for v in steps[st.B].outs])
     after_mb = _after_microbatches(cut)
     lifts = _tower_lifts(cut) if len(cut.stacks) > 1 else {}
-    pure = from_inputs_only(steps)
     for i, s in enumerate(steps):
         st = cut.stack_at.get(i)
         if st is not None:   # a stack's output carry on its last stage, its input gradient on its first
@@ -558,12 +592,24 @@ def assign_stages(cut: _Cut) -> None:
                 held.update((v, stages[i]) for v in s.outs)
                 if i in cut.input_grad_parts:   # each stage's own layers' part of a stage sum
                     cut.spread.add(i)
-    demand = cut.demand
-    demand.update((v, ALL) for v in cut.outputs.values())
+    return stages
+
+
+def _by_demand(cut: _Cut, stages: list, seed: dict) -> list:
+    """``stages`` with the steps not anchored placed where their results are read, the values in
+    ``seed`` read on the stages it gives; fills ``cut.demand`` and ``cut.held``."""
+    ALL, steps, held, demand = cut.every_stage, cut.steps, cut.held, cut.demand
+    pure, after_mb, early = from_inputs_only(steps), _after_microbatches(cut), {}
+    demand.update(seed)
     for i in reversed(range(len(steps))):
         s = steps[i]
         if stages[i] is None:
             want = frozenset().union(*(demand.get(v, frozenset()) for v in s.outs))
+            if _read_in_the_actions(cut, i, after_mb) and want:
+                # read after the micro-batches only (a generator's param gradient, by its sum over
+                # them): made where the micro-batches read its other results, or on one stage
+                # (sent once after them, summed first), not on every stage after the schedule
+                want = frozenset().union(*(early.get(v, frozenset()) for v in s.outs)) or frozenset({min(want)})
             if cut.per_mb[i] and not cut.leaf[i] and s.phase == "forward" and len(want) > 1:
                 if any(cut.spec.axis in cut.values[v].sharding.used_axes for v in s.outs):
                     cut.spread.add(i)   # each stage runs it on its own part (split over the stages)
@@ -587,7 +633,18 @@ def assign_stages(cut: _Cut) -> None:
             want = ({st.lo} if (i == st.F and j == 0) else {st.hi} if (i == st.B and j == st.dy_pos)
                     else stages[i]) if st is not None else stages[i]
             demand[v] = demand.get(v, frozenset()) | want
-    cut.stages = stages
+            if i not in after_mb:
+                early[v] = early.get(v, frozenset()) | want
+    return stages
+
+
+def _read_in_the_actions(cut: _Cut, i: int, after_mb: set) -> bool:
+    """Whether step ``i``, placed by demand, is a backward (or update) step run per micro-batch, not
+    after the micro-batches, on values whole over the stage axis (not each stage's own part): where
+    only the sums after the micro-batches read its results, one stage runs it (:func:`_by_demand`)."""
+    s, ax = cut.steps[i], cut.spec.axis
+    return (cut.per_mb[i] and not cut.leaf[i] and i not in after_mb and s.phase != "forward"
+            and not any(ax in cut.values[v].sharding.used_axes for v in s.outs))
 
 
 def update_where_held(cut: _Cut) -> None:
