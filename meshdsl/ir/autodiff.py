@@ -6,6 +6,7 @@ plan, tagged with the 'backward' phase.
 """
 from __future__ import annotations
 
+import weakref
 from contextvars import ContextVar
 
 from ..core.graph import Tensor, topo_nodes
@@ -18,6 +19,9 @@ from .remat import parse_remat, remat_for_all
 
 #: The nodes that depend on a ``wrt`` tensor of the vjp being built (None outside one).
 _LIVE: ContextVar = ContextVar("meshdsl_live_nodes", default=None)
+
+#: The stop_gradient nodes that hold :func:`grad`'s results (constants to a later differentiation).
+_GRAD_RESULTS: weakref.WeakSet = weakref.WeakSet()
 
 
 def wants_grad(t: Tensor) -> bool:
@@ -150,7 +154,8 @@ def grad(loss: Tensor, wrt=None, remat=None) -> list[Tensor]:
       rule, such as a fused backward kernel, is then a clear error).
 
     Raises:
-      GraphError: if ``loss`` is not a scalar, or ``remat`` is no policy.
+      GraphError: if ``loss`` is not a scalar, ``remat`` is no policy, or ``loss`` reaches a
+        ``wrt`` tensor only through an earlier ``grad``'s result (its gradient would be zero).
     """
     policy = None if remat is None else parse_remat(remat, "grad(remat=...)")
     if not isinstance(loss, Tensor):
@@ -182,9 +187,27 @@ def grad(loss: Tensor, wrt=None, remat=None) -> list[Tensor]:
         out = []
         for p, d in zip(items, raw):
             if d is None:
+                _refuse_a_cut_gradient(loss, p)
                 d = broadcast_to(ew.constant(0.0, p.dtype, p), p.shape)
             d = apply("stop_gradient", [d], name=f"grad/{p.name}")
+            _GRAD_RESULTS.add(d.node)
             # A gradient answers to its param's rules, with 'grads.' rules ranked above 'params.'.
             d.scopes = tuple(x for s in p.scopes for x in (("grads", s) if s == "params" else (s,)))
             out.append(d)
     return dict(zip(wrt.keys(), out)) if as_dict else out
+
+
+def _refuse_a_cut_gradient(loss: Tensor, p: Tensor) -> None:
+    """Raise where ``loss`` reads ``p`` only through an earlier :func:`grad`'s result: its
+    gradient would be a silent zero (torch's ``autograd.grad`` raises there too), the usual slip
+    of a derivative of a derivative (a PINN's u_xx) written with ``grad`` twice."""
+    for n in topo_nodes([loss]):
+        if n in _GRAD_RESULTS and any(m is p.node for m in topo_nodes([n.inputs[0]])):
+            inner = n.outputs[0].name.removeprefix("grad/")
+            raise GraphError(message(
+                f"grad: the loss '{loss.name}' depends on '{p.name}' only through '{n.outputs[0].name}', the "
+                f"result of an earlier md.grad, so the gradient of '{p.name}' would be zero.",
+                rule="md.grad's results are constants to a later md.grad (as torch's autograd.grad "
+                     "without create_graph=True)",
+                fix=f"build '{n.outputs[0].name}' with md.vjp, whose results stay differentiable: "
+                    f"(d_{inner},) = md.vjp([y], [ones shaped like y], [{inner}]) for md.grad(reduce_sum(y), [{inner}])"))

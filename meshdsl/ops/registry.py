@@ -152,6 +152,14 @@ class Op(ABC):
         return self.direct(attrs)
 
     def grad(self, node, douts):
+        if node.phase == "backward":   # made by a gradient: md.vjp's result differentiated again
+            raise GraphError(message(
+                f"grad: op '{self.name}' ({node.name}) belongs to a gradient and has no gradient rule (no "
+                "second-order rule): a gradient of that gradient cannot pass through it.",
+                rule="differentiating md.vjp's results needs a second-order rule for every op of the inner "
+                     "gradient; the fused backward kernels (md.repeat's scan, attention, the norms) have none",
+                fix="build the function whose gradient is differentiated again from ops with second-order "
+                    "rules: md.repeat's layers as a Python loop, a fused attention or norm as its composite ops"))
         raise GraphError(message(
             f"grad: op '{self.name}' ({node.name}) has no gradient rule.",
             rule="every op on the path from a param to the loss needs a gradient",
