@@ -57,15 +57,17 @@ def test_one_lookup_alone_keeps_its_masked_lookup():
     assert _collectives(plan, "model") == [("allreduce", 128)]
 
 
-def _rotary_scores(inv_from_input: bool):
+def _rotary_scores(inv: str = "constant"):
     """cos(arange(seq) * inv_freq), renamed seq -> key_seq and read by the keys (whole: key_seq has
-    no rule), as a rotary table is; inv_freq a constant, or a fed input."""
+    no rule), as a rotary table is; inv_freq a constant, a fed input [d_head] (whole on every rank),
+    or a fed input [seq, d_head] (split by ``seq:model``)."""
     b, s, ks, e = md.Dim("batch", 2), md.Dim("seq", 8), md.Dim("key_seq", 8), md.Dim("d_head", 4)
+    freqs = torch.tensor([1.0, 0.5, 0.25, 0.125])
     with md.Graph():
         k = md.input("k", [b, ks, e])
-        inv = (md.input("inv", [e]) if inv_from_input
-               else md.constant(torch.tensor([1.0, 0.5, 0.25, 0.125]), [e]))
-        cos = md.cos(md.cast(md.arange(s), torch.float32) * inv)                 # [seq, d_head]
+        inv_freq = {"constant": lambda: md.constant(freqs, [e]), "whole": lambda: md.input("inv", [e]),
+                    "split": lambda: md.input("inv", [s, e])}[inv]()
+        cos = md.cos(md.cast(md.arange(s), torch.float32) * inv_freq)            # [seq, d_head]
         y = md.reduce_sum(k * md.rename(cos, seq="key_seq"), "d_head")          # [batch, key_seq]
         q = md.input("q", [b, s])
         scores = md.einsum("batch seq, batch key_seq -> batch seq key_seq", q, y)
@@ -73,22 +75,38 @@ def _rotary_scores(inv_from_input: bool):
         out = {"loss": loss, **md.grad(loss, {"k": k, "q": q})}
     gen = torch.Generator().manual_seed(0)
     feeds = {"k": torch.randn(2, 8, 4, generator=gen), "q": torch.randn(2, 8, generator=gen)}
-    if inv_from_input:
-        feeds["inv"] = torch.tensor([1.0, 0.5, 0.25, 0.125])
+    if inv != "constant":
+        feeds["inv"] = freqs if inv == "whole" else freqs.expand(8, 4).contiguous()
     return out, feeds
+
+
+def _forward_gathers(plan):
+    # (the backward gathers q's part, 2 x 4 floats: the scores' gradient is made from the table
+    # alone, so each rank makes it whole and contracts seq locally instead of reducing y's partial
+    # gradient, twice the bytes: lowering/remake.py)
+    return [(s.label, s.bytes) for s in plan.steps if s.kind == "allgather" and s.phase == "forward"]
 
 
 @pytest.mark.parametrize("mesh", ["model:2", "model:3"])   # model:3: seq 8 cut 3, 3, 2
 def test_a_table_made_from_iota_and_constants_is_recomputed_whole_not_gathered(mesh):
-    out, feeds = _rotary_scores(inv_from_input=False)
+    out, feeds = _rotary_scores("constant")
     plan = md.compile(out, mesh, "seq:model")
-    assert not [c for c in _collectives(plan) if c[0] == "allgather"], _collectives(plan)
+    assert not _forward_gathers(plan), _collectives(plan)
     assert md.check(out, mesh, "seq:model", feeds).ok
 
 
-def test_a_table_made_from_an_input_is_still_gathered():
-    # inv_freq fed: the table depends on data, so the rename gathers it (64 B: 4 of 8 rows x 4 floats).
-    out, feeds = _rotary_scores(inv_from_input=True)
+def test_a_table_made_from_a_whole_input_is_recomputed_too():
+    # inv_freq fed whole: every rank holds it, so each makes the table whole from it as well
+    out, feeds = _rotary_scores("whole")
     plan = md.compile(out, "model:2", "seq:model")
-    assert ("allgather", 64) in _collectives(plan)
+    assert not _forward_gathers(plan), _collectives(plan)
+    assert md.check(out, "model:2", "seq:model", feeds).ok
+
+
+def test_a_table_made_from_a_split_input_is_still_gathered():
+    # inv_freq fed split over seq: no rank can make the other rows, so the rename gathers the
+    # table (64 B: 4 of 8 rows x 4 floats).
+    out, feeds = _rotary_scores("split")
+    plan = md.compile(out, "model:2", "seq:model")
+    assert ("rename", 64) in _forward_gathers(plan), _collectives(plan)
     assert md.check(out, "model:2", "seq:model", feeds).ok

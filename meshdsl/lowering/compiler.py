@@ -37,7 +37,7 @@ from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, called, step_args
-from .remake import made_from_nothing, remake
+from .remake import made_from_nothing, remake, remake_cost
 from .shared_moves import cheaper, foresee
 from .shared_sums import moved_around, summed_terms
 from .relayout import move_args, move_bytes, plan_moves
@@ -273,6 +273,17 @@ class Lowerer:
     def held(self, vid: int) -> frozenset:
         """The shardings value ``vid`` was already brought to (:meth:`relayout`: free again)."""
         return self._held.get(vid, frozenset())
+
+    def remade_whole(self, vid: int) -> tuple:
+        """``((whole sharding, seconds),)`` where value ``vid``, split, can be made again whole on
+        each rank (:func:`.remake.remake_cost`: the seconds of its compute), else ``()``: the generic
+        rule prices that way to the whole value beside the gather."""
+        v = self.values[vid]
+        whole = Sharding.replicated(v.shape)
+        if v.sharding == whole or vid not in self.made_from_nothing:
+            return ()
+        cost = remake_cost(self, vid, whole)
+        return ((whole, cost),) if cost is not None else ()
 
     def hold(self, vid: int, to: Sharding, copy: int) -> None:
         """Record that value ``copy`` is value ``vid`` at sharding ``to`` (a repeat's backward is

@@ -4,8 +4,9 @@ Given the op's :class:`~meshdsl.ops.registry.ComputeSpec`, the current
 shardings of its inputs and the layout's targets for its outputs, try every
 assignment of mesh axes to compute dims that some input or target suggests,
 price each with the cost model (input re-layouts + local FLOPs + output
-re-layout), and emit the cheapest; on a tie, the one that re-lays out fewer
-values.  Micro-batches (the virtual axis ``_mb``) stay split: a re-layout
+re-layout; an input each rank can make again whole, :mod:`.remake`, at the
+compute that takes where that is cheaper than gathering it), and emit the
+cheapest; on a tie, the one that re-lays out fewer values.  Micro-batches (the virtual axis ``_mb``) stay split: a re-layout
 that gathers or moves them is priced at infinity (see :mod:`.relayout`), so
 their sums stay partial, and an output dim split by them stays so whatever
 its layout rule says (MoE's ``expert_batch``).  A split 'sum'-reduced dim
@@ -157,15 +158,18 @@ def lower_generic(lw, node) -> None:
     # the shardings each input was already brought to (an FSDP weight gathered for one einsum is
     # whole for the next that reads it: that re-layout is free)
     held = tuple(_held(lw, v, t) for v, t in zip(ins, node.inputs))
+    # the inputs each rank can make again whole for the compute it takes, instead of gathering them
+    # (a one-hot of a gathered top-k, made split by the layout: :mod:`.remake`)
+    remade = tuple(lw.remade_whole(v) for v in ins)
     # where the readers of each output will move it (a block's first lowering saw them do so)
     wanted = tuple(lw.wanted.get(id(t)) for t in node.outputs) if lw.wanted else ()
     # each output's share of the one reduction of a sum it is a term of (:mod:`.shared_sums`)
     shares = tuple(lw.shared_sums.get(id(t), 1) for t in node.outputs) if lw.shared_sums else ()
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
            tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held, wanted,
-           shares)
+           shares, remade)
     C, plan, P, scale = _CHOICES.get_or_make(
-        key, lambda: _cheapest(lw, node, spec, shs, targets, held, wanted, shares))
+        key, lambda: _cheapest(lw, node, spec, shs, targets, held, wanted, shares, remade))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
 
 
@@ -176,7 +180,7 @@ def _held(lw, vid, t) -> frozenset:
     return held | foreseen if foreseen else held
 
 
-def _cheapest(lw, node, spec, shs, targets, held, wanted=(), shares=()) -> tuple:
+def _cheapest(lw, node, spec, shs, targets, held, wanted=(), shares=(), remade=()) -> tuple:
     """``(C, plan, P, scale)`` of the cheapest compute sharding of ``node`` (see module docstring).
     Of ``lw`` it reads only what :data:`_CHOICES`' key holds."""
     mesh = lw.mesh
@@ -222,7 +226,7 @@ def _cheapest(lw, node, spec, shs, targets, held, wanted=(), shares=()) -> tuple
             if not all(_splits(spec.dims[d], mesh.axis_size(ax), (d, ax) in uneven, d in lw.layout.empty_ok)
                        for d, ax in C.items()):
                 continue
-            cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held)
+            cost, plan = _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held, remade)
             # On a tie in time, the lowering that moves fewer values wins: doing nothing.  Reading
             # a copy already held at the sharding asked for is no move (the saved activation's
             # re-laid copy a repeat's backward is given: reading it spares moving the result).
@@ -253,9 +257,10 @@ def _uneven_sources(mesh, node, shs, targets, comp) -> set[tuple[str, tuple[str,
     return out
 
 
-def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
+def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held, remade=()):
     """The cost of computing ``node`` with compute sharding ``C`` (see :func:`lower_generic`), and
-    the re-layouts that takes (free where ``held[i]``, input ``i``'s shardings made already, has it).
+    the re-layouts that takes (free where ``held[i]``, input ``i``'s shardings made already, has it;
+    at most the compute of making it again where ``remade[i]`` offers that sharding).
     ``memo`` holds, for one partial-sum mode, the prices that
     candidates share: an input's re-layout depends only on the axes ``C`` gives its own dims, an
     output's on those and the axes of the dims it sums (and a 'max'/'min' reduction's)."""
@@ -269,7 +274,9 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held):
         hit = memo.get(key)
         if hit is None:
             r = _required(names, key[1], tuple(keep.get(i, ())))
-            hit = memo[key] = (r, 0.0 if r in held[i] else relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model))
+            hit = memo[key] = (r, 0.0 if r in held[i] else min(
+                [relayout_cost(t.shape, s, r, mesh, t.dtype.itemsize, model)]
+                + [c for sh, c in (remade[i] if remade else ()) if sh == r]))
         req.append(hit[0])
         cost += hit[1]
     local = {d: -(-size // mesh.axis_size(C.get(d, ()))) for d, size in spec.dims.items()}   # the largest part
