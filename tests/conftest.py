@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import meshdsl as md
+from meshdsl.ops.nn import step_salt
 
 # One torch thread for the whole session, as each spawned rank has (processes/launcher.py) and
 # `meshdsl train` runs: on tiny tensors some kernels (gelu and its backward) still open a 2-thread
@@ -311,7 +312,8 @@ def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[
     losses, norms = [], []
     for i in range(steps):
         hyper = {**opt.feeds(i), "opt/clip_norm": torch.tensor(clip)}
-        out = prog({**(feeds or model.feeds)(i), **hyper}, state)
+        # each step draws its own dropout masks, as TrainStep's run of step i does
+        out = prog({**(feeds or model.feeds)(i), **hyper}, state, salt=step_salt(i))
         losses.append(float(out["loss"]))
         norms.append(float(out["grad_norm"]))
         state = {k: out.get(f"new/{k}", v) for k, v in state.items()}   # a frozen param keeps its value
