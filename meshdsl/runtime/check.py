@@ -139,7 +139,10 @@ def check(outputs, mesh, layout=None, feeds: dict | None = None, *, params: dict
       params: param name -> full tensor; defaults to the deterministic init (``seed``), the
         same on both sides.
       tol: each output's allowance relative to its magnitude (see the module docstring);
-        1e-4, ``meshdsl check``'s default, covers fp32 sums added in another order.
+        1e-4, ``meshdsl check``'s default, covers fp32 sums added in another order.  Outputs named
+        ``grad/<param>`` share one scale, the largest gradient's (a gradient that is exactly zero
+        on the dense side passes within it); any other output is held to its own magnitude, so
+        name gradients ``grad/...`` for that allowance.
       compile_options: passed to :func:`~meshdsl.compile` (``microbatches``, ``schedule``,
         ``stage_layers``, ``strict_splits``, ...).
 
