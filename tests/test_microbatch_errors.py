@@ -123,3 +123,6 @@ def test_messages_name_nodes_as_the_user_wrote_them():
     assert called("einsum_1", "einsum") == "'einsum_1'" and called("h", "add") == "'h' (add)"
     assert called("grad_layer_norm/layer_norm_backward", "layer_norm_backward") == \
         "'layer_norm_backward' (of layer_norm's gradient)"
+    # a step of an md op built of others (md.concat's pads) by the op the user called
+    assert called("concat_2/pad", "pad") == "'concat_2/pad' (a pad inside md.concat)"
+    assert called("attn/einsum", "einsum") == "'attn/einsum' (einsum)"   # a user's own scope as it was

@@ -167,11 +167,15 @@ def called(label: str, op: str) -> str:
     op when the name does not say it: ``'sub'``, ``'einsum_1'``, ``'reduce_mean'`` (a sum times
     1/n, but named as the user wrote it), ``'h' (add)``, and a gradient's node by the op the user
     wrote: ``'layer_norm_backward' (of layer_norm's gradient)`` for
-    ``grad_layer_norm/layer_norm_backward``."""
+    ``grad_layer_norm/layer_norm_backward``; a step of an md op built of others by the op the
+    user called: ``'concat/pad' (a pad inside md.concat)``."""
     from .. import ops
     head, sep, tail = label.partition("/")
     if sep and head.startswith(GRAD):
         return f"'{tail}' (of {head[len(GRAD):]}'s gradient)"
+    outer = [p for p in (re.sub(r"_\d+$", "", x) for x in label.split("/")[:-1]) if callable(getattr(ops, p, None))]
+    if outer:
+        return f"'{label}' (a {op} inside md.{outer[-1]})"
     base = re.sub(r"_\d+$", "", label)
     said = base == op or callable(getattr(ops, base, None))
     return f"'{label}'" if said else f"'{label}' ({op})"
