@@ -260,9 +260,10 @@ def running_attrs(what: str, x: Tensor, features, running, momentum) -> dict:
     params of ``x``'s graph shaped by ``features``: their names and the momentum.
 
     Raises:
-      ShapeError: ``running`` is not two such params (a repeat block's per-layer slice is not a
-        param), or ``momentum`` is not in (0, 1].
+      ShapeError: ``running`` is not two distinct such params (a repeat block's per-layer slice is
+        not a param), or ``momentum`` is not in (0, 1] (checked with or without ``running``).
     """
+    _check_momentum(what, momentum)
     if running is None:
         return {}
     rule = "running=(mean, var) names two frozen params (md.param, left out of the Model's params) of x's " \
@@ -272,11 +273,11 @@ def running_attrs(what: str, x: Tensor, features, running, momentum) -> dict:
                                  fix="running=(md.param('bn_mean', [hidden], init='zeros'), "
                                      "md.param('bn_var', [hidden], init='ones'))"))
     for role, p in zip(("mean", "var"), running):
-        if p.node.op.name != "param":
+        in_block = p.node.op.name == "placeholder" or (p.graph is not x.graph and x.graph.outer is not None)
+        if p.node.op.name != "param" or in_block:
             raise ShapeError(message(
                 f"{what}: the running {role} {p!r} is not a param of the graph"
-                + (" (inside md.repeat, a block reads each layer's slice of a stacked param)."
-                   if p.node.op.name == "placeholder" else "."),
+                + (" (inside md.repeat, a block reads each layer's slice of a stacked param)." if in_block else "."),
                 rule=rule, fix="outside md.repeat pass the md.param itself; inside a repeat block return the "
                                "statistics with stats=True as per-layer outputs and set the stacked params with "
                                "md.Model(updates=...) (docs/guide/training.md)"))
@@ -284,10 +285,24 @@ def running_attrs(what: str, x: Tensor, features, running, momentum) -> dict:
                 or not p.dtype.is_floating_point:
             raise ShapeError(message(f"{what}: the running {role} {p!r} must be a float param of x's features.",
                                      inputs=[f"x: {x.shape}", f"features: {features}", f"{role}: {p.shape} {p.dtype}"],
-                                     rule=rule, fix=f"give it dims {list(features.names)}"))
+                                     rule=rule, fix=f"give it dims {list(features.names)} and a float dtype"))
+        if p.graph is not x.graph:
+            raise ShapeError(message(f"{what}: the running {role} {p!r} is a param of another graph than {x!r}.",
+                                     rule=rule, fix="make the running statistics with md.param inside the graph "
+                                                    "(the `with md.Graph():` block) that builds x"))
+    if running[0].node is running[1].node:
+        raise ShapeError(message(f"{what}: running=({running[0].name!r}, {running[1].name!r}) gives one param as "
+                                 "both the running mean and the running variance.",
+                                 rule=rule + "; the step sets each to its own statistic",
+                                 fix="two params: running=(md.param('bn_mean', [hidden], init='zeros'), "
+                                     "md.param('bn_var', [hidden], init='ones'))"))
+    return {"running": (running[0].node.name, running[1].node.name), "momentum": float(momentum)}
+
+
+def _check_momentum(what: str, momentum) -> None:
+    """Raise unless ``momentum`` is a real number in (0, 1] (a string, a bool or NaN is not)."""
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 < momentum <= 1:
         raise ShapeError(message(f"{what}: momentum={momentum!r} is not a number in (0, 1].",
                                  rule="each step the running statistics move by momentum towards the batch's "
                                       "(torch's convention: new = (1 - momentum) * old + momentum * batch)",
                                  fix="pass e.g. momentum=0.1 (torch's default)"))
-    return {"running": (running[0].node.name, running[1].node.name), "momentum": float(momentum)}

@@ -242,10 +242,14 @@ def batch_norm(x: Tensor, dims, scale: Tensor | None = None, bias: Tensor | None
 
     Raises:
       ShapeError: a dim ``x`` lacks, no dim or every dim to normalise over, a non-float ``x``,
-        a scale/bias not shaped by ``x``'s other dims, or a bad ``running``/``momentum``.
+        a scale/bias not shaped by ``x``'s other dims, a bad ``running``/``momentum``/``eps``.
     """
     what = "batch_norm"
     _check_float(what, x)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ShapeError(message(f"{what}: eps={eps!r} is not a finite number >= 0.",
+                                 rule="eps is added to the variance before its square root",
+                                 fix="pass e.g. eps=1e-5 (torch's default)"))
     names = reduced_dims(x, dims, what) if dims is not None else None
     if STAT_DIM in x.shape:
         raise ShapeError(message(f"{what}: {x!r} has a dim '{STAT_DIM}', the name batch_norm's statistics use.",

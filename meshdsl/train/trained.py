@@ -124,12 +124,28 @@ def _rebuild(name: str | None, saved_model: str | None, config: dict, overrides,
             rule="a checkpoint loads into the model it was saved from, rebuilt with the saved Config",
             fix=f"pass the model file of {saved_model!r} with --model (Python: model=)"))
     over = overrides(cls)
+    if batch is not None and "batch" in over and over["batch"] != batch:
+        raise TrainedError(message(
+            f"{where}: batch={batch} and config's batch={over['batch']!r} disagree.",
+            rule="the model is rebuilt with one batch size; batch= is a short way to give config's batch",
+            fix="give the batch size once: batch= or config's batch"))
     return load_model(name, tiny=tiny, **{**config, **over}), over
 
 
-def overrides_of(config: dict | str | None):
+def overrides_of(config: dict | str | None, where: str = "load_trained"):
     """``load_trained``'s ``config`` as a function of the model file's Config class: a string is
-    parsed as ``--config`` is (with its errors); a dict is as it is (``load_model`` checks its keys)."""
+    parsed as ``--config`` is (with its errors); a dict is as it is (``load_model`` checks its keys).
+
+    Raises:
+      TrainedError: ``config`` is neither None, a string nor a dict of field names."""
+    if not (config is None or isinstance(config, str)
+            or (isinstance(config, dict) and all(isinstance(k, str) for k in config))):
+        raise TrainedError(message(
+            f"{where}: config={config!r} ({type(config).__name__}) is not Config fields.",
+            rule="config= gives Config fields over the saved ones: a dict of field name -> value, or "
+                 "'field=value,...' as --config",
+            fix="pass e.g. config={'mode': 'eval'} or config='mode=eval'"))
+
     def parse(cls) -> dict:
         if isinstance(config, str):
             return parse_config(config, cls)
@@ -147,6 +163,23 @@ def _full_params(model: Model, path: Path, saved_model: str | None) -> dict[str,
     want = {f"param/{k}": (t.shape, t.dtype, Sharding.replicated(t.shape)) for k, t in params.items()}
     got = load_checkpoint(path, want, "data:1", model=saved_model, verify="size", strict=False)
     return {k[len("param/"):]: xs[0] for k, xs in got.items()}
+
+
+def _params_under_overrides(model: Model, path: Path, saved_model: str | None, over: dict,
+                            where: str) -> dict[str, torch.Tensor]:
+    """:func:`_full_params`; where Config overrides ``over`` rebuilt the model, a checkpoint that no
+    longer fits (a field that shapes params: d_model, layers) is laid at the overrides' door."""
+    try:
+        return _full_params(model, path, saved_model)
+    except CheckpointError as e:
+        if not over:
+            raise
+        raise CheckpointError(message(
+            f"{where}: config {over!r} changes the model's params, so checkpoint {str(path)!r} no longer fits.",
+            bullets=[line.strip()[2:] for line in str(e).splitlines() if line.strip().startswith("* ")],
+            rule="config= (--config) may change only fields that keep every param's name, shape and dtype "
+                 "(mode=eval, dropout, batch), as the params are the checkpoint's",
+            fix=f"drop {', '.join(sorted(over))} from config= (--config), or train a model with it")) from None
 
 
 def trained_step_dir(path, where: str = "load_trained") -> Path:
@@ -181,7 +214,7 @@ def load_trained(path, *, model: str | None = None, batch: int | None = None,
       TrainedError: no such path, a run without a checkpoint, a model that cannot be rebuilt.
       CheckpointError: a damaged checkpoint, or one of another model (names, shapes, dtypes).
     """
-    path, overrides = Path(path), overrides_of(config)
+    path, overrides = Path(path), overrides_of(config, where)
     ckpt = trained_step_dir(path, where)
     run = json.loads((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).is_file() else None
     info = verify_checkpoint(ckpt, "sha256")   # every shard file hashed before any tensor is read
@@ -200,7 +233,7 @@ def load_trained(path, *, model: str | None = None, batch: int | None = None,
             f"{where}: the model rebuilt from {str(ckpt)!r} has another Config than the saved one.",
             bullets=[f"{k}: saved {config[k]!r}, rebuilt {v!r}" for k, v in diff.items()],
             fix="pass the model file the run was trained with (--model)"))
-    params = _full_params(built, ckpt, info.model)
+    params = _params_under_overrides(built, ckpt, info.model, over, where)
     run_settings = info.meta.get("run") or {}
     data = info.meta.get("data") if "source" in (info.meta.get("data") or {}) else None
     return Trained(built, params, info.path, info.step, int(run_settings.get("seed", 0)), data)
