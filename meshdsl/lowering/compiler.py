@@ -553,7 +553,7 @@ def _chosen(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, s
                                  cheaper, buckets=spec is None or (spec.axis is None and spec.num_microbatches == 1))
     seen = foresee(lw)   # a split tensor moved by one reader, reduced around by another; or sliced, each slice moved
     ahead, wanted = gathered_in_pieces(lw, dict(seen.held)), seen.wanted
-    if ahead:
+    if ahead or wanted:
         with offering(on):
             again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, wanted=wanted)
         if cheaper(again[0], lw):

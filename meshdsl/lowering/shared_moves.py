@@ -21,11 +21,14 @@ candidates' ``batch2``, which no rule splits), is gathered slice by slice: each 
 sees its result's layout target split as its input is.  Where gathering the value once costs less
 than gathering its slices (:func:`sliced_whole`), the second lowering also foresees that move, and
 each slice's result wanted where its readers take it (:class:`.foresight.Foresight`): a slice
-made from the whole copy, then cut to its target, is read whole again with no move.
+made from the whole copy, then cut to its target, is read whole again with no move.  A slice
+kept split by a halo whose result its readers then gather (:func:`halo_slices_read_whole`) is
+foreseen wanted whole: the slice rule (:mod:`.window`) then weighs moving its rows once.
 """
 from __future__ import annotations
 
 from .foresight import NONE, Foresight
+from .halo import gathered, readers
 from .plan import Step
 from .relayout import relayout_cost
 
@@ -55,7 +58,63 @@ def foresee(lw) -> Foresight:
     cuts = sliced_whole(lw)
     for tid, to in cuts.held.items():
         out[tid] = out.get(tid, frozenset()) | to
-    return Foresight(out, cuts.wanted)
+    return Foresight(out, {**halo_slices_read_whole(lw), **cuts.wanted})
+
+
+def halo_slices_read_whole(lw) -> dict:
+    """``id(slice result) -> its sharding whole along the sliced dim`` for each slice lowerer ``lw``
+    kept split along a split dim by a halo exchange, whose result every reader, through renames
+    and slices of other dims, then moved off that split (MIMO-UNet's DFT patch: its rows moved
+    over the ranks, then gathered for the DFT): the slice rule then weighs making it whole
+    (:mod:`.window`) instead of moving its rows twice."""
+    read_as_is = {v for s in lw.steps if s.kind != "input" and not s.is_collective for v in s.ins}
+    halos = {s.node for s in lw.steps if s.kind == "permute"}
+    wanted = {}
+    for t in {id(t): t for t in lw.keep}.values():
+        if t.node is None or t.node.op.name != "slice" or t.node.id not in halos or id(t) not in lw.env:
+            continue
+        dim, sh = t.node.attrs["dim"], lw.values[lw.env[id(t)]].sharding
+        axes = set(sh.axes_of(dim))
+        if axes and not sh.partial and _moved_off(lw, t, dim, axes, read_as_is):
+            wanted.update(_chain(lw, t, dim))
+    return wanted
+
+
+def _chain(lw, t, dim: str) -> dict:
+    """``id -> its sharding whole along dim`` for ``t`` and what renames and slices of other dims
+    make of it (``dim`` renamed as they rename it)."""
+    vid = lw.env.get(id(t))
+    if vid is None:
+        return {}
+    out = {id(t): gathered(lw.values[vid].sharding, t.shape, dim)}
+    for n, slot in readers(lw, t):
+        if _passes(n, slot, dim):
+            out.update(_chain(lw, n.outputs[0], _renamed(n, dim)))
+    return out
+
+
+def _moved_off(lw, t, dim: str, axes: set, read_as_is: set) -> bool:
+    """Whether tensor ``t`` (or what renames and slices of dims other than ``dim`` make of it) is
+    read only after a move to shardings that keep ``dim`` off ``axes``."""
+    vid = lw.env.get(id(t))
+    if vid is None:
+        return False
+    if vid not in read_as_is:
+        moved = lw.held(vid)
+        return bool(moved) and all(not to.partial and not axes & set(to.axes_of(dim)) for to in moved)
+    rs = readers(lw, t)
+    return bool(rs) and all(_passes(n, slot, dim) and _moved_off(lw, n.outputs[0], _renamed(n, dim), axes, read_as_is)
+                            for n, slot in rs)
+
+
+def _passes(node, slot: int, dim: str) -> bool:
+    """Whether ``node`` passes its input ``slot``'s ``dim`` on as it is: a rename, a slice of another dim."""
+    return not slot and (node.op.name == "rename" or node.op.name == "slice" and node.attrs["dim"] != dim)
+
+
+def _renamed(node, dim: str) -> str:
+    """What ``node`` (a rename or a slice) calls ``dim`` in its output."""
+    return node.attrs["mapping"].get(dim, dim) if node.op.name == "rename" else dim
 
 
 def sliced_whole(lw) -> Foresight:

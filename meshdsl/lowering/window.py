@@ -12,10 +12,13 @@ of the gather (every such shift of the value reads one gather).  A pad read
 only through slices, pads or shifts is not materialised (:func:`~.halo.is_virtual`).  A
 slice that no halo serves, to an output that stays whole along its dim (a class token's row of
 a split sequence), is each rank's overlap with it, a partial sum (:func:`_slice_as_sum`), where
-that moves fewer bytes than gathering the dim.  A shift along a split dim of a shift along a dim
-the layout keeps whole (a depthwise 2-D conv's taps under ``width:model``) commutes with it: it
-shifts the inner shift's input, sharing that one's exchange, then shifts along the whole dim
-locally (:func:`~.halo.commuted`).
+that moves fewer bytes than gathering the dim; so is a slice a halo would keep split where the
+first lowering saw its readers gather it (MIMO-UNet's DFT patch, rows all on one rank: summed
+once, not moved over the ranks and gathered back; :func:`.shared_moves.halo_slices_read_whole`),
+where that costs no more than the gather and less than the halo.  A shift along a split dim of
+a shift along a dim the layout keeps whole (a depthwise 2-D conv's taps under ``width:model``)
+commutes with it: it shifts the inner shift's input, sharing that one's exchange, then shifts
+along the whole dim locally (:func:`~.halo.commuted`).
 """
 from __future__ import annotations
 
@@ -50,10 +53,11 @@ def _overlap(ctx, attrs, x):
     return out
 
 
-def _slice_as_sum(lw, node, vid: int, comp: Sharding, tgt: Sharding) -> bool:
-    """Lower a slice of a split dim that no halo serves (a class token's row under ``seq:model``)
-    as each rank's overlap with the slice, a partial sum over the dim's axes, where that moves
-    fewer bytes than gathering the dim (the output's rows, not the input's); False otherwise."""
+def _slice_as_sum(lw, node, vid: int, comp: Sharding, tgt: Sharding, halo: float = float("inf")) -> bool:
+    """Lower a slice of a split dim that no halo serves (a class token's row under ``seq:model``),
+    or whose halo and then gather cost ``halo`` seconds (its readers want it whole), as each rank's
+    overlap with the slice, a partial sum over the dim's axes, where that moves fewer bytes than
+    gathering the dim (the output's rows, not the input's) or the halo; False otherwise."""
     mesh, src, out, a = lw.mesh, node.inputs[0], node.outputs[0], node.attrs
     dim, size = a["dim"], src.dtype.itemsize
     axes = comp.axes_of(dim)
@@ -62,7 +66,10 @@ def _slice_as_sum(lw, node, vid: int, comp: Sharding, tgt: Sharding) -> bool:
     whole = gathered(comp, src.shape, dim)
     gather = relayout_cost(src.shape, comp, whole, mesh, size, lw.cost) + relayout_cost(
         out.shape, Sharding.of(out.shape, whole.split, whole.partial), tgt, mesh, size, lw.cost)
-    if relayout_cost(out.shape, summed, tgt.with_partial(()), mesh, size, lw.cost) >= gather:
+    # where its readers want it whole (``halo`` given), a tie with the gather goes to the sum: its
+    # reduction waits for the readers, and a later slice of another dim makes it smaller
+    beaten = gather if halo == float("inf") else gather + 1e-12
+    if relayout_cost(out.shape, summed, tgt.with_partial(()), mesh, size, lw.cost) >= min(beaten, halo):
         return False
     lw.note(f"{node.name}: its rows [{a['start']}:{a['stop']}] of split '{dim}' summed from the ranks "
             "that hold them (a partial sum), not gathered")
@@ -101,6 +108,13 @@ def _read_whole(lw, out, dim: str, axes) -> bool:
     rs = readers(lw, out)
     return bool(rs) and all(n.op.name == "rename" and dim in n.attrs["mapping"] and not set(axes) & set(
         lw.target(n.outputs[0]).axes_of(n.attrs["mapping"][dim])) for n, _ in rs)
+
+
+def _wanted_whole(lw, out, dim: str, axes) -> bool:
+    """Whether the first lowering saw every reader of ``out`` (through renames and slices of other
+    dims) move it off ``axes`` along ``dim`` (:func:`.shared_moves.halo_slices_read_whole`)."""
+    want = lw.wanted.get(id(out))
+    return want is not None and not set(axes) & set(want.axes_of(dim))
 
 
 def _uneven_far(lw, node, src, vid: int, comp, dim: str, reach, tgt) -> tuple[int, int] | None:
@@ -237,9 +251,7 @@ def _lower_by_halos(lw, node) -> None:
         # window of that needs no halo, and its result is cut the same way
         vid, comp, axes = whole, lw.sharding(whole), ()
     n, size = src.shape.get(dim).size, src.dtype.itemsize
-    tgt = _target(lw, out, comp, lazy)
-    if axes and node.op.name == "slice" and _read_whole(lw, out, dim, axes):
-        tgt = gathered(tgt, out.shape, dim)   # its readers gather it: the halo would be moved for nothing
+    tgt = _read_target(lw, node, out, _target(lw, out, comp, lazy), comp, dim, axes)
     comp = comp if axes else _held_as_wanted(lw, src, vid, comp, tgt, dim, out)
     far = None   # a shift beyond the neighbours served by permutes (:func:`_far_shift`)
     if axes:
@@ -253,6 +265,9 @@ def _lower_by_halos(lw, node) -> None:
                 out.shape, Sharding.of(out.shape, whole.split, whole.partial), tgt, mesh, size, lw.cost)
             halo = _halo_cost(lw, src, comp, dim, widths) + relayout_cost(out.shape, out_sh, tgt, mesh,
                                                                             size, lw.cost)
+            if node.op.name == "slice" and src is node.inputs[0] and _wanted_whole(lw, out, dim, axes) \
+                    and _slice_as_sum(lw, node, vid, comp, tgt, halo):
+                return   # foreseen read whole: the rows summed from the ranks that hold them
             widths = None if gather < halo - 1e-12 else widths
         elif widths is None and node.op.name == "slice" and src is node.inputs[0] \
                 and not tgt.axes_of(dim) and _slice_as_sum(lw, node, vid, comp, tgt):
@@ -302,6 +317,19 @@ def _target(lw, out, comp: Sharding, lazy: bool) -> Sharding:
                             comp, out.shape, lw.mesh)
     if lazy and comp.partial and not tgt.partial and lw.shared_sums.get(id(out), 1) > 1:
         return Sharding.of(out.shape, comp.split, comp.partial)
+    return tgt
+
+
+def _read_target(lw, node, out, tgt: Sharding, comp: Sharding, dim: str, axes) -> Sharding:
+    """Target ``tgt`` of window result ``out``, made whole where its readers gather it anyway: a
+    slice of a split ``dim`` (the halo would be moved for nothing), or a partial sum ``comp``
+    passed on along a whole dim (reduced whole, not reduce-scattered to the layout's split and
+    gathered again; :func:`.shared_moves.halo_slices_read_whole`)."""
+    want = lw.wanted.get(id(out))
+    if want is not None and not axes and comp.partial and not want.partial and want.used_axes < tgt.used_axes:
+        return want
+    if axes and node.op.name == "slice" and (_read_whole(lw, out, dim, axes) or _wanted_whole(lw, out, dim, axes)):
+        return gathered(tgt, out.shape, dim)
     return tgt
 
 
