@@ -298,6 +298,13 @@ def kill_when_marked(code: str, marker: Path, what: str, limit_s: float = 120.0)
         proc.stderr.close()
 
 
+def random_params(model, seed: int = 1) -> dict:
+    """Full params of ``model`` drawn N(0, 0.25) from ``seed``: away from an init's symmetries, so
+    a reference compared with the DSL's model exercises every weight."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.params.items()}
+
+
 def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[list[float], list[float]]:
     """The dense program's losses and global gradient norms over ``steps`` optimizer steps.
 

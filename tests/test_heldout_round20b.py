@@ -15,7 +15,6 @@ and search layouts against the dense program. Findings: /work/notes/heldout-20b.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import pytest
 import torch
 
 import meshdsl as md
-from conftest import (assert_adamw_steps_track_dense, assert_heldout_case_matches_dense,
+from meshdsl.train.model import load_module
+from conftest import (assert_adamw_steps_track_dense, random_params, assert_heldout_case_matches_dense,
                       assert_search_top_layouts_match_dense, heldout_case_id, run_cli)
 
 HERE = Path(__file__).parent
@@ -116,25 +116,13 @@ def test_heldout_model_matches_dense(case):
     assert_heldout_case_matches_dense(case)
 
 
-def _module(path):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _random_params(model, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.params.items()}
-
-
 def test_gla_chunked_form_is_the_recurrence():
     """The chunked GLA (intra-chunk decayed attention + the inter-chunk state by cumulative sums
     of log-gates) gives the step-by-step recurrence's logits (plain torch, float64)."""
-    mod = _module(GLA)
+    mod = load_module(GLA)
     cfg = mod.Config.tiny()
     model = mod.build(cfg)
-    params, ids = _random_params(model), model.feeds(0)["ids"]
+    params, ids = random_params(model), model.feeds(0)["ids"]
     got = md.run_dense({"logits": model.logits}, {"ids": ids}, params=params)["logits"]
     want = mod.recurrent_reference(cfg, params, ids)
     # fp32 against fp64 through 4 layers: ~1e-6 of the logits' scale (~5); a wrong decay is O(1)
@@ -145,10 +133,10 @@ def test_gla_chunked_form_is_the_recurrence():
 def test_the_model_is_its_torch_reference(path):
     """CPC (conv1d, a GRU loop, InfoNCE) and HAN (two GRU loops, flips, attention pooling) written
     in plain torch give the DSL model's loss."""
-    mod = _module(path)
+    mod = load_module(path)
     cfg = mod.Config.tiny()
     model = mod.build(cfg)
-    params, feeds = _random_params(model), model.feeds(0)
+    params, feeds = random_params(model), model.feeds(0)
     got = md.run_dense({"loss": model.loss}, feeds, params=params)["loss"]
     want = mod.reference_loss(cfg, params, *[feeds[k] for k in getattr(mod, "REF_INPUTS", ("x",))])
     # fp32 against fp64 on a loss of ~1: ~1e-7; a wrong recurrence or score matrix is O(1e-1)

@@ -15,14 +15,14 @@ allows one), remat and search layouts against the dense program. Findings: /work
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 import meshdsl as md
-from conftest import (assert_adamw_steps_track_dense, assert_heldout_case_matches_dense,
+from meshdsl.train.model import load_module
+from conftest import (assert_adamw_steps_track_dense, random_params, assert_heldout_case_matches_dense,
                       assert_search_top_layouts_match_dense, heldout_case_id, run_cli)
 
 HERE = Path(__file__).parent
@@ -125,27 +125,15 @@ def test_heldout_model_matches_dense(case):
     assert_heldout_case_matches_dense(case)
 
 
-def _module(path):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _random_params(model, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.params.items()}
-
-
 @pytest.mark.parametrize("path", [SAE, MUZERO, TTT, MAMBA, VMAE],
                          ids=["sae", "muzero", "ttt", "mamba2", "videomae"])
 def test_the_model_is_its_torch_reference(path):
     """Each model written in plain torch (torch.topk + scatter; a Python unroll; TTT token by token;
     Mamba2's step-by-step recurrence; reshape/gather/scatter) gives the DSL model's loss."""
-    mod = _module(path)
+    mod = load_module(path)
     cfg = mod.Config.tiny()
     model = mod.build(cfg)
-    params, feeds = _random_params(model), model.feeds(0)
+    params, feeds = random_params(model), model.feeds(0)
     got = md.run_dense({"loss": model.loss}, feeds, params=params)["loss"]
     want = mod.reference_loss(cfg, params, *[feeds[k] for k in getattr(mod, "REF_INPUTS", ("x",))])
     # fp32 against fp64 on a loss of ~1-10: ~1e-7 relative; a wrong decay, mask or index is O(1e-1)
@@ -157,10 +145,10 @@ def test_ttt_outer_gradient_through_the_inner_step_is_autograds():
     """TTT's outer gradient flows through the inner gradient step (second order in the inner
     loss): the closed form and the md.vjp form both give torch autograd's gradients of the plain
     torch reference (float64), every param."""
-    mod = _module(TTT)
+    mod = load_module(TTT)
     for form in ("closed", "vjp"):
         model = md.load_model(TTT, tiny=True, form=form)
-        params, feeds = _random_params(model), model.feeds(0)
+        params, feeds = random_params(model), model.feeds(0)
         got = md.run_dense(md.grad(model.loss, model.params), feeds, params=params)
         ref = {k: v.double().requires_grad_() for k, v in params.items()}
         mod.reference_loss(model.config, ref, feeds["ids"], feeds["labels"]).backward()

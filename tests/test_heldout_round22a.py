@@ -15,14 +15,14 @@ stack allows one), remat and search layouts against the dense program. Findings:
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 import meshdsl as md
-from conftest import (assert_adamw_steps_track_dense, assert_heldout_case_matches_dense,
+from meshdsl.train.model import load_module
+from conftest import (assert_adamw_steps_track_dense, random_params, assert_heldout_case_matches_dense,
                       assert_search_top_layouts_match_dense, heldout_case_id, run_cli)
 
 HERE = Path(__file__).parent
@@ -108,18 +108,6 @@ def test_heldout_model_matches_dense(case):
     assert_heldout_case_matches_dense(case)
 
 
-def _module(path):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _random_params(model, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.params.items()}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [ANP, RQVAE, SPLADE, ECMOE, CRF], ids=["anp", "rqvae", "splade", "ecmoe", "bilstmcrf"])
 def test_the_model_is_its_torch_reference(path):
@@ -127,9 +115,9 @@ def test_the_model_is_its_torch_reference(path):
     torch.cdist's argmin; a BERT loop + amax over the sequence; torch.topk over the tokens +
     index_add; a Python loop per LSTM direction and log Z over every tag path) gives the DSL
     model's loss, and torch autograd (float64) its gradients."""
-    mod = _module(path)
+    mod = load_module(path)
     model = md.load_model(path, tiny=True)
-    params, feeds = _random_params(model), model.feeds(0)
+    params, feeds = random_params(model), model.feeds(0)
     got = md.run_dense({"loss": model.loss, **md.grad(model.loss, model.params)}, feeds, params=params)
     ref = {k: v.double().requires_grad_() for k, v in params.items()}
     ins = [feeds[k].double() if feeds[k].is_floating_point() else feeds[k] for k in getattr(mod, "REF_INPUTS", ("x",))]

@@ -15,15 +15,14 @@ layouts against the dense program. Findings: /work/notes/heldout-23a.md.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import meshdsl as md
-from conftest import (assert_adamw_steps_track_dense, assert_heldout_case_matches_dense,
+from meshdsl.train.model import load_module
+from conftest import (assert_adamw_steps_track_dense, random_params, assert_heldout_case_matches_dense,
                       assert_search_top_layouts_match_dense, heldout_case_id, run_cli)
 
 HERE = Path(__file__).parent
@@ -110,28 +109,15 @@ def test_heldout_model_matches_dense(case):
     assert_heldout_case_matches_dense(case)
 
 
-def _module(path):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _random_params(model, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.params.items()}
-
-
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[] if p == PINN else pytest.mark.slow) for p in ALL], ids=IDS)
 def test_the_model_is_its_torch_reference(path):
     """Each model written in plain torch (indexing + BCE-with-logits; sdpa over time, then over
     patches; autograd.grad with create_graph=True for u_t, u_x and u_xx; a Python loop over time with
     .detach() for the stop-gradients; F.conv1d + sdpa + cross-entropy both ways) gives the DSL
     model's loss, and torch autograd (float64) its gradients: PINN's are third derivatives of the MLP."""
-    mod = _module(path)
+    mod = load_module(path)
     model = md.load_model(path, tiny=True)
-    params, feeds = _random_params(model), model.feeds(0)
+    params, feeds = random_params(model), model.feeds(0)
     got = md.run_dense({"loss": model.loss, **md.grad(model.loss, model.params)}, feeds, params=params)
     ref = {k: v.double().requires_grad_() for k, v in params.items()}
     ins = [feeds[k].double() if feeds[k].is_floating_point() else feeds[k] for k in mod.REF_INPUTS]

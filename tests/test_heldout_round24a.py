@@ -14,15 +14,14 @@ search's layouts against the dense program. Findings: /work/notes/heldout-24a.md
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import meshdsl as md
-from conftest import (assert_adamw_steps_track_dense, assert_heldout_case_matches_dense,
+from meshdsl.train.model import load_module
+from conftest import (assert_adamw_steps_track_dense, random_params, assert_heldout_case_matches_dense,
                       assert_search_top_layouts_match_dense, heldout_case_id, heldout_outputs, run_cli)
 
 HERE = Path(__file__).parent
@@ -108,29 +107,16 @@ def test_heldout_model_matches_dense(case):
     assert_heldout_case_matches_dense(case)
 
 
-def _module(path):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _random_params(model, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.params.items()}
-
-
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[] if p == HGNN else pytest.mark.slow) for p in ALL], ids=IDS)
 def test_the_model_is_its_torch_reference(path):
     """Each model written in plain torch (F.conv2d + sdpa + a scatter of the matched labels; dense
     degree vectors and matmuls; a meshgrid's Manhattan decay; SimCSE without dropout, md.dropout's
     masks being its own; F.interpolate + torch.fft.fft2) gives the DSL model's loss, and torch
     autograd (float64) its gradients."""
-    mod = _module(path)
+    mod = load_module(path)
     over = {"dropout": 0.0} if path == SIMCSE else {}
     model = md.load_model(path, tiny=True, **over)
-    params, feeds = _random_params(model), model.feeds(0)
+    params, feeds = random_params(model), model.feeds(0)
     got = md.run_dense({"loss": model.loss, **md.grad(model.loss, model.params)}, feeds, params=params)
     ref = {k: v.double().requires_grad_() for k, v in params.items()}
     ins = [feeds[k].double() if feeds[k].is_floating_point() else feeds[k] for k in mod.REF_INPUTS]
@@ -163,7 +149,7 @@ def test_simcse_eval_runs_without_dropout():
     """md.evaluate gives the loss of the model without dropout (the same params), while a training
     step's loss with dropout is another number."""
     model, plain = md.load_model(SIMCSE, tiny=True), md.load_model(SIMCSE, tiny=True, dropout=0.0)
-    params = _random_params(model)
+    params = random_params(model)
     got, want = md.evaluate(model, params, batches=2), md.evaluate(plain, params, batches=2)
     # the same dense ops on the same batches: equal to fp32 rounding
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), (got, want)

@@ -103,7 +103,8 @@ def _step_dir(path: Path, where: str) -> Path:
 def _rebuild(name: str | None, saved_model: str | None, config: dict, overrides, tiny: bool,
              batch: int | None, where: str) -> tuple[Model, dict]:
     """(the model of file ``name`` (default: the shipped model the checkpoint names) with the saved
-    ``config`` and ``overrides`` over it, the overrides as a dict)."""
+    ``config`` and ``overrides`` over it, the overrides as a dict: a string parsed as ``--config`` is,
+    with its errors; a dict as it is, ``load_model`` checking its keys)."""
     name = name or saved_model
     if batch is not None and "batch" in config:
         config = {**config, "batch": batch}
@@ -123,7 +124,7 @@ def _rebuild(name: str | None, saved_model: str | None, config: dict, overrides,
             inputs=[f"saved Config fields not in {file.name}'s Config: {', '.join(sorted(set(config) - fields))}"],
             rule="a checkpoint loads into the model it was saved from, rebuilt with the saved Config",
             fix=f"pass the model file of {saved_model!r} with --model (Python: model=)"))
-    over = overrides(cls)
+    over = parse_config(overrides, cls) if isinstance(overrides, str) else dict(overrides or {})
     if batch is not None and "batch" in over and over["batch"] != batch:
         raise TrainedError(message(
             f"{where}: batch={batch} and config's batch={over['batch']!r} disagree.",
@@ -132,12 +133,11 @@ def _rebuild(name: str | None, saved_model: str | None, config: dict, overrides,
     return load_model(name, tiny=tiny, **{**config, **over}), over
 
 
-def overrides_of(config: dict | str | None, where: str = "load_trained"):
-    """``load_trained``'s ``config`` as a function of the model file's Config class: a string is
-    parsed as ``--config`` is (with its errors); a dict is as it is (``load_model`` checks its keys).
+def _check_overrides(config, where: str) -> None:
+    """``load_trained``'s ``config`` is None, a string or a dict of field names.
 
     Raises:
-      TrainedError: ``config`` is neither None, a string nor a dict of field names."""
+      TrainedError: it is something else."""
     if not (config is None or isinstance(config, str)
             or (isinstance(config, dict) and all(isinstance(k, str) for k in config))):
         raise TrainedError(message(
@@ -145,12 +145,6 @@ def overrides_of(config: dict | str | None, where: str = "load_trained"):
             rule="config= gives Config fields over the saved ones: a dict of field name -> value, or "
                  "'field=value,...' as --config",
             fix="pass e.g. config={'mode': 'eval'} or config='mode=eval'"))
-
-    def parse(cls) -> dict:
-        if isinstance(config, str):
-            return parse_config(config, cls)
-        return dict(config or {})
-    return parse
 
 
 def _full_params(model: Model, path: Path, saved_model: str | None) -> dict[str, torch.Tensor]:
@@ -214,7 +208,8 @@ def load_trained(path, *, model: str | None = None, batch: int | None = None,
       TrainedError: no such path, a run without a checkpoint, a model that cannot be rebuilt.
       CheckpointError: a damaged checkpoint, or one of another model (names, shapes, dtypes).
     """
-    path, overrides = Path(path), overrides_of(config, where)
+    _check_overrides(config, where)
+    path, overrides = Path(path), config
     ckpt = trained_step_dir(path, where)
     run = json.loads((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).is_file() else None
     info = verify_checkpoint(ckpt, "sha256")   # every shard file hashed before any tensor is read
