@@ -77,6 +77,23 @@ def test_batch_norm_running_mistakes(case, says):
     _clean(e)
 
 
+def test_running_params_closed_over_by_a_repeat_block_are_refused_with_the_way_out():
+    """A block reads an outer param through the repeat's closure (one copy for every layer): the
+    step could not set it per layer, so running= there is refused as for a stacked param's slice."""
+    L = md.Dim("layer", 2)
+    with md.Graph():
+        x = md.input("x", [B, H, C])
+        rm, rv = md.param("rm", [C], init="zeros"), md.param("rv", [C], init="ones")
+        w = md.param("w", [L, C])
+
+        def block(h, p):
+            return md.batch_norm(h * p["w"], ["batch", "height"], running=(rm, rv))
+        with pytest.raises(md.ShapeError, match="inside md.repeat") as e:
+            md.repeat(block, x, {"w": w}, L)
+    _clean(e)
+    assert "stats=True" in str(e.value)
+
+
 def test_grad_twice_points_to_vjp():
     with md.Graph():
         w, x = md.param("w", [D]), md.input("x", [D])
