@@ -18,6 +18,8 @@ from .flip import flip
 from .embed import arange, causal_mask, gather, iota, one_hot
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)
+from .pool import avg_pool, max_pool
+from .resample import upsample
 from .nn import batch_norm, cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
 from . import xent as _xent  # noqa: F401  (registers the fused cross-entropy ops)
 from .reduce import logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum

@@ -1,0 +1,189 @@
+"""Pooling over named spatial dims: ``max_pool`` and ``avg_pool``, as torch's ``max_pool2d``
+and ``avg_pool2d`` (floor mode).
+
+A pool is built from ops the compiler already lowers, one spatial dim at a time (a window's
+max or sum over several dims is the max or sum along each in turn).  Along a dim of window
+``K``, stride ``S`` and padding ``before``/``after`` (``L`` outputs), window ``i`` reads the
+padded positions ``S i + t`` for taps ``t < K``.  With ``t = q S + r`` that is row ``i + q``
+of phase ``r`` when the padded dim is cut into rows of ``S`` (a rearrange ``(rows phase)``),
+so each tap is a slice of one phase and the window's value folds the ``K`` slices with
+``maximum`` or ``add``.  The padding is ``-inf`` for a max (a window always holds one element
+of ``x``: the padding is at most ``K - 1`` a side) and zeros for a sum.  Under a split
+spatial dim the slices trade halos with the neighbouring ranks, as a strided conv's do.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.graph import Tensor
+from ..core.shape import Dim
+from ..errors import ShapeError, did_you_mean, message
+
+
+def max_pool(x: Tensor, window: dict, stride=None, padding=0) -> Tensor:
+    """The max of each window of ``x`` along named spatial dims (``torch.nn.functional.max_pool2d``).
+
+    Args:
+      x: a float tensor, e.g. ``[batch, height, width, channels]`` in any order.
+      window: spatial dim -> window length, e.g. ``{"height": 3, "width": 3}`` (any number of dims).
+      stride: a positive int, or a dict spatial dim -> int; default the window (torch's).
+      padding: per side, as :func:`avg_pool`'s; the padding never wins a max.
+
+    Returns:
+      ``x``'s dims in ``x``'s order, each pooled dim ``(n + before + after - window) // stride + 1``
+      long.  The gradient goes to the window's largest element; where several tie, it is shared
+      among them (torch's kernel gives it all to the first).
+    """
+    return _pool(x, window, stride, padding, "max_pool", None)
+
+
+def avg_pool(x: Tensor, window: dict, stride=None, padding=0, count_include_pad: bool = True) -> Tensor:
+    """The mean of each window of ``x`` along named spatial dims (``torch.nn.functional.avg_pool2d``).
+
+    Args:
+      x: a float tensor, e.g. ``[batch, height, width, channels]`` in any order.
+      window: spatial dim -> window length, e.g. ``{"height": 2, "width": 2}``.
+      stride: a positive int, or a dict spatial dim -> int; default the window (torch's).
+      padding: an int (that many zeros on both sides, torch's), a pair ``(before, after)``,
+        ``"valid"`` (0) or ``"same"`` (``(window - 1) // 2`` before and the rest after: as long
+        as ``x`` at stride 1), or a dict spatial dim -> one of these; at most ``window - 1`` a side.
+      count_include_pad: divide by the window length (torch's default), or, False, by the
+        number of positions of ``x`` in the window.
+
+    Returns:
+      ``x``'s dims in ``x``'s order, each pooled dim ``(n + before + after - window) // stride + 1`` long.
+    """
+    if not isinstance(count_include_pad, bool):
+        raise ShapeError(message(f"avg_pool: count_include_pad={count_include_pad!r} is not a bool.",
+                                 rule="count_include_pad is True (divide by the window) or False "
+                                      "(by the positions of x in it)", fix="pass True or False"))
+    return _pool(x, window, stride, padding, "avg_pool", count_include_pad)
+
+
+def _pool(x: Tensor, window, stride, padding, what: str, include_pad) -> Tensor:
+    dims = _windows(x, window, what)
+    strides = _per_dim(what, "stride", dict(dims) if stride is None else stride, dims)
+    for d, k in dims.items():
+        before, after = _padding(x, d, k, padding, what)
+        n, s = x.shape.get(d).size, strides[d]
+        if n + before + after < k:
+            raise ShapeError(message(
+                f"{what}: '{d}' has {n} positions, {before + after} padded, fewer than its window {k}.",
+                rule="a window fits in the padded dim", fix="use a smaller window or pad more"))
+        x = _pool_one(x, d, k, s, before, after, include_pad, what)
+    return x
+
+
+def _pool_one(x: Tensor, d: str, k: int, s: int, before: int, after: int, include_pad, what: str) -> Tensor:
+    """``x`` pooled along ``d`` alone (window ``k``, stride ``s``): a max, or with
+    ``include_pad`` set (True or False) a mean."""
+    from .elementwise import add, maximum, mul
+    from .scan import squeeze
+    from .slicing import pad, slice_
+
+    n = x.shape.get(d).size
+    out = (n + before + after - k) // s + 1
+    rows = out + (k - 1) // s          # rows of the phase cut that some tap reads
+    fill = float("-inf") if include_pad is None else 0.0
+    xp = pad(x, d, before, max(after, s * rows - n - before), value=fill)
+    if xp.shape.get(d).size > s * rows:
+        xp = slice_(xp, d, 0, s * rows)
+    cut = _phases(xp, d, s) if s > 1 else xp
+    y = None
+    for t in range(k):
+        q, r = divmod(t, s)
+        tap = squeeze(slice_(cut, f"{d}_phase", r, r + 1), f"{d}_phase") if s > 1 else cut
+        tap = slice_(tap, d, q, q + out) if (q, out) != (0, tap.shape.get(d).size) else tap
+        y = tap if y is None else (maximum(y, tap) if include_pad is None else add(y, tap))
+    if include_pad is None:
+        return y
+    return mul(y, _inverse_counts(d, out, n, k, s, before, x.dtype, include_pad))
+
+
+def _phases(t: Tensor, d: str, s: int) -> Tensor:
+    """``t``'s ``d`` of ``rows * s`` positions as ``d`` (rows) and ``{d}_phase`` (s), the latter inner."""
+    from .shape_ops import rearrange
+
+    left = " ".join(f"({n} {d}_phase)" if n == d else n for n in t.shape.names)
+    right = " ".join(f"{n} {d}_phase" if n == d else n for n in t.shape.names)
+    return rearrange(t, f"{left} -> {right}", **{f"{d}_phase": s})
+
+
+def _inverse_counts(d: str, out: int, n: int, k: int, s: int, before: int, dtype, include_pad: bool):
+    """What a window's sum is multiplied by: ``1 / k``, or per window ``1 / (its positions of x)``."""
+    from .constant import constant
+
+    if include_pad:
+        return constant(1.0 / k, dtype)
+    counts = [min(n, s * i - before + k) - max(0, s * i - before) for i in range(out)]
+    return constant(torch.tensor([1.0 / c for c in counts], dtype=dtype), [Dim(d, out)],
+                    name=f"avg_pool_counts_{d}")
+
+
+def _windows(x: Tensor, window, what: str) -> dict[str, int]:
+    """``window`` checked: spatial dim (a dim of ``x``) -> a positive int; ``x`` a float tensor."""
+    if not isinstance(x, Tensor):
+        raise ShapeError(message(f"{what}: x is {type(x).__name__}, not a Tensor.",
+                                 rule=f"{what} pools a tensor of the graph", fix="pass an md tensor"))
+    if not x.dtype.is_floating_point:
+        raise ShapeError(message(f"{what}: {x!r} is {x.dtype}, not a float tensor.",
+                                 rule=f"{what} pools float values", fix="md.cast it to a float dtype first"))
+    if not isinstance(window, dict) or not window:
+        raise ShapeError(message(f"{what}: window={window!r} is not a dict spatial dim -> length.",
+                                 rule="the window names each pooled dim of x and its length",
+                                 fix=f"pass e.g. window={{'{x.shape.names[-1]}': 2}}"))
+    out = {}
+    for d, k in window.items():
+        name = d.name if isinstance(d, Dim) else d
+        if not isinstance(name, str) or name not in x.shape:
+            hint = did_you_mean(name, x.shape.names) if isinstance(name, str) else ""
+            raise ShapeError(message(f"{what}: window names {d!r}, which is not a dim of {x!r}.{hint}",
+                                     rule="the window's keys are dims of x", fix="name one of x's dims"))
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ShapeError(message(f"{what}: the window {k!r} along '{name}' is not a positive int.",
+                                     rule="a window length is an int >= 1", fix=f"pass e.g. {{'{name}': 2}}"))
+        out[name] = k
+    return out
+
+
+def _per_dim(what: str, arg: str, value, dims: dict[str, int]) -> dict[str, int]:
+    """``value`` (an int, or a dict spatial dim -> int) as spatial dim -> positive int."""
+    given = value if isinstance(value, dict) else {d: value for d in dims}
+    bad = [f"{arg} names '{d}', which is not a pooled dim" for d in given if d not in dims]
+    bad += [f"{arg} {v!r} for '{d}' is not a positive int" for d, v in given.items()
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad:
+        raise ShapeError(message(f"{what}: bad {arg} {value!r}.", bullets=bad,
+                                 rule=f"{arg} is a positive int, or a dict pooled dim -> positive int",
+                                 fix=f"pass e.g. {arg}=2"))
+    return {d: given.get(d, dims[d]) for d in dims}
+
+
+def _padding(x: Tensor, d: str, k: int, padding, what: str) -> tuple[int, int]:
+    """``d``'s (before, after) from ``padding`` (see :func:`avg_pool`), each at most ``k - 1``."""
+    p = padding.get(d, 0) if isinstance(padding, dict) else padding
+    if isinstance(padding, dict) and any(e not in x.shape for e in padding):
+        bad = next(e for e in padding if e not in x.shape)
+        raise ShapeError(message(f"{what}: padding names {bad!r}, which is not a dim of {x!r}.",
+                                 rule="padding's keys are pooled dims", fix="name a dim of the window"))
+    if p == "valid":
+        pair = (0, 0)
+    elif p == "same":
+        pair = ((k - 1) // 2, k - 1 - (k - 1) // 2)
+    elif isinstance(p, int) and not isinstance(p, bool):
+        pair = (p, p)
+    elif isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                             for v in p):
+        pair = tuple(p)
+    else:
+        raise ShapeError(message(f"{what}: padding {p!r} for '{d}' is not an int, a pair, 'same' or 'valid'.",
+                                 rule="padding per side: an int (both sides), (before, after), 'same' or 'valid'",
+                                 fix="pass e.g. padding=1"))
+    if not 0 <= min(pair) <= max(pair) <= k - 1:
+        raise ShapeError(message(f"{what}: padding {pair} along '{d}' is outside 0..{k - 1} (window {k}).",
+                                 rule="each side pads at most window - 1 positions, so every window holds "
+                                      "an element of x", fix="pad less, or use a larger window"))
+    return pair
+
+
+__all__ = ["avg_pool", "max_pool"]
