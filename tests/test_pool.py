@@ -115,6 +115,19 @@ def test_stride_one_trades_halos_not_the_whole_dim():
     assert {s.kind for s, _ in plan.collectives()} == {"permute"}
 
 
+def test_a_resnet_stem_pool_over_an_even_split_sends_one_halo_each_way():
+    """3x3 windows at stride 2, padding 1, 16 rows over 2 ranks: each rank's first window reaches
+    one row back into its neighbour's phase, so one permute forward and one for the gradient."""
+    with md.Graph():
+        outs = _pooled(16, 16, "max", 3, 2, 1)
+        plan = md.compile(outs, "model:2", "height:model")
+        feeds = _feeds(16, 16, outs)
+        got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
+    assert [s.kind for s, _ in plan.collectives()] == ["permute", "permute"]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_inside_a_repeat_matches_dense():
     """A stack of (conv-free) blocks h + max_pool(tanh(h @ w), 3x3, stride 1, 'same'), height split."""
     L = md.Dim("layer", 2)

@@ -3,11 +3,11 @@ and ``avg_pool2d`` (floor mode).
 
 A pool is built from ops the compiler already lowers, one spatial dim at a time (a window's
 max or sum over several dims is the max or sum along each in turn).  Along a dim of window
-``K``, stride ``S`` and padding ``before``/``after`` (``L`` outputs), window ``i`` reads the
-padded positions ``S i + t`` for taps ``t < K``.  With ``t = q S + r`` that is row ``i + q``
-of phase ``r`` when the padded dim is cut into rows of ``S`` (a rearrange ``(rows phase)``),
-so each tap is a slice of one phase and the window's value folds the ``K`` slices with
-``maximum`` or ``add``.  The padding is ``-inf`` for a max (a window always holds one element
+``K``, stride ``S`` and padding ``before`` (``L`` outputs), window ``i`` reads ``x[S i + t -
+before]`` for taps ``t < K``.  With ``t - before = q S + r`` that is row ``i + q`` of phase ``r``
+when ``x`` is cut into rows of ``S`` (a rearrange ``(rows phase)``, as a strided conv cuts it),
+so each tap is a slice of one phase, padded where it reaches past ``x``, and the window's value
+folds the ``K`` slices with ``maximum`` or ``add``.  The padding is ``-inf`` for a max (a window always holds one element
 of ``x``: the padding is at most ``K - 1`` a side) and zeros for a sum.  Under a split
 spatial dim the slices trade halos with the neighbouring ranks, as a strided conv's do.
 """
@@ -76,25 +76,30 @@ def _pool(x: Tensor, window, stride, padding, what: str, include_pad) -> Tensor:
 
 def _pool_one(x: Tensor, d: str, k: int, s: int, before: int, after: int, include_pad, what: str) -> Tensor:
     """``x`` pooled along ``d`` alone (window ``k``, stride ``s``): a max, or with
-    ``include_pad`` set (True or False) a mean."""
+    ``include_pad`` set (True or False) a mean.  Tap ``t`` reads ``x[s i + t - before]``: row
+    ``i + q`` of phase ``r`` of ``x``'s cut into rows of ``s``, with ``t - before = q s + r``;
+    each phase is padded once for all its taps (rows before 0 or past the end are padding)."""
     from .elementwise import add, maximum, mul
     from .scan import squeeze
     from .slicing import pad, slice_
 
     n = x.shape.get(d).size
     out = (n + before + after - k) // s + 1
-    rows = out + (k - 1) // s          # rows of the phase cut that some tap reads
     fill = float("-inf") if include_pad is None else 0.0
-    xp = pad(x, d, before, max(after, s * rows - n - before), value=fill)
-    if xp.shape.get(d).size > s * rows:
-        xp = slice_(xp, d, 0, s * rows)
-    cut = _phases(xp, d, s) if s > 1 else xp
+    if s > 1:
+        cut = _phases(pad(x, d, 0, -n % s, value=fill), d, s)
+    m = -(-n // s)                     # rows of each phase
     y = None
-    for t in range(k):
-        q, r = divmod(t, s)
-        tap = squeeze(slice_(cut, f"{d}_phase", r, r + 1), f"{d}_phase") if s > 1 else cut
-        tap = slice_(tap, d, q, q + out) if (q, out) != (0, tap.shape.get(d).size) else tap
-        y = tap if y is None else (maximum(y, tap) if include_pad is None else add(y, tap))
+    for r in range(s):
+        qs = [(t - before) // s for t in range(k) if (t - before) % s == r]
+        if not qs:
+            continue
+        ph = squeeze(slice_(cut, f"{d}_phase", r, r + 1), f"{d}_phase") if s > 1 else x
+        lo, hi = max(0, -min(qs)), max(0, max(qs) + out - m)
+        ph = pad(ph, d, lo, hi, value=fill)
+        for q in qs:
+            tap = slice_(ph, d, q + lo, q + lo + out) if (q + lo, out) != (0, m + lo + hi) else ph
+            y = tap if y is None else (maximum(y, tap) if include_pad is None else add(y, tap))
     if include_pad is None:
         return y
     return mul(y, _inverse_counts(d, out, n, k, s, before, x.dtype, include_pad))
