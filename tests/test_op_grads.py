@@ -256,6 +256,8 @@ case("rms_norm_wide_scale")(lambda x: md.rms_norm(x("x", [A, B, C]), "c", x("s",
 case("cross_entropy")(lambda x: md.cross_entropy(x("x", [A, B, C]) * 2.0, x("y", [A, B], dtype=torch.int64, high=5), "c"))
 case("cross_entropy_inner")(lambda x: md.cross_entropy(x("x", [A, C, B]), x("y", [A, B], dtype=torch.int64, high=5), "c"))
 case("gather")(lambda x: md.gather(x("t", [C, B]), x("i", [A, md.Dim("r", 6)], dtype=torch.int64, high=5), "c"))
+case("scatter_add")(lambda x: md.scatter_add(x("s", [B, A]), x("i", [A], dtype=torch.int64, high=5), C))
+case("gather_twice")(lambda x: _gather_twice(x))
 case("gather_repeats")(lambda x: md.gather(x("t", [B, C]), x("i", [md.Dim("r", 9)], dtype=torch.int64, high=2), "b"))
 case("top_k")(lambda x: md.top_k(x("x", [A, C]), "c", 2)[0])
 case("top_k_ties", seeds=(0, 1, 2))(lambda x: md.top_k(x("x", [A, B, C], "ties"), "b", 3)[0])
@@ -497,6 +499,14 @@ def _bias_grad_of_batch_norm(x):
     return md.reduce_sum(g * g), t
 
 
+def _gather_twice(x):
+    """gather's gradient (a scatter_add) differentiated again: the rows' gradient is a gather."""
+    t = x("t", [C, B])
+    y = md.tanh(md.gather(t, x("i", [A], dtype=torch.int64, high=5), "c"))
+    (g,) = md.vjp([y], [x("w", y.shape)], [t])
+    return md.reduce_sum(g * g)
+
+
 #: backward kernels (float results, no rule): a second-order gradient through them is refused.
 SECOND_ORDER = {
     "softmax_backward": _twice(lambda t, x: md.softmax(t, "c")),
@@ -509,7 +519,6 @@ SECOND_ORDER = {
     "relu_backward": _twice(lambda t, x: md.relu(t)),
     "gelu_backward": _twice(lambda t, x: md.gelu(t)),
     "silu_backward": _twice(lambda t, x: md.silu(t)),
-    "scatter_add": _twice(lambda t, x: md.tanh(md.gather(t, x("i", [Q], dtype=torch.int64, high=3), "a"))),
     "cross_entropy_backward": _twice(lambda t, x: md.cross_entropy(t, x("y", [A, B], dtype=torch.int64, high=5), "c")),
     # conv's weight gradient reads the input: a conv whose weight is made of its input reaches it
     "conv_weight_grad": _twice(lambda t, x: md.conv(t, md.rename(t, a="tap", b="o"), {"b": "tap"})),

@@ -198,6 +198,8 @@ class ScatterAdd(Op):
 
     def compute(self, ctx, attrs, ids, src):
         d, table = attrs["dim"], attrs["table"]
+        if attrs.get("check") and ids.numel() and get_proxy_mode() is None:
+            check_ids(ids, d.name, d.size, "scatter_add: ids")   # a user's ids (gather checked its own)
         n = ctx.size(d.name, d.size)
         local = ids.reshape(-1)
         rest = [ctx.size(t.name, t.size) for t in table if t.name != d.name]
@@ -216,12 +218,64 @@ class ScatterAdd(Op):
         # the whole table with its rows first (gather's gradient of the usual embedding): the
         # local sizes written in, the zeros made like ``src`` (its dtype and device)
         d, (ids, _), (out,) = attrs["dim"], ins, outs
-        if attrs["table"].index(d.name) or out[0] != d.size:
+        if attrs["table"].index(d.name) or out[0] != d.size or attrs.get("check"):
             return None
         return functools.partial(_into_rows, out, (math.prod(ids), *out[1:]))
 
     def flops(self, node, local):
         return math.prod(local.get(d.name, d.size) for d in node.inputs[1].shape)
+
+    def grad(self, node, douts):
+        """Each summed row's gradient is its table row's: a gather of the table's gradient,
+        in ``src``'s dim order."""
+        ids, src = node.inputs
+        rows = gather(douts[0], ids, node.attrs["dim"].name)
+        if rows.shape.names != src.shape.names:
+            from .shape_ops import transpose
+            rows = transpose(rows, list(src.shape.names))
+        return [None, rows]
+
+
+def scatter_add(src: Tensor, ids: Tensor, dim: Dim) -> Tensor:
+    """Rows of ``src`` summed into a zero table along new dim ``dim`` at integer ``ids``
+    (``torch.index_add``, a GNN's sum of messages at their target nodes); :func:`gather`'s
+    transpose, and its gradient is a gather.
+
+    Args:
+      src: a float tensor holding every dim of ``ids`` and the row's dims, e.g. messages
+        ``[edges, hidden]``.
+      ids: integer indices into ``dim``, e.g. each edge's target node ``[edges]``.
+      dim: the table's new dim, e.g. ``md.Dim("nodes", 100)``: ``0 <= id < dim.size``.
+
+    Returns:
+      ``[dim, ...]``: ``dim`` then ``src``'s dims that ``ids`` lacks, in ``src``'s order;
+      ``out[j] = sum of src's rows whose id is j`` (zeros where none is).
+
+    Layouts split the ids' dims (each rank sums its rows; the table is a partial sum reduced
+    once) and ``dim`` (each rank keeps the rows that fall in its slice) without gathering.
+    """
+    if not isinstance(dim, Dim) or not isinstance(src, Tensor) or not isinstance(ids, Tensor):
+        raise ShapeError(message(f"scatter_add: dim={dim!r} must be a Dim (src and ids Tensors).",
+                                 rule="scatter_add makes a new table dim: a Dim with its name and size",
+                                 fix="write md.scatter_add(src, ids, md.Dim('nodes', 100))"))
+    bad = [f"ids are {ids.dtype}: indices are integers"] if ids.dtype.is_floating_point or ids.dtype == torch.bool \
+        else []
+    bad += [f"src has no dim '{d}' of ids" for d in ids.shape.names if d not in src.shape]
+    bad += [f"'{d}' has size {ids.shape.get(d).size} in ids and {src.shape.get(d).size} in src"
+            for d in ids.shape.names if d in src.shape and ids.shape.get(d).size != src.shape.get(d).size]
+    bad += [f"src already has a dim '{dim.name}'"] if dim.name in src.shape else []
+    bad += [f"src is {src.dtype}, not a float tensor"] if not src.dtype.is_floating_point else []
+    if bad:
+        raise ShapeError(message(f"scatter_add: cannot sum {src!r} at {ids!r} into '{dim.name}'.", bullets=bad,
+                                 rule="src holds every dim of ids (one row per id) and the row's dims; the "
+                                      "table's dim is new to src; ids are integers",
+                                 fix="e.g. src [edges, hidden], ids [edges] and dim md.Dim('nodes', N)"))
+    rest = [d for d in src.shape if d.name not in ids.shape]
+    order = list(ids.shape.names) + [d.name for d in rest]
+    if list(src.shape.names) != order:
+        from .shape_ops import transpose
+        src = transpose(src, order)
+    return apply("scatter_add", [ids, src], {"dim": dim, "table": Shape([dim, *rest]), "check": True})
 
 
 def _into_rows(shape: tuple, rows: tuple, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -299,4 +353,4 @@ def causal_mask(q: Dim, k: Dim) -> Tensor:
     return greater_equal(iota(q), iota(k))
 
 
-__all__ = ["iota", "arange", "one_hot", "gather", "causal_mask"]
+__all__ = ["iota", "arange", "one_hot", "gather", "scatter_add", "causal_mask"]
