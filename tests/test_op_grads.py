@@ -143,6 +143,7 @@ case("cos")(lambda x: md.cos(x("x", [A, B]) * 3.0))
 case("sigmoid")(lambda x: md.sigmoid(x("x", [A, B])))
 case("silu")(lambda x: md.silu(x("x", [A, B])))
 case("gelu")(lambda x: md.gelu(x("x", [A, B]) * 2.0))
+case("gelu_tanh")(lambda x: md.gelu(x("x", [A, B]) * 2.0, approximate="tanh"))
 case("relu")(lambda x: md.relu(x("x", [A, B])))
 case("relu_zeros")(lambda x: md.relu(x("x", [A, B], "zeros")))
 for _p in (2.0, 3.0, 1.0, -1.0):  # integer powers of signed inputs
@@ -518,6 +519,7 @@ SECOND_ORDER = {
     "batch_norm_backward_sums": lambda x: _bias_grad_of_batch_norm(x),
     "relu_backward": _twice(lambda t, x: md.relu(t)),
     "gelu_backward": _twice(lambda t, x: md.gelu(t)),
+    "gelu_tanh_backward": _twice(lambda t, x: md.gelu(t, approximate="tanh")),
     "silu_backward": _twice(lambda t, x: md.silu(t)),
     "cross_entropy_backward": _twice(lambda t, x: md.cross_entropy(t, x("y", [A, B], dtype=torch.int64, high=5), "c")),
     # conv's weight gradient reads the input: a conv whose weight is made of its input reaches it

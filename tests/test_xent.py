@@ -95,7 +95,7 @@ def test_a_label_outside_the_class_dim_is_a_clear_error_on_every_layout(mesh, la
     run = (lambda f: md.run_dense({"ce": ce}, f)) if not mesh else \
         (lambda f: md.run_simulated(md.compile({"ce": ce}, mesh, layout), f))
     with pytest.raises(md.GraphError, match=r"(?s)cross_entropy: labels range over \[-100, \d\], outside dim "
-                                            r"'vocab' of size 6.*Fix: mask positions to ignore"):
+                                            r"'vocab' of size 6.*Fix: to leave out positions labelled.*ignore_index=-100"):
         run(bad)
     good = {"lab": torch.tensor([1, 0, 5, 3])}
     torch.testing.assert_close(run(good)["ce"], md.run_dense({"ce": ce}, good)["ce"], rtol=1e-6, atol=1e-6)
@@ -121,3 +121,60 @@ def test_a_split_class_dims_composite_shares_the_users_own_logsumexp():
         torch.testing.assert_close(got[k], ref, rtol=1e-6, atol=1e-6, msg=k)
     fwd = [s for s in plan.steps if s.is_collective and s.phase == "forward"]
     assert [s.kind for s in fwd].count("allreduce") == 3, [s.label for s in fwd]
+
+
+@pytest.mark.parametrize("smoothing, ignore", [(0.1, None), (0.0, -100), (0.2, -100)])
+def test_label_smoothing_and_ignore_index_are_torchs(smoothing, ignore):
+    """torch's options: the smoothed target's loss, ignored labels at 0 with no gradient; the
+    same numbers with the class dim split (vocab:model, uneven over 3) and the batch split."""
+    B, S, V = 2, 5, 7
+    gen = torch.Generator().manual_seed(3)
+    xv, yv = torch.randn(B, S, V, generator=gen), torch.randint(0, V, (B, S), generator=gen)
+    if ignore is not None:
+        yv[0, 2] = yv[1, 4] = ignore
+    with md.Graph():
+        x = md.input("x", [md.Dim("batch", B), md.Dim("seq", S), md.Dim("vocab", V)])
+        y = md.input("y", [md.Dim("batch", B), md.Dim("seq", S)], dtype=torch.int64)
+        per = md.cross_entropy(x, y, "vocab", label_smoothing=smoothing, ignore_index=ignore)
+        (gx,) = md.grad(md.reduce_sum(per * 0.5), [x])
+        outs, feeds = {"per": per, "gx": gx}, {"x": xv, "y": yv}
+        got = md.run_dense(outs, feeds)
+        splits = {lay: md.run_simulated(md.compile(outs, mesh, lay), feeds)
+                  for mesh, lay in (("model:3", "vocab:model"), ("data:2", "batch:data"))}
+    xt = xv.clone().requires_grad_()
+    want = F.cross_entropy(xt.reshape(-1, V), yv.reshape(-1), reduction="none", label_smoothing=smoothing,
+                           ignore_index=-100 if ignore is None else ignore).reshape(B, S)
+    (gt,) = torch.autograd.grad((want * 0.5).sum(), [xt])
+    torch.testing.assert_close(got["per"], want.detach(), **TOL)
+    torch.testing.assert_close(got["gx"], gt, **TOL)
+    if ignore is not None:
+        assert got["per"][0, 2] == 0 and not got["gx"][0, 2].any()
+    for lay, r in splits.items():
+        for k in outs:
+            torch.testing.assert_close(r[k], got[k], **TOL, msg=lambda m, k=k, lay=lay: f"{lay} {k}: {m}")
+
+
+def test_bad_options_name_the_rule():
+    with md.Graph():
+        x = md.input("x", [md.Dim("batch", 2), md.Dim("vocab", 3)])
+        y = md.input("y", [md.Dim("batch", 2)], dtype=torch.int64)
+        with pytest.raises(md.ShapeError, match=r"label_smoothing=1.5 is not a number in \[0, 1\]"):
+            md.cross_entropy(x, y, "vocab", label_smoothing=1.5)
+        with pytest.raises(md.ShapeError, match=r"ignore_index=-1.0 is not an int"):
+            md.cross_entropy(x, y, "vocab", ignore_index=-1.0)
+
+
+def test_gelu_tanh_is_torchs_approximation():
+    xv = torch.randn(4, 5, generator=torch.Generator().manual_seed(4)) * 3
+    with md.Graph():
+        x = md.input("x", [md.Dim("a", 4), md.Dim("b", 5)])
+        y = md.gelu(x, approximate="tanh")
+        (gx,) = md.grad(md.reduce_sum(y * y), [x])
+        got = md.run_dense({"y": y, "gx": gx}, {"x": xv})
+        with pytest.raises(md.ShapeError, match=r"approximate='erf' is not 'none' or 'tanh'"):
+            md.gelu(x, approximate="erf")
+    xt = xv.clone().requires_grad_()
+    want = F.gelu(xt, approximate="tanh")
+    (gt,) = torch.autograd.grad((want * want).sum(), [xt])
+    torch.testing.assert_close(got["y"], want.detach(), rtol=0, atol=0)   # torch's own kernel
+    torch.testing.assert_close(got["gx"], gt, **TOL)

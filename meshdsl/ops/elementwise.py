@@ -7,6 +7,7 @@ the generic lowering rule takes care of.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -113,6 +114,7 @@ _unary("cos", torch.cos, lambda x, y, g: -(g * sin(x)))
 _unary("relu", torch.relu, lambda x, y, g: apply("relu_backward", [g, x]))
 _unary("sigmoid", torch.sigmoid, lambda x, y, g: g * y * (1.0 - y))
 _unary("gelu", F.gelu, lambda x, y, g: apply("gelu_backward", [g, x]))
+_unary("gelu_tanh", functools.partial(F.gelu, approximate="tanh"), lambda x, y, g: apply("gelu_tanh_backward", [g, x]))
 _unary("silu", F.silu, lambda x, y, g: apply("silu_backward", [g, x]))
 _unary("erf", torch.erf, lambda x, y, g: g * exp(-(x * x)) * _TWO_OVER_SQRT_PI)
 _unary("log1p", torch.log1p, lambda x, y, g: g / (x + 1.0))
@@ -270,6 +272,7 @@ _binary("logaddexp", torch.logaddexp, lambda a, b, y, g: (g * exp(a - y), g * ex
 # Fused gradients of activations (one kernel each, as torch's autograd uses); linear in g.
 _binary("relu_backward", lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.0), linear_args=(0,))
 _binary("gelu_backward", lambda g, x: torch.ops.aten.gelu_backward(g, x), linear_args=(0,))
+_binary("gelu_tanh_backward", lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"), linear_args=(0,))
 _binary("silu_backward", lambda g, x: torch.ops.aten.silu_backward(g, x), linear_args=(0,))
 for _n, _f in (("less", torch.lt), ("less_equal", torch.le), ("greater", torch.gt),
                ("greater_equal", torch.ge), ("equal", torch.eq), ("not_equal", torch.ne),
@@ -346,7 +349,20 @@ neg, exp, log, sqrt, rsqrt = _un("neg"), _un("exp"), _un("log"), _un("sqrt"), _u
 abs = _un("abs")   # noqa: A001 - mirrors torch.abs
 abs.__doc__ = """Elementwise ``|x|``, on floating-point or integer tensors (a relative position's distance)."""
 neg.__doc__ = """Elementwise ``-x``, on floating-point or integer tensors (``x.__neg__``)."""
-tanh, relu, gelu, silu, sigmoid = _un("tanh"), _un("relu"), _un("gelu"), _un("silu"), _un("sigmoid")
+tanh, relu, silu, sigmoid = _un("tanh"), _un("relu"), _un("silu"), _un("sigmoid")
+
+
+def gelu(x, approximate: str = "none"):
+    """Elementwise GELU, as ``torch.nn.functional.gelu``: ``x * Phi(x)`` (``approximate="none"``,
+    torch's default), or GPT-2's ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``
+    (``approximate="tanh"``, HF's ``gelu_new``); each one kernel forward and one backward."""
+    if approximate not in ("none", "tanh"):
+        raise ShapeError(message(f"gelu: approximate={approximate!r} is not 'none' or 'tanh'.",
+                                 rule="gelu is exact (erf, 'none') or GPT-2's tanh approximation ('tanh'), "
+                                      "as torch's approximate=", fix="pass approximate='tanh' or leave it out"))
+    return apply("gelu" if approximate == "none" else "gelu_tanh", [x])
+
+
 stop_gradient, logical_not = _un("stop_gradient"), _un("logical_not")
 erf, log1p, expm1, square, reciprocal = _un("erf"), _un("log1p"), _un("expm1"), _un("square"), _un("reciprocal")
 erf.__doc__ = """Elementwise Gauss error function (the exact GELU is ``0.5 * x * (1 + erf(x / sqrt(2)))``)."""

@@ -172,8 +172,8 @@ def check_ids(ids: torch.Tensor, name: str, size: int, what: str = "gather: ids"
             f"{what} range over [{lo}, {hi}], outside dim '{name}' of size {size}.",
             rule=f"{'labels are class indices along' if labels else 'ids index the table along'} '{name}': "
                  f"0 <= {'label' if labels else 'id'} < {size}",
-            fix="mask positions to ignore (an ignore_index such as -100) before the loss: keep = labels >= 0; "
-                "loss = cross_entropy(logits, md.where(keep, labels, 0), dim) * md.cast(keep, torch.float32)"
+            fix="to leave out positions labelled with a marker such as -100, pass it: "
+                "md.cross_entropy(logits, labels, dim, ignore_index=-100)"
                 if labels else "check the fed ids (e.g. the vocabulary size) or clamp them"))
 
 

@@ -19,7 +19,7 @@ from .broadcasting import align
 
 #: Ops whose kernels return new storage, never a view of an input (a 2-operand einsum
 #: is a matmul, see :func:`makes_fresh`).
-FRESH_OPS = frozenset({"add", "sub", "mul", "gelu_backward", "silu_backward", "softmax_backward",
+FRESH_OPS = frozenset({"add", "sub", "mul", "gelu_backward", "gelu_tanh_backward", "silu_backward", "softmax_backward",
                        "normalize_backward",
                        "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward",
                        "attention_backward"})

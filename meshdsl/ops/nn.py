@@ -24,8 +24,8 @@ from ..core.shape import Dim
 from ..errors import ShapeError, message
 import torch.nn.functional as F
 
-from .elementwise import exp
-from .reduce import reduced_dims, logsumexp
+from .elementwise import exp, not_equal, where
+from .reduce import reduced_dims, logsumexp, reduce_mean
 from .registry import ComputeSpec, Op, apply, register
 from .batchnorm import STAT_DIM, fused_batch_norm, running_attrs
 from .layernorm import _last, fused_layer_norm
@@ -302,14 +302,28 @@ def rms_norm(x: Tensor, dim, scale: Tensor | None = None, eps: float = 1e-6) -> 
         return fused_rms_norm(x, d, None, eps) * scale
 
 
-def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:
-    """Per-example cross-entropy of integer ``labels`` under ``logits`` along ``dim``.
+def cross_entropy(logits: Tensor, labels: Tensor, dim, label_smoothing: float = 0.0,
+                  ignore_index: int | None = None) -> Tensor:
+    """Per-example cross-entropy of integer ``labels`` under ``logits`` along ``dim``
+    (``torch.nn.functional.cross_entropy(..., reduction="none")``).
 
     One fused op (:mod:`.xent`): torch's kernel forward and backward where ``dim`` is
     whole on a rank, the composite of the same math where a layout splits it.
-    Returns a tensor with ``labels``' dims; take ``reduce_mean`` for the loss.
+
+    Args:
+      logits, labels: float scores and integer labels in ``[0, classes)``, labels with the
+        logits' dims but ``dim``.
+      dim: the class dim (a name or a Dim).
+      label_smoothing: ``eps`` in ``[0, 1]``: the target is ``1 - eps`` on the label plus
+        ``eps / classes`` on every class, as torch's: ``(1 - eps) * ce + eps * (logsumexp(logits)
+        - mean(logits))``.
+      ignore_index: a label value (torch's -100) whose examples get a loss of 0 and no gradient.
+
+    Returns a tensor with ``labels``' dims; take ``reduce_mean`` for the loss (with
+    ``ignore_index``, divide the sum by the number of kept labels, as torch's mean does).
     """
     d = _name(dim)
+    _check_xent_options(label_smoothing, ignore_index)
     if labels.shape != logits.shape.without([d]):
         raise ShapeError(message(
             f"cross_entropy: labels {labels.shape} must have the logits' dims minus '{d}' "
@@ -323,7 +337,29 @@ def cross_entropy(logits: Tensor, labels: Tensor, dim) -> Tensor:
         raise ShapeError(message(f"cross_entropy: labels {labels!r} are {labels.dtype}.",
                                  rule="labels are integer class indices along '" + d + "'",
                                  fix="make them torch.int64 (md.input(name, shape, dtype=torch.int64), or md.cast)"))
-    return fused_cross_entropy(logits, labels, d)
+    keep = None if ignore_index is None else not_equal(labels, ignore_index)
+    ce = fused_cross_entropy(logits, labels if keep is None else where(keep, labels, 0), d)
+    if label_smoothing:
+        with logits.graph.scope("label_smoothing"):
+            spread = logsumexp(logits, d) - reduce_mean(logits, d)
+            ce = ce * (1.0 - label_smoothing) + spread * label_smoothing
+    return ce if keep is None else where(keep, ce, 0.0)
+
+
+def _check_xent_options(label_smoothing, ignore_index) -> None:
+    """Raise a ShapeError for a label smoothing outside [0, 1] or an ignore_index that is no int."""
+    bad = []
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        bad.append(f"label_smoothing={label_smoothing!r} is not a number in [0, 1]")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        bad.append(f"ignore_index={ignore_index!r} is not an int")
+    if bad:
+        raise ShapeError(message("cross_entropy: bad option.", bullets=bad,
+                                 rule="label_smoothing is a fraction in [0, 1]; ignore_index is a label value "
+                                      "(an int, such as -100) whose examples are left out",
+                                 fix="e.g. md.cross_entropy(logits, labels, 'vocab', label_smoothing=0.1, "
+                                     "ignore_index=-100)"))
 
 
 def _hash_uniform(shape_full, ctx, local_shape, names, seed: int, device=None) -> torch.Tensor:

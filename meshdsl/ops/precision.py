@@ -47,7 +47,7 @@ _FP32 = ("softmax", "softmax_backward", "attention", "attention_backward", "cros
          "rms_norm", "rms_norm_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
          "adamw_update")
 _FOLLOW = ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "pow", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid",
-           "silu", "silu_backward", "relu", "relu_backward", "gelu", "gelu_backward", "maximum", "minimum",
+           "silu", "silu_backward", "relu", "relu_backward", "gelu", "gelu_backward", "gelu_tanh", "gelu_tanh_backward", "maximum", "minimum",
            "where", "dropout", "stop_gradient", "reduce_max", "reduce_min", "top_k", "scatter_add",
            "transpose", "broadcast_to", "rename", "reshape", "rearrange", "squeeze", "slice", "pad", "concat",
            "shift", "flip", "repeat", "repeat_grad", "equal", "not_equal", "greater", "greater_equal", "less",
