@@ -49,6 +49,7 @@ _EXPORTS = {
     "DenseProgram": (".ir.interpret", "DenseProgram"),
     "mixed_precision": (".ir.precision", "mixed_precision"),
     "repeat": (".ir.repeat", "repeat"),
+    "conv_transpose": (".ir.conv_transpose", "conv_transpose"),
     "Layout": (".layout.layout", "Layout"),
     "Mesh": (".layout.mesh", "Mesh"),
     "compile": (".lowering.compiler", "compile"),
