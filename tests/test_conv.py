@@ -77,7 +77,7 @@ def test_output_dims_take_c_in_place_and_valid_shortens():
     ([("tap", 3), ("c_in", 3), ("c_out", 4)], {"time": "tap"}, "same", "spatial dim 'time' is not a dim of x"),
     ([("tap", 3), ("c_in", 3), ("c_out", 4)], {"seq": "k"}, "same", "tap dim 'k' is not a dim of w"),
     ([("tap", 3), ("c_out", 4)], {"seq": "tap"}, "same", "one channel dim x has"),
-    ([("tap", 3), ("c_in", 3), ("c_out", 4), ("c2", 2)], {"seq": "tap"}, "same", "one channel dim x has"),
+    ([("tap", 3), ("c_out", 4), ("c2", 2)], {"seq": "tap"}, "same", "one channel dim x has"),
     ([("tap", 3), ("c_in", 2), ("c_out", 4)], {"seq": "tap"}, "same", "'c_in' has size 3 in x and 2 in w"),
     ([("tap", 3), ("c_in", 3), ("c_out", 4)], {"seq": "tap"}, "full", "padding 'full' for 'seq'"),
     ([("tap", 3), ("c_in", 3), ("c_out", 4)], {"seq": "tap"}, (3, 0), r"not a pair of ints in 0..2"),

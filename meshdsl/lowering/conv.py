@@ -3,8 +3,10 @@
 The compute sharding follows the input ``x``: its batch, spatial and input channel
 splits stay where they are (per-sample weights are cut along their per dims as ``x`` is:
 under ``batch:data`` every rank convolves its own samples with their own filters) (a split input channel leaves the result a partial sum, as
-an einsum's contraction does); the output channel takes the axes the layout wants for
-the output, else the other operand's, when no dim of ``x`` uses them.  A split spatial
+an einsum's contraction does); each output channel dim (one, or several: a ConvLSTM's
+``[gate, hid]``) takes the axes the layout wants for the output, else the other operand's,
+when no dim of ``x`` nor an output dim before it uses them (an uneven cut too: each rank's
+filters are its output channels).  A split spatial
 dim whose output keeps the split trades a halo of ``span - 1`` rows (``taps - 1``, or
 ``dilation * (taps - 1)`` dilated) with the neighbours
 (:func:`~.halo.extend`, shared with every other reader of ``x`` there: the weight
@@ -49,18 +51,17 @@ def _weight_grad(ctx, attrs, x, dy):
 
 
 def _compute_split(lw, node, xv) -> dict:
-    """Compute dim -> axes: ``x``'s splits, the output channel's where free (see the module docstring)."""
-    a, mesh = node.attrs, lw.mesh
-    x, other = node.inputs
+    """Compute dim -> axes: ``x``'s splits, each output channel dim's where free (see the module docstring)."""
+    a, other = node.attrs, node.inputs[1]
     split = dict(lw.sharding(xv).split)
     used = {ax for axes in split.values() for ax in axes}
-    out_dim = a["out_dim"]
-    size = other.shape.get(out_dim).size
-    cands = [lw.target(node.outputs[0]).axes_of(out_dim), lw.sharding(lw.value(other)).axes_of(out_dim)]
-    for axes in cands:
-        if axes and not used & set(axes) and size % mesh.axis_size(axes) == 0:
-            split[out_dim] = axes
-            break
+    for out_dim in a["out_dims"]:
+        cands = [lw.target(node.outputs[0]).axes_of(out_dim), lw.sharding(lw.value(other)).axes_of(out_dim)]
+        for axes in cands:
+            if axes and not used & set(axes):
+                split[out_dim] = axes
+                used |= set(axes)
+                break
     return split
 
 
@@ -173,7 +174,8 @@ def lower_conv(lw, node) -> None:
     # the kernel sums over leave a partial sum: conv's input channel, the weight gradient's
     # batch and spatial dims (not its per dims: per-sample weights keep them, cut as x is).
     per = a.get("per", ())
-    summed = [d for d in x.shape.names if d != a["in_dim"] and d not in per] if weight_grad else [a["in_dim"]]
+    summed = [d for d in x.shape.names if d not in a["in_dims"] and d not in per] if weight_grad \
+        else list(a["in_dims"])
     want = Sharding.of(other.shape, {d: ax for d, ax in split.items() if d in other.shape})
     ov = lw.relayout(lw.reduced(lw.value(other)), want, node, f"input 1 of {node.op.name}")
     partial = tuple(ax for ax in mesh.names if any(ax in split.get(d, ()) for d in summed))

@@ -4,7 +4,8 @@ over the input's phases) and its fused weight gradient.
 ``conv(x, w, {"seq": "tap"})`` slides ``w [tap, c_in, c_out]`` along ``seq`` of
 ``x [batch, seq, c_in]`` (cross-correlation, as torch's ``conv1d``), with one tap dim per
 spatial dim (one or two of them).  The channel dim x and w share is summed; w's other
-dim takes its place in the output.  Padding is per spatial dim, ``(before, after)``
+dims (one or several output channel dims, a ConvLSTM's ``[gate, hid]``) take its place in the
+output, in w's order.  Padding is per spatial dim, ``(before, after)``
 zeros, each at most ``taps - 1``.
 
 Gradients: the input's is a conv of the output's gradient with the taps mirrored (the
@@ -22,7 +23,8 @@ attribute), one filter per entry; the input's gradient is the mirrored conv with
 ``per``, the weight's keeps those dims (not summed, nor a partial sum when they are split).
 
 Kernel layout: x is viewed as ``(N, G, c_in, spatial...)`` with every batch dim folded into
-N and the per dims into G (1 without them), w as ``(G, c_out, c_in, taps...)``; torch's
+N and the per dims into G (1 without them), w as ``(G, c_out, c_in, taps...)``, several output
+(a gradient's input) channel dims folded into one c_out (c_in) and unfolded after: views; torch's
 convolution takes G as its ``groups`` (x as ``(N, G * c_in, ...)``); the result is permuted
 back to the output's dim order.
 Below :data:`SMALL_MACS` multiply-adds the kernels run as one einsum over x's unfolded
@@ -57,35 +59,52 @@ SMALL_MACS = 1 << 22
 PADDINGS = ("same", "valid", "causal")
 
 
+def _y_names(x_names, in_dims, out_dims) -> tuple[str, ...]:
+    """The output's dims: ``x``'s, the summed ``in_dims`` taken out and ``out_dims`` put in the first
+    one's place (a conv's gradient sums its output dims, which sit together, and gives back ``x``'s order)."""
+    at = min(x_names.index(d) for d in in_dims)
+    kept = [d for d in x_names if d not in in_dims]
+    head = sum(1 for d in x_names[:at] if d not in in_dims)
+    return tuple(kept[:head]) + tuple(out_dims) + tuple(kept[head:])
+
+
 def _layout(x: Shape, w: Shape, attrs: dict) -> None:
     """Put the kernel's permutations in ``attrs`` (see the module docstring)."""
     spatial = [d for d, *_ in attrs["spatial"]]
-    c_in, c_out, per = attrs["in_dim"], attrs["out_dim"], list(attrs.get("per", ()))
-    batch = [d for d in x.names if d != c_in and d not in spatial and d not in per]
-    y_names = tuple(c_out if d == c_in else d for d in x.names)
-    std_x, std_y = batch + per + [c_in] + spatial, batch + per + [c_out] + spatial
-    std_w = per + [c_out, c_in] + [tap for _, tap, *_ in attrs["spatial"]]
+    c_in, c_out, per = list(attrs["in_dims"]), list(attrs["out_dims"]), list(attrs.get("per", ()))
+    batch = [d for d in x.names if d not in c_in and d not in spatial and d not in per]
+    names = _y_names(x.names, c_in, c_out)
+    std_x, std_y = batch + per + c_in + spatial, batch + per + c_out + spatial
+    std_w = per + c_out + c_in + [tap for _, tap, *_ in attrs["spatial"]]
     attrs["num_batch"], attrs["num_per"] = len(batch), len(per)
+    attrs["num_in"], attrs["num_out"] = len(c_in), len(c_out)
     attrs["x_perm"] = tuple(x.names.index(d) for d in std_x)
-    attrs["y_perm"] = tuple(std_y.index(d) for d in y_names)        # kernel order -> output order
-    attrs["y_std"] = tuple(y_names.index(d) for d in std_y)         # output order -> kernel order
+    attrs["y_perm"] = tuple(std_y.index(d) for d in names)          # kernel order -> output order
+    attrs["y_std"] = tuple(names.index(d) for d in std_y)           # output order -> kernel order
     attrs["w_perm"] = tuple(w.names.index(d) for d in std_w)
     attrs["w_back"] = tuple(std_w.index(d) for d in w.names)
 
 
-def _std(t, perm, attrs):
+def _std(t, perm, attrs, num_c: int):
     """``t`` permuted by ``perm`` and viewed as (N, G, C, spatial...): its leading batch dims
-    folded into N, the per dims into G (1 where there are none); and the batch dims' sizes."""
+    folded into N, the per dims into G (1 where there are none), its ``num_c`` channel dims into
+    C; and the sizes of the batch and per dims and of the channel dims."""
     t = t.permute(perm)
     nb, npr = attrs["num_batch"], attrs.get("num_per", 0)
-    return t.reshape((-1, math.prod(t.shape[nb:nb + npr])) + tuple(t.shape[nb + npr:])), tuple(t.shape[:nb + npr])
+    lead, chans = tuple(t.shape[:nb + npr]), tuple(t.shape[nb + npr:nb + npr + num_c])
+    return t.reshape((-1, math.prod(t.shape[nb:nb + npr]), math.prod(chans))
+                     + tuple(t.shape[nb + npr + num_c:])), lead, chans
 
 
 def _kernel_weight(w, attrs):
-    """``w`` as (G, c_out, c_in, taps...), mirrored where ``flip`` says."""
+    """``w`` as (G, c_out, c_in, taps...), each of c_out and c_in its channel dims folded, mirrored
+    where ``flip`` says; and the sizes of its output channel dims."""
     ws = w.permute(attrs["w_perm"])
-    ws = ws.reshape((-1,) + tuple(ws.shape[attrs.get("num_per", 0):]))
-    return ws.flip(tuple(range(3, ws.dim()))) if attrs["flip"] else ws
+    npr, nout, nin = attrs.get("num_per", 0), attrs["num_out"], attrs["num_in"]
+    outs = tuple(ws.shape[npr:npr + nout])
+    ws = ws.reshape((-1, math.prod(outs), math.prod(ws.shape[npr + nout:npr + nout + nin]))
+                    + tuple(ws.shape[npr + nout + nin:]))
+    return (ws.flip(tuple(range(3, ws.dim()))) if attrs["flip"] else ws), outs
 
 
 def dilations(attrs: dict) -> tuple[int, ...]:
@@ -121,9 +140,10 @@ def _grouped(t):
 
 def conv_valid(attrs: dict, x, w):
     """The conv of ``x`` (already padded: every spatial dim holds ``out + taps - 1`` positions).
-    Per dims (per-sample weights) are torch's groups: x's (N, G * c_in), w's (G * c_out, c_in)."""
-    xs, batch = _std(x, attrs["x_perm"], attrs)
-    ws = _kernel_weight(w, attrs)
+    Per dims (per-sample weights) are torch's groups: x's (N, G * c_in), w's (G * c_out, c_in);
+    several output (input) channel dims are one c_out (c_in), unflattened after: views."""
+    xs, lead, _ = _std(x, attrs["x_perm"], attrs, attrs["num_in"])
+    ws, outs = _kernel_weight(w, attrs)
     taps, dils = tuple(ws.shape[3:]), dilations(attrs)
     num_g, c_out = ws.shape[0], ws.shape[1]
     if _small(xs, taps, dils, c_out):
@@ -131,14 +151,14 @@ def conv_valid(attrs: dict, x, w):
     else:
         y = _CONV[len(taps)](_grouped(xs), ws.reshape((-1,) + tuple(ws.shape[2:])), dilation=dils, groups=num_g)
         y = y.reshape((y.shape[0], num_g, c_out) + tuple(y.shape[2:]))
-    y = y.reshape(batch + tuple(y.shape[2:])).permute(attrs["y_perm"])
+    y = y.reshape(lead + outs + tuple(y.shape[3:])).permute(attrs["y_perm"])
     return y if y.is_contiguous() else y.contiguous()
 
 
 def weight_grad_valid(attrs: dict, x, dy):
     """The gradient of ``conv_valid(attrs, x, w)`` w.r.t. ``w``, given the output's gradient ``dy``."""
-    xs, _ = _std(x, attrs["x_perm"], attrs)
-    ds, _ = _std(dy, attrs["y_std"], attrs)
+    xs, lead, ins = _std(x, attrs["x_perm"], attrs, attrs["num_in"])
+    ds, _, outs = _std(dy, attrs["y_std"], attrs, attrs["num_out"])
     taps, dils = tuple(k for _, _, k, _, _ in attrs["spatial"]), dilations(attrs)
     num_g, c_out, c_in = ds.shape[1], ds.shape[2], xs.shape[2]
     if _small(xs, taps, dils, c_out):
@@ -149,8 +169,7 @@ def weight_grad_valid(attrs: dict, x, dy):
         dw = dw.reshape((num_g, c_out, c_in) + taps)
     if attrs["flip"]:
         dw = dw.flip(tuple(range(3, dw.dim())))
-    per = tuple(x.shape[i] for i in attrs["x_perm"][attrs["num_batch"]:attrs["num_batch"] + attrs.get("num_per", 0)])
-    dw = dw.reshape(per + tuple(dw.shape[1:]))
+    dw = dw.reshape(lead[attrs["num_batch"]:] + outs + ins + taps)
     return dw.permute(attrs["w_back"]).contiguous()
 
 
@@ -168,17 +187,19 @@ class _ConvBase(Op):
 
     def spec(self, node):
         # For the generic rule's eyes only (the lowering has a rule of its own): the spatial
-        # and tap dims whole, the input channel summed.
+        # and tap dims whole, the input channels summed.
         dims = {d.name: d.size for t in node.inputs for d in t.shape}
         fixed = {d for d, *_ in node.attrs["spatial"]} | {tap for _, tap, *_ in node.attrs["spatial"]}
-        return ComputeSpec(dims, fixed=frozenset(fixed), reduce={node.attrs["in_dim"]: "sum"})
+        return ComputeSpec(dims, fixed=frozenset(fixed), reduce={d: "sum" for d in node.attrs["in_dims"]})
 
     def flops(self, node, local):
         """Two per multiply-add: every output position (of conv's output, or of the output
         gradient the weight gradient reads) meets every tap of every input channel."""
         a = node.attrs
         positions = node.outputs[0] if self.name == "conv" else node.inputs[1]
-        n = 2 * local.get(a["in_dim"], node.inputs[0].shape.get(a["in_dim"]).size)
+        n = 2
+        for d in a["in_dims"]:
+            n *= local.get(d, node.inputs[0].shape.get(d).size)
         for d in positions.shape:
             n *= local.get(d.name, d.size)
         for *_, k, _, _ in a["spatial"]:
@@ -188,9 +209,11 @@ class _ConvBase(Op):
 
 @register
 class Conv(_ConvBase):
-    """``conv``: attrs ``spatial`` ((dim, tap, taps, before, after), ...), ``in_dim``, ``out_dim``, ``flip``,
-    ``dilation`` (one per spatial dim; absent: all 1) and ``per`` (dims of x that w holds too, one
-    filter per entry; absent: none)."""
+    """``conv``: attrs ``spatial`` ((dim, tap, taps, before, after), ...), ``in_dims`` (the channel dims
+    of x it sums: one, or a gradient's several), ``out_dims`` (w's channel dims x lacks, in w's
+    order, in the output where the first of ``in_dims`` was), ``flip``, ``dilation`` (one per
+    spatial dim; absent: all 1) and ``per`` (dims of x that w holds too, one filter per entry;
+    absent: none)."""
 
     name = "conv"
     linear_args = (0, 1)
@@ -199,8 +222,8 @@ class Conv(_ConvBase):
         x, w = inputs
         sizes = {d: x.shape.get(d).size + b + a - span(k, dl) + 1
                  for (d, _, k, b, a), dl in zip(attrs["spatial"], dilations(attrs))}
-        out = Shape(Dim(attrs["out_dim"], w.shape.get(attrs["out_dim"]).size) if d.name == attrs["in_dim"]
-                    else Dim(d.name, sizes.get(d.name, d.size)) for d in x.shape)
+        out = Shape(w.shape.get(d) if d in attrs["out_dims"] else Dim(d, sizes.get(d, x.shape.get(d).size))
+                    for d in _y_names(x.shape.names, attrs["in_dims"], attrs["out_dims"]))
         _layout(x.shape, w.shape, attrs)
         attrs["x_pos"] = {d.name: i for i, d in enumerate(x.shape)}
         return [(out, x.dtype)]
@@ -214,17 +237,17 @@ class Conv(_ConvBase):
         dil = {k: a[k] for k in ("dilation", "per") if k in a}
         mirrored = tuple((d, tap, k, span(k, dl) - 1 - b, span(k, dl) - 1 - af)
                          for (d, tap, k, b, af), dl in zip(a["spatial"], dilations(a)))
-        dx = apply("conv", [dy, w], {"spatial": mirrored, "in_dim": a["out_dim"], "out_dim": a["in_dim"],
+        dx = apply("conv", [dy, w], {"spatial": mirrored, "in_dims": a["out_dims"], "out_dims": a["in_dims"],
                                      "flip": not a["flip"], **dil})
         if node.graph.outer is None:
-            dw = apply("conv_weight_grad", [x, dy], {**{k: a[k] for k in ("spatial", "in_dim", "out_dim", "flip")},
+            dw = apply("conv_weight_grad", [x, dy], {**{k: a[k] for k in ("spatial", "in_dims", "out_dims", "flip")},
                                                      "w_names": w.shape.names, **dil})
         else:
             # In a repeat's block the forward's halo of x is in the forward's sub-plan: the same
             # dw is the weight gradient of dx's conv (its input dy, its output's gradient x), which
             # reads dy's halo, the one dx trades (lowering/halo.py shares it), not x's again.
-            dw = apply("conv_weight_grad", [dy, x], {"spatial": mirrored, "in_dim": a["out_dim"],
-                                                     "out_dim": a["in_dim"], "flip": not a["flip"],
+            dw = apply("conv_weight_grad", [dy, x], {"spatial": mirrored, "in_dims": a["out_dims"],
+                                                     "out_dims": a["in_dims"], "flip": not a["flip"],
                                                      "w_names": w.shape.names, **dil})
         return [dx, dw]
 
@@ -239,8 +262,7 @@ class ConvWeightGrad(_ConvBase):
     def infer(self, inputs, attrs):
         x, dy = inputs
         w = Shape([x.shape.get(d) for d in attrs.get("per", ())]
-                  + [Dim(attrs["out_dim"], dy.shape.get(attrs["out_dim"]).size),
-                     Dim(attrs["in_dim"], x.shape.get(attrs["in_dim"]).size)]
+                  + [dy.shape.get(d) for d in attrs["out_dims"]] + [x.shape.get(d) for d in attrs["in_dims"]]
                   + [Dim(tap, k) for _, tap, k, _, _ in attrs["spatial"]])
         w = Shape(w.get(n) for n in attrs.setdefault("w_names", w.names))
         _layout(x.shape, w, attrs)
@@ -279,8 +301,10 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1,
     Args:
       x: ``[batch..., spatial..., c_in]`` in any order; every dim that is neither spatial nor
         shared with ``w`` is a batch dim.
-      w: ``[tap..., c_in, c_out]`` in any order: one tap dim per spatial dim, the channel dim
-        it shares with ``x`` (summed), and the output channel dim, which ``x`` lacks. A
+      w: ``[tap..., c_in, c_out...]`` in any order: one tap dim per spatial dim, the channel dim
+        it shares with ``x`` (summed), and the output channel dims, every other dim of ``w`` (those
+        ``x`` lacks): one, or several, as a ConvLSTM's four gates ``w [kh, kw, c_in, gate, hid]``,
+        where ``hid:model`` splits each gate's ``hid`` alike (no flat ``gate * hid`` to slice). A
         depthwise conv (one filter per channel, ConvNeXt's, a Conformer's) has ``w [tap...,
         c_in]``: no output channel dim, ``c_in`` not summed but kept (or several dims of ``x``,
         ``w [tap, experts, c_in]``: one filter per expert and channel).
@@ -309,7 +333,8 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1,
         than one dim with ``x`` and has a c_out; the gradient of ``w`` keeps these dims.
 
     Returns:
-      ``x``'s dims in ``x``'s order, ``c_out`` in ``c_in``'s place:
+      ``x``'s dims in ``x``'s order, the output channel dims (in ``w``'s order) in ``c_in``'s place
+      (one ``c_out`` shown; several are indexed together as one):
       ``out[.., i, co] = sum over t, ci of x[.., stride * i + dilation * t - before, ci] * w[t, ci,
       co]`` (zero outside ``x``; with ``per``, ``w[p, t, ci, co]`` for ``x``'s entry p); depthwise, ``out[.., i, c] = sum over t of x[.., stride * i +
       dilation * t - before, c] * w[t, c]``, built as the sum over the taps of ``md.shift``-ed copies of ``x``
@@ -318,11 +343,13 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1,
 
     Raises:
       ShapeError: a spatial or tap dim that is missing, more than two spatial dims, channel
-        dims that are not exactly one shared and one new (besides ``per``'s; a dim of ``w``
-        matching no dim of ``x`` beyond c_out), several shared without ``per``, a ``per`` dim
-        missing from ``x`` or ``w``, mismatched dtypes, bad padding.
+        dims that are not exactly one shared and one or more new (besides ``per``'s), several
+        shared without ``per`` (one of another size than ``x``'s: an output dim named as a dim of
+        ``x``, to rename), a ``per`` dim missing from ``x`` or ``w``, mismatched dtypes, bad padding.
 
-    Layouts split ``batch`` (a ``per`` dim too: ``w`` is cut as ``x`` is) and ``c_out`` with no communication, ``c_in`` with a partial sum
+    Layouts split ``batch`` (a ``per`` dim too: ``w`` is cut as ``x`` is) and any output channel dims
+    (``"hid:model"``, ``"gate:data; hid:model"``, evenly or not) with no communication in the forward
+    (the input's gradient sums over them: a partial sum), ``c_in`` with a partial sum
     (as an einsum), and a spatial dim (``"seq:data"``) by a halo exchange: each rank trades
     ``span - 1`` rows (``taps - 1`` undilated) with its neighbours, forward and backward.
 
@@ -331,6 +358,7 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1,
         y = md.conv(x, w, {"seq": "tap"}, padding="same")   # x [batch, seq, c_in], w [tap, c_in, c_out]
         z = md.conv(x, w, {"seq": "tap"}, padding="causal", dilation=4)   # taps at i - 8, i - 4, i
         s = md.conv(img, w_bhwco, {"height": "kh", "width": "kw"}, per="batch")  # w [batch, kh, kw, c_in, c_out]
+        g = md.conv(img, w_gates, {"height": "kh", "width": "kw"})   # w [kh, kw, c_in, gate, hid]: g [.., gate, hid]
     """
     what = f"conv(x {x.shape}, w {w.shape}, taps={taps!r})"
     summed, new, per = _channels(x, w, taps, padding, per, what)
@@ -344,7 +372,7 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1,
         return _depthwise(x, w, spatial, dils)
     dil = {"dilation": tuple(dils[d] for d in dims)} if any(v > 1 for v in dils.values()) else {}
     dil.update({"per": per} if per else {})
-    return apply("conv", [x, w], {"spatial": tuple(spatial), "in_dim": summed[0], "out_dim": new[0],
+    return apply("conv", [x, w], {"spatial": tuple(spatial), "in_dims": tuple(summed), "out_dims": tuple(new),
                                   "flip": False, **dil})
 
 
@@ -403,14 +431,12 @@ def _channels(x: Tensor, w: Tensor, taps, padding, per, what: str) -> tuple[list
     channels = [d for d in w.shape.names if d not in taps.values()]
     shared, new = [d for d in channels if d in x.shape], [d for d in channels if d not in x.shape]
     summed = [d for d in shared if d not in per] if new else shared
-    if not bad and len(new) > 1:
-        bad.append(f"w's dims {new} match no dim of x: besides the taps, w holds one channel dim x has (c_in), "
-                   "one it lacks (c_out) and dims of x it holds one filter per entry of (per)")
-    if not bad and not (len(summed), len(new)) == (1, 1) and not (shared and not new):
-        if len(summed) > 1 and len(new) == 1:
-            _ambiguous(x, summed, what)
-        bad.append(f"w's dims besides the taps, {channels}, are not one channel dim x has (c_in) and one it "
-                   f"lacks (c_out), or only dims x has (a depthwise conv)")
+    if not bad and new and len(summed) > 1:
+        _output_named_as_x(x, w, summed, what)
+        _ambiguous(x, summed, what)
+    if not bad and not (len(summed) == 1 and new) and not (shared and not new):
+        bad.append(f"w's dims besides the taps, {channels}, are not one channel dim x has (c_in) and output "
+                   f"channel dims it lacks (c_out), or only dims x has (a depthwise conv)")
     bad += [f"'{d}' is a spatial dim of x, not a channel dim" for d in shared if not bad and d in taps]
     bad += [f"'{d}' has size {x.shape.get(d).size} in x and {w.shape.get(d).size} in w"
             for d in shared if not bad and x.shape.get(d).size != w.shape.get(d).size]
@@ -421,7 +447,8 @@ def _channels(x: Tensor, w: Tensor, taps, padding, per, what: str) -> tuple[list
     if bad:
         raise ShapeError(message(f"{what}: cannot convolve.", bullets=bad,
                                  rule="w holds one tap dim per spatial dim of x, the channel dim of x it sums "
-                                      "(c_in) and one output channel dim (c_out), or for a depthwise conv only "
+                                      "(c_in) and one or more output channel dims x lacks (c_out; several, as "
+                                      "[gate, hid], are all the output's), or for a depthwise conv only "
                                       "the channel dim of x; per-sample or per-group weights also hold the dims "
                                       "of x named by per=; x and w share a dtype",
                                  fix="e.g. x [batch, seq, c_in], w [tap, c_in, c_out] and taps={'seq': 'tap'}; "
@@ -437,6 +464,22 @@ def _per_errors(x: Tensor, w: Tensor, taps: dict, per) -> list[str]:
     bad = [f"per names '{d}', which is not a dim of x" for d in per if d not in x.shape]
     bad += [f"per names '{d}', which is not a dim of w" for d in per if d in x.shape and d not in w.shape]
     return bad + [f"per names '{d}', a spatial dim" for d in per if d in taps]
+
+
+def _output_named_as_x(x: Tensor, w: Tensor, summed: list[str], what: str) -> None:
+    """Raise where a dim of w that x has too differs in size and another of them can be c_in: most
+    likely an output channel dim named as a dim of x (a ConvLSTM's ``hid`` read from ``h [.., hid]``)."""
+    resized = [d for d in summed if x.shape.get(d).size != w.shape.get(d).size]
+    if not resized or len(resized) == len(summed):
+        return
+    d = resized[0]
+    raise ShapeError(message(
+        f"{what}: w shares {summed} with x besides the taps, and the size of {resized} differs between them.",
+        bullets=[f"'{n}' has size {x.shape.get(n).size} in x and {w.shape.get(n).size} in w" for n in resized],
+        rule="a dim of w that x also has is summed (c_in) or a per= dim, of one size in both; output channel "
+             "dims are the dims of w that x lacks",
+        fix=f"if '{d}' is an output channel dim, name it apart from x's: md.rename(w, {d}='{d}_out') "
+            f"(or rename x's '{d}', e.g. a hidden state's input channel)"))
 
 
 def _ambiguous(x: Tensor, summed: list[str], what: str):
