@@ -42,8 +42,9 @@ from .relayout import relayout_cost
 from .rules import lowering
 
 
-def _scores(q, k, attrs):
-    """``q . k * scale`` ``[batch..., query, key]``, the causal mask applied (-inf after the query)."""
+def _scores(q, k, attrs, keep=None):
+    """``q . k * scale`` ``[batch..., query, key]``, the causal mask applied (-inf after the query),
+    and the window's and the user's ``keep`` mask."""
     qd, kd = attrs["query_dim"], attrs["key_dim"]
     out = [*attrs["batch"], qd, kd]
     s = einsum(f"{' '.join(q.shape.names)}, {' '.join(k.shape.names)} -> {' '.join(out)}", q, k) * attrs["scale"]
@@ -55,6 +56,8 @@ def _scores(q, k, attrs):
         if attrs.get("sinks"):   # the first keys stay visible besides the window
             near = logical_or(near, less(iota(k.shape.get(kd)), attrs["sinks"]))
         s = where(near, s, float("-inf"))
+    if keep is not None:
+        s = where(keep, s, float("-inf"))
     return s
 
 
@@ -62,10 +65,10 @@ def _contract(a, b, out):
     return einsum(f"{' '.join(a.shape.names)}, {' '.join(b.shape.names)} -> {' '.join(out.shape.names)}", a, b)
 
 
-def composite_forward(q, k, v, attrs):
+def composite_forward(q, k, v, attrs, keep=None):
     """(out, logsumexp) of the fused attention, from einsums, a max, an exp and a sum."""
     kd = attrs["key_dim"]
-    s = _scores(q, k, attrs)
+    s = _scores(q, k, attrs, keep)
     m = stop_gradient(reduce_max(s, kd))
     e = exp(s - m)
     z = reduce_sum(e, kd)
@@ -73,9 +76,9 @@ def composite_forward(q, k, v, attrs):
     return out, m + log(z)
 
 
-def composite_backward(g, q, k, v, out, lse, attrs):
+def composite_backward(g, q, k, v, out, lse, attrs, keep=None):
     """(dq, dk, dv) of the fused attention, the probabilities recomputed from ``lse``."""
-    p = exp(_scores(q, k, attrs) - lse)
+    p = exp(_scores(q, k, attrs, keep) - lse)
     dv = _contract(p, g, v)
     ds = p * (_contract(g, v, p) - reduce_sum(g * out, attrs["feature_dim"])) * attrs["scale"]
     return _contract(ds, k, q), _contract(ds, q, k), dv
@@ -98,8 +101,9 @@ def lower_attention(lw, node) -> None:
     if not _keys_stay_split(lw, node):
         lower_generic(lw, node)
         return
-    build = composite_forward if node.op.name == "attention" else composite_backward
-    lower_composite(lw, node, lambda *ins: build(*ins, node.attrs))
+    forward = node.op.name == "attention"
+    build, n = (composite_forward, 3) if forward else (composite_backward, 6)
+    lower_composite(lw, node, lambda *ins: build(*ins[:n], node.attrs, *ins[n:]))   # (the mask last)
 
 
 # ----------------------------------------------------------------------------- sliding window: halo
@@ -111,7 +115,7 @@ def _halo_widths(lw, node):
     else None."""
     a = node.attrs
     w = a.get("window")
-    if w is None:
+    if w is None or a.get("masked"):   # a user's mask would need its halo columns too: gathered instead
         return None
     q, k = node.inputs[:2] if node.op.name == "attention" else node.inputs[1:3]
     qd, kd = a["query_dim"], a["key_dim"]

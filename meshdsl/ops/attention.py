@@ -245,6 +245,32 @@ def _mask(ctx, attrs, n_q: int, n_k: int, like: torch.Tensor):
     return False, torch.zeros(n_q, n_k, dtype=like.dtype, device=dev).masked_fill_(~keep, float("-inf"))
 
 
+def _mask_perm(attrs: dict, mask: Tensor) -> tuple:
+    """Where each of the kernel's (batch..., query, key) dims sits in the user's ``mask``, None
+    for a dim it lacks (broadcast)."""
+    order = (*attrs["batch"], attrs["query_dim"], attrs["key_dim"])
+    return tuple(mask.shape.index(n) if n in mask.shape else None for n in order)
+
+
+def _with_user_mask(causal_mask, keep, attrs: dict, q):
+    """(is_causal, additive mask) of :func:`_mask` with the user's boolean ``keep`` (this rank's
+    slice; None without one) added: ``-inf`` where it is False, broadcast over the dims it lacks,
+    in the kernel's [batch, heads, query, key] form (``q``: this rank's q, for the batch sizes)."""
+    causal, mask = causal_mask
+    if keep is None:
+        return causal, mask
+    perm, nb = attrs["mask_perm"], len(attrs["batch"])
+    present = [p for p in perm if p is not None]
+    full = keep.permute(*present).reshape([1 if p is None else keep.shape[p] for p in perm])
+    if not nb == 2 == attrs["shared"]:   # the kernel folds q's batch dims: expand, then fold as q's
+        sizes = [q.shape[i] for i in attrs["q_perm"][:nb]]
+        full = full.expand(*sizes, -1, -1)
+        lead = max(attrs["shared"] - 1, 0)
+        full = full.reshape(math.prod(sizes[:lead]), math.prod(sizes[lead:]), *full.shape[nb:])
+    add = torch.zeros(full.shape, dtype=q.dtype, device=q.device).masked_fill_(~full, float("-inf"))
+    return causal, add if mask is None else add + mask
+
+
 def _spec(attrs: dict, q: Tensor, k: Tensor, backward: bool = False) -> ComputeSpec:
     dims = {d.name: d.size for d in q.shape}
     dims[attrs["key_dim"]] = k.shape.get(attrs["key_dim"]).size
@@ -271,23 +297,25 @@ class Attention(Op):
     name = "attention"
 
     def infer(self, inputs, attrs):
-        q, k, v = inputs
+        q, k, v = inputs[:3]
         _layout(attrs, q, k, v)
+        if len(inputs) == 4:   # the user's mask: its dims in the kernel's (batch..., query, key) order
+            attrs["mask_perm"] = _mask_perm(attrs, inputs[3])
         lse = Shape([q.shape.get(n) for n in attrs["batch"]] + [q.shape.get(attrs["query_dim"])])
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return [(q.shape, q.dtype), (lse, lse_dtype)]
 
-    def compute(self, ctx, attrs, q, k, v):
+    def compute(self, ctx, attrs, q, k, v, keep=None):
         if attrs["shared"] == 2 == len(attrs["batch"]) and q.device.type == "cpu":
             # [batch, heads, seq, feature] by one permute each (the usual case): no folds, no reshapes
             # (dims as separate arguments: torch parses them faster than a tuple)
             q4, k4, v4 = _rows(q.permute(*attrs["q_perm"])), _rows(k.permute(*attrs["k_perm"])), \
                 _rows(v.permute(*attrs["v_perm"]))
-            causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+            causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
             out4, lse4 = _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=attrs["scale"])
             return out4.permute(*attrs["q_back"]), lse4
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
-        causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+        causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
         out4, lse4 = _forward(q4, k4, v4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
         lse = lse4 if lse4.dim() == len(bs) + 1 and lse4.shape[0] == bs[0] else lse4.reshape(*bs, lse4.shape[-1])
@@ -303,14 +331,15 @@ class Attention(Op):
         g, g_lse = douts
         if g_lse is not None:
             raise ShapeError("attention: the logsumexp output is for the backward kernel only; it has no gradient")
+        masked = len(node.inputs) == 4
         if g is None:
-            return [None, None, None]
+            return [None] * len(node.inputs)
         q = node.inputs[0]
         if g.shape.names != q.shape.names:
             from .shape_ops import transpose
             g = transpose(g, q.shape.names)
-        outs = apply("attention_backward", [g, *node.inputs, *node.outputs], dict(node.attrs))
-        return list(outs)
+        outs = apply("attention_backward", [g, *node.inputs[:3], *node.outputs, *node.inputs[3:]], dict(node.attrs))
+        return list(outs) + ([None] if masked else [])   # the mask is boolean: no gradient
 
 
 @register
@@ -324,17 +353,17 @@ class AttentionBackward(Op):
         _, q, k, v = inputs[:4]
         return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
 
-    def compute(self, ctx, attrs, g, q, k, v, out, lse):
+    def compute(self, ctx, attrs, g, q, k, v, out, lse, keep=None):
         if attrs["shared"] == 2 == len(attrs["batch"]) and q.device.type == "cpu":   # as Attention.compute
             qp = attrs["q_perm"]
             q4, k4, v4 = _rows(q.permute(*qp)), _rows(k.permute(*attrs["k_perm"])), _rows(v.permute(*attrs["v_perm"]))
-            causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+            causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
             lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])
             dq, dk, dv = _BWD(_rows(g.permute(*qp)), q4, k4, v4, _rows(out.permute(*qp)), lse4, 0.0, causal,
                               attn_mask=mask, scale=attrs["scale"])
             return dq.permute(*attrs["q_back"]), dk.permute(*attrs["k_back"]), dv.permute(*attrs["v_back"])
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
-        causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+        causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
         lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])
         dq, dk, dv = _backward(_q4(g, attrs), q4, k4, v4, _q4(out, attrs), lse4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
@@ -415,7 +444,7 @@ def _check_sinks(sinks, window, k: Tensor, kd: str) -> None:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq", feature_dim="d_head",
               causal: bool = True, scale: float | None = None, window: int | None = None,
-              sinks: int = 0) -> Tensor:
+              sinks: int = 0, mask: Tensor | None = None) -> Tensor:
     """Scaled dot-product attention by dim name, as one fused kernel forward and backward.
 
     ``out[.., query, feature] = sum_key softmax_key(q . k * scale) v``, where ``q . k``
@@ -447,6 +476,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
         positions of the query, itself included (see above).
       sinks: 0 (none), or with a ``window`` the number S of first keys every query may also
         attend to (at most the size of ``key_dim``).
+      mask: None, or a boolean tensor, True where a query may attend to a key, over some of q's
+        batch dims, ``query_dim`` and ``key_dim`` (broadcast over the dims it lacks): a padding
+        mask ``[batch, key_dim]`` (``md.less(md.arange(key_seq), lengths)``), a block-diagonal
+        mask ``[query_dim, key_dim]``.  It joins ``causal`` and ``window`` (a key is kept where
+        all keep it); every query must keep a key.  It has no gradient.
 
     Returns:
       The attention output, with ``q``'s dims in ``q``'s order.
@@ -474,6 +508,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
     _check_options(causal, scale, window)
     _check_operands(q, k, v, qd, kd, fd)
     _check_sinks(sinks, window, k, kd)
+    _check_mask(mask, q, k, qd, kd, fd)
     if scale is None:
         scale = q.shape.get(fd).size ** -0.5
     attrs = {"query_dim": qd, "key_dim": kd, "feature_dim": fd, "causal": bool(causal), "scale": float(scale)}
@@ -481,8 +516,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, query_dim="seq", key_dim="key_seq
         attrs["window"] = window
     if sinks:
         attrs["sinks"] = sinks
-    out, _ = apply("attention", [q, k, v], attrs)
+    if mask is not None:
+        attrs["masked"] = True
+    out, _ = apply("attention", [q, k, v] + ([mask] if mask is not None else []), attrs)
     return out
+
+
+def _check_mask(mask, q: Tensor, k: Tensor, qd: str, kd: str, fd: str) -> None:
+    """Refuse a ``mask`` that is not a boolean tensor over q's batch dims, the query and key dims."""
+    if mask is None:   # (a mask that is no Tensor is refused with every op's other arguments)
+        return
+    allowed = {d.name: d.size for d in q.shape if d.name != fd} | {kd: k.shape.get(kd).size}
+    bullets = [f"mask is {mask.dtype}, not torch.bool"] if mask.dtype != torch.bool else []
+    bullets += [f"mask's dim '{d.name}' is not one of q's batch dims, '{qd}' or '{kd}'" for d in mask.shape
+                if d.name not in allowed]
+    bullets += [f"mask's '{d.name}' has size {d.size}, not {allowed[d.name]}" for d in mask.shape
+                if d.name in allowed and allowed[d.name] != d.size]
+    if bullets:
+        raise ShapeError(message(
+            "attention: the mask does not fit.", bullets=bullets,
+            rule=f"mask is a boolean tensor, True where a query may attend to a key, over some of q's batch dims, "
+                 f"'{qd}' and '{kd}' (broadcast over the others)",
+            fix=f"e.g. a padding mask md.less(md.arange(k.shape['{kd}']), lengths) ([{kd}, batch]), or "
+                f"md.cast(m, torch.bool)"))
 
 
 __all__ = ["attention"]
