@@ -51,9 +51,10 @@ def conv_transpose(x: Tensor, w: Tensor, taps: dict, stride=1, padding=0, output
             dims.append(Dim(d, (dim.size - 1) * strides[d] - sum(pads[d]) + span + extra[d]))
         else:
             dims.append(Dim(c_out, w.shape.get(c_out).size) if dim.name == c_in else dim)
-    z = constant(0.0, dims, dtype=x.dtype, name="conv_transpose_shape")
-    y = conv(z, w, taps, padding=pads, stride=strides, dilation=dils)
-    (out,) = vjp([y], [x], [z])
+    with x.graph.scope("conv_transpose"):
+        z = constant(0.0, dims, dtype=x.dtype, name="conv_transpose_shape")
+        y = conv(z, w, taps, padding=pads, stride=strides, dilation=dils)
+        (out,) = vjp([y], [x], [z])
     return out
 
 

@@ -63,14 +63,16 @@ def avg_pool(x: Tensor, window: dict, stride=None, padding=0, count_include_pad:
 def _pool(x: Tensor, window, stride, padding, what: str, include_pad) -> Tensor:
     dims = _windows(x, window, what)
     strides = _per_dim(what, "stride", dict(dims) if stride is None else stride, dims)
+    pads = {d: _padding(x, d, k, padding, what) for d, k in dims.items()}
     for d, k in dims.items():
-        before, after = _padding(x, d, k, padding, what)
-        n, s = x.shape.get(d).size, strides[d]
+        n, (before, after) = x.shape.get(d).size, pads[d]
         if n + before + after < k:
             raise ShapeError(message(
                 f"{what}: '{d}' has {n} positions, {before + after} padded, fewer than its window {k}.",
                 rule="a window fits in the padded dim", fix="use a smaller window or pad more"))
-        x = _pool_one(x, d, k, s, before, after, include_pad, what)
+    with x.graph.scope(what):   # its steps named as the user's op in plans
+        for d, k in dims.items():
+            x = _pool_one(x, d, k, strides[d], *pads[d], include_pad, what)
     return x
 
 

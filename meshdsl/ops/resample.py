@@ -32,9 +32,10 @@ def upsample(x: Tensor, scale: dict, mode: str = "nearest") -> Tensor:
       ``x``'s dims in ``x``'s order, each scaled dim ``s`` times as long.
     """
     factors = _factors(x, scale, mode)
-    for d, s in factors.items():
-        if s > 1:
-            x = _nearest(x, d, s) if mode == "nearest" else _linear(x, d, s)
+    with x.graph.scope("upsample"):
+        for d, s in factors.items():
+            if s > 1:
+                x = _nearest(x, d, s) if mode == "nearest" else _linear(x, d, s)
     return x
 
 
