@@ -155,9 +155,9 @@ def test_errors_name_what_was_wrong_and_the_fix():
         x = md.input("x", [md.Dim("batch", 2), md.Dim("height", 5), md.Dim("width", 5)])
         with pytest.raises(ShapeError, match=r"window names 'heigth', which is not a dim .* Did you mean 'height'"):
             md.max_pool(x, {"heigth": 2})
-        with pytest.raises(ShapeError, match=r"window 0 along 'height' is not a positive int"):
+        with pytest.raises(ShapeError, match=r"window length 0 along 'height' is not a positive int"):
             md.max_pool(x, {"height": 0})
-        with pytest.raises(ShapeError, match=r"not a dict spatial dim -> length"):
+        with pytest.raises(ShapeError, match=r"not a dict spatial dim -> window length"):
             md.avg_pool(x, 2)
         with pytest.raises(ShapeError, match=r"padding \(2, 2\) along 'height' is outside 0..1"):
             md.max_pool(x, {"height": 2}, padding=2)

@@ -110,3 +110,30 @@ def unknown_name(name: str, names) -> UnknownNameError:
         rule="meshdsl's ops are the named-tensor ops listed in docs/guide/api.md (dir(meshdsl) lists every name)",
         fix=f"write {hint}" if hint else "build it from the ops listed there, e.g. a composite of elementwise "
                                          "ops, md.einsum and reductions"))
+
+
+def dims_to_ints(x: Tensor, mapping, what: str, arg: str, noun: str, fix: str) -> dict[str, int]:
+    """``mapping`` (``arg`` of op ``what``: a dict dim of ``x`` -> a positive int, its ``noun``)
+    checked, and ``x`` a float tensor; the dims by name.  ``fix``: what to pass for a bad value."""
+    from ..core.shape import Dim
+    from ..errors import ShapeError
+
+    if not x.dtype.is_floating_point:
+        raise ShapeError(message(f"{what}: {x!r} is {x.dtype}, not a float tensor.",
+                                 rule=f"{what} takes float values", fix="md.cast it to a float dtype first"))
+    if not isinstance(mapping, dict) or not mapping:
+        raise ShapeError(message(f"{what}: {arg}={mapping!r} is not a dict spatial dim -> {noun}.",
+                                 rule=f"{arg} names each dim of x it acts on and its {noun}",
+                                 fix=f"pass e.g. {arg}={{'{x.shape.names[-1]}': 2}}"))
+    out = {}
+    for d, k in mapping.items():
+        name = d.name if isinstance(d, Dim) else d
+        if not isinstance(name, str) or name not in x.shape:
+            hint = did_you_mean(name, x.shape.names) if isinstance(name, str) else ""
+            raise ShapeError(message(f"{what}: {arg} names {d!r}, which is not a dim of {x!r}.{hint}",
+                                     rule=f"{arg}'s keys are dims of x", fix="name one of x's dims"))
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ShapeError(message(f"{what}: the {noun} {k!r} along '{name}' is not a positive int.",
+                                     rule=f"a {noun} is an int >= 1", fix=fix))
+        out[name] = k
+    return out

@@ -17,7 +17,8 @@ import torch
 
 from ..core.graph import Tensor
 from ..core.shape import Dim
-from ..errors import ShapeError, did_you_mean, message
+from ..errors import ShapeError, message
+from .arguments import dims_to_ints
 
 
 def max_pool(x: Tensor, window: dict, stride=None, padding=0) -> Tensor:
@@ -61,7 +62,7 @@ def avg_pool(x: Tensor, window: dict, stride=None, padding=0, count_include_pad:
 
 
 def _pool(x: Tensor, window, stride, padding, what: str, include_pad) -> Tensor:
-    dims = _windows(x, window, what)
+    dims = dims_to_ints(x, window, what, "window", "window length", "pass e.g. {'height': 2}")
     strides = _per_dim(what, "stride", dict(dims) if stride is None else stride, dims)
     pads = {d: _padding(x, d, k, padding, what) for d, k in dims.items()}
     for d, k in dims.items():
@@ -125,32 +126,6 @@ def _inverse_counts(d: str, out: int, n: int, k: int, s: int, before: int, dtype
     counts = [min(n, s * i - before + k) - max(0, s * i - before) for i in range(out)]
     return constant(torch.tensor([1.0 / c for c in counts], dtype=dtype), [Dim(d, out)],
                     name=f"avg_pool_counts_{d}")
-
-
-def _windows(x: Tensor, window, what: str) -> dict[str, int]:
-    """``window`` checked: spatial dim (a dim of ``x``) -> a positive int; ``x`` a float tensor."""
-    if not isinstance(x, Tensor):
-        raise ShapeError(message(f"{what}: x is {type(x).__name__}, not a Tensor.",
-                                 rule=f"{what} pools a tensor of the graph", fix="pass an md tensor"))
-    if not x.dtype.is_floating_point:
-        raise ShapeError(message(f"{what}: {x!r} is {x.dtype}, not a float tensor.",
-                                 rule=f"{what} pools float values", fix="md.cast it to a float dtype first"))
-    if not isinstance(window, dict) or not window:
-        raise ShapeError(message(f"{what}: window={window!r} is not a dict spatial dim -> length.",
-                                 rule="the window names each pooled dim of x and its length",
-                                 fix=f"pass e.g. window={{'{x.shape.names[-1]}': 2}}"))
-    out = {}
-    for d, k in window.items():
-        name = d.name if isinstance(d, Dim) else d
-        if not isinstance(name, str) or name not in x.shape:
-            hint = did_you_mean(name, x.shape.names) if isinstance(name, str) else ""
-            raise ShapeError(message(f"{what}: window names {d!r}, which is not a dim of {x!r}.{hint}",
-                                     rule="the window's keys are dims of x", fix="name one of x's dims"))
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ShapeError(message(f"{what}: the window {k!r} along '{name}' is not a positive int.",
-                                     rule="a window length is an int >= 1", fix=f"pass e.g. {{'{name}': 2}}"))
-        out[name] = k
-    return out
 
 
 def _per_dim(what: str, arg: str, value, dims: dict[str, int]) -> dict[str, int]:

@@ -14,7 +14,8 @@ import torch
 
 from ..core.graph import Tensor
 from ..core.shape import Dim
-from ..errors import ShapeError, did_you_mean, message
+from ..errors import ShapeError, message
+from .arguments import dims_to_ints
 
 _MODES = ("nearest", "linear", "bilinear")
 
@@ -72,34 +73,14 @@ def _linear(x: Tensor, d: str, s: int) -> Tensor:
 
 
 def _factors(x: Tensor, scale, mode) -> dict[str, int]:
-    if not isinstance(x, Tensor):
-        raise ShapeError(message(f"upsample: x is {type(x).__name__}, not a Tensor.",
-                                 rule="upsample resizes a tensor of the graph", fix="pass an md tensor"))
+    """``scale`` checked (see :func:`upsample`); a non-Tensor ``x`` is refused with every op's arguments."""
     if mode not in _MODES:
         raise ShapeError(message(f"upsample: mode={mode!r} is not one of {_MODES}.",
                                  rule="nearest repeats positions; linear/bilinear weighs the two nearest",
                                  fix="pass mode='nearest' or mode='bilinear'"))
-    if not x.dtype.is_floating_point:
-        raise ShapeError(message(f"upsample: {x!r} is {x.dtype}, not a float tensor.",
-                                 rule="upsample resizes float values", fix="md.cast it to a float dtype first"))
-    if not isinstance(scale, dict) or not scale:
-        raise ShapeError(message(f"upsample: scale={scale!r} is not a dict spatial dim -> factor.",
-                                 rule="scale names each resized dim of x and its integer factor",
-                                 fix=f"pass e.g. scale={{'{x.shape.names[-1]}': 2}}"))
-    out = {}
-    for d, s in scale.items():
-        name = d.name if isinstance(d, Dim) else d
-        if not isinstance(name, str) or name not in x.shape:
-            hint = did_you_mean(name, x.shape.names) if isinstance(name, str) else ""
-            raise ShapeError(message(f"upsample: scale names {d!r}, which is not a dim of {x!r}.{hint}",
-                                     rule="scale's keys are dims of x", fix="name one of x's dims"))
-        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
-            raise ShapeError(message(f"upsample: the factor {s!r} along '{name}' is not a positive int.",
-                                     rule="upsample scales by whole factors (torch's scale_factor=2)",
-                                     fix="pass an int >= 1; for another size, an einsum with a table of "
-                                         "weights (md.constant) resamples to any length"))
-        out[name] = s
-    return out
+    return dims_to_ints(x, scale, "upsample", "scale", "factor",
+                        "pass an int >= 1; for another size, an einsum with a table of weights "
+                        "(md.constant) resamples to any length")
 
 
 __all__ = ["upsample"]
