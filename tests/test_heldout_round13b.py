@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import meshdsl as md
 from conftest import (assert_heldout_case_matches_dense, assert_search_top_layouts_match_dense, heldout_case_id,
@@ -121,16 +122,25 @@ def test_realnvps_two_ways_to_cut_the_halves_compute_the_same_flow():
     assert loss(form="rearrange") == loss()
 
 
-def test_a_repeat_given_two_carries_says_how_to_carry_them_as_one():
-    """An EGNN carries node features and coordinates through its layers: a tuple carry is refused
-    with the way to do it (one tensor joined by concat, sliced apart in the block)."""
+def test_a_repeat_given_two_carries_carries_both():
+    """An EGNN carries node features and coordinates through its layers: a tuple carry (once refused
+    with the concat workaround) carries both, each with its own shape, as the Python loop does."""
     b, n, f, layer = md.Dim("batch", 2), md.Dim("node", 3), md.Dim("f", 4), md.Dim("layer", 2)
     with md.Graph():
         h, x = md.input("h", [b, n, f]), md.input("x", [b, n, md.Dim("xyz", 3)])
         w = md.param("w", [layer, f])
-        with pytest.raises(md.ShapeError, match="tuple of 2 Tensors") as e:
-            md.repeat(lambda c, p: (c[0] * p["w"], c[1]), (h, x), {"w": w}, "layer")
-    assert "md.concat" in str(e.value) and "md.slice_" in str(e.value)
+        hs, xs = md.repeat(lambda c, p: (c[0] * p["w"], c[1] + md.reduce_sum(c[0] * p["w"], "f")), (h, x), {"w": w},
+                           "layer")
+    gen = torch.Generator().manual_seed(0)
+    feeds, wv = {"h": torch.randn(2, 3, 4, generator=gen), "x": torch.randn(2, 3, 3, generator=gen)}, torch.randn(2, 4)
+    got = md.run_dense({"h": hs, "x": xs}, feeds, {"w": wv})
+    want_h, want_x = feeds["h"], feeds["x"]
+    for l in range(2):   # the Python loop, in torch
+        want_h = want_h * wv[l]
+        want_x = want_x + want_h.sum(-1, keepdim=True)
+    # fp32, the same products and sums in the same order: rounding only
+    torch.testing.assert_close(got["h"], want_h, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["x"], want_x, rtol=1e-6, atol=1e-6)
 
 
 def test_a_partial_gradient_of_the_rows_is_reduced_before_its_scatter_into_a_bigger_table():

@@ -18,7 +18,7 @@ from ..core.shape import Shape
 from ..errors import ShapeError
 from ..ops.leaf import placeholder
 from ..ops.registry import Op, apply, register
-from .block import Block, run_layers, trace
+from .block import Block, carry_name, run_layers, trace
 from .closure import activations
 from .remat import check_names_something, chosen, policy_of
 
@@ -32,18 +32,20 @@ def _zeros(t: Tensor) -> Tensor:
     return broadcast_to(constant(0.0, t.dtype, t), t.shape)
 
 
-def repeat_vjp(node, dy, dys: list) -> list:
-    """The gradients of repeat ``node``'s inputs, given the cotangents of its carry (``dy``)
-    and of its stacked per-layer outputs (``dys``, None where the loss does not read one)."""
+def repeat_vjp(node, dy: list, dys: list) -> list:
+    """The gradients of repeat ``node``'s inputs, given the cotangents of its carried tensors
+    (``dy``, one each) and of its stacked per-layer outputs (``dys``; None where the loss does
+    not read one)."""
     from .autodiff import wants_grad
     blk: Block = node.attrs["block"]
+    nc = blk.num_carries
     with_dy = tuple(k for k, d in zip(blk.y_names, dys) if d is not None)
-    if dy is None and not with_dy:
+    if all(d is None for d in dy) and not with_dy:
         return [None] * len(node.inputs)
-    if dy is None:  # the loss reads the per-layer outputs only
-        dy = _zeros(node.outputs[0])
+    # a carried tensor the loss does not read (the per-layer outputs only, an LSTM's last c) gets zeros
+    dy = [_zeros(node.outputs[i]) if d is None else d for i, d in enumerate(dy)]
     num_stacked = len(blk.params)
-    stacked_t, closed_t = node.inputs[1:1 + num_stacked], node.inputs[1 + num_stacked:]
+    stacked_t, closed_t = node.inputs[nc:nc + num_stacked], node.inputs[nc + num_stacked:]
     # the closed-over and stacked tensors the loss's gradient flows into: the block is
     # differentiated with respect to those only (a constant table, an input, a per-layer count
     # made from the inputs gets no gradient, and its vjp reads no forward value)
@@ -64,12 +66,13 @@ def repeat_vjp(node, dy, dys: list) -> list:
         built[key] = (gblk, base, len(node.outputs))
     gblk, lo, hi = built[key]
     given_dys = [d for d in dys if d is not None]
-    outs = apply("repeat_grad", [node.outputs[1], *stacked_t, dy, *given_dys, *node.outputs[lo:hi], *closed_t],
+    outs = apply("repeat_grad", [*node.outputs[nc:2 * nc], *stacked_t, *dy, *given_dys, *node.outputs[lo:hi],
+                                 *closed_t],
                  {"block": gblk, "layer": node.attrs["layer"], "pos": node.attrs["pos"],
                   "stacked": node.attrs["stacked"]})
     outs = list(outs) if isinstance(outs, tuple) else [outs]
-    dclosed = iter(outs[1 + num_stacked:])
-    return outs[:1] + [g if w else None for g, w in zip(outs[1:1 + num_stacked], want_stacked)] + \
+    dclosed = iter(outs[nc + num_stacked:])
+    return outs[:nc] + [g if w else None for g, w in zip(outs[nc:nc + num_stacked], want_stacked)] + \
         [next(dclosed) if w else None for w in want]
 
 
@@ -109,10 +112,10 @@ def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tenso
     and are not saved, except the reductions of params they are made from
     (:func:`_param_reductions`).
     """
-    outs = [b.extra["dcarry"], *b.extra["dparams"].values(), *b.extra["dclosed"].values()]
+    outs = [*b.extra["dcarries"], *b.extra["dparams"].values(), *b.extra["dclosed"].values()]
     fwd = b.graph.nodes[:n_fwd]
     # nodes whose outputs depend on the carry or on a closed-over activation
-    act: set[int] = {id(b.carry.node), *(id(t.node) for t in activations(b.closed, b.outer))}
+    act: set[int] = {*(id(c.node) for c in b.carries), *(id(t.node) for t in activations(b.closed, b.outer))}
     for n in fwd:
         if any(id(t.node) in act for t in n.inputs):
             act.add(id(n))
@@ -147,7 +150,8 @@ def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: t
     """
     from .autodiff import vjp
 
-    b = trace(blk.fn, blk.carry, stacked, layer, "block_grad", node.graph, blk.hoisted)
+    b = trace(blk.fn, tuple(blk.carries) if blk.tupled else blk.carry, stacked, layer, "block_grad", node.graph,
+              blk.hoisted)
     n_fwd = len(b.graph.nodes)
     if n_fwd != len(blk.graph.nodes) or [id(t) for t in b.outer] != [id(t) for t in blk.outer]:
         raise ShapeError(f"repeat: the block traced differently twice ({len(blk.graph.nodes)} vs {n_fwd} nodes, "
@@ -155,12 +159,13 @@ def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: t
                          "blocks must be deterministic functions of (carry, params)")
     check_names_something(policy, blk.graph.nodes, f"repeat '{node.name}'")
     closed = [k for k, w in zip(b.closed, want) if w]
+    nc = b.num_carries
     with b.graph:
-        dy = placeholder("cotangent", b.out.shape, b.out.dtype)
+        dy = [placeholder(carry_name("cotangent", i), o.shape, o.dtype) for i, o in enumerate(b.outs)]
         dys = {k: placeholder(f"cotangent/{k}", b.ys[k].shape, b.ys[k].dtype) for k in with_dy}
-        wanted = [True] + list(want_stacked or [True] * len(b.params)) + [True] * len(closed)
-        wrt = [b.carry] + list(b.params.values()) + [b.closed[k] for k in closed]
-        grads = iter(vjp([b.out, *(b.ys[k] for k in with_dy)], [dy, *dys.values()],
+        wanted = [True] * nc + list(want_stacked or [True] * len(b.params)) + [True] * len(closed)
+        wrt = list(b.carries) + list(b.params.values()) + [b.closed[k] for k in closed]
+        grads = iter(vjp([*b.outs, *(b.ys[k] for k in with_dy)], [*dy, *dys.values()],
                          [t for t, w in zip(wrt, wanted) if w]))
         fixed = []
         for t, g in zip(wrt, (next(grads) if w else None for w in wanted)):
@@ -169,39 +174,43 @@ def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: t
             g = apply("stop_gradient", [g], name=f"grad/{t.name}")
             g.scopes = t.scopes
             fixed.append(g)
-    n = 1 + len(b.params)
-    b.extra = {"cotangent": dy, "dys": dys, "dcarry": fixed[0], "dparams": dict(zip(b.params, fixed[1:n])),
-               "dclosed": dict(zip(closed, fixed[n:])), "num_forward": n_fwd, "remat": policy}
+    n = nc + len(b.params)
+    b.extra = {"cotangent": dy[0], "cotangents": dy, "dys": dys, "dcarry": fixed[0], "dcarries": fixed[:nc],
+               "dparams": dict(zip(b.params, fixed[nc:n])), "dclosed": dict(zip(closed, fixed[n:])),
+               "num_forward": n_fwd, "remat": policy}
     pairs = _saved(b, n_fwd, blk, policy)
     b.extra["given"] = {f"saved/{i}": t for i, (t, _) in enumerate(pairs)}
     return b, pairs
 
 
 def split_inputs(blk: Block, num_stacked: int, ins) -> tuple:
-    """A repeat_grad's inputs by role: ``(carries, stacked, dy, dys, saved, closed)``."""
-    n_dys, n_saved = len(blk.extra["dys"]), len(blk.extra.get("given", {}))
-    at = 1 + num_stacked
-    dys = ins[at + 1:at + 1 + n_dys]
-    saved = ins[at + 1 + n_dys:at + 1 + n_dys + n_saved]
-    closed = ins[at + 1 + n_dys + n_saved:]
+    """A repeat_grad's inputs by role: ``(carries, stacked, dy, dys, saved, closed)``; ``carries``
+    (each carried tensor's stacked layer inputs) and ``dy`` (each one's cotangent) are lists of
+    one per carried tensor."""
+    nc, n_dys, n_saved = blk.num_carries, len(blk.extra["dys"]), len(blk.extra.get("given", {}))
+    at = nc + num_stacked
+    dys = ins[at + nc:at + nc + n_dys]
+    saved = ins[at + nc + n_dys:at + nc + n_dys + n_saved]
+    closed = ins[at + nc + n_dys + n_saved:]
     assert len(closed) == len(blk.closed), "repeat_grad: inputs do not match its block"
-    return ins[0], ins[1:at], ins[at], dys, saved, closed
+    return list(ins[:nc]), ins[nc:at], list(ins[at:at + nc]), dys, saved, closed
 
 
 @register
 class RepeatGrad(Op):
     name = "repeat_grad"
 
-    # inputs: saved layer inputs, stacked params, carry gradient, the per-layer outputs' stacked
-    # gradients (block.extra["dys"]), saved activations (block.extra["given"]), closed-over tensors
-    # (block.closed); outputs: carry gradient, stacked gradients, and the gradient of each
-    # closed-over tensor in block.extra["dclosed"], summed over the layers
+    # inputs: saved layer inputs (one stack per carried tensor), stacked params, carry gradients (one
+    # per carried tensor), the per-layer outputs' stacked gradients (block.extra["dys"]), saved
+    # activations (block.extra["given"]), closed-over tensors (block.closed); outputs: carry
+    # gradients, stacked gradients, and the gradient of each closed-over tensor in
+    # block.extra["dclosed"], summed over the layers
 
     def infer(self, inputs, attrs):
         blk: Block = attrs["block"]
         _, stacked, dy, _, _, closed = split_inputs(blk, len(attrs["stacked"]), inputs)
         closed = dict(zip(blk.closed, closed))
-        return [(dy.shape, dy.dtype)] + [(p.shape, p.dtype) for p in stacked] + \
+        return [(d.shape, d.dtype) for d in dy] + [(p.shape, p.dtype) for p in stacked] + \
             [(closed[k].shape, closed[k].dtype) for k in blk.extra["dclosed"]]
 
     def compute(self, ctx, attrs, *ins):
@@ -209,7 +218,8 @@ class RepeatGrad(Op):
         carries, stacked, dy, dys, saved, closed = split_inputs(blk, len(attrs["stacked"]), ins)
         given = blk.extra.get("given", {})
         closed = dict(zip(blk.closed, closed))
-        outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()},
+        dcarries = [carry_name("dcarry", i) for i in range(len(dy))]
+        outs = {**dict(zip(dcarries, blk.extra["dcarries"])), **{f"d/{k}": g for k, g in blk.extra["dparams"].items()},
                 **{f"d/{k}": g for k, g in blk.extra["dclosed"].items()}}
         prog = blk.dense(outs, given)
         names, pos = list(blk.params), attrs["pos"]
@@ -218,7 +228,8 @@ class RepeatGrad(Op):
         sums = {k: torch.zeros_like(closed[k]) for k in blk.extra["dclosed"]}  # a closed-over tensor's: all layers'
 
         def layer(l, dy):
-            feeds = {"carry": carries[l], "cotangent": dy,
+            feeds = {**{carry_name("carry", i): c[l] for i, c in enumerate(carries)},
+                     **{carry_name("cotangent", i): d for i, d in enumerate(dy)},
                      **{k: p.select(pos[k], l) for k, p in zip(names, stacked)},
                      **{ph.node.name: d[l] for ph, d in zip(blk.extra["dys"].values(), dys)},
                      **{k: s[l] for k, s in zip(given, saved)}, **closed}
@@ -227,10 +238,10 @@ class RepeatGrad(Op):
                 g.select(pos[k], l).copy_(r[f"d/{k}"])
             for k, g in sums.items():
                 g.add_(r[f"d/{k}"])
-            return r["dcarry"], None
+            return tuple(r[k] for k in dcarries), None
 
-        dy, _ = run_layers(attrs["layer"].size, layer, dy, backward=True)
-        return (dy, *grads, *sums.values())
+        dy, _ = run_layers(attrs["layer"].size, layer, tuple(dy), backward=True)
+        return (*dy, *grads, *sums.values())
 
     def subgraphs(self, node):
         blk: Block = node.attrs["block"]

@@ -42,21 +42,26 @@ def replay(nodes, env: dict[int, Tensor], rule: Rule) -> None:
 
 def block_nodes(blk) -> list:
     """The nodes of a repeat's block that its carry and per-layer outputs depend on."""
-    return topo_nodes([blk.out, *(blk.ys or {}).values()])
+    return topo_nodes([*blk.outs, *(blk.ys or {}).values()])
 
 
 def _replay_repeat(n, ins: list[Tensor], rule: Rule) -> tuple:
-    """A repeat whose block is the old block replayed under ``rule``."""
-    blk, stacked = n.attrs["block"], n.attrs["stacked"]
-    closed = ins[1 + len(stacked):]  # what the block reads from outside, replayed: the new block reads them
+    """A repeat whose block is the old block replayed under ``rule`` (each carried tensor of a
+    tuple carry cast back to its own dtype where the rule changed it)."""
+    blk, stacked, nc = n.attrs["block"], n.attrs["stacked"], n.attrs["block"].num_carries
+    closed = ins[nc + len(stacked):]  # what the block reads from outside, replayed: the new block reads them
 
     def block(carry, params):
-        env = {id(blk.carry): carry, **{id(blk.params[k]): params[k] for k in blk.params},
+        carries = carry if blk.tupled else (carry,)
+        env = {**{id(ph): c for ph, c in zip(blk.carries, carries)}, **{id(blk.params[k]): params[k] for k in blk.params},
                **{id(ph): t for ph, t in zip(blk.closed.values(), closed)}}
         replay(block_nodes(blk), env, rule)
-        out = env[id(blk.out)]
-        out = out if out.dtype == carry.dtype else cast(out, carry.dtype)   # one dtype from layer to layer
+        outs = [env[id(o)] for o in blk.outs]
+        outs = tuple(o if o.dtype == c.dtype else cast(o, c.dtype) for o, c in zip(outs, carries))  # one dtype
+        out = outs if blk.tupled else outs[0]
         return out if blk.ys is None else (out, {k: env[id(y)] for k, y in blk.ys.items()})
 
-    x = repeat(block, ins[0], dict(zip(stacked, ins[1:1 + len(stacked)])), n.attrs["layer"], n.attrs.get("remat"))
-    return (x if blk.ys is None else x[0]).node.outputs
+    x = repeat(block, tuple(ins[:nc]) if blk.tupled else ins[0], dict(zip(stacked, ins[nc:nc + len(stacked)])),
+               n.attrs["layer"], n.attrs.get("remat"))
+    x = x if blk.ys is None else x[0]
+    return (x[0] if blk.tupled else x).node.outputs

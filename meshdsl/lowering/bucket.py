@@ -303,6 +303,7 @@ def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], 
         sub_steps, sub_values, sub_outputs = list(sub.steps), dict(sub.values), dict(sub.outputs)
         next_id = max([*values, *sub_values]) + 1
         r_outs, streamed, members = list(r.outs), [], {}
+        nc = r.args.get("carries", 1)   # the stacked gradients follow the carried tensors' gradients
         sub_readers: dict[int, list[int]] = {}
         for j, t in enumerate(sub_steps):
             for v in t.ins:
@@ -317,7 +318,7 @@ def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], 
                 members[t.outs[0]] = t.outs[0]
                 streamed.append(name)
                 continue
-            g = r.outs[1 + n]
+            g = r.outs[nc + n]
             users = readers.get(g, ())
             if len(users) != 1 or g in outs:
                 continue
@@ -341,7 +342,7 @@ def stream_loop_grads(steps: list[Step], values: dict, outputs: dict[str, int], 
                                           f"layer loop as soon as the layer's backward made it"))
             sub_outputs[f"d/{name}"] = members[next_id] = next_id
             next_id += 1
-            r_outs[1 + n] = s.outs[0]
+            r_outs[nc + n] = s.outs[0]
             streamed.append(name)
             dropped.add(users[0])
         if streamed:

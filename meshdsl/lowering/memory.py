@@ -136,10 +136,11 @@ def saved_per_layer(plan: Plan) -> list[dict]:
                 rows.extend(saved_per_layer(sub))
         if s.kind != "repeat" or s.args["backward"]:
             continue
-        n_ys, n_saved = len(s.args.get("ys", ())), len(s.args["saved"])
+        n_ys, n_saved, nc = len(s.args.get("ys", ())), len(s.args["saved"]), s.args.get("carries", 1)
         per = [plan.values[v].local_bytes(plan.mesh) // s.times for v in s.outs]
-        rows.append({"label": s.label, "layers": s.times, "input": per[1],
-                     "activations": sum(per[2 + n_ys:2 + n_ys + n_saved]), "saved": n_saved})
+        # the layer's input: every carried tensor's (outputs nc..2nc-1, after the last carries)
+        rows.append({"label": s.label, "layers": s.times, "input": sum(per[nc:2 * nc]),
+                     "activations": sum(per[2 * nc + n_ys:2 * nc + n_ys + n_saved]), "saved": n_saved})
     return rows
 
 

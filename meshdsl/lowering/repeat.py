@@ -1,6 +1,8 @@
 """Lowering of repeat / repeat_grad: the block becomes a sub-plan run once per layer.
 
-The carry keeps the layout its dims have everywhere; each stacked param is
+The carry keeps the layout its dims have everywhere (a tuple carry: each carried tensor
+its own, fed as its own sub-plan input, ``carry``, ``carry.1``, ..., and handed on as its
+own output, ``out``, ``out.1``, ...: nothing joins them); each stacked param is
 sliced along ``layer`` locally.  ``layer`` is whole, or split over the pipeline
 axis (:mod:`.pipeline`): then each stage's sub-plan runs its ``layers / p`` local
 layers, and the stacked carries, activations and gradients stay split like the
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from ..core.graph import topo_nodes
 from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
+from ..ir.block import carry_name
 from ..ir.closure import PREFIX
 from ..layout.sharding import Sharding
 from .block_order import order_block
@@ -76,7 +79,11 @@ from .saved_copies import (copies_of, drop_unread, gathered_for_scan, halo_strip
 # stacked params (forward) or the saved activations (backward); a backward step outputs, after the
 # stacked gradients, the gradient of each one the block differentiates (sub-plan output "d/<name>"),
 # summed over the layers.
-register_step_kind("repeat", ("names", "pos", "backward", "saved", "ys", "streamed", "closed"))
+# carries: (only when the block carries several tensors, k) the step's first k inputs are the carried
+# tensors (forward) or their stacked layer inputs (backward; then after the stacked params, their k
+# gradients), and its first k outputs the last carries (forward: then their k stacked layer inputs)
+# or their gradients (backward).
+register_step_kind("repeat", ("names", "pos", "backward", "saved", "ys", "streamed", "closed", "carries"))
 
 #: The phase of a backward block's steps that recompute the forward (remat, and values of params only).
 RECOMPUTE = "recompute"
@@ -99,9 +106,9 @@ class _Loop:
 
     node: object
     backward: bool
-    carry: object            # the carry (forward), or the stacked layer inputs (backward)
+    carry: list              # the carried tensors (forward), or their stacked layer inputs (backward)
     stacked: list
-    dy: object = None        # the carry gradient (backward)
+    dy: list = field(default_factory=list)      # the carried tensors' gradients (backward)
     dys: list = field(default_factory=list)     # the per-layer outputs' stacked gradients (backward)
     saved: list = field(default_factory=list)   # the saved activations (backward)
     closed: list = field(default_factory=list)  # the tensors the block reads from outside
@@ -124,8 +131,18 @@ class _Loop:
         return list(self.blk.params)
 
     @property
-    def carry_shape(self):
-        return self.dy.shape if self.backward else self.carry.shape
+    def carries(self) -> list:
+        """The carried tensors the loop hands from layer to layer: forward, the carries; backward,
+        their gradients."""
+        return self.dy if self.backward else self.carry
+
+    @property
+    def num_carries(self) -> int:
+        return len(self.carry)
+
+    def carry_note(self, what: str, i: int) -> str:
+        """``what`` of carried tensor ``i`` (a note on its move): of a single carry, ``what`` itself."""
+        return what if self.num_carries == 1 else f"{what} {i}"
 
 
 def _loop(lw: Lowerer, node) -> _Loop:
@@ -137,26 +154,25 @@ def _loop(lw: Lowerer, node) -> _Loop:
         carries, stacked, dy, dys, saved, closed = split_inputs(blk, len(blk.params), node.inputs)
         return _Loop(node, True, carries, list(stacked), dy, list(dys), list(saved), list(closed),
                      ys=list(blk.extra["dys"]))
-    n = len(blk.params)
+    n, nc = len(blk.params), blk.num_carries
     closed = list(node.inputs[len(node.inputs) - len(blk.closed):])
     base = num_fixed_outputs(blk)
-    ys = [k for i, k in enumerate(blk.y_names) if id(node.outputs[2 + i]) in lw.used]
+    ys = [k for i, k in enumerate(blk.y_names) if id(node.outputs[2 * nc + i]) in lw.used]
     want = [i for i in range(len(node.attrs.get("saved", []))) if id(node.outputs[base + i]) in lw.used]
-    return _Loop(node, False, node.inputs[0], list(node.inputs[1:1 + n]), closed=closed, ys=ys, want=want)
+    return _Loop(node, False, list(node.inputs[:nc]), list(node.inputs[nc:nc + n]), closed=closed, ys=ys, want=want)
 
 
 @lowering("repeat", "repeat_grad")
 def lower_repeat(lw: Lowerer, node) -> None:
     """Lower a repeat (or its gradient) to one step that runs the block's sub-plan per layer."""
     loop = _loop(lw, node)
-    carry_sh = lw.layout.targets(loop.carry_shape, (), lw.mesh, "carry", False)[0][0]
+    carry_sh = [lw.layout.targets(t.shape, (), lw.mesh, "carry", False)[0][0] for t in loop.carries]
     ins, feeds = _lower_operands(lw, loop, carry_sh)
     num_local = node.attrs["layer"].size // lw.mesh.axis_size(loop.layer_axes)  # layers per stage
     plan, saved_names = _lower_block(lw, loop, feeds, ins, num_local)
     if loop.saved:
         plan, ins, saved_names = drop_unread(lw, loop, plan, ins, saved_names)
-    carry = loop.dy if loop.backward else loop.carry
-    carry_bytes = carry_sh.local_numel(loop.carry_shape, lw.mesh) * carry.dtype.itemsize
+    carry_bytes = sum(sh.local_numel(t.shape, lw.mesh) * t.dtype.itemsize for sh, t in zip(carry_sh, loop.carries))
     plan, ins, closed = hoist_moves(lw, node, plan, ins, tuple(loop.blk.closed), carry_bytes)
     for n in plan.notes:
         lw.note(f"{node.name} block: {n}")
@@ -170,24 +186,27 @@ def lower_repeat(lw: Lowerer, node) -> None:
         args["ys"] = tuple(loop.ys)
     if closed:
         args["closed"] = closed
+    if loop.num_carries > 1:
+        args["carries"] = loop.num_carries
     lw.emit("repeat", node, ins, out_vids, args=args, subplans=(plan,), times=num_local)
     _bind_outputs(lw, loop, out_vids, stage)
 
 
-def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list, dict]:
+def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: list[Sharding]) -> tuple[list, dict]:
     """The step's inputs, each brought to the layout the loop reads it in, and the sharding of
-    each sub-plan input (the carry, one layer's slice of each stacked param, the cotangents,
-    the closed-over tensors) by name; sets ``loop.layer_axes``."""
+    each sub-plan input (each carried tensor, one layer's slice of each stacked param, the
+    cotangents, the closed-over tensors) by name; sets ``loop.layer_axes``."""
     node, mesh, layer = loop.node, lw.mesh, loop.layer
-    stacked_shape = Shape([node.attrs["layer"]] + list(loop.carry_shape))
-    ins, feeds = [], {"carry": carry_sh}
+    ins, feeds = [], {carry_name("carry", i): sh for i, sh in enumerate(carry_sh)}
     if loop.backward:
         names = loop.names
         la = _scan_target(lw, loop, names[0]).axes_of(layer) if names else ()
-        ins.append(lw.relayout(lw.value(loop.carry), _stack_sharding(carry_sh, stacked_shape, layer, la), node,
-                               "saved layer inputs"))
+        for i, (t, sh) in enumerate(zip(loop.carry, carry_sh)):
+            ins.append(lw.relayout(lw.value(t), _stack_sharding(sh, t.shape, layer, la), node,
+                                   loop.carry_note("saved layer inputs", i)))
     else:
-        ins.append(lw.relayout(lw.value(loop.carry), carry_sh, node, "carry"))
+        for i, (t, sh) in enumerate(zip(loop.carry, carry_sh)):
+            ins.append(lw.relayout(lw.value(t), sh, node, loop.carry_note("carry", i)))
     for k, t in zip(loop.names, loop.stacked):
         tgt = _scan_target(lw, loop, k)
         loop.layer_axes = tgt.axes_of(layer)
@@ -197,8 +216,9 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: Sharding) -> tuple[list,
             gathered_for_scan(lw, src, tgt)   # a recurrence's input gathered whole: the backward reads it again
         feeds[k] = _slice_sharding(tgt, layer)
     if loop.backward:
-        ins.append(lw.relayout(lw.value(loop.dy), carry_sh, node, "carry gradient"))
-        feeds["cotangent"] = carry_sh
+        for i, (t, sh) in enumerate(zip(loop.dy, carry_sh)):
+            ins.append(lw.relayout(lw.value(t), sh, node, loop.carry_note("carry gradient", i)))
+            feeds[carry_name("cotangent", i)] = sh
         for k, t in zip(loop.ys, loop.dys):  # whole sums, one layer's slice per layer
             ph = loop.blk.extra["dys"][k]
             sh = lw.layout.targets(ph.shape, (), mesh, "cotangent", False)[0][0]
@@ -422,12 +442,12 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
     blk = loop.blk
     saved, read = loop.node.attrs.get("saved", []), loop.node.attrs.get("saved_read", [])
     ys = {f"y/{k}": blk.ys[k] for k in loop.ys}
-    sub.count_readers([blk.out, *ys.values(), *(saved[i] for i in loop.want if read[i])],
+    sub.count_readers([*blk.outs, *ys.values(), *(saved[i] for i in loop.want if read[i])],
                       kept=[saved[i] for i in loop.want if not read[i]])
     # read before the carry is lowered: a nested repeat making the carry and a per-layer output
     # then lowers once with both, not once for each
     sub.used.update(id(t) for t in [*ys.values(), *(saved[i] for i in loop.want)])
-    ids = lower_into(sub, {"out": blk.out})
+    ids = lower_into(sub, {carry_name("out", i): o for i, o in enumerate(blk.outs)})
     _lower_values(sub, [*ys.values(), *(saved[i] for i in loop.want)])
     ids.update((k, sub.value(y)) for k, y in ys.items())
     names, copies = [], []
@@ -447,7 +467,7 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
     return ids, names + copies
 
 
-def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: Sharding, stage: tuple,
+def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: list[Sharding], stage: tuple,
                   saved_names: list[str]) -> list[int]:
     """The step's output values: forward, the carry, the stacked layer inputs, per-layer outputs
     and saved activations (then their re-laid copies, ``saved/<i>@<k>``, recorded in ``lw.memo``
@@ -459,20 +479,21 @@ def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: Sharding, stag
     def stacked(t, name) -> int:
         return lw.new_value(t.shape, t.dtype, _stack_sharding(plan.values[ids[name]].sharding, t.shape, layer, la))
 
+    nc = loop.num_carries
     if loop.backward:
-        out = [lw.new_value(loop.carry_shape, loop.dy.dtype, carry_sh)]
+        out = [lw.new_value(t.shape, t.dtype, sh) for t, sh in zip(loop.dy, carry_sh)]
         out += [stacked(t, f"d/{k}") for k, t in zip(loop.names, loop.stacked)]
         for k, t in zip(loop.blk.closed, loop.closed):
             if k in loop.blk.extra["dclosed"]:
                 sh = plan.values[ids[f"d/{k}"]].sharding
                 out.append(lw.new_value(t.shape, t.dtype, sh.with_partial(sh.partial + stage)))
         return out
-    cs = node.outputs[1].shape
-    out = [lw.new_value(loop.carry_shape, loop.carry.dtype, carry_sh),
-           lw.new_value(cs, loop.carry.dtype, _stack_sharding(carry_sh, cs, layer, la))]
+    out = [lw.new_value(t.shape, t.dtype, sh) for t, sh in zip(loop.carry, carry_sh)]
+    out += [lw.new_value(t.shape, t.dtype, _stack_sharding(sh, t.shape, layer, la))
+            for t, sh in zip(node.outputs[nc:2 * nc], carry_sh)]
     names = loop.blk.y_names
-    out += [stacked(node.outputs[2 + names.index(k)], f"y/{k}") for k in loop.ys]
-    base = 2 + len(names)
+    out += [stacked(node.outputs[2 * nc + names.index(k)], f"y/{k}") for k in loop.ys]
+    base = 2 * nc + len(names)
     out += [stacked(node.outputs[base + i], f"saved/{i}") for i in loop.want]
     for name in saved_names[len(loop.want):]:   # copies: no tensor of the graph, read by the backward step
         t = node.outputs[base + int(name.split("/")[1].split("@")[0])]
@@ -616,17 +637,18 @@ def _lower_backward_block(sub: Lowerer, blk, summed: bool, through: bool = False
     share of the gradient is reduced once after the layers, not at its first reader per layer.
     When ``through``, a value :func:`_lazy_through` marks passes on partial to every reader.
     Also returns whether ``summed`` changed how any value's readers count."""
-    outs = {"dcarry": blk.extra["dcarry"], **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
+    dcarries = {carry_name("dcarry", i): g for i, g in enumerate(blk.extra["dcarries"])}
+    outs = {**dcarries, **{f"d/{k}": g for k, g in blk.extra["dparams"].items()}}
     dclosed = {f"d/{k}": g for k, g in blk.extra["dclosed"].items()}
     fewer = sub.count_readers([*outs.values(), *dclosed.values()], summed=dclosed.values() if summed else ())
     if through:
-        lazy = [*dclosed.values(), *(g for k, g in outs.items() if k != "dcarry")]
+        lazy = [*dclosed.values(), *(g for k, g in outs.items() if k not in dcarries)]
         every = [*outs.values(), *dclosed.values()]
         nodes, num_forward = topo_nodes(every, sub.env), blk.extra.get("num_forward", 0)
         sub.lazy_through = _lazy_through(nodes, lazy, every, num_forward, 1) | _lazy_through(
             nodes, lazy, every, num_forward, 2)
-    ids = lower_into(sub, {"dcarry": outs["dcarry"]})
-    ids.update(lower_into(sub, {k: v for k, v in outs.items() if k != "dcarry"}, lazy=True))
+    ids = lower_into(sub, dcarries)
+    ids.update(lower_into(sub, {k: v for k, v in outs.items() if k not in dcarries}, lazy=True))
     _lower_values(sub, list(dclosed.values()))
     ids.update((k, sub.value(g)) for k, g in dclosed.items())
     return ids, fewer
@@ -647,13 +669,13 @@ def _bind_outputs(lw: Lowerer, loop: _Loop, out_vids: list, stage: tuple) -> Non
     stages, :mod:`.stage_sum`).  The per-layer outputs and saved activations stay as the
     forward sub-plan made them.
     """
-    node, num_stacked = loop.node, len(loop.names)
+    node, num_stacked, nc = loop.node, len(loop.names), loop.num_carries
     if loop.backward:
-        for t, vid in zip(node.outputs[1:1 + num_stacked], out_vids[1:1 + num_stacked]):
+        for t, vid in zip(node.outputs[nc:nc + num_stacked], out_vids[nc:nc + num_stacked]):
             lw.bind(t, vid)
         dclosed = loop.blk.extra["dclosed"]
         leaf = [c.node.op.name == "param" for k, c in zip(loop.blk.closed, loop.closed) if k in dclosed]
-        for t, vid, of_param in zip(node.outputs[1 + num_stacked:], out_vids[1 + num_stacked:], leaf, strict=True):
+        for t, vid, of_param in zip(node.outputs[nc + num_stacked:], out_vids[nc + num_stacked:], leaf, strict=True):
             sh = lw.sharding(vid)
             if stage:
                 # a shared param's gradient is summed over the axes its target leaves whole (``data``)
@@ -664,14 +686,14 @@ def _bind_outputs(lw: Lowerer, loop: _Loop, out_vids: list, stage: tuple) -> Non
                                   f"gradient of '{t.name}', summed over the stages")
             lw.bind(t, vid)
     else:
-        names, base = loop.blk.y_names, 2 + len(loop.blk.y_names)
-        rest = [node.outputs[2 + names.index(k)] for k in loop.ys] + [node.outputs[base + i] for i in loop.want]
-        for t, vid in zip(rest, out_vids[2:]):
+        names, base = loop.blk.y_names, 2 * nc + len(loop.blk.y_names)
+        rest = [node.outputs[2 * nc + names.index(k)] for k in loop.ys] + [node.outputs[base + i] for i in loop.want]
+        for t, vid in zip(rest, out_vids[2 * nc:]):
             lw.bind(t, vid)
-    n_main = 1 if loop.backward else 2
-    for t, vid in zip(node.outputs[:n_main], out_vids):
+    n_main = nc if loop.backward else 2 * nc
+    for j, (t, vid) in enumerate(zip(node.outputs[:n_main], out_vids)):
         to = lw.target(t)
-        if lw.in_block and t is not node.outputs[0] and to.axes_of(loop.layer) != tuple(loop.layer_axes):
+        if lw.in_block and not loop.backward and j >= nc and to.axes_of(loop.layer) != tuple(loop.layer_axes):
             # an inner repeat's gathered layer inputs, read by its gradient only: kept whole
             to = _stack_sharding(_slice_sharding(to, loop.layer), t.shape, loop.layer, loop.layer_axes)
         kept = tuple(a for a in lw.sharding(vid).partial if a not in to.used_axes)

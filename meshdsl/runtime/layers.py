@@ -29,6 +29,11 @@ buffers are views into one ``[layers, bucket]`` buffer (:func:`_packed_rows`), t
 row is the packed bucket, and the reduction lands in the stacked buffers in place, as DDP's
 gradients are views into its buckets.
 
+A block carrying several tensors (the step's ``carries``, k) hands the loop a tuple of k
+carries (each one local tensor per held rank): the body's inputs ``carry``, ``carry.1``, ...
+and outputs ``out``, ``out.1``, ... (backward ``cotangent.<i>``, ``dcarry.<i>``), nothing
+joined; the step's outputs hold each carried tensor's own, in order.
+
 A forward loop stacks the block's per-layer outputs (the step's ``ys``) over the layer dim
 as the loss reads them whole; a backward loop feeds each layer its slice of their stacked
 gradients.
@@ -47,6 +52,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..ir.block import carry_name
 from ..ir.repeat import LayerStack, run_layers
 from ..lowering.plan import Plan
 from ..comm.bucket import bucket_members, start_packed_each
@@ -67,26 +73,30 @@ def _prepare_repeat(ctx, i, step):
     names, pos, saved, num_layers = a["names"], a["pos"], a["saved"], step.times
     ys = a.get("ys", ())
     closed = a.get("closed", ())
+    nc = a.get("carries", 1)
     held = range(len(ctx.comm.ranks))
     if a["backward"]:
         body, tail = _split_tail(plan, a.get("streamed", ()))
         sub = Executor(body, ctx.comm, compile=ctx.compile)
         tail = [(s, rule_for(s.kind)(sub.ctx, -1, s)) for s in tail]
-        grads = step.outs[1:1 + len(names)]   # the stacked gradients; those of the closed-over tensors follow
+        grads = step.outs[nc:nc + len(names)]   # the stacked gradients; those of the closed-over tensors follow
         # each held rank's local shape (a split the axes do not divide differs by rank), and the dtype
         shapes = [([ctx.plan.values[v].local_shape(ctx.plan.mesh, r) for r in ctx.comm.ranks], ctx.plan.values[v].dtype)
                   for v in grads]
         sinks = [install(sub, body.outputs[f"d/{k}"]) for k in names]
-        closed_sums = _ClosedSums([k for k in closed if f"d/{k}" in plan.outputs], step.outs[1 + len(names):])
+        closed_sums = _ClosedSums([k for k in closed if f"d/{k}" in plan.outputs], step.outs[nc + len(names):])
         run_fn = _backward_fn(tail, shapes, sinks, grads, closed_sums, _shares_reduce_buffer(ctx.plan, step, grads))
     else:
         sub, run_fn = Executor(plan, ctx.comm, compile=ctx.compile), _forward
     sub.check_feeds = False   # the loop feeds its body the outer plan's own tensors
+    carries, couts = [carry_name("carry", i) for i in range(nc)], [carry_name("out", i) for i in range(nc)]
     if a["backward"]:
-        ins = ("carry", "cotangent", *names, *[f"cotangent/{k}" for k in ys], *saved, *closed)
-        outs = ("dcarry", *[f"d/{k}" for k in names], *[f"d/{k}" for k in closed_sums.names])
+        ins = (*carries, *[carry_name("cotangent", i) for i in range(nc)], *names, *[f"cotangent/{k}" for k in ys],
+               *saved, *closed)
+        outs = (*[carry_name("dcarry", i) for i in range(nc)], *[f"d/{k}" for k in names],
+                *[f"d/{k}" for k in closed_sums.names])
     else:
-        ins, outs = ("carry", *names, *closed), ("out", *[f"y/{k}" for k in ys], *saved)
+        ins, outs = (*carries, *names, *closed), (*couts, *[f"y/{k}" for k in ys], *saved)
     runner = _Body.of(sub, ins, outs)
     # the loop's result, made in a pipeline's send slot where the pipeline asks (.carry_out)
     carry = CarrySlot(sub, sub.plan.outputs["dcarry" if a["backward"] else "out"])
@@ -101,6 +111,8 @@ def _prepare_repeat(ctx, i, step):
         if ins is None or any(issubclass(t, Pending) for t in set(map(type, ins))):   # (a result in flight)
             ins = [get(v) for v in step.ins]
         layer_params.fixed = {k: PerRank(x) for k, x in zip(closed, ins[len(ins) - len(closed):])} if closed else {}
+        if nc > 1:   # each group of carried tensors as one tuple: the loop hands them on together
+            ins = _tupled(ins, nc, len(names), a["backward"])
         outs = run_fn(sub, ins[:len(ins) - len(closed)], names, pos, (saved, ys), num_layers, held, run.stats,
                       run.salt + first, run.into, run.defer, layer_params, runner, carry)
         for vid, x in zip(step.outs, outs):
@@ -109,6 +121,15 @@ def _prepare_repeat(ctx, i, step):
     # what the loop hands on is never in flight, but for gradients it reduces layer by layer (_Layers)
     call.settled = not (a["backward"] and tail)
     return call
+
+
+def _tupled(ins: list, nc: int, num_stacked: int, backward: bool) -> list:
+    """A loop step's inputs with its ``nc`` carried tensors as one tuple (backward: their stacked
+    layer inputs, and after the stacked params their gradients, each as one tuple)."""
+    if not backward:
+        return [tuple(ins[:nc]), *ins[nc:]]
+    at = nc + num_stacked
+    return [tuple(ins[:nc]), *ins[nc:at], tuple(ins[at:at + nc]), *ins[at + nc:]]
 
 
 def _shares_reduce_buffer(plan: Plan, step, grads) -> bool:
@@ -242,11 +263,21 @@ def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, i
     def params_of(l):
         return layer_params(stacked, l)
 
+    nc = len(x) if type(x) is tuple else 1   # (several carried tensors: a tuple of per-rank lists)
+
     def layer(l, x):
         pre = ahead(l, l + 1, params_of(l), params_of) if ahead.on else None
         if runner is not None:
+            if nc > 1:
+                r = runner(first + l, stats, pre, *x, *layer_params.slices(stacked, l), *layer_params.fixed.values())
+                return tuple(r[:nc]), (*x, *r[nc:])
             r = runner(first + l, stats, pre, x, *layer_params.slices(stacked, l), *layer_params.fixed.values())
             return r[0], (x, *r[1:])
+        if nc > 1:
+            r = sub.run({**{carry_name("carry", i): PerRank(c) for i, c in enumerate(x)}, **params_of(l)}, {},
+                        salt=first + l, stats=stats, prefetched=pre)
+            return (tuple(r[carry_name("out", i)] for i in range(nc)),
+                    (*x, *[r[f"y/{k}"] for k in ys], *[r[k] for k in saved]))
         r = sub.run({"carry": PerRank(x), **params_of(l)}, {}, salt=first + l, stats=stats, prefetched=pre)
         return r["out"], (x, *[r[f"y/{k}"] for k in ys], *[r[k] for k in saved])
 
@@ -254,13 +285,14 @@ def _forward(sub, ins, names, pos, kept_names, num_layers, held, stats, first, i
     # Per held rank: the layer inputs, the per-layer outputs stacked over the layer dim (the
     # loss reads them whole), the saved activations as LayerStacks (read back layer by layer).
     n_ys = len(ys)
-    cols = list(zip(*kept)) or [()] * (1 + n_ys + len(saved))   # per kept value, its per-rank lists by layer
-    inputs, ys_cols, saved_cols = cols[0], cols[1:1 + n_ys], cols[1 + n_ys:]
+    cols = list(zip(*kept)) or [()] * (nc + n_ys + len(saved))   # per kept value, its per-rank lists by layer
+    inputs, ys_cols, saved_cols = cols[:nc], cols[nc:nc + n_ys], cols[nc + n_ys:]
+    xs = list(x) if nc > 1 else [x]
     if len(held) == 1:   # (every process's case: each layer's one-tensor lists chained, no loop per rank)
-        return [x, [LayerStack(chain.from_iterable(inputs))],
+        return [*xs, *[[LayerStack(chain.from_iterable(col))] for col in inputs],
                 *[[torch.stack(list(chain.from_iterable(col)), 0)] for col in ys_cols],
                 *[[LayerStack(chain.from_iterable(col))] for col in saved_cols]]
-    return [x, [LayerStack([c[j] for c in inputs]) for j in held],
+    return [*xs, *[[LayerStack([c[j] for c in col]) for j in held] for col in inputs],
             *[[torch.stack([c[j] for c in col], 0) for j in held] for col in ys_cols],
             *[[LayerStack([c[j] for c in col]) for j in held] for col in saved_cols]]
 
@@ -347,6 +379,7 @@ def _backward_fn(tail: list, shapes: list, sinks: list, outs: tuple, closed: _Cl
             # per gradient, whether its buffers may be allocated like the carry's gradient (its dtype
             # and device): ``new_empty`` has no dtype or device to parse, every call
             dy = ins[1 + len(names)]
+            dy = dy[0] if type(dy) is tuple else dy   # (several carried tensors: the first's, for its device)
             like = [all(dtype is x.dtype for x in dy) for _, dtype in shapes]
             static.extend((outv, late, _packed_members(tail, outv), like))
         outv, late, packed, like = static
@@ -413,6 +446,10 @@ class _BackwardLoop:
         self.saved, self.ys = kept_names
         n_names = len(names)
         self.carries, self.stacked, self.dy = carries, rest[:n_names], rest[n_names]
+        # several carried tensors: ``carries`` and ``dy`` are tuples, one per carried tensor, and the
+        # buffers follow the first's per-rank gradients
+        self.nc = len(self.dy) if type(self.dy) is tuple else 1
+        dy_ranks = self.dy[0] if self.nc > 1 else self.dy
         self.dys = rest[n_names + 1:n_names + 1 + len(self.ys)]
         self.saved_in = rest[n_names + 1 + len(self.ys):]
         self.per_layer = self.dys + self.saved_in   # what each layer reads its slice of, after its params
@@ -423,13 +460,13 @@ class _BackwardLoop:
         work = defer.work if defer is not None else None
         self.later = [work if f else None for f in layout.later]
         self.packed, self.reduced, self.rows = _packed_rows(sub, tail, self.outv, shapes, [pos[k] for k in names],
-                                                            num_layers, self.dy, shared) if tail else ({}, {}, {})
+                                                            num_layers, dy_ranks, shared) if tail else ({}, {}, {})
         self.kept = {n: [None] * num_layers for n, f in enumerate(layout.stack) if f}
         bufs: list = [None] * n_names
         for n in layout.fresh:
             each, dtype = shapes[n]
-            bufs[n] = [x.new_empty(shape) for shape, x in zip(each, self.dy)] if like[n] else \
-                [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, self.dy)]
+            bufs[n] = [x.new_empty(shape) for shape, x in zip(each, dy_ranks)] if like[n] else \
+                [torch.empty(shape, dtype=dtype, device=x.device) for shape, x in zip(each, dy_ranks)]
         for n in self.packed:
             bufs[n] = self.packed[n]
         for n, f in enumerate(layout.adds):
@@ -450,6 +487,8 @@ class _BackwardLoop:
         for sink, n in self.sinking:
             sink.dst, sink.accumulate, sink.later = dsts[n], self.adds[n], self.later[n]
         try:
+            if self.nc > 1:
+                return self._body_tupled(l, dy, pre)
             if self.runner is not None:
                 if len(self.held) == 1:   # (every process's case: no loop over held ranks per value)
                     carry, per_layer = [self.carries[0][l]], [[x[0][l]] for x in self.per_layer]
@@ -469,6 +508,24 @@ class _BackwardLoop:
         finally:
             for sink, _ in self.sinking:
                 sink.dst = sink.later = None
+
+    def _body_tupled(self, l, dy: tuple, pre):
+        """:meth:`_body` of a block carrying several tensors: ``dy`` and the result's carry
+        gradient are tuples, one per carried tensor."""
+        held, nc, n = self.held, self.nc, len(self.names)
+        carry = [[x[j][l] for j in held] for x in self.carries]
+        if self.runner is not None:
+            per_layer = [[x[j][l] for j in held] for x in self.per_layer]
+            r = self.runner(self.first + l, self.stats, pre, *carry, *dy, *self.layer_params.slices(self.stacked, l),
+                            *per_layer, *self.layer_params.fixed.values())
+            return tuple(r[:nc]), r[nc:nc + n], r[nc + n:]
+        feeds = {**{carry_name("carry", i): PerRank(c) for i, c in enumerate(carry)},
+                 **{carry_name("cotangent", i): PerRank(d) for i, d in enumerate(dy)}, **self._params_of(l),
+                 **{f"cotangent/{k}": PerRank([d[j][l] for j in held]) for k, d in zip(self.ys, self.dys)},
+                 **{k: PerRank([s[j][l] for j in held]) for k, s in zip(self.saved, self.saved_in)}}
+        r = self.sub.run(feeds, {}, salt=self.first + l, stats=self.stats, prefetched=pre)
+        return (tuple(r[carry_name("dcarry", i)] for i in range(nc)), [r[f"d/{k}"] for k in self.names],
+                [r[f"d/{k}"] for k in self.closed.names])
 
     def layer(self, l, dy):
         if len(self.held) == 1:
@@ -509,7 +566,7 @@ class _BackwardLoop:
         pos, names, bufs = self.pos, self.names, self.bufs
         for n, each in self.kept.items():
             bufs[n] = [torch.stack([g[j] for g in each], pos[names[n]]) for j in self.held]
-        return [dy] + [_Layers(self.pending[n], self.reduced.get(n, bufs[n]), pos[k]) if n in self.late else bufs[n]
+        return [*(dy if self.nc > 1 else [dy])] + [_Layers(self.pending[n], self.reduced.get(n, bufs[n]), pos[k]) if n in self.late else bufs[n]
                        for n, k in enumerate(names)] + self.closed_sums
 
 

@@ -362,7 +362,7 @@ def _put_off(step: Step) -> frozenset:
     for s in bwd.steps:
         if s.kind == "repeat" and s.args["backward"]:
             (block,) = s.subplans
-            for name, v in zip(s.args["names"], s.outs[1:]):
+            for name, v in zip(s.args["names"], s.outs[s.args.get("carries", 1):]):
                 i = matmul_producer(block, block.outputs[f"d/{name}"])
                 if v not in read and i is not None and name not in s.args.get("streamed", ()):
                     out.add(id(block.steps[i]))
