@@ -103,7 +103,7 @@ for _name, _fn in _UNARY.items():
 # cover its two-dim conflicts), so a case only needs the op's own kernel and gradient on every
 # layout of [seq], a quarter of the time of [batch, seq].
 _UNARY_1D = {
-    "erf": md.erf, "expm1": md.expm1, "square": md.square, "mish": md.mish, "log_sigmoid": md.log_sigmoid,
+    "erf": md.erf, "expm1": md.expm1, "square": md.square, "gelu_tanh": lambda x: md.gelu(x, approximate="tanh"), "mish": md.mish, "log_sigmoid": md.log_sigmoid,
     "log1p": lambda x: md.log1p(_pos(x)), "reciprocal": lambda x: md.reciprocal(_pos(x)),
     # beta * x on both sides of the threshold: both branches of the kernel and of the gradient
     "softplus": lambda x: md.softplus(x) + md.softplus(x, beta=2.0, threshold=1.0),
@@ -696,6 +696,7 @@ EXERCISED_BY = {
     "constant": "where",                              # a Python number operand: greater(a, 0.0), a * 2.0
     # backward ops: only a gradient makes them (build_case differentiates each case's loss)
     "softmax_backward": "softmax", "gelu_backward": "gelu", "relu_backward": "relu", "silu_backward": "silu",
+    "gelu_tanh_backward": "gelu_tanh",
     "cross_entropy_backward": "cross_entropy", "layer_norm_backward": "layer_norm",
     "normalize_backward": "normalize", "rms_norm_backward": "rms_norm", "batch_norm_stats": "batch_norm",
     "batch_norm_backward_sums": "batch_norm", "batch_norm_backward": "batch_norm",

@@ -1,10 +1,11 @@
 """Lowering of the fused norms: fused where the normalised dim is whole, composite where it arrives split.
 
-``rms_norm``, ``layer_norm`` and their backwards are one kernel each that needs the normalised
-dim whole on a rank (``fixed`` in their spec), so lowered generically a split dim is gathered
-first: the whole activation, as a DeepSeek-V2 latent's norm under ``kv_latent:model`` or every
-norm under a ``d_model`` split would move it.  Where the input already arrives split along that
-dim, the node is lowered as the composite of the same math instead (as :mod:`.softmax` does):
+``rms_norm``, ``layer_norm``, ``normalize`` (a layer norm without affine) and their backwards
+are one kernel each that needs the normalised dim whole on a rank (``fixed`` in their spec), so
+lowered generically a split dim is gathered first: the whole activation, as a DeepSeek-V2
+latent's norm under ``kv_latent:model`` or every norm under a ``d_model`` split would move it.
+Where the input already arrives split along that dim, the node is lowered as the composite of
+the same math instead (as :mod:`.softmax` does):
 
 * RMS norm: ``rstd = rsqrt(mean(x^2) + eps)``, ``y = x * rstd * scale``; backward, with
   ``x̂ = x * rstd`` and ``gw = g * scale``: ``dx = (gw - x̂ * mean(gw * x̂)) * rstd``;
@@ -94,6 +95,13 @@ def composite_layer_norm_backward(g, x, mean, rstd, *scale, dim: str, has_bias: 
     return outs
 
 
+def composite_normalize_backward(g, x, dim: str, eps: float):
+    """``[dx]`` of the affine-free layer norm (``normalize``), which saves no statistics: they are
+    made again from ``x``, as its fused backward kernel makes them."""
+    _, mean, rstd = composite_layer_norm(x, dim=dim, eps=eps, has_scale=False, has_bias=False)
+    return composite_layer_norm_backward(g, x, mean, rstd, dim=dim, has_bias=False)
+
+
 def _row_sums(ts, dim: str) -> list:
     """``reduce_sum(t, dim)`` of each of ``ts``, packed along a new dim after the sums: over a split
     ``dim`` the partial sums (one value per row each) go in one allreduce instead of one each, as
@@ -113,12 +121,16 @@ def _build(node):
     if name == "layer_norm":
         return lambda *ins: composite_layer_norm(*ins, dim=a["dim"], eps=a["eps"], has_scale=a["scale"],
                                                  has_bias=a["bias"])
+    if name == "normalize":
+        return lambda x: composite_layer_norm(x, dim=a["dim"], eps=a["eps"], has_scale=False, has_bias=False)[:1]
+    if name == "normalize_backward":
+        return lambda g, x: composite_normalize_backward(g, x, dim=a["dim"], eps=a["eps"])
     return lambda *ins: composite_layer_norm_backward(*ins, dim=a["dim"], has_bias=a["bias"])
 
 
-@lowering("rms_norm", "rms_norm_backward", "layer_norm", "layer_norm_backward")
+@lowering("rms_norm", "rms_norm_backward", "layer_norm", "layer_norm_backward", "normalize", "normalize_backward")
 def lower_norm(lw, node) -> None:
-    x = node.inputs[0 if node.op.name in ("rms_norm", "layer_norm") else 1]
+    x = node.inputs[0 if node.op.name in ("rms_norm", "layer_norm", "normalize") else 1]
     if not lw.sharding(lw.value(x)).axes_of(node.attrs["dim"]):
         lower_generic(lw, node)
         return
