@@ -48,7 +48,7 @@ from meshdsl.search.estimate import profile  # noqa: E402
 from meshdsl.train.step import step_outputs  # noqa: E402
 
 REDUCTIONS = ("allreduce", "reduce_scatter", "bucket_allreduce", "bucket_reduce_scatter")
-GATHERS = ("allgather", "alltoall")
+GATHERS = ("allgather", "alltoall", "bucket_allgather")
 RESHAPING = ("reshape", "rearrange", "rename", "concat", "slice")
 TEXTBOOK_PER_LAYER = 2   # Megatron: one allreduce per row-parallel matmul (forward), one per column-parallel input (backward)
 
@@ -171,17 +171,19 @@ def _rules(name: str, plan: Plan, s, readers, seen, batch_like, from_params=froz
     if name in ("dp", "fsdp") and "data" in s.axes:
         grad = s.kind in REDUCTIONS and s.phase in ("backward", "update") and \
             not any(_has(plan, v, batch_like) for v in s.ins)
-        param = name == "fsdp" and s.kind == "allgather" and not any(_has(plan, v, batch_like) for v in s.ins)
+        param = name == "fsdp" and s.kind in ("allgather", "bucket_allgather") and \
+            not any(_has(plan, v, batch_like) for v in s.ins)
         # params.X:data splits each param's X: a sum over X of a value made from params alone is partial
         of_params = name == "fsdp" and s.kind in REDUCTIONS and all(v in from_params for v in s.ins)
         if not (grad or param or of_params or all(_scalar(plan, v) for v in s.ins)):
             flags.append("dp: not a gradient, scalar, param gather or reduction of a param-only value")
     if name == "megatron" and s.kind not in ("allreduce", "bucket_allreduce"):
         flags.append(f"megatron: {s.kind}")
-    if s.kind == "allgather" and any(r.kind == "split" and set(r.axes) & set(s.axes)
+    if s.kind in ("allgather", "bucket_allgather") and any(r.kind == "split" and set(r.axes) & set(s.axes)
                                      for v in s.outs for r in readers.get(v, ())):
         flags.append("gather+slice: gathered, then cut back")
-    if gathers and s.op in RESHAPING and s.note.startswith("re-layout input"):
+    # (a bucket of gathers made back to back, lowering/coalesce.py: its note keeps each member's)
+    if gathers and s.op in RESHAPING and (s.note.startswith("re-layout input") or ": re-layout input" in s.note):
         flags.append(f"reshape: {s.op} gathers its input")
     key = (s.kind, s.axes, s.ins, tuple(sorted((k, str(v)) for k, v in s.args.items())))
     if key in seen:

@@ -171,9 +171,10 @@ register(Collective("reduce_scatter", ("dim", "op", "uneven"), lambda n: (n - 1)
                     asynchronous=True))
 
 
-# ----------------------------------------------------------------------------- gradient buckets
+# ----------------------------------------------------------------------------- buckets
 # Several gradients reduced in one flat buffer (DDP's buckets): one call's latency and one
-# kernel launch instead of one per gradient.  lowering/bucket.py makes the steps; the
+# kernel launch instead of one per gradient.  lowering/bucket.py (and coalesce.py, for an
+# activation's small collectives made back to back) makes the steps; the
 # executor's bucket rule (runtime/steps.py) packs the members into the buffer and unpacks the
 # result, so the implementations below see one 1-D tensor per rank.  A reduce-scatter
 # bucket is packed chunk-major (member j's chunks of every gradient, then member j+1's), so
@@ -192,6 +193,12 @@ register(Collective("bucket_allreduce", ("op",), lambda n: 2 * (n - 1) / n, _sim
                     asynchronous=True))
 register(Collective("bucket_reduce_scatter", ("op", "dims", "cuts", "uneven"), lambda n: (n - 1) / n,
                     lambda xs, groups, args: _sim_reduce_scatter(xs, groups, flat_args(args)), asynchronous=True))
+# An allgather bucket (lowering/coalesce.py: activations' gathers made back to back) packs each
+# rank's members' parts one after another; gathering the flat buffers along the only dim gives one
+# row per member of the group, in group order, and the executor joins each member's parts from
+# the rows along its own ``dims`` entry (:func:`meshdsl.comm.bucket.unpack_gathered`).
+register(Collective("bucket_allgather", ("dims",), lambda n: float(n - 1),
+                    lambda xs, groups, args: _sim_allgather(xs, groups, flat_args(args)), asynchronous=True))
 
 
 # ----------------------------------------------------------------------------- permute

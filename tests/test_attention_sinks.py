@@ -115,15 +115,16 @@ def test_heldout_sinks_fused_moves_edges_not_keys():
     allgather carries 2 (w - 1 + S) = 8 rows of [batch 2, kv_heads 2, d_head 4] fp32 (512 B a rank:
     k's and v's window and sink rows), one per layer forward and one in its backward (a repeat's
     backward exchanges again), and one reduce-scatter a layer sends their gradients back; the
-    composite mask allgathers k and v whole (6 rows, 384 B each) and reduce-scatters both gradients."""
+    composite mask allgathers k and v whole (6 rows, 384 B each, made back to back: one bucket,
+    lowering/coalesce.py) and reduce-scatters both gradients."""
     def moves(form):
         plan = md.compile(heldout_outputs(md.load_model(SINKS_MODEL, tiny=True, form=form)), "model:2", "seq:model")
         return [(s.kind, s.bytes, s.note) for s, mult in plan.walk() for _ in range(mult)
-                if s.kind in ("allgather", "reduce_scatter", "permute")]
+                if s.kind in ("allgather", "reduce_scatter", "permute", "bucket_allgather", "bucket_reduce_scatter")]
     fused, mask = moves("fused"), moves("mask")
     assert sorted((k, b) for k, b, _ in fused) == [("allgather", 512)] * 4 + [("reduce_scatter", 1024)] * 2, fused
     assert all("attention edges" in note for _, _, note in fused), fused
-    assert ("allgather", 384) in [(k, b) for k, b, _ in mask], mask   # k (or v) gathered whole
+    assert ("bucket_allgather", 2 * 384) in [(k, b) for k, b, _ in mask], mask   # k and v gathered whole
     assert sum(b for _, b, _ in fused) < sum(b for _, b, _ in mask)
 
 

@@ -77,11 +77,12 @@ def test_the_step_matches_the_dense_program(mesh, layout, m, schedule):
 
 
 def test_the_cost_model_prices_a_final_step_once_per_micro_batch_it_runs_for():
-    # the cross-attention cache's encoder backward runs after the micro-batches, per micro-batch (its
-    # saved activations split over them): the cost model charges each such step m times, as the runtime runs it
-    model = md.load_model("tests/heldout_xcache.py", tiny=True)
+    # on virtual stages the cross-attention cache's encoder backward runs after the micro-batches, per
+    # micro-batch (its saved activations split over them): the cost model charges each such step m times,
+    # as the runtime runs it
+    model = md.load_model("tests/heldout_xcache.py", tiny=True, layers=4)
     plan = md.compile(training_outputs(model.loss, model.params, 0.1), "stage:2", "layer:stage",
-                      microbatches=2, schedule="gpipe")
+                      microbatches=2, schedule="interleaved:2")
     final = next(s for s in plan.steps if s.kind == "pipeline").subplans[list(Segment).index(Segment.FINAL)]
     cal = Calibration.defaults()
     rows: dict = {}

@@ -108,10 +108,14 @@ def test_the_only_collectives_at_the_recurrence_are_its_gathers():
     stacked inputs' gradients are read back as local slices (no reduce-scatter, no alltoall)."""
     outs, _ = _rwkv()
     split = _collectives(md.compile(outs, "model:2", "seq:model"))
+    # k's and v's gathers, made back to back, go in one bucket (lowering/coalesce.py), its note
+    # keeping each member's
     gathers = sorted((where.count("/"), note.split(":")[0]) for where, kind, note in split if kind == "allgather")
-    assert gathers == [(1, "re-layout stacked param 'k'"), (1, "re-layout stacked param 'v'"),
-                       (2, "re-layout gradient of per-layer output 'wkv'")], split
-    rest = sorted(kind for _, kind, _ in split if kind != "allgather")
+    assert gathers == [(2, "re-layout gradient of per-layer output 'wkv'")], split
+    [(where, packed)] = [(where, note) for where, kind, note in split if kind == "bucket_allgather"]
+    assert where.count("/") == 1 and packed.startswith("2 independent allgathers"), split
+    assert "re-layout stacked param 'k'" in packed and "re-layout stacked param 'v'" in packed, packed
+    rest = sorted(kind for _, kind, _ in split if kind not in ("allgather", "bucket_allgather"))
     assert rest == sorted(kind for _, kind, _ in _collectives(md.compile(outs, "model:2", "batch:model"))), split
 
 

@@ -58,5 +58,5 @@ def test_a_big_table_few_ids_still_gathers_per_lookup():
     out, feeds = _lookups(16384, 2)
     plan = md.compile(out, MESH, LAYOUT)
     moves = _backward_moves(plan)
-    assert moves and all(k == "allgather" for k, _ in moves), moves
+    assert moves and all(k in ("allgather", "bucket_allgather") for k, _ in moves), moves   # (lowering/coalesce.py)
     assert md.check(out, MESH, LAYOUT, feeds).ok

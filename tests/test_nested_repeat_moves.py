@@ -55,11 +55,13 @@ def _birnn(remat: str = "none", layers: int = 1) -> tuple[dict, dict]:
 
 def _input_gathers(plan, phases: tuple[str, ...], inside: bool = False) -> list[str]:
     """The allgathers of a recurrence's stacked input (``re-layout stacked param 'x'``) in ``phases``,
-    its loops' sub-plans included."""
+    its loops' sub-plans included; a bucket's members (lowering/coalesce.py: its note keeps theirs)
+    each once."""
     out = []
     for s in plan.steps:
-        if s.is_collective and s.kind == "allgather" and s.phase in phases and "stacked param 'x'" in (s.note or ""):
-            out.append(f"{s.phase} {s.label}{' (in a loop)' if inside else ''}")
+        if s.kind in ("allgather", "bucket_allgather") and s.phase in phases:
+            where = f"{s.phase} {s.label}{' (in a loop)' if inside else ''}"
+            out += [where] * (s.note or "").count("stacked param 'x'")
         for sub in s.subplans:
             out += _input_gathers(sub, phases, True)
     return out

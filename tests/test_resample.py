@@ -1,8 +1,8 @@
 """md.upsample (meshdsl/ops/resample.py): nearest and (bi)linear upsampling by whole factors.
 
 torch's ``F.interpolate(scale_factor=s, align_corners=False)`` and the dense program are the
-oracles.  Nearest keeps an even split of the scaled dim split and moves nothing; linear is an
-einsum with a constant table per dim.
+oracles.  Nearest keeps an even split of the scaled dim split and moves nothing; linear mixes
+neighbouring rows, so an even split trades one-row halos.
 
 Legend: batch 2, height 4, width 5, ch 3.
 """
@@ -74,6 +74,17 @@ def test_nearest_keeps_an_even_split_split():
     with md.Graph():
         plan = md.compile(_upsampled("nearest", 2), "model:2", "height:model")
     assert list(plan.collectives()) == []
+
+
+def test_bilinear_over_an_even_split_trades_one_row_each_way():
+    """Each output row mixes two neighbouring input rows, so a rank needs one row from each
+    neighbour: 4 permutes of one [batch, 1, width, ch] row (forward and the gradient back), where
+    a table einsum over the split dim gathered x and its gradient whole (2 allgathers, 720 B here,
+    growing with the dim where the halo does not)."""
+    with md.Graph():
+        plan = md.compile(_upsampled("bilinear", 2), "model:2", "height:model")
+    row = 2 * 1 * 5 * 3 * 4
+    assert plan.totals() == {"permute": {"count": 4, "bytes": 4 * row}}
 
 
 def test_errors_name_what_was_wrong_and_the_fix():

@@ -1,9 +1,10 @@
-"""Running a gradient bucket: several values reduced in one flat buffer.
+"""Running a bucket: several values reduced (or gathered) in one flat buffer.
 
-A ``bucket_allreduce`` or ``bucket_reduce_scatter`` step (made by
-:mod:`meshdsl.lowering.bucket`) has one input and one output per member; the
-collective rule of :mod:`.steps` hands such steps to :func:`prepare_bucket`.
-Per held rank the rule packs the members into one 1-D buffer, starts the
+A ``bucket_allreduce``, ``bucket_reduce_scatter`` or ``bucket_allgather`` step (made by
+:mod:`meshdsl.lowering.bucket` and :mod:`meshdsl.lowering.coalesce`) has one input and one
+output per member; the collective rule of :mod:`.steps` hands such steps to
+:func:`prepare_bucket`.  Per held rank the rule packs the members into one 1-D buffer
+(:func:`packing` says how, and how its result is cut up), starts the
 collective on it (asynchronously where the communicator can), and gives each
 output a handle that unpacks its piece when first read, so a reader waits for
 the bucket no earlier than it needs one of its members.
@@ -20,20 +21,34 @@ def unpack(flat: torch.Tensor, numels, shapes) -> list[torch.Tensor]:
     return [p.view(shape) for p, shape in zip(torch.split(flat.reshape(-1), numels), shapes)]
 
 
+def unpack_gathered(flat: torch.Tensor, numels, shapes, num_parts: int, dims) -> list[torch.Tensor]:
+    """An allgather bucket's result ``flat`` (each member of the group's packed buffer, one row
+    after another) cut into its members' gathered tensors of ``numels`` elements and ``shapes``:
+    member ``k``'s part from every row, joined along ``dims[k]`` in row order, as an allgather of
+    member ``k`` alone joins them (a copy, no arithmetic: the same bits)."""
+    rows, out, at = flat.reshape(num_parts, -1), [], 0
+    for numel, shape, dim in zip(numels, shapes, dims):
+        part, width = list(shape), numel // num_parts
+        part[dim] //= num_parts
+        out.append(rows[:, at:at + width].reshape(num_parts, *part).movedim(0, dim).reshape(shape))
+        at += width
+    return out
+
+
 class _Unpacked:
     """The bucket's result, cut into the members' tensors on first use; ``layouts``: per held
-    rank, its members' ``(numels, shapes)``."""
+    rank, its members' ``(numels, shapes)``; ``cut(flat, numels, shapes)`` cuts (:func:`unpack`)."""
 
-    __slots__ = ("pending", "layouts", "parts")
+    __slots__ = ("pending", "layouts", "parts", "cut")
 
-    def __init__(self, pending, layouts):
-        self.pending, self.layouts, self.parts = pending, layouts, None
+    def __init__(self, pending, layouts, cut=unpack):
+        self.pending, self.layouts, self.parts, self.cut = pending, layouts, None, cut
 
     def part(self, k: int) -> list:
         if self.parts is None:
             flats = self.pending.wait()
             self.pending = None
-            self.parts = [unpack(flat, numels, shapes) for flat, (numels, shapes) in zip(flats, self.layouts)]
+            self.parts = [self.cut(flat, numels, shapes) for flat, (numels, shapes) in zip(flats, self.layouts)]
         return [parts[k] for parts in self.parts]
 
 
@@ -66,16 +81,26 @@ def pack_reduce_scatter(xs, num_chunks, dims, cuts=()):
     return torch.cat([c[j].reshape(-1) for j in range(num_chunks) for c in chunks])
 
 
+def packing(kind: str, num_chunks: int, dims):
+    """``(pack, cut)`` of bucket kind ``kind`` over a group of ``num_chunks`` whose members run
+    along ``dims`` (a reduce-scatter's and an allgather's): ``pack(xs, num_chunks, dims, cuts)``
+    makes a held rank's flat buffer, ``cut(flat, numels, shapes)`` its result's members."""
+    if kind == "bucket_allgather":
+        return pack_allreduce, lambda flat, numels, shapes: unpack_gathered(flat, numels, shapes, num_chunks, dims)
+    return (pack_allreduce if kind == "bucket_allreduce" else pack_reduce_scatter), unpack
+
+
 def start_packed(comm, s, flats, numels, shapes) -> list[Pending]:
     """Start bucket step ``s`` on ``flats`` (one packed 1-D buffer per held rank); a handle per
     member.  An allreduce bucket reduces the buffers in place where the communicator can."""
     return start_packed_each(comm, s, flats, [(numels, shapes)] * len(flats))
 
 
-def start_packed_each(comm, s, flats, layouts) -> list[Pending]:
+def start_packed_each(comm, s, flats, layouts, cut=unpack) -> list[Pending]:
     """:func:`start_packed` with each held rank's own ``(numels, shapes)`` in ``layouts``: a
-    member split unevenly has another local shape on another group of ranks."""
-    whole = _Unpacked(comm.start(s.kind, flats, s.axes, s.args), layouts)
+    member split unevenly has another local shape on another group of ranks; ``cut``: as
+    :func:`packing` gives it."""
+    whole = _Unpacked(comm.start(s.kind, flats, s.axes, s.args), layouts, cut)
     return [_Member(whole, k) for k in range(len(s.outs))]
 
 

@@ -15,7 +15,7 @@ from ..errors import GraphError, message
 from ..lowering.pipeline import MB_AXIS
 
 #: bucket kind -> the kind its flat buffer runs as
-FLAT = {"bucket_allreduce": "allreduce", "bucket_reduce_scatter": "reduce_scatter"}
+FLAT = {"bucket_allreduce": "allreduce", "bucket_reduce_scatter": "reduce_scatter", "bucket_allgather": "allgather"}
 
 
 def check_collective(comm, kind, xs, axes, args) -> None:

@@ -220,6 +220,15 @@ def _start_bucket_reduce_scatter(comm, x, group, args):
     return _start_reduce_scatter(comm, x, group, flat_args(args))
 
 
+def _bucket_allgather(comm, x, group, args):
+    return _dist_allgather(comm, x, group, flat_args(args))
+
+
+def _start_bucket_allgather(comm, x, group, args):
+    # every member's buffer, one after another: the flat allgather's result the executor cuts up
+    return _start_allgather(comm, x, group, flat_args(args))
+
+
 # ----------------------------------------------------------------------------- uneven parts
 # gloo and NCCL move parts of one length.  A step whose parts differ in length (an uneven
 # split: args["lengths"], {dim position: each member's length}, which TorchComm works out
@@ -300,6 +309,7 @@ TORCH = {
     "reduce_scatter": _padded(_pad_scatter, _dist_reduce_scatter, _start_reduce_scatter),
     "bucket_allreduce": (_dist_allreduce, _start_bucket_allreduce),
     "bucket_reduce_scatter": _padded(_pad_scatter, _bucket_reduce_scatter, _start_bucket_reduce_scatter),
+    "bucket_allgather": (_bucket_allgather, _start_bucket_allgather),
     "permute": (_dist_permute, None),
     "send": (_dist_send, None),
     "recv": (_dist_recv, _start_recv),

@@ -27,6 +27,13 @@ the backward block from what is saved.  A policy picks:
   kernel's output too.
 * ``save:OP,OP,...``: the same with the listed ops as the costly ones, e.g. ``save:attention``.
 
+The policy is chosen before the layout, which decides what communicates.  Under ``selective`` and
+``save:``, where the forward moved a value a recomputed op reads (a sum over a split dim reduced,
+TokenFormer's L2 norm over split param tokens), the lowering saves the moved value too while such
+values are small next to what the policy saves, and the recompute sends nothing the forward sent
+(:func:`recomputed`, :func:`meshdsl.lowering.saved_copies.saved_results`).  ``full`` saves only
+each layer's input: its recompute sends the layer's collectives again.
+
 The policy is given per repeat (``md.repeat(..., remat="selective")``), or for every
 repeat of a gradient at once (``md.grad(loss, remat="full")``, which ``TrainStep``,
 ``md.fit`` and ``--remat`` use); the second wins.  Recomputing runs the same kernels on
@@ -38,7 +45,9 @@ import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from ..core.graph import topo_nodes
 from ..errors import GraphError, did_you_mean, message
+from .closure import activations
 
 #: The ops ``selective`` never recomputes: the linear layers' matmuls.  The fused attention
 #: kernel is not one of them: it is recomputed from the q, k and v its backward reads anyway.
@@ -173,6 +182,24 @@ def chosen(reads, forward: set[int], act: set[int], policy: Remat, savable=lambd
     sink_side = _min_cut(edges)
     cut = [t for key, t in tensors.items() if ("in", key) not in sink_side and ("out", key) in sink_side]
     return sorted(cut, key=lambda t: (t.node.id, t.index))
+
+
+def recomputed(b) -> frozenset[int]:
+    """The forward nodes backward block ``b`` (:func:`.repeat_grad.grad_block`) recomputes, by
+    ``node.id`` (the forward block's numbering: ``b``'s first nodes re-trace it node for node):
+    those its outputs need that the policy did not save and whose values depend on the carry or
+    on an activation read from outside (values of params alone are recomputed whatever the
+    policy).  The lowering saves the results of the collectives such a node's forward made where
+    they are small (:func:`meshdsl.lowering.saved_copies.saved_results`)."""
+    n_fwd = b.extra["num_forward"]
+    act = {*(id(c.node) for c in b.carries), *(id(t.node) for t in activations(b.closed, b.outer))}
+    for n in b.graph.nodes[:n_fwd]:
+        if any(id(t.node) in act for t in n.inputs):
+            act.add(id(n))
+    outs = [*b.extra["dcarries"], *b.extra["dparams"].values(), *b.extra["dclosed"].values()]
+    given = {id(t) for t in b.extra.get("given", {}).values()}
+    return frozenset(n.id for n in topo_nodes(outs, given)
+                     if n.id < n_fwd and id(n) in act and n.op.name != "placeholder")
 
 
 def _bytes(t) -> int:

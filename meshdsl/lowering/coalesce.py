@@ -1,4 +1,4 @@
-"""Coalescing: small independent allreduces made back to back sent as one.
+"""Coalescing: small independent collectives of one kind made back to back sent as one.
 
 An activation's partial sum is reduced where a reader needs it whole.  A kernel with several
 outputs (attention's backward under a sequence split: the keys' and the values' gradients,
@@ -7,15 +7,25 @@ input (an FNO layer's real and imaginary spectra, two einsums of its input with 
 sine table, under a grid split; two parallel projections of one input); each sum pays a
 collective's latency for a few hundred bytes.  As SyncBatchNorm sends its two statistics in one
 buffer, this pass sends them as one ``bucket_allreduce`` (packed, reduced once, cut apart on
-first use: :mod:`meshdsl.comm.bucket`).
+first use: :mod:`meshdsl.comm.bucket`).  Allgathers and reduce-scatters of activations are
+packed likewise (a GRU's three gates renamed into a dim split over the mesh, reduce-scattered in
+the forward and gathered in the backward, each a few dozen bytes): a ``bucket_reduce_scatter``
+packs its members chunk-major as a gradient bucket does, a ``bucket_allgather`` each rank's parts
+one after another, so that one allgather of the flat buffers hands every member its parts, joined
+again along its own dim (:func:`meshdsl.comm.bucket.unpack_gathered`).  Either moves the same
+elements the members would, folded in the same group order: the same bits.
 
 Members of one coalesced step:
 
-* are ``allreduce`` steps of one phase (the forward or the backward) with the same mesh axes,
-  reduce op (a MIN joins MAXes as the MAX of its negation: :mod:`.min_as_max`) and dtype, over
-  no micro-batch axis, whose results the rest of the forward or backward reads: a gradient
-  only the update reads, or an output (but a repeat block's saved activation), is the gradient
-  buckets' business (:mod:`.bucket`), which ``bucket_mb=0`` turns off;
+* are steps of one kind (``allreduce``, ``allgather`` or ``reduce_scatter``) and phase (the
+  forward or the backward) with the same mesh axes, reduce op (a MIN joins MAXes as the MAX of
+  its negation: :mod:`.min_as_max`) and dtype, over no micro-batch axis, whose results the rest
+  of the forward or backward reads: a gradient only the update reads, or an output (but a
+  repeat block's saved activation), is the gradient buckets' business (:mod:`.bucket`), which
+  ``bucket_mb=0`` turns off; an allgather or reduce-scatter whose parts differ in length (an
+  uneven split: its ``uneven`` arg) is left alone, its buffer laid out unlike its neighbours',
+  and so is an allgather of a fed value (a param's slice: the layer loop prefetches those one
+  layer ahead, :mod:`meshdsl.runtime.prefetch`);
 * are independent (no member's input depends on another member) and their inputs are made back
   to back: between the step that makes the first member's input and the one that makes the
   last's, the plan runs no collective, only kernels that read no member (those that do wait
@@ -24,8 +34,8 @@ Members of one coalesced step:
   runs between the two);
 * are joined only while the cost model (:class:`.cost.CostModel`) says it pays: the first
   member waits for the kernels between (priced at the model's FLOP rate) and for the others'
-  bytes (their bandwidth term), at most the one latency term each member after it saves.  An
-  allreduce that overlaps a long kernel is never held back for a later one.
+  bytes (their bandwidth term), at most the one latency term each member after it saves.  A
+  collective that overlaps a long kernel is never held back for a later one.
 
 The coalesced step stands after every member's input is made (where the first member stood,
 or after the last member's input when that comes later), and every reader of a member after
@@ -46,9 +56,13 @@ from .pipeline import MB_AXIS
 from .plan import Step, step_args
 
 
+#: member kind -> the kind of the step that sends several as one
+PACKED = {"allreduce": "bucket_allreduce", "allgather": "bucket_allgather", "reduce_scatter": "bucket_reduce_scatter"}
+
+
 def coalesce(steps: list[Step], values: dict, outputs: dict[str, int], cost: CostModel, mesh) -> list[Step]:
     """``steps`` (a plan without a pipeline), and its repeats' blocks, with the independent
-    allreduces made back to back merged (see the module docstring).
+    allreduces, allgathers and reduce-scatters made back to back merged (see the module docstring).
 
     Returns ``steps`` itself when nothing was merged."""
     # a repeat block's saved activations are outputs its forward reads on: they may join
@@ -79,12 +93,15 @@ def _in_blocks(s: Step, cost: CostModel) -> Step:
     return replace(s, subplans=(replace(sub, steps=tuple(steps), values=values),))
 
 
-def _member(s: Step, readers: dict, steps: list[Step], outs: set[int]) -> bool:
-    """Whether ``s`` may join a coalesced step: an allreduce the forward or backward reads on
-    (one only the update reads, a gradient, is the gradient buckets')."""
-    if s.kind != "allreduce" or s.phase not in ("forward", "backward") or MB_AXIS in s.axes:
+def _member(s: Step, readers: dict, steps: list[Step], outs: set[int], made: dict[int, int]) -> bool:
+    """Whether ``s`` may join a coalesced step: an allreduce, or an allgather or reduce-scatter of
+    parts of one length, the forward or backward reads on (one only the update reads, a gradient,
+    is the gradient buckets'; an allgather of a fed value, a param's, the layer loop's prefetch's)."""
+    if s.kind not in PACKED or s.phase not in ("forward", "backward") or MB_AXIS in s.axes:
         return False
-    if len(s.ins) != 1 or len(s.outs) != 1 or s.outs[0] in outs:
+    if len(s.ins) != 1 or len(s.outs) != 1 or s.outs[0] in outs or s.args.get("uneven"):
+        return False
+    if s.kind == "allgather" and s.ins[0] in made and steps[made[s.ins[0]]].kind in ("input", "param"):
         return False
     # the rest of the backward reads it (it may be a gradient too: a bias's, read by the update)
     return any(steps[j].phase != "update" and not (steps[j].kind == "local" and steps[j].op in IDENTITY)
@@ -107,12 +124,13 @@ def _groups(steps: list[Step], values: dict, outs: set[int], cost: CostModel, me
                 dep |= ancestors[j] | (1 << j)
         ancestors.append(dep)
     # by the place their input is made: the order the executor can start them in
-    members = sorted((made.get(s.ins[0], -1), i) for i, s in enumerate(steps) if _member(s, readers, steps, outs))
+    members = sorted((made.get(s.ins[0], -1), i) for i, s in enumerate(steps)
+                     if _member(s, readers, steps, outs, made))
     open_: dict[tuple, list[int]] = {}
     groups: list[list[int]] = []
     for _, i in members:
         s = steps[i]
-        key = (s.phase, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
+        key = (s.kind, s.phase, s.axes, s.args.get("op", "sum"), values[s.ins[0]].dtype)
         group = open_.get(key)
         if group is not None and _joins(group, i, steps, ancestors, made, cost, mesh):
             group.append(i)
@@ -124,7 +142,7 @@ def _groups(steps: list[Step], values: dict, outs: set[int], cost: CostModel, me
 
 def _joins(group: list[int], i: int, steps: list[Step], ancestors: list[int], made: dict[int, int],
            cost: CostModel, mesh) -> bool:
-    """Whether the allreduce at ``i`` may join ``group``: independent of its members, no
+    """Whether the collective at ``i`` may join ``group``: independent of its members, no
     collective between their inputs and its own, and the cost model says it pays."""
     bits = sum(1 << j for j in group) | (1 << i)
     if ancestors[i] & bits:
@@ -153,10 +171,10 @@ def _work(s: Step) -> int:
 def _pays(members: list[int], flops: int, steps: list[Step], cost: CostModel, mesh) -> bool:
     """Whether the first member's wait for the kernels between (``flops``) and for the others'
     bytes (their bandwidth term) stays within the one latency term each of the others saves."""
-    n = mesh.axis_size(steps[members[0]].axes)
-    latency = cost.collective("allreduce", 0, n)
+    kind, n = steps[members[0]].kind, mesh.axis_size(steps[members[0]].axes)
+    latency = cost.collective(kind, 0, n)
     rest = sum(steps[j].bytes for j in members[1:])
-    return cost.compute(flops) + cost.collective("allreduce", rest, n) - latency <= latency
+    return cost.compute(flops) + cost.collective(kind, rest, n) - latency <= latency
 
 
 def _topological(keyed: list[tuple[tuple[int, int], Step]]) -> list[Step]:
@@ -185,12 +203,18 @@ def _topological(keyed: list[tuple[tuple[int, int], Step]]) -> list[Step]:
 
 
 def _coalesced(members: list[int], steps: list[Step]) -> Step:
-    """One ``bucket_allreduce`` of the allreduces at ``members``."""
+    """One bucket step (:data:`PACKED`) of the collectives at ``members``: an allreduce's reduce
+    op, a reduce-scatter's op and each member's dim, an allgather's dims."""
     first = steps[members[0]]
     ms = [steps[j] for j in members]
+    kind = PACKED[first.kind]
+    args = {} if first.kind == "allgather" else {"op": first.args.get("op", "sum")}
+    if first.kind != "allreduce":
+        args["dims"] = tuple(m.args["dim"] for m in ms)
     names = ", ".join(m.label for m in ms)
-    return Step("bucket_allreduce", first.node, first.op, first.label, first.phase,
+    whys = " | ".join(f"{m.label}: {m.note}" for m in ms if m.note)   # each member's own note, kept
+    return Step(kind, first.node, first.op, first.label, first.phase,
                 tuple(m.ins[0] for m in ms), tuple(m.outs[0] for m in ms), first.axes,
-                step_args("bucket_allreduce", {"op": first.args.get("op", "sum")}), sum(m.bytes for m in ms),
-                note=f"{len(ms)} independent allreduces made back to back sent in one buffer "
-                     f"(one latency instead of {len(ms)}): {names}")
+                step_args(kind, args), sum(m.bytes for m in ms),
+                note=f"{len(ms)} independent {first.kind}s made back to back sent in one buffer "
+                     f"(one latency instead of {len(ms)}): {names}" + (f" [{whys}]" if whys else ""))

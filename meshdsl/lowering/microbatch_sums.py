@@ -100,10 +100,10 @@ def _reads_sums(s: Step, values: dict) -> list[int] | None:
         return list(s.outs) if all(_mb_partial(values, v) for v in s.outs) else None
     if s.kind == "local" and s.outs and all(_mb_partial(values, v) for v in s.outs):
         ins = [v for v in s.ins if MB_AXIS in values[v].sharding.used_axes]
-        # linear in them: a function of one, a sum of terms each partial over the micro-batches, or a
-        # product of one with values the same for every micro-batch (a term without them, added to
-        # each micro-batch's, is not)
-        linear = (len(s.ins) == 1 or (len(ins) == len(s.ins) and s.op in ("add", "sub"))
+        # linear in them: a function of one, a sum of terms each partial over the micro-batches (or
+        # the same for every micro-batch, scaled by 1/m: :func:`_sum_of_terms`), or a product of one
+        # with values the same for every micro-batch
+        linear = (len(s.ins) == 1 or (ins and s.op in ("add", "sub"))
                   or (len(ins) == 1 and s.op in ("mul", "einsum")))
         if linear and all(_mb_partial(values, v) for v in ins):
             return [*ins, *s.outs]
@@ -145,6 +145,8 @@ def _rewrite(final: list, values: dict, mesh, summed: set, made: dict, p: int) -
                 out.append((_local_sum(s, v, sum_of(v), values, mesh), at))
                 have[v] = have.get(v, frozenset()) | missing
         ins = tuple(new[v] if v in summed else v for v in s.ins)
+        if s.kind == "local" and s.op in ("add", "sub") and len(reads) < len(s.ins):
+            s = _sum_of_terms(s, [v in summed for v in s.ins], mesh.axis_size((MB_AXIS,)))
         if s.is_collective and MB_AXIS in s.axes:
             axes = tuple(a for a in s.axes if a != MB_AXIS)
             s = dataclasses.replace(s, ins=ins, axes=axes) if axes else _copy(s, ins[0], values)
@@ -153,6 +155,20 @@ def _rewrite(final: list, values: dict, mesh, summed: set, made: dict, p: int) -
             s = dataclasses.replace(s, ins=ins, outs=tuple(sum_of(v) if v in summed else v for v in s.outs))
         out.append((s, st))
     return out
+
+
+def _sum_of_terms(s: Step, summed: list[bool], m: int) -> Step:
+    """Add or sub ``s`` reading the terms ``summed`` marks as their sums over the ``m`` micro-batches:
+    its result, partial over them, is the sum of the terms, each partial over them or the same for
+    every micro-batch, that last scaled by 1/m (a loss term made from every micro-batch's per-layer
+    outputs added to one made per micro-batch).  The sum over the micro-batches of such a step is
+    the step on the summed terms and on ``m`` times each of the others (it is linear in them all)."""
+    fn = s.args["fn"]
+
+    def kernel(ctx, attrs, *xs):
+        return fn(ctx, attrs, *(x if k else x * m for x, k in zip(xs, summed)))
+    return dataclasses.replace(s, args=step_args("local", {**s.args, "fn": kernel, "inplace": None}),
+                               note=f"{s.note}; terms the same for every micro-batch x {m}".lstrip("; "))
 
 
 def _stage_on(r: int, made, read, p: int) -> int:

@@ -24,8 +24,11 @@ its input gradient on stage 0, and every step reading such values runs where the
 are; steps reading neither run where their results are read (a backward step where the
 micro-batches' own steps read them: one only their sums after the schedule read, a generator's
 param gradient beside the stacks, runs per micro-batch on one stage, not on every stage after
-them; a param's update where the param is read).  A value a step
-needs on another stage travels by one ``send``/``recv`` pair over the stage axis
+them; a param's update where the param is read, and its optimizer state with it).  After the
+micro-batches a step runs only where all it reads is when its result is no bigger than what would
+move (a gradient's square sum: the scalar moves, not the gradient, :func:`_where_inputs_are`), and a
+global norm's terms made on several stages are added on each, then over the stages (:mod:`.stage_terms`).
+A value a step needs on another stage travels by one ``send``/``recv`` pair over the stage axis
 (the carry and its gradient every micro-batch; others, such as the tied
 embedding's gradient, once in the final segment, summed over the micro-batches first where
 what reads it is linear in it, :mod:`.microbatch_sums`), so nothing is gathered or
@@ -66,8 +69,11 @@ stage of the later stack's run, its own layers' part (:func:`_stacked_inputs`), 
 stage's part from its own layers of the stacked gradient, is summed down those stages per micro-batch
 to the earlier stack's last stage, where its backward reads it (:func:`_stacked_input_sums`); partial over
 other axes too (the cache split by heads), it is summed over those after, on that stage
-(:func:`_stage_sums_first`).  With virtual stages (``interleaved:v``) the stacks are cut so on
-``p * v`` logical stages and :func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
+(:func:`_stage_sums_first`).  One stack alone whose stacked input is made from an unpipelined
+encoder's output (``layer:stage``) sums that output's gradient down its stages to stage 0 so too,
+where the encoder's backward then runs per micro-batch (:func:`_one_stacks_input_sums`).  With virtual
+stages (``interleaved:v``) the stacks are cut so on ``p * v`` logical stages and
+:func:`.stacks_on_ranks.on_ranks` puts them on the ranks (stage s on rank s % p).
 
 The passes, in order: :func:`assign_stages`, :func:`update_where_held`, :func:`assign_segments`,
 :func:`insert_transfers`; then :func:`_pipeline_step` makes the step and its
@@ -88,6 +94,7 @@ from .collective_parts import with_given_lengths, with_stored_bytes
 from .local_parts import with_given_parts
 from .microbatch_sums import sum_microbatches_first
 from .stage_layers import split_stacks, split_stages, zeros_step
+from .stage_terms import per_stage_steps, terms_by_stage
 from .stacks_on_ranks import on_ranks
 from .pipeline_program import PipelineProgram, Segment, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
@@ -225,6 +232,9 @@ class _Cut:
     # cross-attention cache): its forward (position -> the stack), the backward before its stage sum
     input_parts: dict = field(default_factory=dict)
     input_grad_parts: set = field(default_factory=set)
+    # sums of scalar terms made on several stages, each stage adding its own (position -> its terms by
+    # stage, :mod:`.stage_terms`)
+    stage_terms: dict = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -269,7 +279,9 @@ def _cut(steps, values, outputs, spec) -> _Cut:
     # a whole-batch count of the inputs, or statistic of a frozen tower: once
     per_mb = made_once(steps, varies_per_microbatch(steps, values, spec.examples, in_stacks), in_stacks)
     sums = {i: (st, c) for st in stacks for i, c in chained_stage_sums(steps, ax, st.B, per_mb, producer).items()}
-    inputs, grad_sums, grad_parts = ({}, {}, set()) if not spec.stacks else (
+    inputs, grad_sums, grad_parts = ({}, *_one_stacks_input_sums(steps, values, ax, stacks[0], producer, per_mb,
+                                                                  spec.schedule.num_chunks)
+                                     ) if not spec.stacks else (
         _stacked_inputs(steps, values, spec, stacks, producer, per_mb),
         *_stacked_input_sums(steps, values, ax, stacks, producer, per_mb))
     sums.update(grad_sums)
@@ -331,6 +343,33 @@ def _stacked_input_sums(steps, values, ax: str, stacks, producer, per_mb) -> tup
                 sums[i] = (st, steps[reader.F].outs[0])
                 parts |= behind | _stacked_grads_of(steps, values, ax, per_mb, grads | {v for j in behind
                                                                                             for v in steps[j].outs})
+    return sums, parts
+
+
+def _one_stacks_input_sums(steps, values, ax: str, st: _Stack, producer, per_mb, chunks: int) -> tuple[dict, set]:
+    """:func:`_stacked_input_sums` for one pipelined stack whose stacked input is made from a value of
+    an unpipelined part before it (a cross-attention cache from an encoder's output, ``layer:stage``
+    alone): the gradient of that value, each stage's part from its own layers of the stacked gradient
+    summed over the stages, which the encoder's backward reads per micro-batch, is summed down the
+    stages to stage 0, where the encoder ran, in the backward (not on every stage after the
+    micro-batches, the encoder's backward with it).  A sum only what runs after the micro-batches
+    reads (a stacked param's gradient also read outside the stack) stays one allreduce there.  Not on
+    virtual stages (``chunks`` > 1), where :mod:`.interleave` reads each stacked gradient after the
+    micro-batches only: there the sum stays after them, as before."""
+    if st.B is None or chunks > 1:
+        return {}, set()
+    grads = set(steps[st.B].outs[1:1 + len(steps[st.F].args["names"])])
+    read_per_mb = {v for j, s in enumerate(steps) if per_mb[j] and not (s.is_collective and MB_AXIS in s.axes)
+                   for v in s.ins}
+    sums, parts = {}, set()
+    for i, s in enumerate(steps):
+        if not (s.kind == "allreduce" and s.axes == (ax,) and per_mb[i] and s.outs[0] in read_per_mb):
+            continue
+        behind = _steps_behind(steps, producer, s.ins[0], grads, ax)
+        if behind:
+            sums[i] = (st, None)
+            parts |= behind | _stacked_grads_of(steps, values, ax, per_mb, grads | {v for j in behind
+                                                                                        for v in steps[j].outs})
     return sums, parts
 
 
@@ -541,18 +580,61 @@ def assign_stages(cut: _Cut) -> None:
         seed.update(where)
         cut.held, cut.spread, cut.demand = held, spread, {}
         cut.stages = _by_demand(cut, list(anchored), seed)
+    _where_inputs_are(cut)
+
+
+def _where_inputs_are(cut: _Cut) -> None:
+    """Run a step after the micro-batches only on the stages holding all it reads, when it runs on
+    more and makes no more bytes than it reads from there: its result moves, not its inputs (a
+    gradient's square norm, one scalar, sent to the stages that add the norm's terms, not the
+    gradient; a step making an output stays where the outputs are read).  In graph order, so a chain
+    of such steps (the gradient's sum over the micro-batches, its square, their sum) moves back.  A
+    global norm's sum of such terms, made on several stages, runs on every stage, each adding its own
+    (:mod:`.stage_terms`; not on virtual stages, whose values move their own way)."""
+    ax, after_mb, made = cut.spec.axis, _after_microbatches(cut), set(cut.outputs.values())
+    one_chunk = cut.num_stages == cut.spec.mesh.sizes[ax] and cut.spec.schedule.num_chunks == 1
+    for i, s in enumerate(cut.steps):
+        terms = terms_by_stage(s, cut.stages[i], cut.held, cut.values, ax) if one_chunk and i in after_mb else None
+        if terms is not None:
+            cut.stage_terms[i], cut.stages[i] = terms, cut.every_stage
+            cut.held.update((v, cut.every_stage) for v in s.outs)
+            continue
+        if (i not in after_mb or cut.leaf[i] or i in cut.stack_at or i in cut.sums or i in cut.spread
+                or i in cut.input_parts or (s.is_collective and ax in s.axes) or made & set(s.outs)
+                or any(ax in cut.values[v].sharding.used_axes for v in (*s.ins, *s.outs))):
+            continue
+        at = frozenset(cut.stages[i]).intersection(*(cut.held.get(v, cut.every_stage) for v in s.ins))
+        moved = [v for v in s.ins if not cut.stages[i] <= cut.held.get(v, cut.every_stage)]
+        if at and at < cut.stages[i] and sum(_bytes(cut, v) for v in s.outs) <= sum(_bytes(cut, v) for v in moved):
+            cut.stages[i] = at
+            cut.held.update((v, at) for v in s.outs)
+
+
+def _bytes(cut: _Cut, v: int) -> int:
+    return cut.values[v].local_bytes(cut.spec.mesh)
 
 
 def _params_read_at(cut: _Cut) -> dict[int, frozenset]:
     """Each carried param's next value (the ``new/<name>`` output) -> the stages running the forward
-    steps that read the param (none read it, as an optimizer's state: left out)."""
+    steps that read the param.  One no forward step reads whose next value feeds another param's (an
+    optimizer's state: AdamW's moments, made by the param's own update, or read by it) -> no stage: it
+    is made and stored where that update runs, not on every stage (which would send the param's
+    gradient to all of them after the micro-batches).  Any other (a running statistic's): every stage."""
     at: dict[int, frozenset] = {}
     for j, r in enumerate(cut.steps):
         if not cut.leaf[j] and r.phase == "forward":
             for v in r.ins:
                 at[v] = at.get(v, frozenset()) | cut.stages[j]
-    return {cut.outputs[f"new/{s.args['name']}"]: at[s.outs[0]] for i, s in enumerate(cut.steps)
-            if cut.leaf[i] and s.kind == "param" and f"new/{s.args['name']}" in cut.outputs and s.outs[0] in at}
+    read = {v for s in cut.steps for v in s.ins}
+    made = set(cut.outputs.values())
+    out = {}
+    for i, s in enumerate(cut.steps):
+        new = cut.outputs.get(f"new/{s.args['name']}") if cut.leaf[i] and s.kind == "param" else None
+        if new is None:
+            continue
+        feeds = new in read or any(u != new and u in made for u in cut.steps[cut.producer[new]].outs)
+        out[new] = at.get(s.outs[0], frozenset() if feeds else cut.every_stage)
+    return out
 
 
 def _anchor(cut: _Cut) -> list:
@@ -1043,10 +1125,13 @@ def insert_transfers(cut: _Cut) -> dict:
     for i, s in enumerate(cut.steps):
         if cut.leaf[i]:
             continue
-        before, tag = _moves_into(cut, i, lists, moved, tag)
+        before, tag = _moves_into(cut, i, lists, moved, tag) if i not in cut.stage_terms else ([], tag)
         seg = lists[cut.segment[i]]
         seg.extend(before)
-        if i in cut.sums:
+        if i in cut.stage_terms:
+            seg.extend(per_stage_steps(s, cut.stage_terms[i], cut.stages[i], cut.values, cut.spec.axis,
+                                       cut.spec.mesh))
+        elif i in cut.sums:
             st = cut.sum_of[i][0]
             moves, tag = expand_stage_sum(s, cut.values, cut.spec.mesh, cut.spec.axis, (st.lo, st.hi), tag,
                                           cut.sum_to[i])

@@ -22,7 +22,8 @@ saved reduced; one it only recomputes from is saved as the forward made it (a pa
 too), so the recompute repeats the forward's kernels and collectives exactly.  Where the forward
 moved a saved activation to another layout no larger than its own (an alltoall), it saves that
 copy too, and the backward reads it instead of repeating the exchange; likewise the halo rows
-its neighbours sent it (a sliding window's keys), glued on again (:mod:`.saved_copies`).
+its neighbours sent it (a sliding window's keys), glued on again, and, under remat, the small
+results of the collectives its recompute would send again (:mod:`.saved_copies`).
 
 The block's per-layer outputs (``(carry, {name: tensor})``) leave the forward sub-plan as
 its rules leave them (``y/<name>``, partial sums kept) and are stacked over ``layer``; the
@@ -64,8 +65,8 @@ from .hoist import copy_read, hoist_moves
 from .pipeline import MB_AXIS
 from .plan import Plan, called, register_step_kind
 from .rules import lowering, rule_for
-from .saved_copies import (copies_of, drop_unread, gathered_for_scan, halo_strips, record, reglue, strip_of,
-                           worth_saving)
+from .saved_copies import (RESULT, bind_result, copies_of, drop_unread, gathered_for_scan, halo_strips, record,
+                           record_result, reglue, results_of, saved_results, strip_of, worth_saving)
 
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
@@ -232,6 +233,9 @@ def _lower_operands(lw: Lowerer, loop: _Loop, carry_sh: list[Sharding]) -> tuple
             for vid in copies_of(lw, t):
                 ins.append(vid)
                 loop.copies.append((j, vid))
+        for vid in results_of(lw, loop.carry[0].node):   # the forward's collectives' results it recomputes from
+            ins.append(vid)
+            loop.copies.append((None, vid))   # (None: a tensor of the block, no saved activation's copy)
     for k, t in zip(loop.blk.closed, loop.closed):  # in its own layout, whole sums: every layer reads it
         why = f"'{t.name}', read by every layer"
         ins.append(lw.relayout(lw.reduced(lw.value(t)), lw.target(t).with_partial(()), node, why))
@@ -412,6 +416,10 @@ def _bind_saved(lw: Lowerer, sub: Lowerer, loop: _Loop, ins: list) -> list[str]:
         vids.append(vid)
     num, strips = {}, {}
     for j, vid_out in loop.copies:
+        if j is None:   # a collective's result the recompute starts from (saved_copies.saved_results)
+            names.append(bind_result(lw, sub, loop.blk, vid_out, Shape(d for d in lw.values[vid_out].shape
+                                     if d.name != loop.layer), _slice_sharding(lw.sharding(vid_out), loop.layer)))
+            continue
         t, k, strip = list(given.values())[j], num.get(j, 0), strip_of(lw, vid_out)
         num[j], name = k + 1, f"{names[j]}@{k}"
         shape = Shape(d for d in lw.values[vid_out].shape if d.name != loop.layer)
@@ -444,9 +452,9 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
     ys = {f"y/{k}": blk.ys[k] for k in loop.ys}
     sub.count_readers([*blk.outs, *ys.values(), *(saved[i] for i in loop.want if read[i])],
                       kept=[saved[i] for i in loop.want if not read[i]])
-    # read before the carry is lowered: a nested repeat making the carry and a per-layer output
-    # then lowers once with both, not once for each
-    sub.used.update(id(t) for t in [*ys.values(), *(saved[i] for i in loop.want)])
+    # read before the carry is lowered, with all they are made from: a nested repeat making the carry
+    # and a per-layer output (itself, or from its per-step outputs) then lowers once with both
+    _mark_read(sub, [*ys.values(), *(saved[i] for i in loop.want)])
     ids = lower_into(sub, {carry_name("out", i): o for i, o in enumerate(blk.outs)})
     _lower_values(sub, [*ys.values(), *(saved[i] for i in loop.want)])
     ids.update((k, sub.value(y)) for k, y in ys.items())
@@ -464,7 +472,9 @@ def _lower_forward_block(sub: Lowerer, loop: _Loop) -> tuple[dict[str, int], lis
         for k, (strip, piece) in enumerate(halo_strips(sub, vid)):
             copies.append(f"saved/{i}@h{k}")
             ids[copies[-1]], loop.strips[copies[-1]] = piece, strip
-    return ids, names + copies
+    results = saved_results(sub, loop.node, ids)   # (results of collectives its recompute would send again)
+    ids.update(results)
+    return ids, names + copies + list(results)
 
 
 def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: list[Sharding], stage: tuple,
@@ -496,6 +506,12 @@ def _step_outputs(lw: Lowerer, loop: _Loop, plan: Plan, carry_sh: list[Sharding]
     base = 2 * nc + len(names)
     out += [stacked(node.outputs[base + i], f"saved/{i}") for i in loop.want]
     for name in saved_names[len(loop.want):]:   # copies: no tensor of the graph, read by the backward step
+        if name.startswith(RESULT):   # a collective's result, a tensor of the block (saved_copies.saved_results)
+            v = plan.values[ids[name]]
+            shape = Shape([node.attrs["layer"], *v.shape])
+            out.append(lw.new_value(shape, v.dtype, _stack_sharding(v.sharding, shape, layer, la)))
+            record_result(lw, node, name, out[-1])
+            continue
         t = node.outputs[base + int(name.split("/")[1].split("@")[0])]
         per = plan.values[ids[name]].shape   # (a halo strip is shorter along its dim)
         shape = Shape(Dim(d.name, per.get(d.name).size) if d.name in per.names else d for d in t.shape)
@@ -571,11 +587,20 @@ def _lower_values(sub: Lowerer, tensors) -> None:
     """Lower what ``tensors`` need that ``sub`` has not lowered yet (their values as the rules
     leave them: no re-layout to a target)."""
     if tensors:
-        sub.used.update(id(t) for t in tensors)
-        for n in topo_nodes(list(tensors), sub.env):
-            sub.used.update(id(t) for t in n.inputs)
+        for n in _mark_read(sub, tensors):
             if not all(id(t) in sub.env for t in n.outputs):
                 rule_for(n.op.name)(sub, n)
+
+
+def _mark_read(sub: Lowerer, tensors) -> list:
+    """Mark ``tensors`` and every input of the nodes they need as read in ``sub`` (so a repeat
+    among them lowers with each of its optional outputs that any of them reads: an inner
+    repeat's per-step outputs that a later node reads), before any is lowered; returns those
+    nodes, in build order."""
+    nodes = topo_nodes(list(tensors), sub.env)
+    sub.used.update(id(t) for t in tensors)
+    sub.used.update(id(t) for n in nodes for t in n.inputs)
+    return nodes
 
 
 def _linear_reads(nodes) -> dict[int, list]:
@@ -647,6 +672,9 @@ def _lower_backward_block(sub: Lowerer, blk, summed: bool, through: bool = False
         nodes, num_forward = topo_nodes(every, sub.env), blk.extra.get("num_forward", 0)
         sub.lazy_through = _lazy_through(nodes, lazy, every, num_forward, 1) | _lazy_through(
             nodes, lazy, every, num_forward, 2)
+    # every phase's reads marked first: a recomputed inner repeat lowers once, with the per-step
+    # outputs a later phase reads (a stacked param's gradient linear in them), not once per phase
+    _mark_read(sub, [*outs.values(), *dclosed.values()])
     ids = lower_into(sub, dcarries)
     ids.update(lower_into(sub, {k: v for k, v in outs.items() if k not in dcarries}, lazy=True))
     _lower_values(sub, list(dclosed.values()))

@@ -31,7 +31,20 @@ the copy is saved; under ``full`` nothing is, and the recompute gathers once (th
 gradient reads the same gathered value).  Likewise any saved activation the backward sub-plan
 does not read (the inner repeat's stacked carries, which the recompute makes again) is dropped.
 
-Under remat the backward recomputes what the policy does not save, and no copy is saved of that.
+Under remat the backward recomputes what the policy does not save, and no copy is saved of that,
+but for the results of the collectives the recompute would send again (:func:`saved_results`):
+where a node the backward recomputes read, in the forward, a value the forward moved (reduced,
+gathered, exchanged) from a value recomputed too, the forward step also outputs the moved value
+(``saved/r<node>.<output>.<k>``) and the backward takes it as that tensor (:func:`bind_result`),
+so its recompute starts there, no collective.  TokenFormer's L2 norms over split param tokens
+under ``selective``: an allreduce per Pattention layer in the forward, again in the backward's
+recompute (14 -> 28 allreduces) for lack of a 96-byte ``[batch, seq]`` sum per layer.  Memory
+against bytes: such results are kept, smallest first, while together they are at most
+:data:`RESULTS_SHARE` of the bytes the policy saves per layer (``selective`` recomputes the cheap
+compute, not the communication, while its results are small next to what it keeps anyway).
+``full`` saves nothing but each layer's input, by definition: its recompute sends every
+collective of the layer again.  ``none`` recomputes no activation.
+
 The memory report counts each copy with the saved activations (``args["saved"]``).
 """
 from __future__ import annotations
@@ -40,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from ..core.shape import Dim, Shape
+from ..ir.remat import recomputed
 from ..layout.sharding import Sharding
 from .compiler import Lowerer
 from .plan import Plan, step_args
@@ -54,6 +68,15 @@ STRIPS = "saved strips"
 SCANNED = "gathered for a scan"
 #: ``lw.memo`` key prefix of :func:`~.halo.extend`'s exchanges: ``(HALO, vid, dim, wrap) -> (hl, hr, ext, ...)``.
 HALO = "halo"
+#: ``lw.memo`` key (with a forward repeat node's id): the stacked collective results its step saves
+#: (:func:`saved_results`); (with one of them) ``(node id, output index)`` of the block tensor it is.
+RESULTS = "saved results"
+RESULT_OF = "saved result of"
+#: The names of those results among a forward step's saved outputs begin so.
+RESULT = "saved/r"
+#: The most bytes per layer the saved collective results may add to a forward step's saved
+#: activations, as a share of those activations' own bytes (:func:`saved_results`).
+RESULTS_SHARE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -153,6 +176,91 @@ def worth_saving(sub: Lowerer, vid: int) -> list[Sharding]:
                    if not to.partial and (to.local_numel(v.shape, mesh) <= own or to in scanned)), key=str)
 
 
+def saved_results(sub: Lowerer, node, ids: Mapping[str, int]) -> dict[str, int]:
+    """Name -> value: the results of collectives of forward block sub-plan ``sub`` (repeat
+    ``node``'s; ``ids``: its outputs so far) that its backward's recompute would send again,
+    to be saved with its activations (see the module docstring).
+
+    A value is offered where a node the backward recomputes (:func:`~meshdsl.ir.remat.recomputed`,
+    under every gradient built of ``node`` whose policy saves some activation: not ``none`` nor
+    ``full``) read it, and it was moved there by a collective from the value of a block tensor
+    recomputed too, which nothing read unmoved (the recompute then reads the moved value as the
+    forward did: the same numbers).  Kept smallest first, while together no more than
+    :data:`RESULTS_SHARE` of the bytes of the saved activations ``saved/<i>``."""
+    blocks = [g for g, _, _ in node.attrs.get("grad_blocks", {}).values() if g.extra["remat"].save]
+    if not blocks:
+        return {}
+    again = frozenset().union(*(recomputed(g) for g in blocks))
+    graph = node.attrs["block"].graph
+    made: dict[int, object] = {}   # value -> a recomputed tensor of the block bound to it
+    for t in sub.keep:
+        if t.node.graph is graph and t.node.id in again and id(t) in sub.env:
+            made.setdefault(sub.env[id(t)], t)
+    made_by = {v: s for s in sub.steps for v in s.outs}
+    read_as_is = {v for s in sub.steps if not s.is_collective and s.kind != "input" for v in s.ins}
+    read_again = {v for s in sub.steps if s.node in again for v in s.ins}
+    offers = []
+    for vid, t in made.items():
+        if vid in read_as_is or vid in ids.values():
+            continue
+        for k, to in enumerate(sorted(sub.held(vid), key=str)):
+            got = sub.relayout(vid, to, None)   # made already: no new step
+            if got in read_again and _sent(made_by, vid, got):
+                v = sub.values[got]
+                offers.append((v.sharding.local_numel(v.shape, sub.mesh) * v.dtype.itemsize, got,
+                               f"{RESULT}{t.node.id}.{t.index}.{k}"))
+    own = sum(sub.values[v].sharding.local_numel(sub.values[v].shape, sub.mesh) * sub.values[v].dtype.itemsize
+              for n, v in ids.items() if n.startswith("saved/") and "@" not in n)
+    budget, out = RESULTS_SHARE * own, {}
+    for nbytes, got, name in sorted(offers):
+        if nbytes <= budget:
+            budget -= nbytes
+            out[name] = got
+    return out
+
+
+def _sent(made_by: Mapping, src: int, vid: int) -> bool:
+    """Whether the moves that made value ``vid`` from value ``src`` hold a collective."""
+    while vid != src and vid in made_by:
+        step = made_by[vid]
+        if step.is_collective:
+            return True
+        vid = step.ins[0] if step.ins else src
+    return False
+
+
+def record_result(lw: Lowerer, node, name: str, vid: int) -> None:
+    """Note that the step of forward repeat ``node`` outputs stacked value ``vid``, its saved
+    collective result ``name`` (:func:`saved_results`)."""
+    nid, index, _ = name[len(RESULT):].split(".")
+    lw.memo.setdefault((RESULTS, id(node)), []).append(vid)
+    lw.memo[(RESULT_OF, vid)] = (int(nid), int(index))
+
+
+def results_of(lw: Lowerer, node) -> list[int]:
+    """The stacked collective results the step of forward repeat ``node`` saves (:func:`record_result`)."""
+    return list(lw.memo.get((RESULTS, id(node)), ()))
+
+
+def bind_result(lw: Lowerer, sub: Lowerer, blk, vid: int, shape: Shape, sharding: Sharding) -> str:
+    """Give backward sub-plan ``sub`` (of block ``blk``) stacked collective result ``vid``, one
+    layer of it ``shape`` at ``sharding``, as an input: the block tensor it is takes it (or, one
+    of its other results bound already, holds it there, :meth:`.Lowerer.hold`), so the recompute
+    starts from it, no collective.  Returns the input's name."""
+    nid, index = lw.memo[(RESULT_OF, vid)]
+    t = blk.graph.nodes[nid].outputs[index]
+    name = f"{RESULT}{nid}.{index}.{sum(n.startswith(f'{RESULT}{nid}.{index}.') for n in sub.inputs)}"
+    got = sub.new_value(shape, t.dtype, sharding)
+    sub.emit("input", t.node, [], [got], args={"name": name, "tensor": t}, op="saved",
+             label=f"saved {t.name} (a collective's result)")
+    sub.inputs[name] = got
+    if id(t) in sub.env:
+        sub.hold(sub.env[id(t)], sharding, got)
+    else:
+        sub.bind(t, got)
+    return name
+
+
 def drop_unread(lw: Lowerer, loop, plan: Plan, ins: list, names: list[str]) -> tuple:
     """``(plan, ins, names)`` without the saved copies the backward sub-plan ``plan`` does not
     read, each dropped from the forward step that saves it too (it keeps those read); likewise
@@ -182,7 +290,7 @@ def drop_unread(lw: Lowerer, loop, plan: Plan, ins: list, names: list[str]) -> t
                                   args=step_args("repeat", {**s.args, "saved": tuple(kept)}),
                                   subplans=(replace(sub, outputs=outputs),))
     for key, vids in lw.memo.items():
-        if isinstance(key, tuple) and key[0] == COPIES:
+        if isinstance(key, tuple) and key[0] in (COPIES, RESULTS):
             vids[:] = [v for v in vids if v not in gone]
     steps = [s for s in plan.steps if not (s.kind == "input" and s.args.get("name") in unread)]
     plan = replace(plan, steps=steps, inputs={n: v for n, v in plan.inputs.items() if n not in unread})

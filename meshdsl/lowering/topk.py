@@ -9,8 +9,8 @@ part (local), their global indices (the part's offset added), and the top ``k`` 
 ``parts * k`` candidates, whose gather moves ``k`` values and ``k`` int64 indices a rank
 instead of the part: where those are fewer bytes (``parts * k * (itemsize + 8) < size *
 itemsize``; a tiny dim is gathered as before).
-Values equal to torch's; on tied values the indices kept may differ, as between torch's own
-kernels (torch.topk does not specify its order among ties).
+Values and indices equal to the dense kernel's: it keeps tied values lowest index first
+(:func:`~meshdsl.ops.topk.first_of_ties`), as each part's top k and the candidates' order do.
 """
 from __future__ import annotations
 

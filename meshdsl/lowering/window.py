@@ -18,7 +18,9 @@ once, not moved over the ranks and gathered back; :func:`.shared_moves.halo_slic
 where that costs no more than the gather and less than the halo.  A shift along a split dim of
 a shift along a dim the layout keeps whole (a depthwise 2-D conv's taps under ``width:model``)
 commutes with it: it shifts the inner shift's input, sharing that one's exchange, then shifts
-along the whole dim locally (:func:`~.halo.commuted`).
+along the whole dim locally (:func:`~.halo.commuted`).  A zero-fill window passes a partial sum
+on lazily, except where it makes the sum larger and its result is reduced at once: such an edge
+row padded to a split length is reduced first where that costs less (:func:`_reduced_first`).
 """
 from __future__ import annotations
 
@@ -252,6 +254,7 @@ def _lower_by_halos(lw, node) -> None:
         vid, comp, axes = whole, lw.sharding(whole), ()
     n, size = src.shape.get(dim).size, src.dtype.itemsize
     tgt = _read_target(lw, node, out, _target(lw, out, comp, lazy), comp, dim, axes)
+    comp, tgt = _reduced_first(lw, node, src, comp, tgt, axes) if lazy and comp.partial else (comp, tgt)
     comp = comp if axes else _held_as_wanted(lw, src, vid, comp, tgt, dim, out)
     far = None   # a shift beyond the neighbours served by permutes (:func:`_far_shift`)
     if axes:
@@ -305,6 +308,22 @@ def _lower_by_halos(lw, node) -> None:
             flops=out_sh.local_numel(out.shape, mesh))
     res = _shift_whole(lw, node, inner, res)   # then a commuted inner shift, locally
     lw.bind(out, lw.relayout(res, tgt, node, f"output of {node.op.name}"))
+
+
+def _reduced_first(lw, node, src, comp: Sharding, tgt: Sharding, axes) -> tuple[Sharding, Sharding]:
+    """``(comp, tgt)`` of a zero-fill window of a partial sum ``comp``: with the sum reduced first
+    where the window makes it larger (an edge row padded to the whole padded length under a split
+    time dim), its result would be reduced at once (``tgt`` keeps no partial), and the cost model
+    finds the input's reduction cheaper than the result's, which moves the padded length."""
+    out, mesh, size, whole = node.outputs[0], lw.mesh, src.dtype.itemsize, Sharding(comp.dims)
+    if tgt.partial or out.shape.numel <= src.shape.numel:
+        return comp, tgt
+    lazy = relayout_cost(out.shape, Sharding.of(out.shape, comp.split, comp.partial), tgt, mesh, size, lw.cost)
+    first = relayout_cost(src.shape, comp, whole, mesh, size, lw.cost) + relayout_cost(
+        out.shape, Sharding.of(out.shape, whole.split, ()), tgt, mesh, size, lw.cost)
+    if first >= lazy - 1e-12:
+        return comp, tgt
+    return whole, _read_target(lw, node, out, _target(lw, out, whole, False), whole, node.attrs["dim"], axes)
 
 
 def _target(lw, out, comp: Sharding, lazy: bool) -> Sharding:

@@ -5,8 +5,9 @@ with an integer ``scale_factor`` (``mode="nearest"`` or ``"bilinear"``/``"linear
 Nearest repeats each position ``s`` times: ``x`` broadcast over a new dim of ``s`` and merged
 into the spatial dim by a rearrange, so a split spatial dim stays split and moves nothing, and
 the gradient sums each run of ``s``.  Linear weighs the two nearest positions of ``x`` (clamped
-at the edges, torch's rule): per dim an einsum with a constant ``[n, s n]`` table of weights,
-which over a split dim is a partial sum each rank adds up.
+at the edges, torch's rule): each output phase mixes ``x`` with a neighbour-shifted copy
+(``md.shift``), merged as nearest's copies are, so over an even split each rank trades one row
+with each neighbour (a halo) and the gradient one row back.
 """
 from __future__ import annotations
 
@@ -41,35 +42,43 @@ def upsample(x: Tensor, scale: dict, mode: str = "nearest") -> Tensor:
 
 
 def _nearest(x: Tensor, d: str, s: int) -> Tensor:
-    from .shape_ops import broadcast_to, rearrange, rename
+    from .shape_ops import broadcast_to
 
     rep = f"{d}_rep"
-    names = x.shape.names
-    left = " ".join((f"{n} {rep}" if n == d else n) for n in names)
-    right = " ".join((f"({n} {rep})" if n == d else n) for n in names)
-    wide = broadcast_to(x, list(x.shape) + [Dim(rep, s)])
-    merged = rearrange(wide, f"{left} -> {right}")
-    return rename(merged, {f"{d}_{rep}": d})
+    return _merge_phases(broadcast_to(x, list(x.shape) + [Dim(rep, s)]), d, rep)
 
 
 def _linear(x: Tensor, d: str, s: int) -> Tensor:
+    """Output ``s i + p`` is ``x[i]`` mixed with one neighbour, ``x[i - 1]`` or ``x[i + 1]``
+    (its weight ``|f_p|`` for ``f_p = (p + 0.5) / s - 0.5``, torch's half-pixel rule), the edges
+    clamped: so each phase ``p`` weighs ``x`` and its two neighbour-shifted copies, and a split
+    ``d`` trades one row each way rather than the whole dim."""
     from .constant import constant
-    from .einsum import einsum
-    from .shape_ops import rename
+    from .elementwise import equal, where
+    from .embed import arange
+    from .slicing import shift
 
-    n = x.shape.get(d).size
-    table = torch.zeros(n, s * n, dtype=x.dtype)
-    for o in range(s * n):
-        pos = max((o + 0.5) / s - 0.5, 0.0)      # where output o samples x (torch's half-pixel rule)
-        lo = min(int(pos), n - 1)
-        hi, w = min(lo + 1, n - 1), pos - lo
-        table[lo, o] += 1.0 - w
-        table[hi, o] += w
-    out = f"{d}_up"
-    weights = constant(table, [d, Dim(out, s * n)], name=f"upsample_{d}")
-    ins = " ".join(x.shape.names)
-    outs = " ".join(out if n_ == d else n_ for n_ in x.shape.names)
-    return rename(einsum(f"{ins}, {d} {out} -> {outs}", x, weights), {out: d})
+    dim = x.shape.get(d)
+    n, pos = dim.size, arange(dim)
+    prev = where(equal(pos, 0), x, shift(x, d, 1))            # x[i - 1], x[0] at the first row
+    nxt = where(equal(pos, n - 1), x, shift(x, d, -1))        # x[i + 1], x[n - 1] at the last row
+    frac = [(p + 0.5) / s - 0.5 for p in range(s)]
+    rep = Dim(f"{d}_rep", s)
+    w_prev = constant(torch.tensor([max(-f, 0.0) for f in frac], dtype=x.dtype), [rep], name=f"upsample_{d}_prev")
+    w_next = constant(torch.tensor([max(f, 0.0) for f in frac], dtype=x.dtype), [rep], name=f"upsample_{d}_next")
+    w_self = constant(torch.tensor([1.0 - abs(f) for f in frac], dtype=x.dtype), [rep], name=f"upsample_{d}_self")
+    return _merge_phases(prev * w_prev + x * w_self + nxt * w_next, d, rep.name)
+
+
+def _merge_phases(x: Tensor, d: str, rep: str) -> Tensor:
+    """``x [.., d, .., rep]`` -> ``x [.., (d rep), ..]``, renamed ``d``: phase ``rep`` of row ``i``
+    lands at ``s i + rep`` (an even split of ``d`` stays split)."""
+    from .shape_ops import rearrange, rename
+
+    names = [n for n in x.shape.names if n != rep]
+    left = " ".join(names) + f" {rep}"
+    right = " ".join((f"({n} {rep})" if n == d else n) for n in names)
+    return rename(rearrange(x, f"{left} -> {right}"), {f"{d}_{rep}": d})
 
 
 def _factors(x: Tensor, scale, mode) -> dict[str, int]:

@@ -13,6 +13,18 @@ from ..errors import ShapeError, message
 from .registry import ComputeSpec, Op, apply, register
 
 
+def first_of_ties(x: torch.Tensor, k: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` of a stable descending sort of ``x`` along ``pos``: ``torch.topk``'s values,
+    with tied values kept and ordered lowest index first.
+
+    torch.topk leaves open which of tied values it keeps and in which order; a top-k of a split
+    dim (each rank's top k, then the top k of those candidates, rank by rank) keeps the lowest
+    indices, so the kernel does too: the same indices, dense or on any layout.  One sort, with no
+    branch on the values (no host sync on a GPU, nothing that stops ``--compile``'s trace)."""
+    vals, idx = torch.sort(x, dim=pos, descending=True, stable=True)
+    return vals.narrow(pos, 0, k), idx.narrow(pos, 0, k)
+
+
 @register
 class TopK(Op):
     name = "top_k"
@@ -31,8 +43,7 @@ class TopK(Op):
         return ComputeSpec(dims, fixed=frozenset([node.attrs["dim"], node.attrs["new_dim"].name]))
 
     def compute(self, ctx, attrs, x):
-        v, i = torch.topk(x, attrs["new_dim"].size, dim=attrs["pos"])
-        return v, i
+        return first_of_ties(x, attrs["new_dim"].size, attrs["pos"])
 
     def grad(self, node, douts):
         from .einsum import _einsum_named
@@ -55,7 +66,8 @@ def top_k(x: Tensor, dim, k: int, new_dim: Dim | str | None = None):
       new_dim: the dim of size k that replaces ``dim`` (default ``f"{dim}_top"``).
 
     Returns:
-      ``(values, indices)``, both with ``dim`` replaced by ``new_dim``.
+      ``(values, indices)``, both with ``dim`` replaced by ``new_dim``; tied values are kept and
+      ordered lowest index first (a stable descending sort's first ``k``), on every layout.
     """
     name = dim.name if isinstance(dim, Dim) else dim
     n = x.shape.get(name).size

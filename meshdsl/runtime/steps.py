@@ -25,7 +25,7 @@ from ..layout.sharding import chunk
 from ..lowering.pipeline import MB_AXIS, per_microbatch
 from ..ops.inplace import Operand, add_kernel
 from ..ops.registry import OPS, LocalCtx
-from ..comm.bucket import bucket_members, pack_allreduce, pack_reduce_scatter, start_packed_each
+from ..comm.bucket import bucket_members, packing, start_packed_each
 from ..comm.communicator import Pending
 from ..comm.microbatch import real_rank
 
@@ -311,13 +311,13 @@ def _prepare_bucket(ctx, i, s):
     """The executor's call for bucket step ``s`` (the collective rule hands buckets here)."""
     comm, ins, outs = ctx.comm, s.ins, s.outs
     layouts = [bucket_members(ctx.plan, s, r) for r in comm.ranks]   # a member split unevenly differs by rank
-    pack = pack_allreduce if s.kind == "bucket_allreduce" else pack_reduce_scatter
     num_chunks, dims, cuts = ctx.plan.mesh.axis_size(s.axes), s.args.get("dims", ()), s.args.get("cuts", ())
+    pack, cut = packing(s.kind, num_chunks, dims)
 
     def call(env, get, run):
         members = [get(v) for v in ins]
         flats = [pack([m[j] for m in members], num_chunks, dims, cuts) for j in range(len(comm.ranks))]
-        for vid, member in zip(outs, start_packed_each(comm, s, flats, layouts)):
+        for vid, member in zip(outs, start_packed_each(comm, s, flats, layouts, cut)):
             env[vid] = member
     return call
 

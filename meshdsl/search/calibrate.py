@@ -38,7 +38,7 @@ from .sweep import KINDS
 
 #: Kinds priced with another's measurements: a bucket is its member kind over one buffer.
 PRICED_AS = {"recv": "send", "permute": "send", "bucket_allreduce": "allreduce",
-             "bucket_reduce_scatter": "reduce_scatter"}
+             "bucket_reduce_scatter": "reduce_scatter", "bucket_allgather": "allgather"}
 VERSION = 2
 
 
