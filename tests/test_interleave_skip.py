@@ -168,7 +168,7 @@ def _step(kind, op, ins, outs, st, **args):
 def test_a_value_read_before_its_rank_holds_it_or_moved_against_the_schedule_is_refused():
     """``_out_of_order`` on hand-made chunked lists (p = 2, v = 2: logical stage s on rank s % 2,
     chunk s // 2), the check behind the lifted refusal."""
-    ch = types.SimpleNamespace(p=2, v=2)
+    ch = types.SimpleNamespace(p=2, v=2, nc=1)
     empty = {Segment.PROLOGUE: [], Segment.BACKWARD: [], Segment.FINAL: []}
     ok = [_step("local", "make", (), (5,), {0}), _step("send", "send", (5,), (), {0}, offset=1, tag=2),
           _step("recv", "recv", (), (5,), {1}, offset=1, tag=2), _step("local", "read", (5,), (6,), {3})]

@@ -187,7 +187,7 @@ def test_a_forward_send_down_is_in_order_only_when_a_backward_receives_it():
     """``_out_of_order`` on hand-made chunked lists (p = 2, v = 2: logical stage s on rank s % 2):
     a value made by the last logical stage's forward and sent down may be received by stage 0's
     backward (it follows every forward of its micro-batch), not by a forward."""
-    ch = types.SimpleNamespace(p=2, v=2)
+    ch = types.SimpleNamespace(p=2, v=2, nc=1)
     make = _step("local", (), (5,), {3})
     send = _step("send", (5,), (), {3}, offset=-1, tag=7)
     recv_b = _step("recv", (), (6,), {0}, "backward", offset=-1, tag=7)

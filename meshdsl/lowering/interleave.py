@@ -69,7 +69,7 @@ from ..core.shape import Dim, Shape
 from ..errors import LayoutError, message
 from ..layout.sharding import block_lengths
 from .cyclic_moves import in_global_order
-from .pipeline_program import PER_MICROBATCH, Segment, transfer_step
+from .pipeline_program import PER_MICROBATCH, Segment, carry_tags, num_carries, transfer_step
 from .schedule_gen import user_name
 from .plan import Step, Value, called, step_args
 
@@ -100,6 +100,8 @@ class _Chunks:
         self.values, self.layer, self.spec = cut.values, cut.spec.layer, cut.spec
         #: each virtual stage's layers when given (unequal chunks), else ()
         self.counts = tuple(cut.spec.stage_layers)
+        #: the tensors the pipelined repeat carries (a tuple carry's k)
+        self.nc = num_carries(cut.steps[cut.F])
 
     def layers(self, c: int) -> list[int]:
         """Layers of chunk ``c`` on each rank (virtual stages ``c p .. c p + p - 1``)."""
@@ -172,11 +174,11 @@ def _out_of_order(ch: _Chunks, lists: dict) -> str | None:
                 for x in s.outs:
                     made[(x, t % p)] = min(made.get((x, t % p), 2 * v), when[seg](t))
     # (a transfer the forward sends and the backward receives: every B of a micro-batch follows all its Fs)
-    to_backward = {s.args["tag"] for s, _ in lists[Segment.BACKWARD] if s.kind == "recv" and not _is_carry(s)}
+    to_backward = {s.args["tag"] for s, _ in lists[Segment.BACKWARD] if s.kind == "recv" and not _is_carry(s, ch.nc)}
     for seg in PER_MICROBATCH:
         up = 1 if seg == Segment.FORWARD else -1
         for s, st in lists[seg]:
-            if (s.kind in ("send", "recv") and not _is_carry(s) and s.args["offset"] * up < 0
+            if (s.kind in ("send", "recv") and not _is_carry(s, ch.nc) and s.args["offset"] * up < 0
                     and not (s.kind == "send" and seg == Segment.FORWARD and s.args["tag"] in to_backward)):
                 return f"{called(s.label, s.op)} moves a value {'down' if up > 0 else 'up'} the stages in the {seg.name.lower()}"
             late = [x for t in st for x in s.ins if made.get((x, t % p), -1) > when[seg](t)]
@@ -200,11 +202,12 @@ def _unsupported(cut, lists, chunked: bool = True) -> str | None:
     # stage sums back down them (:func:`_closed_transfer`)
     closed, after_b = set(), set()
     for F, B in blocks:
-        n = len(F.args["names"])
-        closed |= set(F.ins[1 + n:])
-        after_b |= _made_from(lists[Segment.BACKWARD], B.outs[1 + n:]) if B is not None else set()
+        n, nc = len(F.args["names"]), num_carries(F)
+        closed |= set(F.ins[nc + n:])
+        after_b |= _made_from(lists[Segment.BACKWARD], B.outs[nc + n:]) if B is not None else set()
+    most = max(num_carries(F) for F, _ in blocks)
     per_mb = [s for seg in (Segment.FORWARD, Segment.BACKWARD) for s, st in lists[seg]
-              if s not in own and not _is_carry(s) and id(s) not in own_parts
+              if s not in own and not _is_carry(s, most) and id(s) not in own_parts
               and len(st) > 1
               and not _closed_transfer(s, seg, closed, after_b)]
     if per_mb:
@@ -226,16 +229,16 @@ def _unsupported(cut, lists, chunked: bool = True) -> str | None:
 def _unsupported_block(cut, lists, F: Step, B: Step | None, chunked: bool) -> str | None:
     """Why one pipelined repeat's layers (forward ``F``, backward ``B``) cannot be cut into chunks
     (``chunked``; else run on unequal stages or beside other stacks), or None."""
-    n = len(F.args["names"])
+    n, nc = len(F.args["names"]), num_carries(F)
     ys, dys = _per_layer_outputs(F, B, n)
     readers = [s for pairs in lists.values() for s, _ in pairs
-               if s is not B and (set(F.outs[1:]) - set(ys)) & set(s.ins)]
-    known = set(F.outs[1:]) | set(F.ins[1:]) | (set(B.ins[1:2 + n]) | set(dys) if B is not None else set())
+               if s is not B and (set(F.outs[nc:]) - set(ys)) & set(s.ins)]
+    known = set(F.outs[nc:]) | set(F.ins[nc:]) | (set(B.ins[nc:2 * nc + n]) | set(dys) if B is not None else set())
     if readers or (B is not None and not set(B.ins) <= known):
         return "its layers' stacked inputs or saved activations are read outside the repeat"
     # read after the micro-batches (an output, a cross-attention cache's einsum's backward, a broadcast
     # copy's sum over the layers), a gradient is joined from its chunks first (:func:`_gather_grads`)
-    grads = dict(zip(B.outs[1:1 + n], F.args["names"])) if B is not None else {}
+    grads = dict(zip(B.outs[nc:nc + n], F.args["names"])) if B is not None else {}
     # (several stacks: a stage's own-part step, run by each chunk on its layers, :mod:`.stacks_on_ranks`)
     own = {id(cut.steps[i]) for i in cut.spread} if cut.spec.stacks else set()
     for seg in (Segment.FORWARD, Segment.BACKWARD) if chunked else ():
@@ -271,15 +274,16 @@ def _closed_transfer(s: Step, seg: Segment, closed: set, after_b: set) -> bool:
 
 def _per_layer_outputs(F: Step, B: Step | None, n: int) -> tuple[tuple, tuple]:
     """The pipelined repeat's per-layer outputs (``F``'s outputs after the stacked layer inputs)
-    and their stacked gradients ``B`` reads (its inputs after the carry's gradient)."""
-    k = len(F.args.get("ys", ()))
-    dys = B.ins[2 + n:2 + n + len(B.args.get("ys", ()))] if B is not None else ()
-    return F.outs[2:2 + k], dys
+    and their stacked gradients ``B`` reads (its inputs after the carry's gradients)."""
+    k, nc = len(F.args.get("ys", ())), num_carries(F)
+    dys = B.ins[2 * nc + n:2 * nc + n + len(B.args.get("ys", ()))] if B is not None else ()
+    return F.outs[2 * nc:2 * nc + k], dys
 
 
-def _is_carry(s: Step) -> bool:
-    """The carry's transfers (tags 0 and 1: :data:`~.partition.ACT_TAG`, ``GRAD_TAG``), made per chunk here."""
-    return s.kind in ("send", "recv") and s.args["tag"] in (0, 1)
+def _is_carry(s: Step, nc: int = 1) -> bool:
+    """A transfer of the carry (of each of its ``nc`` tensors: :func:`~.pipeline_program.carry_tags`),
+    made per chunk here."""
+    return s.kind in ("send", "recv") and s.args["tag"] in {t for c in range(nc) for t in carry_tags(c)}
 
 
 def interleave(cut, lists: dict, v: int) -> dict:
@@ -292,8 +296,8 @@ def interleave(cut, lists: dict, v: int) -> dict:
     ch = _Chunks(cut, v)
     F = cut.steps[cut.F]
     B = cut.steps[cut.B] if cut.B is not None else None
-    n = len(F.args["names"])
-    params = dict.fromkeys(F.ins[1:1 + n] + (B.ins[1:1 + n] if B is not None else ()))
+    n, nc = len(F.args["names"]), ch.nc
+    params = dict.fromkeys(F.ins[nc:nc + n] + (B.ins[nc:nc + n] if B is not None else ()))
     chunk_params = {s: [ch.like(s, c) for c in range(v)] for s in params}
     per_mb = {x for s, _ in lists[Segment.FORWARD] for x in s.outs} & set(params)   # stacked, made per micro-batch
     fwd, bwd, grads = _chunked_blocks(ch, F, B, chunk_params, per_mb)
@@ -316,48 +320,50 @@ def _chunked_blocks(ch: _Chunks, F: Step, B: Step | None, chunk_params: dict,
     chunk's stacked gradients (the backward's outputs besides the carry's gradient).  A stacked
     input made per micro-batch (``per_mb``: a cross-attention cache made before the layers, on the
     ranks' first chunks) is narrowed to each chunk's layers in that chunk's forward."""
-    v = ch.v
+    v, nc = ch.v, ch.nc
     n = len(F.args["names"])
-    x = [F.ins[0]] + [ch.like(F.ins[0]) for _ in range(v - 1)]           # each chunk's input carry
-    y = [ch.like(F.outs[0]) for _ in range(v - 1)] + [F.outs[0]]        # and its output
-    kept = [[ch.like(o, c) for o in F.outs[1:]] for c in range(v)]       # stacked inputs, saved
+    # each chunk's input carry and its output (a tuple carry's nc tensors each)
+    x = [F.ins[:nc]] + [tuple(ch.like(a) for a in F.ins[:nc]) for _ in range(v - 1)]
+    y = [tuple(ch.like(o) for o in F.outs[:nc]) for _ in range(v - 1)] + [F.outs[:nc]]
+    kept = [[ch.like(o, c) for o in F.outs[nc:]] for c in range(v)]       # stacked inputs, saved
     fwd = []
     for c in range(v):
-        params = tuple(chunk_params[s][c] for s in F.ins[1:1 + n])   # then the tables every layer reads
-        step = dataclasses.replace(F, ins=(x[c], *params, *F.ins[1 + n:]), outs=(y[c], *kept[c]),
+        params = tuple(chunk_params[s][c] for s in F.ins[nc:nc + n])   # then the tables every layer reads
+        step = dataclasses.replace(F, ins=(*x[c], *params, *F.ins[nc + n:]), outs=(*y[c], *kept[c]),
                                    label=f"{F.label} (chunk {c})")
-        narrow = [(t, frozenset(c * ch.p + r for r in ranks)) for x_mb in F.ins[1:1 + n] if x_mb in per_mb
+        narrow = [(t, frozenset(c * ch.p + r for r in ranks)) for x_mb in F.ins[nc:nc + n] if x_mb in per_mb
                   for t, ranks in _chunk_of(ch, x_mb, chunk_params[x_mb][c], c, "forward", "stacked input's")]
-        fwd += narrow + _carry(ch, c, x[c], y[c], _per_rank(ch, c, step), +1, 0)
+        fwd += narrow + _carry(ch, c, x[c], y[c], _per_rank(ch, c, step), +1)
     ys, dys = _per_layer_outputs(F, B, n)
     # each per-layer output whole on its rank (its chunks one after another, the stored order),
     # joined in the rank's last chunk, where what the loss makes of it runs (:func:`_relabel`)
     last = [(v - 1) * ch.p + r for r in range(ch.p)]
     fwd += [(step, frozenset(last)) for step, _ in
-            _join_chunks(ch, [(yv, [kept[c][1 + i] for c in range(v)], F.phase) for i, yv in enumerate(ys)],
+            _join_chunks(ch, [(yv, [kept[c][nc + i] for c in range(v)], F.phase) for i, yv in enumerate(ys)],
                          "per-layer output: the rank's chunks")]
     if B is None:
         return fwd, [], []
-    dy = [ch.like(B.ins[1 + n]) for _ in range(v - 1)] + [B.ins[1 + n]]
-    dx = [B.outs[0]] + [ch.like(B.outs[0]) for _ in range(v - 1)]
+    d_in = B.ins[nc + n:2 * nc + n]   # the carry's gradients
+    dy = [tuple(ch.like(d) for d in d_in) for _ in range(v - 1)] + [d_in]
+    dx = [B.outs[:nc]] + [tuple(ch.like(o) for o in B.outs[:nc]) for _ in range(v - 1)]
     bwd, grads = [], [()] * v
-    d_closed = [tuple(ch.like(o) for o in B.outs[1 + n:]) for _ in range(v)]   # per chunk, partial sums
+    d_closed = [tuple(ch.like(o) for o in B.outs[nc + n:]) for _ in range(v)]   # per chunk, partial sums
     for c in reversed(range(v)):
         # the backward reads the forward's stacked outputs, the params and the carry's gradient
         dys_c = {d: ch.like(d, c) for d in dys}   # chunk c's layers of the per-layer outputs' gradients
-        own = {**{x: x for x in F.ins[1 + n:]}, **dict(zip(F.outs[1:], kept[c])),
-               **{s: chunks[c] for s, chunks in chunk_params.items()}, B.ins[1 + n]: dy[c], **dys_c}
-        grads[c] = tuple(ch.like(o, c) for o in B.outs[1:1 + n])
-        step = dataclasses.replace(B, ins=tuple(own[x] for x in B.ins), outs=(dx[c], *grads[c], *d_closed[c]),
+        own = {**{x: x for x in F.ins[nc + n:]}, **dict(zip(F.outs[nc:], kept[c])),
+               **{s: chunks[c] for s, chunks in chunk_params.items()}, **dict(zip(d_in, dy[c])), **dys_c}
+        grads[c] = tuple(ch.like(o, c) for o in B.outs[nc:nc + n])
+        step = dataclasses.replace(B, ins=tuple(own[x] for x in B.ins), outs=(*dx[c], *grads[c], *d_closed[c]),
                                    label=f"{B.label} (chunk {c})")
         narrow = [(s, frozenset(c * ch.p + r for r in ranks))
                   for d, dc in dys_c.items() for s, ranks in _chunk_of(ch, d, dc, c, "backward",
                                                                        "per-layer output gradient")]
-        bwd += narrow + _carry(ch, c, dy[c], dx[c], _per_rank(ch, c, step), -1, 1)
+        bwd += narrow + _carry(ch, c, dy[c], dx[c], _per_rank(ch, c, step), -1)
     # the gradients of what the block reads from outside: each rank's sum over its chunks, made
     # after its first chunk's backward, its micro-batch's last (then summed over the stages as before)
     bwd += [ch.local("add", _add, [d_closed[c][i] for c in range(v)], total, {}, range(ch.p),
-                     f"{B.label}: the sum over the rank's chunks", B.phase) for i, total in enumerate(B.outs[1 + n:])]
+                     f"{B.label}: the sum over the rank's chunks", B.phase) for i, total in enumerate(B.outs[nc + n:])]
     return fwd, bwd, grads
 
 
@@ -371,25 +377,29 @@ def _per_rank(ch: _Chunks, c: int, step: Step) -> list:
             for s, k in zip(stages, layers)]
 
 
-def _carry(ch: _Chunks, c: int, into: int, out: int, steps: list, way: int, tag: int) -> list:
+def _carry(ch: _Chunks, c: int, into: tuple, out: tuple, steps: list, way: int) -> list:
     """Chunk ``c``'s ``(step, stages)`` pairs on its p stages between the receive of its carry
-    (``into``) and the send of its result (``out``): from stage s to s + ``way``, the last rank
-    handing on to the first between chunks (and back for gradients)."""
+    (``into``, each carried tensor) and the send of its result (``out``): from stage s to s +
+    ``way``, the last rank handing on to the first between chunks (and back for gradients); each
+    carried tensor of a tuple carry by transfers of its own (:func:`~.pipeline_program.carry_tags`)."""
     p, last = ch.p, ch.p * ch.v - 1
     step = steps[0][0]
     stages = [c * p + r for r in range(p)]
     recv = [s for s in stages if 0 <= s - way <= last]
     send = [s for s in stages if 0 <= s + way <= last]
+
+    def transfer(kind: str, v: int, k: int, offset: int) -> Step:
+        what = f"carry (chunk {c})" if len(into) == 1 else f"carry {k} (chunk {c})"
+        return transfer_step(kind, v, ch.values, ch.spec.mesh, ch.spec.axis, offset, carry_tags(k)[way < 0],
+                             step.phase, what)
     out_pairs = []
     for offset in sorted({(s % p) - ((s - way) % p) for s in recv}):
         at = frozenset(s for s in recv if (s % p) - ((s - way) % p) == offset)
-        out_pairs.append((transfer_step("recv", into, ch.values, ch.spec.mesh, ch.spec.axis, offset, tag,
-                                        step.phase, f"carry (chunk {c})"), at))
+        out_pairs += [(transfer("recv", v, k, offset), at) for k, v in enumerate(into)]
     out_pairs += steps
     for offset in sorted({((s + way) % p) - (s % p) for s in send}):
         at = frozenset(s for s in send if ((s + way) % p) - (s % p) == offset)
-        out_pairs.append((transfer_step("send", out, ch.values, ch.spec.mesh, ch.spec.axis, offset, tag,
-                                        step.phase, f"carry (chunk {c})"), at))
+        out_pairs += [(transfer("send", v, k, offset), at) for k, v in enumerate(out)]
     return out_pairs
 
 
@@ -405,7 +415,7 @@ def _relabel(ch: _Chunks, pairs: list, block: Step | None, chunked: list, last_a
         if s is block:
             out += chunked
             continue
-        if _is_carry(s):   # made per chunk
+        if _is_carry(s, ch.nc):   # made per chunk
             continue
         downstream = any(x in after for x in s.ins)
         if downstream:
@@ -461,7 +471,7 @@ def _gather_grads(ch: _Chunks, pairs: list, B: Step, grads: list) -> list:
     The sums (they read only the backward's per-chunk gradients) come first, then the joins,
     and the segment's other steps in order."""
     v = ch.v
-    per_chunk = {g: [grads[c][i] for c in range(v)] for i, g in enumerate(B.outs[1:1 + len(grads[0])])}
+    per_chunk = {g: [grads[c][i] for c in range(v)] for i, g in enumerate(B.outs[ch.nc:ch.nc + len(grads[0])])}
     # a gradient read otherwise (by a cross-attention cache's einsum's backward) or an output: its
     # chunks joined first, for every reader
     whole = [g for g in per_chunk if g in ch.cut.outputs.values() or any(

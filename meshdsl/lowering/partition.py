@@ -32,7 +32,10 @@ A value a step needs on another stage travels by one ``send``/``recv`` pair over
 (the carry and its gradient every micro-batch; others, such as the tied
 embedding's gradient, once in the final segment, summed over the micro-batches first where
 what reads it is linear in it, :mod:`.microbatch_sums`), so nothing is gathered or
-reduced over the stage axis and a param is stored only on the stages that read it.
+reduced over the stage axis and a param is stored only on the stages that read it.  A tuple carry
+(``md.repeat(block, (h, c), ...)``) crosses each boundary as one transfer per carried tensor, each
+with tags of its own (:func:`~.pipeline_program.carry_tags`), and each tensor's gradient back so;
+each is received into a value of its own (:func:`_own_carry`, :func:`_distinct_carry_grads`).
 
 What the pipelined layers read from outside their repeat (:mod:`meshdsl.ir.closure`)
 reaches every stage: an input is fed to each stage that reads it, a value made once
@@ -96,7 +99,7 @@ from .microbatch_sums import sum_microbatches_first
 from .stage_layers import split_stacks, split_stages, zeros_step
 from .stage_terms import per_stage_steps, terms_by_stage
 from .stacks_on_ranks import on_ranks
-from .pipeline_program import PipelineProgram, Segment, transfer_step
+from .pipeline_program import PipelineProgram, Segment, carry_tags, num_carries, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
 from .plan import Plan, Step, Value, called, step_args, register_step_kind
 from .schedule_gen import named_schedule, parse_schedule, user_name
@@ -106,7 +109,6 @@ from .schedule_gen import named_schedule, parse_schedule, user_name
 FIELDS = ("axis", "num_stages", "microbatches", "mb_axis", "program")
 register_step_kind("pipeline", FIELDS)
 
-ACT_TAG, GRAD_TAG = 0, 1
 
 
 def _error(what, spec, bullets, rule, fix):
@@ -142,21 +144,56 @@ def _own_carry(steps, values, pipelined) -> list:
     """``steps`` with the pipelined repeat's first carry a value of its own, when the value it
     reads is read by other steps too (or is an input): later stages receive their carry into
     that value, which must not overwrite the input a step after the layers reads (the loss's
-    ``x``).  The new value is the old one's tensor, handed on by a step on stage 0."""
+    ``x``).  The new value is the old one's tensor, handed on by a step on stage 0.  Each tensor
+    of a tuple carry so (each is received into its own value)."""
     at = next((i for i, s in enumerate(steps) if pipelined(s) and not s.args["backward"]), None)
     if at is None:
         return steps
-    v0 = steps[at].ins[0]
+    for c in range(num_carries(steps[at])):
+        steps = _own_carry_of(steps, values, at, c)
+        at += steps[at].kind == "local"
+    return steps
+
+
+def _own_carry_of(steps, values, at: int, c: int) -> list:
+    """:func:`_own_carry` for carried tensor ``c`` of the forward step at ``at``; one the tuple
+    carries twice (``(x, x)``) gets its own value too, as each is received into its own."""
+    v0 = steps[at].ins[c]
     if not any(v0 in s.ins for i, s in enumerate(steps) if i != at) and \
-            not any(v0 in s.outs for s in steps if s.kind in ("param", "input")):
+            not any(v0 in s.outs for s in steps if s.kind in ("param", "input")) and v0 not in steps[at].ins[:c]:
         return steps
+    label = f"{steps[at].label}: its first carry" + (f"'s tensor {c}" if c else "")
+    return _with_own_input(steps, values, at, c, label)
+
+
+def _with_own_input(steps, values, at: int, j: int, label: str) -> list:
+    """``steps`` with input ``j`` of step ``at`` a new value, copied from the old one by a step
+    just before it."""
+    v0, f = steps[at].ins[j], steps[at]
     own = max(values) + 1
     values[own] = Value(own, values[v0].shape, values[v0].dtype, values[v0].sharding)
-    f = steps[at]
-    copy = Step("local", f.node, "carry", f"{f.label}: its first carry", f.phase, (v0,), (own,), (),
+    copy = Step("local", f.node, "carry", label, f.phase, (v0,), (own,), (),
                 step_args("local", {"fn": _same, "attrs": {}, "compute": values[v0].sharding.split,
                                     "sizes": {d.name: d.size for d in values[v0].shape}}))
-    return [*steps[:at], copy, dataclasses.replace(f, ins=(own, *f.ins[1:])), *steps[at + 1:]]
+    ins = list(f.ins)
+    ins[j] = own
+    return [*steps[:at], copy, dataclasses.replace(f, ins=tuple(ins)), *steps[at + 1:]]
+
+
+def _distinct_carry_grads(steps, values, pipelined) -> list:
+    """``steps`` with each gradient of a tuple carry the pipelined backward reads a value of its
+    own where it reads one twice (``a + b`` after the stack: the add's gradient is the same tensor
+    for both): the stages before the last receive each into its own value."""
+    at = next((i for i, s in enumerate(steps) if pipelined(s) and s.args["backward"]), None)
+    if at is None:
+        return steps
+    nc = num_carries(steps[at])
+    first = nc + len(steps[at].args["names"])
+    for c in range(1, nc):
+        if steps[at].ins[first + c] in steps[at].ins[first:first + c]:
+            steps = _with_own_input(steps, values, at, first + c, f"{steps[at].label}: its carry gradient {c}")
+            at += 1
+    return steps
 
 
 def _may_move(seg_from: Segment, seg_to: Segment, src: int, dst: int) -> bool:
@@ -171,9 +208,11 @@ def _may_move(seg_from: Segment, seg_to: Segment, src: int, dst: int) -> bool:
 @dataclass(frozen=True)
 class _Stack:
     """One pipelined repeat: the positions of its forward and backward steps, that of the carry
-    gradient among the backward's inputs, its layers on each stage (() for one stack over every
-    stage), the first and last stage running them, and whether it is stored in parts even on one
-    stage (:func:`_read_as_parts`)."""
+    gradient among the backward's inputs (the first one's of a tuple carry), its layers on each stage
+    (() for one stack over every stage), the first and last stage running them, whether it is stored
+    in parts even on one stage (:func:`_read_as_parts`), and the tensors it carries (``nc``: its first
+    ``nc`` inputs and outputs, forward; its ``nc`` carry gradients from ``dy_pos`` on and its first
+    ``nc`` outputs, backward)."""
 
     F: int
     B: int | None
@@ -182,6 +221,7 @@ class _Stack:
     lo: int
     hi: int
     parts: bool = False
+    nc: int = 1
 
     @property
     def stages(self) -> frozenset:
@@ -247,7 +287,7 @@ class _Cut:
     def is_carry_in(self, i: int, j: int) -> bool:
         """Whether input ``j`` of step ``i`` is the carry (or its gradient) the stages pass on."""
         st = self.stack_at.get(i)
-        return st is not None and ((i == st.F and j == 0) or (i == st.B and j == st.dy_pos))
+        return st is not None and ((i == st.F and j < st.nc) or (i == st.B and 0 <= j - st.dy_pos < st.nc))
 
 
 def _cut(steps, values, outputs, spec) -> _Cut:
@@ -257,10 +297,11 @@ def _cut(steps, values, outputs, spec) -> _Cut:
     layers = [(layer, counts) for _, layer, counts in spec.stacks] or [(spec.layer, ())]
 
     def over(layer):
-        return lambda s: (s.kind == "repeat" and len(s.ins) > 1
-                          and values[s.ins[1]].sharding.axes_of(layer) == (ax,))
+        return lambda s: (s.kind == "repeat" and len(s.ins) > num_carries(s)
+                          and values[s.ins[num_carries(s)]].sharding.axes_of(layer) == (ax,))
     for layer, _ in layers:
         steps = _own_carry(steps, values, over(layer))
+        steps = _distinct_carry_grads(steps, values, over(layer))
     steps = _stage_sums_first(steps, values, ax, [over(layer) for layer, _ in layers])
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     stacks = []
@@ -272,9 +313,9 @@ def _cut(steps, values, outputs, spec) -> _Cut:
             raise _error("the pipelined repeat is differentiated more than once.", spec, [],
                          "a pipeline runs one forward and one backward per micro-batch", "take one gradient")
         run = [t for t, c in enumerate(counts) if c] or [0, p - 1]   # the stages running its layers
-        b = bwd[0] if bwd else None
-        stacks.append(_Stack(fwd[0], b, 1 + len(steps[fwd[0]].args["names"]), tuple(counts), run[0], run[-1],
-                             _read_as_parts(steps, fwd[0], b)))
+        b, nc = (bwd[0] if bwd else None), num_carries(steps[fwd[0]])
+        stacks.append(_Stack(fwd[0], b, nc + len(steps[fwd[0]].args["names"]), tuple(counts), run[0], run[-1],
+                             _read_as_parts(steps, fwd[0], b), nc))
     in_stacks = frozenset(i for st in stacks for i in (st.F, st.B) if i is not None)
     # a whole-batch count of the inputs, or statistic of a frozen tower: once
     per_mb = made_once(steps, varies_per_microbatch(steps, values, spec.examples, in_stacks), in_stacks)
@@ -303,7 +344,7 @@ def _stacked_inputs(steps, values, spec, stacks, producer, per_mb) -> dict[int, 
     out = {}
     for st, (_, layer, _) in zip(stacks, spec.stacks):
         F = steps[st.F]
-        todo = list(F.ins[1:1 + len(F.args["names"])])
+        todo = list(F.ins[st.nc:st.nc + len(F.args["names"])])
         while todo:
             j = producer.get(todo.pop())
             if j is None or j in out or not per_mb[j] or steps[j].kind in ("param", "input") or (
@@ -324,7 +365,7 @@ def _stacked_input_sums(steps, values, ax: str, stacks, producer, per_mb) -> tup
     weights'), so that nothing after the micro-batches reads a per-micro-batch value of the stages.
     Each sum runs down the later stack's stages to the earlier one's last stage, in the backward, as
     :mod:`.stage_sum` does."""
-    dys = {steps[st.B].ins[st.dy_pos]: st for st in stacks if st.B is not None}
+    dys = {steps[st.B].ins[st.dy_pos + c]: st for st in stacks if st.B is not None for c in range(st.nc)}
     # or the stage sum a sum over other axes then reads (:func:`_stage_sums_first`)
     dys.update({s.ins[0]: dys[s.outs[0]] for s in steps if s.kind == "allreduce" and s.outs[0] in dys
                 and ax not in s.axes and MB_AXIS not in s.axes})
@@ -337,7 +378,7 @@ def _stacked_input_sums(steps, values, ax: str, stacks, producer, per_mb) -> tup
             if st is reader or st.B is None:
                 continue
             F, B = steps[st.F], steps[st.B]
-            grads = set(B.outs[1:1 + len(F.args["names"])])
+            grads = set(B.outs[st.nc:st.nc + len(F.args["names"])])
             behind = _steps_behind(steps, producer, s.ins[0], grads, ax)
             if behind:
                 sums[i] = (st, steps[reader.F].outs[0])
@@ -358,7 +399,7 @@ def _one_stacks_input_sums(steps, values, ax: str, st: _Stack, producer, per_mb,
     micro-batches only: there the sum stays after them, as before."""
     if st.B is None or chunks > 1:
         return {}, set()
-    grads = set(steps[st.B].outs[1:1 + len(steps[st.F].args["names"])])
+    grads = set(steps[st.B].outs[st.nc:st.nc + len(steps[st.F].args["names"])])
     read_per_mb = {v for j, s in enumerate(steps) if per_mb[j] and not (s.is_collective and MB_AXIS in s.axes)
                    for v in s.ins}
     sums, parts = {}, set()
@@ -383,8 +424,9 @@ def _stage_sums_first(steps, values, ax: str, pipelined) -> list:
     for k, over in enumerate(pipelined):
         fwd = [s for s in steps if over(s) and not s.args["backward"]]
         for b in (s for s in steps if over(s) and s.args["backward"]):
-            n = len(fwd[0].args["names"])
-            dys[b.ins[1 + n]], grads[k] = k, set(b.outs[1:1 + n])
+            n, nc = len(fwd[0].args["names"]), num_carries(b)
+            dys.update((v, k) for v in b.ins[nc + n:2 * nc + n])
+            grads[k] = set(b.outs[nc:nc + n])
     producer = {v: i for i, s in enumerate(steps) for v in s.outs}
     out = []
     for s in steps:
@@ -442,8 +484,8 @@ def _read_as_parts(steps, F: int, B: int | None) -> bool:
     stored whole on one stage would not run."""
     if steps[F].args.get("ys"):
         return True
-    n = len(steps[F].args["names"])
-    grads = set(steps[B].outs[1:1 + n]) if B is not None else set()
+    n, nc = len(steps[F].args["names"]), num_carries(steps[F])
+    grads = set(steps[B].outs[nc:nc + n]) if B is not None else set()
     return any(grads & set(s.ins) and (s.kind != "allreduce" or len(s.ins) > 1) for s in steps)
 
 
@@ -452,13 +494,13 @@ def _chains(steps, producer, stacks) -> list[tuple[_Stack, _Stack]]:
     read whole from outside (a decoder's cross-attention reading the encoder's output), is made from
     the earlier one's output carry, through any steps outside a block (ELECTRA's argmax between its
     generator and its discriminator, a pooling, a projection)."""
-    made = {steps[st.F].outs[0]: st for st in stacks}
+    made = {v: st for st in stacks for v in steps[st.F].outs[:st.nc]}
     out = []
     for st in stacks:
         F = steps[st.F]
         # its first carry, and what its blocks read whole from outside (not its stacked inputs: a
         # cross-attention cache made with its layer dim is summed down its stages, not chained)
-        todo, seen = [F.ins[0], *F.ins[1 + len(F.args["names"]):]], set()
+        todo, seen = [*F.ins[:st.nc], *F.ins[st.nc + len(F.args["names"]):]], set()
         while todo:
             v = todo.pop()
             if v in seen:
@@ -553,12 +595,12 @@ def _everywhere(cut: _Cut, st: _Stack, i: int) -> list[tuple[int, str | None]]:
     gradients of what its block reads from outside that are summed over the stages after the
     micro-batches (a shared param's; None: zero there), not down the stages (:mod:`.stage_sum`)."""
     F, layer = cut.steps[st.F], cut.spec.stacks[cut.stacks.index(st)][1]
-    n = len(F.args["names"])
+    n, nc = len(F.args["names"]), st.nc
     if i == st.F:
-        return [(v, layer) for v in F.outs[2:2 + len(F.args.get("ys", ()))]]
+        return [(v, layer) for v in F.outs[2 * nc:2 * nc + len(F.args.get("ys", ()))]]
     outs, chained = cut.steps[st.B].outs, {c for _, c in cut.sum_of.values()}
-    return [(v, layer) for v in outs[1:1 + n]] + [
-        (v, None) for v in outs[1 + n:] if v not in chained and cut.spec.axis in cut.values[v].sharding.partial]
+    return [(v, layer) for v in outs[nc:nc + n]] + [
+        (v, None) for v in outs[nc + n:] if v not in chained and cut.spec.axis in cut.values[v].sharding.partial]
 
 
 def assign_stages(cut: _Cut) -> None:
@@ -649,8 +691,8 @@ def _anchor(cut: _Cut) -> list:
         st = cut.stack_at.get(i)
         if st is not None:   # a stack's output carry on its last stage, its input gradient on its first
             stages[i] = st.stages
-            held[s.outs[0]] = frozenset({st.hi}) if i == st.F else frozenset({st.lo})
-            held.update((v, st.stages) for v in s.outs[1:])
+            held.update((v, st.stages) for v in s.outs[st.nc:])
+            held.update((v, frozenset({st.hi}) if i == st.F else frozenset({st.lo})) for v in s.outs[:st.nc])
             if st.on_some(cut.num_stages):
                 # its per-layer outputs and its gradients summed after the micro-batches are held on
                 # every stage, empty or zero outside its run (made there by insert_transfers), so what
@@ -712,7 +754,7 @@ def _by_demand(cut: _Cut, stages: list, seed: dict) -> list:
             held.update((v, stages[i]) for v in s.outs)
         st = cut.stack_at.get(i)
         for j, v in enumerate(s.ins):
-            want = ({st.lo} if (i == st.F and j == 0) else {st.hi} if (i == st.B and j == st.dy_pos)
+            want = (({st.lo} if i == st.F else {st.hi}) if cut.is_carry_in(i, j)
                     else stages[i]) if st is not None else stages[i]
             demand[v] = demand.get(v, frozenset()) | want
             if i not in after_mb:
@@ -877,7 +919,8 @@ def _own_parts(cut: _Cut) -> set[int]:
     values over the stage or micro-batch axis, does not descend from the per-layer outputs, or
     reads what the pipelined backward made (the stacked gradients, the update), is not one of them."""
     ax, every = cut.spec.axis, cut.every_stage
-    ys = [v for st in cut.stacks for v in cut.steps[st.F].outs[2:2 + len(cut.steps[st.F].args.get("ys", ()))]]
+    ys = [v for st in cut.stacks
+          for v in cut.steps[st.F].outs[2 * st.nc:2 * st.nc + len(cut.steps[st.F].args.get("ys", ()))]]
     if not ys:
         return set()
     from_ys = _downstream(cut, ys)   # (several stacks: each one's per-layer outputs, and every backward's results)
@@ -1040,7 +1083,7 @@ def _check_stacked_input_grads(cut: _Cut, final: set, i: int, blk: int) -> None:
         if st.B is None or cut.stack_at[blk] is st:
             continue
         F, B = cut.steps[st.F], cut.steps[st.B]
-        grads = dict(zip(B.outs[1:1 + len(F.args["names"])], F.args["names"]))
+        grads = dict(zip(B.outs[st.nc:st.nc + len(F.args["names"])], F.args["names"]))
         read = sorted({grads[v] for j in behind for v in cut.steps[j].ins if v in grads})
         if not read:
             continue
@@ -1088,8 +1131,8 @@ def _check_per_layer_outputs(cut: _Cut, i: int) -> None:
     """Refuse, saying why, a value the pipelined backward reads (made by step ``i`` after the
     micro-batches) that the loss made from the repeat's per-layer outputs across layers."""
     F = cut.steps[cut.F]
-    names = F.args.get("ys", ())
-    ys = dict(zip(F.outs[2:2 + len(names)], names))
+    names, nc = F.args.get("ys", ()), num_carries(F)
+    ys = dict(zip(F.outs[2 * nc:2 * nc + len(names)], names))
     seen, todo, read, joins = set(), [i], [], None
     while todo:
         j = todo.pop()
@@ -1121,7 +1164,7 @@ def insert_transfers(cut: _Cut) -> dict:
     value read on a stage that does not hold it, the carry's transfers around the pipelined
     repeat's steps, and the chained stage sums expanded into transfers and adds."""
     lists: dict = {k: [] for k in Segment}
-    tag, moved = GRAD_TAG, set()
+    tag, moved = max(carry_tags(max(st.nc for st in cut.stacks) - 1)), set()
     for i, s in enumerate(cut.steps):
         if cut.leaf[i]:
             continue
@@ -1201,14 +1244,18 @@ def _carried(cut: _Cut, i: int) -> list:
     """The pipelined repeat's step ``i`` (forward or backward) between the receive of its carry
     from the stage before it (after it, for the backward) and the send of its result on."""
     s, spec, st = cut.steps[i], cut.spec, cut.stack_at[i]
-    carry, off, tg = (s.ins[0], 1, ACT_TAG) if i == st.F else (s.ins[st.dy_pos], -1, GRAD_TAG)
+    fwd = i == st.F
+    at, off = (0, 1) if fwd else (st.dy_pos, -1)
     # the stack's stages with a next one / a previous one
     first, last = frozenset(range(st.lo, st.hi)), frozenset(range(st.lo + 1, st.hi + 1))
-    out = [(transfer_step("recv", carry, cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
-            last if i == st.F else first),
-           (s, st.stages),
-           (transfer_step("send", s.outs[0], cut.values, spec.mesh, spec.axis, off, tg, s.phase, "carry"),
-            first if i == st.F else last)]
+
+    def moves(kind: str, v: int, c: int):
+        # a tuple carry: one transfer per carried tensor (each its own shape and layout), each its own tag
+        what = "carry" if st.nc == 1 else f"carry {c}"
+        return (transfer_step(kind, v, cut.values, spec.mesh, spec.axis, off, carry_tags(c)[not fwd], s.phase, what),
+                (last if fwd else first) if kind == "recv" else (first if fwd else last))
+    out = [*(moves("recv", s.ins[at + c], c) for c in range(st.nc)), (s, st.stages),
+           *(moves("send", s.outs[c], c) for c in range(st.nc))]
     return [(x, where) for x, where in out if where]   # a stack on one stage passes no carry
 
 
@@ -1266,16 +1313,19 @@ def _holders(cut: _Cut, leaves) -> dict:
     return out
 
 
-def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs, values, loops=frozenset()) -> Step:
+def pipeline_step(kind: str, label: str, lists: dict, spec, schedule, ins, outs, values, loops=frozenset(),
+                  num_carried: int = 1) -> Step:
     """The ``pipeline`` (or ``accumulate``) step running the segment lists ``lists`` (segment ->
     ``(step, stages)`` pairs) by ``schedule``, with its :class:`~.pipeline_program.PipelineProgram`;
-    ``loops``: the ids of the stacks' loop steps when several stacks share the stage axis."""
+    ``loops``: the ids of the stacks' loop steps when several stacks share the stage axis;
+    ``num_carried``: the most tensors a stack carries (a tuple carry's, each with its own tags)."""
     m, p = spec.num_microbatches, spec.num_stages
     mb_axis = MB_AXIS if m > 1 else None
     subplans = tuple(Plan(spec.mesh, spec.layout, [s for s, _ in lists[k]], values, {}) for k in Segment)
     stages = tuple(tuple(tuple(sorted(st)) for _, st in lists[k]) for k in Segment)
     stack_loops = frozenset((k, j) for k in Segment for j, (s, _) in enumerate(lists[k]) if id(s) in loops)
-    program = PipelineProgram(spec.axis, p, m, mb_axis, schedule, subplans, stages, (ACT_TAG, GRAD_TAG), tuple(outs),
+    program = PipelineProgram(spec.axis, p, m, mb_axis, schedule, subplans, stages,
+                              tuple(t for c in range(num_carried) for t in carry_tags(c)), tuple(outs),
                               stack_loops)
     return Step(kind, -1, kind, label, "forward", tuple(ins), tuple(outs), (spec.axis,) if spec.axis else (),
                 step_args(kind, {"axis": spec.axis, "num_stages": p, "microbatches": m, "mb_axis": mb_axis,
@@ -1290,7 +1340,7 @@ def _pipeline_step(cut: _Cut, lists: dict, spec) -> Step:
              if s.kind == "repeat" and s.node in {cut.steps[i].node for i in cut.stack_at}} if cut.spec.stacks else ()
     return pipeline_step("pipeline", _label(spec.axis, spec.schedule), lists, spec, spec.schedule,
                          [v for s in leaves for v in s.outs], sorted(set(cut.outputs.values()) & made), cut.values,
-                         frozenset(loops))
+                         frozenset(loops), max(st.nc for st in cut.stacks))
 
 
 def program_of(step: Step) -> PipelineProgram:

@@ -230,26 +230,8 @@ def _pipelined_repeats(nodes, mesh: Mesh, layout: Layout) -> tuple[list, set]:
                        mesh=mesh, layout=layout, rule="a pipeline runs over one mesh axis",
                        fix=f"map '{layer}' to one axis, e.g. '{layer}:{axes[0]}'")
         if axes and mesh.axis_size(axes) > 1:
-            _refuse_tuple_carry(n, layer, axes[0], mesh, layout)
             found.append((n, axes[0]))
     return found, scanned
-
-
-def _refuse_tuple_carry(n, layer: str, axis: str, mesh: Mesh, layout: Layout) -> None:
-    """Refuse to pipeline a repeat that carries several tensors: its stages pass one carry (the
-    partition's transfers, the runner's send slots), not a tuple."""
-    blk = n.attrs["block"]
-    if blk.num_carries == 1:
-        return
-    shapes = ", ".join(str(c.shape) for c in blk.carries)
-    raise _err(f"repeat '{n.name}' carries {blk.num_carries} tensors ({shapes}) and '{layer}:{axis}' pipelines it.",
-               mesh=mesh, layout=layout,
-               bullets=[f"carry[{i}]: {c.shape} {c.dtype}" for i, c in enumerate(blk.carries)],
-               rule="a pipeline's stages hand each other one carried tensor per micro-batch; a repeat carrying a "
-                    "tuple runs its layers on every rank (data, tensor, sequence and FSDP layouts), not in stages",
-               fix=f"drop the '{layer}:{axis}' rule (split the batch or the carried tensors' own dims over "
-                   f"'{axis}' instead), or, to pipeline, carry one tensor: stack the carried tensors along a new "
-                   "dim where they have the same dims (md.concat of md.unsqueeze's), cut apart in the block")
 
 
 def _shared_fix(found: list) -> str | None:

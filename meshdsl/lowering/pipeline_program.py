@@ -49,6 +49,23 @@ SEGMENT_OF = {"F": Segment.FORWARD, "send_act": Segment.FORWARD, "recv_act": Seg
 PER_MICROBATCH = (Segment.FORWARD, Segment.BACKWARD)
 
 
+#: The tags of the carry's transfers (activation, gradient); a tuple carry's other tensors take the
+#: next pairs (:func:`carry_tags`), and the other transfers the tags after those.
+ACT_TAG, GRAD_TAG = 0, 1
+
+
+def num_carries(s: Step) -> int:
+    """The tensors a repeat step carries (its first inputs and outputs): k for a tuple carry."""
+    return s.args.get("carries", 1)
+
+
+def carry_tags(c: int) -> tuple[int, int]:
+    """The (activation, gradient) tags of carried tensor ``c``'s transfers between stages: the first
+    one's are :data:`ACT_TAG` and :data:`GRAD_TAG`, a tuple carry's others the pairs after them, so
+    each carried tensor has a receive slot of its own."""
+    return (ACT_TAG + 2 * c, GRAD_TAG + 2 * c)
+
+
 @dataclass(frozen=True)
 class Transfer:
     """A send or a receive between stages: step ``position`` of ``segment``.
@@ -187,8 +204,8 @@ class PipelineProgram:
     def _split_over_stages(self, seg: Segment, s) -> bool:
         """Whether repeat ``s`` reads a stacked param split over the stage axis (unequal stages
         run one such repeat each, :mod:`.stage_layers`)."""
-        values = self.segments[seg].values
-        return len(s.ins) > 1 and s.ins[1] in values and self.axis in values[s.ins[1]].sharding.used_axes
+        values, at = self.segments[seg].values, num_carries(s)   # (the first stacked param follows the carries)
+        return len(s.ins) > at and s.ins[at] in values and self.axis in values[s.ins[at]].sharding.used_axes
 
     @cached_property
     def layers_per_stage(self) -> int:
@@ -214,7 +231,8 @@ class PipelineProgram:
         """The stack a loop runs layers of: the layer dim that the stage axis splits in the stacked
         param it reads (each stack has its own; a chunk's narrowed param keeps it), or that param
         itself where it is whole (a stack on one stage)."""
-        param = self.segments[segment].steps[position].ins[1]
+        step = self.segments[segment].steps[position]
+        param = step.ins[num_carries(step)]
         sharding = self.segments[segment].values[param].sharding
         return next((name for name, axes in sharding.dims if self.axis in axes), param)
 

@@ -40,7 +40,8 @@ def chained(steps, ax: str, B: int | None, per_mb, producer) -> dict[int, int]:
     closed = bstep.args.get("closed", ())
     (block,) = bstep.subplans
     with_grad = [k for k in closed if f"d/{k}" in block.outputs]
-    first = 1 + len(bstep.args["names"])  # the closed-over tensors' gradients follow the stacked ones
+    # the closed-over tensors' gradients follow the carries' (k for a tuple carry) and the stacked ones
+    first = bstep.args.get("carries", 1) + len(bstep.args["names"])
     out = {}
     for i, s in enumerate(steps):
         if s.kind != "allreduce" or s.axes != (ax,) or s.ins[0] not in bstep.outs[first:]:

@@ -333,10 +333,10 @@ class _Walk:
 
 def _stage_costs(prog, seconds: list, loop_s: dict) -> tuple:
     """Each stage's :class:`StageCost` from its F + B + W seconds and the loops' seconds; with
-    several stacks, each one's part too (a stack's loops read its stacked params, ``ins[1]``, as
-    in :meth:`~meshdsl.lowering.pipeline_program.PipelineProgram.layer_offset`)."""
+    several stacks, each one's part too (a stack's loops read its stacked params, after its carried
+    tensors, as in :meth:`~meshdsl.lowering.pipeline_program.PipelineProgram.layer_offset`)."""
     def stack(step) -> int:
-        return step.ins[1] if prog.stack_loops else 0
+        return step.ins[step.args.get("carries", 1)] if prog.stack_loops else 0
     loops = sorted(prog.pipelined)   # the forward's first, in graph order (the encoder's first)
     order = list(dict.fromkeys(stack(prog.segments[seg].steps[j]) for seg, j in loops))
     out = []
