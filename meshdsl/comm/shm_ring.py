@@ -91,7 +91,8 @@ class Ring:
         self.started = 0               # allreduces this member started: sequence numbers 1, 2, ...
         self.head = 0                  # byte offset in a region after the last one started
         self.live: deque = deque()     # (seq, lo, hi): spans some member may not have read yet
-        self.pending: deque = deque()  # (seq, byte offset, piece, fold, in place): started here, not yet folded
+        self.pending: deque = deque()  # (seq, byte offset, piece, fold, in place, me, members): started, not folded
+        self.unread: deque = deque()   # in-place seqs folded here whose other chunks may not all be folded yet
         self.reserved = None           # (end, starts left): a reservation at 0 not all started yet
         self.floor = 0                 # placements go at or after it: the last reservation is the caller's
         self._views: dict = {}
@@ -155,8 +156,9 @@ class Ring:
             ctypes.memmove(regions[mine, off // esz:].data_ptr(), piece.data_ptr(), piece.numel() * esz)
             self.started += 1
             self.flags[self.base + mine * _LINE + _ARRIVED] = self.started  # after the copy: x86 keeps store order
-            self.pending.append((self.started, off, piece, fold, False))
+            self.pending.append((self.started, off, piece, fold, False, me, members))
             last = self.started
+        self.progress()
         return Folding(self, last, me, members, x)
 
     def _start_in_place(self, flat: torch.Tensor, off: int, fold, me: int, members) -> "Folding":
@@ -171,7 +173,8 @@ class Ring:
         else:
             self.reserved = (hi, left - 1)
         self.flags[self.base + self.slots(members)[me] * _LINE + _ARRIVED] = self.started
-        self.pending.append((self.started, off, flat, fold, True))
+        self.pending.append((self.started, off, flat, fold, True, me, members))
+        self.progress()
         a = off // flat.element_size()
         return Folding(self, self.started, me, members, self._result_area(flat.dtype)[a:a + flat.numel()])
 
@@ -179,19 +182,40 @@ class Ring:
         """Fold every allreduce this member started up to ``seq`` that it has not folded yet, in
         order; then, if any was reduced into the result area, wait until every member has folded
         its chunks of them."""
-        at, last = self.slots(members), 0
         while self.pending and self.pending[0][0] <= seq:
-            s, off, piece, fold, in_place = self.pending.popleft()
-            self._wait_for(_ARRIVED, s, members)
-            if in_place:   # this member's chunk, into the result area
-                cut = chunk_bounds(piece.numel(), self.n)
-                self._fold_span(off, piece, fold, cut[me], cut[me + 1], at)
-                last = s
-            else:
-                self._fold_all(off, piece, fold, me, at)
-            self.flags[self.base + at[me] * _LINE + _READ] = s  # after the reads: x86 keeps loads before it
+            self._wait_for(_ARRIVED, self.pending[0][0], members)
+            self._fold_next()
+        last = 0
+        while self.unread and self.unread[0] <= seq:
+            last = self.unread.popleft()
         if last:
             self._wait_for(_READ, last, members)
+
+    def progress(self) -> None:
+        """Fold, oldest first, the started allreduces every member has already arrived at, and
+        stop at the first one some member has not: no waiting.  Called at each start, so that
+        with no core to spare the folds run between the backward's kernels as the members'
+        buckets come, not all at the end, where the members would fold at once and then wait for
+        the slowest one's chunks."""
+        flags = self.flags
+        while self.pending:
+            seq, at = self.pending[0][0], self.slots(self.pending[0][6])
+            if any(flags[self.base + j * _LINE + _ARRIVED] < seq for j in at):
+                return
+            self._fold_next()
+
+    def _fold_next(self) -> None:
+        """Fold the oldest started allreduce (every member has arrived at it) and raise this
+        member's *read* count."""
+        s, off, piece, fold, in_place, me, members = self.pending.popleft()
+        at = self.slots(members)
+        if in_place:   # this member's chunk, into the result area
+            cut = chunk_bounds(piece.numel(), self.n)
+            self._fold_span(off, piece, fold, cut[me], cut[me + 1], at)
+            self.unread.append(s)
+        else:
+            self._fold_all(off, piece, fold, me, at)
+        self.flags[self.base + at[me] * _LINE + _READ] = s  # after the reads: x86 keeps loads before it
 
     def _fold_all(self, off: int, piece: torch.Tensor, fold, me: int, at) -> None:
         """Fold every member's copy of a copied-in allreduce (at byte ``off`` of every region) into ``piece``."""
