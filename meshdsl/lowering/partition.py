@@ -838,6 +838,13 @@ def _stack_stages(cut: _Cut, layer: str) -> frozenset | None:
     return cut.every_stage if layer == cut.spec.layer else None
 
 
+#: the fix for a loss term that reduces a pipelined stack's params outside the stack (an L2 penalty
+#: written as ``reduce_sum(w * w)`` of the stacked ``w``): each stage holds its own layers of ``w``
+_OUTSIDE_FIX = ("make the term in the block, per layer, and sum those: return (carry, {'l2': "
+                "md.reduce_sum(p['w'] * p['w'])}) from the block and add md.reduce_sum(per_layer['l2']) to the loss "
+                "(per-layer outputs pipeline), or use the optimizer's weight decay")
+
+
 def _check_stage_collectives(cut: _Cut) -> None:
     """Refuse, after :func:`assign_stages`, what would run over the stage axis on some stages only:
     a forward collective over it (and not the micro-batches) left on some of the stages, such as a
@@ -849,13 +856,13 @@ def _check_stage_collectives(cut: _Cut) -> None:
     ax = cut.spec.axis
     for i, s in enumerate(cut.steps):
         if (s.is_collective and not COLLECTIVES[s.kind].point_to_point and s.phase == "forward"
-                and ax in s.axes and MB_AXIS not in s.axes and i not in cut.sums and cut.stages[i] != cut.every_stage):
+                and ax in s.axes and i not in cut.sums and cut.stages[i] != cut.every_stage):
             raise _error(f"'{s.label}': {s.kind} over the pipeline axis '{ax}' on stage(s) "
                          f"{sorted(cut.stages[i])} only", cut.spec,
                          [f"{s.label}: {s.note or s.kind}", *cut.spec.scan_hint[:1]],
                          "a pipeline axis splits the stacks' layers; what is made outside them per micro-batch "
                          f"is whole over '{ax}' (a collective over it on some stages cannot run)",
-                         cut.spec.scan_hint[1] if cut.spec.scan_hint else
+                         cut.spec.scan_hint[1] if cut.spec.scan_hint else _OUTSIDE_FIX if MB_AXIS in s.axes else
                          "split that dim over another axis, or pipeline over an axis that splits only the layer dims")
         name = _layers_cut_on_some_stages(cut, i)
         if name is not None:
