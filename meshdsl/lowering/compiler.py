@@ -471,10 +471,18 @@ def compile(outputs, mesh, layout=None, cost: CostModel = DEFAULT, fuse: bool = 
         _CACHE.move_to_end(key)
         return hit[0]
     plan = _lower(outputs, mesh, layout, cost, fuse, microbatches, schedule, bucket_mb, strict_splits, stage_layers)
+    plan = dataclasses.replace(plan, graph_params=graph_params_of(outputs))
     _CACHE[key] = (plan, g)
     if len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return plan
+
+
+def graph_params_of(outputs: dict) -> dict:
+    """Every param of the outputs' graph (or graphs): name -> (shape, dtype), for
+    :attr:`Plan.graph_params`; the cache key's node count keeps it current."""
+    graphs = {id(t.graph): t.graph for t in outputs.values()}
+    return {k: (t.shape, t.dtype) for g in graphs.values() for k, t in g.params.items()}
 
 
 #: How a plan note on an option given that changes nothing reads (``schedule '1f1b' has no effect: ...``).

@@ -200,9 +200,12 @@ class Plan:
     #: value id -> the mesh ranks that hold it, for params, inputs and outputs a pipeline
     #: keeps on some stages only (absent: every rank).
     holders: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    #: every param of the outputs' graph, read or not: name -> (shape, dtype), so that params
+    #: given by name can be told apart: one the plan does not read is ignored, a typo refused.
+    graph_params: Mapping[str, tuple[Shape, torch.dtype]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for name in ("values", "outputs", "params", "inputs", "holders"):
+        for name in ("values", "outputs", "params", "inputs", "holders", "graph_params"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "notes", tuple(self.notes))

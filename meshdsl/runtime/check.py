@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import GraphError, did_you_mean, message
+from ..ir.interpret import feeds_dict
 from ..lowering.compiler import compile as compile_plan, ignored_options
 from .agreement import allowed_diff
-from .dense import run_dense
-from .simulated import run_simulated
+from .dense import check_given_params, run_dense
+from .simulated import declared_params, run_simulated
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ def check(outputs, mesh, layout=None, feeds: dict | None = None, *, params: dict
       mesh, layout: as for :func:`~meshdsl.compile` (strings, dicts, or the parsed objects).
       feeds: input name -> full torch tensor.
       params: param name -> full tensor; defaults to the deterministic init (``seed``), the
-        same on both sides.
+        same on both sides.  Any param of the outputs' graph may be given (all of a model's,
+        from a checkpoint): one the outputs do not read is checked, then ignored.
       tol: each output's allowance relative to its magnitude (see the module docstring);
         1e-4, ``meshdsl check``'s default, covers fp32 sums added in another order.  Outputs named
         ``grad/<param>`` share one scale, the largest gradient's (a gradient that is exactly zero
@@ -163,6 +165,8 @@ def check(outputs, mesh, layout=None, feeds: dict | None = None, *, params: dict
     plan = compile_plan(outputs, mesh, layout, **compile_options)
     for note in ignored_options(plan):   # as `meshdsl check` and md.fit say them
         print(f"note: {note}", flush=True)
+    # (said once, as check's: a param run_dense and run_simulated would each refuse)
+    check_given_params("check", feeds_dict("check", params, "params"), declared_params(plan))
     want = run_dense(outputs, feeds, params=params, seed=seed)
     got = run_simulated(plan, feeds, params=params, seed=seed)
     with torch.no_grad():

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..comm.simulated import SimulatedComm
-from ..errors import GraphError, clip, did_you_mean, message
+from ..errors import GraphError, clip, message
 from ..ir.interpret import feeds_dict
 from ..lowering.plan import Plan
+from .dense import check_given_params
 from .executor import Executor
 
 
@@ -17,13 +18,17 @@ def run_simulated(plan: Plan, feeds: dict | None = None, params: dict | None = N
     Args:
       plan: a compiled plan.
       feeds: input name -> full tensor (or :class:`~meshdsl.runtime.executor.PerRank` slices).
-      params: param name -> full tensor; defaults to the deterministic init.
+      params: param name -> full tensor; defaults to the deterministic init.  Any param of the
+        outputs' graph may be given: one the plan does not read (a batch norm's running
+        statistics next to a training loss) is checked, then ignored, as by
+        :func:`~meshdsl.run_dense`.
       seed: init seed when params are not given.
       device: where every rank's values live (default the CPU; e.g. ``"cuda"``).
       compile: as for :class:`~meshdsl.runtime.executor.Executor` (compiled segments; False: eager).
 
     Raises:
-      GraphError: a param or feed the plan does not have, or one of the wrong shape or dtype.
+      GraphError: a feed the plan does not have, a param named that is no param of the outputs'
+        graph, or either of the wrong shape or dtype.
     """
     if not isinstance(plan, Plan):
         raise GraphError(message(
@@ -31,20 +36,17 @@ def run_simulated(plan: Plan, feeds: dict | None = None, params: dict | None = N
             rule="run_simulated runs a compiled plan: every rank of its mesh in this process",
             fix="compile first, plan = md.compile(outputs, mesh, layout), then md.run_simulated(plan, feeds); "
                 "md.run_dense(outputs, feeds) runs the graph itself on one device"))
+    given = feeds_dict("run_simulated", params, "params")
+    check_given_params("run_simulated", given, declared_params(plan))
     ex = Executor(plan, SimulatedComm(plan.mesh, device=device), compile=compile)
     local = ex.init_params(seed)
-    for k, v in feeds_dict("run_simulated", params, "params").items():
-        vid = plan.params.get(k)
-        if vid is None:
-            raise GraphError(message(f"run_simulated: the plan has no param '{k}'.{did_you_mean(k, plan.params)}",
-                                     inputs=[f"params of the plan: {sorted(plan.params)}"],
-                                     rule="params given by name must be params the outputs depend on",
-                                     fix="drop it or correct the name"))
-        value = plan.values[vid]
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != value.shape.sizes or v.dtype != value.dtype:
-            got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
-            raise GraphError(message(f"run_simulated: param '{k}' is {got}, not {value.shape.sizes} {value.dtype}.",
-                                     rule="a full param has its declared shape (dims in order) and dtype",
-                                     fix=f"pass a tensor of shape {value.shape.sizes}"))
-        local[k] = ex.local_slices(value, v.to(ex.device))
+    for k, v in given.items():
+        if k in plan.params:   # (a param of the graph the plan does not read is left alone)
+            local[k] = ex.local_slices(plan.values[plan.params[k]], v.to(ex.device))
     return ex.full_outputs(ex.run(feeds, local))
+
+
+def declared_params(plan: Plan) -> dict:
+    """Every param of the graph ``plan`` was compiled from: name -> (shape, dtype), those it
+    reads included (:attr:`Plan.graph_params`, the plan's own ``params`` for a hand-made plan)."""
+    return {**plan.graph_params, **{k: (plan.values[v].shape, plan.values[v].dtype) for k, v in plan.params.items()}}
