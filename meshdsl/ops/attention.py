@@ -254,11 +254,9 @@ def _mask_perm(attrs: dict, mask: Tensor) -> tuple:
 
 def _with_user_mask(causal_mask, keep, attrs: dict, q):
     """(is_causal, additive mask) of :func:`_mask` with the user's boolean ``keep`` (this rank's
-    slice; None without one) added: ``-inf`` where it is False, broadcast over the dims it lacks,
-    in the kernel's [batch, heads, query, key] form (``q``: this rank's q, for the batch sizes)."""
+    slice) added: ``-inf`` where it is False, broadcast over the dims it lacks, in the kernel's
+    [batch, heads, query, key] form (``q``: this rank's q, for the batch sizes)."""
     causal, mask = causal_mask
-    if keep is None:
-        return causal, mask
     perm, nb = attrs["mask_perm"], len(attrs["batch"])
     present = [p for p in perm if p is not None]
     full = keep.permute(*present).reshape([1 if p is None else keep.shape[p] for p in perm])
@@ -311,11 +309,15 @@ class Attention(Op):
             # (dims as separate arguments: torch parses them faster than a tuple)
             q4, k4, v4 = _rows(q.permute(*attrs["q_perm"])), _rows(k.permute(*attrs["k_perm"])), \
                 _rows(v.permute(*attrs["v_perm"]))
-            causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
+            causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+            if keep is not None:   # the user's mask (none in the usual call: one check)
+                causal, mask = _with_user_mask((causal, mask), keep, attrs, q)
             out4, lse4 = _FWD(q4, k4, v4, 0.0, causal, attn_mask=mask, scale=attrs["scale"])
             return out4.permute(*attrs["q_back"]), lse4
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
-        causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
+        causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+        if keep is not None:   # the user's mask (none in the usual call: one check)
+            causal, mask = _with_user_mask((causal, mask), keep, attrs, q)
         out4, lse4 = _forward(q4, k4, v4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
         lse = lse4 if lse4.dim() == len(bs) + 1 and lse4.shape[0] == bs[0] else lse4.reshape(*bs, lse4.shape[-1])
@@ -357,13 +359,17 @@ class AttentionBackward(Op):
         if attrs["shared"] == 2 == len(attrs["batch"]) and q.device.type == "cpu":   # as Attention.compute
             qp = attrs["q_perm"]
             q4, k4, v4 = _rows(q.permute(*qp)), _rows(k.permute(*attrs["k_perm"])), _rows(v.permute(*attrs["v_perm"]))
-            causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
+            causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+            if keep is not None:   # the user's mask (none in the usual call: one check)
+                causal, mask = _with_user_mask((causal, mask), keep, attrs, q)
             lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])
             dq, dk, dv = _BWD(_rows(g.permute(*qp)), q4, k4, v4, _rows(out.permute(*qp)), lse4, 0.0, causal,
                               attn_mask=mask, scale=attrs["scale"])
             return dq.permute(*attrs["q_back"]), dk.permute(*attrs["k_back"]), dv.permute(*attrs["v_back"])
         q4, k4, v4 = _q4(q, attrs), _kv4(k, attrs, attrs["k_perm"]), _kv4(v, attrs, attrs["v_perm"])
-        causal, mask = _with_user_mask(_mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q), keep, attrs, q)
+        causal, mask = _mask(ctx, attrs, q4.shape[-2], k4.shape[-2], q)
+        if keep is not None:   # the user's mask (none in the usual call: one check)
+            causal, mask = _with_user_mask((causal, mask), keep, attrs, q)
         lse4 = lse if lse.shape == q4.shape[:-1] else lse.reshape(q4.shape[:-1])
         dq, dk, dv = _backward(_q4(g, attrs), q4, k4, v4, _q4(out, attrs), lse4, causal, mask, attrs["scale"])
         bs = [q.shape[i] for i in attrs["q_perm"][:len(attrs["batch"])]]
