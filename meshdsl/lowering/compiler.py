@@ -27,12 +27,13 @@ from .bucket import DEFAULT_BUCKET_MB, bucket as bucket_steps
 from .cost import DEFAULT, CostModel
 from .coalesce import coalesce
 from .concat import absorbed_parts
+from .concat_contract import summing_parts
 from .fuse import fuse as fuse_steps
 from .cyclic_dims import NotCyclic, store_cyclic
 from .dead_moves import live_steps
 from .implied import implied_layout
 from .lazy_grads import lazy_to_gradients, lazy_to_smaller_sums
-from .param_values import gathered_in_pieces, least_offered, offering, offers, param_scopes, with_param_targets
+from .param_values import better, gathered_in_pieces, least_offered, offering, offers, param_scopes, with_param_targets
 from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
@@ -553,6 +554,21 @@ def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
 
 def _chosen(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven,
             spec) -> tuple[Lowerer, dict[str, int]]:
+    """:func:`_offered`'s lowering with einsums of a split concat lowered per part
+    (:mod:`.concat_contract`), kept where :func:`better` than without."""
+    args = (outputs, nodes, mesh, layout, cost, schedule, uneven, spec)
+    with summing_parts(True) as rec:
+        made = _offered(*args)
+    if not rec.used:
+        return made
+    with summing_parts(False):
+        plain = _offered(*args)
+    buckets = spec is None or (spec.axis is None and spec.num_microbatches == 1)   # (as :func:`_offered` prices)
+    return made if better(made, plain, cheaper, buckets) else plain
+
+
+def _offered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven,
+             spec) -> tuple[Lowerer, dict[str, int]]:
     """The cheapest of :func:`_lowered`'s lowerings: values computed from params alone offered their
     params' layout or not (:mod:`.param_values`), then lowered again foreseeing the moves of a
     split tensor that one reader gathers and another reduces around (:mod:`.shared_moves`), then

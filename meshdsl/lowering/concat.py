@@ -41,6 +41,7 @@ from ..ops.elementwise import add, greater_equal, less, logical_and, where
 from ..ops.embed import arange
 from ..ops.slicing import concat, pad, shift, slice_
 from .composite import lower_composite
+from .concat_contract import contracted_parts
 from .generic import lower_generic
 from .rules import lowering
 
@@ -189,7 +190,8 @@ def _summed_parts(lw, node):
 def absorbed_parts(lw, nodes) -> dict:
     """Per-part concats among ``nodes`` (see the module docstring) and their gradients, sums of
     parts padded back to their places: node id -> the rule that lowers it from its parts' source,
-    or None for a node of a part, which is not lowered."""
+    or None for a node of a part, which is not lowered; and einsums of a concat lowered per part
+    (:func:`.concat_contract.contracted_parts`)."""
     absorbed = {}
     for node in nodes:   # (in order: a sum's inner adds are tried, and fail to cover the dim, first)
         found = None
@@ -205,7 +207,7 @@ def absorbed_parts(lw, nodes) -> dict:
             absorbed.update(dict.fromkeys(map(id, chain)))
             absorbed[id(node)] = lambda lw, node, src=src, parts=parts, dim=dim: _lower_per_part(
                 lw, node, src, parts, dim)
-    return absorbed
+    return {**absorbed, **contracted_parts(lw, nodes, absorbed)}
 
 
 def from_source(x, dim: str, parts, shared: bool = True) -> list:
