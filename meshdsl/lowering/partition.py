@@ -606,7 +606,9 @@ def _everywhere(cut: _Cut, st: _Stack, i: int) -> list[tuple[int, str | None]]:
 def assign_stages(cut: _Cut) -> None:
     """Pass 1: the stages of every step.  Values anchored by the repeat's ends (its output carry
     on the last stage, its input gradient on stage 0) flow forward to their readers
-    (:func:`_anchor`); the rest is placed by demand, where its results are read (:func:`_by_demand`).
+    (:func:`_anchor`), but for a value made after the micro-batches and held alike on several stages
+    (:func:`_held_alike`: a clip scale anchors no update); the rest is placed by demand, where its
+    results are read (:func:`_by_demand`).
     The outputs are read on every stage, but a carried param's next value (``new/<name>``) only
     where the param is: read on every stage, a param only stage 0 reads (ELECTRA's generator's,
     beside the stacks) would be updated and stored on every stage, its gradient sent up after the
@@ -687,6 +689,9 @@ def _anchor(cut: _Cut) -> list:
     in_b = _downstream(cut, [v for st in cut.stacks if st.B is not None for v in steps[st.B].outs])
     after_mb = _after_microbatches(cut)
     lifts = _tower_lifts(cut) if len(cut.stacks) > 1 else {}
+    # (not on virtual stages: a stage's values there lie on another's ranks too, as in _where_inputs_are)
+    one_chunk = cut.num_stages == cut.spec.mesh.sizes[cut.spec.axis] and cut.spec.schedule.num_chunks == 1
+    differ = _held_differently(cut) if one_chunk else set(cut.values)
     for i, s in enumerate(steps):
         st = cut.stack_at.get(i)
         if st is not None:   # a stack's output carry on its last stage, its input gradient on its first
@@ -710,13 +715,61 @@ def _anchor(cut: _Cut) -> list:
             cut.spread.add(i)
             held.update((v, stages[i]) for v in s.outs)
         elif not cut.leaf[i]:
-            anchored = [frozenset({lifts[v]}) if v in lifts else held[v] for v in s.ins if v in held]
+            anchored = [frozenset({lifts[v]}) if v in lifts else held[v] for v in s.ins
+                        if v in held and not _held_alike(cut, v, i, after_mb, differ)]
             if anchored:
                 stages[i] = _meet(cut, i, anchored, in_b, after_mb) or frozenset().union(*anchored)
+                if one_chunk and i in after_mb and _whole_into_stage_parts(cut, i):
+                    stages[i] = ALL
                 held.update((v, stages[i]) for v in s.outs)
                 if i in cut.input_grad_parts:   # each stage's own layers' part of a stage sum
                     cut.spread.add(i)
     return stages
+
+
+def _held_alike(cut: _Cut, v: int, r: int, after_mb: set, differ: set) -> bool:
+    """Whether ``v``, read by step ``r``, is made after the micro-batches and held alike on several
+    stages (a global norm's clip scale every update reads): then it anchors no reader, which runs
+    where its other inputs are (a generator's update where its param is), ``v`` sent there if need
+    be.  Alike: ``v`` is not in ``differ`` (:func:`_held_differently`).  Not for a reader making a
+    value split or partial over the stage axis: each stage makes its own part of that, so where it
+    runs is no choice (:func:`_whole_into_stage_parts`)."""
+    ax = cut.spec.axis
+    return (cut.producer.get(v) in after_mb and len(cut.held.get(v, ())) > 1 and v not in differ
+            and not any(ax in cut.values[u].sharding.used_axes for u in cut.steps[r].outs))
+
+
+def _held_differently(cut: _Cut) -> set[int]:
+    """The values whose copies may differ from stage to stage: split or partial over the stage axis
+    (each stage's layers, a stack's zero or empty parts outside its run, a part of a sum over the
+    stages); a stack's other results but its carry (each stage's layers' part of a gradient summed
+    down the stages: whole by its layout, a part by its meaning); each stage's part of a stacked input
+    (:attr:`_Cut.input_parts`) or of its gradient; and what is made from any of them, but by a
+    collective over the stage axis (every stage gets the same) or a stage sum (one stage holds it)."""
+    ax, values, out = cut.spec.axis, cut.values, set()
+    for i, s in enumerate(cut.steps):
+        st = cut.stack_at.get(i)
+        if st is not None:
+            out.update(s.outs[st.nc:])
+        elif i in cut.input_parts or i in cut.input_grad_parts:
+            out.update(s.outs)
+        elif not (i in cut.sums or (s.is_collective and ax in s.axes and not COLLECTIVES[s.kind].point_to_point)):
+            if out & set(s.ins):
+                out.update(s.outs)
+        out.update(v for v in s.outs if ax in values[v].sharding.used_axes)
+    return out
+
+
+def _whole_into_stage_parts(cut: _Cut, i: int) -> bool:
+    """Whether step ``i`` makes a part of a sum over the stage axis from an input whole over it
+    (``norm2 + reduce_sum(g * g)``, the first term whole, the second each stage's part).  A jointly
+    linear op adds ``1/p`` of the whole term on each of the ``p`` stages (:mod:`.generic`), so every
+    stage runs it, each where it holds no part adding its share to zeros (:func:`_moves_into`); run
+    on some stages only, the others' shares would be lost.  Only with several stacks: one stack
+    over every stage holds its parts on every stage anyway."""
+    s, ax, values = cut.steps[i], cut.spec.axis, cut.values
+    return (bool(cut.spec.stacks) and s.kind == "local" and any(ax in values[v].sharding.partial for v in s.outs)
+            and any(ax not in values[v].sharding.used_axes for v in s.ins))
 
 
 def _by_demand(cut: _Cut, stages: list, seed: dict) -> list:
