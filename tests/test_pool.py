@@ -161,7 +161,7 @@ def test_errors_name_what_was_wrong_and_the_fix():
             md.avg_pool(x, 2)
         with pytest.raises(ShapeError, match=r"padding \(2, 2\) along 'height' is outside 0..1"):
             md.max_pool(x, {"height": 2}, padding=2)
-        with pytest.raises(ShapeError, match=r"stride names 'width', which is not a pooled dim"):
+        with pytest.raises(ShapeError, match=r"stride names 'width', which is not a spatial dim"):
             md.max_pool(x, {"height": 2}, stride={"width": 2})
         with pytest.raises(ShapeError, match=r"stride 0 for 'height' is not a positive int"):
             md.avg_pool(x, {"height": 2}, stride=0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..core.graph import Tensor
 from ..core.shape import Dim
 from ..errors import ShapeError, message
+from ..ops.arguments import per_dim_ints
 from ..ops.constant import constant
 from ..ops.conv import conv
 from .autodiff import vjp
@@ -38,8 +39,8 @@ def conv_transpose(x: Tensor, w: Tensor, taps: dict, stride=1, padding=0, output
       ``(n - 1) * stride - before - after + dilation * (taps - 1) + output_padding + 1`` long.
     """
     spatial = _spatial(x, w, taps)
-    strides, dils, extra = (_ints(x, v, spatial, name) for v, name in
-                            ((stride, "stride"), (dilation, "dilation"), (output_padding, "output_padding")))
+    strides, dils, extra = (per_dim_ints(v, spatial, "conv_transpose", name, least) for v, name, least in
+                            ((stride, "stride", 1), (dilation, "dilation", 1), (output_padding, "output_padding", 0)))
     pads = {d: _pair(padding, d) for d in spatial}
     c_in, c_out = _channels(x, w, taps)
     dims = []
@@ -81,19 +82,6 @@ def _channels(x: Tensor, w: Tensor, taps: dict) -> tuple[str, str]:
             "it lacks (c_out).", rule="w holds one tap dim per spatial dim, x's channel dim and the output's",
             fix="e.g. x [batch, height, width, c_in] and w [kh, kw, c_in, c_out]"))
     return shared[0], new[0]
-
-
-def _ints(x: Tensor, value, spatial: list[str], name: str) -> dict[str, int]:
-    least = 0 if name == "output_padding" else 1
-    given = value if isinstance(value, dict) else {d: value for d in spatial}
-    bad = [f"{name} names '{d}', which is not a spatial dim" for d in given if d not in spatial]
-    bad += [f"{name} {v!r} for '{d}' is not an int >= {least}" for d, v in given.items()
-            if not isinstance(v, int) or isinstance(v, bool) or v < least]
-    if bad:
-        raise ShapeError(message(f"conv_transpose: bad {name} {value!r}.", bullets=bad,
-                                 rule=f"{name} is an int >= {least}, or a dict spatial dim -> int",
-                                 fix=f"pass e.g. {name}={max(least, 1)}"))
-    return {d: given.get(d, least) for d in spatial}
 
 
 def _pair(padding, d: str) -> tuple[int, int]:

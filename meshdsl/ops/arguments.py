@@ -137,3 +137,24 @@ def dims_to_ints(x: Tensor, mapping, what: str, arg: str, noun: str, fix: str) -
                                      rule=f"a {noun} is an int >= 1", fix=fix))
         out[name] = k
     return out
+
+
+def per_dim_ints(value, dims, what: str, arg: str, least: int = 1, default=None) -> dict[str, int]:
+    """``value`` (``arg`` of op ``what``: an int, or a dict spatial dim -> int) as each of ``dims``
+    -> an int >= ``least``; a dim the dict leaves out takes ``default`` (an int, a dict dim ->
+    int, or None: ``least``)."""
+    from ..errors import ShapeError
+
+    dims = list(dims)
+    given = value if isinstance(value, dict) else {d: value for d in dims}
+    noun = "a positive int" if least == 1 else f"an int >= {least}"
+    bad = [f"{arg} names '{d}', which is not a spatial dim" for d in given if d not in dims]
+    bad += [f"{arg} {v!r} for '{d}' is not {noun}" for d, v in given.items()
+            if not isinstance(v, int) or isinstance(v, bool) or v < least]
+    if bad:
+        e = max(least, 1)
+        raise ShapeError(message(f"{what}: bad {arg} {value!r}.", bullets=bad,
+                                 rule=f"{arg} is {noun}, or a dict spatial dim -> {noun}",
+                                 fix=f"pass e.g. {arg}={e} or {arg}={{'{dims[0]}': {e}}}"))
+    fill = default if isinstance(default, dict) else {d: least if default is None else default for d in dims}
+    return {d: given.get(d, fill[d]) for d in dims}

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from ..core.graph import Tensor
 from ..core.shape import Dim, Shape
 from ..errors import ShapeError, message
+from .arguments import per_dim_ints
 from .registry import ComputeSpec, Op, apply, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d}
@@ -363,8 +364,8 @@ def conv(x: Tensor, w: Tensor, taps: dict, padding="same", stride=1, dilation=1,
     what = f"conv(x {x.shape}, w {w.shape}, taps={taps!r})"
     summed, new, per = _channels(x, w, taps, padding, per, what)
     dims = [n for n in x.shape.names if n in taps]
-    strides = _per_dim(stride, dims, what, "stride")
-    dils = _per_dim(dilation, dims, what, "dilation")
+    strides = per_dim_ints(stride, dims, what, "stride")
+    dils = per_dim_ints(dilation, dims, what, "dilation")
     spatial = [_spatial_dim(x, w, d, taps[d], padding, dils[d], what) for d in dims]
     if any(v > 1 for v in strides.values()):
         return _strided(x, w, spatial, strides, dils, per)
@@ -493,19 +494,6 @@ def _ambiguous(x: Tensor, summed: list[str], what: str):
                              rule="w sums exactly one dim of x (c_in); the others it shares with x are per= "
                                   "dims: one filter per entry (per-sample weights: per='batch')",
                              fix=f"did you mean per={guess} (one filter per entry of it, '{c_in}' summed)?"))
-
-
-def _per_dim(value, dims: list[str], what: str, arg: str) -> dict[str, int]:
-    """``value`` of ``arg`` (stride or dilation: an int, or a dict spatial dim -> int) as spatial dim -> int."""
-    given = value if isinstance(value, dict) else {d: value for d in dims}
-    bad = [f"{arg} names '{d}', which is not a spatial dim" for d in given if d not in dims]
-    bad += [f"{arg} {v!r} for '{d}' is not a positive int" for d, v in given.items()
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-    if bad:
-        raise ShapeError(message(f"{what}: bad {arg} {value!r}.", bullets=bad,
-                                 rule=f"{arg} is a positive int, or a dict spatial dim -> positive int",
-                                 fix=f"pass e.g. {arg}=2 or {arg}={{'{dims[0]}': 2}}"))
-    return {d: given.get(d, 1) for d in dims}
 
 
 def _strided(x: Tensor, w: Tensor, spatial: list, strides: dict[str, int], dils: dict[str, int],

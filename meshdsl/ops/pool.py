@@ -18,7 +18,7 @@ import torch
 from ..core.graph import Tensor
 from ..core.shape import Dim
 from ..errors import ShapeError, message
-from .arguments import dims_to_ints
+from .arguments import dims_to_ints, per_dim_ints
 
 
 def max_pool(x: Tensor, window: dict, stride=None, padding=0) -> Tensor:
@@ -63,7 +63,7 @@ def avg_pool(x: Tensor, window: dict, stride=None, padding=0, count_include_pad:
 
 def _pool(x: Tensor, window, stride, padding, what: str, include_pad) -> Tensor:
     dims = dims_to_ints(x, window, what, "window", "window length", "pass e.g. {'height': 2}")
-    strides = _per_dim(what, "stride", dict(dims) if stride is None else stride, dims)
+    strides = per_dim_ints(dims if stride is None else stride, dims, what, "stride", default=dims)
     pads = {d: _padding(x, d, k, padding, what) for d, k in dims.items()}
     for d, k in dims.items():
         n, (before, after) = x.shape.get(d).size, pads[d]
@@ -126,19 +126,6 @@ def _inverse_counts(d: str, out: int, n: int, k: int, s: int, before: int, dtype
     counts = [min(n, s * i - before + k) - max(0, s * i - before) for i in range(out)]
     return constant(torch.tensor([1.0 / c for c in counts], dtype=dtype), [Dim(d, out)],
                     name=f"avg_pool_counts_{d}")
-
-
-def _per_dim(what: str, arg: str, value, dims: dict[str, int]) -> dict[str, int]:
-    """``value`` (an int, or a dict spatial dim -> int) as spatial dim -> positive int."""
-    given = value if isinstance(value, dict) else {d: value for d in dims}
-    bad = [f"{arg} names '{d}', which is not a pooled dim" for d in given if d not in dims]
-    bad += [f"{arg} {v!r} for '{d}' is not a positive int" for d, v in given.items()
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-    if bad:
-        raise ShapeError(message(f"{what}: bad {arg} {value!r}.", bullets=bad,
-                                 rule=f"{arg} is a positive int, or a dict pooled dim -> positive int",
-                                 fix=f"pass e.g. {arg}=2"))
-    return {d: given.get(d, dims[d]) for d in dims}
 
 
 def _padding(x: Tensor, d: str, k: int, padding, what: str) -> tuple[int, int]:
