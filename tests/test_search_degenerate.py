@@ -4,6 +4,8 @@ that splits nothing (a smaller mesh in disguise): the plain layout that leaves t
 is priced as the reference, a side-dim split that saves less than the cost model resolves over it
 is not listed either, and a rule predicted to save less than that ranks after the simpler layout
 without it."""
+import pytest
+
 import meshdsl as md
 from meshdsl.search.calibrate import Calibration
 from meshdsl.search.search import RESOLUTION, search
@@ -14,6 +16,7 @@ def _rules(c):
     return frozenset(filter(None, c.layout.split("; ")))
 
 
+@pytest.mark.slow   # (4 s: a whole search)
 def test_a_side_dim_split_over_the_model_axis_ranks_after_the_plain_layout():
     # tiny DiT: d_cond, freq and classes are small side dims; on 4 processes splitting one of
     # them over 'model' beside 'batch:data' used to rank first.

@@ -117,6 +117,7 @@ def _nothing_sent(comm):
     return None
 
 
+@pytest.mark.slow   # (3 s; the send-side timeout case runs always)
 @pytest.mark.timeout(60)
 def test_a_receive_with_no_send_names_the_peer_after_the_timeout():
     start = time.monotonic()
