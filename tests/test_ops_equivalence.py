@@ -769,9 +769,10 @@ def _built(name):
     return _BUILT[name]
 
 
-#: The one-axis mesh of 2 runs with ``-m slow``: each of its layouts is one of (2,2)'s that leaves y
-#: unused (the same collectives over x), which the default run checks exhaustively.
-_OP_MESHES = [pytest.param(m, marks=pytest.mark.slow) if m == "2" else m for m in MESHES]
+#: The one-axis meshes run with ``-m slow``: each layout of (2) is one of (2,2)'s that leaves y unused
+#: (the same collectives over x), and each 4-way split of (4) is one of (2,2)'s over (x,y), which the
+#: default run checks exhaustively (there the group spans two axes, on (4) one: the suite's budget).
+_OP_MESHES = [pytest.param(m, marks=pytest.mark.slow) if m in ("2", "4") else m for m in MESHES]
 
 
 @pytest.mark.parametrize("mesh", _OP_MESHES)
