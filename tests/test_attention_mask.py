@@ -3,7 +3,7 @@ kernel (meshdsl/ops/attention.py) and its composite lowering (meshdsl/lowering/a
 
 torch's ``F.scaled_dot_product_attention`` with a boolean ``attn_mask``, the composite
 ``softmax(where(mask, q . k * scale, -1e9)) . v`` and the dense program under split layouts are the
-oracles.  Every query keeps at least one key (a query that keeps none has no defined attention).
+oracles.  A query that keeps no key gets zeros and passes no gradient, as torch's SDPA does (2.13).
 
 Legend: batch 2, seq/key_seq 6, heads or kv x group 2 x 2, d_head 4.
 """
@@ -122,6 +122,32 @@ def test_keys_split_under_whole_queries_run_the_composite_with_the_mask():
     assert "allgather" not in {s.kind for s, _ in plan.collectives()}
     for n in want:
         torch.testing.assert_close(got[n], want[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["fused", "math"])
+def test_a_query_that_keeps_no_key_gets_zeros_as_in_torchs_sdpa(mode, monkeypatch):
+    """Example 0's length is 0: its queries keep no key.  torch's SDPA gives them zeros and
+    no gradient; so do the fused kernel, the math form and a key split by position (where one
+    member holds no kept key of either example)."""
+    monkeypatch.setenv("MESHDSL_ATTENTION", mode)
+    b, s, ks, e = md.Dim("batch", B), md.Dim("seq", 3), md.Dim("key_seq", 8), md.Dim("d_head", E)
+    gen = torch.Generator().manual_seed(3)
+    feeds = {"q": torch.randn(B, 3, E, generator=gen), "k": torch.randn(B, 8, E, generator=gen),
+             "v": torch.randn(B, 8, E, generator=gen), "lengths": torch.tensor([0, 3])}
+    with md.Graph():
+        q, k, v = md.input("q", [b, s, e]), md.input("k", [b, ks, e]), md.input("v", [b, ks, e])
+        keep = md.less(md.arange(ks), md.input("lengths", [b], dtype=torch.int64))
+        y = md.attention(q, k, v, "seq", "key_seq", "d_head", causal=False, mask=keep)
+        outs = {"y": y, **{f"d{n}": t for n, t in md.grad(md.reduce_sum(y * y), {"q": q, "k": k, "v": v}).items()}}
+        got = md.run_dense(outs, feeds)
+        split = md.run_simulated(md.compile(outs, "model:2", "key_seq:model"), feeds)
+    tq, tk, tv = (feeds[n].clone().requires_grad_() for n in "qkv")
+    ty = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=(torch.arange(8) < feeds["lengths"][:, None])[:, None])
+    assert not ty[0].any() and not got["y"][0].any()
+    want = {"y": ty.detach(), **dict(zip(["dq", "dk", "dv"], torch.autograd.grad((ty * ty).sum(), [tq, tk, tv])))}
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], **TOL, msg=lambda m, n=n: f"dense {n}: {m}")
+        torch.testing.assert_close(split[n], got[n], **TOL, msg=lambda m, n=n: f"key_seq:model {n}: {m}")
 
 
 def test_a_pipelined_encoder_reads_the_mask_from_outside_its_layers():

@@ -28,9 +28,11 @@ rows come together, one allgather of each rank's edges and one reduce-scatter of
 """
 from __future__ import annotations
 
+import torch
+
 from ..layout.sharding import Sharding
 from ..ops.einsum import einsum
-from ..ops.elementwise import abs as abs_, exp, less, log, logical_or, stop_gradient, where
+from ..ops.elementwise import abs as abs_, exp, less, log, logical_or, maximum, stop_gradient, where
 from ..ops.embed import causal_mask, iota
 from ..ops.reduce import reduce_max, reduce_sum
 from .attention_sinks import edges_cost, edges_grad_sharding, fold_edges, gathered_edges, kernel, kernel_attrs
@@ -69,16 +71,26 @@ def composite_forward(q, k, v, attrs, keep=None):
     """(out, logsumexp) of the fused attention, from einsums, a max, an exp and a sum."""
     kd = attrs["key_dim"]
     s = _scores(q, k, attrs, keep)
-    m = stop_gradient(reduce_max(s, kd))
+    # A query that keeps no key (all its scores -inf) gets zeros and no gradient, as the fused
+    # kernel and torch's SDPA give it: its max is raised to the dtype's lowest finite value (so
+    # s - m is -inf, not NaN) and its sum of 0 to 1; any other row's max is finite, its sum >= 1.
+    m = maximum(stop_gradient(reduce_max(s, kd)), _lowest(s))
     e = exp(s - m)
     z = reduce_sum(e, kd)
+    z = where(less(z, 0.5), 1.0, z)
     out = _contract(e / z, v, q)
     return out, m + log(z)
 
 
+def _lowest(t) -> float:
+    """The lowest finite value of ``t``'s dtype."""
+    return float(torch.finfo(t.dtype).min)
+
+
 def composite_backward(g, q, k, v, out, lse, attrs, keep=None):
     """(dq, dk, dv) of the fused attention, the probabilities recomputed from ``lse``."""
-    p = exp(_scores(q, k, attrs, keep) - lse)
+    s = _scores(q, k, attrs, keep)
+    p = exp(s - maximum(lse, _lowest(s)))   # a query that keeps no key: -inf - lowest, p = 0
     dv = _contract(p, g, v)
     ds = p * (_contract(g, v, p) - reduce_sum(g * out, attrs["feature_dim"])) * attrs["scale"]
     return _contract(ds, k, q), _contract(ds, q, k), dv
