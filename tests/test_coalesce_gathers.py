@@ -107,13 +107,14 @@ def test_three_gates_send_one_reduce_scatter_forward_and_one_allgather_backward(
 
 
 def test_dreamer_sends_a_third_of_its_gathers_and_reduce_scatters():
-    """Held-out Dreamer's GRU gates, in its recurrence over time (and the backward's recompute):
-    4 allgathers and 8 reduce-scatters a step instead of 12 and 24, the dense program's numbers."""
+    """Held-out Dreamer's GRU gates, in its recurrence over time: 4 allgathers and 4 reduce-scatters
+    a step instead of 12 and 12, the dense program's numbers (the outer backward saves the recurrence's
+    activations and does not run it again: 8 reduce-scatters when its recompute sent them again)."""
     model = md.load_model(DREAMER, tiny=True)
     outs = {"loss": model.loss, **{f"d/{n}": g for n, g in md.grad(model.loss, model.params).items()}}
     plan = md.compile(outs, MESH, LAYOUT)
     totals = plan.totals()
-    assert totals["bucket_allgather"]["count"] == 4 and totals["bucket_reduce_scatter"]["count"] == 8, totals
+    assert totals["bucket_allgather"]["count"] == 4 and totals["bucket_reduce_scatter"]["count"] == 4, totals
     assert "allgather" not in totals and "reduce_scatter" not in totals, totals
     feeds = model.feeds(0)
     got = md.run_simulated(plan, feeds)

@@ -121,12 +121,14 @@ def test_the_only_collectives_at_the_recurrence_are_its_gathers():
 
 @pytest.mark.parametrize("remat, regathered", [("none", 0), ("selective", 0), ("full", 2)])
 def test_the_backward_reads_the_recurrences_inputs_as_the_forward_gathered_them(remat, regathered):
-    """The outer backward recomputes the recurrence under every remat policy.  Where the policy
-    saves its stacked inputs (``k`` and ``v``, einsum outputs: ``none`` and ``selective``), the
-    forward saves them gathered, the local slices are not saved besides, and the recompute
-    gathers nothing; under ``full`` the recompute gathers each once (the recurrence's gradient
-    reads the same copy).  Nothing the forward saves goes unread by the backward (the
-    recurrence's stacked carries, made again by the recompute, were saved before)."""
+    """The outer backward recomputes the recurrence under ``selective`` and ``full``; under ``none``
+    the forward saves the recurrence's own activations too (whole, as it ran on every rank) and the
+    backward runs only its gradient.  Where the policy saves its stacked inputs (``k`` and ``v``,
+    einsum outputs: ``none`` and ``selective``), the forward saves them gathered, the local slices
+    are not saved besides, and the backward gathers nothing; under ``full`` the recompute gathers
+    each once (the recurrence's gradient reads the same copy).  Nothing the forward saves goes
+    unread by the backward (the recurrence's stacked carries, made again by a recompute, were
+    saved before)."""
     outs, feeds = _rwkv(remat=remat)
     plan = md.compile(outs, "model:2", "seq:model")
     again = [note for where, kind, note in _collectives(plan)
@@ -137,7 +139,10 @@ def test_the_backward_reads_the_recurrences_inputs_as_the_forward_gathered_them(
     assert all(bwd.subplans[0].inputs[n] in read for n in bwd.args["saved"]), bwd.args["saved"]
     assert fwd.args["saved"] == bwd.args["saved"]
     whole = [n for n in fwd.args["saved"] if not fwd.subplans[0].values[fwd.subplans[0].outputs[n]].sharding.used_axes]
-    assert len(whole) == (2 if remat != "full" else 0), whole   # k's and v's gathered copies only
+    copies = [n for n in whole if "@" in n]
+    assert len(copies) == (2 if remat != "full" else 0), whole   # k's and v's gathered copies
+    # and under none the recurrence's 5 saved activations, stacked over seq (its carries, its terms)
+    assert len(whole) - len(copies) == (5 if remat == "none" else 0), whole
     _assert_dense(md.run_simulated(plan, feeds), md.run_dense(outs, feeds), f"seq:model, remat={remat}")
 
 

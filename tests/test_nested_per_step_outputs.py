@@ -134,8 +134,9 @@ def _check(form, kinds, mesh, layout, remat=None, microbatches=1):
     for k in want:
         # fp32, values O(10): the same kernels, split sums added in another order: rounding only
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
-    # the outer forward block and the outer backward block's recompute each run it once
-    assert _inner_lowerings(plan) == [1, 1], _inner_lowerings(plan)
+    # the outer forward block runs it once; so does the outer backward block's recompute under
+    # "full", while under none the forward saves the inner repeat's activations and nothing reruns it
+    assert _inner_lowerings(plan) == ([1, 1] if remat == "full" else [1]), _inner_lowerings(plan)
 
 
 @pytest.mark.parametrize("form, kinds, mesh, layout, remat", [

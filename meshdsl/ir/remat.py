@@ -6,7 +6,13 @@ saved by the forward (an extra stacked output of the repeat node) or recomputed 
 the backward block from what is saved.  A policy picks:
 
 * ``none`` (the default): save every activation the backward reads; nothing is
-  recomputed but what depends on params and constants only.
+  recomputed but what depends on params and constants only.  That holds for a repeat nested
+  in the block (an RNN over time in each layer) too: the backward's gradient of it reads its
+  own saved activations, which the forward's nested repeat outputs as well
+  (:func:`.repeat_grad._mirror_saved`), so the backward does not run it again, nor send its
+  collectives again (the per-step gather of ``h`` under ``hidden:model``).  Memory for time:
+  the nested repeat's activations are kept for every layer, not made again one layer at a
+  time; ``selective`` and ``full`` recompute it.
 * ``full``: save nothing but each layer's input (always kept): the backward block
   recomputes the layer's forward.
 * ``selective`` (Megatron's selective recompute): save what the linear layers make, recompute
@@ -142,7 +148,7 @@ def check_names_something(policy: Remat, block_nodes, where: str) -> None:
                                  fix="name ops of the block, or use 'full' to save only each layer's input"))
 
 
-def chosen(reads, forward: set[int], act: set[int], policy: Remat, savable=lambda t: True) -> list:
+def chosen(reads, forward: set[int], act: set[int], policy: Remat) -> list:
     """The forward tensors to save so that the backward has what it reads (``reads``).
 
     ``forward``: ids of the forward part's nodes; ``act``: ids of those whose outputs depend on
@@ -154,9 +160,9 @@ def chosen(reads, forward: set[int], act: set[int], policy: Remat, savable=lambd
     choices that recompute no such op, the one that saves the fewest bytes is taken (a
     minimum cut, :func:`_min_cut`), and of those the one that recomputes least: a cheap op's
     output the backward reads (a rotated q, a residual sum) is saved in place of the einsum
-    output it is made from when it is no larger.  A tensor that is not ``savable`` (a nested
-    repeat's saved activations, which only the backward's re-trace of the block outputs) is
-    recomputed whatever the policy.
+    output it is made from when it is no larger.  A nested repeat's saved activations are
+    tensors like any other (the forward's nested repeat outputs them too when saved,
+    :func:`.repeat_grad._mirror_saved`).
     """
     def free(t) -> bool:
         return id(t.node) not in forward or t.node.op.name == "placeholder" or id(t.node) not in act
@@ -170,8 +176,8 @@ def chosen(reads, forward: set[int], act: set[int], policy: Remat, savable=lambd
     infinite = 1 + sum(_bytes(t) for t in tensors.values())
     edges: dict = {}
     for key, t in tensors.items():
-        edges[("in", key), ("out", key)] = _bytes(t) if savable(t) else infinite   # saving t
-        if (policy.save is None or t.node.op.name in policy.save) and savable(t):
+        edges[("in", key), ("out", key)] = _bytes(t)   # saving t
+        if policy.save is None or t.node.op.name in policy.save:
             edges["source", ("in", key)] = infinite    # not recomputed: made by the forward
         for u in t.node.inputs:
             if id(u) in tensors:

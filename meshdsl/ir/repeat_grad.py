@@ -8,6 +8,13 @@ Of the forward activations its backward part reads, the remat policy
 the repeat node (``node.attrs["saved"]``, added when a gradient is first built) and
 are given values in the backward block; the rest is recomputed there from them and
 from the layer's input, which the repeat always keeps.
+
+A repeat nested in the block (an RNN over time in each layer) is differentiated in the re-trace,
+so its saved activations are outputs of the re-trace's nested repeat only.  Where the policy
+saves them (``none``: every activation), the forward block's nested repeat is made to output
+them too (:func:`_mirror_saved`): the forward saves them, stacked over the outer layers, and the
+backward runs the nested repeat's gradient on them, not the nested repeat again with its
+collectives (an RNN under ``hidden:model``: ``time`` gathers of ``h`` a layer, not ``2 x time``).
 """
 from __future__ import annotations
 
@@ -123,19 +130,52 @@ def _saved(b: Block, n_fwd: int, blk: Block, policy) -> list[tuple[Tensor, Tenso
     b.extra["read_back"] = {id(t) for t in reads}
     reduced, chain = _param_reductions(fwd, reads, act, n_fwd)
     reads, act = reads + reduced, act | chain
-    # a nested repeat's saved activations exist in this re-trace only: they are recomputed
-    def savable(t) -> bool:
-        return t.index < len(blk.graph.nodes[t.node.id].outputs)
+    return [(t, _twin(t, blk)) for t in chosen(reads, {id(n) for n in fwd}, act, policy)]
 
-    pairs = []
-    for t in chosen(reads, {id(n) for n in fwd}, act, policy, savable):
-        src = t.node
-        f = blk.graph.nodes[src.id]
-        if f.op is not src.op:
-            raise ShapeError(f"repeat: the block traced differently twice ({f!r} vs {src!r}); "
-                             "blocks must be deterministic functions of (carry, params)")
-        pairs.append((t, f.outputs[t.index]))
-    return pairs
+
+def _twin(t: Tensor, blk: Block) -> Tensor:
+    """The tensor of forward block ``blk`` that ``t`` (a tensor of a re-trace of it) re-traces: the
+    same node id, the same output; a nested repeat's saved activation (made by the re-trace's
+    gradient of the nested repeat) the forward's nested repeat is made to output too
+    (:func:`_mirror_saved`), so it is saved, not recomputed."""
+    f = blk.graph.nodes[t.node.id]
+    if f.op is not t.node.op:
+        raise ShapeError(f"repeat: the block traced differently twice ({f!r} vs {t.node!r}); "
+                         "blocks must be deterministic functions of (carry, params)")
+    if f.op.name == "repeat" and t.index >= len(t.node.outputs) - len(t.node.attrs.get("saved", [])):
+        at = _mirror_saved(t.node, f)[t.index]   # (before reading f.outputs: it grows)
+        return f.outputs[at]
+    return f.outputs[t.index]
+
+
+def _mirror_saved(src, dst) -> dict[int, int]:
+    """Make repeat node ``dst`` output the activations its twin ``src`` saves for its gradient
+    (``attrs["saved"]``, each the same tensor of ``dst``'s own block, :func:`_twin`; one it
+    outputs already is not added again); returns each saved output index of ``src`` -> the
+    index of ``dst``'s output that is the same value.
+
+    ``src`` is a nested repeat of a backward block's re-trace, ``dst`` the forward block's: the
+    outer forward then saves the nested repeat's activations as its own, so the outer backward
+    runs the nested repeat's gradient on them and need not run the nested repeat again (with its
+    collectives: an RNN's per-step gather of ``h`` under ``hidden:model``)."""
+    src_saved, dst_saved = src.attrs.get("saved", []), list(dst.attrs.get("saved", []))
+    dst_read = list(dst.attrs.get("saved_read", []))
+    src_base, dst_base = len(src.outputs) - len(src_saved), len(dst.outputs) - len(dst_saved)
+    index, outs = {}, list(dst.outputs)
+    for i, (f, read) in enumerate(zip(src_saved, src.attrs["saved_read"], strict=True)):
+        g = _twin(f, dst.attrs["block"])
+        k = next((k for k, h in enumerate(dst_saved) if h is g), None)
+        if k is None:
+            k = len(dst_saved)
+            dst_saved.append(g)
+            dst_read.append(read)
+            outs.append(Tensor(dst, dst_base + k, src.outputs[src_base + i].shape, g.dtype))
+        elif read:
+            dst_read[k] = True
+        index[src_base + i] = dst_base + k
+    dst.outputs = tuple(outs)
+    dst.attrs["saved"], dst.attrs["saved_read"] = dst_saved, dst_read
+    return index
 
 
 def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: tuple[bool, ...],

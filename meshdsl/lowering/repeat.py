@@ -253,7 +253,8 @@ def _scan_target(lw: Lowerer, loop: _Loop, name: str) -> Sharding:
     stays sequence-parallel), and its stacked outputs leave it whole, so a reader that wants them
     split takes its local slice, no collective; backward, the per-step outputs' gradients are
     gathered likewise.  Even or uneven, over any axes, as GSPMD would.  The outer backward
-    recomputes the inner repeat; where the remat policy saves a gathered input, the forward
+    recomputes the inner repeat under ``full`` and ``selective`` (under ``none`` the forward saves
+    its activations, :mod:`meshdsl.ir.remat`); where the remat policy saves a gathered input, the forward
     saves the gathered copy and the recompute reads it (:mod:`.saved_copies`; an input read from
     outside the block is gathered once before the loop, and the backward takes that copy,
     :mod:`.hoist`).

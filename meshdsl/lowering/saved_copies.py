@@ -19,9 +19,10 @@ carry each layer; as for re-laid copies, they are kept where that is no more tha
 own part (a window reaching past the neighbours exchanges again).
 
 A recurrence nested in the block (an inner repeat over a split ``seq``, :func:`~.repeat._scan_target`)
-gathers its stacked inputs whole, and the backward recomputes the inner repeat under every remat
-policy (its own saved activations exist in the backward's re-trace only), reading them gathered in
-the recompute and in the inner repeat's gradient.  The forward saves the gathered copy of each such
+gathers its stacked inputs whole, and the backward recomputes the inner repeat under ``full`` and
+``selective`` (under ``none`` the forward saves the inner repeat's own activations and the backward
+runs only its gradient, :mod:`meshdsl.ir.remat`), reading them gathered in the recompute and in the
+inner repeat's gradient.  The forward saves the gathered copy of each such
 input the policy saves (:func:`gathered_for_scan`), ``p`` times its local part, and the backward
 reads it, no allgather (DeltaNet under ``seq:model``: 4 allgathers per layer in the recompute
 before); the local part, then read by nothing, is not saved (:func:`drop_unread`), so the cost is
