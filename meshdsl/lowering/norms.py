@@ -17,19 +17,34 @@ The means over the split dim are small allreduces of one value per row (the laye
 backward's two row sums packed into one allreduce); the outputs stay split
 as the input was, and the statistics are those the fused kernel saves (fp32 for a 16-bit ``x``),
 so a fused forward and a composite backward (or the reverse) agree.
+
+The layer norm's mean and variance would be two dependent allreduces (the mean, then the centred
+variance).  Instead each rank's part gives its own mean and centred M2 and one collective joins
+them by Chan's parallel-variance formula (:mod:`meshdsl.ops.moments`): an allgather of the parts'
+two moments a row (``part_moments``, lowered below as each rank's own row), or one allreduce of
+two fp64 sums a row, whichever the cost model prices lower for the group (:func:`moments_form`),
+or the two passes where their fewer bytes outweigh a latency (very many rows on a large group).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..core.shape import Dim
+from ..layout.sharding import Sharding, part_sizes
 from ..ops.elementwise import cast, rsqrt
+from ..ops.moments import PART_DIM, own_part_moments, row_moments
 from ..ops.reduce import reduce_mean, reduce_sum
 from ..ops.scan import squeeze, unsqueeze
 from ..ops.slicing import concat, slice_
 from .composite import lower_composite
 from .generic import lower_generic
+from .plan import MB_AXIS
 from .rules import lowering
+
+#: the layer norm's statistics over a split dim as a mean, then the centred variance: two allreduces
+TWO_PASS = "two_pass"
 
 
 def _acc(x):
@@ -65,12 +80,17 @@ def composite_rms_norm_backward(g, x, rstd, *scale, dim: str):
     return [_as(dx, x.dtype)] + ([_as(_sum_but(gf * xhat, dim), scale[0].dtype)] if scale else [])
 
 
-def composite_layer_norm(x, *affine, dim: str, eps: float, has_scale: bool, has_bias: bool):
-    """``(y, mean, rstd)`` of ``layer_norm(x, dim, scale, bias)``."""
+def composite_layer_norm(x, *affine, dim: str, eps: float, has_scale: bool, has_bias: bool, form=TWO_PASS):
+    """``(y, mean, rstd)`` of ``layer_norm(x, dim, scale, bias)``; ``form``: how the statistics are
+    joined over a split ``dim`` (:func:`moments_form`)."""
     xf = _acc(x)
-    mean = reduce_mean(xf, dim)
-    xc = xf - mean
-    rstd = rsqrt(reduce_mean(xc * xc, dim) + eps)
+    if form == TWO_PASS:
+        mean = reduce_mean(xf, dim)
+        xc = xf - mean
+        rstd = rsqrt(reduce_mean(xc * xc, dim) + eps)
+    else:
+        mean, rstd = row_moments(x, dim, eps, None if form == "sums" else form)
+        xc = xf - mean
     y = xc * rstd
     params = list(affine)
     if has_scale:
@@ -95,10 +115,10 @@ def composite_layer_norm_backward(g, x, mean, rstd, *scale, dim: str, has_bias: 
     return outs
 
 
-def composite_normalize_backward(g, x, dim: str, eps: float):
+def composite_normalize_backward(g, x, dim: str, eps: float, form=TWO_PASS):
     """``[dx]`` of the affine-free layer norm (``normalize``), which saves no statistics: they are
     made again from ``x``, as its fused backward kernel makes them."""
-    _, mean, rstd = composite_layer_norm(x, dim=dim, eps=eps, has_scale=False, has_bias=False)
+    _, mean, rstd = composite_layer_norm(x, dim=dim, eps=eps, has_scale=False, has_bias=False, form=form)
     return composite_layer_norm_backward(g, x, mean, rstd, dim=dim, has_bias=False)
 
 
@@ -111,8 +131,9 @@ def _row_sums(ts, dim: str) -> list:
     return [squeeze(slice_(both, k.name, i, i + 1), k.name) for i in range(len(ts))]
 
 
-def _build(node):
-    """The composite of ``node``'s op, as a function of its inputs."""
+def _build(node, form):
+    """The composite of ``node``'s op, as a function of its inputs; ``form``: how a layer norm joins
+    its statistics (:func:`moments_form`)."""
     a, name = node.attrs, node.op.name
     if name == "rms_norm":
         return lambda *ins: composite_rms_norm(*ins, dim=a["dim"], eps=a["eps"])
@@ -120,18 +141,75 @@ def _build(node):
         return lambda *ins: composite_rms_norm_backward(*ins, dim=a["dim"])
     if name == "layer_norm":
         return lambda *ins: composite_layer_norm(*ins, dim=a["dim"], eps=a["eps"], has_scale=a["scale"],
-                                                 has_bias=a["bias"])
+                                                 has_bias=a["bias"], form=form)
     if name == "normalize":
-        return lambda x: composite_layer_norm(x, dim=a["dim"], eps=a["eps"], has_scale=False, has_bias=False)[:1]
+        return lambda x: composite_layer_norm(x, dim=a["dim"], eps=a["eps"], has_scale=False, has_bias=False,
+                                              form=form)[:1]
     if name == "normalize_backward":
-        return lambda g, x: composite_normalize_backward(g, x, dim=a["dim"], eps=a["eps"])
+        return lambda g, x: composite_normalize_backward(g, x, dim=a["dim"], eps=a["eps"], form=form)
     return lambda *ins: composite_layer_norm_backward(*ins, dim=a["dim"], has_bias=a["bias"])
+
+
+def moments_form(lw, x, dim: str):
+    """How a layer norm joins the statistics of ``x`` split along ``dim``: the lengths of the
+    ranks' parts, whose moments are gathered whole (``part_moments``, one allgather); ``"sums"``,
+    one allreduce of two fp64 sums a row (``sum_moments``: not for an fp64 ``x``, whose sums would
+    cancel at its own precision); or :data:`TWO_PASS`, the row means then the centred variances
+    (two allreduces of one value a row, half the sums' bytes).  The cheapest by the cost model for
+    the rows a rank holds, in that order on a tie: on two to four ranks the gather moves no more
+    bytes than either allreduce, above that the one allreduce wins where latency outweighs bytes
+    (a few thousand rows) and the two passes beyond.  A dim cut otherwise than by the ranks' plain
+    parts (micro-batches, given or block-cyclic parts) takes the sums or the two passes."""
+    cur, mesh = lw.sharding(lw.value(x)), lw.mesh
+    pos, n = x.shape.index(dim), mesh.axis_size(cur.axes_of(dim))
+    rows = math.prod(k for i, k in enumerate(cur.local_shape(x.shape, mesh)) if i != pos)
+    item = 8 if x.dtype == torch.float64 else 4   # a statistic's bytes
+    cost = lw.cost.collective
+    forms = {TWO_PASS: 2 * cost("allreduce", rows * item, n)}
+    if x.dtype != torch.float64:
+        forms["sums"] = cost("allreduce", rows * 16, n)
+    parts = _rank_parts(mesh, cur, x, dim)
+    if parts:
+        forms[parts] = cost("allgather", rows * 2 * item, n)
+    return min(reversed(forms), key=forms.get)
+
+
+def _rank_parts(mesh, cur, x, dim: str) -> tuple[int, ...] | None:
+    """The lengths of the ranks' parts of ``x`` (at sharding ``cur``) along split ``dim``, in the
+    order of their group over its axes; None where they are cut otherwise (micro-batches, given or
+    block-cyclic parts, which a gather of one row a rank would not follow)."""
+    axes = cur.axes_of(dim)
+    if not axes or MB_AXIS in axes or cur.parts or cur.cyclic:
+        return None
+    return part_sizes(x.shape.get(dim).size, mesh, mesh.group(0, axes), axes)
 
 
 @lowering("rms_norm", "rms_norm_backward", "layer_norm", "layer_norm_backward", "normalize", "normalize_backward")
 def lower_norm(lw, node) -> None:
     x = node.inputs[0 if node.op.name in ("rms_norm", "layer_norm", "normalize") else 1]
-    if not lw.sharding(lw.value(x)).axes_of(node.attrs["dim"]):
+    dim = node.attrs["dim"]
+    if not lw.sharding(lw.value(x)).axes_of(dim):
         lower_generic(lw, node)
         return
-    lower_composite(lw, node, _build(node))
+    lower_composite(lw, node, _build(node, moments_form(lw, x, dim)))
+
+
+@lowering("part_moments")
+def lower_part_moments(lw, node) -> None:
+    """Each rank's own part's moments, a row of ``P`` split along ``moment_part`` as the normalised
+    dim arrives split (no collective: ``combine_moments`` gathers ``P``); generic (the dim gathered)
+    where the rank's parts are not the op's ``lengths``."""
+    x, out, dim = node.inputs[0], node.outputs[0], node.attrs["dim"]
+    vid = lw.reduced(lw.value(x))
+    cur = lw.sharding(vid).with_partial(())
+    axes = cur.axes_of(dim)
+    if _rank_parts(lw.mesh, cur, x, dim) != tuple(node.attrs["lengths"]):
+        lower_generic(lw, node)
+        return
+    vid = lw.relayout(vid, cur, node, "input of part_moments")
+    split = {**{d: a for d, a in cur.split.items() if d != dim}, PART_DIM: axes}
+    own = lw.new_value(out.shape, out.dtype, Sharding.of(out.shape, split))
+    lw.emit("local", node, [vid], [own], args={"fn": own_part_moments, "attrs": node.attrs, "compute": cur.split,
+                                               "sizes": {d.name: d.size for d in x.shape}},
+            flops=4 * cur.local_numel(x.shape, lw.mesh))
+    lw.bind(out, own)
