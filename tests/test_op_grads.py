@@ -34,6 +34,7 @@ import meshdsl as md
 import meshdsl.ir.repeat  # noqa: F401  (registers repeat and repeat_grad)
 import meshdsl.train.optim  # noqa: F401  (registers sgd_update)
 from meshdsl.core.graph import topo_nodes
+from meshdsl.ops.moments import row_moments
 from meshdsl.ops.registry import DENSE_CTX, OPS, apply, has_gradient
 
 F64 = torch.float64
@@ -468,9 +469,10 @@ def test_every_op_is_checked():
                        if has_gradient(op) and n not in exercised and n not in LEAVES + tuple(NO_INPUTS))
     assert not unchecked, f"ops whose gradient rule no case of tests/test_op_grads.py checks: {unchecked}"
     refused = {n for n, op in OPS.items() if not has_gradient(op) and n not in NO_INPUTS}
-    assert refused == set(SECOND_ORDER) | NOT_FLOAT, (
-        f"ops without a gradient rule must be listed in SECOND_ORDER (float results) or NOT_FLOAT: "
-        f"{sorted(refused ^ (set(SECOND_ORDER) | NOT_FLOAT))}")
+    listed = set(SECOND_ORDER) | set(LOWERING_ONLY) | NOT_FLOAT
+    assert refused == listed, (
+        f"ops without a gradient rule must be listed in SECOND_ORDER or LOWERING_ONLY (float results) or "
+        f"NOT_FLOAT: {sorted(refused ^ listed)}")
 
 
 # ----------------------------------------------------------------------------- ops without a gradient
@@ -530,12 +532,29 @@ SECOND_ORDER = {
 }
 
 
-@pytest.mark.parametrize("op", sorted(SECOND_ORDER))
+def _moments_loss(op):
+    """A loss through a norm's row statistics made as the lowering makes them over a split dim:
+    straight from ``op``'s result, or (``combine_moments``) from the mean and rstd."""
+    def build_loss(x):
+        t = x("x", [A, B, C])
+        if op == "combine_moments":
+            mean, rstd = row_moments(t, "c", 1e-5, (2, 3))
+            return md.reduce_sum(mean * rstd), t
+        return md.reduce_sum(apply(op, [t], {"dim": "c", **({"lengths": (2, 3)} if op == "part_moments" else {})})), t
+    return build_loss
+
+
+#: ops only the lowering builds, after the gradient is made (a fused norm's statistics joined over
+#: a split dim, ``meshdsl/ops/moments.py``): no rule, and a graph that reaches them is refused.
+LOWERING_ONLY = {op: _moments_loss(op) for op in ("part_moments", "sum_moments", "combine_moments")}
+
+
+@pytest.mark.parametrize("op", sorted(SECOND_ORDER) + sorted(LOWERING_ONLY))
 def test_second_order_is_refused(op):
     """A gradient that would have to pass through a kernel without a rule is a clear error
     naming the op, never a gradient with a term silently missing."""
     with md.Graph():
-        loss, t = SECOND_ORDER[op](Inputs(torch.Generator().manual_seed(0)))
+        loss, t = {**SECOND_ORDER, **LOWERING_ONLY}[op](Inputs(torch.Generator().manual_seed(0)))
         assert op in _ops_in(topo_nodes([loss])), f"the case does not reach '{op}'"
         with pytest.raises(md.GraphError, match=rf"op '{op}' .* has no gradient rule"):
             md.grad(loss, [t])
