@@ -22,7 +22,7 @@ exceeds a block; over an uneven split, from the ranks that hold the rows each ra
 :mod:`.halo_routes`), and the fused kernel runs on the extended block, its mask
 offset by the rank's position (:func:`meshdsl.ops.attention._mask`).  The backward reads the same
 halo and sends the gradient rows of the halo keys and values back to the ranks that own them, where
-they are added (:func:`_fold_back`).  With attention ``sinks`` the window's rows and the first S
+they are added (:func:`~.halo_routes.fold_halo`).  With attention ``sinks`` the window's rows and the first S
 rows come together, one allgather of each rank's edges and one reduce-scatter of their gradients
 (:mod:`.attention_sinks`).  The cost model weighs it against gathering k and v.
 """
@@ -38,8 +38,8 @@ from ..ops.reduce import reduce_max, reduce_sum
 from .attention_sinks import edges_cost, edges_grad_sharding, fold_edges, gathered_edges, kernel, kernel_attrs
 from .composite import lower_composite
 from .generic import lower_generic
-from .halo import Reach, cut_by, extend, gathered, hops, piece_rows, resized
-from .halo_routes import fold_back, routes_of
+from .halo import Reach, cut_by, extend, gathered, piece_rows
+from .halo_routes import fold_halo, routes_of
 from .relayout import relayout_cost
 from .rules import lowering
 
@@ -163,62 +163,6 @@ def _halo_cost(lw, t, sh: Sharding, dim: str, widths) -> float:
                                                                                     widths))
 
 
-def _cut(ctx, attrs, x):
-    """Rows ``[start, start + rows)`` of ``x``'s extended block along ``pos``, ``start`` counted from
-    its end when negative."""
-    pos, start, rows = attrs["pos"], attrs["start"], attrs["rows"]
-    return x.narrow(pos, start if start >= 0 else x.shape[pos] + start, rows)
-
-
-def _fold(ctx, attrs, x, *got):
-    """This rank's own rows of the extended gradient ``x`` plus the halo rows its neighbours send
-    back: ``attrs["adds"]`` lists (rows, whether they add onto the block's last rows) per piece."""
-    pos, hl, hr = attrs["pos"], attrs["hl"], attrs["hr"]
-    length = x.shape[pos] - hl - hr
-    out = x.narrow(pos, hl, length).clone()
-    for (rows, last), part in zip(attrs["adds"], got):
-        if part is not None:   # a rank at the dim's end has no neighbour there
-            out.narrow(pos, length - rows if last else 0, rows).add_(part)
-    return out
-
-
-def _fold_back(lw, node, vid: int, t, dim: str, hl: int, hr: int, rts=None) -> int:
-    """The gradient ``vid`` of an extended block of ``t`` (``hl`` rows before each rank's own,
-    ``hr`` after) summed onto the blocks that own its rows: each halo piece permuted back (the
-    routes ``rts`` that brought them, over uneven blocks: :func:`~.halo_routes.fold_back`)."""
-    mesh, v = lw.mesh, lw.values[vid]
-    sh = v.sharding
-    if rts is not None:   # the extended block came by routes over uneven blocks: back the same way
-        return fold_back(lw, node, vid, t, dim, rts, hl, hr)
-    axes = sh.axes_of(dim)
-    p, n = mesh.axis_size(axes), t.shape.get(dim).size
-    pos, sizes = t.shape.index(dim), {d.name: d.size for d in t.shape}
-    got, adds = [], []
-    for width, side in ((hl, -1), (hr, 1)):
-        edge = hl if side < 0 else -hr     # the piece nearest the block starts (ends) here
-        for rows, k in (hops(width, n // p, p) if width else ()):
-            start = edge - rows if side < 0 else edge
-            edge = start if side < 0 else edge + rows
-            if k >= p:
-                continue
-            piece = lw.new_value(resized(t.shape, dim, rows * p), v.dtype, sh)
-            lw.emit("local", node, [vid], [piece], args={"fn": _cut, "attrs": {"pos": pos, "start": start,
-                                                                                 "rows": rows},
-                                                         "compute": sh.split, "sizes": sizes})
-            got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
-            where = "left" if side < 0 else "right"
-            lw.emit("permute", node, [piece], [got[-1]], axes, args={"offset": side * k, "wrap": False},
-                    nbytes=lw.values[piece].local_bytes(mesh),
-                    note=f"halo gradient: {rows} '{dim}' row{'s' if rows > 1 else ''} back to the {where}"
-                         + (" neighbour" if k == 1 else f" rank {k} away"))
-            adds.append((rows, side < 0))
-    res = lw.new_value(t.shape, v.dtype, sh)
-    lw.emit("local", node, [vid] + got, [res], args={"fn": _fold, "attrs": {"pos": pos, "hl": hl, "hr": hr,
-                                                                              "adds": tuple(adds)},
-                                                     "compute": sh.split, "sizes": sizes})
-    return res
-
-
 def _halo_pays(lw, node, kv, kv_vids, kvsh, hl: int, hr: int, axes) -> bool:
     """Whether the halo (and the sink rows) of k and v cost less than gathering them; notes why."""
     a, kd = node.attrs, node.attrs["key_dim"]
@@ -304,6 +248,6 @@ def _lower_halo_backward(lw, node, rel, kvx, step, lead: int, shardings) -> None
         grads = []
         for t, vid, x in zip(node.outputs[1:], outs[1:], kvx):
             grown = (lw.values[vid].shape.get(kd).size - t.shape.get(kd).size) // mesh.axis_size(axes)
-            grads.append(_fold_back(lw, node, vid, t, kd, lead, grown - lead, routes_of(lw, x)) if grown else vid)
+            grads.append(fold_halo(lw, node, vid, kd, lead, grown - lead, routes_of(lw, x)) if grown else vid)
     for t, vid in zip(node.outputs[1:], grads):
         lw.bind(t, lw.relayout(vid, lw.target(t), node, "output of attention_backward"))

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ..core.shape import Dim, Shape
 from ..layout.sharding import Sharding
-from .halo_routes import exchange, routes
+from .halo_routes import exchange, hops, routes
 
 
 @dataclass(frozen=True)
@@ -326,16 +326,6 @@ def far_group(lw, t, dim: str, reach: Reach, n: int, p: int, cut) -> tuple[tuple
     if reach not in [r for r, _ in group]:
         group.append((reach, reach.far_widths(n, p, cut) or (0, 0)))
     return tuple(r for r, _ in group), (max(w[0] for _, w in group), max(w[1] for _, w in group))
-
-
-def hops(width: int, nb: int, p: int) -> list[tuple[int, int]]:
-    """The pieces of a halo of ``width`` rows over blocks of ``nb``, nearest rank first: (rows,
-    ranks away). Within one block, one piece from the neighbour; beyond it, whole blocks from
-    the ranks on and the edge rows of the one past them (none from beyond the dim's ``p`` ranks)."""
-    if width <= nb:
-        return [(width, 1)]
-    q, r = divmod(width, nb)
-    return [(nb, k) for k in range(1, q + 1)] + ([(r, q + 1)] if r else [])
 
 
 def extend(lw, node, t, vid: int, dim: str, reach: Reach, widths: tuple[int, int]) -> tuple[int, int]:

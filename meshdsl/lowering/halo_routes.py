@@ -12,7 +12,9 @@ every rank sends the same count, so each permute is one even piece.
 
 The backward of a reader that differentiates through the extended block (a sliding-window
 attention's keys and values) sends each route's rows back the way they came and adds them onto
-the sender's rows (:func:`fold_back`).
+the sender's rows (:func:`fold_back`); over blocks a halo reaches by whole hops (:func:`hops`),
+each piece goes back one permute the way it came (:func:`fold_halo`, which also folds a conv's
+output computed from each rank's own input rows onto the ranks that own its rows).
 """
 from __future__ import annotations
 
@@ -76,6 +78,16 @@ def routes(reaches, n: int, cut, hl: int, hr: int) -> tuple[Route, ...]:
     return tuple(out)
 
 
+def hops(width: int, nb: int, p: int) -> list[tuple[int, int]]:
+    """The pieces of a halo of ``width`` rows over blocks of ``nb``, nearest rank first: (rows,
+    ranks away). Within one block, one piece from the neighbour; beyond it, whole blocks from
+    the ranks on and the edge rows of the one past them (none from beyond the dim's ``p`` ranks)."""
+    if width <= nb:
+        return [(width, 1)]
+    q, r = divmod(width, nb)
+    return [(nb, k) for k in range(1, q + 1)] + ([(r, q + 1)] if r else [])
+
+
 # ----------------------------------------------------------------------------- local kernels
 
 def _rows(x, pos: int, start: int, width: int):
@@ -129,6 +141,25 @@ def fold(ctx, attrs, x, *got):
     return out
 
 
+def cut_rows(ctx, attrs, x):
+    """Rows ``[start, start + rows)`` of ``x``'s extended block along ``pos``, ``start`` counted from
+    its end when negative."""
+    pos, start, rows = attrs["pos"], attrs["start"], attrs["rows"]
+    return x.narrow(pos, start if start >= 0 else x.shape[pos] + start, rows)
+
+
+def fold_rows(ctx, attrs, x, *got):
+    """This rank's own rows of the extended block ``x`` plus the rows its neighbours send back:
+    ``attrs["adds"]`` lists (rows, whether they add onto the block's last rows) per piece."""
+    pos, hl, hr = attrs["pos"], attrs["hl"], attrs["hr"]
+    length = x.shape[pos] - hl - hr
+    out = x.narrow(pos, hl, length).clone()
+    for (rows, last), part in zip(attrs["adds"], got):
+        if part is not None:   # a rank at the dim's end has no neighbour there
+            out.narrow(pos, length - rows if last else 0, rows).add_(part)
+    return out
+
+
 # ----------------------------------------------------------------------------- lowering
 
 def _resized(shape: Shape, name: str, size: int) -> Shape:
@@ -170,16 +201,16 @@ def routes_of(lw, ext: int) -> tuple[Route, ...] | None:
     return None if got is None else tuple(Route(*rt) for rt in got)
 
 
-def fold_back(lw, node, vid: int, t, dim: str, rts: tuple[Route, ...], hl: int, hr: int) -> int:
-    """The gradient ``vid`` of an extended block of ``t`` (made by the routes ``rts``) summed onto
-    the blocks that own its rows: each route's rows permuted back and added."""
+def fold_back(lw, node, vid: int, shape: Shape, dim: str, rts: tuple[Route, ...], hl: int, hr: int) -> int:
+    """The gradient ``vid`` of an extended block of a tensor of ``shape`` (made by the routes ``rts``)
+    summed onto the blocks that own its rows: each route's rows permuted back and added."""
     mesh, v = lw.mesh, lw.values[vid]
     sh = v.sharding
     axes, p = sh.axes_of(dim), mesh.axis_size(sh.axes_of(dim))
-    pos, sizes = t.shape.index(dim), {d.name: d.size for d in t.shape}
+    pos, sizes = shape.index(dim), {d.name: d.size for d in shape}
     got = []
     for rt in rts:
-        piece = lw.new_value(_resized(t.shape, dim, rt.width * p), v.dtype, sh)
+        piece = lw.new_value(_resized(shape, dim, rt.width * p), v.dtype, sh)
         lw.emit("local", node, [vid], [piece], args={"fn": cut_back, "compute": sh.split, "sizes": sizes, "attrs": {
             "pos": pos, "dim": dim, "width": rt.width, "left": rt.left, "hr": hr, "places": rt.places}})
         got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
@@ -189,7 +220,47 @@ def fold_back(lw, node, vid: int, t, dim: str, rts: tuple[Route, ...], hl: int, 
                 nbytes=lw.values[piece].local_bytes(mesh),
                 note=f"halo gradient: {rt.width} '{dim}' row{'s' if rt.width > 1 else ''} back to the {where}"
                      + (" neighbour" if rt.hop == 1 else f" rank {rt.hop} away"))
-    res = lw.new_value(t.shape, v.dtype, sh)
+    res = lw.new_value(shape, v.dtype, sh)
     lw.emit("local", node, [vid] + got, [res], args={"fn": fold, "compute": sh.split, "sizes": sizes, "attrs": {
         "pos": pos, "dim": dim, "hl": hl, "hr": hr, "sends": tuple(rt.sends for rt in rts)}})
+    return res
+
+
+def fold_halo(lw, node, vid: int, dim: str, hl: int, hr: int, rts: tuple[Route, ...] | None = None,
+              what: str = "halo gradient") -> int:
+    """Value ``vid``, an extended block along ``dim`` (``hl`` rows before each rank's own, ``hr``
+    after: a halo's gradient, or a conv's output computed from the rank's own input rows), summed
+    onto the blocks that own its rows: each piece permuted back to the rank it belongs to and added
+    there (over uneven blocks reached past a neighbour, back along the routes ``rts``: :func:`fold_back`);
+    ``what`` names the rows in the permutes' notes."""
+    mesh, v = lw.mesh, lw.values[vid]
+    sh = v.sharding
+    axes, p = sh.axes_of(dim), mesh.axis_size(sh.axes_of(dim))
+    n = v.shape.get(dim).size - (hl + hr) * p
+    if rts is not None:
+        return fold_back(lw, node, vid, _resized(v.shape, dim, n), dim, rts, hl, hr)
+    pos, sizes = v.shape.index(dim), {d.name: d.size for d in _resized(v.shape, dim, n)}
+    got, adds = [], []
+    for width, side in ((hl, -1), (hr, 1)):
+        edge = hl if side < 0 else -hr     # the piece nearest the block starts (ends) here
+        for rows, k in (hops(width, n // p, p) if width else ()):
+            start = edge - rows if side < 0 else edge
+            edge = start if side < 0 else edge + rows
+            if k >= p:
+                continue
+            piece = lw.new_value(_resized(v.shape, dim, rows * p), v.dtype, sh)
+            lw.emit("local", node, [vid], [piece], args={"fn": cut_rows, "attrs": {"pos": pos, "start": start,
+                                                                                     "rows": rows},
+                                                         "compute": sh.split, "sizes": sizes})
+            got.append(lw.new_value(lw.values[piece].shape, v.dtype, sh))
+            where = "left" if side < 0 else "right"
+            lw.emit("permute", node, [piece], [got[-1]], axes, args={"offset": side * k, "wrap": False},
+                    nbytes=lw.values[piece].local_bytes(mesh),
+                    note=f"{what}: {rows} '{dim}' row{'s' if rows > 1 else ''} back to the {where}"
+                         + (" neighbour" if k == 1 else f" rank {k} away"))
+            adds.append((rows, side < 0))
+    res = lw.new_value(_resized(v.shape, dim, n), v.dtype, sh)
+    lw.emit("local", node, [vid] + got, [res], args={"fn": fold_rows, "attrs": {"pos": pos, "hl": hl, "hr": hr,
+                                                                                  "adds": tuple(adds)},
+                                                     "compute": sh.split, "sizes": sizes})
     return res
