@@ -927,6 +927,28 @@ def _check_stage_collectives(cut: _Cut) -> None:
                          "gradient comes back), or keep that stack out of the pipeline")
 
 
+def _check_exchanges_in_actions(cut: _Cut) -> None:
+    """Refuse, after :func:`assign_segments`, a step outside the stacks that runs in the stages' F or
+    B actions (each stage its own part, per micro-batch) and would exchange over the stage axis
+    there, where only the pipeline's transfers and stage sums can: itself a point-to-point
+    collective (a flip's permute or a halo of the scanned dim, made before a top-level recurrence
+    over it), or one in its sub-plans (an unpipelined repeat whose block gathers that dim)."""
+    ax = cut.spec.axis
+    for i, s in enumerate(cut.steps):
+        if cut.segment[i] not in (Segment.FORWARD, Segment.BACKWARD) or i in cut.stack_at or i in cut.sums:
+            continue
+        inner = (s if s.is_collective and ax in s.axes and COLLECTIVES[s.kind].point_to_point else
+                 next((t for sp in s.subplans for t, _ in sp.walk() if t.is_collective and ax in t.axes), None))
+        if inner is not None:
+            raise _error(f"'{s.label}' runs in the stages' actions and sends {inner.kind} over the pipeline "
+                         f"axis '{ax}'", cut.spec,
+                         [f"{inner.label}: {inner.note or inner.kind}", *cut.spec.scan_hint[:1]],
+                         "a pipeline axis splits the stacks' layers; what each stage makes of its own part per "
+                         f"micro-batch exchanges nothing over '{ax}' but the pipeline's transfers and stage sums",
+                         cut.spec.scan_hint[1] if cut.spec.scan_hint else
+                         "split that dim over another axis, or pipeline over an axis that splits only the layer dims")
+
+
 def _layers_cut_on_some_stages(cut: _Cut, i: int) -> str | None:
     """The layer dim of a pipelined stack that local step ``i``, outside the stacks, splits over the
     stage axis from inputs whole over it, on fewer stages than hold that stack's layers (else None)."""
@@ -1336,6 +1358,7 @@ def partition(steps, values, outputs: dict[str, int], spec, bucket_mb: float = 0
     update_where_held(cut)
     _check_stage_collectives(cut)
     assign_segments(cut)
+    _check_exchanges_in_actions(cut)
     lists = insert_transfers(cut)
     lowered = {v: val.local_bytes(spec.mesh) for v, val in cut.values.items()}   # before the stage storage
     if spec.stacks:
