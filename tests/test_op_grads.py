@@ -236,6 +236,15 @@ for _off in (1, -2):
     case(f"shift_wrap_{_off}")(lambda x, o=_off: md.shift(x("x", [A, C]), "c", o, wrap=True) * x("w", [A, C]))
 case("roll")(lambda x: md.roll(x("x", [A, B]), "b", 3) * x("w", [A, B]))
 case("flip")(lambda x: md.flip(x("x", [A, B, C]), ["a", "c"]) * x("w", [A, B, C]))
+# Fourier transforms (ops/fourier.py): even (b 4) and odd (c 5) lengths, every norm, the part dim
+# not last, and an irfft of fewer frequencies than its n holds (zero-padded)
+RI = md.Dim("reim", 2)
+case("rfft")(lambda x: md.rfft(x("x", [A, B, C]), "b"))
+case("rfft_odd")(lambda x: md.rfft(x("x", [A, B, C]), "c", norm="ortho"))
+case("irfft")(lambda x: md.irfft(x("x", [md.Dim("f", 3), RI, A]), "f", "reim", "t", n=4, norm="forward"))
+case("irfft_padded")(lambda x: md.irfft(x("x", [A, md.Dim("f", 3), RI]), "f", "reim", "t", n=7))
+case("fft")(lambda x: md.fft(x("x", [RI, A, C]), "c", "reim", norm="forward"))
+case("fft_inverse")(lambda x: md.ifft(x("x", [A, B, RI]), "b", "reim", norm="ortho"))
 case("squeeze")(lambda x: md.squeeze(x("x", [A, md.Dim("one", 1), B]), "one") * x("w", [A, B]))
 case("unsqueeze")(lambda x: md.unsqueeze(x("x", [A, B]), md.Dim("one", 1)) * x("w", [A, md.Dim("one", 1), B]))
 

@@ -38,6 +38,7 @@ import pytest
 import torch
 
 import meshdsl as md
+from meshdsl.ops.moments import row_moments
 from meshdsl.ops.registry import OPS
 from meshdsl.train.optimizers import global_norm
 from meshdsl.train.step import optimizer_outputs
@@ -356,6 +357,29 @@ def _flip():
     reversed reverses both); over batch and seq at once, one permute over all their axes."""
     x = _x("x_bs", [B, S])
     return {"seq": md.flip(x, "seq"), "both": md.flip(x * x, ["batch", "seq"])}, {}
+
+
+@case("rfft", cap=24, sample=8)
+def _rfft():
+    """A spectral filter along seq: rfft, fft and ifft along its frequencies, irfft back (each op's
+    gradient the adjoint transform).  A split batch moves nothing; a split seq is gathered (the
+    transformed dims are whole on a rank), and its gradient's irfft keeps each rank's rows.  24 of
+    its 75 layouts on (2,2), 8 on (2,2,2): the splits of freq (5) and reim (2), which every
+    transform gathers alike, multiply them."""
+    x = _x("x_bs", [B, S])
+    spec = md.ifft(md.fft(md.rfft(x, "seq"), "freq") * _p("w_f", [md.Dim("freq", 5)]), "freq")
+    return {"y": md.irfft(spec, "freq", "reim", "seq", n=8)}, {}
+
+
+@case("part_moments", loss=False, cap=12)
+def _part_moments():
+    """A layer norm's row statistics as the lowering builds them over a split dim
+    (meshdsl/ops/moments.py): parts' moments joined by Chan's formula, and fp64 sums; x far from
+    0, where the E[x^2] - E[x]^2 form would lose the variance.  No gradient (built after it)."""
+    x = _x("x_bs", [B, S]) * 0.1 + 100.0
+    mean, rstd = row_moments(x, "seq", 1e-5, (3, 5))
+    mean2, rstd2 = row_moments(x, "seq", 1e-5, None)
+    return {"mean": mean, "rstd": rstd, "mean_sums": mean2, "rstd_sums": rstd2}, {}
 
 
 # ----------------------------------------------------------------------------- convolution
@@ -704,6 +728,8 @@ EXERCISED_BY = {
     # reached through another op or a function of another name
     "scatter_add": "gather",                          # the table's gradient
     "sgd_update": "sgd",                              # md.sgd's fused update
+    "fft": "rfft", "irfft": "rfft",                   # the spectral filter's other transforms
+    "sum_moments": "part_moments", "combine_moments": "part_moments",   # the fp64 sums' form, the join
 }
 
 #: Public functions composed of other ops (no registry entry of their own) that keep a case.

@@ -15,6 +15,7 @@ from .elementwise import (abs, add, cast, ceil, cos, div, equal, erf, exp, expm1
 from .activations import clamp, elu, leaky_relu, log_sigmoid, mish, softplus
 from .argmax import argmax, argmin
 from .flip import flip
+from .fourier import fft, fft2, ifft, ifft2, irfft, rfft
 from .embed import arange, causal_mask, gather, iota, one_hot, scatter_add
 from .leaf import input, param, placeholder
 from . import optim as _optim  # noqa: F401  (registers the optimizer update ops)

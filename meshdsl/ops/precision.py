@@ -9,7 +9,8 @@ op has one rule here:
 * ``"fp32"``: floating inputs are cast up to fp32 and the output is fp32: softmax
   (and the fused attention, whose softmax is inside it),
   the layer/RMS-norm statistics, sums (``reduce_sum`` accumulates, and reductions
-  that produce the loss must not round at every add), and the optimizer updates.
+  that produce the loss must not round at every add), the optimizer updates, and the Fourier
+  transforms (``torch.fft`` has no 16-bit kernel on the CPU).
 * ``"follow"``: the op computes in its floating inputs' dtype, and in bfloat16 as
   soon as one of them is bfloat16 (an fp32 operand, e.g. a bias or the position
   embedding, is cast down).  Elementwise maths, data movement, max/min.  A bf16
@@ -45,7 +46,7 @@ _MATMUL = ("einsum", "gather", "conv", "conv_weight_grad")
 _FP32 = ("softmax", "softmax_backward", "attention", "attention_backward", "cross_entropy",
          "cross_entropy_backward", "normalize", "normalize_backward", "layer_norm", "layer_norm_backward",
          "rms_norm", "rms_norm_backward", "reduce_sum", "cumsum", "scalar_sum", "sgd_step", "sgd_update",
-         "adamw_update")
+         "adamw_update", "rfft", "irfft", "fft")
 _FOLLOW = ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "pow", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid",
            "silu", "silu_backward", "relu", "relu_backward", "gelu", "gelu_backward", "gelu_tanh", "gelu_tanh_backward", "maximum", "minimum",
            "where", "dropout", "stop_gradient", "reduce_max", "reduce_min", "top_k", "scatter_add",
@@ -58,7 +59,10 @@ _NONE = ("param", "input", "placeholder", "constant", "cast", "iota", "one_hot",
          "logical_or", "bitwise_xor",
          # batch norm's kernels sum in fp64 and compute in the statistics' dtype whatever x's, and
          # give y and dx x's dtype: a bf16 activation stays bf16, the sums' allreduce stays fp64
-         "batch_norm_stats", "batch_norm", "batch_norm_backward_sums", "batch_norm_backward")
+         "batch_norm_stats", "batch_norm", "batch_norm_backward_sums", "batch_norm_backward",
+         # a split layer norm's row moments (built by the lowering, after this rewrite) compute in
+         # the statistics' dtype whatever x's, as the norm's own kernel does (ops/moments.py)
+         "part_moments", "sum_moments", "combine_moments")
 
 #: op name -> "bf16" | "fp32" | "follow" | "none" (see the module docstring).
 POLICY: dict[str, str] = {**{k: "bf16" for k in _MATMUL}, **{k: "fp32" for k in _FP32},
