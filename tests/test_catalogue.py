@@ -214,9 +214,11 @@ def _python_m(*argv, env=None, timeout=120):
                           text=True, timeout=timeout, env=env)
 
 
+# "steps 0" with -m slow: by default its argparse error is said once by processes running `python -m meshdsl` in
+# tests/test_torchrun.py::test_every_torchrun_rank_exits_2_on_a_user_error[bad flag], and in process in CASES above
 @pytest.mark.parametrize("argv,phrase", [
     (["run", "mlp", "--tiny", "--mesh", "data:2", "--layout", "bach:data", "--nproc", "2"], "dim 'bach'"),
-    (["run", *MLP, "--steps", "0"], "argument --steps: 0 is out of range"),
+    pytest.param(["run", *MLP, "--steps", "0"], "argument --steps: 0 is out of range", marks=pytest.mark.slow),
 ], ids=["bad layout --nproc 2", "steps 0"])
 def test_python_m_user_error(argv, phrase):
     r = _python_m(*argv)

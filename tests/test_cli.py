@@ -145,12 +145,17 @@ def _python_m(*argv):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow   # by default `python -m meshdsl plan mlp --tiny --json` runs (its totals checked) in
+# test_installed_package_ships_the_models, from the built wheel, and in test_a_reader_that_stops_early_gets_no_traceback
 def test_python_m_meshdsl():
     r = _python_m("plan", "mlp", "--tiny", "--json", "--mesh", "data:2", "--layout", "batch:data", "--bucket-mb", "0")
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["totals"]) == {"allreduce"}
 
 
+@pytest.mark.slow   # by default: a user error under `python -m meshdsl` exits 2 with one message and no traceback in
+# tests/test_catalogue.py::test_python_m_user_error[bad layout --nproc 2]; this layout string's caret in process
+# (test_parse.py's bad layouts; this file's in-process user errors)
 def test_python_m_meshdsl_user_error():
     r = _python_m("plan", "mlp", "--tiny", "--mesh", "data:2", "--layout", "batch:(data")
     assert r.returncode == 2

@@ -33,10 +33,13 @@ CASES = [
     ("transformer", "model:2", "heads:model; d_ff:model", 1),
     ("transformer", "data:2", FSDP, 1),
     ("transformer", "stage:2", "layer:stage", 2),
-    ("mlp", "data:1", "", 1),
-    ("mlp", "data:2", "batch:data", 1),
-    ("mlp", "model:2", "d_ff:model", 1),
-    ("mlp", "data:2", FSDP, 1),
+    # the MLP's families are the transformer's rows above over fewer kernels (its segments split at
+    # the same kinds of collectives); its plans stay compiled by default in the fallback, training,
+    # gloo, fit and unknown-backend tests below: so its rows run with -m slow
+    pytest.param("mlp", "data:1", "", 1, marks=pytest.mark.slow),
+    pytest.param("mlp", "data:2", "batch:data", 1, marks=pytest.mark.slow),
+    pytest.param("mlp", "model:2", "d_ff:model", 1, marks=pytest.mark.slow),
+    pytest.param("mlp", "data:2", FSDP, 1, marks=pytest.mark.slow),
     pytest.param("moe", "data:1", "", 1, marks=pytest.mark.slow),   # see below
     ("moe", "stage:2", "layer:stage", 2),
     # the MoE's other layouts (data:1 included) are the transformer's and the MLP's over the kernels

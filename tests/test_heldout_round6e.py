@@ -38,6 +38,9 @@ def test_a_search_proposed_layout_matches_dense(case):
     assert_heldout_case_matches_dense(case)
 
 
+@pytest.mark.slow   # by default: its plan with a model axis besides, simulated (CASES' first two), an MoE pipeline on
+# gloo (tests/test_local_parts.py::test_moe_on_unequal_stages_on_two_gloo_processes) and `check --nproc` of a pipeline
+# (tests/test_pipeline_cli.py::test_check_pipelined_on_processes)
 @pytest.mark.timeout(300)
 def test_a_search_proposed_moe_pipeline_on_real_processes(capsys):
     """deepseek's dense first block and MoE blocks on two gloo stages of 2 micro-batches under

@@ -230,6 +230,8 @@ def test_mixture_of_depths_tokens_the_router_skips_keep_their_embedding():
     assert (got["y"][picked] - skipped[picked]).abs().max() > 1e-3 and float(got["a"]) > 0
 
 
+@pytest.mark.slow   # by default: the shared layer pipelined simulated (CASES' ALBERT stage:2 rows) and stage sums
+# added across gloo processes (tests/test_stage_sum.py::test_encoder_decoder_pipelined_on_gloo_processes)
 @pytest.mark.timeout(300)
 def test_albert_shared_layer_on_a_real_pipeline(capsys):
     """The repeat with no stacked params on two gloo stages, 1f1b: each process sums its own

@@ -260,6 +260,8 @@ def _set_transformer_on_two_processes(comm):
     return held_outputs_on_this_rank(comm, plan, m.feeds(0))
 
 
+@pytest.mark.slow   # by default: this plan simulated (CASES' SETT stage:2 layer:stage PIPE row), pipelines on gloo in
+# tests/test_pipeline_dist.py
 @pytest.mark.timeout(200)
 def test_set_transformer_pipeline_on_two_gloo_processes():
     """The micro-batched pipeline whose block passes a micro-batch partial sum on, on 2 real

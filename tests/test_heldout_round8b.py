@@ -217,6 +217,8 @@ def _llava_pipeline_on_two_processes(comm):
     return held_outputs_on_this_rank(comm, plan, m.feeds(0))
 
 
+@pytest.mark.slow   # by default: this plan simulated (CASES' LLAVA stage:2 PIPE row), two stacks pipelined on gloo
+# in tests/test_two_stacks.py::test_two_stacks_on_gloo_processes
 @pytest.mark.timeout(200)
 def test_llava_two_stacks_pipeline_on_two_gloo_processes():
     """The vision tower and the LM cut as one list of layers over 2 real processes, micro-batched:

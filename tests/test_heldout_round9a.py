@@ -220,6 +220,8 @@ def _pointnet_on_two_processes(comm):
     return held_outputs_on_this_rank(comm, plan, m.feeds(0))
 
 
+@pytest.mark.slow   # by default: PointNet's stack pipelined simulated (CASES' stage:2; data:2 PIPE row), pipelines on
+# gloo in tests/test_pipeline_dist.py
 @pytest.mark.timeout(200)
 def test_pointnet_pipeline_on_two_gloo_processes():
     """PointNet's stack over 2 real processes, micro-batched: every output is the dense program's."""

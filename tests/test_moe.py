@@ -239,6 +239,9 @@ def _pipelined_on_ranks(comm, mesh, layout):
     return {k: v.detach() for k, v in full.items()} if comm.ranks[0] == 0 else None
 
 
+@pytest.mark.slow   # 4 processes; by default its plan runs simulated (test_pipelined_blocks_match_the_dense_program
+# [stage:2; data:2-...]), expert parallelism on gloo in test_expert_parallel_on_two_gloo_processes and
+# pipelines on gloo in tests/test_pipeline_dist.py
 def test_pipelined_with_expert_parallelism_on_four_gloo_processes():
     mesh, layout = PIPELINES[1]
     got = spawn(_pipelined_on_ranks, 4, args=(mesh, layout), mesh=mesh, timeout=240)[0]
@@ -333,7 +336,10 @@ def test_expert_parallel_on_two_gloo_processes():
         torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=lambda s, k=k: f"{k}: {s}")
 
 
-@pytest.mark.parametrize("nproc, mesh, layout", [(2, "data:2", EP), (4, "data:4", EP)])
+# data:4 (4 processes) with -m slow: by default the same job runs on data:2, and one expert per rank
+# simulated in tests/test_moe_adamw.py (test_expert_parallel_adamw_is_the_dense_curve[ep/4])
+@pytest.mark.parametrize("nproc, mesh, layout", [(2, "data:2", EP),
+                                                 pytest.param(4, "data:4", EP, marks=pytest.mark.slow)])
 def test_sgd_on_gloo_processes_follows_the_dense_curve(nproc, mesh, layout):
     # experts 4 over data:4 is one expert per rank; batch 4 is one sequence per rank.
     steps = spawn(train_job, nproc, args=("moe", True, mesh, layout, 3, 0.1, 0, 1), mesh=mesh, timeout=240)[0]

@@ -16,7 +16,8 @@ than EXHAUSTIVE_CAP (those with 4+ dims: reshape, rearrange) or a case-specific
 ``cap`` (the two largest graphs), which take a deterministic sample of that many;
 on (2,2,2), where three dims alone have 16**3 layouts, a deterministic sample of
 SAMPLE_2X2X2 layouts per case (``sample`` for the largest graphs, whose compile
-alone takes ~0.5 s on this mesh).  Samples are seeded by the case name, so a
+alone takes ~0.5 s on this mesh; with ``-m slow`` only for an elementwise op on the one dim [seq],
+see ``_slow``).  Samples are seeded by the case name, so a
 failure message's layout string always reproduces.  Together this keeps the file
 at about 80 s of CPU on 2 cores (compiling is most of it).
 
@@ -75,6 +76,8 @@ def _pos(t):
 
 
 CASES: dict = {}
+#: cases of one elementwise op on the one dim [seq] (the generic rule, no conflicts): see _OP_PARAMS
+SEQ_ONLY: set = set()
 
 
 def case(name, **kw):
@@ -88,11 +91,11 @@ def case(name, **kw):
 
 # ----------------------------------------------------------------------------- elementwise, unary
 
+# On [batch, seq]: the generic rule's two-dim conflicts (both dims on one axis, resolved by the
+# compiler), for a plain op, one of several terms with numbers, a dtype round trip and a fuse
+# identity (lowering/fuse.py).
 _UNARY = {
-    "neg": md.neg, "abs": md.abs, "exp": md.exp, "tanh": md.tanh, "relu": md.relu, "gelu": md.gelu,
-    "silu": md.silu, "sigmoid": md.sigmoid,
-    "log": lambda x: md.log(_pos(x)), "sqrt": lambda x: md.sqrt(_pos(x)),
-    "rsqrt": lambda x: md.rsqrt(_pos(x)),
+    "tanh": md.tanh,
     "pow": lambda x: md.pow(x, 3.0) + md.pow(_pos(x), 0.5) + x ** 2,
     "stop_gradient": lambda x: md.stop_gradient(x) * x,
     "cast": lambda x: md.cast(md.cast(x, torch.float64) * 3.0, torch.float32),
@@ -100,10 +103,14 @@ _UNARY = {
 for _name, _fn in _UNARY.items():
     case(_name)(lambda fn=_fn: (fn(_x("x_bs", [B, S])), {}))
 
-# Later elementwise ops, on one dim: the generic rule lowers every unary op alike (the cases above
-# cover its two-dim conflicts), so a case only needs the op's own kernel and gradient on every
+# Every other elementwise op on one dim: the generic rule lowers every unary op alike (the cases
+# above cover its two-dim conflicts), so a case only needs the op's own kernel and gradient on every
 # layout of [seq], a quarter of the time of [batch, seq].
 _UNARY_1D = {
+    "neg": md.neg, "abs": md.abs, "exp": md.exp, "relu": md.relu, "gelu": md.gelu,
+    "silu": md.silu, "sigmoid": md.sigmoid,
+    "log": lambda x: md.log(_pos(x)), "sqrt": lambda x: md.sqrt(_pos(x)),
+    "rsqrt": lambda x: md.rsqrt(_pos(x)),
     "erf": md.erf, "expm1": md.expm1, "square": md.square, "gelu_tanh": lambda x: md.gelu(x, approximate="tanh"), "mish": md.mish, "log_sigmoid": md.log_sigmoid,
     "log1p": lambda x: md.log1p(_pos(x)), "reciprocal": lambda x: md.reciprocal(_pos(x)),
     # beta * x on both sides of the threshold: both branches of the kernel and of the gradient
@@ -114,6 +121,7 @@ _UNARY_1D = {
 }
 for _name, _fn in _UNARY_1D.items():
     case(_name)(lambda fn=_fn: (fn(_x("x_s", [S])), {}))
+SEQ_ONLY.update(_UNARY_1D)
 
 
 @case("clamp")
@@ -131,21 +139,36 @@ def _sign():
 
 
 # ----------------------------------------------------------------------------- elementwise, n-ary
-# a[batch, seq] op c[seq, feat] broadcasts by name to [batch, seq, feat].
+# a[batch, seq] op c[seq, feat] broadcasts by name to [batch, seq, feat]: the generic rule's
+# broadcast (a gradient summed over the dims its operand lacks) and its three-dim conflicts, for
+# add, mul, div, greater, equal, where, where_numbers and logical_and.  The rule lowers every n-ary
+# op alike, so the others need only their kernels and gradients on every layout of [seq] (as the
+# unary ops above): a[seq] op c[seq], a fifth of the time.
+
+
+def _operands(broadcast: bool):
+    """(a, c): [batch, seq] and [seq, feat] params, or both [seq]."""
+    return (_p("a_bs", [B, S]), _p("c_sf", [S, F])) if broadcast else (_p("a_s", [S]), _p("c_s", [S]))
+
 
 _BINARY = {
     "add": md.add, "sub": md.sub, "mul": md.mul, "div": lambda a, c: a / _pos(c),
     "maximum": md.maximum, "minimum": md.minimum,
 }
+_BINARY_BROADCAST = ("add", "mul", "div")
 for _name, _fn in _BINARY.items():
-    case(_name)(lambda fn=_fn: (fn(_p("a_bs", [B, S]), _p("c_sf", [S, F])), {}))
+    case(_name)(lambda fn=_fn, b=_name in _BINARY_BROADCAST: (fn(*_operands(b)), {}))
+SEQ_ONLY.update(set(_BINARY) - set(_BINARY_BROADCAST))
 
 _COMPARE = {"less": md.less, "less_equal": md.less_equal, "greater": md.greater,
             "greater_equal": md.greater_equal, "equal": md.equal, "not_equal": md.not_equal}
 
 
-def _compare(fn):
-    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+_COMPARE_BROADCAST = ("greater", "equal")
+
+
+def _compare(fn, broadcast: bool):
+    a, c = _operands(broadcast)
     # equal/not_equal need ties: compare with a rounded copy, which ties on some elements.
     r = md.stop_gradient(md.cast(md.cast(c * 2.0, torch.int64), torch.float32) * 0.5)
     m = fn(a, r)
@@ -153,7 +176,8 @@ def _compare(fn):
 
 
 for _name, _fn in _COMPARE.items():
-    case(_name)(lambda fn=_fn: _compare(fn))
+    case(_name)(lambda fn=_fn, b=_name in _COMPARE_BROADCAST: _compare(fn, b))
+SEQ_ONLY.update(set(_COMPARE) - set(_COMPARE_BROADCAST))
 
 
 @case("where")
@@ -172,35 +196,35 @@ def _where_numbers():   # two Python numbers: cond's dims, torch's dtype (int64 
 # floored division and remainder (torch's): floats, and integer positions of both signs
 @case("floor_divide")
 def _floor_divide():
-    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    a, c = _operands(False)
     return {"y": (a * 3.0) // _pos(c) * c, "int": md.cast(a * 4.0, torch.int64) // 3}, {}
 
 
 @case("remainder")
 def _remainder():
-    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    a, c = _operands(False)
     return {"y": md.remainder(a * 3.0, _pos(c)) * c, "int": md.cast(a * 4.0, torch.int64) % 3,
             "left": 7 % (md.cast(a * 4.0, torch.int64) * 2 + 9)}, {}
 
 
-# a hash's integer mix (Instant-NGP's corner hash), broadcast by name; no gradient
+# a hash's integer mix (Instant-NGP's corner hash); no gradient
 @case("bitwise_xor")
 def _bitwise_xor():
-    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    a, c = _operands(False)
     h = md.bitwise_xor(md.cast(a * 40.0, torch.int64) * 2654435761, md.cast(c * 40.0, torch.int64)) % 13
     return {"int": h, "y": md.cast(h, torch.float32) * c}, {}
 
 
-# log(exp(a) + exp(b)) broadcast by name, and against a Python number; both sides' gradients
+# log(exp(a) + exp(b)), and against a Python number; both sides' gradients
 @case("logaddexp")
 def _logaddexp():
-    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    a, c = _operands(False)
     return {"y": md.logaddexp(a, c) + md.logaddexp(a, -0.5)}, {}
 
 
 @case("logical_not")
 def _logical_not():
-    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    a, c = _operands(False)
     m = md.logical_not(md.greater(a, c))
     return {"mask": m, "y": md.where(m, a * c, c)}, {}
 
@@ -214,9 +238,12 @@ def _logical_and():
 
 @case("logical_or")
 def _logical_or():
-    a, c = _p("a_bs", [B, S]), _p("c_sf", [S, F])
+    a, c = _operands(False)
     m = md.logical_or(md.greater(a, 0.0), md.less(c, -0.5))
     return {"mask": m, "y": md.where(m, a * c, c)}, {}
+
+
+SEQ_ONLY.update({"clamp", "sign", "floor_divide", "remainder", "bitwise_xor", "logaddexp", "logical_not", "logical_or"})
 
 
 # ----------------------------------------------------------------------------- einsum
@@ -687,8 +714,9 @@ def _partial_sums():
 # A tensor constant is sliced by each rank (like a param, never trained); a rotary embedding
 # reads one (its inverse frequencies) with position ids, sin and cos.
 
-case("sin")(lambda: (md.sin(_x("x_bs", [B, S]) * 3.0), {}))
-case("cos")(lambda: (md.cos(_x("x_bs", [B, S]) * 3.0), {}))
+case("sin")(lambda: (md.sin(_x("x_s", [S]) * 3.0), {}))   # on [seq], as the unary ops above
+case("cos")(lambda: (md.cos(_x("x_s", [S]) * 3.0), {}))
+SEQ_ONLY.update({"sin", "cos"})
 
 
 @case("constant_tensor", cap=60)  # three dims: 125 layouts on (2,2), of which a sample keeps the file's time
@@ -795,14 +823,21 @@ def _built(name):
     return _BUILT[name]
 
 
-#: The one-axis meshes run with ``-m slow``: each layout of (2) is one of (2,2)'s that leaves y unused
-#: (the same collectives over x), and each 4-way split of (4) is one of (2,2)'s over (x,y), which the
-#: default run checks exhaustively (there the group spans two axes, on (4) one: the suite's budget).
-_OP_MESHES = [pytest.param(m, marks=pytest.mark.slow) if m in ("2", "4") else m for m in MESHES]
+def _slow(name: str, mesh: str) -> bool:
+    """The one-axis meshes run with ``-m slow``: each layout of (2) is one of (2,2)'s that leaves y
+    unused (the same collectives over x), and each 4-way split of (4) is one of (2,2)'s over (x,y),
+    which the default run checks exhaustively (there the group spans two axes, on (4) one: the
+    suite's budget).  So does (2,2,2) for an elementwise op on [seq] (SEQ_ONLY): its one dim has no
+    conflict to resolve, the op runs on each rank's slice whatever its axes, and what (2,2,2) adds
+    (groups over three axes: the loss's reduction) every other case's (2,2,2) runs."""
+    return mesh in ("2", "4") or (mesh == "2x2x2" and name in SEQ_ONLY)
 
 
-@pytest.mark.parametrize("mesh", _OP_MESHES)
-@pytest.mark.parametrize("name", sorted(CASES))
+_OP_PARAMS = [pytest.param(n, m, marks=pytest.mark.slow) if _slow(n, m) else pytest.param(n, m, id=f"{n}-{m}")
+              for n in sorted(CASES) for m in MESHES]
+
+
+@pytest.mark.parametrize("name, mesh", _OP_PARAMS)
 def test_op_all_layouts(name, mesh):
     c = _built(name)
     cap = CASES[name][1].get("cap", EXHAUSTIVE_CAP)
