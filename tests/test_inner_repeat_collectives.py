@@ -102,9 +102,9 @@ def test_an_rnn_in_a_layer_stack_gathers_h_once_a_step():
     assert _gathers(plan) == T.size * L.size and _inner_reruns(plan) == 0
     _check_dense(plan, "single")
     # what it costs, per layer: the inner repeat's saved activations stacked over time, each step
-    # the gathered h [B, HI] (whole), tanh's output and the step's input h ([B, H] half a rank);
-    # and the layer's input h [B, H] half, fp32
-    assert memory_report(plan)["saved_per_layer"] == 4 * (T.size * (B.size * HI.size + 2 * B.size * H.size // 2)
+    # the gathered h [B, HI] (whole) and tanh's output ([B, H] half a rank; not the step's input h,
+    # which its gradient does not read); and the layer's input h [B, H] half, fp32
+    assert memory_report(plan)["saved_per_layer"] == 4 * (T.size * (B.size * HI.size + B.size * H.size // 2)
                                                            + B.size * H.size // 2)
     full = md.compile(_outputs("single", "full"), "model:2", "hidden:model")
     assert _gathers(full) == 2 * T.size * L.size and _inner_reruns(full) == 1   # full recomputes the layer

@@ -12,7 +12,9 @@ the backward block from what is saved.  A policy picks:
   (:func:`.repeat_grad._mirror_saved`), so the backward does not run it again, nor send its
   collectives again (the per-step gather of ``h`` under ``hidden:model``).  Memory for time:
   the nested repeat's activations are kept for every layer, not made again one layer at a
-  time; ``selective`` and ``full`` recompute it.
+  time; ``selective`` and ``full`` recompute it.  Its per-step carries are kept only where its
+  gradient reads them (an LSTM's ``c``; not an RNN's ``h``, read as the gathered copy it saved:
+  :func:`.repeat_grad._layer_inputs`).
 * ``full``: save nothing but each layer's input (always kept): the backward block
   recomputes the layer's forward.
 * ``selective`` (Megatron's selective recompute): save what the linear layers make, recompute
@@ -136,6 +138,28 @@ def remat_for_all(policy):
 def policy_of(node) -> Remat:
     """The policy the gradient of repeat ``node`` is built with now."""
     return _OVERRIDE.get() or node.attrs.get("remat", NONE)
+
+
+#: The policy of the repeat whose block is differentiated now (:func:`saving_outside`); None: none is.
+_ENCLOSING: ContextVar = ContextVar("meshdsl_remat_enclosing", default=None)
+
+
+@contextlib.contextmanager
+def differentiating(policy: Remat):
+    """Within the block, the repeats built are nested in a block whose gradient uses ``policy``."""
+    token = _ENCLOSING.set(policy)
+    try:
+        yield
+    finally:
+        _ENCLOSING.reset(token)
+
+
+def saving_outside() -> bool:
+    """Whether a repeat differentiated now is nested in a block whose policy saves the nested
+    repeat's outputs its gradient reads (``none``, or a ``save:`` naming ``repeat``), rather than
+    recomputing the nested repeat."""
+    policy = _ENCLOSING.get()
+    return policy is not None and (policy.save is None or "repeat" in policy.save)
 
 
 def check_names_something(policy: Remat, block_nodes, where: str) -> None:

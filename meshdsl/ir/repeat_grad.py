@@ -15,6 +15,8 @@ saves them (``none``: every activation), the forward block's nested repeat is ma
 them too (:func:`_mirror_saved`): the forward saves them, stacked over the outer layers, and the
 backward runs the nested repeat's gradient on them, not the nested repeat again with its
 collectives (an RNN under ``hidden:model``: ``time`` gathers of ``h`` a layer, not ``2 x time``).
+Its per-step carries, which its gradient given those activations may not read (the RNN reads the
+gathered ``h`` it saved), are then given as zeros, not saved (:func:`_layer_inputs`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ..ops.leaf import placeholder
 from ..ops.registry import Op, apply, register
 from .block import Block, carry_name, run_layers, trace
 from .closure import activations
-from .remat import check_names_something, chosen, policy_of
+from .remat import check_names_something, chosen, differentiating, policy_of, saving_outside
 
 #: Ops that sum or take an extreme over dims (:func:`_param_reductions`).
 REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "logsumexp")
@@ -73,7 +75,7 @@ def repeat_vjp(node, dy: list, dys: list) -> list:
         built[key] = (gblk, base, len(node.outputs))
     gblk, lo, hi = built[key]
     given_dys = [d for d in dys if d is not None]
-    outs = apply("repeat_grad", [*node.outputs[nc:2 * nc], *stacked_t, *dy, *given_dys, *node.outputs[lo:hi],
+    outs = apply("repeat_grad", [*_layer_inputs(node, gblk), *stacked_t, *dy, *given_dys, *node.outputs[lo:hi],
                                  *closed_t],
                  {"block": gblk, "layer": node.attrs["layer"], "pos": node.attrs["pos"],
                   "stacked": node.attrs["stacked"]})
@@ -81,6 +83,33 @@ def repeat_vjp(node, dy: list, dys: list) -> list:
     dclosed = iter(outs[nc + num_stacked:])
     return outs[:nc] + [g if w else None for g, w in zip(outs[nc:nc + num_stacked], want_stacked)] + \
         [next(dclosed) if w else None for w in want]
+
+
+def _layer_inputs(node, gblk: Block) -> list[Tensor]:
+    """The stacked layer inputs (one per carried tensor) repeat ``node``'s gradient ``gblk`` is
+    given: the node's own, but zeros for one the gradient does not read (:func:`_carries_read`)
+    where ``node`` is nested in a block whose gradient saves the nested repeat's outputs
+    (:func:`.remat.saving_outside`: ``none``).
+
+    An RNN inside a layer stack reads, backward, its saved gathered ``h``, not its per-step
+    carries: given them, the outer forward saved them for every layer though nothing read them
+    (320 of 1344 B a layer in the ``hidden:model`` repro).  Zeros are no activation (a constant,
+    made in the backward, never saved).  Where the outer policy recomputes the nested repeat,
+    its carries are made again with it anyway, and zeros would only add a value of their size."""
+    nc = node.attrs["block"].num_carries
+    layer_ins = list(node.outputs[nc:2 * nc])
+    if not saving_outside():
+        return layer_ins
+    return [t if read else _zeros(t) for t, read in zip(layer_ins, _carries_read(gblk), strict=True)]
+
+
+def _carries_read(b: Block) -> tuple[bool, ...]:
+    """Per carried tensor of backward block ``b`` (:func:`grad_block`), whether its gradient reads
+    the layer's input (the carry placeholder) given what the forward saves: an RNN's whose
+    backward reads the saved gathered ``h`` (``none``) reads none of its per-step carries."""
+    outs = [*b.extra["dcarries"], *b.extra["dparams"].values(), *b.extra["dclosed"].values()]
+    need = {id(n) for n in topo_nodes(outs, {id(t) for t in b.extra["given"].values()})}
+    return tuple(id(c.node) in need for c in b.carries)
 
 
 def _param_reductions(fwd, reads, act: set[int], n_fwd: int) -> tuple[list[Tensor], set[int]]:
@@ -205,8 +234,9 @@ def grad_block(blk: Block, stacked: dict[str, Tensor], layer: str, node, want: t
         dys = {k: placeholder(f"cotangent/{k}", b.ys[k].shape, b.ys[k].dtype) for k in with_dy}
         wanted = [True] * nc + list(want_stacked or [True] * len(b.params)) + [True] * len(closed)
         wrt = list(b.carries) + list(b.params.values()) + [b.closed[k] for k in closed]
-        grads = iter(vjp([*b.outs, *(b.ys[k] for k in with_dy)], [*dy, *dys.values()],
-                         [t for t, w in zip(wrt, wanted) if w]))
+        with differentiating(policy):   # (a nested repeat's gradient asks: _layer_inputs)
+            grads = iter(vjp([*b.outs, *(b.ys[k] for k in with_dy)], [*dy, *dys.values()],
+                             [t for t, w in zip(wrt, wanted) if w]))
         fixed = []
         for t, g in zip(wrt, (next(grads) if w else None for w in wanted)):
             if g is None:

@@ -303,7 +303,7 @@ class Lowerer:
     @staticmethod
     def describe(node: Node | None) -> str:
         """How messages name ``node``: as :func:`.users_terms.called` does, or ``"an output"``."""
-        return called(node.name, node.op.name) if node is not None else "an output"
+        return called(node.name, node.op.name, node) if node is not None else "an output"
 
     def reduced(self, vid: int) -> int:
         """An already-reduced copy of partial value ``vid`` if one was made, else ``vid``.

@@ -62,7 +62,9 @@ Where reshapes of one source carry its split to two dims an op holds together (B
 ``(blk pos)`` blocks, and its one global block, whose ``blk`` is 1, so ``pos`` takes the split
 there), the axes go to the dim whose reshapes keep more elements split, and the other gets no
 rule, even where that dim's slices or concats (``blk`` 5 and 1) are split unevenly or kept whole
-(not under strict splits: :func:`_outvoted`).  The plan lists each implied rule in its notes.
+(not under strict splits: :func:`_outvoted`), but not where a reshape makes it at a size the axes
+leave uneven (a reshape carries no uneven split: TimesNet's folds of ``time`` into ``cycles`` 20
+and 15, where the unfolds' ``cycles_period`` keeps the split instead).  The plan lists each implied rule in its notes.
 """
 from __future__ import annotations
 
@@ -437,10 +439,15 @@ def _outvoted(node, dim: str, axes, votes: dict, g: _Graph, mesh, layout: Layout
 
 def _fits_unevenly(dim: str, axes, g: _Graph, mesh, layout: Layout) -> bool:
     """Whether ``dim:axes`` fits where sizes no leaf has may be split unevenly or, at size 1
-    (or below the axes), kept whole (:meth:`Layout.targets` does both for an intermediate)."""
+    (or below the axes), kept whole (:meth:`Layout.targets` does both for an intermediate).
+    Not where a reshape makes ``dim`` at a size the axes leave uneven (TimesNet's two folds of
+    ``time`` 120 into ``cycles`` 20 and 15): a reshape carries no uneven split, so that fold
+    would gather its input, and the rule would take the axes from the dim that keeps them (the
+    unfold's ``cycles_period``) for the even fold too."""
     n = mesh.axis_size(axes)
     leaf_sizes = {d.size for t in g.leaves for d in t.shape if d.name == dim}
-    if any(size % n for size in leaf_sizes):
+    made = {d.size for m in g.movers if m.op.name in RESHAPES for d in m.outputs[0].shape if d.name == dim}
+    if any(size % n for size in leaf_sizes) or any(size % n and size >= n for size in made):
         return False
     for t in g.leaves:
         if dim in t.shape.names and layout.rule_for(dim, t.scopes) is None:

@@ -162,13 +162,15 @@ class Step:
 GRAD = "grad_"
 
 
-def called(label: str, op: str) -> str:
+def called(label: str, op: str, node=None) -> str:
     """How a message names a node or step: its name, as ``meshdsl plan``'s rows show it, with its
     op when the name does not say it: ``'sub'``, ``'einsum_1'``, ``'reduce_mean'`` (a sum times
     1/n, but named as the user wrote it), ``'h' (add)``, and a gradient's node by the op the user
     wrote: ``'layer_norm_backward' (of layer_norm's gradient)`` for
     ``grad_layer_norm/layer_norm_backward``; a step of an md op built of others by the op the
-    user called: ``'concat/pad' (a pad inside md.concat)``."""
+    user called: ``'concat/pad' (a pad inside md.concat)``.  Given the ``node``, an einsum's name
+    the graph made up (``'einsum_12'``: which of the model's contractions?) also says how the user
+    wrote it (:func:`written`)."""
     from .. import ops
     head, sep, tail = label.partition("/")
     if sep and head.startswith(GRAD):
@@ -176,9 +178,18 @@ def called(label: str, op: str) -> str:
     outer = [p for p in (re.sub(r"_\d+$", "", x) for x in label.split("/")[:-1]) if callable(getattr(ops, p, None))]
     if outer:
         return f"'{label}' (a {op} inside md.{outer[-1]})"
+    if node is not None and op == "einsum" and re.sub(r"_\d+$", "", label.rpartition("/")[2]) == op:
+        return f"'{label}' ({written(node)})"
     base = re.sub(r"_\d+$", "", label)
     said = base == op or callable(getattr(ops, base, None))
     return f"'{label}'" if said else f"'{label}' ({op})"
+
+
+def written(node) -> str:
+    """An einsum node as the user's call wrote it: its equation and operand dims
+    (``md.einsum("batch e, batch2 e -> batch batch2") of [batch:4, e:3] and [batch2:4, e:3]``)."""
+    eq = ", ".join(" ".join(x.shape.names) for x in node.inputs) + " -> " + " ".join(node.attrs["out"])
+    return f'md.einsum("{eq}") of ' + " and ".join(str(x.shape) for x in node.inputs)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,10 @@ commutes with it: it shifts the inner shift's input, sharing that one's exchange
 along the whole dim locally (:func:`~.halo.commuted`).  A zero-fill window passes a partial sum
 on lazily, except where it makes the sum larger and its result is reduced at once: such an edge
 row padded to a split length is reduced first where that costs less (:func:`_reduced_first`).
+A partial sum read only by slices of it along one dim (a concat's gradient: XLNet's keys with a
+memory slot) passes on to each where the cost model finds each part's reduction to where it goes
+cheaper than one of the whole: the key rows reduce-scattered to the split sequence, the slot's row
+reduced with its param's gradient (:func:`_parts_passed_on`).
 """
 from __future__ import annotations
 
@@ -242,7 +246,7 @@ def _lower_by_halos(lw, node) -> None:
     # input's only reader, as the generic rule does for linear ops, or a backward block passes it
     # on to each reader (a concat's gradient read by its slices: :func:`.repeat._lazy_through`,
     # kept where the loop costs less); otherwise it is reduced.
-    passed_on = id(src) in lw.lazy_through
+    passed_on = id(src) in lw.lazy_through or (src is node.inputs[0] and _parts_passed_on(lw, src, dim, cur))
     lw.through_used |= passed_on and bool(cur.partial) and lw.num_uses(src) > 1
     lazy = src is node.inputs[0] and reach.fill == 0.0 and (lw.num_uses(src) == 1 or passed_on)
     comp = cur if lazy else Sharding(cur.dims)
@@ -308,6 +312,57 @@ def _lower_by_halos(lw, node) -> None:
             flops=out_sh.local_numel(out.shape, mesh))
     res = _shift_whole(lw, node, inner, res)   # then a commuted inner shift, locally
     lw.bind(out, lw.relayout(res, tgt, node, f"output of {node.op.name}"))
+
+
+def _parts_passed_on(lw, src, dim: str, cur: Sharding) -> bool:
+    """Whether partial sum ``src`` (at ``cur``), read only by slices of it along ``dim`` that do not
+    overlap (a concat's gradient), passes on partial to each: every part reduced to where it goes
+    (XLNet's key rows reduce-scattered to the split sequence, its memory slot's row into its
+    param's gradient) rather than the whole allreduced and each part cut from it, where the cost
+    model finds that cheaper.  Decided once per value, so every slice reads it alike."""
+    key = ("parts_passed_on", id(src))
+    if key not in lw.memo:
+        lw.memo[key] = _parts_cheaper(lw, src, dim, cur)
+    return lw.memo[key]
+
+
+def _parts_cheaper(lw, src, dim: str, cur: Sharding) -> bool:
+    """:func:`_parts_passed_on`'s test: each part priced at its reduction to the layout target of
+    the tensor it becomes through the linear ops that alone read it (:func:`_goes_to`: a slice's
+    own dim is often one no rule splits), a gradient's reduction as its bytes only (it joins the
+    gradient bucket's collective)."""
+    rs = readers(lw, src)
+    if not cur.partial or len(rs) < 2 or len(rs) != lw.num_uses(src) or any(
+            slot or n.op.name != "slice" or n.attrs["dim"] != dim for n, slot in rs):
+        return False
+    spans = sorted((n.attrs["start"], n.attrs["stop"]) for n, _ in rs)
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        return False
+    mesh, size, whole = lw.mesh, src.dtype.itemsize, Sharding(cur.dims)
+    once, late = relayout_cost(src.shape, cur, whole, mesh, size, lw.cost), 0.0
+    for n, _ in rs:
+        goes, kept = _goes_to(lw, n.outputs[0], cur)
+        tgt = lw.target(goes)
+        cost = relayout_cost(goes.shape, kept.with_partial(cur.partial), tgt, mesh, size, lw.cost)
+        late += cost - lw.cost.latency_s if cost and not readers(lw, goes) else cost
+        once += relayout_cost(goes.shape, kept, tgt, mesh, size, lw.cost)
+    return late < once - 1e-12
+
+
+def _goes_to(lw, t, cur: Sharding):
+    """``(tensor, sharding)``: the tensor ``t`` becomes through one-input linear ops, each its only
+    reader and no larger (renames, a broadcast's sum, the gradient's own name), and ``cur``'s split
+    of it there.  (Not by phase: a repeat's backward block is traced as a forward graph.)"""
+    split = dict(cur.split)
+    while lw.num_uses(t) == 1:
+        rs = readers(lw, t)
+        n = rs[0][0] if len(rs) == 1 else None
+        if n is None or len(n.inputs) != 1 or not n.op.is_linear(n) or n.outputs[0].shape.numel > t.shape.numel:
+            break
+        names = n.attrs["mapping"] if n.op.name == "rename" else {}
+        split = {names.get(k, k): v for k, v in split.items()}
+        t = n.outputs[0]
+    return t, Sharding.of(t.shape, split)
 
 
 def _reduced_first(lw, node, src, comp: Sharding, tgt: Sharding, axes) -> tuple[Sharding, Sharding]:
