@@ -298,11 +298,35 @@ def kill_when_marked(code: str, marker: Path, what: str, limit_s: float = 120.0)
         proc.stderr.close()
 
 
-def random_params(model, seed: int = 1) -> dict:
+def random_params(model, seed: int = 1, frozen: bool = False) -> dict:
     """Full params of ``model`` drawn N(0, 0.25) from ``seed``: away from an init's symmetries, so
-    a reference compared with the DSL's model exercises every weight."""
+    a reference compared with the DSL's model exercises every weight (``frozen``: every param of
+    its graph, the frozen ones too, in the graph's order)."""
     gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.params.items()}
+    params = model.graph.params() if frozen else model.params
+    return {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in params.items()}
+
+
+def assert_dense_is_its_torch_reference(path, frozen: bool = False, **over) -> None:
+    """The held-out model at ``path`` (tiny, config ``over``), run as the dense program, gives the
+    loss of its file's ``reference_loss`` (plain torch in float64, reading the feeds named by its
+    ``REF_INPUTS``), and torch autograd's gradients: the dense oracle itself is right.
+    ``frozen``: the frozen params are drawn too (and given to the reference, without gradients)."""
+    from meshdsl.train.model import load_module
+    mod = load_module(path)
+    model = md.load_model(path, tiny=True, **over)
+    params, feeds = random_params(model, frozen=frozen), model.feeds(0)
+    got = md.run_dense({"loss": model.loss, **md.grad(model.loss, model.params)}, feeds, params=params)
+    ref = {k: v.double().requires_grad_(k in model.params) for k, v in params.items()}
+    ins = [feeds[k].double() if feeds[k].is_floating_point() else feeds[k] for k in getattr(mod, "REF_INPUTS", ("x",))]
+    want = mod.reference_loss(model.config, ref, *ins)
+    want.backward()
+    # fp32 against fp64 on a loss of O(1-200): ~1e-7 relative; a wrong op in either is O(1e-1)
+    assert float(got["loss"]) == pytest.approx(float(want.detach()), rel=1e-5)
+    top = max(float(ref[k].grad.abs().max()) for k in model.params)
+    for k in model.params:
+        # fp32 rounding at the largest gradient's scale, as the layout checks allow
+        torch.testing.assert_close(got[k].double(), ref[k].grad, rtol=0, atol=1e-5 * top, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def adamw_dense_curve(model, opt, clip: float, steps: int, feeds=None) -> tuple[list[float], list[float]]:

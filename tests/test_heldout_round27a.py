@@ -23,8 +23,7 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.train.model import load_module
-from conftest import (assert_adamw_steps_track_dense, random_params, assert_heldout_case_matches_dense,
+from conftest import (assert_dense_is_its_torch_reference, assert_adamw_steps_track_dense, assert_heldout_case_matches_dense,
                       heldout_case_id, run_cli)
 
 HERE = Path(__file__).parent
@@ -141,20 +140,7 @@ def test_the_model_is_its_torch_reference(path, over):
     convs and view/transpose/view for the shuffle; F.interpolate, F.max_pool2d, torch.cat; GRU cell
     equations in Python loops; F.ctc_loss) gives the DSL model's loss, and torch autograd (float64)
     its gradients."""
-    mod = load_module(path)
-    model = md.load_model(path, tiny=True, **over)
-    params, feeds = random_params(model), model.feeds(0)
-    got = md.run_dense({"loss": model.loss, **md.grad(model.loss, model.params)}, feeds, params=params)
-    ref = {k: v.double().requires_grad_() for k, v in params.items()}
-    ins = [feeds[k].double() if feeds[k].is_floating_point() else feeds[k] for k in mod.REF_INPUTS]
-    want = mod.reference_loss(model.config, ref, *ins)
-    want.backward()
-    # fp32 against fp64 on a loss of ~1-15: ~1e-7 relative; a wrong shuffle, tap or lattice step is O(1e-1)
-    assert float(got["loss"]) == pytest.approx(float(want.detach()), rel=1e-5)
-    top = max(float(p.grad.abs().max()) for p in ref.values())
-    for k, p in ref.items():
-        # fp32 rounding at the largest gradient's scale, as the layout checks allow
-        torch.testing.assert_close(got[k].double(), p.grad, rtol=0, atol=1e-5 * top, msg=lambda m, k=k: f"{k}: {m}")
+    assert_dense_is_its_torch_reference(path, **over)
 
 
 def _plan(path, mesh, layout, **over):

@@ -22,8 +22,7 @@ import pytest
 import torch
 
 import meshdsl as md
-from meshdsl.train.model import load_module
-from conftest import (assert_adamw_steps_track_dense, assert_heldout_case_matches_dense, heldout_case_id,
+from conftest import (assert_dense_is_its_torch_reference, assert_adamw_steps_track_dense, assert_heldout_case_matches_dense, heldout_case_id,
                       heldout_outputs, run_cli)
 
 HERE = Path(__file__).parent
@@ -108,22 +107,7 @@ def test_the_model_is_its_torch_reference(path):
     ``torch.fft.rfft`` amplitudes, ``torch.topk`` and ``F.conv2d``; CoCa with sdpa) gives the DSL
     model's loss, and torch autograd (float64) its gradients. Every param is drawn at random,
     SAC's frozen target nets too."""
-    mod = load_module(path)
-    model = md.load_model(path, tiny=True)
-    gen = torch.Generator().manual_seed(1)
-    params = {k: torch.randn(v.shape.sizes, generator=gen) * 0.5 for k, v in model.graph.params().items()}
-    feeds = model.feeds(0)
-    got = md.run_dense({"loss": model.loss, **md.grad(model.loss, model.params)}, feeds, params=params)
-    ref = {k: v.double().requires_grad_(k in model.params) for k, v in params.items()}
-    ins = [feeds[k].double() if feeds[k].is_floating_point() else feeds[k] for k in mod.REF_INPUTS]
-    want = mod.reference_loss(model.config, ref, *ins)
-    want.backward()
-    # fp32 against fp64 on a loss of ~1-30: ~1e-7 relative; a wrong mask, tap or cut is O(1e-1)
-    assert float(got["loss"]) == pytest.approx(float(want.detach()), rel=1e-5)
-    top = max(float(ref[k].grad.abs().max()) for k in model.params)
-    for k in model.params:
-        # fp32 rounding at the largest gradient's scale, as the layout checks allow
-        torch.testing.assert_close(got[k].double(), ref[k].grad, rtol=0, atol=1e-5 * top, msg=lambda m, k=k: f"{k}: {m}")
+    assert_dense_is_its_torch_reference(path, frozen=True)
 
 
 def _sac_run(mesh: str, layout: str, steps: int = 2):
