@@ -136,8 +136,8 @@ def test_heldout_model_matches_dense(case):
 def test_a_narrow_head_under_a_split_embedding_is_refused_with_the_renaming_fix():
     """Matryoshka's 2-row head ``head2 [embed:2, classes]`` under ``embed:model`` on 3 ranks is refused
     (a param's part may not be empty), and the Fix names the way out that keeps ``embed`` split in the
-    encoder: a dim name of its own for the head (``heads=named``, checked in SLOW_CASES), not only
-    'leave it whole', which no rule can say for one tensor while the others split the dim."""
+    encoder: a dim name of its own for the head (``heads=named``, checked in SLOW_CASES), or the
+    head's dim kept whole by a rule for that one tensor ('head2.embed:()', tests/test_layout_whole.py)."""
     model = md.load_model(MRL, tiny=True)
     with pytest.raises(md.LayoutError, match="too small to split unevenly") as info:
         md.compile({"loss": model.loss}, "model:3", "embed:model")

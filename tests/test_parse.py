@@ -167,7 +167,7 @@ BAD = [
                        "Fix: write 'batch:data'."], 6, 4),
     (L, "batch:(data fsdp)", ["expected ')' or ',' after name 'data'."], 12, 4),
     (L, "a.b.:x", ["expected ':' after name 'b'."], 3, 1),   # a.b.c:x is a dotted scope
-    (L, "batch:()", ["expected a name after '('."], 7, 1),
+    (L, "batch:(,)", ["expected a name or ')' after '('."], 7, 1),   # 'batch:()' keeps batch whole
     (L, "batch:(data, fsdp", ["unbalanced parenthesis: '(' is never closed."], 6, 1),
     (L, "batch:(data;\nd_ff:model", ["'(' is never closed"], 6, 1),
     (L, "batch:data)", ["unbalanced parenthesis: ')' has no matching '('."], 10, 1),

@@ -28,13 +28,35 @@ from .specs import Rule
 #: a tensor's own name, then 'grads.' (its gradient) or 'opt.' (its optimizer state),
 #: then 'params.' (the param, its gradient and its state), then a global rule.
 SCOPES = ("grads", "opt", "params")
+#: Words a user may write for "no axis" ('up.ch:none'): not on the mesh, the message names '()'.
+_WHOLE_WORDS = frozenset({"none", "null", "whole", "replicated", "replicate", "unsplit", "nothing"})
 
 
-def _scoped_example(scopes: tuple[str, ...], dim: str) -> str:
-    """The fix's scoped-rule example for a tensor of ``scopes``: its first scope a layout rule can
-    name (an optimizer state's 'opt', not its internal name 'opt/w/exp_avg'), or nothing."""
-    scope = next((s for s in scopes if is_scope(s)), None)
-    return f", or scope a rule to this tensor (e.g. '{scope}.{dim}:OTHER_AXIS')" if scope else ""
+def _own_scope(scopes: tuple[str, ...]) -> str | None:
+    """The first scope of a tensor of ``scopes`` that a layout rule can name (a param's own name,
+    also its gradient's and optimizer state's), or None."""
+    return next((s for s in scopes if is_scope(s)), None)
+
+
+def free_axes(mesh: Mesh, busy) -> list[str]:
+    """The axes of ``mesh`` that split something (size > 1) and are not among ``busy``: the
+    only 'other axes' a fix may offer (a one-axis mesh has none)."""
+    return [a for a in mesh.names if mesh.sizes[a] > 1 and a not in busy]
+
+
+def _move_off_fix(mesh: Mesh, scopes: tuple[str, ...], dim: str, busy, drop: str = "") -> str:
+    """The fix that takes ``dim`` of one tensor (of ``scopes``) off its axes, in forms ``mesh``
+    can take: keep it whole there (``'up.ch:()'``), or split it over a free axis (none of
+    ``busy``) where the mesh has one; else ``drop`` (a rule to drop) if given."""
+    scope, free = _own_scope(scopes), free_axes(mesh, busy)
+    head = f"{scope}.{dim}" if scope else dim
+    ways = [f"keep '{dim}' whole in this tensor with the rule '{head}:()' (it stays split in the others)"
+            ] if scope else []
+    if free:
+        ways.append(f"split it over an axis no other dim of it uses, e.g. '{head}:{free[0]}'")
+    if drop and not ways:
+        ways.append(f"drop the rule '{drop}'")
+    return ", or ".join(ways)
 
 
 class Layout:
@@ -161,11 +183,15 @@ class Layout:
             for axis_name in r.axes:
                 axis = axis_name.name
                 if axis not in mesh.sizes:
+                    whole = axis.lower() in _WHOLE_WORDS   # 'up.ch:none': meant as "no axis"
                     raise self._err(
-                        f"Layout rule '{dim}' names unknown mesh axis '{axis}'.{did_you_mean(axis, mesh.names)}",
+                        f"Layout rule '{dim}' names unknown mesh axis '{axis}'."
+                        f"{'' if whole else did_you_mean(axis, mesh.names)}",
                         axis_name.span or r.span, inputs=[f"mesh: {mesh}"],
-                        rule="a layout maps dims to axes of the mesh",
-                        fix=f"use one of {list(mesh.names)} or add '{axis}:N' to the mesh")
+                        rule="a layout maps dims to axes of the mesh" + (", or to '()', no axis (the dim stays "
+                                                                          "whole)" if whole else ""),
+                        fix=(f"to keep '{dim}' whole write '{Rule(r.scope, r.dim, ())}'; to split it, " if whole
+                             else "") + f"use one of {list(mesh.names)} or add '{axis}:N' to the mesh")
             if dim not in dims:
                 typo = did_you_mean(dim, dims)
                 loop = not has_repeat   # a near name (depth ~ width) may still be the loop's layers
@@ -253,8 +279,9 @@ class Layout:
                     r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
                     bullets=[f"parts: {_parts_text(size, n)} (strict splits refuse an uneven split)"],
                     rule="with strict splits, a split dim's size is a multiple of the product of its axes' sizes",
-                    fix=f"make '{name}' a multiple of {n} (pad it), map it to other axes, or split it "
-                        "unevenly: leave out --strict-splits (strict_splits=True)")
+                    fix=f"make '{name}' a multiple of {n} (pad it), "
+                        + _whole_or_divisor(mesh, name, size, r)
+                        + ", or split it unevenly: leave out --strict-splits (strict_splits=True)")
 
     def _targets_of(self, shape, scopes, mesh, what, strict) -> list[tuple[Sharding, str]]:
         wanted = self.wanted(shape, scopes)
@@ -276,9 +303,7 @@ class Layout:
                     r.span, inputs=[f"tensor shape: {shape}", f"mesh: {mesh}"],
                     rule="a split dim has at least one element per part (an uneven split is allowed, "
                          "an empty part is not)",
-                    fix=f"map '{name}' to smaller axes, or leave it whole; to keep '{name}' split in the other "
-                        f"tensors, give this one's dim a name of its own (e.g. Dim('{name}_{size}', {size}) in its "
-                        "md.param or md.input, and md.rename what meets it), which the rule does not reach")
+                    fix=_small_fix(mesh, scopes, name, size, r))
         axes_of = {n: tuple(a for a in r.axis_names if mesh.sizes[a] > 1) for n, r in wanted.items()}
         users: dict[str, list[str]] = {}
         for name, axes in axes_of.items():
@@ -287,16 +312,19 @@ class Layout:
         contested = {a: ns for a, ns in users.items() if len(ns) > 1}
         if not contested:
             return [(Sharding.of(shape, axes_of), "; ".join(small))]
+        prio = {n: self._order[r.key] for n, r in wanted.items()}
         if strict:
             a, ns = next(iter(contested.items()))
+            loser = max(ns, key=prio.__getitem__)   # the rule written later gives way, as for intermediates
             raise self._err(
                 f"Tensor '{what}' {shape}: mesh axis '{a}' is used by dims {ns}.",
-                wanted[ns[1]].span, inputs=[f"mesh: {mesh}", f"layout: {clip(str(self))}"],
-                rule="a mesh axis may split at most one dim of a tensor",
-                fix=f"map one of {ns} to another axis" + _scoped_example(scopes, ns[1]))
+                wanted[loser].span, inputs=[f"mesh: {mesh}", f"layout: {clip(str(self))}"],
+                rule="a mesh axis may split at most one dim of a param or input (rules written earlier "
+                     "win only in intermediates)",
+                fix=_move_off_fix(mesh, scopes, loser, {x for axes in axes_of.values() for x in axes},
+                                 drop=str(wanted[loser])))
         # Each contested axis goes to one of its contenders; a dim keeps only the
         # axes it won (dropping a dim's axis keeps its remaining ones in order).
-        prio = {n: self._order[r.key] for n, r in wanted.items()}
         out = []
         names = list(contested)
         for choice in itertools.product(*(contested[a] for a in names)):
@@ -308,6 +336,31 @@ class Layout:
             out.append((key, Sharding.of(shape, split), "; ".join(["axis conflict resolved: " + why, *small])))
         out.sort(key=lambda t: t[0])
         return [(s, note) for _, s, note in out]
+
+
+def _whole_or_divisor(mesh: Mesh, dim: str, size: int, r: Rule) -> str:
+    """The middle of a fix for ``dim`` (``size``) that rule ``r``'s axes do not divide: map it to
+    an axis of ``mesh`` that divides it, where there is one, or keep it whole.  Whole by the rule
+    itself, not in one tensor: the intermediates that hold the dim at this size are strict too."""
+    fit = [a for a in free_axes(mesh, r.axis_names) if size % mesh.sizes[a] == 0]
+    head = f"{r.scope.name}.{dim}" if r.scope else dim
+    ways = [f"map it to an axis that divides it ('{head}:{fit[0]}')"] if fit else []
+    ways.append(f"keep it whole with '{head}:()' in place of '{r}'" if r.scope
+                else f"drop the rule '{r}' (the dim stays whole)")
+    return ", ".join(ways)
+
+
+def _small_fix(mesh: Mesh, scopes, dim: str, size: int, r: Rule) -> str:
+    """The fix for ``dim`` of a param or input (``scopes``) smaller than rule ``r``'s axes."""
+    scope = _own_scope(scopes)
+    smaller = [a for a in free_axes(mesh, ()) if mesh.sizes[a] <= size and a not in r.axis_names]
+    ways = [f"keep '{dim}' whole in this tensor with the rule '{scope}.{dim}:()' (it stays split in the "
+            "others)"] if scope else []
+    ways.append(f"give this tensor's dim a name of its own (e.g. Dim('{dim}_{size}', {size}) in its md.param or "
+                "md.input, and md.rename what meets it), which the rule does not reach")
+    if smaller:
+        ways.append(f"map '{dim}' to smaller axes ('{dim}:{smaller[0]}')")
+    return ", or ".join(ways + [f"drop the rule '{r}'"])
 
 
 def _axes_text(mesh: Mesh, axes) -> str:
@@ -338,6 +391,8 @@ def _dict_rule(layout: dict, key, value) -> Rule:
         raise LayoutError(message(
             f"Layout dict entry {key!r}: {value!r} is not a mesh axis or a tuple of distinct axes.",
             inputs=[f"layout: {clip(repr(layout))}"],
-            rule="a layout dict maps '[scope.]dim' to an axis name or a tuple of distinct axis names",
-            fix="write e.g. {'batch': 'data', 'd_ff': ('data', 'model')}"))
+            rule="a layout dict maps '[scope.]dim' to an axis name or a tuple of distinct axis names "
+                 "(the empty tuple: no axis, the dim stays whole)",
+            fix="write e.g. {'batch': 'data', 'd_ff': ('data', 'model')}"
+                + (f", or {{{key!r}: ()}} to keep it whole" if value is None else "")))
     return Rule(Name(scope, None) if scope else None, Name(dim, None), tuple(Name(a, None) for a in axes))

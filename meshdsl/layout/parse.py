@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 
 from lark import Transformer, v_args
+from lark.exceptions import UnexpectedInput
 
-from ..core.grammar import Language, check_parens, check_str, error, name_of, parse
+from ..core.grammar import Language, check_parens, check_str, error, name_of, parse, parser
 from ..core.names import Name
 from ..errors import LINE_BREAKS, Span, clip
 from .specs import EMPTY_RULE, SIZE_RULE, UNIQUE_RULE, AxisSpec, LayoutSpec, MeshSpec, Rule
@@ -26,11 +27,12 @@ MESH = Language(
     name_word="axis name", int_word="size")
 LAYOUT = Language(
     "layout",
-    rule="a layout is rules '[scope.]dim:axis' or 'dim:(axis, axis)' separated by ';', ',' "
-         'or newlines, e.g. "batch:data; params.d_model:fsdp; d_ff:(data, model)".',
-    fix="write each rule as 'dim:axis', 'scope.dim:axis' or 'dim:(axis, axis)', "
+    rule="a layout is rules '[scope.]dim:axis', 'dim:(axis, axis)' or 'dim:()' (no axis: kept whole) "
+         "separated by ';', ',' or newlines, e.g. \"batch:data; params.d_model:fsdp; d_ff:(data, model)\".",
+    fix="write each rule as 'dim:axis', 'scope.dim:axis', 'dim:(axis, axis)' or 'scope.dim:()', "
         "e.g. 'batch:data'.",
-    name_word="name")
+    name_word="name",
+    hidden=frozenset({"DOTTED_RULE"}))   # a dotted name is a name to the reader, not a regex
 
 
 # ---------------------------------------------------------------- builders
@@ -70,6 +72,10 @@ class _LayoutBuilder(Transformer):
     def axis_group(self, children):
         return tuple(name_of(t) for t in children)
 
+    def no_axis(self, children):
+        """'dim:()': split over no axis, so the dim stays whole where the rule applies."""
+        return ()
+
     def start(self, rules):
         return tuple(rules)
 
@@ -104,6 +110,33 @@ def _check_mesh(spec: MeshSpec) -> None:
                         rule=SIZE_RULE,
                         fix=f"use a size of at least 1, e.g. '{name}:1', or drop the axis.") from None
         seen[name] = axis.size
+
+
+def _check_targets(src: str) -> None:
+    """Refuse a rule whose ':' has no target ('up.ch:' at the end, before ';' or ',', or before the
+    next rule), which lark would report as a missing name: the fix names both forms a target takes."""
+    try:
+        toks = list(parser(LAYOUT.key).lex(src))
+    except UnexpectedInput:
+        return   # a bad character: the parser's own message points at it
+    for i, tok in enumerate(toks):
+        if tok.type != "COLON":
+            continue
+        after = toks[i + 1:i + 3]
+        starts_rule = len(after) == 2 and after[1].type in ("COLON", "DOT") and after[0].type != "LPAR"
+        if after and after[0].type not in ("SEMICOLON", "COMMA") and not starts_rule:
+            continue
+        kinds = [t.type for t in toks[max(i - 3, 0):i]]
+        if not kinds or kinds[-1] not in ("NAME", "DOTTED_RULE"):
+            continue   # no dim before the ':' either: the parser's message says what a rule starts with
+        first = toks[i - 3] if kinds == ["NAME", "DOT", "NAME"] else toks[i - 1]
+        head = src[first.start_pos:tok.end_pos]
+        dim = head[:-1].rsplit(".", 1)[-1]
+        raise error(LAYOUT, src, Span(tok.start_pos, tok.end_pos),
+                    f"rule '{clip(head)}' has no target after ':'.",
+                    rule="a rule's target is a mesh axis, a group '(a, b)' (first major) or '()', no axis: "
+                         "the dim stays whole where the rule applies",
+                    fix=f"name a mesh axis ('{head}AXIS'), or write '{head}()' to keep '{dim}' whole") from None
 
 
 def _check_layout(spec: LayoutSpec) -> None:
@@ -158,7 +191,9 @@ def parse_layout(s: str) -> LayoutSpec:
 
     Args:
       s: rules ``[scope.]dim:axes`` separated by ``;``, ``,`` or line breaks, with
-        ``#`` comments.  ``axes`` is one mesh axis or ``(a, b)`` (first major).
+        ``#`` comments.  ``axes`` is one mesh axis, ``(a, b)`` (first major) or ``()``
+        (no axis: the dim stays whole where the rule applies, e.g. ``up.ch:()`` keeps
+        ``ch`` whole in the one tensor ``up`` while ``ch:model`` splits it elsewhere).
         ``scope`` is ``params`` (every trainable parameter, its gradient and optimizer
         state), ``grads`` (gradients), ``opt`` (optimizer state) or one
         tensor's name, e.g. ``"batch:data; params.d_model:fsdp; w1.d_ff:(data, model)"``.
@@ -168,8 +203,9 @@ def parse_layout(s: str) -> LayoutSpec:
       A :class:`LayoutSpec` with the rules in the order written (earlier wins).
 
     Raises:
-      ParseError: on a non-string, a syntax error, rules not separated, an axis
-        listed twice in one rule or unbalanced parentheses.
+      ParseError: on a non-string, a syntax error, a rule with no target after
+        ':', rules not separated, an axis listed twice in one rule or unbalanced
+        parentheses.
     """
     check_str(LAYOUT, s)
     return _parse_layout(s)
@@ -178,6 +214,7 @@ def parse_layout(s: str) -> LayoutSpec:
 @functools.lru_cache(maxsize=None)
 def _parse_layout(s: str) -> LayoutSpec:
     check_parens(LAYOUT, s, stops=(";", *LINE_BREAKS), comments=True)
+    _check_targets(s)
     spec = LayoutSpec(parse(LAYOUT, s, _LayoutBuilder()), s)
     _check_layout(spec)
     return spec

@@ -37,13 +37,16 @@ class MeshSpec:
 
 @dataclass(frozen=True)
 class Rule:
-    """One layout rule: ``[scope.]dim:axis`` or ``dim:(axis, axis)`` (first axis major).
+    """One layout rule: ``[scope.]dim:axis``, ``dim:(axis, axis)`` (first axis major) or
+    ``dim:()``, no axis: the dim stays whole where the rule applies (``up.ch:()`` under
+    ``ch:model`` keeps ``ch`` whole in the one tensor ``up``).
 
     ``scope`` is None for a global rule, ``params`` for every trainable
     parameter (and its gradient), or the name of one tensor.  Names carry their
     spans in the layout string; a rule built from a dict has no spans.
 
-    Example: ``params.d_model:fsdp`` is ``Rule(scope=params, dim=d_model, axes=(fsdp,))``.
+    Example: ``params.d_model:fsdp`` is ``Rule(scope=params, dim=d_model, axes=(fsdp,))``;
+    ``up.ch:()`` is ``Rule(scope=up, dim=ch, axes=())``.
     """
 
     scope: Name | None

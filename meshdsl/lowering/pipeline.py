@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..core.examples import BATCH, examples_dim_of
 from ..core.names import Name
 from ..errors import LayoutError, MeshError, message
-from ..layout.layout import Layout
+from ..layout.layout import Layout, free_axes
 from ..layout.mesh import Mesh
 from ..layout.specs import Rule
 from .schedule_gen import named_schedule, parse_schedule
@@ -295,9 +295,19 @@ def _check_layer_rules(mesh: Mesh, layout: Layout, found: list, scanned: set, hi
                                      else "")] if via is not None and not hint else list(hint[:1]),
                            rule=f"a pipeline axis splits only the layer dim ({', '.join(map(repr, sorted(layers)))})",
                            fix=(f"{hint[1]}; or, to pipeline the steps, " if hint else "") +
-                               f"map '{r.key[1]}' to another axis" +
+                               _off_stage_axis(r, axis, mesh) +
                                (f", or for FSDP drop '{via}' and shard the params along another dim "
                                 f"('params.d_model:{axis}')" if scoped else ""))
+
+
+def _off_stage_axis(r: Rule, axis: str, mesh: Mesh) -> str:
+    """The fix that takes rule ``r``'s dim off the pipeline axis: another axis where the mesh has
+    one, else the dim kept whole (``stage:2`` alone has no other axis)."""
+    head = f"{r.key[0]}.{r.key[1]}" if r.key[0] else r.key[1]
+    free = free_axes(mesh, (axis,))
+    if free:
+        return f"map '{r.key[1]}' to another axis, e.g. '{head}:{free[0]}'"
+    return f"keep '{r.key[1]}' whole: " + (f"write '{head}:()' in place of '{r}'" if r.key[0] else f"drop '{r}'")
 
 
 def _unsplit_stack(r: Rule, axis: str, layers: set, mesh: Mesh, layout: Layout) -> LayoutError:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..core.graph import Node
 from ..errors import LayoutError, message
-from ..layout.layout import Layout
+from ..layout.layout import Layout, free_axes
 from ..layout.mesh import Mesh
 from ..layout.sharding import Sharding, is_even, part_sizes
 from .pipeline import scan_hint
@@ -114,7 +114,7 @@ def _refuse_layers(layout: Layout, mesh: Mesh, split: tuple, repeat: Node, tenso
              "splits are for other dims",
         fix=(f"{hint[1]}; or, to pipeline the steps, " if hint else "") +
             f"use a {'layer count' if size == num_layers else 'size'} that is a multiple of "
-            f"{mesh.axis_size(axes)}, or other axes; a pipeline "
+            f"{mesh.axis_size(axes)}{', or other axes' if free_axes(mesh, axes) else ''}; a pipeline "
             f"can take each stage's layers instead (stage_layers=, --stage-layers N,N,.. or auto)"))
 
 
