@@ -253,6 +253,16 @@ def _new_dim(op: str, x: Tensor, name, role: str, taken=()) -> str:
 
 def _checked_part(op: str, x: Tensor, part, dim: str) -> str:
     """``part``: a dim of ``x`` of size 2 (real, imaginary), other than the transformed ``dim``."""
+    missing = part.name if isinstance(part, Dim) else part
+    if isinstance(missing, str) and missing not in x.shape:
+        # the likely cause is a real tensor passed where a complex one is wanted: say how to make one
+        real = ("the part= of the md.rfft it inverts" if op == "irfft" else
+                f"or transform the real x with md.rfft(x, '{dim}')")
+        raise ShapeError(message(
+            f"{op}: part '{missing}' is not a dim of {x!r}.{did_you_mean(missing, x.shape.names)}",
+            rule=f"{op} transforms a complex tensor, held as a real one with a size-2 (real, imaginary) part dim",
+            fix=f"name its part dim (one of {list(x.shape.names)}), {real}; a real x is complex as "
+                f"md.pad(md.unsqueeze(x, '{missing}'), '{missing}', 0, 1)"))
     name = _dim_of(op, x, part, "part")
     size = x.shape.get(name).size
     if size != 2 or name == dim:
@@ -372,21 +382,25 @@ def ifft(x: Tensor, dim, part="reim", norm: str = "backward") -> Tensor:
 
 def fft2(x: Tensor, dims, part="reim", norm: str = "backward") -> Tensor:
     """The 2-D DFT over two named dims, as ``torch.fft.fft2``: one :func:`fft` along each."""
-    first, second = _two_dims("fft2", x, dims)
+    first, second = _two_dims("fft2", x, dims, part, norm)
     return fft(fft(x, first, part, norm), second, part, norm)
 
 
 def ifft2(x: Tensor, dims, part="reim", norm: str = "backward") -> Tensor:
     """The inverse of :func:`fft2`, as ``torch.fft.ifft2``: one :func:`ifft` along each dim."""
-    first, second = _two_dims("ifft2", x, dims)
+    first, second = _two_dims("ifft2", x, dims, part, norm)
     return ifft(ifft(x, first, part, norm), second, part, norm)
 
 
-def _two_dims(op: str, x: Tensor, dims) -> tuple:
+def _two_dims(op: str, x: Tensor, dims, part, norm: str) -> tuple:
+    """The two dims of a 2-D transform, its arguments checked here so an error names ``op``."""
     if not isinstance(dims, (list, tuple)) or len(dims) != 2 or dims[0] == dims[1]:
         raise ShapeError(message(f"{op}: dims={dims!r} is not a pair of two different dims of {x!r}.",
                                  rule=f"{op} transforms along two named dims",
                                  fix=f"pass two names, e.g. dims=('height', 'width'), or md.{op[:-1]} for one"))
+    _checked_x(op, x, norm)
+    for d in dims:
+        _checked_part(op, x, part, _dim_of(op, x, d, "dim"))
     return tuple(dims)
 
 
