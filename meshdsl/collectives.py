@@ -223,6 +223,11 @@ def _sim_permute(xs, groups, args):
 
 
 register(Collective("permute", ("offset", "wrap", "reverse"), lambda n: 1.0, _sim_permute, point_to_point=True))
+# Permutes of one offset made back to back (lowering/coalesce.py: a sliding window's key and value
+# halos, both to the next rank) sent as one: each rank's members packed in one flat buffer, which
+# moves as a permute does; a member with no sender gets ``None`` (comm/bucket.py).
+register(Collective("bucket_permute", ("offset", "wrap", "reverse"), lambda n: 1.0, _sim_permute,
+                    point_to_point=True))
 
 
 # ----------------------------------------------------------------------------- send / recv

@@ -70,6 +70,10 @@ def _kinds(plan) -> set[str]:
     return {s.kind for s in plan.steps if s.kind != "local"}
 
 
+#: a halo's kinds: one permute, or several to one neighbour in one buffer (lowering/coalesce.py: k and v)
+PERMUTES = {"permute", "bucket_permute"}
+
+
 @pytest.mark.parametrize("n,mesh,layout,window,halo", [
     (12, "model:2", SEQ_SPLIT, 3, True),
     (12, "model:2", SEQ_SPLIT, 1, False),                          # one key: nothing moves
@@ -85,13 +89,14 @@ def test_split_sequence_matches_dense_and_trades_a_halo(n, mesh, layout, window,
     check_plan(case, mesh, layout)
     plan = md.compile(case.outputs, mesh, layout)
     if halo:
-        assert "permute" in _kinds(plan) and not {"allgather", "reduce_scatter"} & _kinds(plan), plan.totals()
-        notes = [s.note for s in plan.steps if s.kind == "permute"]
-        assert any("halo gradient" in t for t in notes) and any(t.startswith("halo:") for t in notes), notes
+        assert PERMUTES & _kinds(plan) and not {"allgather", "reduce_scatter"} & _kinds(plan), plan.totals()
+        notes = [s.note for s in plan.steps if s.kind in PERMUTES]   # (a packed one keeps its members')
+        assert any("halo gradient" in t for t in notes) and any(t.startswith("halo:") or ": halo:" in t
+                                                                for t in notes), notes
     elif window == 1:
-        assert not {"permute", "allgather", "reduce_scatter"} & _kinds(plan), plan.totals()
+        assert not {*PERMUTES, "allgather", "reduce_scatter"} & _kinds(plan), plan.totals()
     else:
-        assert "allgather" in _kinds(plan) and "permute" not in _kinds(plan), plan.totals()
+        assert "allgather" in _kinds(plan) and not PERMUTES & _kinds(plan), plan.totals()
 
 
 def test_grouped_query_window_with_a_split_group_matches_dense():
@@ -106,7 +111,7 @@ def test_grouped_query_window_with_a_split_group_matches_dense():
         return md.attention(x * wq, k, v, "seq", "key_seq", "d_head", window=4), {}
     case = build_case(fn)
     check_plan(case, "data:2; model:2", "seq:model; group:data")
-    assert "permute" in _kinds(md.compile(case.outputs, "data:2; model:2", "seq:model; group:data"))
+    assert PERMUTES & _kinds(md.compile(case.outputs, "data:2; model:2", "seq:model; group:data"))
 
 
 def test_halo_moves_fewer_bytes_than_the_causal_gather():
@@ -119,8 +124,9 @@ def test_halo_moves_fewer_bytes_than_the_causal_gather():
     full = md.compile(build_case(_self_attention(None, n=16)).outputs, "model:2", SEQ_SPLIT).totals()
     # k and v gathered as one (made back to back: lowering/coalesce.py), dk and dv scattered so
     assert full["bucket_allgather"]["count"] == 1 and "allgather" not in full and "permute" not in full
-    assert win["permute"] == {"count": 4, "bytes": 4 * 2 * 2 * 2 * 4 * 4}   # k, v, dk, dv: 2 rows [b, h, e]
-    assert win["permute"]["bytes"] < full["bucket_allgather"]["bytes"] + full["bucket_reduce_scatter"]["bytes"]
+    # k, v, dk, dv: 2 rows [b, h, e]; k and v to the next rank in one buffer, dk and dv back in one
+    assert win["bucket_permute"] == {"count": 2, "bytes": 4 * 2 * 2 * 2 * 4 * 4} and "permute" not in win
+    assert win["bucket_permute"]["bytes"] < full["bucket_allgather"]["bytes"] + full["bucket_reduce_scatter"]["bytes"]
 
 
 def test_symmetric_window_is_priced_against_the_gather():
@@ -131,7 +137,7 @@ def test_symmetric_window_is_priced_against_the_gather():
     check_plan(case, "model:3", SEQ_SPLIT)
     assert "bucket_allgather" in _kinds(md.compile(case.outputs, "model:3", SEQ_SPLIT))   # k and v, as one
     plan = md.compile(case.outputs, "model:3", SEQ_SPLIT, cost=CostModel(latency_s=0.0))
-    assert "permute" in _kinds(plan) and not {"allgather", "bucket_allgather"} & _kinds(plan), plan.totals()
+    assert PERMUTES & _kinds(plan) and not {"allgather", "bucket_allgather"} & _kinds(plan), plan.totals()
     got = md.run_simulated(plan, case.feeds)
     for name, want in case.ref.items():
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5)
@@ -143,7 +149,7 @@ def test_window_wider_than_a_block_reads_the_ranks_further_on():
     for bandwidth alone (the default finds the allgather's one collective cheaper here)."""
     case = build_case(_self_attention(7, n=12))
     plan = md.compile(case.outputs, "model:3", SEQ_SPLIT, cost=CostModel(latency_s=0.0))
-    notes = [s.note for s in plan.steps if s.kind == "permute"]
+    notes = [s.note for s in plan.steps if s.kind in PERMUTES]
     assert "allgather" not in _kinds(plan) and any("rank 2" in t for t in notes), plan.totals()
     got = md.run_simulated(plan, case.feeds)
     for name, want in case.ref.items():
@@ -171,12 +177,13 @@ def test_window_in_a_repeat_stack_matches_dense():
 def test_an_uneven_split_implies_the_keys_split_only_for_a_window():
     """seq 11 over ``model:3`` (blocks 4, 4, 3): ``seq:model`` alone implies ``key_seq:model`` for
     keys only a windowed attention mixes, and the plan is the written layout's (4 halo permutes,
-    no gather); plain causal attention, or keys another op also sums over, keep the keys whole
-    (an uneven split of keys every query reads would be gathered anyway)."""
+    2 to each neighbour in one buffer, no gather); plain causal attention, or keys another op
+    also sums over, keep the keys whole (an uneven split of keys every query reads would be
+    gathered anyway)."""
     plan = md.compile(build_case(_self_attention(3, n=11)).outputs, "model:3", SEQ_SPLIT)
     assert "implied by rename: key_seq:model (from seq)" in plan.notes, plan.notes
     written = md.compile(build_case(_self_attention(3, n=11)).outputs, "model:3", UNEVEN).totals()
-    assert plan.totals() == written and written["permute"] == {"count": 4, "bytes": 512}, written
+    assert plan.totals() == written and written["bucket_permute"] == {"count": 2, "bytes": 512}, written
 
     def summed_keys():
         b, s, e = md.Dim("batch", 2), md.Dim("seq", 11), md.Dim("d_head", 4)
@@ -192,7 +199,8 @@ def test_an_uneven_split_implies_the_keys_split_only_for_a_window():
 def test_a_repeat_stack_saves_the_halo_for_its_backward():
     """In a ``repeat`` the forward saves the key/value rows its neighbours sent (halo strips,
     ``hl`` rows a layer each) and the backward glues them on again: the stack trades the unrolled
-    layers' permutes (per layer 2 halos, 2 gradient folds), not 2 more a layer."""
+    layers' permutes (per layer 2 halos, 2 gradient folds, each pair to one neighbour in one
+    buffer), not 2 more a layer."""
     def stack(rep: bool):
         def fn():
             b, s, h, e, layer = md.Dim("batch", 2), md.Dim("seq", 11), md.Dim("heads", 2), md.Dim("d_head", 4), \
@@ -213,9 +221,12 @@ def test_a_repeat_stack_saves_the_halo_for_its_backward():
     check_plan(case, "model:3", SEQ_SPLIT)
     plan = md.compile(case.outputs, "model:3", SEQ_SPLIT)
     unrolled = md.compile(build_case(stack(False)).outputs, "model:3", SEQ_SPLIT).totals()
-    assert plan.totals()["permute"] == unrolled["permute"] == {"count": 8, "bytes": 1024}, plan.totals()
+    assert plan.totals()["bucket_permute"] == unrolled["bucket_permute"] == {"count": 4, "bytes": 1024}, \
+        plan.totals()
+    assert "permute" not in plan.totals() and "permute" not in unrolled, plan.totals()
     back = next(s for s in plan.steps if s.kind == "repeat" and s.args["backward"]).subplans[0]
-    assert [s.note.split(":")[0] for s in back.steps if s.kind == "permute"] == ["halo gradient"] * 2
+    [fold] = [s for s in back.steps if s.kind in PERMUTES]   # (its members' notes kept)
+    assert fold.kind == "bucket_permute" and fold.note.count(": halo gradient") == 2, fold.note
 
 
 @pytest.mark.parametrize("window,what", [(0, "window=0 is not positive"), (-2, "window=-2 is not positive"),

@@ -89,13 +89,13 @@ def test_conv_op_training_moves_the_halos_of_x_and_of_the_gradient(p):
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_trains_by_halos(form, p):
     # The hand-written forms' backward shifts or pads each tap's gradient, a tensor of its
-    # own: one halo per tap there, still no gather.
+    # own: one halo per tap there (those to one neighbour may go as one: bucket_permute), still no gather.
     with md.Graph():
         outs, feeds, params = _layer(form, causal=True)
         plan = md.compile(outs, f"data:{p}", "seq:data", bucket_mb=0)
         kinds = [k for k, _, _ in _coll(plan)]
         assert kinds[:1] == ["permute"] and _coll(plan)[0] == ("permute", 1, 4 * ROW)   # causal: 4 rows, left only
-        assert set(kinds) == {"permute", "allreduce"} and kinds.count("allreduce") == 1
+        assert set(kinds) <= {"permute", "bucket_permute", "allreduce"} and kinds.count("allreduce") == 1
         _check_dense(plan, outs, feeds, params)
 
 

@@ -26,9 +26,10 @@ FSDP = ("data:2", "batch:data; params.d_model:data")
 
 
 class AsyncGathers(SimulatedComm):
-    """Starts all-gathers through :meth:`start` (as TorchComm does) and numbers each start."""
+    """Starts all-gathers, packed or not (a layer's param gathers: lowering/coalesce.py), through
+    :meth:`start` (as TorchComm does) and numbers each start."""
 
-    async_kinds = frozenset({"allgather"})
+    async_kinds = frozenset({"allgather", "bucket_allgather"})
 
     def __init__(self, mesh, events):
         super().__init__(mesh)
@@ -38,6 +39,13 @@ class AsyncGathers(SimulatedComm):
         handle = Done(self.collective(kind, xs, axes, args))
         self.events.append(("start", handle))  # kept alive, so ids stay unique
         return handle
+
+
+def _started_as(h):
+    """The communicator's handle prefetched value ``h`` waits on (a packed gather's member: its
+    bucket's, comm/bucket.py)."""
+    whole = getattr(h, "whole", None)
+    return h if whole is None else whole.pending
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +64,7 @@ def test_next_layer_gathers_start_before_this_layer_runs(model, monkeypatch):
 
     def recording_run(self, *args, prefetched=None, **kw):
         if prefetched is not None:
-            events.append(("run", list(prefetched.values())))
+            events.append(("run", [_started_as(h) for h in prefetched.values()]))
         return run(self, *args, prefetched=prefetched, **kw)
 
     monkeypatch.setattr(Executor, "run", recording_run)
@@ -64,7 +72,7 @@ def test_next_layer_gathers_start_before_this_layer_runs(model, monkeypatch):
 
     def recording_body(self, salt, stats, prefetched, *args):
         if prefetched is not None:
-            events.append(("run", list(prefetched.values())))
+            events.append(("run", [_started_as(h) for h in prefetched.values()]))
         return body(self, salt, stats, prefetched, *args)
 
     monkeypatch.setattr(_Body, "__call__", recording_body)

@@ -150,8 +150,9 @@ def test_implied_rule_note():
       ("reshape", "allgather", ("y",), "backward")]),
     # hw:x would put w's batch and hw on x (w.batch:x): no rule is implied (w's gradient is made
     # at w's own layout, so the backward moves nothing: lowering/param_values.py)
+    # (x's gather for the reshape and w's for the mul, both params', go in one buffer: coalesce.py)
     (_merge, "x:2", "x.height:x; w.batch:x",
-     [("reshape", "allgather", ("x",), "forward"), ("mul", "allgather", ("x",), "forward")]),
+     [("reshape", "bucket_allgather", ("x",), "forward")]),
 ], ids=["inner_part", "written_rule_wins", "param_conflict"])
 def test_nothing_implied(make, mesh, layout, want):
     got, plan = _plan(make, mesh, layout)

@@ -1,8 +1,8 @@
-"""Running a bucket: several values reduced (or gathered) in one flat buffer.
+"""Running a bucket: several values reduced (or gathered, or moved) in one flat buffer.
 
-A ``bucket_allreduce``, ``bucket_reduce_scatter`` or ``bucket_allgather`` step (made by
-:mod:`meshdsl.lowering.bucket` and :mod:`meshdsl.lowering.coalesce`) has one input and one
-output per member; the collective rule of :mod:`.steps` hands such steps to
+A ``bucket_allreduce``, ``bucket_reduce_scatter``, ``bucket_allgather`` or ``bucket_permute``
+step (made by :mod:`meshdsl.lowering.bucket` and :mod:`meshdsl.lowering.coalesce`) has one
+input and one output per member; the collective rule of :mod:`.steps` hands such steps to
 :func:`prepare_bucket`.  Per held rank the rule packs the members into one 1-D buffer
 (:func:`packing` says how, and how its result is cut up), starts the
 collective on it (asynchronously where the communicator can), and gives each
@@ -48,7 +48,9 @@ class _Unpacked:
         if self.parts is None:
             flats = self.pending.wait()
             self.pending = None
-            self.parts = [self.cut(flat, numels, shapes) for flat, (numels, shapes) in zip(flats, self.layouts)]
+            # (a permute's rank with no sender received nothing: None for each member)
+            self.parts = [[None] * len(numels) if flat is None else self.cut(flat, numels, shapes)
+                          for flat, (numels, shapes) in zip(flats, self.layouts)]
         return [parts[k] for parts in self.parts]
 
 
@@ -84,10 +86,11 @@ def pack_reduce_scatter(xs, num_chunks, dims, cuts=()):
 def packing(kind: str, num_chunks: int, dims):
     """``(pack, cut)`` of bucket kind ``kind`` over a group of ``num_chunks`` whose members run
     along ``dims`` (a reduce-scatter's and an allgather's): ``pack(xs, num_chunks, dims, cuts)``
-    makes a held rank's flat buffer, ``cut(flat, numels, shapes)`` its result's members."""
+    makes a held rank's flat buffer, ``cut(flat, numels, shapes)`` its result's members (an
+    allreduce's and a permute's buffer is their members one after another, and so is their result)."""
     if kind == "bucket_allgather":
         return pack_allreduce, lambda flat, numels, shapes: unpack_gathered(flat, numels, shapes, num_chunks, dims)
-    return (pack_allreduce if kind == "bucket_allreduce" else pack_reduce_scatter), unpack
+    return (pack_reduce_scatter if kind == "bucket_reduce_scatter" else pack_allreduce), unpack
 
 
 def start_packed(comm, s, flats, numels, shapes) -> list[Pending]:

@@ -311,6 +311,7 @@ TORCH = {
     "bucket_reduce_scatter": _padded(_pad_scatter, _bucket_reduce_scatter, _start_bucket_reduce_scatter),
     "bucket_allgather": (_bucket_allgather, _start_bucket_allgather),
     "permute": (_dist_permute, None),
+    "bucket_permute": (_dist_permute, None),   # (one flat buffer, the same on every rank: lowering/coalesce.py)
     "send": (_dist_send, None),
     "recv": (_dist_recv, _start_recv),
 }

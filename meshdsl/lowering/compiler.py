@@ -39,7 +39,7 @@ from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
 from .plan import Plan, Step, Value, called, step_args
 from .remake import made_from_nothing, remake, remake_cost
-from .shared_moves import cheaper, foresee
+from .shared_moves import cheaper, cheaper_packed, foresee, projected_once
 from .shared_sums import moved_around, summed_terms
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
@@ -102,6 +102,10 @@ class Lowerer:
         self.wanted: dict[int, Sharding] = {}
         # id(Tensor) -> the number of terms of a sum it is a term of, reduced once (:mod:`.shared_sums`)
         self.shared_sums: dict[int, int] = {}
+        # whether a partial input is reduced beside another reduced at the same op, as one packed
+        # allreduce; whether the generic rule met an op where that may pay (:func:`.generic.packable`)
+        self.pack_reductions = False
+        self.packable = False
         # value -> (the step making it from nothing, its node): a constant, an iota, a rotary table
         # computed from them (:mod:`.remake`)
         self.made_from_nothing: dict[int, tuple[Step, Node | None]] = {}
@@ -530,11 +534,12 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
 
 def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven, spec,
              foreseen: dict | None = None, shared: dict | None = None,
-             wanted: dict | None = None) -> tuple[Lowerer, dict[str, int]]:
+             wanted: dict | None = None, pack: bool = False) -> tuple[Lowerer, dict[str, int]]:
     """The lowerer that lowered ``outputs`` (its notes and steps), and their value ids;
     ``foreseen``: the shardings some tensors will be moved to anyway, ``wanted``: the one sharding
     every reader of some tensors moves them to (:mod:`.shared_moves`);
-    ``shared``: the terms of sums reduced once (:mod:`.shared_sums`)."""
+    ``shared``: the terms of sums reduced once (:mod:`.shared_sums`); ``pack``: partial inputs
+    reduced together as one packed allreduce (:func:`.generic.packable`)."""
     lw = Lowerer(mesh, layout, cost)
     for _, why in layout.implied:
         lw.note(why)
@@ -549,6 +554,7 @@ def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
     lw.foreseen = dict(foreseen or {})
     lw.wanted = dict(wanted or {})
     lw.shared_sums = dict(shared or {})
+    lw.pack_reductions = pack
     return lw, lower_into(lw, outputs)
 
 
@@ -572,7 +578,10 @@ def _offered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
     """The cheapest of :func:`_lowered`'s lowerings: values computed from params alone offered their
     params' layout or not (:mod:`.param_values`), then lowered again foreseeing the moves of a
     split tensor that one reader gathers and another reduces around (:mod:`.shared_moves`), then
-    again pricing the terms of a sum as sharing its one reduction (:mod:`.shared_sums`)."""
+    again foreseeing one no reader moves gathered where several projections reduce around it
+    (:func:`.shared_moves.projected_once`), then again pricing the terms of a sum as sharing its
+    one reduction (:mod:`.shared_sums`), then again reducing partial inputs of one op together
+    (:func:`.generic.packable`)."""
     lw, outs, on = least_offered(lambda: _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec),
                                  cheaper, buckets=spec is None or (spec.axis is None and spec.num_microbatches == 1))
     seen = foresee(lw)   # a split tensor moved by one reader, reduced around by another; or sliced, each slice moved
@@ -584,11 +593,24 @@ def _offered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
             lw, outs = again
         else:
             ahead, wanted = {}, {}   # (the lowering kept did not foresee them)
+    once = projected_once(lw) if spec is None else {}   # a split input several projections reduce around
+    if once:
+        with offering(on):
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, {**ahead, **once},
+                             wanted=wanted)
+        if cheaper_packed(*again, lw, outs):   # (as coalesced: their reductions would go as one)
+            (lw, outs), ahead = again, {**ahead, **once}
     shared = summed_terms(nodes, outputs.values())   # terms of one sum, whose inputs were moved
     if shared and moved_around(lw, shared, nodes):
         with offering(on):
             again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, shared, wanted)
         if cheaper(again[0], lw, sent=False):   # (fewer collectives may send more bytes: time decides)
+            lw, outs = again
+    if lw.packable and spec is None:   # reductions at one op packed (a masked loss's numerator and count)
+        with offering(on):
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, lw.foreseen, lw.shared_sums,
+                             lw.wanted, pack=True)   # (with what the kept lowering foresaw)
+        if cheaper_packed(*again, lw, outs):
             lw, outs = again
     return lw, outs
 

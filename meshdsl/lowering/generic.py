@@ -50,9 +50,9 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
     # A partial sum with several readers is reduced at its first one: passed on
     # lazily, each reader's result would need a reduction of its own.
     through = lw.lazy_through
-    shs = [s.with_partial(tuple(a for a in s.partial if a in mb))
-           if s.partial and lw.num_uses(t) > 1 and id(t) not in through else s
-           for s, t in zip(shs, node.inputs)]
+    given, shs = shs, [s.with_partial(tuple(a for a in s.partial if a in mb))
+                       if s.partial and lw.num_uses(t) > 1 and id(t) not in through else s
+                       for s, t in zip(shs, node.inputs)]
     partial_in = [i for i, s in enumerate(shs) if s.partial]
     if not partial_in:
         return [((), {}, {})]
@@ -90,8 +90,11 @@ def _partial_modes(lw, node, shs) -> list[tuple[tuple[str, ...], dict, dict]]:
         # statistic's partial sum times the rows split along the summed dim) would be gathered
         # for the result to stay partial: reducing the input first may cost less. So may a result
         # that outgrows the input (a partial gradient of the rows scatter-added into a table
-        # bigger than them, a recommender's embedding).
-        clash = any(set(P) & s.used_axes for i, s in enumerate(shs) if i != partial_in[0])
+        # bigger than them, a recommender's embedding). So may, in a lowering that packs, another
+        # input partial over P, read elsewhere too, so reduced here anyway (a masked loss's count,
+        # divided into its numerator's sum): beside it, one packed allreduce (:func:`packable`).
+        clash = any(set(P) & s.used_axes or lw.pack_reductions and set(P) & set(g.partial)
+                    for i, (s, g) in enumerate(zip(shs, given)) if i != partial_in[0])
         grows = sum(t.shape.numel for t in node.outputs) > node.inputs[partial_in[0]].shape.numel
         return [(P, {partial_in[0]: P}, {})] + (reduced_first(P) if len(node.outputs) > 1 or clash or grows else [])
     if len(partial_in) == 1 and op.multilinear:
@@ -167,10 +170,25 @@ def lower_generic(lw, node) -> None:
     shares = tuple(lw.shared_sums.get(id(t), 1) for t in node.outputs) if lw.shared_sums else ()
     key = (node, tuple(shs), tuple(targets), lw.mesh, lw.cost, tuple(lw.num_uses(t) for t in node.inputs),
            tuple(lw.num_uses(t) for t in node.outputs), lw.layout.empty_ok, lw.in_block, through, held, wanted,
-           shares, remade)
+           shares, remade, lw.pack_reductions)
+    lw.packable |= not lw.pack_reductions and packable(lw, node, shs)
     C, plan, P, scale = _CHOICES.get_or_make(
         key, lambda: _cheapest(lw, node, spec, shs, targets, held, wanted, shares, remade))
     _emit(lw, node, spec, ins, dict(C), plan, P, scale)
+
+
+def packable(lw, node, shs) -> bool:
+    """Whether ``node`` reduces a partial input read elsewhere too (reduced at its first reader)
+    beside another input partial over its axes, with one reader, that the node is linear in (a
+    masked loss's count and numerator, divided): reduced there too, the two would go as one
+    packed allreduce (:mod:`.coalesce`), where the other waits to be reduced after the node.  A
+    lowering that packs (``lw.pack_reductions``: the compiler's :func:`~.compiler._offered` tries
+    one where this held, keeping it where the plan then costs less and sends no more bytes) offers
+    reducing it there and prices reductions made together as one (:func:`_packed_saving`)."""
+    forced = {a for s, t in zip(shs, node.inputs) if s.partial and lw.num_uses(t) > 1
+              and id(t) not in lw.lazy_through for a in s.partial}
+    return bool(forced) and any(set(s.partial) & forced and lw.num_uses(t) == 1 and node.op.linear_in(node, i)
+                                for i, (s, t) in enumerate(zip(shs, node.inputs)))
 
 
 def _held(lw, vid, t) -> frozenset:
@@ -267,7 +285,7 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held, remade=()):
     mesh = lw.mesh
     model = lw.cost
     cost = 0.0
-    req = []
+    req, reductions = [], []
     for i, (t, s) in enumerate(zip(node.inputs, shs)):
         names = t.shape.names
         key = (i, tuple(C.get(n, ()) for n in names))
@@ -279,6 +297,9 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held, remade=()):
                 + [c for sh, c in (remade[i] if remade else ()) if sh == r]))
         req.append(hit[0])
         cost += hit[1]
+        if s.partial and hit[0] == s.with_partial(()) and hit[0] not in held[i]:
+            reductions.append((s.partial, hit[1]))
+    cost -= _packed_saving(reductions, model, mesh) if len(reductions) > 1 and lw.pack_reductions else 0.0
     local = {d: -(-size // mesh.axis_size(C.get(d, ()))) for d, size in spec.dims.items()}   # the largest part
     cost += model.compute(op_flops(node, local))
     ext_axes = tuple(a for d, kind in spec.reduce.items() if kind != "sum" for a in C.get(d, ()))
@@ -296,6 +317,20 @@ def _price(lw, node, spec, C, shs, P, keep, outs_info, memo, held, remade=()):
         cost += c
         outs.append((out_sh, lazy, note))
     return cost, {"req": req, "outs": outs, "ext_axes": ext_axes, "local": local}
+
+
+def _packed_saving(reductions, model, mesh) -> float:
+    """Seconds saved where an op's inputs are only reduced, several over the same axes
+    (``reductions``: ``(axes, seconds of its allreduce)`` each): made back to back, independent,
+    :mod:`.coalesce` sends them as one allreduce, one latency for all, where the first's wait for
+    the others' bytes stays within the latency each of them saves (as it decides)."""
+    saved = 0.0
+    for axes in {a for a, _ in reductions}:
+        latency = model.collective("allreduce", 0, mesh.axis_size(axes))
+        rest = [c for a, c in reductions if a == axes][1:]
+        if rest and sum(c - latency for c in rest) <= latency:
+            saved += latency * len(rest)
+    return saved
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -29,14 +29,20 @@ def activation_peak(plan: Plan, skip: frozenset[int] | set[int] = frozenset()) -
     """The most bytes of activations ``plan`` holds at once on one rank, running its steps in
     order: a value is live from its step to its last reader (``skip``: values not counted,
     such as the params); a step's sub-plans add their own peak to what is live around them."""
-    mesh, values = plan.mesh, plan.values
+    kept = {*skip, *plan.params.values(), *plan.inputs.values()}   # never freed: not counted, or leaves
+    return max(live_bytes(plan.steps, plan.values, plan.mesh, kept, skip), default=0)
+
+
+def live_bytes(steps, values: dict, mesh, kept, skip=frozenset()) -> list[int]:
+    """Per step of ``steps``, the bytes of activations live on one rank while it runs (its
+    sub-plans' own peak on top): :func:`activation_peak` is their largest.  ``kept``: values
+    never freed (params, inputs: not counted, or leaves); ``skip``: values not counted."""
     last: dict[int, int] = {}
-    for i, s in enumerate(plan.steps):
+    for i, s in enumerate(steps):
         for v in s.ins:
             last[v] = i
-    kept = {*skip, *plan.params.values(), *plan.inputs.values()}   # never freed: not counted, or leaves
-    live = peak = 0
-    for i, s in enumerate(plan.steps):
+    live, out = 0, []
+    for i, s in enumerate(steps):
         if s.kind in ("pipeline", "accumulate"):
             inner = _pipeline_peak(s, mesh)
         else:
@@ -44,11 +50,11 @@ def activation_peak(plan: Plan, skip: frozenset[int] | set[int] = frozenset()) -
         for v in s.outs:
             if v not in skip and s.kind not in ("param", "input"):
                 live += values[v].local_bytes(mesh)
-        peak = max(peak, live + inner)
+        out.append(live + inner)
         for v in set(s.ins):
             if last[v] == i and v not in kept and v in values:
                 live -= values[v].local_bytes(mesh)
-    return peak
+    return out
 
 
 def _pipeline_peak(step, mesh) -> int:

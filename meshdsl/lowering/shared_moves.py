@@ -24,9 +24,23 @@ each slice's result wanted where its readers take it (:class:`.foresight.Foresig
 made from the whole copy, then cut to its target, is read whole again with no move.  A slice
 kept split by a halo whose result its readers then gather (:func:`halo_slices_read_whole`) is
 foreseen wanted whole: the slice rule (:mod:`.window`) then weighs moving its rows once.
+
+A split value that no reader moves, read as it is by several projections (einsums with params)
+that each leave a partial sum over its split (q, k and v of a normed input split along
+``d_model``), has each result reduced: several times the projection's bytes, where gathering the
+input once, and the params' few bytes, would do (:func:`projected_once`).  Each projection,
+alone, sees its own gather and its weight's, two latencies against one reduction; and the
+reductions, made back to back, go as one packed allreduce (:mod:`.coalesce`) as the gathers
+would.  So that lowering again foresees the input gathered, and is kept where, both plans
+coalesced, it costs less and sends no more bytes (:func:`cheaper_packed`).
 """
 from __future__ import annotations
 
+import dataclasses
+
+from .coalesce import coalesce
+from .dead_moves import live_steps
+from ..layout.sharding import Sharding
 from .foresight import NONE, Foresight
 from .halo import gathered, readers
 from .plan import Step
@@ -148,10 +162,11 @@ def sliced_whole(lw) -> Foresight:
     return Foresight(held, wanted) if held else NONE
 
 
-def _move_cost(lw, vid: int, to) -> float:
-    """Seconds of bringing lowerer ``lw``'s value ``vid`` to sharding ``to`` (its cost model)."""
+def _move_cost(lw, vid: int, to, model=None) -> float:
+    """Seconds of bringing lowerer ``lw``'s value ``vid`` to sharding ``to`` (by ``model``, else
+    its cost model)."""
     v = lw.values[vid]
-    return relayout_cost(v.shape, v.sharding, to, lw.mesh, v.dtype.itemsize, lw.cost)
+    return relayout_cost(v.shape, v.sharding, to, lw.mesh, v.dtype.itemsize, model or lw.cost)
 
 
 def cheaper(new, old, sent: bool = True) -> bool:
@@ -175,3 +190,49 @@ def _price(steps: list[Step] | tuple[Step, ...], lw, sent: bool = False) -> floa
         for k, sub in enumerate(s.subplans):
             total += s.runs(k) * _price(sub.steps, lw, sent)
     return total
+
+
+def projected_once(lw) -> dict[int, frozenset]:
+    """``id(tensor) -> {its sharding without some axes of its split}`` for each value lowerer
+    ``lw`` neither moved nor made partial, read as it is by two or more einsums with params (read
+    as stored) whose results are partial sums over those axes (see the module docstring); only
+    where gathering it and their params sends fewer bytes than reducing their results."""
+    params = set(lw.params.values())
+    by_reader: dict[int, list[Step]] = {}
+    for s in lw.steps:
+        if s.kind == "local" and s.op == "einsum" and len(s.outs) == 1:
+            for v in set(s.ins):
+                by_reader.setdefault(v, []).append(s)
+    wire = dataclasses.replace(lw.cost, latency_s=0.0)   # (bytes' seconds: the relowering weighs latencies)
+    out = {}
+    for tid, vid in lw.env.items():
+        sh = lw.values[vid].sharding
+        if sh.partial or lw.held(vid) or len(by_reader.get(vid, ())) < 2:
+            continue
+        sums = [s for s in by_reader[vid] if set(s.ins) - {vid} <= params
+                and lw.values[s.outs[0]].sharding.partial]
+        axes = sh.used_axes.intersection(*(lw.values[s.outs[0]].sharding.partial for s in sums))
+        if len(sums) < 2 or not axes:
+            continue
+        to = _without(lw.values[vid], axes)
+        gather = _move_cost(lw, vid, to, wire) + sum(
+            _move_cost(lw, w, _without(lw.values[w], axes), wire) for s in sums for w in set(s.ins) - {vid})
+        reduce = sum(_move_cost(lw, s.outs[0], lw.values[s.outs[0]].sharding.with_partial(()), wire) for s in sums)
+        if gather < reduce:
+            out[tid] = frozenset({to})
+    return out
+
+
+def _without(v, axes):
+    """Value ``v``'s sharding with no dim split over ``axes``."""
+    return Sharding.of(v.shape, {d: kept for d, a in v.sharding.split.items()
+                                   if (kept := tuple(x for x in a if x not in axes))}, v.sharding.partial)
+
+
+def cheaper_packed(new, new_outs: dict, old, old_outs: dict) -> bool:
+    """:func:`cheaper`, each lowerer's steps priced as the plan will send them: collectives
+    nothing reads dropped (:mod:`.dead_moves`), small ones made back to back packed (:mod:`.coalesce`)."""
+    def sent(lw, outs):
+        return coalesce(live_steps(lw.steps, outs.values()), lw.values, outs, lw.cost, lw.mesh)
+    a, b = sent(new, new_outs), sent(old, old_outs)
+    return _price(a, new) < _price(b, old) - 1e-12 and _price(a, new, sent=True) <= _price(b, old, sent=True)

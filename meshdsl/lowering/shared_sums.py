@@ -27,8 +27,10 @@ from ..collectives import COLLECTIVES
 from ..core.graph import readers_of
 
 #: ops whose results, summed, make the gradient of a tensor read several times: a lookup's
-#: (``gather``'s gradient) and a contraction's (a ``one_hot`` lookup's, a tied weight's)
-_SUMMING = frozenset({"scatter_add", "einsum"})
+#: (``gather``'s gradient), a contraction's (a ``one_hot`` lookup's, a tied weight's), attention's
+#: keys' and values' (summed over the queries), a sum's or mean's (its result's gradient, itself
+#: summed over a dim where that is split, broadcast back: Informer's mean of the values ``v``)
+_SUMMING = frozenset({"scatter_add", "einsum", "attention_backward", "broadcast_to"})
 _MOVES = frozenset(k for k, c in COLLECTIVES.items() if not c.point_to_point)
 
 
@@ -103,8 +105,13 @@ def _tree(root, inner: set, only_reader) -> tuple[list, list]:
 def moved_around(lw, shared: dict[int, int], nodes) -> bool:
     """Whether lowerer ``lw`` gave two or more ops making terms of shared sums (``shared``:
     :func:`summed_terms`) a collective of their own, moving their inputs (rather than leave a
-    partial result) or reducing their result: left partial and reduced once, they might cost less."""
-    makers = {n.id for n in nodes if n.op.name != "add" and any(id(t) in shared for t in n.outputs)}
+    partial result) or reducing their result, or one while another term was left partial (its sum
+    is reduced anyway: Informer's mean of ``v``, whose gradient was reduced before it joined the
+    attention's partial gradient of ``v``): left partial and reduced once, they might cost less."""
+    makers = {n.id: n for n in nodes if n.op.name != "add" and any(id(t) in shared for t in n.outputs)}
     paid = {s.node for s in lw.steps if s.kind in _MOVES and s.node in makers
             and s.note.startswith(("re-layout input", "re-layout output of"))}
-    return len(paid) >= 2
+    if len(paid) != 1:
+        return len(paid) >= 2
+    return any(lw.values[lw.env[id(t)]].sharding.partial for i, n in makers.items() if i not in paid
+               for t in n.outputs if id(t) in shared and id(t) in lw.env)

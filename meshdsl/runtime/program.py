@@ -231,7 +231,7 @@ class _Writer:
                 self.flush(v)
         self.consts[f"R{i}"] = self.ex.calls[i]
         line = f"R{i}(env, get, run)"
-        if s.is_collective and len(s.ins) == 1 and self.producer.get(s.ins[0]) == "input":
+        if s.is_collective and s.ins and all(self.producer.get(v) == "input" for v in s.ins):
             line = f"if {s.outs[0]} not in env: {line}"   # started ahead by a loop (prefetched)
         self.emit(line)
         settled = getattr(self.ex.calls[i], "settled", False)   # (its results are never in flight)

@@ -309,17 +309,26 @@ def _prepare_collective(ctx, i, s):
 
 def _prepare_bucket(ctx, i, s):
     """The executor's call for bucket step ``s`` (the collective rule hands buckets here)."""
-    comm, ins, outs = ctx.comm, s.ins, s.outs
+    go, ins, outs = packed_starter(ctx, s), s.ins, s.outs
+
+    def call(env, get, run):
+        for vid, member in zip(outs, go([get(v) for v in ins])):
+            env[vid] = member
+    return call
+
+
+def packed_starter(ctx, s) -> Callable:
+    """``go(members) -> [Pending]``: starts bucket step ``s`` on its members (each the held ranks'
+    tensors, in the step's order) packed in one flat buffer per held rank; a handle per member."""
+    comm = ctx.comm
     layouts = [bucket_members(ctx.plan, s, r) for r in comm.ranks]   # a member split unevenly differs by rank
     num_chunks, dims, cuts = ctx.plan.mesh.axis_size(s.axes), s.args.get("dims", ()), s.args.get("cuts", ())
     pack, cut = packing(s.kind, num_chunks, dims)
 
-    def call(env, get, run):
-        members = [get(v) for v in ins]
+    def go(members):
         flats = [pack([m[j] for m in members], num_chunks, dims, cuts) for j in range(len(comm.ranks))]
-        for vid, member in zip(outs, start_packed_each(comm, s, flats, layouts, cut)):
-            env[vid] = member
-    return call
+        return start_packed_each(comm, s, flats, layouts, cut)
+    return go
 
 
 def starter(ctx, s) -> Callable:

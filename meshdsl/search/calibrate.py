@@ -37,7 +37,7 @@ from ..lowering.cost import DEFAULT as DEFAULT_COST
 from .sweep import KINDS
 
 #: Kinds priced with another's measurements: a bucket is its member kind over one buffer.
-PRICED_AS = {"recv": "send", "permute": "send", "bucket_allreduce": "allreduce",
+PRICED_AS = {"recv": "send", "permute": "send", "bucket_permute": "send", "bucket_allreduce": "allreduce",
              "bucket_reduce_scatter": "reduce_scatter", "bucket_allgather": "allgather"}
 VERSION = 2
 
