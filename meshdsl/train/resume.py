@@ -272,11 +272,13 @@ def resume_from(spec, model) -> Path | None:
         return None
     info = read_metadata(path)
     saved, now = info.meta.get("config"), config_dict(model.config)
-    diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in (now or {}).items()
-            if saved is not None and saved.get(k) != v]
-    if info.model != model_id(model) or diff:
-        same = info.model == model_id(model)
-        was = ",".join(f"{k}={saved.get(k)}" for k, v in (now or {}).items() if saved is not None and saved.get(k) != v)
+    same = info.model == model_id(model)
+    # Another model's Config has other fields: comparing them one by one would list each as "saved None".
+    changed = {k: v for k, v in (now or {}).items() if same and saved is not None and saved.get(k, ...) != v}
+    diff = [f"{k}: saved {saved[k]!r}, now {v!r}" if k in saved else f"{k}: not in the saved Config, now {v!r}"
+            for k, v in changed.items()]
+    if not same or diff:
+        was = ",".join(f"{k}={saved[k]}" for k in changed if k in saved)
         raise CheckpointError(message(
             f"--resume: checkpoint {str(path)!r} is of " + ("this model with another Config." if same else
                                                               "another model."),
