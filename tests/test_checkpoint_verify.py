@@ -162,7 +162,8 @@ def test_resume_takes_the_latest_and_refuses_it_damaged_naming_the_older_intact_
     # No silent fallback: the older intact one (step 2's header is damaged too) and the flags to use it.
     assert "older checkpoints intact (sizes and headers checked; a resume hashes its files): step 1 (" in msg
     assert "step 2 (" not in msg
-    assert "--resume-from 1 (md.fit: resume_from=1)" in msg and f"--resume-from {tmp_path / 'step-00000001'}" in msg
+    assert "with --resume-from 1 once the damaged" in msg
+    assert f"--resume-from {tmp_path / 'step-00000001'} --checkpoint NEW_DIR" in msg
     assert choose_checkpoint(tmp_path, 1) == choose_checkpoint(None, str(tmp_path / "step-00000001"))
     with pytest.raises(CheckpointError, match="rank-00000.safetensors: its header claims"):
         choose_checkpoint(tmp_path, "2")
@@ -248,7 +249,7 @@ def test_md_fit_resumes_from_a_given_checkpoint(tmp_path, one_torch_thread):
     run = dict(tiny=True, config={"vocab": 256}, mesh="data:1", samples=0, seed=3, lr=0.01)
     first = fit("transformer", steps=4, save_every=2, checkpoint=str(tmp_path / "ck"), **run)
     _flip(tmp_path / "ck" / "step-00000004", "rank-00000.safetensors")
-    with pytest.raises(CheckpointError, match=r"is damaged(.|\n)*--resume-from 2 \(md.fit: resume_from=2\)"):
+    with pytest.raises(CheckpointError, match=r"is damaged(.|\n)*with resume_from=2 once the damaged"):
         fit("transformer", steps=4, resume=True, checkpoint=str(tmp_path / "ck"), **run)
     again = fit("transformer", steps=4, resume_from=str(tmp_path / "ck" / "step-00000002"),
                 checkpoint=str(tmp_path / "ck2"), **run)
@@ -262,4 +263,4 @@ def test_resume_from_a_path_that_does_not_exist_says_so(tmp_path):
         choose_checkpoint(None, str(tmp_path / "step-00000009"))
     text = str(e.value)
     assert "no such checkpoint directory" in text and "checkpoint.json is the JSON" not in text, text
-    assert "Rule: --resume-from (resume_from=) takes a checkpoint's step directory" in text, text
+    assert "Rule: a resume from a given checkpoint takes its step directory" in text, text

@@ -108,7 +108,8 @@ def test_clean_errors(capsys, trained, tmp_path):
     shard.write_bytes(bytes(data))
     rc, _, err = run(capsys, "generate", bad)
     assert rc == 2 and "is damaged; nothing was loaded" in err and "sha256" in err
-    assert "its step folder, ROOT/step-N" in err     # what generate takes, not only train's --resume-from
+    # Its fix speaks to any caller (no train-only --resume-from): here no older step is there to use.
+    assert "no older checkpoint in" in err and "is intact: save this step again" in err and "--resume" not in err
 
 
 def test_a_model_on_its_own_data_evaluates_but_does_not_generate(capsys, tmp_path):

@@ -25,7 +25,7 @@ from ..train.feeder import BatchFeeder, TokenFeeder, model_vocab
 from ..train.init_weights import check_weights, graph_params, read_weights
 from ..train.lr_schedule import SCHEDULES
 from ..train.resume import resume_from, resume_spec
-from ..train.run_outputs import check_out_dir
+from ..train.run_outputs import check_new_out, check_out_dir
 from ..train.step import training_outputs
 from ..train.trainer import RUN_THREADS, TrainSpec, rank_job, run_rank, torch_threads
 from .cli_common import EXIT_CODES, compile_arg, make_console, remat_arg, seed_arg, strict_splits_arg
@@ -172,9 +172,10 @@ def make_spec(args):
         raise _usage("--reset-optimizer needs --resume", "add --resume, or drop --reset-optimizer")
     if args.out is not None:
         check_out_dir(args.out)
+        check_new_out(args.out, bool(args.resume or args.resume_from))
     model, overrides, text = train_model(args)
     spec, given = asked_spec(args, overrides, text)
-    path = resume_from(spec, model)     # the checkpoint, checked to be this model's
+    path = resume_from(spec, model, spelling(args))     # the checkpoint, checked to be this model's
     spec, notes = resume_spec(spec, path, given, spelling(args))
     check_readers(spec.optimizer, [k for k in READERS if getattr(args, k) is not None])
     check_schedule(spec)

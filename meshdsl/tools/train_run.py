@@ -109,8 +109,10 @@ def asked_spec(args, overrides: dict, text: bool) -> tuple[TrainSpec, set]:
 def spelling(args):
     """How a resume's lines and errors name a setting: as the flag that sets it."""
     def spell(key: str, value) -> str:
-        if key == "reset_optimizer":
-            return "--reset-optimizer"
+        if key in ("reset_optimizer", "resume"):
+            return "--" + key.replace("_", "-")
+        if key == "config" and isinstance(value, dict):
+            return "--config " + ",".join(f"{k}={v}" for k, v in value.items())
         if key == "clip_norm" and value is None:
             return "--clip-norm 0"
         flag = "--microbatches" if key == "microbatches" and args.microbatches else \

@@ -203,7 +203,7 @@ def _local_problems(name, shape, dtype, sharding, holders, comm, xs) -> list[str
 
 
 def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model: str | None = None,
-                    meta: dict | None = None, keep: int | None = None) -> Path:
+                    meta: dict | None = None, keep: int | None = None, mesh: str | None = None) -> Path:
     """Save the held ranks' slices of ``tensors`` as ``root/step-N/``, atomically.
 
     Every process of the job calls it with the same names and specs (see the
@@ -219,6 +219,7 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
       model: an id of the model; :func:`load_checkpoint` refuses another.
       meta: JSON-able: layout string, config, data position, RNG seeds, ...
       keep: how many committed checkpoints to keep (``None``: all).
+      mesh: the mesh to record (default ``comm``'s; a run's is the user's, without the micro-batch axis).
 
     Returns:
       The committed directory.
@@ -275,7 +276,7 @@ def save_checkpoint(root: "str | Path", step: int, tensors: dict, comm, *, model
     err = None
     if committer:
         try:
-            _commit(root, tmp, final, step, plan, comm.mesh, model, meta, reports, keep)
+            _commit(root, tmp, final, step, plan, comm.mesh if mesh is None else mesh, model, meta, reports, keep)
         except Exception as e:
             err = CheckpointError(message(f"save_checkpoint: committing {str(final)!r} failed: {e}.",
                                           fix="check free space and permissions; committed checkpoints stay loadable"))

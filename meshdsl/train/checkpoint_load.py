@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import message
 from ..layout.mesh import Mesh
 from .checkpoint_format import CheckpointError, dtype_name, holders_of, read_metadata, tensor_spec
-from .checkpoint_verify import check_verify_mode, shard_problems
+from .checkpoint_verify import check_verify_mode, older_intact_fix, shard_problems
 
 
 def _overlap(region, sl):
@@ -144,7 +144,7 @@ def _load_error(path, info, mesh, bad, damaged: bool = False) -> CheckpointError
         f"load_checkpoint({str(path)!r}): the checkpoint cannot be loaded whole; nothing was loaded.",
         inputs=[f"saved: step {info.step}, mesh {info.mesh}, model {info.model!r}", f"loading onto mesh: {mesh}"],
         bullets=bad, rule="a load matches the saved model's names, shapes and dtypes, and every shard file is intact",
-        fix="load the checkpoint of this model, or an older intact one (latest_checkpoint lists committed ones)"))
+        fix=older_intact_fix(path, info.step) if damaged else "load a checkpoint of this model"))
 
 
 __all__ = ["load_checkpoint"]

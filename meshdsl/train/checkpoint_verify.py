@@ -165,48 +165,72 @@ def verify_checkpoint(path: "str | Path", verify: str = "sha256") -> CheckpointM
             f"checkpoint {str(info.path)!r} (step {info.step}) is damaged; nothing was loaded.", bullets=bad,
             rule=f"a checkpoint is used only when its files are as the save wrote them ({META_FILE}'s sizes, "
                  f"safetensors headers" + (", sha256)" if verify == "sha256" else ")"),
-            fix="use an older intact checkpoint (a resume: --resume-from STEP; eval, generate, export, "
-                "load_trained: its step folder, ROOT/step-N), or save this one again"),
-            problems=bad)
+            fix=older_intact_fix(info.path, info.step)), problems=bad)
     return info
 
 
-def _given_path(root, given) -> Path:
+def older_intact_fix(path: Path, step: int) -> str:
+    """The fix of the damaged checkpoint ``path`` (of ``step``): the older intact ones beside it."""
+    root = Path(path).parent
+    intact = intact_steps([(s, p) for s, p in committed_steps(root) if s < step])
+    if not intact:
+        return f"no older checkpoint in {str(root)!r} is intact: save this step again"
+    return ("use an older intact checkpoint (sizes and headers checked; using it hashes its files): "
+            + ", ".join(f"step {s} ({str(p)!r})" for s, p in intact[:5])
+            + " (a resume: from its step; eval, generate, export, load_trained: its step folder, ROOT/step-N), "
+              "or save this step again")
+
+
+def flag_spell(key: str, value) -> str:
+    """How ``meshdsl train`` writes a setting: as its flag (``--resume-from 6``); md.fit passes its own."""
+    flag = "--" + key.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+def _given_path(root, given, spell) -> Path:
     """The checkpoint directory of ``given``: a step of ``root`` (an int or digits), or a path."""
     if isinstance(given, int) or (isinstance(given, str) and given.isdigit()):
         if not root:
-            raise CheckpointError(message(f"--resume-from {given}: a step needs --checkpoint DIR to look in.",
-                                          rule="--resume-from STEP reads DIR/step-N; --resume-from PATH any folder",
-                                          fix="add --checkpoint DIR, or pass the checkpoint's path"))
+            raise CheckpointError(message(
+                f"{spell('resume_from', given)}: a step needs {spell('checkpoint', 'DIR')} to look in.",
+                rule="a step to resume from is DIR/step-N of the checkpoint folder; a path names any step folder",
+                fix=f"add {spell('checkpoint', 'DIR')}, or pass the checkpoint's path"))
         return Path(root) / step_dir_name(int(given))
     path = Path(given)
     if not (path / META_FILE).is_file() and committed_steps(path):
         steps = committed_steps(path)
         raise CheckpointError(message(
-            f"--resume-from {given}: a folder of checkpoints, not one checkpoint.",
+            f"{spell('resume_from', given)}: a folder of checkpoints, not one checkpoint.",
             inputs=[f"it holds steps {', '.join(str(s) for s, _ in steps[-5:])}"],
-            rule="--resume-from names one checkpoint: a step of --checkpoint, or a step folder",
-            fix=f"pass --resume-from {steps[-1][1]}, or --checkpoint {given} --resume for its latest"))
+            rule="a resume names one checkpoint: a step of the checkpoint folder, or a step folder",
+            fix=f"pass {spell('resume_from', steps[-1][1])}, or {spell('checkpoint', given)} "
+                f"{spell('resume', True)} for its latest"))
     return path
 
 
-def _damaged_latest(path: Path, err: CheckpointError, older: list[tuple[int, Path]]) -> CheckpointError:
+def intact_steps(steps: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
+    """Those of ``steps`` (``(step, folder)``, oldest first) whose files are intact by sizes and
+    headers (no hashing), newest first."""
+    return [(s, p) for s, p in reversed(steps) if not _quick_problems(p)]
+
+
+def _damaged_latest(path: Path, err: CheckpointError, older: list[tuple[int, Path]], spell) -> CheckpointError:
     """The error for a damaged latest checkpoint: what is wrong, and the older ones that are intact."""
-    intact = [(s, p) for s, p in reversed(older) if not _quick_problems(p)]
+    intact = intact_steps(older)
     if intact:
         s, p = intact[0]
         fix = ("older checkpoints intact (sizes and headers checked; a resume hashes its files): "
                + ", ".join(f"step {t} ({str(q)!r})" for t, q in intact[:5])
-               + f". Resume from the newest with --resume-from {s} (md.fit: resume_from={s}) once the damaged "
-                 f"{str(path)!r} is moved aside (the run saves its step again), or with --resume-from {p} "
-                 f"--checkpoint NEW_DIR")
+               + f". Resume from the newest with {spell('resume_from', s)} once the damaged "
+                 f"{str(path)!r} is moved aside (the run saves its step again), or with "
+                 f"{spell('resume_from', p)} {spell('checkpoint', 'NEW_DIR')}")
     else:
         fix = ("no older checkpoint is intact" + (f" ({len(older)} damaged)" if older else "")
-               + ": start afresh, without --resume, into another --checkpoint folder")
+               + f": start afresh, without {spell('resume', True)}, into another checkpoint folder")
     return CheckpointError(message(
-        f"--resume: the latest checkpoint {str(path)!r} is damaged; nothing was loaded.",
+        f"{spell('resume', True)}: the latest checkpoint {str(path)!r} is damaged; nothing was loaded.",
         bullets=err.problems or [str(err).splitlines()[0]],
-        rule="--resume reads the latest committed checkpoint only if it is intact, never an older one silently",
+        rule="a resume reads the latest committed checkpoint only if it is intact, never an older one silently",
         fix=fix), problems=err.problems)
 
 
@@ -217,7 +241,7 @@ def _quick_problems(path: Path) -> list[str]:
         return e.problems or [str(e)]
 
 
-def choose_checkpoint(root, given=None, verify: str = "sha256") -> Path:
+def choose_checkpoint(root, given=None, verify: str = "sha256", spell=flag_spell) -> Path:
     """The checkpoint a resume reads, checked intact (see :func:`verify_checkpoint`).
 
     Args:
@@ -225,6 +249,8 @@ def choose_checkpoint(root, given=None, verify: str = "sha256") -> Path:
       given: None for the latest committed checkpoint in ``root``; a step (an int,
         or digits) of ``root``; or a checkpoint directory's path (``--resume-from``).
       verify: ``"sha256"`` or ``"size"``.
+      spell: ``(setting, value) -> text``, how the caller writes ``resume``, ``resume_from`` and
+        ``checkpoint`` in its messages (default: the CLI's flags; md.fit: ``resume_from=6``).
 
     Raises:
       CheckpointError: nothing to resume from, or the checkpoint is damaged (for
@@ -232,18 +258,19 @@ def choose_checkpoint(root, given=None, verify: str = "sha256") -> Path:
     """
     check_verify_mode(verify, "resume")
     if given is not None:
-        path = _given_path(root, given)
+        path = _given_path(root, given, spell)
         if not path.is_dir() and root and (steps := committed_steps(root)):
             raise CheckpointError(message(
-                f"--resume-from {given}: no checkpoint {str(path)!r}.",
+                f"{spell('resume_from', given)}: no checkpoint {str(path)!r}.",
                 inputs=[f"steps in {str(root)!r}: {', '.join(str(s) for s, _ in steps[-8:])}"],
-                fix=f"pass one of those steps, e.g. --resume-from {steps[-1][0]}"))
+                fix=f"pass one of those steps, e.g. {spell('resume_from', steps[-1][0])}"))
         if not path.exists():
             raise CheckpointError(message(
-                f"--resume-from {given}: no such checkpoint directory {str(path)!r}.",
-                rule="--resume-from (resume_from=) takes a checkpoint's step directory (DIR/step-00000100), "
-                     "or a step number of --checkpoint DIR",
-                fix="check the path; --resume --checkpoint DIR resumes from the latest checkpoint in DIR"))
+                f"{spell('resume_from', given)}: no such checkpoint directory {str(path)!r}.",
+                rule="a resume from a given checkpoint takes its step directory (DIR/step-00000100), "
+                     "or a step number of the checkpoint folder DIR",
+                fix=f"check the path; {spell('resume', True)} {spell('checkpoint', 'DIR')} resumes from the "
+                    f"latest checkpoint in DIR"))
         verify_checkpoint(path, verify)
         return path
     steps = committed_steps(root) if root else []
@@ -251,26 +278,28 @@ def choose_checkpoint(root, given=None, verify: str = "sha256") -> Path:
     if newest and newest[0][1] != (steps[-1][1] if steps else None):
         # Only a save's rename makes a step folder, after writing checkpoint.json into it.
         gone = f"has no {META_FILE}: it was removed after the save"
-        raise _damaged_latest(newest[0][1], CheckpointError(problems=[gone]), steps)
+        raise _damaged_latest(newest[0][1], CheckpointError(problems=[gone]), steps, spell)
+    resume, folder = spell("resume", True), spell("checkpoint", "DIR")
     if not steps:
         raise CheckpointError(message(
-            f"--resume: no committed checkpoint in {str(root)!r}." if root else "--resume needs --checkpoint DIR.",
-            rule="--resume continues from the latest checkpoint in --checkpoint DIR",
-            fix="drop --resume to start afresh, or pass the folder a run saved into with --checkpoint"))
+            f"{resume}: no committed checkpoint in {str(root)!r}." if root else f"{resume} needs {folder}.",
+            rule="a resume continues from the latest checkpoint in the run's checkpoint folder",
+            fix=f"drop {resume} to start afresh, or pass the folder a run saved into: {folder}"))
     try:
         verify_checkpoint(steps[-1][1], verify)
     except CheckpointError as e:
-        raise _damaged_latest(steps[-1][1], e, steps[:-1]) from None
+        raise _damaged_latest(steps[-1][1], e, steps[:-1], spell) from None
     return steps[-1][1]
 
 
-def check_saves_free(root, start: int, saves) -> None:
+def check_saves_free(root, start: int, saves, spell=flag_spell) -> None:
     """Refuse a resumed run whose saves into ``root`` would meet a step folder that exists.
 
     Args:
       root: the folder the run saves into (None: it saves nothing).
       start: the step resumed from.
       saves: the steps the run will save.
+      spell: how the caller writes a setting (see :func:`choose_checkpoint`).
     """
     if not root:
         return
@@ -280,9 +309,9 @@ def check_saves_free(root, start: int, saves) -> None:
             f"resume from step {start}: the run would save step {taken[0]} into {str(root)!r}, where it exists.",
             inputs=[f"step folders in the way: {', '.join(step_dir_name(s) for s in taken[:5])}"],
             rule="a committed checkpoint is never overwritten",
-            fix="save the continued run into another folder (--checkpoint NEW_DIR with --resume-from PATH), "
-                "or move the newer step folders aside"))
+            fix=f"save the continued run into another folder ({spell('checkpoint', 'NEW_DIR')} with "
+                f"{spell('resume_from', 'PATH')}), or move the newer step folders aside"))
 
 
 __all__ = ["SAFETENSORS_DTYPES", "VERIFY_MODES", "check_saves_free", "check_verify_mode", "choose_checkpoint",
-           "shard_problems", "verify_checkpoint"]
+           "flag_spell", "intact_steps", "older_intact_fix", "shard_problems", "verify_checkpoint"]

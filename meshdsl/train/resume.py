@@ -228,6 +228,16 @@ def _refused(bad, step: int, spell) -> ResumeError:
              "to its seed", fix="; ".join(fixes)))
 
 
+def whose_option(note: str, spec, saved: dict) -> str:
+    """A plan's note on an option that changes nothing (``schedule '1f1b' has no effect: ...``),
+    saying so when the option is the checkpoint's: a resume keeps the saved schedule, which a
+    resumed run on a layout that pipelines nothing was never given."""
+    name = f"schedule '{spec.schedule}'"
+    if note.startswith(name) and saved.get("schedule") == spec.schedule:
+        return name + " (the checkpoint's: a resume keeps the saved run's settings)" + note[len(name):]
+    return note
+
+
 # ----------------------------------------------------------------- which checkpoint, and whose
 
 def model_id(model) -> str:
@@ -235,7 +245,7 @@ def model_id(model) -> str:
     return model.graph.name
 
 
-def resume_path(spec) -> Path | None:
+def resume_path(spec, spell=_spell) -> Path | None:
     """The checkpoint a resume starts from, checked intact with ``spec.verify``: the latest in
     ``spec.checkpoint``, or ``spec.resume_from`` (None when not resuming).
 
@@ -244,7 +254,7 @@ def resume_path(spec) -> Path | None:
     """
     if not spec.resume and spec.resume_from is None:
         return None
-    return choose_checkpoint(spec.checkpoint, spec.resume_from, spec.verify)
+    return choose_checkpoint(spec.checkpoint, spec.resume_from, spec.verify, spell)
 
 
 def pinned(spec, path: Path | None):
@@ -261,13 +271,14 @@ def saved_steps(spec, start: int) -> list[int]:
             or t == spec.steps]
 
 
-def resume_from(spec, model) -> Path | None:
-    """The checkpoint to resume from, after checking it is this model's (None when not resuming).
+def resume_from(spec, model, spell=_spell) -> Path | None:
+    """The checkpoint to resume from, after checking it is this model's (None when not resuming);
+    ``spell`` writes a setting as the caller does (:func:`resolve_resume`).
 
     Raises:
       CheckpointError: no checkpoint to resume from, or it belongs to another model or Config.
     """
-    path = resume_path(spec)
+    path = resume_path(spec, spell)
     if path is None:
         return None
     info = read_metadata(path)
@@ -278,14 +289,15 @@ def resume_from(spec, model) -> Path | None:
     diff = [f"{k}: saved {saved[k]!r}, now {v!r}" if k in saved else f"{k}: not in the saved Config, now {v!r}"
             for k, v in changed.items()]
     if not same or diff:
-        was = ",".join(f"{k}={saved[k]}" for k in changed if k in saved)
+        was = {k: saved[k] for k in changed if k in saved}
         raise CheckpointError(message(
-            f"--resume: checkpoint {str(path)!r} is of " + ("this model with another Config." if same else
-                                                              "another model."),
+            f"{spell('resume', True)}: checkpoint {str(path)!r} is of " + (
+                "this model with another Config." if same else "another model."),
             inputs=[f"saved model: {info.model!r}, this model: {model_id(model)!r}"], bullets=diff,
             rule="a run resumes from a checkpoint of the same model and Config",
-            fix=(f"resume with the Config it was saved with (--config {was}), " if same and was else
-                 "resume with the model and --config it was saved with, ") + "or use another --checkpoint folder"))
+            fix=(f"resume with the Config it was saved with ({spell('config', was)}), " if same and was else
+                 "resume with the model and Config it was saved with, ")
+            + f"or use another checkpoint folder ({spell('checkpoint', 'NEW_DIR')})"))
     return path
 
 
@@ -297,9 +309,10 @@ def resume_spec(spec, path, given, spell=_spell):
         return spec, []
     info = read_metadata(path)
     spec, lines = resolve_resume(spec, saved_run(info.meta), given, info.step, spell)
-    check_saves_free(spec.checkpoint, info.step, saved_steps(spec, info.step))
+    check_saves_free(spec.checkpoint, info.step, saved_steps(spec, info.step), spell)
     return pinned(spec, path), lines
 
 
 __all__ = ["OPTIMIZER_KEYS", "REFUSED", "RUN_KEYS", "ResumeError", "fmt_setting", "model_id", "pinned",
-           "resolve_resume", "resume_from", "resume_path", "resume_spec", "run_settings", "saved_run", "saved_steps"]
+           "resolve_resume", "resume_from", "resume_path", "resume_spec", "run_settings", "saved_run", "saved_steps",
+           "whose_option"]

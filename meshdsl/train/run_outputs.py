@@ -49,6 +49,37 @@ def check_out_dir(out: "str | Path", flag: str = "--out") -> None:
     raise _out_error(out, flag, why, rule)
 
 
+def check_new_out(out: "str | Path", resuming: bool, flag: str = "--out") -> None:
+    """Refuse a new run (not a resume) into a folder whose metrics.jsonl holds another run's rows.
+
+    A resume appends to the metrics of the run it continues.  A new run's rows appended to another
+    run's would read as one run (steps 1, 2, 1, 2, one loss curve over both), and replacing that
+    file would delete results nobody asked to delete.  Lightning's loggers never mix two runs (each
+    gets its own version folder), and Hugging Face's Trainer refused a non-empty output folder
+    unless told to overwrite: the run stops here, before any work, naming both ways on.
+
+    Raises:
+      OutputError: naming the file, its rows, and the fix (another folder, or a resume).
+    """
+    metrics = Path(out) / METRICS_FILE
+    if resuming or not metrics.is_file() or metrics.stat().st_size == 0:
+        return
+    try:
+        rows = read_metrics(out)
+        held = f"{len(rows)} rows, steps {rows[0].get('step')}-{rows[-1].get('step')}" if rows else "no rows"
+    except (ValueError, AttributeError, OSError):
+        held = f"{metrics.stat().st_size} bytes"
+    python = flag == "out"
+    raise OutputError(message(
+        f"{flag} {out}: it holds another run's metrics ({METRICS_FILE}: {held}), and this is a new run.",
+        rule="a run's metrics are its own: a new run does not add its rows to another run's, and does not "
+             "delete them",
+        fix=("pass another folder, e.g. out='runs/my-run-2', or resume=True (with checkpoint=) to continue "
+             "the run that wrote them" if python else
+             f"pass another folder, e.g. {flag} runs/my-run-2, or --resume (with --checkpoint) to continue the "
+             "run that wrote them")))
+
+
 def _out_error(out, flag: str, why: str, rule: str) -> OutputError:
     example = "out='runs/my-run'" if flag == "out" else f"{flag} runs/my-run"
     return OutputError(message(f"{flag} {out}: the run cannot write its outputs there: {why}.",
@@ -139,4 +170,4 @@ def write_config(out: Path, resolved: dict) -> Path:
 
 
 __all__ = ["CONFIG_FILE", "LOSS_PLOT", "METRICS_FILE", "METRIC_KEYS", "MetricsWriter", "OutputError", "SAMPLES_FILE",
-           "check_out_dir", "plot_loss", "read_metrics", "write_config", "write_samples"]
+           "check_new_out", "check_out_dir", "plot_loss", "read_metrics", "write_config", "write_samples"]

@@ -35,8 +35,9 @@ from .feeder import make_feeder, reads_text
 from .fit_args import check_fit_arguments
 from .lr_schedule import run_schedule
 from .model import Model, load_model
-from .resume import (RUN_KEYS, model_id, resolve_resume, resume_from, resume_path, resume_spec, run_settings,
-                     saved_run)
+from .resume import (RUN_KEYS, model_id, resolve_resume, resume_from, resume_spec, run_settings,
+                     saved_run, whose_option)
+from .run_outputs import check_new_out
 from .step import TrainStep
 
 #: Prompts of samples.txt for the default corpus (Python source).
@@ -250,7 +251,7 @@ def _start_run(comm, spec: TrainSpec, model: Model | None, data, eval_data) -> _
     start = 0
     lead = 0 in step.executor.comm.ranks
     for note in ignored_options(step.plan) if lead else ():   # as `meshdsl plan` notes them
-        print(f"note: {note}", flush=True)
+        print(f"note: {whose_option(note, spec, saved_run(info.meta)) if path is not None else note}", flush=True)
     if path is not None:
         start = tokens.check_state(info.meta["data"]) if tokens is not None else info.step
         load_train_state(step, path, model_id(model), params_only=spec.reset_optimizer)
@@ -313,7 +314,7 @@ def _train_step(run: _Run, t: int, eval_feeds) -> dict:
         meta = {"mesh": spec.mesh, "layout": spec.layout, "config": config_dict(run.model.config),
                 "data": run.tokens.state(t) if run.tokens is not None else {"step": t}, "run": run_settings(spec)}
         save_checkpoint(spec.checkpoint, t, train_state(step), step.executor.comm, model=model_id(run.model),
-                        meta=meta, keep=spec.keep)
+                        meta=meta, keep=spec.keep, mesh=str(Mesh.parse(spec.mesh)))
     return row
 
 
@@ -428,7 +429,12 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
     given = {k for k in RUN_KEYS if k in options} | ({"steps"} if steps is not None else set())
     spec = TrainSpec(model="model" if own else str(model), mesh=str(mesh), layout=layout,
                      steps=100 if steps is None else steps, **options)
-    spec, lines = resume_spec(spec, resume_path(spec), given)
+    # The model first (a bad file or override: one message, here), so that a checkpoint of another
+    # model is refused before any line on how its settings would resume.
+    built = model if own else load_model(spec.model, tiny=spec.tiny, **spec.config)
+    spec, lines = resume_spec(spec, resume_from(spec, built), given)
+    if spec.out:
+        check_new_out(spec.out, spec.resume or spec.resume_from is not None, "out")
     lr_at(spec, 1)    # a bad schedule fails here, not in a rank
     parse_remat(spec.remat, "fit(remat=...)")    # and so does a bad remat policy
     in_process = own or (nproc or 1) == 1
@@ -439,13 +445,11 @@ def fit(model, *, mesh: str = "data:1", layout: str = "", steps: int | None = No
     for line in lines:
         print(line, flush=True)
     if not in_process:
-        load_model(spec.model, tiny=spec.tiny, **spec.config)   # a bad file or override: one message, here
         from ..processes.launcher import launch
         given = {k: v for k, v in (("timeout", job_timeout), ("collective_timeout", timeout)) if v is not None}
         return launch(rank_job, spec.mesh, nproc=nproc, args=(spec, data, eval_data), backend=backend, **given)[0]
     with torch_threads(n):
-        return run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec, model if own else None, data,
-                        eval_data)
+        return run_rank(SimulatedComm(Mesh.parse(spec.mesh), device=device), spec, built, data, eval_data)
 
 
 #: Torch threads of a run in this process: one, as each spawned rank has (processes/launcher.py)
