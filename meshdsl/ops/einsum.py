@@ -16,6 +16,7 @@ from ..core.names import Name
 from ..core.origin import dim_joined
 from ..core.shape import Shape
 from ..errors import ShapeError, Span, did_you_mean, message
+from .einsum_order import pairwise_order
 from .matmul_form import MatmulForm
 from .registry import ComputeSpec, Op, apply, register
 
@@ -83,7 +84,15 @@ class Einsum(Op):
 
 
 def _einsum_named(xs: list[Tensor], out: list[str]) -> Tensor:
-    return apply("einsum", xs, {"in": tuple(x.shape.names for x in xs), "out": tuple(out)})
+    """``einsum(xs -> out)``; three or more operands as a chain of two-operand einsums in the
+    cheapest order (:func:`pairwise_order`), whose gradients are those of the pairs."""
+    if len(xs) <= 2:
+        return apply("einsum", xs, {"in": tuple(x.shape.names for x in xs), "out": tuple(out)})
+    sizes = {d.name: d.size for x in xs for d in x.shape}
+    made = list(xs)
+    for i, j, dims in pairwise_order([tuple(x.shape.names) for x in xs], tuple(out), sizes):
+        made.append(_einsum_named([made[i], made[j]], list(dims)))
+    return made[-1]
 
 
 def _broadcast_joins(x: Tensor, extra: list[str], listed: list[str]) -> dict | None:
@@ -223,7 +232,9 @@ def einsum(equation: str, *xs: Tensor) -> Tensor:
         ``[batch, d_model]`` and ``[batch, seq, d_model]`` alike (without '->' they lead
         the output, as numpy's).
       *xs: one Tensor per operand.  Names are matched by name, so an operand's
-        names may be listed in any order, but must be exactly its dims.
+        names may be listed in any order, but must be exactly its dims.  Three or
+        more are contracted two at a time, in the order of fewest multiply-adds
+        (as opt_einsum's), each pair an einsum of its own (and so its gradients).
 
     Returns:
       The result, dims in the output order.
