@@ -106,7 +106,7 @@ CASES = [
     ("input_two_dims_one_axis", lambda: md.compile(mlp().loss, MESH, "x.batch:model; d_model:model"), LayoutError,
      ["Tensor 'x'", "mesh axis 'model' is used by dims"]),
     ("contradicting_rules", lambda: md.compile(mlp().loss, MESH, "batch:data; batch:model"), LayoutError,
-     ["Contradicting layout rules for 'batch'", "('data',) and ('model',)", "Fix:"]),
+     ["Contradicting layout rules for 'batch'", "'batch:data' and 'batch:model'", "Fix:"]),
     ("contradicting_scoped_rules", lambda: md.compile(mlp().loss, MESH, "params.d_ff:data; params.d_ff:model"),
      LayoutError, ["Contradicting layout rules for 'params.d_ff'"]),
     ("bad_scope_name", lambda: md.compile(mlp().loss, MESH, "w11.d_ff:model"), LayoutError,

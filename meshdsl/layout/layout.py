@@ -59,6 +59,10 @@ def _move_off_fix(mesh: Mesh, scopes: tuple[str, ...], dim: str, busy, drop: str
     return ", or ".join(ways)
 
 
+_ONE_DIM_PER_AXIS = ("a mesh axis may split at most one dim of a param or input (rules written earlier "
+                     "win only in intermediates)")
+
+
 class Layout:
     """An ordered set of layout rules.
 
@@ -87,12 +91,12 @@ class Layout:
             if key in self._by_key and self._by_key[key].axis_names != r.axis_names:
                 first = self._by_key[key]
                 where = f"'{key[0]}.{key[1]}'" if key[0] else f"'{key[1]}'"
+                scoped = "" if key[0] else f", or scope one of them (e.g. 'params.{key[1]}:...' for weights)"
                 raise LayoutError(message(
-                    f"Contradicting layout rules for {where}: {first.axis_names} and {r.axis_names}.",
+                    f"Contradicting layout rules for {where}: '{first}' and '{r}'.",
                     source=self.source, span=r.span,
                     rule="each (scope, dim) is mapped to one set of mesh axes",
-                    fix=f"keep one of the rules for {where}, or scope one of them "
-                        f"(e.g. 'params.{key[1]}:...' for weights)"))
+                    fix=f"keep one of '{first}' and '{r}'{scoped}"))
             self._by_key.setdefault(key, r)
             self._order.setdefault(key, i)
         for i, (r, _) in enumerate(self.implied, len(self.rules)):
@@ -283,6 +287,47 @@ class Layout:
                         + _whole_or_divisor(mesh, name, size, r)
                         + ", or split it unevenly: leave out --strict-splits (strict_splits=True)")
 
+    def check_leaves(self, leaves, mesh: Mesh) -> None:
+        """Refuse at once every param or input of ``leaves`` (``(name, shape, scopes)`` each) that has
+        two dims on one mesh axis, when there are several (one is refused where it is laid out,
+        :meth:`targets`), each with its fix, so that one compile names them all.
+
+        Raises:
+          LayoutError: a bullet and a fix per tensor, a caret under the first one's rule that gives way.
+        """
+        found = [(what, shape, c) for what, shape, scopes in leaves
+                 if (c := self._strict_conflict(shape, scopes, mesh)) is not None]
+        if len(found) < 2:
+            return
+        by_fix: dict[str, list[str]] = {}   # a param's optimizer state takes the param's fix
+        for what, _, (_, _, _, fix) in found:
+            by_fix.setdefault(fix, []).append(what)
+        raise self._err(
+            f"{len(found)} params or inputs each have two dims on one mesh axis: "
+            + ", ".join(f"'{what}'" for what, _, _ in found) + ".",
+            found[0][2][2].span, inputs=[f"mesh: {mesh}", f"layout: {clip(str(self))}"],
+            bullets=[f"Tensor '{what}' {shape}: mesh axis '{a}' is used by dims {ns}"
+                     for what, shape, (a, ns, _, _) in found],
+            rule=_ONE_DIM_PER_AXIS, fix="; ".join(f"for {' and '.join(map(repr, whats))}: {fix}"
+                                                  for fix, whats in by_fix.items()))
+
+    def _strict_conflict(self, shape: Shape, scopes: tuple[str, ...], mesh: Mesh):
+        """``(axis, dims, rule, fix)`` where two dims of a param or input want one mesh axis (the
+        first such axis; ``rule`` is the one written later, which gives way, as for intermediates),
+        or None."""
+        wanted = self.wanted(shape, scopes)
+        axes_of = {n: tuple(a for a in r.axis_names if mesh.sizes[a] > 1) for n, r in wanted.items()}
+        users: dict[str, list[str]] = {}
+        for name, axes in axes_of.items():
+            for a in axes:
+                users.setdefault(a, []).append(name)
+        a, ns = next(((a, ns) for a, ns in users.items() if len(ns) > 1), (None, None))
+        if a is None:
+            return None
+        loser = max(ns, key=lambda n: self._order[wanted[n].key])
+        busy = {x for axes in axes_of.values() for x in axes}
+        return a, ns, wanted[loser], _move_off_fix(mesh, scopes, loser, busy, drop=str(wanted[loser]))
+
     def _targets_of(self, shape, scopes, mesh, what, strict) -> list[tuple[Sharding, str]]:
         wanted = self.wanted(shape, scopes)
         small = []
@@ -314,15 +359,9 @@ class Layout:
             return [(Sharding.of(shape, axes_of), "; ".join(small))]
         prio = {n: self._order[r.key] for n, r in wanted.items()}
         if strict:
-            a, ns = next(iter(contested.items()))
-            loser = max(ns, key=prio.__getitem__)   # the rule written later gives way, as for intermediates
-            raise self._err(
-                f"Tensor '{what}' {shape}: mesh axis '{a}' is used by dims {ns}.",
-                wanted[loser].span, inputs=[f"mesh: {mesh}", f"layout: {clip(str(self))}"],
-                rule="a mesh axis may split at most one dim of a param or input (rules written earlier "
-                     "win only in intermediates)",
-                fix=_move_off_fix(mesh, scopes, loser, {x for axes in axes_of.values() for x in axes},
-                                 drop=str(wanted[loser])))
+            a, ns, loser, fix = self._strict_conflict(shape, scopes, mesh)
+            raise self._err(f"Tensor '{what}' {shape}: mesh axis '{a}' is used by dims {ns}.", loser.span,
+                            inputs=[f"mesh: {mesh}", f"layout: {clip(str(self))}"], rule=_ONE_DIM_PER_AXIS, fix=fix)
         # Each contested axis goes to one of its contenders; a dim keeps only the
         # axes it won (dropping a dim's axis keeps its remaining ones in order).
         out = []

@@ -37,10 +37,10 @@ from .param_values import better, gathered_in_pieces, least_offered, offering, o
 from .partition import partition
 from .stage_layers import stack_lines
 from .pipeline import MB_AXIS, detect as detect_pipeline
-from .plan import Plan, Step, Value, called, step_args
+from .plan import Plan, Step, Value, called, step_args, written
 from .remake import made_from_nothing, remake, remake_cost
 from .shared_moves import cheaper, cheaper_packed, foresee, projected_once
-from .shared_sums import moved_around, summed_terms
+from .shared_sums import meeting_sums, moved_around, summed_terms
 from .relayout import move_args, move_bytes, plan_moves
 from .rules import rule_for
 from .uneven import find as find_uneven
@@ -233,11 +233,20 @@ class Lowerer:
         step = Step(kind, node.id if node else -1, op or (node.op.name if node else "output"),
                     label or (node.name if node else "output"), phase or (node.phase if node else "forward"),
                     tuple(ins), tuple(outs), tuple(axes), step_args(kind, args), nbytes, flops, note,
-                    tuple(subplans), times)
+                    tuple(subplans), times, written=self._written(node))
         self.steps.append(step)
         if kind == "local" and made_from_nothing(self, node, step):
             self.made_from_nothing[step.outs[0]] = (step, node)
         return step
+
+    def _written(self, node: Node | None) -> str:
+        """An einsum ``node`` as the user wrote it, for its steps (:attr:`.plan.Step.written`), made once."""
+        if node is None or node.op.name != "einsum":
+            return ""
+        memo = self.__dict__.setdefault("_written_memo", {})
+        if id(node) not in memo:   # (ids of nodes: a block's graph numbers its nodes from 0 again)
+            memo[id(node)] = written(node)
+        return memo[id(node)]
 
     def relayout(self, vid: int, to: Sharding, node: Node | None, why: str = "") -> int:
         """Emit the collectives that bring value ``vid`` to sharding ``to``.
@@ -534,12 +543,14 @@ def _lower(outputs: dict, mesh: Mesh, layout: Layout, cost: CostModel, fuse: boo
 
 def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, schedule: str, uneven, spec,
              foreseen: dict | None = None, shared: dict | None = None,
-             wanted: dict | None = None, pack: bool = False) -> tuple[Lowerer, dict[str, int]]:
+             wanted: dict | None = None, pack: bool = False,
+             through: frozenset = frozenset()) -> tuple[Lowerer, dict[str, int]]:
     """The lowerer that lowered ``outputs`` (its notes and steps), and their value ids;
     ``foreseen``: the shardings some tensors will be moved to anyway, ``wanted``: the one sharding
     every reader of some tensors moves them to (:mod:`.shared_moves`);
     ``shared``: the terms of sums reduced once (:mod:`.shared_sums`); ``pack``: partial inputs
-    reduced together as one packed allreduce (:func:`.generic.packable`)."""
+    reduced together as one packed allreduce (:func:`.generic.packable`); ``through``: values
+    passed on partial to every reader, all linear in them (:func:`.shared_sums.meeting_sums`)."""
     lw = Lowerer(mesh, layout, cost)
     for _, why in layout.implied:
         lw.note(why)
@@ -550,7 +561,7 @@ def _lowered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
         lw.note(f"schedule '{schedule}' {NO_EFFECT} the layout pipelines no repeat "
                 "(a 'layer:<axis>' rule over an axis of size > 1 does)")
     # (a normalised param's gradient; RNN-T's joint's, summed over t and over u)
-    lw.lazy_through = lazy_to_gradients(nodes, outputs.values()) | lazy_to_smaller_sums(nodes, cost, mesh)
+    lw.lazy_through = through | lazy_to_gradients(nodes, outputs.values()) | lazy_to_smaller_sums(nodes, cost, mesh)
     lw.foreseen = dict(foreseen or {})
     lw.wanted = dict(wanted or {})
     lw.shared_sums = dict(shared or {})
@@ -580,8 +591,9 @@ def _offered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
     split tensor that one reader gathers and another reduces around (:mod:`.shared_moves`), then
     again foreseeing one no reader moves gathered where several projections reduce around it
     (:func:`.shared_moves.projected_once`), then again pricing the terms of a sum as sharing its
-    one reduction (:mod:`.shared_sums`), then again reducing partial inputs of one op together
-    (:func:`.generic.packable`)."""
+    one reduction (:mod:`.shared_sums`), then again passing a partial sum read by several linear
+    ops on to where they meet (:func:`.shared_sums.meeting_sums`), then again reducing partial
+    inputs of one op together (:func:`.generic.packable`)."""
     lw, outs, on = least_offered(lambda: _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec),
                                  cheaper, buckets=spec is None or (spec.axis is None and spec.num_microbatches == 1))
     seen = foresee(lw)   # a split tensor moved by one reader, reduced around by another; or sliced, each slice moved
@@ -606,10 +618,17 @@ def _offered(outputs: dict, nodes, mesh: Mesh, layout: Layout, cost: CostModel, 
             again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, shared, wanted)
         if cheaper(again[0], lw, sent=False):   # (fewer collectives may send more bytes: time decides)
             lw, outs = again
+    meet = meeting_sums(nodes, outputs.values())   # a partial sum whose linear readers meet again
+    if meet and any(lw.values[lw.env[t]].sharding.partial for t in meet if t in lw.env):
+        with offering(on):
+            again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, ahead, lw.shared_sums,
+                             wanted, through=meet)
+        if cheaper_packed(*again, lw, outs):
+            lw, outs = again
     if lw.packable and spec is None:   # reductions at one op packed (a masked loss's numerator and count)
         with offering(on):
             again = _lowered(outputs, nodes, mesh, layout, cost, schedule, uneven, spec, lw.foreseen, lw.shared_sums,
-                             lw.wanted, pack=True)   # (with what the kept lowering foresaw)
+                             lw.wanted, pack=True, through=lw.lazy_through)   # (with what the kept lowering foresaw)
         if cheaper_packed(*again, lw, outs):
             lw, outs = again
     return lw, outs

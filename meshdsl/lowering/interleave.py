@@ -71,7 +71,7 @@ from ..layout.sharding import block_lengths
 from .cyclic_moves import in_global_order
 from .pipeline_program import PER_MICROBATCH, Segment, carry_tags, num_carries, transfer_step
 from .schedule_gen import user_name
-from .plan import Step, Value, called, step_args
+from .plan import Step, Value, step_args, step_called
 
 
 def _narrow(ctx, attrs, x):
@@ -180,10 +180,10 @@ def _out_of_order(ch: _Chunks, lists: dict) -> str | None:
         for s, st in lists[seg]:
             if (s.kind in ("send", "recv") and not _is_carry(s, ch.nc) and s.args["offset"] * up < 0
                     and not (s.kind == "send" and seg == Segment.FORWARD and s.args["tag"] in to_backward)):
-                return f"{called(s.label, s.op)} moves a value {'down' if up > 0 else 'up'} the stages in the {seg.name.lower()}"
+                return f"{step_called(s)} moves a value {'down' if up > 0 else 'up'} the stages in the {seg.name.lower()}"
             late = [x for t in st for x in s.ins if made.get((x, t % p), -1) > when[seg](t)]
             if late:
-                return f"{called(s.label, s.op)} reads a value that its rank makes in a later chunk"
+                return f"{step_called(s)} reads a value that its rank makes in a later chunk"
     return None
 
 
@@ -218,7 +218,7 @@ def _unsupported(cut, lists, chunked: bool = True) -> str | None:
                          if v in t.outs and t.kind not in ("send", "recv")), s.label)
             return (f"'{made}', made per micro-batch before the pipelined layers, is read after them (a skip "
                     "around the stack, or a loss term made from its input)")
-        return f"{called(s.label, s.op)} runs on several stages or moves between them besides the carry"
+        return f"{step_called(s)} runs on several stages or moves between them besides the carry"
     for F, B in blocks:
         why = _unsupported_block(cut, lists, F, B, chunked)
         if why is not None:
@@ -245,7 +245,7 @@ def _unsupported_block(cut, lists, F: Step, B: Step | None, chunked: bool) -> st
         for s, _ in lists[seg]:
             read = [grads[v] for v in s.ins if v in grads and id(s) not in own]
             if read:
-                return (f"the stacked gradient of '{read[0]}' is read by {called(s.label, s.op)} per micro-batch, before "
+                return (f"the stacked gradient of '{read[0]}' is read by {step_called(s)} per micro-batch, before "
                         "the micro-batches are summed")
     return None
 

@@ -101,7 +101,7 @@ from .stage_terms import per_stage_steps, terms_by_stage
 from .stacks_on_ranks import on_ranks
 from .pipeline_program import PipelineProgram, Segment, carry_tags, num_carries, transfer_step
 from .stage_sum import chained as chained_stage_sums, expand as expand_stage_sum
-from .plan import Plan, Step, Value, called, step_args, register_step_kind
+from .plan import Plan, Step, Value, step_args, step_called, register_step_kind, sum_begun_by
 from .schedule_gen import named_schedule, parse_schedule, user_name
 
 # axis: the stage axis; num_stages: its size p; microbatches; mb_axis: the virtual micro-batch axis
@@ -910,16 +910,15 @@ def _check_stage_collectives(cut: _Cut) -> None:
     for i, s in enumerate(cut.steps):
         if (s.is_collective and not COLLECTIVES[s.kind].point_to_point and s.phase == "forward"
                 and ax in s.axes and i not in cut.sums and cut.stages[i] != cut.every_stage):
-            raise _error(f"'{s.label}': {s.kind} over the pipeline axis '{ax}' on stage(s) "
+            raise _error(f"{step_called(s)}: {s.kind} over the pipeline axis '{ax}' on stage(s) "
                          f"{sorted(cut.stages[i])} only", cut.spec,
-                         [f"{s.label}: {s.note or s.kind}", *cut.spec.scan_hint[:1]],
+                         [*_step_bullets(cut, s, s), *cut.spec.scan_hint[:1]],
                          "a pipeline axis splits the stacks' layers; what is made outside them per micro-batch "
                          f"is whole over '{ax}' (a collective over it on some stages cannot run)",
-                         cut.spec.scan_hint[1] if cut.spec.scan_hint else _OUTSIDE_FIX if MB_AXIS in s.axes else
-                         "split that dim over another axis, or pipeline over an axis that splits only the layer dims")
+                         _stage_axis_fix(cut, s))
         name = _layers_cut_on_some_stages(cut, i)
         if name is not None:
-            raise _error(f"'{s.label}' cuts the layers' parts of '{name}' from a whole value on stage(s) "
+            raise _error(f"{step_called(s)} cuts the layers' parts of '{name}' from a whole value on stage(s) "
                          f"{sorted(cut.stages[i])} only", cut.spec, [f"{s.label}: {s.note or s.kind}"],
                          f"a value split over '{ax}' with a pipelined stack's layers is made on each stage "
                          "holding them, its own part; made whole on some stages it would keep only theirs",
@@ -940,13 +939,50 @@ def _check_exchanges_in_actions(cut: _Cut) -> None:
         inner = (s if s.is_collective and ax in s.axes and COLLECTIVES[s.kind].point_to_point else
                  next((t for sp in s.subplans for t, _ in sp.walk() if t.is_collective and ax in t.axes), None))
         if inner is not None:
-            raise _error(f"'{s.label}' runs in the stages' actions and sends {inner.kind} over the pipeline "
-                         f"axis '{ax}'", cut.spec,
-                         [f"{inner.label}: {inner.note or inner.kind}", *cut.spec.scan_hint[:1]],
+            raise _error(f"{step_called(s)} runs in the stages' actions and sends {inner.kind} over the pipeline "
+                         f"axis '{ax}'", cut.spec, [*_step_bullets(cut, s, inner), *cut.spec.scan_hint[:1]],
                          "a pipeline axis splits the stacks' layers; what each stage makes of its own part per "
                          f"micro-batch exchanges nothing over '{ax}' but the pipeline's transfers and stage sums",
-                         cut.spec.scan_hint[1] if cut.spec.scan_hint else
-                         "split that dim over another axis, or pipeline over an axis that splits only the layer dims")
+                         _stage_axis_fix(cut, inner))
+
+
+def _step_bullets(cut: _Cut, s: Step, inner: Step) -> list[str]:
+    """What step ``s`` (or ``inner``, a collective of its sub-plans) does over the stage axis, and,
+    for a sum, the op that began it (through the ops that pass the partial sum on), each named as
+    the user wrote it."""
+    out = [f"{step_called(inner)}: {inner.note or inner.kind}"]
+    if inner is s and s.ins and cut.spec.axis in cut.values[s.ins[0]].sharding.partial:
+        made = sum_begun_by(cut.steps, cut.values, s.ins[0], cut.spec.axis)
+        if made is not None:
+            out.append(f"the sum over '{cut.spec.axis}' is begun by {step_called(made)}")
+    return out
+
+
+def _stage_axis_fix(cut: _Cut, s: Step) -> str:
+    """The fix for collective ``s``, outside the stacks, over the pipeline axis, in forms the mesh
+    can take: the scan hint's (a recurrence over a dim of the inputs, nested in a one-step block); a
+    sum over the stacks' layers made per layer in the block; else each dim the layout puts on the
+    stage axis kept whole (or put on another axis of the mesh, where it has one), or the stack run
+    whole (its rule dropped: a 'layer' rule needs a repeat over 'layer' at the top, so nesting the
+    stack in a one-step block is no fix here)."""
+    spec, ax = cut.spec, cut.spec.axis
+    if spec.scan_hint:
+        return spec.scan_hint[1]
+    held = [cut.values[v].sharding for v in s.ins if v in cut.values]
+    if MB_AXIS in s.axes or any(ax in sh.partial for sh in held):
+        return _OUTSIDE_FIX
+    mesh, layout = spec.given
+    free = [a for a in mesh.names if mesh.sizes[a] > 1 and a != ax]
+    layers = {spec.layer, *(name for _, name, _ in spec.stacks)}
+    ways = []
+    for dim in dict.fromkeys(d for sh in held for d, axes in sh.dims if ax in axes):
+        r = layout.rule_for(dim, ())
+        if r is not None and dim not in layers:
+            ways.append(f"keep '{dim}' whole: drop '{r}'" + (f" (or write '{dim}:{free[0]}')" if free else ""))
+    r = layout.rule_for(spec.layer, ())
+    if r is not None:
+        ways.append(f"run the stack over '{spec.layer}' unpipelined: drop '{r}'")
+    return "; or ".join(ways) or "read the stacks' outputs in a form each stage makes on its own layers"
 
 
 def _layers_cut_on_some_stages(cut: _Cut, i: int) -> str | None:
@@ -1085,23 +1121,23 @@ def _check_what_feeds_the_layers(cut: _Cut, final: set) -> None:
                 _check_stacked_input_grads(cut, final, producer[v], blk)
                 _check_towers_meet(cut, _final_behind(cut, final, producer[v]))
                 u = steps[producer[v]]
-                raise _error(f"{called(u.label, u.op)} is read by the pipelined repeat, but runs after the "
-                             "micro-batches.", spec, [f"{called(u.label, u.op)} runs on stages {sorted(cut.stages[producer[v]])}"],
+                raise _error(f"{step_called(u)} is read by the pipelined repeat, but runs after the "
+                             "micro-batches.", spec, [f"{step_called(u)} runs on stages {sorted(cut.stages[producer[v]])}"],
                              "what feeds the pipelined layers runs one micro-batch at a time, on one stage",
                              "compute it from the batch before the stack, or from params and tables only")
             src = steps[producer[c.ins[0]]] if c.ins[0] in producer else c
             joins, frozen_fix = _why_not_made_once(cut, c)
             if blk == cut.stack_at[blk].F:
-                raise _error(f"{called(src.label, src.op)} reduces over the whole batch, and {called(c.label, c.op)} reads "
+                raise _error(f"{step_called(src)} reduces over the whole batch, and {step_called(c)} reads "
                              "the result before the pipelined repeat.", spec, joins,
                              "what feeds or follows the pipelined layers runs one micro-batch at a time; a "
                              f"whole-batch statistic {_FIXED} is made once, before them",
                              frozen_fix or "make the statistic from the inputs only, keep ops that reduce over "
                              "the batch after the loss, or use microbatches=1")
-            raise _error(f"{called(src.label, src.op)} reduces over the whole batch, and {called(c.label, c.op)} after the "
+            raise _error(f"{step_called(src)} reduces over the whole batch, and {step_called(c)} after the "
                          "pipelined repeat reads the result: the gradient the pipelined backward starts "
                          "from depends on it.", spec,
-                         [*joins, f"{called(steps[producer[v]].label, steps[producer[v]].op)} is read by the "
+                         [*joins, f"{step_called(steps[producer[v]])} is read by the "
                                   "pipelined backward, which runs one micro-batch at a time"],
                          "the loss's gradient at each micro-batch may depend on its own micro-batch, on "
                          "values the same for every micro-batch, and on whole-batch statistics "
@@ -1120,7 +1156,7 @@ def _why_not_made_once(cut: _Cut, c) -> tuple[list[str], str | None]:
     nothing is differentiated through (a frozen teacher) makes what it sums."""
     steps, producer = cut.steps, cut.producer
     over = ", ".join("micro-batches" if a == MB_AXIS else a for a in c.axes)
-    out = [f"{c.kind} over {over} for {called(c.label, c.op)} joins the micro-batches"]
+    out = [f"{c.kind} over {over} for {step_called(c)} joins the micro-batches"]
     k = first_behind(steps, producer, c.ins[0], lambda j: j in cut.stack_at)
     if k is not None:
         st = cut.stack_at[k]
@@ -1198,7 +1234,7 @@ def _check_towers_meet(cut: _Cut, final: set) -> None:
         meet = sorted({min(h) for h in held if h is not None and len(h) == 1 and min(h) in ends})
         if len(meet) < 2:
             continue
-        raise _error(f"{called(s.label, s.op)} reads the outputs of {len(meet)} pipelined stacks, each made on "
+        raise _error(f"{step_called(s)} reads the outputs of {len(meet)} pipelined stacks, each made on "
                      "its own last stage.", cut.spec,
                      [f"stack '{ends[e]}' ends on stage {e}" for e in meet]
                      + [f"'{s.op}' would run on stages {meet}, after the micro-batches"],
@@ -1228,8 +1264,8 @@ def _check_per_layer_outputs(cut: _Cut, i: int) -> None:
         todo += [cut.producer[v] for v in s.ins if v in cut.producer and cut.producer[v] != cut.F]
     if not read:
         return
-    how = (f"{joins.kind} over {joins.axes} for {called(joins.label, joins.op)} joins the layers of every stage"
-           if joins is not None else f"{called(cut.steps[i].label, cut.steps[i].op)} reads them on every stage")
+    how = (f"{joins.kind} over {joins.axes} for {step_called(joins)} joins the layers of every stage"
+           if joins is not None else f"{step_called(cut.steps[i])} reads them on every stage")
     raise _error(f"the loss reads the pipelined repeat's per-layer outputs {sorted(set(read))} across layers: "
                  f"their gradient, which the pipelined backward reads, needs the layers of every stage of a "
                  f"micro-batch at once.", cut.spec, [how],

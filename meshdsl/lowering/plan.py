@@ -121,6 +121,8 @@ class Step:
       one_microbatch: per sub-plan, whether each of its runs holds one micro-batch of a process
         (a pipeline's forward and backward segments, run once per micro-batch), not all the
         micro-batches the step itself holds (its other sub-plans: the prologue, the final segment).
+      written: how the user wrote the op where its name is one the graph made up (an einsum's
+        equation and operands, :func:`written`), so that a refusal built from steps can say it.
     """
 
     kind: str
@@ -139,6 +141,7 @@ class Step:
     times: int = 1
     sub_times: tuple[int, ...] = ()
     one_microbatch: tuple[bool, ...] = ()
+    written: str = ""
 
     def runs(self, k: int) -> int:
         """How often sub-plan ``k`` runs per run of the step."""
@@ -162,7 +165,26 @@ class Step:
 GRAD = "grad_"
 
 
-def called(label: str, op: str, node=None) -> str:
+def step_called(s: Step) -> str:
+    """How a message names plan step ``s``: :func:`called` with the op as the user wrote it."""
+    return called(s.label, s.op, written_as=s.written)
+
+
+def sum_begun_by(steps, values, v: int, axis: str) -> Step | None:
+    """The local step of ``steps`` that began value ``v``'s partial sum over mesh ``axis``, from values
+    not partial over it (the ops that pass the partial sum on skipped): what a refusal of that sum
+    names as the op the user wrote (an einsum over the layers, not the add that reads it); or None."""
+    made = {u: s for s in steps for u in s.outs}
+    s = made.get(v)
+    while s is not None and not s.is_collective:
+        nxt = next((u for u in s.ins if u in values and axis in values[u].sharding.partial), None)
+        if nxt is None:
+            return s
+        s = made.get(nxt)
+    return None
+
+
+def called(label: str, op: str, node=None, written_as: str = "") -> str:
     """How a message names a node or step: its name, as ``meshdsl plan``'s rows show it, with its
     op when the name does not say it: ``'sub'``, ``'einsum_1'``, ``'reduce_mean'`` (a sum times
     1/n, but named as the user wrote it), ``'h' (add)``, and a gradient's node by the op the user
@@ -170,7 +192,7 @@ def called(label: str, op: str, node=None) -> str:
     ``grad_layer_norm/layer_norm_backward``; a step of an md op built of others by the op the
     user called: ``'concat/pad' (a pad inside md.concat)``.  Given the ``node``, an einsum's name
     the graph made up (``'einsum_12'``: which of the model's contractions?) also says how the user
-    wrote it (:func:`written`)."""
+    wrote it (:func:`written`; a step carries that text as ``written_as``)."""
     from .. import ops
     head, sep, tail = label.partition("/")
     if sep and head.startswith(GRAD):
@@ -178,8 +200,8 @@ def called(label: str, op: str, node=None) -> str:
     outer = [p for p in (re.sub(r"_\d+$", "", x) for x in label.split("/")[:-1]) if callable(getattr(ops, p, None))]
     if outer:
         return f"'{label}' (a {op} inside md.{outer[-1]})"
-    if node is not None and op == "einsum" and re.sub(r"_\d+$", "", label.rpartition("/")[2]) == op:
-        return f"'{label}' ({written(node)})"
+    if (node is not None or written_as) and op == "einsum" and re.sub(r"_\d+$", "", label.rpartition("/")[2]) == op:
+        return f"'{label}' ({written_as or written(node)})"
     base = re.sub(r"_\d+$", "", label)
     said = base == op or callable(getattr(ops, base, None))
     return f"'{label}'" if said else f"'{label}' ({op})"

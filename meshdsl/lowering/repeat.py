@@ -44,6 +44,10 @@ partial sum whose readers are all linear in it, one on the way to such a gradien
 param's (MQA's key gradient, read by its weight's gradient and the input's; a concat's
 gradient read by its slices; Perceiver's input array's, read by its layer norm's backward):
 it passes on partial to each reader instead of being reduced in every layer (:func:`_lazy_through`).
+A split input that several projections read as it is, each leaving a partial sum (Evoformer's
+q, k and v of the normed MSA row under ``c_m:model``), is gathered once with the projections'
+weights where the loop, priced as it will be sent (packed), costs less and sends no more bytes:
+in the forward block and in the backward's recompute (:func:`_gathered_once`).
 
 The plan step is data: kind ``repeat``, the block's sub-plan in ``subplans``,
 the layer count in ``times``; :mod:`meshdsl.runtime.layers` runs it.
@@ -59,14 +63,18 @@ from ..ir.block import carry_name
 from ..ir.closure import PREFIX
 from ..layout.sharding import Sharding
 from .block_order import order_block
+from .coalesce import coalesce
 from .compiler import Lowerer, lower_into
+from .dead_moves import live_steps
 from .foresight import NONE, Foresight, foresee
 from .hoist import copy_read, hoist_moves
 from .pipeline import MB_AXIS
-from .plan import Plan, called, register_step_kind
+from .plan import Plan, register_step_kind, step_called, sum_begun_by
 from .rules import lowering, rule_for
 from .saved_copies import (RESULT, bind_result, copies_of, drop_unread, gathered_for_scan, halo_strips, record,
                            record_result, reglue, results_of, saved_results, strip_of, worth_saving)
+from .shared_moves import foresee as foresee_shared, projected_once
+from .shared_sums import meeting_sums
 
 # names: the stacked params (sub-plan inputs); pos: each one's layer dim position;
 # backward: a repeat_grad; saved: names of the saved activations the sub-plan outputs
@@ -284,7 +292,22 @@ def _scan_target(lw: Lowerer, loop: _Loop, name: str) -> Sharding:
 
 def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -> tuple[Plan, list[str]]:
     """The block's sub-plan (one layer), and the names of the saved activations it outputs
-    (forward) or takes (backward).
+    (forward) or takes (backward): the cheapest of its lowerings (:func:`_cheapest`), or, where
+    several projections reduce around one split input, one that gathers it once
+    (:func:`_gathered_once`; the forward, and the backward's recompute)."""
+    plan, saved_names, (fewer, through, ahead_of, once) = _lower_block_once(lw, loop, feeds, ins, summed=True,
+                                                                            through=True)
+    best = _cheapest(lw, loop, feeds, ins, times, plan, (fewer, through, ahead_of))
+    if not loop.backward:   # (a partial sum whose linear readers meet: :func:`_met_once`)
+        best, saved_names = _met_once(lw, loop, feeds, ins, times, (best, saved_names))
+    if once:
+        best, saved_names = _gathered_once(lw, loop, feeds, ins, times, (best, saved_names), once,
+                                           (fewer, through, ahead_of))
+    return _ordered(loop, best), saved_names
+
+
+def _cheapest(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int, plan: Plan, seen: tuple) -> Plan:
+    """The cheapest of the block's lowerings, ``plan`` the first (``seen``: what it showed).
 
     A backward block whose gradients of tensors read from outside could stay partial sums
     over the layers (:func:`_lower_backward_block`), or whose partial sums could pass on to
@@ -294,7 +317,7 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
     foresees the re-layouts the first lowering made (:mod:`.foresight`), and one that makes the
     gradients of closed-over tensors read as copies made before the loop where the copies are
     (:func:`_copies_read`)."""
-    plan, saved_names, (fewer, through, ahead_of) = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True)
+    fewer, through, ahead_of = seen
     tries = [plan]
     if through:
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=True, through=False)[0])
@@ -302,7 +325,7 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
         tries.append(_lower_block_once(lw, loop, feeds, ins, summed=False, through=False)[0])
     foreseen, as_read = ahead_of if loop.backward else NONE, _copies_read(lw, loop, ins)
     if len(tries) == 1 and not foreseen and not as_read:
-        return _ordered(loop, plan), saved_names
+        return plan
     # the cheapest; on a tie, the plainer (later) lowering
     prices = [_loop_price(lw, loop, p, times) for p in tries]
     best, price = next((p, c) for p, c in reversed(list(zip(tries, prices))) if c <= min(prices))
@@ -318,7 +341,29 @@ def _lower_block(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int) -
         if _loop_price(lw, loop, read, times) < _loop_price(lw, loop, best, times) - 1e-12 and \
                 _loop_price(lw, loop, read, times, sent=True) <= _loop_price(lw, loop, best, times, sent=True):
             best = read
-    return _ordered(loop, best), saved_names
+    return best
+
+
+def _met_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int, first: tuple) -> tuple[Plan, list[str]]:
+    """Forward block ``first`` (its sub-plan and saved names), or the block lowered again passing a
+    partial sum read by several ops, all linear in it, on to where they meet and on to the sum it
+    joins, reduced once there (:func:`.shared_sums.meeting_sums`: FNO's spectrum, its low and high
+    kept modes sliced and joined again, added to the local path).  Kept where its loop, as sent
+    (:func:`_as_sent`), costs less and sends no more bytes; the saved activations are the kept
+    lowering's."""
+    blk, saved = loop.blk, loop.node.attrs.get("saved", [])
+    ends = [*blk.outs, *(blk.ys[k] for k in loop.ys), *(saved[i] for i in loop.want)]
+    meet = meeting_sums(topo_nodes(ends), ends)
+    if not meet:
+        return first
+    strips = dict(loop.strips)
+    again, names, _ = _lower_block_once(lw, loop, feeds, ins, summed=True, through=True, meet=meet)
+    new, old = _as_sent(lw, loop, again), _as_sent(lw, loop, first[0])
+    if _loop_price(lw, loop, new, times) < _loop_price(lw, loop, old, times) - 1e-12 and \
+            _loop_price(lw, loop, new, times, sent=True) <= _loop_price(lw, loop, old, times, sent=True):
+        return again, names
+    loop.strips = strips   # (the halo strips the first lowering saved)
+    return first
 
 
 def _ordered(loop: _Loop, plan: Plan) -> Plan:
@@ -326,6 +371,52 @@ def _ordered(loop: _Loop, plan: Plan) -> Plan:
     (:mod:`.block_order`); ordered once it is chosen, since the lowerings are compared by their
     collectives, whatever their order."""
     return order_block(plan, lambda s: s.phase == RECOMPUTE) if loop.backward else plan
+
+
+def _gathered_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, times: int, best: tuple,
+                   once: Foresight, seen: tuple) -> tuple[Plan, list[str]]:
+    """``best`` (the block's cheapest sub-plan and its saved names), or the block lowered again
+    foreseeing ``once``: a split input that several projections read as it is, each leaving a partial
+    sum, gathered once (:func:`.shared_moves.projected_once`: Evoformer's q, k and v of the normed MSA
+    row), the params' gathers as the generic rule then chooses: lowered as :func:`_cheapest` lowers it
+    (``seen``), the cheapest kept where its loop costs less and sends no more bytes, both priced as they will be sent
+    (:func:`_as_sent`): one projection alone sees two gathers against one reduction, but the
+    reductions, as the gathers, go packed.  A forward's saved activations are the kept lowering's."""
+    fewer, through, ahead_of = seen
+    strips = dict(loop.strips)
+    tries = [_lower_block_once(lw, loop, feeds, ins, summed=True, through=True, foreseen=_joined(once, ahead_of))]
+    for summed, passed in ((True, False),) * through + ((False, False),) * fewer:
+        tries.append(_lower_block_once(lw, loop, feeds, ins, summed=summed, through=passed, foreseen=once))
+    sent = [_as_sent(lw, loop, p) for p, _, _ in tries]
+    price = [_loop_price(lw, loop, p, times) for p in sent]
+    k = price.index(min(price))
+    old = _as_sent(lw, loop, best[0])
+    if price[k] < _loop_price(lw, loop, old, times) - 1e-12 and \
+            _loop_price(lw, loop, sent[k], times, sent=True) <= _loop_price(lw, loop, old, times, sent=True):
+        if not loop.backward:
+            lw.note(f"repeat '{loop.node.name}': a split input several projections read gathered once per layer")
+        return tries[k][0], tries[k][1]
+    loop.strips = strips   # (the halo strips the first lowering saved)
+    return best
+
+
+def _as_sent(lw: Lowerer, loop: _Loop, plan: Plan) -> Plan:
+    """Block sub-plan ``plan`` as the plan will send it: collectives nothing reads dropped
+    (:mod:`.dead_moves`), and, where the plan is coalesced (no pipeline, no micro-batches),
+    small ones made back to back packed (:mod:`.coalesce`, as it packs a block)."""
+    steps = live_steps(list(plan.steps), plan.outputs.values())
+    values = dict(plan.values)
+    if lw.pipeline_axis is None and MB_AXIS not in lw.mesh.sizes:
+        steps = coalesce(steps, values, dict(plan.outputs), lw.cost, lw.mesh, frozenset(loop.names))
+    return replace(plan, steps=tuple(steps), values=values)
+
+
+def _joined(a: Foresight, b: Foresight) -> Foresight:
+    """What ``a`` and ``b`` foresee together."""
+    held = dict(a.held)
+    for tid, to in b.held.items():
+        held[tid] = held.get(tid, frozenset()) | to
+    return Foresight(held, {**a.wanted, **b.wanted})
 
 
 def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int, sent: bool = False) -> float:
@@ -347,23 +438,26 @@ def _loop_price(lw: Lowerer, loop: _Loop, plan: Plan, times: int, sent: bool = F
         return collective("allreduce", layers * v.sharding.local_numel(v.shape, mesh) * v.dtype.itemsize,
                           mesh.axis_size(axes))
 
-    after = sum(reduced_after(f"d/{k}", 1) for k in loop.blk.extra["dclosed"])
-    after += sum(reduced_after(f"d/{k}", times) for k in loop.blk.extra["dparams"])
+    after = sum(reduced_after(f"d/{k}", 1) for k in loop.blk.extra.get("dclosed", ()))
+    after += sum(reduced_after(f"d/{k}", times) for k in loop.blk.extra.get("dparams", ()))
     return times * price(plan) + after
 
 
 def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: bool,
                       through: bool, foreseen: Foresight = NONE,
-                      as_read: dict | None = None) -> tuple[Plan, list[str], tuple]:
+                      as_read: dict | None = None, meet: frozenset = frozenset()) -> tuple[Plan, list[str], tuple]:
     """:func:`_lower_block`'s sub-plan, lowered with or without ``summed`` and ``through`` (see
     :func:`_lower_backward_block`), and whether each may have changed anything: how its values'
     readers count, and whether a value passed on was met partial where the rule alone might have
-    chosen otherwise (:attr:`.Lowerer.through_used`); and what it moved (:mod:`.foresight`).
+    chosen otherwise (:attr:`.Lowerer.through_used`); and what it moved (:mod:`.foresight`); and, the
+    first lowering only, the split inputs several projections reduce around (:func:`_gathered_once`).
     ``as_read``: closed-over tensors whose gradients the block makes at the given shardings
-    (:func:`_copies_read`)."""
+    (:func:`_copies_read`); ``meet``: a forward block's values passed on partial to every reader
+    (:func:`_met_once`)."""
     blk, node = loop.blk, loop.node
     sub = Lowerer(lw.mesh, lw.layout, lw.cost)
     sub.in_block = True
+    sub.lazy_through = meet
     sub.foreseen, sub.wanted = foreseen.held, foreseen.wanted
     for name, sh in feeds.items():
         t = blk.graph.inputs[name]
@@ -385,7 +479,19 @@ def _lower_block_once(lw: Lowerer, loop: _Loop, feeds: dict, ins: list, summed: 
     phases = [RECOMPUTE if s.kind != "input" and 0 <= s.node < num_forward else node.phase for s in sub.steps]
     steps = [s if s.phase == ph else replace(s, phase=ph) for s, ph in zip(sub.steps, phases)]
     plan = Plan(lw.mesh, lw.layout, steps, sub.values, ids, {}, sub.inputs, sub.notes)
-    return plan, saved_names, (fewer, sub.through_used, foresee(sub, plan) if loop.backward else NONE)
+    return plan, saved_names, (fewer, sub.through_used, foresee(sub, plan) if loop.backward else NONE,
+                               _projected(sub, loop) if not foreseen and as_read is None and summed and through
+                               else NONE)
+
+
+def _projected(sub: Lowerer, loop: _Loop) -> Foresight:
+    """The split inputs several projections reduce around in block lowerer ``sub``'s first lowering
+    (:func:`.shared_moves.projected_once`, one layer's slices of the stacked params as the params);
+    in a backward block, also one its gradients gather anyway (a weight's gradient reads the normed
+    input whole) that its recompute's projections reduce around (:func:`.shared_moves.foresee`)."""
+    once = projected_once(sub, params=[sub.inputs[k] for k in loop.names])
+    held = _joined(Foresight(once, {}), foresee_shared(sub)) if loop.backward else Foresight(once, {})
+    return held if held else NONE
 
 
 def _copies_read(lw: Lowerer, loop: _Loop, ins: list) -> dict:
@@ -530,18 +636,21 @@ def _check_no_microbatch_sums(lw: Lowerer, node, steps) -> None:
         red = bad.args.get("op", "sum")
         what = "sums over" if red == "sum" else f"takes the {red} over"
         kind = bad.kind if red == "sum" else f"{bad.kind} ({red})"
-        bullets = [f"{kind} over {bad.axes}: {bad.note or f'the result of {called(bad.label, bad.op)}'}"]
+        bullets = [f"{kind} over {bad.axes}: {bad.note or f'the result of {step_called(bad)}'}"]
+        began = sum_begun_by(steps, lw.values, bad.ins[0], MB_AXIS) if red == "sum" and bad.ins else None
+        if began is not None:
+            bullets.append(f"the sum over the batch is begun by {step_called(began)}")
         first = ""
         if stat is not None:
             made, read = stat
             names = ", ".join(f"'{n}'" for n in read)
-            bullets.append(f"'{made.label}' ({made.op}) is a sum over the batch made in the block from {names} only, "
+            bullets.append(f"{step_called(made)} is a sum over the batch made in the block from {names} only, "
                            "read from outside it: the same in every layer")
             first = (f"make '{made.label}' ({made.op} of {names}) before the repeat and read it in the block (a "
                      "whole-batch count of the inputs made outside a block is made once per step, before the "
                      "micro-batches); otherwise: ")
         raise LayoutError(message(
-            f"repeat '{node.name}': {called(bad.label, bad.op)} in its block {what} the micro-batches in every layer.",
+            f"repeat '{node.name}': {step_called(bad)} in its block {what} the micro-batches in every layer.",
             inputs=[f"mesh: {lw.mesh}", f"layout: {lw.layout}"], bullets=bullets,
             rule="a repeat's layers run one micro-batch at a time, so a sum over the batch leaves the block "
                  "unreduced and is added up after the micro-batches; a max or min over the batch has no such form",

@@ -192,12 +192,14 @@ def _price(steps: list[Step] | tuple[Step, ...], lw, sent: bool = False) -> floa
     return total
 
 
-def projected_once(lw) -> dict[int, frozenset]:
+def projected_once(lw, params=None) -> dict[int, frozenset]:
     """``id(tensor) -> {its sharding without some axes of its split}`` for each value lowerer
     ``lw`` neither moved nor made partial, read as it is by two or more einsums with params (read
     as stored) whose results are partial sums over those axes (see the module docstring); only
-    where gathering it and their params sends fewer bytes than reducing their results."""
-    params = set(lw.params.values())
+    where gathering it and their params sends fewer bytes than reducing their results.
+    ``params``: the values that count as params (a repeat's block: one layer's slice of each
+    stacked param, :mod:`.repeat`); else ``lw``'s params."""
+    params = set(lw.params.values()) if params is None else set(params)
     by_reader: dict[int, list[Step]] = {}
     for s in lw.steps:
         if s.kind == "local" and s.op == "einsum" and len(s.outs) == 1:

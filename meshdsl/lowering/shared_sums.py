@@ -20,8 +20,19 @@ inner add's eventual reduction priced as its share of the one reduction of the w
 cost model prices lower (:func:`.shared_moves.cheaper`), by time alone: nothing is priced free
 here, and fewer collectives may send more bytes (TransE at its tiny size: 2 reductions of the
 384 B table gradient instead of 8 allgathers of ids and rows, 640 B).
+
+A partial sum read by several ops is reduced at its first reader (:func:`.generic._partial_modes`),
+though its readers may all be linear and meet again: two slices of it concatenated (FNO's low
+and high kept modes), padded and added, or each scaled and concatenated.  The sum over the ranks
+commutes with them, so one reduction where the paths meet gives the same numbers, and a later
+add of another partial sum joins it for free.  :func:`meeting_sums` finds such values and the
+values on their paths; the compiler lowers the graph again passing them on partial to every
+reader (``Lowerer.lazy_through``) where the first lowering left one of them partial, and keeps
+that lowering where the cost model prices it lower and it sends no more bytes.
 """
 from __future__ import annotations
+
+import heapq
 
 from ..collectives import COLLECTIVES
 from ..core.graph import readers_of
@@ -115,3 +126,103 @@ def moved_around(lw, shared: dict[int, int], nodes) -> bool:
         return len(paid) >= 2
     return any(lw.values[lw.env[id(t)]].sharding.partial for i, n in makers.items() if i not in paid
                for t in n.outputs if id(t) in shared and id(t) in lw.env)
+
+
+#: the most nodes a walk from a branching value takes before giving up on its paths meeting
+MAX_MEET_NODES = 32
+
+
+def meeting_sums(nodes, outputs) -> frozenset[int]:
+    """Ids of the values that may be partial sums read several times (by several ops, or one op
+    twice) whose paths of linear ops (each linear in what it reads of them) all meet again in one
+    value, and of the values on those paths (and on from there, :func:`_on_to_a_sum`): passed on
+    partial, they are reduced once, after the meeting (see the module docstring).  Empty when
+    there is none.
+
+    ``nodes``: the graph's nodes in topological order; ``outputs``: the plan's output tensors."""
+    readers = readers_of(nodes)
+    outs = {id(t) for t in outputs}
+    order = {n.id: i for i, n in enumerate(nodes)}
+    sums = _maybe_partial(nodes)
+    marked: set[int] = set()
+    for n in nodes:
+        for t in n.outputs:
+            if len(readers.get(id(t), ())) > 1 and id(t) in sums and id(t) not in outs and id(t) not in marked:
+                marked |= _paths_to_meeting(t, readers, outs, order, sums)
+    return frozenset(marked)
+
+
+def _maybe_partial(nodes) -> set[int]:
+    """Ids of the float values that may be partial sums: made by an op summing over a dim
+    (:data:`_SUMMING`, a ``reduce_sum``), or by an op linear in an input that may be."""
+    out: set[int] = set()
+    for n in nodes:
+        summing = n.op.name in _SUMMING or n.op.name == "reduce_sum"
+        if summing or any(id(x) in out and _linear_in(n, [i]) for i, x in enumerate(n.inputs)):
+            out.update(id(t) for t in n.outputs if t.dtype.is_floating_point)
+    return out
+
+
+def _paths_to_meeting(t, readers: dict, outs: set, order: dict, sums: set) -> set[int]:
+    """Ids of ``t`` and the values between it and the one value all its linear paths meet in, or
+    none: a path leaves through an op not linear in it, or ends (an output, a value no op reads).
+    With them, the values from there on to another sum it is added to (:func:`_on_to_a_sum`)."""
+    pending = {id(t): len(readers[id(t)])}   # a path's value -> its readers not yet walked
+    found, todo, seen = [id(t)], [], set()
+
+    def follow(x):
+        for r in readers[id(x)]:
+            if r.id not in seen:
+                seen.add(r.id)
+                heapq.heappush(todo, (order[r.id], r.id, r))
+
+    follow(t)
+    while todo:
+        if len(seen) > MAX_MEET_NODES:
+            return set()
+        _, _, r = heapq.heappop(todo)
+        pos = [i for i, x in enumerate(r.inputs) if id(x) in pending]
+        if not _linear_in(r, pos) or len(r.outputs) != 1:
+            return set()
+        for i in pos:
+            pending[id(r.inputs[i])] -= 1
+            if not pending[id(r.inputs[i])]:
+                del pending[id(r.inputs[i])]
+        out = r.outputs[0]
+        if id(out) in outs or not readers.get(id(out)) or not out.dtype.is_floating_point:
+            return set()
+        if not pending and not todo:   # every path met here
+            return set(found) | _on_to_a_sum(out, readers, outs, sums)
+        pending[id(out)] = len(readers[id(out)])
+        found.append(id(out))
+        follow(out)
+    return set()
+
+
+def _on_to_a_sum(t, readers: dict, outs: set, sums: set) -> set[int]:
+    """Ids of ``t`` and the values each the only reader's result, linear in it, up to an add of
+    another value that may be a partial sum (FNO's spectral path, through its inverse transforms,
+    joining the local path's): reduced after that add, one reduction serves both.  Empty where the
+    chain ends otherwise (a growing transform alone is better reduced before it)."""
+    chain = []
+    while id(t) not in outs and len(readers.get(id(t), ())) == 1 and len(chain) < MAX_MEET_NODES:
+        r = readers[id(t)][0]
+        pos = [i for i, x in enumerate(r.inputs) if x is t]
+        if len(pos) != 1 or not _linear_in(r, pos) or len(r.outputs) != 1:
+            return set()
+        chain.append(id(t))
+        if r.op.name in ("add", "sub") and any(id(x) in sums for x in r.inputs if x is not t):
+            return set(chain)
+        t = r.outputs[0]
+    return set()
+
+
+def _linear_in(n, pos: list[int]) -> bool:
+    """Whether node ``n`` is linear in its inputs at ``pos`` jointly (the others fixed): a zero-fill
+    pad, a slice, a concat, an add; a product with one of them."""
+    if n.op.name == "pad" and n.attrs.get("value"):
+        return False
+    if len(pos) == 1:
+        return n.op.is_linear(n) or n.op.linear_in(n, pos[0]) or n.op.multilinear
+    return n.op.linear_in_all(n, pos) if len(pos) == len(n.inputs) else (
+        n.op.is_linear(n) and n.op.name in ("add", "sub", "concat"))

@@ -47,7 +47,7 @@ from ..ops.registry import run_device
 from ..layout.sharding import part_sizes
 from .interleave import _unsupported
 from .pipeline_program import Segment
-from .plan import Step, called, step_args
+from .plan import Step, step_args, step_called
 
 
 def offsets(counts) -> list[int]:
@@ -155,7 +155,7 @@ def _one_stage_sums(pairs: list, spec, values) -> list:
             if s.kind != "allreduce" or len(ranks) > 1:
                 raise LayoutError(message(
                     f"compile (pipeline over '{spec.axis}', {len(spec.stacks)} stacks): {s.kind} over "
-                    f"{s.axes} for {called(s.label, s.op)} runs on stages {sorted(st)} only.",
+                    f"{s.axes} for {step_called(s)} runs on stages {sorted(st)} only.",
                     inputs=[f"mesh: {spec.given[0]}", f"layout: {spec.given[1]}"], bullets=stack_lines(spec),
                     rule="a collective over the stage axis runs on every stage",
                     fix="pipeline one stack only (leave the other's layer dim whole)"))

@@ -61,12 +61,14 @@ def find(nodes: list[Node], mesh: Mesh, layout: Layout, strict: bool, stage_laye
     """The uneven splits the layout's rules make on the tensors of ``nodes``.
 
     Raises:
-      LayoutError: with ``strict``, at the first uneven split (see :meth:`Layout.check_even`);
+      LayoutError: several params or inputs with two dims on one mesh axis, all named
+        (:meth:`Layout.check_leaves`); with ``strict``, at the first uneven split (see :meth:`Layout.check_even`);
         for the outermost repeat's layer dim split unevenly (its layers run in equal runs per rank),
         unless ``stage_layers`` gives each pipeline stage its layers (:mod:`.stage_layers`).  A repeat
         inside a block (a recurrence over ``seq``) gathers its scanned dim, even or uneven
         (:mod:`.repeat`): its split is noted like any other.
     """
+    layout.check_leaves([(t.name, t.shape, t.scopes) for n in nodes if n.op.name in LEAVES for t in n.outputs], mesh)
     found: dict[tuple, list] = {}   # (dim, size, axes) -> the tensors split so
     layers = {}   # the layer dim of a repeat outside any block -> the repeat node
     for t, nested in ((t, nested) for n, nested in _nodes(nodes) for t in n.outputs):

@@ -119,8 +119,10 @@ def user_mesh_layout(plan: Plan) -> tuple[Mesh, Layout]:
     rules = []
     for r in plan.layout.rules:
         axes = tuple(a for a in r.axes if a.name != MB_AXIS)
-        if axes != r.axes and not axes:
-            continue  # the rule the micro-batches added: the user's layout left the batch whole
+        if axes != r.axes and not axes and r.span is None:
+            # the rule the micro-batches added (the user's layout left the batch whole); a 'batch:()'
+            # the user wrote keeps its span (a dict layout's rules have none: dropped as well)
+            continue
         rules.append(r if axes == r.axes else Rule(r.scope, r.dim, axes, r.span))
     return mesh, Layout(tuple(rules), source=plan.layout.source)
 
