@@ -98,7 +98,7 @@ def build(cfg: Config) -> md.Model:
     UL, L = md.Dim("uni_layer", cfg.layers), md.Dim("layer", cfg.layers)     # two stacks: a layer dim each
     with md.Graph() as g:
         img = md.input("image", [B, Ht, Wd, Ch])
-        ids = md.input("ids", [B, S], dtype=torch.int64)          # the last position is a placeholder for [CLS]
+        ids = md.input("ids", [B, S], dtype=torch.int64)          # the last position is where [CLS] goes
         labels = md.input("labels", [B, S], dtype=torch.int64)    # next tokens; -100 where none
         w_patch, pos_img = md.param("w_patch", [PD, D], fan_out=["d_model"]), md.param("pos_img", [P, D], scale=0.1)
         enc = _stack_params("enc", [], D, H, E, F, cross=False)
