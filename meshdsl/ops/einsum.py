@@ -83,10 +83,11 @@ class Einsum(Op):
         return grads
 
 
-def _einsum_named(xs: list[Tensor], out: list[str]) -> Tensor:
-    """``einsum(xs -> out)``; three or more operands as a chain of two-operand einsums in the
-    cheapest order (:func:`pairwise_order`), whose gradients are those of the pairs."""
-    if len(xs) <= 2:
+def _einsum_named(xs: list[Tensor], out: list[str], chain: bool = True) -> Tensor:
+    """``einsum(xs -> out)``; with ``chain``, three or more operands as a chain of two-operand
+    einsums in the cheapest order (:func:`pairwise_order`).  The user's einsum is one node (its
+    layout lowers it whole); its gradients are chains, so each contracts only what its pair does."""
+    if len(xs) <= 2 or not chain:
         return apply("einsum", xs, {"in": tuple(x.shape.names for x in xs), "out": tuple(out)})
     sizes = {d.name: d.size for x in xs for d in x.shape}
     made = list(xs)
@@ -233,8 +234,9 @@ def einsum(equation: str, *xs: Tensor) -> Tensor:
         the output, as numpy's).
       *xs: one Tensor per operand.  Names are matched by name, so an operand's
         names may be listed in any order, but must be exactly its dims.  Three or
-        more are contracted two at a time, in the order of fewest multiply-adds
-        (as opt_einsum's), each pair an einsum of its own (and so its gradients).
+        more are one op, lowered whole; its gradients are contracted two at a time,
+        in the order of fewest multiply-adds (as opt_einsum's), so each moves only
+        what its pairs need.
 
     Returns:
       The result, dims in the output order.
@@ -250,7 +252,7 @@ def einsum(equation: str, *xs: Tensor) -> Tensor:
     sizes: dict[str, int] = {}
     for k, (names, x) in enumerate(zip(terms, xs)):
         _check_term(equation, k, names, x, sizes)
-    return _einsum_named(list(xs), _output_names(equation, spec, terms, extras, Rest))
+    return _einsum_named(list(xs), _output_names(equation, spec, terms, extras, Rest), chain=False)
 
 
 __all__ = ["einsum"]
