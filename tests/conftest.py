@@ -298,6 +298,20 @@ def kill_when_marked(code: str, marker: Path, what: str, limit_s: float = 120.0)
         proc.stderr.close()
 
 
+def random_feeds(inputs, seed: int = 0) -> dict:
+    """N(0, 1) feeds for graph inputs ``inputs`` (md.input Tensors), by name, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return {p.name: torch.randn(*p.shape.sizes, generator=g) for p in inputs}
+
+
+def assert_simulated_matches_dense(plan, outs: dict, feeds: dict) -> None:
+    """``plan`` run on the simulated mesh gives the dense program's ``outs`` (rtol = atol = 1e-5:
+    a split plan sums parts in another order than one kernel over the whole, fp32 rounding)."""
+    got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def random_params(model, seed: int = 1, frozen: bool = False) -> dict:
     """Full params of ``model`` drawn N(0, 0.25) from ``seed``: away from an init's symmetries, so
     a reference compared with the DSL's model exercises every weight (``frozen``: every param of

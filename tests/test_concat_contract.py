@@ -9,9 +9,9 @@ uneven 4 6 3).
 from __future__ import annotations
 
 import pytest
-import torch
 
 import meshdsl as md
+from conftest import assert_simulated_matches_dense, random_feeds
 
 N, C = 6, 3
 
@@ -30,16 +30,6 @@ def _sage(sizes, extra_reader=False):
     return outs | grads, parts
 
 
-def _feeds(parts):
-    g = torch.Generator().manual_seed(0)
-    return {p.name: torch.randn(*p.shape.sizes, generator=g) for p in parts}
-
-
-def _agree(plan, outs, feeds):
-    got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
-    for k in want:
-        # the parts' products summed in another order than one matmul over the concat: fp32 rounding
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _per_part(plan) -> bool:
@@ -56,7 +46,7 @@ def test_graphsage_concat_then_matmul_reduces_once():
     assert _per_part(plan), plan.notes
     assert "permute" not in totals and sum(v["count"] for v in totals.values()) <= 2, totals
     assert sum(v["bytes"] for v in totals.values()) < 384 + 576, totals
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))
 
 
 @pytest.mark.parametrize("mesh, layout", [("model:2", "hidden:model"), ("model:3", "hidden:model"),
@@ -67,7 +57,7 @@ def test_uneven_parts_over_uneven_splits_match_dense(mesh, layout):
         plan = md.compile(outs, mesh, layout)
     assert _per_part(plan), plan.notes
     assert "permute" not in plan.totals(), plan.totals()
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))
 
 
 def test_a_concat_read_elsewhere_is_made_and_contracted_once():
@@ -78,7 +68,7 @@ def test_a_concat_read_elsewhere_is_made_and_contracted_once():
         plan = md.compile(outs, "model:2", "hidden:model; cat:model")
     assert not _per_part(plan), plan.notes
     assert any(s.op == "einsum" and s.label == "einsum" for s in plan.steps)
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))
 
 
 def _stack(remat):
@@ -110,4 +100,4 @@ def test_inside_a_repeat_each_layer_contracts_its_parts(remat, monkeypatch):
         plan = md.compile(outs, "model:2", "hidden:model")
     assert _per_part(plan), plan.notes
     assert any("as the concat of each part's einsum" in n for n in plan.notes) == (remat == "full"), plan.notes
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))

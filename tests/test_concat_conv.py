@@ -10,11 +10,11 @@ under ``c:model`` (the weight's ``cat`` whole).  Legend: batch 2, seq 8 (1-D) or
 from __future__ import annotations
 
 import pytest
-import torch
 
 import meshdsl as md
 import meshdsl.lowering.compiler as compiler
 from meshdsl.lowering import concat_contract
+from conftest import assert_simulated_matches_dense, random_feeds
 
 B, CO = 2, 3
 SPATIAL = {1: {"seq": 8}, 2: {"height": 6, "width": 5}}
@@ -47,16 +47,6 @@ def _outputs(y, w, scales) -> dict:
     return {"y": y, "loss": loss} | md.grad(loss, {"g/w": w, **{f"g/v{k}": v for k, v in enumerate(scales)}})
 
 
-def _feeds(parts):
-    g = torch.Generator().manual_seed(0)
-    return {p.name: torch.randn(*p.shape.sizes, generator=g) for p in parts}
-
-
-def _agree(plan, outs, feeds):
-    got, want = md.run_simulated(plan, feeds), md.run_dense(outs, feeds)
-    for k in want:
-        # the parts' convs summed in another order than one conv over the concat: fp32 rounding
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _per_part(plan) -> bool:
@@ -95,7 +85,7 @@ def test_a_skip_concat_then_conv_moves_no_row_of_the_concat(monkeypatch, conv):
     assert _per_part(plan), plan.notes
     assert "permute" not in plan.totals() and "permute" in plain.totals(), (plan.totals(), plain.totals())
     assert _bytes(plan) < _bytes(plain) and _count(plan) <= _count(plain), (plan.totals(), plain.totals())
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))
 
 
 CASES = {   # id: (parts of c, mesh, conv's keywords)
@@ -117,7 +107,7 @@ def test_per_part_convs_match_dense(monkeypatch, case):
     sizes, mesh, kw = CASES[case]
     outs, parts, plan = _plan(monkeypatch, sizes, mesh, "c:model", rule="forced", **kw)
     assert _per_part(plan), plan.notes
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))
 
 
 def test_in_a_layer_stack_the_weight_gradient_taken_the_other_way_round_is_per_part(monkeypatch):
@@ -126,7 +116,7 @@ def test_in_a_layer_stack_the_weight_gradient_taken_the_other_way_round_is_per_p
     outs, parts, plan = _plan(monkeypatch, [3, 5], "model:2", "c:model", rule="forced", repeat=True)
     assert _per_part(plan), plan.notes
     assert any("as the concat of each part's weight gradient" in n for n in plan.notes), plan.notes
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))
 
 
 def test_where_the_weight_rows_would_move_instead_the_cost_model_keeps_the_concat(monkeypatch):
@@ -137,4 +127,4 @@ def test_where_the_weight_rows_would_move_instead_the_cost_model_keeps_the_conca
     _, _, forced = _plan(monkeypatch, [4, 4], "model:2", "c:model; cat:model", rule="forced")
     assert not _per_part(plan) and _per_part(forced), plan.notes
     assert _bytes(plan) < _bytes(forced), (plan.totals(), forced.totals())
-    _agree(plan, outs, _feeds(parts))
+    assert_simulated_matches_dense(plan, outs, random_feeds(parts))
